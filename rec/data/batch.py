@@ -1,0 +1,80 @@
+"""SparseBatch: the one batch type every recommendation reader yields and every model eats.
+
+Letters: B batch, Dn dense features, F sparse features, L ids per bag (padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Protocol
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseBatch:
+  """Dense features, multi-hot sparse ids with per-bag lengths, labels and an example mask.
+
+  - dense:   [B, Dn] float32
+  - ids:     [B, F, L] int32, row index into feature f's table; slots at or past
+             `lengths[b, f]` are padding and never reach a pooled value
+  - lengths: [B, F] int32, number of valid ids in each bag (0 <= len <= L)
+  - labels:  [B] float32 in {0, 1}
+  - mask:    [B] float32, 1 for a real example and 0 for padding (a last partial
+             eval batch is padded to full size so shapes stay static)
+  - weights: [B, F, L] float32 per-id weights, or None (all ones)
+  """
+
+  dense: np.ndarray
+  ids: np.ndarray
+  lengths: np.ndarray
+  labels: np.ndarray
+  mask: np.ndarray
+  weights: np.ndarray | None = None
+
+  @property
+  def batch_size(self) -> int:
+    return self.labels.shape[0]
+
+  @property
+  def num_sparse(self) -> int:
+    return self.ids.shape[1]
+
+  @property
+  def num_dense(self) -> int:
+    return self.dense.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """What a source yields: feature names and hashed row counts, in SparseBatch order."""
+
+  num_dense: int
+  sparse_features: tuple[str, ...]
+  rows_per_feature: tuple[int, ...]
+  max_ids_per_bag: int = 1
+
+  def __post_init__(self):
+    if len(self.sparse_features) != len(self.rows_per_feature):
+      raise ValueError(
+          f"DataSpec: {len(self.sparse_features)} sparse features but "
+          f"{len(self.rows_per_feature)} row counts")
+
+
+class BatchSource(Protocol):
+  """A deterministic, restartable sequence of batches.
+
+  `batches(start)` yields batch number `start`, `start + 1`, ... of the same
+  sequence a fresh iteration would yield, so a resumed run sees the same data
+  order. `num_batches` is the length of one epoch, or None when infinite.
+  """
+
+  spec: DataSpec
+  batch_size: int
+
+  @property
+  def num_batches(self) -> int | None: ...
+
+  def batches(self, start: int = 0) -> Iterator[SparseBatch]: ...
