@@ -1,0 +1,141 @@
+"""One device mesh for every model family: the `--mesh` flag, logical-axis rules, placement.
+
+`--mesh=data:8`, `--mesh=data:2,model:4`, `--mesh=-1` (every device on one `data` axis) or
+`--mesh=data:-1,model:2` (-1 takes the remaining devices). Parameters, activations and
+batches carry logical names such as ("batch", "embed"); one rules table maps each name to
+mesh axes (MaxText's logical_axis_rules, big_vision's sharding_rules). Names whose axes the
+mesh lacks are replicated, so the same rules serve a 1-device and an 8-device mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+# A rules table: (logical name, mesh axis | tuple of mesh axes | None), first match wins.
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# Recommendation models: every device takes a slice of the batch (data parallel dense
+# part); embedding shards spread over every device, as in TorchRec / Neo (arXiv 2104.05158).
+REC_RULES: Rules = (
+    ("batch", ("data", "model")),
+    ("emb_shard", ("data", "model")),
+    ("embed", None),
+    ("mlp", None),
+)
+
+
+def parse_mesh(spec: str) -> list[tuple[str, int]]:
+  """Parses `data:2,model:4` / `-1` into [(axis, size)]; a size of -1 is resolved later."""
+  spec = spec.strip()
+  if spec in ("-1", ""):
+    return [("data", -1)]
+  axes = []
+  for part in spec.split(","):
+    name, sep, size = part.partition(":")
+    name = name.strip()
+    try:
+      n = int(size) if sep else None
+    except ValueError:
+      n = None
+    if not name or not name.isidentifier() or n is None or (n < 1 and n != -1):
+      raise ValueError(
+          f"--mesh={spec!r}: bad axis {part!r}; expected name:size with size >= 1 or -1, "
+          "e.g. 'data:8', 'data:2,model:4' or '-1'")
+    if name in dict(axes):
+      raise ValueError(f"--mesh={spec!r}: axis {name!r} appears twice")
+    axes.append((name, n))
+  if sum(n == -1 for _, n in axes) > 1:
+    raise ValueError(f"--mesh={spec!r}: at most one axis may have size -1")
+  return axes
+
+
+def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the mesh for `spec` over `devices` (default: all); the sizes must use all of them."""
+  devices = list(jax.devices() if devices is None else devices)
+  axes = parse_mesh(spec)
+  known = math.prod(n for _, n in axes if n != -1)
+  if any(n == -1 for _, n in axes):
+    if len(devices) % known:
+      raise ValueError(
+          f"--mesh={spec!r}: the fixed axes take {known} devices, which does not divide the "
+          f"{len(devices)} devices available")
+    axes = [(a, len(devices) // known if n == -1 else n) for a, n in axes]
+  needed = math.prod(n for _, n in axes)
+  if needed != len(devices):
+    raise ValueError(
+        f"--mesh={spec!r} needs {needed} devices, but {len(devices)} are available "
+        f"({devices[0].platform}); use sizes whose product is {len(devices)}, or -1 for one axis")
+  names = tuple(a for a, _ in axes)
+  shape = tuple(n for _, n in axes)
+  return Mesh(np.asarray(devices).reshape(shape), names,
+              axis_types=(AxisType.Auto,) * len(names))
+
+
+def logical_to_spec(logical: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
+  """Maps logical dimension names to a PartitionSpec, dropping axes the mesh lacks."""
+  table = dict(rules)
+  used: set[str] = set()
+  out = []
+  for name in logical:
+    if name is None:
+      out.append(None)
+      continue
+    if name not in table:
+      raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
+    axes = table[name]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if a in mesh.shape and a not in used)
+    used.update(axes)
+    out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+  return P(*out)
+
+
+def logical_sharding(logical: Sequence[str | None], rules: Rules, mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical, rules, mesh))
+
+
+def mesh_axes(name: str, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes (present in `mesh`) that logical axis `name` maps to."""
+  spec = logical_to_spec((name,), rules, mesh)[0]
+  return () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
+
+
+def axis_size(name: str, rules: Rules, mesh: Mesh) -> int:
+  return math.prod(mesh.shape[a] for a in mesh_axes(name, rules, mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """Puts a pytree of host or device arrays onto the mesh with matching shardings."""
+  return jax.device_put(tree, shardings)
+
+
+def shard_batch(batch: Any, mesh: Mesh, rules: Rules, batch_axis: str = "batch") -> Any:
+  """Places a host batch (pytree of numpy arrays, leading dim = global batch) on the mesh.
+
+  Leading dimensions are split over the mesh axes of `batch_axis`. Written with
+  make_array_from_process_local_data so that several hosts can later each pass their
+  own slice of the batch.
+  """
+  n = axis_size(batch_axis, rules, mesh)
+
+  def put(x):
+    if x is None:
+      return None
+    x = np.asarray(x)
+    if x.shape[0] % n:
+      raise ValueError(
+          f"batch dimension {x.shape[0]} is not divisible by the {n} devices of logical "
+          f"axis {batch_axis!r} ({mesh_axes(batch_axis, rules, mesh)})")
+    spec = logical_to_spec((batch_axis,) + (None,) * (x.ndim - 1), rules, mesh)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
+
+  return jax.tree.map(put, batch)

@@ -1,0 +1,508 @@
+"""Sharded embedding-bag collection with sparse updates (Neo / ZionEX, arXiv 2104.05158).
+
+Tables are laid over every device of the mesh the way TorchRec does it: data-parallel
+(replicated), table-wise, row-wise, column-wise and table-row-wise, chosen per table by a
+plan (`rec.embedding.planner`). Tables that share a sharding pattern, storage type and
+width are packed into one flat row buffer per device, with per-table row offsets, like
+FBGEMM's table-batched embeddings.
+
+A train step runs in three phases, so that gradients reach only the rows a batch touched:
+
+  lookup = collection.gather(tables, ids, lengths, weights)   # input dist + row gather
+  emb_BFD = collection.pool(lookup, rows)                     # pooling + output dist
+  ... loss, grads w.r.t. dense params and w.r.t. `rows` ...
+  tables = collection.apply_gradients(tables, lookup, row_grads, step)
+
+`pool` is differentiable in `rows`; its communication transposes under autodiff (all-to-all
+to all-to-all, reduce-scatter to all-gather), so the row gradients arrive on the devices
+that own the rows. `apply_gradients` dedups ids, sums their gradients and applies a sparse
+row-wise optimizer (`rec.embedding.optimizers`) to the touched rows only.
+
+Communication per pattern (N devices, batch split over all of them):
+- dp:  lookup local, no forward communication; the update all-gathers (ids, grads) so every
+       replica applies the same exact update.
+- a2a (tw, cw, twrw): all-to-all of ids to the shards' devices, all-to-all of pooled
+       partials back, summed (twrw row shards) or concatenated (cw column chunks).
+- rw:  ids all-gathered (every row shard may own any id: the static-shape form of
+       TorchRec's bucketized all-to-all), partial pooled sums reduce-scattered back.
+
+Letters: B batch (B_l per device, B_g global), F features, L ids per bag, D embedding
+dim, W width of a stored row (D, or a column chunk), N devices, S slots per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from core import mesh as mesh_lib
+from rec.embedding import optimizers as opt_lib
+from rec.embedding import storage as storage_lib
+from rec.embedding.config import ShardingKind, TableConfig
+from rec.embedding.planner import Plan, TablePlacement
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+  """A block of one table's rows and columns placed on one device."""
+
+  feature: int
+  device: int
+  row_start: int
+  row_end: int
+  col_start: int
+  col_end: int
+
+
+@dataclasses.dataclass
+class _Group:
+  """Features sharing a communication pattern, storage, table dim and stored width."""
+
+  name: str
+  comm: str                     # "dp" | "a2a" | "rw"
+  storage: str
+  dim: int
+  width: int
+  features: list[int]           # indices into the collection's table order
+  shards: list[_Shard] = dataclasses.field(default_factory=list)
+  rows_per_device: int = 0      # rows of the per-device buffer (dp: the whole buffer)
+  # Static index maps, filled by _finalize (numpy).
+  maps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  # Where each shard's rows sit: (device, local row offset) per shard.
+  offsets: list[int] = dataclasses.field(default_factory=list)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+  """Per-group results of `gather`: device-local rows and what `pool` and the update need.
+
+  Arrays have a leading dimension that concatenates the devices' local blocks.
+  """
+
+  rows: dict[str, jax.Array]    # [..., L, W] float32 gathered rows
+  coef: dict[str, jax.Array]    # [..., L] pooling coefficient (weight * valid / len)
+  index: dict[str, jax.Array]   # [..., L] int32 local row in the device buffer
+  valid: dict[str, jax.Array]   # [..., L] bool
+
+
+class EmbeddingCollection:
+  """Named embedding-bag tables over a mesh; one feature per table, in table order."""
+
+  def __init__(self, tables: Sequence[TableConfig], plan: Plan, mesh: Mesh,
+               optimizer: opt_lib.SparseOptimizer, rules: mesh_lib.Rules = mesh_lib.REC_RULES,
+               out_of_range: str = "error", init_scale: str = "dlrm"):
+    if out_of_range not in ("error", "hash"):
+      raise ValueError(f"out_of_range={out_of_range!r}: expected 'error' or 'hash'")
+    self.tables = list(tables)
+    names = [t.name for t in self.tables]
+    if len(set(names)) != len(names):
+      raise ValueError(f"duplicate table names in {names}")
+    missing = [n for n in names if n not in plan]
+    if missing:
+      raise ValueError(f"plan has no placement for tables {missing}")
+    self.plan = {n: plan[n] for n in names}
+    self.mesh = mesh
+    self.rules = rules
+    self.optimizer = optimizer
+    self.out_of_range = out_of_range
+    self.init_scale = init_scale
+    self.axes = mesh_lib.mesh_axes("emb_shard", rules, mesh)
+    self.batch_axes = mesh_lib.mesh_axes("batch", rules, mesh)
+    if self.axes != self.batch_axes:
+      raise ValueError(
+          f"embedding shards over {self.axes} but the batch over {self.batch_axes}: this "
+          "collection needs both on the same mesh axes")
+    self.num_devices = mesh_lib.axis_size("emb_shard", rules, mesh)
+    for n, p in self.plan.items():
+      bad = [d for d in p.devices if not 0 <= d < self.num_devices]
+      if bad or not p.devices:
+        raise ValueError(f"table {n!r}: placement devices {p.devices} outside 0..{self.num_devices - 1}")
+    self.groups = self._build_groups()
+    self.dims = sorted({t.dim for t in self.tables})
+
+  # ---------------------------------------------------------------- layout (host, static)
+
+  def _build_groups(self) -> dict[str, _Group]:
+    groups: dict[str, _Group] = {}
+    N = self.num_devices
+    for f, t in enumerate(self.tables):
+      p: TablePlacement = self.plan[t.name]
+      kind = ShardingKind(p.kind)
+      if kind == ShardingKind.DATA_PARALLEL:
+        comm, width, shards = "dp", t.dim, [_Shard(f, -1, 0, t.num_rows, 0, t.dim)]
+      elif kind == ShardingKind.ROW_WISE:
+        comm, width = "rw", t.dim
+        s = -(-t.num_rows // N)
+        shards = [_Shard(f, d, min(d * s, t.num_rows), min((d + 1) * s, t.num_rows), 0, t.dim)
+                  for d in range(N)]
+      elif kind == ShardingKind.TABLE_WISE:
+        comm, width = "a2a", t.dim
+        shards = [_Shard(f, p.devices[0], 0, t.num_rows, 0, t.dim)]
+      elif kind == ShardingKind.COLUMN_WISE:
+        comm = "a2a"
+        k = len(p.devices)
+        width = -(-t.dim // k)
+        shards = [_Shard(f, d, 0, t.num_rows, i * width, min((i + 1) * width, t.dim))
+                  for i, d in enumerate(p.devices) if i * width < t.dim]
+      elif kind == ShardingKind.TABLE_ROW_WISE:
+        comm, width = "a2a", t.dim
+        g = len(p.devices)
+        s = -(-t.num_rows // g)
+        shards = [_Shard(f, d, min(i * s, t.num_rows), min((i + 1) * s, t.num_rows), 0, t.dim)
+                  for i, d in enumerate(p.devices)]
+      else:
+        raise ValueError(f"table {t.name!r}: unknown sharding kind {p.kind!r}")
+      key = f"{comm}_{t.storage}_d{t.dim}_w{width}"
+      grp = groups.setdefault(key, _Group(key, comm, t.storage, t.dim, width, []))
+      grp.features.append(f)
+      grp.shards.extend(shards)
+    for grp in groups.values():
+      self._finalize(grp)
+    return groups
+
+  def _finalize(self, g: _Group) -> None:
+    N = self.num_devices
+    F = len(g.features)
+    local_f = {f: i for i, f in enumerate(g.features)}
+    if g.comm == "dp":
+      offs, acc = [], 0
+      for sh in g.shards:
+        offs.append(acc)
+        acc += sh.row_end - sh.row_start
+      g.offsets, g.rows_per_device = offs, acc
+      g.maps["offset"] = np.asarray(offs, np.int32)                     # [F]
+      g.maps["rows"] = np.asarray([self.tables[f].num_rows for f in g.features], np.int32)
+    elif g.comm == "rw":
+      # Every device holds one row shard of every feature, at the same local offsets.
+      per_f = {}
+      for sh in g.shards:
+        per_f.setdefault(sh.feature, []).append(sh)
+      shard_rows = [-(-self.tables[f].num_rows // N) for f in g.features]
+      offs = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(np.int32)
+      g.rows_per_device = int(sum(shard_rows))
+      start = np.zeros((N, F), np.int32)
+      end = np.zeros((N, F), np.int32)
+      for f in g.features:
+        for sh in per_f[f]:
+          start[sh.device, local_f[f]] = sh.row_start
+          end[sh.device, local_f[f]] = sh.row_end
+      g.offsets = [int(offs[local_f[sh.feature]]) for sh in g.shards]
+      g.maps.update(start=start, end=end, offset=np.broadcast_to(offs, (N, F)).copy())
+    else:  # a2a
+      slots: list[list[_Shard]] = [[] for _ in range(N)]
+      for sh in g.shards:
+        slots[sh.device].append(sh)
+      S = max(1, max(len(s) for s in slots))
+      feat = np.full((N, S), -1, np.int32)     # local feature index per (device, slot)
+      start = np.zeros((N, S), np.int32)
+      end = np.zeros((N, S), np.int32)
+      offset = np.zeros((N, S), np.int32)
+      mean = np.zeros((N, S), bool)
+      col = np.zeros((N, S), np.int32)
+      ncol = np.zeros((N, S), np.int32)
+      rows_dev = np.zeros(N, np.int64)
+      shard_off = {}
+      for d in range(N):
+        acc = 0
+        for s, sh in enumerate(slots[d]):
+          feat[d, s] = local_f[sh.feature]
+          start[d, s], end[d, s], offset[d, s] = sh.row_start, sh.row_end, acc
+          mean[d, s] = self.tables[sh.feature].pooling == "mean"
+          col[d, s], ncol[d, s] = sh.col_start, sh.col_end - sh.col_start
+          shard_off[id(sh)] = acc
+          acc += sh.row_end - sh.row_start
+        rows_dev[d] = acc
+      g.rows_per_device = int(max(1, rows_dev.max()))
+      g.offsets = [shard_off[id(sh)] for sh in g.shards]
+      # Combine map: pooled partial of (device d, slot s) lands in feature feat[d, s],
+      # columns [col, col + ncol) of the feature's D.
+      j_feat = feat.reshape(-1)
+      onehot = np.zeros((N * S, F), np.float32)
+      onehot[j_feat >= 0, j_feat[j_feat >= 0]] = 1.0
+      cidx = np.full((N * S, g.dim), g.width, np.int32)   # g.width = the zero column
+      for j in range(N * S):
+        if j_feat[j] >= 0:
+          c0, nc = col.reshape(-1)[j], ncol.reshape(-1)[j]
+          cidx[j, c0:c0 + nc] = np.arange(nc)
+      g.maps.update(feat=feat, start=start, end=end, offset=offset, mean=mean,
+                    combine=onehot, colidx=cidx)
+
+  # ------------------------------------------------------------------- state
+
+  def _specs(self, g: _Group) -> P:
+    return P() if g.comm == "dp" else P(self.axes)
+
+  def state_shardings(self) -> dict[str, Any]:
+    out = {}
+    for name, g in self.groups.items():
+      s = NamedSharding(self.mesh, self._specs(g))
+      shapes = self._abstract_group(g)
+      out[name] = jax.tree.map(lambda _: s, shapes)
+    return out
+
+  def _buffer_rows(self, g: _Group) -> int:
+    return g.rows_per_device if g.comm == "dp" else g.rows_per_device * self.num_devices
+
+  def _abstract_group(self, g: _Group):
+    return jax.eval_shape(lambda: self._empty_group(g))
+
+  def _empty_group(self, g: _Group):
+    storage = storage_lib.get_storage(g.storage)
+    rows = self._buffer_rows(g)
+    return {"table": storage.from_float(jnp.zeros((rows, g.width), jnp.float32)),
+            "opt": self.optimizer.init_state(rows, g.width)}
+
+  def table_scale(self, t: TableConfig) -> float:
+    # DLRM reference init: uniform(-sqrt(1/rows), sqrt(1/rows)).
+    return math.sqrt(1.0 / t.num_rows) if self.init_scale == "dlrm" else float(self.init_scale)
+
+  def init_tables(self, key: jax.Array) -> dict[str, jax.Array]:
+    """Full logical tables [rows, dim] f32; table i draws from fold_in(key, i) whatever the plan."""
+    out = {}
+    for i, t in enumerate(self.tables):
+      s = self.table_scale(t)
+      out[t.name] = jax.random.uniform(jax.random.fold_in(key, i), (t.num_rows, t.dim),
+                                       jnp.float32, -s, s)
+    return out
+
+  def init(self, key: jax.Array) -> dict[str, Any]:
+    """Initial state (tables in device layout and optimizer state) placed on the mesh."""
+    def build():
+      return self.from_tables(self.init_tables(key))
+    return jax.jit(build, out_shardings=self.state_shardings())()
+
+  def from_tables(self, full: dict[str, jax.Array]) -> dict[str, Any]:
+    """Lays full logical tables out in device buffers (traceable); fresh optimizer state."""
+    state = {}
+    for name, g in self.groups.items():
+      storage = storage_lib.get_storage(g.storage)
+      if g.comm == "dp":
+        buf = jnp.concatenate([full[self.tables[f].name] for f in g.features], axis=0)
+      else:
+        per_dev = [[] for _ in range(self.num_devices)]
+        by_dev = sorted(zip(g.shards, g.offsets), key=lambda so: (so[0].device, so[1]))
+        for sh, _ in by_dev:
+          blk = full[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end]
+          blk = jnp.pad(blk, ((0, 0), (0, g.width - blk.shape[1])))
+          per_dev[sh.device].append(blk)
+        if g.comm == "rw":  # every row shard padded to the feature's ceil(rows / N)
+          per_dev = [[] for _ in range(self.num_devices)]
+          for sh in sorted(g.shards, key=lambda sh: (sh.device, g.features.index(sh.feature))):
+            s = -(-self.tables[sh.feature].num_rows // self.num_devices)
+            blk = full[self.tables[sh.feature].name][sh.row_start:sh.row_end]
+            per_dev[sh.device].append(jnp.pad(blk, ((0, s - blk.shape[0]), (0, 0))))
+        bufs = []
+        for blocks in per_dev:
+          b = (jnp.concatenate(blocks, axis=0) if blocks
+               else jnp.zeros((0, g.width), jnp.float32))
+          bufs.append(jnp.pad(b, ((0, g.rows_per_device - b.shape[0]), (0, 0))))
+        buf = jnp.concatenate(bufs, axis=0)
+      state[name] = {"table": storage.from_float(buf),
+                     "opt": self.optimizer.init_state(buf.shape[0], g.width)}
+    return state
+
+  def to_tables(self, state: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Gathers device buffers back into full logical tables (host numpy, float32)."""
+    out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in self.tables}
+    for name, g in self.groups.items():
+      storage = storage_lib.get_storage(g.storage)
+      buf = np.asarray(jax.device_get(
+          storage.gather(state[name]["table"], jnp.arange(self._buffer_rows(g)))))
+      for sh, off in zip(g.shards, g.offsets):
+        base = 0 if g.comm == "dp" else sh.device * g.rows_per_device
+        n, c = sh.row_end - sh.row_start, sh.col_end - sh.col_start
+        out[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end] = (
+            buf[base + off: base + off + n, :c])
+    return out
+
+  # ------------------------------------------------------------------- ids
+
+  def check_ids(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+    """Host-side check that every id in a bag is a row of its table (out_of_range='error')."""
+    if self.out_of_range != "error":
+      return
+    ids = np.asarray(ids)
+    L = ids.shape[2]
+    live = np.arange(L)[None, None, :] < np.asarray(lengths)[:, :, None]
+    rows = np.asarray([t.num_rows for t in self.tables])[None, :, None]
+    bad = live & ((ids < 0) | (ids >= rows))
+    if bad.any():
+      b, f, l = map(int, np.argwhere(bad)[0])
+      t = self.tables[f]
+      raise ValueError(
+          f"feature {t.name!r}: id {int(ids[b, f, l])} at example {b}, position {l} is "
+          f"outside table {t.name!r} rows [0, {t.num_rows}) ({int(bad.sum())} such ids in "
+          "this batch); hash ids into range in the reader, or use out_of_range='hash'")
+
+  def _prepare_ids(self, ids, lengths, weights):
+    if self.out_of_range == "hash":
+      rows = jnp.asarray([t.num_rows for t in self.tables], jnp.int32)[None, :, None]
+      ids = jnp.mod(ids, rows)
+    if weights is None:
+      weights = jnp.ones(ids.shape, jnp.float32)
+    return ids.astype(jnp.int32), lengths.astype(jnp.int32), weights.astype(jnp.float32)
+
+  # ------------------------------------------------------------------- phases
+
+  def gather(self, state: dict[str, Any], ids: jax.Array, lengths: jax.Array,
+             weights: jax.Array | None = None) -> Lookup:
+    """Input distribution and row gather; `ids` [B, F, L] sharded over the batch axes."""
+    ids, lengths, weights = self._prepare_ids(ids, lengths, weights)
+    out = Lookup({}, {}, {}, {})
+    bspec = P(self.axes)
+    for name, g in self.groups.items():
+      sel = np.asarray(g.features)
+      gi, gl, gw = ids[:, sel], lengths[:, sel], weights[:, sel]
+      storage = storage_lib.get_storage(g.storage)
+      mean = np.asarray([self.tables[f].pooling == "mean" for f in g.features])
+      fn = getattr(self, f"_gather_{g.comm}")
+      maps = {k: v for k, v in g.maps.items() if k in ("start", "end", "offset", "feat", "mean")}
+      in_maps_spec = {k: (P() if g.comm == "dp" else P(self.axes)) for k in maps}
+      f = jax.shard_map(
+          lambda tbl, i, l, w, m, g=g, storage=storage, mean=mean, fn=fn:
+              fn(g, storage, tbl, i, l, w, m, mean),
+          mesh=self.mesh,
+          in_specs=(self._specs(g), bspec, bspec, bspec, in_maps_spec),
+          out_specs=(bspec,) * 4, check_vma=False)
+      rows, coef, index, valid = f(state[name]["table"], gi, gl, gw,
+                                   {k: jnp.asarray(v) for k, v in maps.items()})
+      out.rows[name], out.coef[name], out.index[name], out.valid[name] = rows, coef, index, valid
+    return out
+
+  @staticmethod
+  def _coef(valid, w, lengths, mean):
+    c = jnp.where(valid, w, 0.0)
+    denom = jnp.where(mean, jnp.maximum(lengths, 1).astype(jnp.float32), 1.0)
+    return c / denom[..., None]
+
+  def _gather_dp(self, g, storage, tbl, ids, lengths, w, maps, mean):
+    L = ids.shape[-1]
+    live = jnp.arange(L) < lengths[..., None]                  # [B_l, F, L]
+    index = jnp.where(live, ids + maps["offset"][None, :, None], 0)
+    rows = storage.gather(tbl, index)
+    coef = self._coef(live, w, lengths, jnp.asarray(mean)[None, :])
+    return rows, coef, index, live
+
+  def _gather_rw(self, g, storage, tbl, ids, lengths, w, maps, mean):
+    ax = self.axes
+    ids = jax.lax.all_gather(ids, ax, axis=0, tiled=True)       # [B_g, F, L]
+    lengths = jax.lax.all_gather(lengths, ax, axis=0, tiled=True)
+    w = jax.lax.all_gather(w, ax, axis=0, tiled=True)
+    start, end, off = maps["start"][0], maps["end"][0], maps["offset"][0]   # [F]
+    L = ids.shape[-1]
+    live = jnp.arange(L) < lengths[..., None]
+    valid = live & (ids >= start[None, :, None]) & (ids < end[None, :, None])
+    index = jnp.where(valid, ids - start[None, :, None] + off[None, :, None], 0)
+    rows = storage.gather(tbl, index)
+    coef = self._coef(valid, w, lengths, jnp.asarray(mean)[None, :])
+    return rows, coef, index, valid
+
+  def _gather_a2a(self, g, storage, tbl, ids, lengths, w, maps, mean):
+    ax = self.axes
+    feat_all = jnp.asarray(g.maps["feat"])                      # [N, S] (all devices)
+    live_slot = feat_all >= 0
+    fsel = jnp.maximum(feat_all, 0)
+    # Send buffers [N_dest, B_l, S, L]: for each destination, the ids of its slots.
+    send_ids = jnp.transpose(ids[:, fsel], (1, 0, 2, 3))
+    send_len = jnp.transpose(jnp.where(live_slot[None], lengths[:, fsel], 0), (1, 0, 2))
+    send_w = jnp.transpose(w[:, fsel], (1, 0, 2, 3))
+    r_ids = jax.lax.all_to_all(send_ids, ax, 0, 0)               # [N_src, B_l, S, L]
+    r_len = jax.lax.all_to_all(send_len, ax, 0, 0)
+    r_w = jax.lax.all_to_all(send_w, ax, 0, 0)
+    start, end, off = maps["start"][0], maps["end"][0], maps["offset"][0]   # [S]
+    mean_s = maps["mean"][0]
+    L = r_ids.shape[-1]
+    live = jnp.arange(L) < r_len[..., None]
+    valid = live & (r_ids >= start[:, None]) & (r_ids < end[:, None])
+    index = jnp.where(valid, r_ids - start[:, None] + off[:, None], 0)
+    rows = storage.gather(tbl, index)                           # [N_src, B_l, S, L, W]
+    coef = self._coef(valid, r_w, r_len, mean_s[None, None, :])
+    n, b = rows.shape[:2]
+    flat = lambda x: x.reshape((n * b,) + x.shape[2:])
+    return flat(rows), flat(coef), flat(index), flat(valid)
+
+  def pool(self, lookup: Lookup, rows: dict[str, jax.Array] | None = None) -> jax.Array:
+    """Pooling and output distribution -> emb_BFD [B, F, D] (all tables share D).
+
+    Differentiable in `rows` (defaults to lookup.rows): pass rows explicitly to take
+    gradients with respect to them.
+    """
+    rows = lookup.rows if rows is None else rows
+    if len(self.dims) != 1:
+      raise ValueError(f"pool() stacks features into [B, F, D], but table dims differ: {self.dims}")
+    outs, order = [], []
+    bspec = P(self.axes)
+    for name, g in self.groups.items():
+      fn = getattr(self, f"_pool_{g.comm}")
+      f = jax.shard_map(lambda r, c, g=g, fn=fn: fn(g, r, c), mesh=self.mesh,
+                        in_specs=(bspec, bspec), out_specs=bspec, check_vma=False)
+      outs.append(f(rows[name], lookup.coef[name]))
+      order.extend(g.features)
+    emb = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    perm = np.argsort(np.asarray(order))
+    return emb if np.array_equal(perm, np.arange(len(perm))) else emb[:, perm]
+
+  @staticmethod
+  def _pool_dp(g, rows, coef):
+    return jnp.einsum("bfl,bfld->bfd", coef, rows)
+
+  def _pool_rw(self, g, rows, coef):
+    partial = jnp.einsum("bfl,bfld->bfd", coef, rows)             # [B_g, F, W]
+    return jax.lax.psum_scatter(partial, self.axes, scatter_dimension=0, tiled=True)
+
+  def _pool_a2a(self, g, rows, coef):
+    N = self.num_devices
+    S = g.maps["feat"].shape[1]
+    partial = jnp.einsum("ksl,ksld->ksd", coef, rows)            # [N_src*B_l, S, W]
+    partial = partial.reshape(N, -1, S, g.width)
+    back = jax.lax.all_to_all(partial, self.axes, 0, 0)          # [N_owner, B_l, S, W]
+    b = back.shape[1]
+    flat = jnp.transpose(back, (1, 0, 2, 3)).reshape(b, N * S, g.width)
+    flat = jnp.pad(flat, ((0, 0), (0, 0), (0, 1)))               # zero column at index W
+    placed = jnp.take_along_axis(flat, jnp.asarray(g.maps["colidx"])[None], axis=2)
+    return jnp.einsum("bjd,jf->bfd", placed, jnp.asarray(g.maps["combine"]))
+
+  def apply_gradients(self, state: dict[str, Any], lookup: Lookup,
+                      row_grads: dict[str, jax.Array], step: jax.Array) -> dict[str, Any]:
+    """Sparse optimizer step on the rows each device's lookup touched."""
+    new = {}
+    bspec = P(self.axes)
+    for name, g in self.groups.items():
+      storage = storage_lib.get_storage(g.storage)
+      spec = self._specs(g)
+      sspec = jax.tree.map(lambda _: spec, state[name])
+
+      def upd(st, index, valid, grads, step, g=g, storage=storage):
+        W = grads.shape[-1]
+        index, valid, grads = index.reshape(-1), valid.reshape(-1), grads.reshape(-1, W)
+        if g.comm == "dp":  # replicas apply the same update from everyone's ids
+          index = jax.lax.all_gather(index, self.axes, axis=0, tiled=True)
+          valid = jax.lax.all_gather(valid, self.axes, axis=0, tiled=True)
+          grads = jax.lax.all_gather(grads, self.axes, axis=0, tiled=True)
+        tbl, opt = self.optimizer.apply(storage, st["table"], st["opt"], index, grads, valid, step)
+        return {"table": tbl, "opt": opt}
+
+      f = jax.shard_map(upd, mesh=self.mesh,
+                        in_specs=(sspec, bspec, bspec, bspec, P()),
+                        out_specs=sspec, check_vma=False)
+      new[name] = f(state[name], lookup.index[name], lookup.valid[name], row_grads[name], step)
+    return new
+
+  def lookup(self, state: dict[str, Any], ids, lengths, weights=None) -> jax.Array:
+    """Forward only: emb_BFD for eval and inference."""
+    return self.pool(self.gather(state, ids, lengths, weights))
+
+  # ------------------------------------------------------------------- reporting
+
+  def describe(self) -> dict[str, Any]:
+    return {name: {"pattern": g.comm, "storage": g.storage, "width": g.width,
+                   "tables": [self.tables[f].name for f in g.features],
+                   "rows_per_device": g.rows_per_device}
+            for name, g in self.groups.items()}

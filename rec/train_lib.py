@@ -1,0 +1,125 @@
+"""Recommendation training as a `core.train.Task`: dense model + sharded embedding collection.
+
+One train step: the collection gathers the rows the batch needs (input distribution),
+pools them (output distribution), the dense model (DLRM, logistic regression, ...) turns
+dense features and pooled embeddings into logits; one backward pass gives gradients for
+the dense parameters (updated by optax, all-reduced over the batch axes by XLA) and for the
+gathered rows (updated by a sparse row-wise optimizer on the rows the batch touched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from core import mesh as mesh_lib
+from rec import metrics as metrics_lib
+from rec.data.batch import SparseBatch
+from rec.embedding.collection import EmbeddingCollection
+
+
+class RecEvaluator:
+  """Accumulates AUC, log loss, NE and accuracy over eval batches (padding masked out)."""
+
+  def __init__(self):
+    self.metrics = metrics_lib.RecMetrics()
+
+  def update(self, logits, host: SparseBatch) -> None:
+    self.metrics.update(np.asarray(jax.device_get(logits)), host.labels, host.mask)
+
+  def result(self) -> dict[str, float]:
+    return self.metrics.result()
+
+
+def make_dense_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
+  makers: dict[str, Callable[..., optax.GradientTransformation]] = {
+      "sgd": optax.sgd, "adagrad": optax.adagrad, "adam": optax.adam, "adamw": optax.adamw}
+  if name not in makers:
+    raise ValueError(f"dense optimizer {name!r}: expected one of {sorted(makers)}")
+  return makers[name](learning_rate)
+
+
+class RecTask:
+  """Binary-classification recommendation training over one mesh."""
+
+  def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], collection: EmbeddingCollection,
+               dense_tx: optax.GradientTransformation, mesh: Mesh,
+               rules: mesh_lib.Rules = mesh_lib.REC_RULES):
+    self.model_fn = model_fn
+    self.collection = collection
+    self.dense_tx = dense_tx
+    self.mesh = mesh
+    self.rules = rules
+    self.graphdef, _ = nnx.split(jax.eval_shape(lambda: model_fn(nnx.Rngs(0))))
+
+  # --- state
+
+  def init_state(self, seed: int) -> dict[str, Any]:
+    key = jax.random.key(seed)
+    k_dense, k_emb = jax.random.split(key)
+    rep = NamedSharding(self.mesh, P())
+
+    @jax.jit
+    def dense_init(k):
+      model = self.model_fn(nnx.Rngs(k))
+      params = nnx.to_pure_dict(nnx.state(model))
+      return params, self.dense_tx.init(params)
+
+    params, opt = dense_init(k_dense)
+    params, opt = jax.device_put((params, opt), rep)
+    return {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
+            "opt": opt, "emb": self.collection.init(k_emb)}
+
+  # --- batches
+
+  def device_batch(self, host: SparseBatch) -> SparseBatch:
+    self.collection.check_ids(host.ids, host.lengths)
+    return mesh_lib.shard_batch(host, self.mesh, self.rules)
+
+  @staticmethod
+  def examples_in(host: SparseBatch) -> int:
+    return int(host.batch_size)
+
+  # --- steps
+
+  def logits(self, params, dense, emb_BFD) -> jax.Array:
+    model = nnx.merge(self.graphdef, params)
+    return model(dense, emb_BFD)
+
+  def loss_and_grads(self, state, batch: SparseBatch):
+    """Mean BCE over real examples; grads w.r.t. dense params and gathered rows."""
+    coll = self.collection
+    lookup = coll.gather(state["emb"], batch.ids, batch.lengths, batch.weights)
+
+    def loss_fn(params, rows):
+      emb_BFD = coll.pool(lookup, rows)
+      logits = self.logits(params, batch.dense, emb_BFD)
+      per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
+      loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+      return loss, logits
+
+    (loss, logits), (g_params, g_rows) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.rows)
+    return loss, logits, lookup, g_params, g_rows
+
+  def train_step(self, state, batch: SparseBatch):
+    loss, _, lookup, g_params, g_rows = self.loss_and_grads(state, batch)
+    updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    emb = self.collection.apply_gradients(state["emb"], lookup, g_rows, state["step"])
+    new = {"step": state["step"] + 1, "params": params, "opt": opt, "emb": emb}
+    return new, {"loss": loss}
+
+  def eval_step(self, state, batch: SparseBatch) -> jax.Array:
+    emb_BFD = self.collection.lookup(state["emb"], batch.ids, batch.lengths, batch.weights)
+    return self.logits(state["params"], batch.dense, emb_BFD)
+
+  def new_evaluator(self) -> RecEvaluator:
+    return RecEvaluator()
