@@ -25,7 +25,8 @@ REC_RULES: Rules = (
     ("batch", ("data", "model")),
     ("emb_shard", ("data", "model")),
     ("embed", None),
-    ("mlp", None),
+    ("mlp_in", None),       # dense MLP weights: replicated (data-parallel dense part)
+    ("mlp_out", None),
 )
 
 

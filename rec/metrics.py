@@ -1,0 +1,215 @@
+"""Host-side (numpy) evaluation metrics for click-through-rate models: exact AUC, log loss, NE.
+
+Everything here is mergeable: evaluate batches (or hosts) separately, merge the
+accumulators, and read the same numbers a single pass over all examples would give.
+For a multi-host run, each host calls `to_arrays()`, the arrays are all-gathered
+(padded with zero-count rows where lengths differ), and `from_arrays()` rebuilds one
+accumulator from the concatenation.
+
+NE (normalized entropy) is the log loss divided by the entropy of the label base rate
+(He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook", 2014): a model
+that always predicts the base rate has NE exactly 1, lower is better.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _select(mask, n: int) -> np.ndarray | None:
+  """Boolean selector of the real examples, or None when every example is real."""
+  if mask is None:
+    return None
+  mask = np.asarray(mask).reshape(-1)
+  if mask.shape[0] != n:
+    raise ValueError(f"mask has {mask.shape[0]} entries, expected {n} (one per example)")
+  return mask > 0
+
+
+def _check_labels(labels: np.ndarray, where: str) -> np.ndarray:
+  bad = (labels != 0) & (labels != 1)
+  if np.any(bad):
+    raise ValueError(
+        f"{where}: label {labels[np.argmax(bad)].item()!r} at index {int(np.argmax(bad))}, "
+        "expected 0 or 1")
+  return labels == 1
+
+
+class AUCAccumulator:
+  """Exact ROC AUC over a stream of (score, label) pairs, ties counted as 1/2.
+
+  State: the sorted distinct scores seen so far, and per score the number of positive
+  and negative examples. It is compacted with `np.unique` on every update, so memory is
+  O(number of distinct scores) regardless of how many examples were seen. The state is
+  canonical (it depends only on the multiset of examples), so `result()` is the same bit
+  for bit whatever the batching or merge order.
+
+  `result()` is the Mann-Whitney statistic U / (P * N): the probability that a random
+  positive scores above a random negative, with ties contributing 1/2 (what
+  sklearn.metrics.roc_auc_score returns). It is nan when there are no positives or no
+  negatives (AUC is undefined then).
+
+  Scores may be logits or probabilities (AUC is invariant under monotone maps); prefer
+  logits, since float32 sigmoids of large logits collapse into spurious ties.
+  """
+
+  def __init__(self):
+    self.scores = np.zeros((0,), np.float64)
+    self.pos = np.zeros((0,), np.int64)
+    self.neg = np.zeros((0,), np.int64)
+
+  def _absorb(self, scores: np.ndarray, pos: np.ndarray, neg: np.ndarray) -> None:
+    """Adds per-score counts (unsorted, repeats and zero counts allowed) and compacts."""
+    all_scores = np.concatenate([self.scores, scores])
+    uniq, inverse = np.unique(all_scores, return_inverse=True)
+    pos = np.bincount(inverse, np.concatenate([self.pos, pos]), minlength=uniq.size)
+    neg = np.bincount(inverse, np.concatenate([self.neg, neg]), minlength=uniq.size)
+    # bincount sums in float64, exact for counts below 2**53.
+    keep = (pos > 0) | (neg > 0)
+    self.scores = uniq[keep]
+    self.pos = pos[keep].astype(np.int64)
+    self.neg = neg[keep].astype(np.int64)
+
+  def update(self, scores, labels, mask=None) -> None:
+    """Adds one batch. scores, labels: [B]; mask: [B] or None, entries <= 0 are skipped."""
+    scores = np.asarray(scores, np.float64).reshape(-1)
+    labels = np.asarray(labels).reshape(-1)
+    if labels.shape != scores.shape:
+      raise ValueError(f"AUCAccumulator.update: labels shape {labels.shape} != scores shape "
+                       f"{scores.shape}")
+    sel = _select(mask, scores.shape[0])
+    if sel is not None:
+      scores, labels = scores[sel], labels[sel]
+    if np.any(np.isnan(scores)):
+      bad = int(np.argmax(np.isnan(scores)))
+      raise ValueError(f"AUCAccumulator.update: NaN score at index {bad} (after masking), "
+                       "expected finite scores")
+    is_pos = _check_labels(labels, "AUCAccumulator.update")
+    self._absorb(scores, is_pos.astype(np.int64), (~is_pos).astype(np.int64))
+
+  def merge(self, other: AUCAccumulator) -> AUCAccumulator:
+    """Returns a NEW accumulator holding both; neither self nor other is modified."""
+    out = AUCAccumulator()
+    out.scores, out.pos, out.neg = self.scores, self.pos, self.neg
+    out._absorb(other.scores, other.pos, other.neg)
+    return out
+
+  def to_arrays(self) -> dict[str, np.ndarray]:
+    """The state as flat arrays: scores float64 [K], pos int64 [K], neg int64 [K]."""
+    return {"scores": self.scores.copy(), "pos": self.pos.copy(), "neg": self.neg.copy()}
+
+  @classmethod
+  def from_arrays(cls, scores, pos, neg) -> AUCAccumulator:
+    """Rebuilds from (possibly concatenated, unsorted, zero-padded) state arrays."""
+    out = cls()
+    out._absorb(np.asarray(scores, np.float64).reshape(-1),
+                np.asarray(pos, np.int64).reshape(-1), np.asarray(neg, np.int64).reshape(-1))
+    return out
+
+  @property
+  def num_examples(self) -> int:
+    return int(self.pos.sum() + self.neg.sum())
+
+  def result(self) -> float:
+    """AUC in [0, 1]; nan when all examples seen so far have the same label."""
+    num_pos, num_neg = int(self.pos.sum()), int(self.neg.sum())
+    if num_pos == 0 or num_neg == 0:
+      return float("nan")
+    # Scores ascend, so a positive at score s beats every negative strictly below s and
+    # ties with the negatives at s. 2U = sum_s pos_s * (2 * neg_below_s + neg_s), exact in
+    # integers; python ints take over where int64 could overflow (P * N >= 2**62).
+    pos, neg = self.pos, self.neg
+    if num_pos * num_neg >= 2**62:
+      pos, neg = pos.astype(object), neg.astype(object)
+    neg_below = np.cumsum(neg) - neg
+    two_u = int(np.sum(pos * (2 * neg_below + neg)))
+    return two_u / (2 * num_pos * num_neg)
+
+
+class RecMetrics:
+  """AUC, log loss, normalized entropy, accuracy and base rate over masked batches.
+
+  Log loss is computed from logits in float64 as softplus(x) - y * x, which is stable for
+  any logit (no clipping needed). Accuracy thresholds the probability at 0.5, counting
+  logit > 0 as a positive prediction. NE = logloss / H(p), p the base rate of the same
+  examples; NE is nan when p is 0 or 1 (H(p) = 0). Sums are float64 so merge order
+  changes results only at the 1e-15 relative level; AUC is exact.
+  """
+
+  def __init__(self):
+    self.sum_logloss = 0.0
+    self.num_positive = 0
+    self.num_correct = 0
+    self.num_examples = 0
+    self.auc = AUCAccumulator()
+
+  def update(self, logits, labels, mask=None) -> None:
+    """Adds one batch. logits, labels: [B]; mask: [B] or None, entries <= 0 are padding."""
+    logits = np.asarray(logits, np.float64).reshape(-1)
+    labels = np.asarray(labels).reshape(-1)
+    if labels.shape != logits.shape:
+      raise ValueError(f"RecMetrics.update: labels shape {labels.shape} != logits shape "
+                       f"{logits.shape}")
+    sel = _select(mask, logits.shape[0])
+    if sel is not None:
+      logits, labels = logits[sel], labels[sel]
+    is_pos = _check_labels(labels, "RecMetrics.update")
+    y = is_pos.astype(np.float64)
+    # softplus(x) - y x = max(x, 0) - y x + log1p(exp(-|x|)).
+    losses = np.maximum(logits, 0.0) - y * logits + np.log1p(np.exp(-np.abs(logits)))
+    self.sum_logloss += float(np.sum(losses))
+    self.num_positive += int(is_pos.sum())
+    self.num_correct += int(np.sum((logits > 0) == is_pos))
+    self.num_examples += int(logits.shape[0])
+    self.auc.update(logits, y)
+
+  def merge(self, other: RecMetrics) -> RecMetrics:
+    """Returns a NEW RecMetrics holding both; neither input is modified."""
+    out = RecMetrics()
+    out.sum_logloss = self.sum_logloss + other.sum_logloss
+    out.num_positive = self.num_positive + other.num_positive
+    out.num_correct = self.num_correct + other.num_correct
+    out.num_examples = self.num_examples + other.num_examples
+    out.auc = self.auc.merge(other.auc)
+    return out
+
+  def to_arrays(self) -> dict[str, np.ndarray]:
+    """State as arrays: scalars as shape-[1] arrays plus the AUC arrays (prefixed auc_)."""
+    out = {
+        "sum_logloss": np.array([self.sum_logloss], np.float64),
+        "counts": np.array([self.num_positive, self.num_correct, self.num_examples], np.int64),
+    }
+    out.update({f"auc_{k}": v for k, v in self.auc.to_arrays().items()})
+    return out
+
+  @classmethod
+  def from_arrays(cls, sum_logloss, counts, auc_scores, auc_pos, auc_neg) -> RecMetrics:
+    """Rebuilds from `to_arrays()` output; several hosts' arrays may be concatenated
+    (sum_logloss [H], counts [H * 3] or [H, 3])."""
+    out = cls()
+    out.sum_logloss = float(np.sum(np.asarray(sum_logloss, np.float64)))
+    counts = np.asarray(counts, np.int64).reshape(-1, 3).sum(axis=0)
+    out.num_positive, out.num_correct, out.num_examples = (int(c) for c in counts)
+    out.auc = AUCAccumulator.from_arrays(auc_scores, auc_pos, auc_neg)
+    return out
+
+  def result(self) -> dict[str, float]:
+    """{auc, logloss, ne, accuracy, num_examples, base_rate}; rates are nan when empty."""
+    n = self.num_examples
+    if n == 0:
+      nan = float("nan")
+      return {"auc": nan, "logloss": nan, "ne": nan, "accuracy": nan, "num_examples": 0,
+              "base_rate": nan}
+    p = self.num_positive / n
+    logloss = self.sum_logloss / n
+    entropy = 0.0 if p in (0.0, 1.0) else -(p * math.log(p) + (1 - p) * math.log1p(-p))
+    return {
+        "auc": self.auc.result(),
+        "logloss": logloss,
+        "ne": logloss / entropy if entropy > 0 else float("nan"),
+        "accuracy": self.num_correct / n,
+        "num_examples": n,
+        "base_rate": p,
+    }

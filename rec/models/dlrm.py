@@ -1,0 +1,151 @@
+"""DLRM: Deep Learning Recommendation Model (Naumov et al., arXiv 1906.00091).
+
+dense_BD -> bottom MLP -> x_BD ─┐
+emb_BFD (pooled) ───────────────┴─> dot interaction -> top MLP -> logit_B
+
+The embedding tables are not in this module: the sharded embedding collection looks up
+and pools them (one table per sparse feature, `DLRMConfig.tables()`) and passes emb_BFD
+in, so this module is the data-parallel dense part only.
+
+Letters: B batch, Dn dense input features, D embedding dim, F sparse features,
+P pairwise dot products.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+from flax import nnx
+
+from rec.embedding.config import TableConfig
+from rec.layers.interaction import dot_interaction, num_dot_outputs
+from rec.layers.mlp import MLP
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _feature_names(names, num_sparse: int, prefix: str = "C") -> tuple[str, ...]:
+  if names is None:
+    return tuple(f"{prefix}{i + 1}" for i in range(num_sparse))
+  names = tuple(names)
+  if len(names) != num_sparse:
+    raise ValueError(f"{len(names)} feature names {names} for num_sparse={num_sparse}")
+  if len(set(names)) != len(names):
+    raise ValueError(f"feature names {names} are not unique")
+  return names
+
+
+def _rows(num_rows, num_sparse: int) -> tuple[int, ...]:
+  """One row count per feature from an int (the same for all) or a sequence."""
+  if isinstance(num_rows, int):
+    return (num_rows,) * num_sparse
+  rows = tuple(int(r) for r in num_rows)
+  if len(rows) != num_sparse:
+    raise ValueError(f"{len(rows)} row counts for num_sparse={num_sparse}, expected one each")
+  return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class DLRMConfig:
+  """Sizes of a DLRM; bottom_mlp and top_mlp list layer outputs (inputs are implied).
+
+  bottom_mlp must end at embedding_dim (the dense vector joins the dot interaction),
+  and is empty when num_dense == 0. top_mlp must end at 1 (the logit).
+  feature_names defaults to C1..CF (Criteo's names).
+  """
+
+  num_dense: int
+  num_sparse: int
+  embedding_dim: int
+  bottom_mlp: tuple[int, ...]
+  top_mlp: tuple[int, ...]
+  rows_per_feature: tuple[int, ...]
+  self_interaction: bool = False
+  feature_names: tuple[str, ...] | None = None
+  dtype: str = "float32"   # activation dtype; parameters stay float32, logits are float32
+
+  def __post_init__(self):
+    object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
+    object.__setattr__(self, "top_mlp", tuple(self.top_mlp))
+    object.__setattr__(self, "rows_per_feature", _rows(self.rows_per_feature, self.num_sparse))
+    object.__setattr__(self, "feature_names",
+                       _feature_names(self.feature_names, self.num_sparse))
+    if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
+      raise ValueError(f"DLRMConfig: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
+                       f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
+    if self.num_dense > 0 and (not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim):
+      raise ValueError(
+          f"DLRMConfig: bottom_mlp={self.bottom_mlp} must end at embedding_dim="
+          f"{self.embedding_dim}: its output is dotted with the embeddings")
+    if self.num_dense == 0 and self.bottom_mlp:
+      raise ValueError(f"DLRMConfig: bottom_mlp={self.bottom_mlp} with num_dense=0; expected () "
+                       "(no dense features, no bottom MLP)")
+    if not self.top_mlp or self.top_mlp[-1] != 1:
+      raise ValueError(f"DLRMConfig: top_mlp={self.top_mlp} must end at 1 (the logit)")
+    if self.num_dense == 0 and self.num_sparse == 1 and not self.self_interaction:
+      raise ValueError("DLRMConfig: one embedding and no dense features give no pairwise "
+                       "interaction; use self_interaction=True or more features")
+    if self.dtype not in _DTYPES:
+      raise ValueError(f"DLRMConfig: dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+
+  @property
+  def interaction_dim(self) -> int:
+    """Width of the top MLP's input: [dense (D, if any), P pairwise products]."""
+    num_vectors = self.num_sparse + (1 if self.num_dense > 0 else 0)
+    p = num_dot_outputs(num_vectors, self.self_interaction)
+    return p + (self.embedding_dim if self.num_dense > 0 else 0)
+
+  def tables(self) -> list[TableConfig]:
+    """One sum-pooled table per sparse feature, named after the feature."""
+    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim)
+            for name, rows in zip(self.feature_names, self.rows_per_feature)]
+
+  @classmethod
+  def criteo_kaggle(cls, num_rows: int | Sequence[int], **overrides) -> DLRMConfig:
+    """The reference Kaggle run: dim 16, bottom 13-512-256-64-16, top 512-256-1."""
+    kwargs = dict(num_dense=13, num_sparse=26, embedding_dim=16, bottom_mlp=(512, 256, 64, 16),
+                  top_mlp=(512, 256, 1), rows_per_feature=num_rows)
+    return cls(**{**kwargs, **overrides})
+
+  @classmethod
+  def criteo_terabyte(cls, num_rows: int | Sequence[int], **overrides) -> DLRMConfig:
+    """The reference Terabyte run: dim 64, bottom 13-512-256-64, top 512-512-256-1."""
+    kwargs = dict(num_dense=13, num_sparse=26, embedding_dim=64, bottom_mlp=(512, 256, 64),
+                  top_mlp=(512, 512, 256, 1), rows_per_feature=num_rows)
+    return cls(**{**kwargs, **overrides})
+
+
+class DLRM(nnx.Module):
+  """The dense part of DLRM: bottom MLP, dot interaction, top MLP to one logit."""
+
+  def __init__(self, config: DLRMConfig, rngs: nnx.Rngs):
+    self.config = config
+    dtype = _DTYPES[config.dtype]
+    # Bottom MLP ends in a ReLU, as in the reference (its sigmoid_bot = -1).
+    self.bottom_mlp = (MLP(config.num_dense, config.bottom_mlp, rngs, activate_last=True,
+                           dtype=dtype) if config.num_dense > 0 else None)
+    # The reference's last top layer is a sigmoid; we return the logit before it.
+    self.top_mlp = MLP(config.interaction_dim, config.top_mlp, rngs, activate_last=False,
+                       dtype=dtype)
+
+  def __call__(self, dense_BD, emb_BFD):
+    """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].
+
+    Returns float32 logits [B].
+    """
+    cfg = self.config
+    if emb_BFD.ndim != 3 or emb_BFD.shape[1:] != (cfg.num_sparse, cfg.embedding_dim):
+      raise ValueError(f"DLRM: emb_BFD shape {emb_BFD.shape}, expected "
+                       f"[B, {cfg.num_sparse}, {cfg.embedding_dim}]")
+    dtype = _DTYPES[cfg.dtype]
+    if self.bottom_mlp is None:
+      x_BD = None
+    else:
+      if dense_BD is None or dense_BD.shape[-1] != cfg.num_dense:
+        raise ValueError(f"DLRM: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
+                         f"expected [B, {cfg.num_dense}]")
+      x_BD = self.bottom_mlp(dense_BD.astype(dtype))
+    h_BI = dot_interaction(x_BD, emb_BFD.astype(dtype), cfg.self_interaction)
+    return self.top_mlp(h_BI)[:, 0].astype(jnp.float32)
