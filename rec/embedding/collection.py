@@ -263,63 +263,58 @@ class EmbeddingCollection:
     # DLRM reference init: uniform(-sqrt(1/rows), sqrt(1/rows)).
     return math.sqrt(1.0 / t.num_rows) if self.init_scale == "dlrm" else float(self.init_scale)
 
-  def init_tables(self, key: jax.Array) -> dict[str, jax.Array]:
-    """Full logical tables [rows, dim] f32; table i draws from fold_in(key, i) whatever the plan."""
+  def init_tables(self, key: jax.Array) -> dict[str, np.ndarray]:
+    """Full logical tables [rows, dim] f32 (host); table i's draw depends on (key, i) only,
+    not on the plan, so every sharding starts from the same tables."""
+    seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
     out = {}
     for i, t in enumerate(self.tables):
       s = self.table_scale(t)
-      out[t.name] = jax.random.uniform(jax.random.fold_in(key, i), (t.num_rows, t.dim),
-                                       jnp.float32, -s, s)
+      rng = np.random.default_rng(seed + [i])
+      out[t.name] = rng.uniform(-s, s, (t.num_rows, t.dim)).astype(np.float32)
     return out
 
   def init(self, key: jax.Array) -> dict[str, Any]:
     """Initial state (tables in device layout and optimizer state) placed on the mesh."""
-    def build():
-      return self.from_tables(self.init_tables(key))
-    return jax.jit(build, out_shardings=self.state_shardings())()
+    return self.from_tables(self.init_tables(key))
 
-  def from_tables(self, full: dict[str, jax.Array]) -> dict[str, Any]:
-    """Lays full logical tables out in device buffers (traceable); fresh optimizer state."""
+  def _blocks(self, g: _Group):
+    """(shard, first row of its block in the group's global buffer) for every shard."""
+    for sh, off in zip(g.shards, g.offsets):
+      yield sh, off + (0 if g.comm == "dp" else sh.device * g.rows_per_device)
+
+  def from_tables(self, full: dict[str, Any]) -> dict[str, Any]:
+    """Lays full logical tables [rows, dim] out in device buffers on the mesh, with fresh
+    optimizer state (host-side copy; the inverse of `to_tables`)."""
+    full = {k: np.asarray(jax.device_get(v), np.float32) for k, v in full.items()}
     state = {}
+    shardings = self.state_shardings()
     for name, g in self.groups.items():
       storage = storage_lib.get_storage(g.storage)
-      if g.comm == "dp":
-        buf = jnp.concatenate([full[self.tables[f].name] for f in g.features], axis=0)
-      else:
-        per_dev = [[] for _ in range(self.num_devices)]
-        by_dev = sorted(zip(g.shards, g.offsets), key=lambda so: (so[0].device, so[1]))
-        for sh, _ in by_dev:
-          blk = full[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end]
-          blk = jnp.pad(blk, ((0, 0), (0, g.width - blk.shape[1])))
-          per_dev[sh.device].append(blk)
-        if g.comm == "rw":  # every row shard padded to the feature's ceil(rows / N)
-          per_dev = [[] for _ in range(self.num_devices)]
-          for sh in sorted(g.shards, key=lambda sh: (sh.device, g.features.index(sh.feature))):
-            s = -(-self.tables[sh.feature].num_rows // self.num_devices)
-            blk = full[self.tables[sh.feature].name][sh.row_start:sh.row_end]
-            per_dev[sh.device].append(jnp.pad(blk, ((0, s - blk.shape[0]), (0, 0))))
-        bufs = []
-        for blocks in per_dev:
-          b = (jnp.concatenate(blocks, axis=0) if blocks
-               else jnp.zeros((0, g.width), jnp.float32))
-          bufs.append(jnp.pad(b, ((0, g.rows_per_device - b.shape[0]), (0, 0))))
-        buf = jnp.concatenate(bufs, axis=0)
-      state[name] = {"table": storage.from_float(buf),
+      buf = np.zeros((self._buffer_rows(g), g.width), np.float32)
+      for sh, row in self._blocks(g):
+        blk = full[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end]
+        buf[row:row + blk.shape[0], :blk.shape[1]] = blk
+      group_state = {"table": storage.from_float(buf),
                      "opt": self.optimizer.init_state(buf.shape[0], g.width)}
+      state[name] = jax.device_put(group_state, shardings[name])
     return state
 
   def to_tables(self, state: dict[str, Any]) -> dict[str, np.ndarray]:
     """Gathers device buffers back into full logical tables (host numpy, float32)."""
+    return self._unpack({n: storage_lib.get_storage(g.storage) for n, g in self.groups.items()},
+                        state)
+
+  def _unpack(self, storages, state) -> dict[str, np.ndarray]:
     out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in self.tables}
     for name, g in self.groups.items():
-      storage = storage_lib.get_storage(g.storage)
+      storage = storages[name]
       buf = np.asarray(jax.device_get(
           storage.gather(state[name]["table"], jnp.arange(self._buffer_rows(g)))))
-      for sh, off in zip(g.shards, g.offsets):
-        base = 0 if g.comm == "dp" else sh.device * g.rows_per_device
+      for sh, row in self._blocks(g):
         n, c = sh.row_end - sh.row_start, sh.col_end - sh.col_start
         out[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end] = (
-            buf[base + off: base + off + n, :c])
+            buf[row:row + n, :c])
     return out
 
   # ------------------------------------------------------------------- ids
@@ -494,6 +489,33 @@ class EmbeddingCollection:
                         out_specs=sspec, check_vma=False)
       new[name] = f(state[name], lookup.index[name], lookup.valid[name], row_grads[name], step)
     return new
+
+  def dense_gradients(self, lookup: Lookup, row_grads: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Full per-table gradients [rows, dim] (host numpy) from row gradients; for tests and
+    debugging: training never materializes them."""
+    if not hasattr(self, "_dense_grads_fn"):
+      bspec = P(self.axes)
+
+      def scatter_all(index, valid, grads):
+        bufs = {}
+        for name, g in self.groups.items():
+          rows = self._buffer_rows(g) // (1 if g.comm == "dp" else self.num_devices)
+
+          def scat(index, valid, grads, rows=rows, g=g):
+            W = grads.shape[-1]
+            gr = jnp.where(valid.reshape(-1)[:, None], grads.reshape(-1, W), 0.0)
+            out = jnp.zeros((rows, W), jnp.float32).at[index.reshape(-1)].add(gr)
+            return jax.lax.psum(out, self.axes) if g.comm == "dp" else out
+
+          f = jax.shard_map(scat, mesh=self.mesh, in_specs=(bspec,) * 3,
+                            out_specs=self._specs(g), check_vma=False)
+          bufs[name] = {"table": {"rows": f(index[name], valid[name], grads[name])}}
+        return bufs
+
+      self._dense_grads_fn = jax.jit(scatter_all)
+    bufs = self._dense_grads_fn(lookup.index, lookup.valid, row_grads)
+    fp32 = storage_lib.get_storage("fp32")
+    return self._unpack({n: fp32 for n in self.groups}, bufs)
 
   def lookup(self, state: dict[str, Any], ids, lengths, weights=None) -> jax.Array:
     """Forward only: emb_BFD for eval and inference."""

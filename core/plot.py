@@ -1,0 +1,38 @@
+"""Plots a run's metrics.jsonl (train loss, eval metrics) to a PNG beside results.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+
+def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: str = "curves.png") -> str | None:
+  """Writes `<workdir>/<out_name>` with train loss and the chosen eval metrics over steps."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  with open(path) as f:
+    recs = [json.loads(l) for l in f if l.strip()]
+  train = [r for r in recs if r["split"] == "train" and "loss" in r]
+  evals = [r for r in recs if r["split"] == "eval"]
+  keys = [k for k in eval_keys if any(k in r for r in evals)]
+  fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4.5 * (1 + len(keys)), 3.4), squeeze=False)
+  ax = axes[0][0]
+  ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.2)
+  ax.set(title="train loss", xlabel="step")
+  for a, k in zip(axes[0][1:], keys):
+    pts = [(r["step"], r[k]) for r in evals if k in r]
+    a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", lw=1.2)
+    a.set(title=f"eval {k}", xlabel="step")
+  for a in axes[0]:
+    a.grid(alpha=0.3)
+  fig.tight_layout()
+  out = os.path.join(workdir, out_name)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out

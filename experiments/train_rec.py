@@ -1,0 +1,97 @@
+r"""Train a recommendation model (DLRM, arXiv 1906.00091, or logistic regression) end to end.
+
+  python -m experiments.train_rec                       # DLRM on synthetic Criteo-shaped data
+  python -m experiments.train_rec --data=criteo:../shared/data/criteo_kaggle_sample \
+      --num_rows=100000 --batch_size=128 --epochs=3 --workdir=/tmp/dlrm_criteo
+  python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
+
+Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints; the last
+stdout line is a JSON summary with model, steps, test_auc, test_logloss, test_ne and
+examples_per_sec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "dlrm", ["dlrm", "logreg"], "Model family.")
+flags.DEFINE_enum("preset", "kaggle", ["kaggle", "terabyte", "small"],
+                  "DLRM sizes: the reference Criteo Kaggle or Terabyte config, or a small one.")
+flags.DEFINE_string("data", "synthetic", "synthetic | criteo:DIR | avazu:DIR")
+flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
+flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices.")
+flags.DEFINE_integer("batch_size", 2048, "Global train batch size.")
+flags.DEFINE_integer("eval_batch_size", 8192, "Global eval batch size.")
+flags.DEFINE_integer("eval_batches", 8, "Synthetic data: eval set size in eval batches.")
+flags.DEFINE_integer("steps", 300, "Train steps (ignored when --epochs is set).")
+flags.DEFINE_float("epochs", None, "Train for this many passes over the train files.")
+flags.DEFINE_string("workdir", None, "Output directory (default: runs/train_rec_<model>).")
+flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir.")
+flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0: only at the end).")
+flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
+flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.")
+flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.")
+flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"], "Optax optimizer of the dense part.")
+flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
+flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
+flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
+flags.DEFINE_enum("sharding", "auto", ["auto", "dp", "tw", "rw", "cw", "twrw"], "Embedding sharding: auto = planner.")
+flags.DEFINE_string("sharding_overrides", "", "Per-table kinds, e.g. C1=tw,C3=rw.")
+flags.DEFINE_float("memory_budget_gb", 16.0, "Per-device embedding memory budget for the planner.")
+flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16"], "Embedding row storage.")
+flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
+flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
+
+
+def main(argv):
+  del argv
+  from core import plot as plot_lib
+  from core import train as train_lib
+  from rec import configs
+  from rec.embedding import planner as planner_lib
+
+  cfg = configs.RecRunConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(configs.RecRunConfig)})
+  workdir = FLAGS.workdir or os.path.join("runs", f"train_rec_{cfg.model}")
+  task, train_src, eval_src, plan, mesh = configs.build_run(cfg)
+  steps = configs.steps_for(FLAGS.epochs, train_src) if FLAGS.epochs else FLAGS.steps
+  print(f"mesh {dict(mesh.shape)} | model {cfg.model} ({cfg.preset}) | data {cfg.data} | "
+        f"{steps} steps of {cfg.batch_size}", flush=True)
+  print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,
+                                cfg.batch_size), flush=True)
+  t0 = time.time()
+  out = train_lib.train(
+      task, train_src.batches, lambda: eval_src.batches(0),
+      train_lib.TrainConfig(workdir=workdir, steps=steps, eval_every=FLAGS.eval_every,
+                            checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every,
+                            resume=FLAGS.resume, stop_at_step=FLAGS.stop_at_step, seed=cfg.seed))
+  ev = out["eval"]
+  summary = {
+      "model": cfg.model, "preset": cfg.preset, "data": cfg.data, "mesh": dict(mesh.shape),
+      "steps": out["step"], "finished": out["finished"], "batch_size": cfg.batch_size,
+      "test_auc": ev.get("auc"), "test_logloss": ev.get("logloss"), "test_ne": ev.get("ne"),
+      "test_accuracy": ev.get("accuracy"), "test_examples": ev.get("num_examples"),
+      "examples_per_sec": out["examples_per_sec"], "wall_seconds": time.time() - t0,
+      "bad_lines_skipped": getattr(train_src, "bad_line_count", 0),
+  }
+  results = {"summary": summary, "config": dataclasses.asdict(cfg), "steps_planned": steps,
+             "plan": planner_lib.plan_summary(plan), "eval": ev}
+  tmp = os.path.join(workdir, "results.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(results, f, indent=2, default=str)
+  os.replace(tmp, os.path.join(workdir, "results.json"))
+  plot_lib.plot_run(workdir)
+  if ev:
+    print(f"test AUC {ev['auc']:.4f} | logloss {ev['logloss']:.4f} | NE {ev['ne']:.4f} | "
+          f"{out['examples_per_sec']:,.0f} train examples/s", flush=True)
+  print(json.dumps(summary, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

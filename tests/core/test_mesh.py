@@ -1,0 +1,53 @@
+"""core.mesh: the --mesh flag, logical-axis rules, batch placement."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from core import mesh as mesh_lib
+
+
+def test_parse_and_build():
+  assert mesh_lib.parse_mesh("data:2,model:4") == [("data", 2), ("model", 4)]
+  assert mesh_lib.parse_mesh("-1") == [("data", -1)]
+  m = mesh_lib.make_mesh("data:2,model:4")
+  assert dict(m.shape) == {"data": 2, "model": 4}
+  assert dict(mesh_lib.make_mesh("-1").shape) == {"data": 8}
+  assert dict(mesh_lib.make_mesh("data:-1,model:2").shape) == {"data": 4, "model": 2}
+  assert dict(mesh_lib.make_mesh("data:1", jax.devices()[:1]).shape) == {"data": 1}
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("data:3", "needs 3 devices, but 8 are available"),
+    ("data:2,model:8", "needs 16 devices, but 8 are available"),
+    ("data:3,model:-1", "does not divide the 8 devices"),
+    ("data:x", "bad axis"),
+    ("data:2,data:4", "appears twice"),
+    ("data:-1,model:-1", "at most one axis"),
+])
+def test_bad_mesh_names_counts(spec, msg):
+  with pytest.raises(ValueError, match=msg):
+    mesh_lib.make_mesh(spec)
+
+
+def test_logical_rules_drop_missing_axes():
+  m2 = mesh_lib.make_mesh("data:2,model:4")
+  m1 = mesh_lib.make_mesh("data:8")
+  rules = mesh_lib.REC_RULES
+  assert mesh_lib.logical_to_spec(("batch", None), rules, m2) == P(("data", "model"), None)
+  assert mesh_lib.logical_to_spec(("batch", "embed"), rules, m1) == P("data", None)
+  assert mesh_lib.axis_size("batch", rules, m2) == 8
+  with pytest.raises(KeyError, match="no rule"):
+    mesh_lib.logical_to_spec(("nope",), rules, m1)
+
+
+def test_shard_batch_splits_leading_dim():
+  m = mesh_lib.make_mesh("data:2,model:4")
+  x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+  y = mesh_lib.shard_batch({"x": x}, m, mesh_lib.REC_RULES)["x"]
+  assert y.sharding.spec == P(("data", "model"), None)
+  assert len(y.addressable_shards) == 8 and y.addressable_shards[0].data.shape == (2, 3)
+  np.testing.assert_array_equal(np.asarray(y), x)
+  with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+    mesh_lib.shard_batch({"x": x[:12]}, m, mesh_lib.REC_RULES)

@@ -1,0 +1,345 @@
+"""Tests for the embedding sharding planner: cost model by hand, placements, budget, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rec.embedding import planner as pl
+from rec.embedding.config import ShardingKind, TableConfig
+
+DP, TW, RW, CW, TWRW = pl.DP, pl.TW, pl.RW, pl.CW, pl.TWRW
+
+# Criteo Kaggle's 26 categorical cardinalities, scaled by 1/100 to keep numbers small.
+CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
+               3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
+               142572]
+
+
+def criteo_tables(dim=16):
+  return [TableConfig(f"C{i + 1}", max(1, r // 100), dim) for i, r in enumerate(CRITEO_ROWS)]
+
+
+def kinds_of(plan):
+  return {n: p.kind for n, p in plan.items()}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def test_row_shards_and_column_chunks():
+  assert pl.row_shard_sizes(10, 4) == (3, 3, 3, 1)
+  assert pl.row_shard_sizes(9, 4) == (3, 3, 3, 0)
+  assert pl.row_shard_sizes(3, 8) == (1, 1, 1, 0, 0, 0, 0, 0)
+  assert pl.column_chunk_widths(64, 8) == (8,) * 8
+  assert pl.column_chunk_widths(10, 4) == (3, 3, 3, 1)
+  with pytest.raises(ValueError, match="gives 3 chunks, not 4"):
+    pl.column_chunk_widths(9, 4)
+  assert pl.default_group_size(8) == 4
+  assert pl.default_group_size(6) == 3
+  assert pl.default_group_size(2) == 2
+  assert pl.default_group_size(1) == 1
+
+
+def test_storage_and_optimizer_bytes_match_the_embedding_modules():
+  from rec.embedding import optimizers, storage
+  for name, s in pl.STORAGE_BYTES.items():
+    assert storage.get_storage(name).bytes_per_row(10) == 10 * s
+  t = TableConfig("t", 100, 8)
+  assert pl.table_bytes(t) == 100 * (8 * 4 + 4)
+  rowwise = optimizers.RowWiseAdagrad(learning_rate=0.1).state_bytes_per_row
+  full = optimizers.Adagrad(learning_rate=0.1).state_bytes_per_row
+  assert pl.table_bytes(t, rowwise) == 100 * (8 * 4 + 4)
+  assert pl.table_bytes(t, full) == 100 * (8 * 4 + 8 * 4)
+  assert pl.table_bytes(TableConfig("h", 100, 8, storage="bf16")) == 100 * (8 * 2 + 4)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def _cost(kind, devices, table=None, N=4, B=16, **kw):
+  table = table or TableConfig("t", 100, 8, pooling_factor=2.0)
+  return pl.placement_cost(table, pl.TablePlacement(kind, devices), N, B, **kw)
+
+
+def test_cost_model_by_hand():
+  # N=4, B=16 (b=4), P=2, R=100, D=8, fp32, 4 B/row state; X(w) = 4*2 + 2*4*w.
+  X8, X4 = 72, 40
+  hbm, ici = 1e12, 1e11
+
+  c = _cost(TW, (1,))
+  np.testing.assert_array_equal(c.memory_bytes, [0, 3600, 0, 0])
+  np.testing.assert_allclose(c.comm_bytes, [4 * X8, 3 * 4 * X8, 4 * X8, 4 * X8])
+  np.testing.assert_allclose(c.lookup_elems, [0, 256 + 256, 0, 0])   # fwd 16*2*8, bwd same
+  np.testing.assert_allclose(c.time_s[1], 4 * (256 + 2 * 256) / hbm + 864 / ici)
+
+  c = _cost(CW, (2, 0))   # two chunks of 4 columns
+  np.testing.assert_array_equal(c.memory_bytes, [2000, 0, 2000, 0])
+  np.testing.assert_allclose(c.comm_bytes, [3 * 4 * X4 + 4 * X4, 2 * 4 * X4] * 2)
+  np.testing.assert_allclose(c.lookup_elems, [256, 0, 256, 0])
+
+  c = _cost(RW, (0, 1, 2, 3))   # 25 rows each
+  np.testing.assert_array_equal(c.memory_bytes, [900] * 4)
+  np.testing.assert_allclose(c.comm_bytes, [2 * 3 * 4 * 4 * 2 + 4 * 3 / 4 * 16 * 4 * 8] * 4)
+  np.testing.assert_allclose(c.lookup_elems, [64 + 64] * 4)
+
+  c = _cost(TWRW, (2, 3))   # 50 rows each
+  np.testing.assert_array_equal(c.memory_bytes, [0, 0, 1800, 1800])
+  np.testing.assert_allclose(c.comm_bytes, [2 * 4 * X8] * 2 + [4 * 4 * X8] * 2)
+  np.testing.assert_allclose(c.lookup_elems, [0, 0, 256, 256])
+
+  c = _cost(DP, (0, 1, 2, 3))   # U = min(b*P, R) = 8 rows all-gathered
+  np.testing.assert_array_equal(c.memory_bytes, [3600] * 4)
+  np.testing.assert_allclose(c.comm_bytes, [2 * 3 * 8 * (4 * 8 + 4)] * 4)
+  np.testing.assert_allclose(c.lookup_elems, [4 * 2 * 8 + 32 * 8] * 4)
+  np.testing.assert_allclose(c.time_s, 4 * (64 + 2 * 256) / hbm + 1728 / ici)
+
+  # A 5-row table: deduplicated rows cap U at 5; without dedup every id is sent.
+  tiny = TableConfig("tiny", 5, 8, pooling_factor=2.0)
+  c = _cost(DP, (0, 1, 2, 3), tiny)
+  np.testing.assert_allclose(c.comm_bytes, 2 * 3 * 5 * 36)
+  c = _cost(DP, (0, 1, 2, 3), tiny, cost_params=pl.CostParams(dp_unique_rows=False))
+  np.testing.assert_allclose(c.comm_bytes, 2 * 3 * 8 * 36)
+
+  # Storage dtype and a per-element optimizer state change memory only as R*(w*s + o(w)).
+  bf = TableConfig("bf", 100, 8, storage="bf16")
+  c = _cost(CW, (0, 1), bf, optimizer_state_bytes_per_row=lambda w: 4 * w)
+  np.testing.assert_array_equal(c.memory_bytes, [100 * (4 * 2 + 16)] * 2 + [0, 0])
+  c = _cost(DP, (0,), table=TableConfig("x", 3, 8), N=1)
+  np.testing.assert_allclose(c.comm_bytes[0], 0.0)
+
+
+@pytest.mark.parametrize("kind,devices", [(TW, (3,)), (CW, (5, 1, 2)), (TWRW, (4, 5, 6, 7))])
+def test_all_to_all_bytes_are_conserved(kind, devices):
+  # Every byte sent is received once: sum over devices of (sent + received) = 2 * moved,
+  # and each shard moves b*X(w) with each of the other N-1 devices.
+  N, B, P, D = 8, 64, 3.0, 12
+  t = TableConfig("t", 1000, D, pooling_factor=P)
+  c = pl.placement_cost(t, pl.TablePlacement(kind, devices), N, B)
+  widths = pl.column_chunk_widths(D, len(devices)) if kind == CW else (D,) * len(devices)
+  moved = sum((N - 1) * (B / N) * (4 * P + 2 * 4 * w) for w in widths)
+  np.testing.assert_allclose(c.comm_bytes.sum(), 2 * moved)
+
+
+# ----------------------------------------------------------------------------- uniform
+
+
+def test_uniform_tw_round_robin_for_equal_tables():
+  tables = [TableConfig(f"T{i}", 1000, 16) for i in range(26)]
+  p = pl.uniform_plan(tables, "tw", 8)
+  assert list(p) == [t.name for t in tables]
+  assert [p[f"T{i}"].devices for i in range(26)] == [(i % 8,) for i in range(26)]
+  counts = np.bincount([p[t.name].devices[0] for t in tables], minlength=8)
+  assert counts.tolist() == [4, 4, 3, 3, 3, 3, 3, 3]
+
+
+def test_uniform_tw_matches_least_loaded_reference():
+  rng = np.random.default_rng(0)
+  tables = [TableConfig(f"T{i}", int(rng.integers(10, 5000)), int(rng.choice([8, 16, 32, 64])),
+                        pooling_factor=float(rng.integers(1, 5))) for i in range(20)]
+  N = 5
+  got = pl.uniform_plan(tables, TW, N)
+  # Reference: biggest table first (bytes), each to the device with the smallest time.
+  load = np.zeros(N)
+  want = {}
+  order = sorted(range(len(tables)), key=lambda i: (-pl.table_bytes(tables[i]), i))
+  for i in order:
+    t = tables[i]
+    d = int(np.argmin(load))
+    want[t.name] = (d,)
+    load += pl.placement_cost(t, pl.TablePlacement(TW, (d,)), N, 1024).time_s
+  assert {n: p.devices for n, p in got.items()} == want
+  assert all(p.kind == TW for p in got.values())
+
+
+def test_uniform_cw_twrw_rw_dp_placements():
+  N = 8
+  p = pl.uniform_plan([TableConfig("a", 100, 64)], CW, N)
+  assert p["a"].kind == CW and sorted(p["a"].devices) == list(range(8))   # 8 chunks of 8
+  # dim 16 with chunks >= 4 wide: 4 chunks, the second table on the 4 other devices.
+  p = pl.uniform_plan([TableConfig("a", 100, 16), TableConfig("b", 100, 16)], CW, N)
+  assert p["a"].devices == (0, 1, 2, 3) and p["b"].devices == (4, 5, 6, 7)
+  p = pl.uniform_plan([TableConfig("odd", 100, 9)], CW, N)   # min(8, 9 // 4) = 2 chunks
+  assert len(p["odd"].devices) == 2
+  p = pl.uniform_plan([TableConfig("narrow", 100, 3)], CW, N)   # narrower than a chunk
+  assert len(p["narrow"].devices) == 1
+
+  tables = [TableConfig(f"T{i}", 1000, 16) for i in range(3)]
+  p = pl.uniform_plan(tables, TWRW, N)   # default group of 4: two groups
+  assert [p[f"T{i}"].devices for i in range(3)] == [(0, 1, 2, 3), (4, 5, 6, 7), (0, 1, 2, 3)]
+  p = pl.uniform_plan(tables, "twrw", N, group_size=2)
+  assert [p[f"T{i}"].devices for i in range(3)] == [(0, 1), (2, 3), (4, 5)]
+  for kind in (RW, DP):
+    p = pl.uniform_plan(tables, kind, N)
+    assert all(q.kind == kind and q.devices == tuple(range(8)) for q in p.values())
+  with pytest.raises(ValueError, match="group_size=3"):
+    pl.uniform_plan(tables, TWRW, N, group_size=3)
+  with pytest.raises(ValueError, match="unknown sharding kind 'xw'"):
+    pl.uniform_plan(tables, "xw", N)
+  for kind in ShardingKind:
+    pl.validate_plan(pl.uniform_plan(criteo_tables(), kind, N), criteo_tables(), N)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_plan_huge_table_goes_row_wise_and_tiny_tables_replicate():
+  N, budget = 8, 30_000
+  # 8000 x 4 fp32 + 4 B/row = 160,000 bytes: rw (20,000 per device) fits; twrw over 4
+  # devices (40,000) and tw do not, and dim 4 is too narrow to split into column chunks.
+  tables = [TableConfig("huge", 8000, 4)] + [TableConfig(f"tiny{i}", 4, 4) for i in range(10)]
+  p = pl.plan(tables, N, budget, batch_size=1024)
+  assert p["huge"] == pl.TablePlacement(RW, tuple(range(8)))
+  assert all(p[f"tiny{i}"].kind == DP for i in range(10))
+  est = pl.estimate_plan(p, tables, N, 1024)
+  assert est.max_memory_bytes <= budget
+  np.testing.assert_array_equal(est.per_device.memory_bytes, 20_000 + 10 * 4 * 20)
+
+
+def test_plan_respects_budget_and_beats_uniform_plans():
+  tables, N, B = criteo_tables(), 8, 8192
+  total = sum(pl.table_bytes(t) for t in tables)
+  for budget in (total, total // 4, int(total / 8 * 1.05)):
+    p = pl.plan(tables, N, budget, B)
+    pl.validate_plan(p, tables, N)
+    est = pl.estimate_plan(p, tables, N, B)
+    assert est.max_memory_bytes <= budget, budget
+  p = pl.plan(tables, N, total, B)
+  best_uniform = min(pl.estimate_plan(pl.uniform_plan(tables, k, N), tables, N, B).max_time_s
+                     for k in ShardingKind)
+  assert pl.estimate_plan(p, tables, N, B).max_time_s < best_uniform
+  assert p["C9"].kind == DP   # 1 row: replicating costs nothing
+
+
+def test_plan_memory_fallback_packs_what_time_first_cannot():
+  # Time first puts the big tables column-wise (8 copies of the row-wise state); a budget
+  # just above the all-row-wise footprint needs the least-memory fallback.
+  tables, N, B = criteo_tables(), 8, 8192
+  rw_need = pl.estimate_plan(pl.uniform_plan(tables, RW, N), tables, N, B).max_memory_bytes
+  budget = int(rw_need * 1.02)
+  p = pl.plan(tables, N, budget, B)
+  assert pl.estimate_plan(p, tables, N, B).max_memory_bytes <= budget
+  with pytest.raises(pl.PlanError):
+    pl.plan(tables, N, int(rw_need * 0.9), B)
+
+
+def test_plan_overrides_are_honoured():
+  tables, N, B = criteo_tables(), 8, 8192
+  total = sum(pl.table_bytes(t) for t in tables)
+  ov = {"C1": "tw", "C3": ShardingKind.ROW_WISE, "C4": "twrw", "C9": "cw", "C12": "dp"}
+  p = pl.plan(tables, N, total, B, overrides=ov, group_size=2)
+  for name, kind in ov.items():
+    assert p[name].kind == pl.as_kind(kind), name
+  assert len(p["C4"].devices) == 2
+  assert len(p["C9"].devices) in (2, 4)   # dim 16: chunks >= 4 wide, k in {2, 4}
+  pl.validate_plan(p, tables, N, group_size=2)
+  # Still checked against the budget: forcing the biggest table table-wise overflows.
+  big = max(tables, key=pl.table_bytes)
+  with pytest.raises(pl.PlanError, match=f"table '{big.name}'.*under tw.*forced by override"):
+    pl.plan(tables, N, pl.table_bytes(big) - 1, B, overrides={big.name: "tw"})
+  with pytest.raises(ValueError, match=r"unknown tables \['C99'\]; known tables: \['C1', 'C2'"):
+    pl.plan(tables, N, total, B, overrides={"C99": "tw"})
+  p = pl.plan(tables, N, total, B, kinds=("tw", "rw"))
+  assert {q.kind for q in p.values()} <= {TW, RW}
+  # Tables up to replicate_below_bytes replicate; the rest are searched as before.
+  small = {t.name for t in tables if pl.table_bytes(t) <= 100_000}
+  p = pl.plan(tables, N, total, B, kinds=("tw", "rw"), replicate_below_bytes=100_000)
+  assert small and {n for n, q in p.items() if q.kind == DP} == small
+
+
+def test_plan_error_names_table_bytes_and_overage():
+  # N=2: rw needs 50 rows * 36 = 1,800 bytes per device (cw 2,000; dp and tw 3,600).
+  tables = [TableConfig("T0", 100, 8)]
+  with pytest.raises(pl.PlanError) as e:
+    pl.plan(tables, 2, 1000, batch_size=64)
+  msg = str(e.value)
+  for part in ("table 'T0'", "100 x 8 fp32 + 4 B/row", "1.80 KB (1,800 bytes)", "under rw",
+               "on 2 devices", "budget 1.00 KB (1,000 bytes)", "over by 800 B (800 bytes)"):
+    assert part in msg, (part, msg)
+  assert isinstance(e.value, ValueError)
+  # A second table that no longer fits after the first: the used bytes are reported.
+  tables = [TableConfig("A", 100, 8), TableConfig("B", 60, 8)]   # 3,600 and 2,160 bytes
+  with pytest.raises(pl.PlanError) as e:
+    pl.plan(tables, 2, 2500, batch_size=64)
+  msg = str(e.value)
+  assert "table 'B'" in msg and "1.08 KB (1,080 bytes)" in msg, msg   # rw: 30 rows * 36
+  assert "1.80 KB already used" in msg and "over by 380 B (380 bytes)" in msg, msg
+  with pytest.raises(pl.PlanError, match=r"uniform tw plan.*over by 1.10 KB \(1,100 bytes\)"):
+    pl.uniform_plan(tables[:1], "tw", 2, memory_budget_bytes=2500)
+
+
+def test_plan_is_deterministic():
+  tables, N, B = criteo_tables(), 8, 8192
+  budget = sum(pl.table_bytes(t) for t in tables) // 5
+  a = pl.plan(tables, N, budget, B, overrides={"C2": "tw"})
+  b = pl.plan(list(tables), N, budget, B, overrides={"C2": "tw"})
+  assert a == b and list(a) == list(b) == [t.name for t in tables]
+  assert pl.format_plan(a, tables, N, B, budget) == pl.format_plan(b, tables, N, B, budget)
+  summary = lambda p: json.dumps(pl.plan_summary(p, tables, N, B))
+  assert summary(a) == summary(b)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def test_format_plan_lists_every_table_in_aligned_columns():
+  tables, N, B = criteo_tables(), 8, 8192
+  budget = sum(pl.table_bytes(t) for t in tables) // 4
+  p = pl.plan(tables, N, budget, B)
+  text = pl.format_plan(p, tables, N, B, budget)
+  lines = text.splitlines()
+  header, rows = lines[0], lines[2:2 + len(tables)]
+  col = header.index("kind")
+  for t, line in zip(tables, rows):
+    assert line.split()[0] == t.name
+    assert line[col:].split()[0] == p[t.name].kind.value, line
+  assert len(lines) == 2 + len(tables) + 1 + 2 + N + 1
+  assert "/ " in lines[2 + len(tables) + 3] and lines[-1].startswith("26 tables on 8 devices")
+  assert pl.format_plan(p, tables, N, B).count("\n") == text.count("\n")   # no budget given
+
+
+def test_plan_summary_is_json():
+  tables, N, B = criteo_tables(), 8, 8192
+  p = pl.uniform_plan(tables, "tw", N)
+  s = pl.plan_summary(p)
+  assert s["kinds"] == {"tw": 26}
+  assert s["tables"]["C1"] == {"kind": "tw", "devices": list(p["C1"].devices)}
+  s = json.loads(json.dumps(pl.plan_summary(p, tables, N, B)))
+  est = pl.estimate_plan(p, tables, N, B)
+  assert s["estimate"]["max_time_s"] == pytest.approx(est.max_time_s)
+  assert s["estimate"]["device_memory_bytes"] == est.per_device.memory_bytes.tolist()
+
+
+def test_parse_and_validate_overrides():
+  assert pl.parse_overrides("C1=tw, C3 = RW,") == {"C1": "tw", "C3": "rw"}
+  assert pl.parse_overrides("") == {}
+  with pytest.raises(ValueError, match="'C1' in 'C1'.*expected TABLE=KIND"):
+    pl.parse_overrides("C1")
+  with pytest.raises(ValueError, match="unknown sharding kind 'xx' for table 'C2'.*"
+                                       "valid kinds: dp, tw, rw, cw, twrw"):
+    pl.parse_overrides("C1=tw,C2=xx")
+  with pytest.raises(ValueError, match="'C1' given twice"):
+    pl.parse_overrides("C1=tw,C1=rw")
+  tables = criteo_tables()[:3]
+  pl.validate_overrides({"C1": "tw"}, tables)
+  with pytest.raises(ValueError, match=r"unknown tables \['D1'\]; known tables: \['C1', 'C2'"):
+    pl.validate_overrides({"D1": "tw"}, tables)
+  with pytest.raises(ValueError, match="unknown sharding kind 'zz'"):
+    pl.validate_overrides({"C1": "zz"}, tables)
+
+
+def test_validate_plan_rejects_malformed_placements():
+  tables = [TableConfig("a", 100, 9)]
+  bad = [(TW, (0, 1), "exactly 1 device"), (RW, (0, 1, 2), "all 8 devices"),
+         (CW, (0, 1, 2, 3), "does not split into 4"), (TWRW, (1, 2), "contiguous, aligned"),
+         (TW, (8,), "outside 0..7")]
+  for kind, devs, why in bad:
+    with pytest.raises(ValueError, match=why):
+      pl.validate_plan({"a": pl.TablePlacement(kind, devs)}, tables, 8)
+  with pytest.raises(ValueError, match="without a placement"):
+    pl.validate_plan({}, tables, 8)
+  with pytest.raises(ValueError, match="repeated device"):
+    pl.TablePlacement(CW, (1, 1))
+  assert pl.TablePlacement("tw", (3,)).kind is TW
