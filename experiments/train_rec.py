@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "dlrm", ["dlrm", "logreg"], "Model family.")
@@ -52,6 +52,8 @@ flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
 
 def main(argv):
   del argv
+  if not FLAGS["verbosity"].present:  # library INFO logs (orbax) drown the progress lines
+    logging.set_verbosity(logging.WARNING)
   from core import plot as plot_lib
   from core import train as train_lib
   from rec import configs

@@ -108,7 +108,7 @@ def build_run(cfg: RecRunConfig, devices=None):
       raise ValueError(f"--{what}={b} is not divisible by the {n} devices of --mesh={cfg.mesh!r}")
   train_src, eval_src = sources_lib.make_sources(
       cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
-      seed=cfg.seed, bad_lines=cfg.bad_lines, eval_num_batches=cfg.eval_batches)
+      seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches)
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
   if cfg.storage != "fp32":
     tables = [dataclasses.replace(t, storage=cfg.storage) for t in tables]

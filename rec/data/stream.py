@@ -1,0 +1,414 @@
+"""Line streaming shared by the Criteo and Avazu readers: files, shards, skipping, batches.
+
+A `LineSource` reads one record per line from a list of plain or gzip (`.gz` suffix) text
+files, keeps the records of its shard (`record % num_shards == shard_index`, records
+numbered from 0 over the concatenated files with header lines left out), decodes them a
+chunk at a time with its subclass's `_parse`, and cuts the decoded rows into SparseBatches.
+The subclass only knows its line format; everything about files, shards, bad lines,
+epochs, remainders and resuming lives here.
+
+Letters: B batch, N lines in a chunk, V valid lines in a chunk, Dn dense features,
+F sparse features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import math
+import os
+from typing import BinaryIO, Iterator, Sequence
+
+from absl import logging
+import numpy as np
+
+from rec.data.batch import DataSpec, SparseBatch
+
+BAD_LINE_MODES = ("error", "skip")
+
+
+def open_binary(path: str) -> BinaryIO:
+  """Opens `path` for reading bytes, through gzip when its name ends in `.gz`."""
+  if str(path).endswith(".gz"):
+    return gzip.open(path, "rb")
+  return open(path, "rb", buffering=1 << 20)
+
+
+def check_rows_per_feature(rows: int | Sequence[int], names: Sequence[str],
+                           what: str) -> tuple[int, ...]:
+  """Expands `rows` (one count, or one per feature) to a tuple and checks every count >= 2.
+
+  Row 0 of each table is reserved for "missing", so a table needs at least one more row.
+  """
+  if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool):
+    rows = [int(rows)] * len(names)
+  rows = list(rows)
+  if len(rows) != len(names):
+    raise ValueError(
+        f"{what}: rows_per_feature has {len(rows)} entries, expected one int or "
+        f"{len(names)} (one per feature {names[0]}..{names[-1]})")
+  for name, r in zip(names, rows):
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 2:
+      raise ValueError(
+          f"{what}: rows_per_feature for {name} = {r!r}, expected an int >= 2 "
+          "(row 0 is reserved for missing values)")
+  return tuple(int(r) for r in rows)
+
+
+def byte_words(buf: bytes) -> np.ndarray:
+  """words[p] = the 8 bytes buf[p:p+8] as one uint64 (an overlapping, unaligned view, no copy)."""
+  return np.ndarray((max(len(buf) - 7, 0),), np.uint64, buf, 0, (1,))
+
+
+# _KEEP[k]: a little-endian word mask that keeps its last k bytes (in memory order)
+_KEEP = np.array([((1 << (8 * k)) - 1) << (8 * (8 - k)) for k in range(9)], np.uint64)
+_ASCII_ZEROS = np.uint64(0x3030303030303030)
+
+
+def last_bytes_zero_padded(words: np.ndarray, ends: np.ndarray, keep: np.ndarray) -> np.ndarray:
+  """The last `keep` (<= 8) bytes before each field's end, right-aligned, '0'-filled in front.
+
+  One 8-byte gather per field. words: `byte_words` of a buffer padded with 8 bytes in front,
+  ends: field end offsets (exclusive). Returns uint8 [..., 8], a fresh contiguous array.
+  """
+  mask = _KEEP[np.clip(keep, 0, 8)]
+  w = words[ends - 8]
+  w = (w & mask) | (_ASCII_ZEROS & ~mask)
+  return w.view(np.uint8).reshape(ends.shape + (8,))
+
+
+def any_bytes(flags: np.ndarray) -> np.ndarray:
+  """flags[..., 8] bool, contiguous -> any over the last axis, by reading each row as a word."""
+  return flags.view(np.uint64)[..., 0] != 0
+
+
+def field_text(value: bytes, limit: int = 40) -> str:
+  """A field as it should appear in an error message: decoded, repr-quoted, shortened."""
+  text = value.decode("utf-8", "backslashreplace")
+  if len(text) > limit:
+    text = text[:limit] + "..."
+  return repr(text)
+
+
+@dataclasses.dataclass
+class Parsed:
+  """Decoded rows of one chunk: arrays for its valid lines, in order, and its bad lines."""
+
+  dense: np.ndarray            # [V, Dn] float32
+  ids: np.ndarray              # [V, F] int32
+  labels: np.ndarray           # [V] float32
+  bad: list[tuple[int, str]]   # (line index in the chunk, what is wrong), sorted by index
+
+
+def split_by_field_count(lines: list[bytes], sep: bytes, num_fields: int,
+                         sep_name: str) -> tuple[np.ndarray, list[tuple[int, str]]]:
+  """Which lines have exactly `num_fields` fields, and an error for each that has not."""
+  counts = np.fromiter(map(bytes.count, lines, [sep] * len(lines)), np.int64, len(lines))
+  ok = counts == num_fields - 1
+  bad = [(int(i), f"expected {num_fields} {sep_name}-separated fields, got {counts[i] + 1}")
+         for i in np.flatnonzero(~ok)]
+  return ok, bad
+
+
+def join_lines(lines: list[bytes]) -> bytes:
+  """The lines as one buffer in which every line, the last included, ends in a bare '\\n'."""
+  buf = b"".join(lines)
+  if b"\r" in buf:
+    buf = buf.replace(b"\r\n", b"\n")
+  if buf.endswith(b"\r"):
+    buf = buf[:-1]  # a last line ending in a bare CR of a CRLF file
+  if buf and not buf.endswith(b"\n"):
+    buf += b"\n"
+  return buf
+
+
+def merge_bad(*lists: list[tuple[int, str]]) -> list[tuple[int, str]]:
+  """Bad-line lists merged in line order, keeping the first complaint about each line."""
+  seen: dict[int, str] = {}
+  for i, msg in sorted((x for lst in lists for x in lst), key=lambda x: x[0]):
+    seen.setdefault(i, msg)
+  return sorted(seen.items())
+
+
+class LineSource:
+  """Base of the line-format readers: a BatchSource over one shard of a list of text files.
+
+  Subclasses set `spec` and implement `_parse` (and `_is_header` when their files may start
+  with a header line).
+
+  Semantics:
+    - training (`drop_remainder=True, repeat=True`): every epoch reads the shard in file
+      order, cuts full batches and drops the last partial one (logged); epochs repeat forever.
+    - eval (`drop_remainder=False, repeat=False`): one pass; the last batch is padded to
+      full size with mask 0 (padded rows: dense 0, label 0, every feature one id 0, the
+      "missing" row, so pooled values stay finite).
+    - `batches(start)` yields exactly what a fresh iteration yields from batch `start` on.
+      It skips lines without parsing them when it can: always with `bad_lines="error"`, and
+      with `bad_lines="skip"` once the bad lines are known (after one full pass, or the
+      validation pass that `num_batches` runs in that mode).
+    - bad lines: "error" raises ValueError naming file:line, field, value and what was
+      expected; "skip" drops them, counts them in `bad_line_count` and logs the first.
+    - `num_batches` counts newlines once (no parsing; with "skip" it runs one validation
+      pass instead) and caches it. Shards of an eval set may differ by one batch: a
+      multi-host eval loop must agree on the largest count and feed mask-0 batches.
+    - files are read `chunk_bytes` of lines at a time (about 4,500 Criteo lines per MiB).
+  """
+
+  spec: DataSpec
+
+  def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], batch_size: int, *,
+               bad_lines: str = "error", drop_remainder: bool = True, shard_index: int = 0,
+               num_shards: int = 1, repeat: bool = True, chunk_bytes: int = 1 << 20):
+    if isinstance(files, (str, os.PathLike)):
+      files = [files]
+    self.files = tuple(os.fspath(f) for f in files)
+    kind = type(self).__name__
+    if not self.files:
+      raise ValueError(f"{kind}: empty file list, expected at least one file")
+    for f in self.files:
+      if not os.path.isfile(f):
+        raise FileNotFoundError(f"{kind}: data file {f!r} does not exist")
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 1):
+      raise ValueError(f"{kind}: batch_size={batch_size!r}, expected an int >= 1")
+    if bad_lines not in BAD_LINE_MODES:
+      raise ValueError(f"{kind}: bad_lines={bad_lines!r}, expected one of {BAD_LINE_MODES}")
+    if not (isinstance(num_shards, (int, np.integer)) and num_shards >= 1):
+      raise ValueError(f"{kind}: num_shards={num_shards!r}, expected an int >= 1")
+    if not (isinstance(shard_index, (int, np.integer)) and 0 <= shard_index < num_shards):
+      raise ValueError(f"{kind}: shard_index={shard_index!r}, expected an int in [0, {num_shards})")
+    self.batch_size = int(batch_size)
+    self.bad_lines = bad_lines
+    self.drop_remainder = bool(drop_remainder)
+    self.shard_index = int(shard_index)
+    self.num_shards = int(num_shards)
+    self.repeat = bool(repeat)
+    self.chunk_bytes = int(chunk_bytes)
+    self.name = (f"{kind}({', '.join(os.path.basename(f) for f in self.files)}; "
+                 f"shard {self.shard_index}/{self.num_shards})")
+    self._num_records: int | None = None     # records in this shard, bad ones included
+    self._num_valid: int | None = None       # records in this shard that parse
+    self._bad: set[int] = set()              # record numbers of the bad lines found so far
+    self._first_bad: str | None = None       # "file:line: message" of the first one
+    self._bad_complete = bad_lines == "error"  # True once every bad line of the shard is known
+
+  # --- what a subclass provides ------------------------------------------------------------
+
+  def _parse(self, lines: list[bytes]) -> Parsed:
+    raise NotImplementedError
+
+  def _is_header(self, first_line: bytes) -> bool:
+    del first_line
+    return False
+
+  # --- public API ----------------------------------------------------------------------------
+
+  @property
+  def bad_line_count(self) -> int:
+    """Bad lines of this shard found so far (all of them after a full pass or `num_batches`)."""
+    return len(self._bad)
+
+  @property
+  def num_examples(self) -> int:
+    """Valid records in this shard (one epoch); counted once and cached."""
+    if self._num_valid is None:
+      if self.bad_lines == "error":
+        self._num_valid = self._count_records()
+      else:
+        self._validate_all()
+    return self._num_valid
+
+  @property
+  def num_batches(self) -> int:
+    """Batches per epoch: full batches only when dropping the remainder, else rounded up."""
+    n = self.num_examples
+    return n // self.batch_size if self.drop_remainder else math.ceil(n / self.batch_size)
+
+  def batches(self, start: int = 0) -> Iterator[SparseBatch]:
+    """Batch `start`, `start + 1`, ... of this source's sequence (forever when repeating)."""
+    if start < 0:
+      raise ValueError(f"{self.name}: start={start}, expected >= 0")
+    if not self.repeat:
+      yield from self._epoch(start)
+      return
+    first = 0
+    if start > 0:
+      nb = self.num_batches
+      if nb == 0:
+        raise self._too_small()
+      first = start % nb
+    while True:
+      produced = 0
+      for batch in self._epoch(first):
+        produced += 1
+        yield batch
+      if produced == 0 and first == 0:
+        raise self._too_small()
+      first = 0
+
+  # --- internals -------------------------------------------------------------------------------
+
+  def _too_small(self) -> ValueError:
+    return ValueError(
+        f"{self.name}: one epoch holds {self.num_examples} valid examples, fewer than "
+        f"batch_size={self.batch_size}, so a repeating source would never yield a batch")
+
+  def _file_lines(self, path: str) -> Iterator[tuple[int, list[bytes]]]:
+    """(1-based line number of the first line, lines) chunks of one file, header left out."""
+    with open_binary(path) as f:
+      line_no = 1
+      first = True
+      while True:
+        lines = f.readlines(self.chunk_bytes)
+        if not lines:
+          return
+        if first:
+          first = False
+          if self._is_header(lines[0]):
+            lines = lines[1:]
+            line_no += 1
+        if lines:
+          yield line_no, lines
+          line_no += len(lines)
+
+  def _shard_chunks(self, skip: int) -> Iterator[tuple[str, np.ndarray, np.ndarray, list[bytes]]]:
+    """(file, line numbers [N], record numbers [N], lines) of this shard after `skip` valid
+    records skipped without parsing; needs every bad line of the shard known."""
+    k, s = self.num_shards, self.shard_index
+    bad_sorted = np.array(sorted(self._bad), np.int64) if skip and self._bad else None
+    record0 = 0
+    for path in self.files:
+      for line0, lines in self._file_lines(path):
+        off = (s - record0) % k
+        n_sel = max(0, (len(lines) - off + k - 1) // k)
+        rec0, lno0 = record0 + off, line0 + off
+        record0 += len(lines)
+        if n_sel == 0:
+          continue
+        records = rec0 + k * np.arange(n_sel, dtype=np.int64)
+        cut = 0
+        if skip:
+          if bad_sorted is None:
+            valid_idx = None
+            n_valid = n_sel
+          else:
+            valid_idx = np.flatnonzero(~np.isin(records, bad_sorted))
+            n_valid = len(valid_idx)
+          if n_valid <= skip:
+            skip -= n_valid
+            continue
+          cut = skip if valid_idx is None else int(valid_idx[skip])
+          skip = 0
+        sel = lines[off + k * cut::k] if k > 1 else lines[cut:]
+        yield path, lno0 + k * np.arange(cut, n_sel, dtype=np.int64), records[cut:], sel
+
+  def _records(self, skip: int) -> Iterator[Parsed]:
+    """Decoded valid rows of one pass over the shard, the first `skip` of them left out."""
+    cheap_skip = self._bad_complete
+    full_pass = skip == 0 or not cheap_skip  # every line of the pass gets parsed
+    pass_bad = 0
+    pass_first = None
+    n_valid = 0
+    for path, line_nos, records, lines in self._shard_chunks(skip if cheap_skip else 0):
+      parsed = self._parse(lines)
+      if parsed.bad:
+        i, msg = parsed.bad[0]
+        where = f"{path}:{line_nos[i]}: {msg}"
+        if self.bad_lines == "error":
+          raise ValueError(where)
+        if self._first_bad is None:
+          self._first_bad = where
+          logging.warning("%s: skipping malformed line %s (bad_lines='skip'; later ones are "
+                          "counted in bad_line_count and summed up after each pass)",
+                          self.name, where)
+        self._bad.update(int(records[i]) for i, _ in parsed.bad)
+        pass_bad += len(parsed.bad)
+        pass_first = pass_first or where
+      n_valid += len(parsed.labels)
+      if not cheap_skip and skip:
+        if len(parsed.labels) <= skip:
+          skip -= len(parsed.labels)
+          continue
+        parsed = Parsed(parsed.dense[skip:], parsed.ids[skip:], parsed.labels[skip:], [])
+        skip = 0
+      yield parsed
+    if full_pass:
+      self._bad_complete = True
+      self._num_valid = n_valid
+    if pass_bad:
+      logging.warning("%s: skipped %d malformed lines in this pass (first: %s); "
+                      "bad_line_count=%d", self.name, pass_bad, pass_first, len(self._bad))
+
+  def _epoch(self, first_batch: int) -> Iterator[SparseBatch]:
+    """Batches `first_batch`, ... of one epoch."""
+    B = self.batch_size
+    pending: list[Parsed] = []
+    have = 0
+    for parsed in self._records(first_batch * B):
+      if not len(parsed.labels):
+        continue
+      pending.append(parsed)
+      have += len(parsed.labels)
+      if have < B:
+        continue
+      cat = _concat(pending)
+      n_full = have // B
+      for b in range(n_full):
+        yield self._batch(cat, slice(b * B, (b + 1) * B), B)
+      rest = slice(n_full * B, have)
+      pending = [Parsed(cat.dense[rest], cat.ids[rest], cat.labels[rest], [])] if have % B else []
+      have -= n_full * B
+    if not have:
+      return
+    if self.drop_remainder:
+      logging.info("%s: dropped the last %d examples of the epoch (fewer than batch_size=%d)",
+                   self.name, have, B)
+      return
+    yield self._batch(_concat(pending), slice(0, have), B)
+
+  def _batch(self, parsed: Parsed, rows: slice, B: int) -> SparseBatch:
+    """Rows of `parsed` as one SparseBatch of size B, padded with mask 0 when short."""
+    dense, ids, labels = parsed.dense[rows], parsed.ids[rows], parsed.labels[rows]
+    n, F = ids.shape
+    mask = np.ones(B, np.float32)
+    if n < B:
+      pad = B - n
+      dense = np.concatenate([dense, np.zeros((pad, dense.shape[1]), np.float32)])
+      ids = np.concatenate([ids, np.zeros((pad, F), np.int32)])
+      labels = np.concatenate([labels, np.zeros(pad, np.float32)])
+      mask[n:] = 0
+    return SparseBatch(dense=np.ascontiguousarray(dense),
+                       ids=np.ascontiguousarray(ids)[:, :, None],
+                       lengths=np.ones((B, F), np.int32),
+                       labels=np.ascontiguousarray(labels), mask=mask)
+
+  def _count_records(self) -> int:
+    """Records of this shard, bad ones included, by counting newlines (no parsing)."""
+    if self._num_records is None:
+      total = 0
+      for path in self.files:
+        with open_binary(path) as f:
+          first = f.readline()
+          if not first:
+            continue
+          total += 0 if self._is_header(first) else 1
+          tail = b"\n"
+          while block := f.read(1 << 24):
+            total += block.count(b"\n")
+            tail = block[-1:]
+          if tail != b"\n":
+            total += 1  # a last line without its newline
+      self._num_records = len(range(self.shard_index, total, self.num_shards))
+    return self._num_records
+
+  def _validate_all(self) -> None:
+    """One parsing pass over the shard that finds every bad line (bad_lines='skip')."""
+    for _ in self._records(0):
+      pass
+
+
+def _concat(parts: list[Parsed]) -> Parsed:
+  if len(parts) == 1:
+    return parts[0]
+  return Parsed(np.concatenate([p.dense for p in parts]), np.concatenate([p.ids for p in parts]),
+                np.concatenate([p.labels for p in parts]), [])

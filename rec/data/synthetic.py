@@ -1,0 +1,244 @@
+"""Synthetic Criteo-shaped click data with a planted, learnable signal, for tests and benchmarks.
+
+Sparse ids follow a bounded Zipf law per feature (rank r has probability ∝ (r+1)^-alpha)
+whose ranks are scattered over the table by a fixed pseudo-random permutation (rank ->
+(a * rank + b) mod rows, a coprime to rows: no memory for any table size), so hot rows are
+spread over row-wise shards as in real logs. Dense features are log1p of log-normal
+counts, like the Criteo reader's output. Labels: Bernoulli(sigmoid(logit)) with
+
+    logit = scale * (sqrt(0.7) * std(sum_f w_f[id_f]) + sqrt(0.3) * std(dense · w_d)) + bias
+
+where w_f are hidden per-row weights (a hash of seed, feature and row, so any table size
+costs no memory), w_d a hidden dense weight vector, std(.) standardizes over a calibration
+sample, and `bias` is set so that about 25% of labels are 1. With the defaults the
+Bayes-optimal AUC (of the true logits) is 0.83, and a logistic regression trained with
+Adagrad on the train split reaches a test AUC of 0.77 after 300 batches of 2048 and 0.79
+after 1000: most of the signal sits on hot rows, which a model sees often.
+
+Batch k is a pure function of (seed, split, k), so `batches(start)` resumes exactly and the
+train and test splits are different draws of the same hidden model.
+
+Letters: B batch, Dn dense features, F sparse features.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from rec.data.batch import DataSpec, SparseBatch
+
+SPLITS = {"train": 0, "test": 1}
+BASE_RATE = 0.25
+LOGIT_SCALE = 1.6       # std of the logit before the bias (see the module docstring)
+SPARSE_SHARE = 0.7      # share of the logit variance carried by the sparse ids
+_EXACT_HEAD = 1024      # ranks below this come from the exact discrete CDF; later ones (relative
+                        # error of their mass ~a(a+1)/(24 r^2) < 3e-7) from the continuous one
+_GUIDE = 8 * _EXACT_HEAD
+
+
+@functools.lru_cache(maxsize=64)
+def _zipf_table(num_rows: int, alpha: float) -> tuple[np.ndarray, np.ndarray, float, float]:
+  """(cumulative weights of the exact head ranks + an inf sentinel, guide table, head mass,
+  tail mass) of bounded Zipf.
+
+  Ranks past the head get the mass of x^-alpha integrated over [r + 0.5, r + 1.5) (0-based
+  r), the midpoint rule that matches r^-alpha to ~a(a+1)/(24 r^2) that far out. The guide
+  table (Chen & Asau's indexed search) holds, for each of G equal slices of the head mass,
+  the first rank whose cumulative weight passes the slice's start, so a draw needs a few
+  forward steps instead of a binary search.
+  """
+  head = min(num_rows, _EXACT_HEAD)
+  cum = np.cumsum(np.arange(1, head + 1, dtype=np.float64) ** -alpha)
+  head_mass = float(cum[-1])
+  tail = 0.0
+  if num_rows > head:
+    tail = _antideriv(num_rows + 0.5, alpha) - _antideriv(head + 0.5, alpha)
+  guide = np.searchsorted(cum, np.arange(_GUIDE) * (head_mass / _GUIDE), side="right")
+  return np.append(cum, np.inf), guide, head_mass, float(tail)
+
+
+def _antideriv(x, alpha: float):
+  return np.log(x) if alpha == 1.0 else x ** (1.0 - alpha) / (1.0 - alpha)
+
+
+def _antideriv_inv(y, alpha: float):
+  return np.exp(y) if alpha == 1.0 else ((1.0 - alpha) * y) ** (1.0 / (1.0 - alpha))
+
+
+def zipf_ranks(rng: np.random.Generator, num_rows: int, size, alpha: float) -> np.ndarray:
+  """Ranks in [0, num_rows), rank r drawn with probability ∝ (r + 1)^-alpha (inverse CDF)."""
+  if num_rows < 1 or alpha < 0:
+    raise ValueError(f"zipf_ranks: num_rows={num_rows}, alpha={alpha}; expected >= 1 and >= 0")
+  cum, guide, head_mass, tail_mass = _zipf_table(int(num_rows), float(alpha))
+  u = rng.random(size) * (head_mass + tail_mass)
+  ranks = guide[np.minimum((u * (_GUIDE / head_mass)).astype(np.int64), _GUIDE - 1)]
+  while True:  # step to the first rank whose cumulative weight exceeds u
+    step = cum[ranks] <= u
+    if not step.any():
+      break
+    ranks += step
+  head = len(cum) - 1
+  if tail_mass > 0:
+    in_tail = ranks == head  # only draws past the head mass stop on the sentinel
+    if in_tail.any():
+      x = _antideriv_inv(_antideriv(head + 0.5, alpha) + (u[in_tail] - head_mass), alpha)
+      ranks[in_tail] = np.clip(np.floor(x - 0.5).astype(np.int64), head, num_rows - 1)
+  return np.minimum(ranks, num_rows - 1)
+
+
+def row_permutation(num_rows: int, seed: int) -> tuple[int, int]:
+  """(a, b) of the fixed permutation rank -> (a * rank + b) % num_rows, a coprime to num_rows."""
+  rng = np.random.default_rng([seed, 7, num_rows])
+  if num_rows <= 2:
+    return 1, 0
+  while True:
+    a = int(rng.integers(1, num_rows))
+    if math.gcd(a, num_rows) == 1:
+      return a, int(rng.integers(0, num_rows))
+
+
+def zipf_ids(rng: np.random.Generator, num_rows: int, size, alpha: float = 1.05,
+             perm_seed: int | None = 0) -> np.ndarray:
+  """Zipf-distributed ids in [0, num_rows) as int32, hot ranks scattered by `perm_seed`.
+
+  perm_seed=None returns the ranks themselves (row 0 hottest).
+  """
+  ranks = zipf_ranks(rng, num_rows, size, alpha)
+  if perm_seed is not None:
+    a, b = row_permutation(num_rows, perm_seed)
+    ranks = (ranks * a + b) % num_rows
+  return ranks.astype(np.int32)
+
+
+def _hash_uniform(salt_F: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """A uniform [-1, 1) value per (salt, id) from SplitMix64; salt_F broadcasts over ids."""
+  x = salt_F.astype(np.uint64) ^ (ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  x = x ^ (x >> np.uint64(31))
+  return (x >> np.uint64(11)).astype(np.float64) * (2.0 ** -52) - 1.0
+
+
+class SyntheticCriteo:
+  """Criteo-shaped batches (dense log-counts, one-hot Zipf ids) with a planted logistic signal.
+
+  Shards (one per host) share the hidden model and draw disjoint batch streams.
+  """
+
+  def __init__(self, batch_size: int, rows_per_feature: int | Sequence[int] = 100_000,
+               num_dense: int = 13, num_sparse: int = 26, zipf_alpha: float = 1.05,
+               seed: int = 0, split: str = "train", num_batches: int | None = None,
+               shard_index: int = 0, num_shards: int = 1):
+    if isinstance(rows_per_feature, (int, np.integer)):
+      rows_per_feature = [int(rows_per_feature)] * num_sparse
+    rows = tuple(int(r) for r in rows_per_feature)
+    if len(rows) != num_sparse or any(not 1 <= r < 2**31 for r in rows):
+      raise ValueError(f"SyntheticCriteo: rows_per_feature={rows_per_feature!r}, expected one int "
+                       f"or {num_sparse} ints in [1, 2**31)")
+    if split not in SPLITS:
+      raise ValueError(f"SyntheticCriteo: split={split!r}, expected one of {tuple(SPLITS)}")
+    if batch_size < 1 or num_dense < 0 or num_sparse < 0 or zipf_alpha < 0:
+      raise ValueError(f"SyntheticCriteo: batch_size={batch_size}, num_dense={num_dense}, "
+                       f"num_sparse={num_sparse}, zipf_alpha={zipf_alpha}; expected >= 1, >= 0, "
+                       ">= 0, >= 0")
+    if not 0 <= shard_index < num_shards:
+      raise ValueError(f"SyntheticCriteo: shard_index={shard_index}, expected in [0, {num_shards})")
+    if num_batches is not None and num_batches < 0:
+      raise ValueError(f"SyntheticCriteo: num_batches={num_batches}, expected None or >= 0")
+    self.batch_size = int(batch_size)
+    self.spec = DataSpec(num_dense=num_dense,
+                         sparse_features=tuple(f"C{i + 1}" for i in range(num_sparse)),
+                         rows_per_feature=rows, max_ids_per_bag=1)
+    self.alpha = float(zipf_alpha)
+    self.seed = int(seed)
+    self.split = split
+    self._num_batches = num_batches
+    self.shard_index, self.num_shards = int(shard_index), int(num_shards)
+
+    # The hidden model: a function of the seed only, shared by both splits.
+    rng = np.random.default_rng([self.seed, 1000])
+    self._rows_F = np.array(rows, np.int64)
+    perms = [row_permutation(r, self.seed * 1_000_003 + f) for f, r in enumerate(rows)]
+    self._perm_a_F = np.array([p[0] for p in perms], np.int64)
+    self._perm_b_F = np.array([p[1] for p in perms], np.int64)
+    self._salt_F = rng.integers(0, 2**63, num_sparse, dtype=np.int64)
+    self._dense_mu = rng.uniform(0.0, 3.0, num_dense)
+    self._dense_sigma = rng.uniform(0.5, 1.5, num_dense)
+    self._w_dense = rng.standard_normal(num_dense)
+    self._sparse_mean = self._sparse_std = 0.0
+    self._dense_mean = self._dense_std = 0.0
+    self._bias = 0.0
+    self._calibrate()
+
+  # --- BatchSource --------------------------------------------------------------------------
+
+  @property
+  def num_batches(self) -> int | None:
+    return self._num_batches
+
+  def batches(self, start: int = 0) -> Iterator[SparseBatch]:
+    stop = self._num_batches
+    for k in (itertools.count(start) if stop is None else range(start, stop)):
+      yield self.batch(k)
+
+  def batch(self, k: int) -> SparseBatch:
+    """Batch number k of this split (of this shard: global batch k * num_shards + shard_index)."""
+    g = k * self.num_shards + self.shard_index
+    return self._draw(np.random.default_rng([self.seed, SPLITS[self.split], g]), self.batch_size)[0]
+
+  # --- the hidden model -------------------------------------------------------------------
+
+  def true_logits(self, batch: SparseBatch) -> np.ndarray:
+    """The logits [B] the labels of `batch` were drawn from (float64)."""
+    sparse, dense = self._raw_scores(batch.ids[:, :, 0], batch.dense)
+    return self._logit(sparse, dense)
+
+  def _raw_scores(self, ids_BF: np.ndarray, dense_BD: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sparse = _hash_uniform(self._salt_F, ids_BF).sum(1) * math.sqrt(3.0)  # unit-variance weights
+    dense = dense_BD.astype(np.float64) @ self._w_dense
+    return sparse, dense
+
+  def _logit(self, sparse: np.ndarray, dense: np.ndarray) -> np.ndarray:
+    z = (math.sqrt(SPARSE_SHARE) * (sparse - self._sparse_mean) / self._sparse_std
+         + math.sqrt(1.0 - SPARSE_SHARE) * (dense - self._dense_mean) / self._dense_std)
+    return LOGIT_SCALE * z + self._bias
+
+  def _calibrate(self) -> None:
+    """Standardizes both scores and sets the bias for a BASE_RATE positive rate."""
+    sample = self._draw(np.random.default_rng([self.seed, 1001]), 16384, labels=False)[1]
+    sparse, dense = sample
+    self._sparse_mean, self._sparse_std = sparse.mean(), max(sparse.std(), 1e-12)
+    self._dense_mean, self._dense_std = dense.mean(), max(dense.std(), 1e-12)
+    z = self._logit(sparse, dense) - self._bias
+    lo, hi = -20.0, 20.0
+    for _ in range(60):  # bisection: mean sigmoid(z + b) is increasing in b
+      mid = 0.5 * (lo + hi)
+      if np.mean(1.0 / (1.0 + np.exp(-(z + mid)))) < BASE_RATE:
+        lo = mid
+      else:
+        hi = mid
+    self._bias = 0.5 * (lo + hi)
+
+  def _draw(self, rng: np.random.Generator, B: int, labels: bool = True):
+    """One batch of B examples from rng, and its (sparse, dense) raw scores."""
+    F, Dn = len(self._rows_F), len(self._dense_mu)
+    ranks_BF = np.empty((B, F), np.int64)
+    for r in np.unique(self._rows_F):  # one inverse-CDF draw per distinct table size
+      cols = np.flatnonzero(self._rows_F == r)
+      ranks_BF[:, cols] = zipf_ranks(rng, int(r), (B, len(cols)), self.alpha)
+    ids_BF = ((ranks_BF * self._perm_a_F + self._perm_b_F) % self._rows_F).astype(np.int32)
+    counts = np.floor(np.exp(self._dense_mu + self._dense_sigma * rng.standard_normal((B, Dn))))
+    dense_BD = np.log1p(counts).astype(np.float32)
+    scores = self._raw_scores(ids_BF, dense_BD)
+    if not labels:
+      return None, scores
+    p = 1.0 / (1.0 + np.exp(-self._logit(*scores)))
+    y = (rng.random(B) < p).astype(np.float32)
+    batch = SparseBatch(dense=dense_BD, ids=ids_BF[:, :, None], lengths=np.ones((B, F), np.int32),
+                        labels=y, mask=np.ones(B, np.float32))
+    return batch, scores
