@@ -82,9 +82,14 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
   overrides = planner_lib.parse_overrides(cfg.sharding_overrides) if cfg.sharding_overrides else {}
   planner_lib.validate_overrides(overrides, tables)
   if cfg.sharding == "auto":
+    # A row-wise optimizer keeps one accumulator per row per column chunk under cw (as
+    # TorchRec does), which changes the update; auto plans keep it exact by leaving cw out.
+    kinds = None
+    if isinstance(optimizer, opt_lib.RowWiseAdagrad):
+      kinds = tuple(k for k in ShardingKind if k != ShardingKind.COLUMN_WISE)
     return planner_lib.plan(
         tables, num_devices, memory_budget_bytes=int(cfg.memory_budget_gb * 2**30),
-        batch_size=cfg.batch_size, overrides=overrides,
+        batch_size=cfg.batch_size, overrides=overrides, kinds=kinds,
         optimizer_state_bytes_per_row=optimizer.state_bytes_per_row)
   try:
     kind = ShardingKind(cfg.sharding)

@@ -118,6 +118,9 @@ class CostParams:
   activation_bytes: int = 4               # fp32 pooled sums and their gradients
   backward_factor: float = 2.0            # sparse update reads and writes each touched row
   dp_unique_rows: bool = True             # dp all-gathers deduplicated rows (False: all ids)
+  # Memory moves whole transactions: a row access costs at least this many bytes, so
+  # narrow column chunks are not free (a 16-byte chunk costs what a 64-byte row does).
+  min_access_bytes: int = 64
 
   def __post_init__(self):
     for f in ("hbm_bandwidth", "interconnect_bandwidth"):
@@ -262,6 +265,8 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   R, D, P = table.num_rows, table.dim, table.pooling_factor
   s, ib, a = STORAGE_BYTES[table.storage], cp.id_bytes, cp.activation_bytes
   X = lambda w: ib * P + 2 * a * w
+  # Elements a row access of width w costs, rounded up to the memory transaction size.
+  E = lambda w: max(w, cp.min_access_bytes / s)
   devs = placement.devices
   if any(not 0 <= d < N for d in devs):
     raise ValueError(f"table {table.name!r}: devices {devs} outside 0..{N - 1}")
@@ -271,8 +276,8 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   if kind == DP:
     U = min(b * P, R) if cp.dp_unique_rows else b * P
     mem[:] = R * (D * s + int(o(D)))
-    fwd[:] = b * P * D
-    bwd[:] = min(B * P, R) * D
+    fwd[:] = b * P * E(D)
+    bwd[:] = min(B * P, R) * E(D)
     comm[:] = 2 * (N - 1) * U * (a * D + ib)
   elif kind in (TW, CW):
     widths = (D,) if kind == TW else column_chunk_widths(D, len(devs))
@@ -280,8 +285,8 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
       raise ValueError(f"table {table.name!r}: tw placement needs 1 device, got {devs}")
     for d, w in zip(devs, widths):
       mem[d] += R * (w * s + int(o(w)))
-      fwd[d] += B * P * w
-      bwd[d] += min(B * P, R) * w
+      fwd[d] += B * P * E(w)
+      bwd[d] += min(B * P, R) * E(w)
       comm += b * X(w)                      # every other device: send ids, get sums back
       comm[d] += (N - 1) * b * X(w) - b * X(w)
   elif kind in (RW, TWRW):
@@ -292,8 +297,8 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
       comm += g * b * X(D)                  # non-members: ids to and sums from g members
     for d, r in zip(devs, row_shard_sizes(R, g)):
       mem[d] += r * (D * s + int(o(D)))
-      fwd[d] += B * P * D * r / R
-      bwd[d] += min(B * P * r / R, r) * D
+      fwd[d] += B * P * E(D) * r / R
+      bwd[d] += min(B * P * r / R, r) * E(D)
       if kind == RW:
         comm[d] = 2 * (N - 1) * b * ib * P + 4 * (N - 1) / N * B * a * D
       else:

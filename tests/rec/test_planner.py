@@ -61,7 +61,18 @@ def test_storage_and_optimizer_bytes_match_the_embedding_modules():
 
 def _cost(kind, devices, table=None, N=4, B=16, **kw):
   table = table or TableConfig("t", 100, 8, pooling_factor=2.0)
+  kw.setdefault("cost_params", pl.CostParams(min_access_bytes=0))   # hand numbers: bytes as is
   return pl.placement_cost(table, pl.TablePlacement(kind, devices), N, B, **kw)
+
+
+def test_min_access_bytes_charges_narrow_rows():
+  # 32-byte rows (dim 8, fp32) cost a 64-byte transaction each: twice the elements.
+  full = _cost(TW, (1,), cost_params=pl.CostParams(min_access_bytes=0))
+  rounded = _cost(TW, (1,), cost_params=pl.CostParams(min_access_bytes=64))
+  np.testing.assert_allclose(rounded.lookup_elems, 2 * full.lookup_elems)
+  # Four chunks of 2 columns cost 4 transactions per id where tw costs one.
+  cw = _cost(CW, (0, 1, 2, 3), cost_params=pl.CostParams(min_access_bytes=64))
+  assert cw.lookup_elems.sum() == pytest.approx(4 * rounded.lookup_elems.sum())
 
 
 def test_cost_model_by_hand():
