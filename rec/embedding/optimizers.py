@@ -61,10 +61,11 @@ def dedup_gradients(idx_M: jax.Array, grads_MD: jax.Array, valid_M: jax.Array,
   m = idx_M.shape[0]
   ok_M = valid_M & (idx_M >= 0) & (idx_M < num_rows)
   idx_M = jnp.where(ok_M, idx_M, num_rows).astype(jnp.int32)
-  # where (not multiply) so that NaN / inf in padding gradients cannot leak into a sum.
-  grads_MD = jnp.where(ok_M[:, None], grads_MD, 0).astype(jnp.float32)
   uniq_M, inv_M = jnp.unique(idx_M, size=m, fill_value=num_rows, return_inverse=True)
-  summed_MD = jax.ops.segment_sum(grads_MD, inv_M.reshape(m), num_segments=m)
+  # Padding rows go to segment m, which segment_sum drops: they are never added (so NaN or
+  # inf in padding gradients cannot leak) and no separate masking pass over [M, D] is needed.
+  seg_M = jnp.where(ok_M, inv_M.reshape(m), m)
+  summed_MD = jax.ops.segment_sum(grads_MD.astype(jnp.float32), seg_M, num_segments=m)
   return uniq_M, summed_MD, uniq_M < num_rows
 
 
