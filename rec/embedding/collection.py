@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
+from core.ops import take_columns
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import storage as storage_lib
 from rec.embedding.config import ShardingKind, TableConfig
@@ -221,18 +222,30 @@ class EmbeddingCollection:
         rows_dev[d] = acc
       g.rows_per_device = int(max(1, rows_dev.max()))
       g.offsets = [shard_off[id(sh)] for sh in g.shards]
-      # Combine map: pooled partial of (device d, slot s) lands in feature feat[d, s],
-      # columns [col, col + ncol) of the feature's D.
-      j_feat = feat.reshape(-1)
-      onehot = np.zeros((N * S, F), np.float32)
-      onehot[j_feat >= 0, j_feat[j_feat >= 0]] = 1.0
-      cidx = np.full((N * S, g.dim), g.width, np.int32)   # g.width = the zero column
+      # Combine maps over the flat [B, N*S*W] pooled partials (slot j = d*S + s holds
+      # feature feat[d, s], columns [col, col + ncol)). When every output column has one
+      # source (tw, cw) the combine is a pure column selection; row shards (twrw) are
+      # placed into full width and summed per feature.
+      j_feat, j_col, j_ncol = feat.reshape(-1), col.reshape(-1), ncol.reshape(-1)
+      sources = np.zeros((F, g.dim), np.int64)
+      select = np.full((F, g.dim), -1, np.int64)
+      place = np.full((N * S, g.dim), -1, np.int64)
       for j in range(N * S):
-        if j_feat[j] >= 0:
-          c0, nc = col.reshape(-1)[j], ncol.reshape(-1)[j]
-          cidx[j, c0:c0 + nc] = np.arange(nc)
-      g.maps.update(feat=feat, start=start, end=end, offset=offset, mean=mean,
-                    combine=onehot, colidx=cidx)
+        f = j_feat[j]
+        if f < 0:
+          continue
+        cols = np.arange(j_col[j], j_col[j] + j_ncol[j])
+        src = j * g.width + np.arange(j_ncol[j])
+        sources[f, cols] += 1
+        select[f, cols] = src
+        place[j, cols] = src
+      if (sources == 1).all():
+        g.maps["select"] = select.reshape(-1)
+      else:
+        onehot = np.zeros((N * S, F), np.float32)
+        onehot[j_feat >= 0, j_feat[j_feat >= 0]] = 1.0
+        g.maps.update(place=place.reshape(-1), combine=onehot)
+      g.maps.update(feat=feat, start=start, end=end, offset=offset, mean=mean)
 
   # ------------------------------------------------------------------- state
 
@@ -459,9 +472,11 @@ class EmbeddingCollection:
     partial = partial.reshape(N, -1, S, g.width)
     back = jax.lax.all_to_all(partial, self.axes, 0, 0)          # [N_owner, B_l, S, W]
     b = back.shape[1]
-    flat = jnp.transpose(back, (1, 0, 2, 3)).reshape(b, N * S, g.width)
-    flat = jnp.pad(flat, ((0, 0), (0, 0), (0, 1)))               # zero column at index W
-    placed = jnp.take_along_axis(flat, jnp.asarray(g.maps["colidx"])[None], axis=2)
+    flat = jnp.transpose(back, (1, 0, 2, 3)).reshape(b, N * S * g.width)
+    F = len(g.features)
+    if "select" in g.maps:
+      return take_columns(flat, tuple(g.maps["select"].tolist())).reshape(b, F, g.dim)
+    placed = take_columns(flat, tuple(g.maps["place"].tolist())).reshape(b, N * S, g.dim)
     return jnp.einsum("bjd,jf->bfd", placed, jnp.asarray(g.maps["combine"]))
 
   def apply_gradients(self, state: dict[str, Any], lookup: Lookup,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from core.ops import take_columns
+
 
 def tril_indices(n: int, self_interaction: bool = False) -> tuple[np.ndarray, np.ndarray]:
   """Row and column of each kept pair, in the DLRM reference order.
@@ -44,8 +46,9 @@ def dot_interaction(dense_BD, emb_BFD, self_interaction: bool = False):
                        f"{emb_BFD.shape[-1]}; the bottom MLP must end at the embedding dim")
     z_BND = jnp.concatenate([dense_BD[:, None, :], emb_BFD], axis=1)
   z_BNN = jnp.einsum("bnd,bmd->bnm", z_BND, z_BND)
-  li, lj = tril_indices(z_BND.shape[1], self_interaction)
-  flat_BP = z_BNN[:, li, lj]
+  n = z_BND.shape[1]
+  li, lj = tril_indices(n, self_interaction)
+  flat_BP = take_columns(z_BNN.reshape(z_BNN.shape[0], n * n), tuple((li * n + lj).tolist()))
   if dense_BD is None:
     return flat_BP
   return jnp.concatenate([dense_BD, flat_BP], axis=1)

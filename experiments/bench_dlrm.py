@@ -1,0 +1,135 @@
+r"""DLRM training throughput (examples/s), side by side with TorchRec + FBGEMM on CPU.
+
+  python -m experiments.bench_dlrm                                   # ours only
+  python -m experiments.bench_dlrm --peer_python=$PEER_PYTHON       # + TorchRec, interleaved
+
+The Criteo Kaggle architecture (arXiv 1906.00091): 26 tables of 100,000 rows, dim 16,
+bottom 13-512-256-64-16, dot interaction, top 512-256-1; batch 2048; Zipf(1.05) one-hot
+ids; row-wise Adagrad on embeddings, Adagrad on the dense part, both lr 0.1. Timed: the
+full train step (forward, backward, dense and sparse updates) over a pool of 8 batches
+generated before timing, as the peer script does. With --peer_python (a Python with
+torch, torchrec and fbgemm-gpu-cpu; see experiments/peers/README.md) the rounds alternate:
+ours, then TorchRec's `experiments/peers/torchrec_dlrm.py`, so both see the same machine
+state. Reports medians over all repeats and their ratio; writes results.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("batch_size", 2048, "Global batch.")
+flags.DEFINE_integer("rows", 100_000, "Rows per table.")
+flags.DEFINE_integer("steps", 30, "Steps per timed repeat.")
+flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
+flags.DEFINE_integer("rounds", 3, "Rounds; each runs ours then the peer.")
+flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+flags.DEFINE_string("peer_python", "", "Python of the TorchRec environment; empty: skip the peer.")
+flags.DEFINE_string("mesh", "-1", "Mesh for our run.")
+flags.DEFINE_string("sharding", "tw", "Embedding sharding for our run.")
+flags.DEFINE_string("workdir", "runs/bench_dlrm", "Where results.json and the plot go.")
+
+
+def build_ours(batch_size: int, rows: int, mesh: str, sharding: str):
+  """(jitted donated step, state, pool of device batches) for the benchmark config."""
+  import jax
+
+  from rec import configs
+
+  cfg = configs.RecRunConfig(model="dlrm", preset="kaggle", data="synthetic", num_rows=rows,
+                             mesh=mesh, batch_size=batch_size, eval_batch_size=batch_size,
+                             dense_optimizer="adagrad", learning_rate=0.1,
+                             sparse_optimizer="rowwise_adagrad", embedding_learning_rate=0.1,
+                             sharding=sharding)
+  task, train_src, _, _, _ = configs.build_run(cfg)
+  pool = [task.device_batch(train_src.batch(k)) for k in range(8)]
+  state = task.init_state(0)
+  step = jax.jit(task.train_step, donate_argnums=0)
+  return step, state, pool
+
+
+def time_ours(step, state, pool, steps: int, repeats: int, warmup: int = 5):
+  import jax
+  from core import benchmark
+
+  i = [0]
+
+  def one(s):
+    b = pool[i[0] % len(pool)]
+    i[0] += 1
+    s, _ = step(s, b)
+    return s
+
+  per_step, state = benchmark.time_steps(one, state, steps, repeats, warmup)
+  return per_step, state
+
+
+def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: int, threads: int):
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torchrec_dlrm.py")
+  cmd = [peer_python, script, "--batch_size", str(batch_size), "--rows", str(rows),
+         "--steps", str(steps), "--repeats", str(repeats), "--threads", str(threads), "--lr", "0.1"]
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if out.returncode:
+    raise RuntimeError(f"peer run failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from core import benchmark
+
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  B = FLAGS.batch_size
+  step, state, pool = build_ours(B, FLAGS.rows, FLAGS.mesh, FLAGS.sharding)
+  ours, peer, peer_info = [], [], None
+  for r in range(FLAGS.rounds):
+    per_step, state = time_ours(step, state, pool, FLAGS.steps, FLAGS.repeats)
+    ours += [B / t for t in per_step]
+    print(f"round {r}: ours     {', '.join(f'{B / t:,.0f}' for t in per_step)} ex/s", flush=True)
+    if FLAGS.peer_python:
+      peer_info = run_peer(FLAGS.peer_python, B, FLAGS.rows, FLAGS.steps, FLAGS.repeats, FLAGS.threads)
+      peer += peer_info["examples_per_sec_all"]
+      print(f"round {r}: torchrec {', '.join(f'{x:,.0f}' for x in peer_info['examples_per_sec_all'])} ex/s",
+            flush=True)
+  summary = {"batch_size": B, "rows": FLAGS.rows, "ours_examples_per_sec_median": benchmark.median(ours)}
+  if peer:
+    summary["torchrec_examples_per_sec_median"] = benchmark.median(peer)
+    summary["ours_over_torchrec"] = summary["ours_examples_per_sec_median"] / summary["torchrec_examples_per_sec_median"]
+  print(f"\n{'':10}{'median ex/s':>14}{'all repeats':>14}")
+  print(f"{'ours':10}{summary['ours_examples_per_sec_median']:>14,.0f}{len(ours):>14}")
+  if peer:
+    print(f"{'torchrec':10}{summary['torchrec_examples_per_sec_median']:>14,.0f}{len(peer):>14}")
+    print(f"ours / torchrec = {summary['ours_over_torchrec']:.2f}")
+  results = {"summary": summary, "ours_all": ours, "torchrec_all": peer, "peer": peer_info,
+             "machine": benchmark.machine(), "config": {"steps": FLAGS.steps, "repeats": FLAGS.repeats,
+                                                         "rounds": FLAGS.rounds, "mesh": FLAGS.mesh,
+                                                         "sharding": FLAGS.sharding}}
+  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    names = ["ours (JAX)"] + (["TorchRec + FBGEMM"] if peer else [])
+    vals = [ours] + ([peer] if peer else [])
+    ax.boxplot(vals, tick_labels=names)
+    ax.set(ylabel="train examples / s", title=f"DLRM Kaggle config, batch {B}, CPU")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FLAGS.workdir, "bench_dlrm.png"), dpi=110)
+    plt.close(fig)
+  except Exception as e:  # the numbers matter more than the picture
+    print(f"plot skipped: {e}", file=sys.stderr)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  app.run(main)
