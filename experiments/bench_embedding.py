@@ -53,7 +53,7 @@ def make_steps(num_rows: int, dim: int, batch: int, pooling: int, alpha: float, 
   target = jnp.asarray(rng.normal(size=(batch, 1, dim)).astype(np.float32))
   lr = 0.01
 
-  def loss_of(emb_BFD):
+  def loss_of(emb_BFD, target):
     return 0.5 * jnp.mean(jnp.sum((emb_BFD - target) ** 2, axis=-1))
 
   mesh = mesh_lib.make_mesh("data:1", jax.devices()[:1])
@@ -61,29 +61,33 @@ def make_steps(num_rows: int, dim: int, batch: int, pooling: int, alpha: float, 
   sparse_opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", lr)
   coll = EmbeddingCollection([table], {"t": TablePlacement("tw", (0,))}, mesh, sparse_opt)
 
-  def sparse_step(state):
+  # The batch is an argument, as in training (a closed-over constant batch lets XLA fold
+  # the id handling away and time something training never runs).
+  def sparse_step(state, ids, lengths, target):
     emb_state, step = state
     lookup = coll.gather(emb_state, ids, lengths)
-    g = jax.grad(lambda rows: loss_of(coll.pool(lookup, rows)))(lookup.rows)
+    g = jax.grad(lambda part: loss_of(coll.pool(lookup, part), target))(lookup.partial)
     return coll.apply_gradients(emb_state, lookup, g, step), step + 1
 
   out = {}
   full = coll.init_tables(jax.random.key(seed))["t"]
   if "sparse" in FLAGS.paths:
-    out["sparse"] = (jax.jit(sparse_step, donate_argnums=0),
+    fn = jax.jit(sparse_step, donate_argnums=0)
+    out["sparse"] = (lambda st: fn(st, ids, lengths, target),
                      (coll.from_tables({"t": full}), jnp.int32(0)))
   if "naive" in FLAGS.paths:
     tx = optax.adagrad(lr)
     flat_ids = ids.reshape(batch, pooling)
 
-    def naive_step(state):
+    def naive_step(state, flat_ids, target):
       w, opt_state = state
-      g = jax.grad(lambda w: loss_of(jnp.take(w, flat_ids, axis=0).sum(1)[:, None]))(w)
+      g = jax.grad(lambda w: loss_of(jnp.take(w, flat_ids, axis=0).sum(1)[:, None], target))(w)
       updates, opt_state = tx.update(g, opt_state, w)
       return optax.apply_updates(w, updates), opt_state
 
     w = jnp.asarray(full)
-    out["naive"] = (jax.jit(naive_step, donate_argnums=0), (w, tx.init(w)))
+    nfn = jax.jit(naive_step, donate_argnums=0)
+    out["naive"] = (lambda st: nfn(st, flat_ids, target), (w, tx.init(w)))
   return out
 
 

@@ -4,7 +4,8 @@ One train step: the collection gathers the rows the batch needs (input distribut
 pools them (output distribution), the dense model (DLRM, logistic regression, ...) turns
 dense features and pooled embeddings into logits; one backward pass gives gradients for
 the dense parameters (updated by optax, all-reduced over the batch axes by XLA) and for the
-gathered rows (updated by a sparse row-wise optimizer on the rows the batch touched).
+embedding bag sums, from which the collection updates the rows the batch touched with a
+sparse row-wise optimizer.
 """
 
 from __future__ import annotations
@@ -94,26 +95,26 @@ class RecTask:
     return model(dense, emb_BFD)
 
   def loss_and_grads(self, state, batch: SparseBatch):
-    """Mean BCE over real examples; grads w.r.t. dense params and gathered rows."""
+    """Mean BCE over real examples; grads w.r.t. dense params and the embedding bag sums."""
     coll = self.collection
     lookup = coll.gather(state["emb"], batch.ids, batch.lengths, batch.weights)
 
-    def loss_fn(params, rows):
-      emb_BFD = coll.pool(lookup, rows)
+    def loss_fn(params, partial):
+      emb_BFD = coll.pool(lookup, partial)
       logits = self.logits(params, batch.dense, emb_BFD)
       per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
       loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
       return loss, logits
 
-    (loss, logits), (g_params, g_rows) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.rows)
-    return loss, logits, lookup, g_params, g_rows
+    (loss, logits), (g_params, g_partial) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
+    return loss, logits, lookup, g_params, g_partial
 
   def train_step(self, state, batch: SparseBatch):
-    loss, _, lookup, g_params, g_rows = self.loss_and_grads(state, batch)
+    loss, _, lookup, g_params, g_partial = self.loss_and_grads(state, batch)
     updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    emb = self.collection.apply_gradients(state["emb"], lookup, g_rows, state["step"])
+    emb = self.collection.apply_gradients(state["emb"], lookup, g_partial, state["step"])
     new = {"step": state["step"] + 1, "params": params, "opt": opt, "emb": emb}
     return new, {"loss": loss}
 

@@ -39,7 +39,7 @@ Data (generated before timing; a pool of `--pool` batches is cycled):
 Shape letters: B batch, F sparse features (tables), D embedding dim.
 
 Example (2 threads, defaults):
-  /work/trenv/bin/python experiments/peers/torchrec_dlrm.py
+  $PEER/bin/python experiments/peers/torchrec_dlrm.py   # PEER: the TorchRec venv
 Prints one human line per timed repeat and, last, one JSON line.
 """
 

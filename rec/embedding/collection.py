@@ -8,15 +8,17 @@ FBGEMM's table-batched embeddings.
 
 A train step runs in three phases, so that gradients reach only the rows a batch touched:
 
-  lookup = collection.gather(tables, ids, lengths, weights)   # input dist + row gather
-  emb_BFD = collection.pool(lookup, rows)                     # pooling + output dist
-  ... loss, grads w.r.t. dense params and w.r.t. `rows` ...
-  tables = collection.apply_gradients(tables, lookup, row_grads, step)
+  lookup = collection.gather(tables, ids, lengths, weights)   # input dist, gather, bag sums
+  emb_BFD = collection.pool(lookup, partial)                  # output dist (+ combine)
+  ... loss, grads w.r.t. dense params and w.r.t. `partial` (the per-device bag sums) ...
+  tables = collection.apply_gradients(tables, lookup, partial_grads, step)
 
-`pool` is differentiable in `rows`; its communication transposes under autodiff (all-to-all
-to all-to-all, reduce-scatter to all-gather), so the row gradients arrive on the devices
-that own the rows. `apply_gradients` dedups ids, sums their gradients and applies a sparse
-row-wise optimizer (`rec.embedding.optimizers`) to the touched rows only.
+`pool` is differentiable in the bag sums; its communication transposes under autodiff
+(all-to-all to all-to-all, reduce-scatter to all-gather), so their gradients arrive on the
+devices that own the rows. As in FBGEMM's backward, the gradient of each looked-up id is
+its pooling coefficient times its bag's gradient; `apply_gradients` forms those, sums
+them per row (dedup) and applies a sparse row-wise optimizer (`rec.embedding.optimizers`)
+to the touched rows only, without materializing per-id rows for autodiff.
 
 Communication per pattern (N devices, batch split over all of them):
 - dp:  lookup local, no forward communication; the update all-gathers (ids, grads) so every
@@ -47,6 +49,12 @@ from rec.embedding import optimizers as opt_lib
 from rec.embedding import storage as storage_lib
 from rec.embedding.config import ShardingKind, TableConfig
 from rec.embedding.planner import Plan, TablePlacement
+
+
+def _bag_sum(coef_XL, rows_XLW):
+  """Weighted sum over the bag axis L, as multiply + reduce so that XLA fuses it with the
+  row gather (an einsum would be a batched matmul of tiny [1, L] x [L, W] dots)."""
+  return jnp.sum(rows_XLW * coef_XL[..., None], axis=-2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +90,15 @@ class _Group:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Lookup:
-  """Per-group results of `gather`: device-local rows and what `pool` and the update need.
+  """Per-group results of `gather`: each device's bag sums and what the update needs.
 
   Arrays have a leading dimension that concatenates the devices' local blocks.
   """
 
-  rows: dict[str, jax.Array]    # [..., L, W] float32 gathered rows
-  coef: dict[str, jax.Array]    # [..., L] pooling coefficient (weight * valid / len)
-  index: dict[str, jax.Array]   # [..., L] int32 local row in the device buffer
-  valid: dict[str, jax.Array]   # [..., L] bool
+  partial: dict[str, jax.Array]  # [..., W] float32 bag sums of this device's rows
+  coef: dict[str, jax.Array]     # [..., L] pooling coefficient (weight * valid / len)
+  index: dict[str, jax.Array]    # [..., L] int32 local row in the device buffer
+  valid: dict[str, jax.Array]    # [..., L] bool
 
 
 class EmbeddingCollection:
@@ -379,9 +387,10 @@ class EmbeddingCollection:
           mesh=self.mesh,
           in_specs=(self._specs(g), bspec, bspec, bspec, in_maps_spec),
           out_specs=(bspec,) * 4, check_vma=False)
-      rows, coef, index, valid = f(state[name]["table"], gi, gl, gw,
-                                   {k: jnp.asarray(v) for k, v in maps.items()})
-      out.rows[name], out.coef[name], out.index[name], out.valid[name] = rows, coef, index, valid
+      partial, coef, index, valid = f(state[name]["table"], gi, gl, gw,
+                                      {k: jnp.asarray(v) for k, v in maps.items()})
+      out.partial[name], out.coef[name], out.index[name], out.valid[name] = (
+          partial, coef, index, valid)
     return out
 
   @staticmethod
@@ -394,9 +403,8 @@ class EmbeddingCollection:
     L = ids.shape[-1]
     live = jnp.arange(L) < lengths[..., None]                  # [B_l, F, L]
     index = jnp.where(live, ids + maps["offset"][None, :, None], 0)
-    rows = storage.gather(tbl, index)
     coef = self._coef(live, w, lengths, jnp.asarray(mean)[None, :])
-    return rows, coef, index, live
+    return _bag_sum(coef, storage.gather(tbl, index, clip=True)), coef, index, live
 
   def _gather_rw(self, g, storage, tbl, ids, lengths, w, maps, mean):
     ax = self.axes
@@ -408,9 +416,8 @@ class EmbeddingCollection:
     live = jnp.arange(L) < lengths[..., None]
     valid = live & (ids >= start[None, :, None]) & (ids < end[None, :, None])
     index = jnp.where(valid, ids - start[None, :, None] + off[None, :, None], 0)
-    rows = storage.gather(tbl, index)
     coef = self._coef(valid, w, lengths, jnp.asarray(mean)[None, :])
-    return rows, coef, index, valid
+    return _bag_sum(coef, storage.gather(tbl, index, clip=True)), coef, index, valid
 
   def _gather_a2a(self, g, storage, tbl, ids, lengths, w, maps, mean):
     ax = self.axes
@@ -430,45 +437,43 @@ class EmbeddingCollection:
     live = jnp.arange(L) < r_len[..., None]
     valid = live & (r_ids >= start[:, None]) & (r_ids < end[:, None])
     index = jnp.where(valid, r_ids - start[:, None] + off[:, None], 0)
-    rows = storage.gather(tbl, index)                           # [N_src, B_l, S, L, W]
     coef = self._coef(valid, r_w, r_len, mean_s[None, None, :])
-    n, b = rows.shape[:2]
+    partial = _bag_sum(coef, storage.gather(tbl, index, clip=True))       # [N_src, B_l, S, W]
+    n, b = index.shape[:2]
     flat = lambda x: x.reshape((n * b,) + x.shape[2:])
-    return flat(rows), flat(coef), flat(index), flat(valid)
+    return flat(partial), flat(coef), flat(index), flat(valid)
 
-  def pool(self, lookup: Lookup, rows: dict[str, jax.Array] | None = None) -> jax.Array:
-    """Pooling and output distribution -> emb_BFD [B, F, D] (all tables share D).
+  def pool(self, lookup: Lookup, partial: dict[str, jax.Array] | None = None) -> jax.Array:
+    """Output distribution of the bag sums -> emb_BFD [B, F, D] (all tables share D).
 
-    Differentiable in `rows` (defaults to lookup.rows): pass rows explicitly to take
-    gradients with respect to them.
+    Differentiable in `partial` (defaults to lookup.partial): pass it explicitly to take
+    gradients with respect to it, for `apply_gradients`.
     """
-    rows = lookup.rows if rows is None else rows
+    partial = lookup.partial if partial is None else partial
     if len(self.dims) != 1:
       raise ValueError(f"pool() stacks features into [B, F, D], but table dims differ: {self.dims}")
     outs, order = [], []
     bspec = P(self.axes)
     for name, g in self.groups.items():
       fn = getattr(self, f"_pool_{g.comm}")
-      f = jax.shard_map(lambda r, c, g=g, fn=fn: fn(g, r, c), mesh=self.mesh,
-                        in_specs=(bspec, bspec), out_specs=bspec, check_vma=False)
-      outs.append(f(rows[name], lookup.coef[name]))
+      f = jax.shard_map(lambda x, g=g, fn=fn: fn(g, x), mesh=self.mesh,
+                        in_specs=bspec, out_specs=bspec, check_vma=False)
+      outs.append(f(partial[name]))
       order.extend(g.features)
     emb = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     perm = np.argsort(np.asarray(order))
     return emb if np.array_equal(perm, np.arange(len(perm))) else emb[:, perm]
 
   @staticmethod
-  def _pool_dp(g, rows, coef):
-    return jnp.einsum("bfl,bfld->bfd", coef, rows)
+  def _pool_dp(g, partial):
+    return partial
 
-  def _pool_rw(self, g, rows, coef):
-    partial = jnp.einsum("bfl,bfld->bfd", coef, rows)             # [B_g, F, W]
+  def _pool_rw(self, g, partial):                                   # [B_g, F, W]
     return jax.lax.psum_scatter(partial, self.axes, scatter_dimension=0, tiled=True)
 
-  def _pool_a2a(self, g, rows, coef):
+  def _pool_a2a(self, g, partial):                                  # [N_src*B_l, S, W]
     N = self.num_devices
     S = g.maps["feat"].shape[1]
-    partial = jnp.einsum("ksl,ksld->ksd", coef, rows)            # [N_src*B_l, S, W]
     partial = partial.reshape(N, -1, S, g.width)
     back = jax.lax.all_to_all(partial, self.axes, 0, 0)          # [N_owner, B_l, S, W]
     b = back.shape[1]
@@ -479,9 +484,16 @@ class EmbeddingCollection:
     placed = take_columns(flat, tuple(g.maps["place"].tolist())).reshape(b, N * S, g.dim)
     return jnp.einsum("bjd,jf->bfd", placed, jnp.asarray(g.maps["combine"]))
 
+  @staticmethod
+  def _id_grads(coef, partial_grad):
+    """Per-id gradient rows [M, W]: each id's coefficient times its bag's gradient."""
+    W = partial_grad.shape[-1]
+    return (coef[..., None] * partial_grad[..., None, :]).reshape(-1, W)
+
   def apply_gradients(self, state: dict[str, Any], lookup: Lookup,
-                      row_grads: dict[str, jax.Array], step: jax.Array) -> dict[str, Any]:
-    """Sparse optimizer step on the rows each device's lookup touched."""
+                      partial_grads: dict[str, jax.Array], step: jax.Array) -> dict[str, Any]:
+    """Sparse optimizer step on the rows each device's lookup touched, from the gradients
+    of the bag sums (`pool`'s input)."""
     new = {}
     bspec = P(self.axes)
     for name, g in self.groups.items():
@@ -489,9 +501,9 @@ class EmbeddingCollection:
       spec = self._specs(g)
       sspec = jax.tree.map(lambda _: spec, state[name])
 
-      def upd(st, index, valid, grads, step, g=g, storage=storage):
-        W = grads.shape[-1]
-        index, valid, grads = index.reshape(-1), valid.reshape(-1), grads.reshape(-1, W)
+      def upd(st, index, valid, coef, pgrad, step, g=g, storage=storage):
+        grads = self._id_grads(coef, pgrad)
+        index, valid = index.reshape(-1), valid.reshape(-1)
         if g.comm == "dp":  # replicas apply the same update from everyone's ids
           index = jax.lax.all_gather(index, self.axes, axis=0, tiled=True)
           valid = jax.lax.all_gather(valid, self.axes, axis=0, tiled=True)
@@ -500,35 +512,35 @@ class EmbeddingCollection:
         return {"table": tbl, "opt": opt}
 
       f = jax.shard_map(upd, mesh=self.mesh,
-                        in_specs=(sspec, bspec, bspec, bspec, P()),
+                        in_specs=(sspec, bspec, bspec, bspec, bspec, P()),
                         out_specs=sspec, check_vma=False)
-      new[name] = f(state[name], lookup.index[name], lookup.valid[name], row_grads[name], step)
+      new[name] = f(state[name], lookup.index[name], lookup.valid[name], lookup.coef[name],
+                    partial_grads[name], step)
     return new
 
-  def dense_gradients(self, lookup: Lookup, row_grads: dict[str, jax.Array]) -> dict[str, np.ndarray]:
-    """Full per-table gradients [rows, dim] (host numpy) from row gradients; for tests and
-    debugging: training never materializes them."""
+  def dense_gradients(self, lookup: Lookup, partial_grads: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Full per-table gradients [rows, dim] (host numpy) from the bag-sum gradients; for
+    tests and debugging: training never materializes them."""
     if not hasattr(self, "_dense_grads_fn"):
       bspec = P(self.axes)
 
-      def scatter_all(index, valid, grads):
+      def scatter_all(index, valid, coef, pgrads):
         bufs = {}
         for name, g in self.groups.items():
           rows = self._buffer_rows(g) // (1 if g.comm == "dp" else self.num_devices)
 
-          def scat(index, valid, grads, rows=rows, g=g):
-            W = grads.shape[-1]
-            gr = jnp.where(valid.reshape(-1)[:, None], grads.reshape(-1, W), 0.0)
-            out = jnp.zeros((rows, W), jnp.float32).at[index.reshape(-1)].add(gr)
+          def scat(index, valid, coef, pgrad, rows=rows, g=g):
+            gr = jnp.where(valid.reshape(-1)[:, None], self._id_grads(coef, pgrad), 0.0)
+            out = jnp.zeros((rows, gr.shape[-1]), jnp.float32).at[index.reshape(-1)].add(gr)
             return jax.lax.psum(out, self.axes) if g.comm == "dp" else out
 
-          f = jax.shard_map(scat, mesh=self.mesh, in_specs=(bspec,) * 3,
+          f = jax.shard_map(scat, mesh=self.mesh, in_specs=(bspec,) * 4,
                             out_specs=self._specs(g), check_vma=False)
-          bufs[name] = {"table": {"rows": f(index[name], valid[name], grads[name])}}
+          bufs[name] = {"table": {"rows": f(index[name], valid[name], coef[name], pgrads[name])}}
         return bufs
 
       self._dense_grads_fn = jax.jit(scatter_all)
-    bufs = self._dense_grads_fn(lookup.index, lookup.valid, row_grads)
+    bufs = self._dense_grads_fn(lookup.index, lookup.valid, lookup.coef, partial_grads)
     fp32 = storage_lib.get_storage("fp32")
     return self._unpack({n: fp32 for n in self.groups}, bufs)
 

@@ -48,8 +48,13 @@ class RowStorage(abc.ABC):
     """State holding the float32 rows `rows_ND` converted to this format (traceable)."""
 
   @abc.abstractmethod
-  def gather(self, state: StorageState, idx: jax.Array) -> jax.Array:
-    """Rows at `idx` (any shape) as float32 `[*idx.shape, D]`; out-of-range ids give zeros."""
+  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
+    """Rows at `idx` (any shape) as float32 `[*idx.shape, D]`; out-of-range ids give zeros.
+
+    clip=True clamps ids into [0, N) instead (so an out-of-range id reads a real row):
+    for callers whose out-of-range ids are padding they mask themselves. It skips the
+    per-element bounds select, which on CPU costs as much as the gather.
+    """
 
   @abc.abstractmethod
   def scatter(self, state: StorageState, idx: jax.Array, rows_UD: jax.Array, *,
@@ -93,9 +98,12 @@ class _DenseRowStorage(RowStorage):
   def from_float(self, rows_ND: jax.Array) -> StorageState:
     return {"rows": self._from_f32(jnp.asarray(rows_ND, jnp.float32))}
 
-  def gather(self, state: StorageState, idx: jax.Array) -> jax.Array:
+  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
     rows = state["rows"]
     n = rows.shape[0]
+    if clip:
+      out = rows.at[jnp.clip(idx, 0, n - 1)].get(mode="promise_in_bounds")
+      return out.astype(jnp.float32)
     # jnp.take wraps negative ids numpy-style even in "fill" mode (-1 would read row N-1);
     # send them to N so that they read zeros like any other out-of-range id.
     idx = jnp.where(idx < 0, n, idx)

@@ -55,11 +55,11 @@ def _run(mesh, plan, opt, steps=5):
   def step(state, s):
     lk = coll.gather(state, bi, bl, bw)
 
-    def loss(rows):
-      emb = coll.pool(lk, rows)
+    def loss(partial):
+      emb = coll.pool(lk, partial)
       return jnp.sum((emb - bt) ** 2 * jnp.arange(1, 9)), emb
 
-    (_, emb), g = jax.value_and_grad(loss, has_aux=True)(lk.rows)
+    (_, emb), g = jax.value_and_grad(loss, has_aux=True)(lk.partial)
     return coll.apply_gradients(state, lk, g, s), emb, lk, g
 
   embs, grads = [], []
