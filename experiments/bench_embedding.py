@@ -102,7 +102,7 @@ def run(rows, pooling, dim, batch, steps, repeats, alpha):
       steps_fns = make_steps(R, dim, batch, P, alpha)
       for path, (fn, state) in list(steps_fns.items()):
         reps = repeats if not (path == "naive" and R >= 10**7) else max(2, repeats // 2)
-        times, state = benchmark.time_steps(fn, state, steps, reps)
+        times, state = benchmark.time_steps(fn, state, steps, reps, warmup=2)
         med = benchmark.median(times)
         results.append({"rows": R, "pooling": P, "path": path, "median_ms": 1e3 * med,
                         "all_ms": [1e3 * t for t in times]})

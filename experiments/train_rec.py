@@ -83,7 +83,9 @@ def main(argv):
       "bad_lines_skipped": getattr(train_src, "bad_line_count", 0),
   }
   results = {"summary": summary, "config": dataclasses.asdict(cfg), "steps_planned": steps,
-             "plan": planner_lib.plan_summary(plan), "eval": ev}
+             "plan": planner_lib.plan_summary(plan, task.collection.tables, task.collection.num_devices,
+                                             cfg.batch_size),
+             "embedding_groups": task.collection.describe(), "eval": ev}
   tmp = os.path.join(workdir, "results.json.tmp")
   with open(tmp, "w") as f:
     json.dump(results, f, indent=2, default=str)

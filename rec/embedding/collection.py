@@ -52,9 +52,8 @@ from rec.embedding.planner import Plan, TablePlacement
 
 
 def _bag_sum(coef_XL, rows_XLW):
-  """Weighted sum over the bag axis L, as multiply + reduce so that XLA fuses it with the
-  row gather (an einsum would be a batched matmul of tiny [1, L] x [L, W] dots)."""
-  return jnp.sum(rows_XLW * coef_XL[..., None], axis=-2)
+  """Weighted sum over the bag axis L: [..., L] x [..., L, W] -> [..., W]."""
+  return jnp.einsum("...l,...lw->...w", coef_XL, rows_XLW)
 
 
 @dataclasses.dataclass(frozen=True)
