@@ -1,0 +1,46 @@
+"""Benchmark entry points run end to end at toy sizes (the numbers live in BENCHMARKS.md)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
+
+
+def _run(module, args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_embedding_toy(tmp_path):
+  out = _run("experiments.bench_embedding", ["--rows=1000,5000", "--pooling=1,4", "--dim=8",
+                                             "--batch_size=64", "--steps=2", "--naive_steps=2",
+                                             "--repeats=2", f"--workdir={tmp_path}"])
+  assert set(out["median_ms"]) == {f"R{r}_P{p}_{k}" for r in (1000, 5000) for p in (1, 4)
+                                   for k in ("sparse", "naive")}
+  assert all(v > 0 for v in out["median_ms"].values())
+  assert (tmp_path / "results.json").exists() and (tmp_path / "bench_embedding.png").exists()
+
+
+def test_bench_dlrm_toy(tmp_path):
+  out = _run("experiments.bench_dlrm", ["--batch_size=256", "--rows=1000", "--steps=2",
+                                        "--repeats=1", "--rounds=1", f"--workdir={tmp_path}"])
+  assert out["ours_examples_per_sec_median"] > 0 and "torchrec_examples_per_sec_median" not in out
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
+                    reason="Criteo sample not found (set REC_DATA_DIR)")
+def test_criteo_baselines_toy(tmp_path):
+  out = _run("experiments.criteo_baselines", [
+      f"--data=criteo:{os.path.join(DATA, 'criteo_kaggle_sample')}", "--epochs=1",
+      "--num_rows=1000", "--batch_size=512", f"--workdir={tmp_path}"])
+  assert [r["model"] for r in out["results"]] == ["logreg", "dlrm"]
+  assert all(r["eval_examples"] == 800 and 0.5 < r["auc"] < 1 for r in out["results"])
