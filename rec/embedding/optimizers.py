@@ -60,6 +60,18 @@ def dedup_gradients(idx_M: jax.Array, grads_MD: jax.Array, valid_M: jax.Array,
     raise ValueError(
         f"dedup_gradients: idx {idx_M.shape}, grads {grads_MD.shape}, valid {valid_M.shape}, "
         "expected [M], [M, D], [M]")
+  uniq_M, seg_M = dedup_ids(idx_M, valid_M, num_rows)
+  summed_MD = jax.ops.segment_sum(grads_MD.astype(jnp.float32), seg_M, num_segments=idx_M.shape[0])
+  return uniq_M, summed_MD, uniq_M < num_rows
+
+
+def dedup_ids(idx_M: jax.Array, valid_M: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """Distinct ids and each position's slot: `(uniq [M], seg [M])`.
+
+  `uniq` is sorted ascending with padding slots (and the sentinel) set to `num_rows`;
+  `uniq[seg[i]] == idx[i]` for valid in-range positions, and `seg[i] == M` (out of range:
+  dropped by segment_sum and scatters) for the others. One unstable sort of (id, position).
+  """
   m = idx_M.shape[0]
   ok_M = valid_M & (idx_M >= 0) & (idx_M < num_rows)
   keys_M = jnp.where(ok_M, idx_M, num_rows).astype(jnp.int32)
@@ -68,13 +80,12 @@ def dedup_gradients(idx_M: jax.Array, grads_MD: jax.Array, valid_M: jax.Array,
   first_M = jnp.concatenate([jnp.ones((1,), bool), sorted_M[1:] != sorted_M[:-1]])
   seg_sorted_M = jnp.cumsum(first_M.astype(jnp.int32)) - 1
   seg_M = jnp.zeros((m,), jnp.int32).at[perm_M].set(seg_sorted_M, unique_indices=True)
-  # Padding goes to segment m, which segment_sum drops: never added (so NaN or inf in
-  # padding gradients cannot leak), and no separate masking pass over [M, D] is needed.
+  # Padding goes to slot m, which segment_sum drops: never added (so NaN or inf in padding
+  # gradients cannot leak), and no separate masking pass over [M, D] is needed.
   seg_M = jnp.where(ok_M, seg_M, m)
-  summed_MD = jax.ops.segment_sum(grads_MD.astype(jnp.float32), seg_M, num_segments=m)
   uniq_M = jnp.full((m,), num_rows, jnp.int32).at[seg_sorted_M].set(
       sorted_M, indices_are_sorted=True)
-  return uniq_M, summed_MD, uniq_M < num_rows
+  return uniq_M, seg_M
 
 
 def _gather_state(state: jax.Array, idx_U: jax.Array) -> jax.Array:
