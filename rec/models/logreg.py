@@ -47,7 +47,10 @@ class LogReg(nnx.Module):
   def __init__(self, config: LogRegConfig, rngs: nnx.Rngs):
     del rngs  # zero init: the problem is convex, and zeros make the first logit 0
     self.config = config
-    self.dense_weight = nnx.Param(jnp.zeros((config.num_dense,), jnp.float32))
+    # No dense features (Avazu): no dense weight at all, rather than a zero-size array
+    # (checkpoints cannot hold those).
+    self.dense_weight = (nnx.Param(jnp.zeros((config.num_dense,), jnp.float32))
+                         if config.num_dense > 0 else None)
     self.bias = nnx.Param(jnp.zeros((), jnp.float32))
 
   def __call__(self, dense_BD, emb_BF1):

@@ -53,3 +53,15 @@ def test_criteo_sample_epoch(tmp_path):
   assert summary["steps"] == 7200 // 64
   assert summary["test_examples"] == 409 + 391
   assert summary["test_auc"] > 0.6   # real signal is learned even by the small preset
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "avazu_sample")),
+                    reason="Avazu sample not found (set REC_DATA_DIR)")
+def test_avazu_logreg_has_no_dense_features(tmp_path):
+  # Avazu has no dense features: no bottom MLP / no dense weight, and checkpoints still save.
+  lines = _run(["--model=logreg", f"--data=avazu:{os.path.join(DATA, 'avazu_sample')}",
+                "--num_rows=1000", "--batch_size=256", "--eval_batch_size=256", "--epochs=1",
+                f"--workdir={tmp_path}"])
+  summary = json.loads(lines[-1])
+  assert summary["steps"] == 8087 // 256 and summary["test_examples"] == 480 + 432
+  assert os.listdir(tmp_path / "checkpoints")
