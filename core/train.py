@@ -253,11 +253,12 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       if boundary:
         t_last = time.perf_counter()
     jax.block_until_ready(state)
-    if pending:
-      train_time += time.perf_counter() - t_last
-    if step >= cfg.steps:
-      run_eval(step)
-    save(step)
+    if step > start:  # a resumed run that had already finished has nothing new to record
+      if step >= cfg.steps:
+        run_eval(step)
+      save(step)
+    else:
+      print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
   finally:
     writer.close()
     ckpt.close()

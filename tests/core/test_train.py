@@ -57,6 +57,10 @@ def test_resume_is_bit_exact(tmp_path):
     np.testing.assert_array_equal(a["tables"][n], b["tables"][n])
   assert straight["eval"] == resumed["eval"]
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")   # same batches, same losses
+  # Resuming a finished run changes nothing and records nothing new.
+  _, again = _train(cfg, tmp_path / "b", eval_every=10, resume=True)
+  assert again["step"] == 20 and again["eval"] == resumed["eval"]
+  assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
   # It trained: the loss moved and the tables changed.
   losses = [l for _, l in _losses(tmp_path / "a")]
   assert losses[-1] != losses[0]
