@@ -110,13 +110,12 @@ def axis_size(name: str, rules: Rules, mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in mesh_axes(name, rules, mesh))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
-
-
-def place(tree: Any, shardings: Any) -> Any:
-  """Puts a pytree of host or device arrays onto the mesh with matching shardings."""
-  return jax.device_put(tree, shardings)
+def shardings_for(logical_specs: Any, rules: Rules, mesh: Mesh) -> Any:
+  """NamedShardings for a pytree of logical PartitionSpecs (e.g. from
+  `nnx.get_partition_spec`); None or an empty spec means replicated."""
+  def one(spec):
+    return NamedSharding(mesh, P() if spec is None else logical_to_spec(tuple(spec), rules, mesh))
+  return jax.tree.map(one, logical_specs, is_leaf=lambda x: x is None or isinstance(x, P))
 
 
 def shard_batch(batch: Any, mesh: Mesh, rules: Rules, batch_axis: str = "batch") -> Any:

@@ -67,14 +67,18 @@ class RecTask:
     k_dense, k_emb = jax.random.split(key)
     rep = NamedSharding(self.mesh, P())
 
-    @jax.jit
-    def dense_init(k):
-      model = self.model_fn(nnx.Rngs(k))
-      params = nnx.to_pure_dict(nnx.state(model))
-      return params, self.dense_tx.init(params)
-
-    params, opt = dense_init(k_dense)
-    params, opt = jax.device_put((params, opt), rep)
+    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(self.model_fn(nnx.Rngs(k)))))(k_dense)
+    # Dense parameters are placed by their logical axis names (the MLP kernels carry
+    # ("mlp_in", "mlp_out")) through the rules table: replicated under REC_RULES. The
+    # optimizer state follows the parameters' shardings.
+    abstract = nnx.state(jax.eval_shape(lambda: self.model_fn(nnx.Rngs(0))))
+    param_shardings = mesh_lib.shardings_for(
+        nnx.to_pure_dict(nnx.get_partition_spec(abstract)), self.rules, self.mesh)
+    params = jax.device_put(params, param_shardings)
+    opt = self.dense_tx.init(params)
+    opt = jax.device_put(opt, optax.tree_map_params(
+        self.dense_tx, lambda _, sharding: sharding, opt, param_shardings,
+        transform_non_params=lambda _: rep))
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
             "opt": opt, "emb": self.collection.init(k_emb)}
 
