@@ -194,9 +194,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
   progress = Progress(cfg.steps, start)
   last_eval: dict[str, float] = dict(meta.get("last_eval", {}))
   pending: list[dict[str, jax.Array]] = []
-  train_time = 0.0
-  train_examples = 0
-  timed_from = None
+  train_time = 0.0   # seconds of training steps after the first, eval and checkpoints excluded
 
   def save(step):
     ckpt.save(step, state, {"step": step, "steps": cfg.steps, "last_eval": last_eval})
@@ -225,10 +223,8 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
         jax.block_until_ready(metrics)  # first step compiles: keep it out of the rates
         progress.begin(step)
         t_last = time.perf_counter()
-        timed_from = step
       else:
         progress.examples += n
-        train_examples += n
       if step % cfg.log_every == 0 or step == end:
         vals = jax.device_get(pending)
         scalars = {k: float(np.mean([v[k] for v in vals])) for k in vals[0]}
@@ -268,5 +264,5 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       "finished": step >= cfg.steps,
       "eval": last_eval,
       "train_seconds": train_time,
-      "examples_per_sec": (train_examples / train_time) if train_time > 0 and timed_from else 0.0,
+      "examples_per_sec": progress.examples / train_time if train_time > 0 else 0.0,
   }

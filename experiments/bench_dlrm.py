@@ -54,7 +54,6 @@ def build_ours(batch_size: int, rows: int, mesh: str, sharding: str):
 
 
 def time_ours(step, state, pool, steps: int, repeats: int, warmup: int = 5):
-  import jax
   from core import benchmark
 
   i = [0]

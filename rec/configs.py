@@ -10,7 +10,6 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 
 from core import mesh as mesh_lib
 from rec.data import sources as sources_lib

@@ -10,7 +10,6 @@ sparse row-wise optimizer.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax

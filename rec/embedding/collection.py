@@ -122,10 +122,10 @@ class EmbeddingCollection:
     self.out_of_range = out_of_range
     self.init_scale = init_scale
     self.axes = mesh_lib.mesh_axes("emb_shard", rules, mesh)
-    self.batch_axes = mesh_lib.mesh_axes("batch", rules, mesh)
-    if self.axes != self.batch_axes:
+    batch_axes = mesh_lib.mesh_axes("batch", rules, mesh)
+    if self.axes != batch_axes:
       raise ValueError(
-          f"embedding shards over {self.axes} but the batch over {self.batch_axes}: this "
+          f"embedding shards over {self.axes} but the batch over {batch_axes}: this "
           "collection needs both on the same mesh axes")
     self.num_devices = mesh_lib.axis_size("emb_shard", rules, mesh)
     for n, p in self.plan.items():
@@ -186,7 +186,6 @@ class EmbeddingCollection:
         acc += sh.row_end - sh.row_start
       g.offsets, g.rows_per_device = offs, acc
       g.maps["offset"] = np.asarray(offs, np.int32)                     # [F]
-      g.maps["rows"] = np.asarray([self.tables[f].num_rows for f in g.features], np.int32)
     elif g.comm == "rw":
       # Every device holds one row shard of every feature, at the same local offsets.
       per_f = {}
@@ -291,7 +290,10 @@ class EmbeddingCollection:
     for i, t in enumerate(self.tables):
       s = self.table_scale(t)
       rng = np.random.default_rng(seed + [i])
-      out[t.name] = rng.uniform(-s, s, (t.num_rows, t.dim)).astype(np.float32)
+      x = rng.random((t.num_rows, t.dim), dtype=np.float32)   # float32 draws: no float64 copy
+      x *= np.float32(2 * s)
+      x -= np.float32(s)
+      out[t.name] = x
     return out
 
   def init(self, key: jax.Array) -> dict[str, Any]:
