@@ -29,6 +29,29 @@ REC_RULES: Rules = (
     ("mlp_out", None),
 )
 
+# LLMs (MaxText-style): mesh axes `data` (pure data parallel), `fsdp` (batch + parameter
+# sharding), `tp` (tensor parallel: heads and MLP hidden), `cp` (context parallel: the
+# sequence, ring attention). Parameter names first, then activation names ("act_*").
+LLM_RULES: Rules = (
+    ("vocab", "tp"),
+    ("embed", "fsdp"),
+    ("heads", "tp"),
+    ("kv_heads", "tp"),
+    ("head_dim", None),
+    ("mlp", "tp"),
+    ("norm", None),
+    ("act_batch", ("data", "fsdp")),
+    ("act_seq", "cp"),
+    ("act_embed", None),
+    ("act_heads", "tp"),
+    ("act_kv_heads", "tp"),
+    ("act_mlp", "tp"),
+    ("act_vocab", "tp"),
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_seq", None),
+    ("cache_kv_heads", "tp"),
+)
+
 
 def parse_mesh(spec: str) -> list[tuple[str, int]]:
   """Parses `data:2,model:4` / `-1` into [(axis, size)]; a size of -1 is resolved later."""

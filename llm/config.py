@@ -1,0 +1,114 @@
+"""Llama 3 model sizes (arXiv 2407.21783) and tiny test configs.
+
+Presets follow the released configs: Llama 3.1 8B / 70B / 405B and Llama 3.2 1B / 3B
+(tied embeddings, RoPE scaling factor 32). `head_dim` defaults to dim // n_heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.1 RoPE frequency scaling (HF `rope_type: llama3`)."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Sizes and numerics of a Llama decoder."""
+
+  vocab_size: int
+  dim: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  ffn_dim: int
+  head_dim: int | None = None
+  norm_eps: float = 1e-5
+  rope_theta: float = 500000.0
+  rope_scaling: RopeScaling | None = None
+  tie_embeddings: bool = False
+  max_seq_len: int = 8192
+  dtype: str = "float32"          # compute dtype: "float32" | "bfloat16"
+  param_dtype: str = "float32"    # master weights
+  attention_impl: str = "xla"     # see llm.attention
+  remat: bool = False             # rematerialize each block in the backward pass
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      if self.dim % self.n_heads:
+        raise ValueError(f"LlamaConfig: dim={self.dim} not divisible by n_heads={self.n_heads}")
+      object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"LlamaConfig: n_heads={self.n_heads} not a multiple of "
+                       f"n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16"):
+        raise ValueError(f"LlamaConfig: {name}={getattr(self, name)!r}, expected 'float32' "
+                         "or 'bfloat16'")
+
+  def replace(self, **kw) -> LlamaConfig:
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    """Parameter count (embeddings included, output counted once when tied)."""
+    d, k = self.dim, self.head_dim
+    attn = d * k * (self.n_heads * 2 + self.n_kv_heads * 2)
+    ffn = 3 * d * self.ffn_dim
+    per_layer = attn + ffn + 2 * d
+    out = 0 if self.tie_embeddings else self.vocab_size * d
+    return self.vocab_size * d + self.n_layers * per_layer + d + out
+
+  def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token (6N + attention for training; 2N + attention for inference).
+
+    Attention counts causal QK^T and PV (half of the full square), as in the Llama 3 and
+    PaLM MFU definitions; embedding lookups are not counted.
+    """
+    n = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+    attn = 2 * 2 * self.n_layers * self.n_heads * self.head_dim * seq_len / 2
+    mult = 3 if training else 1
+    return mult * (2 * n + attn)
+
+
+def _llama31(**kw) -> LlamaConfig:
+  base = dict(vocab_size=128256, rope_theta=500000.0, rope_scaling=RopeScaling(),
+              max_seq_len=131072, n_kv_heads=8)
+  return LlamaConfig(**{**base, **kw})
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    "llama3_8b": _llama31(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
+    "llama3_70b": _llama31(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
+    "llama3_405b": _llama31(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248),
+    "llama32_1b": _llama31(dim=2048, n_layers=16, n_heads=32, ffn_dim=8192, tie_embeddings=True,
+                           rope_scaling=RopeScaling(factor=32.0)),
+    "llama32_3b": _llama31(dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, tie_embeddings=True,
+                           rope_scaling=RopeScaling(factor=32.0)),
+    # ~100M parameters: the CPU benchmark size.
+    "llama_100m": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                              ffn_dim=2048, rope_theta=10000.0, max_seq_len=2048),
+    # Tiny configs for tests and the byte-level example.
+    "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                        rope_theta=10000.0, max_seq_len=512),
+    "tiny_tied": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                             ffn_dim=128, rope_theta=10000.0, max_seq_len=512,
+                             tie_embeddings=True, rope_scaling=RopeScaling(
+                                 factor=4.0, original_max_position=64)),
+    "byte_small": LlamaConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                              ffn_dim=768, rope_theta=10000.0, max_seq_len=1024),
+}
+
+
+def get_config(name: str, **overrides) -> LlamaConfig:
+  if name not in PRESETS:
+    raise ValueError(f"Llama preset {name!r}: expected one of {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
