@@ -112,3 +112,14 @@ def get_config(name: str, **overrides) -> LlamaConfig:
   if name not in PRESETS:
     raise ValueError(f"Llama preset {name!r}: expected one of {sorted(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+def config_to_dict(cfg: LlamaConfig) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> LlamaConfig:
+  d = dict(d)
+  if d.get("rope_scaling") is not None:
+    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  return LlamaConfig(**d)

@@ -15,6 +15,14 @@ Bayes-optimal AUC (of the true logits) is 0.83, and a logistic regression traine
 Adagrad on the train split reaches a test AUC of 0.77 after 300 batches of 2048 and 0.79
 after 1000: most of the signal sits on hot rows, which a model sees often.
 
+`teacher="deep"` replaces the sum of per-row weights by a hidden network with planted
+high-order interactions (for capacity and scaling studies, e.g. experiments.wukong_scaling):
+each row carries a hidden latent vector u_f[id] (K_LAT values, a hash of seed, feature, row
+and component), and the sparse score is a random two-hidden-layer tanh network of the
+concatenated latents plus third-order products u_f1 * u_f2 * u_f3 over random feature
+triples. Such a score is not a sum of per-feature terms, so a model gains from capacity
+that can represent interactions; the Bayes-optimal AUC is reported by `bayes_auc()`.
+
 Batch k is a pure function of (seed, split, k), so `batches(start)` resumes exactly and the
 train and test splits are different draws of the same hidden model.
 
@@ -39,6 +47,9 @@ SPARSE_SHARE = 0.7      # share of the logit variance carried by the sparse ids
 _EXACT_HEAD = 1024      # ranks below this come from the exact discrete CDF; later ones (relative
                         # error of their mass ~a(a+1)/(24 r^2) < 3e-7) from the continuous one
 _GUIDE = 8 * _EXACT_HEAD
+K_LAT = 4               # latent components per row of the deep teacher
+TEACHER_WIDTH = 64      # hidden width of the deep teacher's tanh network
+NUM_TRIPLES = 16        # planted third-order products of the deep teacher
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,7 +144,10 @@ class SyntheticCriteo:
   def __init__(self, batch_size: int, rows_per_feature: int | Sequence[int] = 100_000,
                num_dense: int = 13, num_sparse: int = 26, zipf_alpha: float = 1.05,
                seed: int = 0, split: str = "train", num_batches: int | None = None,
-               shard_index: int = 0, num_shards: int = 1):
+               shard_index: int = 0, num_shards: int = 1, teacher: str = "linear",
+               logit_scale: float = LOGIT_SCALE):
+    if teacher not in ("linear", "deep"):
+      raise ValueError(f"SyntheticCriteo: teacher={teacher!r}, expected 'linear' or 'deep'")
     if isinstance(rows_per_feature, (int, np.integer)):
       rows_per_feature = [int(rows_per_feature)] * num_sparse
     rows = tuple(int(r) for r in rows_per_feature)
@@ -170,6 +184,17 @@ class SyntheticCriteo:
     self._dense_mu = rng.uniform(0.0, 3.0, num_dense)
     self._dense_sigma = rng.uniform(0.5, 1.5, num_dense)
     self._w_dense = rng.standard_normal(num_dense)
+    self.teacher, self.logit_scale = teacher, float(logit_scale)
+    if teacher == "deep":
+      trng = np.random.default_rng([self.seed, 1002])
+      n_in = num_sparse * K_LAT
+      self._lat_salt_FK = trng.integers(0, 2**63, (num_sparse, K_LAT), dtype=np.int64)
+      self._t_w1 = trng.standard_normal((n_in, TEACHER_WIDTH)) * (2.0 / math.sqrt(n_in))
+      self._t_w2 = trng.standard_normal((TEACHER_WIDTH, TEACHER_WIDTH)) * (
+          2.0 / math.sqrt(TEACHER_WIDTH))
+      self._t_w3 = trng.standard_normal(TEACHER_WIDTH) / math.sqrt(TEACHER_WIDTH)
+      self._triples = np.stack([trng.choice(num_sparse, 3, replace=False)
+                                for _ in range(NUM_TRIPLES)]) if num_sparse >= 3 else None
     self._sparse_mean = self._sparse_std = 0.0
     self._dense_mean = self._dense_std = 0.0
     self._bias = 0.0
@@ -199,14 +224,39 @@ class SyntheticCriteo:
     return self._logit(sparse, dense)
 
   def _raw_scores(self, ids_BF: np.ndarray, dense_BD: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if self.teacher == "deep":
+      return self._deep_score(ids_BF), dense_BD.astype(np.float64) @ self._w_dense
     sparse = _hash_uniform(self._salt_F, ids_BF).sum(1) * math.sqrt(3.0)  # unit-variance weights
     dense = dense_BD.astype(np.float64) @ self._w_dense
     return sparse, dense
 
+  def _deep_score(self, ids_BF: np.ndarray) -> np.ndarray:
+    """The deep teacher's sparse score: tanh network of latents + planted triple products."""
+    u_BFK = _hash_uniform(self._lat_salt_FK[None], ids_BF[:, :, None]) * math.sqrt(3.0)
+    b = u_BFK.shape[0]
+    h = np.tanh(u_BFK.reshape(b, -1) @ self._t_w1)
+    h = np.tanh(h @ self._t_w2)
+    score = h @ self._t_w3
+    score = score / max(float(np.std(self._t_w3)) * math.sqrt(TEACHER_WIDTH), 1e-12)
+    if self._triples is not None:
+      tri = u_BFK[:, self._triples, :].prod(axis=2).sum(axis=(1, 2))   # [B]
+      score = score + tri / math.sqrt(NUM_TRIPLES * K_LAT)
+    return score
+
+  def bayes_auc(self, num_examples: int = 200_000) -> float:
+    """AUC of the true logits on fresh draws: the ceiling any model can reach."""
+    from rec.metrics import RecMetrics
+    m = RecMetrics()
+    rng = np.random.default_rng([self.seed, 1003])
+    for _ in range(max(1, num_examples // 8192)):
+      batch, scores = self._draw(rng, 8192)
+      m.update(self._logit(*scores), batch.labels, batch.mask)
+    return float(m.result()["auc"])
+
   def _logit(self, sparse: np.ndarray, dense: np.ndarray) -> np.ndarray:
     z = (math.sqrt(SPARSE_SHARE) * (sparse - self._sparse_mean) / self._sparse_std
          + math.sqrt(1.0 - SPARSE_SHARE) * (dense - self._dense_mean) / self._dense_std)
-    return LOGIT_SCALE * z + self._bias
+    return self.logit_scale * z + self._bias
 
   def _calibrate(self) -> None:
     """Standardizes both scores and sets the bias for a BASE_RATE positive rate."""

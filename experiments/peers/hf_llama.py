@@ -1,0 +1,70 @@
+"""Hugging Face transformers Llama prefill / decode speed on CPU (peer of experiments.bench_llm).
+
+Runs in the peer environment (torch CPU + transformers), imports nothing from the project.
+Loads a Llama directory that `experiments.bench_llm` exported with the same weights as our
+model (config.json + model.safetensors), then times, in fp32 under torch.inference_mode:
+  prefill: one forward over [batch, prompt_len] prompt tokens with use_cache=True;
+  decode:  greedy single-token forwards with the KV cache (past_key_values), new_tokens steps.
+Prints one JSON line: medians over repeats, tokens/s, and the greedy ids of every row (so the
+caller can check that both implementations generate the same tokens).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--model_dir", required=True)
+  ap.add_argument("--prompt_ids_file", required=True, help="JSON [[ids...], ...] (equal lengths)")
+  ap.add_argument("--new_tokens", type=int, default=32)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--threads", type=int, default=2)
+  args = ap.parse_args()
+  torch.set_num_threads(args.threads)
+  model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, torch_dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+  model.eval()
+  with open(args.prompt_ids_file) as f:
+    prompts = torch.tensor(json.load(f), dtype=torch.long)
+  b, t = prompts.shape
+
+  def run():
+    with torch.inference_mode():
+      t0 = time.perf_counter()
+      out = model(prompts, use_cache=True)
+      t1 = time.perf_counter()
+      past = out.past_key_values
+      tok = out.logits[:, -1].argmax(-1, keepdim=True)
+      ids = [tok]
+      for _ in range(args.new_tokens - 1):
+        out = model(tok, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        ids.append(tok)
+      t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, torch.cat(ids, 1).tolist()
+
+  run()  # warm-up
+  pre, dec = [], []
+  for _ in range(args.repeats):
+    p, d, ids = run()
+    pre.append(p)
+    dec.append(d)
+  p, d = statistics.median(pre), statistics.median(dec)
+  print(json.dumps({
+      "impl": f"transformers {transformers.__version__} (torch {torch.__version__}, sdpa)",
+      "batch": b, "prompt_len": t, "new_tokens": args.new_tokens,
+      "prefill_s": p, "decode_s": d, "prefill_tokens_per_s": b * t / p,
+      "decode_tokens_per_s": b * (args.new_tokens - 1) / d,
+      "decode_ms_per_step": 1e3 * d / (args.new_tokens - 1),
+      "prefill_repeats_s": pre, "decode_repeats_s": dec, "generated_ids": ids}))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,100 @@
+r"""Train a small Llama (arXiv 2407.21783) on a local text file with byte-level tokens.
+
+  python -m experiments.train_lm --text=README.md --steps=300       # ~4 minutes on 2 CPU cores
+  python -m experiments.train_lm --text=book.txt --preset=byte_small --mesh=fsdp:2,tp:4 \
+      --dtype=bfloat16 --remat --workdir=/tmp/lm
+  python -m experiments.train_lm --text=book.txt --workdir=/tmp/lm --resume
+  python -m experiments.generate --checkpoint=workdir:/tmp/lm --prompt="Once upon"
+
+Uses the shared train loop (checkpoints, --resume, metrics.jsonl, TensorBoard, curves.png).
+Writes `<workdir>/model_config.json` (read by experiments.generate) and results.json; the
+last stdout line is a JSON summary with the final eval loss and bits per byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens).", required=True)
+flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (vocab is set to 256).")
+flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
+                    "on the data axis.")
+flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.")
+flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).")
+flags.DEFINE_integer("steps", 300, "Train steps.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
+flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.")
+flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices only).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params stay fp32).")
+flags.DEFINE_bool("remat", False, "Rematerialize each block in the backward pass.")
+flags.DEFINE_string("attention_impl", "xla", "Attention implementation (llm.attention).")
+flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).")
+flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.")
+flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
+flags.DEFINE_integer("log_every", 25, "Progress line every N steps.")
+flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.")
+flags.DEFINE_string("workdir", "runs/train_lm", "Output directory.")
+flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir.")
+flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.")
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from core import mesh as mesh_lib
+  from core import plot as plot_lib
+  from core import train as train_lib
+  from llm import config as config_lib
+  from llm import train_lib as lm_lib
+  from llm.data import ByteTextSource
+
+  cfg = config_lib.get_config(
+      FLAGS.preset, vocab_size=256, dtype=FLAGS.dtype, remat=FLAGS.remat,
+      attention_impl=FLAGS.attention_impl, max_seq_len=max(FLAGS.seq_len, 16))
+  mesh = mesh_lib.make_mesh(FLAGS.mesh)
+  optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+                             total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)
+  task = lm_lib.LMTask(cfg, optim, mesh)
+  train_src = ByteTextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, seed=FLAGS.seed)
+  eval_src = ByteTextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, split="eval",
+                            eval_batches=FLAGS.eval_batches)
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  with open(os.path.join(FLAGS.workdir, "model_config.json"), "w") as f:
+    json.dump(config_lib.config_to_dict(cfg), f, indent=2)
+  print(f"mesh {dict(mesh.shape)} | Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.2f}M params, "
+        f"{cfg.flops_per_token(FLAGS.seq_len) / 1e6:.1f} MFLOPs/token (train) | "
+        f"{len(train_src.tokens):,} train bytes | {FLAGS.steps} steps of "
+        f"{FLAGS.batch_size}x{FLAGS.seq_len}", flush=True)
+  t0 = time.time()
+  out = train_lib.train(
+      task, train_src.batches, lambda: eval_src.batches(0),
+      train_lib.TrainConfig(workdir=FLAGS.workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
+                            checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every,
+                            resume=FLAGS.resume, stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed))
+  ev = out["eval"]
+  summary = {"preset": FLAGS.preset, "mesh": dict(mesh.shape), "steps": out["step"],
+             "finished": out["finished"], "eval_loss": ev.get("loss"),
+             "eval_bits_per_byte": ev.get("bits_per_token"), "tokens_per_sec": out["examples_per_sec"],
+             "params": cfg.num_params(), "wall_seconds": time.time() - t0}
+  results = {"summary": summary, "model_config": config_lib.config_to_dict(cfg),
+             "optim": dataclasses.asdict(optim), "eval": ev}
+  tmp = os.path.join(FLAGS.workdir, "results.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(results, f, indent=2, default=str)
+  os.replace(tmp, os.path.join(FLAGS.workdir, "results.json"))
+  plot_lib.plot_run(FLAGS.workdir)
+  if ev:
+    print(f"eval loss {ev['loss']:.4f} | {ev['bits_per_token']:.3f} bits/byte | "
+          f"{out['examples_per_sec']:,.0f} train tokens/s", flush=True)
+  print(json.dumps(summary, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
