@@ -1,0 +1,481 @@
+"""Llama weight loaders and exporters: llama2.c legacy `.bin` and Hugging Face safetensors.
+
+Everything meets in one flat dict of numpy arrays (the contract `llm.model` loads):
+
+    embed [V, D]; per layer i: layers.{i}.attn_norm [D], layers.{i}.wq [D, H, K],
+    layers.{i}.wk [D, G, K], layers.{i}.wv [D, G, K], layers.{i}.wo [H, K, D],
+    layers.{i}.mlp_norm [D], layers.{i}.w_gate [D, F], layers.{i}.w_up [D, F],
+    layers.{i}.w_down [F, D]; final_norm [D]; lm_head [D, V] (absent when tied).
+
+V: vocab, D: model dim, H: query heads, G: key/value heads, K: head dim, F: FFN hidden.
+
+RoPE layout: the model rotates the pairs (j, j + K/2) within each head (the Hugging Face
+"half-split" convention). Meta and llama2.c checkpoints rotate (2j, 2j + 1) ("interleaved"),
+so their q and k output features are permuted on load (`interleaved_to_half`, which is
+`permute` in HF's convert_llama_weights_to_hf.py) and permuted back on export.
+
+    cfg, weights = load_checkpoint("llama2c:/path/stories260K.bin")
+    cfg, weights = load_checkpoint("hf:/path/Llama-3.2-1B")
+    save_hf("/tmp/out", cfg, weights, dtype="bfloat16", max_shard_bytes=2**30)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import ml_dtypes  # registers numpy's "bfloat16" dtype, which safetensors' numpy path uses
+import numpy as np
+
+from llm.config import LlamaConfig, RopeScaling
+
+Weights = dict[str, np.ndarray]
+
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+           "float16": np.dtype(np.float16)}
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE layout permutations on [n_heads * K, D_in] ("out, in") matrices.
+
+def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Meta/llama2.c q or k rows [H*K, ...] (pairs 2j, 2j+1) -> half-split rows (pairs j, j+K/2)."""
+  w = np.asarray(w)
+  hk = w.shape[0]
+  if hk % n_heads or (hk // n_heads) % 2:
+    raise ValueError(f"interleaved_to_half: {hk} rows do not split into {n_heads} heads of an "
+                     "even head_dim")
+  k = hk // n_heads
+  return w.reshape(n_heads, k // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def half_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Inverse of `interleaved_to_half`: half-split q or k rows back to Meta/llama2.c rows."""
+  w = np.asarray(w)
+  hk = w.shape[0]
+  if hk % n_heads or (hk // n_heads) % 2:
+    raise ValueError(f"half_to_interleaved: {hk} rows do not split into {n_heads} heads of an "
+                     "even head_dim")
+  k = hk // n_heads
+  return w.reshape(n_heads, 2, k // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Contract shapes and the [out, in] <-> contract conversions shared by both formats.
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """The contract name -> shape table for `cfg` (lm_head only when untied)."""
+  v, d, h, g, k, f = (cfg.vocab_size, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                      cfg.ffn_dim)
+  shapes = {"embed": (v, d)}
+  for i in range(cfg.n_layers):
+    p = f"layers.{i}."
+    shapes.update({p + "attn_norm": (d,), p + "wq": (d, h, k), p + "wk": (d, g, k),
+                   p + "wv": (d, g, k), p + "wo": (h, k, d), p + "mlp_norm": (d,),
+                   p + "w_gate": (d, f), p + "w_up": (d, f), p + "w_down": (f, d)})
+  shapes["final_norm"] = (d,)
+  if not cfg.tie_embeddings:
+    shapes["lm_head"] = (d, v)
+  return shapes
+
+
+def check_weights(cfg: LlamaConfig, weights: Weights, where: str = "weights") -> None:
+  """Raises ValueError naming any missing, unexpected or wrongly shaped parameter."""
+  shapes = param_shapes(cfg)
+  missing = [n for n in shapes if n not in weights]
+  extra = [n for n in weights if n not in shapes]
+  if missing or extra:
+    raise ValueError(f"{where}: missing parameters {missing[:8]}, unexpected {extra[:8]} "
+                     f"for vocab={cfg.vocab_size} dim={cfg.dim} n_layers={cfg.n_layers} "
+                     f"tie_embeddings={cfg.tie_embeddings}")
+  for n, shape in shapes.items():
+    if tuple(np.shape(weights[n])) != shape:
+      raise ValueError(f"{where}: parameter {n!r} has shape {tuple(np.shape(weights[n]))}, "
+                       f"expected {shape}")
+
+
+def _in_out(w_out_in: np.ndarray, *heads: int) -> np.ndarray:
+  """[out, in] torch/Meta matrix -> contract [in, *heads] (heads split `out`)."""
+  w = np.ascontiguousarray(np.asarray(w_out_in).T)
+  return w.reshape(w.shape[0], *heads) if heads else w
+
+
+def _out_in(w: np.ndarray) -> np.ndarray:
+  """Contract [in, ...] -> [out, in] with the trailing axes flattened into `out`."""
+  w = np.asarray(w)
+  return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama2.c legacy format.
+
+_LLAMA2C_MAGIC = 0x616B3432  # "ak42": llama2.c's versioned export, not the legacy one
+
+
+def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
+  """Reads a llama2.c legacy checkpoint (7 int32 header, then float32 arrays)."""
+  actual = os.path.getsize(path)
+  if actual < 28:
+    raise ValueError(f"{path}: {actual} bytes, too short for the 28-byte llama2.c header")
+  header = np.fromfile(path, dtype="<i4", count=7)
+  dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = (int(x) for x in header)
+  if dim == _LLAMA2C_MAGIC:
+    raise ValueError(f"{path}: versioned llama2.c export (magic 'ak42'); only the legacy "
+                     "format (export.py --version 0) is supported")
+  tied = vocab > 0
+  vocab = abs(vocab)
+  fields = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads,
+                n_kv_heads=n_kv_heads, vocab_size=vocab, seq_len=seq_len)
+  if (min(fields.values()) <= 0 or dim % n_heads or n_heads % n_kv_heads
+      or (dim // n_heads) % 2):
+    raise ValueError(f"{path}: bad llama2.c header {fields}: expected positive sizes, dim a "
+                     "multiple of n_heads, n_heads a multiple of n_kv_heads, even head size")
+  k = dim // n_heads
+  kv_dim = n_kv_heads * k
+  # (name, shape) in file order; the per-layer arrays are stacked over layers.
+  layout = [("embed", (vocab, dim)), ("rms_att", (n_layers, dim)),
+            ("wq", (n_layers, dim, dim)), ("wk", (n_layers, kv_dim, dim)),
+            ("wv", (n_layers, kv_dim, dim)), ("wo", (n_layers, dim, dim)),
+            ("rms_ffn", (n_layers, dim)), ("w1", (n_layers, hidden, dim)),
+            ("w2", (n_layers, dim, hidden)), ("w3", (n_layers, hidden, dim)),
+            ("rms_final", (dim,)), ("freq_cis_real", (seq_len, k // 2)),
+            ("freq_cis_imag", (seq_len, k // 2))]
+  if not tied:
+    layout.append(("classifier", (vocab, dim)))
+  n_floats = sum(int(np.prod(s)) for _, s in layout)
+  expected = 28 + 4 * n_floats
+  if actual != expected:
+    raise ValueError(f"{path}: {actual} bytes, expected {expected} for the llama2.c header "
+                     f"{fields} ({'shared' if tied else 'separate'} classifier)")
+  flat = np.fromfile(path, dtype="<f4", offset=28, count=n_floats)
+  raw, pos = {}, 0
+  for name, shape in layout:
+    size = int(np.prod(shape))
+    raw[name] = flat[pos:pos + size].reshape(shape)
+    pos += size
+
+  cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                    n_kv_heads=n_kv_heads, ffn_dim=hidden, head_dim=k, norm_eps=1e-5,
+                    rope_theta=10000.0, rope_scaling=None, tie_embeddings=tied,
+                    max_seq_len=seq_len)
+  weights = {"embed": raw["embed"].copy()}
+  for i in range(n_layers):
+    p = f"layers.{i}."
+    weights[p + "attn_norm"] = raw["rms_att"][i].copy()
+    weights[p + "wq"] = _in_out(interleaved_to_half(raw["wq"][i], n_heads), n_heads, k)
+    weights[p + "wk"] = _in_out(interleaved_to_half(raw["wk"][i], n_kv_heads), n_kv_heads, k)
+    weights[p + "wv"] = _in_out(raw["wv"][i], n_kv_heads, k)
+    weights[p + "wo"] = np.ascontiguousarray(raw["wo"][i].T).reshape(n_heads, k, dim)
+    weights[p + "mlp_norm"] = raw["rms_ffn"][i].copy()
+    weights[p + "w_gate"] = _in_out(raw["w1"][i])   # llama2.c: silu(w1 x) * (w3 x), then w2
+    weights[p + "w_up"] = _in_out(raw["w3"][i])
+    weights[p + "w_down"] = _in_out(raw["w2"][i])
+  weights["final_norm"] = raw["rms_final"].copy()
+  if not tied:
+    weights["lm_head"] = _in_out(raw["classifier"])
+  return cfg, weights
+
+
+def save_llama2c(path: str, cfg: LlamaConfig, weights: Weights) -> None:
+  """Writes a llama2.c legacy checkpoint (float32; what llama2.c's run.c reads)."""
+  if cfg.head_dim * cfg.n_heads != cfg.dim or cfg.rope_scaling is not None:
+    raise ValueError(f"save_llama2c: {path}: the legacy format needs head_dim * n_heads == dim "
+                     f"(got {cfg.head_dim} * {cfg.n_heads} vs {cfg.dim}) and no RoPE scaling "
+                     f"(got {cfg.rope_scaling})")
+  if cfg.rope_theta != 10000.0 or cfg.norm_eps != 1e-5:
+    raise ValueError(f"save_llama2c: {path}: run.c hard-codes rope_theta 10000 and eps 1e-5, "
+                     f"got rope_theta={cfg.rope_theta} norm_eps={cfg.norm_eps}")
+  check_weights(cfg, weights, f"save_llama2c({path})")
+  f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
+  w = {n: f32(x) for n, x in weights.items()}
+  L, k = cfg.n_layers, cfg.head_dim
+  per_layer = lambda fn: np.stack([fn(f"layers.{i}.") for i in range(L)])  # noqa: E731
+  vocab = cfg.vocab_size if cfg.tie_embeddings else -cfg.vocab_size
+  header = np.array([cfg.dim, cfg.ffn_dim, L, cfg.n_heads, cfg.n_kv_heads, vocab,
+                     cfg.max_seq_len], dtype="<i4")
+  # run.c ignores the legacy freq_cis tables but their bytes must be there; write the
+  # interleaved cos/sin they once held.
+  freqs = 1.0 / 10000.0 ** (np.arange(0, k, 2, dtype=np.float64) / k)
+  angles = np.outer(np.arange(cfg.max_seq_len), freqs)
+  arrays = [w["embed"], per_layer(lambda p: w[p + "attn_norm"]),
+            per_layer(lambda p: half_to_interleaved(_out_in(w[p + "wq"]), cfg.n_heads)),
+            per_layer(lambda p: half_to_interleaved(_out_in(w[p + "wk"]), cfg.n_kv_heads)),
+            per_layer(lambda p: _out_in(w[p + "wv"])),
+            per_layer(lambda p: w[p + "wo"].reshape(-1, cfg.dim).T),
+            per_layer(lambda p: w[p + "mlp_norm"]),
+            per_layer(lambda p: w[p + "w_gate"].T), per_layer(lambda p: w[p + "w_down"].T),
+            per_layer(lambda p: w[p + "w_up"].T), w["final_norm"], np.cos(angles),
+            np.sin(angles)]
+  if not cfg.tie_embeddings:
+    arrays.append(w["lm_head"].T)
+  with open(path, "wb") as fh:
+    fh.write(header.tobytes())
+    for a in arrays:
+      fh.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face safetensors.
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _hf_names(cfg: LlamaConfig) -> dict[str, str]:
+  """HF tensor name -> contract name."""
+  names = {"model.embed_tokens.weight": "embed"}
+  for i in range(cfg.n_layers):
+    hf, p = f"model.layers.{i}.", f"layers.{i}."
+    names.update({hf + "input_layernorm.weight": p + "attn_norm",
+                  hf + "self_attn.q_proj.weight": p + "wq",
+                  hf + "self_attn.k_proj.weight": p + "wk",
+                  hf + "self_attn.v_proj.weight": p + "wv",
+                  hf + "self_attn.o_proj.weight": p + "wo",
+                  hf + "post_attention_layernorm.weight": p + "mlp_norm",
+                  hf + "mlp.gate_proj.weight": p + "w_gate",
+                  hf + "mlp.up_proj.weight": p + "w_up",
+                  hf + "mlp.down_proj.weight": p + "w_down"})
+  names["model.norm.weight"] = "final_norm"
+  if not cfg.tie_embeddings:
+    names["lm_head.weight"] = "lm_head"
+  return names
+
+
+def _hf_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
+  """The HF [out, in] shape of the tensor that holds contract parameter `name`."""
+  shape = param_shapes(cfg)[name]
+  if len(shape) == 1 or name == "embed":
+    return shape
+  if name.endswith(".wo"):
+    return (shape[2], shape[0] * shape[1])
+  return (int(np.prod(shape[1:])), shape[0])
+
+
+def _to_contract(cfg: LlamaConfig, name: str, t: np.ndarray) -> np.ndarray:
+  """HF tensor -> contract array (HF q/k are already half-split: no permutation)."""
+  short = name.rsplit(".", 1)[-1]
+  if short in ("wq", "wk", "wv"):
+    heads = cfg.n_heads if short == "wq" else cfg.n_kv_heads
+    return _in_out(t, heads, cfg.head_dim)
+  if short == "wo":
+    return np.ascontiguousarray(t.T).reshape(cfg.n_heads, cfg.head_dim, cfg.dim)
+  if short in ("w_gate", "w_up", "w_down", "lm_head"):
+    return _in_out(t)
+  return t
+
+
+def _from_contract(name: str, w: np.ndarray) -> np.ndarray:
+  short = name.rsplit(".", 1)[-1]
+  if short == "wo":
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
+  if short in ("wq", "wk", "wv", "w_gate", "w_up", "w_down", "lm_head"):
+    return _out_in(w)
+  return w
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
+  """LlamaConfig from a HF `config.json` dict (runtime fields keep their defaults)."""
+  def need(key):
+    if key not in hf:
+      raise ValueError(f"{where}: missing key {key!r}")
+    return hf[key]
+  if hf.get("model_type", "llama") != "llama":
+    raise ValueError(f"{where}: model_type={hf['model_type']!r}, expected 'llama'")
+  if hf.get("attention_bias") or hf.get("mlp_bias"):
+    raise ValueError(f"{where}: attention_bias/mlp_bias are set; the Llama model has no biases")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
+  scaling = None
+  rs = hf.get("rope_scaling")
+  if rs:
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+      scaling = RopeScaling(factor=float(rs["factor"]),
+                            low_freq_factor=float(rs["low_freq_factor"]),
+                            high_freq_factor=float(rs["high_freq_factor"]),
+                            original_max_position=int(rs["original_max_position_embeddings"]))
+    elif kind != "default":
+      raise ValueError(f"{where}: rope_scaling type {kind!r}, expected 'llama3' or none")
+  dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
+  return LlamaConfig(
+      vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")),
+      n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+      ffn_dim=int(need("intermediate_size")), head_dim=int(hf.get("head_dim") or dim // n_heads),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(hf.get("rope_theta", 1e4)),
+      rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)))
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
+  """A transformers-loadable LlamaForCausalLM `config.json` dict for `cfg`."""
+  rs = cfg.rope_scaling
+  return {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+      "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+      "pretraining_tp": 1, "use_cache": True, "initializer_range": 0.02,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if rs is None else {
+          "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+          "high_freq_factor": rs.high_freq_factor,
+          "original_max_position_embeddings": rs.original_max_position},
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": cfg.max_seq_len, "torch_dtype": dtype,
+  }
+
+
+def _hf_files(d: str) -> dict[str, str] | None:
+  """HF tensor name -> file from the shard index, or None when there is no index."""
+  index = os.path.join(d, _INDEX)
+  if not os.path.exists(index):
+    return None
+  with open(index) as fh:
+    weight_map = json.load(fh).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise ValueError(f"{index}: no 'weight_map' object")
+  return {n: os.path.join(d, f) for n, f in weight_map.items()}
+
+
+def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights]:
+  """Reads a HF Llama directory (config.json + safetensors) into the contract dict.
+
+  `dtype` casts every array ("float32" default: exact for bf16/fp16 files); None keeps the
+  stored dtype. Tensors are read one at a time, so peak memory is about the result's size.
+  """
+  from safetensors import safe_open
+
+  cfg_path = os.path.join(d, "config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{d}: no config.json (expected a Hugging Face model directory)")
+  with open(cfg_path) as fh:
+    cfg = config_from_hf(json.load(fh), cfg_path)
+  want = _hf_names(cfg)
+
+  files = _hf_files(d)
+  if files is not None:
+    source = os.path.join(d, _INDEX)
+  else:
+    paths = ([os.path.join(d, _SINGLE)] if os.path.exists(os.path.join(d, _SINGLE))
+             else sorted(glob.glob(os.path.join(d, "*.safetensors"))))
+    if not paths:
+      raise FileNotFoundError(f"{d}: no {_INDEX}, {_SINGLE} or *.safetensors files")
+    files = {}
+    for p in paths:
+      with safe_open(p, framework="numpy") as f:
+        for n in f.keys():
+          if n in files:
+            raise ValueError(f"{d}: tensor {n!r} is in both {files[n]} and {p}")
+          files[n] = p
+    source = d
+  # Tensors HF ignores: old checkpoints stored the RoPE inverse frequencies, and some tied
+  # checkpoints still carry a copy of the embedding as lm_head.
+  ignored = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|lm_head\.weight")
+  extra = [n for n in files if n not in want and not ignored.fullmatch(n)]
+  if extra:
+    raise ValueError(f"{d}: unexpected tensor {extra[0]!r} in {files[extra[0]]} "
+                     f"({len(extra)} unexpected) for the config in {cfg_path}")
+  missing = [n for n in want if n not in files]
+  if missing:
+    raise ValueError(f"{d}: missing tensor {missing[0]!r} ({len(missing)} missing) in {source}")
+
+  if dtype is not None and dtype not in _DTYPES:
+    raise ValueError(f"load_hf: dtype={dtype!r}, expected None or one of {sorted(_DTYPES)}")
+  cast = None if dtype is None else _DTYPES[dtype]
+  by_file: dict[str, list[str]] = {}
+  for n in want:
+    by_file.setdefault(files[n], []).append(n)
+  weights = {}
+  for path, names in by_file.items():
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path}: listed in {source} but absent")
+    with safe_open(path, framework="numpy") as f:
+      present = set(f.keys())
+      for n in names:
+        if n not in present:
+          raise ValueError(f"{path}: missing tensor {n!r} (listed in {source})")
+        t = f.get_tensor(n)
+        short = want[n]
+        if tuple(t.shape) != _hf_shape(cfg, short):
+          raise ValueError(f"{path}: tensor {n!r} has shape {tuple(t.shape)}, expected "
+                           f"{_hf_shape(cfg, short)} from {cfg_path}")
+        if cast is not None and t.dtype != cast:
+          t = t.astype(cast)
+        weights[short] = _to_contract(cfg, short, t)
+  return cfg, weights
+
+
+def save_hf(d: str, cfg: LlamaConfig, weights: Weights, dtype: str = "float32",
+            max_shard_bytes: int | None = None) -> str:
+  """Writes `cfg` and `weights` as a HF Llama directory; returns `d`.
+
+  Shards into model-0000i-of-0000n.safetensors plus model.safetensors.index.json when the
+  tensors exceed `max_shard_bytes` (greedy, in layer order; a bigger tensor gets a shard of
+  its own), else one model.safetensors. Model files an earlier save left in `d` are removed
+  so that the index and the files always agree.
+  """
+  from safetensors.numpy import save_file
+
+  if dtype not in _DTYPES:
+    raise ValueError(f"save_hf: dtype={dtype!r}, expected one of {sorted(_DTYPES)}")
+  check_weights(cfg, weights, f"save_hf({d})")
+  os.makedirs(d, exist_ok=True)
+  for name in os.listdir(d):
+    if name in (_INDEX, _SINGLE) or _SHARD_RE.fullmatch(name):
+      os.remove(os.path.join(d, name))
+  cast = _DTYPES[dtype]
+  names = _hf_names(cfg)
+  nbytes = {hf: int(np.prod(np.shape(weights[c]))) * cast.itemsize for hf, c in names.items()}
+  # Plan the shards from sizes alone, then convert one shard at a time: peak extra memory is
+  # one shard, not the model.
+  shards: list[list[str]] = [[]]
+  size = 0
+  for n in names:
+    if max_shard_bytes is not None and shards[-1] and size + nbytes[n] > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(n)
+    size += nbytes[n]
+
+  def tensors(shard):
+    return {n: np.ascontiguousarray(_from_contract(names[n], np.asarray(weights[names[n]]))
+                                    .astype(cast)) for n in shard}
+
+  meta = {"format": "pt"}   # transformers refuses safetensors files without it
+  if len(shards) == 1:
+    save_file(tensors(shards[0]), os.path.join(d, _SINGLE), metadata=meta)
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(tensors(shard), os.path.join(d, fname), metadata=meta)
+      weight_map.update({n: fname for n in shard})
+    with open(os.path.join(d, _INDEX), "w") as fh:
+      json.dump({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map},
+                fh, indent=2)
+  with open(os.path.join(d, "config.json"), "w") as fh:
+    json.dump(config_to_hf(cfg, dtype), fh, indent=2)
+  return d
+
+
+# ---------------------------------------------------------------------------------------------
+
+_FORMS = ("llama2c:PATH (llama2.c legacy .bin)", "hf:DIR (Hugging Face config.json + "
+          "safetensors)", "workdir:DIR (a training run; restored by the train loop)")
+
+
+def load_checkpoint(spec: str) -> tuple[LlamaConfig, Weights]:
+  """`llama2c:PATH` or `hf:DIR` -> (config, contract weights)."""
+  kind, sep, path = spec.partition(":")
+  if sep and path and kind == "llama2c":
+    return load_llama2c(path)
+  if sep and path and kind == "hf":
+    return load_hf(path)
+  if kind == "workdir":
+    raise ValueError(f"checkpoint {spec!r}: workdir checkpoints are restored by the train "
+                     "loop, not by llm.weights.load_checkpoint")
+  raise ValueError(f"checkpoint {spec!r}: expected one of {', '.join(_FORMS)}")
