@@ -15,11 +15,13 @@ import dataclasses
 import os
 from typing import Iterator
 
+import jax
 import numpy as np
 
 BYTE_VOCAB = 256
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LMBatch:
   """Next-token training batch: predict targets_BT from inputs_BT; mask_BT marks real targets."""

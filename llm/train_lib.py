@@ -90,8 +90,8 @@ class LMTask:
     self.tx = make_optimizer(optim)
     abstract = jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)
-    self.param_shardings = mesh_lib.shardings_for(
-        nnx.to_pure_dict(nnx.get_partition_spec(abstract_state)), rules, mesh)
+    self.param_shardings = nnx.to_pure_dict(
+        model_lib.param_shardings(abstract_state, mesh, rules))
 
   def init_state(self, seed: int) -> dict[str, Any]:
     rep = NamedSharding(self.mesh, P())
@@ -107,7 +107,7 @@ class LMTask:
     return nnx.merge(self.graphdef, params)
 
   def logits(self, params, batch: LMBatch):
-    with jax.set_mesh(self.mesh):
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # constraints by logical name
       logits, _ = self.model(params)(batch.inputs, positions_BT=batch.positions,
                                      segment_ids_BT=batch.segment_ids)
     return logits
@@ -127,7 +127,7 @@ class LMTask:
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     updates, opt = self.tx.update(grads, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": make_schedule(self.optim)(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
 
@@ -143,13 +143,18 @@ def load_workdir(workdir: str, step: int | None = None):
   """(LlamaConfig, params pure dict) from a `experiments.train_lm` workdir's checkpoint."""
   import json
   import os
-  from core import checkpoint as ckpt_lib
   from llm.config import config_from_dict
   path = os.path.join(workdir, "model_config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path}: missing; expected a workdir written by experiments.train_lm")
   with open(path) as f:
     cfg = config_from_dict(json.load(f))
+  return cfg, load_workdir_params(workdir, cfg, step)
+
+
+def load_workdir_params(workdir: str, cfg: LlamaConfig, step: int | None = None):
+  """The params (pure dict, on one device) of the checkpoint at `step` (default: latest)."""
+  from core import checkpoint as ckpt_lib
   ckpt = ckpt_lib.Checkpointer(workdir)
   step = ckpt.latest_step() if step is None else step
   if step is None:
@@ -161,4 +166,4 @@ def load_workdir(workdir: str, step: int | None = None):
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), abstract)
   state, _ = ckpt.restore(step, abstract)
   ckpt.close()
-  return cfg, state["params"]
+  return state["params"]
