@@ -8,23 +8,36 @@ Forms:
                 fields and is rejected line 1). Terabyte layout (DIR/day_0 .. day_23, each
                 plain or .gz): train on day_0 .. day_22, eval on day_23.
   avazu:DIR     train on DIR/train.csv, eval on DIR/dev.csv + DIR/test.csv.
+  libfm:DIR     libFM (`label idx:val ...`, fields by position) or libFFM
+                (`label field:idx:val ...`) files, e.g. the AutoInt / FuxiCTR dumps: train on
+                DIR/train.<any extension> (or DIR/train), eval on DIR/valid.* + DIR/test.*
+                (those present, at least one). The line form and the number of fields come
+                from the train file's first line(s); see `rec.data.libfm`.
+  csv:DIR       BARS / FuxiCTR CSV files with a header row: train on DIR/train.csv, eval on
+                DIR/valid.csv + DIR/test.csv (those present, at least one; `.csv.gz` too).
+                Label, dense and categorical columns are the `csv_label` / `csv_dense` /
+                `csv_categorical` lists where given, else inferred from the train file's
+                header and first rows; see `rec.data.csv_data`.
 File sources train with `drop_remainder=True, repeat=True` and evaluate with
 `drop_remainder=False, repeat=False` (last eval batch padded with mask 0); files are read in
 order (no shuffling) and `seed` only affects synthetic data. `num_rows=None` means
 `DEFAULT_NUM_ROWS` = 100_000 hashed rows per feature for every form (Avazu's hour_of_day /
-day_of_week tables are capped at 25 / 8 rows).
+day_of_week tables are capped at 25 / 8 rows). For libfm and csv the eval files are read with
+the train file's layout (fields, column roles), which is printed.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
-from rec.data import avazu, criteo, synthetic
+from rec.data import avazu, criteo, csv_data, libfm, synthetic
 from rec.data.batch import BatchSource
 
 DEFAULT_NUM_ROWS = 100_000
 DEFAULT_EVAL_BATCHES = 20
-FORMS = "'synthetic', 'criteo:DIR' or 'avazu:DIR'"
+FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm:DIR' or "
+         "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files)")
 CRITEO_DAYS = 24
 
 
@@ -59,14 +72,48 @@ def criteo_files(data: str, d: str) -> tuple[list[str], list[str]]:
                    "day_0 .. day_23[.gz] (Criteo Terabyte layout)")
 
 
+def split_file(data: str, d: str, split: str, suffixes: Sequence[str] | None) -> str | None:
+  """The one file of DIR named `split` plus one of `suffixes` (None: `split` or `split.*`)."""
+  names = sorted(n for n in os.listdir(d) if os.path.isfile(os.path.join(d, n)))
+  if suffixes is None:
+    hits = [n for n in names if n == split or n.startswith(split + ".")]
+  else:
+    hits = [n for n in names if n in {split + s for s in suffixes}]
+  if len(hits) > 1:
+    raise ValueError(f"--data={data!r}: {d!r} has several {split} files ({', '.join(hits)}); "
+                     "expected one")
+  return os.path.join(d, hits[0]) if hits else None
+
+
+def split_files(data: str, d: str, suffixes: Sequence[str] | None,
+                example: str) -> tuple[list[str], list[str]]:
+  """(train files, eval files) of a train / valid / test directory; eval = valid + test."""
+  train = split_file(data, d, "train", suffixes)
+  if train is None:
+    found = sorted(os.listdir(d))
+    raise ValueError(f"--data={data!r}: {d!r} has no train file, expected {example}; found "
+                     + (", ".join(found) if found else "nothing"))
+  evals = [f for f in (split_file(data, d, s, suffixes) for s in ("valid", "test")) if f]
+  if not evals:
+    raise ValueError(f"--data={data!r}: {d!r} has no valid or test file for evaluation, "
+                     f"expected one named like {example.replace('train', 'valid')}; found "
+                     f"{', '.join(sorted(os.listdir(d)))}")
+  return [train], evals
+
+
 def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                  num_rows: int | list[int] | None = None, seed: int = 0, bad_lines: str = "error",
                  shard_index: int = 0, num_shards: int = 1,
-                 eval_batches: int = DEFAULT_EVAL_BATCHES) -> tuple[BatchSource, BatchSource]:
+                 eval_batches: int = DEFAULT_EVAL_BATCHES, csv_label: str | None = None,
+                 csv_dense: str | Sequence[str] | None = None,
+                 csv_categorical: str | Sequence[str] | None = None,
+                 ) -> tuple[BatchSource, BatchSource]:
   """(train, eval) sources for a `--data` value; see the module docstring for the forms.
 
   shard_index / num_shards pick this process's disjoint share of the file lines (of the
-  synthetic batch streams). eval_batches applies to synthetic only.
+  synthetic batch streams). eval_batches applies to synthetic only. csv_label / csv_dense /
+  csv_categorical give the csv form's column roles (None or '' = inferred, 'none' = no
+  columns, else comma-separated names).
   """
   eval_batch_size = eval_batch_size or batch_size
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
@@ -77,10 +124,30 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     evals = synthetic.SyntheticCriteo(eval_batch_size, rows, seed=seed, split="test",
                                       num_batches=eval_batches, **shards)
     return train, evals
-  if kind not in ("criteo", "avazu") or not sep or not d:
+  if kind not in ("criteo", "avazu", "libfm", "csv") or not sep or not d:
     raise ValueError(f"--data={data!r}: expected {FORMS}")
   if not os.path.isdir(d):
     raise ValueError(f"--data={data!r}: {d!r} is not a directory")
+  common = dict(bad_lines=bad_lines, shard_index=shard_index, num_shards=num_shards)
+  if kind == "libfm":
+    train_files, eval_files = split_files(data, d, None, "train or train.<ext> (train.libfm, "
+                                          "train.txt, train.svm, train.ffm, ...)")
+    train = libfm.LibFMSource(train_files, batch_size, rows, drop_remainder=True, repeat=True,
+                              **common)
+    evals = libfm.LibFMSource(eval_files, eval_batch_size, rows, num_fields=train.num_fields,
+                              form=train.form, fields_from=train.fields_from,
+                              drop_remainder=False, repeat=False, **common)
+    print(f"--data={data}: {train.describe()}", flush=True)
+    return train, evals
+  if kind == "csv":
+    train_files, eval_files = split_files(data, d, (".csv", ".csv.gz"), "train.csv[.gz]")
+    train = csv_data.CsvSource(train_files, batch_size, rows, label=csv_label or None,
+                               dense=csv_dense, categorical=csv_categorical,
+                               drop_remainder=True, repeat=True, **common)
+    evals = csv_data.CsvSource(eval_files, eval_batch_size, rows, columns=train.columns,
+                               drop_remainder=False, repeat=False, **common)
+    print(f"--data={data}: {train.describe()}", flush=True)
+    return train, evals
   if kind == "criteo":
     train_files, eval_files = criteo_files(data, d)
     cls = criteo.CriteoSource
@@ -88,7 +155,6 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     train_files = _need(data, [os.path.join(d, "train.csv")], "Avazu")
     eval_files = _need(data, [os.path.join(d, "dev.csv"), os.path.join(d, "test.csv")], "Avazu")
     cls = avazu.AvazuSource
-  common = dict(bad_lines=bad_lines, shard_index=shard_index, num_shards=num_shards)
   train = cls(train_files, batch_size, rows, drop_remainder=True, repeat=True, **common)
   evals = cls(eval_files, eval_batch_size, rows, drop_remainder=False, repeat=False, **common)
   return train, evals

@@ -1,0 +1,318 @@
+"""Streaming reader of the BARS / FuxiCTR CSV layout (`train.csv`, `valid.csv`, `test.csv`).
+
+Named csv_data so as not to shadow the standard library's csv module.
+Each file: a header row, then one example per line, comma-separated without quoting (a
+line must have as many fields as the header). Every file of a source must have the same
+header. Columns play one of four roles, given or inferred from the header (`CsvColumns`):
+  - label: the given column, else the first named label, click, clicked or y (any case)
+  - dense: the given columns, else every column named I<digits> (I1, I2, ...) whose values
+    in the first `SNIFF_ROWS` data rows of the first file all parse as numbers or are empty
+  - categorical: the given columns, else every other column except one named id (any case;
+    a row id is never a feature in the BARS configs)
+  - ignored: whatever is left (with both lists given, the columns in neither)
+`none` for the dense or categorical list means no such columns. Decoding:
+  - label: 0 or 1
+  - dense: log1p(max(x, 0)) as float32, the Criteo transform (negatives clip to 0), empty -> 0;
+    x must be a finite number (Python float syntax)
+  - categorical: id = 1 + crc32(bytes) % (rows - 1), empty -> 0 ("missing"), as in Avazu
+Bad lines raise ValueError naming file:line, the column, the value and what was expected, or
+are skipped and counted with `bad_lines="skip"` (see `stream`).
+
+Letters: N lines in a chunk, V valid lines, C columns, Dn dense columns, F categorical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import re
+from typing import Sequence
+import zlib
+
+import numpy as np
+
+from rec.data import stream
+from rec.data.batch import DataSpec
+
+DEFAULT_ROWS = 100_000
+SNIFF_ROWS = 1000          # data rows of the first file that decide which I<n> columns are dense
+LABEL_NAMES = ("label", "click", "clicked", "y")
+ID_NAME = "id"
+NONE = "none"              # as a column list: no such columns
+MAX_DENSE_BYTES = 64       # longer dense values are bad; keeps the fixed-width arrays small
+_DENSE_NAME = re.compile(r"I\d+")
+_DENSE_EXPECTED = "expected a finite number or empty"
+
+
+def read_header(path: str) -> list[str]:
+  """The column names on the first line of a CSV file (a UTF-8 byte order mark is dropped)."""
+  with stream.open_binary(path) as f:
+    first = f.readline()
+  if not first.strip():
+    raise ValueError(f"{path}:1: expected a header row of comma-separated column names, got "
+                     f"{'an empty file' if not first else stream.field_text(first)}")
+  text = first.decode("utf-8", "backslashreplace").rstrip("\r\n").lstrip("\ufeff")
+  if '"' in text:
+    raise ValueError(f"{path}:1: header {text!r} has quotes; quoted CSV fields are not supported")
+  names = [c.strip() for c in text.split(",")]
+  for i, name in enumerate(names):
+    if not name:
+      raise ValueError(f"{path}:1: column {i + 1} of the header {text!r} has no name")
+  dup = sorted({c for c in names if names.count(c) > 1})
+  if dup:
+    raise ValueError(f"{path}:1: header names {', '.join(dup)} more than once")
+  return names
+
+
+def _column_list(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
+  """A role's column list: None or '' = infer, 'none' = no columns, 'a,b' or a sequence."""
+  if value is None:
+    return None
+  if isinstance(value, str):
+    if not value.strip():
+      return None
+    if value.strip().lower() == NONE:
+      return ()
+    value = value.split(",")
+  return tuple(c.strip() for c in value if c.strip())
+
+
+def _is_number(value: bytes) -> bool:
+  try:
+    return math.isfinite(float(value))
+  except ValueError:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class CsvColumns:
+  """Roles of a CSV header's columns, and a note on how each was chosen."""
+
+  header: tuple[str, ...]
+  label: str
+  dense: tuple[str, ...]
+  categorical: tuple[str, ...]
+  how: str = ""
+
+  @property
+  def ignored(self) -> tuple[str, ...]:
+    used = {self.label, *self.dense, *self.categorical}
+    return tuple(c for c in self.header if c not in used)
+
+  def describe(self) -> str:
+    def names(cols):
+      return ", ".join(cols) if cols else "none"
+    return (f"label {self.label} | dense ({len(self.dense)}, log1p(max(x, 0))): "
+            f"{names(self.dense)} | categorical ({len(self.categorical)}, crc32 hashed): "
+            f"{names(self.categorical)} | ignored: {names(self.ignored)}"
+            + (f" [{self.how}]" if self.how else ""))
+
+
+def infer_columns(header: Sequence[str], sample_rows: Sequence[Sequence[bytes]],
+                  label: str | None = None, dense: str | Sequence[str] | None = None,
+                  categorical: str | Sequence[str] | None = None,
+                  where: str = "the header") -> CsvColumns:
+  """The roles of `header`'s columns: given ones as given, the others by the module rule.
+
+  sample_rows: the first data rows split into fields (rows of the wrong length are left out).
+  where: the file the header came from, for messages.
+  """
+  header = tuple(header)
+  listed = ", ".join(header)
+  given_dense, given_cat = _column_list(dense), _column_list(categorical)
+  for role, cols in (("label", [label] if label else []), ("dense", given_dense or ()),
+                     ("categorical", given_cat or ())):
+    for c in cols:
+      if c not in header:
+        raise ValueError(f"{role} column {c!r} is not in the header of {where}: {listed}")
+  how = []
+  if label:
+    how.append("label given")
+  else:
+    found = [c for c in header if c.lower() in LABEL_NAMES]
+    if not found:
+      raise ValueError(f"no label column in the header of {where} ({listed}): expected one "
+                       f"named {', '.join(LABEL_NAMES)} (any case), or give the label column")
+    label = found[0]
+    how.append(f"label: first column named {'/'.join(LABEL_NAMES)}")
+  taken = {label} | set(given_cat or ())
+  if given_dense is not None:
+    dense_cols = given_dense
+    how.append("dense given")
+  else:
+    rows = [r for r in sample_rows if len(r) == len(header)]
+    dense_cols, not_numeric = [], []
+    for i, c in enumerate(header):
+      if c in taken or not _DENSE_NAME.fullmatch(c):
+        continue
+      bad = next((r[i] for r in rows if r[i] and not _is_number(r[i])), None)
+      if bad is None:
+        dense_cols.append(c)
+      else:
+        not_numeric.append(f"{c} ({stream.field_text(bad)})")
+    dense_cols = tuple(dense_cols)
+    how.append(f"dense: columns named I<n> whose values in the first {len(rows)} rows are "
+               "numbers or empty" + (f"; not dense: {', '.join(not_numeric)}" if not_numeric
+                                     else ""))
+  if given_cat is not None:
+    cat_cols = given_cat
+    how.append("categorical given")
+  else:
+    skip = {label, *dense_cols}
+    cat_cols = tuple(c for c in header if c not in skip and c.lower() != ID_NAME)
+    has_id = any(c.lower() == ID_NAME for c in header if c not in skip)
+    how.append("categorical: the other columns" + (", except id" if has_id else ""))
+  roles = [("label", label)] + [("dense", c) for c in dense_cols] + [
+      ("categorical", c) for c in cat_cols]
+  seen: dict[str, str] = {}
+  for role, c in roles:
+    if c in seen:
+      raise ValueError(f"column {c!r} of {where} is both {seen[c]} and {role}; expected one role")
+    seen[c] = role
+  if not cat_cols:
+    raise ValueError(f"no categorical column in {where} ({listed}): expected at least one "
+                     "(the models embed categorical features)")
+  return CsvColumns(header=header, label=label, dense=tuple(dense_cols),
+                    categorical=tuple(cat_cols), how="; ".join(how))
+
+
+def _floats(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+  """(float64 values, ok) of byte strings; ok where one is a finite number (or empty -> 0)."""
+  lens = np.fromiter(map(len, values), np.int64, len(values))
+  too_long = lens > MAX_DENSE_BYTES
+  if too_long.any():
+    values = [b"" if t else v for v, t in zip(values, too_long)]
+  text_S = np.array(values, dtype=bytes)
+  empty = lens == 0
+  text_S = np.where(empty, b"0", text_S)
+  try:
+    x = text_S.astype(np.float64)
+  except ValueError:  # some value does not parse: convert one by one to find which
+    x = np.empty(len(text_S), np.float64)
+    for i, v in enumerate(text_S.tolist()):
+      try:
+        x[i] = float(v)
+      except ValueError:
+        x[i] = math.nan
+  ok = np.isfinite(x) & ~too_long
+  return np.where(ok, x, 0.0), ok
+
+
+def parse_lines(lines: list[bytes], columns: CsvColumns,
+                rows_per_feature: Sequence[int]) -> stream.Parsed:
+  """Decodes CSV data lines (no header) into dense, ids and labels.
+
+  Returns the valid lines' rows in order (dense [V, Dn] f32, ids [V, F] int32, labels [V]
+  f32) and, for each bad line, (its index in `lines`, what is wrong with it).
+  """
+  C = len(columns.header)
+  col = {c: i for i, c in enumerate(columns.header)}
+  ok, bad_shape = stream.split_by_field_count(lines, b",", C, "comma")
+  good_idx = np.flatnonzero(ok)
+  n = len(good_idx)
+  if n == 0:
+    return stream.Parsed(np.zeros((0, len(columns.dense)), np.float32),
+                         np.zeros((0, len(columns.categorical)), np.int32),
+                         np.zeros(0, np.float32), bad_shape)
+  buf = stream.join_lines(lines if n == len(lines) else [lines[i] for i in good_idx])
+  fields = buf.replace(b"\n", b",").split(b",")[:-1]   # [N * C], row-major
+  assert len(fields) == n * C, (len(fields), n)
+
+  lab = fields[col[columns.label]::C]
+  one = np.fromiter(map(b"1".__eq__, lab), bool, n)
+  label_bad = ~(one | np.fromiter(map(b"0".__eq__, lab), bool, n))
+  labels = one.astype(np.float32)
+
+  d_idx = [col[c] for c in columns.dense]
+  dense_vals = list(itertools.chain.from_iterable(fields[j::C] for j in d_idx))  # column-major
+  x, dense_ok = _floats(dense_vals)
+  Dn = len(d_idx)
+  dense = np.log1p(np.maximum(x.reshape(Dn, n).T, 0.0)).astype(np.float32)
+  dense_bad = ~dense_ok.reshape(Dn, n).T
+
+  c_idx = [col[c] for c in columns.categorical]
+  cat_vals = list(itertools.chain.from_iterable(fields[j::C] for j in c_idx))
+  crc = np.fromiter(map(zlib.crc32, cat_vals), np.int64, len(cat_vals)).reshape(-1, n).T
+  empty = np.fromiter(map(len, cat_vals), np.int64, len(cat_vals)).reshape(-1, n).T == 0
+  mod = np.asarray(rows_per_feature, np.int64) - 1
+  ids = np.where(empty, 0, 1 + crc % mod).astype(np.int32)
+
+  # the first bad column of a line, in header order, is the one named
+  order = np.argsort([col[columns.label]] + d_idx, kind="stable")
+  checked = np.concatenate([label_bad[:, None], dense_bad], axis=1)[:, order]
+  names = ([columns.label] + list(columns.dense))
+  bad_fields = []
+  bad_rows = np.flatnonzero(checked.any(1))
+  for r in bad_rows:
+    k = int(order[np.argmax(checked[r])])
+    name = names[k]
+    value = fields[int(r) * C + col[name]]
+    expected = "expected 0 or 1" if k == 0 else _DENSE_EXPECTED
+    bad_fields.append((int(good_idx[r]), f"field {name} = {stream.field_text(value)}: {expected}"))
+  if len(bad_rows):
+    keep = np.ones(n, bool)
+    keep[bad_rows] = False
+    dense, ids, labels = dense[keep], ids[keep], labels[keep]
+  return stream.Parsed(dense=dense, ids=ids, labels=labels,
+                       bad=stream.merge_bad(bad_shape, bad_fields))
+
+
+def sniff_rows(path: str, num_rows: int = SNIFF_ROWS) -> list[list[bytes]]:
+  """The first `num_rows` data rows of a CSV file (after its header), split into fields."""
+  with stream.open_binary(path) as f:
+    f.readline()
+    head = list(itertools.islice(f, num_rows))
+  return [line.rstrip(b"\r\n").split(b",") for line in head]
+
+
+def csv_spec(columns: CsvColumns, rows_per_feature: int | Sequence[int] = DEFAULT_ROWS) -> DataSpec:
+  """DataSpec of CSV batches: the dense columns, then one one-hot feature per categorical."""
+  rows = stream.check_rows_per_feature(rows_per_feature, columns.categorical, "CSV")
+  return DataSpec(num_dense=len(columns.dense), sparse_features=columns.categorical,
+                  rows_per_feature=rows, max_ids_per_bag=1)
+
+
+class CsvSource(stream.LineSource):
+  """Batches of BARS / FuxiCTR CSV files (plain or gzip); one shard of their data rows.
+
+  `columns` fixes the roles (eval sources get the train source's); without it they are
+  inferred from the first file with `label`, `dense` and `categorical` as given ones. See
+  `stream.LineSource` for batching, repeat, resume, sharding and bad lines.
+  """
+
+  def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], batch_size: int,
+               rows_per_feature: int | Sequence[int] = DEFAULT_ROWS, *,
+               columns: CsvColumns | None = None, label: str | None = None,
+               dense: str | Sequence[str] | None = None,
+               categorical: str | Sequence[str] | None = None, bad_lines: str = "error",
+               drop_remainder: bool = True, shard_index: int = 0, num_shards: int = 1,
+               repeat: bool = True, chunk_bytes: int = 1 << 20):
+    super().__init__(files, batch_size, bad_lines=bad_lines, drop_remainder=drop_remainder,
+                     shard_index=shard_index, num_shards=num_shards, repeat=repeat,
+                     chunk_bytes=chunk_bytes)
+    header = read_header(self.files[0])
+    for path in self.files[1:]:
+      other = read_header(path)
+      if other != header:
+        raise ValueError(f"{path}:1: header {','.join(other)!r} differs from the header of "
+                         f"{self.files[0]}: {','.join(header)!r}")
+    if columns is None:
+      columns = infer_columns(header, sniff_rows(self.files[0]), label=label, dense=dense,
+                              categorical=categorical, where=self.files[0])
+    elif columns.header != tuple(header):
+      raise ValueError(f"{self.files[0]}:1: header {','.join(header)!r} differs from the "
+                       f"columns given: {','.join(columns.header)!r}")
+    self.columns = columns
+    self.spec = csv_spec(columns, rows_per_feature)
+
+  def describe(self) -> str:
+    return f"{self.files[0]}: {self.columns.describe()}"
+
+  def _is_header(self, first_line: bytes) -> bool:
+    del first_line
+    return True   # every file starts with the header checked in __init__
+
+  def _parse(self, lines: list[bytes]) -> stream.Parsed:
+    return parse_lines(lines, self.columns, self.spec.rows_per_feature)
