@@ -13,6 +13,11 @@ A train step runs in three phases, so that gradients reach only the rows a batch
   ... loss, grads w.r.t. dense params and w.r.t. `partial` (the per-device bag sums) ...
   tables = collection.apply_gradients(tables, lookup, partial_grads, step)
 
+The per-device gather and bag sums run in XLA (`lookup_impl="xla"`) or in one Pallas
+kernel launch per group over its flat buffer (`lookup_impl="pallas"`,
+`kernels/embedding_bag.py`, FBGEMM's table-batched embedding kernel), whose backward kernel
+also writes the per-id gradients for `apply_gradients`.
+
 `pool` is differentiable in the bag sums; its communication transposes under autodiff
 (all-to-all to all-to-all, reduce-scatter to all-gather), so their gradients arrive on the
 devices that own the rows. As in FBGEMM's backward, the gradient of each looked-up id is
@@ -54,6 +59,19 @@ from rec.embedding.planner import Plan, TablePlacement
 def _bag_sum(coef_XL, rows_XLW):
   """Weighted sum over the bag axis L: [..., L] x [..., L, W] -> [..., W]."""
   return jnp.einsum("...l,...lw->...w", coef_XL, rows_XLW)
+
+
+
+def _all_to_all0(x, axes):
+  """all_to_all over the leading (device) dim, sent as a 2-D [N, rest] buffer.
+
+  XLA:CPU's HLO verifier rejects all-to-alls whose split operands have unit dims in
+  different layouts (e.g. [1, B, 1, 1] with one table slot and one id per bag), which
+  flattening avoids; the bytes sent are the same.
+  """
+  if x.ndim <= 2:
+    return jax.lax.all_to_all(x, axes, 0, 0)
+  return jax.lax.all_to_all(x.reshape(x.shape[0], -1), axes, 0, 0).reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +123,12 @@ class EmbeddingCollection:
 
   def __init__(self, tables: Sequence[TableConfig], plan: Plan, mesh: Mesh,
                optimizer: opt_lib.SparseOptimizer, rules: mesh_lib.Rules = mesh_lib.REC_RULES,
-               out_of_range: str = "error", init_scale: str = "dlrm"):
+               out_of_range: str = "error", init_scale: str = "dlrm", lookup_impl: str = "xla"):
     if out_of_range not in ("error", "hash"):
       raise ValueError(f"out_of_range={out_of_range!r}: expected 'error' or 'hash'")
+    if lookup_impl not in ("xla", "pallas"):
+      raise ValueError(f"lookup_impl={lookup_impl!r}: expected 'xla' or 'pallas'")
+    self.lookup_impl = lookup_impl
     self.tables = list(tables)
     names = [t.name for t in self.tables]
     if len(set(names)) != len(names):
@@ -394,6 +415,13 @@ class EmbeddingCollection:
           partial, coef, index, valid)
     return out
 
+  def _bag_pool(self, storage, tbl, index, coef):
+    """Bag sums [..., W] of local rows `index` [..., L] (in range; padding has coef 0)."""
+    if self.lookup_impl == "pallas":
+      from kernels import embedding_bag   # the kernel reads the dense rows of the state
+      return embedding_bag.embedding_bag(tbl["rows"], index, coef)
+    return _bag_sum(coef, storage.gather(tbl, index, clip=True))
+
   @staticmethod
   def _coef(valid, w, lengths, mean):
     c = jnp.where(valid, w, 0.0)
@@ -405,7 +433,7 @@ class EmbeddingCollection:
     live = jnp.arange(L) < lengths[..., None]                  # [B_l, F, L]
     index = jnp.where(live, ids + maps["offset"][None, :, None], 0)
     coef = self._coef(live, w, lengths, jnp.asarray(mean)[None, :])
-    return _bag_sum(coef, storage.gather(tbl, index, clip=True)), coef, index, live
+    return self._bag_pool(storage, tbl, index, coef), coef, index, live
 
   def _gather_rw(self, g, storage, tbl, ids, lengths, w, maps, mean):
     ax = self.axes
@@ -418,7 +446,7 @@ class EmbeddingCollection:
     valid = live & (ids >= start[None, :, None]) & (ids < end[None, :, None])
     index = jnp.where(valid, ids - start[None, :, None] + off[None, :, None], 0)
     coef = self._coef(valid, w, lengths, jnp.asarray(mean)[None, :])
-    return _bag_sum(coef, storage.gather(tbl, index, clip=True)), coef, index, valid
+    return self._bag_pool(storage, tbl, index, coef), coef, index, valid
 
   def _gather_a2a(self, g, storage, tbl, ids, lengths, w, maps, mean):
     ax = self.axes
@@ -429,9 +457,9 @@ class EmbeddingCollection:
     send_ids = jnp.transpose(ids[:, fsel], (1, 0, 2, 3))
     send_len = jnp.transpose(jnp.where(live_slot[None], lengths[:, fsel], 0), (1, 0, 2))
     send_w = jnp.transpose(w[:, fsel], (1, 0, 2, 3))
-    r_ids = jax.lax.all_to_all(send_ids, ax, 0, 0)               # [N_src, B_l, S, L]
-    r_len = jax.lax.all_to_all(send_len, ax, 0, 0)
-    r_w = jax.lax.all_to_all(send_w, ax, 0, 0)
+    r_ids = _all_to_all0(send_ids, ax)               # [N_src, B_l, S, L]
+    r_len = _all_to_all0(send_len, ax)
+    r_w = _all_to_all0(send_w, ax)
     start, end, off = maps["start"][0], maps["end"][0], maps["offset"][0]   # [S]
     mean_s = maps["mean"][0]
     L = r_ids.shape[-1]
@@ -439,7 +467,7 @@ class EmbeddingCollection:
     valid = live & (r_ids >= start[:, None]) & (r_ids < end[:, None])
     index = jnp.where(valid, r_ids - start[:, None] + off[:, None], 0)
     coef = self._coef(valid, r_w, r_len, mean_s[None, None, :])
-    partial = _bag_sum(coef, storage.gather(tbl, index, clip=True))       # [N_src, B_l, S, W]
+    partial = self._bag_pool(storage, tbl, index, coef)                   # [N_src, B_l, S, W]
     n, b = index.shape[:2]
     flat = lambda x: x.reshape((n * b,) + x.shape[2:])
     return flat(partial), flat(coef), flat(index), flat(valid)
@@ -476,7 +504,7 @@ class EmbeddingCollection:
     N = self.num_devices
     S = g.maps["feat"].shape[1]
     partial = partial.reshape(N, -1, S, g.width)
-    back = jax.lax.all_to_all(partial, self.axes, 0, 0)          # [N_owner, B_l, S, W]
+    back = _all_to_all0(partial, self.axes)          # [N_owner, B_l, S, W]
     b = back.shape[1]
     flat = jnp.transpose(back, (1, 0, 2, 3)).reshape(b, N * S * g.width)
     F = len(g.features)
@@ -503,7 +531,11 @@ class EmbeddingCollection:
       sspec = jax.tree.map(lambda _: spec, state[name])
 
       def upd(st, index, valid, coef, pgrad, step, g=g, storage=storage):
-        grads = self._id_grads(coef, pgrad)
+        if self.lookup_impl == "pallas":
+          from kernels import embedding_bag
+          grads = embedding_bag.embedding_bag_id_grads(coef, pgrad)
+        else:
+          grads = self._id_grads(coef, pgrad)
         index, valid = index.reshape(-1), valid.reshape(-1)
         if g.comm == "dp":  # replicas apply the same update from everyone's ids
           index = jax.lax.all_gather(index, self.axes, axis=0, tiled=True)

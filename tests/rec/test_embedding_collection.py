@@ -163,3 +163,22 @@ def test_bad_plans(mesh8):
   plan = {t.name: TablePlacement("tw", (9,)) for t in TABLES}
   with pytest.raises(ValueError, match="outside 0..7"):
     EmbeddingCollection(TABLES, plan, mesh8, OPTS["adagrad"])
+
+
+@pytest.mark.parametrize("num_tables", [1, 2, 3])
+def test_fewer_tables_than_devices_one_hot(num_tables, mesh8, mesh1):
+  """Table-wise with one one-hot table per device: unit dims in the all-to-all buffers."""
+  tables = [TableConfig(f"s{i}", 50, 8) for i in range(num_tables)]
+  rng = np.random.default_rng(1)
+  ids = rng.integers(0, 50, (B, num_tables, 1)).astype(np.int32)
+  lengths = np.ones((B, num_tables), np.int32)
+
+  def run(mesh, plan):
+    coll = EmbeddingCollection(tables, plan, mesh, opt_lib.RowWiseAdagrad(0.1))
+    state = coll.init(jax.random.key(0))
+    bi, bl = mesh_lib.shard_batch((ids, lengths), mesh, mesh_lib.REC_RULES)
+    return np.asarray(jax.jit(lambda s: coll.lookup(s, bi, bl, None))(state))
+
+  one = run(mesh1, {t.name: TablePlacement("dp", (0,)) for t in tables})
+  eight = run(mesh8, {t.name: TablePlacement("tw", (2 * i + 1,)) for i, t in enumerate(tables)})
+  np.testing.assert_allclose(eight, one, rtol=1e-6)
