@@ -1,0 +1,163 @@
+"""Autoregressive generation for the Llama decoder: jitted prefill, then a jitted decode loop.
+
+Prompts of different lengths share one batch: they are right-padded, the prefill writes only
+each row's real tokens into the KV cache (`Llama.hidden(..., lengths_B=...)`), and every
+decode step writes one token per row at that row's own next slot. Decoding runs inside one
+`jax.lax.while_loop` with static shapes, so it compiles once per (batch, cache size,
+max_new_tokens, greedy or not, number of stop tokens): the sampling settings and the stop ids
+are traced values. The prefill compiles once per padded prompt length. The loop stops early
+when every row has emitted a stop token.
+
+Sampling (`sample_logits`): greedy at temperature 0, else softmax(logits / temperature)
+restricted to the top_k tokens and to the smallest set whose probability reaches top_p
+(nucleus sampling, arXiv 1904.09751), with an explicit PRNG key.
+
+Letters: B batch, T prompt length (padded), N new tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llm.model import Llama
+
+
+def sample_logits(logits, key, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array:
+  """Samples token ids [...] from logits [..., V]; a pure function.
+
+  temperature, top_k and top_p are scalars or per-row arrays [...], and may be traced (one
+  compiled program serves every setting). Rows with temperature 0 take the argmax. Otherwise
+  the distribution is softmax(logits / temperature), restricted to the top_k tokens (0: all)
+  and then to the nucleus: tokens in decreasing probability (renormalized over the top_k)
+  while the probability before each is < top_p; the most likely token is always kept, and
+  tokens tied with the last kept logit are kept too.
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  for name, x, ok in (("temperature", temperature, lambda x: x >= 0),
+                      ("top_k", top_k, lambda x: x >= 0),
+                      ("top_p", top_p, lambda x: 0 < x <= 1)):
+    if isinstance(x, (int, float)) and not ok(x):
+      raise ValueError(f"sample_logits: {name}={x}; expected temperature >= 0, top_k >= 0 "
+                       "and 0 < top_p <= 1")
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if isinstance(temperature, (int, float)) and temperature == 0:
+    return greedy            # static shortcut: no sort
+  v = logits.shape[-1]
+  batch = logits.shape[:-1]
+  t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch)[..., None]
+  k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch)[..., None]
+  p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch)[..., None]
+  scaled = logits / jnp.where(t > 0, t, 1.0)
+  sorted_desc = -jnp.sort(-scaled, axis=-1)
+  in_top_k = jnp.arange(v) < jnp.where((k > 0) & (k < v), k, v)
+  probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  n_keep = jnp.maximum(jnp.sum(in_top_k & (mass_before < p), axis=-1, keepdims=True), 1)
+  threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+  sampled = jax.random.categorical(key, jnp.where(scaled < threshold, -jnp.inf, scaled), axis=-1)
+  return jnp.where(t[..., 0] > 0, sampled.astype(jnp.int32), greedy)
+
+
+def _sample(logits, key, sampling):
+  # sampling = None (greedy, static) or a (temperature, top_k, top_p) tuple of arrays.
+  return sample_logits(logits, key) if sampling is None else sample_logits(logits, key, *sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
+def _prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len):
+  """Writes the prompts into a fresh cache; samples each row's first new token."""
+  model = nnx.merge(graphdef, state)
+  cache = model.init_cache(tokens_BT.shape[0], max_len)
+  h_BTD, cache = model.hidden(model.embed_tokens(tokens_BT), cache=cache, lengths_B=lengths_B)
+  # Only the last real token of each row needs logits (a [B,T,V] tensor can be huge).
+  h_last_B1D = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)
+  key, sub = jax.random.split(key)
+  tok_B = _sample(model.logits(h_last_B1D)[:, 0], sub, sampling)
+  return tok_B, cache, key
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_new"))
+def _decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new):
+  """Feeds each sampled token back until n_new tokens per row or every row has stopped."""
+  model = nnx.merge(graphdef, state)
+  is_stop = lambda t: jnp.any(t[:, None] == stop_tokens[None, :], axis=-1)
+  out_BN = jnp.zeros((tok_B.shape[0], n_new), jnp.int32).at[:, 0].set(tok_B)
+
+  def cond(carry):
+    i, _, _, _, done_B, _ = carry
+    return (i < n_new) & ~jnp.all(done_B)
+
+  def body(carry):
+    i, cache, tok_B, out_BN, done_B, key = carry
+    logits_B1V, cache = model(tok_B[:, None], cache=cache)
+    key, sub = jax.random.split(key)
+    tok_B = _sample(logits_B1V[:, 0], sub, sampling)
+    out_BN = jax.lax.dynamic_update_slice(out_BN, tok_B[:, None], (0, i))
+    return i + 1, cache, tok_B, out_BN, done_B | is_stop(tok_B), key
+
+  carry = (jnp.int32(1), cache, tok_B, out_BN, is_stop(tok_B), key)
+  n_done, _, _, out_BN, _, _ = jax.lax.while_loop(cond, body, carry)
+  return out_BN, n_done
+
+
+def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             stop_tokens=(), rng: jax.Array | None = None,
+             max_len: int | None = None) -> list[list[int]]:
+  """New tokens for each prompt: up to max_new_tokens, ending at (and including) the first
+  stop token. Greedy when temperature == 0; sampling needs an explicit `rng` key.
+  `max_len` is the cache size in slots (default: longest prompt + max_new_tokens); giving a
+  fixed one lets calls with different prompt lengths share the compiled decode loop."""
+  cfg = model.cfg
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError(f"generate: prompt lengths {[len(p) for p in prompts]}; expected at least "
+                     "one prompt and no empty prompt")
+  for i, p in enumerate(prompts):
+    bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"generate: prompt {i} has token ids {bad[:5]} outside "
+                       f"[0, {cfg.vocab_size})")
+  if max_new_tokens < 0:
+    raise ValueError(f"generate: max_new_tokens={max_new_tokens}, expected >= 0")
+  if max_new_tokens == 0:
+    return [[] for _ in prompts]
+  if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+    raise ValueError(f"generate: temperature={temperature}, top_k={top_k}, top_p={top_p}; "
+                     "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+  if temperature > 0 and rng is None:
+    raise ValueError(f"generate: temperature={temperature} samples; pass rng=jax.random.key(...)")
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  t = int(lengths.max())
+  # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 slots.
+  need = t + max_new_tokens - 1
+  max_len = t + max_new_tokens if max_len is None else int(max_len)
+  if max_len < need:
+    raise ValueError(f"generate: max_len={max_len} slots, but the longest prompt ({t} tokens) "
+                     f"plus {max_new_tokens} new tokens needs {need}")
+  tokens_BT = np.zeros((len(prompts), t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens_BT[i, :len(p)] = p
+
+  graphdef, state = nnx.split(model)
+  # Sampling settings and stop tokens are traced: changing them does not recompile
+  # (-1 pads an empty stop list; it matches no token).
+  sampling = None if temperature == 0 else (
+      jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+  stop = tuple(int(s) for s in stop_tokens)
+  key = jax.random.key(0) if rng is None else rng
+  tok_B, cache, key = _prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths),
+                               key, sampling, max_len=max_len)
+  out_BN, n_done = _decode(graphdef, state, cache, tok_B, key, sampling,
+                           jnp.asarray(stop or (-1,), jnp.int32), n_new=max_new_tokens)
+  out_BN, n_done = np.asarray(out_BN), int(n_done)
+  stop = set(stop)
+  result = []
+  for row in out_BN[:, :n_done].tolist():
+    hit = next((j for j, tok in enumerate(row) if tok in stop), None)
+    result.append(row if hit is None else row[:hit + 1])
+  return result

@@ -1,0 +1,390 @@
+"""Llama 3 decoder (arXiv 2407.21783) in Flax NNX, with a slot-addressed KV cache.
+
+Pre-norm blocks: RMSNorm -> grouped-query attention with RoPE (Llama 3.1 frequency scaling,
+HF `rope_type: llama3`) -> residual, RMSNorm -> SwiGLU MLP -> residual; final RMSNorm and a
+tied or untied output projection. Parameters are kept in `cfg.param_dtype` and cast to
+`cfg.dtype` at use; logits come back in float32. Attention goes through
+`llm.attention.attention(..., impl=cfg.attention_impl)`, so kernels and ring attention plug in
+by config string.
+
+RoPE uses the half-split convention of Hugging Face checkpoints: within each head, entry j is
+rotated with entry j + K/2 (`rotate_half`), so q/k weights are stored in that layout.
+
+The parameter tree (names, shapes, logical axes) is a contract shared with `llm.weights`:
+  embed [V,D] (vocab, embed); layers[i].{attn_norm,mlp_norm}.scale [D] (norm);
+  layers[i].attn.wq [D,H,K], .wk/.wv [D,G,K], .wo [H,K,D]; layers[i].mlp.w_gate/.w_up [D,F],
+  .w_down [F,D]; final_norm.scale [D]; lm_head [D,V] (absent when tied: logits = x @ embed.T).
+
+KV cache: every layer keeps k, v [B,S,G,K] in slots; a shared `pos [B,S]` tags each slot with
+its token position, SENTINEL_POS when empty. Masking is by positions alone
+(kv_pos <= q_pos), so empty slots are hidden and slot order never matters: a context-parallel
+implementation may place slots on any rank. Calls:
+  logits_BTV, _ = model(tokens_BT, positions_BT=..., segment_ids_BT=...)      # no cache
+  cache = model.init_cache(B, S)
+  logits_BTV, cache = model(tokens_BT, cache=cache, lengths_B=...)           # prefill / decode
+`Llama.hidden` (blocks + final norm on embeddings) and `Llama.logits` split the same call,
+e.g. to take logits at a few positions only.
+
+Letters: B batch, T tokens in this call, S cache slots, D model dim, H query heads,
+G key/value heads, K head dim, F MLP hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from core.mesh import LLM_RULES, Rules, logical_to_spec
+from llm.attention import attention
+from llm.config import LlamaConfig, RopeScaling
+
+# Position of an empty cache slot: above any real position, so `kv_pos <= q_pos` hides it.
+SENTINEL_POS = 2 ** 30
+
+# Logical names of activations (LLM_RULES maps them to mesh axes).
+X_NAMES = ("act_batch", "act_seq", "act_embed")
+Q_NAMES = ("act_batch", "act_seq", "act_heads", None)
+KV_NAMES = ("act_batch", "act_seq", "act_kv_heads", None)
+MLP_NAMES = ("act_batch", "act_seq", "act_mlp")
+LOGIT_NAMES = ("act_batch", "act_seq", "act_vocab")
+CACHE_NAMES = ("cache_batch", "cache_seq", "cache_kv_heads", None)
+CACHE_POS_NAMES = ("cache_batch", "cache_seq")
+
+
+# --- sharding helpers
+
+def _spec(shape: Sequence[int], names: Sequence[str | None], rules: Rules, mesh) -> P:
+  """Like `logical_to_spec`, but a dimension its mesh axes do not divide is replicated
+  (e.g. 8 kv heads on tp=16), so any config runs on any mesh."""
+  spec = logical_to_spec(tuple(names), rules, mesh)
+  out = []
+  for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    out.append(axes if size % n == 0 else None)
+  return P(*out)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], rules: Rules = LLM_RULES) -> jax.Array:
+  """Sharding constraint by logical names under `jax.set_mesh`; a no-op without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, _spec(x.shape, names, rules, mesh))
+
+
+def param_shardings(model_or_state, mesh: Mesh, rules: Rules = LLM_RULES):
+  """NamedShardings for the parameters (a State of the same structure as
+  `nnx.state(model, nnx.Param)`), from their logical names through `rules`."""
+  state = (nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module)
+           else model_or_state)
+
+  def one(var):
+    names = var.get_metadata().get("out_sharding") or ()
+    return var.replace(NamedSharding(mesh, _spec(var.shape, names, rules, mesh)))
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: Llama, mesh: Mesh, rules: Rules = LLM_RULES) -> Llama:
+  """Places the model's parameters on `mesh` (in place) and returns the model."""
+  state = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
+  return model
+
+
+# --- RoPE
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """Inverse frequencies [K/2] (float32), with Llama 3.1 scaling when `scaling` is set:
+  long wavelengths are divided by `factor`, short ones kept, and the band between
+  original_max_position / high_freq_factor and / low_freq_factor interpolated smoothly."""
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is not None:
+    s = scaling
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = ((s.original_max_position / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * inv / s.factor + smooth * inv
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv = np.where(medium, smoothed, scaled)
+  return inv.astype(np.float32)
+
+
+def apply_rope(x_BTNK: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates (x[j], x[j + K/2]) by position * inv_freq[j] (half-split convention), in fp32."""
+  angles_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  cos, sin = jnp.cos(angles_BTk)[:, :, None], jnp.sin(angles_BTk)[:, :, None]
+  x1, x2 = jnp.split(x_BTNK.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTNK.dtype)
+
+
+# --- KV cache
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Per-layer keys/values in slots; each slot tagged with its token position."""
+
+  k: tuple[jax.Array, ...]   # per layer [B,S,G,K]
+  v: tuple[jax.Array, ...]   # per layer [B,S,G,K]
+  pos: jax.Array             # [B,S] int32, SENTINEL_POS for an empty slot
+  length: jax.Array          # [B] int32: slots used per row; a row's next token goes here
+
+  @classmethod
+  def init(cls, cfg: LlamaConfig, batch: int, max_len: int) -> KVCache:
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    zeros = lambda: constrain(jnp.zeros(shape, cfg.dtype), CACHE_NAMES)
+    return cls(k=tuple(zeros() for _ in range(cfg.n_layers)),
+               v=tuple(zeros() for _ in range(cfg.n_layers)),
+               pos=constrain(jnp.full((batch, max_len), SENTINEL_POS, jnp.int32),
+                             CACHE_POS_NAMES),
+               length=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.pos.shape[1]
+
+
+def _write_slots(buf_BS, slots_BT, new_BT):
+  """buf[b, slots[b, t]] = new[b, t]; slot indices >= S are dropped (padding)."""
+  return jax.vmap(lambda b, s, u: b.at[s].set(u.astype(b.dtype), mode="drop"))(
+      buf_BS, slots_BT, new_BT)
+
+
+# --- layers
+
+def _param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
+  value = jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype)
+  return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, computed in fp32."""
+
+  def __init__(self, cfg: LlamaConfig):
+    self.eps, self.dtype = cfg.norm_eps, cfg.dtype
+    self.scale = nnx.Param(jnp.ones((cfg.dim,), cfg.param_dtype), out_sharding=("norm",),
+                           eager_sharding=False)
+
+  def __call__(self, x_BTD):
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE, optionally reading/writing a KV cache."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h, g, k, pd = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
+    self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), d ** -0.5, pd)
+    self.wk = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), d ** -0.5, pd)
+    self.wv = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), d ** -0.5, pd)
+    self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), (h * k) ** -0.5, pd)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
+               slots_BT=None):
+    """Without `kv`: attends within the call (segments + causal by position). With
+    kv = (k_BSGK, v_BSGK): writes this call's k, v at `slots_BT`, then attends to every slot
+    by position (kv_pos_BS already holds the new positions). Returns (y_BTD, new kv)."""
+    cfg, dt = self.cfg, self.cfg.dtype
+    q_BTHK = constrain(jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt)), Q_NAMES)
+    k_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt)), KV_NAMES)
+    v_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt)), KV_NAMES)
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q_BTHK = apply_rope(q_BTHK, positions_BT, inv_freq)
+    k_BTGK = apply_rope(k_BTGK, positions_BT, inv_freq)
+    if kv is None:
+      k_all, v_all, kv_pos, seg = k_BTGK, v_BTGK, positions_BT, segment_ids_BT
+    else:
+      k_all = constrain(_write_slots(kv[0], slots_BT, k_BTGK), CACHE_NAMES)
+      v_all = constrain(_write_slots(kv[1], slots_BT, v_BTGK), CACHE_NAMES)
+      kv, kv_pos, seg = (k_all, v_all), kv_pos_BS, None
+    out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, causal=True,
+                            q_positions=positions_BT, kv_positions=kv_pos,
+                            q_segment_ids=seg, kv_segment_ids=seg)
+    y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK.astype(dt), self.wo[...].astype(dt))
+    return constrain(y_BTD, X_NAMES), kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: w_down(silu(x w_gate) * (x w_up))."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.dtype = cfg.dtype
+    d, f, pd = cfg.dim, cfg.ffn_dim, cfg.param_dtype
+    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d ** -0.5, pd)
+    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d ** -0.5, pd)
+    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f ** -0.5, pd)
+
+  def __call__(self, x_BTD):
+    dt = self.dtype
+    gate_BTF = constrain(x_BTD @ self.w_gate[...].astype(dt), MLP_NAMES)
+    up_BTF = constrain(x_BTD @ self.w_up[...].astype(dt), MLP_NAMES)
+    return constrain((nnx.silu(gate_BTF) * up_BTF) @ self.w_down[...].astype(dt), X_NAMES)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
+               slots_BT=None):
+    h_BTD, kv = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, kv, kv_pos_BS,
+                          slots_BT)
+    x_BTD = x_BTD + h_BTD
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
+
+
+class Llama(nnx.Module):
+  """Llama 3 decoder: token ids -> float32 logits, with an optional KV cache."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    v, d, pd = cfg.vocab_size, cfg.dim, cfg.param_dtype
+    # Embedding rows and output columns ~ N(0, 1/D): unit-scale logits after the final norm,
+    # tied or not.
+    self.embed = _param(rngs, (v, d), ("vocab", "embed"), d ** -0.5, pd)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), d ** -0.5, pd)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(self.cfg, batch, max_len)
+
+  def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
+               cache: KVCache | None = None, lengths_B=None):
+    """Returns (logits_BTV float32, new cache or None); see `hidden` for the arguments."""
+    h_BTD, cache = self.hidden(self.embed_tokens(tokens_BT), positions_BT=positions_BT,
+                               segment_ids_BT=segment_ids_BT, cache=cache, lengths_B=lengths_B)
+    return self.logits(h_BTD), cache
+
+  def embed_tokens(self, tokens_BT) -> jax.Array:
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.dtype)
+    return constrain(x_BTD, X_NAMES)
+
+  def hidden(self, x_BTD, *, positions_BT=None, segment_ids_BT=None,
+             cache: KVCache | None = None, lengths_B=None):
+    """Blocks and final norm over input embeddings x_BTD; returns (h_BTD, new cache or None).
+
+    Without a cache: positions default to arange(T); tokens attend to earlier positions of
+    the same segment. With a cache: the first lengths_B[b] tokens of row b (default all T;
+    the rest are right padding) are written at slots cache.length[b] + t and tagged with their
+    positions (default cache.length[b] + t); padding is never written, so it stays invisible.
+    Each token attends to every cached slot at a position <= its own.
+    """
+    b, t = x_BTD.shape[:2]
+    arange_T = jnp.arange(t, dtype=jnp.int32)
+    kv_pos_BS = slots_BT = None
+    if cache is None:
+      if lengths_B is not None:
+        raise ValueError("Llama.hidden: lengths_B is only meaningful with a cache")
+      if positions_BT is None:
+        positions_BT = jnp.broadcast_to(arange_T, (b, t))
+    else:
+      if segment_ids_BT is not None:
+        raise ValueError("Llama.hidden: segment_ids_BT with a cache is not supported; cached "
+                         "rows are separated by batch and padding by lengths_B")
+      if cache.pos.shape[0] != b or len(cache.k) != self.cfg.n_layers:
+        raise ValueError(f"Llama.hidden: cache for batch {cache.pos.shape[0]} and "
+                         f"{len(cache.k)} layers, expected batch {b} and {self.cfg.n_layers}")
+      n_new_B = (jnp.full((b,), t, jnp.int32) if lengths_B is None
+                 else jnp.asarray(lengths_B, jnp.int32))
+      if positions_BT is None:
+        positions_BT = cache.length[:, None] + arange_T
+      # Padding goes to slot S, out of range, which the scatter drops.
+      slots_BT = jnp.where(arange_T < n_new_B[:, None], cache.length[:, None] + arange_T,
+                           cache.max_len)
+      kv_pos_BS = constrain(_write_slots(cache.pos, slots_BT, positions_BT), CACHE_POS_NAMES)
+    positions_BT = jnp.asarray(positions_BT, jnp.int32)
+
+    block_fn = nnx.remat(Block.__call__) if self.cfg.remat else Block.__call__
+    new_k, new_v = [], []
+    for i, block in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      x_BTD, kv = block_fn(block, x_BTD, positions_BT, segment_ids_BT, kv, kv_pos_BS, slots_BT)
+      x_BTD = constrain(x_BTD, X_NAMES)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    h_BTD = self.final_norm(x_BTD)
+    if cache is not None:
+      cache = KVCache(k=tuple(new_k), v=tuple(new_v), pos=kv_pos_BS,
+                      length=cache.length + n_new_B)
+    return h_BTD, cache
+
+  def logits(self, h_BTD) -> jax.Array:
+    dt = self.cfg.dtype
+    if self.cfg.tie_embeddings:
+      out = jnp.einsum("btd,vd->btv", h_BTD, self.embed[...].astype(dt),
+                       preferred_element_type=jnp.float32)
+    else:
+      out = jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...].astype(dt),
+                       preferred_element_type=jnp.float32)
+    return constrain(out.astype(jnp.float32), LOGIT_NAMES)
+
+
+# --- flat weights (the loader contract)
+
+def _flat_params(model: Llama) -> dict[str, nnx.Param]:
+  out = {"embed": model.embed}
+  for i, blk in enumerate(model.layers):
+    p = f"layers.{i}."
+    out.update({p + "attn_norm": blk.attn_norm.scale, p + "wq": blk.attn.wq,
+                p + "wk": blk.attn.wk, p + "wv": blk.attn.wv, p + "wo": blk.attn.wo,
+                p + "mlp_norm": blk.mlp_norm.scale, p + "w_gate": blk.mlp.w_gate,
+                p + "w_up": blk.mlp.w_up, p + "w_down": blk.mlp.w_down})
+  out["final_norm"] = model.final_norm.scale
+  if not model.cfg.tie_embeddings:
+    out["lm_head"] = model.lm_head
+  return out
+
+
+def weights_from_model(model: Llama) -> dict[str, np.ndarray]:
+  """Flat dict of numpy arrays ("embed", "layers.{i}.wq", ..., "lm_head")."""
+  return {k: np.asarray(jax.device_get(v[...])) for k, v in _flat_params(model).items()}
+
+
+def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
+  """Sets every parameter from a flat dict (in place), keeping each parameter's dtype and
+  sharding. Checks the full key set and every shape before changing anything. `model` may be
+  abstract (`nnx.eval_shape(lambda: Llama(cfg, rngs))`), which skips the random init."""
+  params = _flat_params(model)
+  errors = []
+  missing = sorted(set(params) - set(weights))
+  unexpected = sorted(set(weights) - set(params))
+  if missing:
+    errors.append(f"missing keys {missing}")
+  if unexpected:
+    errors.append(f"unexpected keys {unexpected}")
+  for key in sorted(set(params) & set(weights)):
+    got, want = tuple(np.shape(weights[key])), tuple(params[key].shape)
+    if got != want:
+      errors.append(f"{key!r}: got shape {got}, expected {want}")
+  if errors:
+    raise ValueError(f"load_weights ({model.cfg.n_layers} layers, tie_embeddings="
+                     f"{model.cfg.tie_embeddings}): " + "; ".join(errors))
+  for key, var in params.items():
+    old = var.get_value()
+    value = np.asarray(weights[key]).astype(old.dtype)
+    # An abstract model (nnx.eval_shape) has no sharding yet: skip the random init entirely.
+    sharding = getattr(old, "sharding", None)
+    var.set_value(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))

@@ -1,0 +1,187 @@
+"""Generation: greedy vs full recomputation, batched vs one at a time, stop tokens, sampling
+distributions, and a sharded run on 8 CPU devices."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.mesh import make_mesh
+from llm import generate as G
+from llm import model as M
+from llm.config import get_config
+from tests.llm.test_model import make_model
+
+TINY = get_config("tiny")
+TINY_TIED = get_config("tiny_tied")
+PROMPTS = [[5, 17, 99, 3, 250], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42, 42]]
+MAX_LEN = 16
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, state, tokens_BT):
+  return nnx.merge(graphdef, state)(tokens_BT)[0]
+
+
+def greedy_by_recomputation(model, prompts, n_new, width=MAX_LEN):
+  """Reference: no cache; every step re-runs the whole (right-padded) sequence."""
+  graphdef, state = nnx.split(model)
+  seqs = [list(p) for p in prompts]
+  for _ in range(n_new):
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for b, s in enumerate(seqs):
+      tokens[b, :len(s)] = s
+    logits = np.asarray(_full_logits(graphdef, state, jnp.asarray(tokens)))
+    for b, s in enumerate(seqs):
+      s.append(int(np.argmax(logits[b, len(s) - 1])))
+  return [s[len(p):] for s, p in zip(seqs, prompts)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return make_model(TINY)[0]
+
+
+@pytest.fixture(scope="module")
+def greedy_out(tiny):
+  return G.generate(tiny, PROMPTS, 7, max_len=MAX_LEN)
+
+
+def test_greedy_matches_full_recomputation(tiny, greedy_out):
+  assert [len(o) for o in greedy_out] == [7, 7, 7]
+  assert greedy_out == greedy_by_recomputation(tiny, PROMPTS, 7)
+  assert len({tuple(o) for o in greedy_out}) == 3     # rows really differ
+
+
+def test_batched_equals_one_at_a_time(tiny, greedy_out):
+  for p, want in zip(PROMPTS, greedy_out):
+    assert G.generate(tiny, [p], 7, max_len=MAX_LEN) == [want]
+  # The decode loop compiled once for the batch size and cache size, whatever the prompt.
+  before = G._decode._cache_size()
+  G.generate(tiny, [[7, 7, 7, 7]], 7, max_len=MAX_LEN)
+  assert G._decode._cache_size() == before
+
+
+def test_stop_tokens_end_rows_early(tiny, greedy_out):
+  stop = greedy_out[0][2]
+  want = [o[:o.index(stop) + 1] if stop in o else o for o in greedy_out]
+  got = G.generate(tiny, PROMPTS, 7, stop_tokens=[stop], max_len=MAX_LEN)
+  assert got == want and got[0][-1] == stop and len(got[0]) == 3
+  # Every row stops on its first new token: the loop ends after one token.
+  firsts = {o[0] for o in greedy_out}
+  assert G.generate(tiny, PROMPTS, 7, stop_tokens=firsts, max_len=MAX_LEN) == [
+      [o[0]] for o in greedy_out]
+
+
+def test_generate_sampling(tiny, greedy_out):
+  key = jax.random.key(3)
+  a = G.generate(tiny, PROMPTS, 7, temperature=1.0, top_p=0.95, rng=key, max_len=MAX_LEN)
+  b = G.generate(tiny, PROMPTS, 7, temperature=1.0, top_p=0.95, rng=key, max_len=MAX_LEN)
+  c = G.generate(tiny, PROMPTS, 7, temperature=1.0, top_p=0.95, rng=jax.random.key(4),
+                 max_len=MAX_LEN)
+  assert a == b and a != c and a != greedy_out
+  # top_k=1 and a tiny top_p keep only the argmax: greedy, through the same compiled loop.
+  assert G.generate(tiny, PROMPTS, 7, temperature=1.5, top_k=1, rng=key,
+                    max_len=MAX_LEN) == greedy_out
+  assert G.generate(tiny, PROMPTS, 7, temperature=1.0, top_p=1e-6, rng=key,
+                    max_len=MAX_LEN) == greedy_out
+
+
+def test_generate_errors(tiny):
+  with pytest.raises(ValueError, match="pass rng"):
+    G.generate(tiny, PROMPTS, 3, temperature=0.5)
+  with pytest.raises(ValueError, match="max_len=8 slots.*needs 11"):
+    G.generate(tiny, PROMPTS, 3, max_len=8)
+  with pytest.raises(ValueError, match=r"prompt 1 has token ids \[256\]"):
+    G.generate(tiny, [[1], [256]], 3)
+  with pytest.raises(ValueError, match="no empty prompt"):
+    G.generate(tiny, [[1], []], 3)
+  with pytest.raises(ValueError, match="top_p=0"):
+    G.generate(tiny, PROMPTS, 3, temperature=1.0, top_p=0.0, rng=jax.random.key(0))
+  assert G.generate(tiny, PROMPTS, 0) == [[], [], []]
+
+
+def test_sharded_generate_equals_single_device():
+  model, _ = make_model(TINY_TIED)
+  prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [100], [7, 7, 7, 7]]
+  want = G.generate(model, prompts, 5, max_len=12)
+  mesh = make_mesh("data:2,fsdp:2,tp:2")
+  M.shard_model(model, mesh)
+  assert model.layers[0].attn.wk[...].sharding.spec == jax.P("fsdp", "tp", None)
+  with jax.set_mesh(mesh):
+    assert G.generate(model, prompts, 5, max_len=12) == want
+
+
+# --- sample_logits
+
+LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+
+
+@jax.jit
+def _draw(keys, temperature, top_k, top_p):
+  return jax.vmap(lambda k: G.sample_logits(jnp.asarray(LOGITS), k, temperature, top_k,
+                                            top_p))(keys)
+
+
+def _softmax(x):
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+def _chi2(counts, p):
+  n = counts.sum()
+  keep = p > 0
+  assert counts[~keep].sum() == 0, f"draws outside the support: {counts}"
+  return float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
+
+
+def _target(temperature, top_k, top_p):
+  """Hand-worked sampling distribution over LOGITS (sorted in decreasing order)."""
+  p = _softmax(LOGITS.astype(np.float64) / temperature)
+  if top_k:
+    p[top_k:] = 0
+    p /= p.sum()
+  before = np.cumsum(p) - p
+  p[before >= top_p] = 0                            # nucleus, counted before each token
+  return p / p.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,support", [
+    (1.0, 0, 1.0, 8), (2.0, 0, 1.0, 8), (0.5, 3, 1.0, 3), (1.0, 0, 0.7, 3), (1.0, 4, 0.9, 4)])
+def test_sampling_distribution_matches_softmax(temperature, top_k, top_p, support):
+  p = _target(temperature, top_k, top_p)
+  assert (p > 0).sum() == support
+  n = 20000
+  draws = np.asarray(_draw(jax.random.split(jax.random.key(0), n), temperature, top_k, top_p))
+  counts = np.bincount(draws, minlength=8).astype(np.float64)
+  # The 99.9% quantile of chi-square with support - 1 <= 7 degrees of freedom is 24.3.
+  assert _chi2(counts, p) < 24.3
+  # The test has power: the same support at temperature 1 is rejected.
+  if temperature != 1.0:
+    assert _chi2(counts, _target(1.0, top_k, top_p)) > 100
+
+
+def test_sample_logits_greedy_limits_and_reproducibility():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+  greedy = np.argmax(np.asarray(logits), -1)
+  np.testing.assert_array_equal(G.sample_logits(logits, None, 0.0), greedy)
+  for i in range(5):
+    key = jax.random.key(i)
+    np.testing.assert_array_equal(G.sample_logits(logits, key, 1.0, 1, 1.0), greedy)
+    np.testing.assert_array_equal(G.sample_logits(logits, key, 1.0, 0, 1e-6), greedy)
+  key = jax.random.key(9)
+  a = G.sample_logits(logits, key, 1.0, 0, 1.0)
+  np.testing.assert_array_equal(a, G.sample_logits(logits, key, 1.0, 0, 1.0))
+  assert not np.array_equal(a, greedy)
+  # Per-row settings: temperature 0 rows are greedy, others sample.
+  t = jnp.array([0.0, 5.0, 0.0, 5.0, 0.0, 5.0])
+  many = np.stack([np.asarray(G.sample_logits(logits, jax.random.key(i), t)) for i in range(8)])
+  assert (many[:, ::2] == greedy[::2]).all() and (many[:, 1::2] != greedy[1::2]).any()
+  with pytest.raises(ValueError, match="top_k=-1"):
+    G.sample_logits(logits, key, 1.0, -1)
