@@ -69,7 +69,7 @@ def _sample(logits, key, sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len):
+def prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len):
   """Writes the prompts into a fresh cache; samples each row's first new token."""
   model = nnx.merge(graphdef, state)
   cache = model.init_cache(tokens_BT.shape[0], max_len)
@@ -82,7 +82,7 @@ def _prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "n_new"))
-def _decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new):
+def decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new):
   """Feeds each sampled token back until n_new tokens per row or every row has stopped."""
   model = nnx.merge(graphdef, state)
   is_stop = lambda t: jnp.any(t[:, None] == stop_tokens[None, :], axis=-1)
@@ -150,9 +150,9 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
       jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
   stop = tuple(int(s) for s in stop_tokens)
   key = jax.random.key(0) if rng is None else rng
-  tok_B, cache, key = _prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths),
+  tok_B, cache, key = prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths),
                                key, sampling, max_len=max_len)
-  out_BN, n_done = _decode(graphdef, state, cache, tok_B, key, sampling,
+  out_BN, n_done = decode(graphdef, state, cache, tok_B, key, sampling,
                            jnp.asarray(stop or (-1,), jnp.int32), n_new=max_new_tokens)
   out_BN, n_done = np.asarray(out_BN), int(n_done)
   stop = set(stop)

@@ -1,0 +1,172 @@
+r"""Llama prefill and decode tokens/s, side by side with Hugging Face transformers on CPU.
+
+  python -m experiments.bench_llm                                       # ours only
+  python -m experiments.bench_llm --peer_python=$PEER/bin/python       # + transformers
+
+A ~100M-parameter config (`llama_100m`: dim 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
+vocab 32000) with random weights, fp32. The weights are exported with `llm.weights.save_hf`
+and the peer script (`experiments/peers/hf_llama.py`, run in the peer environment) loads the
+very same tensors into `transformers.LlamaForCausalLM`. Timed per round, ours then the peer
+(alternating, so both see the same machine state):
+  prefill: the prompt [batch, prompt_len] written into a fresh KV cache, first token sampled;
+  decode:  greedy steps with the KV cache, (new_tokens - 1) model calls.
+Both run greedy, so the generated ids must agree (a cross-check of the model and the
+loader against an independent implementation); the script reports how many rows match.
+Writes results.json and a PNG; the last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS).")
+flags.DEFINE_integer("batch", 1, "Prompts per batch.")
+flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.")
+flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.")
+flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
+flags.DEFINE_integer("rounds", 2, "Rounds; each runs ours then the peer.")
+flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+flags.DEFINE_string("peer_python", "", "Python of the transformers environment; empty: skip.")
+flags.DEFINE_string("workdir", "runs/bench_llm", "Where results.json, the plot and the "
+                    "exported weights go.")
+flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+
+
+def time_ours(model, prompts, new_tokens: int, repeats: int):
+  """(median prefill s, median decode s, generated ids) for greedy generation."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from llm import generate as gen
+  graphdef, state = nnx.split(model)
+  tokens = jnp.asarray(prompts, jnp.int32)
+  lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+  stop = jnp.asarray((-1,), jnp.int32)   # no stop token: always new_tokens steps
+  max_len = tokens.shape[1] + new_tokens
+
+  def run():
+    key = jax.random.key(0)
+    t0 = time.perf_counter()
+    tok, cache, key = gen.prefill(graphdef, state, tokens, lengths, key, None, max_len=max_len)
+    jax.block_until_ready((tok, cache))
+    t1 = time.perf_counter()
+    out, _ = gen.decode(graphdef, state, cache, tok, key, None, stop, n_new=new_tokens)
+    out = np.asarray(out)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, out.tolist()
+
+  run()  # compile
+  pre, dec = [], []
+  for _ in range(repeats):
+    p, d, ids = run()
+    pre.append(p)
+    dec.append(d)
+  return pre, dec, ids
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  import numpy as np
+  from flax import nnx
+  from core import benchmark
+  from llm import model as model_lib
+  from llm import weights as weights_lib
+  from llm.config import get_config
+
+  cfg = get_config(FLAGS.preset)
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  model = model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed))
+  hf_dir = os.path.join(FLAGS.workdir, "hf_model")
+  weights_lib.save_hf(hf_dir, cfg, model_lib.weights_from_model(model))
+  rng = np.random.default_rng(FLAGS.seed)
+  prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
+  prompts_file = os.path.join(FLAGS.workdir, "prompts.json")
+  with open(prompts_file, "w") as f:
+    json.dump(prompts, f)
+  print(f"Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.1f}M params | batch {FLAGS.batch} | "
+        f"prompt {FLAGS.prompt_len} | {FLAGS.new_tokens} new tokens | fp32", flush=True)
+
+  ours = {"prefill": [], "decode": []}
+  peer = {"prefill": [], "decode": []}
+  ours_ids = peer_ids = None
+  peer_impl = None
+  for r in range(FLAGS.rounds):
+    p, d, ours_ids = time_ours(model, prompts, FLAGS.new_tokens, FLAGS.repeats)
+    ours["prefill"] += p
+    ours["decode"] += d
+    print(f"round {r}: ours prefill {np.median(p) * 1e3:.1f} ms, decode "
+          f"{np.median(d) * 1e3 / (FLAGS.new_tokens - 1):.2f} ms/step", flush=True)
+    if FLAGS.peer_python:
+      out = subprocess.run(
+          [FLAGS.peer_python, os.path.join(os.path.dirname(__file__), "peers", "hf_llama.py"),
+           "--model_dir", hf_dir, "--prompt_ids_file", prompts_file, "--new_tokens",
+           str(FLAGS.new_tokens), "--repeats", str(FLAGS.repeats), "--threads", str(FLAGS.threads)],
+          capture_output=True, text=True)
+      if out.returncode != 0:
+        raise RuntimeError(f"peer failed:\n{out.stderr[-3000:]}")
+      res = json.loads(out.stdout.strip().splitlines()[-1])
+      peer["prefill"] += res["prefill_repeats_s"]
+      peer["decode"] += res["decode_repeats_s"]
+      peer_ids, peer_impl = res["generated_ids"], res["impl"]
+      print(f"round {r}: peer prefill {res['prefill_s'] * 1e3:.1f} ms, decode "
+            f"{res['decode_ms_per_step']:.2f} ms/step", flush=True)
+
+  n_pre = FLAGS.batch * FLAGS.prompt_len
+  n_dec = FLAGS.batch * (FLAGS.new_tokens - 1)
+
+  def rates(t):
+    if not t["prefill"]:
+      return None
+    p, d = benchmark.median(t["prefill"]), benchmark.median(t["decode"])
+    return {"prefill_tokens_per_s": n_pre / p, "decode_tokens_per_s": n_dec / d,
+            "prefill_ms": p * 1e3, "decode_ms_per_step": d * 1e3 / (FLAGS.new_tokens - 1)}
+
+  o, q = rates(ours), rates(peer)
+  summary = {"preset": FLAGS.preset, "params": cfg.num_params(), "batch": FLAGS.batch,
+             "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens, "ours": o,
+             "peer": q, "peer_impl": peer_impl}
+  if q:
+    summary["prefill_speedup"] = o["prefill_tokens_per_s"] / q["prefill_tokens_per_s"]
+    summary["decode_speedup"] = o["decode_tokens_per_s"] / q["decode_tokens_per_s"]
+    summary["rows_with_identical_ids"] = sum(a == b for a, b in zip(ours_ids, peer_ids))
+    summary["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                   for a, b in zip(ours_ids, peer_ids)]
+  print(f"\n{'':12s}{'prefill tok/s':>16s}{'decode tok/s':>16s}{'decode ms/step':>16s}")
+  for name, r in (("ours (JAX)", o), ("transformers", q)):
+    if r:
+      print(f"{name:12s}{r['prefill_tokens_per_s']:16,.0f}{r['decode_tokens_per_s']:16,.1f}"
+            f"{r['decode_ms_per_step']:16.2f}")
+  if q:
+    print(f"ratio ours/peer: prefill {summary['prefill_speedup']:.2f}x, decode "
+          f"{summary['decode_speedup']:.2f}x; greedy ids identical in "
+          f"{summary['rows_with_identical_ids']}/{FLAGS.batch} rows")
+  results = {"summary": summary, "machine": benchmark.machine(), "ours_s": ours, "peer_s": peer,
+             "ours_ids": ours_ids, "peer_ids": peer_ids}
+  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  if q:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, title in ((axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
+                           (axes[1], "decode_tokens_per_s", "decode tokens/s")):
+      ax.bar(["ours (JAX)", "transformers"], [o[key], q[key]], color=["tab:blue", "tab:orange"])
+      ax.set_title(title)
+    fig.suptitle(f"Llama {FLAGS.preset}, batch {FLAGS.batch}, prompt {FLAGS.prompt_len}, CPU")
+    fig.tight_layout()
+    fig.savefig(os.path.join(FLAGS.workdir, "bench_llm.png"), dpi=120)
+  print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
