@@ -4,6 +4,10 @@ r"""Pallas kernel benchmarks on one GPU, one function per kernel family.
   python -m experiments.bench_kernels --kernels=flash_attention --seq_lens=4096,8192
   python -m experiments.bench_kernels --interpret_check              # CPU: correctness only
 
+embedding_bag: achieved bytes/s of `kernels.embedding_bag` (Pallas; fp32, bf16 and row-wise
+int8 rows), the XLA gather + sum and the jax-triton int8 kernel, against a measured
+device-to-device copy (target: at least 60% of it); see experiments/bench_kernels_embedding.py.
+
 flash_attention: TFLOP/s of the forward and of the backward of `kernels.flash_attention`
 ("pallas") beside `jax.nn.dot_product_attention(implementation="xla")` and ("cudnn"), at
 sequence lengths 4K, 8K, 16K, head dim 128, bf16, causal and not. As in the FlashAttention-2
@@ -32,7 +36,7 @@ from typing import Any, Callable, NamedTuple
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("kernels", ["flash_attention"], "Kernel families to run (keys of FAMILIES).")
+flags.DEFINE_list("kernels", ["flash_attention", "embedding_bag"], "Kernel families to run (keys of FAMILIES).")
 flags.DEFINE_bool("interpret_check", False,
                   "Tiny kernel-vs-reference check in Pallas interpret mode (works on CPU).")
 flags.DEFINE_string("workdir", "runs/bench_kernels", "Where results.json goes.")
@@ -49,6 +53,13 @@ flags.DEFINE_list("impls", ["pallas", "xla", "cudnn"], "Attention implementation
 flags.DEFINE_list("causal", ["true", "false"], "Causal settings to run.")
 flags.DEFINE_integer("block_q", 128, "Pallas forward block_q.")
 flags.DEFINE_integer("block_k", 128, "Pallas forward block_k.")
+# embedding_bag
+flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.")
+flags.DEFINE_integer("eb_dim", 128, "Embedding dim.")
+flags.DEFINE_integer("eb_batch", 8192, "Bags per feature.")
+flags.DEFINE_integer("eb_features", 26, "Tables (features) in the flat buffer.")
+flags.DEFINE_integer("eb_bag_len", 20, "Ids per bag.")
+flags.DEFINE_list("eb_dtypes", ["float32", "bfloat16", "int8"], "Row formats.")
 
 
 # ------------------------------------------------------------------------ flash attention
@@ -181,6 +192,57 @@ def summary_flash_attention(rows) -> dict:
            if "fwd_tflops" in r else {"error": r["error"]}) for r in rows}
 
 
+# ------------------------------------------------------------------------ embedding bag
+# The timing code lives in experiments/bench_kernels_embedding.py (also runnable alone).
+
+def bench_embedding_bag(cfg) -> list[dict]:
+  from experiments.bench_kernels_embedding import bench_embedding_bag as bench, format_table
+  out = bench(num_rows=cfg.eb_rows, dim=cfg.eb_dim, batch=cfg.eb_batch,
+              features=cfg.eb_features, bag_len=cfg.eb_bag_len, dtypes=tuple(cfg.eb_dtypes),
+              repeats=max(cfg.repeats, 5))
+  print(format_table(out), flush=True)
+  return [dict(r, copy_bytes_per_s=out["copy_bytes_per_s"], device=out["device"])
+          for r in out["results"]]
+
+
+def check_embedding_bag() -> dict:
+  """Kernel (interpret mode) vs reference: multi-hot padded bags over 3 tables, per dtype."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from core import quant
+  from kernels import embedding_bag as eb
+
+  rng = np.random.default_rng(0)
+  rows = jnp.asarray(rng.normal(size=(3 * 50, 24)).astype(np.float32))
+  ids = jnp.asarray(rng.integers(0, 150, (8, 3, 5)).astype(np.int32))
+  coef = jnp.asarray(np.where(rng.random((8, 3, 5)) < 0.7, rng.uniform(0.5, 1.5, (8, 3, 5)),
+                              0.0).astype(np.float32))
+  report = {}
+  for name, table, tol in (("float32", rows, 1e-5), ("bfloat16", rows.astype(jnp.bfloat16), 1e-5),
+                           ("int8", quant.quantize_rowwise_int8(rows), 1e-5)):
+    got = np.asarray(eb.embedding_bag(table, ids, coef, interpret=True), np.float64)
+    want = np.asarray(eb.embedding_bag_reference(table, ids, coef), np.float64)
+    err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6))
+    report[name] = {"rel_err": {"pooled": err}, "tol": tol, "ok": err < tol}
+    print(f"  embedding_bag {name:>8}: pooled {err:.1e}  (tol {tol:.0e}) "
+          f"{'ok' if err < tol else 'FAILED'}", flush=True)
+  return report
+
+
+def table_embedding_bag(rows):
+  print("\nembedding_bag  dtype     impl      ms    TB/s  of copy")
+  for r in rows:
+    print(f"               {r['dtype']:<9} {r['impl']:<7} {r['ms']:7.3f} "
+          f"{r['bytes_per_s'] / 1e12:7.3f} {r['of_copy']:8.1%}")
+
+
+def summary_embedding_bag(rows) -> dict:
+  return {f"{r['impl']}/{r['dtype']}": {"ms": round(r["ms"], 4), "of_copy": round(r["of_copy"], 3)}
+          for r in rows}
+
+
 class Family(NamedTuple):
   """One kernel family: timed rows on a GPU, a tiny interpret-mode check, how to print."""
   bench: Callable[[Any], list[dict]]
@@ -189,10 +251,11 @@ class Family(NamedTuple):
   summary: Callable[[list[dict]], dict]
 
 
-# kernels/embedding_bag.py's benchmark joins here as "embedding_bag".
 FAMILIES = {
     "flash_attention": Family(bench_flash_attention, check_flash_attention,
                               table_flash_attention, summary_flash_attention),
+    "embedding_bag": Family(bench_embedding_bag, check_embedding_bag,
+                            table_embedding_bag, summary_embedding_bag),
 }
 
 

@@ -44,3 +44,19 @@ def test_criteo_baselines_toy(tmp_path):
       "--num_rows=1000", "--batch_size=512", f"--workdir={tmp_path}"])
   assert [r["model"] for r in out["results"]] == ["logreg", "dlrm"]
   assert all(r["eval_examples"] == 800 and 0.5 < r["auc"] < 1 for r in out["results"])
+
+
+def test_bench_kernels_interpret_check(tmp_path):
+  lines = _run("experiments.bench_kernels", ["--interpret_check", f"--workdir={tmp_path}"])
+  out = json.loads(lines[-1])
+  assert out["interpret_check"] == "ok"
+  assert set(out["rel_err"]) == {"flash_attention", "embedding_bag"}
+  assert json.load(open(tmp_path / "results.json"))["checks"]["embedding_bag"]["int8"]["ok"]
+
+
+def test_bench_kernels_refuses_without_gpu(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "experiments.bench_kernels",
+                        f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True)
+  assert out.returncode == 2 and "need a GPU" in out.stderr
+  assert "refused" in json.loads(out.stdout.strip().splitlines()[-1])
