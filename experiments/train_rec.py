@@ -1,13 +1,17 @@
-r"""Train a recommendation model (DLRM, arXiv 1906.00091, or logistic regression) end to end.
+r"""Train a recommendation model end to end: DLRM (arXiv 1906.00091), DCN-v2 (2008.13535),
+DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
 
   python -m experiments.train_rec                       # DLRM on synthetic Criteo-shaped data
+  python -m experiments.train_rec --model=wukong --preset=l2_n16 --steps=200
+  python -m experiments.train_rec --model=dhen --preset=dhen_4l --embedding_dim=32
   python -m experiments.train_rec --data=criteo:../shared/data/criteo_kaggle_sample \
       --num_rows=100000 --batch_size=128 --epochs=3 --workdir=/tmp/dlrm_criteo
   python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints; the last
-stdout line is a JSON summary with model, steps, test_auc, test_logloss, test_ne and
-examples_per_sec.
+stdout line is a JSON summary with model, steps, test_auc, test_logloss, test_ne,
+examples_per_sec, and the model's dense / embedding parameter counts and forward
+GFLOPs per example (XLA's count for the dense part).
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "dlrm", ["dlrm", "logreg"], "Model family.")
-flags.DEFINE_enum("preset", "kaggle", ["kaggle", "terabyte", "small"],
-                  "DLRM sizes: the reference Criteo Kaggle or Terabyte config, or a small one.")
+flags.DEFINE_enum("model", "dlrm", ["dlrm", "dcnv2", "dhen", "wukong", "logreg"], "Model family.")
+flags.DEFINE_string(
+    "preset", "kaggle",
+    "Model sizes (rec.configs.MODEL_PRESETS). kaggle: the model's Criteo default; small: a tiny "
+    "one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. wukong: also "
+    "l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the scaling ladder).")
+flags.DEFINE_integer("embedding_dim", 0, "Embedding dim; 0 keeps the preset's.")
 flags.DEFINE_string("data", "synthetic", "synthetic | criteo:DIR | avazu:DIR")
 flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
 flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices.")
@@ -47,6 +55,9 @@ flags.DEFINE_float("memory_budget_gb", 16.0, "Per-device embedding memory budget
 flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16"], "Embedding row storage.")
 flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
 flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
+flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column; empty = the first named label/click/clicked/y.")
+flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> columns), none = no dense.")
+flags.DEFINE_string("csv_categorical", "", "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other column but id.")
 
 
 def main(argv):
@@ -66,6 +77,10 @@ def main(argv):
         f"{steps} steps of {cfg.batch_size}", flush=True)
   print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,
                                 cfg.batch_size), flush=True)
+  stats = configs.model_stats(task, train_src.spec)
+  print(f"params: dense {stats['dense_params']:,} + embedding {stats['embedding_params']:,} = "
+        f"{stats['dense_params'] + stats['embedding_params']:,} | forward "
+        f"{stats['gflops_per_example']:.6f} GFLOPs/example (dense part)", flush=True)
   t0 = time.time()
   out = train_lib.train(
       task, train_src.batches, lambda: eval_src.batches(0),
@@ -79,7 +94,7 @@ def main(argv):
       "test_auc": ev.get("auc"), "test_logloss": ev.get("logloss"), "test_ne": ev.get("ne"),
       "test_accuracy": ev.get("accuracy"), "test_examples": ev.get("num_examples"),
       "examples_per_sec": out["examples_per_sec"], "wall_seconds": time.time() - t0,
-      "bad_lines_skipped": getattr(train_src, "bad_line_count", 0),
+      "bad_lines_skipped": getattr(train_src, "bad_line_count", 0), **stats,
   }
   results = {"summary": summary, "config": dataclasses.asdict(cfg), "steps_planned": steps,
              "plan": planner_lib.plan_summary(plan, task.collection.tables, task.collection.num_devices,

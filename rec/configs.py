@@ -8,24 +8,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import re
+from typing import Any, Callable
 
+from flax import nnx
 
+from core import flops as flops_lib
 from core import mesh as mesh_lib
 from rec.data import sources as sources_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.config import ShardingKind, TableConfig
+from rec.models import dcnv2 as dcnv2_lib
+from rec.models import dhen as dhen_lib
 from rec.models import dlrm as dlrm_lib
 from rec.models import logreg as logreg_lib
+from rec.models import wukong as wukong_lib
 from rec.train_lib import RecTask, make_dense_optimizer
 
 
 @dataclasses.dataclass
 class RecRunConfig:
-  model: str = "dlrm"                 # dlrm | logreg
-  preset: str = "kaggle"              # kaggle | terabyte | small
+  model: str = "dlrm"                 # dlrm | dcnv2 | dhen | wukong | logreg
+  preset: str = "kaggle"              # per model, see MODEL_PRESETS; kaggle = its Criteo default
+  embedding_dim: int = 0              # 0: the preset's; else overrides it (and the tables')
   data: str = "synthetic"             # synthetic | criteo:DIR | avazu:DIR
   num_rows: int = 100_000             # hashed rows per sparse feature
   mesh: str = "-1"
@@ -42,6 +49,9 @@ class RecRunConfig:
   storage: str = "fp32"               # fp32 | bf16 embedding rows
   bad_lines: str = "error"            # error | skip
   seed: int = 0
+  csv_label: str = ""                 # csv:DIR label column; "" = inferred
+  csv_dense: str = ""                 # csv:DIR dense columns "I1,I2"; "" = inferred, "none"
+  csv_categorical: str = ""           # csv:DIR categorical columns; "" = inferred
 
 
 PRESETS = {
@@ -49,31 +59,114 @@ PRESETS = {
     "terabyte": dlrm_lib.DLRMConfig.criteo_terabyte,
 }
 
+# Per model: preset name -> constructor(rows, **overrides). "kaggle" is each model's
+# Criteo default, "small" a tiny one for tests and smoke runs. Wukong also takes
+# "l<layers>_n<n>" (the paper's Criteo search space, n_F = n_L = n) and "scaled<i>"
+# (rung i of wukong.SCALING_LADDER).
+MODEL_PRESETS: dict[str, dict[str, Callable[..., Any]]] = {
+    "dlrm": {
+        **PRESETS,
+        "small": lambda rows, **o: dlrm_lib.DLRMConfig(
+            **{"embedding_dim": 16, "bottom_mlp": (64, 16), "top_mlp": (64, 1),
+               "rows_per_feature": rows, **o}),
+    },
+    "dcnv2": {
+        "kaggle": dcnv2_lib.DCNv2Config.criteo,
+        "small": lambda rows, **o: dcnv2_lib.DCNv2Config(
+            **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 16),
+               "num_cross_layers": 2, "cross_rank": 32, "deep_mlp": (64,), "top_mlp": (1,), **o}),
+    },
+    "dhen": {
+        "kaggle": dhen_lib.DHENConfig.criteo,
+        "dhen_2l": dhen_lib.DHENConfig.dhen_2l,
+        "dhen_4l": dhen_lib.DHENConfig.dhen_4l,
+        "dhen_8l": dhen_lib.DHENConfig.dhen_8l,
+        # Every interaction kind once, so a smoke run exercises them all.
+        "small": lambda rows, **o: dhen_lib.DHENConfig(
+            **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 16),
+               "layers": (("dot", "self_attention", "linear"), ("dcn", "conv", "conv2d")),
+               "width": 8, "dcn_rank": 16, "top_mlp": (64, 1), **o}),
+    },
+    "wukong": {
+        "kaggle": wukong_lib.WukongConfig.criteo,
+        "small": lambda rows, **o: wukong_lib.WukongConfig(
+            **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 32),
+               "num_layers": 2, "num_fm": 4, "num_lcb": 4, "fm_rank": 8, "fm_mlp": (64,),
+               "top_mlp": (64, 1), **o}),
+    },
+}
 
-def build_model_fn(cfg: RecRunConfig, spec) -> tuple[Any, list[TableConfig], str]:
-  """Returns (model constructor taking rngs, its tables, init scale of the tables)."""
+
+def _wukong_pattern(preset: str) -> Callable[..., Any] | None:
+  if m := re.fullmatch(r"l(\d+)_n(\d+)", preset):
+    layers, n = int(m[1]), int(m[2])
+    return lambda rows, **o: wukong_lib.WukongConfig.criteo(rows, layers, n, n, **o)
+  if m := re.fullmatch(r"scaled(\d+)", preset):
+    return lambda rows, **o: wukong_lib.WukongConfig.scaled(rows, int(m[1]), **o)
+  return None
+
+
+def _with_embedding_dim(mcfg, dim: int):
+  """The config at embedding dim `dim`; a bottom MLP that feeds embeddings ends at the
+  new dim (DLRM, DHEN) or keeps its number of dense embeddings (Wukong)."""
+  over: dict[str, Any] = {"embedding_dim": dim}
+  if mcfg.num_dense > 0 and isinstance(mcfg, (dlrm_lib.DLRMConfig, dhen_lib.DHENConfig)):
+    over["bottom_mlp"] = mcfg.bottom_mlp[:-1] + (dim,)
+  if mcfg.num_dense > 0 and isinstance(mcfg, wukong_lib.WukongConfig):
+    over["bottom_mlp"] = mcfg.bottom_mlp[:-1] + (mcfg.num_dense_embeddings * dim,)
+  return dataclasses.replace(mcfg, **over)
+
+
+def model_config(cfg: RecRunConfig, spec):
+  """The model config for `cfg.model` / `cfg.preset` on data shaped like `spec`."""
   names = tuple(spec.sparse_features)
   rows = tuple(spec.rows_per_feature)
-  if cfg.model == "dlrm":
-    if cfg.preset == "small":
-      mcfg = dlrm_lib.DLRMConfig(
-          num_dense=spec.num_dense, num_sparse=len(names), embedding_dim=16,
-          bottom_mlp=(64, 16) if spec.num_dense else (), top_mlp=(64, 1),
-          rows_per_feature=rows, feature_names=names)
-    elif cfg.preset in PRESETS:
-      over = dict(num_dense=spec.num_dense, num_sparse=len(names), feature_names=names)
-      if spec.num_dense == 0:
-        over["bottom_mlp"] = ()
-      mcfg = PRESETS[cfg.preset](rows, **over)
-    else:
-      raise ValueError(f"--preset={cfg.preset!r}: expected one of {sorted(PRESETS) + ['small']}")
-    tables = mcfg.tables()
-    return (lambda rngs: dlrm_lib.DLRM(mcfg, rngs)), tables, "dlrm"
   if cfg.model == "logreg":
-    mcfg = logreg_lib.LogRegConfig(num_dense=spec.num_dense, num_sparse=len(names),
+    if cfg.embedding_dim not in (0, 1):
+      raise ValueError(f"--embedding_dim={cfg.embedding_dim}: logreg's tables are dim 1")
+    return logreg_lib.LogRegConfig(num_dense=spec.num_dense, num_sparse=len(names),
                                    rows_per_feature=rows, feature_names=names)
-    return (lambda rngs: logreg_lib.LogReg(mcfg, rngs)), mcfg.tables(), 0.0
-  raise ValueError(f"--model={cfg.model!r}: expected 'dlrm' or 'logreg'")
+  if cfg.model not in MODEL_PRESETS:
+    raise ValueError(f"--model={cfg.model!r}: expected one of {sorted(MODEL_PRESETS) + ['logreg']}")
+  presets = MODEL_PRESETS[cfg.model]
+  make = presets.get(cfg.preset) or (_wukong_pattern(cfg.preset) if cfg.model == "wukong" else None)
+  if make is None:
+    extra = ["l<layers>_n<n>", "scaled<i>"] if cfg.model == "wukong" else []
+    raise ValueError(f"--preset={cfg.preset!r} for --model={cfg.model}: expected one of "
+                     f"{sorted(presets) + extra}")
+  over: dict[str, Any] = dict(num_dense=spec.num_dense, num_sparse=len(names), feature_names=names)
+  if spec.num_dense == 0:
+    over["bottom_mlp"] = ()
+  mcfg = make(rows, **over)
+  if cfg.embedding_dim < 0:
+    raise ValueError(f"--embedding_dim={cfg.embedding_dim}: expected >= 0 (0: the preset's)")
+  if cfg.embedding_dim and cfg.embedding_dim != mcfg.embedding_dim:
+    mcfg = _with_embedding_dim(mcfg, cfg.embedding_dim)
+  return mcfg
+
+
+MODELS = {dlrm_lib.DLRMConfig: dlrm_lib.DLRM, dcnv2_lib.DCNv2Config: dcnv2_lib.DCNv2,
+          dhen_lib.DHENConfig: dhen_lib.DHEN, wukong_lib.WukongConfig: wukong_lib.Wukong,
+          logreg_lib.LogRegConfig: logreg_lib.LogReg}
+
+
+def build_model_fn(cfg: RecRunConfig, spec) -> tuple[Any, list[TableConfig], str | float]:
+  """Returns (model constructor taking rngs, its tables, init scale of the tables)."""
+  mcfg = model_config(cfg, spec)
+  model_cls = MODELS[type(mcfg)]
+  init_scale = 0.0 if cfg.model == "logreg" else "dlrm"
+  return (lambda rngs: model_cls(mcfg, rngs)), mcfg.tables(), init_scale
+
+
+def model_stats(task: RecTask, spec, batch: int = 64) -> dict[str, float]:
+  """Dense and embedding parameter counts and forward GFLOPs/example of the dense model
+  (XLA's count; the embedding lookup is memory traffic and not counted)."""
+  tables = task.collection.tables
+  dense = flops_lib.count_params(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(0))))
+  shapes = (spec.num_dense, len(tables), tables[0].dim)
+  gflops = flops_lib.model_flops_per_example(task.model_fn, shapes, batch=batch) / 1e9
+  return {"dense_params": dense, "embedding_params": sum(t.num_rows * t.dim for t in tables),
+          "gflops_per_example": gflops}
 
 
 def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
@@ -112,7 +205,8 @@ def build_run(cfg: RecRunConfig, devices=None):
       raise ValueError(f"--{what}={b} is not divisible by the {n} devices of --mesh={cfg.mesh!r}")
   train_src, eval_src = sources_lib.make_sources(
       cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
-      seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches)
+      seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches,
+      csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical)
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
   if cfg.storage != "fp32":
     tables = [dataclasses.replace(t, storage=cfg.storage) for t in tables]
