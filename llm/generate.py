@@ -8,6 +8,15 @@ max_new_tokens, greedy or not, number of stop tokens): the sampling settings and
 are traced values. The prefill compiles once per padded prompt length. The loop stops early
 when every row has emitted a stop token.
 
+Context parallelism (arXiv 2411.01783): give `generate(..., mesh=mesh)` (or call it under
+`jax.set_mesh(mesh)`) a mesh with a `cp` axis of N > 1 ranks and a model whose
+cfg.attention_impl is "ring_pass_kv" | "ring_pass_q" | "ring_auto". The model then runs CP
+by itself (llm/model.py): the prompts, padded to a multiple of 2N, are prefilled in the
+load-balanced layout with the variant the impl names, the cache's slots are split over cp,
+and every decode step (one query token per row) attends with replicated queries against
+each rank's KV shard, merged exactly (pass-Q's route for T < N), its KV placed round robin.
+Greedy tokens equal those without CP. `prefill` / `decode` below need no change for it.
+
 Sampling (`sample_logits`): greedy at temperature 0, else softmax(logits / temperature)
 restricted to the top_k tokens and to the smallest set whose probability reaches top_p
 (nucleus sampling, arXiv 1904.09751), with an explicit PRNG key.
@@ -17,6 +26,7 @@ Letters: B batch, T prompt length (padded), N new tokens, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -24,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm.model import Llama
+from llm.model import Llama, cp_ranks
 
 
 def sample_logits(logits, key, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array:
@@ -108,11 +118,16 @@ def decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new):
 def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_tokens=(), rng: jax.Array | None = None,
-             max_len: int | None = None) -> list[list[int]]:
+             max_len: int | None = None, mesh: jax.sharding.Mesh | None = None
+             ) -> list[list[int]]:
   """New tokens for each prompt: up to max_new_tokens, ending at (and including) the first
   stop token. Greedy when temperature == 0; sampling needs an explicit `rng` key.
   `max_len` is the cache size in slots (default: longest prompt + max_new_tokens); giving a
-  fixed one lets calls with different prompt lengths share the compiled decode loop."""
+  fixed one lets calls with different prompt lengths share the compiled decode loop.
+  `mesh`: run under `jax.set_mesh(mesh)`. With N > 1 context-parallel ranks (module
+  docstring) prompts are padded to T, a multiple of 2N, and the cache holds C slots per rank:
+  by default C = T/N + ceil((max_new_tokens - 1) / N); a given max_len must be N * C or more
+  with N dividing it."""
   cfg = model.cfg
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError(f"generate: prompt lengths {[len(p) for p in prompts]}; expected at least "
@@ -131,14 +146,33 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
                      "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
   if temperature > 0 and rng is None:
     raise ValueError(f"generate: temperature={temperature} samples; pass rng=jax.random.key(...)")
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    return _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                     rng, max_len)
+
+
+def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, rng,
+              max_len):
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   t = int(lengths.max())
-  # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 slots.
-  need = t + max_new_tokens - 1
-  max_len = t + max_new_tokens if max_len is None else int(max_len)
-  if max_len < need:
-    raise ValueError(f"generate: max_len={max_len} slots, but the longest prompt ({t} tokens) "
-                     f"plus {max_new_tokens} new tokens needs {need}")
+  n = cp_ranks(model.cfg)
+  if n == 1:
+    # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 slots.
+    need = t + max_new_tokens - 1
+    max_len = t + max_new_tokens if max_len is None else int(max_len)
+    if max_len < need:
+      raise ValueError(f"generate: max_len={max_len} slots, but the longest prompt ({t} "
+                       f"tokens) plus {max_new_tokens} new tokens needs {need}")
+  else:
+    # Load-balanced prefill: T a multiple of 2N, T/N prompt slots on every rank; the decode
+    # tokens fed back fill the ranks round robin (at most ceil(d / N) more on any rank).
+    t = -(-t // (2 * n)) * 2 * n
+    per_rank = t // n - (-(max_new_tokens - 1) // n)
+    max_len = n * per_rank if max_len is None else int(max_len)
+    if max_len % n or max_len // n < per_rank:
+      raise ValueError(f"generate: max_len={max_len} slots on {n} context-parallel ranks; "
+                       f"prompts padded to {t} tokens plus {max_new_tokens} new tokens need "
+                       f"{per_rank} slots per rank: a multiple of {n} that is >= {n * per_rank}")
   tokens_BT = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     tokens_BT[i, :len(p)] = p

@@ -16,14 +16,34 @@ The parameter tree (names, shapes, logical axes) is a contract shared with `llm.
   .w_down [F,D]; final_norm.scale [D]; lm_head [D,V] (absent when tied: logits = x @ embed.T).
 
 KV cache: every layer keeps k, v [B,S,G,K] in slots; a shared `pos [B,S]` tags each slot with
-its token position, SENTINEL_POS when empty. Masking is by positions alone
-(kv_pos <= q_pos), so empty slots are hidden and slot order never matters: a context-parallel
-implementation may place slots on any rank. Calls:
+its token position, SENTINEL_POS when empty; `length [B]` counts each row's tokens. Masking
+is by positions alone (kv_pos <= q_pos), so empty slots are hidden and slot order never
+matters: context parallelism (below) places slots on any rank. Calls:
   logits_BTV, _ = model(tokens_BT, positions_BT=..., segment_ids_BT=...)      # no cache
   cache = model.init_cache(B, S)
   logits_BTV, cache = model(tokens_BT, cache=cache, lengths_B=...)           # prefill / decode
 `Llama.hidden` (blocks + final norm on embeddings) and `Llama.logits` split the same call,
 e.g. to take logits at a few positions only.
+
+Context parallelism (arXiv 2411.01783): with a ring attention_impl ("ring_pass_kv" |
+"ring_pass_q" | "ring_auto") and a mesh with a `cp` axis of N > 1 ranks (set with
+`jax.set_mesh`, or `llm.attention.ring.ring_context`), the same calls run context parallel
+and return the same logits, in the natural token order:
+  - a call of T tokens, T a multiple of 2N, is reordered on entry into the causal
+    load-balanced layout (`layout.load_balance`: rank i holds chunks i and 2N-1-i; done by
+    `ring.load_balance_sharded`, two half-shard transfers), with its positions and segment
+    ids, sharded over cp (`act_seq`), and un-permuted on exit (h_BTD);
+    T a multiple of N but not of 2N is split contiguously (exact, not balanced); without a
+    cache T must be a multiple of N;
+  - the cache's slot axis is split over cp (S a multiple of N; rank r owns slots
+    [r*S/N, (r+1)*S/N), filled from the front): a sharded call's tokens go to their own
+    rank's next free slots (`layout.cache_slots`), written in place (`ring.write_slots`), so
+    a prefill, or a persistent-KV prefill of T new tokens after P cached ones, moves no KV;
+    a call whose T is not a multiple of N (a decode step) has replicated queries (ring
+    attention's pass-Q route without the scatter) and its tokens go round robin from the
+    least-filled rank (`layout.decode_placement` after a balanced prefill). Tokens past a
+    rank's capacity are dropped, as tokens past S are without CP; `llm.generate` sizes it.
+`cp_ranks(cfg)` says whether (N) or not (1) a call made now would run context parallel.
 
 Letters: B batch, T tokens in this call, S cache slots, D model dim, H query heads,
 G key/value heads, K head dim, F MLP hidden, V vocab.
@@ -32,8 +52,9 @@ G key/value heads, K head dim, F MLP hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +62,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from core.mesh import LLM_RULES, Rules, logical_to_spec
-from llm.attention import attention
+from core.mesh import LLM_RULES, Rules, logical_to_spec, mesh_axes
+from llm.attention import attention, layout
 from llm.config import LlamaConfig, RopeScaling
 
 # Position of an empty cache slot: above any real position, so `kv_pos <= q_pos` hides it.
@@ -56,6 +77,9 @@ MLP_NAMES = ("act_batch", "act_seq", "act_mlp")
 LOGIT_NAMES = ("act_batch", "act_seq", "act_vocab")
 CACHE_NAMES = ("cache_batch", "cache_seq", "cache_kv_heads", None)
 CACHE_POS_NAMES = ("cache_batch", "cache_seq")
+# Under context parallelism the cache's slots follow the sequence axis (split over cp).
+CP_CACHE_NAMES = ("cache_batch", "act_seq", "cache_kv_heads", None)
+CP_CACHE_POS_NAMES = ("cache_batch", "act_seq")
 
 
 # --- sharding helpers
@@ -99,6 +123,49 @@ def shard_model(model: Llama, mesh: Mesh, rules: Rules = LLM_RULES) -> Llama:
   return model
 
 
+# --- context parallelism (arXiv 2411.01783)
+
+@dataclasses.dataclass(frozen=True)
+class _CP:
+  """The ring mesh, its cp axis and rank count, for a call that runs context parallel."""
+  mesh: Any
+  axis: str
+  n: int
+
+
+def _context_parallel(cfg: LlamaConfig) -> _CP | None:
+  """The CP setting of a call traced now: a ring attention_impl and a mesh (jax.set_mesh or
+  ring_context) whose ring axis has more than one rank; None otherwise."""
+  if not cfg.attention_impl.startswith("ring"):
+    return None
+  from llm.attention import ring       # lazy: shard_map code only for ring impls
+  found = ring.current_mesh()
+  if found is None or found[1] not in found[0].shape or found[0].shape[found[1]] == 1:
+    return None                        # no cp axis: ring attention itself says what is wrong
+  mesh, axis = found
+  seq_axes = mesh_axes("act_seq", LLM_RULES, mesh)
+  if seq_axes != (axis,):
+    raise ValueError(f"llm/model.py: ring attention runs over mesh axis {axis!r}, but "
+                     f"LLM_RULES shard act_seq over {seq_axes}; they must be the same axis")
+  return _CP(mesh, axis, mesh.shape[axis])
+
+
+def _balance(x_BT, *, cp: _CP, inverse: bool = False):
+  """`layout.load_balance` (or its inverse) of x [B,T] or [B,T,D] sharded over cp."""
+  from llm.attention import ring
+  names = X_NAMES[:x_BT.ndim]
+  x_BT = constrain(x_BT, names)
+  spec = _spec(x_BT.shape, names, LLM_RULES, cp.mesh)
+  out = ring.load_balance_sharded(x_BT, mesh=cp.mesh, spec=spec, axis=cp.axis, inverse=inverse)
+  return constrain(out, names)
+
+
+def cp_ranks(cfg: LlamaConfig) -> int:
+  """Ranks of the cp axis a call of this model traced now would use (1: no CP)."""
+  cp = _context_parallel(cfg)
+  return 1 if cp is None else cp.n
+
+
 # --- RoPE
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -139,16 +206,23 @@ class KVCache:
   k: tuple[jax.Array, ...]   # per layer [B,S,G,K]
   v: tuple[jax.Array, ...]   # per layer [B,S,G,K]
   pos: jax.Array             # [B,S] int32, SENTINEL_POS for an empty slot
-  length: jax.Array          # [B] int32: slots used per row; a row's next token goes here
+  length: jax.Array          # [B] int32: tokens per row (without CP, also its next slot)
 
   @classmethod
   def init(cls, cfg: LlamaConfig, batch: int, max_len: int) -> KVCache:
+    """Empty cache; under context parallelism its slots are split over cp (see the module
+    docstring), so max_len must be a multiple of the cp ranks."""
+    cp = _context_parallel(cfg)
+    if cp is not None and max_len % cp.n:
+      raise ValueError(f"KVCache.init: max_len={max_len} slots is not a multiple of the "
+                       f"{cp.n} ranks of mesh axis {cp.axis!r}")
+    names, pos_names = ((CACHE_NAMES, CACHE_POS_NAMES) if cp is None
+                        else (CP_CACHE_NAMES, CP_CACHE_POS_NAMES))
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    zeros = lambda: constrain(jnp.zeros(shape, cfg.dtype), CACHE_NAMES)
+    zeros = lambda: constrain(jnp.zeros(shape, cfg.dtype), names)
     return cls(k=tuple(zeros() for _ in range(cfg.n_layers)),
                v=tuple(zeros() for _ in range(cfg.n_layers)),
-               pos=constrain(jnp.full((batch, max_len), SENTINEL_POS, jnp.int32),
-                             CACHE_POS_NAMES),
+               pos=constrain(jnp.full((batch, max_len), SENTINEL_POS, jnp.int32), pos_names),
                length=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -160,6 +234,19 @@ def _write_slots(buf_BS, slots_BT, new_BT):
   """buf[b, slots[b, t]] = new[b, t]; slot indices >= S are dropped (padding)."""
   return jax.vmap(lambda b, s, u: b.at[s].set(u.astype(b.dtype), mode="drop"))(
       buf_BS, slots_BT, new_BT)
+
+
+def _write_cache(buf_BS, slots_BT, new_BT, cp: _CP | None):
+  """`_write_slots` on a cache buffer (k / v [B,S,G,K] or pos [B,S]), in place per cp rank
+  under context parallelism."""
+  if cp is None:
+    return constrain(_write_slots(buf_BS, slots_BT, new_BT),
+                     CACHE_NAMES if buf_BS.ndim == 4 else CACHE_POS_NAMES)
+  from llm.attention import ring
+  names = CP_CACHE_NAMES if buf_BS.ndim == 4 else CP_CACHE_POS_NAMES
+  spec = _spec(buf_BS.shape, names, LLM_RULES, cp.mesh)
+  out = ring.write_slots(buf_BS, slots_BT, new_BT, mesh=cp.mesh, spec=spec, axis=cp.axis)
+  return constrain(out, names)
 
 
 # --- layers
@@ -209,8 +296,9 @@ class Attention(nnx.Module):
     if kv is None:
       k_all, v_all, kv_pos, seg = k_BTGK, v_BTGK, positions_BT, segment_ids_BT
     else:
-      k_all = constrain(_write_slots(kv[0], slots_BT, k_BTGK), CACHE_NAMES)
-      v_all = constrain(_write_slots(kv[1], slots_BT, v_BTGK), CACHE_NAMES)
+      cp = _context_parallel(cfg)
+      k_all = _write_cache(kv[0], slots_BT, k_BTGK, cp)
+      v_all = _write_cache(kv[1], slots_BT, v_BTGK, cp)
       kv, kv_pos, seg = (k_all, v_all), kv_pos_BS, None
     out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, causal=True,
                             q_positions=positions_BT, kv_positions=kv_pos,
@@ -287,18 +375,28 @@ class Llama(nnx.Module):
 
     Without a cache: positions default to arange(T); tokens attend to earlier positions of
     the same segment. With a cache: the first lengths_B[b] tokens of row b (default all T;
-    the rest are right padding) are written at slots cache.length[b] + t and tagged with their
-    positions (default cache.length[b] + t); padding is never written, so it stays invisible.
-    Each token attends to every cached slot at a position <= its own.
+    the rest are right padding) are written to free slots (without CP slots
+    cache.length[b] + t) and tagged with their positions (default cache.length[b] + t);
+    padding is never written, so it stays invisible. Each token attends to every cached slot
+    at a position <= its own. Under context parallelism (module docstring) the arguments
+    and h_BTD keep the natural token order.
     """
     b, t = x_BTD.shape[:2]
     arange_T = jnp.arange(t, dtype=jnp.int32)
+    cp = _context_parallel(self.cfg)
+    # Causal load balancing (paper Sec. 3): positions and segment ids travel with the tokens,
+    # so masking stays exact in any order.
+    balance = cp is not None and t % (2 * cp.n) == 0
+    perm = functools.partial(_balance, cp=cp) if balance else (lambda a: a)
     kv_pos_BS = slots_BT = None
     if cache is None:
       if lengths_B is not None:
         raise ValueError("Llama.hidden: lengths_B is only meaningful with a cache")
       if positions_BT is None:
         positions_BT = jnp.broadcast_to(arange_T, (b, t))
+      if segment_ids_BT is not None:
+        segment_ids_BT = perm(jnp.asarray(segment_ids_BT))
+      positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
     else:
       if segment_ids_BT is not None:
         raise ValueError("Llama.hidden: segment_ids_BT with a cache is not supported; cached "
@@ -310,11 +408,22 @@ class Llama(nnx.Module):
                  else jnp.asarray(lengths_B, jnp.int32))
       if positions_BT is None:
         positions_BT = cache.length[:, None] + arange_T
-      # Padding goes to slot S, out of range, which the scatter drops.
-      slots_BT = jnp.where(arange_T < n_new_B[:, None], cache.length[:, None] + arange_T,
-                           cache.max_len)
-      kv_pos_BS = constrain(_write_slots(cache.pos, slots_BT, positions_BT), CACHE_POS_NAMES)
-    positions_BT = jnp.asarray(positions_BT, jnp.int32)
+      positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
+      valid_BT = perm(arange_T < n_new_B[:, None])
+      if cp is None:
+        # Padding goes to slot S, out of range, which the scatter drops.
+        slots_BT = jnp.where(valid_BT, cache.length[:, None] + arange_T, cache.max_len)
+      else:
+        if cache.max_len % cp.n:
+          raise ValueError(f"Llama.hidden: a cache of {cache.max_len} slots cannot be split "
+                           f"over the {cp.n} ranks of mesh axis {cp.axis!r}; make max_len a "
+                           "multiple of it")
+        cap = cache.max_len // cp.n
+        fill_BN = jnp.sum((cache.pos != SENTINEL_POS).reshape(b, cp.n, cap), axis=-1,
+                          dtype=jnp.int32)
+        slots_BT = layout.cache_slots(fill_BN, valid_BT, cap, sharded=t % cp.n == 0)
+      kv_pos_BS = _write_cache(cache.pos, slots_BT, positions_BT, cp)
+    x_BTD = constrain(perm(x_BTD), X_NAMES)
 
     block_fn = nnx.remat(Block.__call__) if self.cfg.remat else Block.__call__
     new_k, new_v = [], []
@@ -326,6 +435,8 @@ class Llama(nnx.Module):
         new_k.append(kv[0])
         new_v.append(kv[1])
     h_BTD = self.final_norm(x_BTD)
+    if balance:
+      h_BTD = _balance(h_BTD, cp=cp, inverse=True)
     if cache is not None:
       cache = KVCache(k=tuple(new_k), v=tuple(new_v), pos=kv_pos_BS,
                       length=cache.length + n_new_B)

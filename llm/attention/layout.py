@@ -11,6 +11,13 @@ is exact as long as the positions travel with the tokens.
 Decode appends one token per step; `decode_placement` puts the KV of decode token d on
 rank d mod N (round robin, so the cache stays balanced as it grows).
 
+`cache_slots` is the rule the Llama model (llm/model.py) uses for a KV cache whose slot axis
+is split over the N ranks (rank r owns slots [r*C, (r+1)*C), filled from the front): a call's
+tokens sharded over cp go to their own rank's next free slots (so a load-balanced prefill
+leaves chunks i and 2N-1-i on rank i and the write moves nothing between ranks); tokens
+that are not sharded (a decode step) continue the round robin from the least-filled rank,
+which after a balanced prefill is exactly `decode_placement`.
+
 Works on host numpy arrays (returns numpy) and on jax arrays / tracers under jit.
 """
 
@@ -80,3 +87,40 @@ def decode_placement(step, n: int, *, prefill_per_rank: int, capacity_per_rank: 
   rank = step % n
   local = prefill_per_rank + step // n
   return rank, local, rank * capacity_per_rank + local
+
+
+def cache_slots(fill_BN, valid_BT, capacity: int, *, sharded: bool):
+  """Global slots [B, T] (int32) for a call's new tokens in a cache split over N ranks.
+
+  fill_BN: slots already used on each rank (rank r owns global slots r*capacity + [0,
+  capacity) and fills them from the front); valid_BT: which tokens are written (False:
+  padding). sharded=True: the T tokens (T a multiple of N, in the order of a cp-sharded
+  array, e.g. `load_balance`d) are split contiguously, token j on rank j // (T/N), and each
+  rank's valid tokens take its next free slots in order. sharded=False: the k-th valid token
+  goes to rank (r0 + k) mod N, r0 the least-filled rank (the lowest on ties), at local slot
+  fill + k // N. Padding, and tokens past a rank's capacity, get slot N * capacity (out of
+  range: a scatter with mode="drop" skips them).
+  """
+  xp = np if isinstance(fill_BN, (np.ndarray, list, tuple)) and isinstance(
+      valid_BT, (np.ndarray, list, tuple)) else jnp
+  fill = xp.asarray(fill_BN).astype(xp.int32)
+  valid = xp.asarray(valid_BT).astype(bool)
+  b, n = fill.shape
+  t = valid.shape[1]
+  if valid.shape[0] != b:
+    raise ValueError(f"cache_slots: fill_BN {fill.shape} and valid_BT {valid.shape} disagree "
+                     "on the batch size")
+  if sharded:
+    if t % n:
+      raise ValueError(f"cache_slots: sharded=True needs T={t} to be a multiple of the "
+                       f"{n} ranks")
+    per = t // n
+    rank = xp.broadcast_to(xp.arange(t, dtype=xp.int32) // per, (b, t))
+    k = (xp.cumsum(valid.reshape(b, n, per), axis=-1, dtype=xp.int32) - 1).reshape(b, t)
+    local = xp.take_along_axis(fill, rank, axis=1) + k
+  else:
+    k = xp.cumsum(valid, axis=1, dtype=xp.int32) - 1
+    rank = (xp.argmin(fill, axis=1).astype(xp.int32)[:, None] + k) % n
+    local = xp.take_along_axis(fill, rank, axis=1) + k // n
+  ok = valid & (local < capacity)
+  return xp.where(ok, rank * capacity + local, n * capacity).astype(xp.int32)

@@ -40,6 +40,11 @@ Two entry points:
       the mesh set with `jax.set_mesh` (jax.sharding.get_abstract_mesh()). Prefer
       `jax.set_mesh`: the mesh is then part of jit's cache key, while `ring_context` is
       read at trace time only (a jitted function traced under one ring_context keeps it).
+`write_slots` writes new keys / values into a KV cache whose slot axis is split over cp,
+each rank into its own shard (the Llama model's context-parallel cache write);
+`load_balance_sharded` reorders a cp-sharded sequence into the load-balanced layout (and
+back) with two half-shard ppermutes;
+`current_mesh` says which mesh the registry entries would use.
 Batch dims may also be sharded over data/fsdp and heads over tp: shard_map specs come from
 the rules table (`act_batch`, `act_heads`, `act_kv_heads` of core.mesh.LLM_RULES); an axis
 that does not divide its dimension is left replicated.
@@ -315,6 +320,85 @@ def ring_attention(q_BTHK, k_BSGK, v_BSGK, *, mesh, axis: str = "cp", variant: s
   return fn(x)
 
 
+def current_mesh():
+  """(mesh, axis) that the registry entries would use now: `ring_context`'s mesh if one is
+  active, else the `jax.set_mesh` mesh when it has the ring axis; None when there is none."""
+  cfg = _CONFIG.get()
+  if cfg.mesh is not None:
+    return cfg.mesh, cfg.axis
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or cfg.axis not in mesh.axis_names:
+    return None
+  return mesh, cfg.axis
+
+
+def write_slots(buf_BS, slots_BT, new_BT, *, mesh, spec: P, axis: str = "cp"):
+  """buf[b, slots[b, t]] = new[b, t] for a KV-cache buffer [B, S, ...] whose slot axis is
+  split contiguously over the N ranks of `axis` (`spec`, the buffer's PartitionSpec, has
+  `axis` at dim 1; its other entries also shard `new`). Slots outside [0, S) are dropped.
+
+  When T is a multiple of N, slots / new are taken as split over `axis` like the queries,
+  and each rank writes only its own tokens, which must target its own slots (a token aimed
+  at another rank is dropped): `layout.cache_slots(sharded=True)` guarantees it, and nothing
+  moves between ranks. Otherwise (a decode step) they are replicated and every rank writes
+  the tokens that land in its slots.
+  """
+  n = mesh.shape[axis]
+  s, t = buf_BS.shape[1], slots_BT.shape[1]
+  spec = tuple(spec) + (None,) * (buf_BS.ndim - len(tuple(spec)))
+  if spec[1] != axis or s % n:
+    raise ValueError(f"ring.write_slots: buffer of {s} slots with spec {spec}; expected the "
+                     f"slot axis split over {axis!r} ({n} ranks, S a multiple of {n})")
+  cap = s // n
+  tax = axis if t % n == 0 else None
+
+  def body(buf_l, slots_l, new_l):
+    local = slots_l - jax.lax.axis_index(axis) * cap
+    local = jnp.where((local >= 0) & (local < cap), local, cap)
+    return jax.vmap(lambda bb, ss, uu: bb.at[ss].set(uu.astype(bb.dtype), mode="drop"))(
+        buf_l, local, new_l)
+
+  return jax.shard_map(body, mesh=mesh,
+                       in_specs=(P(*spec), P(spec[0], tax), P(spec[0], tax, *spec[2:])),
+                       out_specs=P(*spec))(buf_BS, slots_BT, new_BT)
+
+
+def load_balance_sharded(x, *, mesh, spec: P, axis: str = "cp", inverse: bool = False):
+  """`layout.load_balance(x, N, axis=1)` (or `unload_balance` with inverse=True) of an array
+  [B, T, ...] split over the N ranks of `axis` (`spec` has `axis` at dim 1), as two
+  point-to-point transfers of half a shard each, instead of gathering the sequence.
+
+  Rank r holds natural chunks 2r, 2r+1 and must hold chunks r, 2N-1-r: chunk c goes to rank
+  c (c < N, first place) or 2N-1-c (second place), so first halves and second halves each
+  follow a permutation of the ranks.
+  """
+  n = mesh.shape[axis]
+  spec = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+  if spec[1] != axis or x.shape[1] % (2 * n):
+    raise ValueError(f"ring.load_balance_sharded: shape {x.shape}, spec {spec}; expected dim 1 "
+                     f"split over {axis!r} and a multiple of 2 * {n}")
+  dest = lambda c: c if c < n else 2 * n - 1 - c       # natural chunk c -> its rank
+  perm_a = [(r, dest(2 * r)) for r in range(n)]       # first halves (chunks 2r)
+  perm_b = [(r, dest(2 * r + 1)) for r in range(n)]   # second halves (chunks 2r + 1)
+  if inverse:
+    perm_a, perm_b = [(d, s) for s, d in perm_a], [(d, s) for s, d in perm_b]
+
+  def body(x_l):
+    first, second = jnp.split(x_l, 2, axis=1)
+    # Even ranks hold (chunk r, chunk 2N-1-r) = (a first half, a second half); odd ranks
+    # (a second half, a first half); the inverse undoes the same pairing.
+    even = jax.lax.axis_index(axis) % 2 == 0
+    if inverse:
+      first, second = (jnp.where(even, first, second), jnp.where(even, second, first))
+      return jnp.concatenate([jax.lax.ppermute(first, axis, perm_a),
+                              jax.lax.ppermute(second, axis, perm_b)], axis=1)
+    got_a, got_b = jax.lax.ppermute(first, axis, perm_a), jax.lax.ppermute(second, axis, perm_b)
+    return jnp.concatenate([jnp.where(even, got_a, got_b), jnp.where(even, got_b, got_a)],
+                           axis=1)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=P(*spec), out_specs=P(*spec))(x)
+
+
 def _context_mesh(axis: str):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or axis not in mesh.axis_names:
@@ -348,5 +432,5 @@ register("ring_pass_kv", ring_pass_kv)
 register("ring_pass_q", ring_pass_q)
 register("ring_auto", ring_auto)
 
-__all__ = ["RingConfig", "ring_attention", "ring_auto", "ring_context", "ring_pass_kv",
-           "ring_pass_q", "select_variant"]
+__all__ = ["RingConfig", "current_mesh", "load_balance_sharded", "ring_attention", "ring_auto",
+           "ring_context", "ring_pass_kv", "ring_pass_q", "select_variant", "write_slots"]

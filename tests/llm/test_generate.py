@@ -62,9 +62,9 @@ def test_batched_equals_one_at_a_time(tiny, greedy_out):
   for p, want in zip(PROMPTS, greedy_out):
     assert G.generate(tiny, [p], 7, max_len=MAX_LEN) == [want]
   # The decode loop compiled once for the batch size and cache size, whatever the prompt.
-  before = G._decode._cache_size()
+  before = G.decode._cache_size()
   G.generate(tiny, [[7, 7, 7, 7]], 7, max_len=MAX_LEN)
-  assert G._decode._cache_size() == before
+  assert G.decode._cache_size() == before
 
 
 def test_stop_tokens_end_rows_early(tiny, greedy_out):
