@@ -408,3 +408,20 @@ def test_full_prefill_gradients(variant):
   for name, gg, ww in zip("qkv", got, want):
     np.testing.assert_allclose(layout.unload_balance(np.asarray(gg), n, 1), ww,
                                err_msg=f"{variant} d{name}", **TOL)
+
+
+@pytest.mark.parametrize("variant", ["pass_kv", "pass_q"])
+def test_pallas_inner_block(variant):
+  """The Pallas flash-attention kernel (interpret mode) as ring attention's inner block."""
+  from llm.attention.reference import attention_reference
+  from llm.attention.ring import ring_attention
+  mesh = make_mesh("cp:2", devices=jax.devices()[:2])
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(kq, (1, 32, 4, 16), jnp.float32)
+  k = jax.random.normal(kk, (1, 32, 2, 16), jnp.float32)
+  v = jax.random.normal(kv, (1, 32, 2, 16), jnp.float32)
+  out, lse = jax.jit(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, variant=variant,
+                                                    causal=True, inner_impl="pallas"))(q, k, v)
+  want_out, want_lse = attention_reference(q, k, v, causal=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
