@@ -33,7 +33,7 @@ class RecRunConfig:
   model: str = "dlrm"                 # dlrm | dcnv2 | dhen | wukong | logreg
   preset: str = "kaggle"              # per model, see MODEL_PRESETS; kaggle = its Criteo default
   embedding_dim: int = 0              # 0: the preset's; else overrides it (and the tables')
-  data: str = "synthetic"             # synthetic | criteo:DIR | avazu:DIR
+  data: str = "synthetic"             # synthetic[_deep] | criteo:DIR | ... (rec.data.sources)
   num_rows: int = 100_000             # hashed rows per sparse feature
   mesh: str = "-1"
   batch_size: int = 2048
@@ -60,9 +60,14 @@ PRESETS = {
 }
 
 # Per model: preset name -> constructor(rows, **overrides). "kaggle" is each model's
-# Criteo default, "small" a tiny one for tests and smoke runs. Wukong also takes
-# "l<layers>_n<n>" (the paper's Criteo search space, n_F = n_L = n) and "scaled<i>"
-# (rung i of wukong.SCALING_LADDER).
+# Criteo default, "small" a tiny one for tests and smoke runs. Size patterns (PATTERNS,
+# for scaling studies such as experiments.wukong_scaling) are parsed by `_pattern`:
+#   wukong  "l<layers>_n<n>" (the paper's Criteo search space, n_F = n_L = n), optionally
+#           "_k<rank>_w<mlp width>" (WukongConfig.family; defaults k24, w512), and
+#           "scaled<i>" (rung i of wukong.SCALING_LADDER);
+#   dlrm    "w<W>[_d<depth>]": bottom MLP (W, D), top MLP depth x W then 1 (depth 2), dim 16;
+#   dcnv2   "x<layers>_r<rank>_w<W>[_d<depth>]": raw dense features, <layers> cross layers
+#           of rank <rank> (0: full rank), deep MLP depth x W (depth 2), stacked, dim 16.
 MODEL_PRESETS: dict[str, dict[str, Callable[..., Any]]] = {
     "dlrm": {
         **PRESETS,
@@ -97,12 +102,31 @@ MODEL_PRESETS: dict[str, dict[str, Callable[..., Any]]] = {
 }
 
 
-def _wukong_pattern(preset: str) -> Callable[..., Any] | None:
-  if m := re.fullmatch(r"l(\d+)_n(\d+)", preset):
-    layers, n = int(m[1]), int(m[2])
-    return lambda rows, **o: wukong_lib.WukongConfig.criteo(rows, layers, n, n, **o)
-  if m := re.fullmatch(r"scaled(\d+)", preset):
-    return lambda rows, **o: wukong_lib.WukongConfig.scaled(rows, int(m[1]), **o)
+PATTERNS = {"dlrm": ["w<W>[_d<depth>]"], "dcnv2": ["x<layers>_r<rank>_w<W>[_d<depth>]"],
+            "wukong": ["l<layers>_n<n>[_k<rank>][_w<width>]", "scaled<i>"]}
+
+
+def _pattern(model: str, preset: str) -> Callable[..., Any] | None:
+  """The constructor of a size-pattern preset (see MODEL_PRESETS' comment), or None."""
+  if model == "wukong":
+    if m := re.fullmatch(r"l(\d+)_n(\d+)(?:_k(\d+))?(?:_w(\d+))?", preset):
+      layers, n = int(m[1]), int(m[2])
+      rank, width = int(m[3] or 24), int(m[4] or 512)
+      # k24, w512 is WukongConfig.criteo's own FMB / top MLP, so "l2_n8" is unchanged.
+      return lambda rows, **o: wukong_lib.WukongConfig.family(rows, layers, n, n, rank, width, **o)
+    if m := re.fullmatch(r"scaled(\d+)", preset):
+      return lambda rows, **o: wukong_lib.WukongConfig.scaled(rows, int(m[1]), **o)
+  if model == "dlrm" and (m := re.fullmatch(r"w(\d+)(?:_d(\d+))?", preset)):
+    width, depth = int(m[1]), int(m[2] or 2)
+    return lambda rows, **o: dlrm_lib.DLRMConfig(
+        **{"num_dense": 13, "num_sparse": 26, "embedding_dim": 16, "rows_per_feature": rows,
+           "bottom_mlp": (width, 16), "top_mlp": (width,) * depth + (1,), **o})
+  if model == "dcnv2" and (m := re.fullmatch(r"x(\d+)_r(\d+)_w(\d+)(?:_d(\d+))?", preset)):
+    layers, rank, width, depth = int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2)
+    return lambda rows, **o: dcnv2_lib.DCNv2Config(
+        **{"num_dense": 13, "num_sparse": 26, "embedding_dim": 16, "rows_per_feature": rows,
+           "bottom_mlp": (), "num_cross_layers": layers, "cross_rank": rank,
+           "deep_mlp": (width,) * depth, "structure": "stacked", "top_mlp": (1,), **o})
   return None
 
 
@@ -129,9 +153,9 @@ def model_config(cfg: RecRunConfig, spec):
   if cfg.model not in MODEL_PRESETS:
     raise ValueError(f"--model={cfg.model!r}: expected one of {sorted(MODEL_PRESETS) + ['logreg']}")
   presets = MODEL_PRESETS[cfg.model]
-  make = presets.get(cfg.preset) or (_wukong_pattern(cfg.preset) if cfg.model == "wukong" else None)
+  make = presets.get(cfg.preset) or _pattern(cfg.model, cfg.preset)
   if make is None:
-    extra = ["l<layers>_n<n>", "scaled<i>"] if cfg.model == "wukong" else []
+    extra = PATTERNS.get(cfg.model, [])
     raise ValueError(f"--preset={cfg.preset!r} for --model={cfg.model}: expected one of "
                      f"{sorted(presets) + extra}")
   over: dict[str, Any] = dict(num_dense=spec.num_dense, num_sparse=len(names), feature_names=names)

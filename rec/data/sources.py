@@ -3,6 +3,10 @@
 Forms:
   synthetic     SyntheticCriteo: train split endless, eval = `eval_batches` batches of the
                 test split (same hidden model, different draws).
+  synthetic_deep  the same with `teacher="deep"` (planted high-order interactions) and logit
+                scale DEEP_LOGIT_SCALE = 3.0 (Bayes AUC about 0.925), for capacity and scaling
+                studies. Both synthetic forms take options after a colon:
+                `synthetic_deep:logit_scale=4.0` (the std of the planted logit before its bias).
   criteo:DIR    Kaggle layout (DIR/train.txt): train on train.txt, eval on valid.txt +
                 test.txt (labeled splits; the challenge's own unlabeled test.txt has 39
                 fields and is rejected line 1). Terabyte layout (DIR/day_0 .. day_23, each
@@ -37,7 +41,10 @@ from rec.data.batch import BatchSource
 DEFAULT_NUM_ROWS = 100_000
 DEFAULT_EVAL_BATCHES = 20
 FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm:DIR' or "
-         "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files)")
+         "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files), or 'synthetic_deep'; the "
+         "synthetic forms take ':logit_scale=X' (X > 0)")
+SYNTHETIC_TEACHERS = {"synthetic": "linear", "synthetic_deep": "deep"}
+DEEP_LOGIT_SCALE = 3.0
 CRITEO_DAYS = 24
 
 
@@ -101,6 +108,28 @@ def split_files(data: str, d: str, suffixes: Sequence[str] | None,
   return [train], evals
 
 
+def synthetic_options(data: str) -> dict | None:
+  """SyntheticCriteo's {teacher, logit_scale} for a synthetic `--data` form; None for others."""
+  kind, sep, opts = data.partition(":")
+  if kind not in SYNTHETIC_TEACHERS:
+    return None
+  teacher = SYNTHETIC_TEACHERS[kind]
+  out = {"teacher": teacher,
+         "logit_scale": DEEP_LOGIT_SCALE if teacher == "deep" else synthetic.LOGIT_SCALE}
+  for item in opts.split(",") if sep else ():
+    key, eq, value = item.partition("=")
+    try:
+      if key != "logit_scale" or not eq:
+        raise ValueError
+      out["logit_scale"] = float(value)
+      if not out["logit_scale"] > 0:
+        raise ValueError
+    except ValueError:
+      raise ValueError(f"--data={data!r}: option {item!r} of a synthetic form; expected "
+                       f"{FORMS}, e.g. synthetic_deep:logit_scale=3.0") from None
+  return out
+
+
 def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                  num_rows: int | list[int] | None = None, seed: int = 0, bad_lines: str = "error",
                  shard_index: int = 0, num_shards: int = 1,
@@ -118,8 +147,9 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
   eval_batch_size = eval_batch_size or batch_size
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
   kind, sep, d = data.partition(":")
-  if data == "synthetic":
-    shards = dict(shard_index=shard_index, num_shards=num_shards)
+  syn = synthetic_options(data)
+  if syn is not None:
+    shards = dict(shard_index=shard_index, num_shards=num_shards, **syn)
     train = synthetic.SyntheticCriteo(batch_size, rows, seed=seed, split="train", **shards)
     evals = synthetic.SyntheticCriteo(eval_batch_size, rows, seed=seed, split="test",
                                       num_batches=eval_batches, **shards)

@@ -1,0 +1,126 @@
+"""experiments.compare_rec end to end (flags -> runs -> table, results.json, PNG, JSON last
+line) and rec.compare's parsing and aggregation against hand-computed values."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rec import compare, configs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
+TINY = ["--num_rows=1000", "--embedding_dim=8", "--batch_size=64", "--eval_batch_size=64",
+        "--log_every=5"]
+
+
+def _run(args):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "experiments.compare_rec", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout.strip().splitlines()
+
+
+def test_synthetic_two_models_two_seeds(tmp_path):
+  lines = _run(TINY + ["--models=dlrm:small,wukong", "--presets=wukong=small", "--seeds=0,1",
+                       "--steps=6", "--eval_batches=2", f"--workdir={tmp_path}"])
+  summary = json.loads(lines[-1])
+  res = json.load(open(tmp_path / "results.json"))
+  assert res["summary"] == summary
+  assert [r["label"] for r in res["rows"]] == ["dlrm:small", "wukong:small"]
+  assert summary["best_by_ne"] in ("dlrm:small", "wukong:small")
+  for row in res["rows"]:
+    # One embedding dim for every model: 26 tables x 1000 rows x 8.
+    assert row["embedding_params"] == 26 * 1000 * 8
+    assert row["dense_params"] > 0 and row["gflops_per_example"] > 0
+    assert row["steps"] == 6 and row["examples"] == 6 * 64 and row["num_seeds"] == 2
+    runs = row["runs"]
+    assert [r["seed"] for r in runs] == [0, 1]
+    assert all(r["eval_examples"] == 128 and r["wall_seconds"] > 0 for r in runs)
+    for k in ("auc", "logloss", "ne"):
+      vals = [r[k] for r in runs]
+      np.testing.assert_allclose(row[f"{k}_mean"], np.mean(vals), rtol=1e-12)
+      np.testing.assert_allclose(row[f"{k}_std"], np.std(vals, ddof=1), rtol=1e-9)
+    # Seeds change the initialization, so the two runs differ.
+    assert runs[0]["logloss"] != runs[1]["logloss"]
+    assert not os.path.exists(os.path.join(runs[0]["workdir"], "checkpoints"))
+  ref = res["reference"]
+  assert 0.5 < ref["auc"] <= 1.0 and ref["num_examples"] == 128
+  # The table: a header, one line per model with mean ± std, the Bayes line.
+  table = [l for l in lines if l.startswith(("dlrm:small", "wukong:small", "true logits"))]
+  assert len(table) == 3 and all("±" in l for l in table[:2])
+  assert f"{res['rows'][1]['dense_params']:,}" in table[1]
+  assert res["table"][0].split()[:4] == ["model", "AUC", "logloss", "NE"]
+  assert (tmp_path / "compare_rec.png").stat().st_size > 10_000
+  # A second run into the same workdir replaces the runs (no resume error).
+  _run(TINY + ["--models=dlrm:small", "--seeds=0", "--steps=2", "--eval_batches=1",
+               f"--workdir={tmp_path}"])
+  assert json.load(open(tmp_path / "results.json"))["rows"][0]["steps"] == 2
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
+                    reason="Criteo sample not found (set REC_DATA_DIR)")
+def test_criteo_sample_one_epoch(tmp_path):
+  lines = _run(["--data=criteo:" + os.path.join(DATA, "criteo_kaggle_sample"), "--epochs=1",
+                "--batch_size=128", "--eval_batch_size=1024", "--num_rows=1000",
+                "--embedding_dim=8", "--models=dcnv2:small", "--seeds=0",
+                f"--workdir={tmp_path}"])
+  res = json.load(open(tmp_path / "results.json"))
+  row = res["rows"][0]
+  assert row["steps"] == 7200 // 128 and row["runs"][0]["eval_examples"] == 409 + 391
+  assert res["reference"] is None and "bayes_auc" not in json.loads(lines[-1])
+  assert row["auc_mean"] > 0.6
+
+
+def test_parse_models_and_presets():
+  specs = compare.parse_models(["dlrm", "wukong:l3_n16", "dhen"], "dhen=dhen_2l")
+  assert specs == [compare.ModelSpec("dlrm", "kaggle"), compare.ModelSpec("wukong", "l3_n16"),
+                   compare.ModelSpec("dhen", "dhen_2l")]
+  assert compare.parse_presets(["a=b", "c=d"]) == {"a": "b", "c": "d"}
+  with pytest.raises(ValueError, match=r"--presets item 'wukong': expected model=preset"):
+    compare.parse_presets("wukong")
+  with pytest.raises(ValueError, match=r"--presets names \['dcnv2'\], which are not in"):
+    compare.parse_models(["dlrm"], "dcnv2=small")
+  with pytest.raises(ValueError, match=r"model 'xdeepfm', expected one of"):
+    compare.parse_models(["xdeepfm"])
+  with pytest.raises(ValueError, match="lists a \\(model, preset\\) twice"):
+    compare.parse_models(["dlrm", "dlrm:kaggle"])
+
+
+def test_bad_preset_fails_before_any_training(tmp_path):
+  base = configs.RecRunConfig(num_rows=100, batch_size=64, eval_batch_size=64)
+  specs = [compare.ModelSpec("dlrm", "small"), compare.ModelSpec("wukong", "l2")]
+  with pytest.raises(ValueError, match=r"--preset='l2' for --model=wukong: expected one of"):
+    compare.compare_models(base, specs, steps=1, workdir=str(tmp_path))
+  assert not os.path.exists(tmp_path / "runs")
+  with pytest.raises(ValueError, match="steps=None, epochs=None; give exactly one"):
+    compare.train_model(base, specs[0], [0], str(tmp_path))
+
+
+def _row(label, aucs, nes):
+  model, _, preset = label.partition(":")
+  row = {"model": model, "preset": preset, "label": label, "steps": 10, "num_seeds": len(aucs),
+         "dense_params": 1234, "embedding_params": 5678, "gflops_per_example": 0.001,
+         "wall_seconds_mean": 1.5, "examples_per_sec_mean": 1000.0}
+  for k, vals in (("auc", aucs), ("ne", nes), ("logloss", nes)):
+    row[f"{k}_mean"], row[f"{k}_std"] = compare._mean_std(vals)
+  return row
+
+
+def test_table_and_summary_from_hand_made_rows():
+  res = {"rows": [_row("dlrm:kaggle", [0.70, 0.72], [0.90, 0.86]),
+                  _row("wukong:kaggle", [0.74, 0.74], [0.80, 0.82])],
+         "seeds": [0, 1], "config": {"batch_size": 64, "data": "synthetic"},
+         "reference": {"auc": 0.83, "ne": 0.75, "logloss": 0.42}, "wall_seconds": 9.0}
+  # mean 0.71, sample std of (0.70, 0.72) = 0.01414...
+  assert res["rows"][0]["auc_std"] == pytest.approx(0.02 / np.sqrt(2), rel=1e-12)
+  table = compare.format_table(res).splitlines()
+  assert "0.7100 ± 0.0141" in table[2] and "0.8800 ± 0.0283" in table[2]
+  assert table[4].startswith("true logits (Bayes)") and "0.8300" in table[4]
+  s = compare.summary(res)
+  assert s["best_by_ne"] == "wukong:kaggle" and s["bayes_ne"] == 0.75
+  assert s["models"]["dlrm:kaggle"]["ne"] == pytest.approx(0.88)

@@ -1,0 +1,188 @@
+"""experiments.wukong_scaling end to end, the power-law fit against known exponents and a
+closed-form reference, the `synthetic_deep` data form and the size-pattern presets."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rec import compare, configs, scaling
+from rec.data import sources, synthetic
+from rec.data.batch import DataSpec
+from rec.models.dcnv2 import DCNv2Config
+from rec.models.dlrm import DLRMConfig
+from rec.models.wukong import WukongConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SPEC = DataSpec(num_dense=13, sparse_features=tuple(f"C{i + 1}" for i in range(26)),
+                rows_per_feature=(100,) * 26, max_ids_per_bag=1)
+
+
+# ---------------------------------------------------------------------------- the fit
+
+def test_fit_recovers_known_exponent_exactly():
+  x = np.geomspace(1e-4, 1e-1, 6)
+  fit = scaling.fit_power_law(x, 0.3 * x ** -0.12)
+  assert fit["b"] == pytest.approx(-0.12, abs=1e-10)
+  assert fit["a"] == pytest.approx(0.3, rel=1e-9)
+  assert fit["r2"] == pytest.approx(1.0, abs=1e-12) and fit["n"] == 6
+
+
+def test_fit_with_noise_matches_closed_form_least_squares():
+  rng = np.random.default_rng(0)
+  x = np.geomspace(1e-4, 1e-1, 9)
+  y = 0.05 * x ** 0.3 * np.exp(0.05 * rng.standard_normal(x.size))
+  fit = scaling.fit_power_law(x, y)
+  # Reference: the normal equations of log y = c + b log x, and R^2 = corr(log x, log y)^2.
+  lx, ly = np.log(x), np.log(y)
+  b = np.sum((lx - lx.mean()) * (ly - ly.mean())) / np.sum((lx - lx.mean()) ** 2)
+  c = ly.mean() - b * lx.mean()
+  assert fit["b"] == pytest.approx(b, rel=1e-9) and fit["a"] == pytest.approx(np.exp(c), rel=1e-9)
+  assert fit["r2"] == pytest.approx(np.corrcoef(lx, ly)[0, 1] ** 2, rel=1e-9)
+  assert abs(fit["b"] - 0.3) < 0.03 and 0.9 < fit["r2"] < 1.0
+
+
+def test_fit_rejects_bad_points():
+  with pytest.raises(ValueError, match=r"point 1 is \(x=2.0, y=-1.0\); expected positive"):
+    scaling.fit_power_law([1.0, 2.0], [1.0, -1.0])
+  with pytest.raises(ValueError, match="at least two distinct values"):
+    scaling.fit_power_law([3.0, 3.0], [1.0, 2.0])
+  with pytest.raises(ValueError, match="3 x values and 2 y values"):
+    scaling.fit_power_law([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def _row(model, preset, gflops, ne, auc):
+  return {"model": model, "preset": preset, "label": f"{model}:{preset}",
+          "gflops_per_example": gflops, "ne_mean": ne, "ne_std": 0.0, "auc_mean": auc,
+          "auc_std": 0.0, "examples": 1024}
+
+
+def test_scaling_fits_recover_planted_exponents_and_findings():
+  floor_ne, ceil_auc = 0.5, 0.9
+  xs = [1e-4, 4e-4, 1.6e-3, 6.4e-3]
+  rows = [_row("wukong", f"s{i}", x, floor_ne + 0.2 * x ** -0.1 / 10, ceil_auc - 0.01 * x ** -0.2)
+          for i, x in enumerate(xs)]
+  # DLRM: best at its second size, the largest one worse, and one AUC above the ceiling.
+  rows += [_row("dlrm", "w1", 1e-4, 0.70, 0.80), _row("dlrm", "w2", 1e-3, 0.65, 0.95),
+           _row("dlrm", "w3", 1e-2, 0.66, 0.85)]
+  res = {"rows": rows, "seeds": [0], "reference": {"ne": floor_ne, "auc": ceil_auc},
+         "config": {"data": "synthetic_deep", "batch_size": 64, "embedding_dim": 16}}
+  fit = scaling.scaling_fits(res)
+  w = fit["fits"]["wukong"]
+  assert w["ne"]["b"] == pytest.approx(-0.1, abs=1e-9) and w["ne"]["a"] == pytest.approx(0.02)
+  assert w["auc"]["b"] == pytest.approx(-0.2, abs=1e-9)
+  d = fit["fits"]["dlrm"]
+  assert d["auc_dropped"] == ["w2"] and d["auc"]["n"] == 2 and d["ne"]["n"] == 3
+  notes = scaling.findings(res, fit)
+  assert "still improving" in notes[0]
+  assert "NE - floor = 0.02 * GFLOPs^-0.1000 (R^2 1.00" in notes[0]
+  assert "best NE 0.6500 at w2" in notes[1] and "(w3) do not improve on it" in notes[1]
+  assert notes[2].startswith("NE-gap exponents b") and "steepest: wukong" in notes[2]
+  # Matched compute: the overlap of [1e-4, 6.4e-3] and [1e-4, 1e-2] has middle 8e-4.
+  x = np.sqrt(1e-4 * 6.4e-3)
+  dl = d["ne"]
+  assert notes[3].startswith(f"At matched compute, {x:.2g} GFLOPs/example")
+  assert f"wukong {floor_ne + 0.02 * x ** -0.1:.4f}" in notes[3]
+  assert f"dlrm {floor_ne + dl['a'] * x ** dl['b']:.4f}" in notes[3]
+  assert notes[4].startswith("Best NE overall 0.5")
+  text = scaling.format_fits(fit)
+  assert "dropped, gap <= 0: w2" in text
+
+
+def test_default_specs():
+  specs = scaling.default_specs("cpu", ["wukong", "dlrm"], sizes=2)
+  g = scaling.GRIDS["cpu"]
+  assert specs == [compare.ModelSpec("wukong", g["wukong"][0]),
+                   compare.ModelSpec("wukong", g["wukong"][-1]),
+                   compare.ModelSpec("dlrm", g["dlrm"][0]),
+                   compare.ModelSpec("dlrm", g["dlrm"][-1])]
+  with pytest.raises(ValueError, match="--grid='huge'"):
+    scaling.default_specs("huge")
+  with pytest.raises(ValueError, match="--archs entry 'dhen'"):
+    scaling.default_specs("cpu", ["dhen"])
+  # Every grid entry is a valid preset, and sizes grow with the index.
+  for grid in scaling.GRIDS.values():
+    for arch, presets in grid.items():
+      for p in presets:
+        configs.model_config(configs.RecRunConfig(model=arch, preset=p), SPEC)
+
+
+# ---------------------------------------------------------------------------- data and presets
+
+def test_synthetic_deep_form():
+  train, evals = sources.make_sources("synthetic_deep", 32, num_rows=50, eval_batches=2, seed=3)
+  assert (train.teacher, train.logit_scale, evals.num_batches) == ("deep", 3.0, 2)
+  ref = synthetic.SyntheticCriteo(32, 50, seed=3, teacher="deep", logit_scale=3.0)
+  b, r = train.batch(1), ref.batch(1)
+  np.testing.assert_array_equal(b.ids, r.ids)
+  np.testing.assert_array_equal(b.labels, r.labels)
+  t2, _ = sources.make_sources("synthetic_deep:logit_scale=1.5", 32, num_rows=50)
+  assert t2.logit_scale == 1.5
+  lin, _ = sources.make_sources("synthetic", 32, num_rows=50)
+  assert (lin.teacher, lin.logit_scale) == ("linear", synthetic.LOGIT_SCALE)
+  with pytest.raises(ValueError, match=r"option 'scale=2' of a synthetic form; expected 'synth"):
+    sources.make_sources("synthetic_deep:scale=2", 32)
+  with pytest.raises(ValueError, match=r"option 'logit_scale=0'"):
+    sources.make_sources("synthetic:logit_scale=0", 32)
+  # The train_rec path builds on it.
+  cfg = configs.RecRunConfig(data="synthetic_deep", model="wukong", preset="l1_n2_k4_w16",
+                             embedding_dim=8, num_rows=50, batch_size=32, eval_batch_size=32)
+  _, train_src, _, _, _ = configs.build_run(cfg)
+  assert train_src.teacher == "deep"
+
+
+def test_size_pattern_presets():
+  rows = SPEC.rows_per_feature
+  d = configs.model_config(configs.RecRunConfig(model="dlrm", preset="w256_d3"), SPEC)
+  assert (d.bottom_mlp, d.top_mlp, d.embedding_dim) == ((256, 16), (256, 256, 256, 1), 16)
+  d32 = configs.model_config(configs.RecRunConfig(model="dlrm", preset="w64", embedding_dim=32),
+                             SPEC)
+  assert (d32.bottom_mlp, d32.top_mlp, d32.embedding_dim) == ((64, 32), (64, 64, 1), 32)
+  assert isinstance(d32, DLRMConfig)
+  c = configs.model_config(configs.RecRunConfig(model="dcnv2", preset="x2_r32_w128"), SPEC)
+  assert isinstance(c, DCNv2Config)
+  assert (c.bottom_mlp, c.num_cross_layers, c.cross_rank, c.deep_mlp, c.top_mlp) == (
+      (), 2, 32, (128, 128), (1,))
+  w = configs.model_config(configs.RecRunConfig(model="wukong", preset="l2_n8_k16_w128"), SPEC)
+  assert w == WukongConfig.family(rows, 2, 8, 8, 16, 128, num_dense=13, num_sparse=26,
+                                  feature_names=SPEC.sparse_features)
+  # The older l<l>_n<n> form is unchanged: the paper's Criteo search space.
+  old = configs.model_config(configs.RecRunConfig(model="wukong", preset="l3_n16"), SPEC)
+  assert old == WukongConfig.criteo(rows, 3, 16, 16, num_dense=13, num_sparse=26,
+                                    feature_names=SPEC.sparse_features)
+  with pytest.raises(ValueError, match=r"--preset='w64' for --model=dcnv2: expected one of .*x<la"):
+    configs.model_config(configs.RecRunConfig(model="dcnv2", preset="w64"), SPEC)
+
+
+# ---------------------------------------------------------------------------- end to end
+
+def test_experiment_end_to_end(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  args = ["--models=dlrm:w16,dlrm:w64,wukong:l1_n2_k4_w16,wukong:l1_n4_k4_w32", "--steps=4",
+          "--batch_size=64", "--eval_batch_size=64", "--eval_batches=2", "--num_rows=100",
+          "--embedding_dim=8", "--log_every=4", f"--workdir={tmp_path}"]
+  out = subprocess.run([sys.executable, "-m", "experiments.wukong_scaling", *args], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.strip().splitlines()
+  summary = json.loads(lines[-1])
+  res = json.load(open(tmp_path / "results.json"))
+  assert res["summary"] == summary and res["primary_metric"] == "ne"
+  assert set(summary["fits"]) == {"dlrm", "wukong"}
+  assert summary["floor"]["ne"] == res["reference"]["ne"]
+  for arch in ("dlrm", "wukong"):
+    pts = res["fits"][arch]["ne_points"]
+    assert len(pts) == 2 and pts[0]["gflops"] < pts[1]["gflops"]
+    rows = {r["preset"]: r for r in res["rows"] if r["model"] == arch}
+    # The fit goes through both points exactly (two points, two parameters).
+    f = summary["fits"][arch]["ne"]
+    for p in pts:
+      assert f["a"] * p["gflops"] ** f["b"] == pytest.approx(p["gap"], rel=1e-6)
+      assert p["gap"] == pytest.approx(rows[p["preset"]]["ne_mean"] - res["reference"]["ne"])
+  assert summary["findings"] == res["findings"] and len(res["findings"]) == 5
+  assert any(l.startswith("  dlrm ") and "b=" in l for l in lines)
+  assert sum(l.startswith(("dlrm:w", "wukong:l")) for l in lines) == 4
+  assert (tmp_path / "wukong_scaling.png").stat().st_size > 10_000
