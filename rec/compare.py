@@ -229,14 +229,19 @@ def summary(results: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def plain_log_labels(ax, which: str) -> None:
-  """Tick labels of a log axis as plain numbers; minor ticks labeled only when the axis
-  spans less than a decade (else they crowd)."""
+  """Tick labels of a log axis as plain numbers. Minor ticks are labeled too when the axis
+  spans less than a decade, only at 2x and 5x when it spans less than three (else they
+  crowd)."""
   from matplotlib import ticker
   lo, hi = ax.get_xlim() if which == "x" else ax.get_ylim()
   axis = ax.xaxis if which == "x" else ax.yaxis
+
+  def minor(v, _):
+    mantissa = round(v / 10 ** math.floor(math.log10(v)), 6) if v > 0 else 0
+    return f"{v:.3g}" if hi < 10 * lo or (hi < 1000 * lo and mantissa in (2, 5)) else ""
+
   axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
-  axis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}") if hi < 10 * lo
-                           else ticker.NullFormatter())
+  axis.set_minor_formatter(ticker.FuncFormatter(minor))
 
 
 def plot_comparison(results: Mapping[str, Any], path: str) -> str:

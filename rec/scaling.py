@@ -144,7 +144,13 @@ def findings(results: Mapping[str, Any], fit: Mapping[str, Any]) -> list[str]:
             f"{f['n']} sizes)")
     if len(rows) > 1:
       if best is hi:
-        s += f"; best at the largest size ({best['preset']}): still improving at this budget"
+        # How much of the architecture's total gain the last size step brought.
+        last = rows[-2]["ne_mean"] - hi["ne_mean"]
+        total = max(r["ne_mean"] for r in rows) - hi["ne_mean"]
+        s += (f"; best at the largest size ({best['preset']}), {last:.4f} below the next "
+              f"smaller: " + ("still improving at this budget" if last >= 0.1 * total else
+                              f"flattening (the last size step gave {100 * last / total:.0f}% "
+                              f"of the {total:.4f} gained over the range)"))
       else:
         worse = [r["preset"] for r in rows if r["gflops_per_example"] > best["gflops_per_example"]]
         s += (f"; best NE {best['ne_mean']:.4f} at {best['preset']} "

@@ -68,6 +68,9 @@ def test_scaling_fits_recover_planted_exponents_and_findings():
   # DLRM: best at its second size, the largest one worse, and one AUC above the ceiling.
   rows += [_row("dlrm", "w1", 1e-4, 0.70, 0.80), _row("dlrm", "w2", 1e-3, 0.65, 0.95),
            _row("dlrm", "w3", 1e-2, 0.66, 0.85)]
+  # DCN-v2: best at its largest size, but the last step gives 0.001 of the 0.051 gained.
+  rows += [_row("dcnv2", "x1", 1e-4, 0.70, 0.80), _row("dcnv2", "x2", 1e-3, 0.65, 0.82),
+           _row("dcnv2", "x3", 5e-3, 0.649, 0.83)]
   res = {"rows": rows, "seeds": [0], "reference": {"ne": floor_ne, "auc": ceil_auc},
          "config": {"data": "synthetic_deep", "batch_size": 64, "embedding_dim": 16}}
   fit = scaling.scaling_fits(res)
@@ -77,17 +80,22 @@ def test_scaling_fits_recover_planted_exponents_and_findings():
   d = fit["fits"]["dlrm"]
   assert d["auc_dropped"] == ["w2"] and d["auc"]["n"] == 2 and d["ne"]["n"] == 3
   notes = scaling.findings(res, fit)
-  assert "still improving" in notes[0]
+  # Wukong's NE over its sizes: gaps 0.02 * x^-0.1, still falling by a factor 4^-0.1 a step.
+  ne_w = [floor_ne + 0.02 * x ** -0.1 for x in xs]
+  assert f"{ne_w[-2] - ne_w[-1]:.4f} below the next smaller: still improving" in notes[0]
   assert "NE - floor = 0.02 * GFLOPs^-0.1000 (R^2 1.00" in notes[0]
   assert "best NE 0.6500 at w2" in notes[1] and "(w3) do not improve on it" in notes[1]
-  assert notes[2].startswith("NE-gap exponents b") and "steepest: wukong" in notes[2]
-  # Matched compute: the overlap of [1e-4, 6.4e-3] and [1e-4, 1e-2] has middle 8e-4.
-  x = np.sqrt(1e-4 * 6.4e-3)
+  assert "0.0010 below the next smaller: flattening (the last size step gave 2% of the " \
+         "0.0510 gained" in notes[2]
+  assert notes[3].startswith("NE-gap exponents b") and "steepest: wukong" in notes[3]
+  # Matched compute: the overlap of [1e-4, 6.4e-3], [1e-4, 1e-2], [1e-4, 5e-3] is centred at
+  # sqrt(1e-4 * 5e-3).
+  x = np.sqrt(1e-4 * 5e-3)
   dl = d["ne"]
-  assert notes[3].startswith(f"At matched compute, {x:.2g} GFLOPs/example")
-  assert f"wukong {floor_ne + 0.02 * x ** -0.1:.4f}" in notes[3]
-  assert f"dlrm {floor_ne + dl['a'] * x ** dl['b']:.4f}" in notes[3]
-  assert notes[4].startswith("Best NE overall 0.5")
+  assert notes[4].startswith(f"At matched compute, {x:.2g} GFLOPs/example")
+  assert f"wukong {floor_ne + 0.02 * x ** -0.1:.4f}" in notes[4]
+  assert f"dlrm {floor_ne + dl['a'] * x ** dl['b']:.4f}" in notes[4]
+  assert notes[5].startswith("Best NE overall 0.5")
   text = scaling.format_fits(fit)
   assert "dropped, gap <= 0: w2" in text
 
