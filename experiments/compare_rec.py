@@ -11,12 +11,13 @@ trained under one budget on the same data, compared in one table.
 
 Every model gets the same data and hashing (`--num_rows` per feature), batch size, embedding
 dim (`--embedding_dim`, default 16 for all; 0 keeps each preset's own, e.g. 128 for Wukong's
-and DCN-v2's Criteo presets), dense and sparse optimizers, learning rates and number of steps
-(`--steps`, or `--epochs` over file data). Presets: each model's `kaggle` (its Criteo
-default) unless `--presets=wukong=l2_n8,dhen=dhen_2l` or a `model:preset` entry in
-`--models` says otherwise (see rec.configs.MODEL_PRESETS). Seeds (`--seeds=0,1,2`) vary the
-parameter initialization only; the data is the same for every seed (`--data_seed` picks the
-synthetic hidden model), so mean ± std is over initializations.
+and DCN-v2's Criteo presets; `logreg` keeps one weight per id), dense and sparse optimizers,
+learning rates and number of steps (`--steps`, or `--epochs` over file data). Presets: each
+model's `kaggle` (its Criteo default) unless `--presets=wukong=l2_n8,dhen=dhen_2l` or a
+`model:preset` entry in `--models` says otherwise (see rec.configs.MODEL_PRESETS). Seeds
+(`--seeds=0,1,2`) vary the parameter initialization only; the data is the same for every
+seed (`--data_seed` picks the synthetic hidden model), so mean ± std is over
+initializations.
 
 Prints a table of test AUC, log loss and NE (mean ± sample std over seeds), dense and
 embedding parameters, forward GFLOPs/example of the dense part (XLA's count), train

@@ -9,11 +9,11 @@ The library behind `experiments.compare_rec` (and the training half of
     print(format_table(res))
 
 Every model gets the same data (hashing, rows per feature, batches in the same order), the
-same batch size, embedding dim, dense and sparse optimizers, learning rates and number of
-steps (or epochs). Each model is built once and trained once per seed: a seed sets the
-parameter initialization (dense and embedding) only; the data is the same for every seed
-(synthetic data draws from the hidden model of `base.seed`), so the spread over seeds is
-initialization noise. Per model: mean and sample std over seeds of test AUC, log loss and
+same batch size, embedding dim (logistic regression keeps its dim-1 tables), dense and
+sparse optimizers, learning rates and number of steps (or epochs). Each model is built once
+and trained once per seed: a seed sets the parameter initialization (dense and embedding)
+only; the data is the same for every seed (synthetic data draws from the hidden model of
+`base.seed`), so the spread over seeds is initialization noise. Per model: mean and sample std over seeds of test AUC, log loss and
 NE, dense and embedding parameter counts, forward GFLOPs per example of the dense part
 (XLA's count, `configs.model_stats`) and wall time per run. On synthetic data the same
 metrics of the true planted logits (`reference_metrics`, the Bayes ceiling) come along.
@@ -100,6 +100,13 @@ def reference_metrics(eval_src) -> dict[str, float] | None:
   return m.result()
 
 
+def run_config(base: configs.RecRunConfig, spec: ModelSpec) -> configs.RecRunConfig:
+  """`base` for `spec`'s model and preset. Logistic regression keeps its dim-1 tables (one
+  weight per id) whatever the shared embedding dim."""
+  dim = 0 if spec.model == "logreg" else base.embedding_dim
+  return dataclasses.replace(base, model=spec.model, preset=spec.preset, embedding_dim=dim)
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
   v = np.asarray(values, np.float64)
   return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
@@ -117,7 +124,7 @@ def train_model(base: configs.RecRunConfig, spec: ModelSpec, seeds: Sequence[int
   """
   if (steps is None) == (epochs is None):
     raise ValueError(f"train_model: steps={steps}, epochs={epochs}; give exactly one")
-  cfg = dataclasses.replace(base, model=spec.model, preset=spec.preset)
+  cfg = run_config(base, spec)
   task, train_src, eval_src, _, _ = configs.build_run(cfg)
   n_steps = configs.steps_for(epochs, train_src) if epochs is not None else int(steps)
   stats = configs.model_stats(task, train_src.spec)
@@ -163,8 +170,7 @@ def compare_models(base: configs.RecRunConfig, specs: Sequence[ModelSpec],
   if not seeds:
     raise ValueError("compare_models: no seeds")
   for spec in specs:  # unknown presets fail now, not after the first models have trained
-    configs.model_config(dataclasses.replace(base, model=spec.model, preset=spec.preset),
-                         _CRITEO_SHAPED)
+    configs.model_config(run_config(base, spec), _CRITEO_SHAPED)
   t0 = time.perf_counter()
   reference = None
   if sources_lib.synthetic_options(base.data) is not None:

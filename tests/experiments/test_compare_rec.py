@@ -91,6 +91,14 @@ def test_parse_models_and_presets():
     compare.parse_models(["dlrm", "dlrm:kaggle"])
 
 
+def test_run_config_shares_the_embedding_dim_except_logreg():
+  base = configs.RecRunConfig(embedding_dim=16, learning_rate=0.3)
+  w = compare.run_config(base, compare.ModelSpec("wukong", "l2_n8"))
+  assert (w.model, w.preset, w.embedding_dim, w.learning_rate) == ("wukong", "l2_n8", 16, 0.3)
+  lr = compare.run_config(base, compare.ModelSpec("logreg"))
+  assert lr.embedding_dim == 0 and lr.learning_rate == 0.3   # one weight per id
+
+
 def test_bad_preset_fails_before_any_training(tmp_path):
   base = configs.RecRunConfig(num_rows=100, batch_size=64, eval_batch_size=64)
   specs = [compare.ModelSpec("dlrm", "small"), compare.ModelSpec("wukong", "l2")]
