@@ -24,7 +24,7 @@ from flax import nnx
 from rec.embedding.config import TableConfig
 from rec.layers.dcn import CrossNetwork
 from rec.layers.mlp import MLP
-from rec.models.dlrm import _DTYPES, _feature_names, _rows
+from rec.models import common
 
 STRUCTURES = ("stacked", "parallel")
 
@@ -61,8 +61,7 @@ class DCNv2Config:
   def __post_init__(self):
     for f in ("bottom_mlp", "deep_mlp", "top_mlp"):
       object.__setattr__(self, f, tuple(int(s) for s in getattr(self, f)))
-    object.__setattr__(self, "rows_per_feature", _rows(self.rows_per_feature, self.num_sparse))
-    object.__setattr__(self, "feature_names", _feature_names(self.feature_names, self.num_sparse))
+    common.normalize_features(self)
     w = "DCNv2Config"
     if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
       raise ValueError(f"{w}: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
@@ -80,8 +79,7 @@ class DCNv2Config:
       raise ValueError(f"{w}: structure='parallel' needs a deep_mlp beside the cross network")
     if not self.top_mlp or self.top_mlp[-1] != 1:
       raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"{w}: dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+    common.check_dtype(w, self.dtype)
 
   @property
   def cross_dim(self) -> int:
@@ -115,7 +113,7 @@ class DCNv2(nnx.Module):
 
   def __init__(self, config: DCNv2Config, rngs: nnx.Rngs):
     self.config = cfg = config
-    dtype = _DTYPES[cfg.dtype]
+    dtype = common.DTYPES[cfg.dtype]
     self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=True, dtype=dtype)
                        if cfg.bottom_mlp else None)
     self.cross = CrossNetwork(cfg.cross_dim, cfg.num_cross_layers, rngs,
@@ -131,15 +129,10 @@ class DCNv2(nnx.Module):
     Returns float32 logits [B].
     """
     cfg = self.config
-    if emb_BFD.ndim != 3 or emb_BFD.shape[1:] != (cfg.num_sparse, cfg.embedding_dim):
-      raise ValueError(f"DCNv2: emb_BFD shape {emb_BFD.shape}, expected "
-                       f"[B, {cfg.num_sparse}, {cfg.embedding_dim}]")
-    dtype = _DTYPES[cfg.dtype]
+    common.check_inputs("DCNv2", cfg, dense_BD, emb_BFD)
+    dtype = common.DTYPES[cfg.dtype]
     parts = []
     if cfg.num_dense > 0:
-      if dense_BD is None or dense_BD.shape[-1] != cfg.num_dense:
-        raise ValueError(f"DCNv2: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
-                         f"expected [B, {cfg.num_dense}]")
       dense_BD = dense_BD.astype(dtype)
       parts.append(self.bottom_mlp(dense_BD) if self.bottom_mlp is not None else dense_BD)
     parts.append(emb_BFD.astype(dtype).reshape(emb_BFD.shape[0], -1))

@@ -42,7 +42,7 @@ from rec.layers.conv import FeatureConv1D, FeatureConv2D
 from rec.layers.dcn import CrossNetwork
 from rec.layers.interaction import dot_interaction, num_dot_outputs
 from rec.layers.mlp import MLP
-from rec.models.dlrm import _DTYPES, _feature_names, _rows
+from rec.models import common
 
 INTERACTIONS = ("dot", "dcn", "self_attention", "linear", "conv", "conv2d")
 ENSEMBLES = ("concat", "sum", "weighted_sum")
@@ -83,8 +83,7 @@ class DHENConfig:
       raise ValueError(f"{w}: layers={self.layers!r}, expected a tuple of tuples of module "
                        "names, e.g. (('dot', 'linear'), ('dot', 'linear'))")
     object.__setattr__(self, "layers", tuple(tuple(l) for l in self.layers))
-    object.__setattr__(self, "rows_per_feature", _rows(self.rows_per_feature, self.num_sparse))
-    object.__setattr__(self, "feature_names", _feature_names(self.feature_names, self.num_sparse))
+    common.normalize_features(self)
     if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
       raise ValueError(f"{w}: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
                        f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
@@ -118,8 +117,7 @@ class DHENConfig:
       if "dot" in self.layers[i] and n_in < 2:
         raise ValueError(f"{w}: layer {i} has 'dot' on {n_in} embedding; pairwise dot "
                          "products need at least 2")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"{w}: dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+    common.check_dtype(w, self.dtype)
 
   @property
   def num_inputs(self) -> int:
@@ -201,7 +199,7 @@ class InteractionModule(nnx.Module):
   """One named interaction, followed by a linear compression to W embeddings if needed."""
 
   def __init__(self, kind: str, num_in: int, cfg: DHENConfig, rngs: nnx.Rngs):
-    d, w, dtype = cfg.embedding_dim, cfg.width, _DTYPES[cfg.dtype]
+    d, w, dtype = cfg.embedding_dim, cfg.width, common.DTYPES[cfg.dtype]
     self.kind = kind
     if kind == "dot":
       self.inner, n_mid = DotProjection(num_in, w, d, rngs, dtype), w
@@ -234,7 +232,7 @@ class DHENLayer(nnx.Module):
 
   def __init__(self, kinds: Sequence[str], num_in: int, num_out: int, cfg: DHENConfig,
                rngs: nnx.Rngs):
-    dtype = _DTYPES[cfg.dtype]
+    dtype = common.DTYPES[cfg.dtype]
     self.ensemble = cfg.ensemble
     self.interactions = nnx.List([InteractionModule(k, num_in, cfg, rngs) for k in kinds])
     # Ones: a fresh weighted sum is the plain sum.
@@ -261,7 +259,7 @@ class DHEN(nnx.Module):
 
   def __init__(self, config: DHENConfig, rngs: nnx.Rngs):
     self.config = cfg = config
-    dtype = _DTYPES[cfg.dtype]
+    dtype = common.DTYPES[cfg.dtype]
     # No ReLU after the last bottom layer: the dense embedding is signed like the sparse ones.
     self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=False, dtype=dtype)
                        if cfg.num_dense > 0 else None)
@@ -277,15 +275,10 @@ class DHEN(nnx.Module):
     Returns float32 logits [B].
     """
     cfg = self.config
-    if emb_BFD.ndim != 3 or emb_BFD.shape[1:] != (cfg.num_sparse, cfg.embedding_dim):
-      raise ValueError(f"DHEN: emb_BFD shape {emb_BFD.shape}, expected "
-                       f"[B, {cfg.num_sparse}, {cfg.embedding_dim}]")
-    dtype = _DTYPES[cfg.dtype]
+    common.check_inputs("DHEN", cfg, dense_BD, emb_BFD)
+    dtype = common.DTYPES[cfg.dtype]
     x_BND = emb_BFD.astype(dtype)
     if self.bottom_mlp is not None:
-      if dense_BD is None or dense_BD.shape[-1] != cfg.num_dense:
-        raise ValueError(f"DHEN: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
-                         f"expected [B, {cfg.num_dense}]")
       x_BND = jnp.concatenate([self.bottom_mlp(dense_BD.astype(dtype))[:, None, :], x_BND], axis=1)
     for layer in self.layers:
       x_BND = layer(x_BND)

@@ -22,30 +22,7 @@ from flax import nnx
 from rec.embedding.config import TableConfig
 from rec.layers.interaction import dot_interaction, num_dot_outputs
 from rec.layers.mlp import MLP
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _feature_names(names, num_sparse: int, prefix: str = "C") -> tuple[str, ...]:
-  if names is None:
-    return tuple(f"{prefix}{i + 1}" for i in range(num_sparse))
-  names = tuple(names)
-  if len(names) != num_sparse:
-    raise ValueError(f"{len(names)} feature names {names} for num_sparse={num_sparse}")
-  if len(set(names)) != len(names):
-    raise ValueError(f"feature names {names} are not unique")
-  return names
-
-
-def _rows(num_rows, num_sparse: int) -> tuple[int, ...]:
-  """One row count per feature from an int (the same for all) or a sequence."""
-  if isinstance(num_rows, int):
-    return (num_rows,) * num_sparse
-  rows = tuple(int(r) for r in num_rows)
-  if len(rows) != num_sparse:
-    raise ValueError(f"{len(rows)} row counts for num_sparse={num_sparse}, expected one each")
-  return rows
-
+from rec.models import common
 
 @dataclasses.dataclass(frozen=True)
 class DLRMConfig:
@@ -69,9 +46,7 @@ class DLRMConfig:
   def __post_init__(self):
     object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
     object.__setattr__(self, "top_mlp", tuple(self.top_mlp))
-    object.__setattr__(self, "rows_per_feature", _rows(self.rows_per_feature, self.num_sparse))
-    object.__setattr__(self, "feature_names",
-                       _feature_names(self.feature_names, self.num_sparse))
+    common.normalize_features(self)
     if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
       raise ValueError(f"DLRMConfig: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
                        f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
@@ -87,8 +62,7 @@ class DLRMConfig:
     if self.num_dense == 0 and self.num_sparse == 1 and not self.self_interaction:
       raise ValueError("DLRMConfig: one embedding and no dense features give no pairwise "
                        "interaction; use self_interaction=True or more features")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"DLRMConfig: dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+    common.check_dtype("DLRMConfig", self.dtype)
 
   @property
   def interaction_dim(self) -> int:
@@ -122,7 +96,7 @@ class DLRM(nnx.Module):
 
   def __init__(self, config: DLRMConfig, rngs: nnx.Rngs):
     self.config = config
-    dtype = _DTYPES[config.dtype]
+    dtype = common.DTYPES[config.dtype]
     # Bottom MLP ends in a ReLU, as in the reference (its sigmoid_bot = -1).
     self.bottom_mlp = (MLP(config.num_dense, config.bottom_mlp, rngs, activate_last=True,
                            dtype=dtype) if config.num_dense > 0 else None)
@@ -136,16 +110,11 @@ class DLRM(nnx.Module):
     Returns float32 logits [B].
     """
     cfg = self.config
-    if emb_BFD.ndim != 3 or emb_BFD.shape[1:] != (cfg.num_sparse, cfg.embedding_dim):
-      raise ValueError(f"DLRM: emb_BFD shape {emb_BFD.shape}, expected "
-                       f"[B, {cfg.num_sparse}, {cfg.embedding_dim}]")
-    dtype = _DTYPES[cfg.dtype]
+    common.check_inputs("DLRM", cfg, dense_BD, emb_BFD)
+    dtype = common.DTYPES[cfg.dtype]
     if self.bottom_mlp is None:
       x_BD = None
     else:
-      if dense_BD is None or dense_BD.shape[-1] != cfg.num_dense:
-        raise ValueError(f"DLRM: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
-                         f"expected [B, {cfg.num_dense}]")
       x_BD = self.bottom_mlp(dense_BD.astype(dtype))
     h_BI = dot_interaction(x_BD, emb_BFD.astype(dtype), cfg.self_interaction)
     return self.top_mlp(h_BI)[:, 0].astype(jnp.float32)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rec.embedding.config import TableConfig
-from rec.models.dlrm import _feature_names, _rows
+from rec.models import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +28,7 @@ class LogRegConfig:
   feature_names: tuple[str, ...] | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "rows_per_feature", _rows(self.rows_per_feature, self.num_sparse))
-    object.__setattr__(self, "feature_names",
-                       _feature_names(self.feature_names, self.num_sparse))
+    common.normalize_features(self)
     if self.num_dense < 0 or self.num_sparse < 0 or self.num_dense + self.num_sparse == 0:
       raise ValueError(f"LogRegConfig: num_dense={self.num_dense}, num_sparse={self.num_sparse}; "
                        "expected non-negative counts, not both zero")

@@ -29,7 +29,7 @@ from rec.embedding.config import TableConfig
 from rec.layers.compression import LinearCompression
 from rec.layers.fm import FactorizationMachineBlock
 from rec.layers.mlp import MLP
-from rec.models.dlrm import _DTYPES, _feature_names, _rows
+from rec.models import common
 
 # Our dense-scaling ladder, following the paper's recipe (grow depth l, the embedding
 # counts n_F = n_L, the rank k and the MLP width together). On Criteo-shaped inputs it
@@ -74,8 +74,7 @@ class WukongConfig:
     w = "WukongConfig"
     for f in ("bottom_mlp", "fm_mlp", "top_mlp"):
       object.__setattr__(self, f, tuple(int(s) for s in getattr(self, f)))
-    object.__setattr__(self, "rows_per_feature", _rows(self.rows_per_feature, self.num_sparse))
-    object.__setattr__(self, "feature_names", _feature_names(self.feature_names, self.num_sparse))
+    common.normalize_features(self)
     if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
       raise ValueError(f"{w}: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
                        f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
@@ -92,8 +91,7 @@ class WukongConfig:
         raise ValueError(f"{w}: {name}={getattr(self, name)}, expected >= 1")
     if not self.top_mlp or self.top_mlp[-1] != 1:
       raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
-    if self.dtype not in _DTYPES:
-      raise ValueError(f"{w}: dtype={self.dtype!r}, expected one of {sorted(_DTYPES)}")
+    common.check_dtype(w, self.dtype)
 
   @property
   def num_dense_embeddings(self) -> int:
@@ -148,7 +146,7 @@ class WukongLayer(nnx.Module):
   """LayerNorm(concat(FMB(X), LCB(X)) + Res(X)): [B, N, D] -> [B, n_F + n_L, D]."""
 
   def __init__(self, num_in: int, cfg: WukongConfig, rngs: nnx.Rngs):
-    dtype = _DTYPES[cfg.dtype]
+    dtype = common.DTYPES[cfg.dtype]
     d, n_out = cfg.embedding_dim, cfg.num_fm + cfg.num_lcb
     self.fmb = FactorizationMachineBlock(num_in, cfg.num_fm, d, cfg.fm_rank, cfg.fm_mlp, rngs,
                                          dtype=dtype)
@@ -167,7 +165,7 @@ class Wukong(nnx.Module):
 
   def __init__(self, config: WukongConfig, rngs: nnx.Rngs):
     self.config = cfg = config
-    dtype = _DTYPES[cfg.dtype]
+    dtype = common.DTYPES[cfg.dtype]
     # No ReLU after the last bottom layer: dense embeddings are signed like the sparse ones.
     self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=False, dtype=dtype)
                        if cfg.num_dense > 0 else None)
@@ -182,15 +180,10 @@ class Wukong(nnx.Module):
     Returns float32 logits [B].
     """
     cfg = self.config
-    if emb_BFD.ndim != 3 or emb_BFD.shape[1:] != (cfg.num_sparse, cfg.embedding_dim):
-      raise ValueError(f"Wukong: emb_BFD shape {emb_BFD.shape}, expected "
-                       f"[B, {cfg.num_sparse}, {cfg.embedding_dim}]")
-    dtype = _DTYPES[cfg.dtype]
+    common.check_inputs("Wukong", cfg, dense_BD, emb_BFD)
+    dtype = common.DTYPES[cfg.dtype]
     x_BND = emb_BFD.astype(dtype)
     if self.bottom_mlp is not None:
-      if dense_BD is None or dense_BD.shape[-1] != cfg.num_dense:
-        raise ValueError(f"Wukong: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
-                         f"expected [B, {cfg.num_dense}]")
       d_BD = self.bottom_mlp(dense_BD.astype(dtype))
       x_BND = jnp.concatenate(
           [d_BD.reshape(d_BD.shape[0], cfg.num_dense_embeddings, cfg.embedding_dim), x_BND], axis=1)
