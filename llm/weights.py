@@ -40,26 +40,25 @@ _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloa
 # ---------------------------------------------------------------------------------------------
 # RoPE layout permutations on [n_heads * K, D_in] ("out, in") matrices.
 
-def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
-  """Meta/llama2.c q or k rows [H*K, ...] (pairs 2j, 2j+1) -> half-split rows (pairs j, j+K/2)."""
+def _permute_heads(w: np.ndarray, n_heads: int, to_half: bool, where: str) -> np.ndarray:
+  """Within each head, swaps the (K/2, 2) and (2, K/2) views of its K rows."""
   w = np.asarray(w)
   hk = w.shape[0]
   if hk % n_heads or (hk // n_heads) % 2:
-    raise ValueError(f"interleaved_to_half: {hk} rows do not split into {n_heads} heads of an "
-                     "even head_dim")
-  k = hk // n_heads
-  return w.reshape(n_heads, k // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    raise ValueError(f"{where}: {hk} rows do not split into {n_heads} heads of an even head_dim")
+  half = hk // n_heads // 2
+  split = (half, 2) if to_half else (2, half)
+  return w.reshape(n_heads, *split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Meta/llama2.c q or k rows [H*K, ...] (pairs 2j, 2j+1) -> half-split rows (pairs j, j+K/2)."""
+  return _permute_heads(w, n_heads, True, "interleaved_to_half")
 
 
 def half_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
   """Inverse of `interleaved_to_half`: half-split q or k rows back to Meta/llama2.c rows."""
-  w = np.asarray(w)
-  hk = w.shape[0]
-  if hk % n_heads or (hk // n_heads) % 2:
-    raise ValueError(f"half_to_interleaved: {hk} rows do not split into {n_heads} heads of an "
-                     "even head_dim")
-  k = hk // n_heads
-  return w.reshape(n_heads, 2, k // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  return _permute_heads(w, n_heads, False, "half_to_interleaved")
 
 
 # ---------------------------------------------------------------------------------------------
