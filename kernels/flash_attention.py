@@ -197,6 +197,18 @@ def _fwd_kernel(*refs, cfg: _Config, num_k_blocks: int):
   lse_ref[...] = jnp.where(valid, m + jnp.log2(l), -jnp.inf)
 
 
+def _mask_inputs(cfg: _Config, q_seg, kv_seg, q_pos, kv_pos, q_row, kv_row):
+  """The optional segment-id and position operands and their BlockSpecs, in kernel order."""
+  args, specs = [], []
+  if cfg.has_seg:
+    args += [q_seg, kv_seg]
+    specs += [q_row, kv_row]
+  if cfg.has_pos:
+    args += [q_pos, kv_pos]
+    specs += [q_row, kv_row]
+  return args, specs
+
+
 def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   """Padded inputs -> (out [B,Tp,H,Kp], lse2 [B,H,Tp] fp32 in base 2, -inf if no key)."""
   b, t, h, kd = q.shape
@@ -207,13 +219,8 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   kv_spec = pl.BlockSpec((None, s, None, kd), lambda i, bi, hi: (bi, 0, hi // r, 0))
   q_row = pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i))
   kv_row = pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))
-  args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
-  if cfg.has_seg:
-    args += [q_seg, kv_seg]
-    specs += [q_row, kv_row]
-  if cfg.has_pos:
-    args += [q_pos, kv_pos]
-    specs += [q_row, kv_row]
+  mask_args, mask_specs = _mask_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_row, kv_row)
+  args, specs = [q, k, v, *mask_args], [q_spec, kv_spec, kv_spec, *mask_specs]
   num_warps = cfg.num_warps if cfg.num_warps is not None else (4 if kd <= 64 else 8)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, num_k_blocks=s // bk),
@@ -331,13 +338,8 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, del
   stat_grp = pl.BlockSpec((None, r, t), lambda j, bi, gi: (bi, gi, 0))
   q_row = pl.BlockSpec((None, t), lambda j, bi, gi: (bi, 0))
   kv_row = pl.BlockSpec((None, bk), lambda j, bi, gi: (bi, j))
-  args, specs = [q, k, v], [q_grp, kv_blk, kv_blk]
-  if cfg.has_seg:
-    args += [q_seg, kv_seg]
-    specs += [q_row, kv_row]
-  if cfg.has_pos:
-    args += [q_pos, kv_pos]
-    specs += [q_row, kv_row]
+  mask_args, mask_specs = _mask_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_row, kv_row)
+  args, specs = [q, k, v, *mask_args], [q_grp, kv_blk, kv_blk, *mask_specs]
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, cfg=cfg, num_q_blocks=t // bq, group=r),
       grid=(s // bk, b, g),
@@ -355,11 +357,8 @@ def _backward(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, del
   stat_blk = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
   q_row = pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, i))
   kv_row = pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))
-  specs = [q_blk, kv_all, kv_all]
-  if cfg.has_seg:
-    specs += [q_row, kv_row]
-  if cfg.has_pos:
-    specs += [q_row, kv_row]
+  _, mask_specs = _mask_inputs(cfg, q_seg, kv_seg, q_pos, kv_pos, q_row, kv_row)
+  specs = [q_blk, kv_all, kv_all, *mask_specs]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, num_k_blocks=s // bk),
       grid=(t // bq, b, h),
