@@ -86,14 +86,7 @@ def main(argv):
 
   from rec import compare, configs
 
-  base = configs.RecRunConfig(
-      data=FLAGS.data, embedding_dim=FLAGS.embedding_dim, num_rows=FLAGS.num_rows,
-      mesh=FLAGS.mesh, batch_size=FLAGS.batch_size, eval_batch_size=FLAGS.eval_batch_size,
-      eval_batches=FLAGS.eval_batches, dense_optimizer=FLAGS.dense_optimizer,
-      learning_rate=FLAGS.learning_rate, sparse_optimizer=FLAGS.sparse_optimizer,
-      embedding_learning_rate=FLAGS.embedding_learning_rate, bad_lines=FLAGS.bad_lines,
-      seed=FLAGS.data_seed, csv_label=FLAGS.csv_label, csv_dense=FLAGS.csv_dense,
-      csv_categorical=FLAGS.csv_categorical)
+  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
   specs = compare.parse_models(FLAGS.models, FLAGS.presets)
   results = compare.compare_models(
       base, specs, seeds=[int(s) for s in FLAGS.seeds],

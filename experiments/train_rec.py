@@ -69,7 +69,7 @@ def main(argv):
   from rec import configs
   from rec.embedding import planner as planner_lib
 
-  cfg = configs.RecRunConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(configs.RecRunConfig)})
+  cfg = configs.RecRunConfig.from_flags(FLAGS)
   workdir = FLAGS.workdir or os.path.join("runs", f"train_rec_{cfg.model}")
   task, train_src, eval_src, plan, mesh = configs.build_run(cfg)
   steps = configs.steps_for(FLAGS.epochs, train_src) if FLAGS.epochs else FLAGS.steps

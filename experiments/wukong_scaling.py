@@ -86,12 +86,7 @@ def main(argv):
 
   from rec import compare, configs, scaling
 
-  base = configs.RecRunConfig(
-      data=FLAGS.data, embedding_dim=FLAGS.embedding_dim, num_rows=FLAGS.num_rows,
-      mesh=FLAGS.mesh, batch_size=FLAGS.batch_size, eval_batch_size=FLAGS.eval_batch_size,
-      eval_batches=FLAGS.eval_batches, dense_optimizer=FLAGS.dense_optimizer,
-      learning_rate=FLAGS.learning_rate, sparse_optimizer=FLAGS.sparse_optimizer,
-      embedding_learning_rate=FLAGS.embedding_learning_rate, seed=FLAGS.data_seed)
+  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
   specs = (compare.parse_models(FLAGS.models) if FLAGS.models
            else scaling.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
   results = compare.compare_models(base, specs, seeds=[int(s) for s in FLAGS.seeds],

@@ -53,6 +53,14 @@ class RecRunConfig:
   csv_dense: str = ""                 # csv:DIR dense columns "I1,I2"; "" = inferred, "none"
   csv_categorical: str = ""           # csv:DIR categorical columns; "" = inferred
 
+  @classmethod
+  def from_flags(cls, flag_values, **overrides) -> RecRunConfig:
+    """Every field that has an absl flag of the same name takes the flag's value; fields
+    without one keep their defaults; `overrides` win over both."""
+    kw = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
+          if f.name in flag_values}
+    return cls(**{**kw, **overrides})
+
 
 PRESETS = {
     "kaggle": dlrm_lib.DLRMConfig.criteo_kaggle,
