@@ -22,6 +22,8 @@ import sys
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 2048, "Global batch.")
 flags.DEFINE_integer("rows", 100_000, "Rows per table.")
@@ -110,8 +112,7 @@ def main(argv):
              "machine": benchmark.machine(), "config": {"steps": FLAGS.steps, "repeats": FLAGS.repeats,
                                                          "rounds": FLAGS.rounds, "mesh": FLAGS.mesh,
                                                          "sharding": FLAGS.sharding}}
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  results_lib.write_results(FLAGS.workdir, results)
   try:
     import matplotlib
     matplotlib.use("Agg")

@@ -22,6 +22,8 @@ import os
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["10000", "100000", "1000000", "10000000"], "Table sizes R.")
 flags.DEFINE_list("pooling", ["1", "8"], "Pooling factors (ids per bag).")
@@ -178,8 +180,7 @@ def main(argv):
   out = {"config": {"rows": rows, "pooling": pooling, "dim": FLAGS.dim, "batch_size": FLAGS.batch_size,
                     "steps": FLAGS.steps, "naive_steps": FLAGS.naive_steps, "repeats": FLAGS.repeats, "zipf_alpha": FLAGS.zipf_alpha},
          "machine": benchmark.machine(), "results": results, "summary": summary}
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-    json.dump(out, f, indent=2)
+  results_lib.write_results(FLAGS.workdir, out)
   plot(results, os.path.join(FLAGS.workdir, "bench_embedding.png"))
   medians = {f"R{r['rows']}_P{r['pooling']}_{r['path']}": round(r["median_ms"], 3) for r in results}
   print(json.dumps({"median_ms": medians, "summary": summary}))

@@ -35,6 +35,8 @@ from typing import Any, Callable, NamedTuple
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("kernels", ["flash_attention", "embedding_bag"], "Kernel families to run (keys of FAMILIES).")
 flags.DEFINE_bool("interpret_check", False,
@@ -207,7 +209,6 @@ def bench_embedding_bag(cfg) -> list[dict]:
 
 def check_embedding_bag() -> dict:
   """Kernel (interpret mode) vs reference: multi-hot padded bags over 3 tables, per dtype."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
 
@@ -280,8 +281,7 @@ def main(argv):
     checks = {name: FAMILIES[name].check() for name in FLAGS.kernels}
     out["checks"] = checks
     ok = all(r["ok"] for c in checks.values() for r in c.values())
-    with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-      json.dump(out, f, indent=2)
+    results_lib.write_results(FLAGS.workdir, out)
     print(json.dumps({"interpret_check": "ok" if ok else "failed",
                       "rel_err": {n: {d: r["rel_err"] for d, r in c.items()}
                                   for n, c in checks.items()}}))
@@ -303,8 +303,7 @@ def main(argv):
   for name in FLAGS.kernels:
     FAMILIES[name].table(results[name])
   out["results"] = results
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-    json.dump(out, f, indent=2)
+  results_lib.write_results(FLAGS.workdir, out)
   print(json.dumps(summary))
 
 

@@ -116,7 +116,7 @@ def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 
       if impl not in calls:
         continue
       fn = calls[impl]
-      sec = _time(lambda: fn(table, ids, coef), repeats)
+      sec = _time(lambda fn=fn, table=table: fn(table, ids, coef), repeats)
       results.append({"dtype": dtype, "impl": impl, "ms": 1e3 * sec, "bytes": moved,
                       "bytes_per_s": moved / sec, "of_copy": moved / sec / copy_bw})
     del table

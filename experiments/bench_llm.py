@@ -24,6 +24,8 @@ import time
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS).")
 flags.DEFINE_integer("batch", 1, "Prompts per batch.")
@@ -151,8 +153,7 @@ def main(argv):
           f"{summary['rows_with_identical_ids']}/{FLAGS.batch} rows")
   results = {"summary": summary, "machine": benchmark.machine(), "ours_s": ours, "peer_s": peer,
              "ours_ids": ours_ids, "peer_ids": peer_ids}
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  results_lib.write_results(FLAGS.workdir, results)
   if q:
     import matplotlib
     matplotlib.use("Agg")

@@ -45,6 +45,8 @@ import os
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data", "synthetic",
                     "synthetic | synthetic_deep | criteo:DIR | avazu:DIR | libfm:DIR | csv:DIR")
@@ -96,7 +98,7 @@ def main(argv):
   print("\n" + table, flush=True)
   results["table"] = table.splitlines()
   results["summary"] = summary = compare.summary(results)
-  compare.write_json(results, os.path.join(FLAGS.workdir, "results.json"))
+  results_lib.write_results(FLAGS.workdir, results)
   compare.plot_comparison(results, os.path.join(FLAGS.workdir, "compare_rec.png"))
   print(json.dumps(summary), flush=True)
 

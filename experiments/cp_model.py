@@ -44,6 +44,8 @@ import statistics
 
 from absl import app, flags
 
+from core import results as results_lib
+
 from llm import perf_model as pm
 
 FLAGS = flags.FLAGS
@@ -328,8 +330,7 @@ def main(argv):
                  calib_s=FLAGS.calib_s, gemm_eff=FLAGS.gemm_eff, curve_points=FLAGS.curve_points)
   print(format_table(res))
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-    json.dump(res, f, indent=2)
+  results_lib.write_results(FLAGS.workdir, res)
   plot(res, FLAGS.workdir)
   print(json.dumps(res["summary"]))
 

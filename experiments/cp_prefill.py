@@ -44,6 +44,8 @@ import statistics
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("mesh", "cp:-1", "Mesh with a cp axis, e.g. cp:4, data:2,cp:4, tp:2,cp:4.")
 flags.DEFINE_string("preset", "tiny", "Llama size (llm.config.PRESETS); random weights.")
@@ -217,10 +219,7 @@ def main(argv):
             seed=FLAGS.seed, preset=FLAGS.preset)
   print(format_table(res))
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  tmp = os.path.join(FLAGS.workdir, "results.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(res, f, indent=2)
-  os.replace(tmp, os.path.join(FLAGS.workdir, "results.json"))
+  results_lib.write_results(FLAGS.workdir, res)
   print(json.dumps(res["summary"]), flush=True)
   if not res["summary"]["passed"]:
     raise SystemExit(1)

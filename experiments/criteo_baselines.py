@@ -16,6 +16,8 @@ import os
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data", None, "criteo:DIR (train.txt, valid.txt, test.txt) or avazu:DIR.")
 flags.DEFINE_list("models", ["logreg", "dlrm"], "Models to compare.")
@@ -58,9 +60,9 @@ def main(argv):
     print(f"{r['model']:8} {r['epochs']:>6g} {r['steps']:>6} {r['auc']:7.4f} {r['logloss']:8.4f} "
           f"{r['ne']:7.4f} {r['accuracy']:6.3f}")
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  with open(os.path.join(FLAGS.workdir, "results.json"), "w") as f:
-    json.dump({"data": FLAGS.data, "num_rows": FLAGS.num_rows, "batch_size": FLAGS.batch_size,
-               "learning_rate": FLAGS.learning_rate, "results": rows}, f, indent=2)
+  results_lib.write_results(FLAGS.workdir, {
+      "data": FLAGS.data, "num_rows": FLAGS.num_rows, "batch_size": FLAGS.batch_size,
+      "learning_rate": FLAGS.learning_rate, "results": rows})
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

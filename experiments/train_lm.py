@@ -20,6 +20,8 @@ import time
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens).", required=True)
 flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (vocab is set to 256).")
@@ -85,10 +87,7 @@ def main(argv):
              "params": cfg.num_params(), "wall_seconds": time.time() - t0}
   results = {"summary": summary, "model_config": config_lib.config_to_dict(cfg),
              "optim": dataclasses.asdict(optim), "eval": ev}
-  tmp = os.path.join(FLAGS.workdir, "results.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(results, f, indent=2, default=str)
-  os.replace(tmp, os.path.join(FLAGS.workdir, "results.json"))
+  results_lib.write_results(FLAGS.workdir, results)
   plot_lib.plot_run(FLAGS.workdir)
   if ev:
     print(f"eval loss {ev['loss']:.4f} | {ev['bits_per_token']:.3f} bits/byte | "

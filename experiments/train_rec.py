@@ -23,6 +23,8 @@ import time
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "dlrm", ["dlrm", "dcnv2", "dhen", "wukong", "logreg"], "Model family.")
 flags.DEFINE_string(
@@ -100,10 +102,7 @@ def main(argv):
              "plan": planner_lib.plan_summary(plan, task.collection.tables, task.collection.num_devices,
                                              cfg.batch_size),
              "embedding_groups": task.collection.describe(), "eval": ev}
-  tmp = os.path.join(workdir, "results.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(results, f, indent=2, default=str)
-  os.replace(tmp, os.path.join(workdir, "results.json"))
+  results_lib.write_results(workdir, results)
   plot_lib.plot_run(workdir)
   if ev:
     print(f"test AUC {ev['auc']:.4f} | logloss {ev['logloss']:.4f} | NE {ev['ne']:.4f} | "

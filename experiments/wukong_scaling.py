@@ -52,6 +52,8 @@ import os
 
 from absl import app, flags, logging
 
+from core import results as results_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("grid", "cpu", ["cpu", "large"], "Size grid (rec.scaling.GRIDS).")
 flags.DEFINE_list("archs", ["wukong", "dlrm", "dcnv2"], "Architectures of the grid to train.")
@@ -108,7 +110,7 @@ def main(argv):
                   "ne": r["ne_mean"], "auc": r["auc_mean"]} for r in results["rows"]],
       "findings": notes, "wall_seconds": results["wall_seconds"]}
   results["summary"] = summary
-  compare.write_json(results, os.path.join(FLAGS.workdir, "results.json"))
+  results_lib.write_results(FLAGS.workdir, results)
   scaling.plot_scaling(results, fit, os.path.join(FLAGS.workdir, "wukong_scaling.png"))
   print(json.dumps(summary), flush=True)
 

@@ -22,7 +22,6 @@ metrics of the true planted logits (`reference_metrics`, the Bayes ceiling) come
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -301,11 +300,3 @@ def plot_comparison(results: Mapping[str, Any], path: str) -> str:
   return path
 
 
-def write_json(obj: Any, path: str) -> str:
-  """Writes `obj` as indented JSON through a temporary file (numpy scalars as numbers)."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o))
-  os.replace(tmp, path)
-  return path
