@@ -122,12 +122,7 @@ def parse_lines(lines: list[bytes], rows_per_feature: Sequence[int]) -> stream.P
       expected = _EXPECTED["hex"]
     bad_fields.append(
         (int(good_idx[r]), f"field {FIELD_NAMES[f]} = {stream.field_text(value)}: {expected}"))
-  if len(bad_rows):
-    keep = np.ones(n, bool)
-    keep[bad_rows] = False
-    dense, ids, labels = dense[keep], ids[keep], labels[keep]
-  return stream.Parsed(dense=dense, ids=ids, labels=labels,
-                       bad=stream.merge_bad(bad_shape, bad_fields))
+  return stream.keep_good_rows(dense, ids, labels, bad_rows, bad_shape, bad_fields)
 
 
 def criteo_spec(rows_per_feature: int | Sequence[int] = DEFAULT_ROWS) -> DataSpec:

@@ -187,15 +187,7 @@ def _floats(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
   text_S = np.array(values, dtype=bytes)
   empty = lens == 0
   text_S = np.where(empty, b"0", text_S)
-  try:
-    x = text_S.astype(np.float64)
-  except ValueError:  # some value does not parse: convert one by one to find which
-    x = np.empty(len(text_S), np.float64)
-    for i, v in enumerate(text_S.tolist()):
-      try:
-        x[i] = float(v)
-      except ValueError:
-        x[i] = math.nan
+  x = stream.parse_floats(text_S)
   ok = np.isfinite(x) & ~too_long
   return np.where(ok, x, 0.0), ok
 
@@ -251,12 +243,7 @@ def parse_lines(lines: list[bytes], columns: CsvColumns,
     value = fields[int(r) * C + col[name]]
     expected = "expected 0 or 1" if k == 0 else _DENSE_EXPECTED
     bad_fields.append((int(good_idx[r]), f"field {name} = {stream.field_text(value)}: {expected}"))
-  if len(bad_rows):
-    keep = np.ones(n, bool)
-    keep[bad_rows] = False
-    dense, ids, labels = dense[keep], ids[keep], labels[keep]
-  return stream.Parsed(dense=dense, ids=ids, labels=labels,
-                       bad=stream.merge_bad(bad_shape, bad_fields))
+  return stream.keep_good_rows(dense, ids, labels, bad_rows, bad_shape, bad_fields)
 
 
 def sniff_rows(path: str, num_rows: int = SNIFF_ROWS) -> list[list[bytes]]:

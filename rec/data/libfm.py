@@ -176,15 +176,7 @@ def _floats(u8: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> tuple[np.nd
   chars = u8[np.minimum(starts[:, None] + cols, len(u8) - 1)]
   chars = np.where(cols < lens[:, None], chars, 0).astype(np.uint8)
   text_S = chars.view(f"S{width}")[:, 0]   # trailing NULs are not part of the string
-  try:
-    values = text_S.astype(np.float64)
-  except ValueError:  # some token does not parse: convert one by one to find which
-    values = np.empty(len(text_S), np.float64)
-    for i, v in enumerate(text_S.tolist()):
-      try:
-        values[i] = float(v) if v else math.nan
-      except ValueError:
-        values[i] = math.nan
+  values = stream.parse_floats(text_S)
   return values, np.isfinite(values)
 
 

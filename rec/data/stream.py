@@ -122,6 +122,33 @@ def join_lines(lines: list[bytes]) -> bytes:
   return buf
 
 
+def parse_floats(text_S: np.ndarray) -> np.ndarray:
+  """float64 of an array of byte strings; NaN where one does not parse (an empty one too).
+
+  numpy parses the whole array at once; only when some value fails does it fall back to one
+  by one, to find which.
+  """
+  try:
+    return text_S.astype(np.float64)
+  except ValueError:
+    out = np.empty(len(text_S), np.float64)
+    for i, v in enumerate(text_S.tolist()):
+      try:
+        out[i] = float(v) if v else np.nan
+      except ValueError:
+        out[i] = np.nan
+    return out
+
+
+def keep_good_rows(dense, ids, labels, bad_rows, bad_shape: list, bad_fields: list) -> Parsed:
+  """The chunk's rows without those at `bad_rows`; its bad lines, both lists merged."""
+  if len(bad_rows):
+    keep = np.ones(len(labels), bool)
+    keep[bad_rows] = False
+    dense, ids, labels = dense[keep], ids[keep], labels[keep]
+  return Parsed(dense=dense, ids=ids, labels=labels, bad=merge_bad(bad_shape, bad_fields))
+
+
 def merge_bad(*lists: list[tuple[int, str]]) -> list[tuple[int, str]]:
   """Bad-line lists merged in line order, keeping the first complaint about each line."""
   seen: dict[int, str] = {}
