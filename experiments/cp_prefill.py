@@ -18,7 +18,7 @@ lengths must be multiples of 2 * cp (the load-balanced layout).
 Reports the max |logit difference| CP vs no-CP over every position of the timed call,
 PASS/FAIL at --tol (absolute; default 1e-4 for float32, where both run at float32 matmul
 precision; 0.2 for bfloat16, where the two runs round activations to bf16 at different
-points, which moves logits of order 5 by a few bf16 ulps: 0.05-0.08 measured), the median
+points, which moves logits of order 5 by a few bf16 ulps: 0.059 on the first command below), the median
 wall time of each over --repeats (after one compile call), and the variant that ran (read
 off the traced program: an all_to_all means pass-Q) next to the one the rule picks
 (`llm.attention.cp_select`, paper Algorithm 5, with --peak_tflops / --bandwidth_gbps).
@@ -27,11 +27,12 @@ exits 1 when the check fails.
 
 On CPU, devices are simulated: set XLA_FLAGS=--xla_force_host_platform_device_count=N before
 the run (N >= the mesh size). The N "devices" share the host's cores, so CP timings there say
-little; they mean something on real accelerators. On the 2-core CPU of this workspace
-(2026-11-21) the first command takes about 5 s and prints max |diff| 4.59e-06 (PASS), no CP
-~19 ms, CP4 pass_kv ~11.5 ms (four smaller attention blocks over two cores, not more
-hardware); `--mesh=cp:8 --preset=llama_100m --seq_len=256` prints CP8 pass_kv ~740 ms vs
-no CP ~640 ms, max |diff| 7.9e-06.
+little; they mean something on real accelerators. On the 2-core CPU of BENCHMARKS.md
+(2026-11-21) the first command took 4.4 s and printed max |diff| 4.59e-06 (PASS), CP4
+pass_kv 12.1 ms vs no CP 16.9 ms (four smaller attention blocks over two cores, not more
+hardware); with `--dtype=bfloat16` max |diff| 0.059 (PASS at 0.2);
+`--mesh=cp:8 --preset=llama_100m --seq_len=256 --variant=pass_kv` printed CP8 696 ms vs no
+CP 314 ms, max |diff| 7.9e-06.
 """
 
 from __future__ import annotations

@@ -15,17 +15,15 @@ network of per-row latent vectors plus planted third-order products, logit scale
 true logits' AUC is about 0.925), 26 sparse and 13 dense features, `--num_rows=20` rows per
 feature. Few rows on purpose: every row is seen thousands of times, so what limits quality
 at this budget is the dense part's capacity to represent the planted interactions, not
-learning the embeddings. With 200 rows per feature and 600 steps of 1024 (a pilot on this
-CPU) every size tied: AUC 0.785-0.788 for DLRM, Wukong and DCN-v2 from 1e-4 to 3e-3
-GFLOPs/example, all far below the 0.924 of the true logits.
+learning the embeddings (with many more rows, `--num_rows=200`, an unrecorded trial run
+saw every size tie far below the ceiling).
 
 Sizes (rec.scaling.GRIDS, preset patterns of rec.configs): Wukong grows depth l, n_F = n_L,
 FM rank k and MLP width together; DLRM its bottom and top MLP widths; DCN-v2 its cross
 layers, cross rank and deep MLP widths. Every size trains for the same number of examples
 (`--steps` x `--batch_size`) with the same optimizers and learning rates: Adam 1e-3 for
-dense parameters and row-wise Adagrad 0.1 for embeddings by default, which learned faster
-than the codebase's Adagrad 0.05 / 0.05 in a pilot (200 rows, 300 steps of 1024: NE 0.821
-vs 0.827 for DCN-v2 x1_r16_w64, 0.820 vs 0.835 for Wukong l1_n4_k8_w64).
+dense parameters and row-wise Adagrad 0.1 for embeddings by default (chosen over the
+codebase's Adagrad 0.05 / 0.05 after an unrecorded trial run; pass those flags to compare).
 
 Quality: test NE (primary) and AUC on `--eval_batches` x `--eval_batch_size` held-out
 examples, and the same metrics of the true logits on those examples (the floor / ceiling).
