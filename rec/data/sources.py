@@ -5,8 +5,12 @@ Forms:
                 test split (same hidden model, different draws).
   synthetic_deep  the same with `teacher="deep"` (planted high-order interactions) and logit
                 scale DEEP_LOGIT_SCALE = 3.0 (Bayes AUC about 0.925), for capacity and scaling
-                studies. Both synthetic forms take options after a colon:
-                `synthetic_deep:logit_scale=4.0` (the std of the planted logit before its bias).
+                studies. Both synthetic forms take comma-separated options after a colon:
+                `logit_scale=X` (the std of the planted logit before its bias), `zipf_alpha=X`
+                (the id law's exponent, default 1.05), `multi_hot=mlperf` or
+                `multi_hot=3-2-1-...` (one bag size per sparse feature, dash-separated;
+                mlperf = the MLPerf DLRM-DCNv2 sizes), e.g.
+                `synthetic_deep:logit_scale=4.0` or `synthetic:multi_hot=mlperf`.
   criteo:DIR    Kaggle layout (DIR/train.txt): train on train.txt, eval on valid.txt +
                 test.txt (labeled splits; the challenge's own unlabeled test.txt has 39
                 fields and is rejected line 1). Terabyte layout (DIR/day_0 .. day_23, each
@@ -42,7 +46,8 @@ DEFAULT_NUM_ROWS = 100_000
 DEFAULT_EVAL_BATCHES = 20
 FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm:DIR' or "
          "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files), or 'synthetic_deep'; the "
-         "synthetic forms take ':logit_scale=X' (X > 0)")
+         "synthetic forms take ':logit_scale=X' (X > 0), 'zipf_alpha=X' (X >= 0) and "
+         "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1), comma-separated")
 SYNTHETIC_TEACHERS = {"synthetic": "linear", "synthetic_deep": "deep"}
 DEEP_LOGIT_SCALE = 3.0
 CRITEO_DAYS = 24
@@ -108,8 +113,18 @@ def split_files(data: str, d: str, suffixes: Sequence[str] | None,
   return [train], evals
 
 
+def _multi_hot_option(value: str) -> tuple[int, ...]:
+  if value == "mlperf":
+    return synthetic.MLPERF_MULTI_HOT
+  sizes = tuple(int(x) for x in value.split("-"))
+  if len(sizes) != 26 or min(sizes) < 1:
+    raise ValueError
+  return sizes
+
+
 def synthetic_options(data: str) -> dict | None:
-  """SyntheticCriteo's {teacher, logit_scale} for a synthetic `--data` form; None for others."""
+  """SyntheticCriteo's {teacher, logit_scale, ...} for a synthetic `--data` form; None for
+  others."""
   kind, sep, opts = data.partition(":")
   if kind not in SYNTHETIC_TEACHERS:
     return None
@@ -119,10 +134,19 @@ def synthetic_options(data: str) -> dict | None:
   for item in opts.split(",") if sep else ():
     key, eq, value = item.partition("=")
     try:
-      if key != "logit_scale" or not eq:
+      if not eq:
         raise ValueError
-      out["logit_scale"] = float(value)
-      if not out["logit_scale"] > 0:
+      if key == "logit_scale":
+        out["logit_scale"] = float(value)
+        if not out["logit_scale"] > 0:
+          raise ValueError
+      elif key == "zipf_alpha":
+        out["zipf_alpha"] = float(value)
+        if not out["zipf_alpha"] >= 0:
+          raise ValueError
+      elif key == "multi_hot":
+        out["multi_hot"] = _multi_hot_option(value)
+      else:
         raise ValueError
     except ValueError:
       raise ValueError(f"--data={data!r}: option {item!r} of a synthetic form; expected "

@@ -15,6 +15,12 @@ Bayes-optimal AUC (of the true logits) is 0.83, and a logistic regression traine
 Adagrad on the train split reaches a test AUC of 0.77 after 300 batches of 2048 and 0.79
 after 1000: most of the signal sits on hot rows, which a model sees often.
 
+`multi_hot=(L_1, ..., L_F)` gives feature f bags of exactly L_f ids, each drawn from the
+same Zipf law (as the MLPerf DLRM-DCNv2 benchmark's multi-hot Criteo 1TB: fixed bag sizes
+per feature, `MLPERF_MULTI_HOT`); a bag's hidden weight is the mean of its rows' weights
+(its latent, for the deep teacher), so one-hot data is the case L_f = 1 and unchanged.
+Bags are padded to L = max(L_f) with id 0 past their length.
+
 `teacher="deep"` replaces the sum of per-row weights by a hidden network with planted
 high-order interactions (for capacity and scaling studies, e.g. experiments.wukong_scaling):
 each row carries a hidden latent vector u_f[id] (K_LAT values, a hash of seed, feature, row
@@ -26,7 +32,8 @@ that can represent interactions; the Bayes-optimal AUC is reported by `bayes_auc
 Batch k is a pure function of (seed, split, k), so `batches(start)` resumes exactly and the
 train and test splits are different draws of the same hidden model.
 
-Letters: B batch, Dn dense features, F sparse features.
+Letters: B batch, Dn dense features, F sparse features, L ids per bag (padded), K latent
+components.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ _GUIDE = 8 * _EXACT_HEAD
 K_LAT = 4               # latent components per row of the deep teacher
 TEACHER_WIDTH = 64      # hidden width of the deep teacher's tanh network
 NUM_TRIPLES = 16        # planted third-order products of the deep teacher
+# Bag sizes of the MLPerf Training DLRM-DCNv2 benchmark's 26 multi-hot features (Criteo 1TB).
+MLPERF_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3,
+                    1, 1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -135,8 +145,21 @@ def _hash_uniform(salt_F: np.ndarray, ids: np.ndarray) -> np.ndarray:
   return (x >> np.uint64(11)).astype(np.float64) * (2.0 ** -52) - 1.0
 
 
+def check_multi_hot(multi_hot, num_sparse: int, what: str) -> tuple[int, ...]:
+  """Bag sizes per feature as a tuple (None: all 1); each an int >= 1, one per feature."""
+  if multi_hot is None:
+    return (1,) * num_sparse
+  sizes = tuple(multi_hot)
+  if len(sizes) != num_sparse or any(
+      isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in sizes):
+    raise ValueError(f"{what}: multi_hot={multi_hot!r}, expected {num_sparse} ints >= 1 (one "
+                     "bag size per sparse feature)")
+  return tuple(int(x) for x in sizes)
+
+
 class SyntheticCriteo:
-  """Criteo-shaped batches (dense log-counts, one-hot Zipf ids) with a planted logistic signal.
+  """Criteo-shaped batches (dense log-counts, Zipf ids in one-hot or fixed-size multi-hot
+  bags) with a planted logistic signal.
 
   Shards (one per host) share the hidden model and draw disjoint batch streams.
   """
@@ -145,7 +168,7 @@ class SyntheticCriteo:
                num_dense: int = 13, num_sparse: int = 26, zipf_alpha: float = 1.05,
                seed: int = 0, split: str = "train", num_batches: int | None = None,
                shard_index: int = 0, num_shards: int = 1, teacher: str = "linear",
-               logit_scale: float = LOGIT_SCALE):
+               logit_scale: float = LOGIT_SCALE, multi_hot: Sequence[int] | None = None):
     if teacher not in ("linear", "deep"):
       raise ValueError(f"SyntheticCriteo: teacher={teacher!r}, expected 'linear' or 'deep'")
     if isinstance(rows_per_feature, (int, np.integer)):
@@ -164,10 +187,14 @@ class SyntheticCriteo:
       raise ValueError(f"SyntheticCriteo: shard_index={shard_index}, expected in [0, {num_shards})")
     if num_batches is not None and num_batches < 0:
       raise ValueError(f"SyntheticCriteo: num_batches={num_batches}, expected None or >= 0")
+    self.multi_hot = check_multi_hot(multi_hot, num_sparse, "SyntheticCriteo")
     self.batch_size = int(batch_size)
+    L = max(self.multi_hot, default=1)
     self.spec = DataSpec(num_dense=num_dense,
                          sparse_features=tuple(f"C{i + 1}" for i in range(num_sparse)),
-                         rows_per_feature=rows, max_ids_per_bag=1)
+                         rows_per_feature=rows, max_ids_per_bag=L)
+    self._bag_F = np.array(self.multi_hot, np.int64)
+    self._live_FL = np.arange(L)[None, :] < self._bag_F[:, None]
     self.alpha = float(zipf_alpha)
     self.seed = int(seed)
     self.split = split
@@ -220,19 +247,34 @@ class SyntheticCriteo:
 
   def true_logits(self, batch: SparseBatch) -> np.ndarray:
     """The logits [B] the labels of `batch` were drawn from (float64)."""
-    sparse, dense = self._raw_scores(batch.ids[:, :, 0], batch.dense)
+    ids_BFL = np.asarray(batch.ids)
+    L = self._live_FL.shape[1]
+    if ids_BFL.shape[1:] != (len(self._rows_F), L) or np.any(
+        np.asarray(batch.lengths) != self._bag_F):
+      raise ValueError(f"true_logits: ids {ids_BFL.shape} with lengths unlike this source's "
+                       f"bags (F={len(self._rows_F)}, bag sizes {self.multi_hot})")
+    sparse, dense = self._raw_scores(ids_BFL, np.asarray(batch.dense))
     return self._logit(sparse, dense)
 
-  def _raw_scores(self, ids_BF: np.ndarray, dense_BD: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if self.teacher == "deep":
-      return self._deep_score(ids_BF), dense_BD.astype(np.float64) @ self._w_dense
-    sparse = _hash_uniform(self._salt_F, ids_BF).sum(1) * math.sqrt(3.0)  # unit-variance weights
-    dense = dense_BD.astype(np.float64) @ self._w_dense
-    return sparse, dense
+  def _bag_mean(self, v_BFL: np.ndarray) -> np.ndarray:
+    """Mean over each bag's live slots: [B, F, L, ...] -> [B, F, ...] (exact for one-hot)."""
+    live = self._live_FL.reshape(self._live_FL.shape + (1,) * (v_BFL.ndim - 3))
+    if live.shape[1] == 1:
+      return v_BFL[:, :, 0]
+    bag = self._bag_F.reshape((-1,) + (1,) * (v_BFL.ndim - 3)).astype(np.float64)
+    return np.where(live, v_BFL, 0.0).sum(2) / bag
 
-  def _deep_score(self, ids_BF: np.ndarray) -> np.ndarray:
+  def _raw_scores(self, ids_BFL: np.ndarray, dense_BD: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    dense = dense_BD.astype(np.float64) @ self._w_dense
+    if self.teacher == "deep":
+      return self._deep_score(ids_BFL), dense
+    w_BF = self._bag_mean(_hash_uniform(self._salt_F[:, None], ids_BFL))
+    return w_BF.sum(1) * math.sqrt(3.0), dense  # unit-variance weights
+
+  def _deep_score(self, ids_BFL: np.ndarray) -> np.ndarray:
     """The deep teacher's sparse score: tanh network of latents + planted triple products."""
-    u_BFK = _hash_uniform(self._lat_salt_FK[None], ids_BF[:, :, None]) * math.sqrt(3.0)
+    u_BFLK = _hash_uniform(self._lat_salt_FK[None, :, None], ids_BFL[..., None]) * math.sqrt(3.0)
+    u_BFK = self._bag_mean(u_BFLK)
     b = u_BFK.shape[0]
     h = np.tanh(u_BFK.reshape(b, -1) @ self._t_w1)
     h = np.tanh(h @ self._t_w2)
@@ -277,18 +319,24 @@ class SyntheticCriteo:
   def _draw(self, rng: np.random.Generator, B: int, labels: bool = True):
     """One batch of B examples from rng, and its (sparse, dense) raw scores."""
     F, Dn = len(self._rows_F), len(self._dense_mu)
-    ranks_BF = np.empty((B, F), np.int64)
-    for r in np.unique(self._rows_F):  # one inverse-CDF draw per distinct table size
-      cols = np.flatnonzero(self._rows_F == r)
-      ranks_BF[:, cols] = zipf_ranks(rng, int(r), (B, len(cols)), self.alpha)
-    ids_BF = ((ranks_BF * self._perm_a_F + self._perm_b_F) % self._rows_F).astype(np.int32)
+    L = self._live_FL.shape[1]
+    ranks_BFL = np.zeros((B, F, L), np.int64)
+    # One inverse-CDF draw per distinct (table size, bag size), in that order: with every bag
+    # of size 1 this is one draw per table size, the one-hot stream.
+    for r, n in sorted(set(zip(self._rows_F.tolist(), self.multi_hot))):
+      cols = np.flatnonzero((self._rows_F == r) & (self._bag_F == n))
+      ranks_BFL[:, cols, :n] = zipf_ranks(rng, int(r), (B, len(cols), n), self.alpha)
+    ids_BFL = ((ranks_BFL * self._perm_a_F[:, None] + self._perm_b_F[:, None])
+               % self._rows_F[:, None]).astype(np.int32)
+    ids_BFL = np.where(self._live_FL, ids_BFL, 0)
     counts = np.floor(np.exp(self._dense_mu + self._dense_sigma * rng.standard_normal((B, Dn))))
     dense_BD = np.log1p(counts).astype(np.float32)
-    scores = self._raw_scores(ids_BF, dense_BD)
+    scores = self._raw_scores(ids_BFL, dense_BD)
     if not labels:
       return None, scores
     p = 1.0 / (1.0 + np.exp(-self._logit(*scores)))
     y = (rng.random(B) < p).astype(np.float32)
-    batch = SparseBatch(dense=dense_BD, ids=ids_BF[:, :, None], lengths=np.ones((B, F), np.int32),
-                        labels=y, mask=np.ones(B, np.float32))
+    lengths = np.broadcast_to(self._bag_F.astype(np.int32), (B, F)).copy()
+    batch = SparseBatch(dense=dense_BD, ids=ids_BFL, lengths=lengths, labels=y,
+                        mask=np.ones(B, np.float32))
     return batch, scores
