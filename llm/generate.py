@@ -121,7 +121,8 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
              max_len: int | None = None, mesh: jax.sharding.Mesh | None = None
              ) -> list[list[int]]:
   """New tokens for each prompt: up to max_new_tokens, ending at (and including) the first
-  stop token. Greedy when temperature == 0; sampling needs an explicit `rng` key.
+  stop token. Greedy when temperature == 0; sampling needs an explicit `rng` key. Prompt
+  plus new tokens must fit in the model's cfg.max_seq_len.
   `max_len` is the cache size in slots (default: longest prompt + max_new_tokens); giving a
   fixed one lets calls with different prompt lengths share the compiled decode loop.
   `mesh`: run under `jax.set_mesh(mesh)`. With N > 1 context-parallel ranks (module
@@ -141,6 +142,13 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
     raise ValueError(f"generate: max_new_tokens={max_new_tokens}, expected >= 0")
   if max_new_tokens == 0:
     return [[] for _ in prompts]
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > cfg.max_seq_len:
+    raise ValueError(
+        f"generate: the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} "
+        f"makes {longest + max_new_tokens} tokens, beyond the model's max_seq_len="
+        f"{cfg.max_seq_len} (positions it was trained or configured for); ask for at most "
+        f"{max(cfg.max_seq_len - longest, 0)} new tokens")
   if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
     raise ValueError(f"generate: temperature={temperature}, top_k={top_k}, top_p={top_p}; "
                      "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1")

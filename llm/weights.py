@@ -17,6 +17,10 @@ so their q and k output features are permuted on load (`interleaved_to_half`, wh
     cfg, weights = load_checkpoint("llama2c:/path/stories260K.bin")
     cfg, weights = load_checkpoint("hf:/path/Llama-3.2-1B")
     save_hf("/tmp/out", cfg, weights, dtype="bfloat16", max_shard_bytes=2**30)
+
+Loading checks what it reads: a file whose size disagrees with its header (a truncated
+download), a NaN or Inf in any tensor, and a config.json key that would change the
+arithmetic and is not understood are errors naming the file and the tensor or key.
 """
 
 from __future__ import annotations
@@ -146,14 +150,18 @@ def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
   n_floats = sum(int(np.prod(s)) for _, s in layout)
   expected = 28 + 4 * n_floats
   if actual != expected:
+    what = "truncated" if actual < expected else "longer than the header says"
     raise ValueError(f"{path}: {actual} bytes, expected {expected} for the llama2.c header "
-                     f"{fields} ({'shared' if tied else 'separate'} classifier)")
+                     f"{fields} ({'shared' if tied else 'separate'} classifier): the file is "
+                     f"{what}")
   flat = np.fromfile(path, dtype="<f4", offset=28, count=n_floats)
   raw, pos = {}, 0
   for name, shape in layout:
     size = int(np.prod(shape))
     raw[name] = flat[pos:pos + size].reshape(shape)
     pos += size
+    if not name.startswith("freq_cis"):   # unused legacy RoPE tables
+      check_finite(name, raw[name], f"{path} (llama2.c; per-layer arrays are [layer, ...])")
 
   cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
                     n_kv_heads=n_kv_heads, ffn_dim=hidden, head_dim=k, norm_eps=1e-5,
@@ -275,41 +283,127 @@ def _from_contract(name: str, w: np.ndarray) -> np.ndarray:
   return w
 
 
+# config.json keys this loader reads (or checks), and keys that never change a causal LM's
+# arithmetic: PretrainedConfig's generic fields (generation defaults, labels, output flags)
+# in transformers 4.x and 5.x, and Llama's training-only fields. Any other key is refused:
+# it may change the arithmetic (quantization_config, sliding_window, softcapping, ...).
+_HF_READ = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "tie_word_embeddings", "max_position_embeddings", "attention_bias", "mlp_bias",
+    "pruned_heads", "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder"})
+_HF_HARMLESS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype",
+    "use_bfloat16", "torchscript", "use_cache", "initializer_range", "attention_dropout",
+    "pretraining_tp", "chunk_size_feed_forward", "bos_token_id", "eos_token_id",
+    "pad_token_id", "sep_token_id", "decoder_start_token_id", "forced_bos_token_id",
+    "forced_eos_token_id", "bad_words_ids", "begin_suppress_tokens", "suppress_tokens",
+    "diversity_penalty", "do_sample", "early_stopping", "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty", "length_penalty", "max_length", "min_length",
+    "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_return_sequences",
+    "output_attentions", "output_hidden_states", "output_scores", "remove_invalid_values",
+    "repetition_penalty", "return_dict", "return_dict_in_generate", "temperature", "top_k",
+    "top_p", "typical_p", "id2label", "label2id", "problem_type", "finetuning_task", "prefix",
+    "task_specific_params", "tokenizer_class", "tf_legacy_loss", "is_decoder",
+    "cross_attention_hidden_size"})
+_ROPE_KEYS = {"default": frozenset(),
+              "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings"})}
+
+
+def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+  """(theta, scaling) from either layout: transformers 4.x's top-level `rope_theta` and
+  `rope_scaling`, or transformers 5's `rope_parameters` (theta and type nested)."""
+  params = hf.get("rope_parameters")
+  legacy = hf.get("rope_scaling")
+  if params is not None and legacy is not None and params != legacy:
+    raise ValueError(f"{where}: both rope_parameters={params} and rope_scaling={legacy}; "
+                     "expected one of them (transformers 5 writes rope_parameters)")
+  rope = params if params is not None else legacy
+  if rope is None:
+    rope, source = {}, "rope_theta"
+  else:
+    source = "rope_parameters" if params is not None else "rope_scaling"
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+      raise ValueError(f"{where}: {source}={rope!r}; expected one flat dict (per-layer-type "
+                       "RoPE is not a Llama setting)")
+  theta = rope.get("rope_theta")
+  if "rope_theta" in hf:
+    if theta is not None and float(theta) != float(hf["rope_theta"]):
+      raise ValueError(f"{where}: rope_theta={hf['rope_theta']} disagrees with {source}."
+                       f"rope_theta={theta}")
+    theta = hf["rope_theta"]
+  if theta is None:
+    raise ValueError(f"{where}: no rope_theta (top level or in rope_parameters); the RoPE base "
+                     "changes every attention score, so it is not defaulted")
+  if not isinstance(theta, (int, float)) or theta <= 1:
+    raise ValueError(f"{where}: rope_theta={theta!r}, expected a number > 1")
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind not in _ROPE_KEYS:
+    raise ValueError(f"{where}: {source} rope type {kind!r}, expected one of "
+                     f"{sorted(_ROPE_KEYS)} (others change the RoPE frequencies)")
+  for name, value in ((f"{source}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+                      ("partial_rotary_factor", hf.get("partial_rotary_factor"))):
+    if value is not None and float(value) != 1.0:
+      raise ValueError(f"{where}: {name}={value}; only full rotary dims (1.0) are supported")
+  known = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+  unknown = sorted(set(rope) - known)
+  if unknown:
+    raise ValueError(f"{where}: {source} keys {unknown} are not understood for rope type "
+                     f"{kind!r} (expected only {sorted(known)})")
+  missing = sorted(_ROPE_KEYS[kind] - set(rope))
+  if missing:
+    raise ValueError(f"{where}: {source} with rope type {kind!r} lacks {missing}")
+  if kind == "default":
+    return float(theta), None
+  scaling = RopeScaling(factor=float(rope["factor"]),
+                        low_freq_factor=float(rope["low_freq_factor"]),
+                        high_freq_factor=float(rope["high_freq_factor"]),
+                        original_max_position=int(rope["original_max_position_embeddings"]))
+  if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+          and scaling.original_max_position > 0):
+    raise ValueError(f"{where}: {source}={rope}; expected factor > 0, 0 < low_freq_factor < "
+                     "high_freq_factor and original_max_position_embeddings > 0")
+  return float(theta), scaling
+
+
 def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
-  """LlamaConfig from a HF `config.json` dict (runtime fields keep their defaults)."""
+  """LlamaConfig from a HF `config.json` dict as transformers 4.x or 5 writes it (runtime
+  fields keep their defaults). A key that would change the arithmetic and is not understood
+  (a rope type other than default / llama3, a missing rope_theta, biases, another
+  activation, an unknown key) is an error, never a silent default."""
   def need(key):
     if key not in hf:
       raise ValueError(f"{where}: missing key {key!r}")
     return hf[key]
   if hf.get("model_type", "llama") != "llama":
     raise ValueError(f"{where}: model_type={hf['model_type']!r}, expected 'llama'")
-  if hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise ValueError(f"{where}: attention_bias/mlp_bias are set; the Llama model has no biases")
+  unknown = sorted(set(hf) - _HF_READ - _HF_HARMLESS)
+  if unknown:
+    raise ValueError(f"{where}: keys {unknown} are not understood by this Llama loader and may "
+                     "change the model's arithmetic; remove them from the file if they do not")
+  for key in ("attention_bias", "mlp_bias", "is_encoder_decoder", "add_cross_attention",
+              "tie_encoder_decoder", "pruned_heads"):
+    if hf.get(key):
+      raise ValueError(f"{where}: {key}={hf[key]!r}; the Llama model here has no biases, "
+                       "cross-attention or pruned heads")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
-  scaling = None
-  rs = hf.get("rope_scaling")
-  if rs:
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "llama3":
-      scaling = RopeScaling(factor=float(rs["factor"]),
-                            low_freq_factor=float(rs["low_freq_factor"]),
-                            high_freq_factor=float(rs["high_freq_factor"]),
-                            original_max_position=int(rs["original_max_position_embeddings"]))
-    elif kind != "default":
-      raise ValueError(f"{where}: rope_scaling type {kind!r}, expected 'llama3' or none")
+  theta, scaling = _rope_from_hf(hf, where)
   dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
   return LlamaConfig(
       vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")),
       n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
       ffn_dim=int(need("intermediate_size")), head_dim=int(hf.get("head_dim") or dim // n_heads),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(hf.get("rope_theta", 1e4)),
-      rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      norm_eps=float(need("rms_norm_eps")), rope_theta=theta, rope_scaling=scaling,
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_seq_len=int(hf.get("max_position_embeddings", 2048)))
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
-  """A transformers-loadable LlamaForCausalLM `config.json` dict for `cfg`."""
+  """A transformers-loadable LlamaForCausalLM `config.json` dict for `cfg`, in the 4.x layout
+  (top-level rope_theta / rope_scaling), which transformers 4.x and 5 both read."""
   rs = cfg.rope_scaling
   return {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -326,6 +420,54 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
       "tie_word_embeddings": cfg.tie_embeddings,
       "max_position_embeddings": cfg.max_seq_len, "torch_dtype": dtype,
   }
+
+
+def check_finite(name: str, a: np.ndarray, where: str) -> None:
+  """Raises ValueError naming `where` and tensor `name` when `a` holds a NaN or an Inf."""
+  a = np.asarray(a)
+  if a.dtype.kind in "fc" or a.dtype == _DTYPES["bfloat16"]:
+    bad = ~np.isfinite(a)
+    if bad.any():
+      first = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"{where}: tensor {name!r} {tuple(a.shape)} holds {int(bad.sum())} "
+                       f"non-finite values (NaN or Inf), the first at index {first} = "
+                       f"{a[first]}; the checkpoint is corrupt or diverged")
+
+
+def check_safetensors_file(path: str) -> None:
+  """Raises ValueError naming `path` when it is not a whole safetensors file: the size that
+  its header implies (8 + header bytes + the end of the last tensor) must be the file size.
+  safetensors' own error for a truncated download names neither the file nor the sizes."""
+  size = os.path.getsize(path)
+  if size < 8:
+    raise ValueError(f"{path}: {size} bytes, too short for safetensors (an 8-byte header "
+                     "length comes first); the file is truncated")
+  with open(path, "rb") as fh:
+    n = int.from_bytes(fh.read(8), "little")
+    if 8 + n > size:
+      raise ValueError(f"{path}: {size} bytes, but its first 8 bytes give a {n}-byte "
+                       "safetensors header; the file is truncated or not safetensors")
+    try:
+      header = json.loads(fh.read(n))
+      ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+      raise ValueError(f"{path}: the {n}-byte safetensors header is not a valid tensor table "
+                       f"({type(e).__name__}: {e})") from None
+  expected = 8 + n + max(ends, default=0)
+  if size != expected:
+    what = "truncated" if size < expected else "longer than its header says"
+    raise ValueError(f"{path}: {size} bytes, expected {expected} (8 + {n} header bytes + "
+                     f"{expected - 8 - n} tensor bytes): the file is {what}")
+
+
+def _safe_open(path: str):
+  """safe_open(path) after `check_safetensors_file`; its errors name the file."""
+  from safetensors import safe_open
+  check_safetensors_file(path)
+  try:
+    return safe_open(path, framework="numpy")
+  except Exception as e:  # safetensors_rust.SafetensorError does not name the file
+    raise ValueError(f"{path}: cannot read as safetensors: {e}") from e
 
 
 def _hf_files(d: str) -> dict[str, str] | None:
@@ -345,9 +487,8 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
 
   `dtype` casts every array ("float32" default: exact for bf16/fp16 files); None keeps the
   stored dtype. Tensors are read one at a time, so peak memory is about the result's size.
+  A truncated file, or a NaN or Inf in any tensor, is an error naming the file and tensor.
   """
-  from safetensors import safe_open
-
   cfg_path = os.path.join(d, "config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{d}: no config.json (expected a Hugging Face model directory)")
@@ -365,7 +506,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
       raise FileNotFoundError(f"{d}: no {_INDEX}, {_SINGLE} or *.safetensors files")
     files = {}
     for p in paths:
-      with safe_open(p, framework="numpy") as f:
+      with _safe_open(p) as f:
         for n in f.keys():
           if n in files:
             raise ValueError(f"{d}: tensor {n!r} is in both {files[n]} and {p}")
@@ -392,7 +533,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
   for path, names in by_file.items():
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path}: listed in {source} but absent")
-    with safe_open(path, framework="numpy") as f:
+    with _safe_open(path) as f:
       present = set(f.keys())
       for n in names:
         if n not in present:
@@ -402,6 +543,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
         if tuple(t.shape) != _hf_shape(cfg, short):
           raise ValueError(f"{path}: tensor {n!r} has shape {tuple(t.shape)}, expected "
                            f"{_hf_shape(cfg, short)} from {cfg_path}")
+        check_finite(n, t, path)
         if cast is not None and t.dtype != cast:
           t = t.astype(cast)
         weights[short] = _to_contract(cfg, short, t)
@@ -458,6 +600,14 @@ def save_hf(d: str, cfg: LlamaConfig, weights: Weights, dtype: str = "float32",
                 fh, indent=2)
   with open(os.path.join(d, "config.json"), "w") as fh:
     json.dump(config_to_hf(cfg, dtype), fh, indent=2)
+  # safetensors writes through a private temp file (mode 0600); give the weights the mode
+  # any other new file gets (0666 less the umask: 0644 under the usual 022), so the group
+  # that shares a model directory can read them.
+  mask = os.umask(0)
+  os.umask(mask)
+  for name in os.listdir(d):
+    if name == _SINGLE or _SHARD_RE.fullmatch(name):
+      os.chmod(os.path.join(d, name), 0o666 & ~mask)
   return d
 
 

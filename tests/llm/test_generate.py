@@ -106,6 +106,17 @@ def test_generate_errors(tiny):
   assert G.generate(tiny, PROMPTS, 0) == [[], [], []]
 
 
+def test_generate_stays_within_max_seq_len(tiny, greedy_out):
+  """Prompt + new tokens may not pass cfg.max_seq_len (the longest prompt has 9 tokens)."""
+  short, _ = make_model(TINY.replace(max_seq_len=16))     # the same weights as `tiny`
+  assert G.generate(short, PROMPTS, 7, max_len=MAX_LEN) == greedy_out   # 9 + 7 = 16: allowed
+  with pytest.raises(ValueError, match=r"longest prompt \(9 tokens\) plus max_new_tokens=8 "
+                     r"makes 17 tokens, beyond the model's max_seq_len=16 .*at most 7 new"):
+    G.generate(short, PROMPTS, 8)
+  with pytest.raises(ValueError, match="max_seq_len=512"):
+    G.generate(tiny, [[1] * 500], 13)
+
+
 def test_sharded_generate_equals_single_device():
   model, _ = make_model(TINY_TIED)
   prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [100], [7, 7, 7, 7]]

@@ -251,7 +251,8 @@ def test_llama2c_errors(tmp_path):
   size = os.path.getsize(path)
   with open(path, "r+b") as fh:
     fh.truncate(size - 4)
-  with pytest.raises(ValueError, match=f"{path}: {size - 4} bytes, expected {size} "):
+  with pytest.raises(ValueError, match=f"{path}: {size - 4} bytes, expected {size} .*: the "
+                     "file is truncated"):
     W.load_llama2c(path)
   # A tied header on an untied file: the classifier bytes are extra.
   _write_raw(path, _HDR_UNTIED, raw)
@@ -361,16 +362,149 @@ def test_config_round_trip(name):
 
 def test_config_from_hf_defaults_and_errors():
   base = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
-          "num_attention_heads": 2}
+          "num_attention_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
   cfg = W.config_from_hf(base)
+  # transformers' LlamaConfig defaults: as many KV heads as heads, head_dim = hidden / heads.
   assert (cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, cfg.rope_theta, cfg.tie_embeddings) == (
-      2, 8, 1e-6, 10000.0, False)
+      2, 8, 1e-5, 10000.0, False)
   with pytest.raises(ValueError, match="missing key 'hidden_size'"):
     W.config_from_hf({k: v for k, v in base.items() if k != "hidden_size"}, "x/config.json")
-  with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+  with pytest.raises(ValueError, match="x/config.json: missing key 'rms_norm_eps'"):
+    W.config_from_hf({k: v for k, v in base.items() if k != "rms_norm_eps"}, "x/config.json")
+  with pytest.raises(ValueError, match="rope type 'yarn'"):
     W.config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
   with pytest.raises(ValueError, match="model_type='mistral'"):
     W.config_from_hf({**base, "model_type": "mistral"})
+
+
+# config.json files written by LlamaConfig(...).save_pretrained of the transformers release in
+# each name (tests/llm/data/hf_configs/write_configs.py): 4.x keeps rope_theta / rope_scaling
+# at the top level, 5.x nests them in rope_parameters.
+HF_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
+_LLAMA2_7B = LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                         ffn_dim=11008, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096)
+_HF_EXPECTED = {"llama31_8b": get_config("llama3_8b"), "llama32_1b": get_config("llama32_1b"),
+                "llama2_7b": _LLAMA2_7B}
+
+
+def _hf_config(name):
+  with open(os.path.join(HF_CONFIGS, name)) as fh:
+    return json.load(fh)
+
+
+def _fixture_names():
+  return sorted(f for f in os.listdir(HF_CONFIGS) if f.endswith(".json"))
+
+
+def test_fixtures_cover_both_layouts():
+  versions = {n.split(".transformers-")[1][:-5] for n in _fixture_names()}
+  assert {v.split(".")[0] for v in versions} == {"4", "5"}, versions
+  for n in _fixture_names():
+    hf = _hf_config(n)
+    assert n.endswith(f".transformers-{hf['transformers_version']}.json")
+    nested = int(hf["transformers_version"].split(".")[0]) >= 5
+    assert ("rope_parameters" in hf) == nested and ("rope_theta" in hf) == (not nested), n
+
+
+@pytest.mark.parametrize("name", _fixture_names())
+def test_config_from_transformers_files(name):
+  cfg = W.config_from_hf(_hf_config(name), name)
+  assert cfg == _HF_EXPECTED[name.split(".")[0]]
+  # What we export reads back the same in our loader (both transformers majors read it).
+  assert W.config_from_hf(W.config_to_hf(cfg)) == cfg
+
+
+_TF5_1B = "llama32_1b.transformers-5.23.0.json"
+_TF4_1B = "llama32_1b.transformers-4.57.6.json"
+
+
+def _edit(name, fn):
+  hf = json.loads(json.dumps(_hf_config(name)))
+  fn(hf)
+  return hf
+
+
+@pytest.mark.parametrize("name,edit,match", [
+    (_TF5_1B, lambda h: h["rope_parameters"].pop("rope_theta"), "no rope_theta"),
+    (_TF4_1B, lambda h: h.pop("rope_theta"), "no rope_theta"),
+    (_TF5_1B, lambda h: h["rope_parameters"].update(rope_type="yarn"),
+     "rope_parameters rope type 'yarn'"),
+    (_TF4_1B, lambda h: h.update(rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling rope type 'dynamic'"),
+    (_TF5_1B, lambda h: h["rope_parameters"].pop("low_freq_factor"),
+     r"rope type 'llama3' lacks \['low_freq_factor'\]"),
+    (_TF5_1B, lambda h: h["rope_parameters"].update(mscale=1.2), r"keys \['mscale'\] are not understood"),
+    (_TF5_1B, lambda h: h["rope_parameters"].update(partial_rotary_factor=0.5),
+     "partial_rotary_factor=0.5"),
+    (_TF5_1B, lambda h: h["rope_parameters"].update(high_freq_factor=1.0), "low_freq_factor <"),
+    (_TF5_1B, lambda h: h.update(rope_theta=10000.0), "rope_theta=10000.0 disagrees"),
+    (_TF5_1B, lambda h: h.update(rope_parameters={"full_attention": {"rope_type": "default",
+                                                                      "rope_theta": 1e4}}),
+     "per-layer-type"),
+    (_TF5_1B, lambda h: h.update(hidden_act="gelu"), "hidden_act='gelu'"),
+    (_TF5_1B, lambda h: h.update(attention_bias=True), "attention_bias=True"),
+    (_TF4_1B, lambda h: h.update(quantization_config={"quant_method": "bitsandbytes"}),
+     r"keys \['quantization_config'\] are not understood"),
+    (_TF5_1B, lambda h: h.update(sliding_window=4096), r"keys \['sliding_window'\]"),
+])
+def test_config_from_hf_refuses_what_it_does_not_understand(name, edit, match):
+  with pytest.raises(ValueError, match=f"x/config.json: .*{match}"):
+    W.config_from_hf(_edit(name, edit), "x/config.json")
+
+
+def test_config_from_hf_default_rope_type():
+  hf = _edit("llama2_7b.transformers-5.23.0.json", lambda h: None)
+  assert hf["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+  assert W.config_from_hf(hf).rope_scaling is None
+  # A 4.x file with an explicit null scaling and one naming the default type agree.
+  hf4 = _hf_config("llama2_7b.transformers-4.57.6.json")
+  assert hf4["rope_scaling"] is None
+  assert W.config_from_hf({**hf4, "rope_scaling": {"type": "default"}}) == _LLAMA2_7B
+
+
+def test_logits_match_transformers(tmp_path):
+  """A checkpoint transformers itself saved (its config layout, llama3 RoPE scaling, its
+  tensors) gives transformers' logits in our model; skipped where torch or transformers is
+  not installed (the project's environments have neither)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import jax
+  from flax import nnx
+
+  from llm import model as model_lib
+  sizes = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
+  rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+  if int(transformers.__version__.split(".")[0]) >= 5:
+    hf_cfg = transformers.LlamaConfig(**sizes, rope_parameters={**rope, "rope_theta": 5e5})
+  else:
+    hf_cfg = transformers.LlamaConfig(**sizes, rope_theta=5e5, rope_scaling=rope)
+  torch.manual_seed(0)
+  hf_model = transformers.LlamaForCausalLM(hf_cfg).eval()
+  hf_model.save_pretrained(str(tmp_path), safe_serialization=True)
+  tokens = np.random.default_rng(0).integers(0, 97, size=(1, 200))   # past 32: scaling matters
+  with torch.no_grad():
+    want = hf_model(torch.tensor(tokens)).logits[0].double().numpy()
+
+  cfg, w = W.load_hf(str(tmp_path))
+  assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, RopeScaling(factor=8.0,
+                                                                  original_max_position=32))
+
+  def logits(cfg):
+    model = model_lib.Llama(cfg, nnx.Rngs(0))
+    model_lib.load_weights(model, w)
+    with jax.default_matmul_precision("float32"):
+      return np.asarray(model(np.asarray(tokens, np.int32))[0][0], np.float64)
+
+  got = logits(cfg)
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got, want, atol=1e-4 * scale, rtol=0)
+  assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.99
+  # The comparison can fail: the silent defaults the loader refuses give other logits.
+  wrong = logits(cfg.replace(rope_theta=1e4, rope_scaling=None))
+  assert np.abs(wrong - want).max() > 100 * 1e-4 * scale
 
 
 def _resave(path, fn):
@@ -424,6 +558,83 @@ def test_hf_errors(tmp_path):
     W.save_hf(d, cfg, {k: v for k, v in w.items() if k != "lm_head"})
   with pytest.raises(FileNotFoundError, match="no config.json"):
     W.load_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("shard", [None, 6000], ids=["single", "sharded"])
+def test_truncated_safetensors_names_file_and_sizes(tmp_path, shard):
+  cfg = _CFG_UNTIED
+  d = W.save_hf(str(tmp_path / "hf"), cfg, _random_weights(cfg), max_shard_bytes=shard)
+  path = os.path.join(d, sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[-1])
+  size = os.path.getsize(path)
+  header = 8 + int.from_bytes(open(path, "rb").read(8), "little")
+  with open(path, "r+b") as fh:
+    fh.truncate(size - 100)      # a download cut short in the tensor data
+  with pytest.raises(ValueError, match=f"{path}: {size - 100} bytes, expected {size} "
+                     f"\\(8 \\+ {header - 8} header bytes \\+ {size - header} tensor bytes\\): "
+                     "the file is truncated"):
+    W.load_hf(d)
+  with open(path, "r+b") as fh:
+    fh.truncate(header - 10)     # cut inside the header
+  with pytest.raises(ValueError, match=f"{path}: {header - 10} bytes, but its first 8 bytes give "
+                     f"a {header - 8}-byte safetensors header; the file is truncated"):
+    W.load_hf(d)
+  with open(path, "r+b") as fh:
+    fh.truncate(3)
+  with pytest.raises(ValueError, match=f"{path}: 3 bytes, too short"):
+    W.load_hf(d)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_non_finite_hf_weights_name_file_and_tensor(tmp_path, dtype):
+  cfg = _CFG_UNTIED
+  w = _random_weights(cfg)
+  for bad in (np.nan, np.inf, -np.inf):
+    w2 = dict(w)
+    w2["layers.1.w_up"] = w["layers.1.w_up"].copy()
+    w2["layers.1.w_up"][5, 3] = bad        # contract [D, F]: HF up_proj [F, D] at (3, 5)
+    d = W.save_hf(str(tmp_path / "hf"), cfg, w2, dtype=dtype, max_shard_bytes=6000)
+    with open(os.path.join(d, "model.safetensors.index.json")) as fh:
+      shard = json.load(fh)["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=f"{os.path.join(d, shard)}: tensor 'model.layers.1.mlp."
+                       r"up_proj.weight' \(40, 32\) holds 1 non-finite values \(NaN or Inf\), "
+                       r"the first at index \(3, 5\)"):
+      W.load_hf(d)
+
+
+def test_non_finite_llama2c_weights_name_file_and_tensor(tmp_path):
+  raw = _random_raw(np.random.default_rng(6), _HDR_UNTIED)
+  raw["wk"][1, 7, 2] = np.nan
+  raw["w2"][0, 0, 0] = np.inf
+  path = str(tmp_path / "m.bin")
+  _write_raw(path, _HDR_UNTIED, raw)
+  with pytest.raises(ValueError, match=f"{path} \\(llama2.c; per-layer arrays are \\[layer, "
+                     r"\.\.\.\]\): tensor 'wk' \(2, 16, 32\) holds 1 non-finite values .* "
+                     r"index \(1, 7, 2\)"):
+    W.load_llama2c(path)
+  raw["wk"][1, 7, 2] = 0.0
+  _write_raw(path, _HDR_UNTIED, raw)
+  with pytest.raises(ValueError, match=r"tensor 'w2' .* index \(0, 0, 0\) = inf"):
+    W.load_llama2c(path)
+  # The unused legacy RoPE tables may hold anything (run.c never reads them).
+  raw["w2"][0, 0, 0] = 0.0
+  raw["freq_real"][0, 0] = np.nan
+  _write_raw(path, _HDR_UNTIED, raw)
+  W.load_llama2c(path)
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_exported_files_are_group_readable(tmp_path, umask, mode):
+  """safetensors writes 0600 files; save_hf gives them the umask's usual mode."""
+  cfg = _CFG_UNTIED
+  old = os.umask(umask)
+  try:
+    for shard in (None, 6000):
+      d = W.save_hf(str(tmp_path / f"hf{shard}"), cfg, _random_weights(cfg),
+                    max_shard_bytes=shard)
+      for f in os.listdir(d):
+        assert os.stat(os.path.join(d, f)).st_mode & 0o777 == mode, (f, oct(mode))
+  finally:
+    os.umask(old)
 
 
 def test_load_checkpoint_dispatch(tmp_path):
