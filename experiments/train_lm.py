@@ -1,14 +1,19 @@
-r"""Train a small Llama (arXiv 2407.21783) on a local text file with byte-level tokens.
+r"""Train a small Llama (arXiv 2407.21783) on a local text file: byte tokens, or a tokenizer's.
 
   python -m experiments.train_lm --text=README.md --steps=300       # ~4 minutes on 2 CPU cores
+  python -m experiments.train_lm --text=book.txt --tokenizer=/path/to/tokenizer.json
   python -m experiments.train_lm --text=book.txt --preset=byte_small --mesh=fsdp:2,tp:4 \
       --dtype=bfloat16 --remat --workdir=/tmp/lm
   python -m experiments.train_lm --text=book.txt --workdir=/tmp/lm --resume
   python -m experiments.generate --checkpoint=workdir:/tmp/lm --prompt="Once upon"
 
 Uses the shared train loop (checkpoints, --resume, metrics.jsonl, TensorBoard, curves.png).
+--tokenizer (llm.tokenizer: a tokenizer.json, a directory holding one, or a llama2.c
+tokenizer.bin) encodes the file as one text without BOS; the model's vocabulary is the
+tokenizer's, and a copy of the tokenizer goes into the workdir for experiments.generate.
 Writes `<workdir>/model_config.json` (read by experiments.generate) and results.json; the
-last stdout line is a JSON summary with the final eval loss and bits per byte.
+last stdout line is a JSON summary with the final eval loss and bits per token (per byte
+for byte tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 
 from absl import app, flags, logging
@@ -23,8 +29,12 @@ from absl import app, flags, logging
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens).", required=True)
-flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (vocab is set to 256).")
+flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens unless --tokenizer).",
+                    required=True)
+flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
+                    "tokenizer.bin (default: UTF-8 bytes, vocab 256).")
+flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (its vocab is set to "
+                    "the tokenizer's).")
 flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
                     "on the data axis.")
 flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.")
@@ -46,6 +56,23 @@ flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --
 flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.")
 
 
+def copy_tokenizer(tok, workdir: str) -> None:
+  """Copies the tokenizer file (and a HF tokenizer's tokenizer_config.json and
+  generation_config.json, which name its special tokens) into the workdir, where
+  experiments.generate --checkpoint=workdir:DIR finds it."""
+  src_dir = os.path.dirname(os.path.abspath(tok.source))
+  if tok.source.endswith(".json"):
+    names = [(tok.source, "tokenizer.json")] + [
+        (os.path.join(src_dir, n), n) for n in ("tokenizer_config.json", "generation_config.json")
+        if os.path.exists(os.path.join(src_dir, n))]
+  else:
+    names = [(tok.source, "tokenizer.bin")]
+  for src, name in names:
+    dst = os.path.join(workdir, name)
+    if os.path.abspath(src) != os.path.abspath(dst):
+      shutil.copyfile(src, dst)
+
+
 def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
@@ -55,24 +82,31 @@ def main(argv):
   from core import train as train_lib
   from llm import config as config_lib
   from llm import train_lib as lm_lib
-  from llm.data import ByteTextSource
+  from llm import tokenizer as tok_lib
+  from llm.data import TextSource
 
+  tok = None if FLAGS.tokenizer is None else tok_lib.load_tokenizer(FLAGS.tokenizer)
   cfg = config_lib.get_config(
-      FLAGS.preset, vocab_size=256, dtype=FLAGS.dtype, remat=FLAGS.remat,
+      FLAGS.preset, vocab_size=tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
+      dtype=FLAGS.dtype, remat=FLAGS.remat,
       attention_impl=FLAGS.attention_impl, max_seq_len=max(FLAGS.seq_len, 16))
   mesh = mesh_lib.make_mesh(FLAGS.mesh)
   optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                              total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)
   task = lm_lib.LMTask(cfg, optim, mesh)
-  train_src = ByteTextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, seed=FLAGS.seed)
-  eval_src = ByteTextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, split="eval",
-                            eval_batches=FLAGS.eval_batches)
+  train_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
+                         seed=FLAGS.seed)
+  eval_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
+                        split="eval", eval_batches=FLAGS.eval_batches)
   os.makedirs(FLAGS.workdir, exist_ok=True)
   with open(os.path.join(FLAGS.workdir, "model_config.json"), "w") as f:
     json.dump(config_lib.config_to_dict(cfg), f, indent=2)
+  if tok is not None:
+    copy_tokenizer(tok, FLAGS.workdir)
+  unit = "byte" if tok is None else "token"
   print(f"mesh {dict(mesh.shape)} | Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.2f}M params, "
         f"{cfg.flops_per_token(FLAGS.seq_len) / 1e6:.1f} MFLOPs/token (train) | "
-        f"{len(train_src.tokens):,} train bytes | {FLAGS.steps} steps of "
+        f"{len(train_src.tokens):,} train {unit}s | {FLAGS.steps} steps of "
         f"{FLAGS.batch_size}x{FLAGS.seq_len}", flush=True)
   t0 = time.time()
   out = train_lib.train(
@@ -83,14 +117,16 @@ def main(argv):
   ev = out["eval"]
   summary = {"preset": FLAGS.preset, "mesh": dict(mesh.shape), "steps": out["step"],
              "finished": out["finished"], "eval_loss": ev.get("loss"),
-             "eval_bits_per_byte": ev.get("bits_per_token"), "tokens_per_sec": out["examples_per_sec"],
+             "eval_bits_per_token": ev.get("bits_per_token"),
+             "eval_bits_per_byte": ev.get("bits_per_token") if tok is None else None,
+             "tokenizer": FLAGS.tokenizer, "tokens_per_sec": out["examples_per_sec"],
              "params": cfg.num_params(), "wall_seconds": time.time() - t0}
   results = {"summary": summary, "model_config": config_lib.config_to_dict(cfg),
              "optim": dataclasses.asdict(optim), "eval": ev}
   results_lib.write_results(FLAGS.workdir, results)
   plot_lib.plot_run(FLAGS.workdir)
   if ev:
-    print(f"eval loss {ev['loss']:.4f} | {ev['bits_per_token']:.3f} bits/byte | "
+    print(f"eval loss {ev['loss']:.4f} | {ev['bits_per_token']:.3f} bits/{unit} | "
           f"{out['examples_per_sec']:,.0f} train tokens/s", flush=True)
   print(json.dumps(summary, default=str), flush=True)
 

@@ -1,9 +1,10 @@
-"""Token sources for language-model training: byte-level text files.
+"""Token sources for language-model training: a text file as one stream of tokens.
 
-`ByteTextSource` turns a local text (or any) file into byte tokens (vocab 256) and serves
+`TextSource` turns a local file into tokens, its bytes (vocab 256) or the ids of a
+`llm.tokenizer` tokenizer (the whole file encoded as one text, no BOS), and serves
 fixed-length windows. Like the rec sources it is resumable: batch k is a deterministic
 function of (seed, k), so `batches(start=k)` after a restart yields exactly the batches the
-uninterrupted run would have seen. The last `eval_fraction` of the file is held out and
+uninterrupted run would have seen. The last `eval_fraction` of the tokens is held out and
 served as contiguous, non-overlapping windows for evaluation.
 
 Letters: B batch, T sequence length.
@@ -43,27 +44,35 @@ def _batch_from_windows(win_BT1: np.ndarray, mask_BT: np.ndarray | None = None) 
       segment_ids=np.ones((b, t), np.int32))
 
 
-class ByteTextSource:
-  """Random windows of `seq_len + 1` bytes from the train part of a file (resumable)."""
+class TextSource:
+  """Random windows of `seq_len + 1` tokens from the train part of a file (resumable).
 
-  def __init__(self, path: str, seq_len: int, batch_size: int, *, split: str = "train",
-               eval_fraction: float = 0.05, seed: int = 0, eval_batches: int | None = None):
+  `tokenizer` None: the file's bytes are the tokens (any file). Otherwise the file must be
+  UTF-8 text, encoded once with `tokenizer.encode` (vocab_size = tokenizer.vocab_size).
+  """
+
+  def __init__(self, path: str, seq_len: int, batch_size: int, *, tokenizer=None,
+               split: str = "train", eval_fraction: float = 0.05, seed: int = 0,
+               eval_batches: int | None = None):
     if not os.path.isfile(path):
       raise FileNotFoundError(f"--text={path!r}: no such file")
     if split not in ("train", "eval"):
       raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
     if not 0.0 < eval_fraction < 1.0:
       raise ValueError(f"eval_fraction={eval_fraction}: expected a value in (0, 1)")
-    data = np.fromfile(path, dtype=np.uint8)
+    if tokenizer is None:
+      data, unit, self.vocab_size = np.fromfile(path, dtype=np.uint8), "bytes", BYTE_VOCAB
+    else:
+      data = np.asarray(tokenizer.encode(read_text(path)), np.int32)
+      unit, self.vocab_size = "tokens", tokenizer.vocab_size
     cut = int(len(data) * (1.0 - eval_fraction))
     self.tokens = data[:cut] if split == "train" else data[cut:]
     if len(self.tokens) < seq_len + 2:
       raise ValueError(
-          f"{path}: the {split} part has {len(self.tokens)} bytes, fewer than seq_len + 2 = "
+          f"{path}: the {split} part has {len(self.tokens)} {unit}, fewer than seq_len + 2 = "
           f"{seq_len + 2}; use a longer file or a shorter --seq_len")
     self.path, self.seq_len, self.batch_size = path, seq_len, batch_size
     self.split, self.seed, self.eval_batches = split, seed, eval_batches
-    self.vocab_size = BYTE_VOCAB
 
   def batch(self, k: int) -> LMBatch:
     """Train batch number k: uniform random windows drawn from (seed, k)."""
@@ -92,15 +101,22 @@ class ByteTextSource:
     for i in range(0, len(windows), self.batch_size):
       chunk = windows[i:i + self.batch_size]
       real = len(chunk)
-      win = np.stack(chunk + [np.zeros(t1, np.uint8)] * (self.batch_size - real))
+      win = np.stack(chunk + [np.zeros(t1, self.tokens.dtype)] * (self.batch_size - real))
       mask = np.zeros((self.batch_size, self.seq_len), np.float32)
       mask[:real] = 1.0
       yield _batch_from_windows(win, mask)
 
 
-def encode_text(text: str) -> list[int]:
-  return list(text.encode("utf-8"))
+# Byte-level text: a TextSource without a tokenizer.
+ByteTextSource = TextSource
 
 
-def decode_bytes(ids) -> str:
-  return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+def read_text(path: str) -> str:
+  """The file as UTF-8 text; an invalid byte is an error naming the file and offset."""
+  with open(path, "rb") as fh:
+    data = fh.read()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: byte {e.start} (0x{data[e.start]:02X}) is not UTF-8 "
+                     f"({e.reason}); a tokenizer needs UTF-8 text") from None

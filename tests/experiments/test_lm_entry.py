@@ -5,7 +5,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from llm import tokenizer as T
+from llm import weights as W
+from llm.config import LlamaConfig
+from tests.llm.test_tokenizer import _TINY, _bin_pieces, train_bpe
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("LLM_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -15,12 +21,32 @@ EXPECTED = [461, 461, 401, 401, 401, 461, 378, 455, 473, 456, 435, 299, 362, 409
             430, 417, 363, 416, 315, 342]
 
 
-def _run(module, args):
+def _run(module, args, fails=False):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
+  if fails:
+    assert out.returncode != 0, out.stdout[-3000:]
+    return out.stderr
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.strip().splitlines()
+
+
+def _tiny_weights(cfg, seed=0):
+  rng = np.random.default_rng(seed)
+  return {n: (1.0 if "norm" in n else 0.2) * (np.ones(s) if "norm" in n else rng.standard_normal(s))
+          for n, s in W.param_shapes(cfg).items()}
+
+
+def _greedy(cfg, weights, prompt, n, stop=()):
+  """The library's greedy continuation, in this process (the reference for the CLI)."""
+  from flax import nnx
+
+  from llm import generate as G
+  from llm import model as M
+  model = M.Llama(cfg, nnx.Rngs(0))
+  M.load_weights(model, weights)
+  return G.generate(model, [prompt], n, stop_tokens=stop)[0]
 
 
 def test_train_lm_then_generate_from_workdir(tmp_path):
@@ -44,6 +70,89 @@ def test_generate_stories260k_matches_llama2c():
   out = json.loads(_run("experiments.generate", [f"--checkpoint=llama2c:{STORIES}",
                                                  "--max_new_tokens=40"])[-1])
   assert out["prompt_ids"] == [1] and out["generated_ids"] == EXPECTED
+
+
+def _hf_dir(tmp_path, weights_fn=None):
+  """A random tiny Llama with a BPE tokenizer trained in the test (BOS <s>, EOS </s>)."""
+  d = str(tmp_path / "hf")
+  tok = T.load_tokenizer(train_bpe(d, config={"bos_token": "<s>", "eos_token": "</s>"}))
+  cfg = LlamaConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_dim=64, rope_theta=10000.0, max_seq_len=64)
+  w = _tiny_weights(cfg)
+  if weights_fn is not None:
+    weights_fn(w)
+  W.save_hf(d, cfg, w)
+  return d, tok, cfg, w
+
+
+def test_generate_hf_prompt_text(tmp_path):
+  d, tok, cfg, w = _hf_dir(tmp_path)
+  out = json.loads(_run("experiments.generate", [f"--checkpoint=hf:{d}", "--max_new_tokens=12",
+                                                 "--prompt=Once upon a time"])[-1])
+  prompt = [tok.bos_id] + tok.encode("Once upon a time")
+  assert out["prompt_ids"] == prompt
+  assert out["generated_ids"] == _greedy(cfg, w, prompt, 12, stop=(tok.eos_id,))
+  assert out["text"] == tok.decode(prompt + out["generated_ids"])
+  assert out["text"].startswith("Once upon a time")
+  # Beyond the model's 64 positions: a flag error naming the limit, before any generation.
+  err = _run("experiments.generate", [f"--checkpoint=hf:{d}", "--max_new_tokens=60",
+                                      "--prompt=Once upon a time"], fails=True)
+  assert (f"--max_new_tokens=60 with a {len(prompt)}-token prompt makes {len(prompt) + 60} "
+          f"tokens, beyond the model's max_seq_len=64") in err
+
+
+def test_generate_refuses_non_finite_weights(tmp_path):
+  def poison(w):
+    w["layers.1.w_down"][2, 3] = np.nan
+  d, _, _, _ = _hf_dir(tmp_path, poison)
+  err = _run("experiments.generate", [f"--checkpoint=hf:{d}", "--prompt_ids=1,2"], fails=True)
+  assert (f"{d}/model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' (32, 64) holds "
+          "1 non-finite values (NaN or Inf), the first at index (3, 2)") in err
+
+
+def test_generate_llama2c_with_tokenizer_bin(tmp_path):
+  tok_path = str(tmp_path / "tokenizer.bin")
+  T.write_llama2c_tokenizer(tok_path, *_bin_pieces(_TINY))
+  tok = T.Llama2cTokenizer(tok_path)
+  cfg = LlamaConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_dim=64, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=32,
+                    tie_embeddings=True)
+  w = _tiny_weights(cfg, seed=1)
+  model_path = str(tmp_path / "model.bin")
+  W.save_llama2c(model_path, cfg, w)
+  out = json.loads(_run("experiments.generate", [
+      f"--checkpoint=llama2c:{model_path}", f"--tokenizer={tok_path}", "--prompt=abc ab",
+      "--max_new_tokens=10"])[-1])
+  prompt = tok.encode("abc ab", bos=True)
+  assert out["prompt_ids"] == prompt and prompt[0] == 1
+  assert out["generated_ids"] == _greedy(cfg, W.load_llama2c(model_path)[1], prompt, 10,
+                                         stop=(2, 1))
+  assert out["text"] == tok.decode(prompt + out["generated_ids"])
+  # Without a tokenizer, text prompts are refused with the way out.
+  err = _run("experiments.generate", [f"--checkpoint=llama2c:{model_path}", "--prompt=abc"],
+             fails=True)
+  assert "--prompt needs a tokenizer" in err and "--tokenizer=PATH" in err
+
+
+def test_train_lm_with_tokenizer_then_generate(tmp_path):
+  tok_path = train_bpe(str(tmp_path / "tok"), config={"bos_token": "<s>", "eos_token": "</s>"})
+  tok = T.load_tokenizer(tok_path)
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["the quick brown fox jumps over the lazy dog."] * 300))
+  wd = tmp_path / "run"
+  summary = json.loads(_run("experiments.train_lm", [
+      f"--text={text}", f"--tokenizer={tok_path}", "--steps=30", "--seq_len=32",
+      "--batch_size=8", "--mesh=fsdp:8", "--eval_every=0", f"--workdir={wd}"])[-1])
+  assert summary["tokenizer"] == tok_path and summary["eval_bits_per_byte"] is None
+  # A 10-token cycle: far below log2(vocab) = 8.5 bits per token once learned.
+  assert summary["eval_bits_per_token"] < 4.0
+  cfg = json.loads((wd / "model_config.json").read_text())
+  assert cfg["vocab_size"] == tok.vocab_size
+  assert (wd / "tokenizer.json").read_bytes() == open(tok_path, "rb").read()
+  out = json.loads(_run("experiments.generate", [f"--checkpoint=workdir:{wd}",
+                                                 "--prompt=the quick", "--max_new_tokens=8"])[-1])
+  assert out["prompt_ids"] == tok.encode("the quick")       # no BOS: training had none
+  assert out["text"] == tok.decode(out["prompt_ids"] + out["generated_ids"])
 
 
 def test_bench_llm_runs_ours_only(tmp_path):
