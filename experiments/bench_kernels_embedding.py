@@ -1,17 +1,31 @@
-r"""Embedding-bag kernels against the GPU's memory bandwidth (to merge into bench_kernels.py).
+r"""Embedding-bag kernels against the GPU's memory bandwidth, by row format.
 
-  python -m experiments.bench_kernels_embedding          # on a GPU; refuses on CPU
+  python -m experiments.bench_kernels_embedding                     # on a GPU; refuses on CPU
+  python -m experiments.bench_kernels_embedding --sweep             # + Pallas launch configs
+  python -m experiments.bench_kernels_embedding --rows=500000 --dtypes=int8,int8_split
 
 A pooled lookup is memory bound: each (bag, position) reads one row. `bench_embedding_bag`
 times the table-batched kernels (`kernels.embedding_bag` in Pallas, the XLA gather +
-einsum the collection uses by default, and for int8 rows the Triton kernel through
-jax-triton) on F tables of R rows in one flat buffer, counts the bytes each call must
-move (rows read at the looked-up positions, ids and coefficients read, pooled bags
-written) and reports them per second next to a measured device-to-device copy
-(`device_copy_bandwidth`, read + write counted, the figure KINDS.md quotes: ~3.0 TB/s on
-an H100, ~4.3 TB/s on an H200). Uniform ids over large tables make nearly every row read
-a cache miss, the case the ratio is meant for; Zipf ids (`zipf_alpha`) hit L2 and can
-exceed 1. Prints a table; the last stdout line is JSON.
+einsum the collection uses by default (`embedding_bag_reference`), and for split int8 rows
+the Triton kernel through jax-triton where it imports) on F tables of R rows in one flat
+buffer, counts the bytes each call must move (rows read at the looked-up positions, ids
+and coefficients read, pooled bags written) and reports them per second next to a
+measured device-to-device copy (`device_copy_bandwidth`, read + write counted: ~3.0 TB/s
+on an H100). Default size: the issue's 26 tables x 1M rows x dim 128, batch 8192, 20 ids
+per bag; uniform ids over the tables make nearly every row read a cache miss, the case
+the ratio is meant for (Zipf ids, `--zipf_alpha`, hit L2 and can exceed 1).
+
+Row formats (`--dtypes`): float32, bfloat16, int8 (FBGEMM row-wise int8 in the kernel's
+packed layout, `kernels.embedding_bag.pack_int8`: scale and bias inline, 16-byte rows)
+and int8_split (codes, scale and bias in three arrays, `core.quant.RowwiseQuantized`).
+Both int8 formats are charged D + 8 bytes per row read (codes, scale, bias), so their
+figures compare directly; the packed row's 8 padding bytes are not counted as work.
+`--sweep` adds a few Pallas launch configurations per format (rows in flight `unroll`,
+bags per program, warps) beside the default one.
+
+Every implementation runs in its own try: one that fails to compile or runs out of
+memory is reported with its error and the others go on. Prints a table, writes
+results.json to --workdir; the last stdout line is JSON. Not yet run on a GPU.
 
 Letters: B batch, F features (tables), L ids per bag, R rows per table, D dim.
 """
@@ -19,8 +33,22 @@ Letters: B batch, F features (tables), L ids per bag, R rows per table, D dim.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from typing import Any, Callable, Sequence
+
+from absl import app, flags, logging
+
+FORMATS = ("float32", "bfloat16", "int8", "int8_split")
+# Pallas launch configs tried by --sweep, beside the default (None), per row format.
+SWEEP = {
+    "float32": ({"unroll": 2}, {"block_bags": 16, "unroll": 2}, {"num_warps": 8, "block_bags": 64}),
+    "bfloat16": ({"unroll": 1}, {"unroll": 4}, {"num_warps": 8, "block_bags": 64, "unroll": 2}),
+    "int8": ({"unroll": 2}, {"unroll": 8, "block_bags": 16}, {"num_warps": 8, "block_bags": 64},
+             {"num_warps": 8, "block_bags": 64, "unroll": 4}),
+    "int8_split": ({"unroll": 1}, {"unroll": 8, "block_bags": 16}),
+}
 
 
 def _time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
@@ -57,29 +85,52 @@ def device_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> float:
   return 2 * x.nbytes / _time(lambda: copy(x), repeats)
 
 
+def _error(e: BaseException) -> str:
+  msg = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+
+
+def _make_table(fmt: str, total_rows: int, dim: int, key):
+  """The flat buffer in format `fmt`, drawn on device (float32 rows, then converted)."""
+  import jax
+  import jax.numpy as jnp
+
+  from core import quant
+  from kernels import embedding_bag as eb
+  rows32 = jax.random.uniform(key, (total_rows, dim), jnp.float32, -0.01, 0.01)
+  if fmt in ("int8", "int8_split"):
+    table = quant.quantize_rowwise_int8(rows32)
+    del rows32
+    return eb.pack_int8(table) if fmt == "int8" else table
+  return rows32 if fmt == "float32" else rows32.astype(fmt)
+
+
 def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 8192,
                         features: int = 26, bag_len: int = 20,
-                        dtypes: Sequence[str] = ("float32", "bfloat16", "int8"),
+                        dtypes: Sequence[str] = FORMATS,
                         impls: Sequence[str] = ("pallas", "xla", "triton"),
                         zipf_alpha: float | None = None, repeats: int = 20,
-                        seed: int = 0) -> dict[str, Any]:
+                        sweep: bool = False, seed: int = 0) -> dict[str, Any]:
   """Achieved bytes/s of each lookup implementation vs the device copy bandwidth.
 
   One flat buffer of `features` tables of `num_rows` rows, full bags of `bag_len` ids
   (ids offset into the buffer beforehand). Returns {"copy_bytes_per_s", "results": [...]}
-  with one row per (dtype, impl): seconds per call, bytes moved, bytes/s and the fraction
-  of the copy bandwidth. "triton" runs for int8 only, and only where jax_triton imports.
-  Raises RuntimeError on a non-GPU backend.
+  with one row per (dtype, impl[, config]): seconds per call, bytes moved, bytes/s and
+  the fraction of the copy bandwidth, or "error" for a run that failed. "triton" runs for
+  int8_split only, and only where jax_triton imports. Raises RuntimeError on a non-GPU
+  backend.
   """
   _require_gpu("bench_embedding_bag")
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  from core import quant
   from kernels import embedding_bag as eb
   from kernels import triton_int8_pool
 
+  unknown = [d for d in dtypes if d not in FORMATS]
+  if unknown:
+    raise ValueError(f"bench_embedding_bag: dtypes {unknown}, expected some of {FORMATS}")
   rng = np.random.default_rng(seed)
   total_rows = features * num_rows
   if zipf_alpha:
@@ -92,34 +143,41 @@ def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 
   coef = jnp.asarray(rng.uniform(0.5, 1.5, ids.shape).astype(np.float32))
   copy_bw = device_copy_bandwidth()
 
-  # Rows drawn on device, one table per dtype at a time (a 26 x 1M x 128 fp32 buffer is 13 GB).
   key = jax.random.key(seed)
   results = []
-  for dtype in dtypes:
-    rows32 = jax.random.uniform(key, (total_rows, dim), jnp.float32, -0.01, 0.01)
-    if dtype == "int8":
-      table = quant.quantize_rowwise_int8(rows32)
-      row_bytes = dim + 8                      # codes + f32 scale and bias
-    else:
-      table = rows32.astype(dtype)
-      row_bytes = dim * jnp.dtype(dtype).itemsize
-    del rows32
+  for fmt in dtypes:
+    row_bytes = dim + 8 if fmt.startswith("int8") else dim * jnp.dtype(fmt).itemsize
     positions = batch * features * bag_len
     moved = positions * (row_bytes + 8) + batch * features * dim * 4   # rows, ids + coef, out
-    calls = {
-        "pallas": jax.jit(lambda t, i, c: eb.embedding_bag(t, i, c)),
-        "xla": jax.jit(eb.embedding_bag_reference),
-    }
-    if dtype == "int8" and triton_int8_pool.available():
+    try:   # one table at a time (26 x 1M x 128 float32 is 13 GB)
+      table = _make_table(fmt, total_rows, dim, key)
+    except Exception as e:  # noqa: BLE001 - report and go on (out of memory, ...)
+      results.append({"dtype": fmt, "impl": "-", "error": _error(e)})
+      print(f"  {fmt}: table FAILED {results[-1]['error']}", flush=True)
+      continue
+    calls: dict[str, Callable] = {}
+    if "pallas" in impls:
+      for cfg in (None,) + (SWEEP[fmt] if sweep else ()):
+        name = "pallas" if cfg is None else "pallas[" + ",".join(
+            f"{k}={v}" for k, v in cfg.items()) + "]"
+        calls[name] = jax.jit(lambda t, i, c, cfg=cfg: eb.embedding_bag(t, i, c, **(cfg or {})))
+    if "xla" in impls:
+      calls["xla"] = jax.jit(eb.embedding_bag_reference)
+    if "triton" in impls and fmt == "int8_split" and triton_int8_pool.available():
       calls["triton"] = jax.jit(triton_int8_pool.int8_pool)
-    for impl in impls:
-      if impl not in calls:
-        continue
-      fn = calls[impl]
-      sec = _time(lambda fn=fn, table=table: fn(table, ids, coef), repeats)
-      results.append({"dtype": dtype, "impl": impl, "ms": 1e3 * sec, "bytes": moved,
-                      "bytes_per_s": moved / sec, "of_copy": moved / sec / copy_bw})
+    for impl, fn in calls.items():
+      row = {"dtype": fmt, "impl": impl, "bytes": moved}
+      try:
+        sec = _time(lambda fn=fn: fn(table, ids, coef), repeats)
+        row.update(ms=1e3 * sec, bytes_per_s=moved / sec, of_copy=moved / sec / copy_bw)
+        print(f"  {fmt:>10} {impl:<40} {1e3 * sec:8.3f} ms {row['of_copy']:7.1%} of copy",
+              flush=True)
+      except Exception as e:  # noqa: BLE001 - a failed compile or OOM must not end the run
+        row["error"] = _error(e)
+        print(f"  {fmt:>10} {impl:<40} FAILED {row['error']}", flush=True)
+      results.append(row)
     del table
+    jax.clear_caches()
   return {"device": jax.devices()[0].device_kind, "copy_bytes_per_s": copy_bw,
           "config": dict(num_rows=num_rows, dim=dim, batch=batch, features=features,
                          bag_len=bag_len, zipf_alpha=zipf_alpha),
@@ -129,18 +187,63 @@ def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 
 def format_table(out: dict[str, Any]) -> str:
   lines = [f"{out['device']}: device copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s "
            f"(read + write); {out['config']}",
-           f"{'dtype':>9} {'impl':>7} {'ms':>9} {'GB moved':>9} {'TB/s':>7} {'of copy':>8}"]
+           f"{'dtype':>10} {'impl':<40} {'ms':>9} {'GB moved':>9} {'TB/s':>7} {'of copy':>8}"]
   for r in out["results"]:
-    lines.append(f"{r['dtype']:>9} {r['impl']:>7} {r['ms']:9.3f} {r['bytes'] / 1e9:9.3f} "
+    if "error" in r:
+      lines.append(f"{r['dtype']:>10} {r['impl']:<40} failed: {r['error']}")
+      continue
+    lines.append(f"{r['dtype']:>10} {r['impl']:<40} {r['ms']:9.3f} {r['bytes'] / 1e9:9.3f} "
                  f"{r['bytes_per_s'] / 1e12:7.3f} {r['of_copy']:8.1%}")
   return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+  """{dtype/impl: of_copy (or the error)} plus the copy bandwidth, for the JSON line."""
+  rows = {f"{r['dtype']}/{r['impl']}": (round(r["of_copy"], 3) if "of_copy" in r
+                                       else r["error"]) for r in out["results"]}
+  return {"device": out["device"], "copy_tb_per_s": round(out["copy_bytes_per_s"] / 1e12, 3),
+          "of_copy": rows}
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  """The entry point's flags, defined only when run as a script: experiments.bench_kernels
+  imports this module and has flags of the same names."""
+  flags.DEFINE_integer("rows", 1_000_000, "Rows per table.")
+  flags.DEFINE_integer("dim", 128, "Embedding dim D.")
+  flags.DEFINE_integer("batch", 8192, "Bags per feature.")
+  flags.DEFINE_integer("features", 26, "Tables (features) in the flat buffer.")
+  flags.DEFINE_integer("bag_len", 20, "Ids per bag.")
+  flags.DEFINE_list("dtypes", list(FORMATS), f"Row formats, some of {FORMATS}.")
+  flags.DEFINE_list("impls", ["pallas", "xla", "triton"], "Implementations.")
+  flags.DEFINE_float("zipf_alpha", 0.0, "Zipf exponent of the ids (0: uniform).")
+  flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
+  flags.DEFINE_bool("sweep", False, "Also time a few Pallas launch configs per format.")
+  flags.DEFINE_string("workdir", "runs/bench_kernels_embedding", "Where results.json goes.")
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from core import benchmark
+  from core import results as results_lib
   try:
-    result = bench_embedding_bag()
+    out = bench_embedding_bag(FLAGS.rows, FLAGS.dim, FLAGS.batch, FLAGS.features, FLAGS.bag_len,
+                              tuple(FLAGS.dtypes), tuple(FLAGS.impls), FLAGS.zipf_alpha or None,
+                              FLAGS.repeats, FLAGS.sweep)
   except RuntimeError as e:
-    print(json.dumps({"error": str(e)}))
-    raise SystemExit(1)
-  print(format_table(result))
-  print(json.dumps(result))
+    print(str(e), file=sys.stderr)
+    print(json.dumps({"refused": str(e)}))
+    sys.exit(2)
+  print(format_table(out))
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  results_lib.write_results(FLAGS.workdir, {**out, "machine": benchmark.machine()})
+  print(json.dumps(summary(out)))
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

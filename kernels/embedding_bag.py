@@ -2,8 +2,7 @@
 
 Rows of several tables live in one flat buffer `[R, D]` at static offsets, as in the
 embedding collection's per-device group buffers (`rec/embedding/collection.py`) and
-FBGEMM's table-batched embeddings. One Pallas GPU (Triton backend) kernel pools every bag
-of every feature:
+FBGEMM's table-batched embeddings. One Pallas GPU kernel pools every bag of every feature:
 
     out[m] = sum_l coef[m, l] * row(ids[m, l] (+ offsets[f(m)]))      (float32)
 
@@ -11,32 +10,77 @@ with mean pooling, per-id weights and padding folded into `coef` (as the collect
 `Lookup.coef` does: weight * valid / length). Positions with coef == 0 or an id outside
 [0, R) read nothing: padding costs no memory traffic and never reaches a sum.
 
-Rows may be float32, bfloat16 or FBGEMM row-wise int8 (`core.quant.RowwiseQuantized`,
-dequantized in the kernel: row = q * scale + bias, folded as
-sum_l (c*scale) q + sum_l c*bias so the bias costs one add per bag).
+Row formats:
+- float rows [R, D] (float32, bfloat16, ...);
+- `core.quant.RowwiseQuantized` int8 (FBGEMM row-wise: uint8 codes [R, D], float32 scale
+  and bias [R] in separate arrays);
+- `PackedInt8Rows` (`pack_int8`): the same codes with each row's scale and bias stored
+  inline after its codes, FBGEMM's fused row, padded to 16 bytes (FBGEMM's row_alignment)
+  and held as 32-bit words [R, W]. This is the fast int8 layout: one 16-byte-aligned
+  vector read per row fetches codes and scale / bias together, where the split layout
+  makes every row three random reads (codes, scale, bias; 32-byte sectors each).
+int8 rows are dequantized in the kernel: row = q * scale + bias, folded as
+sum_l (c * scale) q + sum_l c * bias so the bias costs one add per bag.
+
+Why the int8 path was slow, and what the kernel does about it. The previous kernel read
+one position of BM bags per loop step (load BM ids, then BM rows, then accumulate): at
+most BM rows in flight per program, and since every step waits on its rows, the time per
+(bag, position) was about the same for every dtype (H100, 26 x 500K rows: 4.0G
+positions/s for fp32, 6.5G bf16, 4.3G int8), so int8 moved 4x fewer bytes per second than
+fp32 (28% of copy bandwidth against 83%) and paid two extra random 32-byte reads per row
+for its scale and bias. The Triton compiler does not software-pipeline this loop (its
+loads are data-dependent gathers, not the dot-feeding loads it pipelines; checked in the
+TTGIR that triton 3.9 produces for sm_90: no async copies in the loop). So the kernel:
+  1. issues `unroll` positions' row gathers before it accumulates any of them (rows in
+     flight per program = BM * unroll), sized by default to ~16 KB in flight per program
+     whatever the row width (fp32 D=128: unroll 1, bf16: 2, int8: 4);
+  2. reads packed int8 rows as 16-byte vectors of words, scale and bias with them (one
+     8-byte vector), and unpacks the four codes of a word with shifts: byte -> float by
+     or-ing it into the mantissa of 2^23 and subtracting 2^23 (exact; full-rate integer
+     and FP32 ops instead of quarter-rate int-to-float conversions), into four
+     accumulators (columns 4j + k) that are interleaved once per program at the store.
+
+64-bit addressing / size limits: Pallas' Triton lowering addresses an operand with 32-bit
+element offsets when it is at most 2^32 bytes, else 64-bit. 32-bit offsets overflow only
+for 1-byte elements between 2^31 and 2^32 bytes (a uint8 code buffer of 2-4 GiB, e.g.
+26 x 1M x 128 int8). Packed rows are 4-byte words and never hit that; a split-layout code
+buffer in that range is cut into pieces of at most 2^31 - 1 elements (a copy per call:
+keep big int8 tables packed), each addressed with 32-bit offsets, and each row is read
+from the piece that holds it (`_I32_MAX_ELEMENTS` is the limit; the tests lower it to
+exercise the pieces on small tables).
 
 Backward: d out / d row is each id's coefficient times its bag's gradient; the kernel
 `embedding_bag_id_grads` writes those per-id rows `[M * L, D]`, the form the sparse
 optimizers' dedup consumes (`rec.embedding.optimizers.dedup_gradients`). `embedding_bag`
-itself is differentiable (custom_vjp) in the rows (a dense scatter-add of the per-id
-rows, for use outside the collection), in int8 scale / bias, and in `coef`.
+itself is differentiable (custom_vjp) in float rows (a dense scatter-add of the per-id
+rows, for use outside the collection), in split int8 scale / bias, and in `coef` (packed
+rows are integer words: differentiable in `coef` only).
 
-GPU layout: grid (bag blocks, dim blocks); a program holds a [BM, BD] float32
-accumulator and walks the L positions, each a masked gather of BM rows of BD contiguous
-columns (BD a power of two, Triton's block rule; columns past D are masked). Every ref is
-a whole array indexed with explicit masks, so no operand is padded or sliced around the
-call. This uses Pallas' Triton backend (deprecated in favor of Mosaic GPU in jax 0.11,
-still the backend whose pointer gathers suit this op); `interpret=None` runs the same
-kernel through Pallas' interpreter when the default backend is the CPU.
+GPU layout: grid (bag blocks, column blocks); a program holds a [BM, BD] float32
+accumulator (packed int8: four [BM, BD / 4]) and walks the L positions `unroll` at a
+time, each a masked gather of BM rows of BD contiguous columns (BD a power of two,
+Triton's block rule; columns past D are masked). Every ref is a whole array indexed with
+explicit masks, so no operand is padded or sliced around the call.
 
-Letters: R rows of the flat buffer, D row width, M bags (all leading dims of ids
-flattened, e.g. B * F), L ids per bag, F features (the axis before L), BM / BD block sizes.
+Lowering: Pallas' Triton backend (deprecated in favour of Mosaic GPU since jax 0.11, still
+present in 0.12). Mosaic GPU was considered and not chosen for this op: its memory model
+is rectangular blocks moved by TMA / async copies into shared memory and warpgroup-wide
+register layouts, and Hopper's TMA cannot gather rows at arbitrary indices (Blackwell's
+TMA gather4 can); an embedding bag is per-thread random row reads with per-lane masks,
+which is what Triton's pointer tensors express directly, and the op has no matmul for
+Mosaic's wgmma path to speed up. `interpret=None` runs the same kernel through Pallas'
+interpreter when the default backend is the CPU.
+
+Letters: R rows of the flat buffer, D row width, W words of a packed row, M bags (all
+leading dims of ids flattened, e.g. B * F), L ids per bag, F features (the axis before L),
+BM / BD block sizes, U positions in flight (`unroll`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,15 +90,80 @@ from jax.experimental.pallas import triton as plgpu
 
 from core import quant
 
-Table = jax.Array | quant.RowwiseQuantized
+_ROW_ALIGN_WORDS = 4            # packed rows are a multiple of 16 bytes (FBGEMM row_alignment)
+_MAGIC = 0x4B000000             # float32 bits of 2^23: (byte | _MAGIC) as float = 2^23 + byte
+_TWO23 = 8388608.0
+# Largest element count an operand addressed with 32-bit offsets may have (Pallas' Triton
+# lowering switches to 64-bit offsets only above 2^32 bytes). Module-level so tests can
+# lower it and run the pieces path on small tables.
+_I32_MAX_ELEMENTS = 2**31 - 1
+_I32_MAX_BYTES = 2**32
+# Bytes of rows each program keeps in flight (the default unroll).
+_BYTES_IN_FLIGHT = 16384
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedInt8Rows:
+  """FBGEMM row-wise int8 rows with scale and bias inline, as 32-bit words [R, W].
+
+  Row r: its D codes (uint8, four per word, column c in byte c % 4 of word c // 4, the
+  little-endian byte order of FBGEMM's fused row), zero-padded to a whole word, then the
+  float32 bit patterns of its scale and bias, then zero words up to a multiple of 4 words
+  (16 bytes). `pack_int8` builds it from a `core.quant.RowwiseQuantized`; `unpack_int8`
+  inverts it.
+  """
+
+  words: jax.Array                 # [R, W] int32
+  dim: int = dataclasses.field(default=0, metadata=dict(static=True))   # D
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """Shape of the float rows these codes stand for: (R, D)."""
+    return (self.words.shape[0], self.dim)
+
+
+def packed_words_per_row(dim: int) -> int:
+  """W: words of a packed row of `dim` int8 codes (codes, scale, bias, 16-byte padding)."""
+  return -(-(-(-dim // 4) + 2) // _ROW_ALIGN_WORDS) * _ROW_ALIGN_WORDS
+
+
+@jax.jit
+def pack_int8(table: quant.RowwiseQuantized) -> PackedInt8Rows:
+  """The packed layout of an int8 `RowwiseQuantized` (FBGEMM's fused row, 16-byte rows)."""
+  if table.bits != 8:
+    raise ValueError(f"kernels/embedding_bag.py pack_int8: bits={table.bits}, expected 8")
+  n, d = table.q.shape[0], table.dim
+  d4 = -(-d // 4) * 4
+  q = table.q if d4 == d else jnp.pad(table.q, ((0, 0), (0, d4 - d)))
+  fused = quant.to_fused_bytes(quant.RowwiseQuantized(q, table.scale, table.bias, 8, d4))
+  w = packed_words_per_row(d)
+  fused = jnp.pad(fused, ((0, 0), (0, 4 * w - fused.shape[1])))
+  return PackedInt8Rows(lax.bitcast_convert_type(fused.reshape(n, w, 4), jnp.int32), d)
+
+
+@jax.jit
+def unpack_int8(packed: PackedInt8Rows) -> quant.RowwiseQuantized:
+  """The `RowwiseQuantized` (codes, scale, bias) held in packed rows."""
+  n, w = packed.words.shape
+  d4 = -(-packed.dim // 4) * 4
+  raw = lax.bitcast_convert_type(packed.words, jnp.uint8).reshape(n, 4 * w)
+  qr = quant.from_fused_bytes(raw[:, :d4 + 8], 8, d4)
+  return quant.RowwiseQuantized(qr.q[:, :packed.dim], qr.scale, qr.bias, 8, packed.dim)
+
+
+Table = jax.Array | quant.RowwiseQuantized | PackedInt8Rows
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static launch parameters (hashable: a nondiff argument of the custom_vjp)."""
 
+  layout: str                   # "float" | "split8" | "packed8"
+  dim: int                      # D (columns of the pooled rows)
   block_bags: int | None
   block_dim: int | None
+  unroll: int | None
   num_warps: int
   num_stages: int
   interpret: bool
@@ -64,15 +173,41 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _blocks(num_bags: int, dim: int, cfg: _Config) -> tuple[int, int]:
-  bd = cfg.block_dim or min(_next_pow2(dim), 256)
+def _check_pow2(name: str, v: int) -> None:
+  if v < 1 or v & (v - 1):
+    raise ValueError(f"kernels/embedding_bag.py: {name}={v}, expected a power of two "
+                     "(Triton block sizes)")
+
+
+def _units(cfg: _Config) -> int:
+  """Column units of a row the grid tiles: columns, or code words for packed rows."""
+  return -(-cfg.dim // 4) if cfg.layout == "packed8" else cfg.dim
+
+
+def _blocks(num_bags: int, bag_len: int, row_itemsize: int, cfg: _Config) -> tuple[int, int, int]:
+  """(BM bags, BW column units, U positions in flight) of one program."""
+  per_unit = 4 if cfg.layout == "packed8" else 1          # columns per unit
+  if cfg.block_dim is not None:
+    _check_pow2("block_dim", cfg.block_dim)
+    if cfg.block_dim % per_unit:
+      raise ValueError(f"kernels/embedding_bag.py: block_dim={cfg.block_dim}, expected a "
+                       "multiple of 4 for packed int8 rows (4 codes per word)")
+    bw = cfg.block_dim // per_unit
+  else:
+    bw = min(_next_pow2(_units(cfg)), 256 // per_unit)
+  cols = bw * per_unit
   # ~4K float32 accumulator elements per program (32 registers a thread at 4 warps).
-  bm = cfg.block_bags or max(1, min(128, 4096 // bd, _next_pow2(num_bags)))
-  for name, v in (("block_bags", bm), ("block_dim", bd)):
-    if v & (v - 1):
-      raise ValueError(f"kernels/embedding_bag.py: {name}={v}, expected a power of two "
-                       "(Triton block sizes)")
-  return bm, bd
+  bm = cfg.block_bags or max(1, min(128, 4096 // cols, _next_pow2(num_bags)))
+  _check_pow2("block_bags", bm)
+  if cfg.unroll is not None:
+    _check_pow2("unroll", cfg.unroll)
+    u = cfg.unroll
+  else:
+    row_bytes = 4 * bw + 8 if cfg.layout == "packed8" else bw * row_itemsize
+    # The power of two nearest to the rows that make _BYTES_IN_FLIGHT, at most 8.
+    u = max(1, min(8, round(_BYTES_IN_FLIGHT / max(1, bm * row_bytes))))
+    u = 1 << max(0, round(math.log2(u)))
+  return bm, bw, max(1, min(u, _next_pow2(bag_len)))
 
 
 def _resolve_interpret(interpret: bool | None) -> bool:
@@ -80,17 +215,25 @@ def _resolve_interpret(interpret: bool | None) -> bool:
 
 
 def _split_table(table: Table):
-  """(rows or codes [R, D], scale [R] | None, bias [R] | None)."""
+  """(layout, rows or codes or words, scale | None, bias | None, D)."""
+  if isinstance(table, PackedInt8Rows):
+    if table.words.ndim != 2 or table.words.dtype != jnp.int32 \
+        or table.words.shape[1] != packed_words_per_row(table.dim):
+      raise ValueError(f"kernels/embedding_bag.py: PackedInt8Rows words {table.words.shape} "
+                       f"{table.words.dtype} for dim {table.dim}, expected int32 "
+                       f"[R, {packed_words_per_row(table.dim)}] (use pack_int8)")
+    return "packed8", table.words, None, None, table.dim
   if isinstance(table, quant.RowwiseQuantized):
     if table.bits != 8:
       raise NotImplementedError(
           f"kernels/embedding_bag.py: RowwiseQuantized bits={table.bits}; the kernel reads "
           "int8 rows only (dequantize int4 tables, or use embedding_bag_reference)")
-    return table.q, table.scale.astype(jnp.float32), table.bias.astype(jnp.float32)
+    return ("split8", table.q, table.scale.astype(jnp.float32), table.bias.astype(jnp.float32),
+            table.dim)
   if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
     raise ValueError(f"kernels/embedding_bag.py: table {table.shape} {table.dtype}, expected "
-                     "float rows [R, D] or a core.quant.RowwiseQuantized")
-  return table, None, None
+                     "float rows [R, D], a core.quant.RowwiseQuantized or a PackedInt8Rows")
+  return "float", table, None, None, table.shape[1]
 
 
 def _check_ids(ids, coef, offsets):
@@ -104,56 +247,146 @@ def _check_ids(ids, coef, offsets):
                      "expected one offset per feature [F] (F = ids.shape[-2])")
 
 
+def _pieces(rows) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
+  """Row ranges of `rows` that are each addressable with 32-bit offsets, and their starts
+  (plus the end). One piece, the array itself, unless its element count overflows int32
+  while its size keeps Pallas on 32-bit offsets (1-byte elements of 2-4 GiB)."""
+  num_rows, width = rows.shape
+  size = num_rows * width
+  if size <= _I32_MAX_ELEMENTS or size * rows.dtype.itemsize > _I32_MAX_BYTES:
+    return (rows,), (0, num_rows)
+  per = max(1, _I32_MAX_ELEMENTS // max(1, width))
+  starts = tuple(range(0, num_rows, per)) + (num_rows,)
+  return tuple(rows[a:b] for a, b in zip(starts[:-1], starts[1:])), starts
+
+
 # ------------------------------------------------------------------------------ kernels
 
 
-def _bag_kernel(*refs, num_rows, dim, bag_len, num_bags, num_feat, bm, bd, quantized,
-                has_offsets):
-  if quantized:
-    q_ref, s_ref, b_ref, ids_ref, coef_ref, *rest = refs
-  else:
-    r_ref, ids_ref, coef_ref, *rest = refs
+def _gather(refs, starts, idx, ok, cols, col_ok):
+  """Masked gather [BM, BW] of rows `idx` (columns `cols`) from row pieces `refs`."""
+  mask = ok[:, None] & col_ok[None, :]
+  if len(refs) == 1:
+    return plgpu.load(refs[0].at[idx[:, None], cols[None, :]], mask=mask, other=0)
+  out = None
+  for ref, lo, hi in zip(refs, starts[:-1], starts[1:]):
+    here = ok & (idx >= lo) & (idx < hi)
+    x = plgpu.load(ref.at[jnp.where(here, idx - lo, 0)[:, None], cols[None, :]],
+                   mask=here[:, None] & col_ok[None, :], other=0)
+    out = x if out is None else jnp.where(here[:, None], x, out)
+  return out
+
+
+def _unpack_codes(words):
+  """The four code planes of int32 words [BM, BW] as float32: plane k = byte k."""
+  planes = []
+  for k in range(4):
+    byte = lax.shift_right_logical(words, jnp.int32(8 * k)) if k else words
+    if k < 3:
+      byte = byte & jnp.int32(0xFF)
+    planes.append(lax.bitcast_convert_type(byte | jnp.int32(_MAGIC), jnp.float32) - _TWO23)
+  return planes
+
+
+def _interleave4(planes):
+  """[BM, BW] x 4 -> [BM, 4 * BW] with column 4j + k = planes[k][:, j] (tt.join + reshape)."""
+  bm, bw = planes[0].shape
+  pair = lambda a, b: jnp.stack([a, b], axis=-1)
+  return pair(pair(planes[0], planes[2]), pair(planes[1], planes[3])).reshape(bm, 4 * bw)
+
+
+def _columns(x_BU):
+  """The U columns [BM] of a [BM, U] tile (U a power of two), by halving with tt.split."""
+  bm, u = x_BU.shape
+  if u == 1:
+    return [x_BU.reshape(bm)]
+  even, odd = lax.unstack(x_BU.reshape(bm, u // 2, 2), axis=-1)
+  return [c for pair in zip(_columns(even), _columns(odd)) for c in pair]
+
+
+def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat, bm, bw,
+                unroll, starts, has_offsets):
+  n_pieces = len(starts) - 1
+  n_data = {"float": n_pieces, "split8": n_pieces + 2, "packed8": 1}[layout]
+  data, (ids_ref, coef_ref, *rest) = refs[:n_data], refs[n_data:]
   off_ref = rest[0] if has_offsets else None
   o_ref = rest[-1]
+  pieces = data[:n_pieces] if layout != "packed8" else data
 
   m0 = pl.program_id(0) * bm
-  d0 = pl.program_id(1) * bd
+  j0 = pl.program_id(1) * bw
   m = m0 + jnp.arange(bm, dtype=jnp.int32)
   m_ok = m < num_bags
-  cols = d0 + jnp.arange(bd, dtype=jnp.int32)
-  col_ok = cols < dim
-  # Columns past D are masked, not clamped: min(cols, D - 1) would hide from Triton that
-  # each row's columns are contiguous, and the row loads would not vectorize.
-  cols = cols[None, :]
+  # Columns past the row are masked, not clamped: min(cols, D - 1) would hide from Triton
+  # that each row's columns are contiguous, and the row loads would not vectorize.
+  cols = j0 + jnp.arange(bw, dtype=jnp.int32)
+  col_ok = cols < units
   if has_offsets:
     off = off_ref[lax.rem(jnp.minimum(m, num_bags - 1), num_feat)]
 
-  def body(l, carry):
-    acc, bsum = carry
-    idx = plgpu.load(ids_ref.at[pl.ds(m0, bm), l], mask=m_ok, other=0)
-    c = plgpu.load(coef_ref.at[pl.ds(m0, bm), l], mask=m_ok, other=0.0)
-    if has_offsets:
-      idx = idx + off
-    ok = (c != 0) & (idx >= 0) & (idx < num_rows)
-    idx = jnp.where(ok, idx, 0)
-    mask = ok[:, None] & col_ok[None, :]
-    if quantized:
-      q = plgpu.load(q_ref.at[idx[:, None], cols], mask=mask, other=0)
-      s = plgpu.load(s_ref.at[idx], mask=ok, other=0.0)
-      b = plgpu.load(b_ref.at[idx], mask=ok, other=0.0)
-      acc = acc + (c * s)[:, None] * q.astype(jnp.float32)
-      bsum = bsum + c * b
-    else:
-      rows = plgpu.load(r_ref.at[idx[:, None], cols], mask=mask, other=0)
-      acc = acc + c[:, None] * rows.astype(jnp.float32)
-    return acc, bsum
+  def fetch(idx, ok):
+    if layout == "packed8":
+      (w_ref,) = pieces
+      codes = plgpu.load(w_ref.at[idx[:, None], cols[None, :]],
+                         mask=ok[:, None] & col_ok[None, :], other=0)
+      sb_cols = jnp.arange(2, dtype=jnp.int32) + units
+      sb = plgpu.load(w_ref.at[idx[:, None], sb_cols[None, :]], mask=ok[:, None], other=0)
+      return codes, sb
+    rows = _gather(pieces, starts, idx, ok, cols, col_ok)
+    if layout == "split8":
+      s_ref, b_ref = data[n_pieces:]
+      return rows, plgpu.load(s_ref.at[idx], mask=ok, other=0.0), plgpu.load(
+          b_ref.at[idx], mask=ok, other=0.0)
+    return (rows,)
 
-  init = (jnp.zeros((bm, bd), jnp.float32), jnp.zeros((bm,), jnp.float32))
-  acc, bsum = lax.fori_loop(0, bag_len, body, init)
-  if quantized:
-    acc = acc + bsum[:, None]
-  plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(d0, bd)], acc,
-              mask=m_ok[:, None] & col_ok[None, :])
+  def accumulate(acc, c, got):
+    # The bias term c * b is added to every column here rather than summed per bag and
+    # added at the end: a separate [BM] carry gets a Triton layout of its own, and every
+    # id, coef and scale / bias load is then issued once more in that layout.
+    if layout == "packed8":
+      codes, sb = got
+      s, b = lax.unstack(lax.bitcast_convert_type(sb, jnp.float32), axis=-1)
+      cs, cb = (c * s)[:, None], (c * b)[:, None]
+      return tuple(a + (cs * p + cb) for a, p in zip(acc, _unpack_codes(codes)))
+    if layout == "split8":
+      q, s, b = got
+      return acc + ((c * s)[:, None] * q.astype(jnp.float32) + (c * b)[:, None])
+    return acc + c[:, None] * got[0].astype(jnp.float32)
+
+  def group(g, acc):
+    # U positions at once: their ids and coefficients as one [BM, U] tile (contiguous per
+    # bag: one vector load instead of U gathers over BM bags), then every row gather of
+    # the group before the first accumulate, so U * BM rows are in flight (Triton does
+    # not pipeline these data-dependent loads across loop iterations).
+    l = g * unroll + jnp.arange(unroll, dtype=jnp.int32)
+    # (The position mask only where groups overhang L: a mask that is constant along the
+    # tile's rows lets Triton read each bag's U ids as one vector.)
+    tile_ok = m_ok[:, None] if bag_len % unroll == 0 else m_ok[:, None] & (l < bag_len)[None, :]
+    idx_t = plgpu.load(ids_ref.at[m[:, None], l[None, :]], mask=tile_ok, other=0)
+    c_t = plgpu.load(coef_ref.at[m[:, None], l[None, :]], mask=tile_ok, other=0.0)
+    if has_offsets:
+      idx_t = idx_t + off[:, None]
+    pos = []
+    for idx, c in zip(_columns(idx_t), _columns(c_t)):
+      ok = (c != 0) & (idx >= 0) & (idx < num_rows)
+      pos.append((jnp.where(ok, idx, 0), c, ok))
+    got = [fetch(idx, ok) for idx, _, ok in pos]
+    for (_, c, _), gt in zip(pos, got):
+      acc = accumulate(acc, c, gt)
+    return acc
+
+  if layout == "packed8":
+    acc = tuple(jnp.zeros((bm, bw), jnp.float32) for _ in range(4))
+  else:
+    acc = jnp.zeros((bm, bw), jnp.float32)
+  acc = lax.fori_loop(0, pl.cdiv(bag_len, unroll), group, acc)
+  if layout == "packed8":
+    acc = _interleave4(acc)
+    ocols = 4 * j0 + jnp.arange(4 * bw, dtype=jnp.int32)
+  else:
+    ocols = cols
+  plgpu.store(o_ref.at[m[:, None], ocols[None, :]], acc,
+              mask=m_ok[:, None] & (ocols < dim)[None, :])
 
 
 def _id_grads_kernel(coef_ref, g_ref, o_ref, *, dim, bag_len, num_bags, bm, bd):
@@ -173,33 +406,32 @@ def _id_grads_kernel(coef_ref, g_ref, o_ref, *, dim, bag_len, num_bags, bm, bd):
 
 
 def _pool_call(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg: _Config):
-  num_rows, dim = rows.shape
+  num_rows = rows.shape[0]
   num_bags, bag_len = ids_ML.shape
   if num_bags == 0:
-    return jnp.zeros((0, dim), jnp.float32)
-  bm, bd = _blocks(num_bags, dim, cfg)
-  quantized = scale is not None
-  if rows.dtype.itemsize == 1 and 2**31 <= num_rows * dim <= 2**32 and not cfg.interpret:
-    # Pallas' Triton lowering addresses a buffer of <= 2^32 bytes with int32 element
-    # offsets, which overflow past 2^31 one-byte elements.
-    raise NotImplementedError(
-        f"kernels/embedding_bag.py: int8 buffer of {num_rows} x {dim} bytes lies in "
-        "[2^31, 2^32]: split it into buffers under 2 GiB (or over 4 GiB)")
+    return jnp.zeros((0, cfg.dim), jnp.float32)
+  bm, bw, unroll = _blocks(num_bags, bag_len, rows.dtype.itemsize, cfg)
+  if cfg.layout == "packed8":
+    pieces, starts = (rows,), (0, num_rows)     # 4-byte words: never in the 32-bit hole
+  else:
+    pieces, starts = _pieces(rows)
   kernel = functools.partial(
-      _bag_kernel, num_rows=num_rows, dim=dim, bag_len=bag_len, num_bags=num_bags,
-      num_feat=num_feat, bm=bm, bd=bd, quantized=quantized, has_offsets=offsets is not None)
-  operands = [rows] + ([scale, bias] if quantized else []) + [ids_ML, coef_ML]
+      _bag_kernel, layout=cfg.layout, num_rows=num_rows, dim=cfg.dim, units=_units(cfg),
+      bag_len=bag_len, num_bags=num_bags, num_feat=num_feat, bm=bm, bw=bw, unroll=unroll,
+      starts=starts, has_offsets=offsets is not None)
+  operands = list(pieces) + ([scale, bias] if cfg.layout == "split8" else []) + [ids_ML, coef_ML]
   if offsets is not None:
     operands.append(offsets)
-  row_bytes = dim * rows.dtype.itemsize + (8 if quantized else 0)
+  row_bytes = {"float": cfg.dim * rows.dtype.itemsize, "split8": cfg.dim + 8,
+               "packed8": 4 * rows.shape[1]}[cfg.layout]
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((num_bags, dim), jnp.float32),
-      grid=(pl.cdiv(num_bags, bm), pl.cdiv(dim, bd)),
+      out_shape=jax.ShapeDtypeStruct((num_bags, cfg.dim), jnp.float32),
+      grid=(pl.cdiv(num_bags, bm), pl.cdiv(_units(cfg), bw)),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       cost_estimate=pl.CostEstimate(
-          flops=2 * num_bags * bag_len * dim, transcendentals=0,
-          bytes_accessed=num_bags * bag_len * (row_bytes + 8) + num_bags * dim * 4),
+          flops=2 * num_bags * bag_len * cfg.dim, transcendentals=0,
+          bytes_accessed=num_bags * bag_len * (row_bytes + 8) + num_bags * cfg.dim * 4),
       interpret=cfg.interpret,
       name="embedding_bag",
   )(*operands)
@@ -210,7 +442,12 @@ def _id_grads_call(coef_ML, g_MD, cfg: _Config):
   dim = g_MD.shape[1]
   if num_bags == 0 or bag_len == 0:
     return jnp.zeros((num_bags * bag_len, dim), jnp.float32)
-  bm, bd = _blocks(num_bags, dim, cfg)
+  bd = min(_next_pow2(dim), 256)
+  if cfg.block_dim is not None:
+    _check_pow2("block_dim", cfg.block_dim)
+    bd = cfg.block_dim
+  bm = cfg.block_bags or max(1, min(128, 4096 // bd, _next_pow2(num_bags)))
+  _check_pow2("block_bags", bm)
   kernel = functools.partial(_id_grads_kernel, dim=dim, bag_len=bag_len, num_bags=num_bags,
                              bm=bm, bd=bd)
   out = pl.pallas_call(
@@ -235,6 +472,15 @@ def _flat_ids(ids, offsets, num_rows):
   return idx, (idx >= 0) & (idx < num_rows)
 
 
+def _dequantized_rows(layout, rows, scale, bias, idx, dim):
+  """float32 rows [len(idx), D] at in-range ids `idx`, in any layout."""
+  if layout == "float":
+    return rows[idx].astype(jnp.float32)
+  if layout == "split8":
+    return rows[idx].astype(jnp.float32) * scale[idx][:, None] + bias[idx][:, None]
+  return quant.dequantize_rowwise(unpack_int8(PackedInt8Rows(rows[idx], dim)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _bag(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg):
   return _pool_call(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg)
@@ -247,62 +493,64 @@ def _bag_fwd(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg):
 
 def _bag_bwd(num_feat, cfg, res, g_MD):
   rows, scale, bias, ids_ML, coef_ML, offsets = res
-  num_rows, dim = rows.shape
+  num_rows, dim = rows.shape[0], cfg.dim
   num_bags, bag_len = ids_ML.shape
   offs_M = None if offsets is None else jnp.tile(offsets, num_bags // num_feat)
   idx, ok = _flat_ids(ids_ML, offs_M, num_rows)
   safe = jnp.where(ok, idx, 0)
   id_grads = _id_grads_call(coef_ML, g_MD, cfg)                       # [M * L, D]
   # Per-position rows (dequantized) for the coefficient gradient <row, bag grad>.
-  if scale is None:
-    seen = rows[safe].astype(jnp.float32)
-  else:
-    seen = rows[safe].astype(jnp.float32) * scale[safe][:, None] + bias[safe][:, None]
+  seen = _dequantized_rows(cfg.layout, rows, scale, bias, safe, dim)
   g_pos = jnp.repeat(g_MD, bag_len, axis=0) if bag_len else g_MD[:0]
   d_coef = jnp.where(ok, jnp.sum(seen * g_pos, axis=-1), 0.0).reshape(coef_ML.shape)
   drop = jnp.where(ok, idx, num_rows)
-  if scale is None:
+  d_rows = d_scale = d_bias = None
+  if cfg.layout == "float":
     d_rows = jnp.zeros((num_rows, dim), jnp.float32).at[drop].add(id_grads, mode="drop")
-    d_rows, d_scale, d_bias = d_rows.astype(rows.dtype), None, None
-  else:   # d/dscale_r = sum over ids of r of <q_r, id grad>; d/dbias_r = sum of id grad
+    d_rows = d_rows.astype(rows.dtype)
+  elif cfg.layout == "split8":  # d/dscale_r = sum over ids of r of <q_r, id grad>; d/dbias_r = sum of id grad
     q_seen = rows[safe].astype(jnp.float32)
     d_scale = jnp.zeros((num_rows,), jnp.float32).at[drop].add(
         jnp.sum(q_seen * id_grads, axis=-1), mode="drop")
     d_bias = jnp.zeros((num_rows,), jnp.float32).at[drop].add(
         jnp.sum(id_grads, axis=-1), mode="drop")
-    d_rows = None
   return d_rows, d_scale, d_bias, None, d_coef.astype(coef_ML.dtype), None
 
 
 _bag.defvjp(_bag_fwd, _bag_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("block_bags", "block_dim", "num_warps",
+@functools.partial(jax.jit, static_argnames=("block_bags", "block_dim", "unroll", "num_warps",
                                              "num_stages", "interpret"))
 def embedding_bag(table: Table, ids: jax.Array, coef: jax.Array, *,
                   offsets: jax.Array | None = None, block_bags: int | None = None,
-                  block_dim: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                  interpret: bool | None = None) -> jax.Array:
+                  block_dim: int | None = None, unroll: int | None = None, num_warps: int = 4,
+                  num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
   """Pooled bags [..., D] float32 of `ids` [..., L] weighted by `coef` [..., L].
 
-  table: float rows [R, D] (float32, bfloat16, ...) or an int8 `core.quant.RowwiseQuantized`.
+  table: float rows [R, D] (float32, bfloat16, ...), an int8 `core.quant.RowwiseQuantized`,
+    or `PackedInt8Rows` (`pack_int8`; the fast int8 layout).
   ids: rows of the flat buffer, or, with `offsets` [F], ids within feature f's table
     (f indexes ids' axis -2), shifted by offsets[f] in the kernel.
   coef: per-position coefficient (mean, weights and the padding mask folded in).
   Positions whose coef is 0 or whose id is outside [0, R) contribute nothing.
-  Differentiable in the float rows, int8 scale and bias, and coef.
+  block_bags / block_dim: bags and columns of one program (powers of two; None: chosen
+  from D); unroll: positions whose row gathers a program issues together (None: enough
+  for ~16 KB of rows in flight).
+  Differentiable in the float rows, split int8 scale and bias, and coef.
   """
-  rows, scale, bias = _split_table(table)
+  layout, rows, scale, bias, dim = _split_table(table)
   ids = jnp.asarray(ids)
   coef = jnp.asarray(coef)
   _check_ids(ids, coef, offsets)
   *lead, bag_len = ids.shape
   num_feat = ids.shape[-2] if offsets is not None else 1
-  cfg = _Config(block_bags, block_dim, num_warps, num_stages, _resolve_interpret(interpret))
+  cfg = _Config(layout, dim, block_bags, block_dim, unroll, num_warps, num_stages,
+                _resolve_interpret(interpret))
   out = _bag(rows, scale, bias, ids.reshape(-1, bag_len).astype(jnp.int32),
              coef.reshape(-1, bag_len).astype(jnp.float32),
              None if offsets is None else jnp.asarray(offsets, jnp.int32), num_feat, cfg)
-  return out.reshape(*lead, rows.shape[1])
+  return out.reshape(*lead, dim)
 
 
 @functools.partial(jax.jit, static_argnames=("block_bags", "block_dim", "num_warps",
@@ -319,7 +567,8 @@ def embedding_bag_id_grads(coef: jax.Array, grad: jax.Array, *, block_bags: int 
     raise ValueError(f"kernels/embedding_bag.py embedding_bag_id_grads: coef {coef.shape} and "
                      f"grad {grad.shape}, expected [..., L] and [..., D] with the same bags")
   bag_len, dim = coef.shape[-1], grad.shape[-1]
-  cfg = _Config(block_bags, block_dim, num_warps, num_stages, _resolve_interpret(interpret))
+  cfg = _Config("float", dim, block_bags, block_dim, None, num_warps, num_stages,
+                _resolve_interpret(interpret))
   return _id_grads_call(coef.reshape(-1, bag_len), grad.reshape(-1, dim), cfg)
 
 
@@ -329,7 +578,11 @@ def embedding_bag_id_grads(coef: jax.Array, grad: jax.Array, *, block_bags: int 
 def embedding_bag_reference(table: Table, ids: jax.Array, coef: jax.Array, *,
                             offsets: jax.Array | None = None) -> jax.Array:
   """Pure jnp `embedding_bag` (any RowwiseQuantized width): gather, mask, weighted sum."""
-  if isinstance(table, quant.RowwiseQuantized):
+  if isinstance(table, PackedInt8Rows):
+    num_rows = table.words.shape[0]
+    deq = lambda i: quant.dequantize_rowwise(unpack_int8(PackedInt8Rows(table.words[i],
+                                                                        table.dim)))
+  elif isinstance(table, quant.RowwiseQuantized):
     num_rows = table.q.shape[0]
     deq = lambda i: quant.dequantize_rowwise(
         dataclasses.replace(table, q=table.q[i], scale=table.scale[i], bias=table.bias[i]))

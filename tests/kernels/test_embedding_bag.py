@@ -3,7 +3,9 @@
 Every case runs twice (JAX's Pallas test pattern): `TestEmbeddingBagInterpret` through
 Pallas' interpreter on CPU, `TestEmbeddingBagCompiled` compiled on a GPU (`-m gpu`). On
 CPU, `test_lowers_to_triton_for_h100` also lowers each variant to a verified Triton
-module for an H100 target, which catches block-shape and dtype errors without a GPU.
+module for an H100 target, which catches block-shape and dtype errors without a GPU, and
+`test_lowering_addresses_any_size` lowers abstract tables of 2-6 GiB (no memory is
+allocated) to check 32-bit pieces and 64-bit offsets where each is needed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ CASES = {
     # the collection's a2a layout: leading dims [N, B, S], a column chunk of width 3
     "a2a": dict(rows=[11, 6], dim=3, batch=4, bag_len=2, lead=(2,)),
 }
-DTYPES = ["float32", "bfloat16", "int8"]
+DTYPES = ["float32", "bfloat16", "int8", "packed8"]
 
 
 def _case(name, dtype, seed=0):
@@ -56,12 +58,16 @@ def _case(name, dtype, seed=0):
   grad = rng.normal(size=(*lead, F, dim)).astype(np.float32)
   if dtype == "int8":
     table = quant.quantize_rowwise_int8(full)
+  elif dtype == "packed8":
+    table = eb.pack_int8(quant.quantize_rowwise_int8(full))
   else:
     table = jnp.asarray(full, dtype)
   return table, flat, local, offsets, coef, lengths, grad
 
 
 def _dense_rows(table) -> np.ndarray:
+  if isinstance(table, eb.PackedInt8Rows):
+    table = eb.unpack_int8(table)
   if isinstance(table, quant.RowwiseQuantized):
     return np.asarray(quant.dequantize_rowwise(table))
   return np.asarray(table.astype(jnp.float32))
@@ -85,18 +91,19 @@ def _kw(name):
 def _tol(dtype):
   # The kernel adds ids in order l = 0..L-1; the reference's einsum may not. int8 also
   # folds the bias as sum(c * bias) rather than row by row.
-  return dict(rtol=2e-6, atol=2e-6) if dtype != "int8" else dict(rtol=1e-5, atol=1e-5)
+  return dict(rtol=2e-6, atol=2e-6) if "8" not in dtype else dict(rtol=1e-5, atol=1e-5)
 
 
 _reference = jax.jit(eb.embedding_bag_reference)
 # Forward combinations: every case in float32, the narrower rows on the harder cases.
 FORWARD = ([(n, "float32") for n in CASES]
-           + [(n, d) for d in ("bfloat16", "int8") for n in ("multihot", "blocks")]
-           + [("a2a", "int8")])
+           + [(n, d) for d in ("bfloat16", "int8", "packed8") for n in ("multihot", "blocks")]
+           + [("a2a", "int8"), ("a2a", "packed8"), ("onehot", "packed8")])
 
 
 @pytest.mark.parametrize("name,dtype", [(n, "float32") for n in CASES]
-                         + [("multihot", "bfloat16"), ("multihot", "int8")])
+                         + [("multihot", "bfloat16"), ("multihot", "int8"),
+                            ("multihot", "packed8")])
 def test_reference_matches_numpy(name, dtype):
   table, flat, local, offsets, coef, _, _ = _case(name, dtype)
   want = _numpy_bags(_dense_rows(table), flat, coef)
@@ -121,7 +128,7 @@ class EmbeddingBagCases:
     np.testing.assert_allclose(got, want, **_tol(dtype))
     assert np.abs(np.asarray(got)).max() > 0.1     # bags are not all empty
 
-  @pytest.mark.parametrize("dtype", ["float32", "int8"])
+  @pytest.mark.parametrize("dtype", ["float32", "int8", "packed8"])
   def test_offsets_in_kernel(self, dtype):
     """Per-feature offsets added in the kernel equal ids offset beforehand."""
     table, flat, local, offsets, coef, _, _ = _case("multihot", dtype, seed=1)
@@ -167,6 +174,9 @@ class EmbeddingBagCases:
     if dtype == "int8":   # the codes are integers: differentiate scale and bias
       params = (table.scale, table.bias)
       make = lambda p: quant.RowwiseQuantized(table.q, p[0], p[1], 8, table.dim)
+    elif dtype == "packed8":   # integer words: only coef is differentiable
+      params = ()
+      make = lambda p: table
     else:
       params = (table,)
       make = lambda p: p[0]
@@ -186,12 +196,48 @@ class EmbeddingBagCases:
       assert g.shape == w.shape
       g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
       np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-5 * np.abs(w).max())
+    assert len(jax.tree.leaves(got)) == len(params) + 1
     # Rows never looked up get no gradient; the ones looked up do.
-    if dtype != "int8":
+    if dtype in ("float32", "bfloat16"):
       d_rows = np.asarray(got[0][0], np.float32)
       hit = np.zeros(d_rows.shape[0], bool)
       hit[flat[(coef != 0) & (flat >= 0) & (flat < d_rows.shape[0])]] = True
       assert (d_rows[~hit] == 0).all() and (np.abs(d_rows[hit]).sum(1) > 0).all()
+
+  @pytest.mark.parametrize("dtype", DTYPES)
+  @pytest.mark.parametrize("kw", [dict(unroll=1), dict(unroll=2, block_bags=2),
+                                  dict(unroll=8, block_dim=4), dict(unroll=4, block_bags=1)])
+  def test_launch_configs_agree(self, dtype, kw):
+    """Rows in flight (unroll, also past L), bag and column blocks change nothing but speed:
+    each config equals the default one (same additions in the same order per column)."""
+    table, flat, _, _, coef, _, _ = _case("multihot", dtype, seed=4)
+    base = eb.embedding_bag(table, flat, coef, interpret=self.interpret)
+    got = eb.embedding_bag(table, flat, coef, interpret=self.interpret, **kw)
+    np.testing.assert_allclose(got, base, rtol=1e-6, atol=1e-6)
+
+  @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+  def test_pieces(self, dtype, monkeypatch):
+    """A buffer past the 32-bit offset limit is read as pieces that are each under it:
+    with the limit lowered to 40 elements the 70-row buffer becomes 24 pieces of 3 rows
+    (dim 12), and every bag, offsets and gradients included, is unchanged."""
+    table, flat, local, offsets, coef, _, grad = _case("multihot", dtype, seed=5)
+    rows = table.q if dtype == "int8" else table
+    want = eb.embedding_bag(table, flat, coef, interpret=self.interpret)
+    monkeypatch.setattr(eb, "_I32_MAX_ELEMENTS", 40)
+    pieces, starts = eb._pieces(rows)
+    assert len(pieces) == 24 and starts[:3] == (0, 3, 6) and starts[-1] == rows.shape[0]
+    assert all(p.size <= 40 for p in pieces)
+    got = eb.embedding_bag(table, flat, coef, interpret=self.interpret)
+    np.testing.assert_array_equal(got, want)
+    local = np.where(coef != 0, local, 0)
+    np.testing.assert_allclose(   # offsets added in the kernel (as in test_offsets_in_kernel)
+        eb.embedding_bag(table, local, coef, offsets=offsets, interpret=self.interpret), want,
+        rtol=1e-6, atol=1e-6)
+    if dtype == "float32":
+      loss = lambda t: jnp.sum(eb.embedding_bag(t, flat, coef, interpret=self.interpret) * grad)
+      g = jax.grad(loss)(table)
+      monkeypatch.setattr(eb, "_I32_MAX_ELEMENTS", 2**31 - 1)
+      np.testing.assert_array_equal(g, jax.grad(loss)(table))
 
   def test_jit_and_empty_bags(self):
     table, flat, _, _, coef, _, _ = _case("onehot", "float32")
@@ -225,6 +271,40 @@ def test_errors():
     eb.embedding_bag(table, flat, coef, offsets=offsets[:2], interpret=True)
   with pytest.raises(ValueError, match="block_bags=6, expected a power of two"):
     eb.embedding_bag(table, flat, coef, block_bags=6, interpret=True)
+  with pytest.raises(ValueError, match="unroll=3, expected a power of two"):
+    eb.embedding_bag(table, flat, coef, unroll=3, interpret=True)
+  packed = eb.pack_int8(quant.quantize_rowwise_int8(np.asarray(table)))
+  with pytest.raises(ValueError, match="block_dim=2, expected a multiple of 4"):
+    eb.embedding_bag(packed, flat, coef, block_dim=2, interpret=True)
+  with pytest.raises(ValueError, match=r"expected int32 \[R, 8\]"):
+    eb.embedding_bag(eb.PackedInt8Rows(packed.words[:, :4], 12), flat, coef, interpret=True)
+  with pytest.raises(ValueError, match="pack_int8: bits=4"):
+    eb.pack_int8(quant.quantize_rowwise_int4(np.asarray(table)))
+
+
+@pytest.mark.parametrize("dim", [1, 3, 4, 12, 128])
+def test_pack_int8_round_trip(dim):
+  """Packed rows hold FBGEMM's codes, scale and bias bit for bit, rows of 16-byte multiples,
+  and dequantize to the same floats as the split layout."""
+  rng = np.random.default_rng(dim)
+  qr = quant.quantize_rowwise_int8(rng.normal(size=(9, dim)).astype(np.float32))
+  packed = eb.pack_int8(qr)
+  w = eb.packed_words_per_row(dim)
+  assert packed.words.shape == (9, w) and packed.words.dtype == jnp.int32 and w % 4 == 0
+  assert 4 * w >= dim + 8 and 4 * w - 16 < -(-dim // 4) * 4 + 8
+  back = eb.unpack_int8(packed)
+  for a, b in ((back.q, qr.q), (back.scale, qr.scale), (back.bias, qr.bias)):
+    np.testing.assert_array_equal(a, b)
+  # Word j of row r holds codes 4j..4j+3 little-endian, then the scale's and bias' bits.
+  words = np.asarray(packed.words).view(np.uint32)
+  q = np.asarray(qr.q)
+  j = (dim - 1) // 4
+  want = sum(int(q[2, c]) << (8 * (c - 4 * j)) for c in range(4 * j, dim))
+  assert words[2, j] == want
+  d4 = -(-dim // 4)
+  assert words[2, d4] == np.asarray(qr.scale).view(np.uint32)[2]
+  assert words[2, d4 + 1] == np.asarray(qr.bias).view(np.uint32)[2]
+  assert (words[:, d4 + 2:] == 0).all()
 
 
 def test_default_interpret_on_cpu():
@@ -269,25 +349,92 @@ def _lower_for_gpu(fn, *args):
   return built
 
 
+def _table_fn(table, **kw):
+  """(fn of the table's arrays + ids, coef, offsets, those arrays) for lowering."""
+  if isinstance(table, quant.RowwiseQuantized):
+    return (lambda q, s, b, i, c, o: eb.embedding_bag(
+        quant.RowwiseQuantized(q, s, b, 8, table.dim), i, c, offsets=o, interpret=False, **kw),
+            (table.q, table.scale, table.bias))
+  if isinstance(table, eb.PackedInt8Rows):
+    return (lambda w, i, c, o: eb.embedding_bag(eb.PackedInt8Rows(w, table.dim), i, c,
+                                                offsets=o, interpret=False, **kw),
+            (table.words,))
+  return (lambda t, i, c, o: eb.embedding_bag(t, i, c, offsets=o, interpret=False, **kw),
+          (table,))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lowers_to_triton_for_h100(dtype):
   table, flat, local, offsets, coef, _, grad = _case("multihot", dtype)
-  if dtype == "int8":
-    fn = lambda q, s, b, i, c, o: eb.embedding_bag(
-        quant.RowwiseQuantized(q, s, b, 8, table.dim), i, c, offsets=o, interpret=False)
-    args = (table.q, table.scale, table.bias, local, coef, offsets)
-  else:
-    fn = lambda t, i, c, o: eb.embedding_bag(t, i, c, offsets=o, interpret=False)
-    args = (table, local, coef, offsets)
-  mods = _lower_for_gpu(fn, *args)
+  fn, arrays = _table_fn(table)
+  mods = _lower_for_gpu(fn, *arrays, local, coef, offsets)
   assert len(mods) == 1 and "tt.load" in mods[0] and "scf.for" in mods[0]
   if dtype == "int8":
     assert "uitofp" in mods[0]             # codes read as unsigned bytes
-  # Forward and backward kernels of the differentiable op both lower.
-  mods = _lower_for_gpu(lambda t, c: jax.grad(
+  if dtype == "packed8":                   # codes unpacked from words; scale / bias split off
+    assert "arith.shrui" in mods[0] and "tt.split" in mods[0] and "tt.join" in mods[0]
+  # Forward and backward kernels of the differentiable op both lower (value_and_grad: with
+  # grad alone jax 0.12 drops the forward kernel, whose output the gradient does not need).
+  mods = _lower_for_gpu(lambda t, c: jax.value_and_grad(
       lambda t, c: jnp.sum(eb.embedding_bag(t, flat, c, interpret=False) * grad),
       argnums=(0, 1))(t, c), np.asarray(_dense_rows(table)), coef)
   assert len(mods) == 2
+
+
+def _row_address_widths(module: str, args: tuple[str, ...]) -> set[str]:
+  """Offset integer types of the 2-D tile addresses built on kernel arguments `args` (the
+  row buffers: %arg0, ...): their pointer splats, then the tt.addptr ops on those."""
+  import re
+  bases = {m for a in args
+           for m in re.findall(rf"(%\S+) = tt\.splat {a} : !tt\.ptr<\w+> -> tensor<\d+x\d+x", module)}
+  widths = set()
+  for base in bases:
+    widths |= set(re.findall(rf"tt\.addptr {base}, %\S+ : tensor<\d+x\d+x!tt\.ptr<\w+>>, "
+                             rf"tensor<\d+x\d+x(i\d+)>", module))
+  assert widths, f"no tile addresses on {args}"
+  return widths
+
+
+SIZES = {   # (rows, dim, layout) of 2-6 GiB buffers, lowered abstractly (nothing allocated)
+    "int8_3.3GB_pieces": (26_000_000, 128, "int8"),     # 1-byte codes in (2^31, 2^32]
+    "packed_3.7GB": (26_000_000, 128, "packed8"),       # 4-byte words, 32-bit offsets
+    "packed_5.8GB": (40_000_000, 128, "packed8"),       # over 2^32 bytes: 64-bit
+    "fp32_5.1GB": (10_000_000, 128, "float32"),
+    "bf16_4GB": (2**24, 128, "bfloat16"),               # exactly 2^32 bytes: 32-bit, fits
+}
+
+
+@pytest.mark.parametrize("case", list(SIZES))
+def test_lowering_addresses_any_size(case):
+  """Big buffers lower with addresses that cannot overflow: a 1-byte code buffer between
+  2^31 and 2^32 bytes (where Pallas would use 32-bit offsets past 2^31) becomes two
+  pieces under 2^31 elements; packed words stay one operand (32-bit offsets up to 4 GiB,
+  64-bit above); float rows over 4 GiB get 64-bit offsets."""
+  rows, dim, layout = SIZES[case]
+  sds = jax.ShapeDtypeStruct
+  if layout == "int8":
+    table = quant.RowwiseQuantized(sds((rows, dim), jnp.uint8), sds((rows,), jnp.float32),
+                                   sds((rows,), jnp.float32), 8, dim)
+  elif layout == "packed8":
+    table = eb.PackedInt8Rows(sds((rows, eb.packed_words_per_row(dim)), jnp.int32), dim)
+  else:
+    table = sds((rows, dim), jnp.dtype(layout))
+  fn, arrays = _table_fn(table)
+  ids, coef = sds((64, 26, 4), jnp.int32), sds((64, 26, 4), jnp.float32)
+  mods = _lower_for_gpu(fn, *arrays, ids, coef, sds((26,), jnp.int32))
+  assert len(mods) == 1
+  mod = mods[0]
+  head = next(line for line in mod.splitlines() if "tt.func" in line)   # its signature
+  elem = {"int8": "i8", "packed8": "i32", "float32": "f32", "bfloat16": "bf16"}[layout]
+  nbytes = (rows * eb.packed_words_per_row(dim) * 4 if layout == "packed8"
+            else rows * dim * jnp.dtype(layout if layout != "int8" else "uint8").itemsize)
+  if layout == "int8":
+    assert head.count("!tt.ptr<i8>") == 2              # two pieces
+    assert _row_address_widths(mod, ("%arg0", "%arg1")) == {"i32"}
+  else:
+    assert head.count(f"!tt.ptr<{elem}>") >= 1
+    want = "i64" if nbytes > 2**32 else "i32"
+    assert _row_address_widths(mod, ("%arg0",)) == {want}, (nbytes, want)
 
 
 # ------------------------------------------------------------- in the embedding collection
@@ -364,3 +511,30 @@ def test_bench_refuses_on_cpu():
   from experiments import bench_kernels_embedding
   with pytest.raises(RuntimeError, match="default backend is 'cpu'"):
     bench_kernels_embedding.bench_embedding_bag(num_rows=10, batch=2, features=1, bag_len=1)
+
+
+def test_bench_runs_every_format_and_isolates_failures(monkeypatch):
+  """The GPU benchmark's own logic on CPU at a toy size (kernels interpreted, the GPU
+  check and the copy timing stubbed): every format and sweep config gives a row, and an
+  implementation that raises is reported while the others still run."""
+  from experiments import bench_kernels_embedding as bench
+  from kernels import triton_int8_pool
+  monkeypatch.setattr(bench, "_require_gpu", lambda what: None)
+  monkeypatch.setattr(bench, "device_copy_bandwidth", lambda: 1e9)
+  monkeypatch.setattr(triton_int8_pool, "available", lambda: True)
+
+  def broken(*args):
+    raise RuntimeError("triton failed to compile\nsecond line")
+  monkeypatch.setattr(triton_int8_pool, "int8_pool", broken)
+  out = bench.bench_embedding_bag(num_rows=40, dim=8, batch=4, features=2, bag_len=3,
+                                  repeats=1, sweep=True)
+  rows = {(r["dtype"], r["impl"]): r for r in out["results"]}
+  for fmt in bench.FORMATS:
+    assert rows[(fmt, "pallas")]["of_copy"] > 0 and rows[(fmt, "xla")]["of_copy"] > 0
+    assert sum(d == fmt and i.startswith("pallas[") for d, i in rows) == len(bench.SWEEP[fmt])
+  assert rows[("int8_split", "triton")]["error"] == "RuntimeError: triton failed to compile"
+  # 4 bags x 2 features x 3 ids of D + 8 = 16 bytes (int8) + 8 bytes of id and coef each,
+  # plus 8 pooled float32 rows of 8.
+  assert rows[("int8", "pallas")]["bytes"] == 24 * 24 + 8 * 8 * 4
+  assert "failed: RuntimeError" in bench.format_table(out)
+  assert bench.summary(out)["of_copy"]["int8_split/triton"].startswith("RuntimeError")
