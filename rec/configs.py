@@ -85,6 +85,9 @@ MODEL_PRESETS: dict[str, dict[str, Callable[..., Any]]] = {
     },
     "dcnv2": {
         "kaggle": dcnv2_lib.DCNv2Config.criteo,
+        # MLPerf Training DLRM-DCNv2: criteo's architecture, multi-hot pooling factors, big
+        # tables in bf16 (rows from the data: MLPERF_ROWS for MLPerf-shaped data).
+        "mlperf": dcnv2_lib.DCNv2Config.mlperf,
         "small": lambda rows, **o: dcnv2_lib.DCNv2Config(
             **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 16),
                "num_cross_layers": 2, "cross_rank": 32, "deep_mlp": (64,), "top_mlp": (1,), **o}),

@@ -9,6 +9,20 @@ The cross network is `num_cross_layers` layers x_{l+1} = x0 * (W x_l + b) + x_l 
 rank, or W = U V^T of rank `cross_rank`). As in DLRM, the embedding tables live in the
 sharded collection (`DCNv2Config.tables()`); this module is the data-parallel dense part.
 
+`DCNv2Config.mlperf` is the MLPerf Training DLRM-DCNv2 benchmark (Criteo 1TB with
+multi-hot bags): the MLCommons reference `recommendation_v2/torchrec_dlrm` (README, the
+run on the materialized multi-hot data set) trains 26 tables of `MLPERF_ROWS` rows, dim
+128, with `MLPERF_MULTI_HOT` ids per bag, bottom MLP 13-512-256-128, DCN-v2 with 3
+low-rank (512) cross layers, over arch 1024-1024-512-256-1, Adagrad for the dense and the
+sparse part (lr 0.005, eps 1e-8, initial accumulator 0, no warm-up or decay: the
+script's defaults), global batch 65536 on 8 GPUs. That is 204.2M rows, 26.1G embedding
+parameters: 104.5 GB in float32, 52.3 GB in bfloat16, so the preset stores the tables
+of at least `MLPERF_BF16_ROWS` rows (the five 40M-row tables and the 3.07M one) in
+bfloat16, which with a row-wise Adagrad accumulator (0.8 GB) fits one 80 GB GPU; the
+planner shards them over more (`experiments.bench_dlrm --model=dcnv2 --preset=mlperf
+--show_plan`). The reference's exact (per-element) Adagrad on the tables would double
+their memory; `rowwise_adagrad` is FBGEMM's and TorchRec's usual choice at this size.
+
 Letters: B batch, Dn dense input features, D embedding dim, F sparse features,
 X width of x0 (bottom output + F * D).
 """
@@ -19,14 +33,32 @@ import dataclasses
 from typing import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from rec.data.synthetic import MLPERF_MULTI_HOT
 from rec.embedding.config import TableConfig
 from rec.layers.dcn import CrossNetwork
 from rec.layers.mlp import MLP
 from rec.models import common
 
 STRUCTURES = ("stacked", "parallel")
+# Rows of the 26 tables of MLPerf Training DLRM-DCNv2 (--num_embeddings_per_feature of the
+# MLCommons reference's multi-hot run); ids per bag are rec.data.synthetic.MLPERF_MULTI_HOT.
+MLPERF_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956,
+               405282, 10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152,
+               12973, 108, 36)
+MLPERF_BF16_ROWS = 1 << 20     # the mlperf preset stores tables of at least this many rows bf16
+
+
+def mlperf_rows(max_rows: int | None = None) -> tuple[int, ...]:
+  """MLPERF_ROWS, each capped at `max_rows` (None: the reference's): the same 26 tables at
+  a size a CPU or a test can hold (the small tables keep their reference sizes)."""
+  if max_rows is None:
+    return MLPERF_ROWS
+  if max_rows < 1:
+    raise ValueError(f"mlperf_rows: max_rows={max_rows}, expected >= 1")
+  return tuple(min(r, int(max_rows)) for r in MLPERF_ROWS)
 
 
 def _positive(name: str, sizes: tuple[int, ...], where: str) -> None:
@@ -57,6 +89,10 @@ class DCNv2Config:
   top_mlp: tuple[int, ...] = (1,)
   feature_names: tuple[str, ...] | None = None
   dtype: str = "float32"   # activation dtype; parameters stay float32, logits are float32
+  # Per table: mean ids per bag (the planner's pooling factor) and row storage; None: 1
+  # and "fp32" for every table.
+  pooling_factors: tuple[float, ...] | None = None
+  table_storage: tuple[str, ...] | None = None
 
   def __post_init__(self):
     for f in ("bottom_mlp", "deep_mlp", "top_mlp"):
@@ -80,6 +116,13 @@ class DCNv2Config:
     if not self.top_mlp or self.top_mlp[-1] != 1:
       raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
     common.check_dtype(w, self.dtype)
+    for f in ("pooling_factors", "table_storage"):
+      v = getattr(self, f)
+      if v is not None:
+        object.__setattr__(self, f, tuple(v))
+        if len(v) != self.num_sparse:
+          raise ValueError(f"{w}: {f} has {len(v)} entries, expected one per sparse feature "
+                           f"({self.num_sparse})")
 
   @property
   def cross_dim(self) -> int:
@@ -95,8 +138,12 @@ class DCNv2Config:
 
   def tables(self) -> list[TableConfig]:
     """One sum-pooled table per sparse feature, named after the feature."""
-    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim)
-            for name, rows in zip(self.feature_names, self.rows_per_feature)]
+    n = self.num_sparse
+    pf = self.pooling_factors or (1.0,) * n
+    st = self.table_storage or ("fp32",) * n
+    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim,
+                        pooling_factor=float(p), storage=s)
+            for name, rows, p, s in zip(self.feature_names, self.rows_per_feature, pf, st)]
 
   @classmethod
   def criteo(cls, num_rows: int | Sequence[int], **overrides) -> DCNv2Config:
@@ -106,6 +153,20 @@ class DCNv2Config:
                   bottom_mlp=(512, 256, 128), num_cross_layers=3, cross_rank=512,
                   deep_mlp=(1024, 1024, 512, 256), structure="stacked", top_mlp=(1,))
     return cls(**{**kwargs, **overrides})
+
+  @classmethod
+  def mlperf(cls, num_rows: int | Sequence[int] | None = None, **overrides) -> DCNv2Config:
+    """MLPerf Training DLRM-DCNv2 (module docstring): `criteo`'s architecture on tables of
+    `num_rows` rows (None: MLPERF_ROWS; a data set's rows per feature when called as the
+    `--preset=mlperf` of `rec.configs`), pooling factors MLPERF_MULTI_HOT (26 features),
+    and tables of at least MLPERF_BF16_ROWS rows stored in bfloat16."""
+    rows = MLPERF_ROWS if num_rows is None else num_rows
+    n = overrides.get("num_sparse", 26)
+    rows_t = (int(rows),) * n if isinstance(rows, (int, np.integer)) else tuple(rows)
+    defaults = dict(
+        table_storage=tuple("bf16" if r >= MLPERF_BF16_ROWS else "fp32" for r in rows_t),
+        pooling_factors=tuple(float(x) for x in MLPERF_MULTI_HOT) if n == 26 else None)
+    return cls.criteo(rows_t, **{**defaults, **overrides})
 
 
 class DCNv2(nnx.Module):

@@ -1,0 +1,72 @@
+"""The MLPerf Training DLRM-DCNv2 run (Criteo 1TB multi-hot): config, data of its shapes, plans.
+
+The model is `rec.models.dcnv2.DCNv2Config.mlperf` (`--model=dcnv2 --preset=mlperf`; its
+docstring lists the reference's sizes). Here: the run settings of the MLCommons reference
+(`run_config`: Adagrad at lr 0.005 for the dense part, row-wise Adagrad at the same rate
+for the tables), a synthetic source with its 26 table sizes (optionally capped) and bag
+sizes (`build_run`, the steps of `rec.configs.build_run` with that source), and the
+planner's plans at full size (`plans`). `experiments.bench_dlrm --model=dcnv2
+--preset=mlperf` times it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from core import mesh as mesh_lib
+from rec import configs
+from rec.data import synthetic
+from rec.embedding import optimizers as opt_lib
+from rec.embedding import planner as planner_lib
+from rec.embedding.collection import EmbeddingCollection
+from rec.models import dcnv2
+from rec.train_lib import RecTask, make_dense_optimizer
+
+LEARNING_RATE = 0.005   # the MLCommons reference's Adagrad learning rate (dense and sparse)
+GLOBAL_BATCH = 65536    # its global batch (8 GPUs x 8192)
+
+
+def run_config(batch_size: int, mesh: str = "-1", sharding: str = "auto",
+               memory_budget_gb: float = 70.0, **overrides) -> configs.RecRunConfig:
+  """RecRunConfig of the MLPerf DCNv2 (reference learning rate, row-wise Adagrad tables)."""
+  kw = dict(model="dcnv2", preset="mlperf", data="synthetic:multi_hot=mlperf", mesh=mesh,
+            batch_size=batch_size, eval_batch_size=batch_size, dense_optimizer="adagrad",
+            learning_rate=LEARNING_RATE, sparse_optimizer="rowwise_adagrad",
+            embedding_learning_rate=LEARNING_RATE, sharding=sharding,
+            memory_budget_gb=memory_budget_gb)
+  return configs.RecRunConfig(**{**kw, **overrides})
+
+
+def build_run(cfg: configs.RecRunConfig, max_rows: int | None = None, devices=None):
+  """(task, train source, plan): the MLPerf tables (`dcnv2.mlperf_rows(max_rows)`) fed by
+  synthetic Zipf ids in bags of the reference's sizes (MLPERF_MULTI_HOT)."""
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
+  if cfg.batch_size % n:
+    raise ValueError(f"--batch_size={cfg.batch_size} is not divisible by the {n} devices of "
+                     f"--mesh={cfg.mesh!r}")
+  src = synthetic.SyntheticCriteo(cfg.batch_size, dcnv2.mlperf_rows(max_rows), seed=cfg.seed,
+                                  multi_hot=synthetic.MLPERF_MULTI_HOT)
+  model_fn, tables, init_scale = configs.build_model_fn(cfg, src.spec)
+  sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
+  plan = configs.make_plan(cfg, tables, n, sparse_opt)
+  coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale)
+  task = RecTask(model_fn, coll, make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate),
+                 mesh)
+  return task, src, plan
+
+
+def plans(num_devices: Sequence[int] = (1, 8), memory_budget_gb: float = 70.0,
+          batch_size: int = GLOBAL_BATCH) -> dict[int, str]:
+  """The planner's plan (as text) of the full-size tables for each device count: bf16 big
+  tables, row-wise Adagrad state, `memory_budget_gb` GiB per device."""
+  tables = dcnv2.DCNv2Config.mlperf().tables()
+  opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", LEARNING_RATE)
+  cfg = run_config(batch_size, memory_budget_gb=memory_budget_gb)
+  out = {}
+  for n in num_devices:
+    plan = configs.make_plan(cfg, tables, n, opt)
+    out[n] = planner_lib.format_plan(plan, tables, n, batch_size,
+                                     int(memory_budget_gb * 2**30),
+                                     optimizer_state_bytes_per_row=opt.state_bytes_per_row)
+  return out

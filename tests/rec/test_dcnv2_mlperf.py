@@ -1,0 +1,146 @@
+"""The MLPerf Training DLRM-DCNv2 preset: shapes and parameter counts against the MLCommons
+reference, the memory it needs (one 80 GB GPU in bf16, not in fp32), its --preset wiring,
+and train steps on 8 simulated devices equal to 1 device at reduced rows."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from core import flops as flops_lib
+from rec import configs, mlperf
+from rec.data import synthetic
+from rec.data.batch import DataSpec
+from rec.embedding import optimizers as opt_lib
+from rec.embedding import planner as planner_lib
+from rec.models import dcnv2
+from rec.models.dcnv2 import DCNv2, DCNv2Config
+
+# From the MLCommons reference (training/recommendation_v2/torchrec_dlrm/README.MD, the
+# run on the materialized multi-hot data set): --num_embeddings_per_feature,
+# --multi_hot_sizes, --embedding_dim, --dense_arch_layer_sizes, --over_arch_layer_sizes,
+# --dcn_num_layers, --dcn_low_rank_dim.
+REF_ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282,
+            10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108,
+            36]
+REF_MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+REF_DIM, REF_DENSE_ARCH, REF_OVER_ARCH = 128, [512, 256, 128], [1024, 1024, 512, 256, 1]
+REF_DCN_LAYERS, REF_DCN_RANK = 3, 512
+
+
+def _torchrec_dense_params() -> int:
+  """Parameters of TorchRec's DLRM_DCN dense part for the reference sizes: DenseArch MLP
+  (Linear + bias per layer), LowRankCrossNet (per layer W [in, r], V [r, in], bias [in])
+  over in = dense_out + 26 * dim, OverArch MLP then the final Linear."""
+  sizes = [13] + REF_DENSE_ARCH
+  dense = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+  x = REF_DENSE_ARCH[-1] + 26 * REF_DIM
+  cross = REF_DCN_LAYERS * (2 * x * REF_DCN_RANK + x)
+  sizes = [x] + REF_OVER_ARCH
+  over = sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+  return dense + cross + over
+
+
+def test_preset_matches_the_reference():
+  assert list(dcnv2.MLPERF_ROWS) == REF_ROWS
+  assert list(synthetic.MLPERF_MULTI_HOT) == REF_MULTI_HOT
+  cfg = DCNv2Config.mlperf()
+  assert (cfg.num_dense, cfg.num_sparse, cfg.embedding_dim) == (13, 26, REF_DIM)
+  assert list(cfg.bottom_mlp) == REF_DENSE_ARCH
+  assert (cfg.num_cross_layers, cfg.cross_rank, cfg.structure) == (3, 512, "stacked")
+  assert list(cfg.deep_mlp) + list(cfg.top_mlp) == REF_OVER_ARCH
+  tables = cfg.tables()
+  assert [t.num_rows for t in tables] == REF_ROWS and {t.dim for t in tables} == {128}
+  assert [t.pooling_factor for t in tables] == REF_MULTI_HOT
+  assert {t.pooling for t in tables} == {"sum"}
+  # Parameter counts: ours against TorchRec's layer arithmetic.
+  model = nnx.eval_shape(lambda: DCNv2(cfg, nnx.Rngs(0)))
+  dense = flops_lib.count_params(model)
+  assert dense == _torchrec_dense_params() == 16_044_545
+  assert sum(t.num_rows * t.dim for t in tables) == sum(REF_ROWS) * 128 == 26_135_627_264
+
+
+def test_preset_fits_one_80gb_gpu_in_bf16_and_shards_over_eight():
+  """bf16 big tables + a row-wise Adagrad accumulator fit one 80 GB GPU (with room for the
+  dense part and activations); float32 tables do not; 8 devices split them."""
+  cfg = DCNv2Config.mlperf()
+  tables = cfg.tables()
+  assert [t.storage == "bf16" for t in tables] == [r >= 2**20 for r in REF_ROWS]
+  assert sum(t.storage == "bf16" for t in tables) == 6
+  opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.005)
+  total = sum(planner_lib.table_bytes(t, opt.state_bytes_per_row) for t in tables)
+  assert 50e9 < total < 60e9                        # 53.4 GB: bf16 rows + 4 bytes per row
+  budget = 70 * 2**30
+  one = planner_lib.plan(tables, 1, budget, 65536,
+                         optimizer_state_bytes_per_row=opt.state_bytes_per_row)
+  assert planner_lib.estimate_plan(one, tables, 1, 65536, None,
+                                   opt.state_bytes_per_row).max_memory_bytes <= budget
+  fp32 = [t.__class__(**{**t.__dict__, "storage": "fp32"}) for t in tables]
+  with pytest.raises(planner_lib.PlanError):
+    planner_lib.plan(fp32, 1, budget, 65536, optimizer_state_bytes_per_row=4)
+  eight = planner_lib.plan(tables, 8, budget, 65536,
+                           optimizer_state_bytes_per_row=opt.state_bytes_per_row)
+  est = planner_lib.estimate_plan(eight, tables, 8, 65536, None, opt.state_bytes_per_row)
+  assert est.max_memory_bytes < total / 2           # the 40M-row tables are spread out
+  # What bench_dlrm --show_plan prints.
+  text = mlperf.plans((1, 8))
+  assert "26 tables on 1 devices" in text[1] and "26 tables on 8 devices" in text[8]
+
+
+def test_mlperf_rows_cap_and_preset_wiring():
+  assert dcnv2.mlperf_rows(1000) == tuple(min(r, 1000) for r in REF_ROWS)
+  with pytest.raises(ValueError, match="max_rows=0"):
+    dcnv2.mlperf_rows(0)
+  src = synthetic.SyntheticCriteo(8, dcnv2.mlperf_rows(1000), multi_hot=synthetic.MLPERF_MULTI_HOT)
+  mcfg = configs.model_config(configs.RecRunConfig(model="dcnv2", preset="mlperf"), src.spec)
+  assert mcfg.rows_per_feature == dcnv2.mlperf_rows(1000)
+  assert mcfg == DCNv2Config.mlperf(dcnv2.mlperf_rows(1000), num_dense=13, num_sparse=26,
+                                    feature_names=src.spec.sparse_features)
+  assert {t.storage for t in mcfg.tables()} == {"fp32"}        # no table reaches 2^20 rows
+  assert src.spec.max_ids_per_bag == 100
+  # --storage=bf16 still applies to every table; a data set of other width keeps working.
+  avazu = DataSpec(num_dense=0, sparse_features=("a", "b"), rows_per_feature=(5, 2**21))
+  a = configs.model_config(configs.RecRunConfig(model="dcnv2", preset="mlperf"), avazu)
+  assert a.bottom_mlp == () and a.pooling_factors is None and a.table_storage == ("fp32", "bf16")
+  with pytest.raises(ValueError, match="pooling_factors has 3 entries, expected one per"):
+    DCNv2Config.criteo(10, pooling_factors=(1, 2, 3))
+
+
+def _train(task, src, state, steps):
+  step = jax.jit(task.train_step)
+  losses = []
+  for k in range(steps):
+    state, metrics = step(state, task.device_batch(src.batch(k)))
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+@pytest.mark.slow
+def test_train_steps_eight_devices_equal_one():
+  """The full MLPerf dense model at reduced rows (tables capped at 64 rows, the reference's
+  bag sizes): 3 train steps on 8 devices with the planner's auto plan equal 1 device, in
+  the loss, the dense parameters and every table."""
+  runs = {}
+  for mesh, devices in (("data:1", jax.devices()[:1]), ("data:8", None)):
+    runs[mesh] = mlperf.build_run(mlperf.run_config(32, mesh, memory_budget_gb=1.0), 64, devices)
+  (task1, src1, _), (task8, src8, plan8) = runs["data:1"], runs["data:8"]
+  assert len({p.kind for p in plan8.values()}) >= 2          # a real mix of shardings
+  init1 = task1.init_state(0)
+  host = jax.device_get({k: init1[k] for k in ("step", "params", "opt")})
+  init8 = jax.device_put(host, NamedSharding(task8.mesh, jax.P()))
+  init8["emb"] = task8.collection.from_tables(task1.collection.to_tables(init1["emb"]))
+  state1, loss1 = _train(task1, src1, init1, 3)
+  state8, loss8 = _train(task8, src8, init8, 3)
+  assert np.all(np.isfinite(loss1)) and loss1[-1] != loss1[0]
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  p1, p8 = jax.device_get(state1["params"]), jax.device_get(state8["params"])
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p1), jax.tree.leaves(p8)):
+    np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+  t1, t8 = task1.collection.to_tables(state1["emb"]), task8.collection.to_tables(state8["emb"])
+  t0 = task1.collection.to_tables(init1["emb"])
+  for name in t1:
+    np.testing.assert_allclose(t8[name], t1[name], rtol=2e-5, atol=2e-6, err_msg=name)
+  assert all(np.any(t1[name] != t0[name]) for name in t1)     # every table trained
