@@ -20,7 +20,8 @@ AttentionFn = Callable[..., tuple]
 _REGISTRY: dict[str, AttentionFn] = {"xla": attention_reference}
 # Modules that register an implementation on import; loaded on first use so that importing
 # the model does not pull in Pallas or shard_map code it does not need.
-_LAZY = {"pallas": "kernels.flash_attention", "ring_pass_kv": "llm.attention.ring",
+_LAZY = {"pallas": "llm.attention.pallas", "pallas_mgpu": "llm.attention.pallas",
+         "pallas_triton": "llm.attention.pallas", "ring_pass_kv": "llm.attention.ring",
          "ring_pass_q": "llm.attention.ring", "ring_auto": "llm.attention.ring"}
 
 
