@@ -12,8 +12,13 @@ outside [0, R) read nothing. Row addresses are 64-bit, so buffers over 2^31 byte
 
 `triton` and `jax_triton` (the `gpu` extra in pyproject.toml) are imported on first use,
 so this module, its reference and their tests import on a machine without them; `int8_pool`
-then raises ImportError. Forward only (no custom_vjp): training goes through
-`kernels.embedding_bag`, whose backward writes the per-id gradients.
+then raises ImportError. jax-triton and triton releases come in pairs: jax-triton 0.4 imports
+`TMA_TF32` from Triton's NVIDIA driver, which triton 3.6 lacks; it then replaces the whole
+NVIDIA backend by stubs and every launch fails with "'_Stub' object has no attribute
+'backend'". jax-triton 0.3.1 is the release for triton 3.6 (jax >= 0.8.2); 0.4.x needs
+triton >= 3.7. `int8_pool` detects the stubbed backend and raises a RuntimeError saying so.
+Forward only (no custom_vjp): training goes through `kernels.embedding_bag`, whose backward
+writes the per-id gradients.
 
 Letters: R rows, D row width, M bags (leading dims of ids flattened), L ids per bag.
 """
@@ -47,6 +52,26 @@ def available() -> bool:
   except ImportError:
     return False
   return True
+
+
+def _version(module) -> str:
+  return getattr(module, "__version__", "unknown")
+
+
+def _jax_triton():
+  """jax_triton, checked to have loaded Triton's NVIDIA backend (see the module docstring)."""
+  jt = _import("jax_triton")
+  lib = getattr(jt, "triton_lib", None)
+  stub = getattr(lib, "_Stub", None)
+  if stub is not None and getattr(getattr(lib, "cb", None), "GPUTarget", None) is stub:
+    triton = _import("triton")
+    raise RuntimeError(
+        f"kernels/triton_int8_pool.py: jax-triton {_version(jt)} could not load Triton's "
+        f"NVIDIA backend from triton {_version(triton)} (jax-triton 0.4 needs triton >= 3.7; "
+        "for triton 3.6 install jax-triton 0.3.1), so every launch would fail with "
+        "\"'_Stub' object has no attribute 'backend'\". Install a matching pair, e.g. "
+        "pip install 'jax-triton==0.3.1' next to triton 3.6, or triton >= 3.7.")
+  return jt
 
 
 @functools.cache
@@ -98,7 +123,7 @@ def int8_pool(table: quant.RowwiseQuantized, ids: jax.Array, coef: jax.Array, *,
   """Pooled bags [..., D] float32 of int8 rows `table` at `ids` [..., L] weighted by `coef`.
 
   Same semantics as `kernels.embedding_bag.embedding_bag` without offsets. Needs triton,
-  jax_triton and a GPU.
+  a jax_triton release that matches it, and a GPU.
   """
   if not isinstance(table, quant.RowwiseQuantized) or table.bits != 8:
     raise ValueError(f"kernels/triton_int8_pool.py int8_pool: table {type(table).__name__}, "
@@ -116,7 +141,7 @@ def int8_pool(table: quant.RowwiseQuantized, ids: jax.Array, coef: jax.Array, *,
     return jnp.zeros((*lead, dim), jnp.float32)
   bd = block_dim or min(_next_pow2(dim), 256)
   bm = block_bags or max(1, min(128, 4096 // bd, _next_pow2(num_bags)))
-  jt = _import("jax_triton")
+  jt = _jax_triton()
   out_type = jax.ShapeDtypeStruct((num_bags, dim), jnp.float32)
   # jax-triton >= 0.4 names the output `out_type`; earlier versions `out_shape`.
   out_kw = ("out_type" if "out_type" in inspect.signature(jt.triton_call).parameters

@@ -64,6 +64,24 @@ def test_imports_without_triton_and_checks_inputs():
       tp.int8_pool(table, ids, coef)
 
 
+def test_mismatched_jax_triton_is_a_clear_error(monkeypatch):
+  """jax-triton 0.4 beside triton 3.6 stubs out Triton's NVIDIA backend (the failure seen
+  on the GPU image); int8_pool must say which versions clash instead of failing inside."""
+  import sys
+  import types
+
+  class _Stub:
+    pass
+
+  lib = types.SimpleNamespace(_Stub=_Stub, cb=types.SimpleNamespace(GPUTarget=_Stub))
+  monkeypatch.setitem(sys.modules, "jax_triton",
+                      types.SimpleNamespace(__version__="0.4.1", triton_lib=lib))
+  monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+  table, ids, coef = _case(*CASES[0])
+  with pytest.raises(RuntimeError, match=r"jax-triton 0\.4\.1 could not load .* triton 3\.6\.0"):
+    tp.int8_pool(table, ids, coef)
+
+
 def _has(module: str) -> bool:
   return importlib.util.find_spec(module) is not None
 
