@@ -115,19 +115,31 @@ def _gpu_compute_capability() -> str | None:
   return getattr(jax.devices()[0], "compute_capability", None)
 
 
+def _cuda_runtime_version() -> int | None:
+  try:
+    from jax._src.lib import cuda_versions
+    return cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else None
+  except Exception:  # noqa: BLE001 - no CUDA plugin, or an API change: no constraint known
+    return None
+
+
 def choose_implementation(dtype, head_dim: int, scale: float | None = None,
-                          compute_capability: str | None = None) -> str:
+                          compute_capability: str | None = None, causal: bool = True) -> str:
   """The kernel `flash_attention` runs for these inputs: "mgpu" or "triton".
 
   compute_capability: the GPU's ("9.0" for Hopper); None reads the default device's (and
-  is None off a GPU, where the Triton kernel's interpreter is the faster one).
+  is None off a GPU, where the Triton kernel's interpreter is the faster one). CUDA
+  runtimes 12.8.0 to 12.9.0 miscompile masked wgmma attention in ptxas (JAX's
+  attention_mgpu.py refuses causal masks there), so causal calls take Triton on them.
   """
   if compute_capability is None:
     compute_capability = _gpu_compute_capability()
   from kernels import flash_attention_mgpu
   if (compute_capability == "9.0"
       and flash_attention_mgpu.supports(dtype, head_dim, scale)):
-    return "mgpu"
+    runtime = _cuda_runtime_version() if causal else None
+    if runtime is None or not 12080 <= runtime < 12091:
+      return "mgpu"
   return "triton"
 
 
@@ -142,7 +154,8 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_id
   kernel's block sizes and launch parameters (see its docstring).
   """
   if implementation is None:
-    implementation = choose_implementation(q_BTHK.dtype, q_BTHK.shape[-1], scale)
+    implementation = choose_implementation(q_BTHK.dtype, q_BTHK.shape[-1], scale,
+                                           causal=causal)
   kw = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             q_positions=q_positions, kv_positions=kv_positions, scale=scale,
             interpret=interpret, **tuning)

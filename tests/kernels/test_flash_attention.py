@@ -39,6 +39,16 @@ def test_choose_implementation(dtype, kd, scale, cc, want):
   assert fa.choose_implementation(dtype, kd, scale, compute_capability=cc) == want
 
 
+def test_cuda_12_8_causal_takes_triton(monkeypatch):
+  """ptxas of CUDA 12.8.0 - 12.9.0 miscompiles masked wgmma attention (JAX's kernel refuses)."""
+  monkeypatch.setattr(fa, "_cuda_runtime_version", lambda: 12080)
+  assert fa.choose_implementation(jnp.bfloat16, 128, compute_capability="9.0") == "triton"
+  assert fa.choose_implementation(jnp.bfloat16, 128, compute_capability="9.0",
+                                  causal=False) == "mgpu"
+  monkeypatch.setattr(fa, "_cuda_runtime_version", lambda: 13000)
+  assert fa.choose_implementation(jnp.bfloat16, 128, compute_capability="9.0") == "mgpu"
+
+
 def test_choose_implementation_off_gpu_is_triton():
   # The CPU test backend: the Triton kernel's HLO interpreter is the fast one.
   assert fa.choose_implementation(jnp.bfloat16, 128) == "triton"
