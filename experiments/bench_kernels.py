@@ -2,7 +2,8 @@ r"""Kernel benchmarks on one GPU, one function per kernel family.
 
   python -m experiments.bench_kernels                                # every family, GPU
   python -m experiments.bench_kernels --kernels=flash_attention --seq_lens=4096,8192
-  python -m experiments.bench_kernels --kernels=flash_attention --mgpu_configs=64x128x2,64x64x3
+  python -m experiments.bench_kernels --kernels=flash_attention --head_dims=128 \
+      --mgpu_configs=64x128x2:fused,64x128x2:split,64x64x3
   python -m experiments.bench_kernels --interpret_check              # CPU: correctness only
 
 flash_attention: TFLOP/s of the forward and of the backward of the Pallas kernels, "mgpu"
@@ -69,8 +70,9 @@ flags.DEFINE_list("causal", ["true", "false"], "Causal settings to run.")
 flags.DEFINE_integer("block_q", 128, "Triton kernel forward block_q.")
 flags.DEFINE_integer("block_k", 128, "Triton kernel forward block_k.")
 flags.DEFINE_list("mgpu_configs", ["64x128x2"],
-                  "Mosaic GPU forward tilings to time, each BLOCK_QxBLOCK_KVxSTAGES (block_q "
-                  "rows per compute warpgroup); the backward keeps its defaults.")
+                  "Mosaic GPU configs to time, each BLOCK_QxBLOCK_KVxSTAGES[:split|fused]: "
+                  "forward tiling (block_q rows per compute warpgroup) and backward variant "
+                  "(default fused at head dim 128, split at 64).")
 # embedding_bag
 flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.")
 flags.DEFINE_integer("eb_dim", 128, "Embedding dim.")
@@ -93,19 +95,25 @@ def _error(e: BaseException) -> str:
 
 
 def parse_mgpu_config(text: str) -> dict:
-  """"64x128x2" -> {"block_q": 64, "block_kv": 128, "stages": 2}."""
+  """"64x128x2" -> {"block_q": 64, "block_kv": 128, "stages": 2}; "64x128x2:split" also
+  sets the backward ("split" or "fused"; default: fused at head dim 128, else split)."""
+  tiles, _, bwd = text.lower().partition(":")
   try:
-    bq, bk, st = (int(x) for x in text.lower().split("x"))
+    bq, bk, st = (int(x) for x in tiles.split("x"))
   except ValueError:
-    raise app.UsageError(f"--mgpu_configs: {text!r}, expected BLOCK_QxBLOCK_KVxSTAGES "
-                         "such as 64x128x2") from None
-  return {"block_q": bq, "block_kv": bk, "stages": st}
+    raise app.UsageError(f"--mgpu_configs: {text!r}, expected BLOCK_QxBLOCK_KVxSTAGES[:BWD] "
+                         "such as 64x128x2 or 64x128x2:split") from None
+  if bwd not in ("", "split", "fused"):
+    raise app.UsageError(f"--mgpu_configs: {text!r}, the backward after ':' must be split "
+                         "or fused")
+  return {"block_q": bq, "block_kv": bk, "stages": st, **({"bwd": bwd} if bwd else {})}
 
 
 def _impl_label(impl: str, mgpu_cfg: dict | None, n_cfgs: int) -> str:
   if impl != "mgpu" or n_cfgs <= 1:
     return impl
-  return "mgpu[{block_q}x{block_kv}x{stages}]".format(**mgpu_cfg)
+  bwd = f":{mgpu_cfg['bwd']}" if "bwd" in mgpu_cfg else ""
+  return "mgpu[{block_q}x{block_kv}x{stages}".format(**mgpu_cfg) + bwd + "]"
 
 
 def _attention_fns(impl: str, causal: bool, block_q: int, block_k: int,

@@ -19,11 +19,16 @@ Structure (one CTA = three warpgroups: two compute, one memory; after JAX's
     registers in the exp2 domain (scale * log2 e folded into one multiply-add), O += P V
     (wgmma, P from registers). The two compute warpgroups are offset by half a step with a
     shared barrier (FA3's ping-pong), so one's softmax overlaps the other's matmuls.
-  * Backward, two kernels as in FA2 / JAX: dq (per q tile, streaming K / V; S, dP, then
-    dQ += dS K) and dk / dv (per kv tile, streaming Q, dO, lse, delta; S^T, dP^T, then
-    dV += P^T dO and dK += dS^T Q). The dk / dv kernel runs per kv head and loops over the R
-    query heads of its group, so dk, dv are summed over the group in fp32 in registers.
-    delta = rowsum(dO * O) - dlse is plain jnp (the lse cotangent: d lse_t / d s_ts = p_ts).
+  * Backward, "fused" (head dim 128, the default there; FA3's): one kernel per kv tile
+    streams Q, dO, lse, delta and computes S^T, dP^T, dV += P^T dO, dK += dS^T Q and
+    dQ += dS K, the last added into an fp32 dq buffer with a TMA reduce-add per block (each
+    compute warpgroup multiplies the whole tile's dS by its half of the head dim, after a
+    barrier that both halves of dS^T are in SMEM). "split" (head dim 64): two kernels as in
+    FA2 / JAX, dq (per q tile, streaming K / V; S, dP, dQ += dS K) and dk / dv (the fused
+    kernel without dQ): 7 matmuls per block pair instead of 5, no reduction. Both run per kv
+    head and loop over the R query heads of its group, so dk, dv are summed over the group
+    in fp32 in registers. delta = rowsum(dO * O) - dlse is plain jnp (the lse cotangent:
+    d lse_t / d s_ts = p_ts).
   * Block skipping. Without segment ids or explicit positions the schedule is arithmetic:
     causal tiles visit only key blocks at or below the diagonal, unmasked blocks first and
     the diagonal ones (masked with iotas) last, and heavy (late) query tiles are launched
@@ -45,7 +50,9 @@ Verification without a GPU: Mosaic GPU kernels run on CPU in Pallas's GPU interp
 wgmma, with race detection), which this module uses when the backend is not a GPU. That
 interpreter takes wgmma operands only from SMEM and does not interpret `pl.run_state`, so in
 interpret mode `_mma_acc` stages register operands through an SMEM scratch and accumulates
-with an add; everything else, schedules, masks, barriers, TMA slices, is the compiled code.
+with an add, and it has no TMA reduction, so the fused backward stores per-kv-tile dq
+partials that are summed afterwards; everything else, schedules, masks, barriers, TMA
+slices, is the compiled code.
 Compiled code is checked by ahead-of-time lowering for an abstract H100 (Pallas -> Mosaic
 GPU, including the SMEM budget); PTX generation and the timings need the GPU.
 
@@ -98,6 +105,7 @@ class _Config:
   block_q_dkv: int      # dk/dv kernel: streamed query block, key rows per compute warpgroup
   block_kv_dkv: int
   stages_bwd: int
+  bwd: str              # "split": dq and dk/dv kernels; "fused": one kernel, dq by reduce-add
   kv_len: int | None    # real S when keys were padded (padded keys masked), else None
   has_seg: bool
   has_pos: bool         # causal with positions (given, or arange next to segment ids)
@@ -580,8 +588,17 @@ def _dq(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, sc
   )(*args)
 
 
-def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, sched):
-  """(dk, dv) [B,Sp,G,K], summed over the R query heads of each kv head."""
+def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, sched,
+         out_refs=None):
+  """(dk, dv) [B,Sp,G,K], summed over the R query heads of each kv head.
+
+  out_refs (the fused backward): refs (dq fp32 [B,Tp,H,K], zero on entry, or in interpret
+  mode [B,S/tile,Tp,H,K] per-tile partials; dk; dv) written in place instead of returning
+  dk, dv. Every CTA adds its dq = dS K contribution to dq:
+  adds its dq = dS K contribution: both warpgroups put their dS^T rows in SMEM, meet at a
+  barrier, and each multiplies dS by one half of the head dim of the CTA's K tile, adding
+  the [block_q, K/2] product to dq with a TMA reduce-add (FlashAttention-3's dQ path).
+  """
   b, t, h, kd = q.shape
   s, g = k.shape[1], k.shape[2]
   r = h // g
@@ -589,6 +606,10 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
   nqb, nkt = t // bq, s // (2 * bk)
   dtype, c, nv = q.dtype, cfg.c(), cfg.num_vec
   interpret = cfg.interpret is not None
+  fused = out_refs is not None
+  hk = kd // 2                      # dq columns per compute warpgroup (fused)
+  # Fused: padded keys (k = v = 0) may give p = exp2(-lse) = inf and then inf * 0 in dS K.
+  mask_padded = fused and cfg.kv_len is not None
 
   def kernel(*refs):
     it = iter(refs)
@@ -596,9 +617,11 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
     qseg_ref, kvseg_ref = (next(it), next(it)) if cfg.has_seg else (None, None)
     qpos_ref, kvpos_ref = (next(it), next(it)) if cfg.has_pos else (None, None)
     order_ref, count_ref = (next(it), next(it)) if cfg.dynamic else (None, None)
-    do_ref, lse_ref, delta_ref, dk_ref, dv_ref = (next(it) for _ in range(5))
-    (k_smem2, v_smem2, kvvec_smem, q_smem, do_smem, stat_smem, qvec_smem, a_smem2,
-     kv_bar, q_bar, q_free) = next(it)
+    do_ref, lse_ref, delta_ref = next(it), next(it), next(it)
+    dq_acc_ref = next(it) if fused else None
+    dk_ref, dv_ref = next(it), next(it)
+    (k_tile, v_smem2, kvvec_smem, q_smem, do_smem, stat_smem, qvec_smem, a_smem2,
+     kv_bar, q_bar, q_free, ds_smem, dq_smem, ds_sync) = next(it)
 
     gi = lax.axis_index("kv_heads")
     bi = lax.axis_index("batch")
@@ -619,12 +642,15 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
                                                 first + step - n_full))
     else:
       sched_ = _Schedule(nqb, nqb, lambda step: step)
+    if mask_padded and not cfg.dynamic:   # the tile holding padded keys: every block masked
+      n_full = jnp.where(tile == nkt - 1, 0, sched_.n_full)
+      sched_ = _Schedule(n_full, sched_.n, sched_.block)
     n_per_head = sched_.n
 
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      k_smem, v_smem = k_tile.at[pl.ds(wg * bk, bk)], v_smem2.at[wg]
       a_smem = a_smem2.at[wg] if interpret else None
       kv_base = kv_start + wg * bk
       rows = (bi, pl.ds(kv_base, bk), gi)
@@ -634,6 +660,8 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
         plgpu.copy_gmem_to_smem(ref.at[bi, pl.ds(kv_base, bk)], kvvec_smem.at[wg, i],
                                 kv_bar.at[wg])
       plgpu.barrier_wait(kv_bar.at[wg])
+      if fused:   # dS K reads the other warpgroup's K rows too
+        plgpu.barrier_wait(kv_bar.at[1 - wg])
       kv_vecs = [plgpu.load(kvvec_smem.at[wg, i], layout=ROW) for i in range(nv)]
 
       def step_fn(local, carry, head: jax.Array, masked: bool):
@@ -653,23 +681,53 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
           shape = (bk, bq)
           q_vecs = [plgpu.load(qvec_smem.at[slot, i], layout=COL) for i in range(nv)]
           mask = _mask(cfg, kv_vecs, q_vecs, shape, rows_are_queries=False)
-          if not cfg.dynamic:
+          if cfg.causal and not cfg.dynamic:
             q_idx = _iota(shape, 1) + sched_.block(local) * bq
             mask = _and(mask, _iota(shape, 0) + kv_base <= q_idx)
+          if mask_padded:
+            mask = _and(mask, _iota(shape, 0) + kv_base < cfg.kv_len)
           st = jnp.where(mask, st, -jnp.inf)
         lse = plgpu.load(stat_smem.at[slot, 0], layout=COL)
         delta = plgpu.load(stat_smem.at[slot, 1], layout=COL)
         pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse, st.shape, [1]))
         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dv = _mma_acc(dv, pt.astype(dtype), do_smem.at[slot], None, a_smem)
-        dk = _mma_acc(dk, dst.astype(dtype), q_smem.at[slot], None, a_smem)
+        ds16 = dst.astype(dtype)
+        dk = _mma_acc(dk, ds16, q_smem.at[slot], None, a_smem)
+        if fused:
+          i = sched_.block(local)
+          _add_dq(ds16, step, i * bq, gi * r + head)
         _release_after_reads(q_free.at[slot])
         return dk, dv
+
+      def _add_dq(ds16, step, q0, hi):
+        """dq[q0:q0+bq, hi, wg half] += (dS K)[:, wg half] for this step's query block."""
+        buf = _slot(step, 2)
+        ds_smem.at[buf, pl.ds(wg * bk, bk)][...] = ds16     # this warpgroup's dS^T rows
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_sync)                        # both halves of dS^T written
+        plgpu.barrier_wait(ds_sync)
+        # The other warpgroup rewrites ds_smem[buf] two steps later, after this one has
+        # passed the next step's barrier, so one barrier per step protects both buffers.
+        dq = _mma((bq, hk), ds_smem.at[buf].transpose((1, 0)),
+                  k_tile.at[:, pl.ds(wg * hk, hk)])
+        out = dq_smem.at[wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the last store read `out`
+        out[...] = dq
+        plgpu.commit_smem()
+        cols = pl.ds(wg * hk, hk)
+        if interpret:
+          # The GPU interpreter has no TMA reduction: each CTA stores its partial in its own
+          # slice (one per kv tile; each (query block, head) once per CTA), summed after.
+          plgpu.copy_smem_to_gmem(out, dq_acc_ref.at[bi, tile, pl.ds(q0, bq), hi, cols])
+        else:
+          plgpu.copy_smem_to_gmem(out, dq_acc_ref.at[bi, pl.ds(q0, bq), hi, cols],
+                                  reduction_op="add")
 
       def head_fn(head, carry):
         carry = lax.fori_loop(0, sched_.n_full,
                               functools.partial(step_fn, head=head, masked=False), carry)
-        if cfg.causal or cfg.dynamic:
+        if cfg.causal or cfg.dynamic or mask_padded:
           carry = lax.fori_loop(sched_.n_full, sched_.n,
                                 functools.partial(step_fn, head=head, masked=True), carry)
         return carry
@@ -706,7 +764,7 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
       _produce(r * n_per_head, stages, load, (q_free,))
 
   scratch = (
-      _smem_mma_operand((2, bk, kd), dtype),
+      _smem_mma_operand((2 * bk, kd), dtype),
       _smem_mma_operand((2, bk, kd), dtype),
       plgpu.SMEM((2, nv, bk), jnp.int32) if nv else None,
       _smem_mma_operand((stages, bq, kd), dtype),
@@ -717,19 +775,20 @@ def _dkv(cfg: _Config, q, k, v, q_seg, kv_seg, q_pos, kv_pos, do, lse2, delta, s
       plgpu.Barrier(num_arrivals=2 + nv, num_barriers=2),
       plgpu.Barrier(num_arrivals=4 + nv, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      _smem_mma_operand((2, 2 * bk, bq), dtype) if fused else None,
+      plgpu.SMEM((2, bq, hk), jnp.float32) if fused else None,
+      plgpu.Barrier(num_arrivals=2) if fused else None,
   )
   args = [q, k, v, *_present(q_seg, kv_seg, q_pos, kv_pos), *(sched or ()), do, lse2, delta]
-  return plgpu.kernel(
-      kernel,
-      out_type=[jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)],
-      scratch_types=[scratch],
-      grid=(g, b, nkt),
-      grid_names=("kv_heads", "batch", "kv_tile"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=_compiler_params(),
-      interpret=cfg.interpret,
-  )(*args)
+  call = functools.partial(
+      plgpu.kernel, kernel, scratch_types=[scratch], grid=(g, b, nkt),
+      grid_names=("kv_heads", "batch", "kv_tile"), num_threads=3, thread_name="wg",
+      compiler_params=_compiler_params(), interpret=cfg.interpret)
+  if not fused:
+    return call(out_type=[jax.ShapeDtypeStruct(k.shape, dtype),
+                          jax.ShapeDtypeStruct(v.shape, dtype)])(*args)
+  call(out_type=())(*args, *out_refs)    # ref operands: written in place (aliased outputs)
+  return None
 
 
 # ------------------------------------------------------------------------ schedules
@@ -797,7 +856,9 @@ def _schedules(cfg: _Config, q_seg, kv_seg, q_pos, kv_pos):
   else:
     pad_dq = (s // cfg.block_kv_dq - 1) if cfg.kv_len is not None else None
     dq = schedule_from_classes(cls(2 * cfg.block_q_dq, cfg.block_kv_dq, pad_dq))
-  dkv = schedule_from_classes(cls(cfg.block_q_dkv, 2 * cfg.block_kv_dkv).transpose(0, 2, 1))
+  pad_dkv = (s // (2 * cfg.block_kv_dkv) - 1) if cfg.kv_len is not None else None
+  dkv = schedule_from_classes(
+      cls(cfg.block_q_dkv, 2 * cfg.block_kv_dkv, pad_dkv).transpose(0, 2, 1))
   return fwd, dq, dkv
 
 
@@ -827,8 +888,20 @@ def _flash_bwd(cfg, res, cts):
   do = do.astype(q.dtype)
   _, sched_dq, sched_dkv = _schedules(cfg, q_seg, kv_seg, q_pos, kv_pos)
   masks = (q_seg, kv_seg, q_pos, kv_pos)
-  dq = _dq(cfg, q, k, v, *masks, do, lse2, delta, sched_dq)
-  dk, dv = _dkv(cfg, q, k, v, *masks, do, lse2, delta, sched_dkv)
+  if cfg.bwd == "fused":
+    def run(refs):
+      _dkv(cfg, q, k, v, *masks, do, lse2, delta, sched_dkv, out_refs=refs)
+    dq_shape = q.shape
+    if cfg.interpret is not None:   # per-kv-tile partials (see _dkv)
+      dq_shape = (q.shape[0], k.shape[1] // (2 * cfg.block_kv_dkv), *q.shape[1:])
+    dq, dk, dv = pl.run_state(run)((jnp.zeros(dq_shape, jnp.float32), jnp.zeros_like(k),
+                                    jnp.zeros_like(v)))
+    if cfg.interpret is not None:
+      dq = dq.sum(axis=1)
+    dq = (dq * cfg.scale).astype(q.dtype)
+  else:
+    dq = _dq(cfg, q, k, v, *masks, do, lse2, delta, sched_dq)
+    dk, dv = _dkv(cfg, q, k, v, *masks, do, lse2, delta, sched_dkv)
   return dq, dk, dv, None, None, None, None
 
 
@@ -860,13 +933,13 @@ def interpret_params(interpret):
 
 @functools.partial(jax.jit, static_argnames=(
     "causal", "scale", "block_q", "block_kv", "stages", "block_q_dq", "block_kv_dq",
-    "block_q_dkv", "block_kv_dkv", "stages_bwd", "interpret"))
+    "block_q_dkv", "block_kv_dkv", "stages_bwd", "bwd", "interpret"))
 def flash_attention_mgpu(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_ids=None,
                          kv_segment_ids=None, q_positions=None, kv_positions=None,
                          scale: float | None = None, block_q: int = 64, block_kv: int = 128,
                          stages: int = 2, block_q_dq: int = 64, block_kv_dq: int = 128,
                          block_q_dkv: int = 64, block_kv_dkv: int = 64, stages_bwd: int = 2,
-                         interpret=None):
+                         bwd: str | None = None, interpret=None):
   """Mosaic GPU flash attention; returns (out [B,T,H,K] like q, lse [B,T,H] fp32).
 
   block_q: query rows per compute warpgroup in the forward (a CTA holds 2 * block_q);
@@ -874,8 +947,11 @@ def flash_attention_mgpu(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segme
   block_q_dq / block_kv_dq and block_q_dkv / block_kv_dkv: the same for the dq kernel and,
   transposed, for the dk / dv kernel (block_kv_dkv key rows per compute warpgroup,
   block_q_dkv query rows per streamed block). All blocks are multiples of 64; the defaults
-  follow JAX's attention_mgpu.py and fit the 227 KiB of SMEM at head dim 128. interpret: None runs the GPU interpreter on CPU (slow; for
-  tests) unless the backend is a GPU; True / False / a plgpu.InterpretGPUParams.
+  follow JAX's attention_mgpu.py and fit the 227 KiB of SMEM at head dim 128.
+  bwd: "split" (a dq kernel and a dk / dv kernel, 7 matmuls per block pair), "fused"
+  (head dim 128: one kernel, 5 matmuls, dq added into an fp32 buffer by TMA reduce-add, as
+  FlashAttention-3) or None: fused at head dim 128, split otherwise. interpret: None runs the GPU interpreter on CPU (slow; for tests)
+  unless the backend is a GPU; True / False / a plgpu.InterpretGPUParams.
   """
   b, t, s, h, g, kd = check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids,
                                    q_positions, kv_positions)
@@ -895,6 +971,11 @@ def flash_attention_mgpu(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segme
   for name, blk in blocks.items():
     if blk < 64 or blk % 64:
       raise ValueError(f"flash_attention_mgpu: {name}={blk}, expected a multiple of 64")
+  if bwd is None:
+    bwd = "fused" if kd == 128 else "split"
+  if bwd not in ("split", "fused") or (bwd == "fused" and kd != 128):
+    raise ValueError(f"flash_attention_mgpu: bwd={bwd!r} with head dim {kd}; expected "
+                     "'split', or 'fused' at head dim 128")
   if stages < 2 or stages_bwd < 2:
     raise ValueError(f"flash_attention_mgpu: stages={stages}, stages_bwd={stages_bwd}; "
                      "expected at least 2")
@@ -915,7 +996,7 @@ def flash_attention_mgpu(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segme
     q_pos = _pad(q_pos.astype(jnp.int32), 1, t_pad, "edge")
     kv_pos = _pad(kv_pos.astype(jnp.int32), 1, s_pad, "edge")
 
-  cfg = _Config(causal=causal, scale=scale, stages=stages, stages_bwd=stages_bwd,
+  cfg = _Config(causal=causal, scale=scale, stages=stages, stages_bwd=stages_bwd, bwd=bwd,
                 kv_len=s if s_pad != s else None, has_seg=has_seg, has_pos=has_pos,
                 interpret=interpret_params(interpret), **blocks)
   q = _pad(q_BTHK, 1, t_pad)

@@ -61,7 +61,12 @@ def test_ratios_and_targets():
 
 def test_mgpu_config_flag():
   assert bk.parse_mgpu_config("64x128x2") == {"block_q": 64, "block_kv": 128, "stages": 2}
+  assert bk.parse_mgpu_config("64x64x3:split") == {"block_q": 64, "block_kv": 64, "stages": 3,
+                                                   "bwd": "split"}
+  assert bk._impl_label("mgpu", bk.parse_mgpu_config("64x64x3:split"), 2) == "mgpu[64x64x3:split]"
   with pytest.raises(app.UsageError, match="BLOCK_QxBLOCK_KVxSTAGES"):
     bk.parse_mgpu_config("64x128")
+  with pytest.raises(app.UsageError, match="split or fused"):
+    bk.parse_mgpu_config("64x128x2:both")
   with pytest.raises(app.UsageError, match="--impls"):
     bk.bench_flash_attention(_cfg(impls=["flash"]))

@@ -4,7 +4,8 @@ TestMgpuInterpret runs the kernels on CPU in Pallas's GPU interpret mode (warpgr
 threads; simulated SMEM, TMA, barriers and wgmma; race detection on), so CI checks the
 kernels' schedules, masks, barrier protocol and numerics without a GPU. TestMgpuLowering
 lowers the compiled kernels ahead of time for an abstract H100 (Pallas -> Mosaic GPU,
-including the SMEM budget). TestMgpuGpu compiles and runs them on a Hopper GPU:
+including the SMEM budget; the fused backward's TMA reduce-add, which the interpreter lacks,
+is checked only here and on a GPU). TestMgpuGpu compiles and runs them on a Hopper GPU:
   JAX_PLATFORMS=cuda python -m pytest tests/kernels/test_flash_attention_mgpu.py -m gpu
 
 GPU interpret mode runs each warpgroup's program on its own XLA CPU thread while the others
@@ -105,7 +106,8 @@ def _check_against_reference(kernel, case, seed=0):
 INTERPRET_CASES = [
     (1, 256, 256, 4, 2, 64, True, BF16, ""),           # GQA, causal, diagonal blocks
     (1, 200, 136, 2, 1, 64, True, F16, ""),            # padded T and S, multi-query, fp16
-    (1, 128, 128, 2, 2, 128, False, BF16, ""),         # head dim 128, no mask
+    (1, 128, 128, 2, 2, 128, False, BF16, ""),         # head dim 128 (fused backward)
+    (1, 200, 136, 4, 1, 128, True, F16, ""),           # fused backward, padded, GQA 4/1
     (2, 128, 256, 2, 1, 64, True, BF16, "seg"),        # packed segments, empty blocks
     (1, 192, 128, 2, 2, 64, True, BF16, "seg+perm"),   # permuted positions
     (1, 256, 256, 2, 1, 64, True, F16, "pos"),         # ring-step offsets, skipped blocks
@@ -113,6 +115,7 @@ INTERPRET_CASES = [
 INTERPRET_CASES_SLOW = [
     (1, 130, 70, 2, 1, 128, False, BF16, "seg"),       # non-causal segments, padding
     (2, 256, 128, 4, 1, 128, True, F16, "seg+pos"),
+    (1, 192, 128, 2, 2, 128, True, BF16, "seg+perm"),
 ]
 
 
@@ -168,6 +171,12 @@ class TestMgpuInterpret:
     assert _rel_err(o, o_ref) < OUT_TOL[BF16]
     for grad, grad_ref in zip((dq, dk, dv), grads_ref):
       assert _rel_err(grad, grad_ref) < GRAD_TOL[BF16]
+
+  @pytest.mark.parametrize("bwd", ["split", "fused"])
+  def test_both_backwards_at_head_dim_128(self, bwd):
+    fn = lambda q, k, v, **kw: fam.flash_attention_mgpu(q, k, v, interpret=self.params,
+                                                       bwd=bwd, **kw)
+    _check_against_reference(fn, (2, 128, 256, 2, 1, 128, True, BF16, "seg"), seed=4)
 
   def test_other_tiles(self):
     """Forward key blocks of 64 with 3 stages, backward blocks 64 x 64 and 128 x 64."""
@@ -242,6 +251,7 @@ class TestMgpuInputs:
       (dict(block_q=96), "block_q=96"),
       (dict(scale=0.0), "scale=0.0"),
       (dict(stages=1), "stages=1"),
+      (dict(bwd="fused"), "bwd='fused' with head dim 64"),
   ])
   def test_rejects(self, change, match):
     kd = change.pop("kd", 64)
@@ -257,19 +267,21 @@ class TestMgpuLowering:
   all three kernels (layouts, wgmma shapes, TMA slices, SMEM <= 227 KiB) must succeed.
   PTX generation and ptxas run at compile time, on a GPU machine."""
 
-  @pytest.mark.parametrize("dtype,kd,causal,masks", [
-      (BF16, 128, True, ""), (F16, 128, False, ""), (BF16, 64, True, "seg+pos"),
-      (F16, 64, False, "seg")])
-  def test_lowers_for_h100(self, dtype, kd, causal, masks):
+  @pytest.mark.parametrize("dtype,kd,causal,masks,bwd", [
+      (BF16, 128, True, "", "fused"), (F16, 128, False, "", "fused"),
+      (BF16, 128, True, "seg+pos", "fused"), (BF16, 128, True, "", "split"),
+      (BF16, 64, True, "seg+pos", "split"), (F16, 64, False, "seg", "split")])
+  def test_lowers_for_h100(self, dtype, kd, causal, masks, bwd):
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
     q, k, v, kw = _inputs((1, 1000, 1024, 4, 2, kd, causal, dtype, masks))
-    fn = lambda q, k, v, **kw: fam.flash_attention_mgpu(q, k, v, interpret=False, **kw)
+    fn = lambda q, k, v, **kw: fam.flash_attention_mgpu(q, k, v, interpret=False, bwd=bwd, **kw)
     run = jax.jit(lambda q, k, v: _vjp_outputs(fn, q, k, v, kw))
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
     with use_abstract_mesh(mesh):
       hlo = run.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 3   # forward, dq, dk/dv
+    # forward + (dq and dk/dv, or the fused backward)
+    assert hlo.count("stablehlo.custom_call @mosaic_gpu") == (3 if bwd == "split" else 2)
 
   def test_smem_budget_is_checked(self):
     """Three forward stages of 128 x 128 tiles exceed 227 KiB: the lowering says so."""
@@ -309,6 +321,12 @@ class TestMgpuGpu:
   def test_matches_reference(self, case):
     _check_against_reference(
         lambda q, k, v, **kw: fam.flash_attention_mgpu(q, k, v, interpret=False, **kw), case)
+
+  @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[5] == 128], ids=_case_id)
+  def test_split_backward_at_head_dim_128(self, case):
+    _check_against_reference(
+        lambda q, k, v, **kw: fam.flash_attention_mgpu(q, k, v, interpret=False, bwd="split",
+                                                       **kw), case)
 
   def test_dispatcher_picks_mgpu(self):
     from kernels.flash_attention import choose_implementation
