@@ -1,7 +1,10 @@
-r"""Llama prefill and decode tokens/s, side by side with Hugging Face transformers on CPU.
+r"""Llama prefill and decode tokens/s, side by side with Hugging Face transformers on CPU,
+and decode time against the memory-bandwidth floor.
 
   python -m experiments.bench_llm                                       # ours only
   python -m experiments.bench_llm --peer_python=$PEER/bin/python       # + transformers
+  python -m experiments.bench_llm --preset=llama32_1b --dtype=bfloat16 --batch=1 \
+      --prompt_len=1024 --new_tokens=64                                 # a GPU: ms/token vs floor
 
 A ~100M-parameter config (`llama_100m`: dim 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
 vocab 32000) with random weights, fp32. The weights are exported with `llm.weights.save_hf`
@@ -12,6 +15,15 @@ very same tensors into `transformers.LlamaForCausalLM`. Timed per round, ours th
   decode:  greedy steps with the KV cache, (new_tokens - 1) model calls.
 Both run greedy, so the generated ids must agree (a cross-check of the model and the
 loader against an independent implementation); the script reports how many rows match.
+
+--dtype=bfloat16 stores weights and computes in bf16, KV cache included (the peer still
+gets the fp32 export, so ids may part after a few tokens). The bandwidth floor of a decode
+step is (weight bytes + KV-cache bytes read per step) / copy bandwidth: every weight is read
+once per step (the embedding table once as the tied output projection, or only its B rows
+when untied), and the cache of every layer up to the filled length (prompt + half the new
+tokens on average); the copy bandwidth is measured in the same run, as a device-to-device
+copy of --copy_mb MiB counting its read and its write. Reported: decode ms per token and
+its ratio to the floor.
 Writes results.json and a PNG; the last stdout line is a JSON summary.
 """
 
@@ -38,6 +50,44 @@ flags.DEFINE_string("peer_python", "", "Python of the transformers environment; 
 flags.DEFINE_string("workdir", "runs/bench_llm", "Where results.json, the plot and the "
                     "exported weights go.")
 flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                  "Weights, compute and KV cache dtype of our model.")
+flags.DEFINE_integer("copy_mb", 1024, "Size of the copy that measures memory bandwidth (MiB).")
+
+
+def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+  """Device memory bandwidth in bytes/s: a jitted x + 1 over `mib` MiB of uint8, counting
+  the read and the write (median over repeats)."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  x = jnp.zeros((mib << 20,), jnp.uint8)
+  f = jax.jit(lambda a: a + jnp.uint8(1))
+  jax.block_until_ready(f(x))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    times.append(time.perf_counter() - t0)
+  return 2 * x.nbytes / float(np.median(times))
+
+
+def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, float]:
+  """(weight bytes, KV-cache bytes) one decode step must read: every parameter once (the
+  embedding table in full only as the tied output projection, else its `batch` rows), and
+  k, v of every layer for `kv_tokens` tokens of each row, in the cache dtype."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  cfg = model.cfg
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  if not cfg.tie_embeddings:
+    emb = model.embed[...]
+    weights -= (emb.shape[0] - batch) * emb.shape[1] * emb.dtype.itemsize
+  item = np.dtype(cfg.cache_dtype or cfg.dtype).itemsize
+  kv = 2 * cfg.n_layers * batch * kv_tokens * cfg.n_kv_heads * cfg.head_dim * item
+  return float(weights), float(kv)
 
 
 def time_ours(model, prompts, new_tokens: int, repeats: int):
@@ -77,6 +127,7 @@ def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  import jax
   import numpy as np
   from flax import nnx
   from core import benchmark
@@ -88,14 +139,21 @@ def main(argv):
   os.makedirs(FLAGS.workdir, exist_ok=True)
   model = model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed))
   hf_dir = os.path.join(FLAGS.workdir, "hf_model")
-  weights_lib.save_hf(hf_dir, cfg, model_lib.weights_from_model(model))
+  weights = model_lib.weights_from_model(model)
+  weights_lib.save_hf(hf_dir, cfg, weights)
+  if FLAGS.dtype != "float32":
+    # The same weights, stored and computed in bf16 (load_weights casts to each param dtype).
+    cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+    model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
+    model_lib.load_weights(model, weights)
+  del weights
   rng = np.random.default_rng(FLAGS.seed)
   prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
   prompts_file = os.path.join(FLAGS.workdir, "prompts.json")
   with open(prompts_file, "w") as f:
     json.dump(prompts, f)
   print(f"Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.1f}M params | batch {FLAGS.batch} | "
-        f"prompt {FLAGS.prompt_len} | {FLAGS.new_tokens} new tokens | fp32", flush=True)
+        f"prompt {FLAGS.prompt_len} | {FLAGS.new_tokens} new tokens | {FLAGS.dtype}", flush=True)
 
   ours = {"prefill": [], "decode": []}
   peer = {"prefill": [], "decode": []}
@@ -133,9 +191,17 @@ def main(argv):
             "prefill_ms": p * 1e3, "decode_ms_per_step": d * 1e3 / (FLAGS.new_tokens - 1)}
 
   o, q = rates(ours), rates(peer)
+  bandwidth = copy_bandwidth(FLAGS.copy_mb)
+  kv_tokens = FLAGS.prompt_len + (FLAGS.new_tokens - 1) / 2       # filled, mean over steps
+  w_bytes, kv_bytes = decode_bytes_per_step(model, FLAGS.batch, kv_tokens)
+  floor_ms = (w_bytes + kv_bytes) / bandwidth * 1e3
+  o["decode_floor_ms"] = floor_ms
+  o["decode_over_floor"] = o["decode_ms_per_step"] / floor_ms
   summary = {"preset": FLAGS.preset, "params": cfg.num_params(), "batch": FLAGS.batch,
-             "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens, "ours": o,
-             "peer": q, "peer_impl": peer_impl}
+             "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+             "dtype": FLAGS.dtype, "ours": o, "peer": q, "peer_impl": peer_impl,
+             "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": w_bytes,
+             "kv_bytes_per_step": kv_bytes, "device": jax.devices()[0].device_kind}
   if q:
     summary["prefill_speedup"] = o["prefill_tokens_per_s"] / q["prefill_tokens_per_s"]
     summary["decode_speedup"] = o["decode_tokens_per_s"] / q["decode_tokens_per_s"]
@@ -147,6 +213,10 @@ def main(argv):
     if r:
       print(f"{name:12s}{r['prefill_tokens_per_s']:16,.0f}{r['decode_tokens_per_s']:16,.1f}"
             f"{r['decode_ms_per_step']:16.2f}")
+  print(f"decode floor: ({w_bytes / 1e6:,.1f} MB weights + {kv_bytes / 1e6:,.1f} MB KV cache) / "
+        f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth = {floor_ms:.3f} ms per step; ours "
+        f"{o['decode_ms_per_step']:.3f} ms = {o['decode_over_floor']:.2f}x the floor "
+        f"({summary['device']})")
   if q:
     print(f"ratio ours/peer: prefill {summary['prefill_speedup']:.2f}x, decode "
           f"{summary['decode_speedup']:.2f}x; greedy ids identical in "

@@ -37,8 +37,10 @@ class LlamaConfig:
   max_seq_len: int = 8192
   dtype: str = "float32"          # compute dtype: "float32" | "bfloat16"
   param_dtype: str = "float32"    # master weights
-  attention_impl: str = "xla"     # see llm.attention
+  cache_dtype: str | None = None  # KV cache; None: the compute dtype
+  attention_impl: str = "auto"    # see llm.attention ("auto": the fastest exact one per call)
   remat: bool = False             # rematerialize each block in the backward pass
+  remat_policy: str = "full"      # what remat keeps: "full" | "dots" | "attention" (llm.model)
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -50,6 +52,12 @@ class LlamaConfig:
                        f"n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
+    if self.remat_policy not in ("full", "dots", "attention"):
+      raise ValueError(f"LlamaConfig: remat_policy={self.remat_policy!r}, expected 'full', "
+                       "'dots' or 'attention'")
+    if self.cache_dtype is not None and self.cache_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"LlamaConfig: cache_dtype={self.cache_dtype!r}, expected None, "
+                       "'float32' or 'bfloat16'")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise ValueError(f"LlamaConfig: {name}={getattr(self, name)!r}, expected 'float32' "

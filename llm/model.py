@@ -15,8 +15,9 @@ The parameter tree (names, shapes, logical axes) is a contract shared with `llm.
   layers[i].attn.wq [D,H,K], .wk/.wv [D,G,K], .wo [H,K,D]; layers[i].mlp.w_gate/.w_up [D,F],
   .w_down [F,D]; final_norm.scale [D]; lm_head [D,V] (absent when tied: logits = x @ embed.T).
 
-KV cache: every layer keeps k, v [B,S,G,K] in slots; a shared `pos [B,S]` tags each slot with
-its token position, SENTINEL_POS when empty; `length [B]` counts each row's tokens. Masking
+KV cache: every layer keeps k, v [B,S,G,K] in slots (in cfg.cache_dtype, by default the
+compute dtype); a shared `pos [B,S]` tags each slot with its token position, SENTINEL_POS
+when empty; `length [B]` counts each row's tokens. Masking
 is by positions alone (kv_pos <= q_pos), so empty slots are hidden and slot order never
 matters: context parallelism (below) places slots on any rank. Calls:
   logits_BTV, _ = model(tokens_BT, positions_BT=..., segment_ids_BT=...)      # no cache
@@ -219,7 +220,7 @@ class KVCache:
     names, pos_names = ((CACHE_NAMES, CACHE_POS_NAMES) if cp is None
                         else (CP_CACHE_NAMES, CP_CACHE_POS_NAMES))
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    zeros = lambda: constrain(jnp.zeros(shape, cfg.dtype), names)
+    zeros = lambda: constrain(jnp.zeros(shape, cfg.cache_dtype or cfg.dtype), names)
     return cls(k=tuple(zeros() for _ in range(cfg.n_layers)),
                v=tuple(zeros() for _ in range(cfg.n_layers)),
                pos=constrain(jnp.full((batch, max_len), SENTINEL_POS, jnp.int32), pos_names),
@@ -247,6 +248,35 @@ def _write_cache(buf_BS, slots_BT, new_BT, cp: _CP | None):
   spec = _spec(buf_BS.shape, names, LLM_RULES, cp.mesh)
   out = ring.write_slots(buf_BS, slots_BT, new_BT, mesh=cp.mesh, spec=spec, axis=cp.axis)
   return constrain(out, names)
+
+
+# --- remat
+
+# Residuals the attention kernels name (llm/attention/cudnn.py): saving them keeps a
+# rematerialized block from running the attention forward again in its backward pass.
+ATTENTION_RESIDUALS = ("attention_out", "attention_stats")
+
+
+def remat_policy(name: str):
+  """jax.checkpoint policy of LlamaConfig.remat_policy (used when cfg.remat):
+    "full"       save nothing: every block is recomputed in the backward (least memory);
+    "dots"       save matmul outputs without batch dims (q/k/v/o projections, the MLP) and
+                 the attention kernel's outputs; recompute the cheap elementwise parts
+                 (RMSNorm, RoPE, SwiGLU's gate), as MaxText's default policies do;
+    "attention"  save only the attention kernel's outputs; recompute the matmuls.
+  """
+  cp = jax.checkpoint_policies
+  names = cp.save_only_these_names(*ATTENTION_RESIDUALS)
+  if name == "full":
+    return None
+  if name == "dots":
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, names)
+  if name == "attention":
+    return names
+  raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
+
+
+REMAT_POLICIES = ("full", "dots", "attention")
 
 
 # --- layers
@@ -283,7 +313,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
                slots_BT=None):
-    """Without `kv`: attends within the call (segments + causal by position). With
+    """Without `kv`: attends within the call (segments + causal by position; positions_BT
+    None: arange(T), and attention is told so, which lets cuDNN take the call). With
     kv = (k_BSGK, v_BSGK): writes this call's k, v at `slots_BT`, then attends to every slot
     by position (kv_pos_BS already holds the new positions). Returns (y_BTD, new kv)."""
     cfg, dt = self.cfg, self.cfg.dtype
@@ -291,8 +322,12 @@ class Attention(nnx.Module):
     k_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt)), KV_NAMES)
     v_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt)), KV_NAMES)
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q_BTHK = apply_rope(q_BTHK, positions_BT, inv_freq)
-    k_BTGK = apply_rope(k_BTGK, positions_BT, inv_freq)
+    rope_pos_BT = positions_BT
+    if rope_pos_BT is None:
+      b, t = x_BTD.shape[:2]
+      rope_pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q_BTHK = apply_rope(q_BTHK, rope_pos_BT, inv_freq)
+    k_BTGK = apply_rope(k_BTGK, rope_pos_BT, inv_freq)
     if kv is None:
       k_all, v_all, kv_pos, seg = k_BTGK, v_BTGK, positions_BT, segment_ids_BT
     else:
@@ -300,6 +335,8 @@ class Attention(nnx.Module):
       k_all = _write_cache(kv[0], slots_BT, k_BTGK, cp)
       v_all = _write_cache(kv[1], slots_BT, v_BTGK, cp)
       kv, kv_pos, seg = (k_all, v_all), kv_pos_BS, None
+      # A cache kept in another dtype (cfg.cache_dtype) is read in the compute dtype.
+      k_all, v_all = k_all.astype(dt), v_all.astype(dt)
     out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, causal=True,
                             q_positions=positions_BT, kv_positions=kv_pos,
                             q_segment_ids=seg, kv_segment_ids=seg)
@@ -392,11 +429,12 @@ class Llama(nnx.Module):
     if cache is None:
       if lengths_B is not None:
         raise ValueError("Llama.hidden: lengths_B is only meaningful with a cache")
-      if positions_BT is None:
-        positions_BT = jnp.broadcast_to(arange_T, (b, t))
+      if positions_BT is None and cp is not None:
+        positions_BT = jnp.broadcast_to(arange_T, (b, t))   # they travel with the tokens
       if segment_ids_BT is not None:
         segment_ids_BT = perm(jnp.asarray(segment_ids_BT))
-      positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
+      if positions_BT is not None:
+        positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
     else:
       if segment_ids_BT is not None:
         raise ValueError("Llama.hidden: segment_ids_BT with a cache is not supported; cached "
@@ -425,7 +463,9 @@ class Llama(nnx.Module):
       kv_pos_BS = _write_cache(cache.pos, slots_BT, positions_BT, cp)
     x_BTD = constrain(perm(x_BTD), X_NAMES)
 
-    block_fn = nnx.remat(Block.__call__) if self.cfg.remat else Block.__call__
+    block_fn = Block.__call__
+    if self.cfg.remat:
+      block_fn = nnx.remat(block_fn, policy=remat_policy(self.cfg.remat_policy))
     new_k, new_v = [], []
     for i, block in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -451,6 +491,14 @@ class Llama(nnx.Module):
       out = jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...].astype(dt),
                        preferred_element_type=jnp.float32)
     return constrain(out.astype(jnp.float32), LOGIT_NAMES)
+
+  def output_weight(self) -> tuple[jax.Array, bool]:
+    """(the output projection's parameter, vocab_major): embed [V,D] when tied (True), else
+    lm_head [D,V] (False); for losses that apply it chunk by chunk
+    (`llm.train_lib.chunked_cross_entropy`)."""
+    if self.cfg.tie_embeddings:
+      return self.embed[...], True
+    return self.lm_head[...], False
 
 
 # --- flat weights (the loader contract)

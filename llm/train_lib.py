@@ -3,13 +3,23 @@
 AdamW with linear warmup and cosine decay (as in Llama 3, arXiv 2407.21783, Sec. 3.4),
 global-norm gradient clipping, fp32 master weights with bf16 compute when the config says
 `dtype="bfloat16"` (the model casts parameters at use), optional per-block remat
-(`LlamaConfig.remat`). Parameters are placed by their logical names through LLM_RULES, so
-one code path runs data-parallel, FSDP, tensor-parallel or mixed on any mesh.
+(`LlamaConfig.remat`, `remat_policy`). Parameters are placed by their logical names through
+LLM_RULES, so one code path runs data-parallel, FSDP, tensor-parallel or mixed on any mesh.
+
+The loss never holds the [B,T,V] fp32 logits: `chunked_cross_entropy` applies the output
+projection to T/C strided chunks of C tokens per row in a `lax.scan` and, when
+differentiated, computes the gradients of each chunk in the same pass (softmax - one-hot,
+then the two matmuls in the compute dtype), so the backward only scales them: the same three
+matmuls as the plain loss, one [B,C,V] chunk of logits alive at a time.
+`OptimConfig.mu_dtype="bfloat16"` keeps AdamW's first moment in bf16 (optax's `mu_dtype`).
+
+Letters: B batch, T tokens, C tokens per chunk, D model dim, V vocab.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -38,6 +48,12 @@ class OptimConfig:
   b2: float = 0.95
   weight_decay: float = 0.1
   clip_norm: float = 1.0
+  mu_dtype: str = "float32"       # AdamW first moment: "float32" | "bfloat16"
+
+  def __post_init__(self):
+    if self.mu_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"OptimConfig: mu_dtype={self.mu_dtype!r}, expected 'float32' or "
+                       "'bfloat16'")
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -53,7 +69,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   return optax.chain(
       optax.clip_by_global_norm(cfg.clip_norm),
       optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                  mask=decay_mask))
+                  mask=decay_mask, mu_dtype=jnp.dtype(cfg.mu_dtype)))
 
 
 def next_token_loss(logits_BTV, targets_BT, mask_BT):
@@ -61,6 +77,102 @@ def next_token_loss(logits_BTV, targets_BT, mask_BT):
   ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
   n = jnp.sum(mask_BT)
   return jnp.sum(ce * mask_BT) / jnp.maximum(n, 1.0), n
+
+
+# Auto chunk size: the largest C dividing T whose fp32 logits [B,C,V] fit in this many bytes.
+LOGITS_CHUNK_BYTES = 1 << 30
+
+
+def loss_chunk_tokens(batch: int, seq_len: int, vocab: int,
+                      budget: int = LOGITS_CHUNK_BYTES) -> int:
+  """Tokens per row per chunk: the largest divisor C of seq_len with B*C*V*4 <= budget."""
+  best = 1
+  for c in range(1, seq_len + 1):
+    if seq_len % c == 0 and batch * c * vocab * 4 <= budget:
+      best = c
+  return best
+
+
+def _chunks(x_BT, n):
+  """[B,T,...] -> [n, B, T/n, ...]: chunk j holds tokens j, j + n, j + 2n, ... of each row
+  (strided, so a chunk spreads over every shard of a sequence-sharded T)."""
+  b, t = x_BT.shape[:2]
+  return jnp.moveaxis(x_BT.reshape(b, t // n, n, *x_BT.shape[2:]), 2, 0)
+
+
+def _unchunk(x_nBC):
+  n, b, c = x_nBC.shape[:3]
+  return jnp.moveaxis(x_nBC, 0, 2).reshape(b, c * n, *x_nBC.shape[3:])
+
+
+def _chunk_logits(h_BCD, w, vocab_major):
+  eq = "bcd,vd->bcv" if vocab_major else "bcd,dv->bcv"
+  out = jnp.einsum(eq, h_BCD, w, preferred_element_type=jnp.float32)
+  return model_lib.constrain(out, ("act_batch", None, "act_vocab"))
+
+
+def _chunk_loss(logits_BCV, t_BC, m_BC):
+  lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+  tgt_BC = jnp.take_along_axis(logits_BCV, t_BC[..., None], axis=-1)[..., 0]
+  return jnp.sum((lse_BC - tgt_BC) * m_BC), lse_BC
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def chunked_cross_entropy(h_BTD, w, targets_BT, mask_BT, vocab_major: bool, chunks: int):
+  """sum over tokens of mask * cross-entropy(h @ W, target) in fp32, one chunk at a time.
+
+  h_BTD: final hidden states (compute dtype); w: the output projection, [V,D] when
+  vocab_major (tied embeddings) else [D,V], in any dtype (cast to h's dtype for the matmuls;
+  its gradient comes back in w's dtype, accumulated in fp32); chunks: T/C, dividing T.
+  """
+  wc = w.astype(h_BTD.dtype)
+
+  def body(total, xs):
+    h, t, m = xs
+    loss, _ = _chunk_loss(_chunk_logits(h, wc, vocab_major), t, m)
+    return total + loss, None
+
+  total, _ = jax.lax.scan(body, jnp.float32(0), (_chunks(h_BTD, chunks),
+                                                 _chunks(targets_BT, chunks),
+                                                 _chunks(mask_BT.astype(jnp.float32), chunks)))
+  return total
+
+
+def _xent_fwd(h_BTD, w, targets_BT, mask_BT, vocab_major, chunks):
+  wc = w.astype(h_BTD.dtype)
+  dt = h_BTD.dtype
+
+  def body(carry, xs):
+    total, dw = carry
+    h, t, m = xs
+    logits = _chunk_logits(h, wc, vocab_major)
+    loss, lse = _chunk_loss(logits, t, m)
+    # d(loss)/d(logits) = (softmax - one_hot) * mask, formed chunk by chunk.
+    vocab = jnp.arange(logits.shape[-1], dtype=t.dtype)
+    dlogits = ((jnp.exp(logits - lse[..., None]) - (vocab == t[..., None]))
+               * m[..., None]).astype(dt)
+    if vocab_major:
+      dh = jnp.einsum("bcv,vd->bcd", dlogits, wc)
+      dw = dw + jnp.einsum("bcv,bcd->vd", dlogits, h, preferred_element_type=jnp.float32)
+    else:
+      dh = jnp.einsum("bcv,dv->bcd", dlogits, wc)
+      dw = dw + jnp.einsum("bcd,bcv->dv", h, dlogits, preferred_element_type=jnp.float32)
+    return (total + loss, dw), dh
+
+  init = (jnp.float32(0), jnp.zeros(w.shape, jnp.float32))
+  (total, dw), dh = jax.lax.scan(body, init, (_chunks(h_BTD, chunks),
+                                              _chunks(targets_BT, chunks),
+                                              _chunks(mask_BT.astype(jnp.float32), chunks)))
+  return total, (_unchunk(dh), dw, jnp.zeros((0,), w.dtype))
+
+
+def _xent_bwd(vocab_major, chunks, res, g):
+  dh, dw, w_like = res
+  return ((g * dh.astype(jnp.float32)).astype(dh.dtype), (g * dw).astype(w_like.dtype), None,
+          None)
+
+
+chunked_cross_entropy.defvjp(_xent_fwd, _xent_bwd)
 
 
 class LMEvaluator:
@@ -82,11 +194,20 @@ class LMEvaluator:
 
 
 class LMTask:
-  """Next-token training of a Llama config on one mesh."""
+  """Next-token training of a Llama config on one mesh.
+
+  loss_chunk: tokens per row per chunk of `chunked_cross_entropy` (None: the largest that
+  keeps a chunk's fp32 logits within LOGITS_CHUNK_BYTES; 0: the plain loss over full
+  logits). packed: batches may hold several documents per row (segment ids, positions
+  restarting); when False every row must be one sequence at positions 0..T-1, and the task
+  drops both arrays, so attention sees the plain causal case ("auto" then takes cuDNN).
+  """
 
   def __init__(self, cfg: LlamaConfig, optim: OptimConfig, mesh: Mesh,
-               rules: mesh_lib.Rules = mesh_lib.LLM_RULES):
+               rules: mesh_lib.Rules = mesh_lib.LLM_RULES, *, loss_chunk: int | None = None,
+               packed: bool = False):
     self.cfg, self.optim, self.mesh, self.rules = cfg, optim, mesh, rules
+    self.loss_chunk, self.packed = loss_chunk, packed
     self.tx = make_optimizer(optim)
     abstract = jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)
@@ -112,7 +233,29 @@ class LMTask:
                                      segment_ids_BT=batch.segment_ids)
     return logits
 
+  def loss_sum(self, params, batch: LMBatch):
+    """(sum of masked next-token cross-entropies, number of real targets), fp32."""
+    n = jnp.sum(batch.mask)
+    b, t = batch.inputs.shape
+    chunk = (loss_chunk_tokens(b, t, self.cfg.vocab_size) if self.loss_chunk is None
+             else self.loss_chunk)
+    if chunk == 0:
+      loss, _ = next_token_loss(self.logits(params, batch), batch.targets, batch.mask)
+      return loss * jnp.maximum(n, 1.0), n
+    if t % chunk:
+      raise ValueError(f"LMTask: loss_chunk={chunk} does not divide the sequence length {t}")
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+      model = self.model(params)
+      h_BTD, _ = model.hidden(model.embed_tokens(batch.inputs), positions_BT=batch.positions,
+                              segment_ids_BT=batch.segment_ids)
+      w, vocab_major = model.output_weight()
+      total = chunked_cross_entropy(h_BTD, w, batch.targets, batch.mask, vocab_major,
+                                    t // chunk)
+    return total, n
+
   def device_batch(self, host: LMBatch) -> LMBatch:
+    if not self.packed:
+      host = _single_sequences(host)
     return mesh_lib.shard_batch(host, self.mesh, self.rules, batch_axis="act_batch")
 
   @staticmethod
@@ -121,8 +264,8 @@ class LMTask:
 
   def train_step(self, state, batch: LMBatch):
     def loss_fn(params):
-      loss, _ = next_token_loss(self.logits(params, batch), batch.targets, batch.mask)
-      return loss
+      total, n = self.loss_sum(params, batch)
+      return total / jnp.maximum(n, 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     updates, opt = self.tx.update(grads, state["opt"], state["params"])
@@ -132,11 +275,30 @@ class LMTask:
     return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
 
   def eval_step(self, state, batch: LMBatch):
-    loss, n = next_token_loss(self.logits(state["params"], batch), batch.targets, batch.mask)
-    return loss * n, n
+    return self.loss_sum(state["params"], batch)
 
   def new_evaluator(self) -> LMEvaluator:
     return LMEvaluator()
+
+
+def _single_sequences(host: LMBatch) -> LMBatch:
+  """The batch without segment ids and positions, after checking that they say nothing
+  (one segment per row, positions 0..T-1); a packed batch is an error naming the row."""
+  t = host.inputs.shape[1]
+  seg, pos = host.segment_ids, host.positions
+  if seg is not None:
+    bad = np.flatnonzero(np.any(np.asarray(seg) != np.asarray(seg)[:, :1], axis=1))
+    if bad.size:
+      raise ValueError(f"LMTask(packed=False): batch row {bad[0]} holds several segment ids "
+                       f"{sorted(set(np.asarray(seg)[bad[0]].tolist()))[:5]}; for documents "
+                       "packed into one row use LMTask(..., packed=True)")
+  if pos is not None:
+    bad = np.flatnonzero(np.any(np.asarray(pos) != np.arange(t), axis=1))
+    if bad.size:
+      raise ValueError(f"LMTask(packed=False): batch row {bad[0]} has positions "
+                       f"{np.asarray(pos)[bad[0], :5].tolist()}..., expected 0..{t - 1}; "
+                       "for packed rows use LMTask(..., packed=True)")
+  return dataclasses.replace(host, segment_ids=None, positions=None)
 
 
 def load_workdir(workdir: str, step: int | None = None):

@@ -98,3 +98,96 @@ def test_loop_resume_is_exact(text_file, tmp_path):
   a = train_lib.load_workdir_params(str(tmp_path / "straight"), cfg)
   b = train_lib.load_workdir_params(str(tmp_path / "split"), cfg)
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+# --- chunked cross-entropy
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_chunked_cross_entropy_equals_plain_loss(vocab_major, chunks):
+  """Value and gradients (hidden states and the weight) of the chunked loss equal the plain
+  loss over full fp32 logits, masked targets included."""
+  rng = np.random.default_rng(chunks)
+  b, t, d, v = 2, 8, 16, 40
+  h = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((v, d) if vocab_major else (d, v)) / 4, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+  mask = jnp.asarray(rng.random((b, t)) > 0.3, jnp.float32)
+
+  def plain(h, w):
+    logits = jnp.einsum("btd,vd->btv" if vocab_major else "btd,dv->btv", h, w)
+    loss, n = train_lib.next_token_loss(logits, targets, mask)
+    return loss * n
+
+  chunked = lambda h, w: train_lib.chunked_cross_entropy(h, w, targets, mask, vocab_major,
+                                                         chunks)
+  np.testing.assert_allclose(float(jax.jit(chunked)(h, w)), float(plain(h, w)), rtol=1e-5)
+  got = jax.jit(jax.grad(lambda h, w: 3.0 * chunked(h, w), argnums=(0, 1)))(h, w)
+  want = jax.grad(lambda h, w: 3.0 * plain(h, w), argnums=(0, 1))(h, w)
+  for name, a, e in zip(("dh", "dw"), got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_chunked_loss_never_builds_full_logits():
+  """No [B,T,V] array in the differentiated step's jaxpr: the largest vocab-sized value is
+  one chunk of logits."""
+  b, t, d, v, chunks = 2, 16, 8, 64, 4
+  h = jnp.ones((b, t, d), jnp.bfloat16)
+  w = jnp.ones((v, d), jnp.float32)
+  tg, m = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t), jnp.float32)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda h, w: train_lib.chunked_cross_entropy(
+      h, w, tg, m, True, chunks), argnums=(0, 1)))(h, w)
+  shapes = set()
+
+  def walk(jp):
+    for eqn in jp.eqns:
+      shapes.update(tuple(o.aval.shape) for o in eqn.outvars if hasattr(o.aval, "shape"))
+      for p in eqn.params.values():
+        for sub in p if isinstance(p, (tuple, list)) else [p]:
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jaxpr.jaxpr)
+  assert (b, t // chunks, v) in shapes
+  assert not any(len(s) == 3 and s[-1] == v and s[1] > t // chunks for s in shapes)
+
+
+def test_task_chunked_loss_and_bf16_moments_train_like_plain(text_file):
+  """LMTask with the chunked loss takes the same steps as with the plain loss; AdamW's first
+  moment in bf16 stays close and still lowers the loss."""
+  cfg = get_config("tiny")
+  mesh = mesh_lib.make_mesh("data:2,tp:2", devices=jax.devices()[:4])
+  src = ByteTextSource(text_file, 16, 4)
+  optim = train_lib.OptimConfig(peak_lr=1e-2, warmup_steps=1, total_steps=4)
+  _, plain = _run_steps(train_lib.LMTask(cfg, optim, mesh, loss_chunk=0), src, 3)
+  _, chunked = _run_steps(train_lib.LMTask(cfg, optim, mesh, loss_chunk=4), src, 3)
+  np.testing.assert_allclose(chunked, plain, rtol=2e-5)
+  bf16 = train_lib.OptimConfig(peak_lr=1e-2, warmup_steps=1, total_steps=4, mu_dtype="bfloat16")
+  state, low = _run_steps(train_lib.LMTask(cfg, bf16, mesh), src, 3)
+  np.testing.assert_allclose(low, plain, rtol=2e-2)
+  assert low[-1] < low[0]
+  mu = jax.tree.leaves(state["opt"])
+  assert any(x.dtype == jnp.bfloat16 for x in mu)
+
+
+def test_packed_false_refuses_packed_rows(text_file):
+  cfg = get_config("tiny")
+  task = train_lib.LMTask(cfg, train_lib.OptimConfig(), mesh_lib.make_mesh(
+      "data:1", devices=jax.devices()[:1]))
+  batch = ByteTextSource(text_file, 16, 2).batch(0)
+  assert task.device_batch(batch).segment_ids is None
+  batch.segment_ids[1, 8:] = 2
+  with pytest.raises(ValueError, match="batch row 1 holds several segment ids"):
+    task.device_batch(batch)
+  assert train_lib.LMTask(cfg, train_lib.OptimConfig(), task.mesh,
+                          packed=True).device_batch(batch).segment_ids is not None
+  with pytest.raises(ValueError, match="mu_dtype='float16'"):
+    train_lib.OptimConfig(mu_dtype="float16")
+
+
+def test_loss_chunk_tokens():
+  assert train_lib.loss_chunk_tokens(1, 8192, 128256) == 2048   # 1 GiB of fp32 logits
+  assert train_lib.loss_chunk_tokens(4, 6, 10) == 6
+  assert train_lib.loss_chunk_tokens(1, 7, 1 << 30) == 1
