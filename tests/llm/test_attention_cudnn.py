@@ -367,3 +367,22 @@ def test_real_kernel_lowers_packed_and_cross_calls(fake_cudnn):
   cross = _cuda_hlo(lambda q, k, v, p, kp: cudnn.cudnn_attention(
       q, k, v, q_positions=p, kv_positions=kp), q, k, k, ids, ids)
   assert cross.count("custom_call @__cudnn$fmhaSoftmax(") == 2   # prefix-full | prefix-causal
+
+
+def test_train_step_lowers_for_cuda_with_one_kernel_pair_per_layer(fake_cudnn):
+  """LMTask's bf16 step with attention_impl="cudnn": per layer one cuDNN forward and one
+  backward (the lse is unused, so no correcting call), lowered for CUDA."""
+  from core import mesh as mesh_lib
+  from llm import train_lib
+  from llm.config import get_config
+  from llm.data import LMBatch
+  cfg = get_config("tiny", dtype="bfloat16", attention_impl="cudnn", n_layers=3)
+  task = train_lib.LMTask(cfg, train_lib.OptimConfig(),
+                          mesh_lib.make_mesh("data:1", devices=jax.devices()[:1]))
+  state = jax.eval_shape(lambda: task.init_state(0))
+  ids = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+  batch = LMBatch(inputs=ids, targets=ids, mask=jax.ShapeDtypeStruct((2, 64), jnp.float32),
+                  positions=None, segment_ids=None)
+  hlo = jax.jit(task.train_step).trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("custom_call @__cudnn$fmhaSoftmax(") == cfg.n_layers
+  assert hlo.count("custom_call @__cudnn$fmhaSoftmaxBackward(") == cfg.n_layers
