@@ -1,4 +1,10 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere; `devices(n)`.
+
+`@pytest.mark.devices(n)` marks a test that needs at least n devices (a mesh over them, a
+sharded-vs-single comparison); with fewer it skips with a reason naming both counts and the
+platform, so a one-GPU machine (`JAX_PLATFORMS=cuda`) or a run with
+`XLA_FLAGS=--xla_force_host_platform_device_count=1` skips those tests instead of failing.
+"""
 
 import os
 
@@ -6,9 +12,31 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "float32")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.environ.get(
     "REC_DATA_DIR", os.path.join(os.path.dirname(REPO_ROOT), "shared", "data"))
+
+
+def required_devices(item) -> int:
+  """The largest n of the test's `devices(n)` marks (a parametrized case may add its own)."""
+  need = 0
+  for mark in item.iter_markers("devices"):
+    if len(mark.args) != 1 or mark.kwargs or isinstance(mark.args[0], bool) or not (
+        isinstance(mark.args[0], int) and mark.args[0] >= 1):
+      raise pytest.UsageError(
+          f"{item.nodeid}: devices mark takes one int >= 1 (the devices the test needs), "
+          f"got args={mark.args!r} kwargs={mark.kwargs!r}")
+    need = max(need, mark.args[0])
+  return need
+
+
+def pytest_runtest_setup(item):
+  need = required_devices(item)
+  if need > 1:
+    have = jax.device_count()
+    if have < need:
+      pytest.skip(f"needs {need} devices, found {have} ({jax.default_backend()})")
