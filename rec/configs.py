@@ -241,7 +241,8 @@ def build_run(cfg: RecRunConfig, devices=None):
   train_src, eval_src = sources_lib.make_sources(
       cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
       seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches,
-      csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical)
+      csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical,
+      mesh=mesh)
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
   if cfg.storage != "fp32":
     tables = [dataclasses.replace(t, storage=cfg.storage) for t in tables]

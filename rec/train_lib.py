@@ -10,6 +10,7 @@ sparse row-wise optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
+from core import train as train_loop
 from rec import metrics as metrics_lib
 from rec.data.batch import SparseBatch
 from rec.embedding.collection import EmbeddingCollection
@@ -43,6 +45,8 @@ def make_dense_optimizer(name: str, learning_rate: float) -> optax.GradientTrans
       "sgd": optax.sgd, "adagrad": optax.adagrad, "adam": optax.adam, "adamw": optax.adamw}
   if name not in makers:
     raise ValueError(f"dense optimizer {name!r}: expected one of {sorted(makers)}")
+  if not callable(learning_rate):
+    train_loop.check_learning_rate(f"dense optimizer {name}: learning_rate", learning_rate)
   return makers[name](learning_rate)
 
 
@@ -84,8 +88,23 @@ class RecTask:
   # --- batches
 
   def device_batch(self, host: SparseBatch) -> SparseBatch:
-    self.collection.check_ids(host.ids, host.lengths)
+    """Places a host batch on the mesh (after checking its ids); a batch already on device
+    (drawn there, e.g. `DeviceSynthetic`) is moved only if its sharding differs."""
+    if isinstance(host.labels, jax.Array):
+      shardings = jax.tree.map(
+          lambda x: mesh_lib.logical_sharding(("batch",) + (None,) * (x.ndim - 1), self.rules,
+                                              self.mesh), host)
+      return jax.device_put(host, shardings)
+    if not self._ids_in_range(host.ids):
+      self.collection.check_ids(host.ids, host.lengths)  # names the first bad id
     return mesh_lib.shard_batch(host, self.mesh, self.rules)
+
+  def _ids_in_range(self, ids) -> bool:
+    """Every slot's id (padding included) in [0, rows) of its table: one min and one max
+    per feature; only when that fails does the exact per-bag check run."""
+    ids = np.asarray(ids)
+    rows = np.asarray([t.num_rows for t in self.collection.tables])
+    return bool(ids.min(initial=0) >= 0 and (ids.max(axis=(0, 2), initial=0) < rows).all())
 
   @staticmethod
   def examples_in(host: SparseBatch) -> int:
@@ -113,13 +132,25 @@ class RecTask:
         loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
     return loss, logits, lookup, g_params, g_partial
 
-  def train_step(self, state, batch: SparseBatch):
+  def train_step(self, state, batch: SparseBatch, skip_nonfinite: bool = False):
+    """One step; metrics `loss` and `grad_norm` (the global norm of the dense gradients and
+    the embedding bag-sum gradients). skip_nonfinite: when either is NaN or inf the step
+    changes nothing but the step count (dense state kept by a select; every id of the batch
+    marked invalid, so the sparse update touches no row) and reports `skipped` 1."""
     loss, _, lookup, g_params, g_partial = self.loss_and_grads(state, batch)
+    grad_norm = optax.global_norm((g_params, g_partial))
     updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if skip_nonfinite:
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      params = train_loop.select_tree(ok, params, state["params"])
+      opt = train_loop.select_tree(ok, opt, state["opt"])
+      lookup = dataclasses.replace(lookup, valid={k: v & ok for k, v in lookup.valid.items()})
+      metrics["skipped"] = (~ok).astype(jnp.float32)
     emb = self.collection.apply_gradients(state["emb"], lookup, g_partial, state["step"])
     new = {"step": state["step"] + 1, "params": params, "opt": opt, "emb": emb}
-    return new, {"loss": loss}
+    return new, metrics
 
   def eval_step(self, state, batch: SparseBatch) -> jax.Array:
     emb_BFD = self.collection.lookup(state["emb"], batch.ids, batch.lengths, batch.weights)

@@ -9,7 +9,9 @@ Forms:
                 `logit_scale=X` (the std of the planted logit before its bias), `zipf_alpha=X`
                 (the id law's exponent, default 1.05), `multi_hot=mlperf` or
                 `multi_hot=3-2-1-...` (one bag size per sparse feature, dash-separated;
-                mlperf = the MLPerf DLRM-DCNv2 sizes), e.g.
+                mlperf = the MLPerf DLRM-DCNv2 sizes), `gen=host` (numpy, the reference stream;
+                the default) or `gen=device` (`DeviceSynthetic`: the same model drawn on the
+                accelerator by a jitted generator, so data never limits the step), e.g.
                 `synthetic_deep:logit_scale=4.0` or `synthetic:multi_hot=mlperf`.
   criteo:DIR    Kaggle layout (DIR/train.txt): train on train.txt, eval on valid.txt +
                 test.txt (labeled splits; the challenge's own unlabeled test.txt has 39
@@ -47,7 +49,8 @@ DEFAULT_EVAL_BATCHES = 20
 FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm:DIR' or "
          "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files), or 'synthetic_deep'; the "
          "synthetic forms take ':logit_scale=X' (X > 0), 'zipf_alpha=X' (X >= 0) and "
-         "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1), comma-separated")
+         "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1) and 'gen=host|device', "
+         "comma-separated")
 SYNTHETIC_TEACHERS = {"synthetic": "linear", "synthetic_deep": "deep"}
 DEEP_LOGIT_SCALE = 3.0
 CRITEO_DAYS = 24
@@ -146,6 +149,10 @@ def synthetic_options(data: str) -> dict | None:
           raise ValueError
       elif key == "multi_hot":
         out["multi_hot"] = _multi_hot_option(value)
+      elif key == "gen":
+        if value not in ("host", "device"):
+          raise ValueError
+        out["gen"] = value
       else:
         raise ValueError
     except ValueError:
@@ -159,19 +166,29 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                  shard_index: int = 0, num_shards: int = 1,
                  eval_batches: int = DEFAULT_EVAL_BATCHES, csv_label: str | None = None,
                  csv_dense: str | Sequence[str] | None = None,
-                 csv_categorical: str | Sequence[str] | None = None,
+                 csv_categorical: str | Sequence[str] | None = None, mesh=None,
                  ) -> tuple[BatchSource, BatchSource]:
   """(train, eval) sources for a `--data` value; see the module docstring for the forms.
 
   shard_index / num_shards pick this process's disjoint share of the file lines (of the
   synthetic batch streams). eval_batches applies to synthetic only. csv_label / csv_dense /
   csv_categorical give the csv form's column roles (None or '' = inferred, 'none' = no
-  columns, else comma-separated names).
+  columns, else comma-separated names). mesh: where `gen=device` synthetic batches are
+  drawn (split over the mesh axes of the logical "batch" axis); None = the default device.
   """
   eval_batch_size = eval_batch_size or batch_size
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
   kind, sep, d = data.partition(":")
   syn = synthetic_options(data)
+  if syn is not None and syn.pop("gen", "host") == "device":
+    from core import mesh as mesh_lib
+    from rec.data import device_synthetic
+    axes = None if mesh is None else mesh_lib.mesh_axes("batch", mesh_lib.REC_RULES, mesh)
+    place = dict(mesh=mesh, batch_axes=axes, **syn)
+    train = device_synthetic.DeviceSynthetic(batch_size, rows, seed=seed, split="train", **place)
+    evals = device_synthetic.DeviceSynthetic(eval_batch_size, rows, seed=seed, split="test",
+                                             num_batches=eval_batches, **place)
+    return train, evals
   if syn is not None:
     shards = dict(shard_index=shard_index, num_shards=num_shards, **syn)
     train = synthetic.SyntheticCriteo(batch_size, rows, seed=seed, split="train", **shards)
