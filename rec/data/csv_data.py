@@ -5,8 +5,11 @@ Each file: a header row, then one example per line, comma-separated without quot
 line must have as many fields as the header). Every file of a source must have the same
 header. Columns play one of four roles, given or inferred from the header (`CsvColumns`):
   - label: the given column, else the first named label, click, clicked or y (any case)
-  - dense: the given columns, else every column named I<digits> (I1, I2, ...) whose values
-    in the first `SNIFF_ROWS` data rows of the first file all parse as numbers or are empty
+  - dense: the given columns, else every column named I<digits> (I1, I2, ...). Inferred by
+    name, never by sampled values: a value of an inferred dense column that is not a number
+    (anywhere in any file) stops the reader with file:line, whatever `bad_lines` says, and
+    asks for the roles to be given (`--csv_dense` / `--csv_categorical`); with the roles
+    given, such a value is an ordinary bad line
   - categorical: the given columns, else every other column except one named id (any case;
     a row id is never a feature in the BARS configs)
   - ignored: whatever is left (with both lists given, the columns in neither)
@@ -16,7 +19,8 @@ header. Columns play one of four roles, given or inferred from the header (`CsvC
     x must be a finite number (Python float syntax)
   - categorical: id = 1 + crc32(bytes) % (rows - 1), empty -> 0 ("missing"), as in Avazu
 Bad lines raise ValueError naming file:line, the column, the value and what was expected, or
-are skipped and counted with `bad_lines="skip"` (see `stream`).
+are skipped and counted with `bad_lines="skip"` (see `stream`). `CsvColumns.describe` gives
+the roles one line each, and says which were inferred and by what rule.
 
 Letters: N lines in a chunk, V valid lines, C columns, Dn dense columns, F categorical.
 """
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import re
 from typing import Sequence
@@ -37,13 +40,13 @@ from rec.data import stream
 from rec.data.batch import DataSpec
 
 DEFAULT_ROWS = 100_000
-SNIFF_ROWS = 1000          # data rows of the first file that decide which I<n> columns are dense
 LABEL_NAMES = ("label", "click", "clicked", "y")
 ID_NAME = "id"
 NONE = "none"              # as a column list: no such columns
 MAX_DENSE_BYTES = 64       # longer dense values are bad; keeps the fixed-width arrays small
 _DENSE_NAME = re.compile(r"I\d+")
 _DENSE_EXPECTED = "expected a finite number or empty"
+ROLES = ("label", "dense", "categorical")
 
 
 def read_header(path: str) -> list[str]:
@@ -79,44 +82,53 @@ def _column_list(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
   return tuple(c.strip() for c in value if c.strip())
 
 
-def _is_number(value: bytes) -> bool:
-  try:
-    return math.isfinite(float(value))
-  except ValueError:
-    return False
-
-
 @dataclasses.dataclass(frozen=True)
 class CsvColumns:
-  """Roles of a CSV header's columns, and a note on how each was chosen."""
+  """Roles of a CSV header's columns. `inferred`: the roles chosen by the module's rules
+  rather than given (their values are checked against the role as they are read)."""
 
   header: tuple[str, ...]
   label: str
   dense: tuple[str, ...]
   categorical: tuple[str, ...]
-  how: str = ""
+  inferred: frozenset[str] = frozenset()
 
   @property
   def ignored(self) -> tuple[str, ...]:
     used = {self.label, *self.dense, *self.categorical}
     return tuple(c for c in self.header if c not in used)
 
+  @property
+  def inferred_dense(self) -> tuple[str, ...]:
+    """Dense columns chosen by name, whose values must all be numbers."""
+    return self.dense if "dense" in self.inferred else ()
+
   def describe(self) -> str:
+    """The roles, one line each: the columns, how values are decoded, given or inferred."""
     def names(cols):
       return ", ".join(cols) if cols else "none"
-    return (f"label {self.label} | dense ({len(self.dense)}, log1p(max(x, 0))): "
-            f"{names(self.dense)} | categorical ({len(self.categorical)}, crc32 hashed): "
-            f"{names(self.categorical)} | ignored: {names(self.ignored)}"
-            + (f" [{self.how}]" if self.how else ""))
+
+    def how(role, rule):
+      return f"inferred: {rule}" if role in self.inferred else "given"
+
+    has_id = any(c.lower() == ID_NAME for c in self.ignored)
+    return "\n".join([
+        f"  label: {self.label} ({how('label', 'the first column named ' + '/'.join(LABEL_NAMES))})",
+        f"  dense ({len(self.dense)}, log1p(max(x, 0))): {names(self.dense)} ("
+        + how("dense", "the columns named I<n>; a value that is not a number stops the run, "
+              "give --csv_dense/--csv_categorical if one of them is categorical") + ")",
+        f"  categorical ({len(self.categorical)}, crc32 hashed): {names(self.categorical)} ("
+        + how("categorical", "the other columns" + (", except id" if has_id else "")) + ")",
+        f"  ignored: {names(self.ignored)}"])
 
 
-def infer_columns(header: Sequence[str], sample_rows: Sequence[Sequence[bytes]],
-                  label: str | None = None, dense: str | Sequence[str] | None = None,
+def infer_columns(header: Sequence[str], label: str | None = None,
+                  dense: str | Sequence[str] | None = None,
                   categorical: str | Sequence[str] | None = None,
                   where: str = "the header") -> CsvColumns:
-  """The roles of `header`'s columns: given ones as given, the others by the module rule.
+  """The roles of `header`'s columns: given ones as given, the others by the module rule
+  (names only; the values of inferred dense columns are checked as they are read).
 
-  sample_rows: the first data rows split into fields (rows of the wrong length are left out).
   where: the file the header came from, for messages.
   """
   header = tuple(header)
@@ -127,43 +139,26 @@ def infer_columns(header: Sequence[str], sample_rows: Sequence[Sequence[bytes]],
     for c in cols:
       if c not in header:
         raise ValueError(f"{role} column {c!r} is not in the header of {where}: {listed}")
-  how = []
-  if label:
-    how.append("label given")
-  else:
+  inferred = set()
+  if not label:
     found = [c for c in header if c.lower() in LABEL_NAMES]
     if not found:
       raise ValueError(f"no label column in the header of {where} ({listed}): expected one "
                        f"named {', '.join(LABEL_NAMES)} (any case), or give the label column")
     label = found[0]
-    how.append(f"label: first column named {'/'.join(LABEL_NAMES)}")
+    inferred.add("label")
   taken = {label} | set(given_cat or ())
   if given_dense is not None:
     dense_cols = given_dense
-    how.append("dense given")
   else:
-    rows = [r for r in sample_rows if len(r) == len(header)]
-    dense_cols, not_numeric = [], []
-    for i, c in enumerate(header):
-      if c in taken or not _DENSE_NAME.fullmatch(c):
-        continue
-      bad = next((r[i] for r in rows if r[i] and not _is_number(r[i])), None)
-      if bad is None:
-        dense_cols.append(c)
-      else:
-        not_numeric.append(f"{c} ({stream.field_text(bad)})")
-    dense_cols = tuple(dense_cols)
-    how.append(f"dense: columns named I<n> whose values in the first {len(rows)} rows are "
-               "numbers or empty" + (f"; not dense: {', '.join(not_numeric)}" if not_numeric
-                                     else ""))
+    dense_cols = tuple(c for c in header if c not in taken and _DENSE_NAME.fullmatch(c))
+    inferred.add("dense")
   if given_cat is not None:
     cat_cols = given_cat
-    how.append("categorical given")
   else:
     skip = {label, *dense_cols}
     cat_cols = tuple(c for c in header if c not in skip and c.lower() != ID_NAME)
-    has_id = any(c.lower() == ID_NAME for c in header if c not in skip)
-    how.append("categorical: the other columns" + (", except id" if has_id else ""))
+    inferred.add("categorical")
   roles = [("label", label)] + [("dense", c) for c in dense_cols] + [
       ("categorical", c) for c in cat_cols]
   seen: dict[str, str] = {}
@@ -175,7 +170,7 @@ def infer_columns(header: Sequence[str], sample_rows: Sequence[Sequence[bytes]],
     raise ValueError(f"no categorical column in {where} ({listed}): expected at least one "
                      "(the models embed categorical features)")
   return CsvColumns(header=header, label=label, dense=tuple(dense_cols),
-                    categorical=tuple(cat_cols), how="; ".join(how))
+                    categorical=tuple(cat_cols), inferred=frozenset(inferred))
 
 
 def _floats(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -185,10 +180,12 @@ def _floats(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
   if too_long.any():
     values = [b"" if t else v for v, t in zip(values, too_long)]
   text_S = np.array(values, dtype=bytes)
+  # numpy's bytes dtype drops trailing NULs, which would make "1\0" read as 1
+  nul = np.char.str_len(text_S) != np.where(too_long, 0, lens)
   empty = lens == 0
   text_S = np.where(empty, b"0", text_S)
   x = stream.parse_floats(text_S)
-  ok = np.isfinite(x) & ~too_long
+  ok = np.isfinite(x) & ~too_long & ~nul
   return np.where(ok, x, 0.0), ok
 
 
@@ -231,27 +228,37 @@ def parse_lines(lines: list[bytes], columns: CsvColumns,
   mod = np.asarray(rows_per_feature, np.int64) - 1
   ids = np.where(empty, 0, 1 + crc % mod).astype(np.int32)
 
-  # the first bad column of a line, in header order, is the one named
+  # the first bad column of a line, in header order, is the one named; a non-number in a
+  # dense column inferred by name is named first: it says the inferred role may be wrong
   order = np.argsort([col[columns.label]] + d_idx, kind="stable")
   checked = np.concatenate([label_bad[:, None], dense_bad], axis=1)[:, order]
   names = ([columns.label] + list(columns.dense))
+  role_k = [1 + j for j, c in enumerate(columns.dense) if c in set(columns.inferred_dense)]
+  role_bad = dense_bad[:, [k - 1 for k in role_k]]
   bad_fields = []
   bad_rows = np.flatnonzero(checked.any(1))
+  stop_at = None
   for r in bad_rows:
     k = int(order[np.argmax(checked[r])])
+    if role_bad[r].any():
+      k = min((k2 for k2 in role_k if dense_bad[r, k2 - 1]), key=lambda k2: d_idx[k2 - 1])
     name = names[k]
-    value = fields[int(r) * C + col[name]]
-    expected = "expected 0 or 1" if k == 0 else _DENSE_EXPECTED
-    bad_fields.append((int(good_idx[r]), f"field {name} = {stream.field_text(value)}: {expected}"))
-  return stream.keep_good_rows(dense, ids, labels, bad_rows, bad_shape, bad_fields)
-
-
-def sniff_rows(path: str, num_rows: int = SNIFF_ROWS) -> list[list[bytes]]:
-  """The first `num_rows` data rows of a CSV file (after its header), split into fields."""
-  with stream.open_binary(path) as f:
-    f.readline()
-    head = list(itertools.islice(f, num_rows))
-  return [line.rstrip(b"\r\n").split(b",") for line in head]
+    value = stream.field_text(fields[int(r) * C + col[name]])
+    if k == 0:
+      what = f"field {name} = {value}: expected 0 or 1"
+    elif k in role_k:
+      what = (f"field {name} = {value}: {_DENSE_EXPECTED}, as column {name} was inferred "
+              "dense (named I<n>); give the column roles explicitly with --csv_dense and "
+              "--csv_categorical (CsvSource dense= / categorical=): "
+              f"{name} among the categorical columns if it holds categories, or among the "
+              "dense ones to make such values bad lines (which --bad_lines=skip skips)")
+      stop_at = int(good_idx[r]) if stop_at is None else stop_at
+    else:
+      what = f"field {name} = {value}: {_DENSE_EXPECTED}"
+    bad_fields.append((int(good_idx[r]), what))
+  parsed = stream.keep_good_rows(dense, ids, labels, bad_rows, bad_shape, bad_fields)
+  parsed.stop_at = stop_at
+  return parsed
 
 
 def csv_spec(columns: CsvColumns, rows_per_feature: int | Sequence[int] = DEFAULT_ROWS) -> DataSpec:
@@ -286,8 +293,8 @@ class CsvSource(stream.LineSource):
         raise ValueError(f"{path}:1: header {','.join(other)!r} differs from the header of "
                          f"{self.files[0]}: {','.join(header)!r}")
     if columns is None:
-      columns = infer_columns(header, sniff_rows(self.files[0]), label=label, dense=dense,
-                              categorical=categorical, where=self.files[0])
+      columns = infer_columns(header, label=label, dense=dense, categorical=categorical,
+                              where=self.files[0])
     elif columns.header != tuple(header):
       raise ValueError(f"{self.files[0]}:1: header {','.join(header)!r} differs from the "
                        f"columns given: {','.join(columns.header)!r}")
@@ -295,7 +302,8 @@ class CsvSource(stream.LineSource):
     self.spec = csv_spec(columns, rows_per_feature)
 
   def describe(self) -> str:
-    return f"{self.files[0]}: {self.columns.describe()}"
+    """The column roles of `files[0]`, one line each (printed by `sources.make_sources`)."""
+    return f"{self.files[0]}: column roles\n{self.columns.describe()}"
 
   def _is_header(self, first_line: bytes) -> bool:
     del first_line

@@ -76,8 +76,7 @@ def decode_line(line: bytes, rows_per_feature: Sequence[int], form: str, num_fie
   is wrong with it (its first bad token). The reference for `parse_lines`, which calls it
   for the messages about bad lines."""
   F = num_fields
-  text = line[:-1] if line.endswith(b"\n") else line
-  text = text[:-1] if text.endswith(b"\r") else text
+  text = stream.strip_newline(line)
   toks = [t for t in text.replace(b"\t", b" ").split(b" ") if t]
   if not toks or (form == LIBFM and len(toks) != F + 1):
     got = "an empty line" if not toks else str(len(toks) - 1)
@@ -174,10 +173,12 @@ def _floats(u8: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> tuple[np.nd
   width = max(int(lens.max()), 1)
   cols = np.arange(width)
   chars = u8[np.minimum(starts[:, None] + cols, len(u8) - 1)]
-  chars = np.where(cols < lens[:, None], chars, 0).astype(np.uint8)
-  text_S = chars.view(f"S{width}")[:, 0]   # trailing NULs are not part of the string
+  inside = cols < lens[:, None]
+  has_nul = ((chars == 0) & inside).any(1)   # the bytes dtype would drop a trailing one
+  chars = np.where(inside, chars, 0).astype(np.uint8)
+  text_S = chars.view(f"S{width}")[:, 0]   # the NUL padding is not part of the string
   values = stream.parse_floats(text_S)
-  return values, np.isfinite(values)
+  return values, np.isfinite(values) & ~has_nul
 
 
 def parse_lines(lines: list[bytes], rows_per_feature: Sequence[int], form: str,

@@ -1,4 +1,4 @@
-"""Line streaming shared by the Criteo and Avazu readers: files, shards, skipping, batches.
+"""Line streaming shared by the line readers (Criteo, Avazu, libFM, CSV): files, shards, batches.
 
 A `LineSource` reads one record per line from a list of plain or gzip (`.gz` suffix) text
 files, keeps the records of its shard (`record % num_shards == shard_index`, records
@@ -98,6 +98,9 @@ class Parsed:
   ids: np.ndarray              # [V, F] int32
   labels: np.ndarray           # [V] float32
   bad: list[tuple[int, str]]   # (line index in the chunk, what is wrong), sorted by index
+  # index of the first bad line that stops the reader even with bad_lines="skip" (its
+  # message is in `bad`): the line shows that the way the file is read is wrong, not the line
+  stop_at: int | None = None
 
 
 def split_by_field_count(lines: list[bytes], sep: bytes, num_fields: int,
@@ -110,14 +113,28 @@ def split_by_field_count(lines: list[bytes], sep: bytes, num_fields: int,
   return ok, bad
 
 
+def strip_newline(line: bytes) -> bytes:
+  """A line without its line ending: one '\\n', then one '\\r' (CRLF files; a last line
+  without its '\\n' may still end in the '\\r'). Any other '\\r' is part of the line."""
+  if line.endswith(b"\n"):
+    line = line[:-1]
+  return line[:-1] if line.endswith(b"\r") else line
+
+
 def join_lines(lines: list[bytes]) -> bytes:
-  """The lines as one buffer in which every line, the last included, ends in a bare '\\n'."""
+  """The lines as one buffer holding `strip_newline` of each line followed by a bare '\\n':
+  exactly one '\\n' per line, so a line that is only a line ending (an empty line, a lone
+  '\\r') stays a line of its own. Lines hold no '\\n' but their last byte."""
   buf = b"".join(lines)
+  last_unterminated = bool(buf) and not buf.endswith(b"\n")
+  if buf.count(b"\n") != len(lines) - last_unterminated:  # lines given without their '\n'
+    return b"".join(strip_newline(line) + b"\n" for line in lines)
   if b"\r" in buf:
+    # Lines come from readlines, so '\n' ends a line and '\r\n' can only be a line ending.
     buf = buf.replace(b"\r\n", b"\n")
-  if buf.endswith(b"\r"):
-    buf = buf[:-1]  # a last line ending in a bare CR of a CRLF file
-  if buf and not buf.endswith(b"\n"):
+    if last_unterminated and buf.endswith(b"\r"):
+      buf = buf[:-1]
+  if last_unterminated:
     buf += b"\n"
   return buf
 
@@ -174,7 +191,9 @@ class LineSource:
       with `bad_lines="skip"` once the bad lines are known (after one full pass, or the
       validation pass that `num_batches` runs in that mode).
     - bad lines: "error" raises ValueError naming file:line, field, value and what was
-      expected; "skip" drops them, counts them in `bad_line_count` and logs the first.
+      expected; "skip" drops them, counts them in `bad_line_count` and logs the first. A
+      line a parser marks `stop_at` (a value that contradicts an inferred column role)
+      raises in both modes.
     - `num_batches` counts newlines once (no parsing; with "skip" it runs one validation
       pass instead) and caches it. Shards of an eval set may differ by one batch: a
       multi-host eval loop must agree on the largest count and feed mask-0 batches.
@@ -343,6 +362,9 @@ class LineSource:
         where = f"{path}:{line_nos[i]}: {msg}"
         if self.bad_lines == "error":
           raise ValueError(where)
+        if parsed.stop_at is not None:
+          i = parsed.stop_at
+          raise ValueError(f"{path}:{line_nos[i]}: {dict(parsed.bad)[i]}")
         if self._first_bad is None:
           self._first_bad = where
           logging.warning("%s: skipping malformed line %s (bad_lines='skip'; later ones are "

@@ -219,6 +219,30 @@ def test_libffm_bad_lines(tmp_path, bad_line, message):
   assert str(err.value) == f"{bad}:3: {message.format(good=good)}"
 
 
+@pytest.mark.parametrize("last", ["\r", "\r\n", "\n", " \r", "\t\r\n"])
+@pytest.mark.parametrize("form", ["libfm", "libffm"])
+def test_lone_cr_or_blank_last_line_is_a_bad_line(tmp_path, form, last):
+  """A last line holding only a line ending (a CRLF file's trailing '\\r') is an empty line:
+  file:line in error mode, one skipped line in skip mode; never an assertion."""
+  pair = (lambda j, i: f"{i}:1") if form == "libfm" else (lambda j, i: f"{j}:{i}:1")
+  lines = [" ".join(["1" if i % 2 else "-1"] + [pair(j, 10 * i + j) for j in range(3)]) + "\r\n"
+           for i in range(5)]
+  path = write(tmp_path, "crlf." + form, lines + [last])
+  empty = "field:idx:val pairs" if form == "libffm" else "3 idx:val pairs"
+  for chunk_bytes in (1 << 20, 30):
+    src = libfm.LibFMSource(path, 2, 100, repeat=False, chunk_bytes=chunk_bytes)
+    with pytest.raises(ValueError) as err:
+      list(src.batches())
+    assert str(err.value).startswith(f"{path}:6: expected a label and {empty}")
+    assert str(err.value).endswith("got an empty line")
+    skip = libfm.LibFMSource(path, 2, 100, repeat=False, bad_lines="skip",
+                             drop_remainder=False, chunk_bytes=chunk_bytes)
+    _, ids, labels, _ = real_rows(list(skip.batches()))
+    assert skip.bad_line_count == 1 and skip.num_examples == 5
+    assert labels.tolist() == [0, 1, 0, 1, 0]
+    assert ids[:, 0].tolist() == [1 + 10 * i for i in range(5)]
+
+
 def test_libfm_first_line_and_argument_errors(tmp_path):
   empty = write(tmp_path, "empty.libfm", [])
   with pytest.raises(ValueError, match="empty.libfm: empty file"):
@@ -333,29 +357,64 @@ CSV_HEADER = "id,I1,I2,Label,C1,I3,device\n"
 def test_csv_inferred_roles_and_values_by_hand(tmp_path):
   lines = [CSV_HEADER,
            "r1,3,-2,1,abc,7,phone\n",
-           "r2,,0.5,0,,x9,\n",          # empty values; I3 has a non-number, so it is categorical
+           "r2,,0.5,0,,,\n",           # empty values
            "r3,1e3,12,1,abc,5,tablet\r\n"]
   path = write(tmp_path, "train.csv", lines)
-  src = csv_data.CsvSource(path, 3, [10, 1000, 99], repeat=False)
+  src = csv_data.CsvSource(path, 3, [10, 1000], repeat=False)
   cols = src.columns
-  assert (cols.label, cols.dense, cols.categorical) == ("Label", ("I1", "I2"),
-                                                        ("C1", "I3", "device"))
-  assert cols.ignored == ("id",)
-  text = src.describe()
-  assert "label Label" in text and "dense (2, log1p(max(x, 0))): I1, I2" in text
-  assert "not dense: I3 ('x9')" in text and "except id" in text and "ignored: id" in text
-  assert src.spec.num_dense == 2 and src.spec.sparse_features == ("C1", "I3", "device")
+  assert (cols.label, cols.dense, cols.categorical) == ("Label", ("I1", "I2", "I3"),
+                                                        ("C1", "device"))
+  assert cols.ignored == ("id",) and cols.inferred == {"label", "dense", "categorical"}
+  assert src.describe().splitlines() == [
+      f"{path}: column roles",
+      "  label: Label (inferred: the first column named label/click/clicked/y)",
+      "  dense (3, log1p(max(x, 0))): I1, I2, I3 (inferred: the columns named I<n>; a value "
+      "that is not a number stops the run, give --csv_dense/--csv_categorical if one of them "
+      "is categorical)",
+      "  categorical (2, crc32 hashed): C1, device (inferred: the other columns, except id)",
+      "  ignored: id"]
+  assert src.spec.num_dense == 3 and src.spec.sparse_features == ("C1", "device")
   (b,) = list(src.batches())
   assert b.weights is None and b.labels.tolist() == [1, 0, 1]
   np.testing.assert_array_equal(
-      b.dense, np.array([[math.log1p(3), 0], [0, math.log1p(0.5)], [math.log1p(1000),
-                                                                    math.log1p(12)]], np.float32))
+      b.dense, np.array([[math.log1p(3), 0, math.log1p(7)], [0, math.log1p(0.5), 0],
+                         [math.log1p(1000), math.log1p(12), math.log1p(5)]], np.float32))
 
   def h(v, r):
     return 1 + zlib.crc32(v.encode()) % (r - 1) if v else 0
-  assert b.ids[:, :, 0].tolist() == [[h("abc", 10), h("7", 1000), h("phone", 99)],
-                                     [0, h("x9", 1000), 0],
-                                     [h("abc", 10), h("5", 1000), h("tablet", 99)]]
+  assert b.ids[:, :, 0].tolist() == [[h("abc", 10), h("phone", 1000)], [0, 0],
+                                     [h("abc", 10), h("tablet", 1000)]]
+
+
+@pytest.mark.parametrize("bad_at", [2, 1500])
+@pytest.mark.parametrize("bad_lines", ["error", "skip"])
+def test_csv_value_against_inferred_dense_role_stops(tmp_path, bad_at, bad_lines):
+  """One non-number in an I<n> column, in the first rows or far past them, never turns the
+  column categorical: reading stops at its file:line (even with bad_lines=skip) and asks for
+  the roles; with the roles given it is categorical, or a bad line of a dense column."""
+  rows = [f"r{i},{i},{i % 7},{i % 2},c{i % 5},{i % 3},d\n" for i in range(2000)]
+  rows[3] = "r3,1,2,7,c,4,d\n"                          # a bad label: an ordinary bad line
+  rows[bad_at - 2] = f"r,{bad_at},2,1,c,x9,d\n"         # line bad_at of the file (header = 1)
+  path = write(tmp_path, "train.csv", [CSV_HEADER] + rows)
+  src = csv_data.CsvSource(path, 64, 50, bad_lines=bad_lines, repeat=False, chunk_bytes=4096)
+  assert src.columns.dense == ("I1", "I2", "I3")        # by name, whatever the values
+  first = 5 if (bad_at > 5 and bad_lines == "error") else bad_at
+  with pytest.raises(ValueError) as err:
+    list(src.batches())
+  msg = str(err.value)
+  if first == 5:
+    assert msg == f"{path}:5: field Label = '7': expected 0 or 1"
+    return
+  assert msg.startswith(f"{path}:{bad_at}: field I3 = 'x9': expected a finite number or empty, "
+                        "as column I3 was inferred dense (named I<n>); give the column roles "
+                        "explicitly with --csv_dense and --csv_categorical"), msg
+  given = csv_data.CsvSource(path, 64, 50, dense="I1,I2", bad_lines="skip", repeat=False,
+                             drop_remainder=False)
+  assert given.columns.categorical == ("C1", "I3", "device")
+  assert given.num_examples == 1999 and given.bad_line_count == 1   # the bad label only
+  dense_given = csv_data.CsvSource(path, 64, 50, dense="I1,I2,I3", bad_lines="skip",
+                                   repeat=False)
+  assert dense_given.num_examples == 1998 and dense_given.bad_line_count == 2
 
 
 def test_csv_given_roles(tmp_path):
@@ -397,7 +456,7 @@ def test_csv_given_roles(tmp_path):
 def test_csv_bad_lines(tmp_path, bad_line, message):
   good = "r,1,2,1,a,b,c\n"
   path = write(tmp_path, "train.csv", ["id,I1,I2,Label,C1,C2,C3\n", good, good, bad_line, good])
-  # dense given: inferred, a non-number in I1 would make it a categorical column
+  # dense given: inferred, a non-number in I1 would stop the reader whatever bad_lines says
   with pytest.raises(ValueError) as err:
     list(csv_data.CsvSource(path, 2, dense="I1,I2", repeat=False).batches())
   assert str(err.value) == f"{path}:4: {message}"    # the header is line 1
@@ -492,7 +551,9 @@ def test_make_sources_csv_and_forms(tmp_path, capsys):
   assert [os.path.basename(f) for f in ev.files] == ["valid.csv", "test.csv"]
   assert ev.columns == train.columns and train.columns.dense == ("I1",)
   assert ev.num_examples == 5 and train.spec.rows_per_feature == (33,)
-  assert "label label | dense (1" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert f"--data=csv:{tmp_path}: {tmp_path}/train.csv: column roles\n  label: label (" in out
+  assert "\n  dense (1, log1p(max(x, 0))): I1 (inferred" in out
   train, _ = sources.make_sources(f"csv:{tmp_path}", 4, csv_label="label", csv_dense="none",
                                   csv_categorical="I1,C1")
   assert train.columns.dense == () and train.columns.categorical == ("I1", "C1")
