@@ -17,6 +17,10 @@ Forms:
                 test.txt (labeled splits; the challenge's own unlabeled test.txt has 39
                 fields and is rejected line 1). Terabyte layout (DIR/day_0 .. day_23, each
                 plain or .gz): train on day_0 .. day_22, eval on day_23.
+  criteo_bin:DIR  a directory written by `python -m experiments.preprocess_criteo`
+                (`rec.data.criteo_bin`): train on its train split (Grain, blocks shuffled
+                globally every epoch by `seed`), eval on valid + test (or test). Rows per
+                feature come from its manifest (`num_rows` is not used).
   avazu:DIR     train on DIR/train.csv, eval on DIR/dev.csv + DIR/test.csv.
   libfm:DIR     libFM (`label idx:val ...`, fields by position) or libFFM
                 (`label field:idx:val ...`) files, e.g. the AutoInt / FuxiCTR dumps: train on
@@ -47,7 +51,8 @@ from rec.data.batch import BatchSource
 DEFAULT_NUM_ROWS = 100_000
 DEFAULT_EVAL_BATCHES = 20
 FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm:DIR' or "
-         "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files), or 'synthetic_deep'; the "
+         "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files), 'criteo_bin:DIR' (the output "
+         "of experiments.preprocess_criteo), or 'synthetic_deep'; the "
          "synthetic forms take ':logit_scale=X' (X > 0), 'zipf_alpha=X' (X >= 0) and "
          "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1) and 'gen=host|device', "
          "comma-separated")
@@ -195,11 +200,20 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     evals = synthetic.SyntheticCriteo(eval_batch_size, rows, seed=seed, split="test",
                                       num_batches=eval_batches, **shards)
     return train, evals
-  if kind not in ("criteo", "avazu", "libfm", "csv") or not sep or not d:
+  if kind not in ("criteo", "criteo_bin", "avazu", "libfm", "csv") or not sep or not d:
     raise ValueError(f"--data={data!r}: expected {FORMS}")
   if not os.path.isdir(d):
     raise ValueError(f"--data={data!r}: {d!r} is not a directory")
   common = dict(bad_lines=bad_lines, shard_index=shard_index, num_shards=num_shards)
+  if kind == "criteo_bin":
+    from rec.data import criteo_bin
+    shards = dict(shard_index=shard_index, num_shards=num_shards)
+    m = criteo_bin.load_manifest(d)
+    train = criteo_bin.CriteoBinSource(d, "train", batch_size, shuffle=True, repeat=True,
+                                       seed=seed, **shards)
+    evals = criteo_bin.CriteoBinSource(d, [s for s in ("valid", "test") if s in m["splits"]],
+                                       eval_batch_size, shuffle=False, repeat=False, **shards)
+    return train, evals
   if kind == "libfm":
     train_files, eval_files = split_files(data, d, None, "train or train.<ext> (train.libfm, "
                                           "train.txt, train.svm, train.ffm, ...)")
