@@ -5,6 +5,8 @@
 batches carry logical names such as ("batch", "embed"); one rules table maps each name to
 mesh axes (MaxText's logical_axis_rules, big_vision's sharding_rules). Names whose axes the
 mesh lacks are replicated, so the same rules serve a 1-device and an 8-device mesh.
+`make_mesh` checks the flag's axis names against the rules in use, so `--mesh=dta:8` is an
+error rather than a mesh on which no logical name lands (every device doing all the work).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 # A rules table: (logical name, mesh axis | tuple of mesh axes | None), first match wins.
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# A rules entry under this name maps no logical axis: it declares mesh axes the table
+# accepts on purpose although no rule uses them (e.g. an axis that only a shard_map names),
+# as in `(EXTRA_AXES, ("stage",))`.
+EXTRA_AXES = "__extra_axes__"
 
 # Recommendation models: every device takes a slice of the batch (data parallel dense
 # part); embedding shards spread over every device, as in TorchRec / Neo (arXiv 2104.05158).
@@ -52,6 +59,31 @@ LLM_RULES: Rules = (
     ("cache_kv_heads", "tp"),
 )
 
+_TABLE_NAMES = {id(REC_RULES): "REC_RULES", id(LLM_RULES): "LLM_RULES"}
+
+
+def rules_axes(rules: Rules) -> tuple[str, ...]:
+  """The mesh axes a rules table knows (those its rules map to, and its EXTRA_AXES), in
+  order of first appearance."""
+  out: list[str] = []
+  for _, axes in rules:
+    for a in (axes,) if isinstance(axes, str) else tuple(axes or ()):
+      if a not in out:
+        out.append(a)
+  return tuple(out)
+
+
+def check_axes(spec: str, names: Sequence[str], rules: Rules, table: str | None = None) -> None:
+  """Raises a ValueError naming the known axes when `names` (of --mesh=`spec`) holds an
+  axis that no rule of `rules` maps to; `table` names the rules in the message."""
+  known = rules_axes(rules)
+  unknown = [a for a in names if a not in known]
+  if unknown:
+    table = table or _TABLE_NAMES.get(id(rules), "the rules table in use")
+    raise ValueError(
+        f"--mesh={spec!r}: unknown axis {', '.join(map(repr, unknown))}; {table} knows "
+        f"{', '.join(known)} (a table may declare more with an EXTRA_AXES entry)")
+
 
 def parse_mesh(spec: str) -> list[tuple[str, int]]:
   """Parses `data:2,model:4` / `-1` into [(axis, size)]; a size of -1 is resolved later."""
@@ -78,10 +110,20 @@ def parse_mesh(spec: str) -> list[tuple[str, int]]:
   return axes
 
 
-def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the mesh for `spec` over `devices` (default: all); the sizes must use all of them."""
+def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None,
+              rules: Rules | None = None) -> Mesh:
+  """Builds the mesh for `spec` over `devices` (default: all); the sizes must use all of them.
+
+  Axis names must be known to `rules`, the table the run places arrays with (default: any
+  table of this module, REC_RULES or LLM_RULES).
+  """
   devices = list(jax.devices() if devices is None else devices)
   axes = parse_mesh(spec)
+  if rules is None:
+    check_axes(spec, [a for a, _ in axes], tuple(REC_RULES) + tuple(LLM_RULES),
+               "REC_RULES + LLM_RULES")
+  else:
+    check_axes(spec, [a for a, _ in axes], rules)
   known = math.prod(n for _, n in axes if n != -1)
   if any(n == -1 for _, n in axes):
     if len(devices) % known:
@@ -109,7 +151,7 @@ def logical_to_spec(logical: Sequence[str | None], rules: Rules, mesh: Mesh) -> 
     if name is None:
       out.append(None)
       continue
-    if name not in table:
+    if name not in table or name == EXTRA_AXES:
       raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
     axes = table[name]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())

@@ -6,19 +6,35 @@ that prepares batches, eval every N steps, metrics to JSONL and TensorBoard, a p
 line with rate and ETA, orbax checkpoints every N steps and at the end, and `resume`,
 which continues the same run exactly: the state, its RNG and optimizer state come from
 the checkpoint, and batch k of the resumed run is batch k of the uninterrupted one.
+
+Two guards keep a run honest. Settings: the entry point hands the loop its run's settings
+(`TrainConfig.settings`, e.g. the flags); they are saved with every checkpoint, and
+`--resume` with different values stops before any array is read, with one message listing
+each difference; loop settings (steps, cadences, paths) and those the entry point names in
+`changeable` may differ. Finiteness: the per-step metrics the loop fetches anyway (at log
+cadence, at least every `check_every` steps, and before every eval and checkpoint) are
+checked for a non-finite loss or gradient norm; the run stops at the first such step (no
+checkpoint of that state is written) or, with `nonfinite="skip"`, the task's step leaves
+the state unchanged on device and the loop counts the skipped steps. No per-step
+device-to-host transfer is added.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
+import math
 import os
 import queue
+import shutil
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -38,6 +54,48 @@ class TrainConfig:
   seed: int = 0
   prefetch: int = 2
   tensorboard: bool = True
+  # The run's settings (JSON-able: the entry point's flags / config), saved with each
+  # checkpoint and compared on resume. The loop's own fields (LOOP_SETTINGS) are added.
+  settings: dict[str, Any] | None = None
+  changeable: Sequence[str] = ()     # settings besides LOOP_SETTINGS that may change on resume
+  resume_allow: Sequence[str] = ()   # settings this resume may change deliberately
+  overwrite: bool = False            # delete the workdir's checkpoints and metrics first
+  nonfinite: str = "stop"            # stop | skip: what a non-finite loss or grad norm does
+  check_every: int = 100             # at most this many steps between finiteness checks
+  max_skipped_in_a_row: int = 10     # nonfinite="skip": stop after this many in a row
+  nonfinite_hint: str = "lower the learning rate"  # what to try, named by the entry point
+
+
+# TrainConfig fields that are run settings and may differ on resume (they change how far the
+# run goes and what it reports, never the state or the batches it sees).
+LOOP_SETTINGS = ("steps", "eval_every", "checkpoint_every", "log_every", "stop_at_step",
+                 "workdir", "max_to_keep", "prefetch", "tensorboard", "nonfinite",
+                 "check_every", "max_skipped_in_a_row")
+# Metrics that must stay finite; a task reports the ones it has.
+FINITE_METRICS = ("loss", "grad_norm")
+
+
+class RunSettingsError(ValueError):
+  """The workdir and the run's settings disagree (a resume with other settings, a finished
+  run without --resume)."""
+
+
+class NonFiniteError(RuntimeError):
+  """Training produced a non-finite loss, gradient norm or state."""
+
+
+def check_learning_rate(flag: str, value: Any) -> None:
+  """Raises a ValueError naming `flag` unless `value` is a finite number > 0."""
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+      math.isfinite(value) and value > 0
+  if not ok:
+    raise ValueError(f"{flag}={value!r}: expected a finite learning rate > 0")
+
+
+def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
+  """`new` where the scalar `ok` is true, else `old`, leaf by leaf (for small trees: dense
+  parameters and their optimizer state; embedding tables skip by their touched rows)."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 class Task(Protocol):
@@ -162,63 +220,239 @@ def evaluate(task: Task, state: Any, batches: Iterable[Any], eval_step=None) -> 
   return ev.result()
 
 
+def run_settings(cfg: TrainConfig) -> dict[str, Any]:
+  """The settings saved with each checkpoint: the loop's LOOP_SETTINGS, `seed` and
+  `cfg.settings`, as they read back from JSON."""
+  out = {k: getattr(cfg, k) for k in LOOP_SETTINGS + ("seed",)}
+  out.update(cfg.settings or {})
+  return json.loads(json.dumps(out, default=str))
+
+
+def _changeable(cfg: TrainConfig) -> list[str]:
+  return list(dict.fromkeys(LOOP_SETTINGS + tuple(cfg.changeable)))
+
+
+def _describe_run(meta: dict[str, Any], step: int) -> str:
+  planned = meta.get("steps")
+  if planned is None:
+    return f"a checkpoint at step {step}"
+  state = "a finished run" if step >= planned else "an unfinished run"
+  return f"a checkpoint at step {step} ({state} of {planned} steps)"
+
+
+def check_resume(cfg: TrainConfig) -> int | None:
+  """Checks `cfg.workdir` before anything is built; returns the step to resume from.
+
+  With `overwrite`, first deletes the checkpoints, metrics.jsonl and TensorBoard events a
+  previous run left there. A checkpoint without `resume` is a RunSettingsError saying how
+  to resume or overwrite. With `resume`, the settings saved with the latest checkpoint are
+  compared with `run_settings(cfg)`: any difference outside LOOP_SETTINGS, `changeable` and
+  `resume_allow` is one RunSettingsError listing each (old and new value). Reads no array.
+  """
+  if cfg.overwrite and cfg.resume:
+    raise RunSettingsError("--overwrite deletes the run that --resume would continue: pass one")
+  ckpt_dir = os.path.join(cfg.workdir, "checkpoints")
+  if cfg.overwrite:
+    removed = [p for p in (ckpt_dir, os.path.join(cfg.workdir, "tb"),
+                           os.path.join(cfg.workdir, "metrics.jsonl")) if os.path.exists(p)]
+    for p in removed:
+      shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    if removed:
+      print(f"--overwrite: removed {', '.join(removed)}", flush=True)
+  if not os.path.isdir(ckpt_dir):
+    return None
+  ckpt = ckpt_lib.Checkpointer(cfg.workdir, cfg.max_to_keep)
+  try:
+    latest = ckpt.latest_step()
+    if latest is None:
+      return None
+    meta = ckpt.restore_meta(latest)
+  finally:
+    ckpt.close()
+  if not cfg.resume:
+    raise RunSettingsError(
+        f"workdir {cfg.workdir!r} already holds {_describe_run(meta, latest)}; pass --resume "
+        "to continue that run (with a larger --steps to train further), --overwrite to delete "
+        "its checkpoints and metrics and start afresh, or choose another --workdir")
+  saved = meta.get("settings")
+  if saved is None:
+    logging.warning("%s/%d holds no run settings (written by an older version): resuming "
+                    "without checking them", ckpt_dir, latest)
+    return latest
+  now = run_settings(cfg)
+  free = set(_changeable(cfg)) | set(cfg.resume_allow)
+  unknown = sorted(set(cfg.resume_allow) - set(saved) - set(now))
+  if unknown:
+    raise RunSettingsError(f"--resume_allow names unknown settings {unknown}; the run's "
+                           f"settings are {sorted(set(saved) | set(now))}")
+  differ = [k for k in sorted(set(saved) & set(now)) if k not in free and saved[k] != now[k]]
+  unrecorded = sorted(set(now) - set(saved) - free)
+  if unrecorded:
+    logging.warning("settings %s are not recorded in %s/%d (written by an older version); "
+                    "not checked", unrecorded, ckpt_dir, latest)
+  if differ:
+    raise RunSettingsError(
+        f"--resume: the settings differ from those of the run in {os.path.abspath(ckpt_dir)} "
+        f"(step {latest}):\n"
+        + "".join(f"  {k}: {saved[k]!r} (checkpoint) -> {now[k]!r} (now)\n" for k in differ)
+        + "Resume with the checkpoint's values, start a new run in another --workdir (or "
+        f"--overwrite this one), or allow a deliberate change with --resume_allow="
+        f"{','.join(differ)}. Settings that may change on resume: "
+        f"{', '.join(_changeable(cfg))}.")
+  return latest
+
+
+def _nonfinite(values: dict[str, float]) -> dict[str, float]:
+  return {k: values[k] for k in FINITE_METRICS if k in values and not math.isfinite(values[k])}
+
+
+@jax.jit
+def _finite_leaves(state):
+  return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)),
+                      [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)])
+
+
+def _first_nonfinite_leaf(state) -> str | None:
+  """The path of the first state leaf holding a NaN or inf (one fused reduction, at
+  checkpoints only), or None."""
+  paths = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(state)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  flags = jax.device_get(_finite_leaves(state))
+  return next((p for p, ok in zip(paths, flags) if not ok), None)
+
+
 def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
           eval_batches: Callable[[], Iterable[Any]] | None, cfg: TrainConfig) -> dict[str, Any]:
   """Runs (or resumes) training; returns a summary with the last eval metrics and rates.
 
-  `train_batches(start)` yields host batches from batch number `start` on.
+  `train_batches(start)` yields host batches from batch number `start` on. Raises
+  RunSettingsError (see `check_resume`), checkpoint.CheckpointMismatchError (a checkpoint
+  whose arrays do not fit the state) or NonFiniteError (see the module docstring).
   """
+  if cfg.nonfinite not in ("stop", "skip"):
+    raise ValueError(f"--nonfinite={cfg.nonfinite!r}: expected 'stop' or 'skip'")
+  if cfg.check_every < 0 or cfg.max_skipped_in_a_row < 1:
+    raise ValueError(f"TrainConfig: check_every={cfg.check_every} (expected >= 0), "
+                     f"max_skipped_in_a_row={cfg.max_skipped_in_a_row} (expected >= 1)")
   os.makedirs(cfg.workdir, exist_ok=True)
+  latest = check_resume(cfg)
+  train_step = task.train_step
+  if cfg.nonfinite == "skip":
+    if "skip_nonfinite" not in inspect.signature(task.train_step).parameters:
+      raise ValueError(f"--nonfinite=skip: {type(task).__name__}.train_step takes no "
+                       "skip_nonfinite argument; use --nonfinite=stop")
+    train_step = functools.partial(task.train_step, skip_nonfinite=True)
+  settings = run_settings(cfg)
   ckpt = ckpt_lib.Checkpointer(cfg.workdir, cfg.max_to_keep)
-  latest = ckpt.latest_step()
-  state = task.init_state(cfg.seed)
-  start = 0
-  meta: dict[str, Any] = {}
-  if latest is not None:
-    if not cfg.resume:
-      raise ValueError(
-          f"workdir {cfg.workdir!r} already holds a checkpoint at step {latest}; pass "
-          "--resume to continue that run, or choose an empty --workdir")
-    state, meta = ckpt.restore(latest, ckpt_lib.abstract_like(state))
-    start = int(meta["step"])
-    if meta.get("steps") not in (None, cfg.steps):
-      logging.warning("resuming a run planned for %s steps with --steps=%d", meta["steps"], cfg.steps)
-    print(f"resumed from {ckpt.directory}/{latest} at step {start}", flush=True)
-  elif cfg.resume:
-    print(f"--resume: no checkpoint under {ckpt.directory}; starting from step 0", flush=True)
-
-  writer = MetricWriter(cfg.workdir, start if latest is not None else None, cfg.tensorboard)
-  step_fn = jax.jit(task.train_step, donate_argnums=0)
-  eval_fn = jax.jit(task.eval_step)
-  end = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
-  progress = Progress(cfg.steps, start)
-  last_eval: dict[str, float] = dict(meta.get("last_eval", {}))
-  pending: list[dict[str, jax.Array]] = []
-  train_time = 0.0   # seconds of training steps after the first, eval and checkpoints excluded
-
-  def save(step):
-    ckpt.save(step, state, {"step": step, "steps": cfg.steps, "last_eval": last_eval})
-
-  def run_eval(step):
-    nonlocal last_eval
-    if eval_batches is None:
-      return
-    t = time.perf_counter()
-    last_eval = evaluate(task, state, eval_batches(), eval_fn)
-    writer.write(step, "eval", last_eval)
-    shown = " ".join(f"{k} {v:.4f}" for k, v in last_eval.items() if isinstance(v, float))
-    print(f"eval @ step {step}: {shown} ({time.perf_counter() - t:.1f}s)", flush=True)
-
-  step = start
-  batches = _prefetch(train_batches(start), task.device_batch, cfg.prefetch)
-  t_last = time.perf_counter()
+  writer = None
   try:
+    state = task.init_state(cfg.seed)
+    start = 0
+    meta: dict[str, Any] = {}
+    if latest is not None:
+      state, meta = ckpt.restore(latest, ckpt_lib.abstract_like(state))
+      start = int(meta["step"])
+      if meta.get("steps") not in (None, cfg.steps):
+        logging.warning("resuming a run planned for %s steps with --steps=%d", meta["steps"],
+                        cfg.steps)
+      print(f"resumed from {ckpt.directory}/{latest} at step {start}", flush=True)
+    elif cfg.resume:
+      print(f"--resume: no checkpoint under {ckpt.directory}; starting from step 0", flush=True)
+
+    writer = MetricWriter(cfg.workdir, start if latest is not None else None, cfg.tensorboard)
+    step_fn = jax.jit(train_step, donate_argnums=0)
+    eval_fn = jax.jit(task.eval_step)
+    end = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
+    progress = Progress(cfg.steps, start)
+    last_eval: dict[str, float] = dict(meta.get("last_eval", {}))
+    skipped = int(meta.get("skipped_steps", 0))
+    skip_run = 0
+    pending: list[tuple[int, dict[str, jax.Array]]] = []   # (step, metrics on device)
+    fetched: list[tuple[int, dict[str, float]]] = []       # checked, not yet logged
+    train_time = 0.0   # seconds of training steps after the first, eval and checkpoints excluded
+
+    def stop_message(step: int, what: str) -> str:
+      good = [s for s in ckpt.all_steps() if s < step]
+      where = (f"the last good checkpoint is {ckpt.directory}/{max(good)} (step {max(good)}); "
+               "continue from it with --resume" if good else
+               "no checkpoint precedes it; a new run starts from step 0")
+      return (f"training stopped: {what}. No checkpoint of the state after it was written; "
+              f"{where}. What to try: {cfg.nonfinite_hint}; look for bad values in batch "
+              f"{step - 1} (the batch of step {step}); or --nonfinite=skip to skip such steps "
+              "and count them (changing a setting on resume needs --resume_allow=NAME).")
+
+    def check(step: int, values: dict[str, float]) -> None:
+      nonlocal skipped, skip_run
+      bad = _nonfinite(values)
+      if values.get("skipped", 0.0) > 0:
+        skipped += 1
+        skip_run += 1
+        if skip_run >= cfg.max_skipped_in_a_row:
+          raise NonFiniteError(stop_message(
+              step - skip_run + 1, f"steps {step - skip_run + 1} to {step} were all skipped "
+              f"for a non-finite loss or gradient norm ({skip_run} in a row, "
+              f"max_skipped_in_a_row={cfg.max_skipped_in_a_row})"))
+        return
+      skip_run = 0
+      if bad:
+        shown = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise NonFiniteError(stop_message(
+            step, f"step {step} is the first with a non-finite loss or gradient norm ({shown})"))
+
+    def drain(keep_last: int = 0) -> None:
+      """Fetches and checks the metrics of all pending steps but the newest `keep_last`
+      (leaving the step just dispatched to run while the host waits for older ones)."""
+      n = len(pending) - keep_last
+      if n <= 0:
+        return
+      take = pending[:n]
+      del pending[:n]
+      for (s, _), vals in zip(take, jax.device_get([m for _, m in take])):
+        values = {k: float(np.mean(v)) for k, v in vals.items()}
+        check(s, values)
+        fetched.append((s, values))
+
+    def log_scalars() -> dict[str, float]:
+      kept = [v for _, v in fetched if not v.get("skipped", 0.0)]
+      keys = dict.fromkeys(k for _, v in fetched for k in v)
+      scalars = {k: float(np.mean([v[k] for v in kept])) for k in keys
+                 if k != "skipped" and kept}
+      if cfg.nonfinite == "skip":
+        scalars["skipped"] = float(sum(v.get("skipped", 0.0) for _, v in fetched))
+      fetched.clear()
+      return scalars
+
+    def save(step):
+      drain()
+      bad_leaf = _first_nonfinite_leaf(state)
+      if bad_leaf is not None:
+        raise NonFiniteError(stop_message(
+            step, f"the state after step {step} holds non-finite values (first: {bad_leaf}) "
+            "although the losses and gradient norms checked so far were finite"))
+      ckpt.save(step, state, {"step": step, "steps": cfg.steps, "last_eval": last_eval,
+                              "skipped_steps": skipped, "settings": settings,
+                              "changeable": _changeable(cfg)})
+
+    def run_eval(step):
+      nonlocal last_eval
+      if eval_batches is None:
+        return
+      drain()
+      t = time.perf_counter()
+      last_eval = evaluate(task, state, eval_batches(), eval_fn)
+      writer.write(step, "eval", last_eval)
+      shown = " ".join(f"{k} {v:.4f}" for k, v in last_eval.items() if isinstance(v, float))
+      print(f"eval @ step {step}: {shown} ({time.perf_counter() - t:.1f}s)", flush=True)
+
+    step = start
+    batches = _prefetch(train_batches(start), task.device_batch, cfg.prefetch)
+    t_last = time.perf_counter()
     while step < end:
       host, dev = next(batches)
       state, metrics = step_fn(state, dev)
       step += 1
       n = task.examples_in(host)
-      pending.append(metrics)
+      pending.append((step, metrics))
       if step == start + 1:
         jax.block_until_ready(metrics)  # first step compiles: keep it out of the rates
         progress.begin(step)
@@ -226,14 +460,15 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       else:
         progress.examples += n
       if step % cfg.log_every == 0 or step == end:
-        vals = jax.device_get(pending)
-        scalars = {k: float(np.mean([v[k] for v in vals])) for k in vals[0]}
-        pending.clear()
+        drain()
+        scalars = log_scalars()
         now = time.perf_counter()
         train_time += now - t_last
         writer.write(step, "train", scalars)
         print(progress.line(step, scalars), flush=True)
         t_last = now
+      elif cfg.check_every and step % cfg.check_every == 0:
+        drain(keep_last=1)
       boundary = False
       if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
         jax.block_until_ready(state)
@@ -249,6 +484,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       if boundary:
         t_last = time.perf_counter()
     jax.block_until_ready(state)
+    drain()
     if step > start:  # a resumed run that had already finished has nothing new to record
       if step >= cfg.steps:
         run_eval(step)
@@ -256,13 +492,17 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     else:
       print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
   finally:
-    writer.close()
+    if writer is not None:
+      writer.close()
     ckpt.close()
+  if skipped:
+    print(f"{skipped} step(s) skipped for a non-finite loss or gradient norm", flush=True)
   return {
       "state": state,
       "step": step,
       "finished": step >= cfg.steps,
       "eval": last_eval,
+      "skipped_steps": skipped,
       "train_seconds": train_time,
       "examples_per_sec": progress.examples / train_time if train_time > 0 else 0.0,
   }

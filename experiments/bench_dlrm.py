@@ -36,23 +36,30 @@ import sys
 
 from absl import app, flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("batch_size", 2048, "Global batch.")
-flags.DEFINE_integer("rows", 100_000, "Rows per table.")
-flags.DEFINE_integer("steps", 30, "Steps per timed repeat.")
-flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
-flags.DEFINE_integer("rounds", 3, "Rounds; each runs ours then the peer.")
-flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
-flags.DEFINE_string("peer_python", "", "Python of the TorchRec environment; empty: skip the peer.")
-flags.DEFINE_string("mesh", "-1", "Mesh for our run.")
-flags.DEFINE_string("sharding", "tw", "Embedding sharding for our run.")
-flags.DEFINE_string("workdir", "runs/bench_dlrm", "Where results.json and the plot go.")
-flags.DEFINE_string("model", "dlrm", "dlrm (Kaggle config) or dcnv2.")
-flags.DEFINE_string("preset", "kaggle", "Model preset; --model=dcnv2 --preset=mlperf: MLPerf DCNv2.")
-flags.DEFINE_float("memory_budget_gb", 70.0, "Per-device embedding memory budget in GiB (planner).")
-flags.DEFINE_bool("show_plan", False, "Print the MLPerf preset's plans for 1 and 8 devices, exit.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_integer("batch_size", 2048, "Global batch.")
+  flags.DEFINE_integer("rows", 100_000, "Rows per table.")
+  flags.DEFINE_integer("steps", 30, "Steps per timed repeat.")
+  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
+  flags.DEFINE_integer("rounds", 3, "Rounds; each runs ours then the peer.")
+  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+  flags.DEFINE_string("peer_python", "", "Python of the TorchRec environment; empty: skip the peer.")
+  flags.DEFINE_string("mesh", "-1", "Mesh for our run.")
+  flags.DEFINE_string("sharding", "tw", "Embedding sharding for our run.")
+  flags.DEFINE_string("workdir", "runs/bench_dlrm", "Where results.json and the plot go.")
+  flags.DEFINE_string("model", "dlrm", "dlrm (Kaggle config) or dcnv2.")
+  flags.DEFINE_string("preset", "kaggle", "Model preset; --model=dcnv2 --preset=mlperf: MLPerf DCNv2.")
+  flags.DEFINE_float("memory_budget_gb", 70.0, "Per-device embedding memory budget in GiB (planner).")
+  flags.DEFINE_bool("show_plan", False, "Print the MLPerf preset's plans for 1 and 8 devices, exit.")
+
 
 def _mlperf(model: str, preset: str) -> bool:
   return (model, preset) == ("dcnv2", "mlperf")
@@ -172,4 +179,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

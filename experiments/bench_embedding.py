@@ -20,21 +20,27 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("rows", ["10000", "100000", "1000000", "10000000"], "Table sizes R.")
-flags.DEFINE_list("pooling", ["1", "8"], "Pooling factors (ids per bag).")
-flags.DEFINE_list("paths", ["sparse", "naive"], "Which paths to time.")
-flags.DEFINE_integer("dim", 64, "Embedding dim.")
-flags.DEFINE_integer("batch_size", 4096, "Bags per step.")
-flags.DEFINE_integer("steps", 30, "Steps per timed repeat of the sparse path.")
-flags.DEFINE_integer("naive_steps", 5, "Steps per timed repeat of the naive path (slow at large R).")
-flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).")
-flags.DEFINE_float("zipf_alpha", 1.05, "Zipf exponent of the ids.")
-flags.DEFINE_string("workdir", "runs/bench_embedding", "Where results.json and the plot go.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_list("rows", ["10000", "100000", "1000000", "10000000"], "Table sizes R.")
+  flags.DEFINE_list("pooling", ["1", "8"], "Pooling factors (ids per bag).")
+  flags.DEFINE_list("paths", ["sparse", "naive"], "Which paths to time.")
+  flags.DEFINE_integer("dim", 64, "Embedding dim.")
+  flags.DEFINE_integer("batch_size", 4096, "Bags per step.")
+  flags.DEFINE_integer("steps", 30, "Steps per timed repeat of the sparse path.")
+  flags.DEFINE_integer("naive_steps", 5, "Steps per timed repeat of the naive path (slow at large R).")
+  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).")
+  flags.DEFINE_float("zipf_alpha", 1.05, "Zipf exponent of the ids.")
+  flags.DEFINE_string("workdir", "runs/bench_embedding", "Where results.json and the plot go.")
 
 
 def make_steps(num_rows: int, dim: int, batch: int, pooling: int, alpha: float, seed: int = 0):
@@ -187,4 +193,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -47,39 +47,46 @@ os.environ.setdefault("PJRT_NPROC", "16")
 
 from absl import app, flags, logging  # noqa: E402
 
+from core import cli
 from core import results as results_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("kernels", ["flash_attention", "embedding_bag"], "Kernel families to run (keys of FAMILIES).")
-flags.DEFINE_bool("interpret_check", False,
-                  "Tiny kernel-vs-reference check in Pallas interpret mode (works on CPU).")
-flags.DEFINE_string("workdir", "runs/bench_kernels", "Where results.json goes.")
-flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).")
-flags.DEFINE_integer("steps", 10, "Calls per timed repeat.")
-# flash_attention
-flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths T = S.")
-flags.DEFINE_integer("tokens", 16384, "batch x seq_len (batch = tokens // seq_len, at least 1).")
-flags.DEFINE_integer("heads", 16, "Query heads H.")
-flags.DEFINE_integer("kv_heads", 0, "Key/value heads G (0: = heads).")
-flags.DEFINE_list("head_dims", ["128", "64"], "Head dims K.")
-flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
-flags.DEFINE_list("impls", ["mgpu", "triton", "cudnn", "xla"],
-                  "Attention implementations: mgpu, triton, pallas (the backend's choice of "
-                  "the two), cudnn, xla.")
-flags.DEFINE_list("causal", ["true", "false"], "Causal settings to run.")
-flags.DEFINE_integer("block_q", 128, "Triton kernel forward block_q.")
-flags.DEFINE_integer("block_k", 128, "Triton kernel forward block_k.")
-flags.DEFINE_list("mgpu_configs", ["64x128x2"],
-                  "Mosaic GPU configs to time, each BLOCK_QxBLOCK_KVxSTAGES[:split|fused]: "
-                  "forward tiling (block_q rows per compute warpgroup) and backward variant "
-                  "(default fused at head dim 128, split at 64).")
-# embedding_bag
-flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.")
-flags.DEFINE_integer("eb_dim", 128, "Embedding dim.")
-flags.DEFINE_integer("eb_batch", 8192, "Bags per feature.")
-flags.DEFINE_integer("eb_features", 26, "Tables (features) in the flat buffer.")
-flags.DEFINE_integer("eb_bag_len", 20, "Ids per bag.")
-flags.DEFINE_list("eb_dtypes", ["float32", "bfloat16", "int8", "int8_split"], "Row formats.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_list("kernels", ["flash_attention", "embedding_bag"], "Kernel families to run (keys of FAMILIES).")
+  flags.DEFINE_bool("interpret_check", False,
+                    "Tiny kernel-vs-reference check in Pallas interpret mode (works on CPU).")
+  flags.DEFINE_string("workdir", "runs/bench_kernels", "Where results.json goes.")
+  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).")
+  flags.DEFINE_integer("steps", 10, "Calls per timed repeat.")
+  # flash_attention
+  flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths T = S.")
+  flags.DEFINE_integer("tokens", 16384, "batch x seq_len (batch = tokens // seq_len, at least 1).")
+  flags.DEFINE_integer("heads", 16, "Query heads H.")
+  flags.DEFINE_integer("kv_heads", 0, "Key/value heads G (0: = heads).")
+  flags.DEFINE_list("head_dims", ["128", "64"], "Head dims K.")
+  flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
+  flags.DEFINE_list("impls", ["mgpu", "triton", "cudnn", "xla"],
+                    "Attention implementations: mgpu, triton, pallas (the backend's choice of "
+                    "the two), cudnn, xla.")
+  flags.DEFINE_list("causal", ["true", "false"], "Causal settings to run.")
+  flags.DEFINE_integer("block_q", 128, "Triton kernel forward block_q.")
+  flags.DEFINE_integer("block_k", 128, "Triton kernel forward block_k.")
+  flags.DEFINE_list("mgpu_configs", ["64x128x2"],
+                    "Mosaic GPU configs to time, each BLOCK_QxBLOCK_KVxSTAGES[:split|fused]: "
+                    "forward tiling (block_q rows per compute warpgroup) and backward variant "
+                    "(default fused at head dim 128, split at 64).")
+  # embedding_bag
+  flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.")
+  flags.DEFINE_integer("eb_dim", 128, "Embedding dim.")
+  flags.DEFINE_integer("eb_batch", 8192, "Bags per feature.")
+  flags.DEFINE_integer("eb_features", 26, "Tables (features) in the flat buffer.")
+  flags.DEFINE_integer("eb_bag_len", 20, "Ids per bag.")
+  flags.DEFINE_list("eb_dtypes", ["float32", "bfloat16", "int8", "int8_split"], "Row formats.")
+
 
 ATTENTION_IMPLS = ("mgpu", "triton", "pallas", "cudnn", "xla")
 # Mosaic GPU kernel vs cuDNN, same shape (issue 11): forward and backward.
@@ -463,4 +470,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -38,7 +38,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
+from core import cli
 
 FORMATS = ("float32", "bfloat16", "int8", "int8_split")
 # Pallas launch configs tried by --sweep, beside the default (None), per row format.
@@ -208,7 +209,7 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
   """The entry point's flags, defined only when run as a script: experiments.bench_kernels
   imports this module and has flags of the same names."""
   flags.DEFINE_integer("rows", 1_000_000, "Rows per table.")
@@ -245,5 +246,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -34,25 +34,31 @@ import os
 import subprocess
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS).")
-flags.DEFINE_integer("batch", 1, "Prompts per batch.")
-flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.")
-flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.")
-flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
-flags.DEFINE_integer("rounds", 2, "Rounds; each runs ours then the peer.")
-flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
-flags.DEFINE_string("peer_python", "", "Python of the transformers environment; empty: skip.")
-flags.DEFINE_string("workdir", "runs/bench_llm", "Where results.json, the plot and the "
-                    "exported weights go.")
-flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                  "Weights, compute and KV cache dtype of our model.")
-flags.DEFINE_integer("copy_mb", 1024, "Size of the copy that measures memory bandwidth (MiB).")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS).")
+  flags.DEFINE_integer("batch", 1, "Prompts per batch.")
+  flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.")
+  flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.")
+  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
+  flags.DEFINE_integer("rounds", 2, "Rounds; each runs ours then the peer.")
+  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+  flags.DEFINE_string("peer_python", "", "Python of the transformers environment; empty: skip.")
+  flags.DEFINE_string("workdir", "runs/bench_llm", "Where results.json, the plot and the "
+                      "exported weights go.")
+  flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                    "Weights, compute and KV cache dtype of our model.")
+  flags.DEFINE_integer("copy_mb", 1024, "Size of the copy that measures memory bandwidth (MiB).")
 
 
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:
@@ -240,4 +246,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -27,29 +27,36 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "llama32_1b", "Model size (llm.config.PRESETS).")
-flags.DEFINE_integer("seq_len", 8192, "Tokens per row.")
-flags.DEFINE_integer("batch", 1, "Global batch (rows).")
-flags.DEFINE_string("mesh", "data:1", "Mesh (core.mesh: e.g. data:1, fsdp:8, data:2,tp:4).")
-flags.DEFINE_string("attention_impl", "auto", "llm.attention implementation.")
-flags.DEFINE_enum("remat", "none", ["none", "full", "dots", "attention"],
-                  "Rematerialization: none, or LlamaConfig.remat_policy.")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
-flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"], "AdamW first-moment dtype.")
-flags.DEFINE_integer("loss_chunk", -1, "Tokens per chunk of the cross-entropy (-1: auto, "
-                     "0: plain loss over full logits).")
-flags.DEFINE_integer("steps", 10, "Steps per timed repeat.")
-flags.DEFINE_integer("repeats", 3, "Timed repeats.")
-flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
-flags.DEFINE_bool("breakdown", True, "Time forward, backward, attention, loss head, optimizer.")
-flags.DEFINE_bool("profile", False, "jax.profiler trace of 3 steps to <workdir>/profile.")
-flags.DEFINE_bool("xla_dump", False, "XLA HLO dumps to <workdir>/xla_dump.")
-flags.DEFINE_string("workdir", "runs/bench_lm_train", "Where results.json and traces go.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("preset", "llama32_1b", "Model size (llm.config.PRESETS).")
+  flags.DEFINE_integer("seq_len", 8192, "Tokens per row.")
+  flags.DEFINE_integer("batch", 1, "Global batch (rows).")
+  flags.DEFINE_string("mesh", "data:1", "Mesh (core.mesh: e.g. data:1, fsdp:8, data:2,tp:4).")
+  flags.DEFINE_string("attention_impl", "auto", "llm.attention implementation.")
+  flags.DEFINE_enum("remat", "none", ["none", "full", "dots", "attention"],
+                    "Rematerialization: none, or LlamaConfig.remat_policy.")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
+  flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"], "AdamW first-moment dtype.")
+  flags.DEFINE_integer("loss_chunk", -1, "Tokens per chunk of the cross-entropy (-1: auto, "
+                       "0: plain loss over full logits).")
+  flags.DEFINE_integer("steps", 10, "Steps per timed repeat.")
+  flags.DEFINE_integer("repeats", 3, "Timed repeats.")
+  flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
+  flags.DEFINE_bool("breakdown", True, "Time forward, backward, attention, loss head, optimizer.")
+  flags.DEFINE_bool("profile", False, "jax.profiler trace of 3 steps to <workdir>/profile.")
+  flags.DEFINE_bool("xla_dump", False, "XLA HLO dumps to <workdir>/xla_dump.")
+  flags.DEFINE_string("workdir", "runs/bench_lm_train", "Where results.json and traces go.")
+
 
 # Dense (no sparsity) tensor-core peak FLOP/s by device kind, per compute dtype; float32 is
 # the TF32 rate XLA uses for fp32 matmuls on these GPUs. Matched by substring, first wins.
@@ -282,4 +289,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

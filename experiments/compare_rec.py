@@ -43,41 +43,48 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data", "synthetic",
-                    "synthetic | synthetic_deep | criteo:DIR | avazu:DIR | libfm:DIR | csv:DIR")
-flags.DEFINE_list("models", ["dlrm", "dcnv2", "dhen", "wukong"],
-                  "Models to compare: names, or model:preset (e.g. wukong:l3_n16).")
-flags.DEFINE_string("presets", "", "Per-model presets, e.g. wukong=l2_n8,dhen=dhen_2l "
-                    "(default: each model's kaggle preset).")
-flags.DEFINE_list("seeds", ["0", "1", "2"], "Parameter-init seeds; one run per model and seed.")
-flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
-flags.DEFINE_integer("steps", 500, "Train steps per run (ignored when --epochs is set).")
-flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
-flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
-flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
-flags.DEFINE_integer("eval_batches", 16, "Synthetic data: eval set size in eval batches.")
-flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model; 0 keeps each preset's.")
-flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"],
-                  "Dense optimizer.")
-flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
-flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
-                  ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
-flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
-flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
-flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines.")
-flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column (empty = inferred).")
-flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns (empty = inferred, none).")
-flags.DEFINE_string("csv_categorical", "",
-                    "--data=csv:DIR: categorical columns (empty = inferred).")
-flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
-flags.DEFINE_bool("keep_checkpoints", False, "Keep each run's final checkpoint.")
-flags.DEFINE_string("workdir", "runs/compare_rec", "Output directory.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("data", "synthetic",
+                      "synthetic | synthetic_deep | criteo:DIR | criteo_bin:DIR | avazu:DIR | "
+                      "libfm:DIR | csv:DIR (python -m experiments.train_rec --help describes them)")
+  flags.DEFINE_list("models", ["dlrm", "dcnv2", "dhen", "wukong"],
+                    "Models to compare: names, or model:preset (e.g. wukong:l3_n16).")
+  flags.DEFINE_string("presets", "", "Per-model presets, e.g. wukong=l2_n8,dhen=dhen_2l "
+                      "(default: each model's kaggle preset).")
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Parameter-init seeds; one run per model and seed.")
+  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
+  flags.DEFINE_integer("steps", 500, "Train steps per run (ignored when --epochs is set).")
+  flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
+  flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
+  flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
+  flags.DEFINE_integer("eval_batches", 16, "Synthetic data: eval set size in eval batches.")
+  flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model; 0 keeps each preset's.")
+  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
+  flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"],
+                    "Dense optimizer.")
+  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
+  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
+                    ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
+  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
+  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
+  flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines.")
+  flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column (empty = inferred).")
+  flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns (empty = inferred, none).")
+  flags.DEFINE_string("csv_categorical", "",
+                      "--data=csv:DIR: categorical columns (empty = inferred).")
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_bool("keep_checkpoints", False, "Keep each run's final checkpoint.")
+  flags.DEFINE_string("workdir", "runs/compare_rec", "Output directory.")
 
 
 def main(argv):
@@ -104,4 +111,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -42,36 +42,43 @@ import json
 import os
 import statistics
 
-from absl import app, flags
+from absl import flags
 
+from core import cli
 from core import results as results_lib
 
 from llm import perf_model as pm
 
 FLAGS = flags.FLAGS
 _HW, _EFF = pm.Hardware(), pm.Efficiency()  # defaults, documented in llm/perf_model.py
-flags.DEFINE_string("workdir", "runs/cp_model", "Where results.json and the plots go.")
-flags.DEFINE_float("bf16_tflops", _HW.bf16_flops / 1e12, "Peak BF16 TF/s per GPU (paper App. A).")
-flags.DEFINE_float("fp8_tflops", _HW.fp8_flops / 1e12, "Peak FP8 TF/s per GPU (assumed 2x BF16).")
-flags.DEFINE_float("hbm_tbps", _HW.hbm_bytes_per_s / 1e12, "HBM TB/s per GPU (paper §4.1).")
-flags.DEFINE_float("nvlink_gbps", _HW.nvlink_bytes_per_s / 1e9,
-                   "NVLink GB/s per GPU per direction (H100 SXM spec).")
-flags.DEFINE_float("net_gbps", _HW.net_bytes_per_s / 1e9,
-                   "Inter-host GB/s per GPU (400 Gb/s RDMA, paper §4.1).")
-flags.DEFINE_float("attn_eff", _EFF.attn, "Attention fraction of BF16 peak (App. A: 540/800).")
-flags.DEFINE_float("hbm_eff", _EFF.hbm, "Achieved fraction of HBM bandwidth (assumed).")
-flags.DEFINE_float("nvlink_eff", _EFF.nvlink, "Achieved fraction of NVLink bandwidth (assumed).")
-flags.DEFINE_float("sendrecv_eff", _EFF.sendrecv, "Ring SendRecv fraction of net_gbps (Table 5).")
-flags.DEFINE_float("sendrecv_latency_us", _EFF.sendrecv_latency_s * 1e6,
-                   "Ring SendRecv latency, us (Table 5).")
-flags.DEFINE_float("all2all_eff", _EFF.all2all, "pass-Q All2All fraction of net_gbps (Table 5).")
-flags.DEFINE_float("all2all_latency_us", _EFF.all2all_latency_s * 1e6,
-                   "pass-Q All2All latency, us (Table 5).")
-flags.DEFINE_float("gemm_eff", None, "GEMM fraction of peak; unset: fit it to --calib_s.")
-flags.DEFINE_float("calib_s", 42.01, "Measured TP8 full prefill of --tokens_128k (Table 6).")
-flags.DEFINE_integer("tokens_128k", 131072, "Tokens of the paper's '128K' full prefill.")
-flags.DEFINE_integer("tokens_1m", 1048576, "Tokens of the paper's '1M' full prefill.")
-flags.DEFINE_integer("curve_points", 200, "Points per predicted curve in the plots.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("workdir", "runs/cp_model", "Where results.json and the plots go.")
+  flags.DEFINE_float("bf16_tflops", _HW.bf16_flops / 1e12, "Peak BF16 TF/s per GPU (paper App. A).")
+  flags.DEFINE_float("fp8_tflops", _HW.fp8_flops / 1e12, "Peak FP8 TF/s per GPU (assumed 2x BF16).")
+  flags.DEFINE_float("hbm_tbps", _HW.hbm_bytes_per_s / 1e12, "HBM TB/s per GPU (paper §4.1).")
+  flags.DEFINE_float("nvlink_gbps", _HW.nvlink_bytes_per_s / 1e9,
+                     "NVLink GB/s per GPU per direction (H100 SXM spec).")
+  flags.DEFINE_float("net_gbps", _HW.net_bytes_per_s / 1e9,
+                     "Inter-host GB/s per GPU (400 Gb/s RDMA, paper §4.1).")
+  flags.DEFINE_float("attn_eff", _EFF.attn, "Attention fraction of BF16 peak (App. A: 540/800).")
+  flags.DEFINE_float("hbm_eff", _EFF.hbm, "Achieved fraction of HBM bandwidth (assumed).")
+  flags.DEFINE_float("nvlink_eff", _EFF.nvlink, "Achieved fraction of NVLink bandwidth (assumed).")
+  flags.DEFINE_float("sendrecv_eff", _EFF.sendrecv, "Ring SendRecv fraction of net_gbps (Table 5).")
+  flags.DEFINE_float("sendrecv_latency_us", _EFF.sendrecv_latency_s * 1e6,
+                     "Ring SendRecv latency, us (Table 5).")
+  flags.DEFINE_float("all2all_eff", _EFF.all2all, "pass-Q All2All fraction of net_gbps (Table 5).")
+  flags.DEFINE_float("all2all_latency_us", _EFF.all2all_latency_s * 1e6,
+                     "pass-Q All2All latency, us (Table 5).")
+  flags.DEFINE_float("gemm_eff", None, "GEMM fraction of peak; unset: fit it to --calib_s.")
+  flags.DEFINE_float("calib_s", 42.01, "Measured TP8 full prefill of --tokens_128k (Table 6).")
+  flags.DEFINE_integer("tokens_128k", 131072, "Tokens of the paper's '128K' full prefill.")
+  flags.DEFINE_integer("tokens_1m", 1048576, "Tokens of the paper's '1M' full prefill.")
+  flags.DEFINE_integer("curve_points", 200, "Points per predicted curve in the plots.")
+
 
 # Measured TTFT in seconds (paper, GTT hosts, TP8 in each host).
 PAPER_FULL = {  # (context, CP hosts) -> s
@@ -336,4 +343,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -43,27 +43,33 @@ import math
 import os
 import statistics
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("mesh", "cp:-1", "Mesh with a cp axis, e.g. cp:4, data:2,cp:4, tp:2,cp:4.")
-flags.DEFINE_string("preset", "tiny", "Llama size (llm.config.PRESETS); random weights.")
-flags.DEFINE_integer("seq_len", 512, "New tokens per row in the timed prefill (multiple of 2*cp).")
-flags.DEFINE_integer("cached_len", 0, "Tokens already in the KV cache (persistent-KV prefill; "
-                     "0: full prefill without a cache). Multiple of 2*cp.")
-flags.DEFINE_integer("batch", 1, "Rows per batch.")
-flags.DEFINE_enum("variant", "pass_kv", ["pass_kv", "pass_q", "auto"], "Ring attention variant.")
-flags.DEFINE_enum("inner_impl", "xla", ["xla", "pallas"], "Per-block attention inside the ring.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params fp32).")
-flags.DEFINE_integer("repeats", 5, "Timed calls of each (after one compile call).")
-flags.DEFINE_float("tol", None, "Max |logit difference| to pass; default 1e-4 (float32), "
-                   "0.2 (bfloat16).")
-flags.DEFINE_float("peak_tflops", 989.0, "C of the auto rule, TF/s per rank (H100 dense bf16).")
-flags.DEFINE_float("bandwidth_gbps", 50.0, "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
-flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
-flags.DEFINE_string("workdir", "runs/cp_prefill", "Where results.json goes.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("mesh", "cp:-1", "Mesh with a cp axis, e.g. cp:4, data:2,cp:4, tp:2,cp:4.")
+  flags.DEFINE_string("preset", "tiny", "Llama size (llm.config.PRESETS); random weights.")
+  flags.DEFINE_integer("seq_len", 512, "New tokens per row in the timed prefill (multiple of 2*cp).")
+  flags.DEFINE_integer("cached_len", 0, "Tokens already in the KV cache (persistent-KV prefill; "
+                       "0: full prefill without a cache). Multiple of 2*cp.")
+  flags.DEFINE_integer("batch", 1, "Rows per batch.")
+  flags.DEFINE_enum("variant", "pass_kv", ["pass_kv", "pass_q", "auto"], "Ring attention variant.")
+  flags.DEFINE_enum("inner_impl", "xla", ["xla", "pallas"], "Per-block attention inside the ring.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params fp32).")
+  flags.DEFINE_integer("repeats", 5, "Timed calls of each (after one compile call).")
+  flags.DEFINE_float("tol", None, "Max |logit difference| to pass; default 1e-4 (float32), "
+                     "0.2 (bfloat16).")
+  flags.DEFINE_float("peak_tflops", 989.0, "C of the auto rule, TF/s per rank (H100 dense bf16).")
+  flags.DEFINE_float("bandwidth_gbps", 50.0, "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
+  flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
+  flags.DEFINE_string("workdir", "runs/cp_prefill", "Where results.json goes.")
 
 
 def make_mesh_for(spec: str):
@@ -227,4 +233,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -14,20 +14,26 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data", None, "criteo:DIR (train.txt, valid.txt, test.txt) or avazu:DIR.")
-flags.DEFINE_list("models", ["logreg", "dlrm"], "Models to compare.")
-flags.DEFINE_list("epochs", ["1", "3"], "Epoch counts to train each model for.")
-flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-flags.DEFINE_integer("batch_size", 128, "Train batch size.")
-flags.DEFINE_float("learning_rate", 0.05, "Dense and embedding learning rate (Adagrad).")
-flags.DEFINE_integer("seed", 0, "Seed.")
-flags.DEFINE_string("workdir", "runs/criteo_baselines", "Output directory.")
-flags.mark_flag_as_required("data")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("data", None, "criteo:DIR (train.txt, valid.txt, test.txt) or avazu:DIR.")
+  flags.DEFINE_list("models", ["logreg", "dlrm"], "Models to compare.")
+  flags.DEFINE_list("epochs", ["1", "3"], "Epoch counts to train each model for.")
+  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
+  flags.DEFINE_integer("batch_size", 128, "Train batch size.")
+  flags.DEFINE_float("learning_rate", 0.05, "Dense and embedding learning rate (Adagrad).")
+  flags.DEFINE_integer("seed", 0, "Seed.")
+  flags.DEFINE_string("workdir", "runs/criteo_baselines", "Output directory.")
+  flags.mark_flag_as_required("data")
 
 
 def main(argv):
@@ -82,4 +88,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

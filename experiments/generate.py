@@ -23,26 +23,32 @@ import os
 import time
 
 from absl import app, flags
+from core import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | workdir:DIR", required=True)
-flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
-                    "tokenizer.bin (default: the checkpoint's own, see the module docstring).")
-flags.DEFINE_list("prompt_ids", None, "Prompt token ids (default: the BOS token).")
-flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-flags.DEFINE_bool("bos", None, "Prepend the tokenizer's BOS to --prompt (default: yes for hf: "
-                  "and llama2c: checkpoints, no for train_lm workdirs, which train without it).")
-flags.DEFINE_integer("bos_id", None, "Token used when no prompt is given (default: the "
-                     "tokenizer's BOS, else 1).")
-flags.DEFINE_integer("max_new_tokens", 40, "Tokens to generate; prompt + new tokens must fit "
-                     "in the model's max_seq_len.")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = all).")
-flags.DEFINE_list("stop_ids", None, "Stop after any of these token ids (default: the "
-                  "tokenizer's EOS ids; none without a tokenizer).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | workdir:DIR", required=True)
+  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
+                      "tokenizer.bin (default: the checkpoint's own, see the module docstring).")
+  flags.DEFINE_list("prompt_ids", None, "Prompt token ids (default: the BOS token).")
+  flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
+  flags.DEFINE_bool("bos", None, "Prepend the tokenizer's BOS to --prompt (default: yes for hf: "
+                    "and llama2c: checkpoints, no for train_lm workdirs, which train without it).")
+  flags.DEFINE_integer("bos_id", None, "Token used when no prompt is given (default: the "
+                       "tokenizer's BOS, else 1).")
+  flags.DEFINE_integer("max_new_tokens", 40, "Tokens to generate; prompt + new tokens must fit "
+                       "in the model's max_seq_len.")
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = all).")
+  flags.DEFINE_list("stop_ids", None, "Stop after any of these token ids (default: the "
+                    "tokenizer's EOS ids; none without a tokenizer).")
+  flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 
 
 def load_model(spec: str, dtype: str = "float32"):
@@ -145,4 +151,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

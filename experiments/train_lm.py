@@ -22,38 +22,52 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens unless --tokenizer).",
-                    required=True)
-flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
-                    "tokenizer.bin (default: UTF-8 bytes, vocab 256).")
-flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (its vocab is set to "
-                    "the tokenizer's).")
-flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
-                    "on the data axis.")
-flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.")
-flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).")
-flags.DEFINE_integer("steps", 300, "Train steps.")
-flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
-flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.")
-flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices only).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params stay fp32).")
-flags.DEFINE_bool("remat", False, "Rematerialize each block in the backward pass.")
-flags.DEFINE_string("attention_impl", "xla", "Attention implementation (llm.attention).")
-flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).")
-flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.")
-flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
-flags.DEFINE_integer("log_every", 25, "Progress line every N steps.")
-flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.")
-flags.DEFINE_string("workdir", "runs/train_lm", "Output directory.")
-flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir.")
-flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens unless --tokenizer).",
+                      required=True)
+  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
+                      "tokenizer.bin (default: UTF-8 bytes, vocab 256).")
+  flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (its vocab is set to "
+                      "the tokenizer's).")
+  flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
+                      "on the data axis.")
+  flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.")
+  flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).")
+  flags.DEFINE_integer("steps", 300, "Train steps.")
+  flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
+  flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.")
+  flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices only).")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params stay fp32).")
+  flags.DEFINE_bool("remat", False, "Rematerialize each block in the backward pass.")
+  flags.DEFINE_string("attention_impl", "xla", "Attention implementation (llm.attention).")
+  flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).")
+  flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.")
+  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
+  flags.DEFINE_integer("log_every", 25, "Progress line every N steps.")
+  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.")
+  flags.DEFINE_string("workdir", "runs/train_lm", "Output directory.")
+  flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir (its "
+                    "saved model / optimizer / data settings must match these flags).")
+  flags.DEFINE_list("resume_allow", [], "Settings --resume may change deliberately, e.g. "
+                    "optim.peak_lr,optim.total_steps.")
+  flags.DEFINE_bool("overwrite", False, "Delete the checkpoints and metrics in --workdir first.")
+  flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
+                    "stop the run at that step, or skip the step (counted).")
+  flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps.")
+  flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.")
 
 
 def copy_tokenizer(tok, workdir: str) -> None:
@@ -77,6 +91,7 @@ def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  from core import checkpoint as ckpt_lib
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
@@ -90,9 +105,32 @@ def main(argv):
       FLAGS.preset, vocab_size=tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
       dtype=FLAGS.dtype, remat=FLAGS.remat,
       attention_impl=FLAGS.attention_impl, max_seq_len=max(FLAGS.seq_len, 16))
-  mesh = mesh_lib.make_mesh(FLAGS.mesh)
+  mesh = mesh_lib.make_mesh(FLAGS.mesh, rules=mesh_lib.LLM_RULES)
+  train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
   optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                              total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)
+  # The run's settings, saved with each checkpoint and compared on --resume.
+  settings = {**{f"model.{k}": v for k, v in config_lib.config_to_dict(cfg).items()},
+              **{f"optim.{k}": v for k, v in dataclasses.asdict(optim).items()},
+              "data.text": os.path.abspath(FLAGS.text), "data.tokenizer": FLAGS.tokenizer and os.path.abspath(FLAGS.tokenizer),
+              "data.seq_len": FLAGS.seq_len, "data.batch_size": FLAGS.batch_size,
+              "data.eval_batches": FLAGS.eval_batches,
+              "mesh": ",".join(f"{a}:{n}" for a, n in mesh.shape.items())}
+  loop_cfg = train_lib.TrainConfig(
+      workdir=FLAGS.workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
+      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
+      stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed, settings=settings,
+      # Placement and kernels change no arithmetic that the state depends on.
+      changeable=("mesh", "model.attention_impl", "model.remat", "model.remat_policy",
+                  "data.eval_batches"),
+      resume_allow=tuple(FLAGS.resume_allow), overwrite=FLAGS.overwrite,
+      nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
+      nonfinite_hint="lower --learning_rate or raise --warmup_steps")
+  try:
+    train_lib.check_resume(loop_cfg)  # before model_config.json is written over
+  except train_lib.RunSettingsError as e:
+    sys.exit(f"train_lm: {e}")
+  loop_cfg = dataclasses.replace(loop_cfg, overwrite=False)
   task = lm_lib.LMTask(cfg, optim, mesh)
   train_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
                          seed=FLAGS.seed)
@@ -109,11 +147,11 @@ def main(argv):
         f"{len(train_src.tokens):,} train {unit}s | {FLAGS.steps} steps of "
         f"{FLAGS.batch_size}x{FLAGS.seq_len}", flush=True)
   t0 = time.time()
-  out = train_lib.train(
-      task, train_src.batches, lambda: eval_src.batches(0),
-      train_lib.TrainConfig(workdir=FLAGS.workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
-                            checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every,
-                            resume=FLAGS.resume, stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed))
+  try:
+    out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop_cfg)
+  except (train_lib.RunSettingsError, train_lib.NonFiniteError,
+          ckpt_lib.CheckpointMismatchError) as e:
+    sys.exit(f"train_lm: {e}")
   ev = out["eval"]
   summary = {"preset": FLAGS.preset, "mesh": dict(mesh.shape), "steps": out["step"],
              "finished": out["finished"], "eval_loss": ev.get("loss"),
@@ -132,4 +170,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

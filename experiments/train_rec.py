@@ -8,75 +8,140 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
       --num_rows=100000 --batch_size=128 --epochs=3 --workdir=/tmp/dlrm_criteo
   python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
 
-Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints; the last
-stdout line is a JSON summary with model, steps, test_auc, test_logloss, test_ne,
-examples_per_sec, and the model's dense / embedding parameter counts and forward
-GFLOPs per example (XLA's count for the dense part).
+Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
+workdir: a new runs/train_rec_<model>_<date-time> per run); the last stdout line is a JSON
+summary with model, steps, test_auc, test_logloss, test_ne, examples_per_sec, and the
+model's dense / embedding parameter counts and forward GFLOPs per example (XLA's count for
+the dense part). `--resume` checks the flags against those saved with the checkpoint; a
+non-finite loss or gradient norm stops the run (or, with --nonfinite=skip, skips the step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
+import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "dlrm", ["dlrm", "dcnv2", "dhen", "wukong", "logreg"], "Model family.")
-flags.DEFINE_string(
-    "preset", "kaggle",
-    "Model sizes (rec.configs.MODEL_PRESETS). kaggle: the model's Criteo default; small: a tiny "
-    "one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. wukong: also "
-    "l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the scaling ladder).")
-flags.DEFINE_integer("embedding_dim", 0, "Embedding dim; 0 keeps the preset's.")
-flags.DEFINE_string("data", "synthetic", "synthetic | criteo:DIR | avazu:DIR")
-flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices.")
-flags.DEFINE_integer("batch_size", 2048, "Global train batch size.")
-flags.DEFINE_integer("eval_batch_size", 8192, "Global eval batch size.")
-flags.DEFINE_integer("eval_batches", 8, "Synthetic data: eval set size in eval batches.")
-flags.DEFINE_integer("steps", 1000, "Train steps (ignored when --epochs is set).")
-flags.DEFINE_float("epochs", None, "Train for this many passes over the train files.")
-flags.DEFINE_string("workdir", None, "Output directory (default: runs/train_rec_<model>).")
-flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir.")
-flags.DEFINE_integer("eval_every", 250, "Evaluate every N steps (0: only at the end).")
-flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
-flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.")
-flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.")
-flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"], "Optax optimizer of the dense part.")
-flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
-flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
-flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
-flags.DEFINE_enum("sharding", "auto", ["auto", "dp", "tw", "rw", "cw", "twrw"], "Embedding sharding: auto = planner.")
-flags.DEFINE_string("sharding_overrides", "", "Per-table kinds, e.g. C1=tw,C3=rw.")
-flags.DEFINE_float("memory_budget_gb", 16.0, "Per-device embedding memory budget for the planner.")
-flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16"], "Embedding row storage.")
-flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
-flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
-flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column; empty = the first named label/click/clicked/y.")
-flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> columns), none = no dense.")
-flags.DEFINE_string("csv_categorical", "", "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other column but id.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_enum("model", "dlrm", ["dlrm", "dcnv2", "dhen", "wukong", "logreg"], "Model family.")
+  flags.DEFINE_string(
+      "preset", "kaggle",
+      "Model sizes (rec.configs.MODEL_PRESETS). kaggle: the model's Criteo default; small: a tiny "
+      "one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. wukong: also "
+      "l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the scaling ladder).")
+  flags.DEFINE_integer("embedding_dim", 0, "Embedding dim; 0 keeps the preset's.")
+  flags.DEFINE_string(
+      "data", "synthetic",
+      "synthetic | synthetic_deep (planted Criteo-shaped data; options after ':', e.g. "
+      "synthetic:zipf_alpha=1.2,multi_hot=mlperf,gen=device) | criteo:DIR (Kaggle train.txt or "
+      "Terabyte day_N) | criteo_bin:DIR (preprocessed binary Criteo, experiments.preprocess_criteo) "
+      "| avazu:DIR | libfm:DIR (libFM / libFFM train, valid, test) | csv:DIR (BARS / FuxiCTR CSV "
+      "with a header; see --csv_*). rec/data/sources.py describes each form.")
+  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
+  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices.")
+  flags.DEFINE_integer("batch_size", 2048, "Global train batch size.")
+  flags.DEFINE_integer("eval_batch_size", 8192, "Global eval batch size.")
+  flags.DEFINE_integer("eval_batches", 8, "Synthetic data: eval set size in eval batches.")
+  flags.DEFINE_integer("steps", 1000, "Train steps (ignored when --epochs is set).")
+  flags.DEFINE_float("epochs", None, "Train for this many passes over the train files.")
+  flags.DEFINE_string("workdir", None, "Output directory (default: a new "
+                      "runs/train_rec_<model>_<YYYYmmdd-HHMMSS>).")
+  flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir (its "
+                    "saved settings must match these flags but for steps, epochs, cadences, "
+                    "--eval_batch_size, --bad_lines and paths).")
+  flags.DEFINE_list("resume_allow", [], "Settings --resume may change deliberately, e.g. "
+                    "learning_rate,embedding_learning_rate.")
+  flags.DEFINE_bool("overwrite", False, "Delete the checkpoints and metrics in --workdir and "
+                    "start afresh.")
+  flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
+                    "stop the run at that step (no checkpoint of it), or skip the step (counted).")
+  flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps "
+                       "(they are checked at every log line, eval and checkpoint too).")
+  flags.DEFINE_integer("eval_every", 250, "Evaluate every N steps (0: only at the end).")
+  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
+  flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.")
+  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.")
+  flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"], "Optax optimizer of the dense part.")
+  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
+  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
+  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
+  flags.DEFINE_enum("sharding", "auto", ["auto", "dp", "tw", "rw", "cw", "twrw"], "Embedding sharding: auto = planner.")
+  flags.DEFINE_string("sharding_overrides", "", "Per-table kinds, e.g. C1=tw,C3=rw.")
+  flags.DEFINE_float("memory_budget_gb", 16.0, "Per-device embedding memory budget for the planner.")
+  flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16"], "Embedding row storage.")
+  flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
+  flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
+  flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column; empty = the first named label/click/clicked/y.")
+  flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> columns), none = no dense.")
+  flags.DEFINE_string("csv_categorical", "", "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other column but id.")
+
+
+# Settings besides the loop's (steps, cadences, paths) that --resume may change: they
+# change neither the state nor the batches the run sees.
+RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines")
+
+
+def default_workdir(model: str) -> str:
+  """A new runs/train_rec_<model>_<YYYYmmdd-HHMMSS> (suffixed -2, -3, ... if taken)."""
+  base = os.path.join("runs", f"train_rec_{model}_{time.strftime('%Y%m%d-%H%M%S')}")
+  path, i = base, 1
+  while os.path.exists(path):
+    i += 1
+    path = f"{base}-{i}"
+  return path
 
 
 def main(argv):
   del argv
+  if FLAGS.resume and not FLAGS.workdir:
+    runs = sorted(glob.glob(os.path.join("runs", f"train_rec_{FLAGS.model}_*")), key=os.path.getmtime)
+    newest = f" (the newest here: --workdir={runs[-1]})" if runs else ""
+    sys.exit(f"train_rec: --resume needs --workdir, the run to continue{newest}")
   if not FLAGS["verbosity"].present:  # library INFO logs (orbax) drown the progress lines
     logging.set_verbosity(logging.WARNING)
+  from core import checkpoint as ckpt_lib
+  from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
   from rec import configs
   from rec.embedding import planner as planner_lib
 
   cfg = configs.RecRunConfig.from_flags(FLAGS)
-  workdir = FLAGS.workdir or os.path.join("runs", f"train_rec_{cfg.model}")
+  cfg.validate()
+  workdir = FLAGS.workdir or default_workdir(cfg.model)
+  mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
+  settings = {**dataclasses.asdict(cfg), "epochs": FLAGS.epochs,
+              "mesh": ",".join(f"{a}:{n}" for a, n in mesh_shape.items())}
+  loop_cfg = train_lib.TrainConfig(
+      workdir=workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
+      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
+      stop_at_step=FLAGS.stop_at_step, seed=cfg.seed, settings=settings,
+      changeable=RESUME_CHANGEABLE, resume_allow=tuple(FLAGS.resume_allow),
+      overwrite=FLAGS.overwrite, nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
+      nonfinite_hint="lower --learning_rate (dense part) or --embedding_learning_rate "
+                     "(embedding tables)")
+  try:
+    train_lib.check_resume(loop_cfg)  # before any data is read or state built
+  except train_lib.RunSettingsError as e:
+    sys.exit(f"train_rec: {e}")
   task, train_src, eval_src, plan, mesh = configs.build_run(cfg)
   steps = configs.steps_for(FLAGS.epochs, train_src) if FLAGS.epochs else FLAGS.steps
-  print(f"mesh {dict(mesh.shape)} | model {cfg.model} ({cfg.preset}) | data {cfg.data} | "
-        f"{steps} steps of {cfg.batch_size}", flush=True)
+  loop_cfg = dataclasses.replace(loop_cfg, steps=steps, overwrite=False)
+  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | model {cfg.model} ({cfg.preset}) | "
+        f"data {cfg.data} | {steps} steps of {cfg.batch_size}", flush=True)
   print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,
                                 cfg.batch_size), flush=True)
   stats = configs.model_stats(task, train_src.spec)
@@ -84,11 +149,11 @@ def main(argv):
         f"{stats['dense_params'] + stats['embedding_params']:,} | forward "
         f"{stats['gflops_per_example']:.6f} GFLOPs/example (dense part)", flush=True)
   t0 = time.time()
-  out = train_lib.train(
-      task, train_src.batches, lambda: eval_src.batches(0),
-      train_lib.TrainConfig(workdir=workdir, steps=steps, eval_every=FLAGS.eval_every,
-                            checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every,
-                            resume=FLAGS.resume, stop_at_step=FLAGS.stop_at_step, seed=cfg.seed))
+  try:
+    out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop_cfg)
+  except (train_lib.RunSettingsError, train_lib.NonFiniteError,
+          ckpt_lib.CheckpointMismatchError) as e:
+    sys.exit(f"train_rec: {e}")
   ev = out["eval"]
   summary = {
       "model": cfg.model, "preset": cfg.preset, "data": cfg.data, "mesh": dict(mesh.shape),
@@ -96,7 +161,8 @@ def main(argv):
       "test_auc": ev.get("auc"), "test_logloss": ev.get("logloss"), "test_ne": ev.get("ne"),
       "test_accuracy": ev.get("accuracy"), "test_examples": ev.get("num_examples"),
       "examples_per_sec": out["examples_per_sec"], "wall_seconds": time.time() - t0,
-      "bad_lines_skipped": getattr(train_src, "bad_line_count", 0), **stats,
+      "bad_lines_skipped": getattr(train_src, "bad_line_count", 0),
+      "nonfinite_steps_skipped": out["skipped_steps"], "workdir": workdir, **stats,
   }
   results = {"summary": summary, "config": dataclasses.asdict(cfg), "steps_planned": steps,
              "plan": planner_lib.plan_summary(plan, task.collection.tables, task.collection.num_devices,
@@ -111,4 +177,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -48,34 +48,40 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("grid", "cpu", ["cpu", "large"], "Size grid (rec.scaling.GRIDS).")
-flags.DEFINE_list("archs", ["wukong", "dlrm", "dcnv2"], "Architectures of the grid to train.")
-flags.DEFINE_integer("sizes", 0, "Sizes per architecture, spread over the grid (0: all).")
-flags.DEFINE_list("models", [], "Explicit model:preset list instead of the grid.")
-flags.DEFINE_string("data", "synthetic_deep",
-                    "synthetic_deep[:logit_scale=X] (or any --data form).")
-flags.DEFINE_integer("num_rows", 20, "Rows per sparse feature (few: see the module docstring).")
-flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model.")
-flags.DEFINE_integer("steps", 800, "Train steps per model (same examples for every size).")
-flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
-flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
-flags.DEFINE_integer("eval_batches", 16, "Eval set size in eval batches.")
-flags.DEFINE_enum("dense_optimizer", "adam", ["sgd", "adagrad", "adam", "adamw"],
-                  "Dense optimizer.")
-flags.DEFINE_float("learning_rate", 1e-3, "Dense learning rate.")
-flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
-                  ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
-flags.DEFINE_float("embedding_learning_rate", 0.1, "Embedding learning rate.")
-flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds (quality = mean over seeds).")
-flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
-flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
-flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
-flags.DEFINE_string("workdir", "runs/wukong_scaling", "Output directory.")
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_enum("grid", "cpu", ["cpu", "large"], "Size grid (rec.scaling.GRIDS).")
+  flags.DEFINE_list("archs", ["wukong", "dlrm", "dcnv2"], "Architectures of the grid to train.")
+  flags.DEFINE_integer("sizes", 0, "Sizes per architecture, spread over the grid (0: all).")
+  flags.DEFINE_list("models", [], "Explicit model:preset list instead of the grid.")
+  flags.DEFINE_string("data", "synthetic_deep",
+                      "synthetic_deep[:logit_scale=X] (or any --data form).")
+  flags.DEFINE_integer("num_rows", 20, "Rows per sparse feature (few: see the module docstring).")
+  flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model.")
+  flags.DEFINE_integer("steps", 800, "Train steps per model (same examples for every size).")
+  flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
+  flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
+  flags.DEFINE_integer("eval_batches", 16, "Eval set size in eval batches.")
+  flags.DEFINE_enum("dense_optimizer", "adam", ["sgd", "adagrad", "adam", "adamw"],
+                    "Dense optimizer.")
+  flags.DEFINE_float("learning_rate", 1e-3, "Dense learning rate.")
+  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
+                    ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
+  flags.DEFINE_float("embedding_learning_rate", 0.1, "Embedding learning rate.")
+  flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds (quality = mean over seeds).")
+  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
+  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_string("workdir", "runs/wukong_scaling", "Output directory.")
 
 
 def main(argv):
@@ -114,4 +120,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -54,6 +54,19 @@ class OptimConfig:
     if self.mu_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"OptimConfig: mu_dtype={self.mu_dtype!r}, expected 'float32' or "
                        "'bfloat16'")
+    # Settings that can only diverge or never train are errors before the first step.
+    checks = [("peak_lr", self.peak_lr > 0), ("warmup_steps", self.warmup_steps >= 0),
+              ("total_steps", self.total_steps >= 1),
+              ("final_lr_fraction", 0 <= self.final_lr_fraction <= 1),
+              ("b1", 0 <= self.b1 < 1), ("b2", 0 <= self.b2 < 1),
+              ("weight_decay", self.weight_decay >= 0), ("clip_norm", self.clip_norm > 0)]
+    expected = {"peak_lr": "> 0", "warmup_steps": ">= 0", "total_steps": ">= 1",
+                "final_lr_fraction": "in [0, 1]", "b1": "in [0, 1)", "b2": "in [0, 1)",
+                "weight_decay": ">= 0", "clip_norm": "> 0"}
+    for name, ok in checks:
+      v = getattr(self, name)
+      if not (ok and math.isfinite(v)):
+        raise ValueError(f"OptimConfig: {name}={v!r}, expected a finite number {expected[name]}")
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -262,7 +275,10 @@ class LMTask:
   def examples_in(host: LMBatch) -> int:
     return int(np.sum(host.mask))   # tokens: the loop's examples/s is tokens/s here
 
-  def train_step(self, state, batch: LMBatch):
+  def train_step(self, state, batch: LMBatch, skip_nonfinite: bool = False):
+    """One AdamW step. skip_nonfinite: a step whose loss or gradient norm is NaN or inf
+    keeps the parameters and optimizer state (a select on device, as optax.apply_if_finite)
+    and reports `skipped` 1; the step count still advances."""
     def loss_fn(params):
       total, n = self.loss_sum(params, batch)
       return total / jnp.maximum(n, 1.0)
@@ -270,8 +286,14 @@ class LMTask:
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     updates, opt = self.tx.update(grads, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+    grad_norm = optax.tree.norm(grads)
+    metrics = {"loss": loss, "grad_norm": grad_norm,
                "lr": make_schedule(self.optim)(state["step"])}
+    if skip_nonfinite:
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), params, state["params"])
+      opt = jax.tree.map(lambda n, o: jnp.where(ok, n, o), opt, state["opt"])
+      metrics["skipped"] = (~ok).astype(jnp.float32)
     return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
 
   def eval_step(self, state, batch: LMBatch):

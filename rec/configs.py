@@ -15,6 +15,7 @@ from flax import nnx
 
 from core import flops as flops_lib
 from core import mesh as mesh_lib
+from core import train as train_loop
 from rec.data import sources as sources_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
@@ -60,6 +61,26 @@ class RecRunConfig:
     kw = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
           if f.name in flag_values}
     return cls(**{**kw, **overrides})
+
+  def validate(self) -> None:
+    """Raises a ValueError naming the flag of the first setting that cannot train: a
+    learning rate that is not finite and > 0, an unknown optimizer, a size < 1."""
+    train_loop.check_learning_rate("--learning_rate", self.learning_rate)
+    train_loop.check_learning_rate("--embedding_learning_rate", self.embedding_learning_rate)
+    if self.dense_optimizer not in DENSE_OPTIMIZERS:
+      raise ValueError(f"--dense_optimizer={self.dense_optimizer!r}: expected one of "
+                       f"{list(DENSE_OPTIMIZERS)}")
+    if self.sparse_optimizer not in opt_lib.OPTIMIZER_NAMES:
+      raise ValueError(f"--sparse_optimizer={self.sparse_optimizer!r}: expected one of "
+                       f"{list(opt_lib.OPTIMIZER_NAMES)}")
+    for name in ("batch_size", "eval_batch_size", "num_rows", "eval_batches"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name}={getattr(self, name)}: expected >= 1")
+    if not (math.isfinite(self.memory_budget_gb) and self.memory_budget_gb > 0):
+      raise ValueError(f"--memory_budget_gb={self.memory_budget_gb}: expected a number > 0")
+
+
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
 
 
 PRESETS = {
@@ -233,7 +254,8 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
 
 def build_run(cfg: RecRunConfig, devices=None):
   """Returns (task, train source, eval source, plan, mesh)."""
-  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  cfg.validate()
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
   for what, b in (("batch_size", cfg.batch_size), ("eval_batch_size", cfg.eval_batch_size)):
     if b % n:

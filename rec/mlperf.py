@@ -40,7 +40,7 @@ def run_config(batch_size: int, mesh: str = "-1", sharding: str = "auto",
 def build_run(cfg: configs.RecRunConfig, max_rows: int | None = None, devices=None):
   """(task, train source, plan): the MLPerf tables (`dcnv2.mlperf_rows(max_rows)`) fed by
   synthetic Zipf ids in bags of the reference's sizes (MLPERF_MULTI_HOT)."""
-  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
   if cfg.batch_size % n:
     raise ValueError(f"--batch_size={cfg.batch_size} is not divisible by the {n} devices of "

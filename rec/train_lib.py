@@ -138,7 +138,7 @@ class RecTask:
     changes nothing but the step count (dense state kept by a select; every id of the batch
     marked invalid, so the sparse update touches no row) and reports `skipped` 1."""
     loss, _, lookup, g_params, g_partial = self.loss_and_grads(state, batch)
-    grad_norm = optax.global_norm((g_params, g_partial))
+    grad_norm = optax.tree.norm((g_params, g_partial))
     updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}

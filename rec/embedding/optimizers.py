@@ -105,6 +105,19 @@ class SparseOptimizer:
   learning_rate: LearningRate
   name: ClassVar[str] = ""
 
+  def __post_init__(self):
+    """Rejects settings that can only diverge or do nothing: a learning rate that is not a
+    finite number > 0 (a schedule is not checked), a negative eps, accumulator or decay."""
+    lr = self.learning_rate
+    if not callable(lr) and not (isinstance(lr, (int, float)) and not isinstance(lr, bool)
+                                 and math.isfinite(lr) and lr > 0):
+      raise ValueError(f"{type(self).__name__}: learning_rate={lr!r}, expected a finite "
+                       "number > 0")
+    for field in ("eps", "initial_accumulator_value", "weight_decay"):
+      v = getattr(self, field, 0.0)
+      if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{type(self).__name__}: {field}={v!r}, expected a finite number >= 0")
+
   def init_state(self, num_rows: int, dim: int) -> OptState:
     """Per-row state arrays, each with leading dim `num_rows`."""
     raise NotImplementedError
@@ -269,6 +282,7 @@ class Adam(SparseOptimizer):
   name: ClassVar[str] = "adam"
 
   def __post_init__(self):
+    super().__post_init__()
     if not (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0):
       raise ValueError(f"Adam: b1={self.b1}, b2={self.b2}, expected both in [0, 1)")
 
@@ -291,6 +305,7 @@ class Adam(SparseOptimizer):
 
 _OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
     cls.name: cls for cls in (RowWiseAdagrad, Adagrad, SGD, Adam)}
+OPTIMIZER_NAMES = tuple(_OPTIMIZERS)
 
 
 def get_sparse_optimizer(name: str, learning_rate: LearningRate, **kw) -> SparseOptimizer:

@@ -51,3 +51,30 @@ def test_shard_batch_splits_leading_dim():
   np.testing.assert_array_equal(np.asarray(y), x)
   with pytest.raises(ValueError, match="not divisible by the 8 devices"):
     mesh_lib.shard_batch({"x": x[:12]}, m, mesh_lib.REC_RULES)
+
+
+def test_unknown_axis_is_an_error_naming_the_known_axes():
+  # A typo used to build a mesh on which no logical name lands: every device did all the work.
+  with pytest.raises(ValueError, match=r"--mesh='dta:8': unknown axis 'dta'; REC_RULES knows "
+                                       r"data, model"):
+    mesh_lib.make_mesh("dta:8", rules=mesh_lib.REC_RULES)
+  with pytest.raises(ValueError, match=r"unknown axis 'model'; LLM_RULES knows") as e:
+    mesh_lib.make_mesh("data:2,model:4", rules=mesh_lib.LLM_RULES)
+  assert set(str(e.value).split("knows ")[1].split(" (")[0].split(", ")) == {
+      "data", "fsdp", "tp", "cp"}
+  with pytest.raises(ValueError, match="unknown axis 'dta'"):   # default: any table's axes
+    mesh_lib.make_mesh("dta:8")
+  assert dict(mesh_lib.make_mesh("fsdp:2,tp:4", rules=mesh_lib.LLM_RULES).shape) == {
+      "fsdp": 2, "tp": 4}
+
+
+def test_rules_may_declare_extra_axes():
+  rules = tuple(mesh_lib.REC_RULES) + ((mesh_lib.EXTRA_AXES, ("stage",)),)
+  with pytest.raises(ValueError, match="unknown axis 'stage'"):
+    mesh_lib.make_mesh("data:4,stage:2", rules=mesh_lib.REC_RULES)
+  m = mesh_lib.make_mesh("data:4,stage:2", rules=rules)
+  assert dict(m.shape) == {"data": 4, "stage": 2}
+  assert mesh_lib.rules_axes(rules) == ("data", "model", "stage")
+  assert mesh_lib.logical_to_spec(("batch", None), rules, m) == P("data", None)
+  with pytest.raises(KeyError, match="no rule"):   # the declaration is not a logical name
+    mesh_lib.logical_to_spec((mesh_lib.EXTRA_AXES,), rules, m)

@@ -1,7 +1,9 @@
-"""experiments.train_rec end to end: flags -> training -> results.json and the JSON last line."""
+"""experiments.train_rec end to end: flags -> training -> results.json and the JSON last line;
+workdirs, resume checks, diverging runs and the flags' help."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,8 +16,7 @@ SMALL = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_s
 
 
 def _run(args, cwd=REPO):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=env,
+  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=_env(),
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.strip().splitlines()
@@ -36,12 +37,74 @@ def test_synthetic_run_writes_results(tmp_path):
   assert any(l.startswith("step 10/10") for l in lines)
 
 
-def test_bad_mesh_fails_clearly(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *SMALL, "--mesh=data:3",
-                        f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True)
-  assert out.returncode != 0
-  assert "needs 3 devices, but 8 are available" in out.stderr
+def _fail(args, cwd=REPO):
+  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode != 0, out.stdout[-2000:]
+  return out
+
+
+def _env():
+  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+              JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+
+
+@pytest.mark.parametrize("mesh,msg", [
+    ("data:3", "needs 3 devices, but 8 are available"),
+    ("dta:8", "--mesh='dta:8': unknown axis 'dta'; REC_RULES knows data, model"),
+])
+def test_bad_mesh_fails_clearly(tmp_path, mesh, msg):
+  out = _fail(SMALL + [f"--mesh={mesh}", f"--workdir={tmp_path}"])
+  assert msg in out.stderr
+
+
+def test_help_lists_every_data_form():
+  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", "--help"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0
+  text = " ".join(out.stdout.split())
+  for form in ("synthetic", "synthetic_deep", "criteo:DIR", "criteo_bin:DIR", "avazu:DIR",
+               "libfm:DIR", "csv:DIR"):
+    assert form in text, form
+
+
+def test_second_run_gets_a_new_workdir(tmp_path):
+  # The default workdir is new and dated, so running the main job twice just works.
+  for _ in range(2):
+    _run(SMALL + ["--steps=2", "--eval_batches=1"], cwd=tmp_path)
+  runs = sorted(os.listdir(tmp_path / "runs"))
+  assert len(runs) == 2 and all(re.fullmatch(r"train_rec_dlrm_\d{8}-\d{6}(-\d+)?", r) for r in runs)
+  out = _fail(["--resume", "--steps=4"], cwd=tmp_path)
+  assert "--resume needs --workdir" in out.stderr and runs[-1] in out.stderr
+
+
+def test_finished_workdir_resume_overwrite_and_settings(tmp_path):
+  args = SMALL + ["--eval_batches=1", f"--workdir={tmp_path}"]
+  _run(args + ["--steps=4"])
+  out = _fail(args + ["--steps=4"])
+  assert "already holds a checkpoint at step 4 (a finished run of 4 steps); pass --resume" \
+         in out.stderr and "--overwrite" in out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1      # one message, no traceback
+  # Other settings on resume: one message naming each, before anything is built.
+  out = _fail(args + ["--steps=8", "--resume", "--data=synthetic_deep", "--num_rows=2000"])
+  assert "  data: 'synthetic' (checkpoint) -> 'synthetic_deep' (now)" in out.stderr
+  assert "  num_rows: 1000 (checkpoint) -> 2000 (now)" in out.stderr
+  assert "params:" not in out.stdout
+  lines = _run(args + ["--steps=6", "--resume", "--eval_every=3"])   # cadence and steps may change
+  assert json.loads(lines[-1])["steps"] == 6
+  lines = _run(args + ["--steps=3", "--overwrite"])
+  assert json.loads(lines[-1])["steps"] == 3 and not any(l.startswith("resumed") for l in lines)
+
+
+def test_diverging_run_stops(tmp_path):
+  out = _fail(SMALL + ["--learning_rate=1e6", "--embedding_learning_rate=1e6", "--steps=30",
+                       "--eval_batches=1", f"--workdir={tmp_path}"])
+  err = out.stderr.strip().splitlines()
+  assert len(err) == 1 and "is the first with a non-finite loss or gradient norm" in err[0]
+  assert "lower --learning_rate" in err[0] and "no checkpoint precedes it" in err[0]
+  assert not os.listdir(tmp_path / "checkpoints")
+  out = _fail(SMALL + ["--learning_rate=-0.05", f"--workdir={tmp_path}"])
+  assert "--learning_rate=-0.05: expected a finite learning rate > 0" in out.stderr
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),

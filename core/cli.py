@@ -1,0 +1,44 @@
+"""absl entry points: `run(main)` is `app.run(main)` whose help exits 0.
+
+absl prints the help for `--help` / `--helpshort` / `--helpfull` / `--helpxml` and then exits
+with status 1, so scripts and CI cannot tell a help request from a failure; `-h` is an
+unknown flag there. Every `python -m experiments.<name>` calls `run`: the same help, status
+0, and `-h` means `--help`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+from absl import app
+
+_HELP = ("help", "?", "helpshort", "helpfull", "helpxml")
+
+
+def asks_for_help(args: Sequence[str]) -> bool:
+  """Whether the command-line arguments (program name excluded) request help."""
+  for a in args:
+    if a == "--":
+      return False
+    if a.startswith("-"):
+      name, _, value = a.lstrip("-").partition("=")
+      if name in _HELP and value.lower() not in ("false", "0"):
+        return True
+  return False
+
+
+def _parse(argv: list[str]) -> list[str]:
+  try:
+    return app.parse_flags_with_usage(argv)
+  except SystemExit as e:
+    if e.code == 1 and asks_for_help(argv[1:]):
+      raise SystemExit(0) from None
+    raise
+
+
+def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> None:
+  """`app.run(main)`, with help requests (and `-h`) exiting 0."""
+  argv = list(sys.argv if argv is None else argv)
+  argv = argv[:1] + ["--help" if a == "-h" else a for a in argv[1:]]
+  app.run(main, argv=argv, flags_parser=_parse)

@@ -1,0 +1,54 @@
+"""Every `python -m experiments.<name>` answers --help (and -h) with its flags and status 0."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from core import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENTRY_POINTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+                      if not p.endswith("__init__.py"))
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help_exits_zero(name):
+  out = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert f"experiments.{name}" in out.stdout or "flags:" in out.stdout
+  assert "--" in out.stdout and "Try --helpfull" in out.stdout
+
+
+def test_short_h_and_errors_keep_their_status():
+  h = subprocess.run([sys.executable, "-m", "experiments.cp_model", "-h"], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)
+  assert h.returncode == 0 and "--workdir" in h.stdout
+  bad = subprocess.run([sys.executable, "-m", "experiments.cp_model", "--no_such_flag"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1 and "no_such_flag" in bad.stderr
+
+
+def test_asks_for_help():
+  assert cli.asks_for_help(["--help"]) and cli.asks_for_help(["--steps=3", "--helpfull"])
+  assert cli.asks_for_help(["-?"]) and cli.asks_for_help(["--help=true"])
+  assert not cli.asks_for_help(["--help=false"]) and not cli.asks_for_help(["--steps=3"])
+  assert not cli.asks_for_help(["--", "--help"])
+
+
+def test_entry_points_import_together():
+  """Tests import entry points side by side: none may define flags on import (several share
+  names such as --workdir), so each defines them in `define_flags()` when run as a script."""
+  code = ("import importlib, sys\n"
+          f"for n in {ENTRY_POINTS!r}:\n"
+          "  importlib.import_module('experiments.' + n)\n"
+          "from absl import flags\n"
+          "mine = [m for m in flags.FLAGS.flags_by_module_dict() if m.startswith('experiments.')]\n"
+          "assert not mine, mine\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
