@@ -28,16 +28,26 @@ from rec.embedding.collection import EmbeddingCollection
 
 
 class RecEvaluator:
-  """Accumulates AUC, log loss, NE and accuracy over eval batches (padding masked out)."""
+  """AUC, log loss, NE and accuracy over eval batches (padding masked out), on device.
+
+  Keeps each batch's logits, labels and mask where the eval step left them (no per-batch
+  transfer) and computes the metrics over all of them in one jitted pass at `result()`
+  (`metrics.device_metrics`: exact AUC by one sort); only a few numbers reach the host.
+  """
 
   def __init__(self):
-    self.metrics = metrics_lib.RecMetrics()
+    self.outputs: list[dict[str, jax.Array]] = []
 
-  def update(self, logits, host: SparseBatch) -> None:
-    self.metrics.update(np.asarray(jax.device_get(logits)), host.labels, host.mask)
+  def update(self, outputs: dict[str, jax.Array], host: SparseBatch) -> None:
+    del host
+    self.outputs.append(outputs)
 
   def result(self) -> dict[str, float]:
-    return self.metrics.result()
+    if not self.outputs:
+      return metrics_lib.RecMetrics().result()
+    cat = {k: jnp.concatenate([o[k].reshape(-1) for o in self.outputs]) for k in self.outputs[0]}
+    self.outputs = []
+    return metrics_lib.device_metrics(cat["logits"], cat["labels"], cat["mask"])
 
 
 def make_dense_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
@@ -152,9 +162,11 @@ class RecTask:
     new = {"step": state["step"] + 1, "params": params, "opt": opt, "emb": emb}
     return new, metrics
 
-  def eval_step(self, state, batch: SparseBatch) -> jax.Array:
+  def eval_step(self, state, batch: SparseBatch) -> dict[str, jax.Array]:
+    """{logits, labels, mask} [B], left on device for `RecEvaluator`."""
     emb_BFD = self.collection.lookup(state["emb"], batch.ids, batch.lengths, batch.weights)
-    return self.logits(state["params"], batch.dense, emb_BFD)
+    return {"logits": self.logits(state["params"], batch.dense, emb_BFD),
+            "labels": batch.labels, "mask": batch.mask}
 
   def new_evaluator(self) -> RecEvaluator:
     return RecEvaluator()

@@ -9,9 +9,10 @@ Forms:
                 `logit_scale=X` (the std of the planted logit before its bias), `zipf_alpha=X`
                 (the id law's exponent, default 1.05), `multi_hot=mlperf` or
                 `multi_hot=3-2-1-...` (one bag size per sparse feature, dash-separated;
-                mlperf = the MLPerf DLRM-DCNv2 sizes), `gen=host` (numpy, the reference stream;
-                the default) or `gen=device` (`DeviceSynthetic`: the same model drawn on the
-                accelerator by a jitted generator, so data never limits the step), e.g.
+                mlperf = the MLPerf DLRM-DCNv2 sizes), `gen=host` (numpy, the reference
+                stream), `gen=device` (`DeviceSynthetic`: the same model drawn on the
+                accelerator by a jitted generator, so data never limits the step) or
+                `gen=auto` (the default: device on a GPU / TPU, host on CPU), e.g.
                 `synthetic_deep:logit_scale=4.0` or `synthetic:multi_hot=mlperf`.
   criteo:DIR    Kaggle layout (DIR/train.txt): train on train.txt, eval on valid.txt +
                 test.txt (labeled splits; the challenge's own unlabeled test.txt has 39
@@ -54,7 +55,7 @@ FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm
          "'csv:DIR' (preprocessed libFM / libFFM or BARS CSV files), 'criteo_bin:DIR' (the output "
          "of experiments.preprocess_criteo), or 'synthetic_deep'; the "
          "synthetic forms take ':logit_scale=X' (X > 0), 'zipf_alpha=X' (X >= 0) and "
-         "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1) and 'gen=host|device', "
+         "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1) and 'gen=auto|host|device', "
          "comma-separated")
 SYNTHETIC_TEACHERS = {"synthetic": "linear", "synthetic_deep": "deep"}
 DEEP_LOGIT_SCALE = 3.0
@@ -155,7 +156,7 @@ def synthetic_options(data: str) -> dict | None:
       elif key == "multi_hot":
         out["multi_hot"] = _multi_hot_option(value)
       elif key == "gen":
-        if value not in ("host", "device"):
+        if value not in ("host", "device", "auto"):
           raise ValueError
         out["gen"] = value
       else:
@@ -185,7 +186,11 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
   kind, sep, d = data.partition(":")
   syn = synthetic_options(data)
-  if syn is not None and syn.pop("gen", "host") == "device":
+  gen = syn.pop("gen", "auto") if syn is not None else None
+  if gen == "auto":   # an accelerator's step outruns numpy generation by far
+    import jax
+    gen = "host" if jax.default_backend() == "cpu" else "device"
+  if gen == "device":
     from core import mesh as mesh_lib
     from rec.data import device_synthetic
     axes = None if mesh is None else mesh_lib.mesh_axes("batch", mesh_lib.REC_RULES, mesh)

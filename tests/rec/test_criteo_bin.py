@@ -66,7 +66,7 @@ def test_conversion_equals_the_text_reader_and_shuffles_blocks(tmp_path):
       for name in ("dense", "ids", "lengths", "labels", "mask"):
         np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=name)
   # train: every epoch is a new permutation of the 64-row blocks of every shard
-  tr = criteo_bin.CriteoBinSource(str(tmp_path / "bin"), "train", 128, seed=3)
+  tr = criteo_bin.CriteoBinSource(str(tmp_path / "bin"), "train", 128, seed=3, block_rows=64)
   n = tr.num_batches
   assert n == sum(s["rows"] // 64 for s in m["splits"]["train"]["shards"]) // 2
   first = list(itertools.islice(tr.batches(), 2 * n))
@@ -93,9 +93,15 @@ def test_conversion_equals_the_text_reader_and_shuffles_blocks(tmp_path):
   it2 = tr.iterator()
   it2.set_state(state)
   np.testing.assert_array_equal(next(it2).ids, first[3].ids)
+  # worker processes read the same batches in the same order
+  workers = criteo_bin.CriteoBinSource(str(tmp_path / "bin"), "train", 128, seed=3, block_rows=64,
+                                       num_workers=2)
+  for k, b in zip(range(4), workers.batches(2)):
+    np.testing.assert_array_equal(b.ids, first[2 + k].ids)
   # process shares: the slices of every global batch
   halves = [criteo_bin.CriteoBinSource(str(tmp_path / "bin"), "train", 128, seed=3,
-                                       shard_index=i, num_shards=2) for i in range(2)]
+                                       block_rows=64, shard_index=i, num_shards=2)
+            for i in range(2)]
   for k in (0, 5):
     both = np.concatenate([h.batch(k).ids for h in halves])
     np.testing.assert_array_equal(both, first[k].ids)

@@ -201,3 +201,61 @@ def test_rec_metrics_empty_and_single_class():
   m.update([0.5, -0.5], [0, 0])
   r = m.result()
   assert math.isnan(r["ne"]) and math.isnan(r["auc"]) and r["base_rate"] == 0.0
+
+
+# --- on device
+
+def _host(logits, labels, mask):
+  m = RecMetrics()
+  m.update(logits, labels, mask)
+  return m.result()
+
+
+def _check_device_equals_host(logits, labels, mask, **kw):
+  from rec.metrics import device_metrics
+  got = device_metrics(logits, labels, mask, **kw)
+  want = _host(np.asarray(logits, np.float32), labels, mask)
+  assert got["num_examples"] == want["num_examples"]
+  assert got["auc"] == want["auc"]                       # exact, ties as 1/2
+  assert got["accuracy"] == want["accuracy"] and got["base_rate"] == want["base_rate"]
+  # float32 per-example losses (rel. error ~6e-8 each) summed exactly enough: rel 1e-6
+  np.testing.assert_allclose(got["logloss"], want["logloss"], rtol=1e-6)
+  np.testing.assert_allclose(got["ne"], want["ne"], rtol=1e-6)
+
+
+def test_device_metrics_equal_the_host_metrics_with_ties_padding_and_signed_zeros():
+  rng = np.random.default_rng(4)
+  scores, labels = _tied_data(rng, n=70_001)             # > 2 AUC chunks, odd length
+  scores = scores.astype(np.float32)
+  scores[::97] = -0.0                                    # ties between -0 and +0
+  scores[1::97] = 0.0
+  mask = (rng.random(scores.shape) < 0.9).astype(np.float32)
+  labels_padded = np.where(mask > 0, labels, 7.0)        # padding labels are never read
+  _check_device_equals_host(scores, labels_padded, mask)
+  _check_device_equals_host(scores[:5], labels[:5], None)
+
+
+@pytest.mark.devices(8)
+def test_device_metrics_of_batch_sharded_logits():
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  rng = np.random.default_rng(5)
+  scores, labels = _tied_data(rng, n=8 * 1000)
+  mask = np.ones_like(labels)
+  mesh = jax.make_mesh((8,), ("data",))
+  put = lambda x: jax.device_put(np.asarray(x, np.float32), NamedSharding(mesh, P("data")))
+  _check_device_equals_host(put(scores), put(labels), put(mask))
+
+
+def test_device_metrics_errors_and_empty():
+  from rec.metrics import device_metrics
+  with pytest.raises(ValueError, match="1 logits are NaN or infinite"):
+    device_metrics(np.array([0.1, np.nan, 0.3], np.float32), np.array([0, 1, 1.0]))
+  with pytest.raises(ValueError, match="1 labels are not 0 or 1"):
+    device_metrics(np.array([0.1, 0.2], np.float32), np.array([0, 2.0]))
+  # a NaN in a padding slot is not an example
+  out = device_metrics(np.array([0.1, np.nan, 0.3], np.float32), np.array([0, 1, 1.0]),
+                       np.array([1, 0, 1.0]))
+  assert out["auc"] == 1.0 and out["num_examples"] == 2
+  assert device_metrics(np.zeros(3, np.float32), np.zeros(3), np.zeros(3))["num_examples"] == 0
+  assert math.isnan(device_metrics(np.zeros(3, np.float32), np.zeros(3))["auc"])

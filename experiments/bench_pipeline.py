@@ -1,0 +1,111 @@
+r"""Is the accelerator fed? Input pipeline alone, train step alone, and end to end.
+
+  python -m experiments.bench_pipeline                                  # synthetic on device
+  python -m experiments.bench_pipeline --data=synthetic:gen=host        # synthetic on the host
+  python -m experiments.bench_pipeline --data=criteo_bin:/path/to/converted
+  python -m experiments.bench_pipeline --data=criteo_bin:gen            # a generated binary dir
+
+For each --data: examples/s of the source alone (`batches()`, host or device), of the jitted
+train step alone over batches already on the devices (as experiments.bench_dlrm times it),
+and of `core.train.train` end to end (prefetch, placement, metrics; no eval), and the ratio
+end to end / step, which the target asks to be at least 0.8 at batch 16384 on a GPU.
+`criteo_bin:gen` writes --gen_rows random rows in the `rec.data.criteo_bin` layout under
+--workdir once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain.
+The model is DLRM's Criteo Kaggle architecture with --num_rows rows per table.
+
+Prints a table, writes results.json and bench_pipeline.png under --workdir, and one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags, logging
+
+from core import cli
+from core import results as results_lib
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_list("data", ["synthetic:gen=device", "synthetic:gen=host", "criteo_bin:gen"],
+                    "Sources to measure (train_rec's --data forms; criteo_bin:gen = generated).")
+  flags.DEFINE_integer("batch_size", 16384, "Global batch.")
+  flags.DEFINE_integer("num_rows", 100_000, "Rows per embedding table.")
+  flags.DEFINE_string("model", "dlrm", "Model (rec.configs).")
+  flags.DEFINE_string("preset", "kaggle", "Model preset.")
+  flags.DEFINE_string("mesh", "-1", "Device mesh.")
+  flags.DEFINE_integer("steps", 60, "End-to-end steps (also split into the step timing's repeats).")
+  flags.DEFINE_integer("source_batches", 60, "Batches timed for the source alone.")
+  flags.DEFINE_integer("gen_rows", 4_000_000, "Rows of the generated criteo_bin directory.")
+  flags.DEFINE_string("workdir", "runs/bench_pipeline", "results.json, plot, generated data.")
+
+
+def run(data: str, batch_size: int, num_rows: int, model: str, preset: str, mesh: str,
+        steps: int, source_batches: int, gen_dir: str, gen_rows: int) -> dict:
+  from rec import configs, throughput
+  if data == "criteo_bin:gen":
+    data = "criteo_bin:" + throughput.synthetic_bin_dir(gen_dir, gen_rows, num_rows)
+  cfg = configs.RecRunConfig(model=model, preset=preset, data=data, num_rows=num_rows, mesh=mesh,
+                             batch_size=batch_size, eval_batch_size=batch_size, eval_batches=1,
+                             learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
+  task, train_src, _, _, _ = configs.build_run(cfg)
+  return throughput.measure(task, train_src, steps=steps, repeats=3,
+                            source_batches=source_batches)
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from core import benchmark
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  rows = []
+  for data in FLAGS.data:
+    print(f"measuring {data} ...", flush=True)
+    r = run(data, FLAGS.batch_size, FLAGS.num_rows, FLAGS.model, FLAGS.preset, FLAGS.mesh,
+            FLAGS.steps, FLAGS.source_batches, os.path.join(FLAGS.workdir, "criteo_bin_gen"),
+            FLAGS.gen_rows)
+    rows.append({"data": data, **r})
+  print(f"\n{'data':24}{'source ex/s':>14}{'step ex/s':>14}{'end-to-end':>14}{'e2e/step':>10}")
+  for r in rows:
+    print(f"{r['data']:24}{r['source_examples_per_sec']:>14,.0f}{r['step_examples_per_sec']:>14,.0f}"
+          f"{r['end_to_end_examples_per_sec']:>14,.0f}{r['end_to_end_over_step']:>10.2f}")
+  machine = benchmark.machine()
+  results_lib.write_results(FLAGS.workdir, {
+      "rows": rows, "machine": machine,
+      "config": {k: FLAGS[k].value for k in ("batch_size", "num_rows", "model", "preset", "mesh",
+                                             "steps", "source_batches", "gen_rows")}})
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = np.arange(len(rows))
+    for i, (key, label) in enumerate((("source_examples_per_sec", "source alone"),
+                                      ("step_examples_per_sec", "step alone"),
+                                      ("end_to_end_examples_per_sec", "end to end"))):
+      ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
+    ax.set_xticks(x, [r["data"] for r in rows], fontsize=8)
+    ax.set(yscale="log", ylabel="examples / s",
+           title=f"{FLAGS.model} {FLAGS.preset}, batch {FLAGS.batch_size}, {machine['device']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(os.path.join(FLAGS.workdir, "bench_pipeline.png"), dpi=110)
+    plt.close(fig)
+  except ImportError:
+    pass
+  print(json.dumps({"device": machine["device"], "batch_size": FLAGS.batch_size,
+                    **{r["data"]: {k: round(v, 3) if k.endswith("step") else round(v)
+                                   for k, v in r.items() if k != "data"} for r in rows}}))
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)
