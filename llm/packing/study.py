@@ -1,0 +1,185 @@
+"""The imbalance study of arXiv 2503.17924 (WLB-LLM), Table 2 and the CP-level comparison.
+
+On a synthetic document stream with a long tail of lengths (`LengthDist`), packs the same
+global batches with: the original (loader-order) packing; fixed-length greedy balancing over
+windows of 1 / 2 / 4 / 8 global batches; WLB-LLM's variable-length packing with 1 / 2 / 3
+outlier queues. For each it reports the imbalance degree (max over a step's micro-batches of
+the workload over their mean, averaged over steps) of the whole layer W = Wa + Wl and of
+attention alone (Wa), the packing time per global batch, and the token delay the reordering
+causes. Then, on the first `cp_steps` global batches of the original packing and of WLB-LLM,
+the CP-level imbalance of per-sequence vs per-document sharding (exact visible pairs per
+rank), and the tile-model estimates behind the adaptive choice (`cp_shard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from llm.packing import cp_shard
+from llm.packing import packers as P
+from llm.packing.batch import row_segments
+from llm.packing.cost import CostModel
+
+# Table 2 of the paper (Llama 7B, 128K context): imbalance degree per packing.
+PAPER_TABLE2 = {"original": 1.44, "fixed_greedy_1": 1.41, "fixed_greedy_2": 1.22,
+                "fixed_greedy_4": 1.11, "fixed_greedy_8": 1.08, "wlb_1q": 1.24, "wlb_2q": 1.05,
+                "wlb_3q": 1.05}
+PAPER_WLB_PACK_MS = (8.0, 23.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDist:
+  """Document lengths: log-normal body (median, sigma) with probability 1 - tail_prob, else a
+  Pareto tail from tail_min with exponent tail_alpha; all clipped to [min_len, context]."""
+
+  context: int = 131072
+  median: float = 1024.0
+  sigma: float = 1.0
+  tail_prob: float = 0.002
+  tail_min: float = 16384.0
+  tail_alpha: float = 1.0
+  min_len: int = 16
+
+  def sample(self, n: int, seed: int = 0) -> np.ndarray:
+    if not (0 <= self.tail_prob <= 1 and self.sigma >= 0 and self.tail_alpha > 0
+            and 1 <= self.min_len <= self.context and self.median > 0 and self.tail_min > 0):
+      raise ValueError(f"LengthDist: {self} has a value out of range (tail_prob in [0, 1], "
+                       "sigma >= 0, tail_alpha > 0, 1 <= min_len <= context, median and "
+                       "tail_min > 0)")
+    rng = np.random.default_rng(seed)
+    body = self.median * np.exp(self.sigma * rng.standard_normal(n))
+    tail = self.tail_min * rng.uniform(size=n) ** (-1.0 / self.tail_alpha)
+    x = np.where(rng.uniform(size=n) < self.tail_prob, tail, body)
+    return np.clip(np.round(x), self.min_len, self.context).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+  """One run of the study; `outlier_fractions` are the queue thresholds as fractions of the
+  context, and WLB with q queues uses the q largest."""
+
+  dist: LengthDist = LengthDist()
+  micro_batches: int = 4
+  steps: int = 512
+  max_len_factor: float = 1.0
+  windows: tuple[int, ...] = (1, 2, 4, 8)
+  queues: tuple[int, ...] = (1, 2, 3)
+  outlier_fractions: tuple[float, ...] = (0.125, 0.25, 0.5)
+  cp: int = 8
+  cp_steps: int = 4
+  tile_q: int = 128
+  tile_kv: int = 128
+  seed: int = 0
+
+  def thresholds(self, q: int) -> tuple[int, ...]:
+    if not 0 <= q <= len(self.outlier_fractions):
+      raise ValueError(f"StudyConfig: {q} outlier queues, but outlier_fractions has "
+                       f"{len(self.outlier_fractions)} thresholds")
+    fr = sorted(self.outlier_fractions)[len(self.outlier_fractions) - q:]
+    return tuple(int(f * self.dist.context) for f in fr)
+
+  @property
+  def max_len(self) -> int:
+    return int(self.max_len_factor * self.dist.context)
+
+
+def stream(cfg: StudyConfig) -> tuple[np.ndarray, list[list[list[int]]]]:
+  """(document lengths, original packing of cfg.steps global batches) from enough documents."""
+  mean = float(np.mean(cfg.dist.sample(20000, cfg.seed + 1)))
+  n = int(1.3 * cfg.steps * cfg.micro_batches * cfg.dist.context / mean) + 1000
+  while True:
+    lengths = cfg.dist.sample(n, cfg.seed)
+    orig = P.original_packing(lengths, seq_len=cfg.dist.context,
+                              micro_batches=cfg.micro_batches, steps=cfg.steps)
+    if len(orig) == cfg.steps:
+      return lengths, orig
+    n *= 2
+
+
+def _row_stats(run: P.PackRun, lengths, arrival, cost: CostModel, paper: float | None):
+  tot = P.step_imbalance(run, lengths, cost, "total")
+  att = P.step_imbalance(run, lengths, cost, "attention")
+  tok = P.step_imbalance(run, lengths, cost, "tokens")
+  ms = np.asarray(run.pack_seconds) * 1e3
+  return {"name": run.name, "imbalance": float(tot.mean()), "imbalance_p90": float(
+      np.percentile(tot, 90)), "imbalance_attention": float(att.mean()),
+          "imbalance_tokens": float(tok.mean()), "paper": paper,
+          "pack_ms_mean": float(ms.mean()), "pack_ms_max": float(ms.max()),
+          "pending_docs": run.pending, "steps": len(run.steps),
+          **P.token_delay(run, lengths, arrival)}
+
+
+def cp_compare(rows: list[np.ndarray], n: int, model: cp_shard.TileModel) -> dict[str, Any]:
+  """Per micro-batch (documents' lengths, natural order): rank imbalance of exact visible
+  pairs under per-sequence and per-document sharding, and the tile-model estimates of the
+  slowest rank for both and the adaptive pick (summed over micro-batches)."""
+  out = {"pairs_imbalance": {"sequence": [], "document": []},
+         "tile_time": {"sequence": 0.0, "document": 0.0, "adaptive": 0.0},
+         "tile_imbalance": {"sequence": [], "document": []}, "chosen": {"sequence": 0,
+                                                                        "document": 0}}
+  for lengths in rows:
+    t = int(np.ceil(max(int(np.sum(lengths)), 1) / (2 * n)) * 2 * n)
+    seg, pos = row_segments(lengths, t)
+    est = {}
+    for mode in ("sequence", "document"):
+      order = cp_shard.row_layout(seg, t, n, mode)
+      out["pairs_imbalance"][mode].append(cp_shard.imbalance(cp_shard.rank_pairs(seg, pos,
+                                                                                 order, n)))
+      tiles = cp_shard.rank_tile_costs(seg, pos, order, n, model)
+      out["tile_imbalance"][mode].append(cp_shard.imbalance(tiles))
+      est[mode] = float(tiles.max())
+      out["tile_time"][mode] += est[mode]
+    pick = min(est, key=lambda m: (est[m], m != "sequence"))
+    out["chosen"][pick] += 1
+    out["tile_time"]["adaptive"] += est[pick]
+  for key in ("pairs_imbalance", "tile_imbalance"):
+    out[key] = {m: float(np.mean(v)) for m, v in out[key].items()}
+  out["micro_batches"] = len(rows)
+  return out
+
+
+def run_study(cfg: StudyConfig, cost: CostModel,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """Every Table 2 row and the CP comparison; a dict ready for results.json."""
+  say = progress or (lambda msg: None)
+  lengths, orig = stream(cfg)
+  arrival = P.arrival_steps(orig, len(lengths))
+  arrivals = [[i for mb in step for i in mb] for step in orig]
+  ctx, m = cfg.dist.context, cfg.micro_batches
+  runs = [P.simulate("original", lengths, arrivals, original=orig)]
+  for k in cfg.windows:
+    say(f"fixed-length greedy over {k} global batch(es)")
+    runs.append(P.simulate(f"fixed_greedy_{k}", lengths, arrivals, packer=P.FixedGreedyPacker(
+        seq_len=ctx, micro_batches=m, window=k, cost=cost)))
+  for q in cfg.queues:
+    say(f"WLB-LLM with {q} outlier queue(s), thresholds {cfg.thresholds(q)}")
+    runs.append(P.simulate(f"wlb_{q}q", lengths, arrivals, packer=P.WLBPacker(
+        micro_batches=m, max_len=cfg.max_len, cost=cost,
+        outlier_thresholds=cfg.thresholds(q))))
+  rows = [_row_stats(r, lengths, arrival, cost, PAPER_TABLE2.get(r.name)) for r in runs]
+  used = lengths[arrival >= 0]
+  res: dict[str, Any] = {
+      "config": dataclasses.asdict(cfg), "rows": rows,
+      "documents": {"count": int(used.size), "mean": float(used.mean()),
+                    "median": float(np.median(used)), "p99": float(np.percentile(used, 99)),
+                    "max": int(used.max()),
+                    "tokens_in_docs_over_half_context": float(
+                        used[used >= ctx // 2].sum() / used.sum())},
+      "attention_share": float(np.mean([cost.attention(lengths[np.asarray(mb)]) /
+                                        cost.total(lengths[np.asarray(mb)])
+                                        for step in orig for mb in step if mb])),
+  }
+  tile = cp_shard.TileModel(cfg.tile_q, cfg.tile_kv)
+  cp = {}
+  wlb_name = f"wlb_{max(cfg.queues)}q" if cfg.queues else None
+  for r in runs:
+    if r.name in ("original", wlb_name) and cfg.cp > 1:
+      say(f"CP sharding over {cfg.cp} ranks: {r.name}, {cfg.cp_steps} global batches")
+      mbs = [lengths[np.asarray(mb, np.int64)] for step in r.steps[:cfg.cp_steps]
+             for mb in step if mb]
+      cp[r.name] = cp_compare(mbs, cfg.cp, tile)
+  res["cp"] = cp
+  return res

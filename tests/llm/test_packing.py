@@ -1,0 +1,328 @@
+"""llm/packing (WLB-LLM, arXiv 2503.17924) on the host: packers, packed rows, CP layouts, cost fit.
+
+Packers are checked against plain-Python restatements of their rules and for what training
+needs: no document dropped, duplicated or split, tokens of a document in order, every
+micro-batch within its token cap, outliers released M at a time. CP layouts: permutations
+whose ranks hold each document's head / tail chunks, token counts equal, round trips, visible
+pairs counted against the attention mask, tile classes against the Mosaic GPU kernel's rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm.attention import layout
+from llm.packing import batch as B
+from llm.packing import cost as C
+from llm.packing import cp_shard as S
+from llm.packing import packers as P
+from llm.packing import study
+
+COST = C.CostModel(attn_quad=1e-3, attn_lin=0.1, attn_const=2.0, lin_per_token=1.0,
+                   lin_const=5.0)
+
+
+def _stream(n=600, seed=0, cap=512):
+  rng = np.random.default_rng(seed)
+  x = np.exp(rng.normal(3.5, 1.2, n))
+  long = rng.uniform(size=n) < 0.04
+  x[long] = rng.uniform(cap / 4, cap, size=long.sum())
+  return np.clip(np.round(x), 1, cap).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- packers
+
+
+def test_original_packing_is_next_fit_in_order():
+  lengths = _stream()
+  steps = P.original_packing(lengths, seq_len=512, micro_batches=4)
+  flat = [i for s in steps for mb in s for i in mb]
+  assert flat == list(range(len(flat)))                      # arrival order, nothing skipped
+  seqs = [mb for s in steps for mb in s]
+  assert all(len(s) == 4 for s in steps)
+  for a, b in zip(seqs, seqs[1:]):
+    assert lengths[a].sum() <= 512
+    assert lengths[a].sum() + lengths[b[0]] > 512             # the next document did not fit
+  with pytest.raises(ValueError, match="document 3 has 600 tokens"):
+    P.original_packing(np.array([5, 5, 5, 600]), seq_len=512, micro_batches=2)
+
+
+def _greedy_reference(lengths, bins, cap, cost):
+  """balanced_pack restated: longest first, smallest load among bins with room."""
+  order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+  load, used, out, left = [0.0] * bins, [0] * bins, [[] for _ in range(bins)], []
+  for k in order:
+    cands = [j for j in range(bins) if used[j] + lengths[k] <= cap]
+    if not cands:
+      left.append(k)
+      continue
+    j = min(cands, key=lambda j: (load[j], j))
+    out[j].append(k)
+    load[j] += float(cost.doc_total(lengths[k]))
+    used[j] += lengths[k]
+  return out, left
+
+
+def test_balanced_pack_matches_reference():
+  lengths = _stream(120, seed=3)
+  got = P.balanced_pack(np.arange(120), lengths, bins=6, capacity=700, doc_cost=COST.doc_total)
+  want = _greedy_reference(lengths.tolist(), 6, 700, COST)
+  assert got == want
+  assert want[1], "the test stream should overflow the bins"
+
+
+def _check_run(run, lengths, arrivals, cap, m):
+  """Every arrived document placed at most once, the rest pending; micro-batches fit."""
+  placed = [i for s in run.steps for mb in s for i in mb]
+  assert len(placed) == len(set(placed))
+  arrived = {i for a in arrivals for i in a}
+  assert set(placed) <= arrived
+  assert len(arrived) - len(placed) == run.pending
+  for s in run.steps:
+    assert len(s) == m
+    for mb in s:
+      assert lengths[np.asarray(mb, np.int64)].sum() <= cap
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_fixed_greedy_places_everything_within_seq_len(window):
+  lengths = _stream(1500, seed=window)
+  orig = P.original_packing(lengths, seq_len=512, micro_batches=4, steps=16)
+  arrivals = [[i for mb in s for i in mb] for s in orig]
+  run = P.simulate("g", lengths, arrivals, packer=P.FixedGreedyPacker(
+      seq_len=512, micro_batches=4, window=window, cost=COST))
+  _check_run(run, lengths, arrivals, 512, 4)
+  assert len(run.steps) == 16
+  # Steps of a window are dealt heaviest first.
+  for g in range(0, 16, window):
+    w = [max(COST.total(lengths[np.asarray(mb, np.int64)]) for mb in s)
+         for s in run.steps[g:g + window]]
+    assert w == sorted(w, reverse=True)
+
+
+def test_wlb_outlier_queues_release_m_at_a_time():
+  lengths = _stream(3000, seed=7)
+  m, thr = 4, (128, 256)
+  orig = P.original_packing(lengths, seq_len=512, micro_batches=m, steps=40)
+  arrivals = [[i for mb in s for i in mb] for s in orig]
+  packer = P.WLBPacker(micro_batches=m, max_len=768, cost=COST, outlier_thresholds=thr)
+  run = P.simulate("wlb", lengths, arrivals, packer=packer)
+  _check_run(run, lengths, arrivals, 768, m)
+  arrival = P.arrival_steps(orig, len(lengths))
+  # Plain-Python queues: an outlier is trained in the step its queue reaches m documents;
+  # a lone release (the longest documents of its step) sits in m different micro-batches.
+  queues = {0: [], 1: []}
+  lone = 0
+  for g, a in enumerate(arrivals):
+    for i in a:
+      if lengths[i] >= thr[0]:
+        queues[int(lengths[i] >= thr[1])].append(i)
+    releases = []
+    for q in queues.values():
+      if len(q) >= m:
+        out, q[:] = q[:m], q[m:]
+        assert all(run.placed_step[i] == g for i in out), (g, out)
+        releases.append(out)
+    if len(releases) == 1:
+      where = [next(j for j, mb in enumerate(run.steps[g]) if i in mb) for i in releases[0]]
+      assert sorted(where) == list(range(m))
+      lone += 1
+  assert lone >= 3
+  assert {i for q in queues.values() for i in q} <= set(packer.pending())
+  assert np.all(run.placed_step[run.placed_step >= 0] >= arrival[run.placed_step >= 0])
+  d = P.token_delay(run, lengths, arrival)
+  assert 0 < d["mean_delay_steps"] and 0 < d["delayed_token_fraction"] < 1
+
+
+def test_wlb_balances_better_than_original():
+  lengths = _stream(4000, seed=11)
+  orig = P.original_packing(lengths, seq_len=512, micro_batches=4, steps=48)
+  arrivals = [[i for mb in s for i in mb] for s in orig]
+  base = P.step_imbalance(P.simulate("o", lengths, arrivals, original=orig), lengths, COST)
+  wlb = P.step_imbalance(P.simulate("w", lengths, arrivals, packer=P.WLBPacker(
+      micro_batches=4, max_len=768, cost=COST, outlier_thresholds=(256,))), lengths, COST)
+  assert wlb.mean() < base.mean() - 0.1, (wlb.mean(), base.mean())
+
+
+def test_packer_arguments_are_checked():
+  with pytest.raises(ValueError, match="increasing"):
+    P.WLBPacker(micro_batches=2, max_len=10, cost=COST, outlier_thresholds=(8, 4))
+  with pytest.raises(ValueError, match="document 7 has 11 tokens"):
+    P.WLBPacker(micro_batches=2, max_len=10, cost=COST).pack([7], lambda ids: np.array([11]))
+
+
+# ----------------------------------------------------------------------------- packed rows
+
+
+def _docs(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(1, 256, size=l).astype(np.int32) for l in lengths]
+
+
+def test_to_lm_batch_round_trips_documents():
+  docs = _docs([5, 1, 9, 3, 7, 2])
+  rows = [[2, 0], [5, 1, 3], [4]]
+  b = B.to_lm_batch(docs, rows, 16)
+  got = B.unpack_rows(b)
+  for r, row in enumerate(rows):
+    assert len(got[r]) == len(row)
+    for i, tok in zip(row, got[r]):
+      np.testing.assert_array_equal(tok, docs[i])
+  # Targets: the next token of the same document; none across documents or on padding.
+  o = 0
+  for i in rows[1]:
+    d = docs[i]
+    np.testing.assert_array_equal(b.targets[1, o:o + len(d) - 1], d[1:])
+    assert b.mask[1, o + len(d) - 1] == 0 and np.all(b.mask[1, o:o + len(d) - 1] == 1)
+    o += len(d)
+  assert np.all(b.mask[1, o:] == 0) and np.all(b.segment_ids[1, o:] == 0)
+  np.testing.assert_array_equal(b.positions[1, :8], [0, 1, 0, 0, 1, 2, 0, 1])
+  seg, pos = B.row_segments([len(docs[i]) for i in rows[1]], 16)
+  np.testing.assert_array_equal(seg, b.segment_ids[1])
+  np.testing.assert_array_equal(pos, b.positions[1])
+  assert B.row_documents(b.segment_ids[1]) == [(1, 2), (2, 1), (3, 3)]
+  with pytest.raises(ValueError, match="row 0 holds documents"):
+    B.to_lm_batch(docs, [[2, 4]], 15)
+  with pytest.raises(ValueError, match="segment id 1 appears in two"):
+    B.row_documents(np.array([1, 1, 2, 1, 0]))
+
+
+# ----------------------------------------------------------------------------- CP layouts
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_per_document_order_head_tail_chunks(n):
+  lengths = [37, 5, 64, 1, 19, 2 * n, 3]
+  t = 160
+  order = S.per_document_order(lengths, t, n)
+  assert sorted(order.tolist()) == list(range(t))            # a permutation
+  per = t // n
+  starts = np.cumsum([0] + lengths[:-1])
+  for d, (s0, l) in enumerate(zip(starts, lengths)):
+    # Chunks in document order: rank 0..n-1 heads, then rank n-1..0 tails; contiguous.
+    pieces = []
+    for r in range(n):
+      mine = order[r * per:(r + 1) * per]
+      idx = mine[(mine >= s0) & (mine < s0 + l)] - s0
+      k = len(idx)
+      assert k in (2 * (l // (2 * n)), 2 * (l // (2 * n)) + 1, 2 * (l // (2 * n)) + 2)
+      pieces.append(idx)
+    heads, tails = [], []
+    for r, idx in enumerate(pieces):
+      gaps = np.flatnonzero(np.diff(idx) != 1)
+      assert len(gaps) <= 1                                  # a head run and a tail run
+      cut = gaps[0] + 1 if len(gaps) else (len(idx) if r < n - 1 or n == 1 else len(idx))
+      heads.append(idx[:cut])
+      tails.append(idx[cut:])
+    flat = np.concatenate(heads + tails[::-1])
+    np.testing.assert_array_equal(np.sort(flat), np.arange(l))
+  counts = [np.sum(order[r * per:(r + 1) * per] < sum(lengths)) for r in range(n)]
+  assert max(counts) - min(counts) <= 1
+  # Round trip through a batch.
+  x = np.arange(t)[None] * 10
+  np.testing.assert_array_equal(S.restore_order(x[:, order], order[None]), x)
+
+
+def test_per_document_balances_visible_pairs():
+  n, t = 4, 256
+  lengths = [150, 20, 30, 40]
+  seg, pos = B.row_segments(lengths, t)
+  mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None]) & (seg[:, None] > 0)
+  for mode in ("sequence", "document"):
+    order = S.row_layout(seg, t, n, mode)
+    want = mask.sum(1)[order].reshape(n, -1).sum(1)          # pairs from the mask itself
+    np.testing.assert_array_equal(S.rank_pairs(seg, pos, order, n), want)
+  seq = S.imbalance(S.rank_pairs(seg, pos, S.row_layout(seg, t, n, "sequence"), n))
+  doc = S.imbalance(S.rank_pairs(seg, pos, S.row_layout(seg, t, n, "document"), n))
+  assert doc < 1.02 < 1.3 < seq
+
+
+def test_layout_batch_composes_with_model_load_balance():
+  n, t = 4, 64
+  docs = _docs([20, 3, 17, 9, 6])
+  b = B.to_lm_batch(docs, [[0, 1, 2], [3, 4]], t)
+  host, orders, mode = S.layout_batch(b, n, "document")
+  assert mode == "document"
+  for r in range(2):
+    want = S.per_document_order([l for _, l in B.row_documents(b.segment_ids[r])], t, n)
+    np.testing.assert_array_equal(layout.load_balance(orders[r][None], n, 1)[0], want)
+    np.testing.assert_array_equal(host.segment_ids[r], b.segment_ids[r][orders[r]])
+  np.testing.assert_array_equal(S.restore_order(host.inputs, orders), b.inputs)
+  seq, orders, _ = S.layout_batch(b, n, "sequence")
+  np.testing.assert_array_equal(orders, np.broadcast_to(np.arange(t), (2, t)))
+  direct, orders, _ = S.layout_batch(b, n, "document", model_balances=False)
+  np.testing.assert_array_equal(orders[0], S.per_document_order([20, 3, 17], t, n))
+
+
+def test_tile_costs_follow_the_kernel_block_classes():
+  from kernels.flash_attention_mgpu import EMPTY, FULL, classify_blocks
+  n, t, tile = 4, 512, 16
+  seg, pos = B.row_segments([200, 9, 70, 33, 120, 5], t)
+  model = S.TileModel(tile, tile, full=1.0, partial=3.0)
+  for mode in ("sequence", "document"):
+    order = S.row_layout(seg, t, n, mode)
+    s, p = seg[order].reshape(n, -1), pos[order].reshape(n, -1)
+    want = []
+    for r in range(n):
+      cls = np.concatenate([np.asarray(classify_blocks(True, s[r][None], s[k][None], p[r][None],
+                                                       p[k][None], tile, tile))[0]
+                            for k in range(n)], axis=1)
+      want.append(np.sum(cls == FULL) + 3.0 * np.sum((cls != FULL) & (cls != EMPTY)))
+    np.testing.assert_allclose(S.rank_tile_costs(seg, pos, order, n, model), want)
+
+
+def test_adaptive_choice_prefers_sequence_for_many_short_documents():
+  n, t = 8, 2048
+  short = B.row_segments([8] * 256, t)
+  long = B.row_segments([1536, 512], t)        # per-sequence: ranks 4..7 do 5x the work
+  pick = lambda sp: S.choose_layout(sp[0][None], sp[1][None], n, S.TileModel(64, 64))
+  assert pick(short)[0] == "sequence"
+  assert pick(long)[0] == "document"
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_fit_recovers_coefficients_and_round_trips(tmp_path):
+  l = np.array([64, 128, 256, 512, 1024, 2048])
+  a, b, c = C.fit_attention(l, 3e-9 * l * l + 2e-6 * l + 1e-4)
+  np.testing.assert_allclose([a, b, c], [3e-9, 2e-6, 1e-4], rtol=1e-6)
+  d, e = C.fit_linear(l, 5e-5 * l)
+  np.testing.assert_allclose([d, e], [5e-5, 0.0], atol=1e-12)
+  # A negative unconstrained solution is replaced by the best non-negative one.
+  assert min(C.fit_attention(l, 1e-9 * l * l - 1e-7 * l + 1e-3)) >= 0
+  m = C.CostModel(a, b, c, d, e, meta={"x": [1, 2]})
+  assert C.CostModel.load(m.save(str(tmp_path / "c.json"))) == m
+  s1, s2 = C.Shape(64, 2, 1, 32, 128), C.Shape(128, 4, 2, 32, 256)
+  big = m.scaled(s2.attention_width / s1.attention_width, 2.0)
+  assert big.attn_quad == 2 * a and big.attn_const == c and big.lin_per_token == 2 * d
+  assert m.total([10, 20]) == pytest.approx(m.attention([10, 20]) + m.linear(30))
+
+
+def test_measure_and_fit_run_here():
+  shape = C.Shape(32, 2, 1, 16, 64)
+  model = C.fit_cost_model(shape, C.Shape(64, 4, 2, 16, 128), lengths=(16, 64),
+                           tokens=(16, 64), repeats=1)
+  assert model.attn_quad + model.attn_lin + model.attn_const > 0 and model.lin_per_token >= 0
+  assert model.meta["attn_factor"] == 2.0 and len(model.meta["attention"]["seconds"]) == 2
+  f = C.flop_cost_model(shape)
+  assert f.doc_attention(10) == 6 * 32 * 100
+
+
+# ----------------------------------------------------------------------------- study
+
+
+def test_study_runs_every_row():
+  cfg = study.StudyConfig(dist=study.LengthDist(context=4096, median=128, sigma=1.0,
+                                                tail_prob=0.02, tail_min=1024),
+                          micro_batches=4, steps=8, windows=(1, 2), queues=(1, 2), cp=4,
+                          cp_steps=1, tile_q=32, tile_kv=32)
+  res = study.run_study(cfg, C.flop_cost_model(C.Shape(64, 2, 1, 32, 128)))
+  names = [r["name"] for r in res["rows"]]
+  assert names == ["original", "fixed_greedy_1", "fixed_greedy_2", "wlb_1q", "wlb_2q"]
+  assert all(r["imbalance"] >= 1 for r in res["rows"])
+  for c in res["cp"].values():
+    assert c["pairs_imbalance"]["document"] <= c["pairs_imbalance"]["sequence"]
+    assert c["tile_time"]["adaptive"] <= min(c["tile_time"]["sequence"],
+                                             c["tile_time"]["document"])
