@@ -57,6 +57,18 @@ def sample_logits(logits, key, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if isinstance(temperature, (int, float)) and temperature == 0:
     return greedy            # static shortcut: no sort
+  t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
+  sampled = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p),
+                                   axis=-1)
+  return jnp.where(t > 0, sampled.astype(jnp.int32), greedy)
+
+
+def filtered_logits(logits, temperature, top_k=0, top_p=1.0) -> jax.Array:
+  """The logits `sample_logits` draws from at temperature > 0: logits / temperature, -inf
+  outside the top_k and the nucleus; their softmax is the sampling distribution (exact
+  rejection sampling in `llm.speculative` needs it). Rows with temperature 0 are not
+  scaled (`sample_logits` takes their argmax instead)."""
+  logits = jnp.asarray(logits, jnp.float32)
   v = logits.shape[-1]
   batch = logits.shape[:-1]
   t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch)[..., None]
@@ -69,8 +81,7 @@ def sample_logits(logits, key, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   n_keep = jnp.maximum(jnp.sum(in_top_k & (mass_before < p), axis=-1, keepdims=True), 1)
   threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-  sampled = jax.random.categorical(key, jnp.where(scaled < threshold, -jnp.inf, scaled), axis=-1)
-  return jnp.where(t[..., 0] > 0, sampled.astype(jnp.int32), greedy)
+  return jnp.where(scaled < threshold, -jnp.inf, scaled)
 
 
 def _sample(logits, key, sampling):

@@ -312,11 +312,12 @@ class Attention(nnx.Module):
     self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), (h * k) ** -0.5, pd)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
-               slots_BT=None):
+               slots_BT=None, mask_BTS=None):
     """Without `kv`: attends within the call (segments + causal by position; positions_BT
     None: arange(T), and attention is told so, which lets cuDNN take the call). With
     kv = (k_BSGK, v_BSGK): writes this call's k, v at `slots_BT`, then attends to every slot
-    by position (kv_pos_BS already holds the new positions). Returns (y_BTD, new kv)."""
+    by position (kv_pos_BS already holds the new positions). mask_BTS: an explicit mask on
+    top (tree attention; `llm.attention` `mask`). Returns (y_BTD, new kv)."""
     cfg, dt = self.cfg, self.cfg.dtype
     q_BTHK = constrain(jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt)), Q_NAMES)
     k_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt)), KV_NAMES)
@@ -339,7 +340,7 @@ class Attention(nnx.Module):
       k_all, v_all = k_all.astype(dt), v_all.astype(dt)
     out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, causal=True,
                             q_positions=positions_BT, kv_positions=kv_pos,
-                            q_segment_ids=seg, kv_segment_ids=seg)
+                            q_segment_ids=seg, kv_segment_ids=seg, mask=mask_BTS)
     y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK.astype(dt), self.wo[...].astype(dt))
     return constrain(y_BTD, X_NAMES), kv
 
@@ -371,9 +372,9 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
-               slots_BT=None):
+               slots_BT=None, mask_BTS=None):
     h_BTD, kv = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, kv, kv_pos_BS,
-                          slots_BT)
+                          slots_BT, mask_BTS)
     x_BTD = x_BTD + h_BTD
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
 
@@ -396,10 +397,11 @@ class Llama(nnx.Module):
     return KVCache.init(self.cfg, batch, max_len)
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
-               cache: KVCache | None = None, lengths_B=None):
+               cache: KVCache | None = None, lengths_B=None, mask_BTS=None):
     """Returns (logits_BTV float32, new cache or None); see `hidden` for the arguments."""
     h_BTD, cache = self.hidden(self.embed_tokens(tokens_BT), positions_BT=positions_BT,
-                               segment_ids_BT=segment_ids_BT, cache=cache, lengths_B=lengths_B)
+                               segment_ids_BT=segment_ids_BT, cache=cache, lengths_B=lengths_B,
+                               mask_BTS=mask_BTS)
     return self.logits(h_BTD), cache
 
   def embed_tokens(self, tokens_BT) -> jax.Array:
@@ -407,7 +409,7 @@ class Llama(nnx.Module):
     return constrain(x_BTD, X_NAMES)
 
   def hidden(self, x_BTD, *, positions_BT=None, segment_ids_BT=None,
-             cache: KVCache | None = None, lengths_B=None):
+             cache: KVCache | None = None, lengths_B=None, mask_BTS=None):
     """Blocks and final norm over input embeddings x_BTD; returns (h_BTD, new cache or None).
 
     Without a cache: positions default to arange(T); tokens attend to earlier positions of
@@ -417,10 +419,17 @@ class Llama(nnx.Module):
     padding is never written, so it stays invisible. Each token attends to every cached slot
     at a position <= its own. Under context parallelism (module docstring) the arguments
     and h_BTD keep the natural token order.
+
+    mask_BTS: optional [B,T,S] bool over the cache's slots (S = T without a cache): a token
+    sees a key only where it is True, besides the rule above; tree attention for speculative
+    decoding (`llm.speculative`). Not under context parallelism.
     """
     b, t = x_BTD.shape[:2]
     arange_T = jnp.arange(t, dtype=jnp.int32)
     cp = _context_parallel(self.cfg)
+    if mask_BTS is not None and cp is not None:
+      raise ValueError("Llama.hidden: mask_BTS is not supported under context parallelism "
+                       f"(attention_impl={self.cfg.attention_impl!r} over {cp.n} ranks)")
     # Causal load balancing (paper Sec. 3): positions and segment ids travel with the tokens,
     # so masking stays exact in any order.
     balance = cp is not None and t % (2 * cp.n) == 0
@@ -469,7 +478,8 @@ class Llama(nnx.Module):
     new_k, new_v = [], []
     for i, block in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x_BTD, kv = block_fn(block, x_BTD, positions_BT, segment_ids_BT, kv, kv_pos_BS, slots_BT)
+      x_BTD, kv = block_fn(block, x_BTD, positions_BT, segment_ids_BT, kv, kv_pos_BS, slots_BT,
+                           mask_BTS)
       x_BTD = constrain(x_BTD, X_NAMES)
       if kv is not None:
         new_k.append(kv[0])

@@ -2,7 +2,7 @@
 
     out, lse = attention(q_BTHK, k_BSGK, v_BSGK, impl="xla", causal=True,
                          q_segment_ids=None, kv_segment_ids=None,
-                         q_positions=None, kv_positions=None, scale=None)
+                         q_positions=None, kv_positions=None, scale=None, mask=None)
 
 `impl` names: "xla" (the jnp reference, `reference.attention_reference`), "xla_decode" (the
 same rule reading a KV cache in place, `decode.py`), "cudnn" (cuDNN flash attention,
@@ -10,7 +10,9 @@ same rule reading a KV cache in place, `decode.py`), "cudnn" (cuDNN flash attent
 "ring_auto" (context parallelism, `ring.py`), and "auto": per call, the fastest
 implementation that is exact for it (`choose_impl`). Modules register more with `register`.
 Models and ring attention call `attention(..., impl=cfg.attention_impl)` and never branch on
-the name.
+the name. `mask` ([B,T,S] bool, for tree attention) narrows the rule further; it is applied
+by `masked.per_query_masked` through the implementations' own segment-id rule, for the
+implementations in `masked.MASK_IMPLS` (others raise). Implementations never see `mask`.
 """
 
 from __future__ import annotations
@@ -50,8 +52,13 @@ def get_attention(name: str) -> AttentionFn:
   return _REGISTRY[name]
 
 
-def attention(q_BTHK, k_BSGK, v_BSGK, *, impl: str = "xla", **kwargs):
-  return get_attention(impl)(q_BTHK, k_BSGK, v_BSGK, **kwargs)
+def attention(q_BTHK, k_BSGK, v_BSGK, *, impl: str = "xla", mask=None, **kwargs):
+  fn = get_attention(impl)
+  if mask is None:
+    return fn(q_BTHK, k_BSGK, v_BSGK, **kwargs)
+  from llm.attention import masked
+  masked.check_mask_impl(impl)
+  return masked.per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

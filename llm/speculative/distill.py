@@ -1,0 +1,354 @@
+"""Training the EAGLE draft head by self-distillation (arXiv 2401.15077), through core.train.
+
+Data: sequences the target itself generates (`generate_sequences`: sampled from given prompts,
+by default the BOS token), so the head learns the target's own continuations. The batches
+are token ids; `DistillTask.device_batch` runs the frozen target over them (a separate jit, in
+the loop's prefetch thread) for its features f_i (final hidden states, post-norm), so the
+train step holds only the head, its optimizer and the target's embedding and LM head.
+
+Loss over pairs i (f_i, x_{i+1}) -> f^_{i+1}, as EAGLE's:
+    SmoothL1(f^_{i+1}, f_{i+1})  +  w_cls * CE(softmax(LMHead(f_{i+1})), LMHead(f^_{i+1}))
+feature regression plus the cross-entropy of the draft's token distribution against the
+target's (soft labels). Input features get uniform noise U(-noise, noise) (EAGLE's, for
+robustness to the draft's own errors when it feeds itself deeper in the tree). Reported:
+`top1`, how often the draft's argmax equals the target's, a proxy for greedy acceptance.
+AdamW with warmup + cosine from `llm.train_lib`. The [B,T,V] logits are materialized (fine
+for small vocabularies; a Llama 3 vocabulary would want the loss chunked over tokens).
+
+Letters: B batch, T tokens, D model dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from core import mesh as mesh_lib
+from llm import model as model_lib
+from llm.generate import generate
+from llm.model import Llama
+from llm.speculative.draft import DraftHead
+from llm.train_lib import OptimConfig, make_optimizer, make_schedule
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SeqBatch:
+  """Target-generated token ids; mask 1 on real tokens (0 on padding)."""
+
+  tokens: np.ndarray    # [B, T] int32
+  mask: np.ndarray      # [B, T] float32
+
+
+def generate_sequences(target: Llama, num: int, length: int, *, prompts=((1,),),
+                       temperature: float = 1.0, batch_size: int = 64, seed: int = 0,
+                       progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens [num, length] int32, mask [num, length]) sampled from the target: sequence i
+  continues prompts[i % len(prompts)] to `length` tokens (rows that stop early are not
+  possible: no stop tokens). Deterministic in seed."""
+  if num < 1 or length < 2:
+    raise ValueError(f"generate_sequences: num={num}, length={length}; expected >= 1 and >= 2")
+  prompts = [list(p) for p in prompts]
+  if not prompts or any(not 1 <= len(p) < length for p in prompts):
+    raise ValueError(f"generate_sequences: prompt lengths {[len(p) for p in prompts]}; "
+                     f"expected 1 .. {length - 1}")
+  tokens = np.zeros((num, length), np.int32)
+  mask = np.zeros((num, length), np.float32)
+  for start in range(0, num, batch_size):
+    rows = range(start, min(num, start + batch_size))
+    chunk = [prompts[i % len(prompts)] for i in rows]
+    n_new = length - min(len(p) for p in chunk)
+    out = generate(target, chunk, n_new, temperature=temperature,
+                   rng=jax.random.key(seed * 1_000_003 + start))
+    for i, p, o in zip(rows, chunk, out):
+      seq = (p + o)[:length]
+      tokens[i, :len(seq)] = seq
+      mask[i, :len(seq)] = 1.0
+    if progress:
+      print(f"  generated {rows.stop}/{num} sequences of {length} tokens", flush=True)
+  return tokens, mask
+
+
+class SequenceSource:
+  """Batches of generated sequences: train batch k is a deterministic draw of (seed, k)
+  (resumable); eval yields the sequences in order, the last batch padded and masked."""
+
+  def __init__(self, tokens: np.ndarray, mask: np.ndarray, batch_size: int, *,
+               split: str = "train", seed: int = 0):
+    if split not in ("train", "eval"):
+      raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
+    if tokens.shape != mask.shape or tokens.ndim != 2 or len(tokens) == 0:
+      raise ValueError(f"SequenceSource: tokens {tokens.shape}, mask {mask.shape}; expected "
+                       "the same non-empty [N, T]")
+    self.tokens, self.mask = tokens.astype(np.int32), mask.astype(np.float32)
+    self.batch_size, self.split, self.seed = batch_size, split, seed
+
+  def batch(self, k: int) -> SeqBatch:
+    idx = np.random.default_rng([self.seed, k]).integers(0, len(self.tokens), self.batch_size)
+    return SeqBatch(self.tokens[idx], self.mask[idx])
+
+  def batches(self, start: int = 0) -> Iterator[SeqBatch]:
+    if self.split == "train":
+      k = start
+      while True:
+        yield self.batch(k)
+        k += 1
+    n, b = len(self.tokens), self.batch_size
+    for i in range(0, n, b):
+      tok, m = self.tokens[i:i + b], self.mask[i:i + b]
+      pad = b - len(tok)
+      yield SeqBatch(np.concatenate([tok, np.zeros((pad,) + tok.shape[1:], np.int32)]),
+                     np.concatenate([m, np.zeros((pad,) + m.shape[1:], np.float32)]))
+
+
+def smooth_l1(x, y):
+  """Elementwise Huber loss with delta 1 (PyTorch's SmoothL1Loss, beta 1)."""
+  d = jnp.abs(x - y)
+  return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5)
+
+
+def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_BT, mask_BT,
+                   feats_BTD, noise_BTD=None):
+  """Per-pair (regression, cross-entropy, top1 agreement) [B,T-1] and the pair mask [B,T-1]."""
+  dt = draft.cfg.dtype
+  emb_next = jnp.take(embed_VD, tokens_BT[:, 1:], axis=0).astype(dt)
+  f_in = feats_BTD[:, :-1].astype(jnp.float32)
+  if noise_BTD is not None:
+    f_in = f_in + noise_BTD[:, :-1]
+  pred_BTD, _ = draft(f_in, emb_next)
+  want_BTD = feats_BTD[:, 1:]
+  reg = jnp.mean(smooth_l1(pred_BTD.astype(jnp.float32), want_BTD.astype(jnp.float32)), axis=-1)
+  eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
+  logits = lambda h: jnp.einsum(eq, h.astype(dt), head.astype(dt),
+                                preferred_element_type=jnp.float32)
+  want_logits, pred_logits = logits(want_BTD), logits(pred_BTD)
+  p_want = jax.nn.softmax(want_logits, axis=-1)
+  ce = -jnp.sum(p_want * jax.nn.log_softmax(pred_logits, axis=-1), axis=-1)
+  top1 = (jnp.argmax(pred_logits, -1) == jnp.argmax(want_logits, -1)).astype(jnp.float32)
+  return reg, ce, top1, mask_BT[:, 1:] * mask_BT[:, :-1]
+
+
+class DistillEvaluator:
+  """Pair-weighted means of the loss terms and top1 over eval batches."""
+
+  def __init__(self):
+    self.sums = {"reg": 0.0, "cls": 0.0, "top1": 0.0}
+    self.pairs = 0.0
+
+  def update(self, outputs, host) -> None:
+    sums, n = jax.device_get(outputs)
+    for k in self.sums:
+      self.sums[k] += float(sums[k])
+    self.pairs += float(n)
+
+  def result(self) -> dict[str, float]:
+    n = max(self.pairs, 1.0)
+    return {**{k: v / n for k, v in self.sums.items()}, "pairs": self.pairs}
+
+
+class DistillTask:
+  """Self-distillation of a DraftHead for a frozen target (a core.train Task)."""
+
+  def __init__(self, target: Llama, optim: OptimConfig, mesh: Mesh, *, w_cls: float = 0.1,
+               noise: float = 0.1, rules: mesh_lib.Rules = mesh_lib.LLM_RULES):
+    if not (math.isfinite(w_cls) and w_cls >= 0 and math.isfinite(noise) and noise >= 0):
+      raise ValueError(f"DistillTask: w_cls={w_cls}, noise={noise}; expected finite and >= 0")
+    self.cfg, self.optim, self.mesh, self.rules = target.cfg, optim, mesh, rules
+    self.w_cls, self.noise = w_cls, noise
+    self.tx = make_optimizer(optim)
+    rep = NamedSharding(mesh, P())
+    tgraph, tstate = nnx.split(target)
+    self._target = (tgraph, jax.device_put(tstate, rep))
+    w, self.vocab_major = target.output_weight()
+    self._shared = {"embed": jax.device_put(target.embed[...], rep),
+                    "head": jax.device_put(w, rep)}
+    abstract = nnx.eval_shape(lambda: DraftHead(self.cfg, nnx.Rngs(0)))
+    self.graphdef, abstract_state = nnx.split(abstract)
+    self.param_shardings = nnx.to_pure_dict(
+        model_lib.param_shardings(abstract_state, mesh, rules))
+    self._features = jax.jit(_target_features, static_argnums=0)
+    self.seed = 0
+
+  def init_state(self, seed: int) -> dict[str, Any]:
+    self.seed = seed
+    rep = NamedSharding(self.mesh, P())
+    init = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(DraftHead(self.cfg, nnx.Rngs(k)))),
+                   out_shardings=self.param_shardings)
+    params = init(jax.random.key(seed))
+    opt = jax.jit(self.tx.init, out_shardings=optax.tree_map_params(
+        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, params), self.param_shardings,
+        transform_non_params=lambda _: rep))(params)
+    return {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params, "opt": opt}
+
+  def draft(self, params) -> DraftHead:
+    return nnx.merge(self.graphdef, params)
+
+  def device_batch(self, host: SeqBatch) -> dict[str, Any]:
+    """Places the ids and computes the target's features (frozen target, own jit); the
+    shared embedding and LM head ride along (the target's buffers, not copies)."""
+    dev = mesh_lib.shard_batch(host, self.mesh, self.rules, batch_axis="act_batch")
+    feats = self._features(self._target[0], self._target[1], dev.tokens)
+    return {"tokens": dev.tokens, "mask": dev.mask, "feats": feats, **self._shared}
+
+  @staticmethod
+  def examples_in(host: SeqBatch) -> int:
+    return int(np.sum(host.mask))
+
+  def _sums(self, params, batch, noise_key=None):
+    noise = None
+    if noise_key is not None and self.noise > 0:
+      noise = jax.random.uniform(noise_key, batch["feats"].shape, jnp.float32, -self.noise,
+                                 self.noise)
+    reg, ce, top1, m = distill_losses(self.draft(params), batch["embed"], batch["head"],
+                                      self.vocab_major, batch["tokens"], batch["mask"],
+                                      batch["feats"], noise)
+    return {"reg": jnp.sum(reg * m), "cls": jnp.sum(ce * m), "top1": jnp.sum(top1 * m)}, \
+        jnp.sum(m)
+
+  def train_step(self, state, batch, skip_nonfinite: bool = False):
+    key = jax.random.fold_in(jax.random.key(self.seed), state["step"])
+
+    def loss_fn(params):
+      sums, n = self._sums(params, batch, key)
+      n = jnp.maximum(n, 1.0)
+      return (sums["reg"] + self.w_cls * sums["cls"]) / n, (sums, n)
+
+    (loss, (sums, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt = self.tx.update(grads, state["opt"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    grad_norm = optax.tree.norm(grads)
+    metrics = {"loss": loss, "reg": sums["reg"] / n, "cls": sums["cls"] / n,
+               "top1": sums["top1"] / n, "grad_norm": grad_norm,
+               "lr": make_schedule(self.optim)(state["step"])}
+    if skip_nonfinite:
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
+      opt = jax.tree.map(lambda a, b: jnp.where(ok, a, b), opt, state["opt"])
+      metrics["skipped"] = (~ok).astype(jnp.float32)
+    return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+
+  def eval_step(self, state, batch):
+    return self._sums(state["params"], batch)
+
+  def new_evaluator(self) -> DistillEvaluator:
+    return DistillEvaluator()
+
+
+def _target_features(graphdef, state, tokens_BT):
+  target = nnx.merge(graphdef, state)
+  h_BTD, _ = target.hidden(target.embed_tokens(tokens_BT))
+  return h_BTD
+
+
+def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
+  """The DraftHead of a DistillTask run's checkpoint at `step` (default: the latest)."""
+  from core import checkpoint as ckpt_lib
+  ckpt = ckpt_lib.Checkpointer(workdir)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{workdir}/checkpoints: no draft-head checkpoint to load")
+    mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
+    rep = NamedSharding(mesh, P())
+    abstract_draft = nnx.eval_shape(lambda: DraftHead(target_cfg, nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract_draft)
+    params = nnx.to_pure_dict(abstract_params)
+    tx = make_optimizer(OptimConfig())
+    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+                "opt": jax.eval_shape(tx.init, params)}
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), abstract)
+    state, _ = ckpt.restore(step, abstract)
+  finally:
+    ckpt.close()
+  return nnx.merge(graphdef, state["params"])
+
+
+# DistillConfig fields that are the loop's (free to change on resume, as core.train's own).
+_LOOP_FIELDS = ("steps", "eval_every", "log_every", "checkpoint_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """Self-distillation run: data the target generates, then the train loop's settings."""
+
+  num_sequences: int = 1024       # generated sequences (the last eval_sequences held out)
+  seq_len: int = 128              # tokens per sequence, prompt included
+  eval_sequences: int = 64
+  gen_temperature: float = 1.0    # the target samples its training sequences at this
+  batch_size: int = 32
+  steps: int = 1500
+  learning_rate: float = 3e-3
+  warmup_steps: int = 100
+  weight_decay: float = 0.0
+  w_cls: float = 0.1
+  noise: float = 0.1
+  eval_every: int = 0
+  log_every: int = 100
+  checkpoint_every: int = 0
+  seed: int = 0
+
+  def __post_init__(self):
+    if not 0 < self.eval_sequences < self.num_sequences:
+      raise ValueError(f"DistillConfig: eval_sequences={self.eval_sequences}, expected "
+                       f"0 < eval_sequences < num_sequences={self.num_sequences}")
+    if self.gen_temperature <= 0:
+      raise ValueError(f"DistillConfig: gen_temperature={self.gen_temperature}, expected > 0 "
+                       "(greedy sequences from few prompts repeat themselves)")
+
+
+def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig):
+  """`generate_sequences` for dcfg, kept in `path` (.npz) with the settings that made it;
+  regenerated when they differ."""
+  import json
+  import os
+  key = json.dumps({"num": dcfg.num_sequences, "len": dcfg.seq_len, "seed": dcfg.seed,
+                    "temperature": dcfg.gen_temperature, "prompts": [list(map(int, p))
+                                                                      for p in prompts],
+                    "vocab": target.cfg.vocab_size}, sort_keys=True)
+  if os.path.exists(path):
+    with np.load(path) as f:
+      if str(f["key"]) == key:
+        return f["tokens"], f["mask"]
+  tokens, mask = generate_sequences(target, dcfg.num_sequences, dcfg.seq_len, prompts=prompts,
+                                    temperature=dcfg.gen_temperature, seed=dcfg.seed,
+                                    progress=True)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  np.savez(path + ".tmp.npz", tokens=tokens, mask=mask, key=np.asarray(key))
+  os.replace(path + ".tmp.npz", path)
+  return tokens, mask
+
+
+def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1,),),
+                mesh: Mesh | None = None, overwrite: bool = False, settings=None):
+  """Generates (or reuses) the sequences, trains a DraftHead in `workdir` through core.train
+  (an existing run with the same settings is resumed, a finished one just loaded) and
+  returns (draft, train summary, (tokens, mask))."""
+  import os
+  from core import train as train_lib
+  tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg)
+  n_train = dcfg.num_sequences - dcfg.eval_sequences
+  mesh = mesh or mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
+  optim = OptimConfig(peak_lr=dcfg.learning_rate, warmup_steps=dcfg.warmup_steps,
+                      total_steps=dcfg.steps, weight_decay=dcfg.weight_decay)
+  task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise)
+  train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed)
+  eval_src = SequenceSource(tokens[n_train:], mask[n_train:], dcfg.batch_size, split="eval")
+  loop = train_lib.TrainConfig(
+      workdir=workdir, steps=dcfg.steps, eval_every=dcfg.eval_every,
+      checkpoint_every=dcfg.checkpoint_every, log_every=dcfg.log_every, seed=dcfg.seed,
+      resume=not overwrite and os.path.isdir(os.path.join(workdir, "checkpoints")),
+      overwrite=overwrite, tensorboard=False,
+      settings={**{f"distill.{k}": v for k, v in dataclasses.asdict(dcfg).items()
+                   if k not in _LOOP_FIELDS}, **(settings or {})},
+      nonfinite_hint="lower the draft learning rate")
+  out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)
+  return task.draft(out["state"]["params"]), out, (tokens, mask)

@@ -1,0 +1,80 @@
+"""The EAGLE draft head (arXiv 2401.15077): one decoder layer over the target's features.
+
+Pair i of a sequence x_0 x_1 ... is (f_i, x_{i+1}): f_i is the target's last hidden state at
+token i (after its final norm, the vector its LM head reads) and x_{i+1} the next token. The
+head maps
+
+    f^_{i+1} = RMSNorm(Block(fc([embed(x_{i+1}); f_i])))
+
+a prediction of the target's feature at token i+1, from which the target's own LM head gives
+a distribution over x_{i+2}. One `llm.model.Block` (the target's attention, RoPE and SwiGLU,
+through the same `llm.attention` implementations) at the target's width; pair i sits at
+position i. Embedding and LM head are the target's (frozen; never copied: callers pass the
+target, or its weights). Differences from EAGLE-1's released head: the block keeps its input
+RMSNorm and a final RMSNorm follows it (the regressed features are post-norm).
+
+The head keeps its own KV cache (`llm.model.KVCache` with one layer, slot = pair index in
+committed pairs); `__call__` writes a call's keys at explicit slots and takes an explicit
+mask, which tree drafting needs (`llm.speculative.decode`).
+
+Letters: B batch, T pairs in the call, S cache slots, D model dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llm import model as model_lib
+from llm.config import LlamaConfig
+from llm.model import KVCache
+
+
+def draft_config(target_cfg: LlamaConfig) -> LlamaConfig:
+  """The head's block config: the target's sizes and numerics, one layer, no remat."""
+  return target_cfg.replace(n_layers=1, remat=False)
+
+
+def write_slots(buf_BS, slots_BT, new_BT):
+  """buf[b, slots[b, t]] = new[b, t]; slots >= S are dropped (padding, rejected nodes)."""
+  return jax.vmap(lambda b, s, u: b.at[s].set(u.astype(b.dtype), mode="drop"))(
+      buf_BS, slots_BT, new_BT)
+
+
+class DraftHead(nnx.Module):
+  """fc([embed(next token); feature]) -> one Llama block -> RMSNorm: the next feature."""
+
+  def __init__(self, target_cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.cfg = cfg = draft_config(target_cfg)
+    d, pd = cfg.dim, cfg.param_dtype
+    self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), pd) * (2 * d) ** -0.5,
+                        out_sharding=(None, "embed"), eager_sharding=False)
+    self.fc_bias = nnx.Param(jnp.zeros((d,), pd), out_sharding=("norm",), eager_sharding=False)
+    self.block = model_lib.Block(cfg, rngs)
+    self.norm = model_lib.RMSNorm(cfg)
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(self.cfg, batch, max_len)
+
+  def __call__(self, feats_BTD, next_emb_BTD, *, positions_BT=None, cache: KVCache | None = None,
+               slots_BT=None, mask_BTS=None):
+    """(predicted features f^_BTD, new cache or None).
+
+    feats_BTD: target features f_i (or the head's own predictions inside a draft tree);
+    next_emb_BTD: embeddings of x_{i+1} (the target's embedding). Without a cache: causal
+    over the call (positions default to arange(T)). With a cache: this call's keys go to
+    `slots_BT` (>= S: not written) tagged with `positions_BT`, then every query attends to
+    the cached slots at positions <= its own, narrowed by `mask_BTS` [B,T,S] when given.
+    `cache.length` is left to the caller (tree slots are scratch, not committed pairs).
+    """
+    dt = self.cfg.dtype
+    x_BT2D = jnp.concatenate([next_emb_BTD.astype(dt), feats_BTD.astype(dt)], axis=-1)
+    x_BTD = x_BT2D @ self.fc[...].astype(dt) + self.fc_bias[...].astype(dt)
+    if cache is None:
+      h_BTD, _ = self.block(x_BTD, positions_BT, None, mask_BTS=mask_BTS)
+      return self.norm(h_BTD), None
+    kv_pos_BS = write_slots(cache.pos, slots_BT, positions_BT)
+    h_BTD, (k, v) = self.block(x_BTD, positions_BT, None, (cache.k[0], cache.v[0]), kv_pos_BS,
+                               slots_BT, mask_BTS)
+    return self.norm(h_BTD), KVCache(k=(k,), v=(v,), pos=kv_pos_BS, length=cache.length)

@@ -1,0 +1,133 @@
+"""Speculative decoding end to end: greedy output equals plain greedy decoding token for token
+(several prompts of different lengths in one batch, chain / tree / wide-tree shapes, stop
+tokens, a distilled and an untrained draft head); sampling reproduces the target's
+distribution over the first three new tokens (slow)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from llm import generate as G
+from llm.speculative import DraftHead, TreeShape, speculative_generate
+from llm.speculative.decode import cache_slots
+from tests.llm.speculative.conftest import CFG, V
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], [3, 3, 6, 0, 2, 5, 1], [4, 4]]
+N_NEW = 24
+# A chain, a pruned tree, and a tree holding every 2-token continuation (top_k = V), so
+# each round accepts at least 2 drafted tokens whatever the draft, sometimes 3.
+SHAPES = [TreeShape(1, 3, 3), TreeShape(4, 3, 10), TreeShape(V, 3, V + 2 * V * V)]
+MAX_LEN = max(cache_slots(7, N_NEW, s) for s in SHAPES)   # one prefill program for all
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+  return G.generate(target, PROMPTS, N_NEW)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_greedy_equals_plain_greedy(target, draft, greedy, shape):
+  out = speculative_generate(target, draft, PROMPTS, N_NEW, shape=shape, max_len=MAX_LEN)
+  assert out.tokens == greedy
+  assert all(len(t) == N_NEW for t in out.tokens)
+  assert np.all(out.rounds >= 1) and np.all(out.accepted <= out.rounds * shape.depth)
+  assert out.tokens_per_call == np.mean([N_NEW / (1 + r) for r in out.rounds])
+  if shape.top_k == V:
+    assert np.all(out.accepted >= 2 * out.rounds) and out.accept_length > 3.0
+  # The distilled head gets drafts accepted; in a pruned tree rows advance by different
+  # amounts in the same batch.
+  assert out.accept_length > 2.0
+  if shape.top_k < V:
+    assert len(set((out.accepted / out.rounds).round(3).tolist())) > 1
+
+
+def test_untrained_draft_head(target, draft, greedy):
+  """A random head's drafts are accepted less often (accept length 1.71 against the distilled
+  head's 3.35 here); the output is still the target's. (Same graph and shardings as the
+  distilled head's: the decode program compiled above is reused.)"""
+  graphdef, state = nnx.split(draft)
+  fresh = nnx.state(DraftHead(CFG, nnx.Rngs(5)))
+  untrained = nnx.merge(graphdef, jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                                               fresh, state))
+  out = speculative_generate(target, untrained, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
+  trained = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
+  assert out.tokens == greedy
+  assert np.all(out.rounds >= 1)
+  assert out.accept_length < trained.accept_length - 0.3, (out.accept_length,
+                                                           trained.accept_length)
+
+
+def test_stop_tokens(target, draft, greedy):
+  stop = 6          # row 0 stops after 14 tokens, row 3 after 2; rows 1 and 2 never
+  want = [g[:g.index(stop) + 1] if stop in g else g for g in greedy]
+  got = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], stop_tokens=[stop],
+                             max_len=MAX_LEN)
+  assert got.tokens == want and [len(t) for t in want] == [14, N_NEW, N_NEW, 2]
+
+
+def test_errors(target, draft):
+  with pytest.raises(ValueError, match="pass rng"):
+    speculative_generate(target, draft, PROMPTS, 3, shape=SHAPES[0], temperature=0.5)
+  with pytest.raises(ValueError, match=r"max_len=10 slots.*need 15"):
+    speculative_generate(target, draft, [[1]], 10, shape=SHAPES[0], max_len=10)
+  with pytest.raises(ValueError, match=r"prompt 1 has token ids \[8\]"):
+    speculative_generate(target, draft, [[1], [8]], 3, shape=SHAPES[0])
+  wrong = nnx.eval_shape(lambda: DraftHead(CFG.replace(vocab_size=16), nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="vocab 16"):
+    speculative_generate(target, wrong, PROMPTS, 3, shape=SHAPES[0])
+  assert speculative_generate(target, draft, PROMPTS, 0, shape=SHAPES[0]).tokens == [[]] * 4
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _next_probs(graphdef, state, seqs_NT, temperature, top_k):
+  """The target's sampling distribution after every prefix of every sequence [N,T,V]."""
+  logits = nnx.merge(graphdef, state)(seqs_NT)[0]
+  return jax.nn.softmax(G.filtered_logits(logits, temperature, top_k, 1.0), axis=-1)
+
+
+def _lumped_pvalue(counts, p, min_expected=5.0):
+  """Chi-square p-value, cells expected below min_expected lumped into one."""
+  n = counts.sum()
+  assert counts[p == 0].sum() == 0, "draws outside the support"
+  big = n * p >= min_expected
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(n * p[big], n * p[~big].sum())
+  keep = exp > 0
+  stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+  return stats.chi2.sf(stat, keep.sum() - 1)
+
+
+@pytest.mark.slow   # ~20 s (3000 rows); the acceptance rule itself: test_accept.py (fast)
+def test_sampling_reproduces_the_target_distribution(target, draft):
+  """3000 rows of one prompt at temperature 0.8 with top_k 6: the joint of the first two new
+  tokens and the marginal of the third (drawn in later rounds, after KV commits) match the
+  target's exact distributions, computed by full forwards over every continuation. False
+  failures: each fit assertion fails under a correct sampler with probability 1e-3 (its
+  p-value threshold), both together below 2e-3 for a random key (the key is fixed)."""
+  prompt, n, temperature, top_k = [1, 2, 3], 3000, 0.8, 6
+  out = speculative_generate(target, draft, [prompt] * n, 3, shape=TreeShape(2, 2, 4),
+                             temperature=temperature, top_k=top_k, rng=jax.random.key(7))
+  got = np.array(out.tokens)
+  assert got.shape == (n, 3) and out.accepted.sum() > 0.3 * out.rounds.sum()
+  # One forward over prompt + (a, b) for every a, b: p(x1), p(x2 | a), p(x3 | a, b).
+  seqs = [prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)]
+  probs = np.asarray(_next_probs(*nnx.split(target), jnp.asarray(seqs, jnp.int32), temperature,
+                                 top_k), np.float64).reshape(V, V, len(prompt) + 2, V)
+  p1, p2, p3 = probs[0, 0, -3], probs[:, 0, -2], probs[:, :, -1].reshape(V * V, V)
+  joint12 = p1[:, None] * p2
+  marg3 = (joint12.reshape(-1)[:, None] * p3).sum(0)
+  assert _lumped_pvalue(np.bincount(got[:, 0] * V + got[:, 1], minlength=V * V),
+                        joint12.reshape(-1)) > 1e-3
+  counts3 = np.bincount(got[:, 2], minlength=V)
+  assert _lumped_pvalue(counts3, marg3) > 1e-3
+  # Power: the third token's marginal is not the second token's.
+  marg2 = joint12.sum(0)
+  assert np.all(marg2[counts3 > 0] > 0) and _lumped_pvalue(counts3, marg2) < 1e-6

@@ -1,0 +1,73 @@
+"""Draft-head distillation: the loss terms against numpy, training through core.train
+improves the draft's agreement with the target, checkpoints load back, sources resume."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llm.speculative import DraftHead, distill
+from tests.llm.speculative.conftest import CFG, STEPS, V
+
+
+def _np_log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_loss_terms_against_numpy(target, sequences):
+  tokens, mask = sequences[0][:3, :10], sequences[1][:3, :10].copy()
+  mask[2, 7:] = 0.0
+  draft = DraftHead(CFG, nnx.Rngs(3))
+  embed, head = np.asarray(target.embed[...]), np.asarray(target.lm_head[...])
+
+  @jax.jit
+  def run(tokens, mask):
+    feats = target.hidden(target.embed_tokens(tokens))[0]
+    pred = draft(feats[:, :-1], jnp.take(target.embed[...], tokens[:, 1:], axis=0))[0]
+    return feats, pred, distill.distill_losses(draft, embed, head, False, tokens, mask, feats)
+
+  feats, pred, (reg, ce, top1, m) = jax.tree.map(np.asarray, run(tokens, mask))
+  d = np.abs(pred - feats[:, 1:])
+  np.testing.assert_allclose(reg, np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1), rtol=1e-5)
+  lp_want, lp_pred = _np_log_softmax(feats[:, 1:] @ head), _np_log_softmax(pred @ head)
+  np.testing.assert_allclose(ce, -(np.exp(lp_want) * lp_pred).sum(-1), rtol=1e-5)
+  np.testing.assert_array_equal(top1, lp_want.argmax(-1) == lp_pred.argmax(-1))
+  np.testing.assert_array_equal(m, mask[:, 1:] * mask[:, :-1])
+
+
+def test_training_improves_agreement_and_checkpoints_load(distilled, draft):
+  task, out, workdir, first = distilled
+  assert out["step"] == STEPS and out["finished"]
+  after = out["eval"]
+  # Eval after training against the train metrics of the first 10 steps.
+  assert first["step"] == 10 and after["top1"] > first["top1"] + 0.2 and after["top1"] > 0.6
+  assert after["reg"] < 0.5 * first["reg"] and after["cls"] < first["cls"]
+  want = nnx.to_pure_dict(nnx.state(task.draft(out["state"]["params"])))
+  got = nnx.to_pure_dict(nnx.state(draft))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sequences_and_source(target, sequences):
+  """Sequences continue their prompts, differ, and are a function of the seed (the same
+  call as the fixture's: compiled once)."""
+  tokens, mask = sequences
+  assert tokens.shape == (128, 32) and mask.all() and tokens.max() < V
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, V, 3).tolist() for _ in range(32)]
+  assert all(tokens[i, :3].tolist() == prompts[i % 32] for i in range(128))
+  assert len({tuple(r) for r in tokens[:32, 3:].tolist()}) == 32
+  again = distill.generate_sequences(target, 128, 32, prompts=prompts, batch_size=128)
+  other = distill.generate_sequences(target, 128, 32, prompts=prompts, batch_size=128, seed=1)
+  np.testing.assert_array_equal(again[0], tokens)
+  assert (other[0][:, 3:] != tokens[:, 3:]).any()
+  src = distill.SequenceSource(tokens, mask, 8, seed=1)
+  it = src.batches(0)
+  first = [next(it) for _ in range(3)]
+  resumed = next(src.batches(2))
+  np.testing.assert_array_equal(first[2].tokens, resumed.tokens)
+  evals = list(distill.SequenceSource(tokens[:20], mask[:20], 8, split="eval").batches())
+  assert len(evals) == 3 and evals[-1].mask[4:].sum() == 0 and evals[-1].mask[:4].all()
