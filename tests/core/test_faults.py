@@ -1,0 +1,112 @@
+"""Bit flips per dtype, fault masks, stored formats, Wilson intervals (core/faults.py)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from core import faults
+
+_VIEW = {np.dtype(np.float32): np.uint32, np.dtype(ml_dtypes.bfloat16): np.uint16,
+         np.dtype(np.int8): np.uint8}
+
+
+@pytest.mark.parametrize("dtype,width", [(np.float32, 32), (ml_dtypes.bfloat16, 16),
+                                         (np.int8, 8)])
+def test_flip_bits_flips_exactly_the_bit(dtype, width):
+  rng = np.random.default_rng(0)
+  if dtype == np.int8:
+    x = rng.integers(-128, 128, 64).astype(np.int8)
+  else:
+    x = rng.standard_normal(64).astype(dtype)
+  before = x.view(_VIEW[np.dtype(dtype)]).astype(np.uint64)
+  for b in range(width):
+    y = np.asarray(faults.flip_bits(jnp.asarray(x), jnp.uint32(1 << b)))
+    assert y.dtype == np.dtype(dtype)
+    diff = before ^ y.view(_VIEW[np.dtype(dtype)]).astype(np.uint64)
+    np.testing.assert_array_equal(diff, np.uint64(1 << b), err_msg=f"bit {b}")
+  # Named bits: the sign bit negates, fp32 bit 30 (exponent MSB) of 1.0 makes inf.
+  if dtype != np.int8:
+    np.testing.assert_array_equal(
+        np.asarray(faults.flip_bits(jnp.asarray(x), jnp.uint32(1 << (width - 1)))), -x)
+  assert float(faults.flip_bits(jnp.float32(1.0), jnp.uint32(1 << 30))) == np.inf
+  assert int(faults.flip_bits(jnp.int8(5), jnp.uint32(1 << 7))) == 5 - 128
+
+
+def test_flip_element_changes_one_element_only():
+  v = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+  out = np.asarray(faults.flip_element(v, jnp.int32(6), jnp.uint32(1 << 31)))
+  want = np.arange(12, dtype=np.float32).reshape(3, 4)
+  want[1, 2] = -6.0
+  np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(np.asarray(faults.flip_element(v, jnp.int32(6), jnp.uint32(0))), v)
+  encs = [{"v": v}, {"v": jnp.ones(5, jnp.float32)}]
+  out = faults.flip_in_group(encs, jnp.int32(12 + 3), jnp.uint32(1 << 31))
+  np.testing.assert_array_equal(np.asarray(out[0]["v"]), v)
+  np.testing.assert_array_equal(np.asarray(out[1]["v"]), [1, 1, 1, -1, 1])
+
+
+def _popcount(m):
+  return np.array([bin(int(x)).count("1") for x in m])
+
+
+def test_fault_masks():
+  key = jax.random.key(0)
+  m = np.asarray(faults.FaultModel("single").masks(key, 16, 2000))
+  assert (_popcount(m) == 1).all() and m.max() < 1 << 16
+  assert len(np.unique(m)) == 16       # every bit drawn
+  assert (np.asarray(faults.FaultModel("single", 3).masks(key, 8, 10)) == 8).all()
+  m = np.asarray(faults.FaultModel("multi", bits=3).masks(key, 8, 500))
+  assert (_popcount(m) == 3).all() and m.max() < 256
+  m = np.asarray(faults.FaultModel("burst", bits=4).masks(key, 32, 500))
+  assert (_popcount(m) == 4).all()
+  low = np.array([int(x) & -int(x) for x in m])        # lowest set bit
+  np.testing.assert_array_equal(m, low * 15)           # 4 adjacent bits
+  m = np.asarray(faults.FaultModel("burst", bit=28, bits=4).masks(key, 32, 3))
+  assert (m == np.uint32(0xF0000000)).all()
+  with pytest.raises(ValueError, match="does not fit"):
+    faults.FaultModel("burst", bit=6, bits=4).masks(key, 8, 1)
+  assert faults.FaultModel.parse("burst:2:5") == faults.FaultModel("burst", 5, 2)
+  with pytest.raises(ValueError, match="fault model"):
+    faults.FaultModel.parse("double")
+
+
+def test_encode_decode_int8_rowwise():
+  x = np.random.default_rng(1).standard_normal((5, 7)).astype(np.float32)
+  enc = faults.encode(x, "int8")
+  scale = np.abs(x).max(1) / 127
+  np.testing.assert_allclose(np.asarray(enc["scale"]), scale, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(enc["v"]), np.round(x / scale[:, None]).astype(np.int8))
+  np.testing.assert_allclose(np.asarray(faults.decode(enc)), x, atol=scale.max() / 2 + 1e-7)
+  bf = faults.decode(faults.encode(x, "bf16"))
+  np.testing.assert_array_equal(np.asarray(bf), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_wilson_known_values():
+  lo, hi = faults.wilson(0, 100)
+  assert lo == 0 and hi == pytest.approx(0.03699, abs=1e-5)
+  lo, hi = faults.wilson(50, 100)
+  assert lo == pytest.approx(0.40383, abs=1e-5) and hi == pytest.approx(0.59617, abs=1e-5)
+
+
+def test_estimate_unused_values_pvf_zero_and_used_values_counted():
+  w = jnp.asarray(np.random.default_rng(2).standard_normal(8), jnp.float32)
+  xs = jnp.asarray(np.random.default_rng(3).standard_normal((16, 8)), jnp.float32)
+
+  # Group = 4 values the output never reads (burst of 8 bits: NaNs and infs included).
+  def unused(d, elem, mask, x):
+    spare = faults.flip_element(d["spare"], elem, mask)
+    del spare
+    return d["x"][x] @ d["w"]
+  data = {"w": w, "x": xs, "spare": jnp.ones(4, jnp.float32)}
+  res = faults.estimate(unused, data, 4, 16, 32, faults.FaultModel("burst", bits=8),
+                        faults.tolerance_criterion(0.0), 300, jax.random.key(0), chunk=64)
+  assert res["changed"] == 0 and res["trials"] == 300 and res["pvf"] == 0
+
+  # Sign-bit flips of the weights themselves: every one changes the output (x_i != 0).
+  def used(d, elem, mask, x):
+    return d["x"][x] @ faults.flip_element(d["w"], elem, mask)
+  res = faults.estimate(used, data, 8, 16, 32, faults.FaultModel("single", 31),
+                        faults.tolerance_criterion(0.0), 100, jax.random.key(0), chunk=64)
+  assert res["changed"] == 100 and res["ci_low"] > 0.96
