@@ -20,6 +20,18 @@ packed layout, `kernels.embedding_bag.pack_int8`: scale and bias inline, 16-byte
 and int8_split (codes, scale and bias in three arrays, `core.quant.RowwiseQuantized`).
 Both int8 formats are charged D + 8 bytes per row read (codes, scale, bias), so their
 figures compare directly; the packed row's 8 padding bytes are not counted as work.
+int4 is FBGEMM's N-bit row (packed codes, fp16 scale and bias: D / 2 + 4 bytes),
+dequantized in the kernel. int8_cache / int4_cache are the mixed-precision tables of
+arXiv 2010.11305 (`rec/embedding/cached_storage.py`, `--cache_fraction` of the rows in an
+fp32 LFU cache, 16-way set-associative, filled by one admission pass over the timed
+batch's ids); their "pallas" and "xla" rows time the storage's whole lookup, the cache
+search (each position's set: 16 tags read) plus the pooled gather, through
+`pallas_pool` (int8 / int4 dequantized in the kernel, cached rows read in fp32) and
+through `gather` + sum (the collection's XLA path); "pallas_kernel" times the kernel
+alone, the slots found beforehand. A position served by the cache is
+charged 4 D bytes, any other its quantized row; the tag reads are not counted as work.
+The hit rate goes into the results. Compare their ms with float32's: that is the
+lookup's cost of the mixed-precision table against fp32 rows.
 `--sweep` adds a few Pallas launch configurations per format (rows in flight `unroll`,
 bags per program, warps) beside the default one.
 
@@ -41,7 +53,8 @@ from typing import Any, Callable, Sequence
 from absl import flags, logging
 from core import cli
 
-FORMATS = ("float32", "bfloat16", "int8", "int8_split")
+FORMATS = ("float32", "bfloat16", "int8", "int8_split", "int4", "int8_cache", "int4_cache")
+CACHED = {"int8_cache": 8, "int4_cache": 4}
 # Pallas launch configs tried by --sweep, beside the default (None), per row format.
 SWEEP = {
     "float32": ({"unroll": 2}, {"block_bags": 16, "unroll": 2}, {"num_warps": 8, "block_bags": 64}),
@@ -49,6 +62,9 @@ SWEEP = {
     "int8": ({"unroll": 2}, {"unroll": 8, "block_bags": 16}, {"num_warps": 8, "block_bags": 64},
              {"num_warps": 8, "block_bags": 64, "unroll": 4}),
     "int8_split": ({"unroll": 1}, {"unroll": 8, "block_bags": 16}),
+    "int4": ({"unroll": 8}, {"num_warps": 8, "block_bags": 64, "unroll": 4}),
+    "int8_cache": (),
+    "int4_cache": (),
 }
 
 
@@ -99,6 +115,8 @@ def _make_table(fmt: str, total_rows: int, dim: int, key):
   from core import quant
   from kernels import embedding_bag as eb
   rows32 = jax.random.uniform(key, (total_rows, dim), jnp.float32, -0.01, 0.01)
+  if fmt == "int4":
+    return quant.quantize_rowwise_int4(rows32)
   if fmt in ("int8", "int8_split"):
     table = quant.quantize_rowwise_int8(rows32)
     del rows32
@@ -106,19 +124,39 @@ def _make_table(fmt: str, total_rows: int, dim: int, key):
   return rows32 if fmt == "float32" else rows32.astype(fmt)
 
 
+def _make_cached(fmt: str, total_rows: int, dim: int, key, ids, fraction: float):
+  """(storage, state) of a cached mixed-precision buffer whose cache was filled by one
+  LFU admission pass over the distinct `ids`."""
+  import jax
+  import jax.numpy as jnp
+
+  from rec.embedding import cached_storage
+  storage = cached_storage.CachedQuantizedStorage(bits=CACHED[fmt], policy="lfu",
+                                                  fraction=fraction)
+  state = storage.from_float(jax.random.uniform(key, (total_rows, dim), jnp.float32, -0.01,
+                                                0.01))
+  flat = ids.reshape(-1)
+  uniq, counts = jnp.unique(flat, return_counts=True, size=flat.size, fill_value=total_rows)
+  state = jax.jit(storage.prepare_update)(state, uniq.astype(jnp.int32),
+                                          counts.astype(jnp.int32), jnp.int32(0))
+  return storage, state
+
+
 def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 8192,
                         features: int = 26, bag_len: int = 20,
                         dtypes: Sequence[str] = FORMATS,
                         impls: Sequence[str] = ("pallas", "xla", "triton"),
                         zipf_alpha: float | None = None, repeats: int = 20,
-                        sweep: bool = False, seed: int = 0) -> dict[str, Any]:
+                        sweep: bool = False, seed: int = 0,
+                        cache_fraction: float | None = None) -> dict[str, Any]:
   """Achieved bytes/s of each lookup implementation vs the device copy bandwidth.
 
   One flat buffer of `features` tables of `num_rows` rows, full bags of `bag_len` ids
   (ids offset into the buffer beforehand). Returns {"copy_bytes_per_s", "results": [...]}
   with one row per (dtype, impl[, config]): seconds per call, bytes moved, bytes/s and
   the fraction of the copy bandwidth, or "error" for a run that failed. "triton" runs for
-  int8_split only, and only where jax_triton imports. Raises RuntimeError on a non-GPU
+  int8_split only, and only where jax_triton imports. cache_fraction: the cached formats'
+  cache size (None: the paper's, int8 5%, int4 1%). Raises RuntimeError on a non-GPU
   backend.
   """
   _require_gpu("bench_embedding_bag")
@@ -126,6 +164,7 @@ def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 
   import jax.numpy as jnp
   import numpy as np
 
+  from core import quant
   from kernels import embedding_bag as eb
   from kernels import triton_int8_pool
 
@@ -147,27 +186,52 @@ def bench_embedding_bag(num_rows: int = 1_000_000, dim: int = 128, batch: int = 
   key = jax.random.key(seed)
   results = []
   for fmt in dtypes:
-    row_bytes = dim + 8 if fmt.startswith("int8") else dim * jnp.dtype(fmt).itemsize
     positions = batch * features * bag_len
-    moved = positions * (row_bytes + 8) + batch * features * dim * 4   # rows, ids + coef, out
+    extra: dict[str, Any] = {}
     try:   # one table at a time (26 x 1M x 128 float32 is 13 GB)
-      table = _make_table(fmt, total_rows, dim, key)
+      if fmt in CACHED:
+        from rec.embedding import cached_storage
+        frac = cache_fraction or cached_storage.DEFAULT_FRACTION[CACHED[fmt]]
+        storage, table = _make_cached(fmt, total_rows, dim, key, ids, frac)
+        hits = int(jnp.sum(storage.cache_slots(table, ids) >= 0))
+        q_bytes = (dim if CACHED[fmt] == 8 else -(-dim // 2)) + (8 if CACHED[fmt] == 8 else 4)
+        rows_read = hits * 4 * dim + (positions - hits) * q_bytes
+        extra = {"cache_fraction": frac, "hit_rate": hits / positions}
+      else:
+        table = _make_table(fmt, total_rows, dim, key)
+        row_bytes = {"int4": -(-dim // 2) + 4}.get(
+            fmt, dim + 8 if fmt.startswith("int8") else dim * jnp.dtype(fmt).itemsize)
+        rows_read = positions * row_bytes
     except Exception as e:  # noqa: BLE001 - report and go on (out of memory, ...)
       results.append({"dtype": fmt, "impl": "-", "error": _error(e)})
       print(f"  {fmt}: table FAILED {results[-1]['error']}", flush=True)
       continue
+    moved = rows_read + positions * 8 + batch * features * dim * 4   # rows, ids + coef, out
     calls: dict[str, Callable] = {}
-    if "pallas" in impls:
+    if fmt in CACHED:
+      if "pallas" in impls:
+        calls["pallas"] = jax.jit(lambda t, i, c, storage=storage: storage.pallas_pool(t, i, c))
+        # The kernel alone, its cache slots found beforehand (what the search costs is the
+        # difference to "pallas").
+        slots = storage.cache_slots(table, ids)
+        calls["pallas_kernel"] = jax.jit(
+            lambda t, i, c, slots=slots, storage=storage: eb.embedding_bag(
+                quant.RowwiseQuantized(t["q"], t["scale"], t["bias"], storage.bits, dim), i, c,
+                cache_rows=t["cache_rows"], cache_slots=slots))
+      if "xla" in impls:
+        calls["xla"] = jax.jit(lambda t, i, c, storage=storage: jnp.einsum(
+            "...l,...ld->...d", c, storage.gather(t, i, clip=True)))
+    if "pallas" in impls and fmt not in CACHED:
       for cfg in (None,) + (SWEEP[fmt] if sweep else ()):
         name = "pallas" if cfg is None else "pallas[" + ",".join(
             f"{k}={v}" for k, v in cfg.items()) + "]"
         calls[name] = jax.jit(lambda t, i, c, cfg=cfg: eb.embedding_bag(t, i, c, **(cfg or {})))
-    if "xla" in impls:
+    if "xla" in impls and fmt not in CACHED:
       calls["xla"] = jax.jit(eb.embedding_bag_reference)
     if "triton" in impls and fmt == "int8_split" and triton_int8_pool.available():
       calls["triton"] = jax.jit(triton_int8_pool.int8_pool)
     for impl, fn in calls.items():
-      row = {"dtype": fmt, "impl": impl, "bytes": moved}
+      row = {"dtype": fmt, "impl": impl, "bytes": moved, **extra}
       try:
         sec = _time(lambda fn=fn: fn(table, ids, coef), repeats)
         row.update(ms=1e3 * sec, bytes_per_s=moved / sec, of_copy=moved / sec / copy_bw)
@@ -193,8 +257,9 @@ def format_table(out: dict[str, Any]) -> str:
     if "error" in r:
       lines.append(f"{r['dtype']:>10} {r['impl']:<40} failed: {r['error']}")
       continue
+    hit = f"  (cache {r['cache_fraction']:g}: {r['hit_rate']:.1%} of lookups)" if "hit_rate" in r else ""
     lines.append(f"{r['dtype']:>10} {r['impl']:<40} {r['ms']:9.3f} {r['bytes'] / 1e9:9.3f} "
-                 f"{r['bytes_per_s'] / 1e12:7.3f} {r['of_copy']:8.1%}")
+                 f"{r['bytes_per_s'] / 1e12:7.3f} {r['of_copy']:8.1%}{hit}")
   return "\n".join(lines)
 
 
@@ -222,6 +287,8 @@ def define_flags() -> None:
   flags.DEFINE_float("zipf_alpha", 0.0, "Zipf exponent of the ids (0: uniform).")
   flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
   flags.DEFINE_bool("sweep", False, "Also time a few Pallas launch configs per format.")
+  flags.DEFINE_float("cache_fraction", None, "int8_cache / int4_cache: cache size as a fraction "
+                     "of the rows (default: int8 0.05, int4 0.01).")
   flags.DEFINE_string("workdir", "runs/bench_kernels_embedding", "Where results.json goes.")
 
 
@@ -234,7 +301,7 @@ def main(argv):
   try:
     out = bench_embedding_bag(FLAGS.rows, FLAGS.dim, FLAGS.batch, FLAGS.features, FLAGS.bag_len,
                               tuple(FLAGS.dtypes), tuple(FLAGS.impls), FLAGS.zipf_alpha or None,
-                              FLAGS.repeats, FLAGS.sweep)
+                              FLAGS.repeats, FLAGS.sweep, cache_fraction=FLAGS.cache_fraction)
   except RuntimeError as e:
     print(str(e), file=sys.stderr)
     print(json.dumps({"refused": str(e)}))

@@ -19,8 +19,17 @@ Row formats:
   and held as 32-bit words [R, W]. This is the fast int8 layout: one 16-byte-aligned
   vector read per row fetches codes and scale / bias together, where the split layout
   makes every row three random reads (codes, scale, bias; 32-byte sectors each).
-int8 rows are dequantized in the kernel: row = q * scale + bias, folded as
+- `core.quant.RowwiseQuantized` N-bit (FBGEMM's SBHalf: int4 / int2 / int8 codes packed
+  low bits first [R, ceil(D * bits / 8)], float16 scale and bias [R]): column c is read
+  from byte c div (8 / bits), shifted down by (c mod (8 / bits)) * bits (two columns of an
+  int4 row share a byte load), the scale and bias converted to float32 in the kernel.
+int8 and N-bit rows are dequantized in the kernel: row = q * scale + bias, folded as
 sum_l (c * scale) q + sum_l c * bias so the bias costs one add per bag.
+
+Mixed-precision tables with a cache (arXiv 2010.11305, `rec/embedding/cached_storage.py`):
+`cache_rows` [C, D] float32 and `cache_slots` [..., L] (ids' shape; -1 = not cached) make
+a position with a slot read its float32 cache row instead of the table row, each position
+reading exactly one of the two (masked loads), for float, split int8 and N-bit tables.
 
 Why the int8 path was slow, and what the kernel does about it. The previous kernel read
 one position of BM bags per loop step (load BM ids, then BM rows, then accumulate): at
@@ -159,7 +168,7 @@ Table = jax.Array | quant.RowwiseQuantized | PackedInt8Rows
 class _Config:
   """Static launch parameters (hashable: a nondiff argument of the custom_vjp)."""
 
-  layout: str                   # "float" | "split8" | "packed8"
+  layout: str                   # "float" | "split8" | "nbit" | "packed8"
   dim: int                      # D (columns of the pooled rows)
   block_bags: int | None
   block_dim: int | None
@@ -167,6 +176,8 @@ class _Config:
   num_warps: int
   num_stages: int
   interpret: bool
+  bits: int = 8                 # N-bit codes ("nbit")
+  cached: bool = False          # cache rows and per-position slots given
 
 
 def _next_pow2(n: int) -> int:
@@ -203,7 +214,8 @@ def _blocks(num_bags: int, bag_len: int, row_itemsize: int, cfg: _Config) -> tup
     _check_pow2("unroll", cfg.unroll)
     u = cfg.unroll
   else:
-    row_bytes = 4 * bw + 8 if cfg.layout == "packed8" else bw * row_itemsize
+    row_bytes = {"packed8": 4 * bw + 8, "nbit": bw * cfg.bits // 8 + 4}.get(
+        cfg.layout, bw * row_itemsize)
     # The power of two nearest to the rows that make _BYTES_IN_FLIGHT, at most 8.
     u = max(1, min(8, round(_BYTES_IN_FLIGHT / max(1, bm * row_bytes))))
     u = 1 << max(0, round(math.log2(u)))
@@ -224,10 +236,11 @@ def _split_table(table: Table):
                        f"[R, {packed_words_per_row(table.dim)}] (use pack_int8)")
     return "packed8", table.words, None, None, table.dim
   if isinstance(table, quant.RowwiseQuantized):
-    if table.bits != 8:
-      raise NotImplementedError(
-          f"kernels/embedding_bag.py: RowwiseQuantized bits={table.bits}; the kernel reads "
-          "int8 rows only (dequantize int4 tables, or use embedding_bag_reference)")
+    if table.half:   # N-bit SBHalf: float16 scale and bias, converted in the kernel
+      if table.q.shape[1] != quant.packed_width(table.dim, table.bits):
+        raise ValueError(f"kernels/embedding_bag.py: int{table.bits} codes {table.q.shape} for "
+                         f"dim {table.dim}, expected [R, {quant.packed_width(table.dim, table.bits)}]")
+      return "nbit", table.q, table.scale, table.bias, table.dim
     return ("split8", table.q, table.scale.astype(jnp.float32), table.bias.astype(jnp.float32),
             table.dim)
   if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
@@ -305,10 +318,14 @@ def _columns(x_BU):
 
 
 def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat, bm, bw,
-                unroll, starts, has_offsets):
+                unroll, starts, has_offsets, bits, cached):
   n_pieces = len(starts) - 1
-  n_data = {"float": n_pieces, "split8": n_pieces + 2, "packed8": 1}[layout]
-  data, (ids_ref, coef_ref, *rest) = refs[:n_data], refs[n_data:]
+  n_data = {"float": n_pieces, "split8": n_pieces + 2, "nbit": n_pieces + 2,
+            "packed8": 1}[layout]
+  data, rest = refs[:n_data], refs[n_data:]
+  if cached:
+    cache_ref, slot_ref, *rest = rest
+  ids_ref, coef_ref, *rest = rest
   off_ref = rest[0] if has_offsets else None
   o_ref = rest[-1]
   pieces = data[:n_pieces] if layout != "packed8" else data
@@ -332,6 +349,15 @@ def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat
       sb_cols = jnp.arange(2, dtype=jnp.int32) + units
       sb = plgpu.load(w_ref.at[idx[:, None], sb_cols[None, :]], mask=ok[:, None], other=0)
       return codes, sb
+    if layout == "nbit":
+      per = 8 // bits
+      byte = _gather(pieces, starts, idx, ok, cols // per, col_ok).astype(jnp.int32)
+      shift = ((cols % per) * bits)[None, :]
+      codes = lax.shift_right_logical(byte, shift) & jnp.int32((1 << bits) - 1)
+      s_ref, b_ref = data[n_pieces:]
+      return (codes.astype(jnp.float32),
+              plgpu.load(s_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32),
+              plgpu.load(b_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32))
     rows = _gather(pieces, starts, idx, ok, cols, col_ok)
     if layout == "split8":
       s_ref, b_ref = data[n_pieces:]
@@ -348,10 +374,14 @@ def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat
       s, b = lax.unstack(lax.bitcast_convert_type(sb, jnp.float32), axis=-1)
       cs, cb = (c * s)[:, None], (c * b)[:, None]
       return tuple(a + (cs * p + cb) for a, p in zip(acc, _unpack_codes(codes)))
-    if layout == "split8":
-      q, s, b = got
-      return acc + ((c * s)[:, None] * q.astype(jnp.float32) + (c * b)[:, None])
-    return acc + c[:, None] * got[0].astype(jnp.float32)
+    if layout in ("split8", "nbit"):
+      q, s, b = got[:3]
+      acc = acc + ((c * s)[:, None] * q.astype(jnp.float32) + (c * b)[:, None])
+    else:
+      acc = acc + c[:, None] * got[0].astype(jnp.float32)
+    if cached:        # a cached position read zeros above and its fp32 row here
+      acc = acc + c[:, None] * got[-1]
+    return acc
 
   def group(g, acc):
     # U positions at once: their ids and coefficients as one [BM, U] tile (contiguous per
@@ -367,10 +397,22 @@ def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat
     if has_offsets:
       idx_t = idx_t + off[:, None]
     pos = []
-    for idx, c in zip(_columns(idx_t), _columns(c_t)):
-      ok = (c != 0) & (idx >= 0) & (idx < num_rows)
-      pos.append((jnp.where(ok, idx, 0), c, ok))
-    got = [fetch(idx, ok) for idx, _, ok in pos]
+    if not cached:
+      for idx, c in zip(_columns(idx_t), _columns(c_t)):
+        ok = (c != 0) & (idx >= 0) & (idx < num_rows)
+        pos.append((jnp.where(ok, idx, 0), c, ok))
+      got = [fetch(idx, ok) for idx, _, ok in pos]
+    else:             # each position reads its cache row or its table row, never both
+      slot_t = plgpu.load(slot_ref.at[m[:, None], l[None, :]], mask=tile_ok, other=-1)
+      got = []
+      for idx, c, slot in zip(_columns(idx_t), _columns(c_t), _columns(slot_t)):
+        live = (c != 0) & (idx >= 0) & (idx < num_rows)
+        in_cache = live & (slot >= 0)
+        ok = live & (slot < 0)
+        pos.append((jnp.where(ok, idx, 0), c, ok))
+        row = plgpu.load(cache_ref.at[jnp.where(in_cache, slot, 0)[:, None], cols[None, :]],
+                         mask=in_cache[:, None] & col_ok[None, :], other=0.0)
+        got.append(fetch(jnp.where(ok, idx, 0), ok) + (row,))
     for (_, c, _), gt in zip(pos, got):
       acc = accumulate(acc, c, gt)
     return acc
@@ -405,7 +447,8 @@ def _id_grads_kernel(coef_ref, g_ref, o_ref, *, dim, bag_len, num_bags, bm, bd):
   lax.fori_loop(0, bag_len, body, 0)
 
 
-def _pool_call(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg: _Config):
+def _pool_call(rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets, num_feat,
+               cfg: _Config):
   num_rows = rows.shape[0]
   num_bags, bag_len = ids_ML.shape
   if num_bags == 0:
@@ -418,12 +461,15 @@ def _pool_call(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg: _Conf
   kernel = functools.partial(
       _bag_kernel, layout=cfg.layout, num_rows=num_rows, dim=cfg.dim, units=_units(cfg),
       bag_len=bag_len, num_bags=num_bags, num_feat=num_feat, bm=bm, bw=bw, unroll=unroll,
-      starts=starts, has_offsets=offsets is not None)
-  operands = list(pieces) + ([scale, bias] if cfg.layout == "split8" else []) + [ids_ML, coef_ML]
+      starts=starts, has_offsets=offsets is not None, bits=cfg.bits, cached=cfg.cached)
+  operands = list(pieces) + ([scale, bias] if cfg.layout in ("split8", "nbit") else [])
+  if cfg.cached:
+    operands += [cache_rows, slots_ML]
+  operands += [ids_ML, coef_ML]
   if offsets is not None:
     operands.append(offsets)
   row_bytes = {"float": cfg.dim * rows.dtype.itemsize, "split8": cfg.dim + 8,
-               "packed8": 4 * rows.shape[1]}[cfg.layout]
+               "nbit": rows.shape[1] + 4, "packed8": 4 * rows.shape[1]}[cfg.layout]
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((num_bags, cfg.dim), jnp.float32),
@@ -472,38 +518,54 @@ def _flat_ids(ids, offsets, num_rows):
   return idx, (idx >= 0) & (idx < num_rows)
 
 
-def _dequantized_rows(layout, rows, scale, bias, idx, dim):
+def _dequantized_rows(layout, rows, scale, bias, idx, dim, bits=8):
   """float32 rows [len(idx), D] at in-range ids `idx`, in any layout."""
   if layout == "float":
     return rows[idx].astype(jnp.float32)
   if layout == "split8":
     return rows[idx].astype(jnp.float32) * scale[idx][:, None] + bias[idx][:, None]
+  if layout == "nbit":
+    return quant.dequantize_rowwise(quant.RowwiseQuantized(rows[idx], scale[idx], bias[idx],
+                                                           bits, dim))
   return quant.dequantize_rowwise(unpack_int8(PackedInt8Rows(rows[idx], dim)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _bag(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg):
-  return _pool_call(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _bag(rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets, num_feat, cfg):
+  return _pool_call(rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets, num_feat,
+                    cfg)
 
 
-def _bag_fwd(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg):
-  out = _pool_call(rows, scale, bias, ids_ML, coef_ML, offsets, num_feat, cfg)
-  return out, (rows, scale, bias, ids_ML, coef_ML, offsets)
+def _bag_fwd(rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets, num_feat, cfg):
+  out = _pool_call(rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets, num_feat,
+                   cfg)
+  return out, (rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets)
 
 
 def _bag_bwd(num_feat, cfg, res, g_MD):
-  rows, scale, bias, ids_ML, coef_ML, offsets = res
+  rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets = res
   num_rows, dim = rows.shape[0], cfg.dim
   num_bags, bag_len = ids_ML.shape
   offs_M = None if offsets is None else jnp.tile(offsets, num_bags // num_feat)
   idx, ok = _flat_ids(ids_ML, offs_M, num_rows)
   safe = jnp.where(ok, idx, 0)
   id_grads = _id_grads_call(coef_ML, g_MD, cfg)                       # [M * L, D]
-  # Per-position rows (dequantized) for the coefficient gradient <row, bag grad>.
-  seen = _dequantized_rows(cfg.layout, rows, scale, bias, safe, dim)
+  # Per-position rows (dequantized, or from the cache) for the coefficient gradient
+  # <row, bag grad>.
+  seen = _dequantized_rows(cfg.layout, rows, scale, bias, safe, dim, cfg.bits)
+  d_cache = None
+  if cfg.cached:
+    slot = slots_ML.reshape(-1)
+    in_cache = ok & (slot >= 0)
+    seen = jnp.where(in_cache[:, None], cache_rows[jnp.where(in_cache, slot, 0)], seen)
+    d_cache = jnp.zeros(cache_rows.shape, jnp.float32).at[
+        jnp.where(in_cache, slot, cache_rows.shape[0])].add(id_grads, mode="drop")
+    ok_table = ok & ~in_cache
+  else:
+    ok_table = ok
   g_pos = jnp.repeat(g_MD, bag_len, axis=0) if bag_len else g_MD[:0]
   d_coef = jnp.where(ok, jnp.sum(seen * g_pos, axis=-1), 0.0).reshape(coef_ML.shape)
-  drop = jnp.where(ok, idx, num_rows)
+  drop = jnp.where(ok_table, idx, num_rows)
   d_rows = d_scale = d_bias = None
   if cfg.layout == "float":
     d_rows = jnp.zeros((num_rows, dim), jnp.float32).at[drop].add(id_grads, mode="drop")
@@ -514,7 +576,7 @@ def _bag_bwd(num_feat, cfg, res, g_MD):
         jnp.sum(q_seen * id_grads, axis=-1), mode="drop")
     d_bias = jnp.zeros((num_rows,), jnp.float32).at[drop].add(
         jnp.sum(id_grads, axis=-1), mode="drop")
-  return d_rows, d_scale, d_bias, None, d_coef.astype(coef_ML.dtype), None
+  return d_rows, d_scale, d_bias, d_cache, None, None, d_coef.astype(coef_ML.dtype), None
 
 
 _bag.defvjp(_bag_fwd, _bag_bwd)
@@ -525,11 +587,17 @@ _bag.defvjp(_bag_fwd, _bag_bwd)
 def embedding_bag(table: Table, ids: jax.Array, coef: jax.Array, *,
                   offsets: jax.Array | None = None, block_bags: int | None = None,
                   block_dim: int | None = None, unroll: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+                  num_stages: int = 2, interpret: bool | None = None,
+                  cache_rows: jax.Array | None = None,
+                  cache_slots: jax.Array | None = None) -> jax.Array:
   """Pooled bags [..., D] float32 of `ids` [..., L] weighted by `coef` [..., L].
 
-  table: float rows [R, D] (float32, bfloat16, ...), an int8 `core.quant.RowwiseQuantized`,
-    or `PackedInt8Rows` (`pack_int8`; the fast int8 layout).
+  table: float rows [R, D] (float32, bfloat16, ...), a `core.quant.RowwiseQuantized` (int8
+    with float32 scale / bias, or N-bit: int4 / int2 with float16 scale / bias), or
+    `PackedInt8Rows` (`pack_int8`; the fast int8 layout).
+  cache_rows, cache_slots: float32 rows [C, D] and a slot per position (ids' shape, -1 =
+    none); a position with a slot reads cache_rows[slot] instead of its table row
+    (a mixed-precision table with an fp32 cache; not with PackedInt8Rows).
   ids: rows of the flat buffer, or, with `offsets` [F], ids within feature f's table
     (f indexes ids' axis -2), shifted by offsets[f] in the kernel.
   coef: per-position coefficient (mean, weights and the padding mask folded in).
@@ -537,20 +605,41 @@ def embedding_bag(table: Table, ids: jax.Array, coef: jax.Array, *,
   block_bags / block_dim: bags and columns of one program (powers of two; None: chosen
   from D); unroll: positions whose row gathers a program issues together (None: enough
   for ~16 KB of rows in flight).
-  Differentiable in the float rows, split int8 scale and bias, and coef.
+  Differentiable in the float rows, split int8 scale and bias, the cache rows and coef.
   """
   layout, rows, scale, bias, dim = _split_table(table)
   ids = jnp.asarray(ids)
   coef = jnp.asarray(coef)
   _check_ids(ids, coef, offsets)
+  cached = _check_cache(cache_rows, cache_slots, ids, dim, layout)
   *lead, bag_len = ids.shape
   num_feat = ids.shape[-2] if offsets is not None else 1
   cfg = _Config(layout, dim, block_bags, block_dim, unroll, num_warps, num_stages,
-                _resolve_interpret(interpret))
-  out = _bag(rows, scale, bias, ids.reshape(-1, bag_len).astype(jnp.int32),
+                _resolve_interpret(interpret), table.bits if layout == "nbit" else 8, cached)
+  slots = None if not cached else jnp.asarray(cache_slots, jnp.int32).reshape(-1, bag_len)
+  out = _bag(rows, scale, bias, cache_rows, slots, ids.reshape(-1, bag_len).astype(jnp.int32),
              coef.reshape(-1, bag_len).astype(jnp.float32),
              None if offsets is None else jnp.asarray(offsets, jnp.int32), num_feat, cfg)
   return out.reshape(*lead, dim)
+
+
+def _check_cache(cache_rows, cache_slots, ids, dim, layout) -> bool:
+  """Whether a cache is given (both arrays or neither), checked against ids and D."""
+  if (cache_rows is None) != (cache_slots is None):
+    raise ValueError("kernels/embedding_bag.py: cache_rows and cache_slots go together, got "
+                     f"only {'cache_rows' if cache_slots is None else 'cache_slots'}")
+  if cache_rows is None:
+    return False
+  if layout == "packed8":
+    raise NotImplementedError("kernels/embedding_bag.py: a cache with PackedInt8Rows; use the "
+                              "split int8 layout (core.quant.RowwiseQuantized)")
+  if cache_rows.ndim != 2 or cache_rows.shape[1] != dim or cache_rows.dtype != jnp.float32:
+    raise ValueError(f"kernels/embedding_bag.py: cache_rows {cache_rows.shape} "
+                     f"{cache_rows.dtype}, expected float32 [C, {dim}]")
+  if cache_slots.shape != ids.shape or not jnp.issubdtype(cache_slots.dtype, jnp.integer):
+    raise ValueError(f"kernels/embedding_bag.py: cache_slots {cache_slots.shape} "
+                     f"{cache_slots.dtype}, expected integers of ids' shape {ids.shape}")
+  return True
 
 
 @functools.partial(jax.jit, static_argnames=("block_bags", "block_dim", "num_warps",
@@ -576,8 +665,11 @@ def embedding_bag_id_grads(coef: jax.Array, grad: jax.Array, *, block_bags: int 
 
 
 def embedding_bag_reference(table: Table, ids: jax.Array, coef: jax.Array, *,
-                            offsets: jax.Array | None = None) -> jax.Array:
-  """Pure jnp `embedding_bag` (any RowwiseQuantized width): gather, mask, weighted sum."""
+                            offsets: jax.Array | None = None,
+                            cache_rows: jax.Array | None = None,
+                            cache_slots: jax.Array | None = None) -> jax.Array:
+  """Pure jnp `embedding_bag` (any RowwiseQuantized width): gather (a position with a
+  cache slot reads its cache row), mask, weighted sum."""
   if isinstance(table, PackedInt8Rows):
     num_rows = table.words.shape[0]
     deq = lambda i: quant.dequantize_rowwise(unpack_int8(PackedInt8Rows(table.words[i],
@@ -596,7 +688,11 @@ def embedding_bag_reference(table: Table, ids: jax.Array, coef: jax.Array, *,
   # coef == 0 adds 0 * row: the kernel skips the read, the sum is the same (finite rows).
   ok = (ids >= 0) & (ids < num_rows)
   flat = jnp.where(ok, ids, 0).reshape(-1)
-  rows = deq(flat).reshape(*ids.shape, -1)
+  rows = deq(flat)
+  if cache_rows is not None:
+    slot = jnp.asarray(cache_slots).reshape(-1)
+    rows = jnp.where((slot >= 0)[:, None], cache_rows[jnp.maximum(slot, 0)], rows)
+  rows = rows.reshape(*ids.shape, -1)
   return jnp.einsum("...l,...ld->...d", jnp.where(ok, coef, 0.0).astype(jnp.float32), rows,
                     precision=lax.Precision.HIGHEST)
 

@@ -12,13 +12,16 @@ numpy, ml_dtypes, microxcaling's algorithm in float64):
             round-to-nearest onto them, in integer arithmetic
   exact     float32 division, min / max and fused multiply-add that no backend rounds
             differently (why plain jnp does not: see its docstring)
+  qsnr      QSNR of every format on Gaussian data (experiments.mx_qsnr; import it
+            explicitly: `from core.quant import qsnr`)
 
 `from core import quant` exposes the functions of every submodule.
 """
 
 from core.quant import exact, formats
 from core.quant.floats import (
-    FP8_FORMATS, Fp8Tensor, dequantize_fp8, quantize_fp8, quantize_fp8_reference,
+    FP8_FORMATS, FP8_MIN_AMAX, Fp8Tensor, dequantize_fp8, fp8_amax, fp8_scales, quantize_fp8,
+    quantize_fp8_reference,
     stochastic_round_bf16, stochastic_round_bf16_bits, stochastic_round_bf16_bits_reference,
     to_bf16, to_bf16_reference)
 from core.quant.formats import (

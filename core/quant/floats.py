@@ -11,15 +11,22 @@ ulp of w) survive in expectation, which is why bf16 weights and embedding rows a
 with it.
 
 FP8 (OCP 8-bit floating point, the float8_e4m3fn / float8_e5m2 types of ml_dtypes and JAX):
-  amax  = max |x| over the tensor (granularity "tensor") or over each row's last axis ("row")
-  scale = fmt_max / amax, correctly rounded (1 when amax is 0, Inf or NaN)
-  q     = fp8(x * scale), x * scale rounded once to float32, then to nearest even on the
-          FP8 grid, saturating to +-fmt_max (Inf too; NaN stays NaN): the recipe of
+  amax  = max |x| over the tensor (granularity "tensor") or over each row's last axis ("row"),
+          an exact integer reduction; or given (delayed scaling: from an amax history)
+  scale = fmax / amax, correctly rounded; 1 when amax is NaN, Inf or below FP8_MIN_AMAX
+          (2^-90; 0 included)
+  q     = fp8(x * scale): x * scale rounded once to float32, then to nearest even on the
+          FP8 grid, saturating to +-fmax (Inf too; NaN stays NaN): the recipe of
           Transformer Engine and torch._scaled_mm users
-  x    ~= q * scale_inv with scale_inv = amax / fmt_max (correctly rounded; 1 with scale 1)
-Every step is a single correctly rounded float32 operation or integer arithmetic, so the
-bits are the same on every backend; `quantize_fp8_reference` is the numpy + ml_dtypes
-transcription the tests compare against.
+  x    ~= q * scale_inv with scale_inv = amax / fmax (correctly rounded; 1 with scale 1)
+Every step is a single correctly rounded float32 operation or integer arithmetic, and the
+FP8_MIN_AMAX floor keeps every scale, scale_inv and nonzero dequantized value a float32
+normal (|q| >= 2^-16, scale_inv >= 2^-90 / 57344): so XLA:CPU's flush-to-zero never
+changes a result and the bits are the same on every backend. (A float32 subnormal x or
+product x * scale is at most 2^-20 in FP8 units, below half the smallest FP8 subnormal,
+so it becomes a zero of its sign whether or not the backend flushes it.) Tensors whose
+amax is below 2^-90 are left unscaled and round to zero: an absolute error below 2^-90.
+`quantize_fp8_reference` is the numpy + ml_dtypes transcription the tests compare against.
 
 Letters: N rows, D columns (the row-wise scale reduces D).
 """
@@ -95,7 +102,8 @@ def stochastic_round_bf16_bits_reference(x: np.ndarray, random_bits: np.ndarray)
   special = np.abs(x) == np.inf
   out = np.where(special, x.view(np.uint32) & np.uint32(0xFFFF0000), out)
   out = (out >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
-  return np.where(np.isnan(x), x.astype(ml_dtypes.bfloat16), out)
+  with np.errstate(invalid="ignore"):
+    return np.where(np.isnan(x), x.astype(ml_dtypes.bfloat16), out)
 
 
 # ----------------------------------------------------------------------------------- FP8
@@ -119,29 +127,54 @@ def _fp8_format(fmt: str):
         from None
 
 
-def _amax(x, granularity):
-  a = exact.abs_bits(x)                                     # NaN > Inf > finite
+FP8_MIN_AMAX = 2.0 ** -90   # below it a tensor (row) keeps scale 1: see the module docstring
+
+
+def fp8_amax(x: jax.Array, granularity: Granularity = "tensor") -> jax.Array:
+  """max |x| over the tensor ([]) or each row's last axis ([..., 1]), exact; NaN if any
+  element is NaN, else Inf if any is +-Inf."""
+  a = exact.abs_bits(jnp.asarray(x, jnp.float32))          # NaN > Inf > finite
   if granularity == "tensor":
     return exact.from_bits(jnp.max(a))
   if granularity == "row":
+    if a.ndim == 0:
+      raise ValueError("core/quant/floats.py fp8_amax: granularity='row' needs x.ndim >= 1")
     return exact.from_bits(jnp.max(a, axis=-1, keepdims=True))
   raise ValueError(f"core/quant/floats.py: granularity={granularity!r}, expected 'tensor' or "
                    "'row'")
 
 
+def fp8_scales(amax: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
+  """(scale, scale_inv) = (fmax / amax, amax / fmax), each correctly rounded; (1, 1) where
+  amax is NaN, Inf or below FP8_MIN_AMAX."""
+  f, _ = _fp8_format(fmt)
+  amax = jnp.asarray(amax, jnp.float32)
+  usable = jnp.isfinite(amax) & (amax >= FP8_MIN_AMAX)
+  fmax = jnp.float32(f.max)
+  safe = jnp.where(usable, amax, fmax)
+  return (jnp.where(usable, exact.div_rn(fmax, safe), 1.0),
+          jnp.where(usable, exact.div_rn(safe, fmax), 1.0))
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "granularity"))
-def quantize_fp8(x: jax.Array, fmt: str = "e4m3",
-                 granularity: Granularity = "tensor") -> Fp8Tensor:
-  """FP8 `fmt` values of float32 `x` with one scale per tensor or per row (last axis)."""
+def quantize_fp8(x: jax.Array, fmt: str = "e4m3", granularity: Granularity = "tensor",
+                 amax: jax.Array | None = None) -> Fp8Tensor:
+  """FP8 `fmt` values of float32 `x` with one scale per tensor or per row (last axis).
+
+  amax: the amax the scale is taken from ([] for "tensor", [..., 1] for "row"); None:
+  `fp8_amax(x)` (current scaling). A given amax below max |x| saturates the values past it.
+  """
   f, dtype = _fp8_format(fmt)
   x = jnp.asarray(x, jnp.float32)
-  if granularity == "row" and x.ndim == 0:
-    raise ValueError("core/quant/floats.py quantize_fp8: granularity='row' needs x.ndim >= 1")
-  amax = _amax(x, granularity)
-  usable = jnp.isfinite(amax) & (amax > 0)
-  fmax = jnp.float32(f.max)
-  scale = jnp.where(usable, exact.div_rn(fmax, amax), 1.0)
-  scale_inv = jnp.where(usable, exact.div_rn(amax, fmax), 1.0)
+  if amax is None:
+    amax = fp8_amax(x, granularity)
+  else:
+    amax = jnp.asarray(amax, jnp.float32)
+    want = () if granularity == "tensor" else x.shape[:-1] + (1,)
+    if amax.shape != want:
+      raise ValueError(f"core/quant/floats.py quantize_fp8: amax shape {amax.shape}, expected "
+                       f"{want} for granularity={granularity!r} and x {x.shape}")
+  scale, scale_inv = fp8_scales(amax, fmt)
   y = x * scale                                   # one rounding (no add to contract with)
   values = F.round_to_format(y, f, saturate=True)   # on the FP8 grid: the cast is exact
   return Fp8Tensor(values.astype(dtype), scale_inv, fmt)
@@ -153,17 +186,18 @@ def dequantize_fp8(t: Fp8Tensor) -> jax.Array:
   return t.values.astype(jnp.float32) * t.scale_inv
 
 
-def quantize_fp8_reference(x: np.ndarray, fmt: str = "e4m3",
-                           granularity: Granularity = "tensor") -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_reference(x: np.ndarray, fmt: str = "e4m3", granularity: Granularity = "tensor",
+                           amax: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """numpy + ml_dtypes transcription of `quantize_fp8`: (values as ml_dtypes fp8, scale_inv)."""
   f, _ = _fp8_format(fmt)
   dtype = getattr(ml_dtypes, F.ML_DTYPES[fmt])
   x = np.asarray(x, np.float32)
-  with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-    absx = np.abs(x)                                # np.max propagates NaN
-    amax = np.asarray(absx.max() if granularity == "tensor" else absx.max(-1, keepdims=True),
-                      np.float32)
-    usable = np.isfinite(amax) & (amax > 0)
+  with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
+    if amax is None:
+      absx = np.abs(x)                              # np.max propagates NaN
+      amax = absx.max() if granularity == "tensor" else absx.max(-1, keepdims=True)
+    amax = np.asarray(amax, np.float32)
+    usable = np.isfinite(amax) & (amax >= np.float32(FP8_MIN_AMAX))
     safe = np.where(usable, amax, np.float32(1))
     scale = np.where(usable, np.float32(f.max) / safe, np.float32(1)).astype(np.float32)
     scale_inv = np.where(usable, safe / np.float32(f.max), np.float32(1)).astype(np.float32)

@@ -151,6 +151,8 @@ def round_fields(x: jax.Array, fmt: Format, k: jax.Array | int = 0, *, saturate:
   zero = (r == 0) | out_nan | out_inf
   r = jnp.where(zero, 0, r)
   e = jnp.where(zero, fmt.emin, e)
+  if fmt.ebits == 0:       # integer grids store +-r in two's complement: no -0
+    sign = jnp.where(r == 0, 0, sign)
   return Rounded(sign, r, e, out_nan, out_inf)
 
 

@@ -22,6 +22,11 @@ micro-exponent t = 1 if the pair's max has exponent below E, else 0; elements ar
 and m-bit magnitude fixed point, V_i ~= +-r * 2^(E - t - (m - 1)), r <= 2^m - 1 (m = 7, 4,
 2: 9, 6 and 4 bits per element with the shared bits). Rounding and saturation as above.
 
+Integer elements (MXINT, BDR) have no -0: a negative value that rounds to 0 is +0 (the
+two's complement code 0; microxcaling's float emulation returns -0.0, equal in value).
+floor(log2 amax) is exact here; microxcaling takes it with float32 torch.log2, which can
+round up to the next integer for an amax a few ulps below a large power of two.
+
 Every step is integer arithmetic on float32 bit patterns (`formats.round_fields`): the
 bits are the same on every backend, subnormal inputs included. The numpy `*_reference`
 functions transcribe microxcaling's float algorithm (floor(log2), scale, round, clamp)
@@ -240,6 +245,7 @@ def _elem_round_np(a, f: F.Format, ties):
   """microxcaling's _quantize_elemwise_core(saturate_normals=True) in float64."""
   if f.ebits == 0:
     q = _round_np(a * 2.0 ** f.mbits, ties) / 2.0 ** f.mbits
+    q = q + 0.0                  # two's complement has no -0 (microxcaling returns -0.0)
   else:
     with np.errstate(divide="ignore"):
       pe = np.floor(np.log2(np.abs(a) + (a == 0)))

@@ -13,8 +13,10 @@ Specified by FBGEMM's reference code, src/QuantUtils.cc (pytorch/FBGEMM at 71d6f
           q = clamp(lrint((x - lo) * (1 / scale_r)), 0, 2^N - 1)
           codes packed 8 / N per byte, column c in bits (c mod (8/N)) * N up: low bits first
   dequantization (`Fused8BitRowwiseQuantizedSBFloatToFloatOrHalfRef`, `FusedNBit...Ref`):
-          x ~= q * scale_r + bias_r, rounded once (FBGEMM's reference adds in double, its
-          AVX2 and CUDA kernels use one fused multiply-add)
+          x ~= q * scale_r + bias_r, rounded once (FBGEMM's reference writes it in float,
+          which compilers contract into one fused multiply-add, as its AVX2 and CUDA
+          kernels do; N-bit: a float16 scale times a code of <= 8 bits is exact, so the
+          only rounding is the add's)
 
 `lrint` rounds half to even; every step is float32. FBGEMM's Python test references
 (fbgemm_gpu/test/quantize/common.py) round halves away from zero and compute the N-bit
@@ -328,8 +330,10 @@ def quantize_rowwise_int8_reference(x_ND: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def dequantize_rowwise_int8_reference(q, scale, bias) -> np.ndarray:
-  """numpy FBGEMM Fused8BitRowwiseQuantizedSBFloatToFloatOrHalfRef:
-  float(double(q) * scale + double(bias))."""
+  """numpy FBGEMM Fused8BitRowwiseQuantizedSBFloatToFloatOrHalfRef, q * scale + bias as
+  one FMA would round it: the product is exact in double, the sum is rounded to double and
+  then to float32, which equals the single rounding unless the double sum lands exactly on
+  a float32 midpoint (test_fma_rn_rounds_once checks `exact.fma_rn` against rationals)."""
   scale = np.asarray(scale, np.float32).astype(np.float64)[:, None]
   bias = np.asarray(bias, np.float32).astype(np.float64)[:, None]
   with np.errstate(invalid="ignore", over="ignore"):

@@ -4,7 +4,9 @@ Tables are laid over every device of the mesh the way TorchRec does it: data-par
 (replicated), table-wise, row-wise, column-wise and table-row-wise, chosen per table by a
 plan (`rec.embedding.planner`). Tables that share a sharding pattern, storage type and
 width are packed into one flat row buffer per device, with per-table row offsets, like
-FBGEMM's table-batched embeddings.
+FBGEMM's table-batched embeddings. A buffer's row storage (`rec.embedding.storage`: fp32,
+bf16, or quantized rows with an fp32 cache) keeps one state per device block, so a cache
+holds hot rows of the rows its device owns.
 
 A train step runs in three phases, so that gradients reach only the rows a batch touched:
 
@@ -123,12 +125,14 @@ class EmbeddingCollection:
 
   def __init__(self, tables: Sequence[TableConfig], plan: Plan, mesh: Mesh,
                optimizer: opt_lib.SparseOptimizer, rules: mesh_lib.Rules = mesh_lib.REC_RULES,
-               out_of_range: str = "error", init_scale: str = "dlrm", lookup_impl: str = "xla"):
+               out_of_range: str = "error", init_scale: str = "dlrm", lookup_impl: str = "xla",
+               storage_seed: int = 0):
     if out_of_range not in ("error", "hash"):
       raise ValueError(f"out_of_range={out_of_range!r}: expected 'error' or 'hash'")
     if lookup_impl not in ("xla", "pallas"):
       raise ValueError(f"lookup_impl={lookup_impl!r}: expected 'xla' or 'pallas'")
     self.lookup_impl = lookup_impl
+    self.storage_seed = storage_seed    # seeds stochastic rounding (bf16_sr, int8 / int4)
     self.tables = list(tables)
     names = [t.name for t in self.tables]
     if len(set(names)) != len(names):
@@ -279,6 +283,14 @@ class EmbeddingCollection:
   def _specs(self, g: _Group) -> P:
     return P() if g.comm == "dp" else P(self.axes)
 
+  def storage(self, g: _Group) -> storage_lib.RowStorage:
+    """The row storage of group `g`'s buffer."""
+    return storage_lib.get_storage(g.storage, seed=self.storage_seed)
+
+  def _shards(self, g: _Group) -> int:
+    """Blocks of the group's buffer that live on separate devices (1: replicated)."""
+    return 1 if g.comm == "dp" else self.num_devices
+
   def state_shardings(self) -> dict[str, Any]:
     out = {}
     for name, g in self.groups.items():
@@ -294,9 +306,9 @@ class EmbeddingCollection:
     return jax.eval_shape(lambda: self._empty_group(g))
 
   def _empty_group(self, g: _Group):
-    storage = storage_lib.get_storage(g.storage)
     rows = self._buffer_rows(g)
-    return {"table": storage.from_float(jnp.zeros((rows, g.width), jnp.float32)),
+    return {"table": self.storage(g).from_float(jnp.zeros((rows, g.width), jnp.float32),
+                                                self._shards(g)),
             "opt": self.optimizer.init_state(rows, g.width)}
 
   def table_scale(self, t: TableConfig) -> float:
@@ -321,6 +333,18 @@ class EmbeddingCollection:
     """Initial state (tables in device layout and optimizer state) placed on the mesh."""
     return self.from_tables(self.init_tables(key))
 
+  def blocks(self, name: str) -> list[tuple[str, int, int, int, int, int]]:
+    """Where group `name`'s table shards lie: (table, row_start, row_end, col_start,
+    col_end, first row of the block in the group's global buffer) per shard. The global
+    buffer is `shards(name)` equal blocks, one per device (1: replicated)."""
+    g = self.groups[name]
+    return [(self.tables[sh.feature].name, sh.row_start, sh.row_end, sh.col_start, sh.col_end,
+             row) for sh, row in self._blocks(g)]
+
+  def shards(self, name: str) -> int:
+    """Blocks of group `name`'s buffer, one per device (1: replicated)."""
+    return self._shards(self.groups[name])
+
   def _blocks(self, g: _Group):
     """(shard, first row of its block in the group's global buffer) for every shard."""
     for sh, off in zip(g.shards, g.offsets):
@@ -333,27 +357,25 @@ class EmbeddingCollection:
     state = {}
     shardings = self.state_shardings()
     for name, g in self.groups.items():
-      storage = storage_lib.get_storage(g.storage)
+      storage = self.storage(g)
       buf = np.zeros((self._buffer_rows(g), g.width), np.float32)
       for sh, row in self._blocks(g):
         blk = full[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end]
         buf[row:row + blk.shape[0], :blk.shape[1]] = blk
-      group_state = {"table": storage.from_float(buf),
+      group_state = {"table": storage.from_float(buf, self._shards(g)),
                      "opt": self.optimizer.init_state(buf.shape[0], g.width)}
       state[name] = jax.device_put(group_state, shardings[name])
     return state
 
   def to_tables(self, state: dict[str, Any]) -> dict[str, np.ndarray]:
     """Gathers device buffers back into full logical tables (host numpy, float32)."""
-    return self._unpack({n: storage_lib.get_storage(g.storage) for n, g in self.groups.items()},
-                        state)
+    return self._unpack({n: self.storage(g) for n, g in self.groups.items()}, state)
 
   def _unpack(self, storages, state) -> dict[str, np.ndarray]:
     out = {t.name: np.zeros((t.num_rows, t.dim), np.float32) for t in self.tables}
     for name, g in self.groups.items():
       storage = storages[name]
-      buf = np.asarray(jax.device_get(
-          storage.gather(state[name]["table"], jnp.arange(self._buffer_rows(g)))))
+      buf = np.asarray(jax.device_get(storage.to_float(state[name]["table"], self._shards(g))))
       for sh, row in self._blocks(g):
         n, c = sh.row_end - sh.row_start, sh.col_end - sh.col_start
         out[self.tables[sh.feature].name][sh.row_start:sh.row_end, sh.col_start:sh.col_end] = (
@@ -398,7 +420,7 @@ class EmbeddingCollection:
     for name, g in self.groups.items():
       sel = np.asarray(g.features)
       gi, gl, gw = ids[:, sel], lengths[:, sel], weights[:, sel]
-      storage = storage_lib.get_storage(g.storage)
+      storage = self.storage(g)
       mean = np.asarray([self.tables[f].pooling == "mean" for f in g.features])
       fn = getattr(self, f"_gather_{g.comm}")
       maps = {k: v for k, v in g.maps.items() if k in ("start", "end", "offset", "feat", "mean")}
@@ -417,9 +439,8 @@ class EmbeddingCollection:
 
   def _bag_pool(self, storage, tbl, index, coef):
     """Bag sums [..., W] of local rows `index` [..., L] (in range; padding has coef 0)."""
-    if self.lookup_impl == "pallas":
-      from kernels import embedding_bag   # the kernel reads the dense rows of the state
-      return embedding_bag.embedding_bag(tbl["rows"], index, coef)
+    if self.lookup_impl == "pallas":   # the kernel reads the storage's own format
+      return storage.pallas_pool(tbl, index, coef)
     return _bag_sum(coef, storage.gather(tbl, index, clip=True))
 
   @staticmethod
@@ -526,7 +547,7 @@ class EmbeddingCollection:
     new = {}
     bspec = P(self.axes)
     for name, g in self.groups.items():
-      storage = storage_lib.get_storage(g.storage)
+      storage = self.storage(g)
       spec = self._specs(g)
       sspec = jax.tree.map(lambda _: spec, state[name])
 

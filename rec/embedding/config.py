@@ -28,7 +28,7 @@ class TableConfig:
   dim: int
   pooling: str = "sum"          # "sum" | "mean"
   pooling_factor: float = 1.0
-  storage: str = "fp32"         # "fp32" | "bf16"
+  storage: str = "fp32"         # "fp32" | "bf16" | "bf16_sr" | "int8[_cache...]" (storage.py)
 
   def __post_init__(self):
     if self.num_rows <= 0:
@@ -37,5 +37,8 @@ class TableConfig:
       raise ValueError(f"table {self.name!r}: dim={self.dim}, expected > 0")
     if self.pooling not in ("sum", "mean"):
       raise ValueError(f"table {self.name!r}: pooling={self.pooling!r}, expected 'sum' or 'mean'")
-    if self.storage not in ("fp32", "bf16"):
-      raise ValueError(f"table {self.name!r}: storage={self.storage!r}, expected 'fp32' or 'bf16'")
+    from rec.embedding import storage as storage_lib
+    try:
+      storage_lib.get_storage(self.storage)
+    except ValueError as e:
+      raise ValueError(f"table {self.name!r}: {e}") from None

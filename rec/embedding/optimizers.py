@@ -8,10 +8,12 @@ list of local row ids `idx [M]`, one gradient row per id `grads [M, D]` and `val
   1. deduplicates: `dedup_gradients` sums the gradient rows of repeated ids, so each touched
      row gets exactly its dense gradient (the sum of its per-id gradients) and the update
      equals the dense rule applied to the dense gradient, restricted to touched rows;
-  2. gathers the touched table rows (float32, through `RowStorage.gather`) and the matching
-     rows of each optimizer state array;
-  3. applies `update_rows` (the per-row rule) and scatters rows and state back. Unused slots
-     of the fixed-size unique list carry the sentinel id N and are dropped by the scatter.
+  2. lets the storage admit / evict cached rows (`RowStorage.prepare_update`; a no-op for
+     plain formats), then gathers the touched table rows (float32, through
+     `RowStorage.gather`) and the matching rows of each optimizer state array;
+  3. applies `update_rows` (the per-row rule) and scatters rows and state back (the step
+     seeds stochastic rounding of low-precision rows). Unused slots of the fixed-size
+     unique list carry the sentinel id N and are dropped by the scatter.
 
 Optimizer state is a dict of float32 arrays whose leading dim is N (one accumulator per row,
 or per element). Rows that a step did not touch keep their table values and state bitwise.
@@ -157,25 +159,40 @@ class SparseOptimizer:
         raise ValueError(
             f"{type(self).__name__}.apply: opt_state[{key!r}] shape {arr.shape}, expected "
             f"leading dim {n} (the table's num_rows)")
-    uniq_U, grads_UD, _ = dedup_gradients(idx_M, grads_MD, valid_M, n)
-    return self.apply_unique(storage, table_state, opt_state, uniq_U, grads_UD, step)
+    if not storage.counts_accesses:
+      uniq_U, grads_UD, _ = dedup_gradients(idx_M, grads_MD, valid_M, n)
+      return self.apply_unique(storage, table_state, opt_state, uniq_U, grads_UD, step)
+    # An LFU cache also counts the looked-up ids of each row.
+    uniq_U, seg_M = dedup_ids(idx_M, valid_M, n)
+    m = idx_M.shape[0]
+    grads_UD = jax.ops.segment_sum(grads_MD.astype(jnp.float32), seg_M, num_segments=m)
+    counts_U = jax.ops.segment_sum(jnp.ones((m,), jnp.int32), seg_M, num_segments=m)
+    return self.apply_unique(storage, table_state, opt_state, uniq_U, grads_UD, step,
+                             counts_U=counts_U)
 
   def apply_unique(self, storage: RowStorage, table_state: StorageState, opt_state: OptState,
                    uniq_U: jax.Array, grads_UD: jax.Array, step: jax.Array,
-                   rows_UD: jax.Array | None = None) -> tuple[StorageState, OptState]:
+                   rows_UD: jax.Array | None = None,
+                   counts_U: jax.Array | None = None) -> tuple[StorageState, OptState]:
     """The step for already deduplicated ids: `uniq_U` sorted ascending and distinct, its
     padding slots set to num_rows (dropped on scatter), `grads_UD` summed per id.
 
     `rows_UD` may pass the current rows when the caller gathered them already (the
     collection dedups in its forward pass, so the backward need not gather twice).
+    `counts_U` (looked-up ids per row) feeds an LFU cache (`storage.prepare_update`).
     """
     step = jnp.asarray(step, jnp.int32)
+    # Cache admission / eviction (a no-op for plain formats). An admitted row reads the
+    # values it read dequantized; a touched row that an LFU cache evicts in this step
+    # reads its written-back (rounded) values, which a caller's rows_UD would not have.
+    table_state = storage.prepare_update(table_state, uniq_U, counts_U, step)
     if rows_UD is None:  # sentinel slots read a clamped row; their results are dropped
       rows_UD = storage.gather(table_state, uniq_U, clip=True)
     state_rows = {k: _gather_state(v, uniq_U) for k, v in opt_state.items()}
     new_rows_UD, new_state_rows = self.update_rows(rows_UD, grads_UD.astype(jnp.float32),
                                                    state_rows, step)
-    table_state = storage.scatter(table_state, uniq_U, new_rows_UD, indices_are_sorted=True)
+    table_state = storage.scatter(table_state, uniq_U, new_rows_UD, indices_are_sorted=True,
+                                  step=step)
     opt_state = {k: _scatter_state(v, uniq_U, new_state_rows[k]) for k, v in opt_state.items()}
     return table_state, opt_state
 

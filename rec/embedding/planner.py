@@ -72,7 +72,17 @@ CW = ShardingKind.COLUMN_WISE
 TWRW = ShardingKind.TABLE_ROW_WISE
 
 KIND_ORDER: tuple[ShardingKind, ...] = (DP, TW, CW, TWRW, RW)   # tie-break preference
-STORAGE_BYTES = {"fp32": 4, "bf16": 2}
+STORAGE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2}
+
+
+def storage_bytes(table: TableConfig) -> float:
+  """Bytes per element of the table's rows: STORAGE_BYTES, or for quantized rows with a
+  cache (rec/embedding/cached_storage.py) their bytes per row (codes, scale, bias, the
+  row's share of the cache and counters) over the dim."""
+  if table.storage in STORAGE_BYTES:
+    return STORAGE_BYTES[table.storage]
+  from rec.embedding import storage as storage_lib
+  return storage_lib.get_storage(table.storage).bytes_per_row(table.dim) / table.dim
 CW_MIN_WIDTH = 4     # narrowest column chunk the planner makes (16-byte fp32 rows)
 _REL_TOL = 1e-9
 
@@ -230,7 +240,7 @@ def _opt_fn(optimizer_state_bytes_per_row: OptStateBytes) -> Callable[[int], int
 def table_bytes(table: TableConfig, optimizer_state_bytes_per_row: OptStateBytes = 4) -> int:
   """Bytes of the whole table with its optimizer state: R * (D*s + o(D))."""
   o = _opt_fn(optimizer_state_bytes_per_row)
-  return table.num_rows * (table.dim * STORAGE_BYTES[table.storage] + int(o(table.dim)))
+  return int(table.num_rows * (table.dim * storage_bytes(table) + int(o(table.dim))))
 
 
 def _check_tables(tables: Sequence[TableConfig]) -> None:
@@ -263,7 +273,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   N, B = num_devices, batch_size
   b = B / N
   R, D, P = table.num_rows, table.dim, table.pooling_factor
-  s, ib, a = STORAGE_BYTES[table.storage], cp.id_bytes, cp.activation_bytes
+  s, ib, a = storage_bytes(table), cp.id_bytes, cp.activation_bytes
   X = lambda w: ib * P + 2 * a * w
   # Elements a row access of width w costs, rounded up to the memory transaction size.
   E = lambda w: max(w, cp.min_access_bytes / s)
@@ -275,7 +285,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   kind = placement.kind
   if kind == DP:
     U = min(b * P, R) if cp.dp_unique_rows else b * P
-    mem[:] = R * (D * s + int(o(D)))
+    mem[:] = int(R * (D * s + int(o(D))))
     fwd[:] = b * P * E(D)
     bwd[:] = min(B * P, R) * E(D)
     comm[:] = 2 * (N - 1) * U * (a * D + ib)
@@ -284,7 +294,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
     if kind == TW and len(devs) != 1:
       raise ValueError(f"table {table.name!r}: tw placement needs 1 device, got {devs}")
     for d, w in zip(devs, widths):
-      mem[d] += R * (w * s + int(o(w)))
+      mem[d] += int(R * (w * s + int(o(w))))
       fwd[d] += B * P * E(w)
       bwd[d] += min(B * P, R) * E(w)
       comm += b * X(w)                      # every other device: send ids, get sums back
@@ -296,7 +306,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
     if kind == TWRW:
       comm += g * b * X(D)                  # non-members: ids to and sums from g members
     for d, r in zip(devs, row_shard_sizes(R, g)):
-      mem[d] += r * (D * s + int(o(D)))
+      mem[d] += int(r * (D * s + int(o(D))))
       fwd[d] += B * P * E(D) * r / R
       bwd[d] += min(B * P * r / R, r) * E(D)
       if kind == RW:
@@ -418,7 +428,7 @@ class _Greedy:
       return [self._make(table, kind, tuple(range(j * g, (j + 1) * g))) for j in range(N // g)]
     out = []
     o = _opt_fn(self.opt)
-    s = STORAGE_BYTES[table.storage]
+    s = storage_bytes(table)
     order = _device_order(self.time)
     for k in _cw_counts(table.dim, N, self.cw_min_width, search):
       devs: list[int] = []

@@ -6,12 +6,28 @@ Lookups and the sparse optimizers (`rec/embedding/optimizers.py`) read rows only
 
 A storage object is a frozen dataclass (hashable, a static argument under jit) that holds
 configuration only; the rows themselves live in a *state* pytree (a dict of arrays) that the
-caller owns, donates and checkpoints. Today the state is `{"rows": [N, D]}` in float32 or
-bfloat16. Formats planned next fit the same shape of API:
-  - row-wise int8 / int4 (FBGEMM): `{"q": [N, D or D/2] int8/uint8, "scale": [N], "bias": [N]}`,
-    gather dequantizes, scatter requantizes the written rows only;
-  - a full-precision cache of hot rows: `{"q": ..., "cache_rows": [C, D] f32, "cache_ids": [C]}`,
-    gather looks in the cache first, scatter writes through.
+caller owns, donates and checkpoints. Formats (`get_storage` names):
+  - "fp32", "bf16" (round to nearest even), "bf16_sr" (stochastic rounding, arXiv
+    1905.12322): `{"rows": [N, D]}`;
+  - "int8", "int4", "int8_cache[:lfu|lru[:fraction[:ways]]]", "int4_cache[...]":
+    FBGEMM row-wise codes with an fp32 cache of hot rows (arXiv 2010.11305), in
+    `rec/embedding/cached_storage.py`.
+
+The embedding collection keeps one buffer per group that concatenates its devices' blocks;
+`from_float(rows, shards)` / `to_float(state, shards)` build and read such a buffer as
+`shards` equal blocks, each a state of its own (every leaf's leading dim is a multiple of
+`shards`), so inside `shard_map` each device holds exactly the state of its block. Formats
+whose state is only per-row arrays ignore `shards`.
+
+The update protocol (`SparseOptimizer.apply_unique`): `prepare_update(state, uniq, counts,
+step)` (cache admission and eviction; a no-op for plain formats), `gather`, the optimizer
+rule, `scatter(..., step=step)`.
+
+Stochastic rounding is deterministic: the random bits of a row come from a hash of (seed,
+step, the row's previous stored value, column) (`sr_bits`), never from a key carried in the
+state. A run therefore resumes bit for bit from a checkpoint (the step and the stored rows
+are in it), replicas of a data-parallel table round alike, and a row rounds the same way
+whatever device or buffer offset holds it, so sharded runs match one device.
 
 Index conventions shared by every storage (N = num_rows):
   - gather: an index outside [0, N) yields a row of zeros (`mode="fill"`, fill 0; negative
@@ -30,6 +46,9 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from core import quant
 
 StorageState = dict[str, jax.Array]
 
@@ -44,8 +63,13 @@ class RowStorage(abc.ABC):
     """Rows drawn from uniform(-scale, scale) in float32, then converted to this format."""
 
   @abc.abstractmethod
-  def from_float(self, rows_ND: jax.Array) -> StorageState:
-    """State holding the float32 rows `rows_ND` converted to this format (traceable)."""
+  def from_float(self, rows_ND: jax.Array, shards: int = 1) -> StorageState:
+    """State holding the float32 rows `rows_ND` converted to this format (traceable), as
+    `shards` equal blocks of rows (see the module docstring)."""
+
+  def to_float(self, state: StorageState, shards: int = 1) -> jax.Array:
+    """Every row as float32 `[N, D]` (the inverse of `from_float` up to rounding)."""
+    return self.gather(state, jnp.arange(self.num_rows(state)))
 
   @abc.abstractmethod
   def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
@@ -58,12 +82,30 @@ class RowStorage(abc.ABC):
 
   @abc.abstractmethod
   def scatter(self, state: StorageState, idx: jax.Array, rows_UD: jax.Array, *,
-              indices_are_sorted: bool = False) -> StorageState:
+              indices_are_sorted: bool = False, step: jax.Array | None = None) -> StorageState:
     """Overwrites the rows at `idx` with float32 `rows_UD`; ids outside [0, N) are dropped.
 
     Duplicate in-range ids get one of their rows (unspecified which), as in XLA scatter;
-    the optimizers deduplicate first so this never happens there.
+    the optimizers deduplicate first so this never happens there. `step` (the optimizer
+    step) seeds stochastic rounding; formats that round to nearest ignore it, and
+    stochastic formats take None as step 0.
     """
+
+  def prepare_update(self, state: StorageState, uniq_U: jax.Array, counts_U: jax.Array | None,
+                     step: jax.Array) -> StorageState:
+    """Called once per optimizer step before the touched rows are gathered: `uniq_U` are the
+    distinct touched ids (padding slots hold N), `counts_U` how many looked-up ids each
+    stands for. Formats with a cache admit and evict rows here; others return `state`."""
+    del uniq_U, counts_U, step
+    return state
+
+  counts_accesses: ClassVar[bool] = False   # prepare_update needs counts_U
+
+  def pallas_pool(self, state: StorageState, idx: jax.Array, coef: jax.Array) -> jax.Array:
+    """Bag sums [..., D] of rows `idx` [..., L] (in range) weighted by `coef` [..., L],
+    through the Pallas embedding-bag kernel (`kernels/embedding_bag.py`)."""
+    from kernels import embedding_bag   # kernels import core only; rec imports kernels
+    return embedding_bag.embedding_bag(state["rows"], idx, coef)
 
   @abc.abstractmethod
   def num_rows(self, state: StorageState) -> int:
@@ -74,8 +116,63 @@ class RowStorage(abc.ABC):
     """Embedding dim D (static)."""
 
   @abc.abstractmethod
-  def bytes_per_row(self, dim: int) -> int:
-    """Device bytes one row of width `dim` takes (the planner's memory model)."""
+  def bytes_per_row(self, dim: int) -> float:
+    """Device bytes one row of width `dim` takes (the planner's memory model); formats with
+    per-table parts (a cache) give their average over the rows."""
+
+
+def state_bytes(state: StorageState) -> int:
+  """Bytes of every array of a storage state: the honest memory of a table."""
+  return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape))
+                 for a in jax.tree.leaves(state)))
+
+
+# ------------------------------------------------------------------- stochastic rounding
+
+_M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer: a bijection of uint32 with full avalanche."""
+  h = h ^ (h >> 16)
+  h = h * _M1
+  h = h ^ (h >> 13)
+  h = h * _M2
+  return h ^ (h >> 16)
+
+
+def sr_bits(old_UD: jax.Array, step: jax.Array | None, seed: int, salt: int) -> jax.Array:
+  """Random uint32 bits `[U, D]` for stochastically rounding new values of the rows whose
+  current stored value (as float32) is `old_UD`.
+
+  Element (u, c) gets fmix(row_u + (c + 1) * golden), with row_u = fmix(fmix(seed, salt,
+  step) ^ sum_c fmix(bits(old[u, c]) ^ c * m1)): a function of the row's previous value,
+  never of its index, and a wrapping integer sum, so any reduction order gives the same
+  bits. Given the previous value the bits do not depend on the new one, so rounding up
+  with probability frac is unbiased; a different step, seed or `salt` (one per purpose)
+  gives fresh bits.
+  """
+  u, d = old_UD.shape
+  base = np.uint32(_fmix32_np((seed * 0x9E3779B9 + salt * 0x632BE5AB) & 0xFFFFFFFF))
+  step_u = jnp.asarray(0 if step is None else step).astype(jnp.uint32)
+  h0 = _fmix32(jnp.uint32(base) ^ _fmix32(step_u + _GOLDEN))
+  col = jnp.arange(d, dtype=jnp.uint32)
+  bits = quant.exact.f32_bits(old_UD)
+  row = jnp.sum(_fmix32(bits ^ (col * _M1)), axis=1, dtype=jnp.uint32)     # wraps mod 2^32
+  row = _fmix32(row ^ h0)
+  return _fmix32(row[:, None] + (col + np.uint32(1)) * _GOLDEN)
+
+
+def _fmix32_np(h: int) -> int:
+  h ^= h >> 16
+  h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+  h ^= h >> 13
+  h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+  return h ^ (h >> 16)
+
+
+# ------------------------------------------------------------------------ float rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +182,15 @@ class _DenseRowStorage(RowStorage):
   dtype: ClassVar[Any] = jnp.float32
 
   def init(self, key: jax.Array, num_rows: int, dim: int, scale: float) -> StorageState:
-    if num_rows <= 0 or dim <= 0:
-      raise ValueError(
-          f"{type(self).__name__}.init: num_rows={num_rows}, dim={dim}, expected both > 0")
-    # The sentinel id num_rows must fit in int32 (ids are int32 everywhere).
-    if num_rows >= jnp.iinfo(jnp.int32).max:
-      raise ValueError(
-          f"{type(self).__name__}.init: num_rows={num_rows}, expected < 2**31 - 1 (int32 ids)")
+    check_size(type(self).__name__, num_rows, dim)
     rows = jax.random.uniform(key, (num_rows, dim), jnp.float32, -scale, scale)
     return self.from_float(rows)
 
-  def from_float(self, rows_ND: jax.Array) -> StorageState:
-    return {"rows": self._from_f32(jnp.asarray(rows_ND, jnp.float32))}
+  def from_float(self, rows_ND: jax.Array, shards: int = 1) -> StorageState:
+    return {"rows": self._from_f32(jnp.asarray(rows_ND, jnp.float32), None, None)}
+
+  def to_float(self, state: StorageState, shards: int = 1) -> jax.Array:
+    return state["rows"].astype(jnp.float32)
 
   def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
     rows = state["rows"]
@@ -111,7 +205,7 @@ class _DenseRowStorage(RowStorage):
     return out.astype(jnp.float32)
 
   def scatter(self, state: StorageState, idx: jax.Array, rows_UD: jax.Array, *,
-              indices_are_sorted: bool = False) -> StorageState:
+              indices_are_sorted: bool = False, step: jax.Array | None = None) -> StorageState:
     rows = state["rows"]
     n, d = rows.shape
     if rows_UD.shape != (*idx.shape, d):
@@ -120,8 +214,9 @@ class _DenseRowStorage(RowStorage):
           f"{(*idx.shape, d)} for idx shape {idx.shape} and table dim {d}")
     # `.at[]` wraps negative ids numpy-style; send them to the sentinel so they are dropped.
     idx = jnp.where(idx < 0, n, idx)
-    new = rows.at[idx].set(self._from_f32(rows_UD), mode="drop",
-                           indices_are_sorted=indices_are_sorted)
+    new = rows.at[idx].set(self._from_f32(rows_UD, lambda: self.gather(state, idx, clip=True),
+                                          step),
+                           mode="drop", indices_are_sorted=indices_are_sorted)
     return {**state, "rows": new}
 
   def num_rows(self, state: StorageState) -> int:
@@ -130,11 +225,22 @@ class _DenseRowStorage(RowStorage):
   def dim(self, state: StorageState) -> int:
     return state["rows"].shape[1]
 
-  def bytes_per_row(self, dim: int) -> int:
+  def bytes_per_row(self, dim: int) -> float:
     return dim * jnp.dtype(self.dtype).itemsize
 
-  def _from_f32(self, rows: jax.Array) -> jax.Array:
+  def _from_f32(self, rows: jax.Array, old, step) -> jax.Array:
+    """`rows` in this dtype; `old()` gives the rows' previous values (for stochastic
+    rounding), None when there are none (init)."""
+    del old, step
     return rows.astype(self.dtype)
+
+
+def check_size(where: str, num_rows: int, dim: int) -> None:
+  if num_rows <= 0 or dim <= 0:
+    raise ValueError(f"{where}.init: num_rows={num_rows}, dim={dim}, expected both > 0")
+  # The sentinel id num_rows must fit in int32 (ids are int32 everywhere).
+  if num_rows >= jnp.iinfo(jnp.int32).max:
+    raise ValueError(f"{where}.init: num_rows={num_rows}, expected < 2**31 - 1 (int32 ids)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,30 +253,51 @@ class Fp32Storage(_DenseRowStorage):
 
 @dataclasses.dataclass(frozen=True)
 class Bf16Storage(_DenseRowStorage):
-  """Bfloat16 rows, updated in float32 and rounded to nearest even on write."""
+  """Bfloat16 rows, updated in float32 and rounded on write: to nearest even ("bf16"), or
+  stochastically ("bf16_sr", FBGEMM's default for half-precision tables): a small update
+  (|lr * g| under half an ulp of w) that nearest rounding loses survives in expectation.
 
-  name: ClassVar[str] = "bf16"
+  Initial rows (`from_float`) are rounded to nearest in both modes; stochastic rounding
+  uses `sr_bits` (seeded by `seed`, the step and each row's previous value)."""
+
+  rounding: str = "nearest"      # "nearest" | "stochastic"
+  seed: int = 0
   dtype: ClassVar[Any] = jnp.bfloat16
 
-  def _from_f32(self, rows: jax.Array) -> jax.Array:
-    # Round to nearest even (XLA's convert). Hook for stochastic rounding: small updates
-    # (|lr * g| < half an ulp of w) vanish under nearest rounding; SR keeps them in
-    # expectation. It needs a key, so it will come as a `rounding="stochastic"` field plus a
-    # key in the scatter call, using core/quant's bf16 stochastic rounding.
-    return rows.astype(jnp.bfloat16)
+  def __post_init__(self):
+    if self.rounding not in ("nearest", "stochastic"):
+      raise ValueError(f"Bf16Storage: rounding={self.rounding!r}, expected 'nearest' or "
+                       "'stochastic'")
+
+  @property
+  def name(self) -> str:   # type: ignore[override]
+    return "bf16_sr" if self.rounding == "stochastic" else "bf16"
+
+  def _from_f32(self, rows: jax.Array, old, step) -> jax.Array:
+    if self.rounding == "nearest" or old is None:
+      return rows.astype(jnp.bfloat16)          # XLA's convert: round to nearest even
+    flat = rows.reshape(-1, rows.shape[-1])
+    bits = sr_bits(old().reshape(flat.shape), step, self.seed, salt=1) >> 16
+    return quant.stochastic_round_bf16_bits(flat, bits).reshape(rows.shape)
 
 
-_STORAGES: dict[str, type[RowStorage]] = {
-    Fp32Storage.name: Fp32Storage,
-    Bf16Storage.name: Bf16Storage,
+_STORAGES: dict[str, Any] = {
+    "fp32": Fp32Storage,
+    "bf16": Bf16Storage,
+    "bf16_sr": lambda seed: Bf16Storage(rounding="stochastic", seed=seed),
 }
 
 
-def get_storage(name: str) -> RowStorage:
-  """The storage registered under `name` ("fp32" | "bf16"), e.g. `TableConfig.storage`."""
-  try:
-    return _STORAGES[name]()
-  except KeyError:
-    raise ValueError(
-        f"rec/embedding/storage.py get_storage: unknown storage {name!r}, expected one of "
-        f"{sorted(_STORAGES)}") from None
+def get_storage(name: str, seed: int = 0) -> RowStorage:
+  """The storage a name stands for, e.g. `TableConfig.storage`: "fp32" | "bf16" | "bf16_sr"
+  | "int8" | "int4" | "int8_cache[:policy[:fraction[:ways]]]" | "int4_cache[...]" (see
+  `cached_storage.parse`). `seed` seeds stochastic rounding."""
+  if name in _STORAGES:
+    make = _STORAGES[name]
+    return make(seed) if name == "bf16_sr" else make()
+  if name.startswith(("int8", "int4", "int2")):
+    from rec.embedding import cached_storage   # it imports this module
+    return cached_storage.parse(name, seed=seed)
+  raise ValueError(
+      f"rec/embedding/storage.py get_storage: unknown storage {name!r}, expected one of "
+      f"{sorted(_STORAGES)} or int8 / int4[_cache[:lfu|lru[:fraction[:ways]]]]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from rec.layers import fp8
 from rec.layers.params import BIAS, KERNEL, param, zeros
 
 
@@ -22,7 +23,7 @@ class CrossLayer(nnx.Module):
   """One cross layer: x0_BD * (W x_BD + b) + x_BD, W full rank or U V^T of rank `rank`."""
 
   def __init__(self, dim: int, rngs: nnx.Rngs, rank: int | None = None, dtype=jnp.float32,
-               param_dtype=jnp.float32):
+               param_dtype=jnp.float32, fp8_recipe: str | None = None):
     if dim < 1 or (rank is not None and rank < 1):
       raise ValueError(f"CrossLayer: dim={dim}, rank={rank}; expected dim >= 1 and rank >= 1 "
                        "(or None for full rank)")
@@ -34,6 +35,18 @@ class CrossLayer(nnx.Module):
       self.up = param(rngs, (rank, dim), KERNEL, param_dtype=param_dtype)
     # Zero bias, as in the paper's reference: the first layer starts as x0 * W x0 + x0.
     self.bias = param(rngs, (dim,), BIAS, init=zeros, param_dtype=param_dtype)
+    # FP8 matmuls (rec/layers/fp8.py); delayed scaling keeps one history per matmul.
+    self.fp8_recipe = None if fp8_recipe is None else fp8.get_recipe(fp8_recipe)
+    if self.fp8_recipe is not None and self.fp8_recipe.delayed:
+      for which in (("",) if rank is None else ("_down", "_up")):
+        setattr(self, "fp8_history" + which, fp8.Fp8History(fp8.empty_history(self.fp8_recipe)))
+
+  def _matmul(self, x, w, which=""):
+    if self.fp8_recipe is None:
+      return x @ w
+    r = self.fp8_recipe
+    hist = getattr(self, "fp8_history" + which)[...] if r.delayed else None
+    return fp8.fp8_matmul(x, w, r, hist)
 
   def __call__(self, x0_BD, x_BD):
     """x0_BD, x_BD: [B, D] (the stack's input and this layer's input). Returns [B, D]."""
@@ -42,9 +55,14 @@ class CrossLayer(nnx.Module):
     dt = self.dtype
     x0_BD, x_BD = x0_BD.astype(dt), x_BD.astype(dt)
     if self.rank is None:
-      h_BD = x_BD @ self.kernel[...].astype(dt)
+      h_BD = self._matmul(x_BD, self.kernel[...].astype(dt))
     else:
-      h_BD = (x_BD @ self.down[...].astype(dt)) @ self.up[...].astype(dt)
+      h_BD = self._matmul(self._matmul(x_BD, self.down[...].astype(dt), "_down"),
+                          self.up[...].astype(dt), "_up")
+    if self.fp8_recipe is not None:
+      fp8.record_error(self, h_BD, lambda: (
+          fp8.reference_matmul(x_BD, self.kernel[...]) if self.rank is None else
+          fp8.reference_matmul(fp8.reference_matmul(x_BD, self.down[...]), self.up[...])))
     return x0_BD * (h_BD + self.bias[...].astype(dt)) + x_BD
 
 
@@ -52,11 +70,15 @@ class CrossNetwork(nnx.Module):
   """`num_layers` stacked cross layers, all crossing with the same x0: [B, D] -> [B, D]."""
 
   def __init__(self, dim: int, num_layers: int, rngs: nnx.Rngs, rank: int | None = None,
-               dtype=jnp.float32, param_dtype=jnp.float32):
+               dtype=jnp.float32, param_dtype=jnp.float32, name: str = "cross",
+               fp8_layers: str = "", fp8_recipe: str = "tensor"):
     if num_layers < 1:
       raise ValueError(f"CrossNetwork: num_layers={num_layers}, expected >= 1")
-    self.layers = nnx.List([CrossLayer(dim, rngs, rank, dtype, param_dtype)
-                            for _ in range(num_layers)])
+    # Layers named `<name>.<index>` that match fp8_layers run their matmuls in FP8.
+    self.layers = nnx.List([
+        CrossLayer(dim, rngs, rank, dtype, param_dtype,
+                   fp8_recipe if fp8.selected(f"{name}.{i}", fp8_layers) else None)
+        for i in range(num_layers)])
 
   def __call__(self, x0_BD):
     x_BD = x0_BD

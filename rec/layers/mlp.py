@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rec.layers import fp8
+
 
 def dlrm_kernel_init(key, shape, dtype=jnp.float32):
   """Normal(0, sqrt(2 / (fan_in + fan_out))) for a [fan_in, fan_out] kernel, as in DLRM."""
@@ -31,7 +33,8 @@ class MLP(nnx.Module):
   """Stack of Linear + ReLU layers; the last ReLU is optional (off for a logit head)."""
 
   def __init__(self, in_features: int, layer_sizes: Sequence[int], rngs: nnx.Rngs,
-               activate_last: bool = True, dtype=jnp.float32, param_dtype=jnp.float32):
+               activate_last: bool = True, dtype=jnp.float32, param_dtype=jnp.float32,
+               name: str = "mlp", fp8_layers: str = "", fp8_recipe: str = "tensor"):
     layer_sizes = tuple(int(s) for s in layer_sizes)
     if not layer_sizes or min(layer_sizes) <= 0 or in_features <= 0:
       raise ValueError(f"MLP: in_features={in_features}, layer_sizes={layer_sizes}; expected a "
@@ -43,11 +46,16 @@ class MLP(nnx.Module):
                                         eager_sharding=False)
     bias_init = nnx.with_partitioning(dlrm_bias_init, ("mlp_out",), eager_sharding=False)
     sizes = (in_features,) + layer_sizes
-    self.layers = nnx.List([
-        nnx.Linear(n_in, n_out, kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,
-                   param_dtype=param_dtype, rngs=rngs)
-        for n_in, n_out in zip(sizes[:-1], sizes[1:])
-    ])
+    # Layers named `<name>.<index>` that match fp8_layers run their matmul in FP8
+    # (rec/layers/fp8.py); the parameters are the same either way.
+    def linear(i, n_in, n_out):
+      kw = dict(kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs)
+      if fp8.selected(f"{name}.{i}", fp8_layers):
+        return fp8.Fp8Linear(n_in, n_out, recipe=fp8_recipe, **kw)
+      return nnx.Linear(n_in, n_out, **kw)
+    self.layers = nnx.List([linear(i, n_in, n_out)
+                            for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:]))])
 
   def __call__(self, x):
     last = len(self.layers) - 1

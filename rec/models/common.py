@@ -46,6 +46,19 @@ def check_dtype(where: str, dtype: str) -> None:
     raise ValueError(f"{where}: dtype={dtype!r}, expected one of {sorted(DTYPES)}")
 
 
+def check_fp8(where: str, cfg) -> None:
+  """cfg.fp8_recipe is known and each fp8_layers pattern names a layer of the model."""
+  from rec.layers import fp8
+  fp8.get_recipe(cfg.fp8_recipe)
+  fp8.check_patterns(cfg.fp8_layers, cfg.fp8_layer_names, where)
+
+
+def uses_delayed_fp8(cfg) -> bool:
+  """Whether a model config has layers with delayed FP8 scaling (whose histories need
+  `rec.layers.fp8.with_fp8_history` around the dense optimizer)."""
+  return bool(getattr(cfg, "fp8_layers", "")) and getattr(cfg, "fp8_recipe", "") == "delayed"
+
+
 def check_inputs(model: str, cfg, dense_BD, emb_BFD) -> None:
   """Shapes of a dense model's inputs against its config; dense_BD may be None (or anything)
   when cfg.num_dense == 0."""

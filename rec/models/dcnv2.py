@@ -89,6 +89,10 @@ class DCNv2Config:
   top_mlp: tuple[int, ...] = (1,)
   feature_names: tuple[str, ...] | None = None
   dtype: str = "float32"   # activation dtype; parameters stay float32, logits are float32
+  # FP8 matmuls (rec/layers/fp8.py) in the layers matching fp8_layers ("", "all", or
+  # patterns over fp8_layer_names such as "cross.*"), with recipe tensor | row | delayed.
+  fp8_layers: str = ""
+  fp8_recipe: str = "tensor"
   # Per table: mean ids per bag (the planner's pooling factor) and row storage; None: 1
   # and "fp32" for every table.
   pooling_factors: tuple[float, ...] | None = None
@@ -116,6 +120,7 @@ class DCNv2Config:
     if not self.top_mlp or self.top_mlp[-1] != 1:
       raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
     common.check_dtype(w, self.dtype)
+    common.check_fp8(w, self)
     for f in ("pooling_factors", "table_storage"):
       v = getattr(self, f)
       if v is not None:
@@ -123,6 +128,14 @@ class DCNv2Config:
         if len(v) != self.num_sparse:
           raise ValueError(f"{w}: {f} has {len(v)} entries, expected one per sparse feature "
                            f"({self.num_sparse})")
+
+  @property
+  def fp8_layer_names(self) -> list[str]:
+    """The layers fp8_layers can pick: bottom_mlp.<i>, cross.<i>, deep_mlp.<i>, top_mlp.<i>."""
+    return ([f"bottom_mlp.{i}" for i in range(len(self.bottom_mlp))]
+            + [f"cross.{i}" for i in range(self.num_cross_layers)]
+            + [f"deep_mlp.{i}" for i in range(len(self.deep_mlp))]
+            + [f"top_mlp.{i}" for i in range(len(self.top_mlp))])
 
   @property
   def cross_dim(self) -> int:
@@ -175,14 +188,16 @@ class DCNv2(nnx.Module):
   def __init__(self, config: DCNv2Config, rngs: nnx.Rngs):
     self.config = cfg = config
     dtype = common.DTYPES[cfg.dtype]
-    self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=True, dtype=dtype)
-                       if cfg.bottom_mlp else None)
+    fp8 = dict(fp8_layers=cfg.fp8_layers, fp8_recipe=cfg.fp8_recipe)
+    self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=True, dtype=dtype,
+                           name="bottom_mlp", **fp8) if cfg.bottom_mlp else None)
     self.cross = CrossNetwork(cfg.cross_dim, cfg.num_cross_layers, rngs,
-                              rank=cfg.cross_rank or None, dtype=dtype)
+                              rank=cfg.cross_rank or None, dtype=dtype, name="cross", **fp8)
     # Stacked: the deep MLP reads the cross output; parallel: x0. Both are X wide.
-    self.deep_mlp = (MLP(cfg.cross_dim, cfg.deep_mlp, rngs, activate_last=True, dtype=dtype)
-                     if cfg.deep_mlp else None)
-    self.top_mlp = MLP(cfg.top_in, cfg.top_mlp, rngs, activate_last=False, dtype=dtype)
+    self.deep_mlp = (MLP(cfg.cross_dim, cfg.deep_mlp, rngs, activate_last=True, dtype=dtype,
+                         name="deep_mlp", **fp8) if cfg.deep_mlp else None)
+    self.top_mlp = MLP(cfg.top_in, cfg.top_mlp, rngs, activate_last=False, dtype=dtype,
+                       name="top_mlp", **fp8)
 
   def __call__(self, dense_BD, emb_BFD):
     """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].

@@ -42,6 +42,10 @@ class DLRMConfig:
   self_interaction: bool = False
   feature_names: tuple[str, ...] | None = None
   dtype: str = "float32"   # activation dtype; parameters stay float32, logits are float32
+  # FP8 matmuls (rec/layers/fp8.py) in the layers matching fp8_layers ("", "all", or
+  # patterns over fp8_layer_names such as "top_mlp.*"), with recipe tensor | row | delayed.
+  fp8_layers: str = ""
+  fp8_recipe: str = "tensor"
 
   def __post_init__(self):
     object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
@@ -63,6 +67,13 @@ class DLRMConfig:
       raise ValueError("DLRMConfig: one embedding and no dense features give no pairwise "
                        "interaction; use self_interaction=True or more features")
     common.check_dtype("DLRMConfig", self.dtype)
+    common.check_fp8("DLRMConfig", self)
+
+  @property
+  def fp8_layer_names(self) -> list[str]:
+    """The layers fp8_layers can pick: bottom_mlp.<i>, top_mlp.<i>."""
+    return ([f"bottom_mlp.{i}" for i in range(len(self.bottom_mlp))]
+            + [f"top_mlp.{i}" for i in range(len(self.top_mlp))])
 
   @property
   def interaction_dim(self) -> int:
@@ -98,11 +109,13 @@ class DLRM(nnx.Module):
     self.config = config
     dtype = common.DTYPES[config.dtype]
     # Bottom MLP ends in a ReLU, as in the reference (its sigmoid_bot = -1).
+    fp8 = dict(fp8_layers=config.fp8_layers, fp8_recipe=config.fp8_recipe)
     self.bottom_mlp = (MLP(config.num_dense, config.bottom_mlp, rngs, activate_last=True,
-                           dtype=dtype) if config.num_dense > 0 else None)
+                           dtype=dtype, name="bottom_mlp", **fp8)
+                       if config.num_dense > 0 else None)
     # The reference's last top layer is a sigmoid; we return the logit before it.
     self.top_mlp = MLP(config.interaction_dim, config.top_mlp, rngs, activate_last=False,
-                       dtype=dtype)
+                       dtype=dtype, name="top_mlp", **fp8)
 
   def __call__(self, dense_BD, emb_BFD):
     """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].

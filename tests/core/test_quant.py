@@ -154,6 +154,29 @@ def test_nbit_hand_computed():
   np.testing.assert_array_equal(quant.unpack_nbit(qr.q, 2, 4), [[0, 0, 2, 3]])
 
 
+# FBGEMM's hand-calculated fused rows (test/QuantUtilsTest.cc,
+# EmbeddingQuantizeFixedNumberTest): row 1 constant, row 2 has range 255 and min -64, and
+# 61.625 becomes 61.5 in float16. Codes, then scale and bias bytes (little-endian).
+_FBGEMM_INPUT = [[1, 1, 1, 1], [-64, -2.75, 61.625, 191]]
+_FBGEMM_FUSED = {
+    8: [[0, 0, 0, 0, 0x00, 0x3c, 0x00, 0x3c], [0, 61, 126, 255, 0x00, 0x3c, 0x00, 0xd4]],
+    4: [[0x00, 0x00, 0x00, 0x3c, 0x00, 0x3c], [0x40, 0xf7, 0x40, 0x4c, 0x00, 0xd4]],
+    2: [[0b00000000, 0x00, 0x3c, 0x00, 0x3c], [0b11010100, 0x50, 0x55, 0x00, 0xd4]],
+}
+_FBGEMM_FUSED_FLOAT = [[0, 0, 0, 0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80, 0x3f],
+                       [0, 61, 126, 255, 0x00, 0x00, 0x80, 0x3f, 0x00, 0x00, 0x80, 0xc2]]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_fbgemm_fixed_number_vectors(bits):
+  x = np.float32(_FBGEMM_INPUT)
+  fused = quant.to_fused_bytes(quant.quantize_rowwise_nbit(x, bits))
+  np.testing.assert_array_equal(fused, _FBGEMM_FUSED[bits])
+  if bits == 8:   # the 8-bit SBFloat layout: scale 0 and bias 1, scale 1 and bias -64
+    fused = quant.to_fused_bytes(quant.quantize_rowwise_int8(x))
+    np.testing.assert_array_equal(fused, _FBGEMM_FUSED_FLOAT)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_round_trip_error_bound(bits):
   """|x - deq(q(x))| <= bound per row (scale/2 for 8-bit, plus fp16 roundings for N-bit),

@@ -334,8 +334,8 @@ def test_registry_and_state_sizes():
     so.get_sparse_optimizer("adamw", 0.1)
   with pytest.raises(ValueError, match="momentum"):
     so.get_sparse_optimizer("sgd", 0.1, momentum=0.9)
-  with pytest.raises(ValueError, match="'int8'"):
-    st.get_storage("int8")
+  with pytest.raises(ValueError, match="'fp16'"):
+    st.get_storage("fp16")
   assert isinstance(st.get_storage("bf16"), st.Bf16Storage)
   with pytest.raises(dataclasses.FrozenInstanceError):
     opt.b1 = 0.1

@@ -1,0 +1,24 @@
+"""experiments.bench_kernels_embedding's mixed-precision rows (int4, int8 / int4 with an fp32
+cache) at toy sizes on CPU, the GPU check bypassed: every implementation runs and the
+cached formats report their hit rate (the numbers themselves need a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import bench_kernels_embedding as bk
+
+
+@pytest.mark.slow   # ~1-2 min: the Pallas kernel in its interpreter, several compiles
+def test_mixed_precision_formats_run(monkeypatch):
+  monkeypatch.setattr(bk, "_require_gpu", lambda what: None)
+  out = bk.bench_embedding_bag(num_rows=64, dim=16, batch=8, features=2, bag_len=3,
+                               dtypes=("int4", "int4_cache"), impls=("pallas", "xla"),
+                               repeats=1, zipf_alpha=1.2, cache_fraction=0.25)
+  rows = {(r["dtype"], r["impl"]): r for r in out["results"]}
+  assert set(rows) == {("int4", "pallas"), ("int4", "xla"), ("int4_cache", "pallas"),
+                       ("int4_cache", "pallas_kernel"), ("int4_cache", "xla")}
+  assert not [r for r in rows.values() if "error" in r]
+  assert 0 < rows[("int4_cache", "xla")]["hit_rate"] <= 1
+  # int4 rows are charged D / 2 + 4 bytes, cached ones 4 D: a full hit rate moves more.
+  assert rows[("int4", "xla")]["bytes"] < rows[("int4_cache", "xla")]["bytes"]
