@@ -1,4 +1,5 @@
-"""absl entry points: `run(main)` is `app.run(main)` whose help exits 0.
+"""absl entry points: `run(main)` is `app.run(main)` whose help exits 0, after starting the
+multi-process runtime when asked (`core.distributed`).
 
 absl prints the help for `--help` / `--helpshort` / `--helpfull` / `--helpxml` and then exits
 with status 1, so scripts and CI cannot tell a help request from a failure; `-h` is an
@@ -8,10 +9,13 @@ unknown flag there. Every `python -m experiments.<name>` calls `run`: the same h
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Sequence
 
 from absl import app
+
+from core import distributed
 
 _HELP = ("help", "?", "helpshort", "helpfull", "helpxml")
 
@@ -38,7 +42,15 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> None:
-  """`app.run(main)`, with help requests (and `-h`) exiting 0."""
+  """`app.run(main)`, with help requests (and `-h`) exiting 0, and the multi-process
+  runtime started first (`core.distributed`: its flags are every entry point's). In a
+  multi-process run only process 0 prints to stdout; every process keeps stderr."""
   argv = list(sys.argv if argv is None else argv)
   argv = argv[:1] + ["--help" if a == "-h" else a for a in argv[1:]]
-  app.run(main, argv=argv, flags_parser=_parse)
+
+  def start(args):
+    if distributed.initialize_from_flags() and not distributed.is_primary():
+      sys.stdout = open(os.devnull, "w")
+    return main(args)
+
+  app.run(start, argv=argv, flags_parser=_parse)

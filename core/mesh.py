@@ -183,12 +183,28 @@ def shardings_for(logical_specs: Any, rules: Rules, mesh: Mesh) -> Any:
   return jax.tree.map(one, logical_specs, is_leaf=lambda x: x is None or isinstance(x, P))
 
 
+def process_batch_share(mesh: Mesh, rules: Rules, batch_axis: str = "batch") -> tuple[int, int]:
+  """(index, count): this process feeds slice `index` of `count` equal slices of the global
+  batch, the rows its devices hold under `rules` (count 1 when the batch dimension is not
+  split across processes: then every process feeds the whole batch)."""
+  n = axis_size(batch_axis, rules, mesh)
+  sharding = NamedSharding(mesh, logical_to_spec((batch_axis,), rules, mesh))
+  spans = {(ix[0].start or 0, n if ix[0].stop is None else ix[0].stop)
+           for ix in sharding.addressable_devices_indices_map((n,)).values()}
+  lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+  if sum(b - a for a, b in spans) != hi - lo or n % (hi - lo) or lo % (hi - lo):
+    raise ValueError(f"process {jax.process_index()} holds batch slices {sorted(spans)} of "
+                     f"{n} under mesh {dict(mesh.shape)}: expected one contiguous, equal share "
+                     "(order the mesh's devices by process)")
+  return lo // (hi - lo), n // (hi - lo)
+
+
 def shard_batch(batch: Any, mesh: Mesh, rules: Rules, batch_axis: str = "batch") -> Any:
   """Places a host batch (pytree of numpy arrays, leading dim = global batch) on the mesh.
 
-  Leading dimensions are split over the mesh axes of `batch_axis`. Written with
-  make_array_from_process_local_data so that several hosts can later each pass their
-  own slice of the batch.
+  Leading dimensions are split over the mesh axes of `batch_axis`. In a multi-process run
+  each process passes its own share of the global batch (`process_batch_share`), through
+  make_array_from_process_local_data.
   """
   n = axis_size(batch_axis, rules, mesh)
 

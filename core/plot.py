@@ -8,9 +8,11 @@ from typing import Sequence
 
 
 def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: str = "curves.png") -> str | None:
-  """Writes `<workdir>/<out_name>` with train loss and the chosen eval metrics over steps."""
+  """Writes `<workdir>/<out_name>` with train loss and the chosen eval metrics over steps
+  (process 0 of a multi-process run; None elsewhere or without metrics)."""
+  import jax
   path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  if jax.process_index() != 0 or not os.path.exists(path):
     return None
   import matplotlib
   matplotlib.use("Agg")

@@ -1,5 +1,5 @@
 """Writing an experiment's results.json: atomically (temp file + rename), numpy scalars as
-numbers, anything else JSON cannot hold as its str()."""
+numbers, anything else JSON cannot hold as its str(); once per job (process 0)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from typing import Any
 
 
 def write_json(obj: Any, path: str) -> str:
-  """Writes `obj` as indented JSON to `path` through a temporary file; returns the path."""
+  """Writes `obj` as indented JSON to `path` through a temporary file; returns the path.
+  In a multi-process run only process 0 writes."""
+  import jax
+  if jax.process_index() != 0:
+    return path
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w") as f:

@@ -39,6 +39,7 @@ import numpy as np
 from absl import logging
 
 from core import checkpoint as ckpt_lib
+from core import distributed
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class TrainConfig:
   nonfinite: str = "stop"            # stop | skip: what a non-finite loss or grad norm does
   check_every: int = 100             # at most this many steps between finiteness checks
   max_skipped_in_a_row: int = 10     # nonfinite="skip": stop after this many in a row
+  hang_timeout_s: float = 1800.0     # multi-process: a loop stuck this long ends the job
   nonfinite_hint: str = "lower the learning rate"  # what to try, named by the entry point
 
 
@@ -70,7 +72,7 @@ class TrainConfig:
 # run goes and what it reports, never the state or the batches it sees).
 LOOP_SETTINGS = ("steps", "eval_every", "checkpoint_every", "log_every", "stop_at_step",
                  "workdir", "max_to_keep", "prefetch", "tensorboard", "nonfinite",
-                 "check_every", "max_skipped_in_a_row")
+                 "check_every", "max_skipped_in_a_row", "hang_timeout_s")
 # Metrics that must stay finite; a task reports the ones it has.
 FINITE_METRICS = ("loss", "grad_norm")
 
@@ -115,10 +117,14 @@ class Evaluator(Protocol):
 
 
 class MetricWriter:
-  """Scalars to `<workdir>/metrics.jsonl` and TensorBoard event files under `<workdir>/tb`."""
+  """Scalars to `<workdir>/metrics.jsonl` and TensorBoard event files under `<workdir>/tb`;
+  in a multi-process run only process 0 writes (the others' writers do nothing)."""
 
   def __init__(self, workdir: str, resume_step: int | None, tensorboard: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._f = self._tb = None
+    if not distributed.is_primary():
+      return
     if resume_step is not None and os.path.exists(self.path):
       # Drop records past the checkpoint: the resumed run writes them again.
       with open(self.path) as f:
@@ -135,6 +141,8 @@ class MetricWriter:
       self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step)
 
   def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
+    if self._f is None:
+      return
     rec = {"step": step, "split": split, **{k: float(v) for k, v in scalars.items()}}
     self._f.write(json.dumps(rec) + "\n")
     self._f.flush()
@@ -143,7 +151,8 @@ class MetricWriter:
         self._tb.add_scalar(f"{split}/{k}", float(v), step)
 
   def close(self) -> None:
-    self._f.close()
+    if self._f is not None:
+      self._f.close()
     if self._tb is not None:
       self._tb.close()
 
@@ -165,7 +174,10 @@ class Progress:
   def begin(self, step: int) -> None:  # after the first (compiling) step
     self.t0, self.step0, self.examples = time.perf_counter(), step, 0
 
-  def line(self, step: int, scalars: dict[str, float]) -> str:
+  def line(self, step: int, scalars: dict[str, float],
+           peers: dict[int, int] | None = None) -> str:
+    """The progress line; `peers` ({process: last published step}) adds how many
+    processes of a multi-process run have reported and the slowest one's step."""
     if self.t0 is None or step == self.step0:
       rate, ex_rate, eta = 0.0, 0.0, "?"
     else:
@@ -174,8 +186,12 @@ class Progress:
       ex_rate = self.examples / dt
       eta = _fmt_time((self.total - step) / rate)
     vals = " ".join(f"{k} {v:.4f}" for k, v in scalars.items())
+    procs = ""
+    if jax.process_count() > 1:
+      procs = (f" | {len(peers or {})}/{jax.process_count()} processes reporting, slowest at "
+               f"step {min((peers or {0: 0}).values())}")
     return (f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {rate:.2f} steps/s | "
-            f"{ex_rate:,.0f} ex/s | {vals} | ETA {eta}")
+            f"{ex_rate:,.0f} ex/s | {vals} | ETA {eta}{procs}")
 
 
 def _prefetch(it: Iterator[Any], fn: Callable[[Any], Any], depth: int) -> Iterator[Any]:
@@ -243,6 +259,20 @@ def _describe_run(meta: dict[str, Any], step: int) -> str:
 def check_resume(cfg: TrainConfig) -> int | None:
   """Checks `cfg.workdir` before anything is built; returns the step to resume from.
 
+  Every process of a multi-process run calls it together: barriers around it keep any of
+  them from creating the checkpoint directory while another still looks for it (they
+  must all take the same branch, or orbax's collective calls would pair up wrongly).
+  """
+  distributed.barrier("check_resume_begin")
+  try:
+    return _check_resume(cfg)
+  finally:
+    distributed.barrier("check_resume_end")
+
+
+def _check_resume(cfg: TrainConfig) -> int | None:
+  """`check_resume` for one process.
+
   With `overwrite`, first deletes the checkpoints, metrics.jsonl and TensorBoard events a
   previous run left there. A checkpoint without `resume` is a RunSettingsError saying how
   to resume or overwrite. With `resume`, the settings saved with the latest checkpoint are
@@ -255,10 +285,13 @@ def check_resume(cfg: TrainConfig) -> int | None:
   if cfg.overwrite:
     removed = [p for p in (ckpt_dir, os.path.join(cfg.workdir, "tb"),
                            os.path.join(cfg.workdir, "metrics.jsonl")) if os.path.exists(p)]
-    for p in removed:
-      shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    if removed:
-      print(f"--overwrite: removed {', '.join(removed)}", flush=True)
+    distributed.barrier("overwrite_listed")      # every process has looked before any deletes
+    if distributed.is_primary():
+      for p in removed:
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+      if removed:
+        print(f"--overwrite: removed {', '.join(removed)}", flush=True)
+    distributed.barrier("overwrite_done")
   if not os.path.isdir(ckpt_dir):
     return None
   ckpt = ckpt_lib.Checkpointer(cfg.workdir, cfg.max_to_keep)
@@ -344,7 +377,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     train_step = functools.partial(task.train_step, skip_nonfinite=True)
   settings = run_settings(cfg)
   ckpt = ckpt_lib.Checkpointer(cfg.workdir, cfg.max_to_keep)
-  writer = None
+  writer = watchdog = None
   try:
     state = task.init_state(cfg.seed)
     start = 0
@@ -447,10 +480,12 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     step = start
     batches = _prefetch(train_batches(start), task.device_batch, cfg.prefetch)
     t_last = time.perf_counter()
+    watchdog = distributed.Watchdog(cfg.hang_timeout_s)
     while step < end:
       host, dev = next(batches)
       state, metrics = step_fn(state, dev)
       step += 1
+      watchdog.beat(step)
       n = task.examples_in(host)
       pending.append((step, metrics))
       if step == start + 1:
@@ -465,7 +500,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
         now = time.perf_counter()
         train_time += now - t_last
         writer.write(step, "train", scalars)
-        print(progress.line(step, scalars), flush=True)
+        print(progress.line(step, scalars, watchdog.peers()), flush=True)
         t_last = now
       elif cfg.check_every and step % cfg.check_every == 0:
         drain(keep_last=1)
@@ -492,6 +527,8 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     else:
       print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
   finally:
+    if watchdog is not None:
+      watchdog.close()
     if writer is not None:
       writer.close()
     ckpt.close()

@@ -170,6 +170,9 @@ def run(cfg, mesh, *, seq_len: int, cached_len: int = 0, batch: int = 1,
                                              bandwidth=bandwidth):
     fn, args, cp_logits, cp_s = timed_call(cp_model)
     used = ring_variant_in(fn.trace(*args).jaxpr.jaxpr)
+  if not cp_logits.is_fully_addressable:   # several processes: every one gets all of it
+    from jax.experimental import multihost_utils
+    cp_logits = multihost_utils.process_allgather(cp_logits, tiled=True)
   diff = float(np.max(np.abs(np.asarray(cp_logits) - ref_logits)))
   # The rule ring_attention applies at trace time: T new tokens, KV = the P + T cache slots.
   rule = ring.select_variant(variant, new_tokens=seq_len, cached_tokens=cached_len,

@@ -92,6 +92,7 @@ def main(argv):
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   from core import checkpoint as ckpt_lib
+  import jax
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
@@ -132,15 +133,18 @@ def main(argv):
     sys.exit(f"train_lm: {e}")
   loop_cfg = dataclasses.replace(loop_cfg, overwrite=False)
   task = lm_lib.LMTask(cfg, optim, mesh)
+  share = dict(zip(("shard_index", "num_shards"),
+                   mesh_lib.process_batch_share(mesh, mesh_lib.LLM_RULES, "act_batch")))
   train_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
-                         seed=FLAGS.seed)
+                         seed=FLAGS.seed, **share)
   eval_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
-                        split="eval", eval_batches=FLAGS.eval_batches)
+                        split="eval", eval_batches=FLAGS.eval_batches, **share)
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  with open(os.path.join(FLAGS.workdir, "model_config.json"), "w") as f:
-    json.dump(config_lib.config_to_dict(cfg), f, indent=2)
-  if tok is not None:
-    copy_tokenizer(tok, FLAGS.workdir)
+  if jax.process_index() == 0:
+    with open(os.path.join(FLAGS.workdir, "model_config.json"), "w") as f:
+      json.dump(config_lib.config_to_dict(cfg), f, indent=2)
+    if tok is not None:
+      copy_tokenizer(tok, FLAGS.workdir)
   unit = "byte" if tok is None else "token"
   print(f"mesh {dict(mesh.shape)} | Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.2f}M params, "
         f"{cfg.flops_per_token(FLAGS.seq_len) / 1e6:.1f} MFLOPs/token (train) | "

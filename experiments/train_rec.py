@@ -43,6 +43,12 @@ def define_flags() -> None:
       "one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. wukong: also "
       "l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the scaling ladder).")
   flags.DEFINE_integer("embedding_dim", 0, "Embedding dim; 0 keeps the preset's.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dense activation / matmul "
+                    "dtype (parameters stay float32).")
+  flags.DEFINE_string("fp8_layers", "", "Dense layers whose matmuls run in FP8 (dlrm, dcnv2): "
+                      "'all', or patterns such as top_mlp.*,cross.0 (rec/layers/fp8.py).")
+  flags.DEFINE_enum("fp8_recipe", "tensor", ["tensor", "row", "delayed"], "FP8 scaling: per "
+                    "tensor or per row (current amax), or per tensor from an amax history.")
   flags.DEFINE_string(
       "data", "synthetic",
       "synthetic | synthetic_deep (planted Criteo-shaped data; options after ':', e.g. "
@@ -81,7 +87,16 @@ def define_flags() -> None:
   flags.DEFINE_enum("sharding", "auto", ["auto", "dp", "tw", "rw", "cw", "twrw"], "Embedding sharding: auto = planner.")
   flags.DEFINE_string("sharding_overrides", "", "Per-table kinds, e.g. C1=tw,C3=rw.")
   flags.DEFINE_float("memory_budget_gb", 16.0, "Per-device embedding memory budget for the planner.")
-  flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16"], "Embedding row storage.")
+  flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache",
+                                        "int4_cache"],
+                    "Embedding row storage: bf16 rounds updates to nearest, bf16_sr "
+                    "stochastically; int8 / int4 are FBGEMM row-wise rows updated with "
+                    "stochastic rounding; *_cache adds an fp32 cache of the hot rows (arXiv "
+                    "2010.11305).")
+  flags.DEFINE_float("cache_fraction", 0.05, "--storage=int8_cache / int4_cache: cache size as "
+                     "a fraction of each device's rows (the paper: int8 0.05, int4 0.01).")
+  flags.DEFINE_enum("cache_policy", "lfu", ["lfu", "lru"], "--storage=*_cache: which rows the "
+                    "cache keeps, the most frequently or the most recently used.")
   flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
   flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
   flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column; empty = the first named label/click/clicked/y.")
@@ -121,6 +136,10 @@ def main(argv):
 
   cfg = configs.RecRunConfig.from_flags(FLAGS)
   cfg.validate()
+  import jax
+  if jax.process_count() > 1 and not FLAGS.workdir:
+    sys.exit(f"train_rec: a run of {jax.process_count()} processes needs --workdir (the same "
+             "directory on shared storage for every process)")
   workdir = FLAGS.workdir or default_workdir(cfg.model)
   mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
   settings = {**dataclasses.asdict(cfg), "epochs": FLAGS.epochs,

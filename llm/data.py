@@ -53,7 +53,7 @@ class TextSource:
 
   def __init__(self, path: str, seq_len: int, batch_size: int, *, tokenizer=None,
                split: str = "train", eval_fraction: float = 0.05, seed: int = 0,
-               eval_batches: int | None = None):
+               eval_batches: int | None = None, shard_index: int = 0, num_shards: int = 1):
     if not os.path.isfile(path):
       raise FileNotFoundError(f"--text={path!r}: no such file")
     if split not in ("train", "eval"):
@@ -71,15 +71,28 @@ class TextSource:
       raise ValueError(
           f"{path}: the {split} part has {len(self.tokens)} {unit}, fewer than seq_len + 2 = "
           f"{seq_len + 2}; use a longer file or a shorter --seq_len")
+    if num_shards < 1 or not 0 <= shard_index < num_shards or batch_size % num_shards:
+      raise ValueError(f"TextSource: shard {shard_index} of {num_shards} with batch_size="
+                       f"{batch_size}: expected 0 <= shard < num_shards dividing the batch")
     self.path, self.seq_len, self.batch_size = path, seq_len, batch_size
     self.split, self.seed, self.eval_batches = split, seed, eval_batches
+    self.shard_index, self.num_shards = shard_index, num_shards
+
+  def _share(self, b: LMBatch) -> LMBatch:
+    """This shard's rows [i * n, (i + 1) * n) of a global batch (n = batch / shards)."""
+    if self.num_shards == 1:
+      return b
+    n = self.batch_size // self.num_shards
+    rows = slice(self.shard_index * n, (self.shard_index + 1) * n)
+    return jax.tree.map(lambda x: x[rows], b)
 
   def batch(self, k: int) -> LMBatch:
-    """Train batch number k: uniform random windows drawn from (seed, k)."""
+    """Train batch number k: uniform random windows drawn from (seed, k) (this shard's
+    rows of it)."""
     rng = np.random.default_rng([self.seed, k])
     starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
     idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-    return _batch_from_windows(self.tokens[idx])
+    return self._share(_batch_from_windows(self.tokens[idx]))
 
   def batches(self, start: int = 0) -> Iterator[LMBatch]:
     if self.split == "train":
@@ -104,7 +117,7 @@ class TextSource:
       win = np.stack(chunk + [np.zeros(t1, self.tokens.dtype)] * (self.batch_size - real))
       mask = np.zeros((self.batch_size, self.seq_len), np.float32)
       mask[:real] = 1.0
-      yield _batch_from_windows(win, mask)
+      yield self._share(_batch_from_windows(win, mask))
 
 
 # Byte-level text: a TextSource without a tokenizer.

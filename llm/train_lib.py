@@ -271,9 +271,12 @@ class LMTask:
       host = _single_sequences(host)
     return mesh_lib.shard_batch(host, self.mesh, self.rules, batch_axis="act_batch")
 
-  @staticmethod
-  def examples_in(host: LMBatch) -> int:
-    return int(np.sum(host.mask))   # tokens: the loop's examples/s is tokens/s here
+  def examples_in(self, host: LMBatch) -> int:
+    """Tokens of the global batch (the loop's examples/s is tokens/s here): a host batch
+    is this process's share of it."""
+    if not hasattr(self, "_shares"):
+      self._shares = mesh_lib.process_batch_share(self.mesh, self.rules, "act_batch")[1]
+    return int(np.sum(host.mask)) * self._shares
 
   def train_step(self, state, batch: LMBatch, skip_nonfinite: bool = False):
     """One AdamW step. skip_nonfinite: a step whose loss or gradient norm is NaN or inf

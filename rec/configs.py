@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any, Callable
 
+import jax
+import numpy as np
 from flax import nnx
 
 from core import flops as flops_lib
@@ -21,6 +23,7 @@ from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.config import ShardingKind, TableConfig
+from rec.layers import fp8 as fp8_lib
 from rec.models import dcnv2 as dcnv2_lib
 from rec.models import dhen as dhen_lib
 from rec.models import dlrm as dlrm_lib
@@ -34,6 +37,9 @@ class RecRunConfig:
   model: str = "dlrm"                 # dlrm | dcnv2 | dhen | wukong | logreg
   preset: str = "kaggle"              # per model, see MODEL_PRESETS; kaggle = its Criteo default
   embedding_dim: int = 0              # 0: the preset's; else overrides it (and the tables')
+  dtype: str = "float32"              # dense activations: float32 | bfloat16 (not logreg)
+  fp8_layers: str = ""                # FP8 dense matmuls (dlrm, dcnv2): "", "all", "top_mlp.*"
+  fp8_recipe: str = "tensor"          # tensor | row | delayed (rec/layers/fp8.py)
   data: str = "synthetic"             # synthetic[_deep] | criteo:DIR | ... (rec.data.sources)
   num_rows: int = 100_000             # hashed rows per sparse feature
   mesh: str = "-1"
@@ -47,7 +53,9 @@ class RecRunConfig:
   sharding: str = "auto"              # auto | dp | tw | rw | cw | twrw
   sharding_overrides: str = ""        # "C1=tw,C3=rw"
   memory_budget_gb: float = 16.0      # per device, for the planner
-  storage: str = "fp32"               # fp32 | bf16 embedding rows
+  storage: str = "fp32"               # embedding rows: one of STORAGES
+  cache_fraction: float = 0.05        # int8_cache / int4_cache: fp32 cache, fraction of rows
+  cache_policy: str = "lfu"           # int8_cache / int4_cache: lfu | lru
   bad_lines: str = "error"            # error | skip
   seed: int = 0
   csv_label: str = ""                 # csv:DIR label column; "" = inferred
@@ -78,6 +86,27 @@ class RecRunConfig:
         raise ValueError(f"--{name}={getattr(self, name)}: expected >= 1")
     if not (math.isfinite(self.memory_budget_gb) and self.memory_budget_gb > 0):
       raise ValueError(f"--memory_budget_gb={self.memory_budget_gb}: expected a number > 0")
+    if self.fp8_recipe not in fp8_lib.RECIPES:
+      raise ValueError(f"--fp8_recipe={self.fp8_recipe!r}: expected one of {list(fp8_lib.RECIPES)}")
+    if self.storage not in STORAGES:
+      raise ValueError(f"--storage={self.storage!r}: expected one of {list(STORAGES)}")
+    if not (math.isfinite(self.cache_fraction) and 0 < self.cache_fraction <= 1):
+      raise ValueError(f"--cache_fraction={self.cache_fraction}: expected a number in (0, 1]")
+    if self.cache_policy not in ("lfu", "lru"):
+      raise ValueError(f"--cache_policy={self.cache_policy!r}: expected 'lfu' or 'lru'")
+
+  def table_storage(self) -> str:
+    """The storage name of the tables (rec/embedding/storage.py get_storage), with the
+    cache settings for int8_cache / int4_cache, e.g. "int8_cache:lfu:0.05"."""
+    if self.storage.endswith("_cache"):
+      return f"{self.storage}:{self.cache_policy}:{self.cache_fraction:g}"
+    return self.storage
+
+
+# Embedding row storages (--storage): float rows (bf16 rounded to nearest or
+# stochastically), FBGEMM row-wise int8 / int4 rows, and those with an fp32 cache of the hot
+# rows (arXiv 2010.11305; --cache_fraction, --cache_policy).
+STORAGES = ("fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache", "int4_cache")
 
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
@@ -180,6 +209,10 @@ def model_config(cfg: RecRunConfig, spec):
   if cfg.model == "logreg":
     if cfg.embedding_dim not in (0, 1):
       raise ValueError(f"--embedding_dim={cfg.embedding_dim}: logreg's tables are dim 1")
+    if cfg.dtype != "float32" or cfg.fp8_layers:
+      raise ValueError(f"--dtype={cfg.dtype!r}, --fp8_layers={cfg.fp8_layers!r} with "
+                       "--model=logreg: logreg has no dense layers to run in low precision "
+                       "(expected float32 and no FP8 layers)")
     return logreg_lib.LogRegConfig(num_dense=spec.num_dense, num_sparse=len(names),
                                    rows_per_feature=rows, feature_names=names)
   if cfg.model not in MODEL_PRESETS:
@@ -191,6 +224,13 @@ def model_config(cfg: RecRunConfig, spec):
     raise ValueError(f"--preset={cfg.preset!r} for --model={cfg.model}: expected one of "
                      f"{sorted(presets) + extra}")
   over: dict[str, Any] = dict(num_dense=spec.num_dense, num_sparse=len(names), feature_names=names)
+  if cfg.dtype != "float32":
+    over["dtype"] = cfg.dtype
+  if cfg.fp8_layers:
+    if cfg.model not in ("dlrm", "dcnv2"):
+      raise ValueError(f"--fp8_layers={cfg.fp8_layers!r} with --model={cfg.model}: FP8 layers "
+                       "are wired into dlrm and dcnv2")
+    over.update(fp8_layers=cfg.fp8_layers, fp8_recipe=cfg.fp8_recipe)
   if spec.num_dense == 0:
     over["bottom_mlp"] = ()
   mcfg = make(rows, **over)
@@ -264,18 +304,29 @@ def build_run(cfg: RecRunConfig, devices=None):
       cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
       seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches,
       csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical,
-      mesh=mesh)
+      mesh=mesh, **dict(zip(("shard_index", "num_shards"),
+                            mesh_lib.process_batch_share(mesh, mesh_lib.REC_RULES))))
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
   if cfg.storage != "fp32":
-    tables = [dataclasses.replace(t, storage=cfg.storage) for t in tables]
+    tables = [dataclasses.replace(t, storage=cfg.table_storage()) for t in tables]
   sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
   plan = make_plan(cfg, tables, n, sparse_opt)
-  coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale)
-  task = RecTask(model_fn, coll, make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate), mesh)
+  coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,
+                             storage_seed=cfg.seed)
+  dense_tx = make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate)
+  if cfg.fp8_layers and cfg.fp8_recipe == "delayed":   # amax histories ride their gradients
+    dense_tx = fp8_lib.with_fp8_history(dense_tx)
+  task = RecTask(model_fn, coll, dense_tx, mesh)
   return task, train_src, eval_src, plan, mesh
 
 
 def steps_for(epochs: float, train_src) -> int:
+  """Steps of `epochs` passes over the train source; with several processes, over the
+  smallest process share (every process must run the same number of steps)."""
   if train_src.num_batches is None:
     raise ValueError("--epochs needs a finite data set; synthetic data is infinite: use --steps")
-  return max(1, math.floor(epochs * train_src.num_batches))
+  nb = train_src.num_batches
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    nb = int(np.min(multihost_utils.process_allgather(np.int64(nb))))
+  return max(1, math.floor(epochs * nb))

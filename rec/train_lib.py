@@ -118,7 +118,11 @@ class RecTask:
 
   @staticmethod
   def examples_in(host: SparseBatch) -> int:
-    return int(host.batch_size)
+    """Examples of the global batch: a host batch is this process's share of it (equal
+    shares), a batch drawn on device is the global batch itself."""
+    if isinstance(host.labels, jax.Array):
+      return int(host.batch_size)
+    return int(host.batch_size) * jax.process_count()
 
   # --- steps
 

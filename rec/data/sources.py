@@ -176,10 +176,15 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                  ) -> tuple[BatchSource, BatchSource]:
   """(train, eval) sources for a `--data` value; see the module docstring for the forms.
 
-  shard_index / num_shards pick this process's disjoint share of the file lines (of the
-  synthetic batch streams). eval_batches applies to synthetic only. csv_label / csv_dense /
-  csv_categorical give the csv form's column roles (None or '' = inferred, 'none' = no
-  columns, else comma-separated names). mesh: where `gen=device` synthetic batches are
+  Batch sizes are global; shard_index / num_shards make the sources of process
+  `shard_index` of `num_shards` yield its share of each global batch: rows [i*b, (i+1)*b)
+  of it (b = batch / num_shards) for synthetic and criteo_bin data, whose global batches
+  are then the same for every process count; for the line readers, every num_shards-th
+  line (record % num_shards == shard_index), so a global batch holds the same lines in
+  a process-count dependent order, and the eval streams are padded to equal lengths.
+  eval_batches applies to synthetic only. csv_label / csv_dense / csv_categorical give
+  the csv form's column roles (None or '' = inferred, 'none' = no columns, else
+  comma-separated names). mesh: where `gen=device` synthetic batches are
   drawn (split over the mesh axes of the logical "batch" axis); None = the default device.
   """
   eval_batch_size = eval_batch_size or batch_size
@@ -210,6 +215,11 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
   if not os.path.isdir(d):
     raise ValueError(f"--data={data!r}: {d!r} is not a directory")
   common = dict(bad_lines=bad_lines, shard_index=shard_index, num_shards=num_shards)
+  if kind != "criteo_bin":   # line sources take this shard's batch size
+    for what, b in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+      if b % num_shards:
+        raise ValueError(f"--{what}={b} is not divisible by the {num_shards} processes")
+    batch_size, eval_batch_size = batch_size // num_shards, eval_batch_size // num_shards
   if kind == "criteo_bin":
     from rec.data import criteo_bin
     shards = dict(shard_index=shard_index, num_shards=num_shards)
@@ -228,7 +238,7 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                               form=train.form, fields_from=train.fields_from,
                               drop_remainder=False, repeat=False, **common)
     print(f"--data={data}: {train.describe()}", flush=True)
-    return train, evals
+    return _even(train, evals, num_shards)
   if kind == "csv":
     train_files, eval_files = split_files(data, d, (".csv", ".csv.gz"), "train.csv[.gz]")
     train = csv_data.CsvSource(train_files, batch_size, rows, label=csv_label or None,
@@ -237,7 +247,7 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     evals = csv_data.CsvSource(eval_files, eval_batch_size, rows, columns=train.columns,
                                drop_remainder=False, repeat=False, **common)
     print(f"--data={data}: {train.describe()}", flush=True)
-    return train, evals
+    return _even(train, evals, num_shards)
   if kind == "criteo":
     train_files, eval_files = criteo_files(data, d)
     cls = criteo.CriteoSource
@@ -247,4 +257,12 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     cls = avazu.AvazuSource
   train = cls(train_files, batch_size, rows, drop_remainder=True, repeat=True, **common)
   evals = cls(eval_files, eval_batch_size, rows, drop_remainder=False, repeat=False, **common)
+  return _even(train, evals, num_shards)
+
+
+def _even(train, evals, num_shards: int):
+  """Line sources of several processes: every process's eval runs the same number of
+  batches (the shards' counts differ by up to one; the short ones end with padding)."""
+  if num_shards > 1:
+    evals.pad_to_batches = evals.max_shard_batches()
   return train, evals

@@ -237,6 +237,10 @@ class LineSource:
     self._bad: set[int] = set()              # record numbers of the bad lines found so far
     self._first_bad: str | None = None       # "file:line: message" of the first one
     self._bad_complete = bad_lines == "error"  # True once every bad line of the shard is known
+    self._total_records: int | None = None   # records of all shards, bad ones included
+    # Non-repeating sources: pad the epoch with empty batches (mask 0) up to this many, so
+    # that every process of a multi-process eval runs the same number of steps.
+    self.pad_to_batches: int | None = None
 
   # --- what a subclass provides ------------------------------------------------------------
 
@@ -266,16 +270,30 @@ class LineSource:
 
   @property
   def num_batches(self) -> int:
-    """Batches per epoch: full batches only when dropping the remainder, else rounded up."""
+    """Batches per epoch: full batches only when dropping the remainder, else rounded up
+    (at least `pad_to_batches` when set)."""
     n = self.num_examples
-    return n // self.batch_size if self.drop_remainder else math.ceil(n / self.batch_size)
+    nb = n // self.batch_size if self.drop_remainder else math.ceil(n / self.batch_size)
+    return max(nb, self.pad_to_batches or 0)
+
+  def max_shard_batches(self) -> int:
+    """An upper bound, the same in every shard, on any shard's batches per epoch (padded
+    last batch included): ceil(ceil(records / num_shards) / batch_size), bad lines counted."""
+    self._count_records()
+    per_shard = math.ceil(self._total_records / self.num_shards)
+    return math.ceil(per_shard / self.batch_size)
 
   def batches(self, start: int = 0) -> Iterator[SparseBatch]:
     """Batch `start`, `start + 1`, ... of this source's sequence (forever when repeating)."""
     if start < 0:
       raise ValueError(f"{self.name}: start={start}, expected >= 0")
     if not self.repeat:
-      yield from self._epoch(start)
+      produced = start
+      for b in self._epoch(start):
+        produced += 1
+        yield b
+      for _ in range(produced, self.pad_to_batches or 0):
+        yield self._empty_batch()
       return
     first = 0
     if start > 0:
@@ -415,6 +433,10 @@ class LineSource:
       return
     yield self._batch(_concat(pending), slice(0, have), B)
 
+  def _empty_batch(self) -> SparseBatch:
+    """A batch of padding only (mask 0)."""
+    return self._batch(self._parse([]), slice(0, 0), self.batch_size)
+
   def _batch(self, parsed: Parsed, rows: slice, B: int) -> SparseBatch:
     """Rows of `parsed` as one SparseBatch of size B, padded with mask 0 when short."""
     dense, ids, labels = parsed.dense[rows], parsed.ids[rows], parsed.labels[rows]
@@ -447,6 +469,7 @@ class LineSource:
             tail = block[-1:]
           if tail != b"\n":
             total += 1  # a last line without its newline
+      self._total_records = total
       self._num_records = len(range(self.shard_index, total, self.num_shards))
     return self._num_records
 

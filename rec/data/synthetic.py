@@ -43,6 +43,7 @@ import itertools
 import math
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
 
 from rec.data.batch import DataSpec, SparseBatch
@@ -161,7 +162,9 @@ class SyntheticCriteo:
   """Criteo-shaped batches (dense log-counts, Zipf ids in one-hot or fixed-size multi-hot
   bags) with a planted logistic signal.
 
-  Shards (one per host) share the hidden model and draw disjoint batch streams.
+  Shards (one per process) share the hidden model and the batch stream: shard i of n
+  yields rows [i * b, (i + 1) * b) of each global batch of `batch_size` rows (b =
+  batch_size / n), so the global batches are the same for every process count.
   """
 
   def __init__(self, batch_size: int, rows_per_feature: int | Sequence[int] = 100_000,
@@ -185,6 +188,9 @@ class SyntheticCriteo:
                        ">= 0, >= 0")
     if not 0 <= shard_index < num_shards:
       raise ValueError(f"SyntheticCriteo: shard_index={shard_index}, expected in [0, {num_shards})")
+    if batch_size % num_shards:
+      raise ValueError(f"SyntheticCriteo: batch_size={batch_size} is not divisible by "
+                       f"num_shards={num_shards}")
     if num_batches is not None and num_batches < 0:
       raise ValueError(f"SyntheticCriteo: num_batches={num_batches}, expected None or >= 0")
     self.multi_hot = check_multi_hot(multi_hot, num_sparse, "SyntheticCriteo")
@@ -239,9 +245,14 @@ class SyntheticCriteo:
       yield self.batch(k)
 
   def batch(self, k: int) -> SparseBatch:
-    """Batch number k of this split (of this shard: global batch k * num_shards + shard_index)."""
-    g = k * self.num_shards + self.shard_index
-    return self._draw(np.random.default_rng([self.seed, SPLITS[self.split], g]), self.batch_size)[0]
+    """Batch number k of this split (of this shard: its rows of global batch k)."""
+    full = self._draw(np.random.default_rng([self.seed, SPLITS[self.split], k]),
+                      self.batch_size)[0]
+    if self.num_shards == 1:
+      return full
+    b = self.batch_size // self.num_shards
+    rows = slice(self.shard_index * b, (self.shard_index + 1) * b)
+    return jax.tree.map(lambda x: x[rows], full)
 
   # --- the hidden model -------------------------------------------------------------------
 

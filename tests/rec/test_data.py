@@ -292,6 +292,30 @@ def test_criteo_shards_are_disjoint_and_cover(tmp_path):
   assert sorted(seen) == list(range(25))
 
 
+def test_sources_of_several_processes_split_each_global_batch(tmp_path):
+  """make_sources with num_shards: global batch sizes, each process's share of every global
+  batch (the same lines as one process, interleaved), eval streams of equal length."""
+  d = tmp_path / "k"
+  d.mkdir()
+  write(d, "train.txt", numbered_criteo(40))
+  write(d, "valid.txt", numbered_criteo(5))        # 9 eval lines: 5 + 4 per shard,
+  write(d, "test.txt", numbered_criteo(4))         # 2 and 1 batches of 4
+  one_tr, one_ev = sources.make_sources(f"criteo:{d}", 8, eval_batch_size=8, num_rows=1000)
+  parts = [sources.make_sources(f"criteo:{d}", 8, eval_batch_size=8, num_rows=1000,
+                                shard_index=s, num_shards=2) for s in range(2)]
+  for k, batch in enumerate(take(one_tr.batches(), 3)):
+    shares = [take(tr.batches(k), 1)[0] for tr, _ in parts]
+    assert all(b.batch_size == 4 for b in shares)
+    assert sorted(np.concatenate([line_index([b]) for b in shares])) == sorted(line_index([batch]))
+  evs = [list(ev.batches()) for _, ev in parts]
+  assert len(evs[0]) == len(evs[1]) == parts[0][1].num_batches == 2      # shard 1 padded
+  assert evs[1][-1].mask.sum() == 0 and evs[0][-1].mask.sum() == 1     # the padding batch
+  got = sorted(np.concatenate([line_index(e) for e in evs]))
+  assert got == sorted(line_index(list(one_ev.batches())))
+  with pytest.raises(ValueError, match="--batch_size=9 is not divisible by the 2 processes"):
+    sources.make_sources(f"criteo:{d}", 9, num_rows=1000, shard_index=0, num_shards=2)
+
+
 def test_criteo_eval_padding_and_train_remainder(tmp_path):
   path = write(tmp_path, "t.txt", numbered_criteo(10))
   ev = criteo.CriteoSource(path, 4, 1000, drop_remainder=False, repeat=False)
@@ -438,9 +462,18 @@ def test_synthetic_determinism_shapes_and_ranges():
   test = synthetic.SyntheticCriteo(64, rows, seed=3, split="test")
   assert not np.array_equal(test.batch(0).ids, x.ids)
   assert synthetic.SyntheticCriteo(64, rows, seed=3).num_batches is None
-  # shard s of n draws global batches s, s + n, ...
-  sh = synthetic.SyntheticCriteo(64, rows, seed=3, shard_index=1, num_shards=2)
-  assert_batches_equal([sh.batch(1)], [all_a[3]])
+  # shard s of n yields rows [s*b, (s+1)*b) of every global batch: the same global batches
+  # for any number of processes
+  halves = [synthetic.SyntheticCriteo(64, rows, seed=3, shard_index=s, num_shards=2,
+                                      num_batches=5) for s in range(2)]
+  for k in (0, 3):
+    both = [h.batch(k) for h in halves]
+    assert both[0].batch_size == 32
+    for name in ("dense", "ids", "lengths", "labels", "mask"):
+      np.testing.assert_array_equal(np.concatenate([getattr(h, name) for h in both]),
+                                    getattr(all_a[k], name), err_msg=name)
+  with pytest.raises(ValueError, match="not divisible by num_shards=3"):
+    synthetic.SyntheticCriteo(64, rows, shard_index=0, num_shards=3)
 
 
 def test_zipf_ranks_match_exact_pmf():

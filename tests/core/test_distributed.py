@@ -1,0 +1,205 @@
+"""Several processes through jax.distributed (core/distributed.py) on loopback, each with its
+own simulated CPU devices, against one process holding all of them: the same parameters,
+metrics and logits; checkpoints that resume on other process counts; a dead process ends
+the job. The processes are started and ended by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from core import distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REC = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
+       "--eval_batches=2", "--log_every=2", "--heartbeat_timeout_s=15"]
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  env.pop("JAX_COORDINATOR_ADDRESS", None)
+  return env
+
+
+def _start(module: str, args: list[str], processes: int, devices: int, tmp) -> list:
+  """Starts `processes` processes of `module`, `devices` CPU devices each."""
+  if processes == 1:
+    cmd = [[sys.executable, "-m", module, *args]]
+  else:
+    port = _port()
+    cmd = [[sys.executable, "-m", module, *args, f"--coordinator_address=127.0.0.1:{port}",
+            f"--num_processes={processes}", f"--process_id={i}"] for i in range(processes)]
+  procs = []
+  for i, c in enumerate(cmd):
+    out = open(tmp / f"{module}.{len(os.listdir(tmp))}.p{i}.log", "w+")
+    procs.append((subprocess.Popen(c, cwd=REPO, env=_env(devices), stdout=out,
+                                   stderr=subprocess.STDOUT), out))
+  return procs
+
+
+def _wait(procs, timeout: float = 420) -> list[str]:
+  """Waits for every process (killing all of them past `timeout`); returns their logs."""
+  deadline = time.monotonic() + timeout
+  try:
+    for p, _ in procs:
+      p.wait(timeout=max(deadline - time.monotonic(), 1))
+  finally:
+    for p, _ in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  logs = []
+  for p, f in procs:
+    f.seek(0)
+    logs.append(f.read())
+    f.close()
+  return logs
+
+
+def _run(module, args, processes, devices, tmp) -> dict:
+  """Runs to completion; every process must succeed; returns process 0's last JSON line."""
+  procs = _start(module, args, processes, devices, tmp)
+  logs = _wait(procs)
+  for (p, _), log in zip(procs, logs):
+    assert p.returncode == 0, log[-4000:]
+  return json.loads([l for l in logs[0].splitlines() if l.startswith("{")][-1])
+
+
+def _state(workdir) -> dict[str, np.ndarray]:
+  """The latest checkpoint's arrays, read on one device (any topology)."""
+  import jax
+  import orbax.checkpoint as ocp
+  mgr = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                              item_handlers={"state": ocp.StandardCheckpointHandler()})
+  step = mgr.latest_step()
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
+                        mgr.item_metadata(step)["state"])
+  state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+  mgr.close()
+  return {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(state["state"])}
+
+
+def _same_state(a, b, atol):
+  sa, sb = _state(a), _state(b)
+  assert sa.keys() == sb.keys()
+  for k in sa:
+    if sa[k].dtype.kind == "f":
+      np.testing.assert_allclose(sa[k], sb[k], rtol=0, atol=atol, err_msg=k)
+    else:
+      np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+# Cross-process all-reduces (gloo) add the devices' partial sums in another order than one
+# process's in-memory reduction: parameters move by float32 rounding of the gradient sums
+# (a few 1e-8 per step at these sizes, seen up to 2e-7 after 10 steps); 1e-6 leaves room.
+ATOL = 1e-6
+
+
+def test_train_rec_two_processes_equal_one_and_resume_on_other_counts(tmp_path):
+  two = _run("experiments.train_rec", REC + ["--steps=4", f"--workdir={tmp_path / 'two'}"],
+             2, 4, tmp_path)
+  one = _run("experiments.train_rec", REC + ["--steps=4", f"--workdir={tmp_path / 'one'}"],
+             1, 8, tmp_path)
+  assert two["mesh"] == one["mesh"] == {"data": 8}
+  assert two["test_auc"] == one["test_auc"] and two["test_examples"] == one["test_examples"]
+  np.testing.assert_allclose(two["test_logloss"], one["test_logloss"], rtol=1e-6)
+  _same_state(tmp_path / "two", tmp_path / "one", ATOL)
+  assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
+  # The 2-process checkpoint continues on 1 process (8 devices) and on 4 (2 devices each)
+  # exactly as the uninterrupted 1-process run of 6 steps.
+  straight = _run("experiments.train_rec", REC + ["--steps=6", f"--workdir={tmp_path / 's6'}"],
+                  1, 8, tmp_path)
+  for name, procs, devs in (("r1", 1, 8), ("r4", 4, 2)):
+    shutil.copytree(tmp_path / "two", tmp_path / name)
+    out = _run("experiments.train_rec",
+               REC + ["--steps=6", "--resume", f"--workdir={tmp_path / name}"], procs, devs,
+               tmp_path)
+    assert out["steps"] == 6 and out["test_auc"] == straight["test_auc"], name
+    _same_state(tmp_path / name, tmp_path / "s6", ATOL)
+
+
+def test_llama_cp_prefill_and_fsdp_tp_cp_training_across_processes(tmp_path):
+  # CP prefill over 8 ranks split across 2 processes: the ring's ppermutes cross processes.
+  for variant in ("pass_kv", "pass_q"):
+    out = _run("experiments.cp_prefill", ["--mesh=cp:8", "--seq_len=64", f"--variant={variant}",
+                                          "--repeats=1", f"--workdir={tmp_path / variant}"],
+               2, 4, tmp_path)
+    assert out["passed"] and out["variant_used"] == variant and out["max_abs_diff"] < 1e-4
+  # Training with FSDP x CP x TP over 2 processes equals one process with the 8 devices.
+  args = ["--text=README.md", "--mesh=fsdp:2,cp:2,tp:2", "--attention_impl=ring_pass_kv",
+          "--steps=3", "--seq_len=32", "--batch_size=4", "--log_every=1", "--eval_batches=1"]
+  two = _run("experiments.train_lm", args + [f"--workdir={tmp_path / 'lm2'}"], 2, 4, tmp_path)
+  one = _run("experiments.train_lm", args + [f"--workdir={tmp_path / 'lm1'}"], 1, 8, tmp_path)
+  np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-6)
+  _same_state(tmp_path / "lm2", tmp_path / "lm1", ATOL)
+
+
+def test_a_killed_process_ends_the_job(tmp_path):
+  procs = _start("experiments.train_rec",
+                 REC + ["--steps=100000", "--log_every=5", "--heartbeat_timeout_s=10",
+                        f"--workdir={tmp_path / 'run'}"], 2, 4, tmp_path)
+  log0 = procs[0][1]
+  try:
+    deadline = time.monotonic() + 300
+    while "step 10/" not in open(log0.name).read():
+      assert time.monotonic() < deadline and procs[0][0].poll() is None, open(log0.name).read()
+      time.sleep(1)
+    procs[1][0].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    procs[0][0].wait(timeout=60)                   # ends on its own, within a minute
+    waited = time.monotonic() - t0
+  finally:
+    logs = _wait(procs, timeout=5)
+  assert procs[0][0].returncode != 0 and waited < 60
+  assert "stopped sending heartbeats" in logs[0] or "heartbeat timeout" in logs[0], logs[0][-3000:]
+
+
+def test_watchdog_ends_a_loop_that_stops(monkeypatch):
+  exits = []
+  dog = distributed.Watchdog(0.4, exit_fn=exits.append)
+  assert not dog._on                                 # one process: nothing runs
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  dog = distributed.Watchdog(0.4, publish_s=1e9, exit_fn=exits.append)
+  dog.beat(1)
+  time.sleep(0.2)
+  dog.beat(2)
+  assert not exits
+  deadline = time.monotonic() + 10
+  while not exits and time.monotonic() < deadline:
+    time.sleep(0.05)
+  dog.close()
+  assert exits == [3]
+
+
+def test_initialize_settings_are_checked(monkeypatch):
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(k, raising=False)
+  assert distributed.initialize() is False           # nothing asks for several processes
+  with pytest.raises(ValueError, match="without --coordinator_address"):
+    distributed.initialize(num_processes=2, process_id=1)
+  with pytest.raises(ValueError, match="needs --num_processes and --process_id"):
+    distributed.initialize("127.0.0.1:1234", num_processes=2)
+  with pytest.raises(ValueError, match=r"--process_id=2: expected in \[0, --num_processes=2\)"):
+    distributed.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "x")
+  with pytest.raises(ValueError, match=r"\$JAX_NUM_PROCESSES='x': expected an integer"):
+    distributed.initialize()
