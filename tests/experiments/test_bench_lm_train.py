@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import bench_lm_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,6 +19,7 @@ def test_peak_table():
   assert bench_lm_train.peak_flops("cpu", "bfloat16") is None
 
 
+@pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_tiny_preset_runs_with_breakdown(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")

@@ -46,6 +46,7 @@ def test_criteo_baselines_toy(tmp_path):
   assert all(r["eval_examples"] == 800 and 0.5 < r["auc"] < 1 for r in out["results"])
 
 
+@pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_bench_kernels_interpret_check(tmp_path):
   out = _run("experiments.bench_kernels", ["--interpret_check", f"--workdir={tmp_path}"])
   assert out["interpret_check"] == "ok"

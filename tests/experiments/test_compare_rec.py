@@ -25,6 +25,7 @@ def _run(args):
   return out.stdout.strip().splitlines()
 
 
+@pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_synthetic_two_models_two_seeds(tmp_path):
   lines = _run(TINY + ["--models=dlrm:small,wukong", "--presets=wukong=small", "--seeds=0,1",
                        "--steps=6", "--eval_batches=2", f"--workdir={tmp_path}"])

@@ -134,6 +134,7 @@ def test_generate_llama2c_with_tokenizer_bin(tmp_path):
   assert "--prompt needs a tokenizer" in err and "--tokenizer=PATH" in err
 
 
+@pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_train_lm_with_tokenizer_then_generate(tmp_path):
   tok_path = train_bpe(str(tmp_path / "tok"), config={"bos_token": "<s>", "eos_token": "</s>"})
   tok = T.load_tokenizer(tok_path)

@@ -167,6 +167,7 @@ def test_size_pattern_presets():
 
 # ---------------------------------------------------------------------------- end to end
 
+@pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_experiment_end_to_end(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   args = ["--models=dlrm:w16,dlrm:w64,wukong:l1_n2_k4_w16,wukong:l1_n4_k4_w32", "--steps=4",

@@ -511,6 +511,7 @@ def test_bench_refuses_on_cpu():
     bench_kernels_embedding.bench_embedding_bag(num_rows=10, batch=2, features=1, bag_len=1)
 
 
+@pytest.mark.slow   # a benchmark end to end; CI's default suite keeps to its time
 def test_bench_runs_every_format_and_isolates_failures(monkeypatch):
   """The GPU benchmark's own logic on CPU at a toy size (kernels interpreted, the GPU
   check and the copy timing stubbed): every format and sweep config gives a row, and an

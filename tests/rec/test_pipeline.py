@@ -117,10 +117,10 @@ def test_synthetic_form_options():
   train, ev = sources.make_sources(f"synthetic_deep:multi_hot={sizes}", 8, num_rows=100)
   assert train.multi_hot == ev.multi_hot == SIZES and train.teacher == "deep"
   from rec.data import device_synthetic
-  dev, dev_eval = sources.make_sources("synthetic_deep:gen=device,multi_hot=mlperf", 8,
+  dev, dev_eval = sources.make_sources(f"synthetic_deep:gen=device,multi_hot={sizes}", 8,
                                        num_rows=100, eval_batches=2)
   assert isinstance(dev, device_synthetic.DeviceSynthetic) and dev.teacher == "deep"
-  assert dev.multi_hot == synthetic.MLPERF_MULTI_HOT and dev_eval.num_batches == 2
+  assert dev.multi_hot == SIZES and dev_eval.num_batches == 2
   for bad in ["synthetic:multi_hot=3-2", "synthetic:multi_hot=x", "synthetic:zipf_alpha=-1",
               "synthetic:gen=gpu",
               "synthetic:multi_hot=" + "-".join(["0"] * 26), "synthetic:colour=red"]:
