@@ -126,6 +126,17 @@ def decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new):
   return out_BN, n_done
 
 
+def check_prompts(prompts, vocab_size: int, where: str) -> None:
+  """At least one prompt, none empty, every id in [0, vocab_size); errors name `where`."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError(f"{where}: prompt lengths {[len(p) for p in prompts]}; expected at least "
+                     "one prompt and no empty prompt")
+  for i, p in enumerate(prompts):
+    bad = [t for t in p if not 0 <= int(t) < vocab_size]
+    if bad:
+      raise ValueError(f"{where}: prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
+
+
 def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_tokens=(), rng: jax.Array | None = None,
@@ -141,14 +152,7 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
   by default C = T/N + ceil((max_new_tokens - 1) / N); a given max_len must be N * C or more
   with N dividing it."""
   cfg = model.cfg
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError(f"generate: prompt lengths {[len(p) for p in prompts]}; expected at least "
-                     "one prompt and no empty prompt")
-  for i, p in enumerate(prompts):
-    bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
-    if bad:
-      raise ValueError(f"generate: prompt {i} has token ids {bad[:5]} outside "
-                       f"[0, {cfg.vocab_size})")
+  check_prompts(prompts, cfg.vocab_size, "generate")
   if max_new_tokens < 0:
     raise ValueError(f"generate: max_new_tokens={max_new_tokens}, expected >= 0")
   if max_new_tokens == 0:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm.generate import _sample, filtered_logits
+from llm.generate import _sample, check_prompts, filtered_logits
 from llm.model import SENTINEL_POS, KVCache, Llama
 from llm.speculative import accept as accept_lib
 from llm.speculative import tree as tree_lib
@@ -246,14 +246,7 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
   sampling), decoded by draft trees of `shape`. max_len: cache slots (default
   `cache_slots(longest prompt, max_new_tokens, shape)`)."""
   cfg = target.cfg
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError(f"speculative_generate: prompt lengths {[len(p) for p in prompts]}; "
-                     "expected at least one prompt and no empty prompt")
-  for i, p in enumerate(prompts):
-    bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
-    if bad:
-      raise ValueError(f"speculative_generate: prompt {i} has token ids {bad[:5]} outside "
-                       f"[0, {cfg.vocab_size})")
+  check_prompts(prompts, cfg.vocab_size, "speculative_generate")
   if draft.cfg.dim != cfg.dim or draft.cfg.vocab_size != cfg.vocab_size:
     raise ValueError(f"speculative_generate: draft head for dim {draft.cfg.dim}, vocab "
                      f"{draft.cfg.vocab_size}; the target has dim {cfg.dim}, vocab "
