@@ -7,17 +7,13 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
+from tests.experiments.entry import DATA
+from tests.experiments.entry import REPO
+from tests.experiments.entry import run_entry
 
 
 def _run(module, args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return run_entry(module, args)[1]
 
 
 def test_bench_embedding_toy(tmp_path):

@@ -3,32 +3,25 @@
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from experiments import cp_model
 from llm import perf_model as pm
 from llm.config import get_config
+from tests.experiments.entry import run_entry
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = get_config("llama3_405b")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("cp_model")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-m", "experiments.cp_model", f"--workdir={workdir}",
-                        "--curve_points=30"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
+  stdout, summary = run_entry("experiments.cp_model",
+                              [f"--workdir={workdir}", "--curve_points=30"], timeout=300)
   with open(workdir / "results.json") as f:
     res = json.load(f)
-  return workdir, out.stdout, json.loads(out.stdout.strip().splitlines()[-1]), res
+  return workdir, stdout, summary, res
 
 
 def test_every_point_reported(run):

@@ -4,27 +4,20 @@ per variant): CI skips it; tests/rec/test_fp8.py covers the library fast."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.experiments.entry import run_entry
 
 
 @pytest.mark.slow
 def test_runs_end_to_end(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run(
-      [sys.executable, "-m", "experiments.fp8_probe", f"--workdir={tmp_path}",
-       "--models=dlrm:small", "--steps=4", "--batch_size=64", "--eval_batch_size=128",
-       "--eval_batches=1", "--num_rows=200", "--variants=fp32,bf16,fp8_delayed",
-       "--probe_recipes=row", "--probe_batches=1", "--timing_steps=1", "--timing_repeats=1",
-       "--max_logloss_increase=1.0"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  summary = json.loads(out.stdout.strip().splitlines()[-1])
+  stdout, summary = run_entry(
+      "experiments.fp8_probe",
+      [f"--workdir={tmp_path}", "--models=dlrm:small", "--steps=4", "--batch_size=64",
+       "--eval_batch_size=128", "--eval_batches=1", "--num_rows=200",
+       "--variants=fp32,bf16,fp8_delayed", "--probe_recipes=row", "--probe_batches=1",
+       "--timing_steps=1", "--timing_repeats=1", "--max_logloss_increase=1.0"])
   (label, m), = summary["models"].items()
   assert label == "dlrm:small"
   # A threshold of 100% makes every layer safe, so no fp8_safe variant is added.
@@ -39,4 +32,4 @@ def test_runs_end_to_end(tmp_path):
   assert [r["layer"] for r in probe["layers"]] == names and probe["recipe"] == "row"
   assert set(model["step_times"]["variants"]) == {"fp32", "bf16", "fp8_delayed"}
   assert os.path.getsize(tmp_path / "fp8_probe.png") > 10_000
-  assert "out SQNR" in out.stdout and "FP8 emulated" in out.stdout
+  assert "out SQNR" in stdout and "FP8 emulated" in stdout

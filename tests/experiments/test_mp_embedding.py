@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from rec import configs
 from rec import mp_embedding
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
-
-
-def _run(module, args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
+from tests.experiments.entry import DATA
+from tests.experiments.entry import run_entry as _run
 
 
 def test_config_storage_names_and_errors():

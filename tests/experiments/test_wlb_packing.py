@@ -2,29 +2,22 @@
 
 import json
 import os
-import subprocess
-import sys
 
 from llm.packing.cost import CostModel
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.experiments.entry import run_entry
 
 
 def test_wlb_packing_end_to_end(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
   cost = tmp_path / "cost.json"
-  out = subprocess.run(
-      [sys.executable, "-m", "experiments.wlb_packing", f"--workdir={tmp_path}",
-       "--cost_model=flops", f"--save_cost_model={cost}", "--context=8192", "--steps=16",
-       "--windows=1,2", "--queues=1,2", "--cp=4", "--cp_steps=1", "--tile_q=32",
-       "--tile_kv=32", "--doc_median=256", "--tail_min=2048", "--tail_prob=0.02"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  summary = json.loads(out.stdout.strip().splitlines()[-1])
+  stdout, summary = run_entry(
+      "experiments.wlb_packing",
+      [f"--workdir={tmp_path}", "--cost_model=flops", f"--save_cost_model={cost}",
+       "--context=8192", "--steps=16", "--windows=1,2", "--queues=1,2", "--cp=4", "--cp_steps=1",
+       "--tile_q=32", "--tile_kv=32", "--doc_median=256", "--tail_min=2048",
+       "--tail_prob=0.02"], timeout=300)
   assert set(summary) >= {"original", "fixed_greedy_1", "fixed_greedy_2", "wlb_1q", "wlb_2q",
                           "wlb_2q_delay", "cp_original_sequence", "cp_original_document"}
-  assert "original" in out.stdout and "paper" in out.stdout
+  assert "original" in stdout and "paper" in stdout
   with open(tmp_path / "results.json") as f:
     res = json.load(f)
   assert [r["name"] for r in res["rows"]][0] == "original" and res["rows"][0]["paper"] == 1.44

@@ -1,0 +1,23 @@
+"""Running an entry point as a user would: `python -m experiments.<name> --flags` in a fresh
+process on one CPU device, from the repository root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
+
+
+def run_entry(module: str, args, timeout: int = 600):
+  """Runs `python -m module *args`; asserts it exits 0 and returns (stdout, the JSON of its
+  last stdout line)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
