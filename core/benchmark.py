@@ -1,4 +1,5 @@
-"""Timing helpers for benchmark scripts: warm up, repeat, take medians."""
+"""Timing helpers for benchmark scripts: warm up, repeat, take medians; the device's copy
+bandwidth and its dense peak FLOP/s (the ceilings figures are compared with)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,61 @@ def time_steps(step: Callable[[Any], Any], state: Any, steps: int, repeats: int,
 
 def median(xs):
   return statistics.median(xs)
+
+
+def time_call(fn: Callable[[], Any], repeats: int, warmup: int = 2, steps: int = 1) -> float:
+  """Median seconds of one call of `fn()` (arguments closed over are not donated), over
+  `repeats` repeats of `steps` calls each, after `warmup` untimed calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    for _ in range(steps):
+      out = fn()
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t) / steps)
+  return median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+  """Device memory bandwidth in bytes/s: a jitted x + 1 over `nbytes` of float32, counting
+  the read and the write of every element (median over repeats)."""
+  import jax.numpy as jnp
+  x = jnp.zeros((max(nbytes // 4, 1),), jnp.float32)
+  copy = jax.jit(lambda a: a + 1.0)      # one read and one write per element, not elided
+  return 2 * x.nbytes / time_call(lambda: copy(x), repeats)
+
+
+# Dense (no sparsity) tensor-core peak FLOP/s by device kind, per compute dtype; float32 is
+# the TF32 rate XLA uses for fp32 matmuls on these GPUs. Matched by substring, first wins.
+PEAK_FLOPS = (
+    ("H100 PCIe", {"bfloat16": 756e12, "float32": 378e12}),
+    ("H100 NVL", {"bfloat16": 835e12, "float32": 418e12}),
+    ("H100", {"bfloat16": 989e12, "float32": 494e12}),       # SXM
+    ("H200", {"bfloat16": 989e12, "float32": 494e12}),
+    ("GH200", {"bfloat16": 989e12, "float32": 494e12}),
+    ("B200", {"bfloat16": 2250e12, "float32": 1100e12}),
+    ("A100", {"bfloat16": 312e12, "float32": 156e12}),
+    ("L40S", {"bfloat16": 362e12, "float32": 183e12}),
+    ("L4", {"bfloat16": 121e12, "float32": 60e12}),
+)
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+  """Dense peak FLOP/s of one device of this kind for `dtype` compute; None if unknown."""
+  for name, peaks in PEAK_FLOPS:
+    if name.lower() in device_kind.lower():
+      return peaks.get(dtype)
+  return None
+
+
+def is_out_of_memory(error: BaseException | str) -> bool:
+  """Whether an exception (or its text) is the device running out of memory: XLA's
+  RESOURCE_EXHAUSTED, the allocator's "Out of memory" / "out of memory"."""
+  text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+  low = text.lower()
+  return "resource_exhausted" in low or "out of memory" in low or "oom when" in low
 
 
 def machine() -> dict[str, Any]:

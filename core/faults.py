@@ -239,13 +239,16 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int, width: int,
              fault: FaultModel, criterion: Callable[[jax.Array, jax.Array], jax.Array],
-             trials: int, key: jax.Array, chunk: int = 256) -> dict[str, Any]:
+             trials: int, key: jax.Array, chunk: int = 256,
+             record: bool = False) -> dict[str, Any]:
   """PVF of a group of `size` values: `trials` faults, each on a uniform value and example.
 
   faulty(data, elem, mask, example) -> output of one trial (`data`: the arrays it reads,
   passed to the jitted function as arguments, never baked in as constants; int32 elem in
   [0, size), uint32 mask, int32 example in [0, num_examples)); mask 0 must give the
-  fault-free output. Returns {trials, changed, nonfinite, pvf, ci_low, ci_high}.
+  fault-free output. Returns {trials, changed, nonfinite, pvf, ci_low, ci_high}; with
+  `record`, also "records": {elem, mask, example, changed} numpy arrays [trials], each
+  trial as drawn (so an independent computation can replay it).
   """
   if size < 1 or num_examples < 1 or trials < 1:
     raise ValueError(f"estimate: size={size}, num_examples={num_examples}, trials={trials}; "
@@ -265,6 +268,7 @@ def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int
     return ch, bad
 
   changed = nonfinite = done = 0
+  records: dict[str, list[np.ndarray]] = {"elem": [], "mask": [], "example": [], "changed": []}
   k_e, k_m, k_x = jax.random.split(key, 3)
   for i, s in enumerate(range(0, trials, chunk)):
     n = min(chunk, trials - s)
@@ -277,6 +281,12 @@ def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int
     changed += int(np.asarray(ch)[:n].sum())
     nonfinite += int(np.asarray(bad)[:n].sum())
     done += n
+    if record:
+      for k, v in (("elem", elem), ("mask", mask), ("example", ex), ("changed", ch)):
+        records[k].append(np.asarray(v)[:n])
   lo, hi = wilson(changed, done)
-  return {"trials": done, "changed": changed, "nonfinite": nonfinite, "pvf": changed / done,
-          "ci_low": lo, "ci_high": hi}
+  out = {"trials": done, "changed": changed, "nonfinite": nonfinite, "pvf": changed / done,
+         "ci_low": lo, "ci_high": hi}
+  if record:
+    out["records"] = {k: np.concatenate(v) for k, v in records.items()}
+  return out

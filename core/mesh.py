@@ -31,6 +31,10 @@ EXTRA_AXES = "__extra_axes__"
 REC_RULES: Rules = (
     ("batch", ("data", "model")),
     ("emb_shard", ("data", "model")),
+    # DMT's SPTT (arXiv 2403.00877): tower groups across "data" (hosts), a tower's row
+    # shards within one group over "model" (a host's devices, the fast links)
+    ("emb_tower", "data"),
+    ("emb_tower_shard", "model"),
     ("embed", None),
     ("mlp_in", None),       # dense MLP weights: replicated (data-parallel dense part)
     ("mlp_out", None),

@@ -1,4 +1,5 @@
-"""Plots a run's metrics.jsonl (train loss, eval metrics) to a PNG beside results.json."""
+"""Plots a run's metrics.jsonl (train loss, eval metrics) to a PNG beside results.json, and
+plain tick labels for log axes."""
 
 from __future__ import annotations
 
@@ -38,3 +39,21 @@ def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: s
   fig.savefig(out, dpi=110)
   plt.close(fig)
   return out
+
+
+def plain_log_labels(ax, which: str) -> None:
+  """Tick labels of a log axis (`which` "x" or "y" of matplotlib axes `ax`) as plain
+  numbers. Minor ticks are labeled too when the axis spans less than a decade, only at 2x
+  and 5x when it spans less than three (else they crowd)."""
+  import math
+
+  from matplotlib import ticker
+  lo, hi = ax.get_xlim() if which == "x" else ax.get_ylim()
+  axis = ax.xaxis if which == "x" else ax.yaxis
+
+  def minor(v, _):
+    mantissa = round(v / 10 ** math.floor(math.log10(v)), 6) if v > 0 else 0
+    return f"{v:.3g}" if hi < 10 * lo or (hi < 1000 * lo and mantissa in (2, 5)) else ""
+
+  axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
+  axis.set_minor_formatter(ticker.FuncFormatter(minor))

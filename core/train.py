@@ -109,6 +109,7 @@ class Task(Protocol):
   def device_batch(self, host_batch: Any) -> Any: ...
   def new_evaluator(self) -> "Evaluator": ...
   def examples_in(self, host_batch: Any) -> int: ...
+  # Optional: `example_unit`, what examples_in counts, for the progress line ("ex" if absent).
 
 
 class Evaluator(Protocol):
@@ -163,10 +164,12 @@ def _fmt_time(s: float) -> str:
 
 
 class Progress:
-  """One line every `log_every` steps: step, steps/s, examples/s, loss, ETA."""
+  """One line every `log_every` steps: step, steps/s, examples/s (or the task's own unit,
+  `Task.example_unit`, e.g. tokens), loss, ETA. Each report is a line of its own, so a log
+  file holds one line per report."""
 
-  def __init__(self, total: int, start: int):
-    self.total, self.start = total, start
+  def __init__(self, total: int, start: int, unit: str = "ex"):
+    self.total, self.start, self.unit = total, start, unit
     self.t0 = None
     self.step0 = start
     self.examples = 0
@@ -191,7 +194,7 @@ class Progress:
       procs = (f" | {len(peers or {})}/{jax.process_count()} processes reporting, slowest at "
                f"step {min((peers or {0: 0}).values())}")
     return (f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {rate:.2f} steps/s | "
-            f"{ex_rate:,.0f} ex/s | {vals} | ETA {eta}{procs}")
+            f"{ex_rate:,.0f} {self.unit}/s | {vals} | ETA {eta}{procs}")
 
 
 def _prefetch(it: Iterator[Any], fn: Callable[[Any], Any], depth: int) -> Iterator[Any]:
@@ -396,7 +399,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     step_fn = jax.jit(train_step, donate_argnums=0)
     eval_fn = jax.jit(task.eval_step)
     end = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
-    progress = Progress(cfg.steps, start)
+    progress = Progress(cfg.steps, start, getattr(task, "example_unit", "ex"))
     last_eval: dict[str, float] = dict(meta.get("last_eval", {}))
     skipped = int(meta.get("skipped_steps", 0))
     skip_run = 0
@@ -472,7 +475,18 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
         return
       drain()
       t = time.perf_counter()
-      last_eval = evaluate(task, state, eval_batches(), eval_fn)
+      try:
+        last_eval = evaluate(task, state, eval_batches(), eval_fn)
+      except Exception:
+        # A bad eval batch (a corrupt shard, a malformed line) must not lose the training
+        # before it: the state is checked and saved first, then the error goes on. With
+        # several processes a save needs all of them, and the others may be waiting in an
+        # eval collective: there the failure is reported (core.distributed) instead.
+        if jax.process_count() == 1 and step not in ckpt.all_steps():
+          save(step)
+          print(f"evaluation at step {step} failed; the training so far is saved in "
+                f"{ckpt.directory}/{step} (continue with --resume)", flush=True)
+        raise
       writer.write(step, "eval", last_eval)
       shown = " ".join(f"{k} {v:.4f}" for k, v in last_eval.items() if isinstance(v, float))
       print(f"eval @ step {step}: {shown} ({time.perf_counter() - t:.1f}s)", flush=True)

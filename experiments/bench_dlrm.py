@@ -38,6 +38,7 @@ from absl import app, flags, logging
 
 from core import cli
 from core import results as results_lib
+from experiments.benchmarks import rec as rec_bench
 
 FLAGS = flags.FLAGS
 
@@ -61,48 +62,6 @@ def define_flags() -> None:
   flags.DEFINE_bool("show_plan", False, "Print the MLPerf preset's plans for 1 and 8 devices, exit.")
 
 
-def _mlperf(model: str, preset: str) -> bool:
-  return (model, preset) == ("dcnv2", "mlperf")
-
-
-def build_ours(batch_size: int, rows: int, mesh: str, sharding: str, model: str = "dlrm",
-               preset: str = "kaggle", memory_budget_gb: float = 70.0):
-  """(jitted donated step, state, pool of device batches, devices) for the benchmark."""
-  import jax
-
-  from rec import configs, mlperf
-
-  if _mlperf(model, preset):
-    cfg = mlperf.run_config(batch_size, mesh, sharding, memory_budget_gb)
-    task, train_src, _ = mlperf.build_run(cfg, rows or None)
-  else:
-    cfg = configs.RecRunConfig(model=model, preset=preset, data="synthetic", num_rows=rows,
-                               mesh=mesh, batch_size=batch_size, eval_batch_size=batch_size,
-                               dense_optimizer="adagrad", learning_rate=0.1,
-                               sparse_optimizer="rowwise_adagrad", embedding_learning_rate=0.1,
-                               sharding=sharding, memory_budget_gb=memory_budget_gb)
-    task, train_src, _, _, _ = configs.build_run(cfg)
-  pool = [task.device_batch(train_src.batch(k)) for k in range(8)]
-  state = task.init_state(0)
-  step = jax.jit(task.train_step, donate_argnums=0)
-  return step, state, pool, task.mesh.size
-
-
-def time_ours(step, state, pool, steps: int, repeats: int, warmup: int = 5):
-  from core import benchmark
-
-  i = [0]
-
-  def one(s):
-    b = pool[i[0] % len(pool)]
-    i[0] += 1
-    s, _ = step(s, b)
-    return s
-
-  per_step, state = benchmark.time_steps(one, state, steps, repeats, warmup)
-  return per_step, state
-
-
 def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: int, threads: int):
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torchrec_dlrm.py")
   cmd = [peer_python, script, "--batch_size", str(batch_size), "--rows", str(rows),
@@ -120,22 +79,23 @@ def main(argv):
   from core import benchmark
 
   if FLAGS.show_plan:
-    if not _mlperf(FLAGS.model, FLAGS.preset):
+    if not rec_bench.is_mlperf(FLAGS.model, FLAGS.preset):
       raise app.UsageError("--show_plan is for --model=dcnv2 --preset=mlperf")
     from rec import mlperf
     for n, text in mlperf.plans(memory_budget_gb=FLAGS.memory_budget_gb).items():
       print(f"\n== MLPerf DCNv2 tables on {n} device(s), {FLAGS.memory_budget_gb:g} GiB each ==")
       print(text)
     return
-  if _mlperf(FLAGS.model, FLAGS.preset) and FLAGS.peer_python:
+  if rec_bench.is_mlperf(FLAGS.model, FLAGS.preset) and FLAGS.peer_python:
     raise app.UsageError("--peer_python runs the TorchRec DLRM Kaggle peer only")
   os.makedirs(FLAGS.workdir, exist_ok=True)
   B = FLAGS.batch_size
-  step, state, pool, ndev = build_ours(B, FLAGS.rows, FLAGS.mesh, FLAGS.sharding, FLAGS.model,
-                                       FLAGS.preset, FLAGS.memory_budget_gb)
+  step, state, pool, ndev = rec_bench.build_step(B, FLAGS.rows, FLAGS.mesh, FLAGS.sharding,
+                                                 FLAGS.model, FLAGS.preset,
+                                                 FLAGS.memory_budget_gb)
   ours, peer, peer_info = [], [], None
   for r in range(FLAGS.rounds):
-    per_step, state = time_ours(step, state, pool, FLAGS.steps, FLAGS.repeats)
+    per_step, state = rec_bench.time_step(step, state, pool, FLAGS.steps, FLAGS.repeats)
     ours += [B / t for t in per_step]
     print(f"round {r}: ours     {', '.join(f'{B / t:,.0f}' for t in per_step)} ex/s", flush=True)
     if FLAGS.peer_python:

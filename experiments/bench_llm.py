@@ -5,11 +5,16 @@ and decode time against the memory-bandwidth floor.
   python -m experiments.bench_llm --peer_python=$PEER/bin/python       # + transformers
   python -m experiments.bench_llm --preset=llama32_1b --dtype=bfloat16 --batch=1 \
       --prompt_len=1024 --new_tokens=64                                 # a GPU: ms/token vs floor
+  python -m experiments.bench_llm --checkpoint=gguf:$GGUF --peer_python=$PEER/bin/python \
+      --new_tokens=64                             # a real model (SmolLM2-135M) beside transformers
 
 A ~100M-parameter config (`llama_100m`: dim 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
-vocab 32000) with random weights, fp32. The weights are exported with `llm.weights.save_hf`
-and the peer script (`experiments/peers/hf_llama.py`, run in the peer environment) loads the
-very same tensors into `transformers.LlamaForCausalLM`. Timed per round, ours then the peer
+vocab 32000) with random weights, fp32; or a real checkpoint (--checkpoint=llama2c: | hf: |
+gguf:), prompted with --prompt through its own tokenizer, whose file the peer reads itself
+(transformers' own GGUF dequantization and Q/K un-permutation; an HF directory as it is).
+Random and llama2.c weights are exported with `llm.weights.save_hf`. The peer script
+(`experiments/peers/hf_llama.py`, run in the peer environment) loads the very same tensors
+into `transformers.LlamaForCausalLM`. Timed per round, ours then the peer
 (alternating, so both see the same machine state):
   prefill: the prompt [batch, prompt_len] written into a fresh KV cache, first token sampled;
   decode:  greedy steps with the KV cache, (new_tokens - 1) model calls.
@@ -38,6 +43,8 @@ from absl import flags, logging
 
 from core import cli
 from core import results as results_lib
+from experiments.benchmarks.decode import decode_bytes_per_step  # noqa: F401
+from experiments.benchmarks.decode import time_decode as time_ours
 
 FLAGS = flags.FLAGS
 
@@ -45,7 +52,13 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS).")
+  flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS) of the random "
+                      "model used without --checkpoint.")
+  flags.DEFINE_string("checkpoint", None, "A real checkpoint instead of random weights: "
+                      "llama2c:PATH | hf:DIR | gguf:FILE (llm.checkpoints).")
+  flags.DEFINE_string("prompt", "Once upon a time, there was a little robot who",
+                      "With --checkpoint and its tokenizer: the prompt text of every row "
+                      "(BOS as the tokenizer adds it); --prompt_len is then its length.")
   flags.DEFINE_integer("batch", 1, "Prompts per batch.")
   flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.")
   flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.")
@@ -62,71 +75,9 @@ def define_flags() -> None:
 
 
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:
-  """Device memory bandwidth in bytes/s: a jitted x + 1 over `mib` MiB of uint8, counting
-  the read and the write (median over repeats)."""
-  import time
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  x = jnp.zeros((mib << 20,), jnp.uint8)
-  f = jax.jit(lambda a: a + jnp.uint8(1))
-  jax.block_until_ready(f(x))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t0)
-  return 2 * x.nbytes / float(np.median(times))
-
-
-def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, float]:
-  """(weight bytes, KV-cache bytes) one decode step must read: every parameter once (the
-  embedding table in full only as the tied output projection, else its `batch` rows), and
-  k, v of every layer for `kv_tokens` tokens of each row, in the cache dtype."""
-  import jax
-  import numpy as np
-  from flax import nnx
-  cfg = model.cfg
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  if not cfg.tie_embeddings:
-    emb = model.embed[...]
-    weights -= (emb.shape[0] - batch) * emb.shape[1] * emb.dtype.itemsize
-  item = np.dtype(cfg.cache_dtype or cfg.dtype).itemsize
-  kv = 2 * cfg.n_layers * batch * kv_tokens * cfg.n_kv_heads * cfg.head_dim * item
-  return float(weights), float(kv)
-
-
-def time_ours(model, prompts, new_tokens: int, repeats: int):
-  """(median prefill s, median decode s, generated ids) for greedy generation."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-  from llm import generate as gen
-  graphdef, state = nnx.split(model)
-  tokens = jnp.asarray(prompts, jnp.int32)
-  lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-  stop = jnp.asarray((-1,), jnp.int32)   # no stop token: always new_tokens steps
-  max_len = tokens.shape[1] + new_tokens
-
-  def run():
-    key = jax.random.key(0)
-    t0 = time.perf_counter()
-    tok, cache, key = gen.prefill(graphdef, state, tokens, lengths, key, None, max_len=max_len)
-    jax.block_until_ready((tok, cache))
-    t1 = time.perf_counter()
-    out, _ = gen.decode(graphdef, state, cache, tok, key, None, stop, n_new=new_tokens)
-    out = np.asarray(out)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, out.tolist()
-
-  run()  # compile
-  pre, dec = [], []
-  for _ in range(repeats):
-    p, d, ids = run()
-    pre.append(p)
-    dec.append(d)
-  return pre, dec, ids
+  """Device memory bandwidth in bytes/s over `mib` MiB, read and write counted."""
+  from core import benchmark
+  return benchmark.copy_bandwidth(mib << 20, repeats)
 
 
 def main(argv):
@@ -141,25 +92,43 @@ def main(argv):
   from llm import weights as weights_lib
   from llm.config import get_config
 
-  cfg = get_config(FLAGS.preset)
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  model = model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed))
   hf_dir = os.path.join(FLAGS.workdir, "hf_model")
-  weights = model_lib.weights_from_model(model)
-  weights_lib.save_hf(hf_dir, cfg, weights)
-  if FLAGS.dtype != "float32":
-    # The same weights, stored and computed in bf16 (load_weights casts to each param dtype).
-    cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
-    model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
-    model_lib.load_weights(model, weights)
-  del weights
   rng = np.random.default_rng(FLAGS.seed)
-  prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
+  tok, peer_model = None, None
+  if FLAGS.checkpoint:
+    from llm import checkpoints
+    kind, path = checkpoints.parse_spec(FLAGS.checkpoint)
+    cfg, weights = checkpoints.load_weights(FLAGS.checkpoint)
+    tok = checkpoints.find_tokenizer(FLAGS.checkpoint, None, cfg.vocab_size)
+    # The peer reads the very file: transformers dequantizes a GGUF and undoes llama.cpp's
+    # Q/K permutation itself; an HF directory is read as it is.
+    peer_model = {"gguf": ["--gguf_file", path], "hf": ["--model_dir", path]}.get(kind)
+    name = FLAGS.checkpoint
+  else:
+    cfg = get_config(FLAGS.preset)
+    weights = model_lib.weights_from_model(model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
+    name = FLAGS.preset
+  if peer_model is None and (FLAGS.peer_python or not FLAGS.checkpoint):
+    weights_lib.save_hf(hf_dir, cfg, weights)
+    peer_model = ["--model_dir", hf_dir]
+  # bf16: the same weights, stored and computed in bf16 (load_weights casts to each param's
+  # dtype); the peer keeps fp32.
+  cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+  model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
+  model_lib.load_weights(model, weights)
+  del weights
+  if tok is not None:
+    from llm.checkpoints import text_prompt
+    prompts = [text_prompt(tok, FLAGS.prompt)] * FLAGS.batch
+  else:
+    prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
+  prompt_len = len(prompts[0])
   prompts_file = os.path.join(FLAGS.workdir, "prompts.json")
   with open(prompts_file, "w") as f:
     json.dump(prompts, f)
-  print(f"Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.1f}M params | batch {FLAGS.batch} | "
-        f"prompt {FLAGS.prompt_len} | {FLAGS.new_tokens} new tokens | {FLAGS.dtype}", flush=True)
+  print(f"Llama {name}: {cfg.num_params() / 1e6:.1f}M params | batch {FLAGS.batch} | "
+        f"prompt {prompt_len} | {FLAGS.new_tokens} new tokens | {FLAGS.dtype}", flush=True)
 
   ours = {"prefill": [], "decode": []}
   peer = {"prefill": [], "decode": []}
@@ -174,7 +143,7 @@ def main(argv):
     if FLAGS.peer_python:
       out = subprocess.run(
           [FLAGS.peer_python, os.path.join(os.path.dirname(__file__), "peers", "hf_llama.py"),
-           "--model_dir", hf_dir, "--prompt_ids_file", prompts_file, "--new_tokens",
+           *peer_model, "--prompt_ids_file", prompts_file, "--new_tokens",
            str(FLAGS.new_tokens), "--repeats", str(FLAGS.repeats), "--threads", str(FLAGS.threads)],
           capture_output=True, text=True)
       if out.returncode != 0:
@@ -186,7 +155,7 @@ def main(argv):
       print(f"round {r}: peer prefill {res['prefill_s'] * 1e3:.1f} ms, decode "
             f"{res['decode_ms_per_step']:.2f} ms/step", flush=True)
 
-  n_pre = FLAGS.batch * FLAGS.prompt_len
+  n_pre = FLAGS.batch * prompt_len
   n_dec = FLAGS.batch * (FLAGS.new_tokens - 1)
 
   def rates(t):
@@ -198,13 +167,14 @@ def main(argv):
 
   o, q = rates(ours), rates(peer)
   bandwidth = copy_bandwidth(FLAGS.copy_mb)
-  kv_tokens = FLAGS.prompt_len + (FLAGS.new_tokens - 1) / 2       # filled, mean over steps
+  kv_tokens = prompt_len + (FLAGS.new_tokens - 1) / 2       # filled, mean over steps
   w_bytes, kv_bytes = decode_bytes_per_step(model, FLAGS.batch, kv_tokens)
   floor_ms = (w_bytes + kv_bytes) / bandwidth * 1e3
   o["decode_floor_ms"] = floor_ms
   o["decode_over_floor"] = o["decode_ms_per_step"] / floor_ms
-  summary = {"preset": FLAGS.preset, "params": cfg.num_params(), "batch": FLAGS.batch,
-             "prompt_len": FLAGS.prompt_len, "new_tokens": FLAGS.new_tokens,
+  summary = {"preset": None if FLAGS.checkpoint else FLAGS.preset,
+             "checkpoint": FLAGS.checkpoint, "params": cfg.num_params(), "batch": FLAGS.batch,
+             "prompt_len": prompt_len, "new_tokens": FLAGS.new_tokens,
              "dtype": FLAGS.dtype, "ours": o, "peer": q, "peer_impl": peer_impl,
              "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": w_bytes,
              "kv_bytes_per_step": kv_bytes, "device": jax.devices()[0].device_kind}
@@ -215,9 +185,9 @@ def main(argv):
     summary["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                    for a, b in zip(ours_ids, peer_ids)]
   print(f"\n{'':12s}{'prefill tok/s':>16s}{'decode tok/s':>16s}{'decode ms/step':>16s}")
-  for name, r in (("ours (JAX)", o), ("transformers", q)):
+  for who, r in (("ours (JAX)", o), ("transformers", q)):
     if r:
-      print(f"{name:12s}{r['prefill_tokens_per_s']:16,.0f}{r['decode_tokens_per_s']:16,.1f}"
+      print(f"{who:12s}{r['prefill_tokens_per_s']:16,.0f}{r['decode_tokens_per_s']:16,.1f}"
             f"{r['decode_ms_per_step']:16.2f}")
   print(f"decode floor: ({w_bytes / 1e6:,.1f} MB weights + {kv_bytes / 1e6:,.1f} MB KV cache) / "
         f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth = {floor_ms:.3f} ms per step; ours "
@@ -239,7 +209,7 @@ def main(argv):
                            (axes[1], "decode_tokens_per_s", "decode tokens/s")):
       ax.bar(["ours (JAX)", "transformers"], [o[key], q[key]], color=["tab:blue", "tab:orange"])
       ax.set_title(title)
-    fig.suptitle(f"Llama {FLAGS.preset}, batch {FLAGS.batch}, prompt {FLAGS.prompt_len}, CPU")
+    fig.suptitle(f"Llama {name}, batch {FLAGS.batch}, prompt {prompt_len}, CPU")
     fig.tight_layout()
     fig.savefig(os.path.join(FLAGS.workdir, "bench_llm.png"), dpi=120)
   print(json.dumps(summary), flush=True)

@@ -5,10 +5,11 @@ r"""Is the accelerator fed? Input pipeline alone, train step alone, and end to e
   python -m experiments.bench_pipeline --data=criteo_bin:/path/to/converted
   python -m experiments.bench_pipeline --data=criteo_bin:gen            # a generated binary dir
 
-For each --data: examples/s of the source alone (`batches()`, host or device), of the jitted
-train step alone over batches already on the devices (as experiments.bench_dlrm times it),
-and of `core.train.train` end to end (prefetch, placement, metrics; no eval), and the ratio
-end to end / step, which the target asks to be at least 0.8 at batch 16384 on a GPU.
+For each --data (measured by `experiments.benchmarks.rec.pipeline_rates`): examples/s of
+the source alone (`batches()`, host or device), of the jitted train step alone over batches
+already on the devices (as experiments.bench_dlrm times it), and of `core.train.train` end
+to end (prefetch, placement, metrics; no eval), and the ratio end to end / step, which
+the target asks to be at least 0.8 at batch 16384 on a GPU.
 `criteo_bin:gen` writes --gen_rows random rows in the `rec.data.criteo_bin` layout under
 --workdir once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain.
 The model is DLRM's Criteo Kaggle architecture with --num_rows rows per table.
@@ -25,6 +26,7 @@ from absl import flags, logging
 
 from core import cli
 from core import results as results_lib
+from experiments.benchmarks import rec as rec_bench
 
 FLAGS = flags.FLAGS
 
@@ -45,19 +47,6 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", "runs/bench_pipeline", "results.json, plot, generated data.")
 
 
-def run(data: str, batch_size: int, num_rows: int, model: str, preset: str, mesh: str,
-        steps: int, source_batches: int, gen_dir: str, gen_rows: int) -> dict:
-  from rec import configs, throughput
-  if data == "criteo_bin:gen":
-    data = "criteo_bin:" + throughput.synthetic_bin_dir(gen_dir, gen_rows, num_rows)
-  cfg = configs.RecRunConfig(model=model, preset=preset, data=data, num_rows=num_rows, mesh=mesh,
-                             batch_size=batch_size, eval_batch_size=batch_size, eval_batches=1,
-                             learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
-  task, train_src, _, _, _ = configs.build_run(cfg)
-  return throughput.measure(task, train_src, steps=steps, repeats=3,
-                            source_batches=source_batches)
-
-
 def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
@@ -67,9 +56,9 @@ def main(argv):
   rows = []
   for data in FLAGS.data:
     print(f"measuring {data} ...", flush=True)
-    r = run(data, FLAGS.batch_size, FLAGS.num_rows, FLAGS.model, FLAGS.preset, FLAGS.mesh,
-            FLAGS.steps, FLAGS.source_batches, os.path.join(FLAGS.workdir, "criteo_bin_gen"),
-            FLAGS.gen_rows)
+    r = rec_bench.pipeline_rates(data, FLAGS.batch_size, FLAGS.num_rows, FLAGS.model,
+                                 FLAGS.preset, FLAGS.mesh, FLAGS.steps, FLAGS.source_batches,
+                                 os.path.join(FLAGS.workdir, "criteo_bin_gen"), FLAGS.gen_rows)
     rows.append({"data": data, **r})
   print(f"\n{'data':24}{'source ex/s':>14}{'step ex/s':>14}{'end-to-end':>14}{'e2e/step':>10}")
   for r in rows:

@@ -7,7 +7,7 @@ r"""Context-parallel Llama prefill (arXiv 2411.01783): CP vs no-CP logits and la
   python -m experiments.cp_prefill --mesh=data:2,cp:4 --batch=2 --seq_len=256 --variant=pass_q
 
 Runs a real prefill of `--batch` random prompts through `llm.model.Llama` with random
-weights, twice: with attention_impl "ring_<variant>" under `jax.set_mesh(--mesh)` (the mesh
+weights, twice: with context_parallel=<variant> under `jax.set_mesh(--mesh)` (the mesh
 needs a `cp` axis; it uses the first devices when it needs fewer than are present), and
 without CP (attention_impl "xla", one device). Full prefill: a forward over seq_len tokens
 (load-balanced over the cp ranks, logits back in natural order). Persistent-KV prefill
@@ -56,20 +56,25 @@ def define_flags() -> None:
   module beside other entry points whose flags share names)."""
   flags.DEFINE_string("mesh", "cp:-1", "Mesh with a cp axis, e.g. cp:4, data:2,cp:4, tp:2,cp:4.")
   flags.DEFINE_string("preset", "tiny", "Llama size (llm.config.PRESETS); random weights.")
-  flags.DEFINE_integer("seq_len", 512, "New tokens per row in the timed prefill (multiple of 2*cp).")
+  flags.DEFINE_integer("seq_len", 512, "New tokens per row in the timed prefill (a multiple "
+                       "of 2*cp).", lower_bound=1)
   flags.DEFINE_integer("cached_len", 0, "Tokens already in the KV cache (persistent-KV prefill; "
-                       "0: full prefill without a cache). Multiple of 2*cp.")
-  flags.DEFINE_integer("batch", 1, "Rows per batch.")
+                       "0: full prefill without a cache). Multiple of 2*cp.", lower_bound=0)
+  flags.DEFINE_integer("batch", 1, "Rows per batch.", lower_bound=1)
   flags.DEFINE_enum("variant", "pass_kv", ["pass_kv", "pass_q", "auto"], "Ring attention variant.")
   flags.DEFINE_enum("inner_impl", "xla", ["xla", "pallas"], "Per-block attention inside the ring.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params fp32).")
-  flags.DEFINE_integer("repeats", 5, "Timed calls of each (after one compile call).")
+  flags.DEFINE_integer("repeats", 5, "Timed calls of each (after one compile call).",
+                       lower_bound=1)
   flags.DEFINE_float("tol", None, "Max |logit difference| to pass; default 1e-4 (float32), "
                      "0.2 (bfloat16).")
   flags.DEFINE_float("peak_tflops", 989.0, "C of the auto rule, TF/s per rank (H100 dense bf16).")
   flags.DEFINE_float("bandwidth_gbps", 50.0, "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
   flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
   flags.DEFINE_string("workdir", "runs/cp_prefill", "Where results.json goes.")
+  for name in ("peak_tflops", "bandwidth_gbps"):
+    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
+  flags.register_validator("tol", lambda v: v is None or v >= 0, message="expected >= 0")
 
 
 def make_mesh_for(spec: str):
@@ -118,7 +123,8 @@ def run(cfg, mesh, *, seq_len: int, cached_len: int = 0, batch: int = 1,
         variant: str = "pass_kv", inner_impl: str = "xla", repeats: int = 5, tol: float = 1e-4,
         peak_flops: float = 989e12, bandwidth: float = 50e9, seed: int = 0,
         preset: str = "") -> dict:
-  """CP (ring_<variant> over `mesh`) vs no-CP prefill of random tokens; returns results.json."""
+  """CP (ring attention over `mesh`) vs no-CP prefill of random tokens; returns results.json.
+  variant "auto" is resolved here by the paper's rule with peak_flops / bandwidth."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -132,8 +138,13 @@ def run(cfg, mesh, *, seq_len: int, cached_len: int = 0, batch: int = 1,
     if length < 0 or length % (2 * n) or (name == "seq_len" and length == 0):
       raise ValueError(f"--{name}={length}: expected a {'positive ' if name == 'seq_len' else ''}"
                        f"multiple of 2 * cp = {2 * n} (the load-balanced layout)")
+  # The rule ring_attention applies at trace time: T new tokens, KV = the P + T cache slots.
+  rule = ring.select_variant(variant, new_tokens=seq_len, cached_tokens=cached_len,
+                             n_ranks=n, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                             bytes_per_elem=jnp.dtype(cfg.dtype).itemsize,
+                             peak_flops=peak_flops, bandwidth=bandwidth)
   ref_cfg = cfg.replace(attention_impl="xla")
-  cp_cfg = cfg.replace(attention_impl=f"ring_{variant}")
+  cp_cfg = cfg.replace(attention_impl=inner_impl, context_parallel=rule)
   ref = model_lib.Llama(ref_cfg, nnx.Rngs(seed))
   cp_model = nnx.eval_shape(lambda: model_lib.Llama(cp_cfg, nnx.Rngs(seed)))
   model_lib.load_weights(cp_model, model_lib.weights_from_model(ref))
@@ -166,19 +177,13 @@ def run(cfg, mesh, *, seq_len: int, cached_len: int = 0, batch: int = 1,
 
   _, _, ref_logits, ref_s = timed_call(ref)
   ref_logits = np.asarray(ref_logits)
-  with jax.set_mesh(mesh), ring.ring_context(inner_impl=inner_impl, peak_flops=peak_flops,
-                                             bandwidth=bandwidth):
+  with jax.set_mesh(mesh):
     fn, args, cp_logits, cp_s = timed_call(cp_model)
     used = ring_variant_in(fn.trace(*args).jaxpr.jaxpr)
   if not cp_logits.is_fully_addressable:   # several processes: every one gets all of it
     from jax.experimental import multihost_utils
     cp_logits = multihost_utils.process_allgather(cp_logits, tiled=True)
   diff = float(np.max(np.abs(np.asarray(cp_logits) - ref_logits)))
-  # The rule ring_attention applies at trace time: T new tokens, KV = the P + T cache slots.
-  rule = ring.select_variant(variant, new_tokens=seq_len, cached_tokens=cached_len,
-                             n_ranks=n, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                             bytes_per_elem=jnp.dtype(cfg.dtype).itemsize,
-                             peak_flops=peak_flops, bandwidth=bandwidth)
   cp_med, ref_med = benchmark.median(cp_s), benchmark.median(ref_s)
   summary = {
       "preset": preset, "mesh": dict(mesh.shape), "cp": n, "batch": batch, "seq_len": seq_len,

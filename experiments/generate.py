@@ -1,25 +1,31 @@
 r"""Generate text or tokens from a Llama checkpoint with a KV cache (prefill, then decode).
 
+  python -m experiments.generate --checkpoint=gguf:/path/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --chat="What is the capital of France?" --max_new_tokens=64     # the GGUF's template
   python -m experiments.generate --checkpoint=hf:/path/to/Llama-3.2-1B --prompt="The capital of" \
       --max_new_tokens=20 --temperature=0.7 --top_p=0.9 --seed=0   # DIR/tokenizer.json
+  python -m experiments.generate --checkpoint=hf:DIR --chat_file=messages.json   # [{role, content}]
   python -m experiments.generate --checkpoint=llama2c:../shared/data/llama2c/stories260K.bin \
       --tokenizer=/path/to/tok512.bin --prompt="Once upon a time"
   python -m experiments.generate --checkpoint=llama2c:../shared/data/llama2c/stories260K.bin \
       --max_new_tokens=40                                    # token ids, greedy from BOS (id 1)
   python -m experiments.generate --checkpoint=workdir:runs/train_lm --prompt="Once upon a"
 
-The tokenizer (llm.tokenizer) is --tokenizer when given (a tokenizer.json, a directory with
-one, or a llama2.c tokenizer.bin), else hf:DIR's tokenizer.json, else the one a train_lm
-workdir holds (its copy of train_lm's --tokenizer, or bytes). With a tokenizer, --prompt is
-text, the BOS token is prepended for hf: and llama2c: checkpoints (--bos to change it) and
-generation stops at the tokenizer's EOS ids unless --stop_ids is given. Without one, use
---prompt_ids. Prints the ids and the decoded text; the last stdout line is JSON.
+The tokenizer (llm.checkpoints.find_tokenizer) is --tokenizer when given (a tokenizer.json, a
+directory with one, or a llama2.c tokenizer.bin), else the checkpoint's own: hf:DIR's
+tokenizer.json, the vocabulary a GGUF embeds, the copy a train_lm workdir holds (or bytes).
+--prompt is text, with BOS / EOS exactly as that tokenizer adds them (--bos / --nobos
+override BOS). --chat (one user message) or --chat_file (a JSON list of {"role", "content"})
+renders the checkpoint's chat template with the assistant's turn opened, as transformers'
+apply_chat_template(add_generation_prompt=True) does. Generation stops at the tokenizer's
+EOS ids (and, for chats, the template's end-of-turn token) unless --stop_ids is given.
+Without a tokenizer, use --prompt_ids. Prints the ids and the decoded text (for chats, the
+reply); the last stdout line is JSON.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from absl import app, flags
@@ -31,13 +37,19 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | workdir:DIR", required=True)
+  flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | gguf:FILE | workdir:DIR",
+                      required=True)
   flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
                       "tokenizer.bin (default: the checkpoint's own, see the module docstring).")
   flags.DEFINE_list("prompt_ids", None, "Prompt token ids (default: the BOS token).")
   flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-  flags.DEFINE_bool("bos", None, "Prepend the tokenizer's BOS to --prompt (default: yes for hf: "
-                    "and llama2c: checkpoints, no for train_lm workdirs, which train without it).")
+  flags.DEFINE_string("chat", None, "One user message, rendered with the checkpoint's chat "
+                      "template (the assistant's turn opened).")
+  flags.DEFINE_string("chat_file", None, "A JSON file holding a list of {\"role\", "
+                      "\"content\"} messages, rendered like --chat.")
+  flags.DEFINE_bool("bos", None, "Prepend the tokenizer's BOS to --prompt (default: as the "
+                    "checkpoint's tokenizer does: tokenizer_config.json add_bos_token, the "
+                    "tokenizer.json post-processor, GGUF tokenizer.ggml.add_bos_token).")
   flags.DEFINE_integer("bos_id", None, "Token used when no prompt is given (default: the "
                        "tokenizer's BOS, else 1).")
   flags.DEFINE_integer("max_new_tokens", 40, "Tokens to generate; prompt + new tokens must fit "
@@ -51,76 +63,45 @@ def define_flags() -> None:
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 
 
-def load_model(spec: str, dtype: str = "float32"):
-  """Llama model from `llama2c:PATH`, `hf:DIR` or `workdir:DIR` (a train_lm run)."""
-  import jax
-  from flax import nnx
-  from llm import model as model_lib
-  kind, _, path = spec.partition(":")
-  if kind == "workdir":
-    from llm.train_lib import load_workdir
-    cfg, params = load_workdir(path)
-    check_params_finite(params, f"{path} (latest checkpoint)")
-    cfg = cfg.replace(dtype=dtype, remat=False)
-    graphdef, _ = nnx.split(jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0))))
-    return cfg, nnx.merge(graphdef, params)
-  from llm import weights as weights_lib
-  cfg, weights = weights_lib.load_checkpoint(spec)
-  cfg = cfg.replace(dtype=dtype)
-  model = model_lib.Llama(cfg, nnx.Rngs(0))
-  model_lib.load_weights(model, weights)
-  return cfg, model
-
-
-def check_params_finite(params, where: str) -> None:
-  """Raises ValueError naming `where` and the parameter that holds a NaN or an Inf."""
-  import jax
-  import numpy as np
-  from llm.weights import check_finite
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    check_finite(jax.tree_util.keystr(path), np.asarray(leaf), where)
-
-
-def find_tokenizer(spec: str, flag: str | None, vocab_size: int):
-  """The tokenizer for checkpoint `spec` (module docstring), or None (token ids only)."""
-  from llm import tokenizer as tok_lib
-  if flag:
-    return tok_lib.load_tokenizer(flag, vocab_size)
-  kind, _, path = spec.partition(":")
-  if kind == "hf" and os.path.exists(os.path.join(path, "tokenizer.json")):
-    return tok_lib.load_tokenizer(path, vocab_size)
-  if kind == "workdir":
-    for name in ("tokenizer.json", "tokenizer.bin"):
-      if os.path.exists(os.path.join(path, name)):
-        return tok_lib.load_tokenizer(os.path.join(path, name), vocab_size)
-    if vocab_size == tok_lib.ByteTokenizer.vocab_size:
-      return tok_lib.ByteTokenizer()
-  return None
+def _prompt(tok):
+  """(prompt ids, stop ids implied by the prompt kind or None, is_chat) from the flags."""
+  from llm import chat
+  from llm.checkpoints import text_prompt
+  given = [n for n in ("prompt", "chat", "chat_file", "prompt_ids") if FLAGS[n].value]
+  if len(given) > 1:
+    raise app.UsageError(f"--{' and --'.join(given)}: give one prompt")
+  if (FLAGS.prompt is not None or FLAGS.chat or FLAGS.chat_file) and tok is None:
+    raise app.UsageError(f"--{given[0]} needs a tokenizer: {FLAGS.checkpoint} has none beside it "
+                         "(pass --tokenizer=PATH, or --prompt_ids)")
+  if FLAGS.chat or FLAGS.chat_file:
+    try:
+      messages = (chat.load_messages(FLAGS.chat_file) if FLAGS.chat_file
+                  else [{"role": "user", "content": FLAGS.chat}])
+      flag = "--chat_file" if FLAGS.chat_file else "--chat"
+      return chat.encode_chat(tok, messages, where=flag), chat.stop_ids(tok), True
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+  if FLAGS.prompt is not None:
+    prompt = text_prompt(tok, FLAGS.prompt, FLAGS.bos)
+    if not prompt:
+      raise app.UsageError("--prompt encodes to no tokens; give some text or --bos")
+    return prompt, None, False
+  if FLAGS.prompt_ids:
+    return [int(t) for t in FLAGS.prompt_ids], None, False
+  bos_id = FLAGS.bos_id
+  if bos_id is None:
+    bos_id = tok.bos_id if tok is not None and tok.bos_id is not None else 1
+  return [bos_id], None, False
 
 
 def main(argv):
   del argv
   import jax
+  from llm.checkpoints import find_tokenizer, load_model
   from llm.generate import generate
   cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype)
   tok = find_tokenizer(FLAGS.checkpoint, FLAGS.tokenizer, cfg.vocab_size)
-  if FLAGS.prompt is not None:
-    if tok is None:
-      raise app.UsageError(f"--prompt needs a tokenizer: {FLAGS.checkpoint} has none beside it "
-                           "(pass --tokenizer=PATH, or --prompt_ids)")
-    bos = FLAGS.bos
-    if bos is None:
-      bos = tok.bos_id is not None and not FLAGS.checkpoint.startswith("workdir:")
-    prompt = tok.encode(FLAGS.prompt, bos=bos)
-    if not prompt:
-      raise app.UsageError("--prompt encodes to no tokens; give some text or --bos")
-  elif FLAGS.prompt_ids:
-    prompt = [int(t) for t in FLAGS.prompt_ids]
-  else:
-    bos_id = FLAGS.bos_id
-    if bos_id is None:
-      bos_id = tok.bos_id if tok is not None and tok.bos_id is not None else 1
-    prompt = [bos_id]
+  prompt, chat_stop, is_chat = _prompt(tok)
   bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
   if bad:
     raise app.UsageError(f"prompt ids {bad} outside the vocabulary [0, {cfg.vocab_size})")
@@ -132,6 +113,8 @@ def main(argv):
         f"{max(cfg.max_seq_len - len(prompt), 0)} or less")
   if FLAGS.stop_ids is not None:
     stop = tuple(int(s) for s in FLAGS.stop_ids)
+  elif chat_stop is not None:
+    stop = chat_stop
   else:
     stop = tok.stop_ids if tok is not None else ()
   t0 = time.time()
@@ -141,13 +124,14 @@ def main(argv):
   dt = time.time() - t0
   print("prompt ids:", " ".join(map(str, prompt)))
   print("generated ids:", " ".join(map(str, out)))
-  text = None
+  text = reply = None
   if tok is not None:
     text = tok.decode(prompt + out)
-    print("text:", text)
+    reply = tok.decode(out)
+    print("reply:" if is_chat else "text:", reply if is_chat else text)
   print(json.dumps({"checkpoint": FLAGS.checkpoint, "prompt_ids": prompt, "generated_ids": out,
-                    "text": text, "num_generated": len(out), "seconds": round(dt, 3)}),
-        flush=True)
+                    "text": text, "reply": reply, "chat": is_chat, "stop_ids": list(stop),
+                    "num_generated": len(out), "seconds": round(dt, 3)}), flush=True)
 
 
 if __name__ == "__main__":

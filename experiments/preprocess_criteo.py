@@ -1,16 +1,23 @@
 r"""Convert Criteo click logs once into memory-mapped numpy shards (`rec.data.criteo_bin`).
 
-  python -m experiments.preprocess_criteo --src=../shared/data/criteo_kaggle_sample \
+  python -m experiments.preprocess_criteo --src=../shared/data/criteo_kaggle_raw \
       --dst=/tmp/criteo_bin                                     # hashed ids, 100,000 rows
   python -m experiments.preprocess_criteo --src=DIR --dst=OUT --ids=vocab --min_count=4
+  python -m experiments.preprocess_criteo --src=TB_DIR --dst=OUT --days=0-2   # 3 Terabyte days
   python -m experiments.train_rec --data=criteo_bin:/tmp/criteo_bin --epochs=1
 
---src holds Criteo Kaggle train.txt + valid.txt + test.txt, or Criteo 1TB day_0 .. day_23
-(plain or .gz). Units (64 MiB byte ranges of plain files, whole .gz files) convert in
---workers processes with a progress line (GiB, MiB/s, rows/s, ETA); a killed run resumes
-where it stopped when started again with the same flags. Bad lines stop the run with
-file:line unless --bad_lines=skip (then counted in the manifest and the summary).
-Writes <dst>/manifest.json last and prints one JSON line.
+--src holds Criteo Kaggle as downloaded (train.txt, cut into the DLRM reference's 7 days:
+1-6 train, day 7's halves test and validation; test.txt, unlabeled, becomes the "predict"
+split), a custom train.txt + valid.txt [+ test.txt], or Criteo Terabyte day_N[.gz] (--days
+picks any of them; day 23, else the last day given, is split into validation and test
+halves as MLPerf does). The vocabulary of --ids=vocab is counted on the train split only.
+Units (64 MiB byte ranges of plain files, .gz files whole) convert in --workers processes
+with a progress line (GiB, MiB/s, rows/s, ETA; one line per report in a log file); a killed
+run resumes where it stopped (counting pass included) when started again with the same
+flags, and says so. A finished conversion in --dst from other inputs or settings is
+refused unless --overwrite. Bad lines stop the run with file:line unless --bad_lines=skip
+(then counted in the manifest and the summary). Writes <dst>/manifest.json last and prints
+one JSON line.
 """
 
 from __future__ import annotations
@@ -31,29 +38,47 @@ def define_flags() -> None:
   flags.DEFINE_string("dst", None, "Output directory.", required=True)
   flags.DEFINE_enum("ids", "hash", ["hash", "vocab"], "hash: 1 + hex % (rows - 1); vocab: "
                     "frequency-thresholded vocabulary of the train split (DLRM / TorchRec).")
-  flags.DEFINE_integer("num_rows", 100_000, "--ids=hash: rows per feature.")
+  flags.DEFINE_integer("num_rows", 100_000, "--ids=hash: rows per feature (2 .. 2^31).")
   flags.DEFINE_integer("min_count", 1, "--ids=vocab: values seen fewer times map to one rare id.")
   flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed lines: stop, or skip and count.")
   flags.DEFINE_integer("workers", 0, "Worker processes; 0 = one per CPU core.")
+  flags.DEFINE_string("days", "", "Criteo Terabyte: the days to convert, e.g. 0-2 or 0,3,23 "
+                      "(empty: every day_N present).")
+  flags.DEFINE_integer("unit_mb", 64, "Plain files are converted in units of about this many "
+                       "MiB (one worker task each; a killed run keeps the finished units).")
+  flags.DEFINE_bool("overwrite", False, "Replace a finished conversion in --dst made from other "
+                    "inputs or settings (without it, that is an error).")
 
 
 def main(argv):
   del argv
-  from rec.data import criteo_bin
+  from core.errors import UserError
+  from rec.data import criteo_bin, stream
+  if FLAGS.ids == "hash" and not 2 <= FLAGS.num_rows <= stream.MAX_ROWS:
+    raise UserError(f"--num_rows={FLAGS.num_rows:,}; expected 2 <= rows <= 2^31 = "
+                    f"{stream.MAX_ROWS:,} (row 0 is the missing value, ids are int32)")
+  if FLAGS.min_count < 1:
+    raise UserError(f"--min_count={FLAGS.min_count}; expected >= 1")
+  if FLAGS.unit_mb < 1:
+    raise UserError(f"--unit_mb={FLAGS.unit_mb}; expected >= 1")
+  if FLAGS.workers < 0:
+    raise UserError(f"--workers={FLAGS.workers}; expected >= 0 (0: one per CPU core)")
   t0 = time.perf_counter()
   m = criteo_bin.convert(FLAGS.src, FLAGS.dst, ids=FLAGS.ids, num_rows=FLAGS.num_rows,
                          min_count=FLAGS.min_count, bad_lines=FLAGS.bad_lines,
-                         workers=FLAGS.workers or None)
+                         workers=FLAGS.workers or None, days=FLAGS.days or None,
+                         overwrite=FLAGS.overwrite, unit_bytes=FLAGS.unit_mb << 20)
   secs = time.perf_counter() - t0
   rows = {s: v["rows"] for s, v in m["splits"].items()}
-  print(f"{'split':8}{'rows':>14}{'shards':>8}")
+  print(f"{'split':8}{'rows':>14}{'shards':>8}  labeled")
   for s, v in m["splits"].items():
-    print(f"{s:8}{v['rows']:>14,}{len(v['shards']):>8}")
+    print(f"{s:8}{v['rows']:>14,}{len(v['shards']):>8}  {'yes' if v['labeled'] else 'no'}")
   print(f"rows per feature: {m['rows_per_feature']}")
   if m["bad_lines_skipped"]:
     print(f"skipped {m['bad_lines_skipped']} malformed lines (--bad_lines=skip)")
-  print(json.dumps({"dst": FLAGS.dst, "rows": rows, "ids": FLAGS.ids, "seconds": secs,
-                    "bad_lines_skipped": m["bad_lines_skipped"]}))
+  print(json.dumps({"dst": FLAGS.dst, "rows": rows, "ids": FLAGS.ids, "layout": m["layout"],
+                    "seconds": secs, "bad_lines_skipped": m["bad_lines_skipped"],
+                    "fingerprint": criteo_bin.data_fingerprint(m)}))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params stay fp32).")
   flags.DEFINE_bool("remat", False, "Rematerialize each block in the backward pass.")
   flags.DEFINE_string("attention_impl", "xla", "Attention implementation (llm.attention).")
+  flags.DEFINE_enum("context_parallel", "none", ["none", "pass_kv", "pass_q", "auto"],
+                    "Ring attention over the mesh's cp axis (LlamaConfig.context_parallel).")
   flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).")
   flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.")
   flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
@@ -105,7 +107,8 @@ def main(argv):
   cfg = config_lib.get_config(
       FLAGS.preset, vocab_size=tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
       dtype=FLAGS.dtype, remat=FLAGS.remat,
-      attention_impl=FLAGS.attention_impl, max_seq_len=max(FLAGS.seq_len, 16))
+      attention_impl=FLAGS.attention_impl, context_parallel=FLAGS.context_parallel,
+      max_seq_len=max(FLAGS.seq_len, 16))
   mesh = mesh_lib.make_mesh(FLAGS.mesh, rules=mesh_lib.LLM_RULES)
   train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
   optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
@@ -122,8 +125,8 @@ def main(argv):
       checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
       stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed, settings=settings,
       # Placement and kernels change no arithmetic that the state depends on.
-      changeable=("mesh", "model.attention_impl", "model.remat", "model.remat_policy",
-                  "data.eval_batches"),
+      changeable=("mesh", "model.attention_impl", "model.context_parallel", "model.remat",
+                  "model.remat_policy", "data.eval_batches"),
       resume_allow=tuple(FLAGS.resume_allow), overwrite=FLAGS.overwrite,
       nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
       nonfinite_hint="lower --learning_rate or raise --warmup_steps")

@@ -7,6 +7,8 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --data=criteo:../shared/data/criteo_kaggle_sample \
       --num_rows=100000 --batch_size=128 --epochs=3 --workdir=/tmp/dlrm_criteo
   python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
+  python -m experiments.train_rec --data=criteo:TB_DIR --days=0-2   # 3 Terabyte days, as downloaded
+  python -m experiments.train_rec --dedup_features=C1,C2   # RecD: lookups on distinct bags
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
 workdir: a new runs/train_rec_<model>_<date-time> per run); the last stdout line is a JSON
@@ -97,11 +99,20 @@ def define_flags() -> None:
                      "a fraction of each device's rows (the paper: int8 0.05, int4 0.01).")
   flags.DEFINE_enum("cache_policy", "lfu", ["lfu", "lru"], "--storage=*_cache: which rows the "
                     "cache keeps, the most frequently or the most recently used.")
+  flags.DEFINE_string("dedup_features", "", "RecD (arXiv 2211.05239): features looked up on "
+                      "each batch's distinct bags, e.g. C1,C3 (user features that repeat across "
+                      "a session's samples); empty: off.")
+  flags.DEFINE_integer("dedup_capacity", 0, "RecD: distinct bags per device and feature; a batch "
+                       "with more runs plain (metric dedup_fallback). 0: the next power of two "
+                       "that holds them.")
   flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
   flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
   flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column; empty = the first named label/click/clicked/y.")
   flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> columns), none = no dense.")
   flags.DEFINE_string("csv_categorical", "", "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other column but id.")
+  flags.DEFINE_string("days", "", "--data=criteo:DIR with Terabyte day_N[.gz] files: the days "
+                      "to use, e.g. 0-2 or 0,3,23 (empty: every day present); day 23 (else the "
+                      "last day given) is split into validation and test halves.")
 
 
 # Settings besides the loop's (steps, cadences, paths) that --resume may change: they
@@ -142,14 +153,17 @@ def main(argv):
              "directory on shared storage for every process)")
   workdir = FLAGS.workdir or default_workdir(cfg.model)
   mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
+  from rec.data import sources as sources_lib
   settings = {**dataclasses.asdict(cfg), "epochs": FLAGS.epochs,
-              "mesh": ",".join(f"{a}:{n}" for a, n in mesh_shape.items())}
+              "mesh": ",".join(f"{a}:{n}" for a, n in mesh_shape.items()),
+              **sources_lib.data_settings(cfg.data)}   # a conversion's fingerprint
   loop_cfg = train_lib.TrainConfig(
       workdir=workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
       checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
       stop_at_step=FLAGS.stop_at_step, seed=cfg.seed, settings=settings,
       changeable=RESUME_CHANGEABLE, resume_allow=tuple(FLAGS.resume_allow),
       overwrite=FLAGS.overwrite, nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
+      hang_timeout_s=FLAGS.hang_timeout_s,
       nonfinite_hint="lower --learning_rate (dense part) or --embedding_learning_rate "
                      "(embedding tables)")
   try:
@@ -158,7 +172,9 @@ def main(argv):
     sys.exit(f"train_rec: {e}")
   task, train_src, eval_src, plan, mesh = configs.build_run(cfg)
   steps = configs.steps_for(FLAGS.epochs, train_src) if FLAGS.epochs else FLAGS.steps
-  loop_cfg = dataclasses.replace(loop_cfg, steps=steps, overwrite=False)
+  sources_lib.check_splits(eval_src)   # a bad eval line stops the run before step 0
+  loop_cfg = dataclasses.replace(loop_cfg, steps=steps, overwrite=False, settings={
+      **settings, "features": sources_lib.spec_settings(train_src.spec)})
   print(f"workdir {workdir} | mesh {dict(mesh.shape)} | model {cfg.model} ({cfg.preset}) | "
         f"data {cfg.data} | {steps} steps of {cfg.batch_size}", flush=True)
   print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,

@@ -26,7 +26,7 @@ Row formats:
 int8 and N-bit rows are dequantized in the kernel: row = q * scale + bias, folded as
 sum_l (c * scale) q + sum_l c * bias so the bias costs one add per bag.
 
-Mixed-precision tables with a cache (arXiv 2010.11305, `rec/embedding/cached_storage.py`):
+Mixed-precision tables with a cache (arXiv 2010.11305, `rec/embedding/rowwise_storage.py`):
 `cache_rows` [C, D] float32 and `cache_slots` [..., L] (ids' shape; -1 = not cached) make
 a position with a slot read its float32 cache row instead of the table row, each position
 reading exactly one of the two (masked loads), for float, split int8 and N-bit tables.

@@ -4,13 +4,13 @@
                                                q_segment_ids=None, kv_segment_ids=None,
                                                q_positions=None, kv_positions=None, scale=None)
 
-Semantics of `kernels.flash_attention.flash_attention_reference`: query t may attend key s
+Semantics of `kernels.flash_attention_reference.flash_attention_reference`: query t may attend key s
 iff the segment ids are equal (when given) and, when causal, kv_positions[s] <=
 q_positions[t] (positions default to arange), so it serves as ring attention's inner block
 where key positions are arbitrary. A query with no allowed key gets out 0 and lse -inf,
 never NaN. fp32, bf16 or fp16 inputs; logits, softmax statistics and accumulators are fp32;
 p is cast to v's dtype before p @ v. This is the path for fp32 and for GPUs before Hopper;
-`kernels/flash_attention_mgpu.py` is the Hopper bf16 / fp16 path.
+`kernels/flash_attention_mgpu/` is the Hopper bf16 / fp16 path.
 
 Structure follows JAX's `jax/experimental/pallas/ops/gpu/attention.py` (itself after the
 Triton fused-attention tutorial), with these changes:
@@ -57,7 +57,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.flash_attention import check_shapes, default_positions
+from kernels.flash_attention_reference import (check_shapes, default_positions, pad_axis,
+                                               round_up)
 
 try:  # The Triton backend is deprecated (JAX 0.11.0); keep importing this module without it.
   from jax.experimental.pallas import triton as pl_triton
@@ -383,18 +384,6 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _pad_axis(x, axis, size, value=0):
-  if x is None or x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
-
-
-def _round_up(n, m):
-  return -(-n // m) * m
-
-
 @functools.partial(jax.jit, static_argnames=(
     "causal", "scale", "block_q", "block_k", "block_q_bwd", "block_k_bwd", "interpret",
     "num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"))
@@ -431,29 +420,29 @@ def flash_attention_triton(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True,
   block_k = min(block_k, max(16, pl.next_power_of_2(s)))
   block_q_bwd = min(block_q, 64) if block_q_bwd is None else min(block_q_bwd, block_q)
   block_k_bwd = min(block_k, 64) if block_k_bwd is None else min(block_k_bwd, block_k)
-  t_pad, s_pad = _round_up(t, block_q), _round_up(s, block_k)
+  t_pad, s_pad = round_up(t, block_q), round_up(s, block_k)
   k_pad = max(16, pl.next_power_of_2(kd))
 
   has_seg = q_segment_ids is not None
   has_pos = causal and (q_positions is not None or kv_positions is not None)
   q_seg = kv_seg = q_pos = kv_pos = None
   if has_seg:
-    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, t_pad)
-    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, s_pad)
+    q_seg = pad_axis(q_segment_ids.astype(jnp.int32), 1, t_pad)
+    kv_seg = pad_axis(kv_segment_ids.astype(jnp.int32), 1, s_pad)
   if has_pos:
     q_pos = q_positions if q_positions is not None else default_positions(b, t)
     kv_pos = kv_positions if kv_positions is not None else default_positions(b, s)
-    q_pos = _pad_axis(q_pos.astype(jnp.int32), 1, t_pad)
-    kv_pos = _pad_axis(kv_pos.astype(jnp.int32), 1, s_pad)
+    q_pos = pad_axis(q_pos.astype(jnp.int32), 1, t_pad)
+    kv_pos = pad_axis(kv_pos.astype(jnp.int32), 1, s_pad)
 
   cfg = _Config(causal=causal, scale=scale, block_q=block_q, block_k=block_k,
                 block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
                 kv_len=s if s_pad != s else None, has_seg=has_seg, has_pos=has_pos,
                 interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages,
                 num_warps_bwd=num_warps_bwd, num_stages_bwd=num_stages_bwd)
-  q = _pad_axis(_pad_axis(q_BTHK, 3, k_pad), 1, t_pad)
-  k = _pad_axis(_pad_axis(k_BSGK, 3, k_pad), 1, s_pad)
-  v = _pad_axis(_pad_axis(v_BSGK, 3, k_pad), 1, s_pad)
+  q = pad_axis(pad_axis(q_BTHK, 3, k_pad), 1, t_pad)
+  k = pad_axis(pad_axis(k_BSGK, 3, k_pad), 1, s_pad)
+  v = pad_axis(pad_axis(v_BSGK, 3, k_pad), 1, s_pad)
   out, lse_BHT = _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
   return out[:, :t, :, :kd], lse_BHT[:, :, :t].transpose(0, 2, 1)
 

@@ -2,11 +2,21 @@
 
 Presets follow the released configs: Llama 3.1 8B / 70B / 405B and Llama 3.2 1B / 3B
 (tied embeddings, RoPE scaling factor 32). `head_dim` defaults to dim // n_heads.
+Attention is two settings: `attention_impl`, the single-device implementation
+(`llm.attention`: "auto", "xla", "cudnn", "pallas", ...), and `context_parallel`, whether
+and how the sequence is split over the mesh's cp axis (ring attention, arXiv 2411.01783,
+whose blocks run attention_impl). Both are validated here, once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from absl import logging
+
+from llm.attention import check_impl
+
+CONTEXT_PARALLEL = ("none", "pass_kv", "pass_q", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +49,9 @@ class LlamaConfig:
   param_dtype: str = "float32"    # master weights
   cache_dtype: str | None = None  # KV cache; None: the compute dtype
   attention_impl: str = "auto"    # see llm.attention ("auto": the fastest exact one per call)
+  # Ring attention over the cp mesh axis (llm.attention.ring), when the jax.set_mesh mesh
+  # has one of more than one rank: "pass_kv" | "pass_q" | "auto" (the paper's rule); "none".
+  context_parallel: str = "none"
   remat: bool = False             # rematerialize each block in the backward pass
   remat_policy: str = "full"      # what remat keeps: "full" | "dots" | "attention" (llm.model)
 
@@ -52,6 +65,10 @@ class LlamaConfig:
                        f"n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
+    check_impl(self.attention_impl, "LlamaConfig.attention_impl")
+    if self.context_parallel not in CONTEXT_PARALLEL:
+      raise ValueError(f"LlamaConfig: context_parallel={self.context_parallel!r}, expected one "
+                       f"of {CONTEXT_PARALLEL}")
     if self.remat_policy not in ("full", "dots", "attention"):
       raise ValueError(f"LlamaConfig: remat_policy={self.remat_policy!r}, expected 'full', "
                        "'dots' or 'attention'")
@@ -127,7 +144,16 @@ def config_to_dict(cfg: LlamaConfig) -> dict:
 
 
 def config_from_dict(d: dict) -> LlamaConfig:
+  """The config `config_to_dict` wrote. A dict naming context parallelism as
+  attention_impl "ring_<variant>" (no context_parallel key; its ring ran "xla" blocks) is
+  read as context_parallel=<variant>, attention_impl="xla", with a warning."""
   d = dict(d)
+  impl = d.get("attention_impl")
+  if (isinstance(impl, str) and impl.startswith("ring_") and "context_parallel" not in d
+      and impl[5:] in CONTEXT_PARALLEL):
+    logging.warning("model config: attention_impl=%r read as context_parallel=%r, "
+                    "attention_impl='xla' (the ring's inner kernel it ran)", impl, impl[5:])
+    d["attention_impl"], d["context_parallel"] = "xla", impl[5:]
   if d.get("rope_scaling") is not None:
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
   return LlamaConfig(**d)

@@ -10,12 +10,16 @@ when every row has emitted a stop token.
 
 Context parallelism (arXiv 2411.01783): give `generate(..., mesh=mesh)` (or call it under
 `jax.set_mesh(mesh)`) a mesh with a `cp` axis of N > 1 ranks and a model whose
-cfg.attention_impl is "ring_pass_kv" | "ring_pass_q" | "ring_auto". The model then runs CP
-by itself (llm/model.py): the prompts, padded to a multiple of 2N, are prefilled in the
-load-balanced layout with the variant the impl names, the cache's slots are split over cp,
+cfg.context_parallel is "pass_kv" | "pass_q" | "auto". The model then runs CP by itself
+(llm/model.py): the prompts, padded to a multiple of 2N, are prefilled in the
+load-balanced layout with that variant, the cache's slots are split over cp,
 and every decode step (one query token per row) attends with replicated queries against
 each rank's KV shard, merged exactly (pass-Q's route for T < N), its KV placed round robin.
 Greedy tokens equal those without CP. `prefill` / `decode` below need no change for it.
+
+Requests are checked, padded and cut at stop ids by `check_request`, `pad_prompts` and
+`cut_rows`, which `llm.speculative.speculative_generate` uses too, so both take the same
+requests, refuse the same ones with the same messages and return rows the same way.
 
 Sampling (`sample_logits`): greedy at temperature 0, else softmax(logits / temperature)
 restricted to the top_k tokens and to the smallest set whose probability reaches top_p
@@ -137,6 +141,73 @@ def check_prompts(prompts, vocab_size: int, where: str) -> None:
       raise ValueError(f"{where}: prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
 
 
+def check_request(cfg, prompts, max_new_tokens: int, *, temperature: float, top_k: int,
+                  top_p: float, stop_tokens, rng, where: str) -> tuple[int, ...]:
+  """Every check a generation request gets before anything is traced (`generate` and
+  `llm.speculative.speculative_generate` share it): the prompts (`check_prompts`),
+  max_new_tokens >= 0, prompt + new tokens within cfg.max_seq_len, the sampling settings,
+  a key when sampling, stop ids in [0, vocab). Returns the stop ids as ints."""
+  check_prompts(prompts, cfg.vocab_size, where)
+  if max_new_tokens < 0:
+    raise ValueError(f"{where}: max_new_tokens={max_new_tokens}, expected >= 0")
+  longest = max(len(p) for p in prompts)
+  if max_new_tokens > 0 and longest + max_new_tokens > cfg.max_seq_len:
+    raise ValueError(
+        f"{where}: the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} "
+        f"makes {longest + max_new_tokens} tokens, beyond the model's max_seq_len="
+        f"{cfg.max_seq_len} (positions it was trained or configured for); ask for at most "
+        f"{max(cfg.max_seq_len - longest, 0)} new tokens")
+  if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+    raise ValueError(f"{where}: temperature={temperature}, top_k={top_k}, top_p={top_p}; "
+                     "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+  if temperature > 0 and rng is None:
+    raise ValueError(f"{where}: temperature={temperature} samples; pass rng=jax.random.key(...)")
+  stop = tuple(int(s) for s in stop_tokens)
+  bad = [s for s in stop if not 0 <= s < cfg.vocab_size]
+  if bad:
+    raise ValueError(f"{where}: stop_tokens {bad} outside [0, {cfg.vocab_size}): the model "
+                     "never emits them (a tokenizer of another vocabulary?)")
+  return stop
+
+
+def pad_prompts(prompts, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens [B, T] int32, lengths [B] int32): the prompts right-padded with 0 to T = width
+  (default: the longest prompt)."""
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  t = int(lengths.max()) if width is None else int(width)
+  if t < lengths.max():
+    raise ValueError(f"pad_prompts: width={t}, but the longest prompt has {lengths.max()} tokens")
+  tokens_BT = np.zeros((len(prompts), t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens_BT[i, :len(p)] = p
+  return tokens_BT, lengths
+
+
+def sampling_settings(temperature: float, top_k: int, top_p: float):
+  """What the jitted programs take: None (greedy, a static branch) or traced scalars, so that
+  changing temperature, top_k or top_p does not recompile."""
+  if temperature == 0:
+    return None
+  return jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)
+
+
+def stop_array(stop: tuple[int, ...]) -> jax.Array:
+  """Stop ids as a traced int32 vector (changing them does not recompile); -1 pads an empty
+  list and matches no token."""
+  return jnp.asarray(stop or (-1,), jnp.int32)
+
+
+def cut_rows(rows_BN: np.ndarray, counts_B, stop: tuple[int, ...]) -> list[list[int]]:
+  """Each row's first counts_B[b] tokens, ending at (and including) its first stop id."""
+  stop = set(stop)
+  out = []
+  for row, n in zip(np.asarray(rows_BN).tolist(), np.broadcast_to(counts_B, len(rows_BN))):
+    row = row[:int(n)]
+    hit = next((j for j, tok in enumerate(row) if tok in stop), None)
+    out.append(row if hit is None else row[:hit + 1])
+  return out
+
+
 def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_tokens=(), rng: jax.Array | None = None,
@@ -151,33 +222,18 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
   docstring) prompts are padded to T, a multiple of 2N, and the cache holds C slots per rank:
   by default C = T/N + ceil((max_new_tokens - 1) / N); a given max_len must be N * C or more
   with N dividing it."""
-  cfg = model.cfg
-  check_prompts(prompts, cfg.vocab_size, "generate")
-  if max_new_tokens < 0:
-    raise ValueError(f"generate: max_new_tokens={max_new_tokens}, expected >= 0")
+  stop = check_request(model.cfg, prompts, max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
+                       where="generate")
   if max_new_tokens == 0:
     return [[] for _ in prompts]
-  longest = max(len(p) for p in prompts)
-  if longest + max_new_tokens > cfg.max_seq_len:
-    raise ValueError(
-        f"generate: the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} "
-        f"makes {longest + max_new_tokens} tokens, beyond the model's max_seq_len="
-        f"{cfg.max_seq_len} (positions it was trained or configured for); ask for at most "
-        f"{max(cfg.max_seq_len - longest, 0)} new tokens")
-  if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-    raise ValueError(f"generate: temperature={temperature}, top_k={top_k}, top_p={top_p}; "
-                     "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
-  if temperature > 0 and rng is None:
-    raise ValueError(f"generate: temperature={temperature} samples; pass rng=jax.random.key(...)")
   with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-    return _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                     rng, max_len)
+    return _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, rng,
+                     max_len)
 
 
-def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, rng,
-              max_len):
-  lengths = np.asarray([len(p) for p in prompts], np.int32)
-  t = int(lengths.max())
+def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, rng, max_len):
+  t = max(len(p) for p in prompts)
   n = cp_ranks(model.cfg)
   if n == 1:
     # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 slots.
@@ -196,25 +252,12 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_to
       raise ValueError(f"generate: max_len={max_len} slots on {n} context-parallel ranks; "
                        f"prompts padded to {t} tokens plus {max_new_tokens} new tokens need "
                        f"{per_rank} slots per rank: a multiple of {n} that is >= {n * per_rank}")
-  tokens_BT = np.zeros((len(prompts), t), np.int32)
-  for i, p in enumerate(prompts):
-    tokens_BT[i, :len(p)] = p
-
+  tokens_BT, lengths = pad_prompts(prompts, t)
   graphdef, state = nnx.split(model)
-  # Sampling settings and stop tokens are traced: changing them does not recompile
-  # (-1 pads an empty stop list; it matches no token).
-  sampling = None if temperature == 0 else (
-      jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-  stop = tuple(int(s) for s in stop_tokens)
+  sampling = sampling_settings(temperature, top_k, top_p)
   key = jax.random.key(0) if rng is None else rng
   tok_B, cache, key = prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths),
                                key, sampling, max_len=max_len)
-  out_BN, n_done = decode(graphdef, state, cache, tok_B, key, sampling,
-                           jnp.asarray(stop or (-1,), jnp.int32), n_new=max_new_tokens)
-  out_BN, n_done = np.asarray(out_BN), int(n_done)
-  stop = set(stop)
-  result = []
-  for row in out_BN[:, :n_done].tolist():
-    hit = next((j for j, tok in enumerate(row) if tok in stop), None)
-    result.append(row if hit is None else row[:hit + 1])
-  return result
+  out_BN, n_done = decode(graphdef, state, cache, tok_B, key, sampling, stop_array(stop),
+                           n_new=max_new_tokens)
+  return cut_rows(np.asarray(out_BN), int(n_done), stop)

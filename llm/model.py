@@ -4,8 +4,8 @@ Pre-norm blocks: RMSNorm -> grouped-query attention with RoPE (Llama 3.1 frequen
 HF `rope_type: llama3`) -> residual, RMSNorm -> SwiGLU MLP -> residual; final RMSNorm and a
 tied or untied output projection. Parameters are kept in `cfg.param_dtype` and cast to
 `cfg.dtype` at use; logits come back in float32. Attention goes through
-`llm.attention.attention(..., impl=cfg.attention_impl)`, so kernels and ring attention plug in
-by config string.
+`llm.attention.attention(..., impl=cfg.attention_impl)`, so kernels plug in by config string,
+and through ring attention when `cfg.context_parallel` says so (below).
 
 RoPE uses the half-split convention of Hugging Face checkpoints: within each head, entry j is
 rotated with entry j + K/2 (`rotate_half`), so q/k weights are stored in that layout.
@@ -26,10 +26,10 @@ matters: context parallelism (below) places slots on any rank. Calls:
 `Llama.hidden` (blocks + final norm on embeddings) and `Llama.logits` split the same call,
 e.g. to take logits at a few positions only.
 
-Context parallelism (arXiv 2411.01783): with a ring attention_impl ("ring_pass_kv" |
-"ring_pass_q" | "ring_auto") and a mesh with a `cp` axis of N > 1 ranks (set with
-`jax.set_mesh`, or `llm.attention.ring.ring_context`), the same calls run context parallel
-and return the same logits, in the natural token order:
+Context parallelism (arXiv 2411.01783): with cfg.context_parallel "pass_kv" | "pass_q" |
+"auto" and a `jax.set_mesh` mesh with a `cp` axis of N > 1 ranks, the same calls run context
+parallel (`ring.ring_attention`, its blocks by cfg.attention_impl) and return the same
+logits, in the natural token order:
   - a call of T tokens, T a multiple of 2N, is reordered on entry into the causal
     load-balanced layout (`layout.load_balance`: rank i holds chunks i and 2N-1-i; done by
     `ring.load_balance_sharded`, two half-shard transfers), with its positions and segment
@@ -78,7 +78,9 @@ MLP_NAMES = ("act_batch", "act_seq", "act_mlp")
 LOGIT_NAMES = ("act_batch", "act_seq", "act_vocab")
 CACHE_NAMES = ("cache_batch", "cache_seq", "cache_kv_heads", None)
 CACHE_POS_NAMES = ("cache_batch", "cache_seq")
-# Under context parallelism the cache's slots follow the sequence axis (split over cp).
+# Context parallelism splits sequences over this mesh axis; the cache's slots follow the
+# sequence axis (split over cp).
+CP_AXIS = "cp"
 CP_CACHE_NAMES = ("cache_batch", "act_seq", "cache_kv_heads", None)
 CP_CACHE_POS_NAMES = ("cache_batch", "act_seq")
 
@@ -135,20 +137,19 @@ class _CP:
 
 
 def _context_parallel(cfg: LlamaConfig) -> _CP | None:
-  """The CP setting of a call traced now: a ring attention_impl and a mesh (jax.set_mesh or
-  ring_context) whose ring axis has more than one rank; None otherwise."""
-  if not cfg.attention_impl.startswith("ring"):
+  """The CP setting of a call traced now: cfg.context_parallel set and a jax.set_mesh mesh
+  whose `cp` axis has more than one rank; None otherwise (CP over one rank is plain
+  attention, so a context-parallel config also runs on a mesh without cp, or none)."""
+  if cfg.context_parallel == "none":
     return None
-  from llm.attention import ring       # lazy: shard_map code only for ring impls
-  found = ring.current_mesh()
-  if found is None or found[1] not in found[0].shape or found[0].shape[found[1]] == 1:
-    return None                        # no cp axis: ring attention itself says what is wrong
-  mesh, axis = found
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or CP_AXIS not in mesh.axis_names or mesh.shape[CP_AXIS] == 1:
+    return None
   seq_axes = mesh_axes("act_seq", LLM_RULES, mesh)
-  if seq_axes != (axis,):
-    raise ValueError(f"llm/model.py: ring attention runs over mesh axis {axis!r}, but "
+  if seq_axes != (CP_AXIS,):
+    raise ValueError(f"llm/model.py: ring attention runs over mesh axis {CP_AXIS!r}, but "
                      f"LLM_RULES shard act_seq over {seq_axes}; they must be the same axis")
-  return _CP(mesh, axis, mesh.shape[axis])
+  return _CP(mesh, CP_AXIS, mesh.shape[CP_AXIS])
 
 
 def _balance(x_BT, *, cp: _CP, inverse: bool = False):
@@ -329,18 +330,24 @@ class Attention(nnx.Module):
       rope_pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     q_BTHK = apply_rope(q_BTHK, rope_pos_BT, inv_freq)
     k_BTGK = apply_rope(k_BTGK, rope_pos_BT, inv_freq)
+    cp = _context_parallel(cfg)
     if kv is None:
       k_all, v_all, kv_pos, seg = k_BTGK, v_BTGK, positions_BT, segment_ids_BT
     else:
-      cp = _context_parallel(cfg)
       k_all = _write_cache(kv[0], slots_BT, k_BTGK, cp)
       v_all = _write_cache(kv[1], slots_BT, v_BTGK, cp)
       kv, kv_pos, seg = (k_all, v_all), kv_pos_BS, None
       # A cache kept in another dtype (cfg.cache_dtype) is read in the compute dtype.
       k_all, v_all = k_all.astype(dt), v_all.astype(dt)
-    out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, causal=True,
-                            q_positions=positions_BT, kv_positions=kv_pos,
-                            q_segment_ids=seg, kv_segment_ids=seg, mask=mask_BTS)
+    kw = dict(causal=True, q_positions=positions_BT, kv_positions=kv_pos, q_segment_ids=seg,
+              kv_segment_ids=seg)
+    if cp is None:
+      out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, mask=mask_BTS, **kw)
+    else:                    # Llama.hidden refuses mask_BTS under CP
+      from llm.attention import ring
+      out_BTHK, _ = ring.ring_attention(q_BTHK, k_all, v_all, mesh=cp.mesh, axis=cp.axis,
+                                        variant=cfg.context_parallel,
+                                        inner_impl=cfg.attention_impl, **kw)
     y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK.astype(dt), self.wo[...].astype(dt))
     return constrain(y_BTD, X_NAMES), kv
 
@@ -429,7 +436,7 @@ class Llama(nnx.Module):
     cp = _context_parallel(self.cfg)
     if mask_BTS is not None and cp is not None:
       raise ValueError("Llama.hidden: mask_BTS is not supported under context parallelism "
-                       f"(attention_impl={self.cfg.attention_impl!r} over {cp.n} ranks)")
+                       f"(context_parallel={self.cfg.context_parallel!r} over {cp.n} ranks)")
     # Causal load balancing (paper Sec. 3): positions and segment ids travel with the tokens,
     # so masking stays exact in any order.
     balance = cp is not None and t % (2 * cp.n) == 0

@@ -1,14 +1,16 @@
 """Text <-> token ids behind one small interface, for generation and training.
 
 Three implementations of `Tokenizer` (encode / decode, bos_id / eos_id / stop_ids,
-vocab_size):
+vocab_size, add_bos / add_eos, chat_template):
 
   ByteTokenizer        UTF-8 bytes are the tokens (vocab 256, no special tokens): the
                        byte-level models `experiments.train_lm` trains by default.
   HFTokenizer          a Hugging Face `tokenizer.json`, run by the `tokenizers` library (BPE,
                        byte-level BPE, SentencePiece conversions: whatever the file holds);
                        BOS / EOS come from tokenizer_config.json, config.json and
-                       generation_config.json beside it.
+                       generation_config.json beside it, the chat template from
+                       chat_template.jinja or tokenizer_config.json. GGUF files build one from
+                       their embedded vocabulary (`llm.gguf`).
   Llama2cTokenizer     llama2.c's `tokenizer.bin` (a SentencePiece BPE vocabulary exported by
                        llama2.c's tokenizer.py), encoded as llama2.c's run.c does.
 
@@ -31,7 +33,14 @@ U+FFFD for invalid sequences.
     tok = load_tokenizer("/path/Llama-3.2-1B")           # a directory with tokenizer.json
     tok = load_tokenizer("/path/tokenizer.json")
     tok = load_tokenizer("/path/tok512.bin")              # llama2.c
-    ids = tok.encode("Once upon a time", bos=True); text = tok.decode(ids)
+    ids = tok.encode("Once upon a time", bos=tok.add_bos); text = tok.decode(ids)
+
+`add_bos` / `add_eos` say what the checkpoint's own tokenizer adds to a text, as its files
+say it: tokenizer_config.json's `add_bos_token` / `add_eos_token` when present (transformers
+rebuilds the post-processor from them), else what tokenizer.json's post-processor adds (a
+TemplateProcessing such as Llama 3's "<|begin_of_text|> $A"; SmolLM2's adds nothing), GGUF's
+`tokenizer.ggml.add_bos_token`; llama2.c's run.c always starts with BOS. `encode` itself adds
+only what its `bos` / `eos` arguments ask for.
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ class Tokenizer(Protocol):
   bos_id: int | None         # prepended by encode(bos=True); None: the tokenizer has none
   eos_id: int | None         # appended by encode(eos=True)
   stop_ids: tuple[int, ...]  # ids that end generation by default
+  add_bos: bool              # the checkpoint's tokenizer prepends BOS to a text
+  add_eos: bool              # ... and appends EOS
+  chat_template: str | None  # Jinja2 chat template (llm.chat), None: the checkpoint has none
+  special_tokens: dict[str, str]   # bos_token / eos_token / ... strings a template may use
 
   def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
 
@@ -80,6 +93,9 @@ class ByteTokenizer:
   bos_id = None
   eos_id = None
   stop_ids = ()
+  add_bos = add_eos = False
+  chat_template = None
+  special_tokens: dict[str, str] = {}
   source = "bytes"
 
   def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
@@ -106,7 +122,10 @@ class HFTokenizer:
   `bos_token` / `eos_token` (strings) override what the files beside tokenizer.json say:
   tokenizer_config.json's bos_token / eos_token, else config.json's bos_token_id /
   eos_token_id. `stop_ids` are generation_config.json's eos_token_id (one id or a list, as
-  the Llama 3 instruct models list several), else the EOS.
+  the Llama 3 instruct models list several), else the EOS. `add_bos` / `add_eos`: module
+  docstring. The chat template is chat_template.jinja (transformers >= 4.43 writes it; it
+  wins, as in transformers), else tokenizer_config.json's `chat_template` (a string, or a list
+  of named templates whose "default" is used).
   """
 
   def __init__(self, path: str, bos_token: str | None = None, eos_token: str | None = None):
@@ -114,14 +133,15 @@ class HFTokenizer:
     if not os.path.isfile(path):
       raise FileNotFoundError(f"{path}: no such tokenizer.json")
     try:
-      self._tok = _HFTok.from_file(path)
+      tok = _HFTok.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception naming no file
       raise ValueError(f"{path}: not a Hugging Face tokenizer.json: {e}") from e
-    self.source = path
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self._tok, self.source = tok, path
+    self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
     d = os.path.dirname(os.path.abspath(path))
     side = {name: _read_json(os.path.join(d, name)) for name in
             ("tokenizer_config.json", "config.json", "generation_config.json")}
+    conf = side["tokenizer_config.json"]
     self.bos_id = self._special("bos", bos_token, side)
     self.eos_id = self._special("eos", eos_token, side)
     gen_eos = side["generation_config.json"].get("eos_token_id")
@@ -129,6 +149,35 @@ class HFTokenizer:
       self.stop_ids = () if self.eos_id is None else (self.eos_id,)
     else:
       self.stop_ids = tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
+    self.add_bos, self.add_eos = self._added_specials(conf)
+    self.chat_template = _chat_template(d, conf)
+    self.special_tokens = {}
+    for name in ("bos", "eos", "unk", "pad"):
+      text = _token_content(conf.get(f"{name}_token"))
+      i = getattr(self, f"{name}_id", None)
+      if text is None and i is not None:
+        text = tok.id_to_token(i)
+      if text is not None:
+        self.special_tokens[f"{name}_token"] = text
+
+  @classmethod
+  def from_tokenizers(cls, tok, source: str, *, bos_id: int | None, eos_id: int | None,
+                      stop_ids: tuple[int, ...], add_bos: bool, add_eos: bool,
+                      chat_template: str | None) -> HFTokenizer:
+    """Wraps a `tokenizers.Tokenizer` built elsewhere (a GGUF's vocabulary, `llm.gguf`)."""
+    self = cls.__new__(cls)
+    self._tok, self.source = tok, source
+    self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    self.bos_id, self.eos_id, self.stop_ids = bos_id, eos_id, tuple(stop_ids)
+    self.add_bos, self.add_eos, self.chat_template = bool(add_bos), bool(add_eos), chat_template
+    self.special_tokens = {f"{n}_token": tok.id_to_token(i)
+                           for n, i in (("bos", bos_id), ("eos", eos_id)) if i is not None}
+    return self
+
+  @property
+  def tokenizers(self):
+    """The underlying `tokenizers.Tokenizer`."""
+    return self._tok
 
   def _special(self, name: str, token: str | None, side: dict) -> int | None:
     where = "bos_token/eos_token argument"
@@ -146,13 +195,71 @@ class HFTokenizer:
       i = i[0] if i else None
     return None if i is None else int(i)
 
+  def _added_specials(self, conf: dict) -> tuple[bool, bool]:
+    """(add_bos, add_eos): tokenizer_config.json's flags, else what the post-processor adds
+    around a text (found by encoding one with and without it)."""
+    # A probe that encodes to something, so that what is added shows on its side.
+    for probe in ("a", "the", "0", " ", "."):
+      plain = self._tok.encode(probe, add_special_tokens=False).ids
+      if plain:
+        break
+    full = self._tok.encode(probe, add_special_tokens=True).ids
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain),
+              None)
+    if at is None:
+      raise ValueError(f"{self.source}: the post-processor turns {plain} into {full}; expected "
+                       "special tokens around the text, not changes inside it")
+    added = {"bos": full[:at], "eos": full[at + len(plain):]}
+    out = []
+    for name in ("bos", "eos"):
+      flag = conf.get(f"add_{name}_token")
+      if flag is not None:
+        if not isinstance(flag, bool):
+          raise ValueError(f"{self.source}: tokenizer_config.json add_{name}_token={flag!r}, "
+                           "expected true or false")
+        on = flag
+      else:
+        on = bool(added[name])
+        if on and added[name] != [getattr(self, f"{name}_id")]:
+          if len(added[name]) == 1 and getattr(self, f"{name}_id") is None:
+            setattr(self, f"{name}_id", added[name][0])
+          else:
+            raise ValueError(f"{self.source}: the post-processor adds {added[name]} "
+                             f"{'before' if name == 'bos' else 'after'} a text, but the "
+                             f"{name.upper()} token is {getattr(self, f'{name}_id')}")
+      if on and getattr(self, f"{name}_id") is None:
+        raise ValueError(f"{self.source}: add_{name}_token is set but the tokenizer has no "
+                         f"{name.upper()} token (no {name}_token in tokenizer_config.json, no "
+                         f"{name}_token_id in config.json)")
+      out.append(on)
+    return out[0], out[1]
+
   def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
     # The file's post-processor (e.g. Llama 3's <|begin_of_text|> template) is not applied:
-    # `bos` / `eos` say explicitly what is added.
+    # `bos` / `eos` say explicitly what is added. Added tokens written in the text
+    # ("<|im_start|>") become their ids, as in transformers.
     return _with_specials(self, self._tok.encode(text, add_special_tokens=False).ids, bos, eos)
 
-  def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode(_check_ids(self, ids), skip_special_tokens=True)
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    return self._tok.decode(_check_ids(self, ids), skip_special_tokens=skip_special)
+
+
+def _chat_template(d: str, conf: dict) -> str | None:
+  path = os.path.join(d, "chat_template.jinja")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as fh:
+      return fh.read()
+  t = conf.get("chat_template")
+  if isinstance(t, list):   # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+    named = {e.get("name"): e.get("template") for e in t if isinstance(e, dict)}
+    t = named.get("default")
+    if t is None:
+      raise ValueError(f"{os.path.join(d, 'tokenizer_config.json')}: chat_template lists "
+                       f"{sorted(n for n in named if n)} but no 'default' template")
+  if t is not None and not isinstance(t, str):
+    raise ValueError(f"{os.path.join(d, 'tokenizer_config.json')}: chat_template is a "
+                     f"{type(t).__name__}, expected a string or a list of named templates")
+  return t
 
 
 def _read_json(path: str) -> dict:
@@ -244,6 +351,9 @@ class Llama2cTokenizer:
     self._special = {i for i in (self.bos_id, self.eos_id, first.get(_UNK_PIECE))
                      if i is not None}
     self.stop_ids = tuple(i for i in (self.eos_id, self.bos_id) if i is not None)
+    # run.c starts every prompt with BOS (SentencePiece's Llama convention); no chat template.
+    self.add_bos, self.add_eos = self.bos_id is not None, False
+    self.chat_template, self.special_tokens = None, {}
     # Pieces text can become (run.c's sorted_vocab, less special and byte pieces): the lowest
     # id wins for a duplicated string, as a bsearch over ids sorted by string would find one.
     self._ids: dict[bytes, int] = {}

@@ -271,6 +271,8 @@ class LMTask:
       host = _single_sequences(host)
     return mesh_lib.shard_batch(host, self.mesh, self.rules, batch_axis="act_batch")
 
+  example_unit = "tokens"   # examples_in counts tokens: the progress line says tokens/s
+
   def examples_in(self, host: LMBatch) -> int:
     """Tokens of the global batch (the loop's examples/s is tokens/s here): a host batch
     is this process's share of it."""

@@ -284,29 +284,40 @@ def _from_contract(name: str, w: np.ndarray) -> np.ndarray:
 
 
 # config.json keys this loader reads (or checks), and keys that never change a causal LM's
-# arithmetic: PretrainedConfig's generic fields (generation defaults, labels, output flags)
-# in transformers 4.x and 5.x, and Llama's training-only fields. Any other key is refused:
-# it may change the arithmetic (quantization_config, sliding_window, softcapping, ...).
+# arithmetic: PretrainedConfig's generic fields (names and paths, token ids, dtype, generation
+# defaults, labels, output flags) in transformers 4.x and 5.x, Llama's training-only fields,
+# and markers other writers leave (nanotron's is_llama_config, transformers.js settings).
+# `_`-prefixed keys (transformers' bookkeeping: _name_or_path, _model_name_or_path,
+# _commit_hash, _attn_implementation, ...), `*_token_id(s)` and `initializer_*` are harmless
+# by pattern. Any other key is refused: it may change the arithmetic (quantization_config,
+# sliding_window, softcapping, experts, multipliers, ...).
 _HF_READ = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "rope_interleaved",
     "tie_word_embeddings", "max_position_embeddings", "attention_bias", "mlp_bias",
     "pruned_heads", "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder"})
 _HF_HARMLESS = frozenset({
-    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype",
-    "use_bfloat16", "torchscript", "use_cache", "initializer_range", "attention_dropout",
-    "pretraining_tp", "chunk_size_feed_forward", "bos_token_id", "eos_token_id",
-    "pad_token_id", "sep_token_id", "decoder_start_token_id", "forced_bos_token_id",
-    "forced_eos_token_id", "bad_words_ids", "begin_suppress_tokens", "suppress_tokens",
-    "diversity_penalty", "do_sample", "early_stopping", "encoder_no_repeat_ngram_size",
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_bfloat16",
+    "torchscript", "use_cache", "attention_dropout", "pretraining_tp",
+    "chunk_size_feed_forward", "attn_implementation", "bad_words_ids",
+    "begin_suppress_tokens", "suppress_tokens", "forced_decoder_ids", "diversity_penalty",
+    "do_sample", "early_stopping", "encoder_no_repeat_ngram_size",
     "exponential_decay_length_penalty", "length_penalty", "max_length", "min_length",
-    "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_return_sequences",
-    "output_attentions", "output_hidden_states", "output_scores", "remove_invalid_values",
-    "repetition_penalty", "return_dict", "return_dict_in_generate", "temperature", "top_k",
-    "top_p", "typical_p", "id2label", "label2id", "problem_type", "finetuning_task", "prefix",
-    "task_specific_params", "tokenizer_class", "tf_legacy_loss", "is_decoder",
-    "cross_attention_hidden_size"})
+    "max_new_tokens", "min_new_tokens", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+    "num_return_sequences", "output_attentions", "output_hidden_states", "output_scores",
+    "remove_invalid_values", "repetition_penalty", "return_dict", "return_dict_in_generate",
+    "temperature", "top_k", "top_p", "typical_p", "id2label", "label2id", "problem_type",
+    "finetuning_task", "prefix", "task_specific_params", "tokenizer_class", "tf_legacy_loss",
+    "is_decoder", "cross_attention_hidden_size", "name_or_path", "model_name",
+    "keys_to_ignore_at_inference", "is_llama_config", "transformers.js_config"})
+
+
+def _harmless_key(key: str) -> bool:
+  return (key in _HF_HARMLESS or key.startswith("_") or key.startswith("initializer_")
+          or key.endswith("_token_id") or key.endswith("_token_ids"))
+
+
 _ROPE_KEYS = {"default": frozenset(),
               "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor",
                                    "original_max_position_embeddings"})}
@@ -379,7 +390,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
     return hf[key]
   if hf.get("model_type", "llama") != "llama":
     raise ValueError(f"{where}: model_type={hf['model_type']!r}, expected 'llama'")
-  unknown = sorted(set(hf) - _HF_READ - _HF_HARMLESS)
+  unknown = sorted(k for k in hf if k not in _HF_READ and not _harmless_key(k))
   if unknown:
     raise ValueError(f"{where}: keys {unknown} are not understood by this Llama loader and may "
                      "change the model's arithmetic; remove them from the file if they do not")
@@ -388,6 +399,10 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
     if hf.get(key):
       raise ValueError(f"{where}: {key}={hf[key]!r}; the Llama model here has no biases, "
                        "cross-attention or pruned heads")
+  if hf.get("rope_interleaved"):
+    raise ValueError(f"{where}: rope_interleaved={hf['rope_interleaved']!r}; transformers' "
+                     "Llama rotates half-split pairs (j, j + K/2), so interleaved RoPE weights "
+                     "would be read with the wrong rotation")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
   theta, scaling = _rope_from_hf(hf, where)

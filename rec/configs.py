@@ -19,10 +19,12 @@ from core import flops as flops_lib
 from core import mesh as mesh_lib
 from core import train as train_loop
 from rec.data import sources as sources_lib
+from rec.data.dedup import DedupSpec
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.config import ShardingKind, TableConfig
+from rec.embedding.storage_spec import StorageSpec
 from rec.layers import fp8 as fp8_lib
 from rec.models import dcnv2 as dcnv2_lib
 from rec.models import dhen as dhen_lib
@@ -53,14 +55,17 @@ class RecRunConfig:
   sharding: str = "auto"              # auto | dp | tw | rw | cw | twrw
   sharding_overrides: str = ""        # "C1=tw,C3=rw"
   memory_budget_gb: float = 16.0      # per device, for the planner
-  storage: str = "fp32"               # embedding rows: one of STORAGES
+  storage: str = "fp32"               # embedding rows: a storage_spec kind (storage_spec())
   cache_fraction: float = 0.05        # int8_cache / int4_cache: fp32 cache, fraction of rows
   cache_policy: str = "lfu"           # int8_cache / int4_cache: lfu | lru
   bad_lines: str = "error"            # error | skip
+  dedup_features: str = ""            # RecD: "C1,C3" looked up on each batch's distinct bags
+  dedup_capacity: int = 0             # RecD: distinct bags per device and feature; 0: automatic
   seed: int = 0
   csv_label: str = ""                 # csv:DIR label column; "" = inferred
   csv_dense: str = ""                 # csv:DIR dense columns "I1,I2"; "" = inferred, "none"
   csv_categorical: str = ""           # csv:DIR categorical columns; "" = inferred
+  days: str = ""                      # criteo:DIR Terabyte days, e.g. "0-2"; "" = all present
 
   @classmethod
   def from_flags(cls, flag_values, **overrides) -> RecRunConfig:
@@ -88,25 +93,31 @@ class RecRunConfig:
       raise ValueError(f"--memory_budget_gb={self.memory_budget_gb}: expected a number > 0")
     if self.fp8_recipe not in fp8_lib.RECIPES:
       raise ValueError(f"--fp8_recipe={self.fp8_recipe!r}: expected one of {list(fp8_lib.RECIPES)}")
-    if self.storage not in STORAGES:
-      raise ValueError(f"--storage={self.storage!r}: expected one of {list(STORAGES)}")
-    if not (math.isfinite(self.cache_fraction) and 0 < self.cache_fraction <= 1):
-      raise ValueError(f"--cache_fraction={self.cache_fraction}: expected a number in (0, 1]")
-    if self.cache_policy not in ("lfu", "lru"):
-      raise ValueError(f"--cache_policy={self.cache_policy!r}: expected 'lfu' or 'lru'")
+    self.storage_spec()
+    if self.dedup_capacity < 0:
+      raise ValueError(f"--dedup_capacity={self.dedup_capacity}: expected >= 0 (0: the next "
+                       "power of two that holds a batch's distinct bags)")
 
-  def table_storage(self) -> str:
-    """The storage name of the tables (rec/embedding/storage.py get_storage), with the
-    cache settings for int8_cache / int4_cache, e.g. "int8_cache:lfu:0.05"."""
-    if self.storage.endswith("_cache"):
-      return f"{self.storage}:{self.cache_policy}:{self.cache_fraction:g}"
-    return self.storage
+  def dedup_spec(self, tables) -> DedupSpec | None:
+    """RecD's setting from --dedup_features / --dedup_capacity (None: off); names are
+    checked against the tables."""
+    return DedupSpec.from_flags(self.dedup_features, self.dedup_capacity,
+                                known=[t.name for t in tables])
 
+  def storage_spec(self) -> StorageSpec:
+    """The tables' row storage from --storage, --cache_policy and --cache_fraction (errors
+    name the flag), e.g. StorageSpec("int8_cache", "lfu", 0.05)."""
+    return StorageSpec.from_flags(self.storage, self.cache_policy, self.cache_fraction)
 
-# Embedding row storages (--storage): float rows (bf16 rounded to nearest or
-# stochastically), FBGEMM row-wise int8 / int4 rows, and those with an fp32 cache of the hot
-# rows (arXiv 2010.11305; --cache_fraction, --cache_policy).
-STORAGES = ("fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache", "int4_cache")
+  def with_storage(self, spec: StorageSpec) -> RecRunConfig:
+    """This config with the tables stored as `spec` (its settings as the fields above)."""
+    if spec.cached and spec.cache_ways != StorageSpec(spec.kind).cache_ways:
+      raise ValueError(f"storage {spec}: {spec.cache_ways} cache ways; a RecRunConfig has no "
+                       f"setting for them (runs use {StorageSpec(spec.kind).cache_ways})")
+    over = {"storage": spec.kind}
+    if spec.cached:
+      over.update(cache_policy=spec.cache_policy, cache_fraction=spec.cache_fraction)
+    return dataclasses.replace(self, **over)
 
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
@@ -274,7 +285,7 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
     # TorchRec does), which changes the update; auto plans keep it exact by leaving cw out.
     kinds = None
     if isinstance(optimizer, opt_lib.RowWiseAdagrad):
-      kinds = tuple(k for k in ShardingKind if k != ShardingKind.COLUMN_WISE)
+      kinds = tuple(k for k in planner_lib.AUTO_KINDS if k != ShardingKind.COLUMN_WISE)
     return planner_lib.plan(
         tables, num_devices, memory_budget_bytes=int(cfg.memory_budget_gb * 2**30),
         batch_size=cfg.batch_size, overrides=overrides, kinds=kinds,
@@ -292,27 +303,31 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
   return plan
 
 
-def build_run(cfg: RecRunConfig, devices=None):
-  """Returns (task, train source, eval source, plan, mesh)."""
+def build_run(cfg: RecRunConfig, devices=None, sources=None):
+  """Returns (task, train source, eval source, plan, mesh). `sources`: (train, eval) sources
+  to use instead of those of cfg.data (e.g. one split to predict on)."""
   cfg.validate()
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
   for what, b in (("batch_size", cfg.batch_size), ("eval_batch_size", cfg.eval_batch_size)):
     if b % n:
       raise ValueError(f"--{what}={b} is not divisible by the {n} devices of --mesh={cfg.mesh!r}")
-  train_src, eval_src = sources_lib.make_sources(
-      cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
-      seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches,
-      csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical,
-      mesh=mesh, **dict(zip(("shard_index", "num_shards"),
-                            mesh_lib.process_batch_share(mesh, mesh_lib.REC_RULES))))
+  if sources is not None:
+    train_src, eval_src = sources
+  else:
+    train_src, eval_src = sources_lib.make_sources(
+        cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
+        seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches,
+        csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical,
+        mesh=mesh, days=cfg.days or None, **dict(zip(
+            ("shard_index", "num_shards"), mesh_lib.process_batch_share(mesh, mesh_lib.REC_RULES))))
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
   if cfg.storage != "fp32":
-    tables = [dataclasses.replace(t, storage=cfg.table_storage()) for t in tables]
+    tables = [dataclasses.replace(t, storage=cfg.storage_spec()) for t in tables]
   sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
   plan = make_plan(cfg, tables, n, sparse_opt)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,
-                             storage_seed=cfg.seed)
+                             storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables))
   dense_tx = make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate)
   if cfg.fp8_layers and cfg.fp8_recipe == "delayed":   # amax histories ride their gradients
     dense_tx = fp8_lib.with_fp8_history(dense_tx)

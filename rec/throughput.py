@@ -79,8 +79,11 @@ def synthetic_bin_dir(d: str, rows: int, rows_per_feature: int, seed: int = 0) -
   (Zipf-like ids, 25% positives) at `d`, written once and reused."""
   from rec.data import criteo, criteo_bin
   if os.path.isfile(os.path.join(d, "manifest.json")):
-    m = criteo_bin.load_manifest(d)
-    if m["splits"]["train"]["rows"] == rows and m["rows_per_feature"][0] == rows_per_feature:
+    try:
+      m = criteo_bin.load_manifest(d)
+    except ValueError:   # written by another format version: write it again
+      m = None
+    if m and m["splits"]["train"]["rows"] == rows and m["rows_per_feature"][0] == rows_per_feature:
       return d
   rng = np.random.default_rng(seed)
   dense = np.log1p(rng.exponential(3.0, (rows, criteo.NUM_DENSE))).astype(np.float32)

@@ -6,6 +6,13 @@ dense features and pooled embeddings into logits; one backward pass gives gradie
 the dense parameters (updated by optax, all-reduced over the batch axes by XLA) and for the
 embedding bag sums, from which the collection updates the rows the batch touched with a
 sparse row-wise optimizer.
+
+The collection's options change where work runs, not what is computed. RecD
+(arXiv 2211.05239, the collection's `dedup`): `device_batch` attaches each batch shard's
+distinct bags of the chosen features (`rec.data.dedup.dedup_batch`, unless the input
+pipeline did already), and the lookups run on those. DMT's SPTT (arXiv 2403.00877, tables
+placed "sptt"): the model's tower modules (`tower_transform`) run inside the tower groups,
+within the collection's output distribution, and the model's `head` takes their outputs.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from core import mesh as mesh_lib
 from core import train as train_loop
 from rec import metrics as metrics_lib
+from rec.data import dedup as dedup_lib
 from rec.data.batch import SparseBatch
 from rec.embedding.collection import EmbeddingCollection
 
@@ -71,7 +79,17 @@ class RecTask:
     self.dense_tx = dense_tx
     self.mesh = mesh
     self.rules = rules
-    self.graphdef, _ = nnx.split(jax.eval_shape(lambda: model_fn(nnx.Rngs(0))))
+    abstract = jax.eval_shape(lambda: model_fn(nnx.Rngs(0)))
+    self.graphdef, _ = nnx.split(abstract)
+    if collection.towers:
+      towers = getattr(getattr(abstract, "config", None), "towers", None)
+      if not hasattr(abstract, "tower_transform") or (
+          tuple(map(tuple, towers or ())) != collection.towers):
+        raise ValueError(
+            f"the collection's sptt towers {collection.towers} (tables by tower group) need a "
+            f"model with the same towers and a tower_transform (rec/models/dmt.py); "
+            f"{type(abstract).__name__} has towers {towers}")
+    self._dedup_shards: int | None = None
 
   # --- state
 
@@ -101,13 +119,30 @@ class RecTask:
     """Places a host batch on the mesh (after checking its ids); a batch already on device
     (drawn there, e.g. `DeviceSynthetic`) is moved only if its sharding differs."""
     if isinstance(host.labels, jax.Array):
+      if self.collection.dedup is not None and host.dedup is None:
+        raise ValueError("RecD (--dedup_features) deduplicates host batches; this batch was "
+                         "drawn on device (use a host data source, e.g. gen=host)")
       shardings = jax.tree.map(
           lambda x: mesh_lib.logical_sharding(("batch",) + (None,) * (x.ndim - 1), self.rules,
                                               self.mesh), host)
       return jax.device_put(host, shardings)
     if not self._ids_in_range(host.ids):
       self.collection.check_ids(host.ids, host.lengths)  # names the first bad id
+    if self.collection.bag_sizes:
+      self.collection.check_lengths(host.lengths)
+    spec = self.collection.dedup
+    if spec is not None and host.dedup is None:
+      host = dedup_lib.dedup_batch(host, self.collection.dedup_features, spec.capacity,
+                                   self.dedup_shards(), spec.on_overflow)
     return mesh_lib.shard_batch(host, self.mesh, self.rules)
+
+  def dedup_shards(self) -> int:
+    """Batch shards in this process's share of a batch: the devices it feeds, each of
+    which deduplicates its own rows (RecD)."""
+    if self._dedup_shards is None:
+      _, count = mesh_lib.process_batch_share(self.mesh, self.rules)
+      self._dedup_shards = mesh_lib.axis_size("batch", self.rules, self.mesh) // count
+    return self._dedup_shards
 
   def _ids_in_range(self, ids) -> bool:
     """Every slot's id (padding included) in [0, rows) of its table: one min and one max
@@ -130,14 +165,26 @@ class RecTask:
     model = nnx.merge(self.graphdef, params)
     return model(dense, emb_BFD)
 
+  def gather(self, emb_state, batch: SparseBatch):
+    """The collection's gather phase for a batch (its distinct bags too, under RecD)."""
+    return self.collection.gather(emb_state, batch.ids, batch.lengths, batch.weights,
+                                  batch.dedup)
+
+  def forward(self, params, dense, lookup, partial=None) -> jax.Array:
+    """Logits from a lookup's bag sums (`partial`: differentiate through these): pool, then
+    the model; under SPTT the model's tower modules run inside the pool's tower groups."""
+    if self.collection.towers:
+      model = nnx.merge(self.graphdef, params)
+      towers = self.collection.pool(lookup, partial, towers=model.tower_transform())
+      return model.head(dense, towers)
+    return self.logits(params, dense, self.collection.pool(lookup, partial))
+
   def loss_and_grads(self, state, batch: SparseBatch):
     """Mean BCE over real examples; grads w.r.t. dense params and the embedding bag sums."""
-    coll = self.collection
-    lookup = coll.gather(state["emb"], batch.ids, batch.lengths, batch.weights)
+    lookup = self.gather(state["emb"], batch)
 
     def loss_fn(params, partial):
-      emb_BFD = coll.pool(lookup, partial)
-      logits = self.logits(params, batch.dense, emb_BFD)
+      logits = self.forward(params, batch.dense, lookup, partial)
       per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
       loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
       return loss, logits
@@ -156,6 +203,8 @@ class RecTask:
     updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}
+    if self.collection.dedup is not None:   # 1: a capacity overflow ran this batch plain
+      metrics["dedup_fallback"] = jnp.float32(batch.dedup is None)
     if skip_nonfinite:
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       params = train_loop.select_tree(ok, params, state["params"])
@@ -168,8 +217,8 @@ class RecTask:
 
   def eval_step(self, state, batch: SparseBatch) -> dict[str, jax.Array]:
     """{logits, labels, mask} [B], left on device for `RecEvaluator`."""
-    emb_BFD = self.collection.lookup(state["emb"], batch.ids, batch.lengths, batch.weights)
-    return {"logits": self.logits(state["params"], batch.dense, emb_BFD),
+    lookup = self.gather(state["emb"], batch)
+    return {"logits": self.forward(state["params"], batch.dense, lookup),
             "labels": batch.labels, "mask": batch.mask}
 
   def new_evaluator(self) -> RecEvaluator:

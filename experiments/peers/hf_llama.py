@@ -1,8 +1,10 @@
 """Hugging Face transformers Llama prefill / decode speed on CPU (peer of experiments.bench_llm).
 
 Runs in the peer environment (torch CPU + transformers), imports nothing from the project.
-Loads a Llama directory that `experiments.bench_llm` exported with the same weights as our
-model (config.json + model.safetensors), then times, in fp32 under torch.inference_mode:
+Loads a Llama directory (--model_dir: one that `experiments.bench_llm` exported with the
+same weights as our model, or a real checkpoint's) or a GGUF file (--gguf_file: transformers
+dequantizes it with the gguf package and undoes llama.cpp's Q/K permutation itself; needs
+`gguf` and `accelerate` in this environment), then times, in fp32 under torch.inference_mode:
   prefill: one forward over [batch, prompt_len] prompt tokens with use_cache=True;
   decode:  greedy single-token forwards with the KV cache (past_key_values), new_tokens steps.
 Prints one JSON line: medians over repeats, tokens/s, and the greedy ids of every row (so the
@@ -11,6 +13,7 @@ caller can check that both implementations generate the same tokens).
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -20,15 +23,25 @@ import transformers
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--model_dir", required=True)
+  src = ap.add_mutually_exclusive_group(required=True)
+  src.add_argument("--model_dir")
+  src.add_argument("--gguf_file")
   ap.add_argument("--prompt_ids_file", required=True, help="JSON [[ids...], ...] (equal lengths)")
   ap.add_argument("--new_tokens", type=int, default=32)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--threads", type=int, default=2)
   args = ap.parse_args()
   torch.set_num_threads(args.threads)
-  model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, torch_dtype=torch.float32,
-                                                        attn_implementation="sdpa")
+  # transformers 5 calls the argument `dtype` (4.x: `torch_dtype`).
+  dtype = ({"dtype": torch.float32} if int(transformers.__version__.split(".")[0]) >= 5
+           else {"torch_dtype": torch.float32})
+  if args.gguf_file:
+    d, name = os.path.split(os.path.abspath(args.gguf_file))
+    model = transformers.LlamaForCausalLM.from_pretrained(d, gguf_file=name, **dtype,
+                                                          attn_implementation="sdpa")
+  else:
+    model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, **dtype,
+                                                          attn_implementation="sdpa")
   model.eval()
   with open(args.prompt_ids_file) as f:
     prompts = torch.tensor(json.load(f), dtype=torch.long)

@@ -6,49 +6,68 @@
 
 `impl` names: "xla" (the jnp reference, `reference.attention_reference`), "xla_decode" (the
 same rule reading a KV cache in place, `decode.py`), "cudnn" (cuDNN flash attention,
-`cudnn.py`), "pallas" (the Pallas kernels), "ring_pass_kv" / "ring_pass_q" /
-"ring_auto" (context parallelism, `ring.py`), and "auto": per call, the fastest
-implementation that is exact for it (`choose_impl`). Modules register more with `register`.
-Models and ring attention call `attention(..., impl=cfg.attention_impl)` and never branch on
-the name. `mask` ([B,T,S] bool, for tree attention) narrows the rule further; it is applied
-by `masked.per_query_masked` through the implementations' own segment-id rule, for the
-implementations in `masked.MASK_IMPLS` (others raise). Implementations never see `mask`.
+`cudnn.py`), "pallas" (the Pallas kernel `choose.choose_kernel` picks, `pallas.py`),
+"pallas_mgpu" / "pallas_triton" (one kernel), and "auto": per call, the fastest
+implementation that is exact for it (`choose.choose_impl`; one device probe for both
+choices). `register` adds more. Models call `attention(..., impl=cfg.attention_impl)` and
+never branch on the name; context parallelism is not an implementation but a setting of the
+model (`LlamaConfig.context_parallel`), whose ring (`ring.ring_attention`) runs an
+implementation from here on each block. `mask` ([B,T,S] bool, for tree attention) narrows
+the rule further; `masked.per_query_masked` applies it through the implementations' own
+segment-id rule, for those in `masked.MASK_IMPLS` (others raise). Implementations never see
+`mask`, and none imports this registry: it imports them, on first use of their name, so that
+importing the model pulls in no Pallas or cuDNN code it does not run.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib
 from typing import Callable
 
-import jax
-
+from llm.attention.choose import DECODE_MAX_T, DeviceInfo, choose_impl, choose_kernel
 from llm.attention.reference import attention_reference, merge_partials
 
 AttentionFn = Callable[..., tuple]
 
 _REGISTRY: dict[str, AttentionFn] = {"xla": attention_reference}
-# Modules that register an implementation on import; loaded on first use so that importing
-# the model does not pull in Pallas or shard_map code it does not need.
-_LAZY = {"pallas": "llm.attention.pallas", "pallas_mgpu": "llm.attention.pallas",
-         "pallas_triton": "llm.attention.pallas", "ring_pass_kv": "llm.attention.ring",
-         "ring_pass_q": "llm.attention.ring", "ring_auto": "llm.attention.ring",
-         "cudnn": "llm.attention.cudnn", "xla_decode": "llm.attention.decode"}
-# Calls of up to this many queries against a longer key axis are decode steps for "auto":
-# memory-bound, one pass over the KV cache ("xla_decode", llm/attention/decode.py).
-DECODE_MAX_T = 16
+# Implementations loaded on first use: name -> (module, function).
+_LAZY = {"xla_decode": ("llm.attention.decode", "decode_attention"),
+         "cudnn": ("llm.attention.cudnn", "cudnn_attention"),
+         "pallas": ("llm.attention.pallas", "pallas_attention"),
+         "pallas_mgpu": ("kernels.flash_attention_mgpu", "flash_attention_mgpu"),
+         "pallas_triton": ("kernels.flash_attention_triton", "flash_attention_triton")}
+# Ring attention is context parallelism, a model setting of its own.
+CONTEXT_PARALLEL = ("pass_kv", "pass_q", "auto")
 
 
 def register(name: str, fn: AttentionFn) -> None:
   _REGISTRY[name] = fn
 
 
+def names() -> list[str]:
+  """Every implementation name `attention` takes now ("auto" and the registered ones)."""
+  return sorted(set(_REGISTRY) | set(_LAZY))
+
+
+def check_impl(name: str, where: str = "attention_impl") -> str:
+  """`name` if it names an implementation, else a ValueError naming `where` and the choices
+  (a ring_* name says which setting context parallelism is)."""
+  if name in _REGISTRY or name in _LAZY:
+    return name
+  if isinstance(name, str) and name.startswith("ring_") and name[5:] in CONTEXT_PARALLEL:
+    raise ValueError(
+        f"{where}={name!r}: context parallelism is its own setting, "
+        f"context_parallel={name[5:]!r} (LlamaConfig.context_parallel, --context_parallel), "
+        f"and the ring's inner kernel is attention_impl (one of {names()}); or call "
+        f"llm.attention.ring.ring_attention(..., variant={name[5:]!r}, inner_impl=...)")
+  raise ValueError(f"{where}={name!r}: expected one of {names()}")
+
+
 def get_attention(name: str) -> AttentionFn:
-  if name not in _REGISTRY and name in _LAZY:
-    import importlib
-    importlib.import_module(_LAZY[name])
   if name not in _REGISTRY:
-    raise ValueError(f"attention_impl={name!r}: expected one of "
-                     f"{sorted(set(_REGISTRY) | set(_LAZY))}")
+    check_impl(name)
+    module, attr = _LAZY[name]
+    _REGISTRY[name] = getattr(importlib.import_module(module), attr)
   return _REGISTRY[name]
 
 
@@ -61,63 +80,16 @@ def attention(q_BTHK, k_BSGK, v_BSGK, *, impl: str = "xla", mask=None, **kwargs)
   return masked.per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def cudnn_available(compute_capability: str | None = None) -> bool:
-  """cuDNN flash attention can run: jax found cuDNN and the GPU is Ampere (8.0) or newer.
-  compute_capability: the GPU's; None reads the default device's (False off a CUDA GPU)."""
-  if compute_capability is None:
-    if jax.default_backend() != "gpu":
-      return False
-    compute_capability = getattr(jax.devices()[0], "compute_capability", None)
-    if compute_capability is None:
-      return False
-    try:
-      from jax._src.cudnn import fused_attention_stablehlo as fa
-      fa.check_cudnn_version()
-    except (ImportError, RuntimeError):
-      return False
-  return tuple(int(x) for x in str(compute_capability).split(".")) >= (8, 0)
-
-
-def choose_impl(q_BTHK, k_BSGK, *, causal: bool = True, q_segment_ids=None,
-                kv_segment_ids=None, q_positions=None, kv_positions=None,
-                backend: str | None = None, cudnn: bool | None = None) -> str:
-  """The implementation "auto" runs for this call, from its structure (shapes, dtype, which
-  optional arguments are given), never from values:
-
-    decode (T <= DECODE_MAX_T, T < S) "xla_decode" (one read of the cache, any backend)
-    not a GPU                        "xla"
-    no segment ids, no positions,    "cudnn"  (cuDNN's causal / no mask is then exactly the
-      bf16 / fp16, cuDNN usable                shared rule: nothing data-dependent)
-    otherwise                        "pallas" (any segment ids and positions, fp32 too)
-
-  backend / cudnn: override jax.default_backend() and `cudnn_available()` (tests, AOT).
-  The model passes no positions when they are the default arange, so its training and
-  prefill calls without a cache take cuDNN.
-  """
-  del causal, kv_segment_ids
-  backend = jax.default_backend() if backend is None else backend
-  t, s = q_BTHK.shape[1], k_BSGK.shape[1]
-  if t <= DECODE_MAX_T and t < s:
-    return "xla_decode"
-  if backend != "gpu":
-    return "xla"
-  from llm.attention.cudnn import supports
-  usable = cudnn_available() if cudnn is None else cudnn
-  if (usable and q_segment_ids is None and q_positions is None and kv_positions is None
-      and supports(q_BTHK.dtype, q_BTHK.shape[-1]) is None and k_BSGK.dtype == q_BTHK.dtype):
-    return "cudnn"
-  return "pallas"
-
-
 def auto_attention(q_BTHK, k_BSGK, v_BSGK, **kwargs):
   """Registry entry "auto": `choose_impl`'s pick, called with the same arguments."""
   impl = choose_impl(q_BTHK, k_BSGK, **{n: kwargs.get(n) for n in (
-      "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")})
+      "q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "scale")},
+      causal=kwargs.get("causal", True))
   return get_attention(impl)(q_BTHK, k_BSGK, v_BSGK, **kwargs)
 
 
 _REGISTRY["auto"] = auto_attention
 
-__all__ = ["DECODE_MAX_T", "attention", "attention_reference", "auto_attention", "choose_impl",
-           "cudnn_available", "get_attention", "merge_partials", "register"]
+__all__ = ["CONTEXT_PARALLEL", "DECODE_MAX_T", "DeviceInfo", "attention", "attention_reference",
+           "auto_attention", "check_impl", "choose_impl", "choose_kernel", "get_attention",
+           "merge_partials", "names", "register"]

@@ -59,7 +59,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
-from llm.attention import register
 from llm.attention.reference import NEG_INF, check_shapes
 
 IMPLEMENTATIONS = ("cudnn", "xla")
@@ -463,7 +462,5 @@ def cudnn_attention(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_id
   return _cross_attention(q_BTHK, k_BSGK, v_BSGK, q_positions, kv_positions, scale,
                           implementation)
 
-
-register("cudnn", cudnn_attention)
 
 __all__ = ["cudnn_attention", "is_self_attention", "supports"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from llm.attention import register
 from llm.attention.reference import NEG_INF, attention_mask, check_shapes
 
 
@@ -54,5 +53,3 @@ def decode_attention(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_i
   return (out_BTGRK.reshape(b, t, h, kd).astype(q_BTHK.dtype),
           lse[:, :, 0].reshape(b, t, h))
 
-
-register("xla_decode", decode_attention)

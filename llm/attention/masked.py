@@ -14,8 +14,8 @@ the segment-id rule it already honours exactly. Keys and values are not batched 
 (no copies). For the jnp implementations ("xla", "xla_decode") the arithmetic is that of T
 separate decode steps; "auto" sees T = 1 and takes "xla_decode", as it does for plain decode
 steps. Implementations whose segment ids are restricted by data ("cudnn": same-array ids) or
-that shard keys over a ring ("ring_*") are refused with an error, as are the Pallas kernels
-(a T = 1 launch per query: correct, but no faster than "xla_decode"; untested here).
+that shard keys over a ring (context parallelism) are refused with an error, as are the Pallas
+kernels (a T = 1 launch per query: correct, but no faster than "xla_decode"; untested here).
 
 Letters: B batch, T queries, S keys, H query heads, G key/value heads, K head dim.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.flash_attention import default_positions
+from llm.attention.reference import default_positions
 
 # Implementations that take an explicit mask (through per-query segment ids).
 MASK_IMPLS = ("auto", "xla", "xla_decode")

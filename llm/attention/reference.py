@@ -1,9 +1,9 @@
 """Reference attention in plain jnp (XLA) and the exact merge of partial results.
 
 The reference, the masking rule and the shape check live with the kernels
-(`kernels/flash_attention.py`), so that every implementation, XLA, Pallas kernels and ring
-attention, shares one copy of the masking math; this module re-exports them under the names
-the model and ring attention use and adds `merge_partials`.
+(`kernels/flash_attention_reference.py`), so that every implementation, XLA, Pallas kernels
+and ring attention, shares one copy of the masking math; this module re-exports them under
+the names the model and ring attention use and adds `merge_partials`.
 
 Masking rule: query t may attend key s iff
   q_segment_ids[b,t] == kv_segment_ids[b,s]              (when segment ids are given)
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels.flash_attention import (NEG_INF, attention_mask, check_shapes, default_positions,
-                                     flash_attention_reference)
+from kernels.flash_attention_reference import (NEG_INF, attention_mask, check_shapes,
+                                               default_positions, flash_attention_reference)
 
 attention_reference = flash_attention_reference
 

@@ -9,9 +9,10 @@ The sequence is sharded over a `cp` mesh axis of N ranks. Two exact variants:
            against its local KV, one `all_to_all` brings the N partials of a block back to
            its owner, which merges them exactly.
 The block attention is `llm.attention.attention(..., impl=inner_impl)` (default "xla"),
-so a Pallas kernel can be dropped in. Masking is by explicit positions and segment ids
-(reference.py's rule), so any token placement is exact; `layout.load_balance` gives the
-paper's causal load balancing (rank i holds chunks i and 2N-1-i).
+so a Pallas kernel or cuDNN can be dropped in; the Llama model passes its attention_impl.
+Masking is by explicit positions and segment ids (reference.py's rule), so any token
+placement is exact; `layout.load_balance` gives the paper's causal load balancing (rank i
+holds chunks i and 2N-1-i).
 
 Phases (all with segment ids and positions):
   full prefill        q, k, v sharded over cp (load-balanced when causal).
@@ -33,18 +34,13 @@ overlap step i's transfer with step i-1's block). jax.grad goes through both var
 (ppermute and all_to_all transpose to their inverses); the backward keeps the visited
 blocks as residuals rather than running a second ring.
 
-Two entry points:
-  ring_attention(q, k, v, *, mesh, axis="cp", variant=..., ...)   explicit mesh.
-  attention(q, k, v, impl="ring_pass_kv" | "ring_pass_q" | "ring_auto", ...)   the registry:
-      global arrays, mesh taken from `ring_context(mesh=...)` if one is active, else from
-      the mesh set with `jax.set_mesh` (jax.sharding.get_abstract_mesh()). Prefer
-      `jax.set_mesh`: the mesh is then part of jit's cache key, while `ring_context` is
-      read at trace time only (a jitted function traced under one ring_context keeps it).
+Entry point: `ring_attention(q, k, v, *, mesh, axis="cp", variant=..., inner_impl=...)`,
+every setting an argument (the Llama model calls it when `LlamaConfig.context_parallel` is
+not "none" and the `jax.set_mesh` mesh has a cp axis of more than one rank).
 `write_slots` writes new keys / values into a KV cache whose slot axis is split over cp,
 each rank into its own shard (the Llama model's context-parallel cache write);
 `load_balance_sharded` reorders a cp-sharded sequence into the load-balanced layout (and
-back) with two half-shard ppermutes;
-`current_mesh` says which mesh the registry entries would use.
+back) with two half-shard ppermutes.
 Batch dims may also be sharded over data/fsdp and heads over tp: shard_map specs come from
 the rules table (`act_batch`, `act_heads`, `act_kv_heads` of core.mesh.LLM_RULES); an axis
 that does not divide its dimension is left replicated.
@@ -55,9 +51,6 @@ K head dim, N ranks on the cp axis; a trailing `_l` marks a per-rank (local) blo
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
 from typing import Any
 
@@ -66,39 +59,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from core.mesh import LLM_RULES, Rules, mesh_axes
-from llm.attention import attention, register
+from llm.attention import attention, check_impl
 from llm.attention.reference import NEG_INF, check_shapes, merge_partials
 
 VARIANTS = ("pass_kv", "pass_q", "auto")
 # Defaults of the auto rule: one H100 (dense bf16) and 400 Gb/s RDMA per GPU (paper Sec. 4).
 DEFAULT_PEAK_FLOPS = 989e12
 DEFAULT_BANDWIDTH = 50e9
-
-
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-  """Settings the registry entry points read at trace time."""
-  mesh: Any = None           # jax.sharding.Mesh / AbstractMesh; None: the jax.set_mesh mesh
-  axis: str = "cp"
-  inner_impl: str = "xla"
-  rules: Rules = LLM_RULES
-  peak_flops: float = DEFAULT_PEAK_FLOPS
-  bandwidth: float = DEFAULT_BANDWIDTH
-  algorithm: str = "alltoall"
-
-
-_CONFIG: contextvars.ContextVar[RingConfig] = contextvars.ContextVar(
-    "ring_attention_config", default=RingConfig())
-
-
-@contextlib.contextmanager
-def ring_context(mesh=None, axis: str = "cp", inner_impl: str = "xla", **kwargs):
-  """Sets mesh / axis / inner_impl (and RingConfig's auto-rule fields) for the registry names."""
-  token = _CONFIG.set(RingConfig(mesh=mesh, axis=axis, inner_impl=inner_impl, **kwargs))
-  try:
-    yield _CONFIG.get()
-  finally:
-    _CONFIG.reset(token)
 
 
 def select_variant(variant: str, *, new_tokens: int, cached_tokens: int, n_ranks: int,
@@ -257,9 +224,7 @@ def ring_attention(q_BTHK, k_BSGK, v_BSGK, *, mesh, axis: str = "cp", variant: s
   attention_reference), or P + arange for q and new kv and arange(P) for the cache.
   Returns (out [B,T,H,K] in q's dtype, lse [B,T,H] fp32), sharded like q.
   """
-  if inner_impl.startswith("ring"):
-    raise ValueError(f"ring attention: inner_impl={inner_impl!r}; expected a single-device "
-                     "implementation such as 'xla' or 'pallas'")
+  check_impl(inner_impl, "ring attention: inner_impl")
   b, t, s, h, g, kd = check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids,
                                    q_positions, kv_positions)
   if axis not in mesh.shape:
@@ -321,18 +286,6 @@ def ring_attention(q_BTHK, k_BSGK, v_BSGK, *, mesh, axis: str = "cp", variant: s
       # which shard_map's check rejects; the specs above already say how outputs vary.
       check_vma=inner_impl == "xla")
   return fn(x)
-
-
-def current_mesh():
-  """(mesh, axis) that the registry entries would use now: `ring_context`'s mesh if one is
-  active, else the `jax.set_mesh` mesh when it has the ring axis; None when there is none."""
-  cfg = _CONFIG.get()
-  if cfg.mesh is not None:
-    return cfg.mesh, cfg.axis
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or cfg.axis not in mesh.axis_names:
-    return None
-  return mesh, cfg.axis
 
 
 def write_slots(buf_BS, slots_BT, new_BT, *, mesh, spec: P, axis: str = "cp"):
@@ -402,38 +355,4 @@ def load_balance_sharded(x, *, mesh, spec: P, axis: str = "cp", inverse: bool = 
   return jax.shard_map(body, mesh=mesh, in_specs=P(*spec), out_specs=P(*spec))(x)
 
 
-def _context_mesh(axis: str):
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or axis not in mesh.axis_names:
-    raise ValueError(
-        f"ring attention: no mesh with axis {axis!r} is set (current mesh axes: "
-        f"{() if mesh.empty else mesh.axis_names}); wrap the call in `jax.set_mesh(mesh)` or "
-        "`llm.attention.ring.ring_context(mesh)`")
-  return mesh
-
-
-def _registry_entry(variant: str):
-  def fn(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_ids=None,
-         kv_segment_ids=None, q_positions=None, kv_positions=None, scale=None):
-    cfg = _CONFIG.get()
-    mesh = cfg.mesh if cfg.mesh is not None else _context_mesh(cfg.axis)
-    return ring_attention(q_BTHK, k_BSGK, v_BSGK, mesh=mesh, axis=cfg.axis, variant=variant,
-                          causal=causal, q_segment_ids=q_segment_ids,
-                          kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                          kv_positions=kv_positions, scale=scale, inner_impl=cfg.inner_impl,
-                          rules=cfg.rules, peak_flops=cfg.peak_flops, bandwidth=cfg.bandwidth,
-                          algorithm=cfg.algorithm)
-  fn.__name__ = f"ring_{variant}"
-  fn.__doc__ = f"Registry entry 'ring_{variant}': ring_attention over the current mesh's cp axis."
-  return fn
-
-
-ring_pass_kv = _registry_entry("pass_kv")
-ring_pass_q = _registry_entry("pass_q")
-ring_auto = _registry_entry("auto")
-register("ring_pass_kv", ring_pass_kv)
-register("ring_pass_q", ring_pass_q)
-register("ring_auto", ring_auto)
-
-__all__ = ["RingConfig", "current_mesh", "load_balance_sharded", "ring_attention", "ring_auto",
-           "ring_context", "ring_pass_kv", "ring_pass_q", "select_variant", "write_slots"]
+__all__ = ["load_balance_sharded", "ring_attention", "select_variant", "write_slots"]

@@ -7,18 +7,20 @@
   batch.py     micro-batches -> LMBatch rows with segment ids and positions (and back)
   cp_shard.py  per-sequence vs per-document context-parallel layouts, rank workloads, the
                adaptive per-batch choice (tile model of a block-skipping kernel)
-  study.py     the paper's Table 2 and CP comparison on synthetic long-tailed documents
-               (`python -m experiments.wlb_packing`)
+  lengths.py   synthetic document lengths with a long tail (log-normal body, Pareto tail)
+
+The paper's Table 2 and CP comparison: `python -m experiments.wlb_packing`.
 """
 
 from llm.packing.batch import row_documents, row_segments, to_lm_batch, unpack_rows
 from llm.packing.cost import CostModel, Shape, fit_cost_model, flop_cost_model
 from llm.packing.cp_shard import (TileModel, choose_layout, layout_batch, per_document_order,
                                   per_sequence_order, restore_order)
+from llm.packing.lengths import LengthDist
 from llm.packing.packers import (FixedGreedyPacker, WLBPacker, balanced_pack, original_packing,
                                  simulate)
 
-__all__ = ["CostModel", "FixedGreedyPacker", "Shape", "TileModel", "WLBPacker", "balanced_pack",
-           "choose_layout", "fit_cost_model", "flop_cost_model", "layout_batch",
+__all__ = ["CostModel", "FixedGreedyPacker", "LengthDist", "Shape", "TileModel", "WLBPacker",
+           "balanced_pack", "choose_layout", "fit_cost_model", "flop_cost_model", "layout_batch",
            "original_packing", "per_document_order", "per_sequence_order", "restore_order",
            "row_documents", "row_segments", "simulate", "to_lm_batch", "unpack_rows"]

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from llm import cost as llm_cost
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -54,8 +56,7 @@ class Shape:
   @property
   def linear_flops_per_token(self) -> int:
     """Forward matmul FLOPs per token of one layer: Q, O, K, V projections and SwiGLU."""
-    d, hk, gk = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-    return 2 * (2 * d * hk + 2 * d * gk + 3 * d * self.ffn_dim)
+    return llm_cost.linear_flops_per_token(self)
 
 
 @dataclasses.dataclass(frozen=True)

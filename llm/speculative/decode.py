@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm.generate import _sample, check_prompts, filtered_logits
+from llm import generate as gen_lib
+from llm.generate import _sample, filtered_logits
 from llm.model import SENTINEL_POS, KVCache, Llama
 from llm.speculative import accept as accept_lib
 from llm.speculative import tree as tree_lib
@@ -163,7 +164,9 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens_BT, lengths_B, key, sampling,
 def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, key, sampling,
            stop_tokens, *, shape: TreeShape, n_new: int):
   """Rounds until every row has n_new tokens or a stop token. Returns (tokens [B, n_new + J],
-  tokens per row [B], rounds per row [B], accepted drafted tokens per row [B], loop rounds)."""
+  tokens per row [B], rounds per row [B], accepted drafted tokens per row [B], loop rounds,
+  the accepted drafted tokens of each round [B, n_new] (-1 where the row was not decoding:
+  a round yields at least one token, so at most n_new - 1 rounds run))."""
   target, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
   b = root_B.shape[0]
   s = tcache.max_len
@@ -206,16 +209,19 @@ def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, ke
                          new_BJ)
     n_out_B = c["n_out"] + acc_B + 1
     done_B = c["done"] | (n_out_B >= n_new) | jnp.any(is_stop(new_BJ) & valid_BJ, axis=1)
+    log_BR = jax.lax.dynamic_update_slice(
+        c["log"], jnp.where(active_B, acc_B, -1)[:, None], (0, c["i"]))
     return dict(i=c["i"] + 1, tcache=tcache, dcache=dcache, root=bonus_B, h_root=h_root_BD,
                 out=out_BX, n_out=n_out_B, done=done_B, key=key,
                 rounds=c["rounds"] + active_B,
-                accepted=c["accepted"] + jnp.where(active_B, acc_B, 0))
+                accepted=c["accepted"] + jnp.where(active_B, acc_B, 0), log=log_BR)
 
   carry = dict(i=jnp.int32(0), tcache=tcache, dcache=dcache, root=root_B, h_root=h_root_BD,
                out=out_BX, n_out=jnp.ones((b,), jnp.int32),
-               done=is_stop(root_B) | (n_new <= 1), key=key, rounds=zeros_B, accepted=zeros_B)
+               done=is_stop(root_B) | (n_new <= 1), key=key, rounds=zeros_B, accepted=zeros_B,
+               log=jnp.full((b, n_new), -1, jnp.int32))
   c = jax.lax.while_loop(cond, body, carry)
-  return c["out"], c["n_out"], c["rounds"], c["accepted"], c["i"]
+  return c["out"], c["n_out"], c["rounds"], c["accepted"], c["i"], c["log"]
 
 
 @dataclasses.dataclass
@@ -226,6 +232,7 @@ class SpecResult:
   rounds: np.ndarray          # [B] draft-verify rounds while the row was decoding
   accepted: np.ndarray        # [B] drafted tokens accepted over those rounds
   loop_rounds: int            # rounds the batch ran (the slowest row's)
+  accepted_per_round: list[list[int]]  # per row, the drafted tokens accepted in each round
 
   @property
   def accept_length(self) -> float:
@@ -246,53 +253,34 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
   sampling), decoded by draft trees of `shape`. max_len: cache slots (default
   `cache_slots(longest prompt, max_new_tokens, shape)`)."""
   cfg = target.cfg
-  check_prompts(prompts, cfg.vocab_size, "speculative_generate")
+  stop = gen_lib.check_request(cfg, prompts, max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
+                               where="speculative_generate")
   if draft.cfg.dim != cfg.dim or draft.cfg.vocab_size != cfg.vocab_size:
     raise ValueError(f"speculative_generate: draft head for dim {draft.cfg.dim}, vocab "
                      f"{draft.cfg.vocab_size}; the target has dim {cfg.dim}, vocab "
                      f"{cfg.vocab_size}")
-  if max_new_tokens < 0:
-    raise ValueError(f"speculative_generate: max_new_tokens={max_new_tokens}, expected >= 0")
-  if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-    raise ValueError(f"speculative_generate: temperature={temperature}, top_k={top_k}, "
-                     f"top_p={top_p}; expected temperature >= 0, top_k >= 0, 0 < top_p <= 1")
-  if temperature > 0 and rng is None:
-    raise ValueError(f"speculative_generate: temperature={temperature} samples; pass "
-                     "rng=jax.random.key(...)")
   zeros = np.zeros((len(prompts),), np.int64)
   if max_new_tokens == 0:
-    return SpecResult([[] for _ in prompts], zeros, zeros, 0)
-  lengths = np.asarray([len(p) for p in prompts], np.int32)
-  t = int(lengths.max())
-  if t + max_new_tokens > cfg.max_seq_len:
-    raise ValueError(
-        f"speculative_generate: the longest prompt ({t} tokens) plus max_new_tokens="
-        f"{max_new_tokens} is beyond the model's max_seq_len={cfg.max_seq_len}")
+    return SpecResult([[] for _ in prompts], zeros, zeros, 0, [[] for _ in prompts])
+  tokens_BT, lengths = gen_lib.pad_prompts(prompts)
+  t = tokens_BT.shape[1]
   need = cache_slots(t, max_new_tokens, shape)
   max_len = need if max_len is None else int(max_len)
   if max_len < need:
     raise ValueError(f"speculative_generate: max_len={max_len} slots; a {t}-token prompt, "
                      f"{max_new_tokens} new tokens and tree {shape} need {need}")
-  tokens_BT = np.zeros((len(prompts), t), np.int32)
-  for i, p in enumerate(prompts):
-    tokens_BT[i, :len(p)] = p
   tgraph, tstate = nnx.split(target)
   dgraph, dstate = nnx.split(draft)
-  sampling = None if temperature == 0 else (
-      jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-  stop = tuple(int(s) for s in stop_tokens)
+  sampling = gen_lib.sampling_settings(temperature, top_k, top_p)
   key = jax.random.key(0) if rng is None else rng
   root, h_root, tcache, dcache, key = prefill(tgraph, tstate, dgraph, dstate,
                                               jnp.asarray(tokens_BT), jnp.asarray(lengths), key,
                                               sampling, max_len=max_len)
-  out, n_out, rounds, accepted, loop_rounds = decode(
+  out, n_out, rounds, accepted, loop_rounds, log = decode(
       tgraph, tstate, dgraph, dstate, root, h_root, tcache, dcache, key, sampling,
-      jnp.asarray(stop or (-1,), jnp.int32), shape=shape, n_new=max_new_tokens)
-  out, n_out = np.asarray(out), np.asarray(n_out)
-  stop = set(stop)
-  result = []
-  for row, n in zip(out.tolist(), n_out.tolist()):
-    row = row[:min(n, max_new_tokens)]
-    hit = next((j for j, tok in enumerate(row) if tok in stop), None)
-    result.append(row if hit is None else row[:hit + 1])
-  return SpecResult(result, np.asarray(rounds), np.asarray(accepted), int(loop_rounds))
+      gen_lib.stop_array(stop), shape=shape, n_new=max_new_tokens)
+  result = gen_lib.cut_rows(np.asarray(out), np.minimum(np.asarray(n_out), max_new_tokens),
+                            stop)
+  per_round = [[a for a in row if a >= 0] for row in np.asarray(log).tolist()]
+  return SpecResult(result, np.asarray(rounds), np.asarray(accepted), int(loop_rounds), per_round)

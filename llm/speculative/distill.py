@@ -327,11 +327,30 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig):
   return tokens, mask
 
 
+def loop_config(workdir: str, dcfg: DistillConfig, *, overwrite: bool = False, settings=None,
+                resume_allow=()):
+  """The core.train loop settings of a draft-head run in `workdir`: resumed when it holds
+  checkpoints (unless `overwrite`); the run's settings are every DistillConfig field but the
+  loop's own, as distill.NAME, plus `settings`; those in `resume_allow` may change."""
+  import os
+  from core import train as train_lib
+  return train_lib.TrainConfig(
+      workdir=workdir, steps=dcfg.steps, eval_every=dcfg.eval_every,
+      checkpoint_every=dcfg.checkpoint_every, log_every=dcfg.log_every, seed=dcfg.seed,
+      resume=not overwrite and os.path.isdir(os.path.join(workdir, "checkpoints")),
+      overwrite=overwrite, tensorboard=False, resume_allow=tuple(resume_allow),
+      settings={**{f"distill.{k}": v for k, v in dataclasses.asdict(dcfg).items()
+                   if k not in _LOOP_FIELDS}, **(settings or {})},
+      nonfinite_hint="lower the draft learning rate")
+
+
 def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1,),),
-                mesh: Mesh | None = None, overwrite: bool = False, settings=None):
+                mesh: Mesh | None = None, overwrite: bool = False, settings=None,
+                resume_allow=()):
   """Generates (or reuses) the sequences, trains a DraftHead in `workdir` through core.train
-  (an existing run with the same settings is resumed, a finished one just loaded) and
-  returns (draft, train summary, (tokens, mask))."""
+  (`loop_config`: an existing run with the same settings is resumed, a finished one just
+  loaded; settings named in `resume_allow`, e.g. "distill.learning_rate", may differ from
+  the run's) and returns (draft, train summary, (tokens, mask))."""
   import os
   from core import train as train_lib
   tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg)
@@ -342,13 +361,7 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
   task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise)
   train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed)
   eval_src = SequenceSource(tokens[n_train:], mask[n_train:], dcfg.batch_size, split="eval")
-  loop = train_lib.TrainConfig(
-      workdir=workdir, steps=dcfg.steps, eval_every=dcfg.eval_every,
-      checkpoint_every=dcfg.checkpoint_every, log_every=dcfg.log_every, seed=dcfg.seed,
-      resume=not overwrite and os.path.isdir(os.path.join(workdir, "checkpoints")),
-      overwrite=overwrite, tensorboard=False,
-      settings={**{f"distill.{k}": v for k, v in dataclasses.asdict(dcfg).items()
-                   if k not in _LOOP_FIELDS}, **(settings or {})},
-      nonfinite_hint="lower the draft learning rate")
+  loop = loop_config(workdir, dcfg, overwrite=overwrite, settings=settings,
+                     resume_allow=resume_allow)
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)
   return task.draft(out["state"]["params"]), out, (tokens, mask)

@@ -1,6 +1,7 @@
 """SparseBatch: the one batch type every recommendation reader yields and every model eats.
 
-Letters: B batch, Dn dense features, F sparse features, L ids per bag (padded).
+Letters: B batch, Dn dense features, F sparse features, L ids per bag (padded), C distinct
+bags (C_l per batch shard), F_d deduplicated features.
 """
 
 from __future__ import annotations
@@ -10,6 +11,38 @@ from typing import Iterator, Protocol
 
 import jax
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupIds:
+  """Some features of a batch in RecD's inverse-indexed form (arXiv 2211.05239): each batch
+  shard's distinct bags of those features once, and each sample's bag
+  (`rec.data.dedup.dedup_batch` builds it; the embedding collection's `dedup` option reads it).
+
+  - features: the deduplicated features, indices into the batch's F (static)
+  - ids [C, F_d, L] int32, lengths [C, F_d], weights [C, F_d, L] or None: the distinct bags;
+    batch shard s (one per device of the batch axes) owns rows [s * C_l, (s + 1) * C_l),
+    feature j's bags in column j, its unused rows empty bags
+  - inverse [B, F_d] int32: sample b's bag of feature j, a row of its own shard's block
+  """
+
+  features: tuple[int, ...]
+  ids: np.ndarray
+  lengths: np.ndarray
+  weights: np.ndarray | None
+  inverse: np.ndarray
+
+  def __post_init__(self):
+    object.__setattr__(self, "features", tuple(int(f) for f in self.features))
+
+  @property
+  def capacity(self) -> int:
+    """C: distinct-bag rows of all shards together."""
+    return self.ids.shape[0]
+
+
+jax.tree_util.register_dataclass(DedupIds, data_fields=["ids", "lengths", "weights", "inverse"],
+                                 meta_fields=["features"])
 
 
 @jax.tree_util.register_dataclass
@@ -25,6 +58,8 @@ class SparseBatch:
   - mask:    [B] float32, 1 for a real example and 0 for padding (a last partial
              eval batch is padded to full size so shapes stay static)
   - weights: [B, F, L] float32 per-id weights, or None (all ones)
+  - dedup:   DedupIds or None: RecD's distinct bags of some features and each sample's bag
+             (the plain columns stay as they are, so dropping it gives the plain batch)
   """
 
   dense: np.ndarray
@@ -33,6 +68,7 @@ class SparseBatch:
   labels: np.ndarray
   mask: np.ndarray
   weights: np.ndarray | None = None
+  dedup: DedupIds | None = None
 
   @property
   def batch_size(self) -> int:

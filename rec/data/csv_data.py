@@ -245,16 +245,16 @@ def parse_lines(lines: list[bytes], columns: CsvColumns,
     name = names[k]
     value = stream.field_text(fields[int(r) * C + col[name]])
     if k == 0:
-      what = f"field {name} = {value}: expected 0 or 1"
+      what = f"field {name} = {value}; expected 0 or 1"
     elif k in role_k:
-      what = (f"field {name} = {value}: {_DENSE_EXPECTED}, as column {name} was inferred "
+      what = (f"field {name} = {value}; {_DENSE_EXPECTED}, as column {name} was inferred "
               "dense (named I<n>); give the column roles explicitly with --csv_dense and "
               "--csv_categorical (CsvSource dense= / categorical=): "
               f"{name} among the categorical columns if it holds categories, or among the "
               "dense ones to make such values bad lines (which --bad_lines=skip skips)")
       stop_at = int(good_idx[r]) if stop_at is None else stop_at
     else:
-      what = f"field {name} = {value}: {_DENSE_EXPECTED}"
+      what = f"field {name} = {value}; {_DENSE_EXPECTED}"
     bad_fields.append((int(good_idx[r]), what))
   parsed = stream.keep_good_rows(dense, ids, labels, bad_rows, bad_shape, bad_fields)
   parsed.stop_at = stop_at

@@ -79,37 +79,37 @@ def decode_line(line: bytes, rows_per_feature: Sequence[int], form: str, num_fie
   text = stream.strip_newline(line)
   toks = [t for t in text.replace(b"\t", b" ").split(b" ") if t]
   if not toks or (form == LIBFM and len(toks) != F + 1):
-    got = "an empty line" if not toks else str(len(toks) - 1)
-    return f"expected {_count_text(form, F, fields_from)}, got {got}"
+    got = "an empty line" if not toks else f"a label and {len(toks) - 1} idx:val pairs"
+    return f"{got}; expected {_count_text(form, F, fields_from)}"
   label = _LABELS.get(toks[0])
   if label is None:
-    return f"label = {stream.field_text(toks[0])}: expected 1, +1, 0 or -1"
+    return f"label = {stream.field_text(toks[0])}; expected 1, +1, 0 or -1"
   ids, weights = [0] * F, [1.0] * F
   seen = set()
   for k, tok in enumerate(toks[1:]):
     where = f"{f'field f{k}' if form == LIBFM else f'pair {k + 1}'} = {stream.field_text(tok)}"
     parts = tok.split(b":")
     if len(parts) != (2 if form == LIBFM else 3):
-      return f"{where}: expected {_pair_text(form)}"
+      return f"{where}; expected {_pair_text(form)}"
     field = k
     if form == LIBFM:
       idx, val = parts
     else:
       field_s, idx, val = parts
       if not (field_s.isdigit() and len(field_s) <= MAX_FIELD_DIGITS and int(field_s) < F):
-        return (f"{where}: expected field:idx:val with field an integer in [0, {F})"
+        return (f"{where}; expected field:idx:val with field an integer in [0, {F})"
                 + (f" ({fields_from})" if fields_from else ""))
       field = int(field_s)
     if not (idx.isdigit() and len(idx) <= MAX_INT_DIGITS):
-      return f"{where}: expected {_pair_text(form)} with {_IDX_EXPECTED}"
+      return f"{where}; expected {_pair_text(form)} with {_IDX_EXPECTED}"
     try:
       weight = float(val) if len(val) <= MAX_VAL_BYTES else math.nan
     except ValueError:
       weight = math.nan
     if not math.isfinite(weight):
-      return f"{where}: expected {_pair_text(form)} with {_VAL_EXPECTED}"
+      return f"{where}; expected {_pair_text(form)} with {_VAL_EXPECTED}"
     if field in seen:
-      return (f"{where}: field {field} already appeared in this line, expected at most one "
+      return (f"{where}: field {field} already appeared in this line; expected at most one "
               "pair per field (one-hot)")
     seen.add(field)
     ids[field] = 1 + int(idx) % (int(rows_per_feature[field]) - 1)

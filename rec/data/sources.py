@@ -14,15 +14,19 @@ Forms:
                 accelerator by a jitted generator, so data never limits the step) or
                 `gen=auto` (the default: device on a GPU / TPU, host on CPU), e.g.
                 `synthetic_deep:logit_scale=4.0` or `synthetic:multi_hot=mlperf`.
-  criteo:DIR    Kaggle layout (DIR/train.txt): train on train.txt, eval on valid.txt +
-                test.txt (labeled splits; the challenge's own unlabeled test.txt has 39
-                fields and is rejected line 1). Terabyte layout (DIR/day_0 .. day_23, each
-                plain or .gz): train on day_0 .. day_22, eval on day_23.
+  criteo:DIR    Criteo's text files (`rec.data.criteo.criteo_layout`): Kaggle as downloaded
+                (train.txt cut into 7 days as the DLRM reference does: days 1-6 train,
+                day 7 test + validation halves; test.txt unlabeled, for prediction), a
+                custom train.txt + valid.txt [+ test.txt], or Terabyte day_N[.gz] (`days`:
+                any subset, e.g. '0-2'; MLPerf's split of day 23 when present, else of the
+                last day given). Training evaluates on validation + test.
   criteo_bin:DIR  a directory written by `python -m experiments.preprocess_criteo`
                 (`rec.data.criteo_bin`): train on its train split (Grain, blocks shuffled
                 globally every epoch by `seed`), eval on valid + test (or test). Rows per
                 feature come from its manifest (`num_rows` is not used).
-  avazu:DIR     train on DIR/train.csv, eval on DIR/dev.csv + DIR/test.csv.
+  avazu:DIR     Avazu (`rec.data.avazu.avazu_layout`): as downloaded (train.gz split by day:
+                the last day tests, the day before validates; test.gz unlabeled, for
+                prediction), or a custom train.csv + dev.csv / valid.csv and / or test.csv.
   libfm:DIR     libFM (`label idx:val ...`, fields by position) or libFFM
                 (`label field:idx:val ...`) files, e.g. the AutoInt / FuxiCTR dumps: train on
                 DIR/train.<any extension> (or DIR/train), eval on DIR/valid.* + DIR/test.*
@@ -39,14 +43,22 @@ order (no shuffling) and `seed` only affects synthetic data. `num_rows=None` mea
 `DEFAULT_NUM_ROWS` = 100_000 hashed rows per feature for every form (Avazu's hour_of_day /
 day_of_week tables are capped at 25 / 8 rows). For libfm and csv the eval files are read with
 the train file's layout (fields, column roles), which is printed.
+
+`split_source` gives one split of a form (e.g. Kaggle's unlabeled test.txt as "predict")
+for `experiments.predict`; `data_settings` is what a run records about its data (the
+criteo_bin conversion's fingerprint and settings) so that a resume or a prediction on other
+data is refused; `check_splits` reads every split once before training starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
-from rec.data import avazu, criteo, csv_data, libfm, synthetic
+from core.errors import UserError
+from rec.data import avazu, criteo, criteo_bin, csv_data, libfm, stream, synthetic
 from rec.data.batch import BatchSource
 
 DEFAULT_NUM_ROWS = 100_000
@@ -59,38 +71,6 @@ FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm
          "comma-separated")
 SYNTHETIC_TEACHERS = {"synthetic": "linear", "synthetic_deep": "deep"}
 DEEP_LOGIT_SCALE = 3.0
-CRITEO_DAYS = 24
-
-
-def _need(data: str, paths: list[str], layout: str) -> list[str]:
-  missing = [p for p in paths if not os.path.isfile(p)]
-  if missing:
-    raise ValueError(f"--data={data!r}: the {layout} layout needs {', '.join(paths)}; "
-                     f"missing: {', '.join(missing)}")
-  return paths
-
-
-def _day_file(d: str, day: int) -> str | None:
-  for name in (f"day_{day}", f"day_{day}.gz"):
-    if os.path.isfile(os.path.join(d, name)):
-      return os.path.join(d, name)
-  return None
-
-
-def criteo_files(data: str, d: str) -> tuple[list[str], list[str]]:
-  """(train files, eval files) of a Criteo directory, Kaggle or Terabyte layout."""
-  if os.path.isfile(os.path.join(d, "train.txt")):
-    return _need(data, [os.path.join(d, "train.txt")], "Criteo Kaggle"), _need(
-        data, [os.path.join(d, "valid.txt"), os.path.join(d, "test.txt")], "Criteo Kaggle")
-  days = [_day_file(d, i) for i in range(CRITEO_DAYS)]
-  if any(days):
-    missing = [f"day_{i}[.gz]" for i, f in enumerate(days) if f is None]
-    if missing:
-      raise ValueError(f"--data={data!r}: Criteo Terabyte layout needs day_0 .. day_23 "
-                       f"(plain or .gz) in {d!r}; missing {', '.join(missing)}")
-    return days[:-1], days[-1:]
-  raise ValueError(f"--data={data!r}: {d!r} has neither train.txt (Criteo Kaggle layout) nor "
-                   "day_0 .. day_23[.gz] (Criteo Terabyte layout)")
 
 
 def split_file(data: str, d: str, split: str, suffixes: Sequence[str] | None) -> str | None:
@@ -101,8 +81,8 @@ def split_file(data: str, d: str, split: str, suffixes: Sequence[str] | None) ->
   else:
     hits = [n for n in names if n in {split + s for s in suffixes}]
   if len(hits) > 1:
-    raise ValueError(f"--data={data!r}: {d!r} has several {split} files ({', '.join(hits)}); "
-                     "expected one")
+    raise UserError(f"--data={data!r}: {d!r} has several {split} files ({', '.join(hits)}); "
+                    "expected one")
   return os.path.join(d, hits[0]) if hits else None
 
 
@@ -112,13 +92,13 @@ def split_files(data: str, d: str, suffixes: Sequence[str] | None,
   train = split_file(data, d, "train", suffixes)
   if train is None:
     found = sorted(os.listdir(d))
-    raise ValueError(f"--data={data!r}: {d!r} has no train file, expected {example}; found "
-                     + (", ".join(found) if found else "nothing"))
+    raise UserError(f"--data={data!r}: {d!r} has no train file, expected {example}; found "
+                    + (", ".join(found) if found else "nothing"))
   evals = [f for f in (split_file(data, d, s, suffixes) for s in ("valid", "test")) if f]
   if not evals:
-    raise ValueError(f"--data={data!r}: {d!r} has no valid or test file for evaluation, "
-                     f"expected one named like {example.replace('train', 'valid')}; found "
-                     f"{', '.join(sorted(os.listdir(d)))}")
+    raise UserError(f"--data={data!r}: {d!r} has no valid or test file for evaluation, "
+                    f"expected one named like {example.replace('train', 'valid')}; found "
+                    f"{', '.join(sorted(os.listdir(d)))}")
   return [train], evals
 
 
@@ -162,9 +142,39 @@ def synthetic_options(data: str) -> dict | None:
       else:
         raise ValueError
     except ValueError:
-      raise ValueError(f"--data={data!r}: option {item!r} of a synthetic form; expected "
-                       f"{FORMS}, e.g. synthetic_deep:logit_scale=3.0") from None
+      raise UserError(f"--data={data!r}: option {item!r} of a synthetic form; expected "
+                      f"{FORMS}, e.g. synthetic_deep:logit_scale=3.0") from None
   return out
+
+
+def _split_data(data: str) -> tuple[str, str]:
+  kind, sep, d = data.partition(":")
+  if kind not in ("criteo", "criteo_bin", "avazu", "libfm", "csv") or not sep or not d:
+    raise UserError(f"--data={data!r}: expected {FORMS}")
+  if not os.path.isdir(d):
+    raise UserError(f"--data={data!r}: {d!r} is not a directory")
+  return kind, d
+
+
+def _check_num_rows(num_rows) -> None:
+  for r in ([num_rows] if isinstance(num_rows, int) else num_rows or []):
+    if r > stream.MAX_ROWS:
+      raise UserError(f"--num_rows={r:,}: more rows than an int32 id can address; expected "
+                      f"at most 2^31 = {stream.MAX_ROWS:,}")
+
+
+def layout(data: str, days: str | Sequence[int] | None = None) -> stream.Layout:
+  """The splits of a criteo:DIR or avazu:DIR form (printed by make_sources)."""
+  kind, d = _split_data(data)
+  if kind == "criteo":
+    return criteo.criteo_layout(d, days, flag=f"--data=criteo:DIR")
+  if days:
+    raise UserError(f"--days={days}: given with --data={data}; expected --days only with "
+                    "Criteo Terabyte's day_N files (--data=criteo:DIR)")
+  if kind == "avazu":
+    return avazu.avazu_layout(d, flag="--data=avazu:DIR")
+  raise UserError(f"--data={data!r}: a {kind} directory has no split layout; expected "
+                  "criteo:DIR or avazu:DIR")
 
 
 def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
@@ -173,6 +183,7 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                  eval_batches: int = DEFAULT_EVAL_BATCHES, csv_label: str | None = None,
                  csv_dense: str | Sequence[str] | None = None,
                  csv_categorical: str | Sequence[str] | None = None, mesh=None,
+                 days: str | Sequence[int] | None = None,
                  ) -> tuple[BatchSource, BatchSource]:
   """(train, eval) sources for a `--data` value; see the module docstring for the forms.
 
@@ -186,11 +197,15 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
   the csv form's column roles (None or '' = inferred, 'none' = no columns, else
   comma-separated names). mesh: where `gen=device` synthetic batches are
   drawn (split over the mesh axes of the logical "batch" axis); None = the default device.
+  days: Criteo Terabyte's days ('0-2', '0,3', a list; None = every day present).
   """
   eval_batch_size = eval_batch_size or batch_size
+  _check_num_rows(num_rows)
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
-  kind, sep, d = data.partition(":")
   syn = synthetic_options(data)
+  if syn is not None and days:
+    raise UserError(f"--days={days}: given with --data={data}; expected --days only with "
+                    "Criteo Terabyte's day_N files (--data=criteo:DIR)")
   gen = syn.pop("gen", "auto") if syn is not None else None
   if gen == "auto":   # an accelerator's step outruns numpy generation by far
     import jax
@@ -210,18 +225,16 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     evals = synthetic.SyntheticCriteo(eval_batch_size, rows, seed=seed, split="test",
                                       num_batches=eval_batches, **shards)
     return train, evals
-  if kind not in ("criteo", "criteo_bin", "avazu", "libfm", "csv") or not sep or not d:
-    raise ValueError(f"--data={data!r}: expected {FORMS}")
-  if not os.path.isdir(d):
-    raise ValueError(f"--data={data!r}: {d!r} is not a directory")
+  kind, d = _split_data(data)
+  if days and kind != "criteo":
+    layout(data, days)   # the error naming --days
   common = dict(bad_lines=bad_lines, shard_index=shard_index, num_shards=num_shards)
   if kind != "criteo_bin":   # line sources take this shard's batch size
     for what, b in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
       if b % num_shards:
-        raise ValueError(f"--{what}={b} is not divisible by the {num_shards} processes")
+        raise UserError(f"--{what}={b} is not divisible by the {num_shards} processes")
     batch_size, eval_batch_size = batch_size // num_shards, eval_batch_size // num_shards
   if kind == "criteo_bin":
-    from rec.data import criteo_bin
     shards = dict(shard_index=shard_index, num_shards=num_shards)
     m = criteo_bin.load_manifest(d)
     train = criteo_bin.CriteoBinSource(d, "train", batch_size, shuffle=True, repeat=True,
@@ -248,16 +261,30 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
                                drop_remainder=False, repeat=False, **common)
     print(f"--data={data}: {train.describe()}", flush=True)
     return _even(train, evals, num_shards)
-  if kind == "criteo":
-    train_files, eval_files = criteo_files(data, d)
-    cls = criteo.CriteoSource
-  else:
-    train_files = _need(data, [os.path.join(d, "train.csv")], "Avazu")
-    eval_files = _need(data, [os.path.join(d, "dev.csv"), os.path.join(d, "test.csv")], "Avazu")
-    cls = avazu.AvazuSource
-  train = cls(train_files, batch_size, rows, drop_remainder=True, repeat=True, **common)
-  evals = cls(eval_files, eval_batch_size, rows, drop_remainder=False, repeat=False, **common)
+  lay = layout(data, days)
+  print(f"--data={data}: {lay.note}", flush=True)
+  make = _line_source(kind, lay, rows)
+  train = make("train", batch_size, drop_remainder=True, repeat=True, **common)
+  evals = make("eval", eval_batch_size, drop_remainder=False, repeat=False, **common)
   return _even(train, evals, num_shards)
+
+
+def _line_source(kind: str, lay: stream.Layout, rows) -> Callable[..., stream.LineSource]:
+  """make(split, batch_size, **kw): the text source of a split of `lay` ("eval": valid +
+  test); Avazu splits by day check their rows' days."""
+
+  def make(split: str, batch_size: int, **kw) -> stream.LineSource:
+    parts = lay.eval_parts() if split == "eval" else lay.splits[split]
+    labeled = split != "predict"
+    if kind == "criteo":
+      return criteo.CriteoSource(parts, batch_size, rows, labeled=labeled, **kw)
+    days = None
+    if lay.days:
+      spans = [lay.days[s] for s in (("valid", "test") if split == "eval" else (split,))
+               if s in lay.days]
+      days = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+    return avazu.AvazuSource(parts, batch_size, rows, labeled=labeled, days=days, **kw)
+  return make
 
 
 def _even(train, evals, num_shards: int):
@@ -266,3 +293,93 @@ def _even(train, evals, num_shards: int):
   if num_shards > 1:
     evals.pad_to_batches = evals.max_shard_batches()
   return train, evals
+
+
+# --- one split, for prediction ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class Split:
+  """One split of a --data form, read once in file order: its source, whether it has
+  labels, and the id of each row as the CSV of predictions names it."""
+
+  name: str
+  source: BatchSource
+  labeled: bool
+  id_column: str                           # the CSV header of the row ids
+  prob_column: str                         # the CSV header of the probabilities
+  row_ids: Callable[[], Iterator[str]]     # one id per row, in the source's order
+  describe: str
+
+
+def _numbers(first: int = 0) -> Callable[[], Iterator[str]]:
+  return lambda: (str(i) for i in itertools.count(first))
+
+
+def split_source(data: str, split: str, batch_size: int, num_rows=None,
+                 days: str | Sequence[int] | None = None) -> Split:
+  """One split of a criteo:DIR, avazu:DIR or criteo_bin:DIR form ("train", "valid", "test",
+  or "predict": the unlabeled rows, Kaggle's test file), read in order, last batch padded.
+  Kaggle's test rows get Kaggle's ids and headers (Criteo `Id,Predicted` from 60,000,000;
+  Avazu `id,click` from the file), so the CSV is a submission; other rows are numbered."""
+  _check_num_rows(num_rows)
+  rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
+  kind, d = _split_data(data)
+  if kind == "criteo_bin":
+    m = criteo_bin.load_manifest(d)
+    if split not in m["splits"]:
+      raise UserError(f"--split={split}: {d}/manifest.json has splits "
+                      f"{', '.join(m['splits'])}; expected one of them")
+    src = criteo_bin.CriteoBinSource(d, split, batch_size, shuffle=False, repeat=False)
+    labeled = m["splits"][split].get("labeled", True)
+    kaggle = not labeled and m.get("layout") == "kaggle"
+    return Split(split, src, labeled, "Id" if kaggle else "row",
+                 "Predicted" if kaggle else "probability",
+                 _numbers(criteo.KAGGLE_TEST_FIRST_ID if kaggle else 0),
+                 f"{d} split {split} ({src.num_examples:,} rows)")
+  if kind not in ("criteo", "avazu"):
+    raise UserError(f"--data={data}: prediction reads criteo:DIR, avazu:DIR or criteo_bin:DIR; "
+                    f"expected one of them (a {kind} directory's eval set is evaluated by "
+                    "train_rec)")
+  lay = layout(data, days)
+  if split not in lay.splits:
+    raise UserError(f"--split={split}: {d} ({lay.kind} layout) has the splits "
+                    f"{', '.join(lay.splits)}; expected one of them")
+  src = _line_source(kind, lay, rows)(split, batch_size, drop_remainder=False, repeat=False)
+  labeled = split != "predict"
+  if kind == "criteo":
+    kaggle = lay.kind == "kaggle" and not labeled
+    return Split(split, src, labeled, "Id" if kaggle else "row",
+                 "Predicted" if kaggle else "probability",
+                 _numbers(criteo.KAGGLE_TEST_FIRST_ID if kaggle else 0), lay.note)
+  return Split(split, src, labeled, "id", "click" if not labeled else "probability",
+               lambda: stream.first_fields(src), lay.note)
+
+
+# --- what a run records about its data, and checks before training --------------------------
+
+def data_settings(data: str) -> dict:
+  """What a run's settings record about `data` beyond its name: for criteo_bin:DIR the
+  conversion's fingerprint (a hash of its manifest, which holds every shard's checksum)
+  and its id settings, so that a resume on reconverted data, or a prediction on data
+  converted with other settings, is refused. Other forms: {}."""
+  if data.partition(":")[0] != "criteo_bin":
+    return {}
+  d = data.partition(":")[2]
+  m = criteo_bin.load_manifest(d)
+  return {"data_fingerprint": criteo_bin.data_fingerprint(m),
+          "data_conversion": criteo_bin.conversion_settings(m)}
+
+
+def spec_settings(spec) -> dict:
+  """The features a model was built for: {num_dense, sparse_features, rows_per_feature}."""
+  return {"num_dense": int(spec.num_dense), "sparse_features": list(spec.sparse_features),
+          "rows_per_feature": [int(r) for r in spec.rows_per_feature]}
+
+
+def check_splits(*srcs: BatchSource) -> None:
+  """Reads what training would only meet later, before step 0: criteo_bin shards were
+  checked (checksums) when opened; a line source of a finite split is parsed once (its
+  bad lines raise here, with file:line, or are counted with bad_lines="skip")."""
+  for src in srcs:
+    if isinstance(src, stream.LineSource) and not src.repeat:
+      src.validate()

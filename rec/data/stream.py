@@ -1,11 +1,17 @@
 """Line streaming shared by the line readers (Criteo, Avazu, libFM, CSV): files, shards, batches.
 
 A `LineSource` reads one record per line from a list of plain or gzip (`.gz` suffix) text
-files, keeps the records of its shard (`record % num_shards == shard_index`, records
-numbered from 0 over the concatenated files with header lines left out), decodes them a
-chunk at a time with its subclass's `_parse`, and cuts the decoded rows into SparseBatches.
-The subclass only knows its line format; everything about files, shards, bad lines,
-epochs, remainders and resuming lives here.
+files, or of `Part`s of them (a range of a file's data lines: the DLRM day split of Criteo's
+one train.txt, a day of Avazu's train.gz), keeps the records of its shard
+(`record % num_shards == shard_index`, records numbered from 0 over the concatenated parts
+with header lines left out), decodes them a chunk at a time with its subclass's `_parse`,
+and cuts the decoded rows into SparseBatches. The subclass only knows its line format;
+everything about files, shards, bad lines, epochs, remainders and resuming lives here.
+A part of a plain file that starts at a known byte offset is read from there (a seek);
+parts of .gz files are reached by decompressing the lines before them.
+
+Errors name the file and line, what was found and what was expected
+(`<file>:<line>: <found>; expected <what>`, `core.errors.UserError`).
 
 Letters: B batch, N lines in a chunk, V valid lines in a chunk, Dn dense features,
 F sparse features.
@@ -14,6 +20,7 @@ F sparse features.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gzip
 import math
 import os
@@ -22,9 +29,103 @@ from typing import BinaryIO, Iterator, Sequence
 from absl import logging
 import numpy as np
 
+from core.errors import UserError
 from rec.data.batch import DataSpec, SparseBatch
 
 BAD_LINE_MODES = ("error", "skip")
+# Ids are int32 row numbers in [0, rows): a table holds at most 2^31 rows.
+MAX_ROWS = 2**31
+_BLOCK = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """Data lines [start, stop) of a file (0-based, header line excluded; stop None: to the
+  end). `offset` / `stop_offset`: the byte offsets of data lines `start` / `stop` when known
+  (plain files), so that a reader seeks there instead of reading the lines before it."""
+
+  path: str
+  start: int = 0
+  stop: int | None = None
+  offset: int | None = None
+  stop_offset: int | None = None   # byte offset of data line `stop` (plain files)
+
+  def describe(self) -> str:
+    if self.start == 0 and self.stop is None:
+      return os.path.basename(self.path)
+    stop = "end" if self.stop is None else f"{self.stop:,}"
+    return f"{os.path.basename(self.path)}[lines {self.start + 1:,}..{stop}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The splits of a data directory: train / valid / test (labeled) and, when present,
+  predict (unlabeled rows, e.g. Kaggle's test.txt), each a tuple of `Part`s."""
+
+  kind: str                                   # kaggle | custom | terabyte | avazu ...
+  splits: dict[str, tuple[Part, ...]]
+  note: str                                   # one line: how the splits were made
+  # splits by day: {split: (first, last) day} its rows must carry (Avazu's YYMMDD)
+  days: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+  def eval_parts(self) -> tuple[Part, ...]:
+    """What a training run evaluates on: validation then test."""
+    return self.splits.get("valid", ()) + self.splits.get("test", ())
+
+
+def as_parts(files) -> tuple[Part, ...]:
+  """A path, a Part, or a sequence of them -> a tuple of Parts."""
+  if isinstance(files, (str, os.PathLike, Part)):
+    files = [files]
+  return tuple(f if isinstance(f, Part) else Part(os.fspath(f)) for f in files)
+
+
+@dataclasses.dataclass(frozen=True)
+class LineIndex:
+  """Line count of a file and where its blocks start, from one pass (`index_lines`), so
+  that the byte offset of any line of a plain file costs one block read."""
+
+  path: str
+  lines: int                                 # a last line without its newline counts
+  blocks: tuple[tuple[int, int], ...]        # (byte offset, newlines before it) per block
+
+  def offset(self, line: int) -> int:
+    """Byte offset where 0-based line `line` starts (`lines`: the end of the file)."""
+    if self.path.endswith(".gz"):
+      raise UserError(f"{self.path}: a gzip file; expected a plain file to seek in")
+    if not 0 <= line <= self.lines:
+      raise UserError(f"{self.path}: line {line + 1:,} asked for; expected at most "
+                      f"{self.lines:,} lines")
+    if line == 0:
+      return 0
+    # the block holding the line's preceding newline (the `line`-th newline)
+    k = max(i for i, (_, before) in enumerate(self.blocks) if before < line)
+    pos, before = self.blocks[k]
+    with open(self.path, "rb") as f:
+      f.seek(pos)
+      block = f.read(_BLOCK)
+    i = -1
+    for _ in range(line - before):
+      i = block.find(b"\n", i + 1)
+      if i < 0:   # the last line, without its newline: it ends the file
+        return os.path.getsize(self.path)
+    return pos + i + 1
+
+
+def index_lines(path: str) -> LineIndex:
+  """Counts the lines of a plain or .gz file by counting newlines in large blocks (no
+  parsing) and remembers where each block starts."""
+  total = 0
+  pos = 0
+  tail = b"\n"
+  blocks = []
+  with open_binary(path) as f:
+    while block := f.read(_BLOCK):
+      blocks.append((pos, total))
+      total += block.count(b"\n")
+      pos += len(block)
+      tail = block[-1:]
+  return LineIndex(os.fspath(path), total + (tail != b"\n"), tuple(blocks))
 
 
 def open_binary(path: str) -> BinaryIO:
@@ -44,14 +145,18 @@ def check_rows_per_feature(rows: int | Sequence[int], names: Sequence[str],
     rows = [int(rows)] * len(names)
   rows = list(rows)
   if len(rows) != len(names):
-    raise ValueError(
+    raise UserError(
         f"{what}: rows_per_feature has {len(rows)} entries, expected one int or "
         f"{len(names)} (one per feature {names[0]}..{names[-1]})")
   for name, r in zip(names, rows):
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 2:
-      raise ValueError(
+      raise UserError(
           f"{what}: rows_per_feature for {name} = {r!r}, expected an int >= 2 "
           "(row 0 is reserved for missing values)")
+    if r > MAX_ROWS:
+      raise UserError(
+          f"{what}: rows_per_feature for {name} = {r:,}, expected at most 2^31 = {MAX_ROWS:,} "
+          "(ids are int32)")
   return tuple(int(r) for r in rows)
 
 
@@ -104,12 +209,15 @@ class Parsed:
 
 
 def split_by_field_count(lines: list[bytes], sep: bytes, num_fields: int,
-                         sep_name: str) -> tuple[np.ndarray, list[tuple[int, str]]]:
-  """Which lines have exactly `num_fields` fields, and an error for each that has not."""
+                         sep_name: str, hints: dict[int, str] | None = None
+                         ) -> tuple[np.ndarray, list[tuple[int, str]]]:
+  """Which lines have exactly `num_fields` fields, and an error for each that has not;
+  `hints` adds a note for a known wrong count (e.g. an unlabeled file's)."""
   counts = np.fromiter(map(bytes.count, lines, [sep] * len(lines)), np.int64, len(lines))
   ok = counts == num_fields - 1
-  bad = [(int(i), f"expected {num_fields} {sep_name}-separated fields, got {counts[i] + 1}")
-         for i in np.flatnonzero(~ok)]
+  hints = hints or {}
+  bad = [(int(i), f"{counts[i] + 1} {sep_name}-separated fields{hints.get(int(counts[i]) + 1, '')}"
+                  f"; expected {num_fields}") for i in np.flatnonzero(~ok)]
   return ok, bad
 
 
@@ -202,27 +310,27 @@ class LineSource:
 
   spec: DataSpec
 
-  def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], batch_size: int, *,
-               bad_lines: str = "error", drop_remainder: bool = True, shard_index: int = 0,
-               num_shards: int = 1, repeat: bool = True, chunk_bytes: int = 1 << 20):
-    if isinstance(files, (str, os.PathLike)):
-      files = [files]
-    self.files = tuple(os.fspath(f) for f in files)
+  def __init__(self, files: str | os.PathLike | Part | Sequence[str | os.PathLike | Part],
+               batch_size: int, *, bad_lines: str = "error", drop_remainder: bool = True,
+               shard_index: int = 0, num_shards: int = 1, repeat: bool = True,
+               chunk_bytes: int = 1 << 20):
+    self.parts = as_parts(files)
+    self.files = tuple(p.path for p in self.parts)
     kind = type(self).__name__
     if not self.files:
-      raise ValueError(f"{kind}: empty file list, expected at least one file")
+      raise UserError(f"{kind}: empty file list, expected at least one file")
     for f in self.files:
       if not os.path.isfile(f):
-        raise FileNotFoundError(f"{kind}: data file {f!r} does not exist")
+        raise FileNotFoundError(errno.ENOENT, f"{kind}: data file does not exist", f)
     if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
         or batch_size < 1):
-      raise ValueError(f"{kind}: batch_size={batch_size!r}, expected an int >= 1")
+      raise UserError(f"{kind}: batch_size={batch_size!r}, expected an int >= 1")
     if bad_lines not in BAD_LINE_MODES:
-      raise ValueError(f"{kind}: bad_lines={bad_lines!r}, expected one of {BAD_LINE_MODES}")
+      raise UserError(f"{kind}: bad_lines={bad_lines!r}, expected one of {BAD_LINE_MODES}")
     if not (isinstance(num_shards, (int, np.integer)) and num_shards >= 1):
-      raise ValueError(f"{kind}: num_shards={num_shards!r}, expected an int >= 1")
+      raise UserError(f"{kind}: num_shards={num_shards!r}, expected an int >= 1")
     if not (isinstance(shard_index, (int, np.integer)) and 0 <= shard_index < num_shards):
-      raise ValueError(f"{kind}: shard_index={shard_index!r}, expected an int in [0, {num_shards})")
+      raise UserError(f"{kind}: shard_index={shard_index!r}, expected an int in [0, {num_shards})")
     self.batch_size = int(batch_size)
     self.bad_lines = bad_lines
     self.drop_remainder = bool(drop_remainder)
@@ -230,7 +338,7 @@ class LineSource:
     self.num_shards = int(num_shards)
     self.repeat = bool(repeat)
     self.chunk_bytes = int(chunk_bytes)
-    self.name = (f"{kind}({', '.join(os.path.basename(f) for f in self.files)}; "
+    self.name = (f"{kind}({', '.join(p.describe() for p in self.parts)}; "
                  f"shard {self.shard_index}/{self.num_shards})")
     self._num_records: int | None = None     # records in this shard, bad ones included
     self._num_valid: int | None = None       # records in this shard that parse
@@ -276,6 +384,14 @@ class LineSource:
     nb = n // self.batch_size if self.drop_remainder else math.ceil(n / self.batch_size)
     return max(nb, self.pad_to_batches or 0)
 
+  def validate(self) -> None:
+    """One parsing pass over the shard: a bad line raises here (file:line) with
+    bad_lines="error", or is found and counted with "skip"; the valid rows are counted."""
+    n = 0
+    for parsed in self._records(0):
+      n += len(parsed.labels)
+    self._num_valid = n
+
   def max_shard_batches(self) -> int:
     """An upper bound, the same in every shard, on any shard's batches per epoch (padded
     last batch included): ceil(ceil(records / num_shards) / batch_size), bad lines counted."""
@@ -286,7 +402,7 @@ class LineSource:
   def batches(self, start: int = 0) -> Iterator[SparseBatch]:
     """Batch `start`, `start + 1`, ... of this source's sequence (forever when repeating)."""
     if start < 0:
-      raise ValueError(f"{self.name}: start={start}, expected >= 0")
+      raise UserError(f"{self.name}: start={start}, expected >= 0")
     if not self.repeat:
       produced = start
       for b in self._epoch(start):
@@ -312,28 +428,42 @@ class LineSource:
 
   # --- internals -------------------------------------------------------------------------------
 
-  def _too_small(self) -> ValueError:
-    return ValueError(
+  def _too_small(self) -> UserError:
+    return UserError(
         f"{self.name}: one epoch holds {self.num_examples} valid examples, fewer than "
         f"batch_size={self.batch_size}, so a repeating source would never yield a batch")
 
-  def _file_lines(self, path: str) -> Iterator[tuple[int, list[bytes]]]:
-    """(1-based line number of the first line, lines) chunks of one file, header left out."""
-    with open_binary(path) as f:
-      line_no = 1
-      first = True
-      while True:
-        lines = f.readlines(self.chunk_bytes)
+  def _file_lines(self, part: Part) -> Iterator[tuple[int, list[bytes]]]:
+    """(1-based line number of the first line, lines) chunks of one part of a file, header
+    left out."""
+    with open_binary(part.path) as f:
+      first = f.readline()
+      if not first:
+        return
+      header = int(self._is_header(first))
+      line_no = 1 + header            # file line number of data line 0
+      data_line = 0                   # data lines before f's position
+      pending = [] if header else [first]
+      if part.start and part.offset is not None and not part.path.endswith(".gz"):
+        f.seek(part.offset)
+        pending, data_line = [], part.start
+      todo = None if part.stop is None else part.stop - part.start
+      while todo is None or todo > 0:
+        lines = pending + f.readlines(self.chunk_bytes)
+        pending = []
         if not lines:
           return
-        if first:
-          first = False
-          if self._is_header(lines[0]):
-            lines = lines[1:]
-            line_no += 1
-        if lines:
-          yield line_no, lines
-          line_no += len(lines)
+        if data_line < part.start:    # lines before the part: counted, not kept
+          skip = min(part.start - data_line, len(lines))
+          data_line += skip
+          lines = lines[skip:]
+          if not lines:
+            continue
+        if todo is not None:
+          lines = lines[:todo]
+          todo -= len(lines)
+        yield line_no + data_line, lines
+        data_line += len(lines)
 
   def _shard_chunks(self, skip: int) -> Iterator[tuple[str, np.ndarray, np.ndarray, list[bytes]]]:
     """(file, line numbers [N], record numbers [N], lines) of this shard after `skip` valid
@@ -341,8 +471,9 @@ class LineSource:
     k, s = self.num_shards, self.shard_index
     bad_sorted = np.array(sorted(self._bad), np.int64) if skip and self._bad else None
     record0 = 0
-    for path in self.files:
-      for line0, lines in self._file_lines(path):
+    for part in self.parts:
+      path = part.path
+      for line0, lines in self._file_lines(part):
         off = (s - record0) % k
         n_sel = max(0, (len(lines) - off + k - 1) // k)
         rec0, lno0 = record0 + off, line0 + off
@@ -379,10 +510,10 @@ class LineSource:
         i, msg = parsed.bad[0]
         where = f"{path}:{line_nos[i]}: {msg}"
         if self.bad_lines == "error":
-          raise ValueError(where)
+          raise UserError(where)
         if parsed.stop_at is not None:
           i = parsed.stop_at
-          raise ValueError(f"{path}:{line_nos[i]}: {dict(parsed.bad)[i]}")
+          raise UserError(f"{path}:{line_nos[i]}: {dict(parsed.bad)[i]}")
         if self._first_bad is None:
           self._first_bad = where
           logging.warning("%s: skipping malformed line %s (bad_lines='skip'; later ones are "
@@ -457,18 +588,22 @@ class LineSource:
     """Records of this shard, bad ones included, by counting newlines (no parsing)."""
     if self._num_records is None:
       total = 0
-      for path in self.files:
-        with open_binary(path) as f:
+      for part in self.parts:
+        if part.stop is not None:
+          total += part.stop - part.start
+          continue
+        with open_binary(part.path) as f:
           first = f.readline()
           if not first:
             continue
-          total += 0 if self._is_header(first) else 1
+          n = 0 if self._is_header(first) else 1
           tail = b"\n"
-          while block := f.read(1 << 24):
-            total += block.count(b"\n")
+          while block := f.read(_BLOCK):
+            n += block.count(b"\n")
             tail = block[-1:]
           if tail != b"\n":
-            total += 1  # a last line without its newline
+            n += 1  # a last line without its newline
+        total += max(n - part.start, 0)
       self._total_records = total
       self._num_records = len(range(self.shard_index, total, self.num_shards))
     return self._num_records
@@ -477,6 +612,15 @@ class LineSource:
     """One parsing pass over the shard that finds every bad line (bad_lines='skip')."""
     for _ in self._records(0):
       pass
+
+
+def first_fields(src: LineSource, sep: bytes = b",") -> Iterator[str]:
+  """The first field of every record of a one-shard source, in order (the row ids of a
+  prediction file, e.g. Avazu's `id` column)."""
+  for part in src.parts:
+    for _, lines in src._file_lines(part):
+      for line in lines:
+        yield line.split(sep, 1)[0].strip().decode("utf-8", "replace")
 
 
 def _concat(parts: list[Parsed]) -> Parsed:

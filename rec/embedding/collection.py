@@ -34,16 +34,35 @@ Communication per pattern (N devices, batch split over all of them):
        partials back, summed (twrw row shards) or concatenated (cw column chunks).
 - rw:  ids all-gathered (every row shard may own any id: the static-shape form of
        TorchRec's bucketized all-to-all), partial pooled sums reduce-scattered back.
+- sptt: DMT's semantic-preserving tower transform (arXiv 2403.00877): tower t's tables lie
+       row-wise on the G devices of tower group t (the mesh axes of the logical name
+       "emb_tower" pick the group, those of "emb_tower_shard" the device in it). Ids go to
+       their tower's group by an all-to-all over the tower axes, then the rw path runs inside
+       the group (all-gather of ids, reduce-scatter of partial sums over the group's axes);
+       `pool(..., towers=(fn, params))` applies the model's tower module there and sends its
+       compressed [B, K, D] output back by an all-to-all over the tower axes. Without a tower
+       module `pool` gives the embeddings, emb_BFD like every other kind.
+
+RecD (arXiv 2211.05239), `dedup=DedupSpec` (rec/data/dedup.py): the deduplicated features
+form groups of their own. Given a batch's distinct bags (`SparseBatch.dedup`), `gather` runs
+those groups on each batch shard's C_l distinct bags instead of its B_l samples (every
+pattern above moves C_l / B_l of the ids and partial sums), and `pool` expands their pooled
+vectors back to the samples by the inverse indices, a local gather whose gradient sums the
+samples' gradients per distinct bag. Without distinct bags the same groups read the
+samples' own bags (the plain path). `bag_sizes` {table: n}: the table's feature reads the
+first n ids of each bag only (bags padded to a longer L for other features cost n).
 
 Letters: B batch (B_l per device, B_g global), F features, L ids per bag, D embedding
-dim, W width of a stored row (D, or a column chunk), N devices, S slots per device.
+dim, W width of a stored row (D, or a column chunk), N devices, S slots per device,
+C distinct bags (RecD; C_l per device), T towers of G devices (SPTT), Fm tower slots,
+K outputs of a tower module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +71,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
 from core.ops import take_columns
+from rec.data.batch import DedupIds
+from rec.data.dedup import DedupSpec
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import storage as storage_lib
+from rec.embedding import storage_spec
 from rec.embedding.config import ShardingKind, TableConfig
 from rec.embedding.planner import Plan, TablePlacement
 
@@ -93,8 +115,8 @@ class _Group:
   """Features sharing a communication pattern, storage, table dim and stored width."""
 
   name: str
-  comm: str                     # "dp" | "a2a" | "rw"
-  storage: str
+  comm: str                     # "dp" | "a2a" | "rw" | "sptt"
+  storage: storage_spec.StorageSpec
   dim: int
   width: int
   features: list[int]           # indices into the collection's table order
@@ -104,6 +126,8 @@ class _Group:
   maps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   # Where each shard's rows sit: (device, local row offset) per shard.
   offsets: list[int] = dataclasses.field(default_factory=list)
+  dedup: bool = False           # RecD: looked up on a batch's distinct bags when it has them
+  bag: int | None = None        # ids per bag read (bag_sizes); None: the batch's L
 
 
 @jax.tree_util.register_dataclass
@@ -118,6 +142,8 @@ class Lookup:
   coef: dict[str, jax.Array]     # [..., L] pooling coefficient (weight * valid / len)
   index: dict[str, jax.Array]    # [..., L] int32 local row in the device buffer
   valid: dict[str, jax.Array]    # [..., L] bool
+  # RecD groups looked up on distinct bags: [B, F_g] int32, each sample's bag (its shard's)
+  inverse: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
 
 
 class EmbeddingCollection:
@@ -126,7 +152,8 @@ class EmbeddingCollection:
   def __init__(self, tables: Sequence[TableConfig], plan: Plan, mesh: Mesh,
                optimizer: opt_lib.SparseOptimizer, rules: mesh_lib.Rules = mesh_lib.REC_RULES,
                out_of_range: str = "error", init_scale: str = "dlrm", lookup_impl: str = "xla",
-               storage_seed: int = 0):
+               storage_seed: int = 0, dedup: DedupSpec | None = None,
+               bag_sizes: Mapping[str, int] | None = None):
     if out_of_range not in ("error", "hash"):
       raise ValueError(f"out_of_range={out_of_range!r}: expected 'error' or 'hash'")
     if lookup_impl not in ("xla", "pallas"):
@@ -157,8 +184,64 @@ class EmbeddingCollection:
       bad = [d for d in p.devices if not 0 <= d < self.num_devices]
       if bad or not p.devices:
         raise ValueError(f"table {n!r}: placement devices {p.devices} outside 0..{self.num_devices - 1}")
+    self.dedup = dedup
+    self.dedup_features: tuple[int, ...] = ()
+    if dedup is not None:
+      unknown = [n for n in dedup.features if n not in names]
+      if unknown:
+        raise ValueError(f"dedup features {unknown} are not tables of this collection {names}")
+      self.dedup_features = tuple(names.index(n) for n in dedup.features)
+    self.bag_sizes = dict(bag_sizes or {})
+    bad = {n: b for n, b in self.bag_sizes.items()
+           if n not in names or not isinstance(b, int) or b < 1}
+    if bad:
+      raise ValueError(f"bag_sizes {bad}: expected a size >= 1 for tables of {names}")
+    self._init_towers()
     self.groups = self._build_groups()
+    if sum(g.comm == "sptt" for g in self.groups.values()) > 1:
+      raise ValueError("sptt tables must share storage, dim and bag size (one group): a tower "
+                       f"module sees all of its tower's features; groups {list(self.groups)}")
     self.dims = sorted({t.dim for t in self.tables})
+
+  def _init_towers(self) -> None:
+    """SPTT: which tables form which tower, from the plan (tower t on group t's devices)."""
+    sptt = [t.name for t in self.tables
+            if ShardingKind(self.plan[t.name].kind) == ShardingKind.SPTT]
+    self.towers: tuple[tuple[int, ...], ...] = ()
+    if not sptt:
+      return
+    names = [t.name for t in self.tables]
+    if len(sptt) != len(names):
+      raise ValueError(f"sptt places every table by tower, but tables "
+                       f"{[n for n in names if n not in sptt]} are placed otherwise")
+    self.tower_axes = mesh_lib.mesh_axes("emb_tower", self.rules, self.mesh)
+    self.tower_shard_axes = mesh_lib.mesh_axes("emb_tower_shard", self.rules, self.mesh)
+    if self.tower_axes + self.tower_shard_axes != self.axes:
+      raise ValueError(
+          f"sptt: the tower axes {self.tower_axes} (logical 'emb_tower') and the in-group axes "
+          f"{self.tower_shard_axes} ('emb_tower_shard') must together be the embedding axes "
+          f"{self.axes}, in that order")
+    T = math.prod(self.mesh.shape[a] for a in self.tower_axes)
+    G = self.num_devices // T
+    towers: list[list[int]] = [[] for _ in range(T)]
+    for f, t in enumerate(self.tables):
+      devs = self.plan[t.name].devices
+      if devs != tuple(range(devs[0] // G * G, devs[0] // G * G + G)):
+        raise ValueError(
+            f"table {t.name!r}: sptt on devices {devs}; expected one whole tower group "
+            f"(tower t on devices {G}t..{G}t+{G - 1}: {T} groups of {G} over mesh axes "
+            f"{self.tower_axes} x {self.tower_shard_axes})")
+      towers[devs[0] // G].append(f)
+    empty = [t for t in range(T) if not towers[t]]
+    if empty:
+      raise ValueError(f"sptt: tower groups {empty} of {T} hold no table; the mesh's "
+                       f"{T} tower groups (axes {self.tower_axes}) need one tower each")
+    both = [names[f] for f in self.dedup_features]
+    if both:
+      raise ValueError(f"tables {both}: RecD dedup and sptt do not combine (a tower module "
+                       "mixes features whose samples share no distinct bags)")
+    self.towers = tuple(tuple(t) for t in towers)
+    self.num_towers, self.tower_size = T, G
 
   # ---------------------------------------------------------------- layout (host, static)
 
@@ -184,8 +267,10 @@ class EmbeddingCollection:
         width = -(-t.dim // k)
         shards = [_Shard(f, d, 0, t.num_rows, i * width, min((i + 1) * width, t.dim))
                   for i, d in enumerate(p.devices) if i * width < t.dim]
-      elif kind == ShardingKind.TABLE_ROW_WISE:
-        comm, width = "a2a", t.dim
+      elif kind in (ShardingKind.TABLE_ROW_WISE, ShardingKind.SPTT):
+        # sptt: twrw's layout on the tower group; its own communication (module docstring)
+        comm = "a2a" if kind == ShardingKind.TABLE_ROW_WISE else "sptt"
+        width = t.dim
         g = len(p.devices)
         s = -(-t.num_rows // g)
         shards = [_Shard(f, d, min(i * s, t.num_rows), min((i + 1) * s, t.num_rows), 0, t.dim)
@@ -193,7 +278,10 @@ class EmbeddingCollection:
       else:
         raise ValueError(f"table {t.name!r}: unknown sharding kind {p.kind!r}")
       key = f"{comm}_{t.storage}_d{t.dim}_w{width}"
-      grp = groups.setdefault(key, _Group(key, comm, t.storage, t.dim, width, []))
+      dedup, bag = f in self.dedup_features, self.bag_sizes.get(t.name)
+      key += ("_dedup" if dedup else "") + (f"_l{bag}" if bag else "")
+      grp = groups.setdefault(key, _Group(key, comm, t.storage, t.dim, width, [], dedup=dedup,
+                                          bag=bag))
       grp.features.append(f)
       grp.shards.extend(shards)
     for grp in groups.values():
@@ -227,6 +315,38 @@ class EmbeddingCollection:
           end[sh.device, local_f[f]] = sh.row_end
       g.offsets = [int(offs[local_f[sh.feature]]) for sh in g.shards]
       g.maps.update(start=start, end=end, offset=np.broadcast_to(offs, (N, F)).copy())
+    elif g.comm == "sptt":
+      # Device (t, i) holds row shard i of each of tower t's tables, in tower slots 0..F_t-1
+      # (the tower's features in table order), at the same local offsets on the group.
+      T, G = self.num_towers, self.tower_size
+      tower = {f: t for t, fs in enumerate(self.towers) for f in fs}
+      slots = [[f for f in g.features if tower[f] == t] for t in range(T)]
+      Fm = max(len(fs) for fs in slots)
+      feat = np.full((T, Fm), -1, np.int32)          # group-local feature per tower slot
+      start = np.zeros((N, Fm), np.int32)
+      end = np.zeros((N, Fm), np.int32)
+      offset = np.zeros((N, Fm), np.int32)
+      mean = np.zeros((N, Fm), bool)
+      slot_offset, rows = {}, 0
+      for t, fs in enumerate(slots):
+        acc = 0
+        for j, f in enumerate(fs):
+          R = self.tables[f].num_rows
+          s = -(-R // G)
+          feat[t, j] = local_f[f]
+          slot_offset[f] = acc
+          for i in range(G):
+            d = t * G + i
+            start[d, j], end[d, j] = min(i * s, R), min((i + 1) * s, R)
+            offset[d, j], mean[d, j] = acc, self.tables[f].pooling == "mean"
+          acc += s
+        rows = max(rows, acc)
+      g.rows_per_device = max(1, rows)
+      g.offsets = [slot_offset[sh.feature] for sh in g.shards]
+      # Where group feature j's vector sits among the T * Fm tower slots (pool without towers).
+      where = [tower[f] * Fm + slots[tower[f]].index(f) for f in g.features]
+      g.maps.update(tower_feat=feat, start=start, end=end, offset=offset, mean=mean,
+                    slot=np.asarray(where, np.int32))
     else:  # a2a
       slots: list[list[_Shard]] = [[] for _ in range(N)]
       for sh in g.shards:
@@ -285,7 +405,7 @@ class EmbeddingCollection:
 
   def storage(self, g: _Group) -> storage_lib.RowStorage:
     """The row storage of group `g`'s buffer."""
-    return storage_lib.get_storage(g.storage, seed=self.storage_seed)
+    return storage_spec.make_storage(g.storage, seed=self.storage_seed)
 
   def _shards(self, g: _Group) -> int:
     """Blocks of the group's buffer that live on separate devices (1: replicated)."""
@@ -401,9 +521,32 @@ class EmbeddingCollection:
           f"outside table {t.name!r} rows [0, {t.num_rows}) ({int(bad.sum())} such ids in "
           "this batch); hash ids into range in the reader, or use out_of_range='hash'")
 
-  def _prepare_ids(self, ids, lengths, weights):
+  def check_lengths(self, lengths: np.ndarray) -> None:
+    """Host-side check that no bag is longer than its table's `bag_sizes` entry (the ids
+    past it would not be read)."""
+    lengths = np.asarray(lengths)
+    for f, t in enumerate(self.tables):
+      n = self.bag_sizes.get(t.name)
+      if n is not None and (lengths[:, f] > n).any():
+        b = int(np.argmax(lengths[:, f] > n))
+        raise ValueError(f"feature {t.name!r}: a bag of {int(lengths[b, f])} ids at example "
+                         f"{b}, longer than its bag size {n} (bag_sizes)")
+
+  def _check_dedup(self, dedup: DedupIds) -> dict[int, int]:
+    """{feature: column of the distinct-bag block} after checking it matches the option."""
+    if tuple(dedup.features) != self.dedup_features:
+      names = [t.name for t in self.tables]
+      raise ValueError(
+          f"batch deduplicates features {[names[f] for f in dedup.features]}, the collection "
+          f"{[names[f] for f in self.dedup_features]} (its `dedup` option)")
+    return {f: j for j, f in enumerate(dedup.features)}
+
+  def _prepare_ids(self, ids, lengths, weights, features=None):
+    """int32 ids (hashed into range under out_of_range="hash"), lengths, float32 weights of
+    the given features (the columns of ids; default: every table)."""
     if self.out_of_range == "hash":
-      rows = jnp.asarray([t.num_rows for t in self.tables], jnp.int32)[None, :, None]
+      fs = range(len(self.tables)) if features is None else features
+      rows = jnp.asarray([self.tables[f].num_rows for f in fs], jnp.int32)[None, :, None]
       ids = jnp.mod(ids, rows)
     if weights is None:
       weights = jnp.ones(ids.shape, jnp.float32)
@@ -412,14 +555,29 @@ class EmbeddingCollection:
   # ------------------------------------------------------------------- phases
 
   def gather(self, state: dict[str, Any], ids: jax.Array, lengths: jax.Array,
-             weights: jax.Array | None = None) -> Lookup:
-    """Input distribution and row gather; `ids` [B, F, L] sharded over the batch axes."""
+             weights: jax.Array | None = None, dedup: DedupIds | None = None) -> Lookup:
+    """Input distribution and row gather; `ids` [B, F, L] sharded over the batch axes.
+    `dedup` (a batch's distinct bags, RecD): the dedup groups read those instead."""
     ids, lengths, weights = self._prepare_ids(ids, lengths, weights)
+    if dedup is not None:
+      if not self.dedup_features:
+        raise ValueError("the batch carries distinct bags (RecD) but this collection has no "
+                         "`dedup` option")
+      col = self._check_dedup(dedup)
+      d_ids, d_len, d_w = self._prepare_ids(dedup.ids, dedup.lengths, dedup.weights,
+                                            dedup.features)
     out = Lookup({}, {}, {}, {})
     bspec = P(self.axes)
     for name, g in self.groups.items():
-      sel = np.asarray(g.features)
-      gi, gl, gw = ids[:, sel], lengths[:, sel], weights[:, sel]
+      if g.dedup and dedup is not None:
+        sel = np.asarray([col[f] for f in g.features])
+        gi, gl, gw = d_ids[:, sel], d_len[:, sel], d_w[:, sel]
+        out.inverse[name] = dedup.inverse[:, sel]
+      else:
+        sel = np.asarray(g.features)
+        gi, gl, gw = ids[:, sel], lengths[:, sel], weights[:, sel]
+      if g.bag is not None:
+        gi, gw = gi[..., :g.bag], gw[..., :g.bag]
       storage = self.storage(g)
       mean = np.asarray([self.tables[f].pooling == "mean" for f in g.features])
       fn = getattr(self, f"_gather_{g.comm}")
@@ -457,17 +615,39 @@ class EmbeddingCollection:
     return self._bag_pool(storage, tbl, index, coef), coef, index, live
 
   def _gather_rw(self, g, storage, tbl, ids, lengths, w, maps, mean):
-    ax = self.axes
-    ids = jax.lax.all_gather(ids, ax, axis=0, tiled=True)       # [B_g, F, L]
-    lengths = jax.lax.all_gather(lengths, ax, axis=0, tiled=True)
-    w = jax.lax.all_gather(w, ax, axis=0, tiled=True)
+    return self._rowwise(storage, tbl, ids, lengths, w, maps, jnp.asarray(mean)[None, :],
+                         self.axes)
+
+  def _rowwise(self, storage, tbl, ids, lengths, w, maps, mean, axes):
+    """The rw path over the devices of `axes`: each sees all their ids (all-gather) and
+    sums the rows of its own row shards; `_pool_rw` / `_sptt_out` reduce-scatter the sums
+    back over the same axes."""
+    if axes:
+      ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)     # [B_g, F, L]
+      lengths = jax.lax.all_gather(lengths, axes, axis=0, tiled=True)
+      w = jax.lax.all_gather(w, axes, axis=0, tiled=True)
     start, end, off = maps["start"][0], maps["end"][0], maps["offset"][0]   # [F]
     L = ids.shape[-1]
     live = jnp.arange(L) < lengths[..., None]
     valid = live & (ids >= start[None, :, None]) & (ids < end[None, :, None])
     index = jnp.where(valid, ids - start[None, :, None] + off[None, :, None], 0)
-    coef = self._coef(valid, w, lengths, jnp.asarray(mean)[None, :])
+    coef = self._coef(valid, w, lengths, mean)
     return self._bag_pool(storage, tbl, index, coef), coef, index, valid
+
+  def _gather_sptt(self, g, storage, tbl, ids, lengths, w, maps, mean):
+    """Ids to their tower's group (all-to-all over the tower axes), then the rw path inside
+    the group: [G * T * B_l, Fm, ...] per device."""
+    feat = g.maps["tower_feat"]                                 # [T, Fm]
+    fsel, live_slot = np.maximum(feat, 0), feat >= 0
+    send_ids = jnp.swapaxes(ids[:, fsel], 0, 1)                 # [T_dest, B_l, Fm, L]
+    send_len = jnp.swapaxes(jnp.where(live_slot[None], lengths[:, fsel], 0), 0, 1)
+    send_w = jnp.swapaxes(w[:, fsel], 0, 1)
+    if self.tower_axes:                                         # [T_src, B_l, Fm, ...]
+      send_ids, send_len, send_w = (_all_to_all0(x, self.tower_axes)
+                                    for x in (send_ids, send_len, send_w))
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])             # [T * B_l, Fm, ...]
+    return self._rowwise(storage, tbl, flat(send_ids), flat(send_len), flat(send_w), maps,
+                         maps["mean"][0][None, :], self.tower_shard_axes)
 
   def _gather_a2a(self, g, storage, tbl, ids, lengths, w, maps, mean):
     ax = self.axes
@@ -493,26 +673,53 @@ class EmbeddingCollection:
     flat = lambda x: x.reshape((n * b,) + x.shape[2:])
     return flat(partial), flat(coef), flat(index), flat(valid)
 
-  def pool(self, lookup: Lookup, partial: dict[str, jax.Array] | None = None) -> jax.Array:
+  def pool(self, lookup: Lookup, partial: dict[str, jax.Array] | None = None,
+           towers: tuple[Callable[..., jax.Array], Any] | None = None) -> jax.Array:
     """Output distribution of the bag sums -> emb_BFD [B, F, D] (all tables share D).
 
     Differentiable in `partial` (defaults to lookup.partial): pass it explicitly to take
     gradients with respect to it, for `apply_gradients`.
+
+    towers=(fn, params) (SPTT tables only): fn(params, t, emb [b, Fm, D]) -> [b, K, D], tower
+    t's module on its slots 0..F_t-1 (t is traced: the device's tower), runs inside each
+    tower group; returns [B, T * K, D], the towers' outputs in tower order.
     """
     partial = lookup.partial if partial is None else partial
+    bspec = P(self.axes)
+    if towers is not None:
+      if not self.towers:
+        raise ValueError("pool(towers=...): no table of this collection is placed sptt")
+      (name, g), = self.groups.items()
+      fn, params = towers
+      f = jax.shard_map(lambda x, p: self._sptt_out(g, x, fn, p), mesh=self.mesh,
+                        in_specs=(bspec, jax.tree.map(lambda _: P(), params)),
+                        out_specs=bspec, check_vma=False)
+      out = f(partial[name], params)                                # [B, T, K, D]
+      return out.reshape(out.shape[0], -1, out.shape[-1])
     if len(self.dims) != 1:
       raise ValueError(f"pool() stacks features into [B, F, D], but table dims differ: {self.dims}")
     outs, order = [], []
-    bspec = P(self.axes)
     for name, g in self.groups.items():
       fn = getattr(self, f"_pool_{g.comm}")
       f = jax.shard_map(lambda x, g=g, fn=fn: fn(g, x), mesh=self.mesh,
                         in_specs=bspec, out_specs=bspec, check_vma=False)
-      outs.append(f(partial[name]))
+      emb = f(partial[name])
+      if name in lookup.inverse:
+        emb = self._expand(emb, lookup.inverse[name])
+      outs.append(emb)
       order.extend(g.features)
     emb = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     perm = np.argsort(np.asarray(order))
     return emb if np.array_equal(perm, np.arange(len(perm))) else emb[:, perm]
+
+  def _expand(self, emb_CFW, inverse_BF):
+    """RecD: emb_BFW[b, f] = emb_CFW[inverse[b, f], f] on each device's own block (no
+    communication); the gradient sums the samples' rows per distinct bag."""
+    def local(e_CFW, inv_BF):
+      return jnp.take_along_axis(e_CFW, inv_BF[..., None], axis=0)
+    spec = P(self.axes)
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, spec), out_specs=spec,
+                         check_vma=False)(emb_CFW, inverse_BF)
 
   @staticmethod
   def _pool_dp(g, partial):
@@ -520,6 +727,28 @@ class EmbeddingCollection:
 
   def _pool_rw(self, g, partial):                                   # [B_g, F, W]
     return jax.lax.psum_scatter(partial, self.axes, scatter_dimension=0, tiled=True)
+
+  def _pool_sptt(self, g, partial):
+    """Without a tower module: each feature's pooled vector, [B_l, F, W] in group order."""
+    out = self._sptt_out(g, partial, None, None)                    # [B_l, T, Fm, W]
+    b, W = out.shape[0], g.width
+    cols = tuple(int(s) * W + c for s in g.maps["slot"] for c in range(W))
+    return take_columns(out.reshape(b, -1), cols).reshape(b, len(g.features), W)
+
+  def _sptt_out(self, g, partial, fn, params):
+    """Partial sums [G * T * B_l, Fm, W] -> reduce-scatter in the group -> tower module
+    (if any) -> all-to-all over the tower axes: [B_l, T, K, W] for this device's samples."""
+    emb = partial
+    if self.tower_shard_axes:                                       # [T * B_l, Fm, W]
+      emb = jax.lax.psum_scatter(partial, self.tower_shard_axes, scatter_dimension=0,
+                                 tiled=True)
+    if fn is not None:
+      t = jax.lax.axis_index(self.tower_axes) if self.tower_axes else 0
+      emb = fn(params, t, emb)                                      # [T * B_l, K, W]
+    x = emb.reshape((self.num_towers, -1) + emb.shape[1:])         # [T_src, B_l, K, W]
+    if self.tower_axes:
+      x = _all_to_all0(x, self.tower_axes)                          # [T_tower, B_l, K, W]
+    return jnp.swapaxes(x, 0, 1)
 
   def _pool_a2a(self, g, partial):                                  # [N_src*B_l, S, W]
     N = self.num_devices
@@ -595,17 +824,18 @@ class EmbeddingCollection:
 
       self._dense_grads_fn = jax.jit(scatter_all)
     bufs = self._dense_grads_fn(lookup.index, lookup.valid, lookup.coef, partial_grads)
-    fp32 = storage_lib.get_storage("fp32")
+    fp32 = storage_spec.make_storage(storage_spec.StorageSpec("fp32"))
     return self._unpack({n: fp32 for n in self.groups}, bufs)
 
-  def lookup(self, state: dict[str, Any], ids, lengths, weights=None) -> jax.Array:
-    """Forward only: emb_BFD for eval and inference."""
-    return self.pool(self.gather(state, ids, lengths, weights))
+  def lookup(self, state: dict[str, Any], ids, lengths, weights=None,
+             dedup: DedupIds | None = None, towers=None) -> jax.Array:
+    """Forward only: emb_BFD (or the towers' outputs) for eval and inference."""
+    return self.pool(self.gather(state, ids, lengths, weights, dedup), towers=towers)
 
   # ------------------------------------------------------------------- reporting
 
   def describe(self) -> dict[str, Any]:
-    return {name: {"pattern": g.comm, "storage": g.storage, "width": g.width,
+    return {name: {"pattern": g.comm, "storage": str(g.storage), "width": g.width,
                    "tables": [self.tables[f].name for f in g.features],
-                   "rows_per_device": g.rows_per_device}
+                   "rows_per_device": g.rows_per_device, "dedup": g.dedup}
             for name, g in self.groups.items()}

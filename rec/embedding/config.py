@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from rec.embedding.storage_spec import StorageSpec
+
 
 class ShardingKind(str, enum.Enum):
   """How one table is laid over the mesh (TorchRec / Neo arXiv 2104.05158 names)."""
@@ -14,6 +16,9 @@ class ShardingKind(str, enum.Enum):
   ROW_WISE = "rw"        # rows split evenly (last shard may be shorter) over all devices
   COLUMN_WISE = "cw"     # columns split into chunks, each chunk table-wise
   TABLE_ROW_WISE = "twrw"  # table on one group of devices, rows split within the group
+  # DMT's tower groups (arXiv 2403.00877): twrw's layout on its tower's group, ids sent to
+  # the group, pooled there and passed through the tower module before leaving it
+  SPTT = "sptt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +33,9 @@ class TableConfig:
   dim: int
   pooling: str = "sum"          # "sum" | "mean"
   pooling_factor: float = 1.0
-  storage: str = "fp32"         # "fp32" | "bf16" | "bf16_sr" | "int8[_cache...]" (storage.py)
+  # How rows are stored (rec/embedding/storage_spec.py); a name such as "int8_cache:lfu:0.05"
+  # is parsed into the spec here, once.
+  storage: StorageSpec = StorageSpec()
 
   def __post_init__(self):
     if self.num_rows <= 0:
@@ -37,8 +44,6 @@ class TableConfig:
       raise ValueError(f"table {self.name!r}: dim={self.dim}, expected > 0")
     if self.pooling not in ("sum", "mean"):
       raise ValueError(f"table {self.name!r}: pooling={self.pooling!r}, expected 'sum' or 'mean'")
-    from rec.embedding import storage as storage_lib
-    try:
-      storage_lib.get_storage(self.storage)
-    except ValueError as e:
-      raise ValueError(f"table {self.name!r}: {e}") from None
+    if not isinstance(self.storage, StorageSpec):
+      object.__setattr__(self, "storage",
+                         StorageSpec.parse(self.storage, where=f"table {self.name!r} storage"))

@@ -23,6 +23,9 @@ X(w) = ib*P + 2*a*w: bytes per example that a model-parallel shard of width w mo
   rw    shard i         r_i*(D*s + o(D))    B*P*D*r_i/R      2*(N-1)*b*ib*P + 4*(N-1)/N*B*a*D
   twrw  member j        r_j*(D*s + o(D))    B*P*D*r_j/R      (N+g-2)*b*X(D)
         non-member      0                   0                g*b*X(D)
+  sptt  member j        r_j*(D*s + o(D))    B*P*D*r_j/R      b*ib*P + (T-1)*b*ib*P
+                                                             + 2*(g-1)*(B/g)*ib*P + 4*(g-1)/g*B*a*D
+        non-member      0                   0                b*ib*P
 
 Backward elements (rows read and written by the sparse update) are
 min(ids landing on the shard, rows of the shard) * width; for dp every replica applies the
@@ -36,7 +39,12 @@ full-width partial, summed at the consumer); rw all-gathers ids (ring: N-1 block
 out and in) and reduce-scatters the [B, D] partial sums (all-gather of their gradients
 backward); dp all-gathers each device's touched rows with their ids. U = min(b*P, R)
 assumes ids are deduplicated per device before that all-gather; the collection currently
-sends every id slot, which `CostParams(dp_unique_rows=False)` models (U = b*P). Lookups
+sends every id slot, which `CostParams(dp_unique_rows=False)` models (U = b*P). sptt (DMT's
+tower groups, T = N / g of them): every device sends its samples' ids of the table to its
+counterpart in the table's group (all-to-all over the towers), which all-gathers them in
+the group and reduce-scatters the [B / g, D] partial sums there (all-gather of their
+gradients backward); the tower module's compressed output goes back by one all-to-all per
+tower, not per table, and is left out here (experiments/dmt counts it). Lookups
 count only the ids that land on a shard, and local traffic is counted where it is cheap to
 get right (an owner does not send to itself). Activation buffers are not in the budget.
 
@@ -63,6 +71,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from rec.embedding import storage_spec
 from rec.embedding.config import ShardingKind, TableConfig
 
 DP = ShardingKind.DATA_PARALLEL
@@ -71,18 +80,21 @@ RW = ShardingKind.ROW_WISE
 CW = ShardingKind.COLUMN_WISE
 TWRW = ShardingKind.TABLE_ROW_WISE
 
-KIND_ORDER: tuple[ShardingKind, ...] = (DP, TW, CW, TWRW, RW)   # tie-break preference
+SPTT = ShardingKind.SPTT
+
+KIND_ORDER: tuple[ShardingKind, ...] = (DP, TW, CW, TWRW, RW, SPTT)   # tie-break preference
+# What `plan` chooses from: sptt only comes with a tower model (`tower_plan` places it).
+AUTO_KINDS: tuple[ShardingKind, ...] = (DP, TW, CW, TWRW, RW)
 STORAGE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2}
 
 
 def storage_bytes(table: TableConfig) -> float:
   """Bytes per element of the table's rows: STORAGE_BYTES, or for quantized rows with a
-  cache (rec/embedding/cached_storage.py) their bytes per row (codes, scale, bias, the
+  cache (rec/embedding/rowwise_storage.py) their bytes per row (codes, scale, bias, the
   row's share of the cache and counters) over the dim."""
-  if table.storage in STORAGE_BYTES:
-    return STORAGE_BYTES[table.storage]
-  from rec.embedding import storage as storage_lib
-  return storage_lib.get_storage(table.storage).bytes_per_row(table.dim) / table.dim
+  if table.storage.kind in STORAGE_BYTES:
+    return STORAGE_BYTES[table.storage.kind]
+  return storage_spec.make_storage(table.storage).bytes_per_row(table.dim) / table.dim
 CW_MIN_WIDTH = 4     # narrowest column chunk the planner makes (16-byte fp32 rows)
 _REL_TOL = 1e-9
 
@@ -299,20 +311,25 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
       bwd[d] += min(B * P, R) * E(w)
       comm += b * X(w)                      # every other device: send ids, get sums back
       comm[d] += (N - 1) * b * X(w) - b * X(w)
-  elif kind in (RW, TWRW):
+  elif kind in (RW, TWRW, SPTT):
     g = len(devs)
     if kind == RW and sorted(devs) != list(range(N)):
       raise ValueError(f"table {table.name!r}: rw placement needs all {N} devices, got {devs}")
     if kind == TWRW:
       comm += g * b * X(D)                  # non-members: ids to and sums from g members
+    if kind == SPTT:
+      comm += b * ib * P                    # every device: its ids to its group counterpart
     for d, r in zip(devs, row_shard_sizes(R, g)):
       mem[d] += int(r * (D * s + int(o(D))))
       fwd[d] += B * P * E(D) * r / R
       bwd[d] += min(B * P * r / R, r) * E(D)
       if kind == RW:
         comm[d] = 2 * (N - 1) * b * ib * P + 4 * (N - 1) / N * B * a * D
-      else:
+      elif kind == TWRW:
         comm[d] = (N + g - 2) * b * X(D)
+      else:
+        comm[d] += ((N // g - 1) * b * ib * P + 2 * (g - 1) * (B / g) * ib * P
+                    + 4 * (g - 1) / g * B * a * D)
   else:
     raise ValueError(f"table {table.name!r}: unknown sharding kind {kind!r}")
   time = s * (fwd + cp.backward_factor * bwd) / cp.hbm_bandwidth
@@ -355,12 +372,16 @@ def validate_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConf
       bad = "tw needs exactly 1 device"
     elif p.kind == CW and not _valid_chunk_count(t.dim, len(devs)):
       bad = f"dim {t.dim} does not split into {len(devs)} chunks of ceil({t.dim}/{len(devs)})"
-    elif p.kind == TWRW:
+    elif p.kind in (TWRW, SPTT):
       g = len(devs)
+      k = p.kind.value
+      groups = {len(q.devices) for q in plan.values() if q.kind == SPTT}
       if N % g or devs[0] % g or devs != tuple(range(devs[0], devs[0] + g)):
-        bad = f"twrw needs a contiguous, aligned block of a group size dividing {N}"
+        bad = f"{k} needs a contiguous, aligned block of a group size dividing {N}"
       elif group_size is not None and g != group_size:
-        bad = f"twrw group of {g} devices, expected group_size={group_size}"
+        bad = f"{k} group of {g} devices, expected group_size={group_size}"
+      elif p.kind == SPTT and len(groups) > 1:
+        bad = f"sptt tower groups of sizes {sorted(groups)}; every tower group has the same size"
     if bad:
       raise ValueError(f"plan: table {t.name!r} placed {p.kind.value} on {devs}: {bad}")
 
@@ -423,7 +444,7 @@ class _Greedy:
       return [self._make(table, kind, tuple(range(N)))]
     if kind == TW:
       return [self._make(table, kind, (d,)) for d in range(N)]
-    if kind == TWRW:
+    if kind in (TWRW, SPTT):
       g = self.g
       return [self._make(table, kind, tuple(range(j * g, (j + 1) * g))) for j in range(N // g)]
     out = []
@@ -491,7 +512,8 @@ def uniform_plan(tables: Sequence[TableConfig], kind: ShardingKind | str, num_de
   dim // cw_min_width) (at least 1) that splits dim exactly into chunks of ceil(dim / k),
   chunk i (widest first) on the i-th least-loaded device. twrw: row shards over the
   least-loaded contiguous block of `group_size` devices (default: the largest divisor of N
-  that is at most 4). dp and rw: all devices. The load is the time of the cost model; every
+  that is at most 4); sptt the same (each group's tables form its tower; a DMT model's own
+  towers go through `tower_plan`). dp and rw: all devices. The load is the time of the cost model; every
   term scales with the batch, so the placement does not depend on it. With
   `memory_budget_bytes`, devices without room are skipped and PlanError raised if none has.
   """
@@ -505,6 +527,43 @@ def uniform_plan(tables: Sequence[TableConfig], kind: ShardingKind | str, num_de
   placed = {t.name: greedy.place(t, (kind,), search=False, why=f"uniform {kind.value} plan")
             for t in _order_tables(tables, (), optimizer_state_bytes_per_row)}
   return {t.name: placed[t.name] for t in tables}
+
+
+def tower_plan(tables: Sequence[TableConfig], towers: Sequence[Sequence[int]], num_devices: int,
+               memory_budget_bytes: int | None = None, batch_size: int = 1024,
+               cost_params: CostParams | None = None,
+               optimizer_state_bytes_per_row: OptStateBytes = 4) -> Plan:
+  """DMT's SPTT placement (arXiv 2403.00877): tower k's tables (indices into `tables`, e.g.
+  from `rec.embedding.towers.partition`) row-wise on tower group k, devices k*g..k*g+g-1 with
+  g = N / len(towers). Raises PlanError when a device's share is over the budget."""
+  _check_tables(tables)
+  _check_positive(num_devices=num_devices, batch_size=batch_size)
+  T = len(towers)
+  flat = sorted(int(f) for t in towers for f in t)
+  if T < 1 or flat != list(range(len(tables))) or any(not t for t in towers):
+    raise ValueError(f"tower_plan: towers {[list(t) for t in towers]} must split the "
+                     f"{len(tables)} tables 0..{len(tables) - 1}, none empty")
+  if num_devices % T:
+    raise ValueError(f"tower_plan: {T} towers on {num_devices} devices; expected a tower "
+                     f"count that divides the devices (one group of N / T each)")
+  g = num_devices // T
+  out = {tables[f].name: TablePlacement(SPTT, tuple(range(k * g, (k + 1) * g)))
+         for k, t in enumerate(towers) for f in t}
+  out = {t.name: out[t.name] for t in tables}
+  if memory_budget_bytes is not None:
+    est = estimate_plan(out, tables, num_devices, batch_size, cost_params,
+                        optimizer_state_bytes_per_row)
+    d = int(np.argmax(est.per_device.memory_bytes))
+    need = int(est.per_device.memory_bytes[d])
+    if need > memory_budget_bytes:
+      k = d // g
+      raise PlanError(
+          f"tower {k} (tables {[tables[f].name for f in towers[k]]}) needs {_fmt_bytes(need)} "
+          f"({need:,} bytes) on device {d} of its group of {g}; budget "
+          f"{_fmt_bytes(memory_budget_bytes)} ({int(memory_budget_bytes):,} bytes): over by "
+          f"{_fmt_bytes(need - memory_budget_bytes)}; use more devices per tower or fewer "
+          "rows in that tower")
+  return out
 
 
 def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: int,
@@ -529,7 +588,10 @@ def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: i
   g = _check_group_size(group_size, num_devices)
   forced = {n: as_kind(k, f"table {n!r}") for n, k in (overrides or {}).items()}
   validate_overrides(forced, tables)
-  allowed = KIND_ORDER if kinds is None else tuple(dict.fromkeys(as_kind(k) for k in kinds))
+  allowed = AUTO_KINDS if kinds is None else tuple(dict.fromkeys(as_kind(k) for k in kinds))
+  if SPTT in allowed or SPTT in forced.values():
+    raise ValueError("plan: sptt places tables by tower (tower_plan, with the towers of a "
+                     "DMT model); the auto planner does not choose it")
   if kinds is None and not 1 < g < num_devices:
     allowed = tuple(k for k in allowed if k != TWRW)   # same as tw (g=1) or rw (g=N)
   allowed = tuple(k for k in KIND_ORDER if k in allowed)

@@ -6,12 +6,16 @@ Lookups and the sparse optimizers (`rec/embedding/optimizers.py`) read rows only
 
 A storage object is a frozen dataclass (hashable, a static argument under jit) that holds
 configuration only; the rows themselves live in a *state* pytree (a dict of arrays) that the
-caller owns, donates and checkpoints. Formats (`get_storage` names):
+caller owns, donates and checkpoints. Formats (named by a `storage_spec.StorageSpec`, which
+`storage_spec.make_storage` turns into a storage):
   - "fp32", "bf16" (round to nearest even), "bf16_sr" (stochastic rounding, arXiv
-    1905.12322): `{"rows": [N, D]}`;
+    1905.12322): `{"rows": [N, D]}`, here;
   - "int8", "int4", "int8_cache[:lfu|lru[:fraction[:ways]]]", "int4_cache[...]":
     FBGEMM row-wise codes with an fp32 cache of hot rows (arXiv 2010.11305), in
-    `rec/embedding/cached_storage.py`.
+    `rec/embedding/rowwise_storage.py`.
+Memory: `state_bytes` counts every array of a state; `RowStorage.component_bytes` splits it
+by what the arrays hold (COMPONENTS: values, scales and biases, cache rows, cache tags,
+counters).
 
 The embedding collection keeps one buffer per group that concatenates its devices' blocks;
 `from_float(rows, shards)` / `to_float(state, shards)` build and read such a buffer as
@@ -53,10 +57,15 @@ from core import quant
 StorageState = dict[str, jax.Array]
 
 
+# What the arrays of a storage state hold, in report order (`RowStorage.components`).
+COMPONENTS = ("values", "scales_biases", "cache", "tags", "counters")
+
+
 class RowStorage(abc.ABC):
   """Interface of a table's row storage: init, gather (to f32), scatter (from f32), sizes."""
 
-  name: ClassVar[str]
+  # State key -> its component (one of COMPONENTS), for every key the state may hold.
+  components: ClassVar[dict[str, str]]
 
   @abc.abstractmethod
   def init(self, key: jax.Array, num_rows: int, dim: int, scale: float) -> StorageState:
@@ -121,6 +130,19 @@ class RowStorage(abc.ABC):
     per-table parts (a cache) give their average over the rows."""
 
 
+  def component_bytes(self, state: StorageState) -> dict[str, int]:
+    """Bytes of `state` by component, every one of COMPONENTS (0 where the format has
+    none); they sum to `state_bytes(state)`. A key this storage does not declare is an
+    error, never dropped from the count."""
+    out = dict.fromkeys(COMPONENTS, 0)
+    for key, arr in state.items():
+      if key not in self.components:
+        raise ValueError(f"{type(self).__name__}.component_bytes: state key {key!r} is not "
+                         f"one of this storage's {sorted(self.components)}")
+      out[self.components[key]] += state_bytes({key: arr})
+    return out
+
+
 def state_bytes(state: StorageState) -> int:
   """Bytes of every array of a storage state: the honest memory of a table."""
   return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape))
@@ -180,6 +202,7 @@ class _DenseRowStorage(RowStorage):
   """Rows kept as one `[N, D]` array of a float dtype; state `{"rows": [N, D]}`."""
 
   dtype: ClassVar[Any] = jnp.float32
+  components: ClassVar[dict[str, str]] = {"rows": "values"}
 
   def init(self, key: jax.Array, num_rows: int, dim: int, scale: float) -> StorageState:
     check_size(type(self).__name__, num_rows, dim)
@@ -247,7 +270,6 @@ def check_size(where: str, num_rows: int, dim: int) -> None:
 class Fp32Storage(_DenseRowStorage):
   """Float32 rows: gather and scatter are exact."""
 
-  name: ClassVar[str] = "fp32"
   dtype: ClassVar[Any] = jnp.float32
 
 
@@ -269,10 +291,6 @@ class Bf16Storage(_DenseRowStorage):
       raise ValueError(f"Bf16Storage: rounding={self.rounding!r}, expected 'nearest' or "
                        "'stochastic'")
 
-  @property
-  def name(self) -> str:   # type: ignore[override]
-    return "bf16_sr" if self.rounding == "stochastic" else "bf16"
-
   def _from_f32(self, rows: jax.Array, old, step) -> jax.Array:
     if self.rounding == "nearest" or old is None:
       return rows.astype(jnp.bfloat16)          # XLA's convert: round to nearest even
@@ -280,24 +298,3 @@ class Bf16Storage(_DenseRowStorage):
     bits = sr_bits(old().reshape(flat.shape), step, self.seed, salt=1) >> 16
     return quant.stochastic_round_bf16_bits(flat, bits).reshape(rows.shape)
 
-
-_STORAGES: dict[str, Any] = {
-    "fp32": Fp32Storage,
-    "bf16": Bf16Storage,
-    "bf16_sr": lambda seed: Bf16Storage(rounding="stochastic", seed=seed),
-}
-
-
-def get_storage(name: str, seed: int = 0) -> RowStorage:
-  """The storage a name stands for, e.g. `TableConfig.storage`: "fp32" | "bf16" | "bf16_sr"
-  | "int8" | "int4" | "int8_cache[:policy[:fraction[:ways]]]" | "int4_cache[...]" (see
-  `cached_storage.parse`). `seed` seeds stochastic rounding."""
-  if name in _STORAGES:
-    make = _STORAGES[name]
-    return make(seed) if name == "bf16_sr" else make()
-  if name.startswith(("int8", "int4", "int2")):
-    from rec.embedding import cached_storage   # it imports this module
-    return cached_storage.parse(name, seed=seed)
-  raise ValueError(
-      f"rec/embedding/storage.py get_storage: unknown storage {name!r}, expected one of "
-      f"{sorted(_STORAGES)} or int8 / int4[_cache[:lfu|lru[:fraction[:ways]]]]")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -144,7 +145,7 @@ def test_llama_cp_prefill_and_fsdp_tp_cp_training_across_processes(tmp_path):
                2, 4, tmp_path)
     assert out["passed"] and out["variant_used"] == variant and out["max_abs_diff"] < 1e-4
   # Training with FSDP x CP x TP over 2 processes equals one process with the 8 devices.
-  args = ["--text=README.md", "--mesh=fsdp:2,cp:2,tp:2", "--attention_impl=ring_pass_kv",
+  args = ["--text=README.md", "--mesh=fsdp:2,cp:2,tp:2", "--context_parallel=pass_kv",
           "--steps=3", "--seq_len=32", "--batch_size=4", "--log_every=1", "--eval_batches=1"]
   two = _run("experiments.train_lm", args + [f"--workdir={tmp_path / 'lm2'}"], 2, 4, tmp_path)
   one = _run("experiments.train_lm", args + [f"--workdir={tmp_path / 'lm1'}"], 1, 8, tmp_path)
@@ -175,6 +176,103 @@ def test_a_killed_process_ends_the_job(tmp_path):
   reasons = ("stopped sending heartbeats", "heartbeat timeout", "connection closed by peer",
              "connection reset by peer", "gloo")
   assert any(r in logs[0].lower() for r in reasons), "\n".join(errors)[-4000:]
+  # Our own line names the silent process and every process's last step: before jax's text
+  # when the heartbeat check ends the job, or last when a collective fails first (a gloo
+  # error raised in Python); only a C++ abort inside gloo leaves no room for it.
+  lines = logs[0].splitlines()
+  ours = [i for i, l in enumerate(lines) if l.startswith("error: process 1 stopped reporting")
+          or (l.startswith("error: ") and "process 1 has not reported for" in l)]
+  steps = r"last step reported: process 0: step \d+, process 1: step \d+"
+  if any("Terminating process" in l for l in lines):
+    jax_at = next(i for i, l in enumerate(lines) if "Terminating process" in l)
+    assert ours and ours[0] < jax_at, "\n".join(lines[-60:])
+    assert re.search(steps, lines[ours[0]]), lines[ours[0]]
+  elif any("JaxRuntimeError" in l for l in lines):
+    assert ours and ours[-1] == len(lines) - 1 and re.search(steps, lines[-1]), lines[-5:]
+  assert not any(l.startswith("[Gloo]") for l in lines)   # gloo's connection lines dropped
+
+
+def test_a_failing_process_is_named_by_the_others(tmp_path):
+  """Process 1 meets a bad line (its shard's alone): it ends with that line (status 2), and
+  process 0 ends at once with a line naming process 1, its step and error (status 4)."""
+  from tests.rec.test_data import numbered_criteo, write
+  d = tmp_path / "data"
+  d.mkdir()
+  lines = numbered_criteo(9600)
+  # record 9001: process 1's shard, in the file's second 1 MiB chunk (read at step ~140)
+  lines[9001] = lines[9001].replace("\t", "\tx", 1)
+  write(d, "train.txt", lines)
+  write(d, "valid.txt", numbered_criteo(64))
+  procs = _start("experiments.train_rec",
+                 REC + ["--steps=150", "--log_every=50", f"--data=criteo:{d}",
+                        "--heartbeat_timeout_s=60", f"--workdir={tmp_path / 'run'}"], 2, 4,
+                 tmp_path)
+  t0 = time.monotonic()
+  logs = _wait(procs, timeout=300)
+  assert time.monotonic() - t0 < 200        # long before the 60 s heartbeat timeout matters
+  assert procs[1][0].returncode == 2 and procs[0][0].returncode == 4, logs[0][-3000:]
+  bad = f"{d}/train.txt:9002: field I1 = 'x9001'; expected an integer or empty"
+  assert logs[1].strip().splitlines()[-1] == f"error: {bad}", logs[1][-3000:]
+  last = logs[0].strip().splitlines()[-1]
+  assert re.fullmatch(rf"error: process 1 failed at step \d+: {re.escape(bad)}; last step "
+                      r"reported: process 0: step \d+, process 1: step \d+", last), last
+
+
+def test_monitor_names_failed_and_silent_processes(monkeypatch, capsys):
+  store: dict[str, str] = {}
+
+  class FakeKV:
+    def key_value_set(self, k, v, allow_overwrite=False):
+      store[k] = v
+
+    def key_value_dir_get(self, prefix):
+      return [(k, v) for k, v in store.items() if k.startswith(prefix)]
+
+  monkeypatch.setattr(distributed, "_kv_client", lambda: FakeKV())
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 3)
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+  exits = []
+  mon = distributed._Monitor(heartbeat_timeout_s=0.4, interval_s=1e9, exit_fn=exits.append)
+  mon.close()
+  mon.silence_s, mon.interval_s = 0.2, 0.01
+  mon.step = 7
+  store["metasys/alive/1"] = "5 1"
+  store["metasys/alive/2"] = "6 1"
+  mon.check()
+  assert mon.steps == {0: 7, 1: 5, 2: 6} and capsys.readouterr().err == ""
+  time.sleep(0.3)
+  store["metasys/alive/2"] = "8 2"        # process 2 goes on, process 1 is silent
+  mon.check()
+  err = capsys.readouterr().err
+  assert err.startswith("error: process 1 stopped reporting 0 s ago") and "process 2" not in \
+      err.split(";")[0]
+  assert "last step reported: process 0: step 7, process 1: step 5, process 2: step 8." in err
+  mon.check()
+  assert capsys.readouterr().err == ""    # named once
+  store["metasys/alive/1"] = "9 2"
+  mon.check()
+  assert capsys.readouterr().err == "process 1 is reporting again (step 9)\n"
+  store["metasys/failed/2"] = "8\terror: /data/day_3:17: field label = '7'; expected 0 or 1"
+  mon.check()
+  assert exits == [distributed.PEER_FAILED_STATUS]
+  assert capsys.readouterr().err == (
+      "error: process 2 failed at step 8: /data/day_3:17: field label = '7'; expected 0 or 1; "
+      "last step reported: process 0: step 7, process 1: step 9, process 2: step 8\n")
+
+
+def test_stdout_filter_drops_gloo_lines_only():
+  data = (b"step 1/10\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+          b"connected peer ranks is : 1\n[Glo\npartial without newline then more\n"
+          b"[Gloo] Rank 1 is connected\nlast")
+  want = b"step 1/10\n[Glo\npartial without newline then more\nlast"
+  for chunks in ([data], [data[i:i + 3] for i in range(0, len(data), 3)]):
+    proc = subprocess.Popen([sys.executable, "-c", distributed._STDOUT_FILTER],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    for c in chunks:
+      proc.stdin.write(c)
+      proc.stdin.flush()
+    out, _ = proc.communicate(timeout=60)
+    assert out == want
 
 
 def test_watchdog_ends_a_loop_that_stops(monkeypatch):
@@ -182,7 +280,7 @@ def test_watchdog_ends_a_loop_that_stops(monkeypatch):
   dog = distributed.Watchdog(0.4, exit_fn=exits.append)
   assert not dog._on                                 # one process: nothing runs
   monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
-  dog = distributed.Watchdog(0.4, publish_s=1e9, exit_fn=exits.append)
+  dog = distributed.Watchdog(0.4, exit_fn=exits.append)
   dog.beat(1)
   time.sleep(0.2)
   dog.beat(2)

@@ -1,5 +1,6 @@
-"""experiments.bench_kernels' flash-attention table: failures reported per implementation,
-ratios to cuDNN, and the Mosaic GPU targets, run on CPU at toy sizes (numbers need a GPU)."""
+"""experiments.bench_kernels' flash-attention table (its measuring in
+experiments.benchmarks.attention): failures reported per implementation, ratios to cuDNN,
+and the Mosaic GPU targets, run on CPU at toy sizes (numbers need a GPU)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from absl import app
 
 from experiments import bench_kernels as bk
+from experiments.benchmarks import attention
 
 
 def _cfg(**kw):
@@ -22,7 +24,7 @@ def _cfg(**kw):
 def test_failed_impls_are_reported_and_the_rest_runs(capsys):
   """On CPU the Mosaic GPU kernel cannot compile and cuDNN is absent: both rows carry their
   error, XLA still gets timed, and the table and summary say so."""
-  rows = bk.bench_flash_attention(_cfg())
+  rows = attention.bench_flash_attention(_cfg())
   by_impl = {r["impl"]: r for r in rows}
   assert set(by_impl) == {"mgpu", "cudnn", "xla"}
   assert "error" in by_impl["mgpu"] and "error" in by_impl["cudnn"]
@@ -46,27 +48,30 @@ def test_ratios_and_targets():
           _row("mgpu[64x64x3]", 560.0, 380.0), _row("triton", 400.0, 300.0),
           _row("cudnn", 600.0, 500.0, causal=False), _row("mgpu", 300.0, 450.0, causal=False),
           _row("mgpu", 1.0, 1.0, t=8192)]                      # no cuDNN number at 8K
-  bk.add_cudnn_ratios(rows)
+  attention.add_cudnn_ratios(rows)
   assert rows[1]["fwd_vs_cudnn"] == pytest.approx(500 / 600)
   assert rows[3]["bwd_vs_cudnn"] == pytest.approx(300 / 500)
   assert "fwd_vs_cudnn" not in rows[-1]
-  targets = bk.mgpu_targets(rows)
+  targets = attention.mgpu_targets(rows)
   causal = targets["T4096/causal/hd128"]
-  assert causal["fwd"] == {"ratio": round(560 / 600, 3), "target": 0.9, "status": "met"}
-  assert causal["bwd"] == {"ratio": round(420 / 500, 3), "target": 0.8, "status": "met"}
+  assert causal["fwd"] == {"ratio": round(560 / 600, 3), "target": 0.9, "status": "met",
+                           "impl": "mgpu[64x64x3]"}
+  assert causal["bwd"] == {"ratio": round(420 / 500, 3), "target": 0.8, "status": "met",
+                           "impl": "mgpu[64x128x2]"}
   full = targets["T4096/full/hd128"]
   assert full["fwd"]["status"] == "missed" and full["bwd"]["status"] == "met"
   assert targets["T8192/causal/hd128"]["fwd"]["status"] == "unmeasured"
 
 
 def test_mgpu_config_flag():
-  assert bk.parse_mgpu_config("64x128x2") == {"block_q": 64, "block_kv": 128, "stages": 2}
-  assert bk.parse_mgpu_config("64x64x3:split") == {"block_q": 64, "block_kv": 64, "stages": 3,
-                                                   "bwd": "split"}
-  assert bk._impl_label("mgpu", bk.parse_mgpu_config("64x64x3:split"), 2) == "mgpu[64x64x3:split]"
+  parse = attention.parse_mgpu_config
+  assert parse("64x128x2") == {"block_q": 64, "block_kv": 128, "stages": 2}
+  assert parse("64x64x3:split") == {"block_q": 64, "block_kv": 64, "stages": 3,
+                                    "bwd": "split"}
+  assert attention.impl_label("mgpu", parse("64x64x3:split"), 2) == "mgpu[64x64x3:split]"
   with pytest.raises(app.UsageError, match="BLOCK_QxBLOCK_KVxSTAGES"):
-    bk.parse_mgpu_config("64x128")
+    attention.parse_mgpu_config("64x128")
   with pytest.raises(app.UsageError, match="split or fused"):
-    bk.parse_mgpu_config("64x128x2:both")
+    attention.parse_mgpu_config("64x128x2:both")
   with pytest.raises(app.UsageError, match="--impls"):
-    bk.bench_flash_attention(_cfg(impls=["flash"]))
+    attention.bench_flash_attention(_cfg(impls=["flash"]))

@@ -1,4 +1,4 @@
-"""experiments.bench_kernels_embedding's mixed-precision rows (int4, int8 / int4 with an fp32
+"""experiments.benchmarks.embedding_bag's mixed-precision rows (int4, int8 / int4 with an fp32
 cache) at toy sizes on CPU, the GPU check bypassed: every implementation runs and the
 cached formats report their hit rate (the numbers themselves need a GPU)."""
 
@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import bench_kernels_embedding as bk
+from experiments.benchmarks import embedding_bag as bk
 
 
 @pytest.mark.slow   # ~1-2 min: the Pallas kernel in its interpreter, several compiles
-def test_mixed_precision_formats_run(monkeypatch):
-  monkeypatch.setattr(bk, "_require_gpu", lambda what: None)
-  out = bk.bench_embedding_bag(num_rows=64, dim=16, batch=8, features=2, bag_len=3,
+def test_mixed_precision_formats_run():
+  out = bk.bench_embedding_bag(gpu_only=False, num_rows=64, dim=16, batch=8, features=2, bag_len=3,
                                dtypes=("int4", "int4_cache"), impls=("pallas", "xla"),
                                repeats=1, zipf_alpha=1.2, cache_fraction=0.25)
   rows = {(r["dtype"], r["impl"]): r for r in out["results"]}

@@ -1,4 +1,5 @@
-"""experiments.bench_lm_train: the tiny preset end to end on CPU, and the peak table."""
+"""experiments.bench_lm_train: the tiny preset end to end on CPU, and the peak table
+(core.benchmark.PEAK_FLOPS)."""
 
 import json
 import os
@@ -7,16 +8,16 @@ import sys
 
 import pytest
 
-from experiments import bench_lm_train
+from core import benchmark
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_peak_table():
-  assert bench_lm_train.peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
-  assert bench_lm_train.peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
-  assert bench_lm_train.peak_flops("NVIDIA H200", "bfloat16") == 989e12
-  assert bench_lm_train.peak_flops("cpu", "bfloat16") is None
+  assert benchmark.peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+  assert benchmark.peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+  assert benchmark.peak_flops("NVIDIA H200", "bfloat16") == 989e12
+  assert benchmark.peak_flops("cpu", "bfloat16") is None
 
 
 @pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time

@@ -1,5 +1,5 @@
 """experiments.compare_rec end to end (flags -> runs -> table, results.json, PNG, JSON last
-line) and rec.compare's parsing and aggregation against hand-computed values."""
+line) and its report (rec.runs' table, study.summary) against hand-computed values."""
 
 import json
 import os
@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from rec import compare, configs
+from experiments.compare_rec import study
+from rec import runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -77,46 +78,13 @@ def test_criteo_sample_one_epoch(tmp_path):
   assert row["auc_mean"] > 0.6
 
 
-def test_parse_models_and_presets():
-  specs = compare.parse_models(["dlrm", "wukong:l3_n16", "dhen"], "dhen=dhen_2l")
-  assert specs == [compare.ModelSpec("dlrm", "kaggle"), compare.ModelSpec("wukong", "l3_n16"),
-                   compare.ModelSpec("dhen", "dhen_2l")]
-  assert compare.parse_presets(["a=b", "c=d"]) == {"a": "b", "c": "d"}
-  with pytest.raises(ValueError, match=r"--presets item 'wukong': expected model=preset"):
-    compare.parse_presets("wukong")
-  with pytest.raises(ValueError, match=r"--presets names \['dcnv2'\], which are not in"):
-    compare.parse_models(["dlrm"], "dcnv2=small")
-  with pytest.raises(ValueError, match=r"model 'xdeepfm', expected one of"):
-    compare.parse_models(["xdeepfm"])
-  with pytest.raises(ValueError, match="lists a \\(model, preset\\) twice"):
-    compare.parse_models(["dlrm", "dlrm:kaggle"])
-
-
-def test_run_config_shares_the_embedding_dim_except_logreg():
-  base = configs.RecRunConfig(embedding_dim=16, learning_rate=0.3)
-  w = compare.run_config(base, compare.ModelSpec("wukong", "l2_n8"))
-  assert (w.model, w.preset, w.embedding_dim, w.learning_rate) == ("wukong", "l2_n8", 16, 0.3)
-  lr = compare.run_config(base, compare.ModelSpec("logreg"))
-  assert lr.embedding_dim == 0 and lr.learning_rate == 0.3   # one weight per id
-
-
-def test_bad_preset_fails_before_any_training(tmp_path):
-  base = configs.RecRunConfig(num_rows=100, batch_size=64, eval_batch_size=64)
-  specs = [compare.ModelSpec("dlrm", "small"), compare.ModelSpec("wukong", "l2")]
-  with pytest.raises(ValueError, match=r"--preset='l2' for --model=wukong: expected one of"):
-    compare.compare_models(base, specs, steps=1, workdir=str(tmp_path))
-  assert not os.path.exists(tmp_path / "runs")
-  with pytest.raises(ValueError, match="steps=None, epochs=None; give exactly one"):
-    compare.train_model(base, specs[0], [0], str(tmp_path))
-
-
 def _row(label, aucs, nes):
   model, _, preset = label.partition(":")
   row = {"model": model, "preset": preset, "label": label, "steps": 10, "num_seeds": len(aucs),
          "dense_params": 1234, "embedding_params": 5678, "gflops_per_example": 0.001,
          "wall_seconds_mean": 1.5, "examples_per_sec_mean": 1000.0}
   for k, vals in (("auc", aucs), ("ne", nes), ("logloss", nes)):
-    row[f"{k}_mean"], row[f"{k}_std"] = compare._mean_std(vals)
+    row[f"{k}_mean"], row[f"{k}_std"] = runs.mean_std(vals)
   return row
 
 
@@ -127,9 +95,9 @@ def test_table_and_summary_from_hand_made_rows():
          "reference": {"auc": 0.83, "ne": 0.75, "logloss": 0.42}, "wall_seconds": 9.0}
   # mean 0.71, sample std of (0.70, 0.72) = 0.01414...
   assert res["rows"][0]["auc_std"] == pytest.approx(0.02 / np.sqrt(2), rel=1e-12)
-  table = compare.format_table(res).splitlines()
+  table = runs.format_runs(res).splitlines()
   assert "0.7100 ± 0.0141" in table[2] and "0.8800 ± 0.0283" in table[2]
   assert table[4].startswith("true logits (Bayes)") and "0.8300" in table[4]
-  s = compare.summary(res)
+  s = study.summary(res)
   assert s["best_by_ne"] == "wukong:kaggle" and s["bayes_ne"] == 0.75
   assert s["models"]["dlrm:kaggle"]["ne"] == pytest.approx(0.88)

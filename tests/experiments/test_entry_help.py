@@ -10,8 +10,15 @@ import pytest
 from core import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENTRY_POINTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
-                      if not p.endswith("__init__.py"))
+# Entry points: flat modules (experiments/<name>.py) and study packages whose __main__.py is
+# the entry point (experiments/<name>/__main__.py, run as `python -m experiments.<name>`).
+ENTRY_POINTS = sorted(
+    [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+     if not p.endswith("__init__.py")]
+    + [os.path.basename(os.path.dirname(p))
+       for p in glob.glob(os.path.join(REPO, "experiments", "*", "__main__.py"))])
+MODULES = [n if os.path.exists(os.path.join(REPO, "experiments", n + ".py")) else n + ".__main__"
+           for n in ENTRY_POINTS]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
@@ -44,7 +51,7 @@ def test_entry_points_import_together():
   """Tests import entry points side by side: none may define flags on import (several share
   names such as --workdir), so each defines them in `define_flags()` when run as a script."""
   code = ("import importlib, sys\n"
-          f"for n in {ENTRY_POINTS!r}:\n"
+          f"for n in {MODULES!r}:\n"
           "  importlib.import_module('experiments.' + n)\n"
           "from absl import flags\n"
           "mine = [m for m in flags.FLAGS.flags_by_module_dict() if m.startswith('experiments.')]\n"

@@ -1,12 +1,19 @@
-"""experiments/fp8_probe.py end to end on a tiny DLRM: probe table, trained variants,
-step times, results.json, plot and the JSON summary line. Slow (it compiles a train step
-per variant): CI skips it; tests/rec/test_fp8.py covers the library fast."""
+"""experiments.fp8_probe: the probe's bookkeeping on a small model (probe.py), and the
+entry point end to end on a tiny DLRM: probe table, trained variants, step times,
+results.json, plot and the JSON summary line. The end-to-end run is slow (it compiles a
+train step per variant): CI skips it; tests/rec/test_fp8.py covers the FP8 layer fast."""
 
+import dataclasses
 import json
 import os
 
+import jax
 import pytest
+from flax import nnx
 
+from experiments.fp8_probe import probe as fp8_probe
+from rec import configs
+from rec.models import dlrm
 from tests.experiments.entry import run_entry
 
 
@@ -33,3 +40,30 @@ def test_runs_end_to_end(tmp_path):
   assert set(model["step_times"]["variants"]) == {"fp32", "bf16", "fp8_delayed"}
   assert os.path.getsize(tmp_path / "fp8_probe.png") > 10_000
   assert "out SQNR" in stdout and "FP8 emulated" in stdout
+
+
+def test_probe_on_a_small_model():
+  """The probe's rows: one per layer plus all, errors in the range FP8 gives; an untrained
+  model keeps every layer's log loss within a percent; safe = under the threshold."""
+  cfg = configs.RecRunConfig(model="dlrm", preset="small", data="synthetic", num_rows=200,
+                             batch_size=64, eval_batch_size=256, eval_batches=1, mesh="data:1")
+  task, train_src, eval_src, _, _ = configs.build_run(cfg, devices=jax.devices()[:1])
+  mcfg = dataclasses.replace(configs.model_config(cfg, train_src.spec), top_mlp=(1,),
+                             bottom_mlp=(16,), embedding_dim=16)
+  task.model_fn = lambda rngs: dlrm.DLRM(mcfg, rngs)
+  state = {"params": nnx.to_pure_dict(nnx.state(dlrm.DLRM(mcfg, nnx.Rngs(0)))),
+           "emb": task.collection.init(jax.random.key(1))}
+  trained = fp8_probe.Trained(cfg, mcfg, task, state, eval_src, {})
+  inputs = fp8_probe.eval_inputs(trained, 1)
+  rep = fp8_probe.probe(trained, "row", inputs=inputs, progress=lambda s: None)
+  assert [r["layer"] for r in rep["layers"]] == ["bottom_mlp.0", "top_mlp.0"]
+  assert rep["examples"] == 256 and rep["all"]["layer"] == "all"
+  for r in rep["layers"]:
+    assert 15 < r["out_sqnr_db"] < 45 and 5 < r["grad_sqnr_db"] < 60, r
+    assert abs(r["rel_logloss"]) < 0.01
+  assert set(rep["all"]["out_sqnr_db_by_layer"]) == {"bottom_mlp.0", "top_mlp.0"}
+  safe = [r["layer"] for r in rep["layers"] if r["rel_logloss"] <= rep["max_logloss_increase"]]
+  assert rep["safe_layers"] == ",".join(safe)
+  assert "bottom_mlp.0" in fp8_probe.format_probe(rep)
+  with pytest.raises(ValueError, match="recipe='delayed' needs a trained amax history"):
+    fp8_probe.probe(trained, "delayed", inputs=inputs)

@@ -73,9 +73,11 @@ def test_generate_stories260k_matches_llama2c():
 
 
 def _hf_dir(tmp_path, weights_fn=None):
-  """A random tiny Llama with a BPE tokenizer trained in the test (BOS <s>, EOS </s>)."""
+  """A random tiny Llama with a BPE tokenizer trained in the test (BOS <s>, which its
+  tokenizer_config.json says to add, EOS </s>)."""
   d = str(tmp_path / "hf")
-  tok = T.load_tokenizer(train_bpe(d, config={"bos_token": "<s>", "eos_token": "</s>"}))
+  tok = T.load_tokenizer(train_bpe(d, config={"bos_token": "<s>", "eos_token": "</s>",
+                                               "add_bos_token": True}))
   cfg = LlamaConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                     ffn_dim=64, rope_theta=10000.0, max_seq_len=64)
   w = _tiny_weights(cfg)

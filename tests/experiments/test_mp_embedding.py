@@ -1,5 +1,5 @@
-"""experiments.mp_embedding and its library (rec/mp_embedding.py) at toy sizes; the
---storage / --cache_* options of train_rec (rec/configs.py)."""
+"""experiments.mp_embedding and its study (experiments/mp_embedding/study.py) at toy sizes;
+the --storage / --cache_* options of train_rec (rec/configs.py, storage_spec.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import os
 import numpy as np
 import pytest
 
+from experiments.mp_embedding import study as mp_embedding
 from rec import configs
-from rec import mp_embedding
+from rec.embedding.storage_spec import StorageSpec
 from tests.experiments.entry import DATA
 from tests.experiments.entry import run_entry as _run
 
@@ -18,18 +19,23 @@ from tests.experiments.entry import run_entry as _run
 def test_config_storage_names_and_errors():
   cfg = configs.RecRunConfig(storage="int8_cache", cache_policy="lru", cache_fraction=0.05)
   cfg.validate()
-  assert cfg.table_storage() == "int8_cache:lru:0.05"
-  assert configs.RecRunConfig(storage="bf16_sr").table_storage() == "bf16_sr"
+  assert str(cfg.storage_spec()) == "int8_cache:lru:0.05"
+  assert str(configs.RecRunConfig(storage="bf16_sr").storage_spec()) == "bf16_sr"
   for kw, msg in [({"storage": "int3"}, "--storage='int3'"),
                   ({"cache_fraction": 0.0}, "--cache_fraction=0.0"),
                   ({"cache_policy": "mru"}, "--cache_policy='mru'")]:
     with pytest.raises(ValueError, match=msg):
       configs.RecRunConfig(**kw).validate()
-  assert mp_embedding.split_format("int4_cache:lfu:0.01") == {
-      "storage": "int4_cache", "cache_policy": "lfu", "cache_fraction": 0.01}
-  for bad in ("int8:lfu:0.1", "int8_cache:lfu", "fp64"):
-    with pytest.raises(ValueError, match="--formats entry"):
-      mp_embedding.split_format(bad)
+  spec, = mp_embedding.parse_formats(["int4_cache:lfu:0.01"])
+  assert spec == StorageSpec("int4_cache", "lfu", 0.01)
+  with_spec = configs.RecRunConfig().with_storage(spec)
+  assert (with_spec.storage, with_spec.cache_policy, with_spec.cache_fraction) == (
+      "int4_cache", "lfu", 0.01)
+  # "int8_cache:lfu" takes the default fraction; an entry the grammar refuses names itself.
+  assert str(mp_embedding.parse_formats(["int8_cache:lfu"])[0]) == "int8_cache:lfu:0.05"
+  for bad in ("int8:lfu:0.1", "int8_cache:lfu:0", "fp64", "int8_cache:lfu:0.1:4"):
+    with pytest.raises(ValueError, match=f"--formats entry='{bad}'"):
+      mp_embedding.parse_formats([bad])
 
 
 def test_memory_is_counted_from_the_arrays():
@@ -56,7 +62,8 @@ def test_memory_is_counted_from_the_arrays():
 
 def test_memory_by_dim():
   rows = {(r["format"], r["dim"]): r for r in mp_embedding.memory_by_dim(
-      ["fp32", "int8_cache:lfu:0.05", "int4_cache:lru:0.01"], dims=(16, 64), num_rows=3200)}
+      mp_embedding.parse_formats(["fp32", "int8_cache:lfu:0.05", "int4_cache:lru:0.01"]),
+      dims=(16, 64), num_rows=3200)}
   assert rows[("fp32", 64)]["reduction"] == 1.0
   # int8 + 5% LFU at D=64: 64 + 8 + 0.05 * (256 + 4) + 4 bytes per row (10 sets x 16 ways).
   assert rows[("int8_cache:lfu:0.05", 64)]["bytes_per_row"] == pytest.approx(89.0)

@@ -1,5 +1,6 @@
 """experiments.spec_decode end to end on stories260K at toy sizes (slow: a subprocess that
-distills a draft head and compiles every tree shape)."""
+distills a draft head and compiles every tree shape), then reruns: reusing the head, a changed
+--draft_lr refused with a hint, and the hint followed."""
 
 import json
 import os
@@ -19,17 +20,35 @@ def test_spec_decode_entry(tmp_path):
   args = [f"--target=llama2c:{STORIES}", f"--workdir={tmp_path}", "--draft_steps=30",
           "--num_sequences=48", "--eval_sequences=8", "--seq_len=48", "--draft_batch=8",
           "--trees=chain:2,2:3:6", "--batch_sizes=1,2", "--max_new_tokens=12", "--repeats=1"]
-  run = lambda: subprocess.run([sys.executable, "-m", "experiments.spec_decode", *args],
-                               cwd=REPO, capture_output=True, text=True, timeout=900,
-                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  run = lambda *more: subprocess.run([sys.executable, "-m", "experiments.spec_decode", *args,
+                                      *more], cwd=REPO, capture_output=True, text=True,
+                                     timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   out = run()
   assert out.returncode == 0, out.stderr[-3000:]
   summary = json.loads(out.stdout.strip().splitlines()[-1])
   assert summary["greedy_match"] is True and set(summary["best"]) == {"1", "2"}
   res = json.load(open(tmp_path / "results.json"))
   assert len(res["rows"]) == 4 and all(r["tokens_per_call"] >= 1.0 for r in res["rows"])
+  for r in res["rows"]:
+    # EAGLE's counts from the per-round log: each prompt's first token comes from the
+    # prefill, each round adds its accepted drafts + 1; every prompt got 12 tokens.
+    logs, new = r["accepted_per_round"], r["new_tokens"]
+    assert len(logs) == len(new) == r["batch"] and new == [12] * r["batch"]
+    assert all(1 + sum(a + 1 for a in log) >= 12 > 1 + sum(a + 1 for a in log[:-1])
+               for log in logs)
+    assert r["tokens_per_call"] == pytest.approx(
+        sum(n / (1 + len(log)) for n, log in zip(new, logs)) / len(new), rel=1e-12)
+    assert r["accept_length"] == pytest.approx(
+        sum(a + 1 for log in logs for a in log) / sum(len(log) for log in logs), rel=1e-12)
   assert (tmp_path / "spec_decode.png").exists()
   assert (tmp_path / "draft" / "checkpoints").is_dir()
   # A second run reuses the trained head (resumes a finished run: no training steps).
   again = run()
   assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-3000:]
+  # Another --draft_lr: refused, the hint naming flags spec_decode has; following it works.
+  other = run("--draft_lr=0.001")
+  assert other.returncode != 0
+  assert "--resume_allow=distill.learning_rate" in other.stderr
+  assert "distill.learning_rate is --draft_lr" in other.stderr
+  allowed = run("--draft_lr=0.001", "--resume_allow=distill.learning_rate")
+  assert allowed.returncode == 0 and "nothing to do" in allowed.stdout, allowed.stderr[-3000:]

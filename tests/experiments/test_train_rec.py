@@ -128,3 +128,39 @@ def test_avazu_logreg_has_no_dense_features(tmp_path):
   summary = json.loads(lines[-1])
   assert summary["steps"] == 8087 // 256 and summary["test_examples"] == 480 + 432
   assert os.listdir(tmp_path / "checkpoints")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_raw")),
+                    reason="Criteo Kaggle raw sample not found (set REC_DATA_DIR)")
+def test_converted_data_is_checked_before_training_and_on_resume(tmp_path):
+  """A run records its conversion's fingerprint: a resume on a reconverted directory is
+  refused; a changed byte in a validation shard stops the next run before its first step."""
+  from rec.data import criteo_bin
+  raw = os.path.join(DATA, "criteo_kaggle_raw")
+  d = tmp_path / "bin"
+  criteo_bin.convert(raw, str(d), num_rows=1000, workers=2)
+  env = dict(_env())
+  env.pop("XLA_FLAGS")
+  args = ["--model=logreg", f"--data=criteo_bin:{d}", "--batch_size=256",
+          "--eval_batch_size=256", "--log_every=2"]
+  run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.train_rec", *args, *a],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  out = run("--steps=2", f"--workdir={tmp_path / 'r'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  # the same directory converted again from other source files
+  other = tmp_path / "other"
+  other.mkdir()
+  lines = open(os.path.join(raw, "train.txt")).read().splitlines(keepends=True)
+  (other / "train.txt").write_text("".join(lines[100:] + lines[:100]))
+  criteo_bin.convert(str(other), str(d), num_rows=1000, workers=2, overwrite=True)
+  out = run("--steps=4", "--resume", f"--workdir={tmp_path / 'r'}")
+  assert out.returncode == 2 and "  data_fingerprint: '" in out.stderr, out.stderr[-3000:]
+  # one byte of a validation shard changed: the run stops before step 0, naming the file
+  shard = sorted((d / "valid").glob("*.sparse.npy"))[0]
+  data = bytearray(shard.read_bytes())
+  data[-7] ^= 1
+  shard.write_bytes(bytes(data))
+  out = run("--steps=4", f"--workdir={tmp_path / 'r2'}")
+  assert out.returncode == 2 and not any(l.startswith("step ") for l in out.stdout.splitlines())
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: {shard}: CRC-32 ") and "the file changed after conversion" in last

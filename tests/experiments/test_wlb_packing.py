@@ -1,20 +1,149 @@
-"""experiments/wlb_packing.py end to end on a small stream (FLOP cost model, no timing)."""
+"""experiments.wlb_packing: the study's numbers recomputed by hand from the packed
+micro-batches (workload imbalance, token delay, CP rank imbalance of visible pairs), the
+paper's Table 2 values carried beside ours, the stream's termination, and the entry point end
+to end on a small stream (FLOP cost model, no timing)."""
 
 import json
+import math
 import os
 
-from llm.packing.cost import CostModel
+import numpy as np
+import pytest
+
+from experiments.wlb_packing import study
+from llm.config import get_config
+from llm.packing import packers as P
+from llm.packing.cost import CostModel, Shape, flop_cost_model
+from llm.packing.lengths import LengthDist
 from tests.experiments.entry import run_entry
+
+# The paper's Table 2 (arXiv 2503.17924; Llama 7B, 128K context), imbalance degree.
+TABLE2 = {"original": 1.44, "fixed_greedy_1": 1.41, "fixed_greedy_2": 1.22,
+          "fixed_greedy_4": 1.11, "fixed_greedy_8": 1.08, "wlb_1q": 1.24, "wlb_2q": 1.05,
+          "wlb_3q": 1.05}
+
+
+def _workload(lengths, cost: CostModel, what="total") -> float:
+  """W of one micro-batch from the cost model's five coefficients, in plain Python."""
+  a, b, c = cost.attn_quad, cost.attn_lin, cost.attn_const
+  attn = sum(a * l * l + b * l + c for l in lengths)
+  if what == "attention":
+    return attn
+  if what == "tokens":
+    return float(sum(lengths))
+  return attn + cost.lin_per_token * sum(lengths) + cost.lin_const
+
+
+def _imbalance(steps, lengths, cost, what="total") -> float:
+  """Mean over steps of max / mean of the micro-batches' workloads."""
+  out = []
+  for step in steps:
+    w = [_workload([int(lengths[i]) for i in mb], cost, what) for mb in step]
+    mean = sum(w) / len(w)
+    out.append(max(w) / mean if mean > 0 else 1.0)
+  return sum(out) / len(out)
+
+
+def _sequence_pairs_imbalance(doc_lengths, n) -> float:
+  """Rank imbalance of visible (query, key) pairs when a row is cut into 2n chunks and rank r
+  holds chunks r and 2n-1-r: a query at position p of its document sees p + 1 keys."""
+  total = sum(doc_lengths)
+  t = math.ceil(max(total, 1) / (2 * n)) * 2 * n
+  w = [p + 1 for l in doc_lengths for p in range(l)] + [0] * (t - total)
+  c = t // (2 * n)
+  ranks = [sum(w[r * c:(r + 1) * c]) + sum(w[(2 * n - 1 - r) * c:(2 * n - r) * c])
+           for r in range(n)]
+  return max(ranks) / (sum(ranks) / n)
+
+
+def _delay(steps, arrivals, lengths) -> float:
+  """Token-weighted mean of (step trained - step arrived), over documents that arrived."""
+  arrived = {i: g for g, a in enumerate(arrivals) for i in a}
+  placed = {i: s for s, step in enumerate(steps) for mb in step for i in mb}
+  end = len(steps)
+  num = sum(int(lengths[i]) * max(placed.get(i, end) - g, 0) for i, g in arrived.items())
+  return num / sum(int(lengths[i]) for i in arrived)
+
+
+SMALL = study.StudyConfig(dist=LengthDist(context=4096, median=128, sigma=1.0, tail_prob=0.02,
+                                          tail_min=1024),
+                          micro_batches=4, steps=8, windows=(1, 2), queues=(1, 2), cp=4,
+                          cp_steps=1, tile_q=32, tile_kv=32)
+SMALL_COST = flop_cost_model(Shape(64, 2, 1, 32, 128))
+
+
+@pytest.fixture(scope="module")
+def small():
+  return study.run_study(SMALL, SMALL_COST)
+
+
+def test_study_runs_every_row(small):
+  res = small
+  names = [r["name"] for r in res["rows"]]
+  assert names == ["original", "fixed_greedy_1", "fixed_greedy_2", "wlb_1q", "wlb_2q"]
+  assert all(r["imbalance"] >= 1 for r in res["rows"])
+  assert {r["name"]: r["paper"] for r in res["rows"]} == {n: TABLE2[n] for n in names}
+  # Every row's numbers, recomputed by hand from the micro-batches the packers produced.
+  lengths, orig = study.stream(SMALL)
+  arrivals = [[i for mb in s for i in mb] for s in orig]
+  steps = {"original": orig}
+  for k in SMALL.windows:
+    steps[f"fixed_greedy_{k}"] = P.simulate("g", lengths, arrivals, packer=P.FixedGreedyPacker(
+        seq_len=4096, micro_batches=4, window=k, cost=SMALL_COST)).steps
+  for q in SMALL.queues:
+    steps[f"wlb_{q}q"] = P.simulate("w", lengths, arrivals, packer=P.WLBPacker(
+        micro_batches=4, max_len=4096, cost=SMALL_COST,
+        outlier_thresholds=SMALL.thresholds(q))).steps
+  for r in res["rows"]:
+    s = steps[r["name"]]
+    assert r["steps"] == len(s) == 8
+    for key, what in (("imbalance", "total"), ("imbalance_attention", "attention"),
+                      ("imbalance_tokens", "tokens")):
+      assert r[key] == pytest.approx(_imbalance(s, lengths, SMALL_COST, what), rel=1e-12), \
+          (r["name"], key)
+    assert r["mean_delay_steps"] == pytest.approx(_delay(s, arrivals, lengths), rel=1e-12)
+  assert res["rows"][0]["mean_delay_steps"] == 0.0      # the loader's own order
+  # Balancing helps: more greedy window, lower imbalance; WLB below the original.
+  imb = {r["name"]: r["imbalance"] for r in res["rows"]}
+  assert imb["fixed_greedy_2"] < imb["original"] and imb["wlb_2q"] < imb["original"]
+  for name, c in res["cp"].items():
+    mbs = [[int(lengths[i]) for i in mb] for step in steps[name][:SMALL.cp_steps] for mb in step
+           if mb]
+    assert c["micro_batches"] == len(mbs)
+    want = sum(_sequence_pairs_imbalance(m, SMALL.cp) for m in mbs) / len(mbs)
+    assert c["pairs_imbalance"]["sequence"] == pytest.approx(want, rel=1e-12)
+    assert c["pairs_imbalance"]["document"] <= c["pairs_imbalance"]["sequence"]
+    assert c["pairs_imbalance"]["document"] < 1.01        # every document split evenly
+    assert c["tile_time"]["adaptive"] <= min(c["tile_time"]["sequence"],
+                                             c["tile_time"]["document"])
+    assert sum(c["chosen"].values()) == len(mbs)
+
+
+def test_stream_fills_the_steps_and_bad_configs_are_refused():
+  lengths, orig = study.stream(SMALL)
+  assert len(orig) == SMALL.steps and all(len(s) == SMALL.micro_batches for s in orig)
+  seqs = [mb for s in orig for mb in s]
+  assert [i for mb in seqs for i in mb] == list(range(sum(len(mb) for mb in seqs)))
+  assert all(lengths[mb].sum() <= 4096 for mb in seqs)
+  for field, value in (("steps", 0), ("micro_batches", 0), ("cp_steps", 0), ("windows", (0,))):
+    with pytest.raises(ValueError, match=f"{field}(\\[0\\])?': 0"):
+      study.StudyConfig(**{field: value})
+  with pytest.raises(ValueError, match="steps=6 is not a multiple of windows \\[4\\]"):
+    study.StudyConfig(steps=6, windows=(1, 2, 4))
+  with pytest.raises(ValueError, match="4 outlier queues"):
+    study.StudyConfig(queues=(4,))
+  with pytest.raises(ValueError, match="outlier_fractions"):
+    study.StudyConfig(outlier_fractions=(0.5, 0.5))
 
 
 def test_wlb_packing_end_to_end(tmp_path):
   cost = tmp_path / "cost.json"
+  args = dict(context=8192, steps=16, windows="1,2", queues="1,2", cp=4, cp_steps=1, tile_q=32,
+              tile_kv=32, doc_median=256, tail_min=2048, tail_prob=0.02)
   stdout, summary = run_entry(
       "experiments.wlb_packing",
-      [f"--workdir={tmp_path}", "--cost_model=flops", f"--save_cost_model={cost}",
-       "--context=8192", "--steps=16", "--windows=1,2", "--queues=1,2", "--cp=4", "--cp_steps=1",
-       "--tile_q=32", "--tile_kv=32", "--doc_median=256", "--tail_min=2048",
-       "--tail_prob=0.02"], timeout=300)
+      [f"--workdir={tmp_path}", "--cost_model=flops", f"--save_cost_model={cost}"]
+      + [f"--{k}={v}" for k, v in args.items()], timeout=300)
   assert set(summary) >= {"original", "fixed_greedy_1", "fixed_greedy_2", "wlb_1q", "wlb_2q",
                           "wlb_2q_delay", "cp_original_sequence", "cp_original_document"}
   assert "original" in stdout and "paper" in stdout
@@ -22,4 +151,28 @@ def test_wlb_packing_end_to_end(tmp_path):
     res = json.load(f)
   assert [r["name"] for r in res["rows"]][0] == "original" and res["rows"][0]["paper"] == 1.44
   assert os.path.getsize(tmp_path / "wlb_packing.png") > 1000
-  assert CostModel.load(str(cost)).meta["source"] == "flops"
+  # The FLOP cost model of Llama 3 8B's layer (H 32, G 8, K 128, D 4096, F 14336), by hand:
+  # attention 3 x 4 H K l^2 / 2 (forward + backward), linear 3 x 2 x layer weights per token.
+  model = CostModel.load(str(cost))
+  assert model.meta["source"] == "flops"
+  assert model.attn_quad == 6 * 32 * 128 and model.attn_lin == model.attn_const == 0
+  weights = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336
+  assert model.lin_per_token == 3 * 2 * weights and model.lin_const == 0
+  # The original packing's imbalance and CP rank imbalance, by hand from the same stream.
+  cfg = study.StudyConfig(
+      dist=LengthDist(context=8192, median=256, tail_min=2048, tail_prob=0.02), steps=16,
+      windows=(1, 2), queues=(1, 2), cp=4, cp_steps=1, tile_q=32, tile_kv=32)
+  lengths, orig = study.stream(cfg)
+  assert summary["original"] == round(_imbalance(orig, lengths, model), 3)
+  mbs = [[int(lengths[i]) for i in mb] for mb in orig[0]]
+  assert summary["cp_original_sequence"] == round(
+      sum(_sequence_pairs_imbalance(m, 4) for m in mbs) / len(mbs), 3)
+  share = np.mean([_workload([int(lengths[i]) for i in mb], model, "attention")
+                   / _workload([int(lengths[i]) for i in mb], model) for s in orig for mb in s])
+  assert summary["attention_share"] == round(float(share), 3)
+
+
+def test_flop_cost_model_matches_llm_cost():
+  from llm import cost as llm_cost
+  cfg = get_config("llama3_8b")
+  assert Shape.from_config(cfg).linear_flops_per_token == llm_cost.linear_flops_per_token(cfg)

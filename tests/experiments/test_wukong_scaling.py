@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from rec import compare, configs, scaling
+from experiments.wukong_scaling import study as scaling
+from rec import configs, runs
 from rec.data import sources, synthetic
 from rec.data.batch import DataSpec
 from rec.models.dcnv2 import DCNv2Config
@@ -103,10 +104,10 @@ def test_scaling_fits_recover_planted_exponents_and_findings():
 def test_default_specs():
   specs = scaling.default_specs("cpu", ["wukong", "dlrm"], sizes=2)
   g = scaling.GRIDS["cpu"]
-  assert specs == [compare.ModelSpec("wukong", g["wukong"][0]),
-                   compare.ModelSpec("wukong", g["wukong"][-1]),
-                   compare.ModelSpec("dlrm", g["dlrm"][0]),
-                   compare.ModelSpec("dlrm", g["dlrm"][-1])]
+  assert specs == [runs.ModelSpec("wukong", g["wukong"][0]),
+                   runs.ModelSpec("wukong", g["wukong"][-1]),
+                   runs.ModelSpec("dlrm", g["dlrm"][0]),
+                   runs.ModelSpec("dlrm", g["dlrm"][-1])]
   with pytest.raises(ValueError, match="--grid='huge'"):
     scaling.default_specs("huge")
   with pytest.raises(ValueError, match="--archs entry 'dhen'"):

@@ -490,6 +490,7 @@ def _collection_run(kind, impl, steps=3):
   return embs, coll.to_tables(state), coll.init_tables(jax.random.key(0)), kernels
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("kind", list(COLL_PLANS))
 def test_collection_pallas_equals_xla(kind):
   """lookup_impl='pallas' (interpreted on CPU) gives the XLA path's embeddings at every step
@@ -506,9 +507,9 @@ def test_collection_pallas_equals_xla(kind):
 
 
 def test_bench_refuses_on_cpu():
-  from experiments import bench_kernels_embedding
+  from experiments.benchmarks import embedding_bag as bench_eb
   with pytest.raises(RuntimeError, match="default backend is 'cpu'"):
-    bench_kernels_embedding.bench_embedding_bag(num_rows=10, batch=2, features=1, bag_len=1)
+    bench_eb.bench_embedding_bag(num_rows=10, batch=2, features=1, bag_len=1)
 
 
 @pytest.mark.slow   # a benchmark end to end; CI's default suite keeps to its time

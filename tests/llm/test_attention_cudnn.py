@@ -176,6 +176,7 @@ def test_cross_chunked_prefill_onto_filled_cache_is_nan():
   assert np.all(np.isnan(np.asarray(o)))
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("variant", ["pass_kv", "pass_q"])
 def test_ring_attention_with_cudnn_inner_blocks(variant):
   """Load-balanced causal ring attention: each step's block is none, prefix-full (all or
@@ -198,6 +199,7 @@ def test_ring_attention_with_cudnn_inner_blocks(variant):
   _check(ring, ref, lb(np.asarray(q)), lb(np.asarray(k)), lb(np.asarray(v)))
 
 
+@pytest.mark.devices(4)
 def test_ring_decode_replicated_queries():
   """A decode step under CP (T=1, replicated queries, each rank's shard filled from the
   front) through the cudnn inner block."""
@@ -312,6 +314,24 @@ class TestCudnnOnGpu:
     q, k, v = _qkv(22, 2, 256, 256, 8, 2, kd=64, dtype=jnp.bfloat16)
     kw = dict(q_segment_ids=seg, kv_segment_ids=seg)
     self._case(lambda q, k, v: cudnn.cudnn_attention(q, k, v, max_segments=2, **kw),
+               lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
+
+  def test_positions_in_packed_segments(self):
+    """Packed documents with positions restarting at 0 in each (the same arrays for queries
+    and keys): cuDNN's packed layout, positions checked to follow index order."""
+    seg = jnp.asarray([[0] * 100 + [1] * 156, [2] * 40 + [3] * 216], jnp.int32)
+    pos = jnp.asarray([list(range(100)) + list(range(156)),
+                       list(range(40)) + list(range(216))], jnp.int32)
+    q, k, v = _qkv(24, 2, 256, 256, 8, 2, kd=128, dtype=jnp.bfloat16)
+    kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+    self._case(lambda q, k, v: cudnn.cudnn_attention(q, k, v, max_segments=2, **kw),
+               lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
+
+  def test_positions_one_segment(self):
+    pos = _arange(2, 256, offset=7)
+    q, k, v = _qkv(25, 2, 256, 256, 8, 2, kd=64, dtype=jnp.bfloat16)
+    kw = dict(q_positions=pos, kv_positions=pos)
+    self._case(lambda q, k, v: cudnn.cudnn_attention(q, k, v, **kw),
                lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
 
   def test_cache_calls(self):

@@ -1,5 +1,6 @@
 """attention_impl="xla_decode" and "auto": the decode form equals the reference, and a
-decode step's compiled loop holds no copy of the KV cache; what "auto" picks per call."""
+decode step's compiled loop holds no copy of the KV cache (what "auto" picks per call:
+tests/llm/test_attention_choose.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm import attention as attn_lib
 from llm.attention.decode import decode_attention
 from llm.attention.reference import attention_reference
 
@@ -77,23 +77,3 @@ def test_decode_loop_reads_the_cache_in_place():
       big_copies.append(line.strip())
   entry = [c for c in big_copies if "copy(%cache_" in c.replace(" ", " ")]
   assert len(big_copies) == len(entry) <= 2 * cfg.n_layers, big_copies
-
-
-def test_auto_choice():
-  f = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
-  q, k = f(1, 4096, 32, 64), f(1, 4096, 8, 64)
-  choose = attn_lib.choose_impl
-  assert choose(q, k, backend="cpu") == "xla"
-  assert choose(q, k, backend="gpu", cudnn=True) == "cudnn"
-  pos = jnp.zeros((1, 4096), jnp.int32)
-  assert choose(q, k, q_positions=pos, kv_positions=pos, backend="gpu", cudnn=True) == "pallas"
-  assert choose(q, k, q_segment_ids=pos, kv_segment_ids=pos, backend="gpu",
-                cudnn=True) == "pallas"
-  assert choose(q, k, backend="gpu", cudnn=False) == "pallas"
-  assert choose(f(1, 4096, 32, 64, dt=jnp.float32), f(1, 4096, 8, 64, dt=jnp.float32),
-                backend="gpu", cudnn=True) == "pallas"
-  assert choose(f(8, 1, 32, 64), f(8, 8192, 8, 64), backend="gpu", cudnn=True) == "xla_decode"
-  assert choose(f(8, 1, 32, 64), f(8, 8192, 8, 64), backend="cpu") == "xla_decode"
-  assert attn_lib.cudnn_available("8.0") and not attn_lib.cudnn_available("7.5")
-  if jax.default_backend() != "gpu":
-    assert not attn_lib.cudnn_available()

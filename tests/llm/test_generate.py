@@ -103,7 +103,29 @@ def test_generate_errors(tiny):
     G.generate(tiny, [[1], []], 3)
   with pytest.raises(ValueError, match="top_p=0"):
     G.generate(tiny, PROMPTS, 3, temperature=1.0, top_p=0.0, rng=jax.random.key(0))
+  with pytest.raises(ValueError, match=r"stop_tokens \[256, -1\] outside \[0, 256\)"):
+    G.generate(tiny, PROMPTS, 3, stop_tokens=[5, 256, -1])
   assert G.generate(tiny, PROMPTS, 0) == [[], [], []]
+
+
+def test_request_helpers():
+  """Padding and stop handling that generate and speculative_generate share."""
+  tokens, lengths = G.pad_prompts([[3, 4, 5], [7]])
+  np.testing.assert_array_equal(tokens, [[3, 4, 5], [7, 0, 0]])
+  np.testing.assert_array_equal(lengths, [3, 1])
+  assert tokens.dtype == lengths.dtype == np.int32
+  np.testing.assert_array_equal(G.pad_prompts([[1]], 4)[0], [[1, 0, 0, 0]])
+  with pytest.raises(ValueError, match="width=1, but the longest prompt has 2"):
+    G.pad_prompts([[1, 2]], 1)
+  rows = np.array([[5, 2, 9, 2], [1, 1, 1, 1], [4, 4, 2, 8]])
+  # Per-row counts, then each row up to and including its first stop id.
+  assert G.cut_rows(rows, [4, 2, 1], (2,)) == [[5, 2], [1, 1], [4]]
+  assert G.cut_rows(rows, 4, (8, 9)) == [[5, 2, 9], [1, 1, 1, 1], [4, 4, 2, 8]]
+  assert G.cut_rows(rows, 3, ()) == [r[:3] for r in rows.tolist()]
+  assert G.sampling_settings(0.0, 5, 0.5) is None
+  assert [float(x) for x in G.sampling_settings(0.5, 5, 0.9)] == [0.5, 5.0, pytest.approx(0.9)]
+  np.testing.assert_array_equal(G.stop_array(()), [-1])
+  np.testing.assert_array_equal(G.stop_array((3, 4)), [3, 4])
 
 
 def test_generate_stays_within_max_seq_len(tiny, greedy_out):

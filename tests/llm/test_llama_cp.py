@@ -1,7 +1,7 @@
 """Llama with context parallelism (arXiv 2411.01783) on 2, 4 and 8 simulated CPU devices.
 
-Every case runs the model with a ring attention_impl under a mesh with a `cp` axis and the
-same weights without CP (attention_impl "xla", no mesh), and compares logits at fp32
+Every case runs the model with a context_parallel variant under a mesh with a `cp` axis and
+the same weights without CP (no mesh), and compares logits at fp32
 tolerance (conftest sets float32 matmul precision): full prefill (load-balanced, logits back
 in natural order), prefill into a cp-sharded KV cache then decode, persistent-KV prefill,
 and greedy generation. The cache layout is checked slot by slot against `layout`.
@@ -34,14 +34,23 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
+def _devices(spec: str) -> int:
+  return math.prod(size for _, size in parse_mesh(spec))
+
+
 def _mesh(spec: str):
-  n = math.prod(size for _, size in parse_mesh(spec))
-  return make_mesh(spec, devices=jax.devices()[:n])
+  return make_mesh(spec, devices=jax.devices()[:_devices(spec)])
 
 
-def _models(impl: str):
-  """(no-CP model, model with `impl`), the same weights."""
-  return make_model(TINY)[0], make_model(TINY.replace(attention_impl=impl))[0]
+def _on(spec: str, *rest):
+  """A parametrize case on mesh `spec`, marked with the devices it needs."""
+  return pytest.param(spec, *rest, marks=pytest.mark.devices(_devices(spec)))
+
+
+def _models(variant: str):
+  """(no-CP model, model with context_parallel=variant), the same weights; both take
+  TINY's attention_impl ("auto"), the CP one for the ring's blocks."""
+  return make_model(TINY)[0], make_model(TINY.replace(context_parallel=variant))[0]
 
 
 @functools.partial(jit, static_argnums=0)
@@ -95,7 +104,7 @@ def test_cache_slots_rule():
     layout.cache_slots(np.zeros((1, 4)), np.ones((1, 6), bool), 4, sharded=True)
 
 
-@pytest.mark.parametrize("spec", ["cp:2", "cp:4", "cp:8", "data:2,cp:4"])
+@pytest.mark.parametrize("spec", [_on("cp:2"), _on("cp:4"), _on("cp:8"), _on("data:2,cp:4")])
 def test_load_balance_sharded_equals_layout(spec):
   from llm.attention import ring
   mesh = _mesh(spec)
@@ -117,12 +126,12 @@ def test_load_balance_sharded_equals_layout(spec):
 # ----------------------------------------------------------------------------- full prefill
 
 
-@pytest.mark.parametrize("spec,impl", [
-    ("cp:2", "ring_pass_kv"), ("cp:2", "ring_pass_q"), ("cp:4", "ring_pass_kv"),
-    ("cp:4", "ring_pass_q"), ("cp:8", "ring_pass_kv"), ("cp:8", "ring_pass_q"),
-    ("data:2,cp:4", "ring_pass_kv"), ("tp:2,cp:4", "ring_pass_q")])
-def test_full_prefill_equals_no_cp(spec, impl):
-  ref, model = _models(impl)
+@pytest.mark.parametrize("spec,variant", [
+    _on("cp:2", "pass_kv"), _on("cp:2", "pass_q"), _on("cp:4", "pass_kv"),
+    _on("cp:4", "pass_q"), _on("cp:8", "pass_kv"), _on("cp:8", "pass_q"),
+    _on("data:2,cp:4", "pass_kv"), _on("tp:2,cp:4", "pass_q")])
+def test_full_prefill_equals_no_cp(spec, variant):
+  ref, model = _models(variant)
   t = 32
   tokens = tokens_for(TINY, 2, t)
   # Row 0: two packed sequences with restarting positions; row 1: positions from 100.
@@ -138,21 +147,54 @@ def test_full_prefill_equals_no_cp(spec, impl):
     # The ring really ran: pass-KV rotates KV with ppermute; pass-Q also returns partials
     # with one all_to_all.
     names = set(_collectives(_forward.trace(graphdef, state, *args).jaxpr.jaxpr))
-  assert "ppermute" in names and ("all_to_all" in names) == (impl == "ring_pass_q"), names
+  assert "ppermute" in names and ("all_to_all" in names) == (variant == "pass_q"), names
   batch = "data" if spec.startswith("data") else None
   want_spec = P(batch, "cp", "tp" if spec.startswith("tp") else None)
   assert got.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 3), got.sharding
   np.testing.assert_allclose(np.asarray(got), want, err_msg=spec, **TOL)
 
 
-def test_no_cp_without_ring_impl_or_cp_axis():
+@pytest.mark.devices(4)
+def test_no_cp_without_context_parallel_or_cp_axis():
   model = make_model(TINY)[0]
   with jax.set_mesh(_mesh("cp:4")):
-    assert M.cp_ranks(model.cfg) == 1                      # attention_impl "xla"
-  ring = TINY.replace(attention_impl="ring_auto")
+    assert M.cp_ranks(model.cfg) == 1                      # context_parallel "none"
+  ring = TINY.replace(context_parallel="auto")
   assert M.cp_ranks(ring) == 1                              # no mesh
   with jax.set_mesh(_mesh("data:4")):
     assert M.cp_ranks(ring) == 1                            # no cp axis
+
+
+@pytest.mark.devices(2)
+def test_ring_blocks_run_the_configs_attention_impl():
+  """The ring's inner kernel is cfg.attention_impl, part of the model's static config: one
+  jitted forward traced for two configs runs each one's kernel, with no trace-time context
+  to go stale in jit's cache."""
+  from llm.attention import register
+  from llm.attention.reference import attention_reference
+  calls = []
+
+  def spy(q, k, v, **kw):
+    calls.append(q.shape)
+    return attention_reference(q, k, v, **kw)
+
+  register("test_cp_spy", spy)
+  n, t = 2, 8
+  mesh = _mesh(f"cp:{n}")
+  ref = make_model(TINY)[0]
+  tokens = jnp.asarray(tokens_for(TINY, 2, t))
+  want = np.asarray(_forward(*nnx.split(ref), tokens, None, None))
+  got = {}
+  for impl in ("xla", "test_cp_spy"):
+    model = make_model(TINY.replace(context_parallel="pass_kv", attention_impl=impl))[0]
+    with jax.set_mesh(mesh):
+      got[impl] = np.asarray(_forward(*nnx.split(M.shard_model(model, mesh)), tokens, None,
+                                      None))
+    # One block per ring step and layer, each rank's T / N queries; none for "xla".
+    assert calls == ([] if impl == "xla" else [(2, t // n, TINY.n_heads, TINY.head_dim)]
+                     * n * TINY.n_layers), (impl, calls)
+  for impl, logits in got.items():
+    np.testing.assert_allclose(logits, want, err_msg=impl, **TOL)
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -175,12 +217,13 @@ def _prefill_and_decode(model, tokens, lengths, steps, max_len, decode_model=Non
   return out, cache
 
 
+@pytest.mark.devices(4)
 def test_prefill_then_decode_cp4_equals_no_cp():
   """cp:4: pass-KV prefill (16 tokens, row 1 ragged: 11), then 6 decode steps with a pass-Q
   model on the same cache; per-step logits equal no-CP, and the cache holds the paper's
   layout: rank i has prefill chunks i and 7-i, decode tokens round robin."""
-  ref, kv_model = _models("ring_pass_kv")
-  q_model = make_model(TINY.replace(attention_impl="ring_pass_q"))[0]
+  ref, kv_model = _models("pass_kv")
+  q_model = make_model(TINY.replace(context_parallel="pass_q"))[0]
   n, t, steps = 4, 16, 6
   cap = t // n + -(-steps // n)                         # 6 slots per rank
   tokens = tokens_for(TINY, 2, t)
@@ -215,12 +258,13 @@ def test_prefill_then_decode_cp4_equals_no_cp():
   assert per.sum(1).max() - per.sum(1).min() <= 1       # still balanced
 
 
-@pytest.mark.parametrize("impl,new", [("ring_pass_kv", 16), ("ring_pass_q", 16),
-                                      ("ring_auto", 16), ("ring_pass_q", 4)])
-def test_persistent_kv_prefill_cp4(impl, new):
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("variant,new", [("pass_kv", 16), ("pass_q", 16), ("auto", 16),
+                                         ("pass_q", 4)])
+def test_persistent_kv_prefill_cp4(variant, new):
   """P = 16 cached tokens, then T new ones (16: load-balanced; 4 = N: a contiguous split)
   attend to the cache left where it is; logits equal the no-CP full forward."""
-  ref, model = _models(impl)
+  ref, model = _models(variant)
   n, p = 4, 16
   tokens = tokens_for(TINY, 2, p + new, seed=3)
   b = tokens.shape[0]
@@ -238,7 +282,7 @@ def test_persistent_kv_prefill_cp4(impl, new):
     hlo = _cached.lower(graphdef, state, jnp.asarray(tokens[:, p:]), cache,
                         ones(new)).compile().as_text()
   np.testing.assert_allclose(np.asarray(l0), full[:, :p], **TOL)
-  np.testing.assert_allclose(np.asarray(l1), full[:, p:], err_msg=impl, **TOL)
+  np.testing.assert_allclose(np.asarray(l1), full[:, p:], err_msg=variant, **TOL)
   gathered = re.findall(r"= [a-z0-9]+\[([0-9,]*)\][^ ]* all-gather\(", hlo)
   assert gathered and not [g for g in gathered if g.startswith(f"{b},{p + new}")], gathered
   # Rank r holds its share of both chunks: chunks r, 2N-1-r of each (load-balanced) chunk.
@@ -249,8 +293,9 @@ def test_persistent_kv_prefill_cp4(impl, new):
   np.testing.assert_array_equal(pos, np.concatenate([first, second], axis=1))
 
 
+@pytest.mark.devices(4)
 def test_cache_must_split_over_cp():
-  model = make_model(TINY.replace(attention_impl="ring_pass_kv"))[0]
+  model = make_model(TINY.replace(context_parallel="pass_kv"))[0]
   with jax.set_mesh(_mesh("cp:4")):
     with pytest.raises(ValueError, match="max_len=18 slots is not a multiple of the 4 ranks"):
       model.init_cache(2, 18)
@@ -262,13 +307,14 @@ def test_cache_must_split_over_cp():
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9], [100], [7, 7, 7, 7]]
 
 
+@pytest.mark.devices(8)
 def test_generate_cp_equals_no_cp():
   ref = make_model(TINY)[0]
   want = G.generate(ref, PROMPTS, 7)
-  model = make_model(TINY.replace(attention_impl="ring_pass_kv"))[0]
+  model = make_model(TINY.replace(context_parallel="pass_kv"))[0]
   mesh = _mesh("cp:4")
   assert G.generate(model, PROMPTS, 7, mesh=mesh) == want
-  auto = make_model(TINY.replace(attention_impl="ring_auto"))[0]
+  auto = make_model(TINY.replace(context_parallel="auto"))[0]
   mesh = _mesh("data:2,cp:4")
   M.shard_model(auto, mesh)
   with jax.set_mesh(mesh):

@@ -17,7 +17,7 @@ from llm.packing import batch as B
 from llm.packing import cost as C
 from llm.packing import cp_shard as S
 from llm.packing import packers as P
-from llm.packing import study
+from llm.packing.lengths import LengthDist
 
 COST = C.CostModel(attn_quad=1e-3, attn_lin=0.1, attn_const=2.0, lin_per_token=1.0,
                    lin_const=5.0)
@@ -300,29 +300,59 @@ def test_fit_recovers_coefficients_and_round_trips(tmp_path):
   assert m.total([10, 20]) == pytest.approx(m.attention([10, 20]) + m.linear(30))
 
 
+def test_fit_cost_model_recovers_known_coefficients(monkeypatch):
+  """The whole measure -> fit -> scale path on timings generated from known coefficients
+  (the timed calls and the timer replaced): the fit recovers them, and the scaling
+  multiplies them by the FLOP ratios worked out by hand."""
+  a, b, c, d, e = 3e-9, 2e-6, 1e-4, 5e-5, 1e-3
+  lengths, tokens = (16, 64, 128, 256, 512), (16, 64, 256, 1024)
+  monkeypatch.setattr(C, "_attention_calls", lambda ls, *args: [("attn", l) for l in ls])
+  monkeypatch.setattr(C, "_linear_calls", lambda ts, *args: [("linear", t) for t in ts])
+
+  def fake_medians(calls, repeats):
+    assert calls == [("attn", l) for l in lengths] + [("linear", t) for t in tokens]
+    assert repeats == 2
+    return [a * n * n + b * n + c if kind == "attn" else d * n + e for kind, n in calls]
+  monkeypatch.setattr(C, "_interleaved_medians", fake_medians)
+  shape, target = C.Shape(32, 2, 1, 16, 64), C.Shape(64, 4, 2, 16, 128)
+  model = C.fit_cost_model(shape, target, lengths=lengths, tokens=tokens, repeats=2)
+  # Attention scales by H*K: 4*16 / (2*16) = 2. Linear by the layer's matmul FLOPs per token:
+  # 2 (2 D H K + 2 D G K + 3 D F) = 73728 vs 18432, a factor of 4.
+  assert model.meta["attn_factor"] == 2.0 and model.meta["linear_factor"] == 4.0
+  np.testing.assert_allclose([model.attn_quad, model.attn_lin, model.attn_const],
+                             [2 * a, 2 * b, c], rtol=1e-6)
+  np.testing.assert_allclose([model.lin_per_token, model.lin_const], [4 * d, e], rtol=1e-6)
+  np.testing.assert_allclose(model.meta["attention"]["rel_err"], 0.0, atol=1e-6)
+  np.testing.assert_allclose(model.meta["linear"]["rel_err"], 0.0, atol=1e-6)
+
+
 def test_measure_and_fit_run_here():
   shape = C.Shape(32, 2, 1, 16, 64)
   model = C.fit_cost_model(shape, C.Shape(64, 4, 2, 16, 128), lengths=(16, 64),
                            tokens=(16, 64), repeats=1)
   assert model.attn_quad + model.attn_lin + model.attn_const > 0 and model.lin_per_token >= 0
   assert model.meta["attn_factor"] == 2.0 and len(model.meta["attention"]["seconds"]) == 2
+  # The recorded fit errors are those of the unscaled coefficients on the measured times.
+  m = model.meta
+  unscaled = C.CostModel(model.attn_quad / 2, model.attn_lin / 2, model.attn_const,
+                         model.lin_per_token / m["linear_factor"], model.lin_const)
+  for l, t, err in zip((16, 64), m["attention"]["seconds"], m["attention"]["rel_err"]):
+    assert t > 0 and err == pytest.approx((float(unscaled.doc_attention(l)) - t) / t, abs=1e-9)
+  for n, t, err in zip((16, 64), m["linear"]["seconds"], m["linear"]["rel_err"]):
+    assert t > 0 and err == pytest.approx((unscaled.linear(n) - t) / t, abs=1e-9)
   f = C.flop_cost_model(shape)
   assert f.doc_attention(10) == 6 * 32 * 100
 
 
-# ----------------------------------------------------------------------------- study
-
-
-def test_study_runs_every_row():
-  cfg = study.StudyConfig(dist=study.LengthDist(context=4096, median=128, sigma=1.0,
-                                                tail_prob=0.02, tail_min=1024),
-                          micro_batches=4, steps=8, windows=(1, 2), queues=(1, 2), cp=4,
-                          cp_steps=1, tile_q=32, tile_kv=32)
-  res = study.run_study(cfg, C.flop_cost_model(C.Shape(64, 2, 1, 32, 128)))
-  names = [r["name"] for r in res["rows"]]
-  assert names == ["original", "fixed_greedy_1", "fixed_greedy_2", "wlb_1q", "wlb_2q"]
-  assert all(r["imbalance"] >= 1 for r in res["rows"])
-  for c in res["cp"].values():
-    assert c["pairs_imbalance"]["document"] <= c["pairs_imbalance"]["sequence"]
-    assert c["tile_time"]["adaptive"] <= min(c["tile_time"]["sequence"],
-                                             c["tile_time"]["document"])
+def test_length_dist_sample():
+  dist = LengthDist(context=4096, median=100, sigma=0.5, tail_prob=0.1, tail_min=1000,
+                    tail_alpha=1.5, min_len=8)
+  x = dist.sample(20000, seed=3)
+  np.testing.assert_array_equal(x, dist.sample(20000, seed=3))
+  assert x.dtype == np.int64 and x.min() >= 8 and x.max() <= 4096
+  # Body: log-normal with median 100 (90% of draws); tail: P(X > 2000) = 0.1 * 0.5^1.5.
+  body = x[x < 1000]
+  assert np.median(body) == pytest.approx(100, rel=0.05)
+  assert np.mean(x > 2000) == pytest.approx(0.1 * 0.5 ** 1.5, rel=0.15)
+  with pytest.raises(ValueError, match="min_len"):
+    LengthDist(context=8, min_len=16)

@@ -148,8 +148,8 @@ def test_packed_ring_training_cp8_equals_documents_alone(alone):
   order the model's own load balancing turns into it) and the per-sequence one."""
   batch = B.to_lm_batch(_docs(), ROWS, T)
   mesh = _mesh("cp:8")
-  task = train_lib.LMTask(CFG.replace(attention_impl="ring_pass_kv"), train_lib.OptimConfig(),
-                          mesh, packed=True)
+  task = train_lib.LMTask(CFG.replace(attention_impl="xla", context_parallel="pass_kv"),
+                          train_lib.OptimConfig(), mesh, packed=True)
   params = jax.device_put(alone[0], task.param_shardings)
   for mode in ("document", "sequence"):
     laid, orders, got_mode = S.layout_batch(batch, 8, mode)

@@ -19,10 +19,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from core.mesh import make_mesh
-from llm.attention import attention, get_attention
+from llm.attention import attention
 from llm.attention import layout
 from llm.attention.reference import attention_reference
-from llm.attention.ring import ring_attention, ring_context, select_variant
+from llm.attention.ring import ring_attention, select_variant
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 B, K = 2, 8
@@ -31,6 +31,10 @@ EMPTY_POS = 2 ** 30               # position of an empty cache slot: masked by t
 # XLA compile time dominates this file; LLVM -O0 cuts it by about a third and changes no
 # fp32 result beyond rounding.
 jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+# Rank counts of the cp axis, each case marked with the devices it needs.
+RANKS = [pytest.param(n, marks=pytest.mark.devices(n)) for n in (2, 4, 8)]
 
 
 def _mesh(n: int, spec: str | None = None):
@@ -113,7 +117,7 @@ PREFILL_COMBOS = ((True, (4, 2), True), (True, (4, 4), False), (False, (4, 2), F
                   (False, (4, 4), True))
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", RANKS)
 @pytest.mark.parametrize("variant", ["pass_kv", "pass_q"])
 def test_full_prefill(n, variant):
   rng = np.random.default_rng(n)
@@ -146,6 +150,7 @@ def test_full_prefill(n, variant):
     _close((o, l), want, name)
 
 
+@pytest.mark.devices(4)
 def test_default_positions_natural_order():
   """No positions given: natural order, the same defaults as attention_reference."""
   rng = np.random.default_rng(1)
@@ -166,6 +171,7 @@ def _collectives(jaxpr):
         yield from _collectives(sub)
 
 
+@pytest.mark.devices(4)
 def test_communication_pattern():
   """pass-KV moves only the G KV heads (N-1 ring steps); pass-Q moves queries N-1 times and
   returns partials with one all_to_all; nothing is all-gathered."""
@@ -188,7 +194,7 @@ def test_communication_pattern():
 # ----------------------------------------------------------------------------- persistent KV
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", RANKS)
 def test_persistent_kv_prefill(n):
   """T new tokens (load-balanced) attend to P cached tokens left on their ranks + themselves."""
   rng = np.random.default_rng(10 + n)
@@ -232,7 +238,7 @@ def test_persistent_kv_prefill(n):
 # ----------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", RANKS)
 def test_decode_round_robin_cache(n):
   """A KV cache [B, n*C, G, K] sharded over cp: prefill load-balanced into each rank's first
   slots, earlier decode tokens and the current ones round robin (decode_placement), empty
@@ -294,9 +300,12 @@ def test_decode_round_robin_cache(n):
 # ----------------------------------------------------------------------------- registry, meshes
 
 
-@pytest.mark.parametrize("spec,impl", [("data:2,tp:2,cp:2", "ring_pass_kv"),
-                                       ("fsdp:2,tp:2,cp:2", "ring_pass_q")])
-def test_registry_under_set_mesh_with_batch_and_heads_sharded(spec, impl):
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("spec,variant", [("data:2,tp:2,cp:2", "pass_kv"),
+                                          ("fsdp:2,tp:2,cp:2", "pass_q")])
+def test_set_mesh_with_batch_and_heads_sharded(spec, variant):
+  """Under jax.set_mesh (the abstract mesh, as the Llama model passes it), with batch and
+  heads sharded too."""
   rng = np.random.default_rng(30)
   mesh = make_mesh(spec)
   t, n = 16, 2
@@ -309,9 +318,9 @@ def test_registry_under_set_mesh_with_batch_and_heads_sharded(spec, impl):
                                         NamedSharding(mesh, P(batch, "cp", *rest)))
   pos = put(_arange(t))
   with jax.set_mesh(mesh):
-    o, l = jit(lambda q, k, v, s, p: attention(q, k, v, impl=impl, causal=True,
-                                                   q_segment_ids=s, kv_segment_ids=s,
-                                                   q_positions=p, kv_positions=p))(
+    o, l = jit(lambda q, k, v, s, p: ring_attention(
+        q, k, v, mesh=jax.sharding.get_abstract_mesh(), variant=variant, causal=True,
+        q_segment_ids=s, kv_segment_ids=s, q_positions=p, kv_positions=p))(
         put(q, "tp", None), put(k, "tp", None), put(v, "tp", None), put(seg), pos)
   assert o.sharding.is_equivalent_to(NamedSharding(mesh, P(batch, "cp", "tp", None)), 4)
   assert l.sharding.is_equivalent_to(NamedSharding(mesh, P(batch, "cp", "tp")), 3)
@@ -319,15 +328,19 @@ def test_registry_under_set_mesh_with_batch_and_heads_sharded(spec, impl):
          want, spec)
 
 
-def test_ring_context_and_errors():
+@pytest.mark.devices(4)
+def test_explicit_settings_and_errors():
   rng = np.random.default_rng(31)
   q, k, v = _qkv(rng, 8, 8, 4, 4)
   want = _references([dict(q_BTHK=q, k_BSGK=k, v_BSGK=v, causal=False)])[0]
-  with ring_context(_mesh(4), axis="cp", inner_impl="xla"):
-    got = jit(lambda q, k, v: get_attention("ring_pass_kv")(q, k, v, causal=False))(q, k, v)
-  _close(got, want, "ring_context")
-  with pytest.raises(ValueError, match="no mesh with axis 'cp' is set"):
+  got = jit(lambda q, k, v: ring_attention(q, k, v, mesh=_mesh(4), axis="cp", variant="pass_kv",
+                                           inner_impl="xla", causal=False))(q, k, v)
+  _close(got, want, "explicit")
+  # Ring attention is no registry name: the error names the setting that replaces it.
+  with pytest.raises(ValueError, match="context_parallel='pass_q'"):
     attention(q, k, v, impl="ring_pass_q")
+  with pytest.raises(ValueError, match="lack axis 'cp'"):
+    ring_attention(q, k, v, mesh=_mesh(4, "data:4"))
   with pytest.raises(ValueError, match="key length S = 6 is not a multiple of the 4 ranks"):
     ring_attention(q, k[:, :6], v[:, :6], mesh=_mesh(4))
   with pytest.raises(ValueError, match="variant='ring'"):
@@ -339,8 +352,9 @@ def test_ring_context_and_errors():
 # ----------------------------------------------------------------------------- auto
 
 
+@pytest.mark.devices(4)
 def test_auto_asks_cp_select(monkeypatch):
-  """ring_auto passes the case to cp_select.choose_variant and runs what it answers."""
+  """variant="auto" passes the case to cp_select.choose_variant and runs what it answers."""
   calls = []
 
   def choose_variant(new_tokens, cached_tokens, *, n_ranks, n_heads, n_kv_heads, peak_flops,
@@ -357,10 +371,9 @@ def test_auto_asks_cp_select(monkeypatch):
   q_all, k, v = _qkv(rng, p + t, p + t, 4, 2)
   want = _references([dict(q_BTHK=q_all[:, p:], k_BSGK=k, v_BSGK=v, causal=True,
                            q_positions=_arange(t, p))])[0]
-  with ring_context(_mesh(n)):
-    got = jit(lambda q, k, v: attention(q, k, v, impl="ring_auto", causal=True,
-                                            q_positions=jnp.asarray(_arange(t, p))))(
-        q_all[:, p:], k, v)
+  got = jit(lambda q, k, v: ring_attention(q, k, v, mesh=_mesh(n), variant="auto", causal=True,
+                                           q_positions=jnp.asarray(_arange(t, p))))(
+      q_all[:, p:], k, v)
   _close(got, want, "auto")
   assert calls == [dict(new_tokens=t, cached_tokens=p, n_ranks=n, n_heads=4, n_kv_heads=2,
                         bytes_per_elem=4)]
@@ -380,6 +393,7 @@ def test_auto_matches_real_cp_select():
 # ----------------------------------------------------------------------------- gradients
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("variant", ["pass_kv", "pass_q"])
 def test_full_prefill_gradients(variant):
   n, t = 4, 16
@@ -410,6 +424,7 @@ def test_full_prefill_gradients(variant):
                                err_msg=f"{variant} d{name}", **TOL)
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("variant", ["pass_kv", "pass_q"])
 def test_pallas_inner_block(variant):
   """The Pallas flash-attention kernel (interpret mode) as ring attention's inner block."""

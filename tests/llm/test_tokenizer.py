@@ -314,3 +314,52 @@ def test_text_source_with_tokenizer(tmp_path):
   bad.write_bytes(b"caf\xe9 " * 100)
   with pytest.raises(ValueError, match=r"latin1.txt: byte 3 \(0xE9\) is not UTF-8"):
     TextSource(str(bad), 16, 4, tokenizer=tok)
+
+
+def test_hf_tokenizer_adds_bos_as_its_files_say(tmp_path):
+  """add_bos / add_eos: tokenizer_config.json's flags win; else the post-processor decides
+  (a TemplateProcessing like Llama 3's adds BOS; SmolLM2's byte-level one adds nothing)."""
+  from tokenizers import processors
+  conf = {"bos_token": "<s>", "eos_token": "</s>"}
+  path = train_bpe(str(tmp_path / "a"), config=conf)
+  assert (T.load_tokenizer(path).add_bos, T.load_tokenizer(path).add_eos) == (False, False)
+  ref = HFTok.from_file(path)
+  ref.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  ref.save(path)
+  tok = T.load_tokenizer(path)
+  assert (tok.add_bos, tok.add_eos, tok.bos_id) == (True, False, 1)
+  assert tok.encode("the park", bos=tok.add_bos) == ref.encode("the park").ids
+  for flags, want in (({"add_bos_token": False}, (False, False)),
+                      ({"add_bos_token": True, "add_eos_token": True}, (True, True))):
+    with open(tmp_path / "a" / "tokenizer_config.json", "w") as fh:
+      json.dump({**conf, **flags}, fh)
+    tok = T.load_tokenizer(path)
+    assert (tok.add_bos, tok.add_eos) == want
+  with open(tmp_path / "a" / "tokenizer_config.json", "w") as fh:
+    json.dump({"add_bos_token": "yes"}, fh)
+  with pytest.raises(ValueError, match="add_bos_token='yes', expected true or false"):
+    T.load_tokenizer(path)
+  ref.post_processor = processors.TemplateProcessing(single="$A </s>",
+                                                     special_tokens=[("</s>", 2)])
+  ref.save(path)
+  with open(tmp_path / "a" / "tokenizer_config.json", "w") as fh:
+    json.dump({"bos_token": "</s>"}, fh)   # the post-processor's EOS is not the BOS: fine
+  tok = T.load_tokenizer(path)
+  assert (tok.add_bos, tok.add_eos, tok.eos_id) == (False, True, 2)
+
+
+def test_hf_tokenizer_chat_template_sources(tmp_path):
+  path = train_bpe(str(tmp_path / "a"), config={"chat_template": "{{ messages[0].content }}"})
+  assert T.load_tokenizer(path).chat_template == "{{ messages[0].content }}"
+  with open(tmp_path / "a" / "tokenizer_config.json", "w") as fh:
+    json.dump({"chat_template": [{"name": "tool_use", "template": "T"},
+                                 {"name": "default", "template": "D"}]}, fh)
+  assert T.load_tokenizer(path).chat_template == "D"
+  (tmp_path / "a" / "chat_template.jinja").write_text("J")   # transformers >= 4.43: it wins
+  assert T.load_tokenizer(path).chat_template == "J"
+  os.remove(tmp_path / "a" / "chat_template.jinja")
+  with open(tmp_path / "a" / "tokenizer_config.json", "w") as fh:
+    json.dump({"chat_template": [{"name": "tool_use", "template": "T"}]}, fh)
+  with pytest.raises(ValueError, match=r"chat_template lists \['tool_use'\] but no 'default'"):
+    T.load_tokenizer(path)
+  assert T.ByteTokenizer().chat_template is None

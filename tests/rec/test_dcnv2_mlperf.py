@@ -68,8 +68,8 @@ def test_preset_fits_one_80gb_gpu_in_bf16_and_shards_over_eight():
   dense part and activations); float32 tables do not; 8 devices split them."""
   cfg = DCNv2Config.mlperf()
   tables = cfg.tables()
-  assert [t.storage == "bf16" for t in tables] == [r >= 2**20 for r in REF_ROWS]
-  assert sum(t.storage == "bf16" for t in tables) == 6
+  assert [str(t.storage) == "bf16" for t in tables] == [r >= 2**20 for r in REF_ROWS]
+  assert sum(str(t.storage) == "bf16" for t in tables) == 6
   opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.005)
   total = sum(planner_lib.table_bytes(t, opt.state_bytes_per_row) for t in tables)
   assert 50e9 < total < 60e9                        # 53.4 GB: bf16 rows + 4 bytes per row
@@ -99,7 +99,7 @@ def test_mlperf_rows_cap_and_preset_wiring():
   assert mcfg.rows_per_feature == dcnv2.mlperf_rows(1000)
   assert mcfg == DCNv2Config.mlperf(dcnv2.mlperf_rows(1000), num_dense=13, num_sparse=26,
                                     feature_names=src.spec.sparse_features)
-  assert {t.storage for t in mcfg.tables()} == {"fp32"}        # no table reaches 2^20 rows
+  assert {str(t.storage) for t in mcfg.tables()} == {"fp32"}        # no table reaches 2^20 rows
   assert src.spec.max_ids_per_bag == 100
   # --storage=bf16 still applies to every table; a data set of other width keeps working.
   avazu = DataSpec(num_dense=0, sparse_features=("a", "b"), rows_per_feature=(5, 2**21))

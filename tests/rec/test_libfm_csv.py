@@ -146,34 +146,35 @@ def test_libfm_eval_padding_has_zero_weights(tmp_path):
 
 FROM = "pairs on the first line of {good}"
 LIBFM_BAD = [
-    ("1 1:1 2:1\n", "expected a label and 3 idx:val pairs (" + FROM + "), got 2"),
-    ("1 1:1 2:1 3:1 4:1\n", "expected a label and 3 idx:val pairs (" + FROM + "), got 4"),
-    ("\n", "expected a label and 3 idx:val pairs (" + FROM + "), got an empty line"),
-    ("2 1:1 2:1 3:1\n", "label = '2': expected 1, +1, 0 or -1"),
-    ("1.0 1:1 2:1 3:1\n", "label = '1.0': expected 1, +1, 0 or -1"),
-    ("yes 1:1 2:1 3:1\n", "label = 'yes': expected 1, +1, 0 or -1"),
-    ("1 1:1 2 3:1\n", "field f1 = '2': expected idx:val"),
-    ("1 1:1 2:1:1 3:1\n", "field f1 = '2:1:1': expected idx:val"),
-    ("1 1:1 2:1 x:1\n", "field f2 = 'x:1': expected idx:val with idx a non-negative integer "
+    ("1 1:1 2:1\n", "a label and 2 idx:val pairs; expected a label and 3 idx:val pairs (" + FROM + ")"),
+    ("1 1:1 2:1 3:1 4:1\n", "a label and 4 idx:val pairs; expected a label and 3 idx:val pairs ("
+     + FROM + ")"),
+    ("\n", "an empty line; expected a label and 3 idx:val pairs (" + FROM + ")"),
+    ("2 1:1 2:1 3:1\n", "label = '2'; expected 1, +1, 0 or -1"),
+    ("1.0 1:1 2:1 3:1\n", "label = '1.0'; expected 1, +1, 0 or -1"),
+    ("yes 1:1 2:1 3:1\n", "label = 'yes'; expected 1, +1, 0 or -1"),
+    ("1 1:1 2 3:1\n", "field f1 = '2'; expected idx:val"),
+    ("1 1:1 2:1:1 3:1\n", "field f1 = '2:1:1'; expected idx:val"),
+    ("1 1:1 2:1 x:1\n", "field f2 = 'x:1'; expected idx:val with idx a non-negative integer "
                         "of at most 18 digits"),
-    ("1 -1:1 2:1 3:1\n", "field f0 = '-1:1': expected idx:val with idx a non-negative integer "
+    ("1 -1:1 2:1 3:1\n", "field f0 = '-1:1'; expected idx:val with idx a non-negative integer "
                          "of at most 18 digits"),
     ("1 1:1 1234567890123456789:1 3:1\n",
-     "field f1 = '1234567890123456789:1': expected idx:val with idx a non-negative integer "
+     "field f1 = '1234567890123456789:1'; expected idx:val with idx a non-negative integer "
      "of at most 18 digits"),
-    ("1 :1 2:1 3:1\n", "field f0 = ':1': expected idx:val with idx a non-negative integer "
+    ("1 :1 2:1 3:1\n", "field f0 = ':1'; expected idx:val with idx a non-negative integer "
                        "of at most 18 digits"),
-    ("1 1:1 2:abc 3:1\n", "field f1 = '2:abc': expected idx:val with val a finite number of "
+    ("1 1:1 2:abc 3:1\n", "field f1 = '2:abc'; expected idx:val with val a finite number of "
                           "at most 64 characters"),
-    ("1 1:1 2: 3:1\n", "field f1 = '2:': expected idx:val with val a finite number of at most "
+    ("1 1:1 2: 3:1\n", "field f1 = '2:'; expected idx:val with val a finite number of at most "
                        "64 characters"),
-    ("1 1:nan 2:1 3:1\n", "field f0 = '1:nan': expected idx:val with val a finite number of "
+    ("1 1:nan 2:1 3:1\n", "field f0 = '1:nan'; expected idx:val with val a finite number of "
                           "at most 64 characters"),
-    ("1 1:1 2:1 3:1e999\n", "field f2 = '3:1e999': expected idx:val with val a finite number "
+    ("1 1:1 2:1 3:1e999\n", "field f2 = '3:1e999'; expected idx:val with val a finite number "
                             "of at most 64 characters"),
-    ("1 1:1 2:1 3:" + "1" * 65 + "\n", f"field f2 = {('3:' + '1' * 38 + '...')!r}: expected "
+    ("1 1:1 2:1 3:" + "1" * 65 + "\n", f"field f2 = {('3:' + '1' * 38 + '...')!r}; expected "
      "idx:val with val a finite number of at most 64 characters"),
-    ("1 1:1 x 3:zz\n", "field f1 = 'x': expected idx:val"),     # the first bad field is named
+    ("1 1:1 x 3:zz\n", "field f1 = 'x'; expected idx:val"),     # the first bad field is named
 ]
 
 
@@ -194,20 +195,20 @@ def test_libfm_bad_line_names_file_line_field(tmp_path, bad_line, message, chunk
 
 
 @pytest.mark.parametrize("bad_line,message", [
-    ("1 0:1:1 3:1:1\n", "pair 2 = '3:1:1': expected field:idx:val with field an integer in "
+    ("1 0:1:1 3:1:1\n", "pair 2 = '3:1:1'; expected field:idx:val with field an integer in "
                         "[0, 3) (the largest field in the first 4 lines of {good}, plus one; "
                         "pass num_fields for more)"),
-    ("1 0:1:1 0:2:1\n", "pair 2 = '0:2:1': field 0 already appeared in this line, expected at "
+    ("1 0:1:1 0:2:1\n", "pair 2 = '0:2:1': field 0 already appeared in this line; expected at "
                         "most one pair per field (one-hot)"),
-    ("1 a:1:1\n", "pair 1 = 'a:1:1': expected field:idx:val with field an integer in [0, 3) "
+    ("1 a:1:1\n", "pair 1 = 'a:1:1'; expected field:idx:val with field an integer in [0, 3) "
                   "(the largest field in the first 4 lines of {good}, plus one; pass "
                   "num_fields for more)"),
-    ("1 0:1\n", "pair 1 = '0:1': expected field:idx:val"),
-    ("1 0:1:x\n", "pair 1 = '0:1:x': expected field:idx:val with val a finite number of at "
+    ("1 0:1\n", "pair 1 = '0:1'; expected field:idx:val"),
+    ("1 0:1:x\n", "pair 1 = '0:1:x'; expected field:idx:val with val a finite number of at "
                   "most 64 characters"),
-    ("1 0:-1:1\n", "pair 1 = '0:-1:1': expected field:idx:val with idx a non-negative integer "
+    ("1 0:-1:1\n", "pair 1 = '0:-1:1'; expected field:idx:val with idx a non-negative integer "
                    "of at most 18 digits"),
-    ("\t \n", "expected a label and field:idx:val pairs, got an empty line"),
+    ("\t \n", "an empty line; expected a label and field:idx:val pairs"),
 ])
 def test_libffm_bad_lines(tmp_path, bad_line, message):
   good = write(tmp_path, "a.ffm", ["1 0:1:1 1:2:1\n", "0 2:3:1\n", "1 0:5:1\n", "0 1:1:1\n"])
@@ -233,8 +234,7 @@ def test_lone_cr_or_blank_last_line_is_a_bad_line(tmp_path, form, last):
     src = libfm.LibFMSource(path, 2, 100, repeat=False, chunk_bytes=chunk_bytes)
     with pytest.raises(ValueError) as err:
       list(src.batches())
-    assert str(err.value).startswith(f"{path}:6: expected a label and {empty}")
-    assert str(err.value).endswith("got an empty line")
+    assert str(err.value).startswith(f"{path}:6: an empty line; expected a label and {empty}")
     skip = libfm.LibFMSource(path, 2, 100, repeat=False, bad_lines="skip",
                              drop_remainder=False, chunk_bytes=chunk_bytes)
     _, ids, labels, _ = real_rows(list(skip.batches()))
@@ -403,9 +403,9 @@ def test_csv_value_against_inferred_dense_role_stops(tmp_path, bad_at, bad_lines
     list(src.batches())
   msg = str(err.value)
   if first == 5:
-    assert msg == f"{path}:5: field Label = '7': expected 0 or 1"
+    assert msg == f"{path}:5: field Label = '7'; expected 0 or 1"
     return
-  assert msg.startswith(f"{path}:{bad_at}: field I3 = 'x9': expected a finite number or empty, "
+  assert msg.startswith(f"{path}:{bad_at}: field I3 = 'x9'; expected a finite number or empty, "
                         "as column I3 was inferred dense (named I<n>); give the column roles "
                         "explicitly with --csv_dense and --csv_categorical"), msg
   given = csv_data.CsvSource(path, 64, 50, dense="I1,I2", bad_lines="skip", repeat=False,
@@ -424,7 +424,7 @@ def test_csv_given_roles(tmp_path):
   assert (src.columns.label, src.columns.dense, src.columns.categorical) == (
       "I3", ("I1",), ("C1", "device"))
   assert src.columns.ignored == ("id", "I2", "Label")
-  with pytest.raises(ValueError, match=r"field I3 = '7': expected 0 or 1"):
+  with pytest.raises(ValueError, match=r"field I3 = '7'; expected 0 or 1"):
     list(src.batches())
   none = csv_data.CsvSource(path, 1, 50, dense="none", repeat=False)
   assert none.columns.dense == () and none.columns.categorical == ("I1", "I2", "C1", "I3",
@@ -445,13 +445,13 @@ def test_csv_given_roles(tmp_path):
 
 
 @pytest.mark.parametrize("bad_line,message", [
-    ("r,1,2,2,a,b,c\n", "field Label = '2': expected 0 or 1"),
-    ("r,1,2,,a,b,c\n", "field Label = '': expected 0 or 1"),
-    ("r,abc,2,1,a,b,c\n", "field I1 = 'abc': expected a finite number or empty"),
-    ("r,1,nan,1,a,b,c\n", "field I2 = 'nan': expected a finite number or empty"),
-    ("r,1,2,1,a,b\n", "expected 7 comma-separated fields, got 6"),
-    ("r,1,2,1,a,b,c,d\n", "expected 7 comma-separated fields, got 8"),
-    ("r,x,2,7,a,b,c\n", "field I1 = 'x': expected a finite number or empty"),  # first in order
+    ("r,1,2,2,a,b,c\n", "field Label = '2'; expected 0 or 1"),
+    ("r,1,2,,a,b,c\n", "field Label = ''; expected 0 or 1"),
+    ("r,abc,2,1,a,b,c\n", "field I1 = 'abc'; expected a finite number or empty"),
+    ("r,1,nan,1,a,b,c\n", "field I2 = 'nan'; expected a finite number or empty"),
+    ("r,1,2,1,a,b\n", "6 comma-separated fields; expected 7"),
+    ("r,1,2,1,a,b,c,d\n", "8 comma-separated fields; expected 7"),
+    ("r,x,2,7,a,b,c\n", "field I1 = 'x'; expected a finite number or empty"),  # first in order
 ])
 def test_csv_bad_lines(tmp_path, bad_line, message):
   good = "r,1,2,1,a,b,c\n"
@@ -523,8 +523,9 @@ def test_make_sources_libfm(tmp_path, capsys):
   # eval files must have the train file's field count; the message names the eval line
   write(d, "valid.libfm", numbered_fm(2) + [fm_line("1", [(1, 1)] * 3)])
   _, ev = sources.make_sources(f"libfm:{d}", 4)
-  with pytest.raises(ValueError, match=r"valid.libfm:3: expected a label and 4 idx:val pairs "
-                                       r"\(pairs on the first line of .*train.libfm\), got 3"):
+  with pytest.raises(ValueError, match=r"valid.libfm:3: a label and 3 idx:val pairs; expected a "
+                                       r"label and 4 idx:val pairs \(pairs on the first line of "
+                                       r".*train.libfm\)"):
     list(ev.batches())
   os.remove(d / "valid.libfm")
   assert sources.make_sources(f"libfm:{d}", 4)[1].files == (str(d / "test.libfm.gz"),)

@@ -44,9 +44,10 @@ def test_row_shards_and_column_chunks():
 
 
 def test_storage_and_optimizer_bytes_match_the_embedding_modules():
-  from rec.embedding import optimizers, storage
+  from rec.embedding import optimizers, storage_spec
   for name, s in pl.STORAGE_BYTES.items():
-    assert storage.get_storage(name).bytes_per_row(10) == 10 * s
+    spec = storage_spec.StorageSpec.parse(name)
+    assert storage_spec.make_storage(spec).bytes_per_row(10) == 10 * s
   t = TableConfig("t", 100, 8)
   assert pl.table_bytes(t) == 100 * (8 * 4 + 4)
   rowwise = optimizers.RowWiseAdagrad(learning_rate=0.1).state_bytes_per_row

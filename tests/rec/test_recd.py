@@ -1,107 +1,250 @@
-"""RecD inverse-indexed batches (rec/recd.py): dedup path == plain path, forward and
-gradients, on 8 devices under the sharding kinds; capacity overflow errors or falls back."""
+"""RecD (rec/data/dedup.py, the collection's `dedup` option, RecTask): the deduplicated
+path trains exactly as the plain one (loss, gradients, updated rows) on 8 devices under
+the sharding kinds and on one, with and without skip_nonfinite; the host dedup against a
+per-sample reference; capacity overflow falls back or errors; the train loop (eval,
+checkpoints, resume) runs with it."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from core import mesh as mesh_lib
-from rec import recd
+from core import train as train_loop
+from rec import configs
+from rec.data import dedup as dedup_lib
 from rec.data.batch import SparseBatch
 from rec.embedding import optimizers as opt_lib
+from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.planner import TablePlacement
 from rec.models.dlrm import DLRM, DLRMConfig
+from rec.train_lib import RecTask
 
 CFG = DLRMConfig(num_dense=3, num_sparse=5, embedding_dim=8, bottom_mlp=(8, 8), top_mlp=(8, 1),
                  rows_per_feature=(50,) * 5)
 KINDS = {"dp": TablePlacement("dp", tuple(range(8))), "tw": TablePlacement("tw", (3,)),
          "rw": TablePlacement("rw", tuple(range(8))), "cw": TablePlacement("cw", (1, 5)),
          "twrw": TablePlacement("twrw", (4, 5, 6, 7))}
-USER = ["C1", "C3", "C4"]     # deduplicated (repeated within a session); C2, C5 per sample
+USER = ("C1", "C3", "C4")      # repeated within a session; C2, C5 per sample
+LR = 0.1
 
 
-def _task(mesh, kinds=("dp", "tw", "rw", "cw", "twrw"), capacity=4, **kw):
-  plan = {t.name: KINDS[kinds[i % len(kinds)]] for i, t in enumerate(CFG.tables())}
-  return recd.RecDTask(lambda r: DLRM(CFG, r), CFG.tables(), plan, mesh,
-                       opt_lib.get_sparse_optimizer("adagrad", 0.1), optax.adagrad(0.1),
-                       USER, capacity=capacity, dedup_bag=3, rest_bag=2, **kw)
+def _session_batch(B=32, session=4, L=3, seed=1):
+  """Sessions of `session` samples share the user features' bags (ids, lengths, weights);
+  bags of 1..L ids, padding slots random (never read)."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, 50, (B, 5, L)).astype(np.int32)
+  lengths = rng.integers(1, L + 1, (B, 5)).astype(np.int32)
+  w = rng.uniform(0.5, 1.5, ids.shape).astype(np.float32)
+  for f in (0, 2, 3):
+    for x in (ids, lengths, w):
+      x[:, f] = np.repeat(x[::session, f], session, axis=0)
+  return SparseBatch(rng.standard_normal((B, 3)).astype(np.float32), ids, lengths,
+                     (rng.random(B) < 0.3).astype(np.float32), np.ones(B, np.float32), w)
 
 
-def _batch():
-  b = next(recd.session_batches(32, 4, num_user=3, num_item=2, user_bag=3, item_bag=2,
-                                num_rows=50, num_dense=3, seed=1))
-  perm = [0, 3, 1, 2, 4]                   # user features at C1, C3, C4
-  ids, lengths = b.ids[:, perm], b.lengths[:, perm].copy()
-  lengths[::5, 0] = 1                      # some bags shorter than their padded ids
-  w = np.random.default_rng(0).uniform(0.5, 1.5, ids.shape).astype(np.float32)
-  w[:, [0, 2, 3]] = w[::4][:, [0, 2, 3]].repeat(4, 0)   # equal within a session
-  return SparseBatch(b.dense, ids, lengths, b.labels, b.mask, w)
+def _tasks(mesh, kinds, capacity=0, on_overflow="fallback"):
+  """(plain task, dedup task): the same model, tables and plan; SGD so that an update is
+  -lr x the gradient."""
+  n = mesh.devices.size
+  plan = {t.name: (KINDS[kinds[i % len(kinds)]] if n == 8 else TablePlacement("tw", (0,)))
+          for i, t in enumerate(CFG.tables())}
+
+  def task(**kw):
+    coll = EmbeddingCollection(CFG.tables(), plan, mesh,
+                               opt_lib.get_sparse_optimizer("sgd", LR), **kw)
+    return RecTask(lambda r: DLRM(CFG, r), coll, optax.sgd(LR), mesh)
+
+  return task(), task(dedup=dedup_lib.DedupSpec(USER, capacity, on_overflow))
 
 
-def _check_equal(task, train_step):
-  state = task.init_state(0)
-  host = _batch()
-  assert recd.duplication_rate(host, [0, 2, 3]) > 0.5
-  plain, dd = task.plain_batch(host), task.device_batch(host)
-  assert isinstance(dd, recd.DedupBatch) and dd.ids.shape == (8 * 4, 3, 3)
-  assert int(np.asarray(dd.num_unique).max()) <= 2   # one session per shard (+ short bags)
+def _init_state(task, seed=0):
+  """A train state of random dense weights (any will do; RecTask.init_state compiles the
+  model's init, which costs seconds) and the collection's initial tables."""
+  rng = np.random.default_rng(seed)
+  shapes = nnx.state(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(0))))
+  params = jax.tree.map(lambda a: 0.3 * rng.standard_normal(a.shape).astype(a.dtype),
+                        nnx.to_pure_dict(shapes))
+  tables = task.collection.init_tables(jax.random.key(seed))
+  return _state_for(task, {"step": np.int32(0), "params": params,
+                           "opt": task.dense_tx.init(params)}, tables)
 
-  l0, lg0, (a0, b0), (gp0, gd0, gr0) = jax.jit(task.loss_and_grads)(state, plain)
-  l1, lg1, (a1, b1), (gp1, gd1, gr1) = jax.jit(task.loss_and_grads)(state, dd)
-  np.testing.assert_array_equal(np.asarray(lg1), np.asarray(lg0))   # forward: bit for bit
-  np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), gp1, gp0)
-  for coll, (lk0, g0), (lk1, g1) in ((task.dd, (a0, gd0), (a1, gd1)),
-                                     (task.rest, (b0, gr0), (b1, gr1))):
-    t0, t1 = coll.dense_gradients(lk0, g0), coll.dense_gradients(lk1, g1)
-    for n in t0:
-      assert np.abs(t0[n]).max() > 0
-      np.testing.assert_allclose(t1[n], t0[n], rtol=1e-5, atol=1e-6 * np.abs(t0[n]).max(),
-                                 err_msg=n)
-  if not train_step:
-    return
-  step = jax.jit(task.train_step)
-  s0, m0 = step(state, plain)
-  s1, m1 = step(task.init_state(0), dd)
-  assert float(m1["recd_fallback"]) == 0 and float(m0["recd_fallback"]) == 1
-  a, b = task.to_tables(s0["emb"]), task.to_tables(s1["emb"])
-  for n in a:
-    np.testing.assert_allclose(b[n], a[n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+def _state_for(task, state, tables):
+  """`task`'s train state with `state`'s step, dense parameters and optimizer state and
+  the logical `tables` (one model init shared by the tasks of a test: compiling it costs)."""
+  rep = jax.sharding.NamedSharding(task.mesh, jax.sharding.PartitionSpec())
+  put = lambda x: jax.device_put(x, rep)
+  return {"step": put(state["step"]), "params": jax.tree.map(put, state["params"]),
+          "opt": jax.tree.map(put, state["opt"]), "emb": task.collection.from_tables(tables)}
+
+
+def _mesh(n):
+  return (mesh_lib.make_mesh("data:2,model:4") if n == 8 else
+          mesh_lib.make_mesh("data:1", devices=jax.devices()[:1]))
+
+
+def _check_dedup_trains_as_plain(n, kinds, skip_nonfinite):
+  """One step of the dedup task against the plain task's loss and gradients: with SGD every
+  row moves by -lr x its gradient, so equal updates are equal gradients."""
+  plain, dd = _tasks(_mesh(n), kinds)
+  host = _session_batch()
+  assert dedup_lib.duplication_rate(host, [0, 2, 3]) > 0.5
+  state = _init_state(plain)
+  b0, b1 = plain.device_batch(host), dd.device_batch(host)
+  assert b0.dedup is None and b1.dedup.features == (0, 2, 3)
+  assert b1.dedup.ids.shape == (8, 3, 3)   # 8 sessions: C_l = the sessions of a shard
+
+  l0, _, lk0, gp0, gs0 = jax.jit(plain.loss_and_grads)(state, b0)
+  g0 = plain.collection.dense_gradients(lk0, gs0)
+  step = jax.jit(lambda s, b: dd.train_step(s, b, skip_nonfinite=skip_nonfinite))
+  before = plain.collection.to_tables(state["emb"])
+  new, m = step(_state_for(dd, state, before), b1)
+  assert float(m["dedup_fallback"]) == 0
+  np.testing.assert_allclose(float(m["loss"]), float(l0), rtol=1e-6)
+  after = dd.collection.to_tables(new["emb"])
+  for name in before:
+    assert np.abs(g0[name]).max() > 0
+    np.testing.assert_allclose(after[name], before[name] - LR * g0[name], rtol=1e-5,
+                               atol=1e-7, err_msg=name)
+  jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - LR * g, rtol=1e-5, atol=1e-7),
+               new["params"], state["params"], gp0)
+  if skip_nonfinite:   # a NaN batch changes nothing but the step count, as on the plain path
+    assert float(m["skipped"]) == 0
+    bad = dd.device_batch(dataclasses.replace(host, dense=np.full_like(host.dense, np.nan)))
+    kept, m = step(new, bad)
+    assert float(m["skipped"]) == 1 and int(kept["step"]) == 2
+    for name, t in dd.collection.to_tables(kept["emb"]).items():
+      np.testing.assert_array_equal(t, after[name])
+
+
+@pytest.mark.slow
+def test_dedup_forward_is_the_plain_forward_bit_for_bit():
+  """Logits of the dedup lookup equal the plain ones exactly (equal bags pool equally)."""
+  plain, dd = _tasks(_mesh(1), ("tw",))
+  host = _session_batch()
+  state = _init_state(plain)
+  out0 = jax.jit(plain.eval_step)(state, plain.device_batch(host))
+  out1 = jax.jit(dd.eval_step)(_state_for(dd, state, plain.collection.to_tables(state["emb"])),
+                               dd.device_batch(host))
+  np.testing.assert_array_equal(np.asarray(out1["logits"]), np.asarray(out0["logits"]))
 
 
 @pytest.mark.devices(8)
-def test_dedup_equals_plain_a2a_and_rw():
-  """Table-wise (all-to-all) and row-wise (all-gather / reduce-scatter) patterns."""
-  _check_equal(_task(mesh_lib.make_mesh("data:2,model:4"), ("tw", "rw")), train_step=False)
+def test_dedup_trains_as_plain_8_devices_a2a_and_rw():
+  """Table-wise (all-to-all) and row-wise (all-gather / reduce-scatter), skip_nonfinite."""
+  _check_dedup_trains_as_plain(8, ("tw", "rw"), skip_nonfinite=True)
+
+
+def test_dedup_trains_as_plain_one_device():
+  _check_dedup_trains_as_plain(1, ("tw",), skip_nonfinite=False)
 
 
 @pytest.mark.slow
 @pytest.mark.devices(8)
-def test_dedup_equals_plain_every_kind_and_train_step():
-  _check_equal(_task(mesh_lib.make_mesh("data:2,model:4")), train_step=True)
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_dedup_trains_as_plain_8_devices_every_kind(skip_nonfinite):
+  _check_dedup_trains_as_plain(8, ("dp", "tw", "rw", "cw", "twrw"), skip_nonfinite)
 
 
-@pytest.mark.devices(8)
+@pytest.mark.slow
+def test_dedup_trains_as_plain_one_device_skip_nonfinite():
+  _check_dedup_trains_as_plain(1, ("tw",), skip_nonfinite=True)
+
+
+@pytest.mark.parametrize("hashed", [True, False])
+def test_dedup_batch_matches_per_sample_reference(hashed, monkeypatch):
+  if not hashed:   # every row hashes alike: the check finds collisions, rows are sorted exactly
+    monkeypatch.setattr(dedup_lib, "_HASH_MULT", np.zeros(4096, np.uint64))
+  host = _session_batch()
+  for shards in (1, 4):
+    d = dedup_lib.dedup_batch(host, [0, 2, 3, 4], num_shards=shards).dedup
+    b, C = 32 // shards, d.capacity // shards
+    assert C & (C - 1) == 0 and d.inverse.max() < C      # automatic: a power of two
+    for s in range(32):
+      for j, f in enumerate((0, 2, 3, 4)):
+        u = (s // b) * C + d.inverse[s, j]                # a row of the sample's own shard
+        n = host.lengths[s, f]
+        assert d.lengths[u, j] == n
+        np.testing.assert_array_equal(d.ids[u, j, :n], host.ids[s, f, :n])
+        np.testing.assert_array_equal(d.weights[u, j, :n], host.weights[s, f, :n])
+    # Each shard's used rows hold distinct bags (C1 repeats within sessions only).
+    for s in range(shards):
+      used = d.inverse[s * b:(s + 1) * b, 0]
+      assert sorted(set(used.tolist())) == list(range(used.max() + 1)) == list(range(b // 4))
+  d = dedup_lib.dedup_batch(host, [0], num_shards=1).dedup
+  assert d.capacity == 8 and d.inverse[:, 0].max() == 7  # 8 sessions, 8 distinct bags
+  assert d.weights is not None
+  assert dedup_lib.dedup_batch(dataclasses.replace(host, weights=None), [0]).dedup.weights is None
+
+
 def test_capacity_overflow_falls_back_or_errors():
-  mesh = mesh_lib.make_mesh("data:8")
-  host = _batch()
-  host.lengths[:4, 0] = [0, 1, 2, 3]       # shard 0: 4 distinct bags of C1 > capacity 2
-  task = _task(mesh, ("dp",), capacity=2)
-  b = task.device_batch(host)
-  assert isinstance(b, SparseBatch) and task.fallbacks == 1
-  with pytest.raises(recd.CapacityError, match=r"feature 0 has 4 distinct bags in shard 0"):
-    _task(mesh, ("dp",), capacity=2, on_overflow="error").device_batch(host)
+  host = _session_batch()
+  host.lengths[:4, 0] = [1, 1, 2, 1]
+  host.ids[:4, 0, 0] = [7, 7, 7, 8]       # shard 0 of 8: 3 distinct bags of C1
+  out = dedup_lib.dedup_batch(host, [0, 2], capacity=2, num_shards=8)
+  assert out is host and out.dedup is None
+  with pytest.raises(dedup_lib.CapacityError,
+                     match=r"feature 0 has 3 distinct bags in batch shard 0 \(4 samples\), "
+                           r"over the capacity 2"):
+    dedup_lib.dedup_batch(host, [0, 2], capacity=2, num_shards=8, on_overflow="error")
+  assert dedup_lib.dedup_batch(host, [0, 2], capacity=3, num_shards=8).dedup.capacity == 24
 
 
-def test_dedup_numpy_reference():
-  host = _batch()
-  d = recd.dedup(host, capacity=32)
-  for b in range(32):
-    for f in range(5):
-      u = d.inverse[b, f]
-      n = host.lengths[b, f]
-      assert d.lengths[u, f] == n
-      np.testing.assert_array_equal(d.ids[u, f, :n], host.ids[b, f, :n])
-      np.testing.assert_array_equal(d.weights[u, f, :n], host.weights[b, f, :n])
-  assert d.num_unique[0, 1] == 32 and d.num_unique[0, 0] <= 16
+def test_spec_and_flag_errors_name_the_setting():
+  assert dedup_lib.DedupSpec.from_flags("", known=["C1"]) is None
+  assert dedup_lib.DedupSpec.from_flags("C1, C3", 4, known=["C1", "C3"]) == \
+      dedup_lib.DedupSpec(("C1", "C3"), 4)
+  with pytest.raises(ValueError, match=r"--dedup_features=C1,C9: unknown features \['C9'\]"):
+    dedup_lib.DedupSpec.from_flags("C1,C9", known=["C1", "C2"])
+  with pytest.raises(ValueError, match=r"--dedup_features=C1: dedup capacity -1"):
+    dedup_lib.DedupSpec.from_flags("C1", -1)
+  with pytest.raises(ValueError, match="--dedup_capacity=-2"):
+    configs.RecRunConfig(dedup_capacity=-2).validate()
+  mesh = _mesh(1)
+  plan = {t.name: TablePlacement("tw", (0,)) for t in CFG.tables()}
+  sgd = opt_lib.get_sparse_optimizer("sgd", 0.1)
+  with pytest.raises(ValueError, match=r"dedup features \['C9'\] are not tables"):
+    EmbeddingCollection(CFG.tables(), plan, mesh, sgd, dedup=dedup_lib.DedupSpec(("C9",)))
+  # A batch's distinct bags must be the collection's dedup features.
+  host = dedup_lib.dedup_batch(_session_batch(), [0, 2])
+  plain = EmbeddingCollection(CFG.tables(), plan, mesh, sgd)
+  with pytest.raises(ValueError, match="no `dedup` option"):
+    plain.gather(plain.init(jax.random.key(0)), host.ids, host.lengths, host.weights, host.dedup)
+  other = EmbeddingCollection(CFG.tables(), plan, mesh, sgd, dedup=dedup_lib.DedupSpec(USER))
+  with pytest.raises(ValueError, match=r"batch deduplicates features \['C1', 'C3'\], the "
+                                       r"collection \['C1', 'C3', 'C4'\]"):
+    other.gather(other.init(jax.random.key(0)), host.ids, host.lengths, host.weights,
+                 host.dedup)
+  # bag_sizes: a bag longer than its table's size is an error, not a silent cut.
+  short = EmbeddingCollection(CFG.tables(), plan, mesh, sgd, bag_sizes={"C2": 2})
+  with pytest.raises(ValueError, match=r"feature 'C2': a bag of 3 ids at example \d+, longer "
+                                       r"than its bag size 2"):
+    short.check_lengths(_session_batch().lengths)
+
+
+@pytest.mark.slow   # three short runs; the loop's resume itself is tests/core/test_train.py's
+def test_train_loop_eval_and_resume_with_dedup(tmp_path):
+  """train_rec's run (build_run) with --dedup_features: 4 straight steps == 2 + resume + 2,
+  bit for bit, eval included; the metrics record no fallback."""
+  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=200, batch_size=64,
+                             eval_batch_size=64, eval_batches=1, mesh="data:1",
+                             dedup_features="C1,C2", seed=3)
+  runs = {}
+  for name, stops in (("straight", (None,)), ("resumed", (2, None))):
+    for stop in stops:
+      task, train_src, eval_src, _, _ = configs.build_run(cfg, devices=jax.devices()[:1])
+      assert task.collection.dedup == dedup_lib.DedupSpec(("C1", "C2"))
+      loop = train_loop.TrainConfig(workdir=str(tmp_path / name), steps=4, stop_at_step=stop,
+                                    resume=stop is None and name == "resumed", log_every=1,
+                                    tensorboard=False, nonfinite="skip")
+      runs[name] = train_loop.train(task, train_src.batches, lambda: eval_src.batches(0), loop)
+  a, b = runs["straight"], runs["resumed"]
+  assert a["step"] == b["step"] == 4 and a["eval"]["auc"] == b["eval"]["auc"]
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               a["state"], b["state"])
+  lines = (tmp_path / "straight" / "metrics.jsonl").read_text()
+  assert '"dedup_fallback": 0.0' in lines

@@ -19,6 +19,7 @@ import pytest
 
 from rec.embedding import optimizers as so
 from rec.embedding import storage as st
+from rec.embedding.storage_spec import StorageSpec, make_storage
 
 N, D, M, STEPS = 50, 8, 96, 5
 POOL = 30  # ids come from rows [0, POOL); rows POOL.. are never touched
@@ -237,7 +238,7 @@ def test_out_of_range_and_padding_ids_are_not_written():
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_storage_gather_scatter(name):
-  storage = st.get_storage(name)
+  storage = make_storage(StorageSpec.parse(name))
   dtype = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16}[name]
   table = storage.init(jax.random.key(8), N, D, 0.25)
   rows = np.asarray(table["rows"])
@@ -335,8 +336,8 @@ def test_registry_and_state_sizes():
   with pytest.raises(ValueError, match="momentum"):
     so.get_sparse_optimizer("sgd", 0.1, momentum=0.9)
   with pytest.raises(ValueError, match="'fp16'"):
-    st.get_storage("fp16")
-  assert isinstance(st.get_storage("bf16"), st.Bf16Storage)
+    make_storage(StorageSpec.parse("fp16"))
+  assert isinstance(make_storage(StorageSpec.parse("bf16")), st.Bf16Storage)
   with pytest.raises(dataclasses.FrozenInstanceError):
     opt.b1 = 0.1
 

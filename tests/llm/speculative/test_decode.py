@@ -33,15 +33,38 @@ def greedy(target):
   return G.generate(target, PROMPTS, N_NEW)
 
 
+def _check_rounds(out, shape, n_new, stopped=()):
+  """The per-round log against the tokens returned and the counters: each row's first token
+  comes from the prefill and round k adds a_k + 1 (accepted drafts and the bonus); a row
+  runs rounds until it has n_new tokens (or emitted a stop token in `stopped` rows) and
+  not one round more. EAGLE's counts recomputed from the log."""
+  logs = out.accepted_per_round
+  for r, (toks, log) in enumerate(zip(out.tokens, logs)):
+    assert len(log) == out.rounds[r] >= 1 and sum(log) == out.accepted[r], r
+    assert all(0 <= a <= shape.depth for a in log), (r, log)
+    made = 1 + sum(a + 1 for a in log)
+    before_last = made - (log[-1] + 1)
+    if r in stopped:
+      assert before_last < len(toks) <= made, (r, log, len(toks))
+    else:
+      assert len(toks) == n_new and before_last < n_new <= made, (r, log)
+  assert out.tokens_per_call == pytest.approx(
+      np.mean([len(t) / (1 + len(log)) for t, log in zip(out.tokens, logs)]), rel=1e-12)
+  assert out.accept_length == pytest.approx(
+      sum(a + 1 for log in logs for a in log) / sum(len(log) for log in logs), rel=1e-12)
+  assert out.loop_rounds == max(len(log) for log in logs)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_greedy_equals_plain_greedy(target, draft, greedy, shape):
   out = speculative_generate(target, draft, PROMPTS, N_NEW, shape=shape, max_len=MAX_LEN)
   assert out.tokens == greedy
   assert all(len(t) == N_NEW for t in out.tokens)
-  assert np.all(out.rounds >= 1) and np.all(out.accepted <= out.rounds * shape.depth)
-  assert out.tokens_per_call == np.mean([N_NEW / (1 + r) for r in out.rounds])
+  _check_rounds(out, shape, N_NEW)
   if shape.top_k == V:
-    assert np.all(out.accepted >= 2 * out.rounds) and out.accept_length > 3.0
+    # The tree holds every 2-token continuation: each round accepts at least 2 drafts.
+    assert all(a >= 2 for log in out.accepted_per_round for a in log)
+    assert out.accept_length > 3.0
   # The distilled head gets drafts accepted; in a pruned tree rows advance by different
   # amounts in the same batch.
   assert out.accept_length > 2.0
@@ -60,7 +83,7 @@ def test_untrained_draft_head(target, draft, greedy):
   out = speculative_generate(target, untrained, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
   trained = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
   assert out.tokens == greedy
-  assert np.all(out.rounds >= 1)
+  _check_rounds(out, SHAPES[1], N_NEW)
   assert out.accept_length < trained.accept_length - 0.3, (out.accept_length,
                                                            trained.accept_length)
 
@@ -71,6 +94,7 @@ def test_stop_tokens(target, draft, greedy):
   got = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], stop_tokens=[stop],
                              max_len=MAX_LEN)
   assert got.tokens == want and [len(t) for t in want] == [14, N_NEW, N_NEW, 2]
+  _check_rounds(got, SHAPES[1], N_NEW, stopped=(0, 3))
 
 
 def test_errors(target, draft):
@@ -84,6 +108,24 @@ def test_errors(target, draft):
   with pytest.raises(ValueError, match="vocab 16"):
     speculative_generate(target, wrong, PROMPTS, 3, shape=SHAPES[0])
   assert speculative_generate(target, draft, PROMPTS, 0, shape=SHAPES[0]).tokens == [[]] * 4
+
+
+@pytest.mark.parametrize("prompts,n_new,kw", [
+    ([[1], []], 3, {}),
+    ([[1], [8]], 3, {}),
+    ([[1] * 500], 13, {}),
+    (PROMPTS, -1, {}),
+    (PROMPTS, 3, {"temperature": 0.5}),
+    (PROMPTS, 3, {"temperature": 1.0, "top_p": 0.0, "rng": jax.random.key(0)}),
+    (PROMPTS, 3, {"stop_tokens": [3, 8]}),
+], ids=["empty", "vocab", "max_seq_len", "negative", "rng", "top_p", "stop_ids"])
+def test_refuses_what_generate_refuses(target, draft, prompts, n_new, kw):
+  """One request check for both: the same requests refused with the same message."""
+  with pytest.raises(ValueError) as plain:
+    G.generate(target, prompts, n_new, **kw)
+  with pytest.raises(ValueError) as spec:
+    speculative_generate(target, draft, prompts, n_new, shape=SHAPES[0], **kw)
+  assert str(spec.value) == str(plain.value).replace("generate:", "speculative_generate:", 1)
 
 
 @functools.partial(jax.jit, static_argnums=0)

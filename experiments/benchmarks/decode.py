@@ -1,0 +1,93 @@
+"""Llama decode time against the memory-bandwidth floor.
+
+A decode step must read every weight once (the embedding table in full only as the tied
+output projection, else only its B rows) and the KV cache of every layer up to the filled
+length; that many bytes over the device's copy bandwidth is the floor no implementation
+beats by much. `time_decode` times greedy prefill and decode with the KV cache
+(`llm.generate`); `measure_decode` puts the two side by side for one batch size.
+
+Letters: B batch, T prompt length, D model dim.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, float]:
+  """(weight bytes, KV-cache bytes) one decode step must read: every parameter once (the
+  embedding table in full only as the tied output projection, else its `batch` rows), and
+  k, v of every layer for `kv_tokens` tokens of each row, in the cache dtype."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  cfg = model.cfg
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  if not cfg.tie_embeddings:
+    emb = model.embed[...]
+    weights -= (emb.shape[0] - batch) * emb.shape[1] * emb.dtype.itemsize
+  item = np.dtype(cfg.cache_dtype or cfg.dtype).itemsize
+  kv = 2 * cfg.n_layers * batch * kv_tokens * cfg.n_kv_heads * cfg.head_dim * item
+  return float(weights), float(kv)
+
+
+def time_decode(model, prompts, new_tokens: int, repeats: int):
+  """(prefill seconds per repeat, decode seconds per repeat, generated ids) for greedy
+  generation of `new_tokens` tokens after `prompts` [B, T] (no stop token); the first run
+  compiles and is not timed."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from llm import generate as gen
+  graphdef, state = nnx.split(model)
+  tokens = jnp.asarray(prompts, jnp.int32)
+  lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+  stop = jnp.asarray((-1,), jnp.int32)   # no stop token: always new_tokens steps
+  max_len = tokens.shape[1] + new_tokens
+
+  def run():
+    key = jax.random.key(0)
+    t0 = time.perf_counter()
+    tok, cache, key = gen.prefill(graphdef, state, tokens, lengths, key, None, max_len=max_len)
+    jax.block_until_ready((tok, cache))
+    t1 = time.perf_counter()
+    out, _ = gen.decode(graphdef, state, cache, tok, key, None, stop, n_new=new_tokens)
+    out = np.asarray(out)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, out.tolist()
+
+  run()  # compile
+  pre, dec = [], []
+  for _ in range(repeats):
+    p, d, ids = run()
+    pre.append(p)
+    dec.append(d)
+  return pre, dec, ids
+
+
+def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats: int,
+                   copy_bytes_per_s: float, seed: int = 0) -> dict[str, Any]:
+  """Prefill ms, decode ms per step and its ratio to the floor (weights + the mean filled
+  KV cache over `copy_bytes_per_s`) for random prompts [batch, prompt_len]."""
+  import numpy as np
+
+  from core import benchmark
+  if new_tokens < 2:
+    raise ValueError(f"measure_decode: new_tokens={new_tokens}, expected >= 2 (one decode "
+                     "step after the prefill's token)")
+  rng = np.random.default_rng(seed)
+  prompts = rng.integers(0, model.cfg.vocab_size, (batch, prompt_len)).tolist()
+  pre, dec, _ = time_decode(model, prompts, new_tokens, repeats)
+  step_ms = benchmark.median(dec) * 1e3 / (new_tokens - 1)
+  kv_tokens = prompt_len + (new_tokens - 1) / 2       # filled, mean over steps
+  w_bytes, kv_bytes = decode_bytes_per_step(model, batch, kv_tokens)
+  floor_ms = (w_bytes + kv_bytes) / copy_bytes_per_s * 1e3
+  return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+          "prefill_ms": benchmark.median(pre) * 1e3, "decode_ms_per_step": step_ms,
+          "decode_floor_ms": floor_ms, "decode_over_floor": step_ms / floor_ms,
+          "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv_bytes}
+
+
+__all__ = ["decode_bytes_per_step", "measure_decode", "time_decode"]

@@ -1,0 +1,117 @@
+r"""DLRM (arXiv 1906.00091), DCN-v2 (2008.13535), DHEN (2203.11014) and Wukong (2403.02545)
+trained under one budget on the same data, compared in one table.
+
+  python -m experiments.compare_rec        # synthetic, 4 models x 3 seeds, ~10-15 min on 2 cores
+  python -m experiments.compare_rec --data=criteo:../shared/data/criteo_kaggle_sample \
+      --epochs=1 --batch_size=128 --workdir=runs/compare_rec_criteo
+  python -m experiments.compare_rec --models=dlrm,wukong:l2_n8,wukong:l3_n16 --presets=dlrm=terabyte
+  # bigger (an accelerator, or hours of CPU): longer, wider batches, the presets' own dims
+  python -m experiments.compare_rec --steps=5000 --batch_size=4096 --embedding_dim=0 \
+      --eval_batches=64 --seeds=0,1,2,3,4 --workdir=runs/compare_rec_big
+
+Every model gets the same data and hashing (`--num_rows` per feature), batch size, embedding
+dim (`--embedding_dim`, default 16 for all; 0 keeps each preset's own, e.g. 128 for Wukong's
+and DCN-v2's Criteo presets; `logreg` keeps one weight per id), dense and sparse optimizers,
+learning rates and number of steps (`--steps`, or `--epochs` over file data). Presets: each
+model's `kaggle` (its Criteo default) unless `--presets=wukong=l2_n8,dhen=dhen_2l` or a
+`model:preset` entry in `--models` says otherwise (see rec.configs.MODEL_PRESETS). Seeds
+(`--seeds=0,1,2`) vary the parameter initialization only; the data is the same for every
+seed (`--data_seed` picks the synthetic hidden model), so mean ± std is over
+initializations.
+
+Prints a table of test AUC, log loss and NE (mean ± sample std over seeds), dense and
+embedding parameters, forward GFLOPs/example of the dense part (XLA's count), train
+examples/s and wall seconds per run, plus the true logits' metrics on synthetic data (the
+Bayes ceiling). Writes `<workdir>/results.json` and `<workdir>/compare_rec.png` (AUC and NE
+bars with std error bars; NE against GFLOPs); per-run metrics under `<workdir>/runs/`. The
+last stdout line is a JSON summary. The runs train through `rec.runs.train_models` (the
+library's same-budget training of several models); the report is study.py.
+
+Measured 2026-11-21 on the 2-core CPU of BENCHMARKS.md (shared with other jobs), test AUC
+and NE as mean ± sample std over seeds 0, 1, 2:
+  python -m experiments.compare_rec                                 # 659 s in all
+    DLRM 0.7618 ± 0.0003 / 0.8514 ± 0.0011, DCN-v2 0.7700 ± 0.0002 / 0.8395 ± 0.0010,
+    DHEN 0.7519 ± 0.0044 / 0.8664 ± 0.0073, Wukong 0.7637 ± 0.0018 / 0.8505 ± 0.0030;
+    true logits 0.8290 / 0.7464 (the kaggle presets at dim 16, 500 steps of 1024)
+  python -m experiments.compare_rec --data=criteo:../shared/data/criteo_kaggle_sample \
+      --epochs=1 --batch_size=128 --eval_batch_size=1024 --workdir=runs/compare_rec_criteo
+    72 s; 56 steps, 800 eval rows: DLRM 0.7141 ± 0.0205 / 0.9125 ± 0.0257 (seed 0: 0.7268
+    / 0.8946, as experiments.criteo_baselines), DCN-v2 0.7284 ± 0.0043 / 0.9001 ± 0.0042,
+    DHEN 0.6663 ± 0.0360 / 0.9745 ± 0.0292, Wukong 0.7010 ± 0.0167 / 0.9373 ± 0.0282
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags, logging
+
+from core import cli
+from core import results as results_lib
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("data", "synthetic",
+                      "synthetic | synthetic_deep | criteo:DIR | criteo_bin:DIR | avazu:DIR | "
+                      "libfm:DIR | csv:DIR (python -m experiments.train_rec --help describes them)")
+  flags.DEFINE_list("models", ["dlrm", "dcnv2", "dhen", "wukong"],
+                    "Models to compare: names, or model:preset (e.g. wukong:l3_n16).")
+  flags.DEFINE_string("presets", "", "Per-model presets, e.g. wukong=l2_n8,dhen=dhen_2l "
+                      "(default: each model's kaggle preset).")
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Parameter-init seeds; one run per model and seed.")
+  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
+  flags.DEFINE_integer("steps", 500, "Train steps per run (ignored when --epochs is set).")
+  flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
+  flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
+  flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
+  flags.DEFINE_integer("eval_batches", 16, "Synthetic data: eval set size in eval batches.")
+  flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model; 0 keeps each preset's.")
+  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
+  flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"],
+                    "Dense optimizer.")
+  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
+  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
+                    ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
+  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
+  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
+  flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines.")
+  flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column (empty = inferred).")
+  flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns (empty = inferred, none).")
+  flags.DEFINE_string("csv_categorical", "",
+                      "--data=csv:DIR: categorical columns (empty = inferred).")
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_bool("keep_checkpoints", False, "Keep each run's final checkpoint.")
+  flags.DEFINE_string("workdir", "runs/compare_rec", "Output directory.")
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  import json
+
+  from experiments.compare_rec import study
+  from rec import configs, runs
+
+  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
+  specs = runs.parse_models(FLAGS.models, FLAGS.presets)
+  results = runs.train_models(
+      base, specs, seeds=[int(s) for s in FLAGS.seeds],
+      steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs, workdir=FLAGS.workdir,
+      log_every=FLAGS.log_every, keep_checkpoints=FLAGS.keep_checkpoints)
+  table = runs.format_runs(results)
+  print("\n" + table, flush=True)
+  results["table"] = table.splitlines()
+  results["summary"] = summary = study.summary(results)
+  results_lib.write_results(FLAGS.workdir, results)
+  study.plot_comparison(results, os.path.join(FLAGS.workdir, "compare_rec.png"))
+  print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,124 @@
+r"""Analytic model vs the measured prefill latencies of arXiv 2411.01783 (Llama 3 405B, H100).
+
+  python -m experiments.cp_model                          # paper constants, runs/cp_model
+  python -m experiments.cp_model --sendrecv_eff=0.8 --all2all_eff=0.8   # other links
+
+Runs on a CPU in about a second (no JAX). Predicts with the analytic model (perf_model.py
+beside this file; peaks and achieved fractions in `core.hardware`, FLOP and byte counts in
+`llm.cost`), after fitting its one free constant (GEMM efficiency) to the TP8 128K full
+prefill (42.01 s), every other latency the paper reports for Llama 3 405B prefill on GTT
+hosts (8 H100 + RDMA):
+  full prefill, 128K tokens, TP8 and CP2/4/8/16 (Table 7, Fig. 6a, §4.2.3),
+  full prefill, 1M tokens on CP16 (§4.2.3), 8K and 32K on TP8 and CP2 (Table 6),
+  partial prefill on CP4 with P + T = 128000, pass-KV and pass-Q, all 14 rows of Table 4,
+and where pass-KV starts to beat pass-Q, next to Algorithms 1 and 5
+(`llm.attention.cp_select`) evaluated with peak and with achieved C and BW.
+"128K" and "1M" are taken as 2^17 and 2^20 tokens (--tokens_128k, --tokens_1m): Table 6's
+TP8 times for 8K/32K/128K fit a + b*T^2 with powers of two to 0.5%, with 128000 to 3.6%.
+Table 4 states P + T = 128000 itself.
+
+Prints a table of paper vs model with the relative error of every point; writes
+results.json, full_prefill.png and partial_prefill.png to --workdir; the last stdout line
+is JSON (errors, fitted constant, crossover miss rates).
+
+With the defaults (any CPU, ~1 s plus imports) it prints GEMM efficiency 0.571 and:
+- full prefill, 9 predicted points: median |rel err| 4.3%; 128K CP2/4/8/16 +0.1%, -3.7%,
+  -9.5%, -29.8%; 1M CP16 +2.3% (78.8 s vs 77 s; with --tokens_1m=1000000, 72.2 s, -6.2%).
+  The model scales 128K linearly; the paper's CP8 and CP16 do not (5.85 s, 3.8 s).
+- partial prefill, 28 points: every TTFT is low by 0.5-1.6 s (median 0.75 s; -80% at 1%
+  miss rate, -9..-14% at 100%): the paper's partial-prefill runs carry a cost common to
+  both variants that no FLOP or byte here accounts for (its own CP4 128K full prefill is
+  10.95 s in Table 7 but 11.46 s in Table 4's 100% row, with fewer tokens). The
+  pass-KV minus pass-Q differences, where that cost cancels, agree to within 55 ms at 1%,
+  2.5% and 10-60% (136 ms at 100%); at 3.25-5% the model's sign is wrong by 30-80 ms; at
+  70-90% the paper's own differences jump (-969, -547, -435 ms).
+- crossover: the model has pass-KV faster from 3.08% miss rate; the paper's Table 4 from
+  between 5% and 10% (5.14% interpolated). Algorithm 1 / 5 with peak C, BW: 3.12% / 2.50%;
+  with achieved C = 540 TF/s, BW = 28.4 GB/s: 3.71% / 2.86%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags
+
+from core import cli
+from core import hardware
+from core import results as results_lib
+
+from experiments.cp_model import study
+
+FLAGS = flags.FLAGS
+_HW, _EFF = hardware.Hardware(), hardware.Efficiency()  # defaults, documented in core/hardware.py
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("workdir", "runs/cp_model", "Where results.json and the plots go.")
+  flags.DEFINE_float("bf16_tflops", _HW.bf16_flops / 1e12, "Peak BF16 TF/s per GPU (paper App. A).")
+  flags.DEFINE_float("fp8_tflops", _HW.fp8_flops / 1e12, "Peak FP8 TF/s per GPU (assumed 2x BF16).")
+  flags.DEFINE_float("hbm_tbps", _HW.hbm_bytes_per_s / 1e12, "HBM TB/s per GPU (paper §4.1).")
+  flags.DEFINE_float("nvlink_gbps", _HW.nvlink_bytes_per_s / 1e9,
+                     "NVLink GB/s per GPU per direction (H100 SXM spec).")
+  flags.DEFINE_float("net_gbps", _HW.net_bytes_per_s / 1e9,
+                     "Inter-host GB/s per GPU (400 Gb/s RDMA, paper §4.1).")
+  flags.DEFINE_float("attn_eff", _EFF.attn, "Attention fraction of BF16 peak (App. A: 540/800).")
+  flags.DEFINE_float("hbm_eff", _EFF.hbm, "Achieved fraction of HBM bandwidth (assumed).")
+  flags.DEFINE_float("nvlink_eff", _EFF.nvlink, "Achieved fraction of NVLink bandwidth (assumed).")
+  flags.DEFINE_float("sendrecv_eff", _EFF.sendrecv, "Ring SendRecv fraction of net_gbps (Table 5).")
+  flags.DEFINE_float("sendrecv_latency_us", _EFF.sendrecv_latency_s * 1e6,
+                     "Ring SendRecv latency, us (Table 5).", lower_bound=0.0)
+  flags.DEFINE_float("all2all_eff", _EFF.all2all, "pass-Q All2All fraction of net_gbps (Table 5).")
+  flags.DEFINE_float("all2all_latency_us", _EFF.all2all_latency_s * 1e6,
+                     "pass-Q All2All latency, us (Table 5).", lower_bound=0.0)
+  flags.DEFINE_float("gemm_eff", None, "GEMM fraction of peak, in (0, 1]; unset: fit it to "
+                     "--calib_s.")
+  flags.DEFINE_float("calib_s", 42.01, "Measured TP8 full prefill of --tokens_128k (Table 6).")
+  flags.DEFINE_integer("tokens_128k", 131072, "Tokens of the paper's '128K' full prefill.",
+                       lower_bound=1)
+  flags.DEFINE_integer("tokens_1m", 1048576, "Tokens of the paper's '1M' full prefill.",
+                       lower_bound=1)
+  flags.DEFINE_integer("curve_points", 200, "Points per predicted curve in the plots (>= 2).",
+                       lower_bound=2)
+  for name in ("bf16_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "net_gbps", "attn_eff",
+               "hbm_eff", "nvlink_eff", "sendrecv_eff", "all2all_eff", "calib_s"):
+    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
+  flags.register_validator("gemm_eff", lambda v: v is None or 0 < v <= 1,
+                           message="expected a fraction in (0, 1]")
+
+
+def build_constants(flag_values) -> tuple:
+  """(cfg, Hardware, Efficiency before the GEMM fit) from the flags."""
+  from llm.config import get_config
+
+  f = flag_values
+  hw = hardware.Hardware(bf16_flops=f.bf16_tflops * 1e12, fp8_flops=f.fp8_tflops * 1e12,
+                         hbm_bytes_per_s=f.hbm_tbps * 1e12,
+                         nvlink_bytes_per_s=f.nvlink_gbps * 1e9,
+                         net_bytes_per_s=f.net_gbps * 1e9)
+  eff = hardware.Efficiency(attn=f.attn_eff, hbm=f.hbm_eff, nvlink=f.nvlink_eff,
+                            sendrecv=f.sendrecv_eff,
+                            sendrecv_latency_s=f.sendrecv_latency_us * 1e-6,
+                            all2all=f.all2all_eff, all2all_latency_s=f.all2all_latency_us * 1e-6)
+  return get_config("llama3_405b"), hw, eff
+
+
+def main(argv):
+  del argv
+  cfg, hw, eff = build_constants(FLAGS)
+  res = study.evaluate(cfg, hw, eff, tokens_128k=FLAGS.tokens_128k, tokens_1m=FLAGS.tokens_1m,
+                       calib_s=FLAGS.calib_s, gemm_eff=FLAGS.gemm_eff,
+                       curve_points=FLAGS.curve_points)
+  print(study.format_table(res))
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  results_lib.write_results(FLAGS.workdir, res)
+  study.plot(res, FLAGS.workdir)
+  print(json.dumps(res["summary"]))
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,1 @@
+"""experiments.gpu_report: every GPU target of the project measured in one run (issue 23)."""

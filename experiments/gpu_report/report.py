@@ -1,0 +1,314 @@
+"""The report's machinery: target rows, parts run under time budgets with their compile and
+run time logged, out-of-memory told apart from other failures, pytest run in subprocesses
+with their own time limits, and DIR/report.md + DIR/report.json written after every part.
+
+A part is a function `fn(ctx) -> {"targets": [Target, ...], "details": {...}}`; it checks
+`ctx.time_left()` between its cases and marks the cases it did not start as skipped. A
+part that raises is recorded with its error (status "oom" when the device ran out of
+memory, else "failed") and the report goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+from core import benchmark
+from experiments.benchmarks.attention import error_text
+
+# Statuses of a target row: met / missed (a figure against its target), info (a figure with
+# no target), and the reasons for no figure: failed, oom, skipped (time budget),
+# unmeasured (what the figure needs has no number).
+STATUSES = ("met", "missed", "info", "failed", "oom", "skipped", "unmeasured", "partial")
+# jax.monitoring events whose durations count as compile time: tracing, lowering to MLIR,
+# and XLA's backend compile (Pallas / Mosaic GPU kernels compile inside the last).
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+@dataclasses.dataclass
+class Target:
+  """One row of the report: a figure against a target, or why there is no figure."""
+
+  part: str
+  name: str             # what is measured, with its shape / setting
+  target: str           # ">= 0.9x cuDNN", or "-" for a figure without a target
+  figure: float | None = None
+  text: str = ""        # the figure as printed ("0.93x", "41.5%")
+  status: str = "unmeasured"
+  detail: str = ""      # the numbers behind the figure, or the error
+
+  def __post_init__(self):
+    if self.status not in STATUSES:
+      raise ValueError(f"Target {self.name!r}: status {self.status!r}, expected one of "
+                       f"{STATUSES}")
+
+
+def judged(part: str, name: str, figure: float | None, *, at_least: float | None = None,
+           at_most: float | None = None, fmt: str = "{:.2f}x", target: str | None = None,
+           detail: str = "", error: str | None = None, skipped: str | None = None) -> Target:
+  """A Target whose status follows from the figure: met / missed against `at_least` or
+  `at_most` (info with neither), failed / oom from `error`, skipped, or unmeasured."""
+  if target is None:
+    target = (f">= {fmt.format(at_least)}" if at_least is not None else
+              f"<= {fmt.format(at_most)}" if at_most is not None else "-")
+  if error is not None:
+    status = "oom" if benchmark.is_out_of_memory(error) else "failed"
+    return Target(part, name, target, None, "", status, error)
+  if skipped is not None:
+    return Target(part, name, target, None, "", "skipped", skipped)
+  if figure is None:
+    return Target(part, name, target, None, "", "unmeasured", detail)
+  if at_least is not None:
+    status = "met" if figure >= at_least else "missed"
+  elif at_most is not None:
+    status = "met" if figure <= at_most else "missed"
+  else:
+    status = "info"
+  return Target(part, name, target, float(figure), fmt.format(figure), status, detail)
+
+
+@dataclasses.dataclass
+class Context:
+  """What a part gets: its sizes, its deadline, a logger that also writes its log file."""
+
+  sizes: Any
+  dry_run: bool
+  out_dir: str
+  deadline: float = float("inf")
+  log_file: Any = None
+  shared: dict = dataclasses.field(default_factory=dict)   # measured once, used by parts
+  started: float = dataclasses.field(default_factory=time.monotonic)
+
+  def time_left(self) -> float:
+    return self.deadline - time.monotonic()
+
+  def log(self, msg: str) -> None:
+    line = f"[{time.monotonic() - self.started:7.1f}s] {msg}"
+    print(line, flush=True)
+    if self.log_file is not None:
+      self.log_file.write(line + "\n")
+      self.log_file.flush()
+
+  def copy_bandwidth(self) -> float:
+    """The device's copy bandwidth (bytes/s, read + write), measured once per report."""
+    if "copy_bytes_per_s" not in self.shared:
+      self.shared["copy_bytes_per_s"] = benchmark.copy_bandwidth(self.sizes.copy_bytes)
+      self.log(f"copy bandwidth {self.shared['copy_bytes_per_s'] / 1e12:.3f} TB/s "
+               f"({self.sizes.copy_bytes / 2**30:.2f} GiB, read + write)")
+    return self.shared["copy_bytes_per_s"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  name: str
+  fn: Callable[[Context], dict]
+  what: str            # one line for --help and the report
+
+
+class _CompileClock:
+  """Sums the compile events' durations while a part runs (jax.monitoring listener)."""
+
+  def __init__(self):
+    self.seconds = 0.0
+
+  def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
+    del kwargs
+    if event in COMPILE_EVENTS:
+      self.seconds += duration_secs
+
+  def __enter__(self):
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(self)
+    return self
+
+  def __exit__(self, *exc):
+    import jax
+    jax.monitoring.unregister_event_duration_listener(self)
+
+
+def _release() -> None:
+  """Drops what a part left behind: its arrays are unreferenced once it returns (a failure
+  keeps only the error's text), so collecting and clearing jit caches frees their memory."""
+  import jax
+  gc.collect()
+  jax.clear_caches()
+  gc.collect()
+
+
+def run_part(part: Part, ctx: Context, budget_s: float) -> dict[str, Any]:
+  """Runs one part under its budget; returns its record (status, error, targets, details,
+  wall / compile / run seconds). Never raises for the part's own failure."""
+  ctx.deadline = time.monotonic() + budget_s
+  t0 = time.monotonic()
+  record: dict[str, Any] = {"budget_s": round(budget_s, 1)}
+  ctx.log(f"== {part.name}: {part.what} (budget {budget_s:.0f} s)")
+  with _CompileClock() as clock:
+    try:
+      out = part.fn(ctx)
+      record.update(status="ok", targets=out.get("targets", []), details=out.get("details", {}))
+    except Exception as e:  # noqa: BLE001 - one part failing must not end the report
+      oom = benchmark.is_out_of_memory(e)
+      record.update(status="oom" if oom else "failed", error=error_text(e), targets=[],
+                    details={})
+      ctx.log(f"{part.name}: {'OUT OF MEMORY' if oom else 'FAILED'}: {record['error']}")
+      if ctx.log_file is not None:
+        ctx.log_file.write(traceback.format_exc())
+    finally:
+      _release()
+  wall = time.monotonic() - t0
+  record.update(wall_s=round(wall, 2), compile_s=round(clock.seconds, 2),
+                run_s=round(max(wall - clock.seconds, 0.0), 2))
+  if record["status"] != "ok":
+    record["targets"] = [Target(part.name, f"{part.name} (whole part)", "-", None, "",
+                                record["status"], record["error"])]
+  ctx.log(f"{part.name}: {record['status']} in {wall:.1f} s (compile {clock.seconds:.1f} s, "
+          f"run {record['run_s']:.1f} s)")
+  for t in record["targets"]:
+    ctx.log(f"  {t.status:<10} {t.name}: {t.text or '-'} (target {t.target})"
+            + (f" {t.detail}" if t.status in ("failed", "oom", "skipped") else ""))
+  return record
+
+
+# ------------------------------------------------------------------------ pytest
+
+
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+_OUTCOME = re.compile(r"::\S*.*? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def parse_pytest_counts(text: str) -> dict[str, int]:
+  """{passed, failed, skipped, errors, ...} from pytest's output: the final summary line
+  when there is one, else counted from the per-test lines of `-v` (a run cut short)."""
+  summary = [line for line in text.splitlines()
+             if line.startswith("=") and (" in " in line or "no tests ran" in line)
+             and _SUMMARY.search(line)]
+  counts: dict[str, int] = {}
+  if summary:
+    for n, what in _SUMMARY.findall(summary[-1]):
+      counts["errors" if what.startswith("error") else what] = int(n)
+  else:
+    names = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+             "XFAIL": "xfailed", "XPASS": "xpassed"}
+    for line in text.splitlines():
+      m = _OUTCOME.search(line)
+      if m:
+        counts[names[m.group(1)]] = counts.get(names[m.group(1)], 0) + 1
+  for k in ("passed", "failed", "skipped", "errors"):
+    counts.setdefault(k, 0)
+  return counts
+
+
+def run_pytest(args: list[str], env: dict[str, str], timeout_s: float, log_path: str,
+               cwd: str) -> dict[str, Any]:
+  """Runs `python -m pytest -v *args` in its own process group, killed after `timeout_s`;
+  returns {counts, returncode, timed_out, seconds}; the output goes to `log_path`."""
+  cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *args]
+  t0 = time.monotonic()
+  with open(log_path, "w") as log:
+    log.write(" ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    timed_out = False
+    try:
+      proc.wait(timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      os.killpg(proc.pid, signal.SIGKILL)      # the group this call started, nothing else
+      proc.wait()
+  with open(log_path) as f:
+    text = f.read()
+  return {"counts": parse_pytest_counts(text), "returncode": proc.returncode,
+          "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1),
+          "command": " ".join(cmd)}
+
+
+# ------------------------------------------------------------------------ writing
+
+
+def _cell(x) -> str:
+  return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+  """report.md: the targets table (figure, target, met or not), the parts' times, and
+  each part's details."""
+  lines = [f"# GPU report{' (DRY RUN)' if report['dry_run'] else ''}", ""]
+  m = report["machine"]
+  lines.append(f"{m['device']} ({m['backend']}, {m['num_devices']} device(s)), jax "
+               f"{m['jax']}, {m['cpu']} x {m['cores']}; started {report['started']}, "
+               f"{report['wall_s']:.0f} s wall.")
+  if report["dry_run"]:
+    lines += ["", "**Dry run: toy sizes on CPU, Pallas kernels interpreted, cuDNN replaced by "
+              "XLA. The figures and their statuses check the report's plumbing and say "
+              "nothing about any GPU.**"]
+  lines += ["", "| part | target | figure | goal | status | detail |",
+            "|---|---|---|---|---|---|"]
+  for t in report["targets"]:
+    lines.append(f"| {t['part']} | {_cell(t['name'])} | {t['text'] or '-'} | "
+                 f"{_cell(t['target'])} | {t['status']} | {_cell(t['detail'])} |")
+  counts = {s: sum(t["status"] == s for t in report["targets"]) for s in STATUSES}
+  lines += ["", "Targets: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), "",
+            "| part | status | budget s | wall s | compile s | run s | error |",
+            "|---|---|---|---|---|---|---|"]
+  for name, p in report["parts"].items():
+    lines.append(f"| {name} | {p['status']} | {p.get('budget_s', '-')} | "
+                 f"{p.get('wall_s', '-')} | {p.get('compile_s', '-')} | {p.get('run_s', '-')} "
+                 f"| {_cell(p.get('error', ''))} |")
+  for name, p in report["parts"].items():
+    tables = p.get("details", {}).get("tables", {})
+    for title, rows in tables.items():
+      if not rows:
+        continue
+      cols = list(dict.fromkeys(k for r in rows for k in r))
+      lines += ["", f"## {name}: {title}", "", "| " + " | ".join(cols) + " |",
+                "|" + "---|" * len(cols)]
+      for r in rows:
+        lines.append("| " + " | ".join(_cell(_fmt(r.get(c, ""))) for c in cols) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _fmt(x) -> str:
+  if isinstance(x, float):
+    return f"{x:.4g}"
+  return str(x)
+
+
+def write_report(out_dir: str, report: dict[str, Any]) -> None:
+  """DIR/report.json and DIR/report.md, each written to a temporary file and renamed."""
+  os.makedirs(out_dir, exist_ok=True)
+  for name, text in (("report.json", json.dumps(report, indent=1, default=_json_default)),
+                     ("report.md", to_markdown(report))):
+    tmp = os.path.join(out_dir, f".{name}.tmp")
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+
+def _json_default(x):
+  if dataclasses.is_dataclass(x):
+    return dataclasses.asdict(x)
+  if hasattr(x, "item"):
+    return x.item()
+  return str(x)
+
+
+def default_out_dir(root: str = "runs") -> str:
+  return os.path.join(root, "gpu_report_" + datetime.datetime.now().strftime("%Y%m%d_%H%M%S"))
+
+
+__all__ = ["COMPILE_EVENTS", "Context", "Part", "STATUSES", "Target", "default_out_dir",
+           "judged", "parse_pytest_counts", "run_part", "run_pytest", "to_markdown",
+           "write_report"]

@@ -1,0 +1,102 @@
+r"""Predictions of a trained recommendation model (`rec.predict`): a CSV of row id and click
+probability, and the metrics when the rows have labels.
+
+  python -m experiments.train_rec --data=criteo:DIR --workdir=runs/kaggle ...
+  python -m experiments.predict --checkpoint=runs/kaggle --split=predict   # Kaggle's test.txt
+      # -> runs/kaggle/predictions_predict.csv: Id,Predicted (Kaggle's submission format)
+  python -m experiments.predict --checkpoint=runs/kaggle --split=test      # AUC, log loss too
+  python -m experiments.predict --checkpoint=runs/x --data=criteo_bin:OUT --split=predict
+
+--data defaults to the run's own data (and --days to its days); --split is train, valid,
+test, or predict (the unlabeled rows: Criteo Kaggle's test.txt, Avazu's test.gz, or a
+criteo_bin conversion's predict split). Criteo Kaggle's unlabeled rows get Kaggle's ids
+(Id from 60,000,000) and header `Id,Predicted`; Avazu's keep their `id` (`id,click`); other
+rows are numbered from 0 (`row,probability,label`). The model, its features and the id
+settings come from the checkpoint; data whose features or ids differ from those the model
+was trained on (another --num_rows, another vocabulary --min_count, Avazu rows for a Criteo
+model) is refused with the difference named. Writes the CSV, `<output>.json` with the
+summary, and prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import flags
+from core import cli
+
+FLAGS = flags.FLAGS
+SPLITS = ["train", "valid", "test", "predict"]
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script."""
+  flags.DEFINE_string("checkpoint", None, "The --workdir of a train_rec run (its latest "
+                      "checkpoint and settings).", required=True)
+  flags.DEFINE_string("data", "", "Data to predict on, a --data form of train_rec (criteo:DIR, "
+                      "avazu:DIR, criteo_bin:DIR); empty: the run's own.")
+  flags.DEFINE_enum("split", "predict", SPLITS, "Which rows: predict = the unlabeled ones "
+                    "(Kaggle's test file); train / valid / test = labeled rows, with metrics.")
+  flags.DEFINE_string("days", None, "Criteo Terabyte days of --data (default: the run's).")
+  flags.DEFINE_string("output", "", "CSV to write (default: <checkpoint>/predictions_<split>.csv).")
+  flags.DEFINE_integer("batch_size", 0, "Rows per batch (0: the run's --eval_batch_size).")
+  flags.DEFINE_string("mesh", "", "Device mesh (default: the run's; its embedding layout needs "
+                      "the same number of devices).")
+
+
+def main(argv):
+  del argv
+  from absl import logging
+  if not FLAGS["verbosity"].present:   # library INFO logs (orbax) drown the summary
+    logging.set_verbosity(logging.WARNING)
+  import jax
+  from core.errors import UserError
+  from core import results as results_lib
+  from rec import predict as predict_lib
+  if FLAGS.batch_size < 0:
+    raise UserError(f"--batch_size={FLAGS.batch_size}; expected >= 1 (0: the run's)")
+  if jax.process_count() > 1:
+    raise UserError(f"{jax.process_count()} processes; expected one: predictions are written "
+                    "in file order by one process")
+  t0 = time.time()
+  run = predict_lib.load_run(FLAGS.checkpoint, FLAGS.data or None, FLAGS.split,
+                             days=FLAGS.days, batch_size=FLAGS.batch_size or None,
+                             mesh=FLAGS.mesh or None)
+  split = run.split
+  print(f"checkpoint {FLAGS.checkpoint} (step {run.step}) | model {run.cfg.model} "
+        f"({run.cfg.preset}) | data {run.cfg.data} split {FLAGS.split} | {split.describe}",
+        flush=True)
+  output = FLAGS.output or os.path.join(FLAGS.checkpoint, f"predictions_{FLAGS.split}.csv")
+  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  evaluator = run.task.new_evaluator() if split.labeled else None
+  rows = 0
+  tmp = output + ".tmp"
+  with open(tmp, "w") as f:
+    header = [split.id_column, split.prob_column] + (["label"] if split.labeled else [])
+    f.write(",".join(header) + "\n")
+    for ids, probs, labels in predict_lib.predictions(run, evaluator):
+      if split.labeled:
+        f.writelines(f"{i},{p:.6g},{int(y)}\n" for i, p, y in zip(ids, probs, labels))
+      else:
+        f.writelines(f"{i},{p:.6g}\n" for i, p in zip(ids, probs))
+      rows += len(probs)
+  os.replace(tmp, output)
+  metrics = evaluator.result() if evaluator is not None else {}
+  summary = {"checkpoint": FLAGS.checkpoint, "step": run.step, "data": run.cfg.data,
+             "split": FLAGS.split, "rows": rows, "labeled": split.labeled, "output": output,
+             "wall_seconds": time.time() - t0,
+             **{k: metrics.get(k) for k in ("auc", "logloss", "ne", "accuracy") if metrics}}
+  results_lib.write_json({"summary": summary, "metrics": metrics},
+                         os.path.splitext(output)[0] + ".json")
+  if metrics:
+    print(f"{FLAGS.split}: AUC {metrics['auc']:.4f} | log loss {metrics['logloss']:.4f} | "
+          f"NE {metrics['ne']:.4f} | {rows:,} rows", flush=True)
+  print(f"wrote {rows:,} predictions to {output}", flush=True)
+  print(json.dumps(summary, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,147 @@
+"""RecD (arXiv 2211.05239) study: session-grouped data, and lookup / train-step throughput of
+the deduplicated path against the plain path through the same RecTask and collection.
+
+  session_batches(...)        sessions of `session_len` consecutive samples share their
+                              user features (multi-hot histories); item features per sample
+  throughput_study(...)       per session length: duplication rate, host dedup time, median
+                              lookup and train-step seconds, plain vs dedup
+  format_rows(rows), plot(rows, path)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+import optax
+
+from core import benchmark
+from core import mesh as mesh_lib
+from rec.data import dedup as dedup_lib
+from rec.data import synthetic
+from rec.data.batch import SparseBatch
+from rec.embedding import optimizers as opt_lib
+from rec.embedding import planner as planner_lib
+from rec.embedding.collection import EmbeddingCollection
+from rec.embedding.config import ShardingKind
+from rec.models.dlrm import DLRM, DLRMConfig
+from rec.train_lib import RecTask
+
+
+def session_batches(batch_size: int, session_len: int, num_user: int = 4, num_item: int = 4,
+                    user_bag: int = 32, item_bag: int = 1, num_rows: int = 100_000,
+                    num_dense: int = 13, seed: int = 0, start: int = 0) -> Iterator[SparseBatch]:
+  """Session-grouped batches: features 0..num_user-1 are user features (bags of user_bag
+  Zipf ids, one bag per session of `session_len` consecutive samples), the rest item
+  features (item_bag ids per sample); random labels (for throughput, not quality)."""
+  if batch_size % session_len:
+    raise ValueError(f"session_batches: batch_size={batch_size} not divisible by "
+                     f"session_len={session_len}")
+  F, L = num_user + num_item, max(user_bag, item_bag)
+  k = start
+  while True:
+    rng = np.random.default_rng([seed, k])
+    S = batch_size // session_len
+    ids = np.zeros((batch_size, F, L), np.int32)
+    lengths = np.zeros((batch_size, F), np.int32)
+    user = synthetic.zipf_ids(rng, num_rows, (S, num_user, user_bag))
+    ids[:, :num_user, :user_bag] = np.repeat(user, session_len, axis=0)
+    lengths[:, :num_user] = user_bag
+    ids[:, num_user:, :item_bag] = synthetic.zipf_ids(rng, num_rows,
+                                                      (batch_size, num_item, item_bag))
+    lengths[:, num_user:] = item_bag
+    yield SparseBatch(rng.standard_normal((batch_size, num_dense)).astype(np.float32), ids,
+                      lengths, (rng.random(batch_size) < 0.25).astype(np.float32),
+                      np.ones(batch_size, np.float32))
+    k += 1
+
+
+def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
+                     num_item: int = 8, user_bag: int = 32, num_rows: int = 100_000,
+                     dim: int = 32, steps: int = 5, repeats: int = 5, mesh_spec: str = "-1",
+                     seed: int = 0, log=print) -> list[dict[str, Any]]:
+  """Per session length: duplication rate of the user features, host dedup time, and the
+  median seconds of the forward lookup and of a train step, plain vs dedup (side by side
+  in one process; DLRM dense part, every table table-wise, one RecTask whose collection
+  deduplicates the user features: the plain path is the same task fed batches without
+  distinct bags). Item features read bags of 1 id (`bag_sizes`) on both paths."""
+  mesh = mesh_lib.make_mesh(mesh_spec)
+  n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
+  F = num_user + num_item
+  cfg = DLRMConfig(num_dense=13, num_sparse=F, embedding_dim=dim, bottom_mlp=(64, dim),
+                   top_mlp=(64, 1), rows_per_feature=(num_rows,) * F)
+  tables = cfg.tables()
+  plan = planner_lib.uniform_plan(tables, ShardingKind.TABLE_WISE, n)
+  user = tuple(t.name for t in tables[:num_user])
+  bags = {t.name: (user_bag if i < num_user else 1) for i, t in enumerate(tables)}
+  rows = []
+  for S in session_lens:
+    capacity = -(-(batch_size // n) // S)
+    coll = EmbeddingCollection(
+        tables, plan, mesh, opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.05),
+        dedup=dedup_lib.DedupSpec(user, capacity, "error"), bag_sizes=bags)
+    task = RecTask(lambda r: DLRM(cfg, r), coll, optax.adagrad(0.05), mesh)
+    host = next(session_batches(batch_size, S, num_user, num_item, user_bag, 1, num_rows,
+                                seed=seed))
+    t0 = time.perf_counter()
+    dd = task.device_batch(host)           # dedup on the host, then onto the mesh
+    jax.block_until_ready(dd)
+    t_dedup = time.perf_counter() - t0
+    plain = mesh_lib.shard_batch(host, mesh, mesh_lib.REC_RULES)
+    state = task.init_state(seed)
+    look = jax.jit(lambda emb, b: coll.lookup(emb, b.ids, b.lengths, b.weights, b.dedup))
+    step = jax.jit(task.train_step, donate_argnums=0)
+    row = {"session_len": S, "capacity_per_shard": capacity,
+           "dup_rate_user": dedup_lib.duplication_rate(host, range(num_user)),
+           "dup_rate_all": dedup_lib.duplication_rate(host), "dedup_host_s": t_dedup}
+    for name, batch in (("plain", plain), ("dedup", dd)):
+      # Lookups do not chain: each call is waited for (the same overhead on both paths).
+      t_look, _ = benchmark.time_steps(
+          lambda s, b=batch: jax.block_until_ready(look(state["emb"], b)), None, steps, repeats)
+      t_step, state = benchmark.time_steps(lambda s, b=batch: step(s, b)[0], state, steps,
+                                           repeats)
+      row[f"{name}_lookup_s"] = benchmark.median(t_look)
+      row[f"{name}_step_s"] = benchmark.median(t_step)
+    row["lookup_speedup"] = row["plain_lookup_s"] / row["dedup_lookup_s"]
+    row["step_speedup"] = row["plain_step_s"] / row["dedup_step_s"]
+    row["plain_step_ex_s"] = batch_size / row["plain_step_s"]
+    row["dedup_step_ex_s"] = batch_size / row["dedup_step_s"]
+    log(format_rows([row], header=not rows))
+    rows.append(row)
+  return rows
+
+
+def format_rows(rows, header: bool = True) -> str:
+  lines = ([f"{'session':>7} {'dup(user)':>9} {'dup(all)':>8} {'C_l':>5} {'lookup plain':>13} "
+            f"{'dedup':>9} {'x':>5} {'step plain':>11} {'dedup':>9} {'x':>5} "
+            f"{'ex/s dedup':>11} {'host dedup':>10}"] if header else [])
+  for r in rows:
+    lines.append(f"{r['session_len']:>7} {r['dup_rate_user']:>9.3f} {r['dup_rate_all']:>8.3f} "
+                 f"{r['capacity_per_shard']:>5} {1e3 * r['plain_lookup_s']:>10.2f} ms "
+                 f"{1e3 * r['dedup_lookup_s']:>6.2f} ms {r['lookup_speedup']:>5.2f} "
+                 f"{1e3 * r['plain_step_s']:>8.2f} ms {1e3 * r['dedup_step_s']:>6.2f} ms "
+                 f"{r['step_speedup']:>5.2f} {r['dedup_step_ex_s']:>11,.0f} "
+                 f"{1e3 * r['dedup_host_s']:>7.1f} ms")
+  return "\n".join(lines)
+
+
+def plot(rows, path: str) -> str:
+  """Lookup and step speedup (plain / dedup) against the user features' duplication rate."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  x = [r["dup_rate_user"] for r in rows]
+  ax.plot(x, [r["lookup_speedup"] for r in rows], "o-", label="lookup (gather + pool)")
+  ax.plot(x, [r["step_speedup"] for r in rows], "s-", label="train step")
+  ax.axhline(1, color="k", lw=0.8)
+  ax.set(xlabel="duplication rate of the user features", ylabel="speedup (plain / dedup)",
+         title="RecD in-batch dedup")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

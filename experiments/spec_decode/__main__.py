@@ -1,0 +1,275 @@
+r"""EAGLE speculative decoding with tree attention (arXiv 2508.08192): train a draft head for a
+target, then measure it against plain decoding per tree shape and batch size.
+
+  python -m experiments.spec_decode          # stories260K, default trees, batch 1 and 8
+  python -m experiments.spec_decode --target=workdir:runs/train_lm --prompt_text=book.txt
+  python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
+      --max_new_tokens=256 --temperature=0.8                 # sampling (same distribution)
+
+Steps: (1) the target (llama2c:PATH, hf:DIR or a train_lm workdir:DIR) samples
+--num_sequences sequences of --seq_len tokens (from BOS for llama2c / hf targets, else from
+random --gen_prompt_len-token windows of --prompt_text, by default the text the train_lm run
+trained on); (2) a DraftHead is distilled on them through core.train in <workdir>/draft
+(checkpoints; a rerun with the same settings resumes or reuses it; --overwrite retrains;
+--resume_allow=distill.learning_rate,... keeps it although those settings changed);
+(3) for every batch size, prompts are the first --prompt_len tokens of held-out sequences,
+and plain `llm.generate.generate` and `speculative_generate` run side by side per tree shape
+(--repeats alternating runs, medians). Reported per (tree, batch): mean accepted length
+(tokens per draft-verify round, EAGLE's tau), tokens per target call, ms per token and the
+wall-clock speedup (benchmark.py beside this file); greedy output is checked token for token
+against plain decoding.
+Writes <workdir>/results.json and <workdir>/spec_decode.png; the last stdout line is JSON.
+
+Measured (2-core CPU shared with other jobs, load average ~14, jax 0.11.2, 2026-11-24):
+`python -m experiments.spec_decode --draft_steps=600 --overwrite` (the defaults but 600
+draft steps; 20.5 min wall, of which ~16.5 min distillation, 1 GiB peak RSS; the target's
+sequences were reused from an interrupted run, generating them takes ~4 min). Draft eval:
+top1 0.217 (draft argmax == target argmax), reg 0.799, cls 4.881. 128 greedy tokens from
+16-token held-out prompts; greedy output equal to plain decoding in every row:
+
+  batch  tree    accept len  tok/call  plain ms/tok  spec ms/tok  speedup
+      1  1:4:4         1.49      1.49         0.135        0.466     0.29
+      1  2:4:8         1.59      1.58         0.253        0.795     0.32
+      1  4:5:24        1.81      1.80         0.282        2.154     0.13
+      1  8:6:48        2.19      2.17         0.271        3.736     0.07
+      8  1:4:4         1.48      1.53         1.526        6.910     0.22
+      8  2:4:8         1.63      1.69         0.836        6.246     0.13
+      8  4:5:24        1.87      1.92         1.757        9.195     0.19
+      8  8:6:48        2.05      2.11         0.603       16.037     0.04
+
+(ms/tok: wall time of the whole call / 128.) Speculative decoding is slower on CPU here: a
+plain step of the 0.26M-parameter target takes ~0.13 ms, so the draft calls and the tree
+bookkeeping (top-k, re-ranking, acceptance loops, per-query masked attention) cost more
+than the target calls they save. GPU speedups (batch 1 and 8) are unmeasured: the same
+command runs unchanged on one (attention_impl "auto" takes "xla_decode" for the masked
+tree calls there too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+
+from absl import flags, logging
+
+from core import cli
+from core import results as results_lib
+
+FLAGS = flags.FLAGS
+STORIES = os.path.join("..", "shared", "data", "llama2c", "stories260K.bin")
+# The draft head's run settings (saved with its checkpoints, compared on resume) whose flag
+# is not the setting's own name; distill.NAME is otherwise set by --NAME.
+SETTING_FLAGS = {"distill.learning_rate": "draft_lr", "distill.batch_size": "draft_batch"}
+
+
+def _valid_trees(specs) -> bool:
+  from llm.speculative.tree import TreeShape
+  try:
+    for s in specs:
+      TreeShape.parse(s)
+  except ValueError:
+    return False
+  return True
+
+
+def _positive_ints(values) -> bool:
+  try:
+    return all(int(v) >= 1 for v in values)
+  except ValueError:
+    return False
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script (tests import the
+  module beside other entry points whose flags share names)."""
+  flags.DEFINE_string("target", f"llama2c:{STORIES}", "Target model: llama2c:PATH | hf:DIR | "
+                      "workdir:DIR (an experiments.train_lm run).")
+  flags.DEFINE_string("workdir", "runs/spec_decode", "Output directory (the draft head trains "
+                      "in <workdir>/draft).")
+  flags.DEFINE_string("prompt_text", None, "Text whose windows prompt the target's sequences "
+                      "(default: none for llama2c / hf targets, which start from BOS; a "
+                      "train_lm workdir's own --text).")
+  flags.DEFINE_integer("gen_prompt_len", 8, "Tokens per --prompt_text window.", lower_bound=1)
+  flags.DEFINE_integer("bos_id", 1, "Start token of sequences without --prompt_text.",
+                       lower_bound=0)
+  flags.DEFINE_integer("num_sequences", 1024, "Sequences the target generates for distillation.",
+                       lower_bound=2)
+  flags.DEFINE_integer("eval_sequences", 64, "Of those, held out (eval; benchmark prompts).",
+                       lower_bound=1)
+  flags.DEFINE_integer("seq_len", 128, "Tokens per generated sequence.", lower_bound=2)
+  flags.DEFINE_float("gen_temperature", 1.0, "Temperature the target samples them at (> 0).")
+  flags.DEFINE_integer("draft_steps", 1500, "Draft-head train steps.", lower_bound=1)
+  flags.DEFINE_integer("draft_batch", 32, "Sequences per draft train step.", lower_bound=1)
+  flags.DEFINE_float("draft_lr", 3e-3, "Peak AdamW learning rate of the draft head.")
+  flags.DEFINE_integer("warmup_steps", 100, "Linear warmup steps.", lower_bound=0)
+  flags.DEFINE_float("w_cls", 0.1, "Weight of the token cross-entropy beside the feature loss.",
+                     lower_bound=0.0)
+  flags.DEFINE_float("noise", 0.1, "Uniform noise on the input features (EAGLE's).",
+                     lower_bound=0.0)
+  flags.DEFINE_bool("overwrite", False, "Retrain the draft head from scratch.")
+  flags.DEFINE_list("resume_allow", [], "Draft-head settings a rerun may change and still "
+                    "reuse the trained head, e.g. distill.learning_rate (--draft_lr).")
+  flags.DEFINE_list("trees", ["chain:4", "2:4:8", "4:5:24", "8:6:48"],
+                    "Tree shapes TOP_K:DEPTH:BUDGET (or chain:DEPTH).")
+  flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes to measure.")
+  flags.DEFINE_integer("prompt_len", 16, "Prompt tokens (a held-out sequence's first ones).",
+                       lower_bound=1)
+  flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
+  flags.DEFINE_float("temperature", 0.0, "0: greedy (checked against plain decoding); > 0: "
+                     "sampling (rejection sampling; same distribution).", lower_bound=0.0)
+  flags.DEFINE_integer("repeats", 3, "Timed runs of each (alternating plain / speculative).",
+                       lower_bound=1)
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+  flags.DEFINE_integer("seed", 0, "Seed of the generated data, the draft init and sampling.")
+  flags.register_validator("gen_temperature", lambda v: v > 0,
+                           message="expected > 0 (greedy sequences from few prompts repeat)")
+  flags.register_validator("draft_lr", lambda v: math.isfinite(v) and v > 0,
+                           message="expected a finite learning rate > 0")
+  flags.register_validator("trees", _valid_trees,
+                           message="expected shapes TOP_K:DEPTH:BUDGET (e.g. 4:5:24) or "
+                           "chain:DEPTH, every number >= 1")
+  flags.register_validator("batch_sizes", lambda v: bool(v) and _positive_ints(v),
+                           message="expected integers >= 1")
+
+
+def check_flags(f) -> None:
+  """What single flags cannot say: the sizes that must agree (each error names its flags)."""
+  if f.eval_sequences >= f.num_sequences:
+    raise ValueError(f"--eval_sequences={f.eval_sequences}: expected fewer than "
+                     f"--num_sequences={f.num_sequences} (the rest train the draft head)")
+  if f.prompt_len >= f.seq_len:
+    raise ValueError(f"--prompt_len={f.prompt_len}: expected < --seq_len={f.seq_len}")
+  if f.prompt_text is not None and f.gen_prompt_len >= f.seq_len:
+    raise ValueError(f"--gen_prompt_len={f.gen_prompt_len}: expected < --seq_len={f.seq_len}")
+  biggest = max(int(b) for b in f.batch_sizes)
+  if biggest > f.eval_sequences:
+    raise ValueError(f"--batch_sizes up to {biggest} need as many held-out prompts; "
+                     f"raise --eval_sequences={f.eval_sequences}")
+
+
+def with_flag_names(err: Exception, flag_names) -> str:
+  """A resume error of the draft head's run (`core.train.check_resume`: one line per setting
+  that differs), with the flag among `flag_names` that sets each of those settings."""
+  keys = re.findall(r"^  (\S+): .* \(checkpoint\) -> .* \(now\)$", str(err), re.M)
+  named = []
+  for k in keys:
+    name = SETTING_FLAGS.get(k, k[len("distill."):] if k.startswith("distill.") else k)
+    if name in flag_names:
+      named.append(f"{k} is --{name}")
+  # spec_decode resumes its draft head by itself: it has no --resume flag to name.
+  text = str(err).replace("--resume: the settings differ", "The draft head's settings differ", 1)
+  return text + ("\nFlags of these settings: " + "; ".join(named) if named else "")
+
+
+def _prompts_for_target(spec: str, vocab_size: int):
+  """Generation prompts: BOS for llama2c / hf targets, windows of a text for workdirs."""
+  import numpy as np
+  text = FLAGS.prompt_text
+  if text is None and spec.startswith("workdir:"):
+    from core import checkpoint as ckpt_lib
+    ckpt = ckpt_lib.Checkpointer(spec.partition(":")[2])
+    try:
+      text = ckpt.restore_meta(ckpt.latest_step()).get("settings", {}).get("data.text")
+    finally:
+      ckpt.close()
+    if not text:
+      raise ValueError(f"--target={spec}: its checkpoint names no training text; pass "
+                       "--prompt_text=FILE")
+  if text is None:
+    return [[FLAGS.bos_id]]
+  from llm.checkpoints import find_tokenizer
+  from llm.data import read_text
+  tok = find_tokenizer(spec, None, vocab_size)
+  if tok is None:
+    raise ValueError(f"--prompt_text={text}: --target={spec} has no tokenizer beside it to "
+                     "encode it")
+  ids = np.asarray(tok.encode(read_text(text)), np.int32)
+  n = FLAGS.gen_prompt_len
+  if len(ids) <= n:
+    raise ValueError(f"--prompt_text={text}: {len(ids)} tokens, need more than "
+                     f"--gen_prompt_len={n}")
+  rng = np.random.default_rng(FLAGS.seed)
+  return [ids[s:s + n].tolist() for s in rng.integers(0, len(ids) - n, 256)]
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from core import benchmark as bench_lib
+  from core.train import RunSettingsError
+  from llm.checkpoints import load_model
+  from llm.speculative import TreeShape, distill
+
+  from experiments.spec_decode import benchmark
+
+  t0 = time.time()
+  check_flags(FLAGS)
+  shapes = [TreeShape.parse(s) for s in FLAGS.trees]
+  batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+  cfg, target = load_model(FLAGS.target, FLAGS.dtype)
+  if FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
+    raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens="
+                     f"{FLAGS.max_new_tokens} exceeds the target's max_seq_len={cfg.max_seq_len}")
+  dcfg = distill.DistillConfig(
+      num_sequences=FLAGS.num_sequences, seq_len=FLAGS.seq_len,
+      eval_sequences=FLAGS.eval_sequences, gen_temperature=FLAGS.gen_temperature,
+      batch_size=FLAGS.draft_batch, steps=FLAGS.draft_steps, learning_rate=FLAGS.draft_lr,
+      warmup_steps=FLAGS.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
+      log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed)
+  print(f"target {FLAGS.target}: {cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, "
+        f"dim {cfg.dim}, vocab {cfg.vocab_size}; draft head: 1 layer", flush=True)
+  prompts = _prompts_for_target(FLAGS.target, cfg.vocab_size)
+  print(f"distilling the draft head in {os.path.join(FLAGS.workdir, 'draft')} "
+        f"({dcfg.num_sequences} target sequences of {dcfg.seq_len} tokens, "
+        f"{dcfg.steps} steps)", flush=True)
+  try:
+    draft, train_out, (tokens, _) = distill.train_draft(
+        target, os.path.join(FLAGS.workdir, "draft"), dcfg, prompts=prompts,
+        overwrite=FLAGS.overwrite, resume_allow=tuple(FLAGS.resume_allow),
+        settings={"target": FLAGS.target, "dtype": FLAGS.dtype})
+  except RunSettingsError as e:
+    raise RunSettingsError(with_flag_names(e, set(FLAGS))) from None
+  held_out = tokens[dcfg.num_sequences - dcfg.eval_sequences:, :FLAGS.prompt_len].tolist()
+  print(f"draft eval: {json.dumps({k: round(v, 4) for k, v in train_out['eval'].items()})}",
+        flush=True)
+
+  rows = []
+  for b in batch_sizes:
+    rows += benchmark.compare(target, draft, held_out[:b], FLAGS.max_new_tokens, shapes,
+                              repeats=FLAGS.repeats, temperature=FLAGS.temperature,
+                              seed=FLAGS.seed)
+  head = (f"{'batch':>5} {'tree':>9} {'accept len':>10} {'tok/call':>8} {'plain ms/tok':>12} "
+          f"{'spec ms/tok':>11} {'speedup':>7} {'greedy ==':>9}")
+  print(head)
+  for r in rows:
+    print(f"{r['batch']:>5} {r['tree']:>9} {r['accept_length']:>10.2f} "
+          f"{r['tokens_per_call']:>8.2f} {r['plain_ms_per_token']:>12.3f} "
+          f"{r['spec_ms_per_token']:>11.3f} {r['speedup']:>7.2f} {str(r['greedy_match']):>9}")
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  plot_path = benchmark.plot(rows, os.path.join(FLAGS.workdir, "spec_decode.png"))
+  best = {b: max((r for r in rows if r["batch"] == b), key=lambda r: r["speedup"])
+          for b in batch_sizes}
+  summary = {"target": FLAGS.target, "temperature": FLAGS.temperature,
+             "max_new_tokens": FLAGS.max_new_tokens, "draft_eval": train_out["eval"],
+             "greedy_match": (all(r["greedy_match"] for r in rows)
+                              if FLAGS.temperature == 0 else None),
+             "best": {str(b): {"tree": r["tree"], "speedup": round(r["speedup"], 3),
+                               "accept_length": round(r["accept_length"], 3)}
+                      for b, r in best.items()},
+             "wall_seconds": round(time.time() - t0, 1)}
+  results_lib.write_results(FLAGS.workdir, {
+      "summary": summary, "rows": rows, "machine": bench_lib.machine(), "plot": plot_path,
+      "flags": {f: FLAGS[f].value for f in ("target", "trees", "batch_sizes", "prompt_len",
+                                              "max_new_tokens", "temperature", "repeats",
+                                              "dtype", "seed", "num_sequences", "seq_len",
+                                              "draft_steps", "draft_batch", "draft_lr")}})
+  print(json.dumps(summary, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,276 @@
+"""Dense scaling of recommendation models: quality against compute, with power-law fits.
+
+The study of `experiments.wukong_scaling` (the shape of Figure 1 of Wukong, arXiv
+2403.02545; the runs train through `rec.runs.train_models`): families of model sizes per
+architecture (GRIDS; Wukong grows depth l, n_F = n_L, rank k and MLP width, as
+`wukong.SCALING_LADDER` does; DLRM grows its MLP widths; DCN-v2 its cross layers, cross
+rank and deep MLP widths), each size trained for the same
+number of examples on data with planted high-order interactions (`--data=synthetic_deep`,
+`rec.data.synthetic`), then per architecture a power law
+
+    quality gap = a * (forward GFLOPs / example)^b
+
+fitted by least squares in log space (`fit_power_law`). The primary quality is test NE and
+its gap is NE - NE_floor, the floor being the NE of the true planted logits on the same
+eval examples (0 on file data, where no floor is known); the secondary fit uses the AUC gap
+to the true logits' AUC. `findings` turns the fits and points into sentences.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from core import plot as plot_lib
+from rec import runs
+
+# Sizes per architecture, as preset patterns of rec.configs (dim 16 unless --embedding_dim).
+# "cpu" at dim 16, 26 sparse + 13 dense features, forward GFLOPs/example: Wukong 0.00015 to
+# 0.0068, DLRM 0.00016 to 0.0029, DCN-v2 0.0002 to 0.0043. "large": for accelerators,
+# dim 64 or more (Wukong rungs 0-5 of wukong.SCALING_LADDER).
+GRIDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "cpu": {
+        "wukong": ("l1_n4_k8_w64", "l2_n8_k16_w128", "l2_n16_k24_w256", "l3_n16_k32_w512"),
+        "dlrm": ("w128", "w256", "w512", "w1024"),
+        "dcnv2": ("x1_r32_w128", "x2_r64_w256", "x3_r128_w512", "x3_r256_w1024"),
+    },
+    "large": {
+        "wukong": tuple(f"scaled{i}" for i in range(6)),
+        "dlrm": ("w512", "w1024", "w2048", "w4096", "w8192"),
+        "dcnv2": ("x2_r64_w512", "x3_r128_w1024", "x3_r256_w2048", "x4_r512_w4096",
+                  "x4_r1024_w8192"),
+    },
+}
+
+
+def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
+  """Least-squares fit of y = a * x^b in log space (log y = log a + b log x).
+
+  Returns {a, b, r2, n}: r2 is the coefficient of determination of the log-space fit (1.0
+  when log y is constant and fitted exactly). Needs at least two distinct positive x and
+  positive y.
+  """
+  x = np.asarray(x, np.float64).reshape(-1)
+  y = np.asarray(y, np.float64).reshape(-1)
+  if x.shape != y.shape:
+    raise ValueError(f"fit_power_law: {x.size} x values and {y.size} y values; expected equal")
+  bad = ~((x > 0) & (y > 0) & np.isfinite(x) & np.isfinite(y))
+  if bad.any():
+    i = int(np.argmax(bad))
+    raise ValueError(f"fit_power_law: point {i} is (x={x[i]}, y={y[i]}); expected positive, "
+                     "finite values (a power law is fitted in log space)")
+  if np.unique(x).size < 2:
+    raise ValueError(f"fit_power_law: x={x.tolist()}; expected at least two distinct values")
+  lx, ly = np.log(x), np.log(y)
+  b, log_a = np.polyfit(lx, ly, 1)
+  ss_res = float(np.sum((ly - (log_a + b * lx)) ** 2))
+  ss_tot = float(np.sum((ly - ly.mean()) ** 2))
+  r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res < 1e-24 else 0.0)
+  return {"a": float(math.exp(log_a)), "b": float(b), "r2": float(r2), "n": int(x.size)}
+
+
+def default_specs(grid: str = "cpu", archs: Sequence[str] = ("wukong", "dlrm", "dcnv2"),
+                  sizes: int = 0) -> list[runs.ModelSpec]:
+  """The sizes of `archs` in GRIDS[grid]; sizes > 0 keeps that many, spread evenly."""
+  if grid not in GRIDS:
+    raise ValueError(f"--grid={grid!r}: expected one of {sorted(GRIDS)}")
+  specs = []
+  for arch in archs:
+    if arch not in GRIDS[grid]:
+      raise ValueError(f"--archs entry {arch!r}: expected one of {sorted(GRIDS[grid])}")
+    presets = GRIDS[grid][arch]
+    if 0 < sizes < len(presets):
+      presets = tuple(presets[round(i)] for i in np.linspace(0, len(presets) - 1, sizes))
+    specs += [runs.ModelSpec(arch, p) for p in presets]
+  return specs
+
+
+def _gap_points(rows, key: str, floor: float, sign: float):
+  """(gflops, gap, preset) per size; gap = sign * (metric - floor); non-positive gaps are
+  dropped (a power law cannot pass through them) and listed."""
+  pts, dropped = [], []
+  for r in sorted(rows, key=lambda r: r["gflops_per_example"]):
+    gap = sign * (r[f"{key}_mean"] - floor)
+    (pts if gap > 0 else dropped).append((r["gflops_per_example"], gap, r["preset"]))
+  return pts, dropped
+
+
+def scaling_fits(results: Mapping[str, Any]) -> dict[str, Any]:
+  """Per architecture: the NE-gap fit (primary) and the AUC-gap fit (secondary).
+
+  Returns {"floor": {"ne", "auc", "source"}, "fits": {arch: {"ne": fit, "auc": fit,
+  "ne_points" / "auc_points": [{gflops, gap, preset}], "ne_dropped" / "auc_dropped":
+  [presets whose gap <= 0]}}}; a fit is None with fewer than two distinct sizes left.
+  """
+  ref = results.get("reference")
+  floor = ({"ne": ref["ne"], "auc": ref["auc"], "source": "true logits on the eval set"} if ref
+           else {"ne": 0.0, "auc": 1.0, "source": "none known (file data): NE itself, 1 - AUC"})
+  by_arch: dict[str, list] = {}
+  for r in results["rows"]:
+    by_arch.setdefault(r["model"], []).append(r)
+  fits = {}
+  for arch, rows in by_arch.items():
+    entry: dict[str, Any] = {}
+    for key, sign in (("ne", 1.0), ("auc", -1.0)):
+      pts, dropped = _gap_points(rows, key, floor[key], sign)
+      ok = len({p[0] for p in pts}) >= 2
+      entry[key] = fit_power_law([p[0] for p in pts], [p[1] for p in pts]) if ok else None
+      entry[f"{key}_points"] = [{"gflops": g, "gap": y, "preset": p} for g, y, p in pts]
+      entry[f"{key}_dropped"] = [p for _, _, p in dropped]
+    fits[arch] = entry
+  return {"floor": floor, "fits": fits}
+
+
+def findings(results: Mapping[str, Any], fit: Mapping[str, Any]) -> list[str]:
+  """What the points and fits show, as sentences computed from the numbers."""
+  out = []
+  floor = fit["floor"]
+  by_arch: dict[str, list] = {}
+  for r in results["rows"]:
+    by_arch.setdefault(r["model"], []).append(r)
+  slopes = {}
+  for arch, rows in by_arch.items():
+    rows = sorted(rows, key=lambda r: r["gflops_per_example"])
+    lo, hi = rows[0], rows[-1]
+    best = min(rows, key=lambda r: r["ne_mean"])
+    f = fit["fits"][arch]["ne"]
+    s = (f"{arch}: NE {lo['ne_mean']:.4f} -> {hi['ne_mean']:.4f} from "
+         f"{lo['gflops_per_example']:.2g} to {hi['gflops_per_example']:.2g} GFLOPs/example "
+         f"({hi['gflops_per_example'] / lo['gflops_per_example']:.0f}x)")
+    if f is not None:
+      slopes[arch] = f["b"]
+      s += (f"; NE - floor = {f['a']:.4g} * GFLOPs^{f['b']:+.4f} (R^2 {f['r2']:.2f}, "
+            f"{f['n']} sizes)")
+    if len(rows) > 1:
+      if best is hi:
+        # How much of the architecture's total gain the last size step brought.
+        last = rows[-2]["ne_mean"] - hi["ne_mean"]
+        total = max(r["ne_mean"] for r in rows) - hi["ne_mean"]
+        s += (f"; best at the largest size ({best['preset']}), {last:.4f} below the next "
+              f"smaller: " + ("still improving at this budget" if last >= 0.1 * total else
+                              f"flattening (the last size step gave {100 * last / total:.0f}% "
+                              f"of the {total:.4f} gained over the range)"))
+      else:
+        worse = [r["preset"] for r in rows if r["gflops_per_example"] > best["gflops_per_example"]]
+        s += (f"; best NE {best['ne_mean']:.4f} at {best['preset']} "
+              f"({best['gflops_per_example']:.2g} GFLOPs/example), larger sizes "
+              f"({', '.join(worse)}) do not improve on it: within this range quality "
+              f"saturates at NE {best['ne_mean']:.4f} at this budget")
+    noise = max(r["ne_std"] for r in rows)
+    if rows[0].get("num_seeds", 1) > 1:
+      s += f"; NE std over {rows[0]['num_seeds']} seeds up to {noise:.4f}"
+    out.append(s + ".")
+  if slopes:
+    order = sorted(slopes, key=lambda a: slopes[a])
+    out.append("NE-gap exponents b (more negative = more gain per FLOP): "
+               + ", ".join(f"{a} {slopes[a]:+.4f}" for a in order)
+               + (f"; steepest: {order[0]}" if len(order) > 1 else "")
+               + (f"; exponents with b >= 0 (no gain from compute): "
+                  f"{', '.join(a for a in order if slopes[a] >= 0)}"
+                  if any(slopes[a] >= 0 for a in order) else "") + ".")
+  matched = _matched_compute(by_arch, fit)
+  if matched:
+    out.append(matched)
+  rows = results["rows"]
+  best = min(rows, key=lambda r: r["ne_mean"])
+  worst = max(rows, key=lambda r: r["ne_mean"])
+  line = (f"Best NE overall {best['ne_mean']:.4f} ({best['label']}, "
+          f"{best['gflops_per_example']:.2g} GFLOPs/example); spread over all sizes "
+          f"{worst['ne_mean'] - best['ne_mean']:.4f}")
+  if results.get("reference"):
+    closed = (worst["ne_mean"] - best["ne_mean"]) / max(worst["ne_mean"] - floor["ne"], 1e-12)
+    line += (f"; floor (true logits) NE {floor['ne']:.4f}, AUC {floor['auc']:.4f}: the best "
+             f"model closes {100 * closed:.1f}% of the worst model's NE gap and leaves "
+             f"{best['ne_mean'] - floor['ne']:.4f}")
+  out.append(line + ".")
+  return out
+
+
+def _matched_compute(by_arch: Mapping[str, list], fit: Mapping[str, Any]) -> str | None:
+  """The fitted NE of every architecture at one compute inside all their ranges (the
+  geometric middle of the overlap), or None when the ranges do not overlap."""
+  fitted = {a: fit["fits"][a]["ne"] for a in by_arch if fit["fits"][a]["ne"] is not None}
+  if len(fitted) < 2:
+    return None
+  lo = max(min(r["gflops_per_example"] for r in by_arch[a]) for a in fitted)
+  hi = min(max(r["gflops_per_example"] for r in by_arch[a]) for a in fitted)
+  if lo > hi:
+    return None
+  x = math.sqrt(lo * hi)
+  ne = {a: fit["floor"]["ne"] + f["a"] * x ** f["b"] for a, f in fitted.items()}
+  order = sorted(ne, key=ne.get)
+  return (f"At matched compute, {x:.2g} GFLOPs/example (inside every architecture's range), "
+          f"the fits give NE " + ", ".join(f"{a} {ne[a]:.4f}" for a in order)
+          + f": lowest {order[0]}.")
+
+
+def plot_scaling(results: Mapping[str, Any], fit: Mapping[str, Any], path: str) -> str:
+  """Left: NE - floor against GFLOPs/example (log-log) with the fitted power laws; right:
+  AUC against GFLOPs/example (log x) with the true logits' AUC."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  floor = fit["floor"]
+  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
+  by_arch: dict[str, list] = {}
+  for r in results["rows"]:
+    by_arch.setdefault(r["model"], []).append(r)
+  for i, (arch, rows) in enumerate(by_arch.items()):
+    c = f"C{i}"
+    rows = sorted(rows, key=lambda r: r["gflops_per_example"])
+    f = fit["fits"][arch]
+    pts = f["ne_points"]
+    xs = np.array([p["gflops"] for p in pts])
+    label = arch
+    if f["ne"] is not None:
+      label += f": b={f['ne']['b']:+.3f}, R²={f['ne']['r2']:.2f}"
+      xx = np.geomspace(xs.min(), xs.max(), 50)
+      ax0.plot(xx, f["ne"]["a"] * xx ** f["ne"]["b"], "-", c=c, lw=1.2)
+    ax0.errorbar(xs, [p["gap"] for p in pts],
+                 yerr=[next(r["ne_std"] for r in rows if r["preset"] == p["preset"]) for p in pts],
+                 fmt="o", c=c, capsize=3, label=label)
+    ax1.errorbar([r["gflops_per_example"] for r in rows], [r["auc_mean"] for r in rows],
+                 yerr=[r["auc_std"] for r in rows], fmt="o-", c=c, capsize=3, label=arch)
+  ax0.set_xscale("log")
+  ax0.set_yscale("log")
+  plot_lib.plain_log_labels(ax0, "y")
+  ax0.set(xlabel="forward GFLOPs / example", ylabel="test NE - NE floor",
+          title=f"NE gap vs compute (floor {floor['ne']:.4f}: {floor['source']})")
+  ax0.title.set_fontsize(9)
+  if results.get("reference"):
+    ax1.axhline(floor["auc"], ls="--", c="k", lw=1, label="true logits (Bayes)")
+  ax1.set_xscale("log")
+  ax1.set(xlabel="forward GFLOPs / example", ylabel="test AUC", title="AUC vs compute")
+  for a in (ax0, ax1):
+    plot_lib.plain_log_labels(a, "x")
+    a.grid(alpha=0.3, which="both")
+    a.legend(fontsize=8)
+  cfg = results["config"]
+  fig.suptitle(f"{cfg['data']}: {results['rows'][0]['examples']:,} train examples per model "
+               f"(batch {cfg['batch_size']}), dim {cfg['embedding_dim']}, seeds {results['seeds']}",
+               fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def format_fits(fit: Mapping[str, Any]) -> str:
+  """One line per architecture: the NE-gap and AUC-gap power laws."""
+  lines = [f"power-law fits, gap = a * GFLOPs^b (least squares in log space; floor NE "
+           f"{fit['floor']['ne']:.4f}, AUC {fit['floor']['auc']:.4f}: {fit['floor']['source']})"]
+  for arch, f in fit["fits"].items():
+    parts = []
+    for key, name in (("ne", "NE - floor"), ("auc", "AUC floor - AUC")):
+      g = f[key]
+      parts.append(f"{name}: " + ("n/a (fewer than 2 sizes)" if g is None else
+                                  f"a={g['a']:.4g} b={g['b']:+.4f} R^2={g['r2']:.3f}"))
+      if f[f"{key}_dropped"]:
+        parts[-1] += f" (dropped, gap <= 0: {', '.join(f[f'{key}_dropped'])})"
+    lines.append(f"  {arch:8} " + " | ".join(parts))
+  return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Loading a Llama checkpoint for serving: `llama2c:PATH`, `hf:DIR`, `gguf:FILE` or
+`workdir:DIR` (a train_lm run) -> (LlamaConfig, Llama module), the tokenizer that belongs to
+it, and prompts built the way that tokenizer builds them.
+
+Entry points (generate, spec_decode, bench_llm, ...) and notebooks share these; the file
+formats themselves are read by `llm.weights` (llama2.c, safetensors), `llm.gguf` and
+`llm.tokenizer`; chat templates are rendered by `llm.chat`.
+
+The tokenizer of a checkpoint: hf:DIR's tokenizer.json (with tokenizer_config.json,
+chat_template.jinja, generation_config.json beside it), the vocabulary a GGUF file embeds,
+the tokenizer.json / tokenizer.bin copy a train_lm workdir holds (or bytes), none for
+llama2c: (pass one). What a text prompt starts and ends with is what that tokenizer adds
+(`Tokenizer.add_bos` / `add_eos`), never a rule by checkpoint kind; train_lm workdirs are the
+one case where the checkpoint itself says otherwise: train_lm encodes its stream without
+special tokens, so their tokenizer adds none.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+FORMS = ("llama2c:PATH (llama2.c legacy .bin)", "hf:DIR (Hugging Face config.json + "
+         "safetensors)", "gguf:FILE (llama.cpp GGUF, Llama architecture)",
+         "workdir:DIR (an experiments.train_lm run)")
+_KINDS = ("llama2c", "hf", "gguf", "workdir")
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+  """`kind:path` -> (kind, path); anything else is a ValueError listing the forms."""
+  kind, sep, path = spec.partition(":")
+  if not sep or not path or kind not in _KINDS:
+    raise ValueError(f"checkpoint {spec!r}: expected one of {', '.join(FORMS)}")
+  return kind, path
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_checkpoint(path: str, mtime_ns: int, size: int):
+  from llm.gguf import read_gguf
+  del mtime_ns, size   # cache key only: a rewritten file is read again
+  return read_gguf(path)
+
+
+def gguf_checkpoint(path: str):
+  """`llm.gguf.GGUFCheckpoint` of `path`, shared by the model and tokenizer loaders (opening
+  a GGUF parses its whole vocabulary)."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such GGUF file")
+  st = os.stat(path)
+  return _gguf_checkpoint(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+def load_weights(spec: str):
+  """(LlamaConfig, float32 contract weights) of a llama2c:, hf: or gguf: checkpoint."""
+  kind, path = parse_spec(spec)
+  if kind == "gguf":
+    ckpt = gguf_checkpoint(path)
+    return ckpt.config, ckpt.weights()
+  if kind == "workdir":
+    raise ValueError(f"checkpoint {spec!r}: workdir checkpoints are restored by the train loop "
+                     "(load_model), not read as flat weights")
+  from llm import weights as weights_lib
+  return weights_lib.load_checkpoint(spec)
+
+
+def load_model(spec: str, dtype: str = "float32"):
+  """Llama model from `llama2c:PATH`, `hf:DIR`, `gguf:FILE` or `workdir:DIR`."""
+  import jax
+  from flax import nnx
+  from llm import model as model_lib
+  kind, path = parse_spec(spec)
+  if kind == "workdir":
+    from llm.train_lib import load_workdir
+    cfg, params = load_workdir(path)
+    check_params_finite(params, f"{path} (latest checkpoint)")
+    cfg = cfg.replace(dtype=dtype, remat=False)
+    graphdef, _ = nnx.split(jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0))))
+    return cfg, nnx.merge(graphdef, params)
+  cfg, weights = load_weights(spec)
+  cfg = cfg.replace(dtype=dtype)
+  model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))   # no random init
+  model_lib.load_weights(model, weights)
+  return cfg, model
+
+
+def check_params_finite(params, where: str) -> None:
+  """Raises ValueError naming `where` and the parameter that holds a NaN or an Inf."""
+  import jax
+  import numpy as np
+  from llm.weights import check_finite
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    check_finite(jax.tree_util.keystr(path), np.asarray(leaf), where)
+
+
+def find_tokenizer(spec: str, flag: str | None, vocab_size: int):
+  """The tokenizer for checkpoint `spec` (module docstring), or None (token ids only).
+  `flag` (a tokenizer.json, a directory holding one, or a llama2.c tokenizer.bin) wins."""
+  from llm import tokenizer as tok_lib
+  if flag:
+    return tok_lib.load_tokenizer(flag, vocab_size)
+  kind, path = parse_spec(spec)
+  if kind == "hf" and os.path.exists(os.path.join(path, "tokenizer.json")):
+    return tok_lib.load_tokenizer(path, vocab_size)
+  if kind == "gguf":
+    return gguf_checkpoint(path).tokenizer()
+  if kind == "workdir":
+    tok = None
+    for name in ("tokenizer.json", "tokenizer.bin"):
+      if os.path.exists(os.path.join(path, name)):
+        tok = tok_lib.load_tokenizer(os.path.join(path, name), vocab_size)
+        break
+    if tok is None and vocab_size == tok_lib.ByteTokenizer.vocab_size:
+      tok = tok_lib.ByteTokenizer()
+    if tok is not None:
+      tok.add_bos = tok.add_eos = False   # train_lm's stream has no special tokens
+    return tok
+  return None
+
+
+def text_prompt(tok, text: str, bos: bool | None = None) -> list[int]:
+  """Ids of a plain-text prompt: BOS / EOS as the tokenizer adds them; `bos` overrides BOS."""
+  return tok.encode(text, bos=tok.add_bos if bos is None else bos, eos=tok.add_eos)

@@ -1,0 +1,395 @@
+"""FBGEMM row-wise quantized embedding rows with an fp32 cache of the hot rows (arXiv
+2010.11305): the storages `int8`, `int4`, `int2` and `int8_cache`, `int4_cache`,
+`int2_cache` of `rec/embedding/storage_spec.py`.
+
+Every row is stored in FBGEMM's row-wise integer format (`core.quant.rowwise`: int8 codes
+with float32 scale and bias, or int4 / int2 codes packed low bits first with float16 scale
+and bias); the most frequently (LFU) or recently (LRU) used rows are also held in float32 in
+a set-associative cache (like FBGEMM's LXU cache) of `fraction` of the rows. Lookups read a
+cached row from the cache and dequantize the others; the optimizer updates cached rows in
+float32 and the others by dequantize, update, requantize with stochastic rounding; a row
+evicted from the cache is written back quantized, stochastically rounded too.
+
+Cache layout, per block of R rows (one per device, see `storage.py` on `shards`): S sets of
+A ways (A = min(ways, target), S = ceil(target / A), target = ceil(fraction * R), so the cache
+holds C = S * A >= target slots). Row r may live only in set r mod S, at any of its A ways
+(slot = set * A + way). The first min(R, C) rows start in the cache (row r at way r div S of
+its set): with fraction >= 1 every row is cached from the start, no row ever leaves, and
+training is exactly fp32 training.
+
+State (all plain arrays; the counters are part of the memory, `storage.state_bytes`, and
+`RowStorage.component_bytes` counts them by component):
+  q [R, P] uint8, scale [R], bias [R]      the quantized rows (float32 for int8, float16 N-bit)
+  cache_rows [C, D] float32, cache_tags [C] int32 (the row in each slot, -1 empty)
+  counts [R] int32 (LFU: looked-up ids of each row, all rows, as FBGEMM's lfu_state)
+  cache_last [C] int32 (LRU: 1 + the step of the slot's last access, 0 never)
+
+Admission and eviction (`prepare_update`, once per optimizer step, on the step's distinct
+touched rows): LFU adds each row's count of looked-up ids to `counts`; LRU stamps the
+touched cached rows with step + 1. Then, in every set that a touched uncached row (a
+candidate) maps to, the set keeps the A best of its residents and its candidates, ranked
+by score (LFU: counts; LRU: last access, candidates step + 1; empty slots -1), then
+residents before candidates (a tie never evicts), then lower row id. Each admitted row
+takes the slot of a dropped resident (the j-th admitted in rank order the j-th dropped),
+after that resident is written back. Computed without a sort of the cache: the candidates
+are sorted by (set, -score, row), each touched set's A residents and its A best candidates
+ranked by pairwise comparison ([G, 2A, 2A]). `CacheReference` in the tests replays this in plain
+Python.
+
+Stochastic rounding (`quantize_rowwise_stochastic`): with FBGEMM's scale and bias for the
+new row, code = floor(v) + [u < v - floor(v)] for v = (x - bias) / scale and u uniform in
+[0, 1) on a 2^-24 grid, clamped to [0, 2^bits - 1]: E[dequantize] = x up to that grid and
+float32 rounding, where round-to-nearest loses updates smaller than half a step (the
+clamp of the N-bit format's fp16-rounded range is the one biased case). u comes from
+`storage.sr_bits` (seed, step, the row's previous value), so resuming and sharding change
+nothing.
+
+Letters: R rows of a block, D embedding dim, P bytes of codes per row, S sets, A ways,
+C = S * A cache slots, U distinct touched rows, M looked-up ids, G = min(U, S) sets that a
+step may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core import quant
+from rec.embedding import storage as storage_lib
+from rec.embedding.storage import StorageState
+
+POLICIES = ("lfu", "lru")
+DEFAULT_FRACTION = {8: 0.05, 4: 0.01, 2: 0.01}   # the paper's int8 + 5%, int4 + 1%
+DEFAULT_WAYS = 16
+
+
+def check_cache(policy, fraction, ways, name: Callable[[str, object], str]) -> None:
+  """The one validation of cache settings (StorageSpec's, the --cache_* flags', this
+  storage's): `name(field, value)` says where a bad one came from."""
+  if policy not in POLICIES:
+    raise ValueError(f"{name('cache_policy', policy)}: expected one of {list(POLICIES)}")
+  if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+      or not (math.isfinite(fraction) and 0 < fraction <= 1)):
+    raise ValueError(f"{name('cache_fraction', fraction)}: expected a number in (0, 1] (the "
+                     "share of each device's rows the fp32 cache holds)")
+  if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
+    raise ValueError(f"{name('cache_ways', ways)}: expected an integer >= 1")
+_SALT_EVICT, _SALT_UPDATE = 2, 3                  # sr_bits purposes (bf16 uses 1)
+
+
+def quantize_rowwise_stochastic(x_ND: jax.Array, bits: int, u24_ND: jax.Array
+                                ) -> quant.RowwiseQuantized:
+  """FBGEMM row-wise `bits` quantization of `x_ND` with stochastic rounding of the codes.
+
+  scale and bias are FBGEMM's (`core.quant.quantize_rowwise`); the codes are floor(v) + 1
+  with probability frac(v) (decided by u = u24 * 2^-24, u24 uint32 in [0, 2^24)), v =
+  (x - bias) * (1 / scale), clamped to [0, 2^bits - 1]; a row with NaN / Inf keeps
+  FBGEMM's NaN scale and codes 0, a constant row codes 0.
+  """
+  x = jnp.asarray(x_ND, jnp.float32)
+  qr = quant.quantize_rowwise(x, bits)
+  scale = qr.scale.astype(jnp.float32)
+  bias = qr.bias.astype(jnp.float32)
+  inv = quant.exact.div_rn(jnp.float32(1.0), scale)           # per row: correctly rounded
+  v = (x - bias[:, None]) * inv[:, None]
+  fl = jnp.floor(v)
+  u = jnp.asarray(u24_ND).astype(jnp.float32) * np.float32(2.0 ** -24)   # exact
+  c = jnp.clip(fl + (u < v - fl).astype(jnp.float32), 0, (1 << bits) - 1)
+  c = jnp.where(jnp.isnan(c), 0, c).astype(jnp.uint8)
+  codes = c if bits == 8 else quant.pack_nbit(c, bits)
+  return quant.RowwiseQuantized(codes, qr.scale, qr.bias, bits=bits, dim=x.shape[1])
+
+
+def cache_geometry(num_rows: int, fraction: float, ways: int) -> tuple[int, int]:
+  """(S sets, A ways) of the cache of a block of `num_rows` rows; (0, 0) for no cache."""
+  if fraction <= 0:
+    return 0, 0
+  target = max(1, min(num_rows, math.ceil(fraction * num_rows - 1e-9)))
+  a = min(ways, target)
+  return -(-target // a), a
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedQuantizedStorage(storage_lib.RowStorage):
+  """Row-wise int8 / int4 / int2 rows plus an fp32 LFU or LRU cache of `fraction` of them."""
+
+  bits: int = 8
+  policy: str = "lfu"
+  fraction: float = 0.05          # 0: no cache (int8 / int4 / int2)
+  ways: int = DEFAULT_WAYS
+  seed: int = 0
+  components: ClassVar[dict[str, str]] = {
+      "q": "values", "scale": "scales_biases", "bias": "scales_biases", "cache_rows": "cache",
+      "cache_tags": "tags", "counts": "counters", "cache_last": "counters"}
+
+  def __post_init__(self):
+    if self.bits not in (8, 4, 2):
+      raise ValueError(f"CachedQuantizedStorage: bits={self.bits}, expected 8, 4 or 2")
+    if self.fraction != 0:    # 0: no cache, the other settings unused
+      check_cache(self.policy, self.fraction, self.ways,
+                  lambda f, v: f"CachedQuantizedStorage: {f.removeprefix('cache_')}={v!r}")
+
+  # ------------------------------------------------------------------ configuration
+
+  @property
+  def cached(self) -> bool:
+    return self.fraction > 0
+
+  @property
+  def counts_accesses(self) -> bool:   # type: ignore[override]
+    return self.cached and self.policy == "lfu"
+
+  def _per(self) -> int:
+    return 8 // self.bits
+
+  def bytes_per_row(self, dim: int) -> float:
+    """Codes + scale and bias, plus per row the average share of the cache (row, tag, LRU
+    time; the cache rounds up to whole sets, see `state_bytes` for a state's exact size)
+    and the LFU counter."""
+    b = quant.packed_width(dim, self.bits) + (8 if self.bits == 8 else 4)
+    if self.cached:
+      b += self.fraction * (4 * dim + 4 + (4 if self.policy == "lru" else 0))
+      b += 4 if self.policy == "lfu" else 0
+    return b
+
+  # ------------------------------------------------------------------ state
+
+  def init(self, key: jax.Array, num_rows: int, dim: int, scale: float) -> StorageState:
+    storage_lib.check_size(type(self).__name__, num_rows, dim)
+    return self.from_float(jax.random.uniform(key, (num_rows, dim), jnp.float32, -scale, scale))
+
+  def from_float(self, rows_ND: jax.Array, shards: int = 1) -> StorageState:
+    rows = jnp.asarray(rows_ND, jnp.float32)
+    n, d = rows.shape
+    if n % shards:
+      raise ValueError(f"{type(self).__name__}.from_float: {n} rows do not split into "
+                       f"{shards} equal blocks")
+    if d % self._per():
+      raise ValueError(f"{type(self).__name__}.from_float: rows of width {d} in int{self.bits}"
+                       f" need a width that is a multiple of {self._per()} (whole bytes of "
+                       "codes); pick another dim or column-wise chunking")
+    st = jax.vmap(self._from_block)(rows.reshape(shards, n // shards, d))
+    return {k: v.reshape((-1,) + v.shape[2:]) for k, v in st.items()}
+
+  def _from_block(self, rows_RD):
+    r_, _ = rows_RD.shape
+    qr = quant.quantize_rowwise(rows_RD, self.bits)
+    st = {"q": qr.q, "scale": qr.scale, "bias": qr.bias}
+    if self.cached:
+      s, a = cache_geometry(r_, self.fraction, self.ways)
+      tags = np.full(s * a, -1, np.int32)
+      r = np.arange(min(r_, s * a))
+      tags[(r % s) * a + r // s] = r
+      st["cache_rows"] = jnp.where(jnp.asarray(tags >= 0)[:, None],
+                                   rows_RD[np.maximum(tags, 0)], 0.0)
+      st["cache_tags"] = jnp.asarray(tags)
+      if self.policy == "lfu":
+        st["counts"] = jnp.zeros((r_,), jnp.int32)
+      else:
+        st["cache_last"] = jnp.zeros((s * a,), jnp.int32)
+    return st
+
+  def to_float(self, state: StorageState, shards: int = 1) -> jax.Array:
+    blocks = {k: v.reshape((shards, -1) + v.shape[1:]) for k, v in state.items()}
+    out = jax.vmap(self._block_to_float)(blocks)
+    return out.reshape(-1, out.shape[-1])
+
+  def _block_to_float(self, st):
+    r_ = st["q"].shape[0]
+    rows = self._dequant(st, jnp.arange(r_))
+    if self.cached:
+      tags = st["cache_tags"]
+      rows = rows.at[jnp.where(tags >= 0, tags, r_)].set(st["cache_rows"], mode="drop")
+    return rows
+
+  def num_rows(self, state: StorageState) -> int:
+    return state["q"].shape[0]
+
+  def dim(self, state: StorageState) -> int:
+    return state["q"].shape[1] * self._per()
+
+  # ------------------------------------------------------------------ lookups
+
+  def _dequant(self, st, r_M):
+    """float32 rows [M, D] of the quantized rows `r_M` (in range), FBGEMM's dequantization."""
+    take = lambda a: a.at[r_M].get(mode="promise_in_bounds")
+    qr = quant.RowwiseQuantized(take(st["q"]), take(st["scale"]), take(st["bias"]),
+                                bits=self.bits, dim=self.dim(st))
+    return quant.dequantize_rowwise(qr)
+
+  def _find(self, st, r_M):
+    """(hit [M], slot [M]) of rows `r_M` (in range) in the cache."""
+    c = st["cache_tags"].shape[0]
+    s, a = cache_geometry(st["q"].shape[0], self.fraction, self.ways)
+    assert s * a == c, (s, a, c)
+    set_M = r_M % s
+    ways_MA = st["cache_tags"].reshape(s, a).at[set_M].get(mode="promise_in_bounds")
+    eq_MA = ways_MA == r_M[:, None]
+    return jnp.any(eq_MA, axis=1), set_M * a + jnp.argmax(eq_MA, axis=1).astype(jnp.int32)
+
+  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
+    r_ = state["q"].shape[0]
+    flat = idx.reshape(-1)
+    r_M = jnp.clip(flat, 0, r_ - 1)
+    out = self._dequant(state, r_M)
+    if self.cached:
+      hit, slot = self._find(state, r_M)
+      cached = state["cache_rows"].at[slot].get(mode="promise_in_bounds")
+      out = jnp.where(hit[:, None], cached, out)
+    if not clip:
+      out = jnp.where(((flat >= 0) & (flat < r_))[:, None], out, 0.0)
+    return out.reshape(*idx.shape, out.shape[-1])
+
+  def cache_slots(self, state: StorageState, idx: jax.Array) -> jax.Array:
+    """The cache slot of each row `idx` (in range), -1 where it is not cached."""
+    r_M = jnp.clip(idx.reshape(-1), 0, state["q"].shape[0] - 1)
+    hit, slot = self._find(state, r_M)
+    return jnp.where(hit, slot, -1).reshape(idx.shape)
+
+  def pallas_pool(self, state: StorageState, idx: jax.Array, coef: jax.Array) -> jax.Array:
+    from kernels import embedding_bag   # dequantizes in the kernel, reads cached rows in fp32
+    table = quant.RowwiseQuantized(state["q"], state["scale"], state["bias"], bits=self.bits,
+                                   dim=self.dim(state))
+    if not self.cached:
+      return embedding_bag.embedding_bag(table, idx, coef)
+    return embedding_bag.embedding_bag(table, idx, coef, cache_rows=state["cache_rows"],
+                                       cache_slots=self.cache_slots(state, idx))
+
+  # ------------------------------------------------------------------ updates
+
+  def _quantize_sr(self, x_UD, old_UD, step, salt):
+    u24 = storage_lib.sr_bits(old_UD, step, self.seed, salt) >> 8
+    return quantize_rowwise_stochastic(x_UD, self.bits, u24)
+
+  def _write_quantized(self, st, target_U, x_UD, old_UD, step, salt):
+    """Rows `x_UD` quantized (stochastic rounding) into rows `target_U` (R: dropped)."""
+    qr = self._quantize_sr(x_UD, old_UD, step, salt)
+    put = lambda a, v: a.at[target_U].set(v.astype(a.dtype), mode="drop")
+    return {**st, "q": put(st["q"], qr.q), "scale": put(st["scale"], qr.scale),
+            "bias": put(st["bias"], qr.bias)}
+
+  def scatter(self, state: StorageState, idx: jax.Array, rows_UD: jax.Array, *,
+              indices_are_sorted: bool = False, step: jax.Array | None = None) -> StorageState:
+    r_, d = state["q"].shape[0], self.dim(state)
+    if rows_UD.shape != (*idx.shape, d):
+      raise ValueError(
+          f"{type(self).__name__}.scatter: rows shape {rows_UD.shape}, expected "
+          f"{(*idx.shape, d)} for idx shape {idx.shape} and table dim {d}")
+    flat = idx.reshape(-1)
+    rows = jnp.asarray(rows_UD, jnp.float32).reshape(-1, d)
+    valid = (flat >= 0) & (flat < r_)
+    r_U = jnp.clip(flat, 0, r_ - 1)
+    old = self.gather(state, r_U, clip=True)      # the previous values seed the rounding
+    hit = jnp.zeros_like(valid)
+    if self.cached:
+      hit, slot = self._find(state, r_U)
+      hit = hit & valid
+      c = state["cache_tags"].shape[0]
+      state = {**state, "cache_rows": state["cache_rows"].at[jnp.where(hit, slot, c)].set(
+          rows, mode="drop")}
+    return self._write_quantized(state, jnp.where(valid & ~hit, flat, r_), rows, old, step,
+                                 _SALT_UPDATE)
+
+  def prepare_update(self, state: StorageState, uniq_U: jax.Array, counts_U: jax.Array | None,
+                     step: jax.Array) -> StorageState:
+    if not self.cached:
+      return state
+    st = dict(state)
+    r_ = st["q"].shape[0]
+    c = st["cache_tags"].shape[0]
+    s, a = cache_geometry(r_, self.fraction, self.ways)
+    u = uniq_U.shape[0]
+    valid = (uniq_U >= 0) & (uniq_U < r_)
+    r_U = jnp.where(valid, uniq_U, 0)
+    step1 = (jnp.asarray(step, jnp.int32) + 1)
+    if self.policy == "lfu":
+      add = jnp.ones((u,), jnp.int32) if counts_U is None else counts_U.astype(jnp.int32)
+      st["counts"] = st["counts"].at[jnp.where(valid, uniq_U, r_)].add(add, mode="drop")
+    hit, slot = self._find(st, r_U)
+    hit = hit & valid
+    if self.policy == "lru":
+      st["cache_last"] = st["cache_last"].at[jnp.where(hit, slot, c)].set(step1, mode="drop")
+    tags = st["cache_tags"]
+    if self.policy == "lfu":
+      res_score = jnp.where(tags >= 0, st["counts"][jnp.maximum(tags, 0)], -1)
+      cand_score = st["counts"][r_U]
+    else:
+      res_score = jnp.where(tags >= 0, st["cache_last"], -1)
+      cand_score = jnp.broadcast_to(step1, (u,))
+    miss = valid & ~hit
+
+    # Candidates sorted by (set, -score, row): a set keeps at most A of them, so its A best
+    # candidates decide it, and G = min(U, S) groups of A candidates cover every set.
+    g_max = min(u, s)
+    big = jnp.iinfo(jnp.int32).max
+    c_set, c_neg, c_row = jax.lax.sort(
+        (jnp.where(miss, r_U % s, s), jnp.where(miss, -cand_score, big), r_U), num_keys=3)
+    pos = jnp.arange(u, dtype=jnp.int32)
+    start = jnp.concatenate([jnp.ones((1,), bool), c_set[1:] != c_set[:-1]])
+    rank_c = pos - jax.lax.cummax(jnp.where(start, pos, 0))
+    grp = jnp.cumsum(start.astype(jnp.int32)) - 1       # < g_max for a real set's entries
+    take = (c_set < s) & (rank_c < a)
+    gi, ki = jnp.where(take, grp, g_max), jnp.where(take, rank_c, 0)
+    gset = jnp.full((g_max,), s, jnp.int32).at[gi].set(c_set, mode="drop")      # [G]
+    cand_row = jnp.full((g_max, a), -1, jnp.int32).at[gi, ki].set(c_row, mode="drop")
+    cand_sc = jnp.full((g_max, a), -1, jnp.int32).at[gi, ki].set(-c_neg, mode="drop")
+    grp_ok = gset < s
+    cand_ok = (cand_row >= 0) & grp_ok[:, None]
+    res_slot = jnp.where(grp_ok[:, None], gset[:, None] * a + jnp.arange(a), 0)   # [G, A]
+    res_tag = tags[res_slot]
+    # Entries [G, 2A] (residents, then candidates) ranked by (-score, resident first, row):
+    # each entry's rank is the number of entries of its set that beat it, so the set keeps
+    # the entries of rank < A. (Empty slots score -1; missing candidates rank last.)
+    e_sc = jnp.concatenate([res_score[res_slot], jnp.where(cand_ok, cand_sc, -2)], axis=1)
+    e_kind = jnp.concatenate([jnp.zeros((g_max, a), jnp.int32),
+                              jnp.where(cand_ok, 1, 2)], axis=1)
+    e_id = jnp.concatenate([jnp.where(res_tag >= 0, res_tag, r_ + res_slot),
+                            jnp.where(cand_ok, cand_row, r_ + c + jnp.arange(a))], axis=1)
+    sj, si = e_sc[:, :, None], e_sc[:, None, :]
+    kj, ki_ = e_kind[:, :, None], e_kind[:, None, :]
+    beats = (sj > si) | ((sj == si) & ((kj < ki_) | ((kj == ki_)
+                                                      & (e_id[:, :, None] < e_id[:, None, :]))))
+    rank = jnp.sum(beats, axis=1, dtype=jnp.int32)                                 # [G, 2A]
+    kept = rank < a
+    dropped = ~kept[:, :a] & grp_ok[:, None]
+    admitted = kept[:, a:] & cand_ok
+
+    def ordinal(flag, ranks):   # each flagged entry's index among its set's, by rank
+      return jnp.sum(flag[:, :, None] & (ranks[:, :, None] < ranks[:, None, :]), axis=1,
+                     dtype=jnp.int32)
+
+    # The j-th admitted candidate (by rank) takes the slot of the j-th dropped resident.
+    rows_g = jnp.broadcast_to(jnp.arange(g_max)[:, None], (g_max, a))
+    pair = jnp.full((g_max, a), c, jnp.int32).at[
+        jnp.where(dropped, rows_g, g_max), ordinal(dropped, rank[:, :a])].set(
+            res_slot, mode="drop")
+    to_slot = jnp.take_along_axis(pair, jnp.minimum(ordinal(admitted, rank[:, a:]), a - 1),
+                                  axis=1)
+    # Compacted to at most U admissions (each is a distinct candidate).
+    n_out = min(u, g_max * a)
+    flat_adm = admitted.reshape(-1)
+    dest = jnp.where(flat_adm, jnp.cumsum(flat_adm.astype(jnp.int32)) - 1, n_out)
+    new_slot = jnp.full((n_out,), c, jnp.int32).at[dest].set(to_slot.reshape(-1), mode="drop")
+    new_row = jnp.zeros((n_out,), jnp.int32).at[dest].set(cand_row.reshape(-1), mode="drop")
+    admit = new_slot < c
+    slot_n = jnp.minimum(new_slot, c - 1)
+
+    # Evict: write the leaving rows back quantized, then load the admitted rows.
+    leave_tag = jnp.where(admit, tags[slot_n], -1)
+    leave_rows = st["cache_rows"][slot_n]
+    st = self._write_quantized(st, jnp.where(leave_tag >= 0, leave_tag, r_), leave_rows,
+                               leave_rows, step, _SALT_EVICT)
+    # Admitted rows were not cached, so their codes are current (and none was written back).
+    incoming = self._dequant(st, new_row)
+    put = jnp.where(admit, new_slot, c)
+    st["cache_rows"] = st["cache_rows"].at[put].set(incoming, mode="drop")
+    st["cache_tags"] = tags.at[put].set(new_row, mode="drop")
+    if self.policy == "lru":
+      st["cache_last"] = st["cache_last"].at[put].set(step1, mode="drop")
+    return st
+

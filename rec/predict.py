@@ -1,0 +1,151 @@
+"""Predictions of a trained recommendation run on one split of a data set.
+
+    run = load_run("runs/dlrm_criteo", data="criteo:DIR", split="predict")
+    for ids, probs, labels in predictions(run):   # in file order, padding dropped
+      ...
+
+`load_run` reads the settings saved with the workdir's latest checkpoint (the train_rec
+flags, the features the model was built for, the criteo_bin conversion it saw), checks the
+data against them before anything is built, then builds the run with `configs.build_run`
+on the split's source and restores the state through `core.checkpoint` (the train loop's
+own pieces: nothing here is a second model or loader). A difference that would make the
+ids or features mean something else (another vocabulary --min_count, other rows per
+feature, another number of dense features) is a `UserError` naming the data file, the
+value found and the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from core import checkpoint as ckpt_lib
+from core.errors import UserError
+from rec import configs
+from rec.data import sources as sources_lib
+
+
+@dataclasses.dataclass
+class LoadedRun:
+  """A trained run rebuilt on one split: its config, task, restored state and the split."""
+
+  cfg: configs.RecRunConfig
+  task: Any                       # rec.train_lib.RecTask
+  state: dict[str, Any]
+  step: int
+  split: sources_lib.Split
+  settings: dict[str, Any]        # the checkpoint's saved settings
+
+
+def saved_settings(workdir: str) -> tuple[int, dict[str, Any]]:
+  """(step, settings) of the workdir's latest checkpoint; reads no array."""
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise UserError(f"--checkpoint={workdir}: no checkpoints/ directory; expected the "
+                    "--workdir of a train_rec run")
+  ckpt = ckpt_lib.Checkpointer(workdir)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise UserError(f"--checkpoint={workdir}: no finished checkpoint in "
+                      f"{ckpt.directory}; expected the --workdir of a train_rec run")
+    settings = ckpt.restore_meta(step).get("settings")
+  finally:
+    ckpt.close()
+  if not settings or "model" not in settings or "preset" not in settings:
+    raise UserError(f"--checkpoint={workdir}: checkpoint {step} holds no recommendation "
+                    "run's settings; expected a checkpoint written by experiments.train_rec")
+  return step, settings
+
+
+def check_conversion(settings: dict, data: str, workdir: str) -> None:
+  """The ids of `data` must mean what they meant in training: a criteo_bin conversion with
+  the same id settings (hash rows / vocabulary --min_count) as the one the run saw."""
+  now = sources_lib.data_settings(data).get("data_conversion")
+  then = settings.get("data_conversion")
+  d = data.partition(":")[2]
+  if now is None and then is None:
+    return
+  if then is None:
+    raise UserError(f"{d}/manifest.json: a criteo_bin conversion ({now['ids']} ids); expected "
+                    f"data like the checkpoint's (--data={settings.get('data')}, its ids hashed "
+                    "by the text reader)")
+  if now is None:
+    raise UserError(f"--data={data}: text data with hashed ids; expected a criteo_bin "
+                    f"conversion like the checkpoint's ({settings.get('data')}, "
+                    f"{then['ids']} ids)")
+  for key, flag in (("ids", "--ids"), ("min_count", "--min_count"), ("num_rows", "--num_rows")):
+    if now.get(key) != then.get(key):
+      what = "vocabulary built" if key == "min_count" else "converted"
+      raise UserError(f"{d}/manifest.json: {what} with {flag}={now.get(key)}; expected "
+                      f"{flag}={then.get(key)} as the data of the checkpoint {workdir} "
+                      f"({settings.get('data')})")
+
+
+def check_features(settings: dict, spec, where: str, workdir: str) -> None:
+  """The split's features must be those the model was built for (its saved `features`)."""
+  then = settings.get("features")
+  if then is None:
+    return
+  now = sources_lib.spec_settings(spec)
+  if now["num_dense"] != then["num_dense"]:
+    raise UserError(f"{where}: {now['num_dense']} dense features; expected "
+                    f"{then['num_dense']} as the model of {workdir} was built for")
+  if now["sparse_features"] != then["sparse_features"]:
+    raise UserError(f"{where}: sparse features {', '.join(now['sparse_features'][:4])}...; "
+                    f"expected {', '.join(then['sparse_features'][:4])}... as the model of "
+                    f"{workdir} was built for")
+  for name, a, b in zip(now["sparse_features"], now["rows_per_feature"],
+                        then["rows_per_feature"]):
+    if a != b:
+      raise UserError(f"{where}: feature {name} has {a:,} rows; expected {b:,} as the model of "
+                      f"{workdir} was built for (the same --num_rows or vocabulary)")
+
+
+def load_run(workdir: str, data: str | None = None, split: str = "test", *,
+             days: str | None = None, batch_size: int | None = None,
+             mesh: str | None = None) -> LoadedRun:
+  """The run trained in `workdir`, rebuilt on `split` of `data` (default: the run's own
+  data) with its latest checkpoint restored; see the module docstring."""
+  step, settings = saved_settings(workdir)
+  fields = {f.name for f in dataclasses.fields(configs.RecRunConfig)}
+  cfg = configs.RecRunConfig(**{k: v for k, v in settings.items() if k in fields})
+  new_data = data or cfg.data
+  over = {"data": new_data, "bad_lines": "error",
+          "days": (days if days is not None else (cfg.days if new_data == cfg.data else ""))}
+  if mesh:
+    over["mesh"] = mesh
+  b = batch_size or cfg.eval_batch_size
+  over.update(batch_size=b, eval_batch_size=b)
+  cfg = dataclasses.replace(cfg, **over)
+  check_conversion(settings, cfg.data, workdir)
+  part = sources_lib.split_source(cfg.data, split, b, cfg.num_rows, cfg.days or None)
+  check_features(settings, part.source.spec, f"--data={cfg.data} split {split}", workdir)
+  task, _, _, _, _ = configs.build_run(cfg, sources=(part.source, part.source))
+  ckpt = ckpt_lib.Checkpointer(workdir)
+  try:
+    state = task.init_state(cfg.seed)
+    state, _ = ckpt.restore(step, ckpt_lib.abstract_like(state))
+  finally:
+    ckpt.close()
+  return LoadedRun(cfg, task, state, step, part, settings)
+
+
+def predictions(run: LoadedRun, evaluator=None
+                ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
+  """(row ids, probabilities [n], labels [n]) per batch, in the split's order, padding
+  dropped (labels are 0 for an unlabeled split). The eval step is the run's own; an
+  `evaluator` (`task.new_evaluator()`) sees every batch, for metrics in the same pass."""
+  eval_step = jax.jit(run.task.eval_step)
+  ids = run.split.row_ids()
+  for host in run.split.source.batches(0):
+    out = eval_step(run.state, run.task.device_batch(host))
+    if evaluator is not None:
+      evaluator.update(out, host)
+    keep = np.asarray(host.mask) > 0
+    logits = np.asarray(out["logits"]).reshape(-1)[keep]
+    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    yield [next(ids) for _ in range(len(probs))], probs, np.asarray(host.labels)[keep]

@@ -1,0 +1,295 @@
+"""Training runs of a `RecRunConfig` that hand back what they trained: the helper studies
+and notebooks share (experiments.compare_rec, wukong_scaling, mp_embedding, fp8_probe, pvf).
+
+    run = train_run(configs.RecRunConfig(preset="small"), "runs/x", steps=300)
+    run.state, run.eval["auc"]                          # the trained state, its eval metrics
+    row = train_seeds(cfg, seeds=(0, 1), run_prefix="runs/y", steps=300)  # mean, std over seeds
+    res = train_models(base, parse_models(["dlrm", "wukong:l2_n8"]), seeds=(0, 1), steps=300,
+                       workdir="runs/z")
+    print(format_runs(res))
+
+Everything trains through `configs.build_run` and `core.train.train`; nothing here is a
+second loop. A seed sets the parameter initialization (dense and embedding) only: the data
+is the config's (`RecRunConfig.seed` picks the synthetic hidden model and the batch
+stream), so a spread over seeds is initialization noise. `train_models` gives every model
+the same data, batch size, embedding dim (logistic regression keeps its dim-1 tables),
+optimizers, learning rates and number of steps (or epochs); on synthetic data it adds the
+metrics of the true planted logits on the same eval examples (`reference_metrics`, the
+Bayes ceiling).
+
+`ModelSpec` is the `model[:preset]` setting of the studies' --models flags, parsed once by
+`parse_models`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from core import train as train_lib
+from rec import configs
+from rec.data import sources as sources_lib
+from rec.data.batch import DataSpec
+from rec.metrics import RecMetrics
+
+METRICS = ("auc", "logloss", "ne", "accuracy")
+# Data shaped like Criteo (13 dense, 26 sparse features): presets are checked against it
+# before anything trains.
+CRITEO_SHAPED = DataSpec(num_dense=13, sparse_features=tuple(f"C{i + 1}" for i in range(26)),
+                         rows_per_feature=(10,) * 26, max_ids_per_bag=1)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclasses.dataclass
+class TrainedRun:
+  """A finished run: its config, task and sources, the final train state and eval metrics."""
+
+  cfg: configs.RecRunConfig
+  task: Any                       # rec.train_lib.RecTask
+  train_src: Any
+  eval_src: Any
+  state: dict[str, Any]           # step, params (pure dict), opt, emb (collection layout)
+  eval: dict[str, float]          # the eval metrics at the end (rec.metrics)
+  steps: int
+  seed: int
+  workdir: str
+  wall_seconds: float
+  train_seconds: float
+  examples_per_sec: float
+
+  @property
+  def model_config(self):
+    """The model config the run trained (configs.model_config on its data)."""
+    return configs.model_config(self.cfg, self.train_src.spec)
+
+
+def _check_budget(where: str, steps, epochs) -> None:
+  if (steps is None) == (epochs is None):
+    raise ValueError(f"{where}: steps={steps}, epochs={epochs}; give exactly one")
+
+
+def train_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int | None = None,
+              epochs: float | None = None, seed: int = 0, log_every: int = 100,
+              keep_checkpoints: bool = False, built: tuple | None = None) -> TrainedRun:
+  """Builds `cfg` (or takes `built`, a `configs.build_run(cfg)` result, to train the same
+  build again) and trains it for `steps` or `epochs` from initialization seed `seed` in
+  `workdir` (replaced if present). Its checkpoints are deleted unless keep_checkpoints;
+  the final state comes back in memory either way."""
+  _check_budget("train_run", steps, epochs)
+  task, train_src, eval_src = (built or configs.build_run(cfg))[:3]
+  n_steps = configs.steps_for(epochs, train_src) if epochs is not None else int(steps)
+  if os.path.isdir(workdir):   # a previous run of this experiment: start it afresh
+    shutil.rmtree(workdir)
+  t0 = time.perf_counter()
+  out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
+                        train_lib.TrainConfig(workdir=workdir, steps=n_steps,
+                                              log_every=max(1, log_every), seed=int(seed),
+                                              tensorboard=False))
+  wall = time.perf_counter() - t0
+  if not keep_checkpoints:
+    shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+  return TrainedRun(cfg, task, train_src, eval_src, out["state"],
+                    {k: float(v) if np.ndim(v) == 0 else v for k, v in out["eval"].items()},
+                    n_steps, int(seed), workdir, wall, out["train_seconds"],
+                    out["examples_per_sec"])
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (0 for one value)."""
+  v = np.asarray(values, np.float64)
+  return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str, *,
+                steps: int | None = None, epochs: float | None = None, log_every: int = 100,
+                keep_checkpoints: bool = False, built: tuple | None = None,
+                label: str = "", note: str = "",
+                keep: Callable[[TrainedRun], Any] | None = None) -> dict[str, Any]:
+  """`cfg` built once and trained once per seed, in `<run_prefix>_s<seed>`; each run's
+  progress line starts with `label` (default model:preset) and ends with `note`. `keep`
+  is called with each finished `TrainedRun` (its state is dropped afterwards otherwise).
+
+  Returns {steps, examples, num_seeds, runs: [{seed, METRICS..., eval_examples,
+  wall_seconds, train_seconds, examples_per_sec, workdir}], <metric>_mean / _std for
+  METRICS, wall_seconds and examples_per_sec}.
+  """
+  _check_budget("train_seeds", steps, epochs)
+  if not seeds:
+    raise ValueError("train_seeds: no seeds")
+  built = built or configs.build_run(cfg)
+  n_steps = configs.steps_for(epochs, built[1]) if epochs is not None else int(steps)
+  runs = []
+  for seed in seeds:
+    print(f"== {label or cfg.model + ':' + cfg.preset} seed {seed}: {n_steps} steps of "
+          f"{cfg.batch_size}" + (f" | {note}" if note else ""), flush=True)
+    run = train_run(cfg, f"{run_prefix}_s{seed}", steps=n_steps, seed=seed,
+                    log_every=log_every, keep_checkpoints=keep_checkpoints, built=built)
+    if keep is not None:
+      keep(run)
+    runs.append({"seed": int(seed), **{k: run.eval[k] for k in METRICS},
+                 "eval_examples": int(run.eval["num_examples"]),
+                 "wall_seconds": run.wall_seconds, "train_seconds": run.train_seconds,
+                 "examples_per_sec": run.examples_per_sec, "workdir": run.workdir})
+    del run   # its state: one run's arrays alive at a time
+  row: dict[str, Any] = {"steps": n_steps, "examples": n_steps * cfg.batch_size,
+                         "num_seeds": len(runs)}
+  for k in METRICS + ("wall_seconds", "examples_per_sec"):
+    row[f"{k}_mean"], row[f"{k}_std"] = mean_std([r[k] for r in runs])
+  row["runs"] = runs
+  return row
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """One model to train: a family (configs.MODEL_PRESETS key, or logreg) and its preset."""
+
+  model: str
+  preset: str = "kaggle"
+
+  @property
+  def label(self) -> str:
+    return f"{self.model}:{self.preset}"
+
+
+def parse_presets(text: str | Mapping[str, str] | Iterable[str]) -> dict[str, str]:
+  """'wukong=l2_n8,dhen=dhen_2l' (or a list of 'model=preset', or a dict) -> {model: preset}."""
+  if isinstance(text, Mapping):
+    return dict(text)
+  items = [t for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
+  out = {}
+  for item in items:
+    model, eq, preset = item.strip().partition("=")
+    if not eq or not model or not preset:
+      raise ValueError(f"--presets item {item!r}: expected model=preset, e.g. wukong=l2_n8")
+    out[model] = preset
+  return out
+
+
+def parse_models(models: Sequence[str], presets: str | Mapping[str, str] = "") -> list[ModelSpec]:
+  """--models entries 'dlrm' or 'wukong:l3_n16' -> specs. An entry without a preset takes
+  the model's preset from `presets` ('wukong=l2_n8,...'), else 'kaggle'. Presets are
+  checked when the model is built (configs.model_config)."""
+  by_model = parse_presets(presets)
+  known = set(configs.MODEL_PRESETS) | {"logreg"}
+  unused = set(by_model) - {m.partition(":")[0].strip() for m in models}
+  if unused:
+    raise ValueError(f"--presets names {sorted(unused)}, which are not in --models={list(models)}")
+  specs = []
+  for entry in models:
+    model, _, preset = entry.strip().partition(":")
+    if model not in known:
+      raise ValueError(f"--models entry {entry!r}: model {model!r}, expected one of "
+                       f"{sorted(known)}")
+    specs.append(ModelSpec(model, preset or by_model.get(model, "kaggle")))
+  if len(set(specs)) != len(specs):
+    raise ValueError(f"--models={list(models)} lists a (model, preset) twice")
+  return specs
+
+
+def for_model(base: configs.RecRunConfig, spec: ModelSpec) -> configs.RecRunConfig:
+  """`base` for `spec`'s model and preset. Logistic regression keeps its dim-1 tables (one
+  weight per id) whatever the shared embedding dim."""
+  dim = 0 if spec.model == "logreg" else base.embedding_dim
+  return dataclasses.replace(base, model=spec.model, preset=spec.preset, embedding_dim=dim)
+
+
+def reference_metrics(eval_src) -> dict[str, float] | None:
+  """Metrics of the true logits on the eval set of a synthetic source (the Bayes ceiling of
+  AUC and floor of log loss / NE on exactly these examples); None for file data."""
+  if not hasattr(eval_src, "true_logits"):
+    return None
+  m = RecMetrics()
+  for batch in eval_src.batches(0):
+    m.update(eval_src.true_logits(batch), batch.labels, batch.mask)
+  return m.result()
+
+
+def train_model(base: configs.RecRunConfig, spec: ModelSpec, seeds: Sequence[int],
+                workdir: str, steps: int | None = None, epochs: float | None = None,
+                log_every: int = 100, keep_checkpoints: bool = False,
+                keep: Callable[[TrainedRun], Any] | None = None) -> dict[str, Any]:
+  """`spec` on `base`'s data and settings, once per seed (`train_seeds`, `keep` as there),
+  in `<workdir>/runs/<model>_<preset>_s<seed>`; the row adds model, preset, label and the
+  parameter counts / GFLOPs per example (configs.model_stats)."""
+  _check_budget("train_model", steps, epochs)
+  cfg = for_model(base, spec)
+  built = configs.build_run(cfg)
+  stats = configs.model_stats(built[0], built[1].spec)
+  note = (f"dense params {stats['dense_params']:,} | {stats['gflops_per_example']:.6f} "
+          "GFLOPs/example")
+  row = train_seeds(cfg, seeds, os.path.join(workdir, "runs", f"{spec.model}_{spec.preset}"),
+                    steps=steps, epochs=epochs, log_every=log_every,
+                    keep_checkpoints=keep_checkpoints, built=built, label=spec.label,
+                    note=note, keep=keep)
+  return {"model": spec.model, "preset": spec.preset, "label": spec.label, **stats, **row}
+
+
+def train_models(base: configs.RecRunConfig, specs: Sequence[ModelSpec],
+                 seeds: Sequence[int] = (0,), steps: int | None = None,
+                 epochs: float | None = None, workdir: str = "runs/compare_rec",
+                 log_every: int = 100, keep_checkpoints: bool = False) -> dict[str, Any]:
+  """Every spec under the same budget (module docstring); returns {"config", "seeds",
+  "steps", "epochs", "rows" (one per spec, `train_model`), "reference" (true-logit metrics
+  on synthetic data, else None), "wall_seconds"}."""
+  if not specs:
+    raise ValueError("train_models: no models to train")
+  if not seeds:
+    raise ValueError("train_models: no seeds")
+  _check_budget("train_models", steps, epochs)
+  for spec in specs:  # unknown presets fail now, not after the first models have trained
+    configs.model_config(for_model(base, spec), CRITEO_SHAPED)
+  t0 = time.perf_counter()
+  reference = None
+  if sources_lib.synthetic_options(base.data) is not None:
+    _, eval_src = sources_lib.make_sources(
+        base.data, base.batch_size, eval_batch_size=base.eval_batch_size,
+        num_rows=base.num_rows, seed=base.seed, eval_batches=base.eval_batches)
+    reference = reference_metrics(eval_src)
+  rows = [train_model(base, s, seeds, workdir, steps=steps, epochs=epochs, log_every=log_every,
+                      keep_checkpoints=keep_checkpoints) for s in specs]
+  return {"config": dataclasses.asdict(base), "seeds": [int(s) for s in seeds], "steps": steps,
+          "epochs": epochs, "rows": rows, "reference": reference,
+          "wall_seconds": time.perf_counter() - t0}
+
+
+def _pm(row: Mapping[str, Any], key: str, digits: int = 4) -> str:
+  mean, std = row[f"{key}_mean"], row[f"{key}_std"]
+  return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if row["num_seeds"] > 1 else "")
+
+
+def format_runs(results: Mapping[str, Any]) -> str:
+  """The table of `train_models`' results: one line per model (mean ± std over seeds),
+  and the Bayes line on synthetic data."""
+  rows = results["rows"]
+  multi = any(r["num_seeds"] > 1 for r in rows)
+  w = 17 if multi else 8
+  head = (f"{'model':26} {'AUC':>{w}} {'logloss':>{w}} {'NE':>{w}} {'dense params':>13} "
+          f"{'emb params':>12} {'GFLOPs/ex':>10} {'ex/s':>8} {'wall s':>7}")
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    lines.append(f"{r['label']:26} {_pm(r, 'auc'):>{w}} {_pm(r, 'logloss'):>{w}} "
+                 f"{_pm(r, 'ne'):>{w}} {r['dense_params']:>13,} {r['embedding_params']:>12,} "
+                 f"{r['gflops_per_example']:>10.6f} {r['examples_per_sec_mean']:>8,.0f} "
+                 f"{r['wall_seconds_mean']:>7.1f}")
+  ref = results.get("reference")
+  if ref:
+    lines.append(f"{'true logits (Bayes)':26} {ref['auc']:>{w}.4f} {ref['logloss']:>{w}.4f} "
+                 f"{ref['ne']:>{w}.4f}")
+  seeds = results["seeds"]
+  lines.append(f"{rows[0]['steps']} steps x {results['config']['batch_size']} examples per "
+               f"model and seed; seeds {seeds}" + (" (mean ± sample std)" if multi else "")
+               + f"; wall time per run; {results['wall_seconds']:.0f} s in all")
+  return "\n".join(lines)

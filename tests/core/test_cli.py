@@ -1,0 +1,136 @@
+"""core.cli.run: a data or settings error ends in one `error: ...` line and status 2 (the
+traceback only with --verbose_errors, Grain's worker errors included), a bug keeps its
+traceback, and known noise is dropped. Entry points run in fresh processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from core import cli, errors
+from rec import configs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(body: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
+  """Runs `cli.run(main)` with `main` defined by `body` (indented into it)."""
+  code = ("import sys\nfrom core import cli\n\ndef main(argv):\n"
+          + textwrap.indent(textwrap.dedent(body), "  ")
+          + "\nif __name__ == '__main__':\n  cli.run(main)\n")
+  return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True,
+                        text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO))
+
+
+def _in_process(main, *args, capsys):
+  """cli.run(main) here (no new process): (exit status, stdout, stderr)."""
+  with pytest.raises(SystemExit) as e:
+    cli.run(main, argv=["probe", *args])
+  out = capsys.readouterr()
+  return e.value.code, out.out, out.err
+
+
+def test_user_errors_end_in_one_line_with_status_2(capsys):
+  def data_error(argv):
+    print("working")
+    raise errors.UserError("data.txt:7: field label = '2'; expected 0 or 1")
+  code, out, err = _in_process(data_error, capsys=capsys)
+  assert code == 2 and out == "working\n"
+  assert err == "error: data.txt:7: field label = '2'; expected 0 or 1\n"
+  # a settings check that raises ValueError in the project's own code
+  code, _, err = _in_process(lambda argv: configs.RecRunConfig(learning_rate=-1.0).validate(),
+                             capsys=capsys)
+  assert code == 2 and err == "error: --learning_rate=-1.0: expected a finite learning rate > 0\n"
+  # sys.exit with a message (the entry points' own stops)
+  code, _, err = _in_process(lambda argv: sys.exit("train_rec: --resume needs --workdir"),
+                             capsys=capsys)
+  assert code == 2 and err == "error: train_rec: --resume needs --workdir\n"
+  # a path that is not there, whoever opened it
+  from rec.data import criteo
+  code, _, err = _in_process(lambda argv: criteo.CriteoSource("/nonexistent/train.txt", 2),
+                             capsys=capsys)
+  assert code == 2 and err == ("error: /nonexistent/train.txt: CriteoSource: data file does not "
+                               "exist\n")
+  code, _, err = _in_process(lambda argv: os.path.getsize("/nonexistent/w.bin"), capsys=capsys)
+  assert code == 2 and err == "error: /nonexistent/w.bin: No such file or directory\n"
+  # the traceback on request, the line still last
+  code, _, err = _in_process(data_error, "--verbose_errors", capsys=capsys)
+  assert code == 2 and "Traceback (most recent call last)" in err
+  assert err.strip().splitlines()[-1] == "error: data.txt:7: field label = '2'; expected 0 or 1"
+  _in_process(data_error, "--noverbose_errors", capsys=capsys)
+
+
+def test_bugs_keep_their_traceback():
+  out = _run("""
+      import json
+      json.loads("{")          # a ValueError raised inside a library: a bug, not a message
+  """)
+  assert out.returncode == 1 and "Traceback (most recent call last)" in out.stderr
+  assert "JSONDecodeError" in out.stderr
+
+
+def test_is_user_error():
+  assert cli.is_user_error(errors.UserError("x"))
+  try:
+    configs.RecRunConfig(batch_size=0).validate()
+  except ValueError as e:
+    assert cli.is_user_error(e) and cli.error_line(e) == "error: --batch_size=0: expected >= 1"
+  try:
+    int("x")
+  except ValueError as e:
+    assert not cli.is_user_error(e)   # raised where no project file raises it
+  try:
+    np.zeros((2, 3)).reshape(5)
+  except ValueError as e:
+    assert not cli.is_user_error(e)
+  assert errors.expected("f.txt:3", "39 fields", "40").args == ("f.txt:3: 39 fields; expected 40",)
+
+
+def test_a_grain_worker_error_is_the_last_line(tmp_path):
+  """A corrupt shard found in a Grain worker process: the reader's own message, last."""
+  from rec.data import criteo_bin
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 2, 4096).astype(np.uint8)
+  labels[1000] = 7
+  criteo_bin.write_arrays(str(tmp_path / "bin"), {"train": (
+      rng.random((4096, 13), np.float32), rng.integers(0, 50, (4096, 26)).astype(np.int32),
+      labels)}, [50] * 26)
+  out = _run(f"""
+      from rec.data import criteo_bin
+      src = criteo_bin.CriteoBinSource({str(tmp_path / 'bin')!r}, "train", 256, shuffle=False,
+                                       repeat=False, num_workers=2, verify=False)
+      for b in src.batches():
+        pass
+  """)
+  assert out.returncode == 2, out.stderr[-3000:]
+  want = (f"error: {tmp_path}/bin/train/arrays-0000.label.npy row 1000: label 7; expected 0 or "
+          "1: a corrupt shard")
+  assert out.stderr.strip().splitlines()[-1] == want, out.stderr[-3000:]
+  assert "Grain" not in out.stderr and "leaked" not in out.stderr
+
+
+def test_known_noise_is_dropped(caplog):
+  cli.quiet_known_noise()
+  log = logging.getLogger("jax._src.xla_bridge")
+  with caplog.at_level(logging.INFO, logger="jax._src.xla_bridge"):
+    log.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+    log.info("Platform 'cpu' is experimental")
+  assert [r.getMessage() for r in caplog.records] == ["Platform 'cpu' is experimental"]
+  assert "ignore::UserWarning:multiprocessing.resource_tracker" in sys.warnoptions
+
+
+def test_progress_names_its_unit():
+  from core import train
+  p = train.Progress(100, 0, "tokens")
+  p.begin(1)
+  p.examples = 5000
+  assert " tokens/s | " in p.line(10, {"loss": 1.0}) and "ex/s" not in p.line(10, {})
+  from llm import train_lib
+  assert train_lib.LMTask.example_unit == "tokens"

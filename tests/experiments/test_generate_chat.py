@@ -1,0 +1,102 @@
+"""experiments.generate with the checkpoint's own tokenizer: BOS as the tokenizer adds it,
+--chat / --chat_file through the chat template, gguf: checkpoints, and the errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from llm import chat
+from llm import gguf as G
+from llm import tokenizer as T
+from llm import weights as W
+from llm.config import LlamaConfig
+from tests.experiments.test_lm_entry import _greedy, _run, _tiny_weights
+from tests.llm.test_tokenizer import train_bpe
+
+TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+            "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+            "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _chat_dir(tmp_path, template=TEMPLATE):
+  """A tiny random Llama whose tokenizer has ChatML specials, no BOS added, and `template`."""
+  d = str(tmp_path / "hf")
+  path = train_bpe(d, config={"bos_token": "<s>", "eos_token": "</s>"})
+  from tokenizers import Tokenizer
+  raw = Tokenizer.from_file(path)
+  raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+  raw.save(path)
+  if template is not None:
+    (tmp_path / "hf" / "chat_template.jinja").write_text(template)
+  tok = T.load_tokenizer(d)
+  cfg = LlamaConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_dim=64, rope_theta=10000.0, max_seq_len=96)
+  w = _tiny_weights(cfg, seed=2)
+  W.save_hf(d, cfg, w)
+  return d, tok, cfg, w
+
+
+def test_generate_chat(tmp_path):
+  d, tok, cfg, w = _chat_dir(tmp_path)
+  eot = tok.tokenizers.token_to_id("<|im_end|>")
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the park"}]
+  (tmp_path / "m.json").write_text(json.dumps(messages))
+  out = json.loads(_run("experiments.generate", [f"--checkpoint=hf:{d}", "--max_new_tokens=10",
+                                                 f"--chat_file={tmp_path / 'm.json'}"])[-1])
+  prompt = chat.encode_chat(tok, messages)
+  assert out["chat"] and out["prompt_ids"] == prompt
+  assert prompt.count(tok.tokenizers.token_to_id("<|im_start|>")) == 3 and tok.bos_id not in prompt
+  assert out["stop_ids"] == [tok.eos_id, eot]
+  assert out["generated_ids"] == _greedy(cfg, w, prompt, 10, stop=(tok.eos_id, eot))
+  assert out["reply"] == tok.decode(out["generated_ids"])
+
+
+@pytest.mark.slow   # two more entry-point runs; the library parts are tested in tests/llm
+def test_generate_text_prompt_bos_as_the_tokenizer_adds_it(tmp_path):
+  d, tok, _, _ = _chat_dir(tmp_path)
+  # A text prompt gets no BOS: this tokenizer adds none (no post-processor, no add_bos_token);
+  # --bos adds it anyway.
+  out = json.loads(_run("experiments.generate", [f"--checkpoint=hf:{d}", "--max_new_tokens=2",
+                                                 "--prompt=the park"])[-1])
+  assert out["prompt_ids"] == tok.encode("the park") and out["stop_ids"] == [tok.eos_id]
+  out = json.loads(_run("experiments.generate", [f"--checkpoint=hf:{d}", "--max_new_tokens=2",
+                                                 "--prompt=the park", "--bos"])[-1])
+  assert out["prompt_ids"] == [tok.bos_id] + tok.encode("the park")
+
+
+@pytest.mark.slow
+def test_generate_chat_errors(tmp_path):
+  d, _, _, _ = _chat_dir(tmp_path, template=None)
+  err = _run("experiments.generate", [f"--checkpoint=hf:{d}", "--chat=hi"], fails=True)
+  assert "--chat: the checkpoint's tokenizer" in err and "has no chat template" in err
+  (tmp_path / "hf" / "chat_template.jinja").write_text(TEMPLATE)
+  bad = tmp_path / "bad.json"
+  bad.write_text(json.dumps([{"role": "user", "content": "a"}, {"role": "user"}]))
+  err = _run("experiments.generate", [f"--checkpoint=hf:{d}", f"--chat_file={bad}"], fails=True)
+  assert f"{bad}: entry 1 {{'role': 'user'}} lacks ['content']" in err
+  err = _run("experiments.generate", [f"--checkpoint=hf:{d}", "--chat=a", "--prompt=b"],
+             fails=True)
+  assert "--prompt and --chat: give one prompt" in err
+
+
+@pytest.mark.slow
+def test_generate_from_gguf(tmp_path):
+  """A llama2.c-style model exported to GGUF (Q8_0) with its vocabulary: the CLI reads it
+  back, starts with BOS as the GGUF says, and greedy-decodes what the library does."""
+  from tests.llm.test_tokenizer import _TINY, _bin_pieces
+  bin_path = str(tmp_path / "tok.bin")
+  T.write_llama2c_tokenizer(bin_path, *_bin_pieces(_TINY))
+  src = T.Llama2cTokenizer(bin_path)
+  cfg = LlamaConfig(vocab_size=src.vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_dim=64, rope_theta=10000.0, norm_eps=float(np.float32(1e-5)),
+                    max_seq_len=32)
+  path = G.save_gguf(str(tmp_path / "m.gguf"), cfg, _tiny_weights(cfg, seed=4), qtype="Q8_0",
+                     vocab=G.vocab_from_llama2c(src))
+  out = json.loads(_run("experiments.generate", [f"--checkpoint=gguf:{path}", "--prompt=abc ab",
+                                                 "--max_new_tokens=6"])[-1])
+  prompt = src.encode("abc ab", bos=True)
+  assert out["prompt_ids"] == prompt
+  assert out["generated_ids"] == _greedy(*G.load_gguf(path), prompt, 6, stop=(2,))
+  err = _run("experiments.generate", [f"--checkpoint=gguf:{path}", "--chat=hi"], fails=True)
+  assert "has no chat template" in err

@@ -1,0 +1,206 @@
+"""experiments.gpu_report: the dry run end to end (every part at toy sizes on CPU), the
+refusal off a GPU, and the report's machinery (target statuses, pytest counts, failures and
+out-of-memory told apart, the budget) against hand-made cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from experiments.gpu_report import parts
+from experiments.gpu_report import report as report_lib
+from tests.experiments.entry import REPO
+from tests.experiments.entry import run_entry
+
+PYTEST_DONE = """\
+tests/a.py::test_x PASSED                                                 [ 25%]
+tests/a.py::test_y FAILED                                                 [ 50%]
+tests/b.py::TestK::test_z[case-1] SKIPPED (needs a GPU)                   [ 75%]
+tests/b.py::test_w ERROR                                                  [100%]
+==== 1 failed, 1 passed, 1 skipped, 3 deselected, 1 error in 2.31s ====
+"""
+
+
+def test_parse_pytest_counts():
+  """The final summary line wins; a run cut short is counted from its -v lines."""
+  assert report_lib.parse_pytest_counts(PYTEST_DONE) == {
+      "passed": 1, "failed": 1, "skipped": 1, "errors": 1, "deselected": 3}
+  cut = "\n".join(PYTEST_DONE.splitlines()[:3])
+  assert report_lib.parse_pytest_counts(cut) == {"passed": 1, "failed": 1, "skipped": 1,
+                                                 "errors": 0}
+  assert report_lib.parse_pytest_counts("=== 12 passed in 1.0s ===")["passed"] == 12
+
+
+def test_judged_statuses():
+  j = report_lib.judged
+  assert j("p", "n", 0.95, at_least=0.9).status == "met"
+  assert j("p", "n", 0.85, at_least=0.9).status == "missed"
+  assert j("p", "n", 1.31, at_most=1.3).status == "missed"
+  t = j("p", "n", 0.5, at_least=0.5, fmt="{:.1%}")
+  assert (t.status, t.text, t.target) == ("met", "50.0%", ">= 50.0%")
+  assert j("p", "n", 2.0).status == "info"
+  assert j("p", "n", None, at_least=1, error="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of "
+           "memory while trying to allocate 17.2GiB").status == "oom"
+  assert j("p", "n", None, at_least=1, error="ValueError: bad").status == "failed"
+  assert j("p", "n", None, at_least=1, skipped="budget").status == "skipped"
+  assert j("p", "n", None, at_least=1).status == "unmeasured"
+  with pytest.raises(ValueError, match="status 'great'"):
+    report_lib.Target("p", "n", "-", status="great")
+
+
+def _ctx(tmp_path):
+  return report_lib.Context(sizes=None, dry_run=True, out_dir=str(tmp_path))
+
+
+def test_failed_and_oom_parts_are_reported_and_timed(tmp_path):
+  """A part that raises becomes one row with its error; out of memory is its own status;
+  compile time comes from jax.monitoring's compile events."""
+  def oom(ctx):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 80.0GiB")
+
+  def broken(ctx):
+    raise ValueError("--fp8_layers: no such layer")
+
+  def compiles(ctx):
+    f = jax.jit(lambda x: x * 3.0 + float(time.time() % 1))  # a fresh program: compiled
+    return {"targets": [report_lib.judged("c", "x", float(f(1.0)) > 0, at_least=1)]}
+
+  rec = report_lib.run_part(report_lib.Part("oom", oom, "-"), _ctx(tmp_path), 10)
+  assert rec["status"] == "oom" and rec["targets"][0].status == "oom"
+  assert "80.0GiB" in rec["targets"][0].detail
+  rec = report_lib.run_part(report_lib.Part("broken", broken, "-"), _ctx(tmp_path), 10)
+  assert rec["status"] == "failed" and "no such layer" in rec["error"]
+  rec = report_lib.run_part(report_lib.Part("compiles", compiles, "-"), _ctx(tmp_path), 10)
+  assert rec["status"] == "ok" and rec["targets"][0].status == "met"
+  assert 0 < rec["compile_s"] <= rec["wall_s"]
+
+
+def test_markdown_has_one_row_per_target(tmp_path):
+  report = {"dry_run": False, "machine": {"device": "NVIDIA H100", "backend": "gpu",
+                                          "num_devices": 1, "jax": "x", "cpu": "c", "cores": 16},
+            "started": "now", "wall_s": 1.0, "targets": [
+                report_lib.judged("a", "fwd | T4096", 0.93, at_least=0.9).__dict__,
+                report_lib.judged("b", "mfu", None, at_least=0.5, skipped="budget").__dict__],
+            "parts": {"a": {"status": "ok", "details": {"tables": {"t": [{"x": 1.5}]}}},
+                      "b": {"status": "ok"}}}
+  report_lib.write_report(str(tmp_path), report)
+  md = (tmp_path / "report.md").read_text()
+  assert "| a | fwd \\| T4096 | 0.93x | >= 0.90x | met |" in md
+  assert "| b | mfu | - | >= 0.50x | skipped | budget |" in md
+  assert "## a: t" in md and "DRY RUN" not in md
+  assert json.loads((tmp_path / "report.json").read_text())["targets"][0]["figure"] == 0.93
+
+
+def test_budget_skips_parts_that_do_not_fit(tmp_path, monkeypatch):
+  """A part whose report budget is spent is reported as skipped, not run."""
+  ran = []
+  fake = {n: report_lib.Part(n, lambda ctx, n=n: ran.append(n) or {"targets": []}, "-")
+          for n in ("one", "two")}
+  monkeypatch.setattr(parts, "PARTS", fake)
+  monkeypatch.setattr(parts, "DEFAULT_BUDGETS", {"one": 1, "two": 1})
+  rep = parts.run_report(parts.Sizes.dry_run(), ["one", "two"], str(tmp_path), dry_run=True,
+                         budget_s=4.0)
+  assert ran == [] and {p["status"] for p in rep["parts"].values()} == {"skipped"}
+  assert [t["status"] for t in rep["targets"]] == ["skipped", "skipped"]
+  with pytest.raises(ValueError, match="--parts"):
+    parts.run_report(parts.Sizes.dry_run(), ["nope"], str(tmp_path), dry_run=True, budget_s=9)
+
+
+def test_lm_train_order_reuse_and_fastest_remat(tmp_path, monkeypatch):
+  """As on a GPU: every impl at the first remat before the next, "cudnn" reusing "auto"'s
+  program when auto resolves to it, each impl judged at its fastest remat; a budget that
+  runs out skips the remaining cases, never the first remat of an impl."""
+  ms = {("auto", "none"): 200.0, ("auto", "attention"): 150.0,
+        ("pallas_mgpu", "none"): 300.0, ("pallas_mgpu", "attention"): 400.0}
+  calls = []
+
+  def fake(cfg, **kw):
+    key = (cfg.attention_impl, "attention" if cfg.remat else "none")
+    calls.append(key)
+    return {"step_ms": ms[key], "mfu": 100.0 / ms[key], "attention_resolved":
+            "cudnn" if key[0] == "auto" else key[0], "tokens_per_s": 1.0,
+            "model_tflops_per_s": 1.0, "peak_tflops_per_device": 989.0,
+            "device_kind": "NVIDIA H100", "compile_s": 0.0}
+
+  monkeypatch.setattr(parts.lm_train, "run_benchmark", fake)
+  sizes = parts.Sizes.gpu(lm_preset="tiny", lm_seq=32, lm_min_case_s=0.0)
+  out = parts.part_lm_train(report_lib.Context(sizes=sizes, dry_run=False,
+                                               out_dir=str(tmp_path)))
+  assert calls == [("auto", "none"), ("pallas_mgpu", "none"), ("auto", "attention"),
+                   ("pallas_mgpu", "attention")]
+  assert out["details"]["best_remat"] == {"auto": "attention", "cudnn": "attention",
+                                          "pallas_mgpu": "none"}
+  assert sizes.lm_impls == ("auto", "cudnn", "pallas_mgpu")
+  assert [(t.figure, t.status) for t in out["targets"]] == [
+      (100 / 150, "met"), (100 / 150, "met"), (100 / 300, "missed")]
+  assert "auto (-> cudnn), remat attention (fastest of none, attention)" in out["targets"][0].name
+  assert "the program of auto" in out["targets"][1].detail
+  calls.clear()
+  ctx = report_lib.Context(sizes=parts.Sizes.gpu(lm_preset="tiny", lm_min_case_s=10.0),
+                           dry_run=False, out_dir=str(tmp_path), deadline=time.monotonic() + 5)
+  out = parts.part_lm_train(ctx)
+  assert calls == [] and {t.status for t in out["targets"]} == {"skipped"}
+
+
+def test_refuses_without_gpu(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "experiments.gpu_report", f"--out={tmp_path}",
+                        "--parts=decode"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert out.returncode == 2 and "--dry_run" in out.stderr
+  assert "refused" in json.loads(out.stdout.strip().splitlines()[-1])
+  assert not (tmp_path / "report.md").exists()
+
+
+def test_dry_run_runs_every_part(tmp_path):
+  """The whole report at toy sizes on CPU: every part runs, every target row has a figure
+  or the reason it has none, report.md / report.json / logs are written."""
+  stdout, summary = run_entry("experiments.gpu_report",
+                              ["--dry_run", f"--out={tmp_path}"], timeout=900)
+  assert summary["dry_run"] and set(summary["parts"]) == set(parts.PARTS)
+  assert set(summary["parts"].values()) == {"ok"}, summary
+  rep = json.loads((tmp_path / "report.json").read_text())
+  by_part = {}
+  for t in rep["targets"]:
+    by_part.setdefault(t["part"], []).append(t)
+  assert set(by_part) == set(parts.PARTS)
+  # What CPU can measure is measured; what it cannot says why.
+  for t in rep["targets"]:
+    assert t["status"] in ("met", "missed", "info") or (
+        t["part"] == "lm_train" and t["status"] == "unmeasured" and "no peak" in t["detail"]), t
+  assert len(by_part["attention"]) == 2 and len(by_part["lm_train"]) == 2
+  assert "the program of auto" in rep["parts"]["lm_train"]["details"]["results"]["xla/none"][
+      "note"]
+  assert len(by_part["decode"]) == 1 and len(by_part["embedding_bag"]) == 6
+  # The fp8 part's bf16 step is the mlperf part's step (same batch, tables, dtype).
+  assert rep["parts"]["fp8"]["details"]["times"]["bf16"]["step_ms"] == pytest.approx(
+      rep["parts"]["mlperf"]["details"]["step_ms"])
+  assert {t["status"] for t in by_part["pytest_suite"]} == {"met"}
+  assert rep["parts"]["pytest_suite"]["details"]["pytest"]["counts"]["passed"] == 1
+  assert rep["parts"]["pytest_gpu"]["details"]["pytest"]["counts"]["skipped"] == 1
+  md = (tmp_path / "report.md").read_text()
+  assert "DRY RUN" in md and md.count("\n| ") >= len(rep["targets"])
+  for name in parts.PARTS:
+    assert (tmp_path / "logs" / f"{name}.log").exists()
+    assert rep["parts"][name]["wall_s"] >= rep["parts"][name]["compile_s"] >= 0
+  assert "== attention" in stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_attention_part_on_gpu(tmp_path):
+  """On a GPU: the attention part at a small shape compiles and times Mosaic GPU, Triton and
+  cuDNN, and judges the Mosaic GPU kernel against cuDNN."""
+  sizes = parts.Sizes.gpu(fa_head_dims=(128,), fa_seq_lens=(1024,), fa_tokens=2048,
+                          fa_causal=(True,))
+  ctx = report_lib.Context(sizes=sizes, dry_run=False, out_dir=str(tmp_path))
+  out = parts.part_attention(ctx)
+  rows = out["details"]["rows"]
+  assert not [r for r in rows if "error" in r], rows
+  assert {t["status"] if isinstance(t, dict) else t.status for t in out["targets"]} <= {
+      "met", "missed"}

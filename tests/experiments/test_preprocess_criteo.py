@@ -1,0 +1,73 @@
+"""experiments.preprocess_criteo as a user runs it: killed during the vocabulary count and
+started again (no leaked-semaphore warning, no orphan tracebacks, it says it resumed and
+ends with the same data), and its flags' errors in one line naming the flag."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.experiments.entry import REPO
+from tests.rec.test_criteo_bin import line
+
+
+def _cmd(*args):
+  return [sys.executable, "-m", "experiments.preprocess_criteo", *args]
+
+
+def _env():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def test_kill_resume_and_flag_errors(tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "train.txt").write_text("".join(line(i) for i in range(30_000)))   # ~2.9 MB
+  dst = tmp_path / "bin"
+  args = [f"--src={src}", f"--dst={dst}", "--ids=vocab", "--min_count=2", "--unit_mb=1",
+          "--workers=2"]
+  proc = subprocess.Popen(_cmd(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 120
+  while not glob.glob(str(dst / "vocab" / "counts" / "*.done")):
+    assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)              # as `kill -9`; its workers and tracker stay
+  _, err = proc.communicate(timeout=60)
+  time.sleep(2)                                 # the orphans see their parent gone
+  assert "leaked" not in err and "Traceback" not in err, err[-3000:]
+  done = subprocess.run(_cmd(*args), cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "resuming the vocabulary count in" in done.stdout
+  assert "leaked" not in done.stderr and "\r" not in done.stderr
+  resumed = json.loads(done.stdout.strip().splitlines()[-1])
+  fresh = subprocess.run(_cmd(*args[:1], f"--dst={tmp_path / 'fresh'}", *args[2:]), cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+  assert fresh.returncode == 0, fresh.stderr[-3000:]
+  assert json.loads(fresh.stdout.strip().splitlines()[-1])["rows"] == resumed["rows"]
+  m = [json.load(open(d / "manifest.json")) for d in (dst, tmp_path / "fresh")]
+  assert m[0]["rows_per_feature"] == m[1]["rows_per_feature"]
+  assert [s["crc32"] for s in m[0]["splits"]["train"]["shards"]] == [
+      s["crc32"] for s in m[1]["splits"]["train"]["shards"]]
+  # flags: one line naming the flag, status 2
+  for bad, want in ((["--ids=hash", "--num_rows=3000000000"],
+                     "error: --num_rows=3,000,000,000; expected 2 <= rows <= 2^31 = "
+                     "2,147,483,648 (row 0 is the missing value, ids are int32)"),
+                    (["--min_count=3"],
+                     f"error: {dst}/manifest.json: a finished conversion of other inputs or "
+                     "settings (min_count: 2 -> 3); expected the same --src and settings to "
+                     "resume it, --overwrite to replace it, or another --dst")):
+    out = subprocess.run(_cmd(*args, *bad), cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == want, out.stderr
+  out = subprocess.run(_cmd(f"--src={tmp_path / 'none'}", f"--dst={dst}"), cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and out.stderr.startswith(f"error: --src={tmp_path / 'none'}: ")

@@ -1,0 +1,418 @@
+"""llm.gguf on small GGUF files written here with ggml's own `gguf.GGUFWriter`.
+
+Weights: every supported type, the expected values from the gguf package's own
+`gguf.quants.dequantize`, and q / k rows written the way llama.cpp's converter writes them
+(its `permute`, reimplemented here) so that loading must undo it. Tokenizers: byte-level BPE
+vocabularies trained with `tokenizers` (the GGUF copy must encode as the original does) and
+SentencePiece vocabularies against llama2.c's run.c rules (`llm.tokenizer.Llama2cTokenizer`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")   # a main dependency; the reason names it where absent
+
+from llm import gguf as G  # noqa: E402
+from llm import weights as W  # noqa: E402
+from llm.config import LlamaConfig, RopeScaling  # noqa: E402
+from llm.tokenizer import Llama2cTokenizer, load_tokenizer, write_llama2c_tokenizer  # noqa: E402
+from tests.llm.test_tokenizer import _bin_pieces, _random_vocab, train_bpe  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+# Rows of 256 (K-quant super-blocks) everywhere: dim 256, 4 heads of 64, 2 KV heads, FFN 256.
+# GGUF stores the RMS epsilon as float32, and the loader keeps that value (llama.cpp and
+# transformers compute with it), so the config here uses a float32 one.
+CFG = LlamaConfig(vocab_size=96, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                  head_dim=64, norm_eps=float(np.float32(1e-5)), rope_theta=10000.0,
+                  max_seq_len=128)
+_HF_TO_GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def converter_permute(w, n_head):
+  """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: half-split rows -> interleaved."""
+  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def _gguf_name(hf):
+  if hf == "model.embed_tokens.weight":
+    return "token_embd.weight"
+  if hf == "model.norm.weight":
+    return "output_norm.weight"
+  if hf == "lm_head.weight":
+    return "output.weight"
+  _, _, i, rest = hf.split(".", 3)
+  return f"blk.{i}.{_HF_TO_GGUF[rest.rsplit('.', 1)[0]]}.weight"
+
+
+def _hf_weights(cfg, seed=0):
+  """HF-layout ([out, in]) float32 tensors by HF name."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for hf, contract in W._hf_names(cfg).items():
+    shape = W._hf_shape(cfg, contract)
+    out[hf] = (1 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
+               else 0.05 * rng.standard_normal(shape)).astype(np.float32)
+  return out
+
+
+def _random_blocks(qtype, rows, cols, rng):
+  """Raw K-quant rows with random codes and small positive fp16 scales (d, dmin)."""
+  block, size = gguf.GGML_QUANT_SIZES[qtype]
+  raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+  scales = rng.uniform(1e-3, 1e-2, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+  if qtype == Q.Q6_K:
+    raw[..., size - 2:] = scales[..., :2]              # d at the end
+  else:
+    raw[..., :4] = scales.reshape(rows, cols // block, 4)   # d, dmin first
+  return raw.reshape(rows, -1)
+
+
+def write(path, cfg, hf, qtype="F32", arch="llama", meta=None, skip=(), extra=None, rng=None):
+  """A GGUF of HF-layout tensors: q / k permuted as llama.cpp's converter does, matrices in
+  `qtype` (K-quants: random blocks), norms F32. Returns {HF name: expected float32 [out, in]}."""
+  rng = rng or np.random.default_rng(1)
+  w = gguf.GGUFWriter(path, arch)
+  for key, value in {"context_length": cfg.max_seq_len, "embedding_length": cfg.dim,
+                     "block_count": cfg.n_layers, "feed_forward_length": cfg.ffn_dim,
+                     "attention.head_count": cfg.n_heads,
+                     "attention.head_count_kv": cfg.n_kv_heads,
+                     "rope.dimension_count": cfg.head_dim}.items():
+    w.add_uint32(f"{arch}.{key}", value)
+  w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+  w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.norm_eps)
+  for key, value in (meta or {}).items():
+    (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
+  expected = {}
+  for name, a in hf.items():
+    g = _gguf_name(name)
+    if g in skip:
+      continue
+    heads = (cfg.n_heads if "q_proj" in name else cfg.n_kv_heads if "k_proj" in name else None)
+    t = Q[qtype]
+    if a.ndim == 1:
+      expected[name] = a
+      w.add_tensor(g, a)
+      continue
+    if t == Q.F32:
+      raw = a
+    elif t in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+      raw = _random_blocks(t, *a.shape, rng)
+    else:
+      raw = gguf.quants.quantize(a, t)
+    expected[name] = gguf.quants.dequantize(raw, t).reshape(a.shape).astype(np.float32)
+    if heads is not None:
+      raw = converter_permute(raw, heads)      # whole rows move: blocks stay valid
+    if t in (Q.F32, Q.F16):
+      w.add_tensor(g, np.ascontiguousarray(raw))
+    else:
+      w.add_tensor(g, raw, raw_shape=raw.shape, raw_dtype=t)
+  for g, a in (extra or {}).items():
+    w.add_tensor(g, a)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return expected
+
+
+def _check_contract(cfg, weights, hf):
+  """The contract's definition (llm/weights.py docstring) against HF-layout tensors."""
+  d, h, g, k = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  np.testing.assert_array_equal(weights["embed"], hf["model.embed_tokens.weight"])
+  np.testing.assert_array_equal(weights["final_norm"], hf["model.norm.weight"])
+  for i in range(cfg.n_layers):
+    p, q = f"layers.{i}.", f"model.layers.{i}."
+    np.testing.assert_array_equal(weights[p + "wq"].reshape(d, h * k).T,
+                                  hf[q + "self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(weights[p + "wk"].reshape(d, g * k).T,
+                                  hf[q + "self_attn.k_proj.weight"])
+    np.testing.assert_array_equal(weights[p + "wv"].reshape(d, g * k).T,
+                                  hf[q + "self_attn.v_proj.weight"])
+    np.testing.assert_array_equal(weights[p + "wo"].reshape(h * k, d).T,
+                                  hf[q + "self_attn.o_proj.weight"])
+    for c, n in (("w_gate", "mlp.gate_proj"), ("w_up", "mlp.up_proj"),
+                 ("w_down", "mlp.down_proj")):
+      np.testing.assert_array_equal(weights[p + c].T, hf[q + n + ".weight"])
+    np.testing.assert_array_equal(weights[p + "attn_norm"], hf[q + "input_layernorm.weight"])
+    np.testing.assert_array_equal(weights[p + "mlp_norm"],
+                                  hf[q + "post_attention_layernorm.weight"])
+  if not cfg.tie_embeddings:
+    np.testing.assert_array_equal(weights["lm_head"].T, hf["lm_head.weight"])
+
+
+@pytest.mark.parametrize("qtype", G.SUPPORTED_TYPES)
+def test_every_type_against_gguf_dequantize(tmp_path, qtype):
+  path = str(tmp_path / f"m.{qtype}.gguf")
+  expected = write(path, CFG, _hf_weights(CFG), qtype)
+  ckpt = G.read_gguf(path)
+  assert ckpt.config == CFG
+  assert {t.qtype for t in ckpt.tensors.values() if len(t.shape) == 2} == {qtype}
+  _check_contract(CFG, ckpt.weights(), expected)
+  if qtype != "F32":   # the permutation is really there: stored rows differ from the HF rows
+    t = ckpt.tensors["layers.0.wq"]
+    assert not np.array_equal(t.data, t.rows())
+
+
+def test_model_logits_from_gguf_equal_hf_layout(tmp_path):
+  """The loaded model against the same tensors loaded from a HF safetensors directory."""
+  import jax
+  from flax import nnx
+
+  from llm import model as M
+  cfg = CFG.replace(tie_embeddings=False, n_layers=2)
+  hf = _hf_weights(cfg, seed=3)
+  path = str(tmp_path / "m.gguf")
+  write(path, cfg, hf)
+  d = str(tmp_path / "hf")
+  os.makedirs(d)
+  from safetensors.numpy import save_file
+  save_file(hf, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+  import json
+  with open(os.path.join(d, "config.json"), "w") as fh:
+    json.dump(W.config_to_hf(cfg), fh)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24)).astype(np.int32)
+
+  def logits(loaded):
+    m = M.Llama(loaded[0], nnx.Rngs(0))
+    M.load_weights(m, loaded[1])
+    with jax.default_matmul_precision("float32"):
+      return np.asarray(m(tokens)[0])
+
+  np.testing.assert_allclose(logits(G.load_gguf(path)), logits(W.load_hf(d)), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_rope_freqs_tensor_is_llama3_scaling(tmp_path):
+  from llm.model import rope_frequencies
+  scaling = RopeScaling(factor=32.0, original_max_position=64)   # short: factors vary here
+  cfg = CFG.replace(rope_scaling=RopeScaling(factor=32.0))
+  base = rope_frequencies(64, 10000.0, None).astype(np.float64)
+  good = (base / rope_frequencies(64, 10000.0, RopeScaling(factor=32.0))).astype(np.float32)
+  path = str(tmp_path / "m.gguf")
+  write(path, cfg, _hf_weights(cfg), extra={"rope_freqs.weight": good})
+  assert G.read_gguf(path).config == cfg
+  other = (base / rope_frequencies(64, 10000.0, scaling)).astype(np.float32)
+  write(path, cfg, _hf_weights(cfg), extra={"rope_freqs.weight": other})
+  with pytest.raises(ValueError, match="rope_freqs.weight .* does not match Llama 3's RoPE"):
+    G.read_gguf(path)
+  write(path, cfg, _hf_weights(cfg), extra={"rope_freqs.weight": np.ones(32, np.float32)})
+  assert G.read_gguf(path).config.rope_scaling is None
+
+
+def _tensor_info_offset(path, name):
+  data = open(path, "rb").read()
+  at = data.index(name.encode()) + len(name)
+  n_dims = int.from_bytes(data[at:at + 4], "little")
+  return at + 4 + 8 * n_dims   # the uint32 type id follows the dims
+
+
+def test_errors_name_file_tensor_and_key(tmp_path):
+  hf = _hf_weights(CFG)
+  path = str(tmp_path / "m.gguf")
+  write(path, CFG, hf, arch="qwen2")
+  with pytest.raises(ValueError, match=f"{path}: general.architecture='qwen2'; this loader reads "
+                     "Llama-architecture GGUF files only"):
+    G.read_gguf(path)
+  write(path, CFG, hf, "Q8_0")
+  size = os.path.getsize(path)
+  with open(path, "r+b") as fh:
+    fh.truncate(size - 100)
+  with pytest.raises(ValueError, match=rf"{path}: tensor 'output.weight' \(Q8_0, shape "
+                     rf"\(96, 256\)\) needs bytes \[\d+, \d+\) but the file has {size - 100} "
+                     "bytes: the file is truncated"):
+    G.read_gguf(path)
+  with open(path, "r+b") as fh:
+    fh.truncate(200)
+  with pytest.raises(ValueError, match=f"{path}: not a complete GGUF file"):
+    G.read_gguf(path)
+  write(path, CFG, hf, "Q8_0")
+  at = _tensor_info_offset(path, "blk.0.attn_q.weight")
+  with open(path, "r+b") as fh:
+    fh.seek(at)
+    fh.write((200).to_bytes(4, "little"))
+  with pytest.raises(ValueError, match=f"{path}: tensor 'blk.0.attn_q.weight' has ggml type id "
+                     "200, which gguf .* does not know; supported types: F32, F16, BF16, Q8_0"):
+    G.read_gguf(path)
+  write(path, CFG, hf, "Q5_0")
+  with pytest.raises(ValueError, match=f"{path}: tensor '.*' is quantized as Q5_0; supported "
+                     "types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
+    G.read_gguf(path)
+  for meta, match in (({"llama.expert_count": 8}, "llama.expert_count=8: a mixture of experts"),
+                      ({"llama.attention.sliding_window": 4096},
+                       r"metadata keys \['llama.attention.sliding_window'\] are not understood"),
+                      ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type='yarn'")):
+    write(path, CFG, hf, meta=meta)
+    with pytest.raises(ValueError, match=f"{path}: {match}"):
+      G.read_gguf(path)
+  write(path, CFG, hf, extra={"blk.0.attn_q.bias": np.zeros(256, np.float32)})
+  with pytest.raises(ValueError, match=f"{path}: unexpected tensor 'blk.0.attn_q.bias'"):
+    G.read_gguf(path)
+  write(path, CFG, hf, skip=("blk.0.ffn_up.weight",))
+  with pytest.raises(ValueError, match=f"{path}: missing tensor 'blk.0.ffn_up.weight'"):
+    G.read_gguf(path)
+  bad = dict(hf)
+  bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"][:128]
+  write(path, CFG, bad)
+  with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has shape \(128, 256\) "
+                     r"\(rows, cols\), expected \(256, 256\)"):
+    G.read_gguf(path)
+  nan = dict(hf)
+  nan["model.layers.0.mlp.up_proj.weight"] = nan["model.layers.0.mlp.up_proj.weight"].copy()
+  nan["model.layers.0.mlp.up_proj.weight"][3, 5] = np.inf
+  write(path, CFG, nan)
+  with pytest.raises(ValueError, match="tensor 'blk.0.ffn_up.weight' .* non-finite"):
+    G.read_gguf(path).weights()
+  with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+    G.read_gguf(str(tmp_path / "absent.gguf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+TEXTS = ["Once upon a time, there was a little girl named Lily.", "  two  spaces\n\nand\ttab ",
+         "digits 1234567 and 3.14", "ünïcödé wörds 🦙 ok", "<s>special</s> inline", "", "a"]
+
+
+def _write_vocab_only(path, cfg, vocab):
+  w = gguf.GGUFWriter(path, "llama")
+  G._add_vocab(w, vocab)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  r = G._reader(path)
+  return G._vocab(r)
+
+
+def _bpe_vocab(tok_json_path, pre):
+  """A tokenizer.json's byte-level BPE as GGUF gpt2 metadata (what convert_hf_to_gguf writes)."""
+  import json
+  d = json.load(open(tok_json_path))
+  vocab = dict(d["model"]["vocab"])
+  specials = {t["content"]: t["id"] for t in d["added_tokens"]}
+  vocab.update(specials)
+  tokens = [None] * len(vocab)
+  for t, i in vocab.items():
+    tokens[i] = t
+  merges = [m if isinstance(m, str) else " ".join(m) for m in d["model"]["merges"]]
+  types = [3 if t in specials else 1 for t in tokens]
+  return G.GGUFVocab(model="gpt2", tokens=tokens, token_types=types, merges=merges, pre=pre,
+                     bos_id=specials.get("<s>"), eos_id=specials.get("</s>"))
+
+
+@pytest.mark.parametrize("pre,pretok", [
+    ("gpt-2", None),
+    ("smollm", "digits"),
+    ("llama-bpe", "llama3"),
+])
+def test_gpt2_vocab_encodes_as_the_original(tmp_path, pre, pretok):
+  from tokenizers import Regex, pre_tokenizers
+  from tokenizers import Tokenizer as HFTok
+  path = train_bpe(str(tmp_path / "t"))
+  ref = HFTok.from_file(path)
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pretok != "llama3")
+  if pretok == "digits":
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 byte_level])
+  elif pretok == "llama3":   # Llama 3's tokenizer.json
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(
+        Regex(G._LLAMA3_REGEX), behavior="isolated"), byte_level])
+  v = _write_vocab_only(str(tmp_path / "v.gguf"), CFG, _bpe_vocab(path, pre))
+  tok = G.vocab_tokenizer(v, "v.gguf")
+  for text in TEXTS:
+    want = ref.encode(text, add_special_tokens=False).ids
+    if pretok == "llama3":   # ignore_merges: a pre-token in the vocabulary is one token
+      assert tok.encode(text) == tok.tokenizers.encode(text, add_special_tokens=False).ids
+    else:
+      assert tok.encode(text) == want, text
+    assert tok.decode(tok.encode(text)) == text.replace("<s>", "").replace("</s>", "")
+  assert "<s>" not in tok.decode(tok.encode("<s>x"), skip_special=True)
+  assert tok.encode("<s>x")[0] == tok.bos_id == 1     # specials in text become their ids
+  assert tok.add_bos == (pre == "llama-bpe") and not tok.add_eos   # llama.cpp's defaults
+  v.add_bos = True
+  assert G.vocab_tokenizer(v, "v.gguf").add_bos
+  v.pre = "qwen2"
+  with pytest.raises(ValueError, match="v.gguf: tokenizer.ggml.pre='qwen2'; supported "
+                     "pre-tokenizers: default, gpt-2, smollm"):
+    G.vocab_tokenizer(v, "v.gguf")
+  v.pre, v.model = "gpt-2", "bert"
+  with pytest.raises(ValueError, match="tokenizer.ggml.model='bert'; supported: 'gpt2'"):
+    G.vocab_tokenizer(v, "v.gguf")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_llama_vocab_encodes_as_run_c(tmp_path, seed):
+  """SentencePiece vocabularies: the GGUF tokenizer (tokenizers' BPE, merges by score) against
+  llama2.c's run.c rules on random vocabularies and texts (byte fallback included)."""
+  rng = random.Random(seed)
+  alphabet = "abcde fgh.é"
+  vocab = _random_vocab(rng, alphabet.replace(" ", "▁"), 120)
+  bin_path = str(tmp_path / "tok.bin")
+  write_llama2c_tokenizer(bin_path, *_bin_pieces({p.replace("▁", " "): s
+                                                  for p, s in vocab.items()}))
+  ref = Llama2cTokenizer(bin_path)
+  v = _write_vocab_only(str(tmp_path / "v.gguf"), CFG, G.vocab_from_llama2c(ref))
+  tok = G.vocab_tokenizer(v, "v.gguf")
+  assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, True, False)
+  for _ in range(200):
+    text = "".join(rng.choice(alphabet + "xyz€\n") for _ in range(rng.randint(1, 50)))
+    assert tok.encode(text, bos=tok.add_bos) == ref.encode(text, bos=True), text
+    assert tok.decode(ref.encode(text, bos=True)) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+@pytest.mark.parametrize("qtype", G.EXPORT_TYPES)
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_gguf_round_trip(tmp_path, qtype, tied):
+  cfg = CFG.replace(tie_embeddings=tied, n_layers=2, vocab_size=264,
+                    rope_scaling=RopeScaling(factor=8.0) if tied else None)
+  hf = _hf_weights(cfg, seed=5)
+  contract = {c: W._to_contract(cfg, c, hf[n]) for n, c in W._hf_names(cfg).items()}
+  path = str(tmp_path / "out.gguf")
+  bin_path = str(tmp_path / "tok.bin")
+  write_llama2c_tokenizer(bin_path, *_bin_pieces({" ": -1.0, "a": -2.0, "b": -3.0, " a": -4.0,
+                                                        "ab": -5.0}))
+  src_tok = Llama2cTokenizer(bin_path)
+  G.save_gguf(path, cfg, contract, qtype=qtype, vocab=G.vocab_from_llama2c(src_tok))
+  ckpt = G.read_gguf(path)
+  assert ckpt.config == cfg
+  r = gguf.GGUFReader(path)   # what llama.cpp sees: its names, types, interleaved q / k rows
+  types = {t.name: t.tensor_type.name for t in r.tensors}
+  assert types["blk.0.attn_norm.weight"] == "F32" and types["token_embd.weight"] == qtype
+  assert ("rope_freqs.weight" in types) == tied and ("output.weight" in types) == (not tied)
+  q_raw = next(t for t in r.tensors if t.name == "blk.1.attn_q.weight")
+  want = {"F32": lambda a: a, "F16": lambda a: a.astype(np.float16).astype(np.float32),
+          "Q8_0": lambda a: gguf.quants.dequantize(gguf.quants.quantize(a, Q.Q8_0), Q.Q8_0)}[qtype]
+  np.testing.assert_array_equal(
+      gguf.quants.dequantize(q_raw.data, q_raw.tensor_type).reshape(256, 256),
+      want(converter_permute(hf["model.layers.1.self_attn.q_proj.weight"], cfg.n_heads)))
+  _check_contract(cfg, ckpt.weights(), {n: (want(a) if a.ndim == 2 else a) for n, a in hf.items()})
+  tok = ckpt.tokenizer()
+  for text in ("ab a", "b a ab", "é"):
+    assert tok.encode(text, bos=tok.add_bos) == src_tok.encode(text, bos=True)
+
+
+def test_save_gguf_refuses(tmp_path):
+  with pytest.raises(ValueError, match=r"qtype='Q4_1', expected one of \('F32', 'F16', 'Q8_0'\)"):
+    G.save_gguf(str(tmp_path / "x.gguf"), CFG, {}, qtype="Q4_1")
+  with pytest.raises(ValueError, match="missing parameters"):
+    G.save_gguf(str(tmp_path / "x.gguf"), CFG, {"embed": np.zeros((96, 256))})
+
+
+def test_hf_tokenizer_dir_still_loads(tmp_path):
+  """load_tokenizer is untouched by the GGUF path (a smoke check of the shared class)."""
+  path = train_bpe(str(tmp_path / "a"), config={"bos_token": "<s>", "eos_token": "</s>"})
+  tok = load_tokenizer(path)
+  assert not tok.add_bos and tok.chat_template is None

@@ -1,0 +1,69 @@
+"""rec/runs.py: the --models setting, one config per model, same-budget training that
+fails on a bad preset before anything trains, and a run that hands back its trained state
+(equal to its last checkpoint)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from core import checkpoint as ckpt_lib
+from rec import configs, runs
+
+
+def test_parse_models_and_presets():
+  specs = runs.parse_models(["dlrm", "wukong:l3_n16", "dhen"], "dhen=dhen_2l")
+  assert specs == [runs.ModelSpec("dlrm", "kaggle"), runs.ModelSpec("wukong", "l3_n16"),
+                   runs.ModelSpec("dhen", "dhen_2l")]
+  assert runs.parse_presets(["a=b", "c=d"]) == {"a": "b", "c": "d"}
+  with pytest.raises(ValueError, match=r"--presets item 'wukong': expected model=preset"):
+    runs.parse_presets("wukong")
+  with pytest.raises(ValueError, match=r"--presets names \['dcnv2'\], which are not in"):
+    runs.parse_models(["dlrm"], "dcnv2=small")
+  with pytest.raises(ValueError, match=r"model 'xdeepfm', expected one of"):
+    runs.parse_models(["xdeepfm"])
+  with pytest.raises(ValueError, match="lists a \\(model, preset\\) twice"):
+    runs.parse_models(["dlrm", "dlrm:kaggle"])
+
+
+def test_run_config_shares_the_embedding_dim_except_logreg():
+  base = configs.RecRunConfig(embedding_dim=16, learning_rate=0.3)
+  w = runs.for_model(base, runs.ModelSpec("wukong", "l2_n8"))
+  assert (w.model, w.preset, w.embedding_dim, w.learning_rate) == ("wukong", "l2_n8", 16, 0.3)
+  lr = runs.for_model(base, runs.ModelSpec("logreg"))
+  assert lr.embedding_dim == 0 and lr.learning_rate == 0.3   # one weight per id
+
+
+def test_bad_preset_fails_before_any_training(tmp_path):
+  base = configs.RecRunConfig(num_rows=100, batch_size=64, eval_batch_size=64)
+  specs = [runs.ModelSpec("dlrm", "small"), runs.ModelSpec("wukong", "l2")]
+  with pytest.raises(ValueError, match=r"--preset='l2' for --model=wukong: expected one of"):
+    runs.train_models(base, specs, steps=1, workdir=str(tmp_path))
+  assert not os.path.exists(tmp_path / "runs")
+  with pytest.raises(ValueError, match="steps=None, epochs=None; give exactly one"):
+    runs.train_model(base, specs[0], [0], str(tmp_path))
+
+
+def test_train_run_hands_back_the_checkpointed_state(tmp_path):
+  """The state in memory is the run's last checkpoint, bit for bit; a workdir left by an
+  earlier run (a checkpoint that would otherwise be resumed) is replaced."""
+  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=50, batch_size=16,
+                             eval_batch_size=16, eval_batches=1, mesh="data:1")
+  built = configs.build_run(cfg, devices=jax.devices()[:1])
+  stale = tmp_path / "a" / "checkpoints" / "7"
+  stale.mkdir(parents=True)
+  run = runs.train_run(cfg, str(tmp_path / "a"), steps=3, seed=2, keep_checkpoints=True,
+                       built=built)
+  assert int(run.state["step"]) == 3 and run.steps == 3 and run.seed == 2
+  assert set(run.eval) >= set(runs.METRICS) and run.eval["num_examples"] == 16
+  assert run.model_config == configs.model_config(cfg, built[1].spec)
+  assert not stale.exists()
+  ckpt = ckpt_lib.Checkpointer(run.workdir)
+  try:
+    assert ckpt.latest_step() == 3
+    saved, _ = ckpt.restore(3, ckpt_lib.abstract_like(run.state))
+  finally:
+    ckpt.close()
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(saved),
+               jax.device_get(run.state))
