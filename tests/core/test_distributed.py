@@ -22,7 +22,9 @@ from core import distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REC = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
-       "--eval_batches=2", "--log_every=2", "--heartbeat_timeout_s=15"]
+       "--eval_batches=2", "--log_every=2", "--heartbeat_timeout_s=60"]
+# A loaded 2-core machine can starve a process's heartbeat thread for seconds; tests that
+# check how a dead process is detected pass their own shorter --heartbeat_timeout_s.
 
 
 def _port() -> int:
