@@ -44,22 +44,22 @@ def define_flags() -> None:
                       "the tokenizer's).")
   flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
                       "on the data axis.")
-  flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.")
-  flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).")
-  flags.DEFINE_integer("steps", 300, "Train steps.")
+  flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).", lower_bound=1)
+  flags.DEFINE_integer("steps", 300, "Train steps.", lower_bound=1)
   flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
-  flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.")
+  flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.", lower_bound=0)
   flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices only).")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params stay fp32).")
   flags.DEFINE_bool("remat", False, "Rematerialize each block in the backward pass.")
   flags.DEFINE_string("attention_impl", "xla", "Attention implementation (llm.attention).")
   flags.DEFINE_enum("context_parallel", "none", ["none", "pass_kv", "pass_q", "auto"],
                     "Ring attention over the mesh's cp axis (LlamaConfig.context_parallel).")
-  flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).")
-  flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.")
-  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
-  flags.DEFINE_integer("log_every", 25, "Progress line every N steps.")
-  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.")
+  flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).", lower_bound=0)
+  flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.", lower_bound=1)
+  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
+  flags.DEFINE_integer("log_every", 25, "Progress line every N steps.", lower_bound=1)
+  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.", lower_bound=1)
   flags.DEFINE_string("workdir", "runs/train_lm", "Output directory.")
   flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir (its "
                     "saved model / optimizer / data settings must match these flags).")
@@ -68,7 +68,7 @@ def define_flags() -> None:
   flags.DEFINE_bool("overwrite", False, "Delete the checkpoints and metrics in --workdir first.")
   flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
                     "stop the run at that step, or skip the step (counted).")
-  flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps.")
+  flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps.", lower_bound=1)
   flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.")
 
 

@@ -63,7 +63,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("batch_size", 2048, "Global train batch size.")
   flags.DEFINE_integer("eval_batch_size", 8192, "Global eval batch size.")
   flags.DEFINE_integer("eval_batches", 8, "Synthetic data: eval set size in eval batches.")
-  flags.DEFINE_integer("steps", 1000, "Train steps (ignored when --epochs is set).")
+  flags.DEFINE_integer("steps", 1000, "Train steps (ignored when --epochs is set).", lower_bound=1)
   flags.DEFINE_float("epochs", None, "Train for this many passes over the train files.")
   flags.DEFINE_string("workdir", None, "Output directory (default: a new "
                       "runs/train_rec_<model>_<YYYYmmdd-HHMMSS>).")
@@ -77,11 +77,11 @@ def define_flags() -> None:
   flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
                     "stop the run at that step (no checkpoint of it), or skip the step (counted).")
   flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps "
-                       "(they are checked at every log line, eval and checkpoint too).")
-  flags.DEFINE_integer("eval_every", 250, "Evaluate every N steps (0: only at the end).")
-  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).")
-  flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.")
-  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.")
+                       "(they are checked at every log line, eval and checkpoint too).", lower_bound=1)
+  flags.DEFINE_integer("eval_every", 250, "Evaluate every N steps (0: only at the end).", lower_bound=0)
+  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
+  flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.", lower_bound=1)
+  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.", lower_bound=1)
   flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"], "Optax optimizer of the dense part.")
   flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
   flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")

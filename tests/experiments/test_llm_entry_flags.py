@@ -1,4 +1,5 @@
-"""The LLM study entry points (cp_model, wlb_packing, spec_decode, cp_prefill) refuse
+"""The training entry points (train_rec, train_lm) and the LLM study entry points (cp_model,
+wlb_packing, spec_decode, cp_prefill) refuse
 count-like and out-of-range flags while parsing, with a message naming the flag, and refuse
 flags that must agree with each other before any work; `wlb_packing --steps=0` (which used
 to loop forever) exits at once."""
@@ -32,10 +33,20 @@ BAD = {
         "--gen_prompt_len=0", "--warmup_steps=-1", "--batch_sizes=1,0", "--batch_sizes=",
         "--trees=0:2:2", "--trees=4:5", "--draft_lr=0", "--draft_lr=nan",
         "--gen_temperature=0", "--temperature=-1", "--w_cls=-1", "--noise=-0.5"],
+    "experiments.train_rec": [
+        "--steps=-5", "--steps=0", "--check_every=0", "--eval_every=-1",
+        "--checkpoint_every=-1", "--log_every=0", "--stop_at_step=0"],
+    "experiments.train_lm": [
+        "--seq_len=0", "--batch_size=0", "--steps=-1", "--warmup_steps=-1", "--eval_every=-1",
+        "--eval_batches=0", "--checkpoint_every=-1", "--log_every=0", "--stop_at_step=0",
+        "--check_every=0"],
     "experiments.cp_prefill": [
         "--batch=0", "--repeats=0", "--seq_len=0", "--cached_len=-2", "--peak_tflops=0",
         "--bandwidth_gbps=0", "--tol=-1"],
 }
+
+# Flags an entry point requires, given with every case so that the defaults parse.
+REQUIRED = {"experiments.train_lm": ["--text=README.md"]}
 
 # Each module's flags are defined, the arguments parsed, and the flags deleted again, so that
 # entry points whose flags share names can be tried in one process.
@@ -43,14 +54,16 @@ _SCRIPT = r"""
 import importlib, json, sys
 from absl import flags
 out = {"errors": {}, "names": {}}
+required = json.loads(sys.argv[2])
 for module, cases in json.loads(sys.argv[1]).items():
   mod = importlib.import_module(module)
+  base = required.get(module, [])
   for args in [[]] + [[c] for c in cases]:
     before = set(flags.FLAGS)
     mod.define_flags()
     out["names"][module] = sorted(set(flags.FLAGS) - before)
     try:
-      flags.FLAGS(["prog", *args])
+      flags.FLAGS(["prog", *base, *args])
       err = None
     except flags.Error as e:
       err = str(e)
@@ -66,7 +79,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def parsed():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(BAD)], cwd=REPO, env=env,
+  out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(BAD), json.dumps(REQUIRED)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
