@@ -7,7 +7,7 @@ r"""Kernel benchmarks on one GPU, one function per kernel family.
   python -m experiments.bench_kernels --interpret_check              # CPU: correctness only
 
 flash_attention: TFLOP/s of the forward and of the backward of the Pallas kernels, "mgpu"
-(`kernels/flash_attention_mgpu.py`, Mosaic GPU, Hopper) and "triton"
+(`kernels/flash_attention_mgpu/`, Mosaic GPU, Hopper) and "triton"
 (`kernels/flash_attention_triton.py`), beside cuDNN (`jax.nn.dot_product_attention(
 implementation="cudnn")`) and XLA ("xla"), at sequence lengths 4K, 8K, 16K, head dims 128 and
 64, bf16, causal and not. As in the FlashAttention-2 paper (arXiv 2307.08691, Sec. 4.1) the
