@@ -29,13 +29,10 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from core import distributed
 from core import errors
-
-flags.DEFINE_bool("verbose_errors", False, "On a data or settings error, print the traceback "
-                  "(Grain's and JAX's internal frames included) before the one-line message.")
 
 FLAGS = flags.FLAGS
 _HELP = ("help", "?", "helpshort", "helpfull", "helpxml")
@@ -49,6 +46,23 @@ _OWN = tuple(os.path.join(_ROOT, d) + os.sep for d in ("core", "rec", "llm", "ke
 _PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 # The resource tracker (a process of its own) inherits the -W options of sys.warnoptions.
 _TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def define_flags(flag_values=FLAGS) -> None:
+  """The flags every entry point has (`run` defines them before parsing): --verbose_errors
+  and those of the multi-process runtime (`core.distributed`)."""
+  distributed.define_flags(flag_values)
+  if "verbose_errors" not in flag_values:
+    flags.DEFINE_bool("verbose_errors", False, "On a data or settings error, print the "
+                      "traceback (Grain's and JAX's internal frames included) before the "
+                      "one-line message.", flag_values=flag_values)
+
+
+def quiet_library_logs() -> None:
+  """Library INFO logs (orbax, jax) drown an entry point's progress lines: WARNING and up
+  unless --verbosity was given."""
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
 
 
 def asks_for_help(args: Sequence[str]) -> bool:
@@ -144,6 +158,7 @@ def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> N
   argv = list(sys.argv if argv is None else argv)
   argv = argv[:1] + ["--help" if a == "-h" else a for a in argv[1:]]
   quiet_known_noise()
+  define_flags()
 
   def start(args):
     line, status = None, USER_ERROR_STATUS

@@ -50,22 +50,37 @@ from absl import flags, logging
 from core.errors import UserError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"],
-                  "Multi-process run through jax.distributed: auto = when a coordinator is given "
-                  "(flag or JAX_COORDINATOR_ADDRESS) or SLURM / Open MPI launched several "
-                  "processes; on = always (jax detects the cluster); off = one process.")
-flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0's coordinator "
-                    "(default: $JAX_COORDINATOR_ADDRESS, or detected under SLURM / Open MPI).")
-flags.DEFINE_integer("num_processes", None, "Processes in the job (default: $JAX_NUM_PROCESSES "
-                     "or detected).")
-flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (default: "
-                     "$JAX_PROCESS_ID, $JOB_COMPLETION_INDEX, or detected).")
-flags.DEFINE_integer("heartbeat_timeout_s", 60, "A process silent this long is declared dead "
-                     "and the whole job ends with an error naming it.")
-flags.DEFINE_integer("initialization_timeout_s", 300, "How long processes wait for each other "
-                     "to join at start.")
-flags.DEFINE_integer("hang_timeout_s", 1800, "A process whose train loop makes no progress this "
-                     "long ends the job, naming the processes that are behind (0: off).")
+HANG_TIMEOUT_S = 1800   # --hang_timeout_s's default
+
+
+def define_flags(flag_values=FLAGS) -> None:
+  """Defines this module's flags (once; `core.cli.run` calls it for every entry point), so
+  that importing the library defines none."""
+  if "distributed" in flag_values:
+    return
+  flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"],
+                    "Multi-process run through jax.distributed: auto = when a coordinator is "
+                    "given (flag or JAX_COORDINATOR_ADDRESS) or SLURM / Open MPI launched several "
+                    "processes; on = always (jax detects the cluster); off = one process.",
+                    flag_values=flag_values)
+  flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0's coordinator "
+                      "(default: $JAX_COORDINATOR_ADDRESS, or detected under SLURM / Open MPI).",
+                      flag_values=flag_values)
+  flags.DEFINE_integer("num_processes", None, "Processes in the job (default: $JAX_NUM_PROCESSES "
+                       "or detected).", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (default: "
+                       "$JAX_PROCESS_ID, $JOB_COMPLETION_INDEX, or detected).", lower_bound=0,
+                       flag_values=flag_values)
+  flags.DEFINE_integer("heartbeat_timeout_s", 60, "A process silent this long is declared dead "
+                       "and the whole job ends with an error naming it.", lower_bound=1,
+                       flag_values=flag_values)
+  flags.DEFINE_integer("initialization_timeout_s", 300, "How long processes wait for each other "
+                       "to join at start.", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_integer("hang_timeout_s", HANG_TIMEOUT_S, "A process whose train loop makes no "
+                       "progress this long ends the job, naming the processes that are behind "
+                       "(0: off).",
+                       lower_bound=0, flag_values=flag_values)
+
 
 _initialized = False
 _monitor: "_Monitor | None" = None
@@ -133,6 +148,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def hang_timeout_s(flag_values=FLAGS) -> float:
+  """--hang_timeout_s once parsed; its default outside an entry point (a notebook, a test)."""
+  if "hang_timeout_s" not in flag_values or not flag_values.is_parsed():
+    return float(HANG_TIMEOUT_S)
+  return float(flag_values.hang_timeout_s)
 
 
 def initialize_from_flags(flag_values=FLAGS) -> bool:

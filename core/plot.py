@@ -1,11 +1,20 @@
-"""Plots a run's metrics.jsonl (train loss, eval metrics) to a PNG beside results.json, and
-plain tick labels for log axes."""
+"""Plots: pyplot on the Agg backend (`pyplot()`, every plot's start), a run's metrics.jsonl
+(train loss, eval metrics) as a PNG beside results.json, plain tick labels for log axes."""
 
 from __future__ import annotations
 
 import json
 import os
 from typing import Sequence
+
+
+def pyplot():
+  """matplotlib.pyplot on the Agg backend (PNG files, no display), as every plot of the
+  project starts; matplotlib is imported on first use only."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
 
 
 def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: str = "curves.png") -> str | None:
@@ -15,9 +24,7 @@ def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: s
   path = os.path.join(workdir, "metrics.jsonl")
   if jax.process_index() != 0 or not os.path.exists(path):
     return None
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
 
   with open(path) as f:
     recs = [json.loads(l) for l in f if l.strip()]

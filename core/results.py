@@ -1,11 +1,16 @@
-"""Writing an experiment's results.json: atomically (temp file + rename), numpy scalars as
-numbers, anything else JSON cannot hold as its str(); once per job (process 0)."""
+"""An experiment's results: results.json written atomically (temp file + rename), numpy
+scalars as numbers, anything else JSON cannot hold as its str(), once per job (process 0);
+the one-line JSON summary printed last (`finish` does both)."""
 
 from __future__ import annotations
 
 import json
 import os
 from typing import Any
+
+
+def _plain(o: Any) -> Any:
+  return o.item() if hasattr(o, "item") else str(o)
 
 
 def write_json(obj: Any, path: str) -> str:
@@ -17,7 +22,7 @@ def write_json(obj: Any, path: str) -> str:
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    json.dump(obj, f, indent=2, default=_plain)
   os.replace(tmp, path)
   return path
 
@@ -25,3 +30,17 @@ def write_json(obj: Any, path: str) -> str:
 def write_results(workdir: str, obj: Any) -> str:
   """`<workdir>/results.json`."""
   return write_json(obj, os.path.join(workdir, "results.json"))
+
+
+def print_summary(summary: Any) -> None:
+  """Prints `summary` as one JSON line (numpy scalars as numbers, anything else JSON cannot
+  hold as its str()): an experiment's last stdout line, which scripts and CI read."""
+  print(json.dumps(summary, default=_plain), flush=True)
+
+
+def finish(workdir: str, results: Any, summary: Any) -> str:
+  """How an experiment ends: `<workdir>/results.json` written (`write_results`), then the
+  one-line JSON `summary` printed last (`print_summary`). Returns the file's path."""
+  path = write_results(workdir, results)
+  print_summary(summary)
+  return path

@@ -60,11 +60,15 @@ class TrainConfig:
   settings: dict[str, Any] | None = None
   changeable: Sequence[str] = ()     # settings besides LOOP_SETTINGS that may change on resume
   resume_allow: Sequence[str] = ()   # settings this resume may change deliberately
+  # Maps settings (saved and current) to the form compared on resume, e.g. a default stored
+  # as 0 to the value it stands for.
+  normalize_settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
   overwrite: bool = False            # delete the workdir's checkpoints and metrics first
   nonfinite: str = "stop"            # stop | skip: what a non-finite loss or grad norm does
   check_every: int = 100             # at most this many steps between finiteness checks
   max_skipped_in_a_row: int = 10     # nonfinite="skip": stop after this many in a row
-  hang_timeout_s: float = 1800.0     # multi-process: a loop stuck this long ends the job
+  hang_timeout_s: float | None = None  # multi-process: a loop stuck this long ends the job
+                                      # (None: --hang_timeout_s of core.distributed)
   nonfinite_hint: str = "lower the learning rate"  # what to try, named by the entry point
 
 
@@ -316,6 +320,8 @@ def _check_resume(cfg: TrainConfig) -> int | None:
                     "without checking them", ckpt_dir, latest)
     return latest
   now = run_settings(cfg)
+  if cfg.normalize_settings is not None:
+    saved, now = cfg.normalize_settings(saved), cfg.normalize_settings(now)
   free = set(_changeable(cfg)) | set(cfg.resume_allow)
   unknown = sorted(set(cfg.resume_allow) - set(saved) - set(now))
   if unknown:
@@ -494,7 +500,8 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     step = start
     batches = _prefetch(train_batches(start), task.device_batch, cfg.prefetch)
     t_last = time.perf_counter()
-    watchdog = distributed.Watchdog(cfg.hang_timeout_s)
+    watchdog = distributed.Watchdog(distributed.hang_timeout_s() if cfg.hang_timeout_s is None
+                                    else cfg.hang_timeout_s)
     while step < end:
       host, dev = next(batches)
       state, metrics = step_fn(state, dev)

@@ -34,7 +34,7 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from core import cli
 from core import results as results_lib
@@ -46,19 +46,18 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_integer("batch_size", 2048, "Global batch.")
-  flags.DEFINE_integer("rows", 100_000, "Rows per table.")
-  flags.DEFINE_integer("steps", 30, "Steps per timed repeat.")
-  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
-  flags.DEFINE_integer("rounds", 3, "Rounds; each runs ours then the peer.")
-  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+  from rec import configs
+  configs.define_rec_run_flags("batch_size", "mesh", "model", "preset", sharding="tw",
+      memory_budget_gb=70.0)
+  flags.DEFINE_integer("rows", 100_000, "Rows per table (--preset=mlperf: the cap; 0: the "
+                       "reference's 204M rows).", lower_bound=0)
+  flags.DEFINE_integer("steps", 30, "Steps per timed repeat.", lower_bound=1)
+  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.", lower_bound=1)
+  flags.DEFINE_integer("rounds", 3, "Rounds; each runs ours then the peer.", lower_bound=1)
+  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).",
+                       lower_bound=1)
   flags.DEFINE_string("peer_python", "", "Python of the TorchRec environment; empty: skip the peer.")
-  flags.DEFINE_string("mesh", "-1", "Mesh for our run.")
-  flags.DEFINE_string("sharding", "tw", "Embedding sharding for our run.")
   flags.DEFINE_string("workdir", "runs/bench_dlrm", "Where results.json and the plot go.")
-  flags.DEFINE_string("model", "dlrm", "dlrm (Kaggle config) or dcnv2.")
-  flags.DEFINE_string("preset", "kaggle", "Model preset; --model=dcnv2 --preset=mlperf: MLPerf DCNv2.")
-  flags.DEFINE_float("memory_budget_gb", 70.0, "Per-device embedding memory budget in GiB (planner).")
   flags.DEFINE_bool("show_plan", False, "Print the MLPerf preset's plans for 1 and 8 devices, exit.")
 
 
@@ -74,8 +73,7 @@ def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import benchmark
 
   if FLAGS.show_plan:
@@ -121,9 +119,8 @@ def main(argv):
                                                          "sharding": FLAGS.sharding}}
   results_lib.write_results(FLAGS.workdir, results)
   try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from core import plot as plot_lib
+    plt = plot_lib.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     names = ["ours (JAX)"] + (["TorchRec + FBGEMM"] if peer else [])
     vals = [ours] + ([peer] if peer else [])
@@ -135,7 +132,7 @@ def main(argv):
     plt.close(fig)
   except Exception as e:  # the numbers matter more than the picture
     print(f"plot skipped: {e}", file=sys.stderr)
-  print(json.dumps(summary))
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

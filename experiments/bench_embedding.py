@@ -17,10 +17,9 @@ medians per R, P and path.
 
 from __future__ import annotations
 
-import json
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -34,11 +33,12 @@ def define_flags() -> None:
   flags.DEFINE_list("rows", ["10000", "100000", "1000000", "10000000"], "Table sizes R.")
   flags.DEFINE_list("pooling", ["1", "8"], "Pooling factors (ids per bag).")
   flags.DEFINE_list("paths", ["sparse", "naive"], "Which paths to time.")
-  flags.DEFINE_integer("dim", 64, "Embedding dim.")
-  flags.DEFINE_integer("batch_size", 4096, "Bags per step.")
-  flags.DEFINE_integer("steps", 30, "Steps per timed repeat of the sparse path.")
-  flags.DEFINE_integer("naive_steps", 5, "Steps per timed repeat of the naive path (slow at large R).")
-  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).")
+  flags.DEFINE_integer("dim", 64, "Embedding dim.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", 4096, "Bags per step.", lower_bound=1)
+  flags.DEFINE_integer("steps", 30, "Steps per timed repeat of the sparse path.", lower_bound=1)
+  flags.DEFINE_integer("naive_steps", 5, "Steps per timed repeat of the naive path (slow at "
+                       "large R).", lower_bound=1)
+  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).", lower_bound=1)
   flags.DEFINE_float("zipf_alpha", 1.05, "Zipf exponent of the ids.")
   flags.DEFINE_string("workdir", "runs/bench_embedding", "Where results.json and the plot go.")
 
@@ -142,9 +142,8 @@ def summarize(results):
 
 
 def plot(results, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for P in sorted({r["pooling"] for r in results}):
     for p, style in (("sparse", "o-"), ("naive", "s--")):
@@ -162,8 +161,7 @@ def plot(results, path):
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import benchmark
   rows = [int(float(r)) for r in FLAGS.rows]
   pooling = [int(p) for p in FLAGS.pooling]
@@ -189,7 +187,7 @@ def main(argv):
   results_lib.write_results(FLAGS.workdir, out)
   plot(results, os.path.join(FLAGS.workdir, "bench_embedding.png"))
   medians = {f"R{r['rows']}_P{r['pooling']}_{r['path']}": round(r["median_ms"], 3) for r in results}
-  print(json.dumps({"median_ms": medians, "summary": summary}))
+  results_lib.print_summary({"median_ms": medians, "summary": summary})
 
 
 if __name__ == "__main__":

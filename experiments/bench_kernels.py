@@ -36,7 +36,6 @@ add it to FAMILIES; its flags go beside the others.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Callable, NamedTuple
@@ -46,7 +45,7 @@ from typing import Any, Callable, NamedTuple
 # read when the CPU client starts.
 os.environ.setdefault("PJRT_NPROC", "16")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from core import cli  # noqa: E402
 from core import results as results_lib  # noqa: E402
@@ -63,31 +62,32 @@ def define_flags() -> None:
   flags.DEFINE_bool("interpret_check", False,
                     "Tiny kernel-vs-reference check in Pallas interpret mode (works on CPU).")
   flags.DEFINE_string("workdir", "runs/bench_kernels", "Where results.json goes.")
-  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).")
-  flags.DEFINE_integer("steps", 10, "Calls per timed repeat.")
+  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).", lower_bound=1)
+  flags.DEFINE_integer("steps", 10, "Calls per timed repeat.", lower_bound=1)
   # flash_attention
   flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths T = S.")
-  flags.DEFINE_integer("tokens", 16384, "batch x seq_len (batch = tokens // seq_len, at least 1).")
-  flags.DEFINE_integer("heads", 16, "Query heads H.")
-  flags.DEFINE_integer("kv_heads", 0, "Key/value heads G (0: = heads).")
+  flags.DEFINE_integer("tokens", 16384, "batch x seq_len (batch = tokens // seq_len, at least 1).",
+                       lower_bound=1)
+  flags.DEFINE_integer("heads", 16, "Query heads H.", lower_bound=1)
+  flags.DEFINE_integer("kv_heads", 0, "Key/value heads G (0: = heads).", lower_bound=0)
   flags.DEFINE_list("head_dims", ["128", "64"], "Head dims K.")
   flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
   flags.DEFINE_list("impls", ["mgpu", "triton", "cudnn", "xla"],
                     "Attention implementations: mgpu, triton, pallas (the backend's choice of "
                     "the two), cudnn, xla.")
   flags.DEFINE_list("causal", ["true", "false"], "Causal settings to run.")
-  flags.DEFINE_integer("block_q", 128, "Triton kernel forward block_q.")
-  flags.DEFINE_integer("block_k", 128, "Triton kernel forward block_k.")
+  flags.DEFINE_integer("block_q", 128, "Triton kernel forward block_q.", lower_bound=1)
+  flags.DEFINE_integer("block_k", 128, "Triton kernel forward block_k.", lower_bound=1)
   flags.DEFINE_list("mgpu_configs", ["64x128x2"],
                     "Mosaic GPU configs to time, each BLOCK_QxBLOCK_KVxSTAGES[:split|fused]: "
                     "forward tiling (block_q rows per compute warpgroup) and backward variant "
                     "(default fused at head dim 128, split at 64).")
   # embedding_bag
-  flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.")
-  flags.DEFINE_integer("eb_dim", 128, "Embedding dim.")
-  flags.DEFINE_integer("eb_batch", 8192, "Bags per feature.")
-  flags.DEFINE_integer("eb_features", 26, "Tables (features) in the flat buffer.")
-  flags.DEFINE_integer("eb_bag_len", 20, "Ids per bag.")
+  flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.", lower_bound=1)
+  flags.DEFINE_integer("eb_dim", 128, "Embedding dim.", lower_bound=1)
+  flags.DEFINE_integer("eb_batch", 8192, "Bags per feature.", lower_bound=1)
+  flags.DEFINE_integer("eb_features", 26, "Tables (features) in the flat buffer.", lower_bound=1)
+  flags.DEFINE_integer("eb_bag_len", 20, "Ids per bag.", lower_bound=1)
   flags.DEFINE_list("eb_dtypes", ["float32", "bfloat16", "int8", "int8_split"], "Row formats.")
 
 
@@ -175,8 +175,7 @@ FAMILIES = {
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import jax
 
   from core import benchmark
@@ -195,9 +194,9 @@ def main(argv):
     out["checks"] = checks
     ok = all(r["ok"] for c in checks.values() for r in c.values())
     results_lib.write_results(FLAGS.workdir, out)
-    print(json.dumps({"interpret_check": "ok" if ok else "failed",
-                      "rel_err": {n: {d: r["rel_err"] for d, r in c.items()}
-                                  for n, c in checks.items()}}))
+    results_lib.print_summary({"interpret_check": "ok" if ok else "failed",
+                               "rel_err": {n: {d: r["rel_err"] for d, r in c.items()}
+                                           for n, c in checks.items()}})
     sys.exit(0 if ok else 1)
 
   if jax.default_backend() != "gpu":
@@ -205,7 +204,7 @@ def main(argv):
            "TFLOP/s need a GPU (the Pallas kernels only run interpreted here). Run it on a "
            "CUDA machine, or pass --interpret_check for a tiny correctness check.")
     print(msg, file=sys.stderr)
-    print(json.dumps({"refused": msg}))
+    results_lib.print_summary({"refused": msg})
     sys.exit(2)
 
   results, summary = {}, {}
@@ -225,8 +224,7 @@ def main(argv):
     else:
       FAMILIES[name].table(results[name])
   out["results"] = results
-  results_lib.write_results(FLAGS.workdir, out)
-  print(json.dumps(summary))
+  results_lib.finish(FLAGS.workdir, out, summary)
 
 
 if __name__ == "__main__":

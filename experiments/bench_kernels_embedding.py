@@ -29,11 +29,10 @@ Letters: B batch, F features (tables), L ids per bag, R rows per table, D dim.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from experiments.benchmarks import embedding_bag as eb_bench
@@ -44,16 +43,16 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined only when run as a script: experiments.bench_kernels
   imports this module and has flags of the same names."""
-  flags.DEFINE_integer("rows", 1_000_000, "Rows per table.")
-  flags.DEFINE_integer("dim", 128, "Embedding dim D.")
-  flags.DEFINE_integer("batch", 8192, "Bags per feature.")
-  flags.DEFINE_integer("features", 26, "Tables (features) in the flat buffer.")
-  flags.DEFINE_integer("bag_len", 20, "Ids per bag.")
+  flags.DEFINE_integer("rows", 1_000_000, "Rows per table.", lower_bound=1)
+  flags.DEFINE_integer("dim", 128, "Embedding dim D.", lower_bound=1)
+  flags.DEFINE_integer("batch", 8192, "Bags per feature.", lower_bound=1)
+  flags.DEFINE_integer("features", 26, "Tables (features) in the flat buffer.", lower_bound=1)
+  flags.DEFINE_integer("bag_len", 20, "Ids per bag.", lower_bound=1)
   flags.DEFINE_list("dtypes", list(eb_bench.FORMATS),
                     f"Row formats, some of {eb_bench.FORMATS}.")
   flags.DEFINE_list("impls", ["pallas", "xla", "triton"], "Implementations.")
   flags.DEFINE_float("zipf_alpha", 0.0, "Zipf exponent of the ids (0: uniform).")
-  flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
+  flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).", lower_bound=1)
   flags.DEFINE_bool("sweep", False, "Also time a few Pallas launch configs per format.")
   flags.DEFINE_float("cache_fraction", None, "int8_cache / int4_cache: cache size as a fraction "
                      "of the rows (default: int8 0.05, int4 0.01).")
@@ -62,8 +61,7 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import benchmark
   from core import results as results_lib
   try:
@@ -73,12 +71,11 @@ def main(argv):
         cache_fraction=FLAGS.cache_fraction)
   except RuntimeError as e:
     print(str(e), file=sys.stderr)
-    print(json.dumps({"refused": str(e)}))
+    results_lib.print_summary({"refused": str(e)})
     sys.exit(2)
   print(eb_bench.format_table(out))
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.write_results(FLAGS.workdir, {**out, "machine": benchmark.machine()})
-  print(json.dumps(eb_bench.summary(out)))
+  results_lib.finish(FLAGS.workdir, {**out, "machine": benchmark.machine()}, eb_bench.summary(out))
 
 
 if __name__ == "__main__":

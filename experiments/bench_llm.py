@@ -39,7 +39,7 @@ import os
 import subprocess
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -59,19 +59,26 @@ def define_flags() -> None:
   flags.DEFINE_string("prompt", "Once upon a time, there was a little robot who",
                       "With --checkpoint and its tokenizer: the prompt text of every row "
                       "(BOS as the tokenizer adds it); --prompt_len is then its length.")
-  flags.DEFINE_integer("batch", 1, "Prompts per batch.")
-  flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.")
-  flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.")
-  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.")
-  flags.DEFINE_integer("rounds", 2, "Rounds; each runs ours then the peer.")
-  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+  flags.DEFINE_integer("batch", 1, "Prompts per batch.", lower_bound=1)
+  flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.", lower_bound=1)
+  flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.", lower_bound=1)
+  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.", lower_bound=1)
+  flags.DEFINE_integer("rounds", 2, "Rounds; each runs ours then the peer.", lower_bound=1)
+  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).",
+                       lower_bound=1)
   flags.DEFINE_string("peer_python", "", "Python of the transformers environment; empty: skip.")
   flags.DEFINE_string("workdir", "runs/bench_llm", "Where results.json, the plot and the "
                       "exported weights go.")
-  flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+  flags.DEFINE_integer("seed", 0, "Weights and prompt seed.", lower_bound=0)
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                     "Weights, compute and KV cache dtype of our model.")
-  flags.DEFINE_integer("copy_mb", 1024, "Size of the copy that measures memory bandwidth (MiB).")
+  flags.DEFINE_enum("weights", "float32", ["float32", "int8", "int4", "gguf"],
+                    "Weight-only quantization of our model (llm.quantized): float32 (none, "
+                    "stored in --dtype), int8 / int4 (group-wise, dequantized inside each "
+                    "matmul; a GGUF's Q8_0 / Q4_x blocks taken directly), gguf (a gguf: "
+                    "checkpoint's tensors as stored). The peer keeps float weights.")
+  flags.DEFINE_integer("copy_mb", 1024, "Size of the copy that measures memory bandwidth (MiB).",
+                       lower_bound=1)
 
 
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:
@@ -82,8 +89,7 @@ def copy_bandwidth(mib: int, repeats: int = 5) -> float:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import jax
   import numpy as np
   from flax import nnx
@@ -115,6 +121,15 @@ def main(argv):
   # bf16: the same weights, stored and computed in bf16 (load_weights casts to each param's
   # dtype); the peer keeps fp32.
   cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+  if FLAGS.weights != "float32":
+    from llm import quantized
+    stored = None
+    if FLAGS.checkpoint and kind == "gguf":
+      stored = checkpoints.gguf_checkpoint(path).tensors
+    else:
+      quantized.check_mode(FLAGS.weights, kind if FLAGS.checkpoint else None)
+    weights, forms = quantized.quantize(cfg, FLAGS.weights, weights=weights, stored=stored)
+    print(f"weights {FLAGS.weights}: {quantized.summarize_forms(forms)}", flush=True)
   model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
   model_lib.load_weights(model, weights)
   del weights
@@ -128,7 +143,8 @@ def main(argv):
   with open(prompts_file, "w") as f:
     json.dump(prompts, f)
   print(f"Llama {name}: {cfg.num_params() / 1e6:.1f}M params | batch {FLAGS.batch} | "
-        f"prompt {prompt_len} | {FLAGS.new_tokens} new tokens | {FLAGS.dtype}", flush=True)
+        f"prompt {prompt_len} | {FLAGS.new_tokens} new tokens | {FLAGS.dtype} | weights "
+        f"{FLAGS.weights}", flush=True)
 
   ours = {"prefill": [], "decode": []}
   peer = {"prefill": [], "decode": []}
@@ -175,7 +191,7 @@ def main(argv):
   summary = {"preset": None if FLAGS.checkpoint else FLAGS.preset,
              "checkpoint": FLAGS.checkpoint, "params": cfg.num_params(), "batch": FLAGS.batch,
              "prompt_len": prompt_len, "new_tokens": FLAGS.new_tokens,
-             "dtype": FLAGS.dtype, "ours": o, "peer": q, "peer_impl": peer_impl,
+             "dtype": FLAGS.dtype, "weights": FLAGS.weights, "ours": o, "peer": q, "peer_impl": peer_impl,
              "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": w_bytes,
              "kv_bytes_per_step": kv_bytes, "device": jax.devices()[0].device_kind}
   if q:
@@ -201,9 +217,8 @@ def main(argv):
              "ours_ids": ours_ids, "peer_ids": peer_ids}
   results_lib.write_results(FLAGS.workdir, results)
   if q:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from core import plot as plot_lib
+    plt = plot_lib.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, key, title in ((axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
                            (axes[1], "decode_tokens_per_s", "decode tokens/s")):
@@ -212,7 +227,7 @@ def main(argv):
     fig.suptitle(f"Llama {name}, batch {FLAGS.batch}, prompt {prompt_len}, CPU")
     fig.tight_layout()
     fig.savefig(os.path.join(FLAGS.workdir, "bench_llm.png"), dpi=120)
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,9 @@ Writes results.json; the last stdout line is a JSON summary.
 
 from __future__ import annotations
 
-import json
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -41,8 +40,8 @@ def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
   flags.DEFINE_string("preset", "llama32_1b", "Model size (llm.config.PRESETS).")
-  flags.DEFINE_integer("seq_len", 8192, "Tokens per row.")
-  flags.DEFINE_integer("batch", 1, "Global batch (rows).")
+  flags.DEFINE_integer("seq_len", 8192, "Tokens per row.", lower_bound=1)
+  flags.DEFINE_integer("batch", 1, "Global batch (rows).", lower_bound=1)
   flags.DEFINE_string("mesh", "data:1", "Mesh (core.mesh: e.g. data:1, fsdp:8, data:2,tp:4).")
   flags.DEFINE_string("attention_impl", "auto", "llm.attention implementation.")
   flags.DEFINE_enum("remat", "none", ["none", "full", "dots", "attention"],
@@ -50,10 +49,10 @@ def define_flags() -> None:
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
   flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"], "AdamW first-moment dtype.")
   flags.DEFINE_integer("loss_chunk", -1, "Tokens per chunk of the cross-entropy (-1: auto, "
-                       "0: plain loss over full logits).")
-  flags.DEFINE_integer("steps", 10, "Steps per timed repeat.")
-  flags.DEFINE_integer("repeats", 3, "Timed repeats.")
-  flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
+                       "0: plain loss over full logits).", lower_bound=-1)
+  flags.DEFINE_integer("steps", 10, "Steps per timed repeat.", lower_bound=1)
+  flags.DEFINE_integer("repeats", 3, "Timed repeats.", lower_bound=1)
+  flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.", lower_bound=0)
   flags.DEFINE_bool("breakdown", True, "Time forward, backward, attention, loss head, optimizer.")
   flags.DEFINE_bool("profile", False, "jax.profiler trace of 3 steps to <workdir>/profile.")
   flags.DEFINE_bool("xla_dump", False, "XLA HLO dumps to <workdir>/xla_dump.")
@@ -62,8 +61,7 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   if FLAGS.xla_dump:
     dump = os.path.abspath(os.path.join(FLAGS.workdir, "xla_dump"))
@@ -113,7 +111,7 @@ def main(argv):
   summary = {k: res[k] for k in ("preset", "seq_len", "batch", "mesh", "attention_impl",
                                  "attention_resolved", "remat", "step_ms", "tokens_per_s", "model_tflops_per_s",
                                  "mfu", "peak_tflops_per_device", "device_kind")}
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ Prints a table, writes results.json and bench_pipeline.png under --workdir, and 
 
 from __future__ import annotations
 
-import json
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -34,23 +33,21 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
+  from rec import configs
+  configs.define_rec_run_flags("num_rows", "model", "preset", "mesh", batch_size=16384)
   flags.DEFINE_list("data", ["synthetic:gen=device", "synthetic:gen=host", "criteo_bin:gen"],
                     "Sources to measure (train_rec's --data forms; criteo_bin:gen = generated).")
-  flags.DEFINE_integer("batch_size", 16384, "Global batch.")
-  flags.DEFINE_integer("num_rows", 100_000, "Rows per embedding table.")
-  flags.DEFINE_string("model", "dlrm", "Model (rec.configs).")
-  flags.DEFINE_string("preset", "kaggle", "Model preset.")
-  flags.DEFINE_string("mesh", "-1", "Device mesh.")
-  flags.DEFINE_integer("steps", 60, "End-to-end steps (also split into the step timing's repeats).")
-  flags.DEFINE_integer("source_batches", 60, "Batches timed for the source alone.")
-  flags.DEFINE_integer("gen_rows", 4_000_000, "Rows of the generated criteo_bin directory.")
+  flags.DEFINE_integer("steps", 60, "End-to-end steps (also split into the step timing's repeats).",
+                       lower_bound=1)
+  flags.DEFINE_integer("source_batches", 60, "Batches timed for the source alone.", lower_bound=1)
+  flags.DEFINE_integer("gen_rows", 4_000_000, "Rows of the generated criteo_bin directory.",
+                       lower_bound=1)
   flags.DEFINE_string("workdir", "runs/bench_pipeline", "results.json, plot, generated data.")
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import benchmark
   os.makedirs(FLAGS.workdir, exist_ok=True)
   rows = []
@@ -70,9 +67,8 @@ def main(argv):
       "config": {k: FLAGS[k].value for k in ("batch_size", "num_rows", "model", "preset", "mesh",
                                              "steps", "source_batches", "gen_rows")}})
   try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from core import plot as plot_lib
+    plt = plot_lib.pyplot()
     import numpy as np
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = np.arange(len(rows))
@@ -90,9 +86,9 @@ def main(argv):
     plt.close(fig)
   except ImportError:
     pass
-  print(json.dumps({"device": machine["device"], "batch_size": FLAGS.batch_size,
-                    **{r["data"]: {k: round(v, 3) if k.endswith("step") else round(v)
-                                   for k, v in r.items() if k != "data"} for r in rows}}))
+  results_lib.print_summary({"device": machine["device"], "batch_size": FLAGS.batch_size,
+                             **{r["data"]: {k: round(v, 3) if k.endswith("step") else round(v)
+                                            for k, v in r.items() if k != "data"} for r in rows}})
 
 
 if __name__ == "__main__":

@@ -38,12 +38,11 @@ CP 314 ms, max |diff| 7.9e-06.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import statistics
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -70,7 +69,7 @@ def define_flags() -> None:
                      "0.2 (bfloat16).")
   flags.DEFINE_float("peak_tflops", 989.0, "C of the auto rule, TF/s per rank (H100 dense bf16).")
   flags.DEFINE_float("bandwidth_gbps", 50.0, "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
-  flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
+  flags.DEFINE_integer("seed", 0, "Weights and tokens seed.", lower_bound=0)
   flags.DEFINE_string("workdir", "runs/cp_prefill", "Where results.json goes.")
   for name in ("peak_tflops", "bandwidth_gbps"):
     flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
@@ -219,8 +218,7 @@ def format_table(res: dict) -> str:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import jax
   from llm.config import get_config
   if FLAGS.dtype == "float32":
@@ -234,8 +232,7 @@ def main(argv):
             seed=FLAGS.seed, preset=FLAGS.preset)
   print(format_table(res))
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.write_results(FLAGS.workdir, res)
-  print(json.dumps(res["summary"]), flush=True)
+  results_lib.finish(FLAGS.workdir, res, res["summary"])
   if not res["summary"]["passed"]:
     raise SystemExit(1)
 

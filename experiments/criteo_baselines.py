@@ -11,10 +11,9 @@ Writes results.json and a PNG to --workdir; the last stdout line is JSON.
 
 from __future__ import annotations
 
-import json
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -25,21 +24,18 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("data", None, "criteo:DIR (train.txt, valid.txt, test.txt) or avazu:DIR.")
+  from rec import configs
+  configs.define_rec_run_flags("num_rows", "seed", data=None, batch_size=128)
   flags.DEFINE_list("models", ["logreg", "dlrm"], "Models to compare.")
   flags.DEFINE_list("epochs", ["1", "3"], "Epoch counts to train each model for.")
-  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-  flags.DEFINE_integer("batch_size", 128, "Train batch size.")
   flags.DEFINE_float("learning_rate", 0.05, "Dense and embedding learning rate (Adagrad).")
-  flags.DEFINE_integer("seed", 0, "Seed.")
   flags.DEFINE_string("workdir", "runs/criteo_baselines", "Output directory.")
   flags.mark_flag_as_required("data")
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import train as train_lib
   from rec import configs
 
@@ -69,9 +65,8 @@ def main(argv):
   results_lib.write_results(FLAGS.workdir, {
       "data": FLAGS.data, "num_rows": FLAGS.num_rows, "batch_size": FLAGS.batch_size,
       "learning_rate": FLAGS.learning_rate, "results": rows})
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
   for model in FLAGS.models:
     rs = [r for r in rows if r["model"] == model]
@@ -84,7 +79,7 @@ def main(argv):
     a.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(FLAGS.workdir, "criteo_baselines.png"), dpi=110)
-  print(json.dumps({"results": rows}))
+  results_lib.print_summary({"results": rows})
 
 
 if __name__ == "__main__":

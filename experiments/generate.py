@@ -9,6 +9,8 @@ r"""Generate text or tokens from a Llama checkpoint with a KV cache (prefill, th
       --tokenizer=/path/to/tok512.bin --prompt="Once upon a time"
   python -m experiments.generate --checkpoint=llama2c:../shared/data/llama2c/stories260K.bin \
       --max_new_tokens=40                                    # token ids, greedy from BOS (id 1)
+  python -m experiments.generate --checkpoint=gguf:$GGUF --weights=int4 --prompt="Paris is"
+      # weight-only int4 (the file's Q4_1 blocks as stored); int8, or gguf: every tensor as stored
   python -m experiments.generate --checkpoint=workdir:runs/train_lm --prompt="Once upon a"
 
 The tokenizer (llm.checkpoints.find_tokenizer) is --tokenizer when given (a tokenizer.json, a
@@ -25,11 +27,11 @@ reply); the last stdout line is JSON.
 
 from __future__ import annotations
 
-import json
 import time
 
 from absl import app, flags
 from core import cli
+from core import results as results_lib
 
 FLAGS = flags.FLAGS
 
@@ -51,16 +53,21 @@ def define_flags() -> None:
                     "checkpoint's tokenizer does: tokenizer_config.json add_bos_token, the "
                     "tokenizer.json post-processor, GGUF tokenizer.ggml.add_bos_token).")
   flags.DEFINE_integer("bos_id", None, "Token used when no prompt is given (default: the "
-                       "tokenizer's BOS, else 1).")
+                       "tokenizer's BOS, else 1).", lower_bound=0)
   flags.DEFINE_integer("max_new_tokens", 40, "Tokens to generate; prompt + new tokens must fit "
-                       "in the model's max_seq_len.")
+                       "in the model's max_seq_len.", lower_bound=1)
   flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
+  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).", lower_bound=0)
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = all).")
   flags.DEFINE_list("stop_ids", None, "Stop after any of these token ids (default: the "
                     "tokenizer's EOS ids; none without a tokenizer).")
-  flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+  flags.DEFINE_enum("weights", "float32", ["float32", "int8", "int4", "gguf"],
+                    "Weight-only quantization (llm.quantized): float32 (none), int8 / int4 "
+                    "(group-wise, groups of 32, dequantized inside each matmul; a GGUF's Q8_0 / "
+                    "Q4_0 / Q4_1 blocks taken directly), gguf (a gguf: checkpoint's tensors as "
+                    "stored).")
 
 
 def _prompt(tok):
@@ -99,7 +106,7 @@ def main(argv):
   import jax
   from llm.checkpoints import find_tokenizer, load_model
   from llm.generate import generate
-  cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype)
+  cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
   tok = find_tokenizer(FLAGS.checkpoint, FLAGS.tokenizer, cfg.vocab_size)
   prompt, chat_stop, is_chat = _prompt(tok)
   bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
@@ -129,9 +136,10 @@ def main(argv):
     text = tok.decode(prompt + out)
     reply = tok.decode(out)
     print("reply:" if is_chat else "text:", reply if is_chat else text)
-  print(json.dumps({"checkpoint": FLAGS.checkpoint, "prompt_ids": prompt, "generated_ids": out,
-                    "text": text, "reply": reply, "chat": is_chat, "stop_ids": list(stop),
-                    "num_generated": len(out), "seconds": round(dt, 3)}), flush=True)
+  results_lib.print_summary({"checkpoint": FLAGS.checkpoint, "prompt_ids": prompt,
+                             "generated_ids": out, "text": text, "reply": reply, "chat": is_chat,
+                             "stop_ids": list(stop), "num_generated": len(out),
+                             "weights": FLAGS.weights, "seconds": round(dt, 3)})
 
 
 if __name__ == "__main__":

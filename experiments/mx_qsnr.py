@@ -64,7 +64,6 @@ saturates at 448, an error that larger blocks share among more values.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -81,8 +80,8 @@ SWEEP_FORMATS = ("mxint8", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "mxint4", "mx9",
 
 def define_flags() -> None:
   flags.DEFINE_string("workdir", "runs/mx_qsnr", "Where results.json and qsnr.png go.")
-  flags.DEFINE_integer("samples", 4_194_304, "N(0, 1) samples (a multiple of 4096).")
-  flags.DEFINE_integer("seed", 0, "numpy PCG64 seed of the samples.")
+  flags.DEFINE_integer("samples", 4_194_304, "N(0, 1) samples (a multiple of 4096).", lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "numpy PCG64 seed of the samples.", lower_bound=0)
   flags.DEFINE_list("formats", [], "Formats of the table (default: all of "
                     "core.quant.qsnr.QUANTIZERS).")
   flags.DEFINE_list("sweep_formats", list(SWEEP_FORMATS), "Formats of the block-size sweep.")
@@ -114,7 +113,7 @@ def main(argv) -> None:
   summary = {"qsnr_db": {r["format"]: round(r["qsnr_db"], 3) for r in table},
              "max_abs_diff_vs_issue_db": round(max(diffs), 4) if diffs else None,
              "wall_seconds": round(wall, 1)}
-  print(json.dumps(summary))
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

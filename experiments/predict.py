@@ -20,7 +20,6 @@ summary, and prints one JSON line last.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -41,16 +40,15 @@ def define_flags() -> None:
                     "(Kaggle's test file); train / valid / test = labeled rows, with metrics.")
   flags.DEFINE_string("days", None, "Criteo Terabyte days of --data (default: the run's).")
   flags.DEFINE_string("output", "", "CSV to write (default: <checkpoint>/predictions_<split>.csv).")
-  flags.DEFINE_integer("batch_size", 0, "Rows per batch (0: the run's --eval_batch_size).")
+  flags.DEFINE_integer("batch_size", 0, "Rows per batch (0: the run's --eval_batch_size).",
+                       lower_bound=0)
   flags.DEFINE_string("mesh", "", "Device mesh (default: the run's; its embedding layout needs "
                       "the same number of devices).")
 
 
 def main(argv):
   del argv
-  from absl import logging
-  if not FLAGS["verbosity"].present:   # library INFO logs (orbax) drown the summary
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import jax
   from core.errors import UserError
   from core import results as results_lib
@@ -94,7 +92,7 @@ def main(argv):
     print(f"{FLAGS.split}: AUC {metrics['auc']:.4f} | log loss {metrics['logloss']:.4f} | "
           f"NE {metrics['ne']:.4f} | {rows:,} rows", flush=True)
   print(f"wrote {rows:,} predictions to {output}", flush=True)
-  print(json.dumps(summary, default=str), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

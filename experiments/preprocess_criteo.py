@@ -22,11 +22,11 @@ one JSON line.
 
 from __future__ import annotations
 
-import json
 import time
 
 from absl import flags
 from core import cli
+from core import results as results_lib
 
 FLAGS = flags.FLAGS
 
@@ -38,14 +38,17 @@ def define_flags() -> None:
   flags.DEFINE_string("dst", None, "Output directory.", required=True)
   flags.DEFINE_enum("ids", "hash", ["hash", "vocab"], "hash: 1 + hex % (rows - 1); vocab: "
                     "frequency-thresholded vocabulary of the train split (DLRM / TorchRec).")
-  flags.DEFINE_integer("num_rows", 100_000, "--ids=hash: rows per feature (2 .. 2^31).")
-  flags.DEFINE_integer("min_count", 1, "--ids=vocab: values seen fewer times map to one rare id.")
+  flags.DEFINE_integer("num_rows", 100_000, "--ids=hash: rows per feature (2 .. 2^31).",
+                       lower_bound=1)
+  flags.DEFINE_integer("min_count", 1, "--ids=vocab: values seen fewer times map to one rare id.",
+                       lower_bound=1)
   flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed lines: stop, or skip and count.")
-  flags.DEFINE_integer("workers", 0, "Worker processes; 0 = one per CPU core.")
+  flags.DEFINE_integer("workers", 0, "Worker processes; 0 = one per CPU core.", lower_bound=0)
   flags.DEFINE_string("days", "", "Criteo Terabyte: the days to convert, e.g. 0-2 or 0,3,23 "
                       "(empty: every day_N present).")
   flags.DEFINE_integer("unit_mb", 64, "Plain files are converted in units of about this many "
-                       "MiB (one worker task each; a killed run keeps the finished units).")
+                       "MiB (one worker task each; a killed run keeps the finished units).",
+                       lower_bound=1)
   flags.DEFINE_bool("overwrite", False, "Replace a finished conversion in --dst made from other "
                     "inputs or settings (without it, that is an error).")
 
@@ -76,9 +79,10 @@ def main(argv):
   print(f"rows per feature: {m['rows_per_feature']}")
   if m["bad_lines_skipped"]:
     print(f"skipped {m['bad_lines_skipped']} malformed lines (--bad_lines=skip)")
-  print(json.dumps({"dst": FLAGS.dst, "rows": rows, "ids": FLAGS.ids, "layout": m["layout"],
-                    "seconds": secs, "bad_lines_skipped": m["bad_lines_skipped"],
-                    "fingerprint": criteo_bin.data_fingerprint(m)}))
+  results_lib.print_summary({"dst": FLAGS.dst, "rows": rows, "ids": FLAGS.ids,
+                             "layout": m["layout"], "seconds": secs,
+                             "bad_lines_skipped": m["bad_lines_skipped"],
+                             "fingerprint": criteo_bin.data_fingerprint(m)})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -69,7 +69,7 @@ def define_flags() -> None:
   flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
                     "stop the run at that step, or skip the step (counted).")
   flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps.", lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.")
+  flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.", lower_bound=0)
 
 
 def copy_tokenizer(tok, workdir: str) -> None:
@@ -91,8 +91,7 @@ def copy_tokenizer(tok, workdir: str) -> None:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import checkpoint as ckpt_lib
   import jax
   from core import mesh as mesh_lib
@@ -173,7 +172,7 @@ def main(argv):
   if ev:
     print(f"eval loss {ev['loss']:.4f} | {ev['bits_per_token']:.3f} bits/{unit} | "
           f"{out['examples_per_sec']:,.0f} train tokens/s", flush=True)
-  print(json.dumps(summary, default=str), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
   python -m experiments.train_rec --data=criteo:TB_DIR --days=0-2   # 3 Terabyte days, as downloaded
   python -m experiments.train_rec --dedup_features=C1,C2   # RecD: lookups on distinct bags
+  python -m experiments.train_rec --model=searched:runs/rankitect/best_random.json  # a found arch
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
 workdir: a new runs/train_rec_<model>_<date-time> per run); the last stdout line is a JSON
@@ -22,12 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import sys
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -38,31 +38,8 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_enum("model", "dlrm", ["dlrm", "dcnv2", "dhen", "wukong", "logreg"], "Model family.")
-  flags.DEFINE_string(
-      "preset", "kaggle",
-      "Model sizes (rec.configs.MODEL_PRESETS). kaggle: the model's Criteo default; small: a tiny "
-      "one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. wukong: also "
-      "l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the scaling ladder).")
-  flags.DEFINE_integer("embedding_dim", 0, "Embedding dim; 0 keeps the preset's.")
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dense activation / matmul "
-                    "dtype (parameters stay float32).")
-  flags.DEFINE_string("fp8_layers", "", "Dense layers whose matmuls run in FP8 (dlrm, dcnv2): "
-                      "'all', or patterns such as top_mlp.*,cross.0 (rec/layers/fp8.py).")
-  flags.DEFINE_enum("fp8_recipe", "tensor", ["tensor", "row", "delayed"], "FP8 scaling: per "
-                    "tensor or per row (current amax), or per tensor from an amax history.")
-  flags.DEFINE_string(
-      "data", "synthetic",
-      "synthetic | synthetic_deep (planted Criteo-shaped data; options after ':', e.g. "
-      "synthetic:zipf_alpha=1.2,multi_hot=mlperf,gen=device) | criteo:DIR (Kaggle train.txt or "
-      "Terabyte day_N) | criteo_bin:DIR (preprocessed binary Criteo, experiments.preprocess_criteo) "
-      "| avazu:DIR | libfm:DIR (libFM / libFFM train, valid, test) | csv:DIR (BARS / FuxiCTR CSV "
-      "with a header; see --csv_*). rec/data/sources.py describes each form.")
-  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices.")
-  flags.DEFINE_integer("batch_size", 2048, "Global train batch size.")
-  flags.DEFINE_integer("eval_batch_size", 8192, "Global eval batch size.")
-  flags.DEFINE_integer("eval_batches", 8, "Synthetic data: eval set size in eval batches.")
+  from rec import configs
+  configs.define_rec_run_flags(*configs.RUN_FIELDS)   # at RecRunConfig's defaults
   flags.DEFINE_integer("steps", 1000, "Train steps (ignored when --epochs is set).", lower_bound=1)
   flags.DEFINE_float("epochs", None, "Train for this many passes over the train files.")
   flags.DEFINE_string("workdir", None, "Output directory (default: a new "
@@ -82,37 +59,6 @@ def define_flags() -> None:
   flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
   flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.", lower_bound=1)
   flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.", lower_bound=1)
-  flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"], "Optax optimizer of the dense part.")
-  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
-  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad", ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
-  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
-  flags.DEFINE_enum("sharding", "auto", ["auto", "dp", "tw", "rw", "cw", "twrw"], "Embedding sharding: auto = planner.")
-  flags.DEFINE_string("sharding_overrides", "", "Per-table kinds, e.g. C1=tw,C3=rw.")
-  flags.DEFINE_float("memory_budget_gb", 16.0, "Per-device embedding memory budget for the planner.")
-  flags.DEFINE_enum("storage", "fp32", ["fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache",
-                                        "int4_cache"],
-                    "Embedding row storage: bf16 rounds updates to nearest, bf16_sr "
-                    "stochastically; int8 / int4 are FBGEMM row-wise rows updated with "
-                    "stochastic rounding; *_cache adds an fp32 cache of the hot rows (arXiv "
-                    "2010.11305).")
-  flags.DEFINE_float("cache_fraction", 0.05, "--storage=int8_cache / int4_cache: cache size as "
-                     "a fraction of each device's rows (the paper: int8 0.05, int4 0.01).")
-  flags.DEFINE_enum("cache_policy", "lfu", ["lfu", "lru"], "--storage=*_cache: which rows the "
-                    "cache keeps, the most frequently or the most recently used.")
-  flags.DEFINE_string("dedup_features", "", "RecD (arXiv 2211.05239): features looked up on "
-                      "each batch's distinct bags, e.g. C1,C3 (user features that repeat across "
-                      "a session's samples); empty: off.")
-  flags.DEFINE_integer("dedup_capacity", 0, "RecD: distinct bags per device and feature; a batch "
-                       "with more runs plain (metric dedup_fallback). 0: the next power of two "
-                       "that holds them.")
-  flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines: stop, or skip and count.")
-  flags.DEFINE_integer("seed", 0, "Seed of parameters and synthetic data.")
-  flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column; empty = the first named label/click/clicked/y.")
-  flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> columns), none = no dense.")
-  flags.DEFINE_string("csv_categorical", "", "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other column but id.")
-  flags.DEFINE_string("days", "", "--data=criteo:DIR with Terabyte day_N[.gz] files: the days "
-                      "to use, e.g. 0-2 or 0,3,23 (empty: every day present); day 23 (else the "
-                      "last day given) is split into validation and test halves.")
 
 
 # Settings besides the loop's (steps, cadences, paths) that --resume may change: they
@@ -121,7 +67,10 @@ RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines")
 
 
 def default_workdir(model: str) -> str:
-  """A new runs/train_rec_<model>_<YYYYmmdd-HHMMSS> (suffixed -2, -3, ... if taken)."""
+  """A new runs/train_rec_<model>_<YYYYmmdd-HHMMSS> (suffixed -2, -3, ... if taken); a
+  searched:FILE model is named after the file."""
+  if model.startswith("searched:"):
+    model = "searched_" + os.path.splitext(os.path.basename(model))[0]
   base = os.path.join("runs", f"train_rec_{model}_{time.strftime('%Y%m%d-%H%M%S')}")
   path, i = base, 1
   while os.path.exists(path):
@@ -136,8 +85,7 @@ def main(argv):
     runs = sorted(glob.glob(os.path.join("runs", f"train_rec_{FLAGS.model}_*")), key=os.path.getmtime)
     newest = f" (the newest here: --workdir={runs[-1]})" if runs else ""
     sys.exit(f"train_rec: --resume needs --workdir, the run to continue{newest}")
-  if not FLAGS["verbosity"].present:  # library INFO logs (orbax) drown the progress lines
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import checkpoint as ckpt_lib
   from core import mesh as mesh_lib
   from core import plot as plot_lib
@@ -154,7 +102,7 @@ def main(argv):
   workdir = FLAGS.workdir or default_workdir(cfg.model)
   mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
   from rec.data import sources as sources_lib
-  settings = {**dataclasses.asdict(cfg), "epochs": FLAGS.epochs,
+  settings = {**cfg.run_settings(), "epochs": FLAGS.epochs,
               "mesh": ",".join(f"{a}:{n}" for a, n in mesh_shape.items()),
               **sources_lib.data_settings(cfg.data)}   # a conversion's fingerprint
   loop_cfg = train_lib.TrainConfig(
@@ -163,7 +111,7 @@ def main(argv):
       stop_at_step=FLAGS.stop_at_step, seed=cfg.seed, settings=settings,
       changeable=RESUME_CHANGEABLE, resume_allow=tuple(FLAGS.resume_allow),
       overwrite=FLAGS.overwrite, nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
-      hang_timeout_s=FLAGS.hang_timeout_s,
+      normalize_settings=configs.normalize_settings,
       nonfinite_hint="lower --learning_rate (dense part) or --embedding_learning_rate "
                      "(embedding tables)")
   try:
@@ -208,7 +156,7 @@ def main(argv):
   if ev:
     print(f"test AUC {ev['auc']:.4f} | logloss {ev['logloss']:.4f} | NE {ev['ne']:.4f} | "
           f"{out['examples_per_sec']:,.0f} train examples/s", flush=True)
-  print(json.dumps(summary, default=str), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -50,25 +50,43 @@ def gguf_checkpoint(path: str):
   return _gguf_checkpoint(os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
-def load_weights(spec: str):
-  """(LlamaConfig, float32 contract weights) of a llama2c:, hf: or gguf: checkpoint."""
+def load_weights(spec: str, weights: str = "float32"):
+  """(LlamaConfig, contract weights) of a llama2c:, hf: or gguf: checkpoint: float32 arrays,
+  or with `weights` int8 | int4 | gguf the matrices as `llm.quantized.QuantizedParam` (a
+  GGUF's Q8_0 / Q4_x blocks taken directly where they map)."""
+  from llm import quantized
   kind, path = parse_spec(spec)
+  quantized.check_mode(weights, kind)
   if kind == "gguf":
     ckpt = gguf_checkpoint(path)
-    return ckpt.config, ckpt.weights()
+    if weights == "float32":
+      return ckpt.config, ckpt.weights()
+    return ckpt.config, quantized.quantize(ckpt.config, weights, stored=ckpt.tensors)[0]
   if kind == "workdir":
     raise ValueError(f"checkpoint {spec!r}: workdir checkpoints are restored by the train loop "
                      "(load_model), not read as flat weights")
   from llm import weights as weights_lib
-  return weights_lib.load_checkpoint(spec)
+  cfg, flat = weights_lib.load_checkpoint(spec)
+  if weights != "float32":
+    flat = quantized.quantize(cfg, weights, weights=flat)[0]
+  return cfg, flat
 
 
-def load_model(spec: str, dtype: str = "float32"):
-  """Llama model from `llama2c:PATH`, `hf:DIR`, `gguf:FILE` or `workdir:DIR`."""
+def load_model(spec: str, dtype: str = "float32", weights: str = "float32"):
+  """Llama model from `llama2c:PATH`, `hf:DIR`, `gguf:FILE` or `workdir:DIR`; `weights`
+  int8 | int4 | gguf holds its matrices weight-only quantized (`llm.quantized`)."""
   import jax
   from flax import nnx
   from llm import model as model_lib
   kind, path = parse_spec(spec)
+  if kind == "workdir" and weights != "float32":
+    from llm import quantized
+    quantized.check_mode(weights, kind)
+    cfg, model = load_model(spec, dtype)
+    flat = model_lib.weights_from_model(model)
+    model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
+    model_lib.load_weights(model, quantized.quantize(cfg, weights, weights=flat)[0])
+    return cfg, model
   if kind == "workdir":
     from llm.train_lib import load_workdir
     cfg, params = load_workdir(path)
@@ -76,10 +94,10 @@ def load_model(spec: str, dtype: str = "float32"):
     cfg = cfg.replace(dtype=dtype, remat=False)
     graphdef, _ = nnx.split(jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0))))
     return cfg, nnx.merge(graphdef, params)
-  cfg, weights = load_weights(spec)
+  cfg, flat = load_weights(spec, weights)
   cfg = cfg.replace(dtype=dtype)
   model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))   # no random init
-  model_lib.load_weights(model, weights)
+  model_lib.load_weights(model, flat)
   return cfg, model
 
 

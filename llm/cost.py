@@ -3,7 +3,8 @@ per layer, per prefill, and per message of context-parallel ring attention (arXi
 
 Counts take any object with the Llama sizes (`LlamaConfig`, or `llm.packing.cost.Shape` for
 the per-layer ones): dim D, ffn_dim F, n_heads H, n_kv_heads G, head_dim K (and n_layers for
-whole-model counts). A matmul of m x k by k x n is 2 m k n FLOPs; causal attention over T new
+whole-model counts; training counts are 3x the forward: the backward computes gradients of
+inputs and of weights). A matmul of m x k by k x n is 2 m k n FLOPs; causal attention over T new
 tokens after P cached ones computes T P + T (T + 1) / 2 (query, key) pairs, each 4 K FLOPs per
 query head (QK^T and PV). Under tensor parallelism over `tp` GPUs every GPU holds H / tp query
 heads and max(G / tp, 1) KV heads (past G GPUs the KV heads are replicated, arXiv 2411.01783
@@ -57,6 +58,13 @@ def prefill_flops(cfg, new_tokens: int, cached_tokens: int = 0) -> dict[str, flo
   return {"gemm": float(gemm), "attn": float(attn)}
 
 
+def train_layer_flops(cfg, seq_len: int) -> dict[str, float]:
+  """FLOPs of one decoder layer's forward and backward (3x forward) on one causal sequence of
+  `seq_len` tokens: {"gemm": projections and SwiGLU, "attn": QK^T and PV}."""
+  return {"gemm": 3.0 * linear_flops_per_token(cfg) * seq_len,
+          "attn": 3.0 * 4 * cfg.head_dim * cfg.n_heads * attention_pairs(seq_len, 0)}
+
+
 def ring_message_bytes(cfg, new_tokens: int, cached_tokens: int, *, cp: int, tp: int = 8,
                        num: Numerics = Numerics()) -> dict[str, float]:
   """Bytes one GPU sends per layer: per ring step ("kv": its K and V block under pass-KV,
@@ -69,4 +77,4 @@ def ring_message_bytes(cfg, new_tokens: int, cached_tokens: int, *, cp: int, tp:
 
 
 __all__ = ["Numerics", "attention_pairs", "layer_linear_params", "linear_flops_per_token",
-           "prefill_flops", "ring_message_bytes", "tp_heads"]
+           "prefill_flops", "ring_message_bytes", "tp_heads", "train_layer_flops"]

@@ -66,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from core.mesh import LLM_RULES, Rules, logical_to_spec, mesh_axes
 from llm.attention import attention, layout
 from llm.config import LlamaConfig, RopeScaling
+from llm.quantized import QuantizedParam
 
 # Position of an empty cache slot: above any real position, so `kv_pos <= q_pos` hides it.
 SENTINEL_POS = 2 ** 30
@@ -287,6 +288,33 @@ def _param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def _weight(p: nnx.Param, dtype=None) -> jax.Array:
+  """A parameter's value in `dtype` (None: as held); a weight-only quantized one
+  (`llm.quantized.QuantizedParam`) is dequantized here, inside the jitted computation, so
+  memory holds only its codes."""
+  v = p.get_value()
+  if isinstance(v, QuantizedParam):
+    return v.value(jnp.float32 if dtype is None else dtype)
+  return v if dtype is None else v.astype(dtype)
+
+
+def _dense(x, p: nnx.Param, dtype, spec: str, **kw) -> jax.Array:
+  """`jnp.einsum(spec, x, weight)` in `dtype`; a quantized weight multiplies in its own
+  [out, in] layout, dequantized inside the computation (`QuantizedParam.matmul`)."""
+  v = p.get_value()
+  if isinstance(v, QuantizedParam):
+    return v.matmul(x, dtype, **kw)
+  return jnp.einsum(spec, x, v.astype(dtype), **kw)
+
+
+def _take_rows(p: nnx.Param, ids, dtype) -> jax.Array:
+  """Rows `ids` of the embedding table in `dtype` (a quantized table dequantizes only them)."""
+  v = p.get_value()
+  if isinstance(v, QuantizedParam):
+    return v.take(ids, dtype)
+  return jnp.take(v, ids, axis=0).astype(dtype)
+
+
 class RMSNorm(nnx.Module):
   """x / rms(x) * scale, computed in fp32."""
 
@@ -320,9 +348,9 @@ class Attention(nnx.Module):
     by position (kv_pos_BS already holds the new positions). mask_BTS: an explicit mask on
     top (tree attention; `llm.attention` `mask`). Returns (y_BTD, new kv)."""
     cfg, dt = self.cfg, self.cfg.dtype
-    q_BTHK = constrain(jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt)), Q_NAMES)
-    k_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt)), KV_NAMES)
-    v_BTGK = constrain(jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt)), KV_NAMES)
+    q_BTHK = constrain(_dense(x_BTD, self.wq, dt, "btd,dhk->bthk"), Q_NAMES)
+    k_BTGK = constrain(_dense(x_BTD, self.wk, dt, "btd,dgk->btgk"), KV_NAMES)
+    v_BTGK = constrain(_dense(x_BTD, self.wv, dt, "btd,dgk->btgk"), KV_NAMES)
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     rope_pos_BT = positions_BT
     if rope_pos_BT is None:
@@ -348,7 +376,7 @@ class Attention(nnx.Module):
       out_BTHK, _ = ring.ring_attention(q_BTHK, k_all, v_all, mesh=cp.mesh, axis=cp.axis,
                                         variant=cfg.context_parallel,
                                         inner_impl=cfg.attention_impl, **kw)
-    y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK.astype(dt), self.wo[...].astype(dt))
+    y_BTD = _dense(out_BTHK.astype(dt), self.wo, dt, "bthk,hkd->btd")
     return constrain(y_BTD, X_NAMES), kv
 
 
@@ -364,9 +392,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD):
     dt = self.dtype
-    gate_BTF = constrain(x_BTD @ self.w_gate[...].astype(dt), MLP_NAMES)
-    up_BTF = constrain(x_BTD @ self.w_up[...].astype(dt), MLP_NAMES)
-    return constrain((nnx.silu(gate_BTF) * up_BTF) @ self.w_down[...].astype(dt), X_NAMES)
+    gate_BTF = constrain(_dense(x_BTD, self.w_gate, dt, "btd,df->btf"), MLP_NAMES)
+    up_BTF = constrain(_dense(x_BTD, self.w_up, dt, "btd,df->btf"), MLP_NAMES)
+    return constrain(_dense(nnx.silu(gate_BTF) * up_BTF, self.w_down, dt, "btf,fd->btd"), X_NAMES)
 
 
 class Block(nnx.Module):
@@ -412,7 +440,7 @@ class Llama(nnx.Module):
     return self.logits(h_BTD), cache
 
   def embed_tokens(self, tokens_BT) -> jax.Array:
-    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.cfg.dtype)
+    x_BTD = _take_rows(self.embed, tokens_BT, self.cfg.dtype)
     return constrain(x_BTD, X_NAMES)
 
   def hidden(self, x_BTD, *, positions_BT=None, segment_ids_BT=None,
@@ -502,11 +530,9 @@ class Llama(nnx.Module):
   def logits(self, h_BTD) -> jax.Array:
     dt = self.cfg.dtype
     if self.cfg.tie_embeddings:
-      out = jnp.einsum("btd,vd->btv", h_BTD, self.embed[...].astype(dt),
-                       preferred_element_type=jnp.float32)
+      out = _dense(h_BTD, self.embed, dt, "btd,vd->btv", preferred_element_type=jnp.float32)
     else:
-      out = jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...].astype(dt),
-                       preferred_element_type=jnp.float32)
+      out = _dense(h_BTD, self.lm_head, dt, "btd,dv->btv", preferred_element_type=jnp.float32)
     return constrain(out.astype(jnp.float32), LOGIT_NAMES)
 
   def output_weight(self) -> tuple[jax.Array, bool]:
@@ -536,13 +562,14 @@ def _flat_params(model: Llama) -> dict[str, nnx.Param]:
 
 def weights_from_model(model: Llama) -> dict[str, np.ndarray]:
   """Flat dict of numpy arrays ("embed", "layers.{i}.wq", ..., "lm_head")."""
-  return {k: np.asarray(jax.device_get(v[...])) for k, v in _flat_params(model).items()}
+  return {k: np.asarray(jax.device_get(_weight(v))) for k, v in _flat_params(model).items()}
 
 
 def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
   """Sets every parameter from a flat dict (in place), keeping each parameter's dtype and
   sharding. Checks the full key set and every shape before changing anything. `model` may be
-  abstract (`nnx.eval_shape(lambda: Llama(cfg, rngs))`), which skips the random init."""
+  abstract (`nnx.eval_shape(lambda: Llama(cfg, rngs))`), which skips the random init. A
+  `llm.quantized.QuantizedParam` value is held as it is (codes on the default device)."""
   params = _flat_params(model)
   errors = []
   missing = sorted(set(params) - set(weights))
@@ -552,13 +579,18 @@ def load_weights(model: Llama, weights: dict[str, np.ndarray]) -> None:
   if unexpected:
     errors.append(f"unexpected keys {unexpected}")
   for key in sorted(set(params) & set(weights)):
-    got, want = tuple(np.shape(weights[key])), tuple(params[key].shape)
+    w = weights[key]
+    got = w.shape if isinstance(w, QuantizedParam) else tuple(np.shape(w))
+    want = tuple(params[key].shape)
     if got != want:
       errors.append(f"{key!r}: got shape {got}, expected {want}")
   if errors:
     raise ValueError(f"load_weights ({model.cfg.n_layers} layers, tie_embeddings="
                      f"{model.cfg.tie_embeddings}): " + "; ".join(errors))
   for key, var in params.items():
+    if isinstance(weights[key], QuantizedParam):
+      var.set_value(jax.tree.map(jnp.asarray, weights[key]))
+      continue
     old = var.get_value()
     value = np.asarray(weights[key]).astype(old.dtype)
     # An abstract model (nnx.eval_shape) has no sharding yet: skip the random init entirely.

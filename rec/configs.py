@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+import types
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -30,13 +31,14 @@ from rec.models import dcnv2 as dcnv2_lib
 from rec.models import dhen as dhen_lib
 from rec.models import dlrm as dlrm_lib
 from rec.models import logreg as logreg_lib
+from rec.models import searched as searched_lib
 from rec.models import wukong as wukong_lib
 from rec.train_lib import RecTask, make_dense_optimizer
 
 
 @dataclasses.dataclass
 class RecRunConfig:
-  model: str = "dlrm"                 # dlrm | dcnv2 | dhen | wukong | logreg
+  model: str = "dlrm"                 # dlrm | dcnv2 | dhen | wukong | logreg | searched:FILE
   preset: str = "kaggle"              # per model, see MODEL_PRESETS; kaggle = its Criteo default
   embedding_dim: int = 0              # 0: the preset's; else overrides it (and the tables')
   dtype: str = "float32"              # dense activations: float32 | bfloat16 (not logreg)
@@ -68,12 +70,31 @@ class RecRunConfig:
   days: str = ""                      # criteo:DIR Terabyte days, e.g. "0-2"; "" = all present
 
   @classmethod
-  def from_flags(cls, flag_values, **overrides) -> RecRunConfig:
-    """Every field that has an absl flag of the same name takes the flag's value; fields
-    without one keep their defaults; `overrides` win over both."""
-    kw = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
-          if f.name in flag_values}
+  def from_flags(cls, flag_values, keep: Sequence[str] = (), **overrides) -> RecRunConfig:
+    """The config of an entry point's flags: every field takes the absl flag of its name
+    (`define_rec_run_flags`), or its value in `overrides`, which win; a field the entry
+    point fixes at the dataclass default is named in `keep`. A field with none of the three
+    is an error naming its flag, never a silent default."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(keep) - set(fields))
+    if unknown:
+      raise ValueError(f"RecRunConfig.from_flags: keep={unknown} are not RecRunConfig fields "
+                       f"(expected some of {fields})")
+    missing = [n for n in fields if n not in flag_values and n not in overrides and n not in keep]
+    if missing:
+      raise ValueError(
+          f"RecRunConfig.from_flags: this entry point defines no flag "
+          f"{', '.join('--' + n for n in missing)}; define it "
+          f"(rec.configs.define_rec_run_flags({', '.join(map(repr, missing))})), pass its "
+          f"value ({missing[0]}=...), or keep its default (keep=({missing[0]!r}, ...))")
+    kw = {n: flag_values[n].value for n in fields if n in flag_values}
     return cls(**{**kw, **overrides})
+
+  def run_settings(self) -> dict[str, Any]:
+    """The config as a run's saved settings (`core.train.TrainConfig.settings`): every
+    field, `embedding_dim` as the dim the model gets, so the default 0 (the preset's) and
+    the preset's dim given explicitly are the same setting."""
+    return normalize_settings(dataclasses.asdict(self))
 
   def validate(self) -> None:
     """Raises a ValueError naming the flag of the first setting that cannot train: a
@@ -121,6 +142,137 @@ class RecRunConfig:
 
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
+# Every RecRunConfig field, e.g. for `define_rec_run_flags(*RUN_FIELDS)`.
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RecRunConfig))
+
+
+def _run_flags() -> dict[str, tuple[Callable[..., Any], dict[str, Any], str]]:
+  """RecRunConfig field -> (absl DEFINE function, its keyword arguments, help)."""
+  from absl import flags
+  count = dict(lower_bound=1)
+  return {
+      "model": (flags.DEFINE_string, {},
+                "Model family: dlrm | dcnv2 | dhen | wukong | logreg, or searched:FILE (an "
+                "architecture JSON of rec/models/searched.py, e.g. one experiments.rankitect "
+                "found)."),
+      "preset": (flags.DEFINE_string, {},
+                 "Model sizes (rec.configs.MODEL_PRESETS). kaggle: the model's Criteo default; "
+                 "small: a tiny one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. "
+                 "wukong: also l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the "
+                 "scaling ladder)."),
+      "embedding_dim": (flags.DEFINE_integer, dict(lower_bound=0),
+                        "Embedding dim (of every model); 0 keeps the preset's."),
+      "dtype": (flags.DEFINE_enum, dict(enum_values=["float32", "bfloat16"]),
+                "Dense activation / matmul dtype (parameters stay float32)."),
+      "fp8_layers": (flags.DEFINE_string, {},
+                     "Dense layers whose matmuls run in FP8 (dlrm, dcnv2): 'all', or patterns "
+                     "such as top_mlp.*,cross.0 (rec/layers/fp8.py)."),
+      "fp8_recipe": (flags.DEFINE_enum, dict(enum_values=list(fp8_lib.RECIPES)),
+                     "FP8 scaling: per tensor or per row (current amax), or per tensor from an "
+                     "amax history."),
+      "data": (flags.DEFINE_string, {},
+               "synthetic | synthetic_deep (planted Criteo-shaped data; options after ':', e.g. "
+               "synthetic:zipf_alpha=1.2,multi_hot=mlperf,gen=device) | criteo:DIR (Kaggle "
+               "train.txt or Terabyte day_N) | criteo_bin:DIR (preprocessed binary Criteo, "
+               "experiments.preprocess_criteo) | avazu:DIR | libfm:DIR (libFM / libFFM train, "
+               "valid, test) | csv:DIR (BARS / FuxiCTR CSV with a header; see --csv_*). "
+               "rec/data/sources.py describes each form."),
+      "num_rows": (flags.DEFINE_integer, count, "Hashed rows per sparse feature."),
+      "mesh": (flags.DEFINE_string, {},
+               "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices."),
+      "batch_size": (flags.DEFINE_integer, count, "Global train batch size."),
+      "eval_batch_size": (flags.DEFINE_integer, count, "Global eval batch size."),
+      "eval_batches": (flags.DEFINE_integer, count,
+                       "Synthetic data: eval set size in eval batches."),
+      "dense_optimizer": (flags.DEFINE_enum, dict(enum_values=list(DENSE_OPTIMIZERS)),
+                          "Optax optimizer of the dense part."),
+      "learning_rate": (flags.DEFINE_float, {}, "Dense learning rate."),
+      "sparse_optimizer": (flags.DEFINE_enum, dict(enum_values=list(opt_lib.OPTIMIZER_NAMES)),
+                           "Sparse embedding optimizer."),
+      "embedding_learning_rate": (flags.DEFINE_float, {}, "Embedding learning rate."),
+      "sharding": (flags.DEFINE_enum,
+                   dict(enum_values=["auto", "dp", "tw", "rw", "cw", "twrw"]),
+                   "Embedding sharding: auto = planner."),
+      "sharding_overrides": (flags.DEFINE_string, {}, "Per-table kinds, e.g. C1=tw,C3=rw."),
+      "memory_budget_gb": (flags.DEFINE_float, {},
+                           "Per-device embedding memory budget for the planner."),
+      "storage": (flags.DEFINE_enum,
+                  dict(enum_values=["fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache",
+                                    "int4_cache"]),
+                  "Embedding row storage: bf16 rounds updates to nearest, bf16_sr "
+                  "stochastically; int8 / int4 are FBGEMM row-wise rows updated with stochastic "
+                  "rounding; *_cache adds an fp32 cache of the hot rows (arXiv 2010.11305)."),
+      "cache_fraction": (flags.DEFINE_float, {},
+                         "--storage=int8_cache / int4_cache: cache size as a fraction of each "
+                         "device's rows (the paper: int8 0.05, int4 0.01)."),
+      "cache_policy": (flags.DEFINE_enum, dict(enum_values=["lfu", "lru"]),
+                       "--storage=*_cache: which rows the cache keeps, the most frequently or "
+                       "the most recently used."),
+      "bad_lines": (flags.DEFINE_enum, dict(enum_values=["error", "skip"]),
+                    "Malformed data lines: stop, or skip and count."),
+      "dedup_features": (flags.DEFINE_string, {},
+                         "RecD (arXiv 2211.05239): features looked up on each batch's distinct "
+                         "bags, e.g. C1,C3 (user features that repeat across a session's "
+                         "samples); empty: off."),
+      "dedup_capacity": (flags.DEFINE_integer, dict(lower_bound=0),
+                         "RecD: distinct bags per device and feature; a batch with more runs "
+                         "plain (metric dedup_fallback). 0: the next power of two that holds "
+                         "them."),
+      "seed": (flags.DEFINE_integer, dict(lower_bound=0),
+               "Seed of parameters and synthetic data."),
+      "csv_label": (flags.DEFINE_string, {},
+                    "--data=csv:DIR: label column; empty = the first named "
+                    "label/click/clicked/y."),
+      "csv_dense": (flags.DEFINE_string, {},
+                    "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> "
+                    "columns), none = no dense."),
+      "csv_categorical": (flags.DEFINE_string, {},
+                          "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other "
+                          "column but id."),
+      "days": (flags.DEFINE_string, {},
+               "--data=criteo:DIR with Terabyte day_N[.gz] files: the days to use, e.g. 0-2 or "
+               "0,3,23 (empty: every day present); day 23 (else the last day given) is split "
+               "into validation and test halves."),
+  }
+
+
+def define_rec_run_flags(*names: str, flag_values=None, **defaults: Any) -> None:
+  """Defines the absl flags of RecRunConfig fields, one definition each (help, choices,
+  bounds), for an entry point's `define_flags()`: the fields in `names` with the dataclass
+  defaults, and those in `defaults` with the entry point's own. `from_flags` reads them.
+  `flag_values`: where (default absl's FLAGS)."""
+  from absl import flags
+  flags.disclaim_key_flags()   # the flags are the calling entry point's: its --help lists them
+  fv = flags.FLAGS if flag_values is None else flag_values
+  table = _run_flags()
+  unknown = sorted((set(names) | set(defaults)) - set(table))
+  if unknown:
+    raise ValueError(f"define_rec_run_flags: {unknown} are not RecRunConfig fields (expected "
+                     f"some of {list(table)})")
+  fields = {f.name: f.default for f in dataclasses.fields(RecRunConfig)}
+  for name in [n for n in table if n in names or n in defaults]:
+    define, kw, text = table[name]
+    define(name, defaults.get(name, fields[name]), help=text, flag_values=fv, **kw)
+
+
+def preset_embedding_dim(model: str, preset: str) -> int:
+  """The embedding dim of `model`'s `preset` (what --embedding_dim=0 keeps)."""
+  spec = types.SimpleNamespace(sparse_features=tuple(f"C{i}" for i in range(1, 27)),
+                               rows_per_feature=(1,) * 26, num_dense=13)   # Criteo's shape
+  return model_config(RecRunConfig(model=model, preset=preset), spec).tables()[0].dim
+
+
+def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
+  """Run settings with `embedding_dim` 0 (the preset's) as the preset's dim, for settings
+  saved before `RecRunConfig.run_settings` stored the effective dim and for the comparison
+  on resume (`core.train.TrainConfig.normalize_settings`). Unknown presets stay as given."""
+  if settings.get("embedding_dim") != 0 or "model" not in settings:
+    return settings
+  try:
+    dim = preset_embedding_dim(settings["model"], settings.get("preset", "kaggle"))
+  except (ValueError, OSError):   # an unknown preset, a searched:FILE not there: as given
+    return settings
+  return {**settings, "embedding_dim": dim}
 
 
 PRESETS = {
@@ -226,8 +378,11 @@ def model_config(cfg: RecRunConfig, spec):
                        "(expected float32 and no FP8 layers)")
     return logreg_lib.LogRegConfig(num_dense=spec.num_dense, num_sparse=len(names),
                                    rows_per_feature=rows, feature_names=names)
+  if cfg.model.startswith(SEARCHED):
+    return searched_config(cfg, spec)
   if cfg.model not in MODEL_PRESETS:
-    raise ValueError(f"--model={cfg.model!r}: expected one of {sorted(MODEL_PRESETS) + ['logreg']}")
+    raise ValueError(f"--model={cfg.model!r}: expected one of "
+                     f"{sorted(MODEL_PRESETS) + ['logreg', SEARCHED + 'FILE']}")
   presets = MODEL_PRESETS[cfg.model]
   make = presets.get(cfg.preset) or _pattern(cfg.model, cfg.preset)
   if make is None:
@@ -252,9 +407,30 @@ def model_config(cfg: RecRunConfig, spec):
   return mcfg
 
 
+SEARCHED = "searched:"   # --model=searched:FILE, an architecture JSON (rec/models/searched.py)
+
+
+def searched_config(cfg: RecRunConfig, spec) -> searched_lib.SearchedConfig:
+  """The architecture of --model=searched:FILE on data shaped like `spec` (its embedding dim
+  is the file's; --preset does not apply)."""
+  path = cfg.model[len(SEARCHED):]
+  arch = searched_lib.load_arch(path)
+  if cfg.fp8_layers:
+    raise ValueError(f"--fp8_layers={cfg.fp8_layers!r} with --model={cfg.model}: FP8 layers "
+                     "are wired into dlrm and dcnv2")
+  if cfg.embedding_dim and cfg.embedding_dim != arch.get("embedding_dim"):
+    raise ValueError(f"--embedding_dim={cfg.embedding_dim} with --model={cfg.model}: the file "
+                     f"sets embedding_dim={arch.get('embedding_dim')}; expected 0 or that value")
+  return searched_lib.SearchedConfig.from_arch(
+      arch, num_dense=spec.num_dense, num_sparse=len(spec.sparse_features),
+      rows_per_feature=tuple(spec.rows_per_feature), feature_names=tuple(spec.sparse_features),
+      dtype=cfg.dtype, where=path)
+
+
 MODELS = {dlrm_lib.DLRMConfig: dlrm_lib.DLRM, dcnv2_lib.DCNv2Config: dcnv2_lib.DCNv2,
           dhen_lib.DHENConfig: dhen_lib.DHEN, wukong_lib.WukongConfig: wukong_lib.Wukong,
-          logreg_lib.LogRegConfig: logreg_lib.LogReg}
+          logreg_lib.LogRegConfig: logreg_lib.LogReg,
+          searched_lib.SearchedConfig: searched_lib.SearchedModel}
 
 
 def build_model_fn(cfg: RecRunConfig, spec) -> tuple[Any, list[TableConfig], str | float]:
@@ -303,9 +479,10 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
   return plan
 
 
-def build_run(cfg: RecRunConfig, devices=None, sources=None):
+def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=None):
   """Returns (task, train source, eval source, plan, mesh). `sources`: (train, eval) sources
-  to use instead of those of cfg.data (e.g. one split to predict on)."""
+  to use instead of those of cfg.data (e.g. one split to predict on). `a2a_compression`: an
+  `a2a_compression.A2ACompression` for the collection's exchange (None: float32)."""
   cfg.validate()
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
@@ -327,7 +504,8 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None):
   sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
   plan = make_plan(cfg, tables, n, sparse_opt)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,
-                             storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables))
+                             storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables),
+                             a2a_compression=a2a_compression)
   dense_tx = make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate)
   if cfg.fp8_layers and cfg.fp8_recipe == "delayed":   # amax histories ride their gradients
     dense_tx = fp8_lib.with_fp8_history(dense_tx)

@@ -13,6 +13,10 @@ distinct bags of the chosen features (`rec.data.dedup.dedup_batch`, unless the i
 pipeline did already), and the lookups run on those. DMT's SPTT (arXiv 2403.00877, tables
 placed "sptt"): the model's tower modules (`tower_transform`) run inside the tower groups,
 within the collection's output distribution, and the model's `head` takes their outputs.
+
+External distillation (ExFM, arXiv 2502.17494; `distill`, a `rec.distill.DistillSpec`): the
+model is a `rec.distill.ExFMStudent` and the loss adds its auxiliary head / student adapter
+terms on the batch's teacher column; eval and serving read the serving head only.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
 from core import train as train_loop
+from rec import distill as distill_lib
 from rec import metrics as metrics_lib
 from rec.data import dedup as dedup_lib
 from rec.data.batch import SparseBatch
@@ -73,8 +78,10 @@ class RecTask:
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], collection: EmbeddingCollection,
                dense_tx: optax.GradientTransformation, mesh: Mesh,
-               rules: mesh_lib.Rules = mesh_lib.REC_RULES):
+               rules: mesh_lib.Rules = mesh_lib.REC_RULES,
+               distill: distill_lib.DistillSpec | None = None):
     self.model_fn = model_fn
+    self.distill = distill
     self.collection = collection
     self.dense_tx = dense_tx
     self.mesh = mesh
@@ -89,6 +96,11 @@ class RecTask:
             f"the collection's sptt towers {collection.towers} (tables by tower group) need a "
             f"model with the same towers and a tower_transform (rec/models/dmt.py); "
             f"{type(abstract).__name__} has towers {towers}")
+    if distill is not None and (collection.towers or not isinstance(abstract,
+                                                                     distill_lib.ExFMStudent)):
+      raise ValueError(
+          f"RecTask(distill=...): model {type(abstract).__name__} with sptt towers "
+          f"{collection.towers}; expected a rec.distill.student_fn model and no sptt towers")
     self._dedup_shards: int | None = None
 
   # --- state
@@ -170,39 +182,47 @@ class RecTask:
     return self.collection.gather(emb_state, batch.ids, batch.lengths, batch.weights,
                                   batch.dedup)
 
-  def forward(self, params, dense, lookup, partial=None) -> jax.Array:
+  def forward(self, params, dense, lookup, partial=None, step=None) -> jax.Array:
     """Logits from a lookup's bag sums (`partial`: differentiate through these): pool, then
-    the model; under SPTT the model's tower modules run inside the pool's tower groups."""
+    the model; under SPTT the model's tower modules run inside the pool's tower groups.
+    `step`: the train step, for an iteration-wise compressed exchange (a2a_compression)."""
     if self.collection.towers:
       model = nnx.merge(self.graphdef, params)
       towers = self.collection.pool(lookup, partial, towers=model.tower_transform())
       return model.head(dense, towers)
-    return self.logits(params, dense, self.collection.pool(lookup, partial))
+    return self.logits(params, dense, self.collection.pool(lookup, partial, step=step))
 
   def loss_and_grads(self, state, batch: SparseBatch):
-    """Mean BCE over real examples; grads w.r.t. dense params and the embedding bag sums."""
+    """Mean BCE over real examples (plus the distillation terms under `distill`): (loss,
+    logits, lookup, grads w.r.t. dense params, grads w.r.t. the embedding bag sums, the
+    extra loss terms by name, {} without `distill`; train_step reports them as metrics)."""
     lookup = self.gather(state["emb"], batch)
 
     def loss_fn(params, partial):
-      logits = self.forward(params, batch.dense, lookup, partial)
+      if self.distill is not None:   # ExFM: serving, auxiliary and adapter terms
+        loss, logits, terms = distill_lib.loss_terms(
+            nnx.merge(self.graphdef, params), self.distill, batch.dense,
+            self.collection.pool(lookup, partial, step=state["step"]), batch)
+        return loss, (logits, terms)
+      logits = self.forward(params, batch.dense, lookup, partial, state["step"])
       per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
       loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
-      return loss, logits
+      return loss, (logits, {})
 
-    (loss, logits), (g_params, g_partial) = jax.value_and_grad(
+    (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
-    return loss, logits, lookup, g_params, g_partial
+    return loss, logits, lookup, g_params, g_partial, terms
 
   def train_step(self, state, batch: SparseBatch, skip_nonfinite: bool = False):
     """One step; metrics `loss` and `grad_norm` (the global norm of the dense gradients and
     the embedding bag-sum gradients). skip_nonfinite: when either is NaN or inf the step
     changes nothing but the step count (dense state kept by a select; every id of the batch
     marked invalid, so the sparse update touches no row) and reports `skipped` 1."""
-    loss, _, lookup, g_params, g_partial = self.loss_and_grads(state, batch)
+    loss, _, lookup, g_params, g_partial, terms = self.loss_and_grads(state, batch)
     grad_norm = optax.tree.norm((g_params, g_partial))
     updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm, **terms}
     if self.collection.dedup is not None:   # 1: a capacity overflow ran this batch plain
       metrics["dedup_fallback"] = jnp.float32(batch.dedup is None)
     if skip_nonfinite:
@@ -218,7 +238,7 @@ class RecTask:
   def eval_step(self, state, batch: SparseBatch) -> dict[str, jax.Array]:
     """{logits, labels, mask} [B], left on device for `RecEvaluator`."""
     lookup = self.gather(state["emb"], batch)
-    return {"logits": self.forward(state["params"], batch.dense, lookup),
+    return {"logits": self.forward(state["params"], batch.dense, lookup, step=state["step"]),
             "labels": batch.labels, "mask": batch.mask}
 
   def new_evaluator(self) -> RecEvaluator:

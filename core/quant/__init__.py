@@ -8,6 +8,8 @@ numpy, ml_dtypes, microxcaling's algorithm in float64):
             OCP FP8 E4M3 / E5M2 with per-tensor or row-wise scaling
   mx        OCP Microscaling v1.0 (MXFP8 / MXFP6 / MXFP4 / MXINT8, E8M0 block scales) and
             the BDR MX9 / MX6 / MX4 of arXiv 2302.08007 (shared micro-exponents)
+  groupwise group-wise int8 / int4 weights in ggml's Q8_0 / Q4_0 / Q4_1 layouts (float16
+            scale, optional minimum per 32 columns) for weight-only quantized inference
   formats   the element grids (bf16, fp16, E4M3, E5M2, E3M2, E2M3, E2M1, MX ints) and exact
             round-to-nearest onto them, in integer arithmetic
   exact     float32 division, min / max and fused multiply-add that no backend rounds
@@ -27,6 +29,9 @@ from core.quant.floats import (
 from core.quant.formats import (
     BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FORMATS, FP16, INT4, INT8, Format, get_format,
     round_to_format)
+from core.quant.groupwise import (
+    GroupQuantized, dequantize_groupwise, dequantize_groupwise_reference, from_ggml_blocks,
+    groupwise_error_bound, quantize_groupwise)
 from core.quant.mx import (
     BDR_FORMATS, MX_FORMATS, BDRArray, MXArray, bdr_round, bdr_round_reference,
     dequantize_bdr, dequantize_mx, mx_round, mx_round_reference, quantize_bdr, quantize_mx)

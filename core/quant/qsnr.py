@@ -173,9 +173,8 @@ def format_sweep(rows: Sequence[dict]) -> str:
 
 def plot(table: Sequence[dict], sweep: Sequence[dict], path: str) -> str:
   """Two panels: QSNR against bits per value (every format), QSNR against block size."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
 
   fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
   marks = {"ocp_mx": "o", "bdr": "s", "float": "^", "fp8": "D", "rowwise": "v"}

@@ -24,9 +24,9 @@ def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, f
   from flax import nnx
   cfg = model.cfg
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  if not cfg.tie_embeddings:
-    emb = model.embed[...]
-    weights -= (emb.shape[0] - batch) * emb.shape[1] * emb.dtype.itemsize
+  if not cfg.tie_embeddings:   # a weight-only quantized table counts its codes and scales
+    emb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.embed.get_value()))
+    weights -= emb * (cfg.vocab_size - batch) / cfg.vocab_size
   item = np.dtype(cfg.cache_dtype or cfg.dtype).itemsize
   kv = 2 * cfg.n_layers * batch * kv_tokens * cfg.n_kv_heads * cfg.head_dim * item
   return float(weights), float(kv)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -55,49 +55,41 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("data", "synthetic",
-                      "synthetic | synthetic_deep | criteo:DIR | criteo_bin:DIR | avazu:DIR | "
-                      "libfm:DIR | csv:DIR (python -m experiments.train_rec --help describes them)")
+  from rec import configs
+  configs.define_rec_run_flags("data", "num_rows", "dense_optimizer", "learning_rate",
+      "sparse_optimizer", "embedding_learning_rate", "mesh", "bad_lines", "csv_label",
+      "csv_dense", "csv_categorical", embedding_dim=16, batch_size=1024, eval_batch_size=4096,
+      eval_batches=16)
   flags.DEFINE_list("models", ["dlrm", "dcnv2", "dhen", "wukong"],
                     "Models to compare: names, or model:preset (e.g. wukong:l3_n16).")
   flags.DEFINE_string("presets", "", "Per-model presets, e.g. wukong=l2_n8,dhen=dhen_2l "
                       "(default: each model's kaggle preset).")
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Parameter-init seeds; one run per model and seed.")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
-  flags.DEFINE_integer("steps", 500, "Train steps per run (ignored when --epochs is set).")
+  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.",
+                       lower_bound=0)
+  flags.DEFINE_integer("steps", 500, "Train steps per run (ignored when --epochs is set).",
+                       lower_bound=1)
   flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
-  flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
-  flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
-  flags.DEFINE_integer("eval_batches", 16, "Synthetic data: eval set size in eval batches.")
-  flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model; 0 keeps each preset's.")
-  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-  flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"],
-                    "Dense optimizer.")
-  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
-  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
-                    ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
-  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
-  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
-  flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed data lines.")
-  flags.DEFINE_string("csv_label", "", "--data=csv:DIR: label column (empty = inferred).")
-  flags.DEFINE_string("csv_dense", "", "--data=csv:DIR: dense columns (empty = inferred, none).")
-  flags.DEFINE_string("csv_categorical", "",
-                      "--data=csv:DIR: categorical columns (empty = inferred).")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_bool("keep_checkpoints", False, "Keep each run's final checkpoint.")
   flags.DEFINE_string("workdir", "runs/compare_rec", "Output directory.")
 
 
+# RecRunConfig fields without a flag here: the models' own (from --models / --presets) or
+# the config's defaults.
+FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
+         "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "dedup_features",
+         "dedup_capacity", "days")
+
+
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  import json
+  cli.quiet_library_logs()
 
   from experiments.compare_rec import study
   from rec import configs, runs
 
-  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
+  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
   specs = runs.parse_models(FLAGS.models, FLAGS.presets)
   results = runs.train_models(
       base, specs, seeds=[int(s) for s in FLAGS.seeds],
@@ -109,7 +101,7 @@ def main(argv):
   results["summary"] = summary = study.summary(results)
   results_lib.write_results(FLAGS.workdir, results)
   study.plot_comparison(results, os.path.join(FLAGS.workdir, "compare_rec.png"))
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

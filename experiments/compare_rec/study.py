@@ -32,9 +32,7 @@ def summary(results: Mapping[str, Any]) -> dict[str, Any]:
 def plot_comparison(results: Mapping[str, Any], path: str) -> str:
   """AUC and NE bars (error bars: std over seeds; dashed: the Bayes ceiling on synthetic
   data) and NE against forward GFLOPs/example (log x)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plot_lib.pyplot()
 
   rows = results["rows"]
   ref = results.get("reference")

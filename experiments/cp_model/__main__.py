@@ -39,7 +39,6 @@ With the defaults (any CPU, ~1 s plus imports) it prints GEMM efficiency 0.571 a
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import flags
@@ -116,7 +115,7 @@ def main(argv):
   os.makedirs(FLAGS.workdir, exist_ok=True)
   results_lib.write_results(FLAGS.workdir, res)
   study.plot(res, FLAGS.workdir)
-  print(json.dumps(res["summary"]))
+  results_lib.print_summary(res["summary"])
 
 
 if __name__ == "__main__":

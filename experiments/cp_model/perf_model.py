@@ -90,10 +90,9 @@ def ring_step_times(cfg: LlamaConfig, new_tokens: int, cached_tokens: int, *, cp
                   eff.hbm * hw.hbm_bytes_per_s)
   sendrecv = all2all = 0.0
   if cp > 1:
-    sendrecv = (eff.sendrecv_latency_s
-                + msg[variant[len("pass_"):]] / (eff.sendrecv * hw.net_bytes_per_s))
+    sendrecv = eff.sendrecv_link(hw).time(msg[variant[len("pass_"):]])
     if variant == "pass_q":
-      all2all = eff.all2all_latency_s + msg["all2all"] / (eff.all2all * hw.net_bytes_per_s)
+      all2all = eff.all2all_link(hw).time(msg["all2all"])
   return {"attn": attn, "sendrecv": sendrecv, "all2all": all2all}
 
 
@@ -127,7 +126,7 @@ def prefill_time(cfg: LlamaConfig, new_tokens: int, cached_tokens: int = 0, *, c
   t_ar = 0.0
   if tp > 1:
     ar_bytes = t * d * a * 2 * (tp - 1) / tp
-    t_ar = 2 * (eff.nvlink_latency_s + ar_bytes / (eff.nvlink * hw.nvlink_bytes_per_s))
+    t_ar = 2 * eff.nvlink_link(hw).time(ar_bytes)
 
   ring = ring_step_times(cfg, new_tokens, cached_tokens, cp=cp, tp=tp, variant=variant, hw=hw,
                          eff=eff, num=num)

@@ -215,9 +215,8 @@ def format_table(res: dict) -> str:
 
 
 def plot(res: dict, workdir: str) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
 
   out = []
   full = res["curves"]["full"]

@@ -30,11 +30,10 @@ flat vs 43.5 (T=2, 2.84x less) and 67.5 MiB (T=4, 1.83x less).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -43,23 +42,24 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
+  from rec import configs
+  configs.define_rec_run_flags(batch_size=512, num_rows=5000)
   flags.DEFINE_list("towers", ["2", "4"], "Tower counts T to train.")
-  flags.DEFINE_integer("tower_k", 2, "Compressed vectors per tower (+ 1 local-dot vector).")
-  flags.DEFINE_integer("steps", 600, "Train steps per model.")
-  flags.DEFINE_integer("batch_size", 512, "Train batch size.")
-  flags.DEFINE_integer("eval_batches", 8, "Test batches of --batch_size.")
-  flags.DEFINE_integer("num_rows", 5000, "Rows per table.")
-  flags.DEFINE_integer("dim", 16, "Embedding dim.")
+  flags.DEFINE_integer("tower_k", 2, "Compressed vectors per tower (+ 1 local-dot vector).",
+                       lower_bound=1)
+  flags.DEFINE_integer("steps", 600, "Train steps per model.", lower_bound=1)
+  flags.DEFINE_integer("eval_batches", 8, "Test batches of --batch_size.", lower_bound=1)
+  flags.DEFINE_integer("dim", 16, "Embedding dim.", lower_bound=1)
   flags.DEFINE_enum("teacher", "deep", ["linear", "deep"], "Synthetic label model.")
-  flags.DEFINE_integer("comm_batch", 65536, "Global batch for the all-to-all volume.")
-  flags.DEFINE_integer("seed", 0, "Seed.")
+  flags.DEFINE_integer("comm_batch", 65536, "Global batch for the all-to-all volume.",
+                       lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "Seed.", lower_bound=0)
   flags.DEFINE_string("workdir", "runs/dmt", "Output directory.")
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from experiments.dmt import study
 
   t0 = time.perf_counter()
@@ -74,9 +74,10 @@ def main(argv):
   out["plot"] = study.plot(rows, os.path.join(FLAGS.workdir, "dmt.png"))
   out["wall_seconds"] = time.perf_counter() - t0
   results_lib.write_results(FLAGS.workdir, out)
-  print(json.dumps({r["model"]: {"auc": round(r["auc"], 4), "logloss": round(r["logloss"], 4),
-                                 "a2a_reduction": round(r["global_reduction"], 2)}
-                    for r in rows} | {"wall_seconds": round(out["wall_seconds"], 1)}), flush=True)
+  results_lib.print_summary(
+      {r["model"]: {"auc": round(r["auc"], 4), "logloss": round(r["logloss"], 4),
+                    "a2a_reduction": round(r["global_reduction"], 2)} for r in rows}
+      | {"wall_seconds": round(out["wall_seconds"], 1)})
 
 
 if __name__ == "__main__":

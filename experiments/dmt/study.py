@@ -162,9 +162,8 @@ def format_table(rows) -> str:
 
 def plot(rows, path: str) -> str:
   """Test AUC against the global all-to-all bytes per step, one point per model."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4))
   for r in rows:
     ax.scatter(r["global_bytes"] / 2**20, r["auc"], s=40)

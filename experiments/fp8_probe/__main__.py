@@ -45,11 +45,10 @@ AUC) is far above the probe's per-layer effects, so these runs show FP8 trains, 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -58,40 +57,43 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_string("data", "synthetic", "synthetic | criteo:DIR | ... (rec.data.sources)")
+  from rec import configs
+  configs.define_rec_run_flags("data", "dense_optimizer", "learning_rate",
+      "embedding_learning_rate", "mesh", batch_size=512, eval_batch_size=2048, eval_batches=4,
+      embedding_dim=16, num_rows=20_000)
   flags.DEFINE_list("models", ["dlrm", "dcnv2:small"], "model or model:preset (dlrm, dcnv2).")
   flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds of the trained variants.")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
-  flags.DEFINE_integer("steps", 300, "Train steps per run (ignored when --epochs is set).")
+  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.",
+                       lower_bound=0)
+  flags.DEFINE_integer("steps", 300, "Train steps per run (ignored when --epochs is set).",
+                       lower_bound=1)
   flags.DEFINE_float("epochs", None, "Passes over the train files instead of --steps.")
-  flags.DEFINE_integer("batch_size", 512, "Global train batch size.")
-  flags.DEFINE_integer("eval_batch_size", 2048, "Global eval batch size.")
-  flags.DEFINE_integer("eval_batches", 4, "Synthetic data: eval set size in eval batches.")
-  flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model; 0 keeps each preset's.")
-  flags.DEFINE_integer("num_rows", 20_000, "Hashed rows per sparse feature.")
-  flags.DEFINE_enum("dense_optimizer", "adagrad", ["sgd", "adagrad", "adam", "adamw"],
-                    "Dense optimizer.")
-  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
-  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
   flags.DEFINE_list("variants", ["fp32", "bf16", "fp8_tensor", "fp8_row", "fp8_delayed"],
                     "Training variants (probe.VARIANTS); fp8_safe is added when the "
                     "probe's safe layers are some but not all.")
   flags.DEFINE_list("probe_recipes", ["tensor", "row"], "Scalings the probe tries.")
-  flags.DEFINE_integer("probe_batches", 8, "Eval batches the probe runs (at most).")
+  flags.DEFINE_integer("probe_batches", 8, "Eval batches the probe runs (at most).", lower_bound=1)
   flags.DEFINE_float("max_logloss_increase", 1e-3,
                      "A layer is safe in FP8 when eval log loss grows by at most this "
                      "fraction with that layer alone in FP8.")
-  flags.DEFINE_integer("timing_steps", 5, "Train steps per timing repeat (0: no timing).")
-  flags.DEFINE_integer("timing_repeats", 3, "Timing repeats (median reported).")
-  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_integer("timing_steps", 5, "Train steps per timing repeat (0: no timing).",
+                       lower_bound=0)
+  flags.DEFINE_integer("timing_repeats", 3, "Timing repeats (median reported).", lower_bound=1)
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_string("workdir", "runs/fp8_probe", "Output directory.")
+
+# RecRunConfig fields without a flag here: the models' own (--models), the FP8 settings
+# (the probe's variants) and the config's defaults.
+FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sparse_optimizer", "sharding",
+         "sharding_overrides", "memory_budget_gb", "storage", "cache_fraction", "cache_policy",
+         "bad_lines", "dedup_features", "dedup_capacity", "csv_label", "csv_dense",
+         "csv_categorical", "days")
+
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import dataclasses
 
   import jax
@@ -100,7 +102,7 @@ def main(argv):
   from rec import configs, runs
 
   t0 = time.perf_counter()
-  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
+  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
   seeds = [int(s) for s in FLAGS.seeds]
   budget = dict(steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs)
   unknown = [v for v in FLAGS.variants if v not in fp8_probe.VARIANTS]
@@ -157,7 +159,7 @@ def main(argv):
                    **{f"{v}_logloss": round(r["logloss_mean"], 5)
                       for v, r in m["variants"].items()}}
       for m in out["models"]}, "wall_seconds": round(out["wall_seconds"], 1)}
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -304,9 +304,8 @@ def step_times(cfg: configs.RecRunConfig, variants: dict[str, dict[str, str]], s
 def plot(results: dict[str, Any], path: str) -> str:
   """Per model: the probe's per-layer output and gradient SQNR (first recipe), and each
   training variant's log loss change against fp32."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
 
   models = results["models"]
   fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.6 * len(models)), squeeze=False)

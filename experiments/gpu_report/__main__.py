@@ -56,12 +56,12 @@ import os
 # by default. Only read when the CPU client starts.
 os.environ.setdefault("PJRT_NPROC", "16")
 
-import json  # noqa: E402
 import sys  # noqa: E402
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from core import cli  # noqa: E402
+from core import results as results_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
 DRY_RUN_BUDGET_S = 3600.0
@@ -90,7 +90,7 @@ def define_flags() -> None:
                     "names the MLPerf preset lacks are dropped).")
   flags.DEFINE_enum("fp8_recipe", "tensor", ["tensor", "row"], "FP8 scaling of the fp8 part.")
   flags.DEFINE_integer("mlperf_rows", None, "Rows per table cap of the mlperf part (default "
-                       "4M on a GPU; 0: the reference's 204M rows, ~60 GB).")
+                       "4M on a GPU; 0: the reference's 204M rows, ~60 GB).", lower_bound=0)
 
 
 def parse_budgets(items: list[str], known) -> dict[str, float]:
@@ -111,8 +111,7 @@ def parse_budgets(items: list[str], known) -> dict[str, float]:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import jax
   if FLAGS.dry_run:
     jax.config.update("jax_platforms", "cpu")
@@ -142,7 +141,7 @@ def main(argv):
            "report measures GPU targets. Run it on an H100 / H200, or pass --dry_run to run "
            "every part at toy sizes on CPU.")
     print(msg, file=sys.stderr)
-    print(json.dumps({"refused": msg}))
+    results_lib.print_summary({"refused": msg})
     sys.exit(2)
   cache = FLAGS.compilation_cache_dir if (not FLAGS.dry_run
                                           or FLAGS["compilation_cache_dir"].present) else ""
@@ -168,9 +167,9 @@ def main(argv):
   by_status: dict[str, int] = {}
   for t in report["targets"]:
     by_status[t["status"]] = by_status.get(t["status"], 0) + 1
-  print(json.dumps({"report": os.path.join(out_dir, "report.md"), "dry_run": FLAGS.dry_run,
-                    "wall_s": report["wall_s"], "targets": by_status,
-                    "parts": {k: v["status"] for k, v in report["parts"].items()}}))
+  results_lib.print_summary({"report": os.path.join(out_dir, "report.md"), "dry_run": FLAGS.dry_run,
+                             "wall_s": report["wall_s"], "targets": by_status,
+                             "parts": {k: v["status"] for k, v in report["parts"].items()}})
 
 
 if __name__ == "__main__":

@@ -51,10 +51,9 @@ accuracy is maintained, the memory is 2-2.3x at int8 + 5% and 3.8-5x at int4 + 1
 
 from __future__ import annotations
 
-import json
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -64,43 +63,42 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
+  from rec import configs
+  configs.define_rec_run_flags("data", "model", "preset", "embedding_dim", "eval_batches",
+      "num_rows", "learning_rate", "embedding_learning_rate", "sharding", "mesh",
+      batch_size=1024, eval_batch_size=4096)
   from experiments.mp_embedding import study
-  flags.DEFINE_string("data", "synthetic", "synthetic (Criteo-shaped, Zipf ids) | criteo:DIR | "
-                      "any --data of experiments.train_rec.")
   flags.DEFINE_list("formats", list(study.DEFAULT_FORMATS),
                     "Row storages, the first the reference: fp32 | bf16 | bf16_sr | int8 | int4 "
                     "| int8_cache[:lfu|lru[:fraction]] | int4_cache[...] "
                     "(rec/embedding/storage_spec.py).")
   flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds; one run per format and seed.")
   flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model, the batch stream "
-                       "and stochastic rounding.")
-  flags.DEFINE_integer("steps", 300, "Train steps per run (ignored when --epochs is set).")
+                       "and stochastic rounding.", lower_bound=0)
+  flags.DEFINE_integer("steps", 300, "Train steps per run (ignored when --epochs is set).",
+                       lower_bound=1)
   flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
-  flags.DEFINE_string("model", "dlrm", "Model family (rec.configs.MODEL_PRESETS).")
-  flags.DEFINE_string("preset", "kaggle", "Model preset.")
-  flags.DEFINE_integer("embedding_dim", 0, "Embedding dim; 0 keeps the preset's (16 for DLRM).")
-  flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
-  flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
-  flags.DEFINE_integer("eval_batches", 8, "Synthetic data: eval set size in eval batches.")
-  flags.DEFINE_integer("num_rows", 100_000, "Hashed rows per sparse feature.")
-  flags.DEFINE_float("learning_rate", 0.05, "Dense learning rate.")
-  flags.DEFINE_float("embedding_learning_rate", 0.05, "Embedding learning rate.")
-  flags.DEFINE_string("sharding", "auto", "Embedding sharding: auto | dp | tw | rw | cw | twrw.")
-  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
   flags.DEFINE_list("memory_dims", ["16", "32", "64", "128"],
                     "Embedding dims of the per-dim memory table.")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_string("workdir", "runs/mp_embedding", "Output directory.")
+
+# RecRunConfig fields without a flag here: the storage (from --formats) and the config's
+# defaults.
+FIXED = ("dtype", "fp8_layers", "fp8_recipe", "dense_optimizer", "sparse_optimizer",
+         "sharding_overrides", "memory_budget_gb", "storage", "cache_fraction", "cache_policy",
+         "bad_lines", "dedup_features", "dedup_capacity", "csv_label", "csv_dense",
+         "csv_categorical", "days")
+
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from experiments.mp_embedding import study
   from rec import configs
 
-  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
+  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
   formats = study.parse_formats(FLAGS.formats)
   results = study.compare_formats(
       base, formats, seeds=[int(s) for s in FLAGS.seeds],
@@ -135,7 +133,7 @@ def main(argv):
   os.makedirs(FLAGS.workdir, exist_ok=True)
   results_lib.write_results(FLAGS.workdir, results)
   study.plot(results, os.path.join(FLAGS.workdir, "mp_embedding.png"))
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

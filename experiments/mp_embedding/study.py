@@ -215,9 +215,8 @@ def format_memory(results: Mapping[str, Any]) -> str:
 
 def plot(results, path: str) -> None:
   """Quality change (AUC, log loss) against memory reduction, one point per format."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
   rows = results["rows"]
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
   for ax, key, label in ((axes[0], "auc", "test AUC - reference"),

@@ -27,11 +27,10 @@ norms 0.132 / 0.220 / 0.122.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -40,25 +39,26 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_string("preset", "small", "DLRM preset (rec.configs.MODEL_PRESETS['dlrm']).")
-  flags.DEFINE_integer("steps", 300, "DLRM train steps (synthetic data).")
-  flags.DEFINE_integer("batch_size", 512, "DLRM train batch size.")
-  flags.DEFINE_integer("num_rows", 20_000, "Hashed rows per sparse feature.")
+  from rec import configs
+  configs.define_rec_run_flags(preset="small", batch_size=512, num_rows=20_000)
+  flags.DEFINE_integer("steps", 300, "DLRM train steps (synthetic data).", lower_bound=1)
   flags.DEFINE_string("dlrm_run", "", "Restore this train_rec run's latest checkpoint instead "
                       "of training (the run must match --preset / --num_rows).")
   flags.DEFINE_list("formats", ["fp32", "bf16", "int8"], "Stored formats the bits flip in.")
   flags.DEFINE_list("faults", ["single"],
                     "Fault models: single, single:<bit>, multi:<k>, burst:<k>[:<start>].")
   flags.DEFINE_string("criterion", "threshold:0.5", "DLRM output change: threshold[:t] | tol:x.")
-  flags.DEFINE_integer("trials", 2000, "Faults per DLRM group and (format, fault).")
-  flags.DEFINE_integer("examples", 1024, "DLRM eval examples the trials draw from.")
+  flags.DEFINE_integer("trials", 2000, "Faults per DLRM group and (format, fault).", lower_bound=1)
+  flags.DEFINE_integer("examples", 1024, "DLRM eval examples the trials draw from.", lower_bound=1)
   flags.DEFINE_string("llama", "../shared/data/llama2c/stories260K.bin",
                       "llama2.c checkpoint; when absent, a tiny random-init Llama; '' skips.")
-  flags.DEFINE_integer("llama_trials", 500, "Faults per Llama group and (format, fault).")
-  flags.DEFINE_integer("llama_seqs", 64, "Sequences sampled from the Llama as inputs.")
-  flags.DEFINE_integer("llama_len", 32, "Tokens per sequence.")
-  flags.DEFINE_integer("chunk", 256, "Trials per jitted, vmapped call.")
-  flags.DEFINE_integer("seed", 0, "Seed of training, inputs and fault draws.")
+  flags.DEFINE_integer("llama_trials", 500, "Faults per Llama group and (format, fault).",
+                       lower_bound=1)
+  flags.DEFINE_integer("llama_seqs", 64, "Sequences sampled from the Llama as inputs.",
+                       lower_bound=1)
+  flags.DEFINE_integer("llama_len", 32, "Tokens per sequence.", lower_bound=1)
+  flags.DEFINE_integer("chunk", 256, "Trials per jitted, vmapped call.", lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "Seed of training, inputs and fault draws.", lower_bound=0)
   flags.DEFINE_string("workdir", "runs/pvf", "Output directory.")
 
 
@@ -136,8 +136,7 @@ def _llama(t_key):
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   import jax
 
   from experiments.pvf import study
@@ -157,7 +156,7 @@ def main(argv):
   summary = {m["label"]: {f"{r['group']}/{r['fmt']}/{r['fault']}": round(r["pvf"], 5)
                           for r in m["rows"]} for m in out["models"]}
   summary["wall_seconds"] = round(out["wall_seconds"], 1)
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

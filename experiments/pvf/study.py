@@ -20,9 +20,8 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(results: dict[str, Any], path: str) -> str:
   """One panel per model: PVF per group, one bar per (format, fault), Wilson 95% CIs."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
 
   models = [m for m in results["models"] if m["rows"]]
   fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.8 * len(models)), squeeze=False)

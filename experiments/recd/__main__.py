@@ -23,11 +23,10 @@ step at user-feature duplication 0 / 0.75 / 0.875 / 0.97: lookup 1.08 / 4.74 / 6
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -36,24 +35,23 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
+  from rec import configs
+  configs.define_rec_run_flags("batch_size", "num_rows")
   flags.DEFINE_list("session_lens", ["1", "2", "4", "8", "16", "32"], "Samples per session.")
-  flags.DEFINE_integer("batch_size", 2048, "Global batch size.")
-  flags.DEFINE_integer("num_user", 8, "User (deduplicated) features.")
-  flags.DEFINE_integer("num_item", 8, "Item (per-sample, one-hot) features.")
-  flags.DEFINE_integer("user_bag", 32, "Ids per user-feature bag.")
-  flags.DEFINE_integer("num_rows", 100_000, "Rows per table.")
-  flags.DEFINE_integer("dim", 32, "Embedding dim.")
-  flags.DEFINE_integer("steps", 5, "Calls per timing repeat.")
-  flags.DEFINE_integer("repeats", 5, "Timing repeats (median reported).")
+  flags.DEFINE_integer("num_user", 8, "User (deduplicated) features.", lower_bound=1)
+  flags.DEFINE_integer("num_item", 8, "Item (per-sample, one-hot) features.", lower_bound=1)
+  flags.DEFINE_integer("user_bag", 32, "Ids per user-feature bag.", lower_bound=1)
+  flags.DEFINE_integer("dim", 32, "Embedding dim.", lower_bound=1)
+  flags.DEFINE_integer("steps", 5, "Calls per timing repeat.", lower_bound=1)
+  flags.DEFINE_integer("repeats", 5, "Timing repeats (median reported).", lower_bound=1)
   flags.DEFINE_string("mesh", "-1", "Device mesh; -1 = all devices.")
-  flags.DEFINE_integer("seed", 0, "Data and init seed.")
+  flags.DEFINE_integer("seed", 0, "Data and init seed.", lower_bound=0)
   flags.DEFINE_string("workdir", "runs/recd", "Output directory.")
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import benchmark
   from experiments.recd import study
 
@@ -69,11 +67,10 @@ def main(argv):
   out["plot"] = study.plot(rows, os.path.join(FLAGS.workdir, "recd.png"))
   out["wall_seconds"] = time.perf_counter() - t0
   results_lib.write_results(FLAGS.workdir, out)
-  print(json.dumps({f"s{r['session_len']}": {"dup": round(r["dup_rate_user"], 3),
-                                             "lookup_x": round(r["lookup_speedup"], 2),
-                                             "step_x": round(r["step_speedup"], 2)}
-                    for r in rows} | {"wall_seconds": round(out["wall_seconds"], 1)}),
-        flush=True)
+  results_lib.print_summary({f"s{r['session_len']}": {"dup": round(r["dup_rate_user"], 3),
+                                                      "lookup_x": round(r["lookup_speedup"], 2),
+                                                      "step_x": round(r["step_speedup"], 2)}
+                             for r in rows} | {"wall_seconds": round(out["wall_seconds"], 1)})
 
 
 if __name__ == "__main__":

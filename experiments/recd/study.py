@@ -129,9 +129,8 @@ def format_rows(rows, header: bool = True) -> str:
 
 def plot(rows, path: str) -> str:
   """Lookup and step speedup (plain / dedup) against the user features' duplication rate."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   x = [r["dup_rate_user"] for r in rows]
   ax.plot(x, [r["lookup_speedup"] for r in rows], "o-", label="lookup (gather + pool)")

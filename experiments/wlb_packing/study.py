@@ -216,9 +216,8 @@ def format_table(res) -> str:
 
 def plot(res, path: str) -> None:
   """Imbalance per packing beside the paper's, imbalance vs token delay, CP rank imbalance."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
 
   rows = res["rows"]
   fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from core import cli
 from core import results as results_lib
@@ -59,41 +59,39 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
+  from rec import configs
+  configs.define_rec_run_flags("sparse_optimizer", "mesh", data="synthetic_deep", num_rows=20,
+      embedding_dim=16, batch_size=1024, eval_batch_size=4096, eval_batches=16,
+      dense_optimizer="adam", learning_rate=0.001, embedding_learning_rate=0.1)
   flags.DEFINE_enum("grid", "cpu", ["cpu", "large"], "Size grid (study.GRIDS).")
   flags.DEFINE_list("archs", ["wukong", "dlrm", "dcnv2"], "Architectures of the grid to train.")
-  flags.DEFINE_integer("sizes", 0, "Sizes per architecture, spread over the grid (0: all).")
+  flags.DEFINE_integer("sizes", 0, "Sizes per architecture, spread over the grid (0: all).",
+                       lower_bound=0)
   flags.DEFINE_list("models", [], "Explicit model:preset list instead of the grid.")
-  flags.DEFINE_string("data", "synthetic_deep",
-                      "synthetic_deep[:logit_scale=X] (or any --data form).")
-  flags.DEFINE_integer("num_rows", 20, "Rows per sparse feature (few: see the module docstring).")
-  flags.DEFINE_integer("embedding_dim", 16, "Embedding dim of every model.")
-  flags.DEFINE_integer("steps", 800, "Train steps per model (same examples for every size).")
-  flags.DEFINE_integer("batch_size", 1024, "Global train batch size.")
-  flags.DEFINE_integer("eval_batch_size", 4096, "Global eval batch size.")
-  flags.DEFINE_integer("eval_batches", 16, "Eval set size in eval batches.")
-  flags.DEFINE_enum("dense_optimizer", "adam", ["sgd", "adagrad", "adam", "adamw"],
-                    "Dense optimizer.")
-  flags.DEFINE_float("learning_rate", 1e-3, "Dense learning rate.")
-  flags.DEFINE_enum("sparse_optimizer", "rowwise_adagrad",
-                    ["rowwise_adagrad", "adagrad", "sgd", "adam"], "Sparse embedding optimizer.")
-  flags.DEFINE_float("embedding_learning_rate", 0.1, "Embedding learning rate.")
+  flags.DEFINE_integer("steps", 800, "Train steps per model (same examples for every size).",
+                       lower_bound=1)
   flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds (quality = mean over seeds).")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.")
-  flags.DEFINE_string("mesh", "-1", "Device mesh, e.g. data:8; -1 = all devices.")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.")
+  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.",
+                       lower_bound=0)
+  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_string("workdir", "runs/wukong_scaling", "Output directory.")
+
+# RecRunConfig fields without a flag here: the models' own (the grid or --models) or the
+# config's defaults.
+FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
+         "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
+         "dedup_features", "dedup_capacity", "csv_label", "csv_dense", "csv_categorical", "days")
+
 
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  import json
+  cli.quiet_library_logs()
 
   from experiments.wukong_scaling import study
   from rec import configs, runs
 
-  base = configs.RecRunConfig.from_flags(FLAGS, seed=FLAGS.data_seed)
+  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
   specs = (runs.parse_models(FLAGS.models) if FLAGS.models
            else study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
   results = runs.train_models(base, specs, seeds=[int(s) for s in FLAGS.seeds],
@@ -117,7 +115,7 @@ def main(argv):
   results["summary"] = summary
   results_lib.write_results(FLAGS.workdir, results)
   study.plot_scaling(results, fit, os.path.join(FLAGS.workdir, "wukong_scaling.png"))
-  print(json.dumps(summary), flush=True)
+  results_lib.print_summary(summary)
 
 
 if __name__ == "__main__":

@@ -210,9 +210,7 @@ def _matched_compute(by_arch: Mapping[str, list], fit: Mapping[str, Any]) -> str
 def plot_scaling(results: Mapping[str, Any], fit: Mapping[str, Any], path: str) -> str:
   """Left: NE - floor against GFLOPs/example (log-log) with the fitted power laws; right:
   AUC against GFLOPs/example (log x) with the true logits' AUC."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plot_lib.pyplot()
 
   floor = fit["floor"]
   fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))

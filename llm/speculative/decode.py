@@ -21,6 +21,11 @@ Rows move independently: each has its own length, accepted count and stop state;
 ends when every row has max_new_tokens tokens or a stop token. Both caches hold
 prompt + max_new_tokens + max(budget + 1, (depth - 1) * top_k, depth + 1) slots.
 
+Draft vocabulary (`draft_vocab=`, EAGLE-3's, arXiv 2503.01840): the draft's top-k at every
+depth is taken over the target's output rows of those ids only (`vocab_head`, gathered once
+per call), its log-softmax over them; the target verifies with its full vocabulary, so
+greedy output and the sampling distribution are unchanged.
+
 Every attention call (target prefill and verification, draft prefill, tree and catch-up) goes
 through `llm.attention` with the models' `attention_impl`; the tree mask through its `mask`
 argument ("auto" runs it as per-query decode steps, "xla_decode").
@@ -58,19 +63,41 @@ def cache_slots(prompt_len: int, max_new_tokens: int, shape: TreeShape) -> int:
   return prompt_len + max_new_tokens + scratch
 
 
-def _log_probs(target: Llama, h_BXD):
-  return jax.nn.log_softmax(target.logits(h_BXD), axis=-1)
+def vocab_head(target: Llama, vocab_ids) -> tuple[jax.Array, jax.Array] | None:
+  """The draft's output head over a reduced vocabulary (EAGLE-3, arXiv 2503.01840): the
+  target's own output rows of `vocab_ids` [Vd] (gathered once per call, outside the decode
+  loop) and the ids. None: the full vocabulary."""
+  if vocab_ids is None:
+    return None
+  ids_Vd = jnp.asarray(vocab_ids, jnp.int32)
+  w, vocab_major = target.output_weight()
+  w_VdD = jnp.take(w, ids_Vd, axis=0) if vocab_major else jnp.take(w, ids_Vd, axis=1).T
+  return w_VdD.astype(target.cfg.dtype), ids_Vd
+
+
+def _draft_top_k(target: Llama, head, h_BXD, k: int):
+  """(log-probs, token ids) of the draft's k most likely next tokens at each feature: the
+  target's LM head over the full vocabulary, or over the draft vocabulary `head` (its
+  log-softmax taken there)."""
+  if head is None:
+    return jax.lax.top_k(jax.nn.log_softmax(target.logits(h_BXD), axis=-1), k)
+  w_VdD, ids_Vd = head
+  logits = jnp.einsum("bxd,vd->bxv", h_BXD.astype(w_VdD.dtype), w_VdD,
+                      preferred_element_type=jnp.float32)
+  val, idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+  return val, ids_Vd[idx]
 
 
 def draft_tree(target: Llama, draft: DraftHead, dcache: KVCache, h_root_BD, root_B, start_B,
-               shape: TreeShape):
+               shape: TreeShape, head=None):
   """Expands the tree (module docstring, step 1); returns ((tokens, parents, depths) [B,N],
-  the draft cache with its scratch slots [start, start + (depth-1)*top_k) used)."""
+  the draft cache with its scratch slots [start, start + (depth-1)*top_k) used). head: the
+  draft vocabulary (`vocab_head`) or None."""
   k, depth = shape.top_k, shape.depth
   b = root_B.shape[0]
   s = dcache.max_len
   scratch = (depth - 1) * k
-  val_BK, tok_BK = jax.lax.top_k(_log_probs(target, h_root_BD[:, None])[:, 0], k)
+  val_BK, tok_BK = (x[:, 0] for x in _draft_top_k(target, head, h_root_BD[:, None], k))
   pool_tok, pool_val = [tok_BK], [val_BK]
   pool_par = [jnp.full((b, k), -1, jnp.int32)]
   # The frontier: nodes fed to the draft at this depth, with their pool index, value, token,
@@ -87,7 +114,7 @@ def draft_tree(target: Llama, draft: DraftHead, dcache: KVCache, h_root_BD, root
                           positions_BT=jnp.broadcast_to(start_B[:, None] + d - 1, (b, k)),
                           cache=dcache, slots_BT=start_B[:, None] + (d - 1) * k + jnp.arange(k),
                           mask_BTS=tree_lib.slot_mask(vis_BKR, start_B, s))
-    cval_BKK, ctok_BKK = jax.lax.top_k(_log_probs(target, h_BKD), k)
+    cval_BKK, ctok_BKK = _draft_top_k(target, head, h_BKD, k)
     cval_BKK = front_val[..., None] + cval_BKK
     pool_tok.append(ctok_BKK.reshape(b, k * k))
     pool_val.append(cval_BKK.reshape(b, k * k))
@@ -162,7 +189,7 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens_BT, lengths_B, key, sampling,
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "shape", "n_new"))
 def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, key, sampling,
-           stop_tokens, *, shape: TreeShape, n_new: int):
+           stop_tokens, head, *, shape: TreeShape, n_new: int):
   """Rounds until every row has n_new tokens or a stop token. Returns (tokens [B, n_new + J],
   tokens per row [B], rounds per row [B], accepted drafted tokens per row [B], loop rounds,
   the accepted drafted tokens of each round [B, n_new] (-1 where the row was not decoding:
@@ -181,7 +208,7 @@ def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, ke
   def body(c):
     tcache, dcache, root_B, start_B = c["tcache"], c["dcache"], c["root"], c["tcache"].length
     (tokens_BN, parents_BN, depths_BN), dcache = draft_tree(
-        target, draft, dcache, c["h_root"], root_B, start_B, shape)
+        target, draft, dcache, c["h_root"], root_B, start_B, shape, head)
     visible_BNN = tree_lib.ancestors(parents_BN, shape.depth)
     h_BND, tcache = target.hidden(target.embed_tokens(tokens_BN),
                                   positions_BT=start_B[:, None] + depths_BN, cache=tcache,
@@ -248,10 +275,13 @@ class SpecResult:
 def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int]],
                          max_new_tokens: int, *, shape: TreeShape, temperature: float = 0.0,
                          top_k: int = 0, top_p: float = 1.0, stop_tokens=(),
-                         rng: jax.Array | None = None, max_len: int | None = None) -> SpecResult:
+                         rng: jax.Array | None = None, max_len: int | None = None,
+                         draft_vocab=None) -> SpecResult:
   """`llm.generate.generate`'s contract (same tokens for greedy, same distribution when
   sampling), decoded by draft trees of `shape`. max_len: cache slots (default
-  `cache_slots(longest prompt, max_new_tokens, shape)`)."""
+  `cache_slots(longest prompt, max_new_tokens, shape)`). draft_vocab: token ids [Vd] the
+  draft proposes from (`distill.draft_vocab`; default: the whole vocabulary); the target
+  still scores every token, so the output's contract is unchanged."""
   cfg = target.cfg
   stop = gen_lib.check_request(cfg, prompts, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
@@ -260,6 +290,13 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
     raise ValueError(f"speculative_generate: draft head for dim {draft.cfg.dim}, vocab "
                      f"{draft.cfg.vocab_size}; the target has dim {cfg.dim}, vocab "
                      f"{cfg.vocab_size}")
+  if draft_vocab is not None:
+    ids = np.asarray(draft_vocab)
+    if (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or len(ids) < shape.top_k
+        or ids.min() < 0 or ids.max() >= cfg.vocab_size or len(np.unique(ids)) != len(ids)):
+      raise ValueError(f"speculative_generate: draft_vocab of shape {ids.shape}, dtype "
+                       f"{ids.dtype}; expected at least top_k={shape.top_k} distinct integer "
+                       f"ids in [0, {cfg.vocab_size})")
   zeros = np.zeros((len(prompts),), np.int64)
   if max_new_tokens == 0:
     return SpecResult([[] for _ in prompts], zeros, zeros, 0, [[] for _ in prompts])
@@ -279,7 +316,8 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
                                               sampling, max_len=max_len)
   out, n_out, rounds, accepted, loop_rounds, log = decode(
       tgraph, tstate, dgraph, dstate, root, h_root, tcache, dcache, key, sampling,
-      gen_lib.stop_array(stop), shape=shape, n_new=max_new_tokens)
+      gen_lib.stop_array(stop), vocab_head(target, draft_vocab), shape=shape,
+      n_new=max_new_tokens)
   result = gen_lib.cut_rows(np.asarray(out), np.minimum(np.asarray(n_out), max_new_tokens),
                             stop)
   per_round = [[a for a in row if a >= 0] for row in np.asarray(log).tolist()]

@@ -1,10 +1,20 @@
 """Training the EAGLE draft head by self-distillation (arXiv 2401.15077), through core.train.
 
 Data: sequences the target itself generates (`generate_sequences`: sampled from given prompts,
-by default the BOS token), so the head learns the target's own continuations. The batches
-are token ids; `DistillTask.device_batch` runs the frozen target over them (a separate jit, in
-the loop's prefetch thread) for its features f_i (final hidden states, post-norm), so the
-train step holds only the head, its optimizer and the target's embedding and LM head.
+by default the BOS token, e.g. chat requests, ending at stop ids), so the head learns the
+target's own continuations. The target's features f_i (final hidden states, post-norm) are
+computed once per sequence (`target_features`) and ride with the batches; without them
+`DistillTask.device_batch` runs the frozen target (a separate jit, in the loop's prefetch
+thread). Either way the train step holds only the head, its optimizer and the target's
+embedding and LM head. Sequences and features are kept in the workdir and saved chunk by
+chunk (`cached_sequences`, `cached_features`), so a killed run continues where it stopped;
+the train loop checkpoints and resumes by itself.
+
+Draft vocabulary (EAGLE-3, arXiv 2503.01840): with `draft_vocab` ids (`draft_vocab()`: the
+most frequent tokens of the training sequences) the head's LM head is the target's rows of
+those tokens, and the cross-entropy is against the target's distribution renormalized over
+them (`top1` then compares argmaxes within that vocabulary). A draft step then costs Vd / V
+of the full LM head, which on a 135M target with a 49152-token vocabulary is most of it.
 
 Loss over pairs i (f_i, x_{i+1}) -> f^_{i+1}, as EAGLE's:
     SmoothL1(f^_{i+1}, f_{i+1})  +  w_cls * CE(softmax(LMHead(f_{i+1})), LMHead(f^_{i+1}))
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Iterator
 
 import jax
@@ -35,6 +46,7 @@ from core import mesh as mesh_lib
 from llm import model as model_lib
 from llm.generate import generate
 from llm.model import Llama
+from llm.speculative.decode import vocab_head
 from llm.speculative.draft import DraftHead
 from llm.train_lib import OptimConfig, make_optimizer, make_schedule
 
@@ -46,35 +58,88 @@ class SeqBatch:
 
   tokens: np.ndarray    # [B, T] int32
   mask: np.ndarray      # [B, T] float32
+  feats: np.ndarray | None = None   # [B, T, D] the target's features, when precomputed
 
 
 def generate_sequences(target: Llama, num: int, length: int, *, prompts=((1,),),
                        temperature: float = 1.0, batch_size: int = 64, seed: int = 0,
-                       progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                       progress: bool = False, stop_tokens=(), start: int = 0,
+                       out=None, on_chunk=None) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [num, length] int32, mask [num, length]) sampled from the target: sequence i
-  continues prompts[i % len(prompts)] to `length` tokens (rows that stop early are not
-  possible: no stop tokens). Deterministic in seed."""
+  continues prompts[i % len(prompts)] to `length` tokens or through its first stop token
+  (the mask is 0 after it). Deterministic in seed. Resuming: `out` holds (tokens, mask) of
+  rows < start, made by the same call; on_chunk(rows done) is called after each chunk."""
   if num < 1 or length < 2:
     raise ValueError(f"generate_sequences: num={num}, length={length}; expected >= 1 and >= 2")
   prompts = [list(p) for p in prompts]
   if not prompts or any(not 1 <= len(p) < length for p in prompts):
     raise ValueError(f"generate_sequences: prompt lengths {[len(p) for p in prompts]}; "
                      f"expected 1 .. {length - 1}")
-  tokens = np.zeros((num, length), np.int32)
-  mask = np.zeros((num, length), np.float32)
-  for start in range(0, num, batch_size):
-    rows = range(start, min(num, start + batch_size))
+  if out is None:
+    out = (np.zeros((num, length), np.int32), np.zeros((num, length), np.float32))
+  tokens, mask = out
+  t0, done0 = time.perf_counter(), start
+  # One n_new and cache size for every chunk: the decode loop compiles once.
+  n_new = length - min(len(p) for p in prompts)
+  max_len = max(len(p) for p in prompts) + n_new
+  for first in range(start, num, batch_size):
+    rows = range(first, min(num, first + batch_size))
     chunk = [prompts[i % len(prompts)] for i in rows]
-    n_new = length - min(len(p) for p in chunk)
-    out = generate(target, chunk, n_new, temperature=temperature,
-                   rng=jax.random.key(seed * 1_000_003 + start))
-    for i, p, o in zip(rows, chunk, out):
+    new = generate(target, chunk, n_new, temperature=temperature, stop_tokens=stop_tokens,
+                   rng=jax.random.key(seed * 1_000_003 + first), max_len=max_len)
+    for i, p, o in zip(rows, chunk, new):
       seq = (p + o)[:length]
+      tokens[i], mask[i] = 0, 0.0
       tokens[i, :len(seq)] = seq
       mask[i, :len(seq)] = 1.0
+    if on_chunk is not None:
+      on_chunk(rows.stop)
     if progress:
-      print(f"  generated {rows.stop}/{num} sequences of {length} tokens", flush=True)
+      _progress("generated", rows.stop, num, done0, t0, "sequences")
   return tokens, mask
+
+
+def _progress(what: str, done: int, total: int, done0: int, t0: float, unit: str) -> None:
+  """One progress line: count, rate over this process's part, ETA."""
+  rate = (done - done0) / max(time.perf_counter() - t0, 1e-9)
+  eta = (total - done) / rate if rate > 0 else float("nan")
+  print(f"  {what} {done}/{total} {unit} | {rate:.2f} {unit}/s | ETA {eta / 60:.1f} min",
+        flush=True)
+
+
+def draft_vocab(tokens: np.ndarray, mask: np.ndarray, size: int, vocab_size: int) -> np.ndarray:
+  """The `size` tokens most frequent among the sequences' real tokens (ties: lower id first),
+  sorted: the draft's output vocabulary (EAGLE-3, arXiv 2503.01840, keeps the most frequent
+  tokens of its training data). Tokens it lacks are never drafted, only ever the bonus."""
+  if not 1 <= size <= vocab_size:
+    raise ValueError(f"draft_vocab: size={size}; expected 1 .. vocab_size={vocab_size}")
+  real = np.asarray(tokens)[np.asarray(mask) > 0]
+  counts = np.bincount(real.astype(np.int64), minlength=vocab_size)[:vocab_size]
+  order = np.lexsort((np.arange(vocab_size), -counts))
+  return np.sort(order[:size]).astype(np.int32)
+
+
+def target_features(target: Llama, tokens: np.ndarray, *, batch_size: int = 8, start: int = 0,
+                    out: np.ndarray | None = None, on_chunk=None,
+                    progress: bool = False) -> np.ndarray:
+  """The target's features [N, T, D] float32 (final hidden states, post-norm) of every
+  sequence, computed `batch_size` rows at a time (rows < start taken from `out`)."""
+  n, t = tokens.shape
+  feats = np.zeros((n, t, target.cfg.dim), np.float32) if out is None else out
+  graphdef, state = nnx.split(target)
+  fn = jax.jit(_target_features, static_argnums=0)
+  t0 = time.perf_counter()
+  for first in range(start, n, batch_size):
+    rows = tokens[first:first + batch_size]
+    pad = batch_size - len(rows)
+    batch = np.concatenate([rows, np.zeros((pad, t), np.int32)]) if pad else rows
+    feats[first:first + len(rows)] = np.asarray(fn(graphdef, state, jnp.asarray(batch)),
+                                                np.float32)[:len(rows)]
+    if on_chunk is not None:
+      on_chunk(first + len(rows))
+    if progress:
+      _progress("target features of", first + len(rows), n, start, t0, "sequences")
+  return feats
 
 
 class SequenceSource:
@@ -82,18 +147,23 @@ class SequenceSource:
   (resumable); eval yields the sequences in order, the last batch padded and masked."""
 
   def __init__(self, tokens: np.ndarray, mask: np.ndarray, batch_size: int, *,
-               split: str = "train", seed: int = 0):
+               split: str = "train", seed: int = 0, feats: np.ndarray | None = None):
     if split not in ("train", "eval"):
       raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
     if tokens.shape != mask.shape or tokens.ndim != 2 or len(tokens) == 0:
       raise ValueError(f"SequenceSource: tokens {tokens.shape}, mask {mask.shape}; expected "
                        "the same non-empty [N, T]")
+    if feats is not None and feats.shape[:2] != tokens.shape:
+      raise ValueError(f"SequenceSource: feats {feats.shape}; expected [N, T, D] with [N, T] "
+                       f"= {tokens.shape}")
     self.tokens, self.mask = tokens.astype(np.int32), mask.astype(np.float32)
+    self.feats = feats
     self.batch_size, self.split, self.seed = batch_size, split, seed
 
   def batch(self, k: int) -> SeqBatch:
     idx = np.random.default_rng([self.seed, k]).integers(0, len(self.tokens), self.batch_size)
-    return SeqBatch(self.tokens[idx], self.mask[idx])
+    return SeqBatch(self.tokens[idx], self.mask[idx],
+                    None if self.feats is None else self.feats[idx])
 
   def batches(self, start: int = 0) -> Iterator[SeqBatch]:
     if self.split == "train":
@@ -105,8 +175,9 @@ class SequenceSource:
     for i in range(0, n, b):
       tok, m = self.tokens[i:i + b], self.mask[i:i + b]
       pad = b - len(tok)
-      yield SeqBatch(np.concatenate([tok, np.zeros((pad,) + tok.shape[1:], np.int32)]),
-                     np.concatenate([m, np.zeros((pad,) + m.shape[1:], np.float32)]))
+      padded = lambda x: np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+      yield SeqBatch(padded(tok), padded(m),
+                     None if self.feats is None else padded(self.feats[i:i + b]))
 
 
 def smooth_l1(x, y):
@@ -158,7 +229,8 @@ class DistillTask:
   """Self-distillation of a DraftHead for a frozen target (a core.train Task)."""
 
   def __init__(self, target: Llama, optim: OptimConfig, mesh: Mesh, *, w_cls: float = 0.1,
-               noise: float = 0.1, rules: mesh_lib.Rules = mesh_lib.LLM_RULES):
+               noise: float = 0.1, rules: mesh_lib.Rules = mesh_lib.LLM_RULES,
+               draft_vocab=None):
     if not (math.isfinite(w_cls) and w_cls >= 0 and math.isfinite(noise) and noise >= 0):
       raise ValueError(f"DistillTask: w_cls={w_cls}, noise={noise}; expected finite and >= 0")
     self.cfg, self.optim, self.mesh, self.rules = target.cfg, optim, mesh, rules
@@ -167,7 +239,13 @@ class DistillTask:
     rep = NamedSharding(mesh, P())
     tgraph, tstate = nnx.split(target)
     self._target = (tgraph, jax.device_put(tstate, rep))
-    w, self.vocab_major = target.output_weight()
+    # With a draft vocabulary the head is the target's rows of those tokens, and the
+    # cross-entropy is against the target's distribution renormalized over them.
+    head = vocab_head(target, draft_vocab)
+    if head is None:
+      w, self.vocab_major = target.output_weight()
+    else:
+      w, self.vocab_major = head[0], True
     self._shared = {"embed": jax.device_put(target.embed[...], rep),
                     "head": jax.device_put(w, rep)}
     abstract = nnx.eval_shape(lambda: DraftHead(self.cfg, nnx.Rngs(0)))
@@ -192,10 +270,13 @@ class DistillTask:
     return nnx.merge(self.graphdef, params)
 
   def device_batch(self, host: SeqBatch) -> dict[str, Any]:
-    """Places the ids and computes the target's features (frozen target, own jit); the
-    shared embedding and LM head ride along (the target's buffers, not copies)."""
+    """Places the ids and the target's features (precomputed with the batch, else computed
+    here by the frozen target in its own jit); the shared embedding and LM head ride along
+    (the target's buffers, not copies)."""
     dev = mesh_lib.shard_batch(host, self.mesh, self.rules, batch_axis="act_batch")
-    feats = self._features(self._target[0], self._target[1], dev.tokens)
+    feats = dev.feats
+    if feats is None:
+      feats = self._features(self._target[0], self._target[1], dev.tokens)
     return {"tokens": dev.tokens, "mask": dev.mask, "feats": feats, **self._shared}
 
   @staticmethod
@@ -284,6 +365,9 @@ class DistillConfig:
   seq_len: int = 128              # tokens per sequence, prompt included
   eval_sequences: int = 64
   gen_temperature: float = 1.0    # the target samples its training sequences at this
+  gen_batch: int = 64             # sequences generated per generate call
+  draft_vocab: int = 0            # tokens the draft proposes from (0: the whole vocabulary)
+  cache_features: bool = True     # the target's features computed once, kept in the workdir
   batch_size: int = 32
   steps: int = 1500
   learning_rate: float = 3e-3
@@ -305,26 +389,78 @@ class DistillConfig:
                        "(greedy sequences from few prompts repeat themselves)")
 
 
-def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig):
-  """`generate_sequences` for dcfg, kept in `path` (.npz) with the settings that made it;
-  regenerated when they differ."""
-  import json
+def _load_partial(path: str, key: str):
+  """(arrays, rows done) of `path` (.npz) when it was made with `key`, else None."""
   import os
+  if not os.path.exists(path):
+    return None
+  with np.load(path) as f:
+    if str(f["key"]) != key:
+      return None
+    return {k: f[k] for k in f.files if k not in ("key", "done")}, int(f["done"])
+
+
+def _save_partial(path: str, key: str, done: int, **arrays) -> None:
+  import os
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  np.savez(path + ".tmp.npz", key=np.asarray(key), done=np.asarray(done), **arrays)
+  os.replace(path + ".tmp.npz", path)
+
+
+def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, stop_tokens=()):
+  """`generate_sequences` for dcfg, kept in `path` (.npz) with the settings that made it
+  (regenerated when they differ); saved after every chunk, so a killed run continues from
+  the last one."""
+  import json
   key = json.dumps({"num": dcfg.num_sequences, "len": dcfg.seq_len, "seed": dcfg.seed,
                     "temperature": dcfg.gen_temperature, "prompts": [list(map(int, p))
                                                                       for p in prompts],
+                    "stop": [int(t) for t in stop_tokens], "batch": dcfg.gen_batch,
                     "vocab": target.cfg.vocab_size}, sort_keys=True)
-  if os.path.exists(path):
-    with np.load(path) as f:
-      if str(f["key"]) == key:
-        return f["tokens"], f["mask"]
-  tokens, mask = generate_sequences(target, dcfg.num_sequences, dcfg.seq_len, prompts=prompts,
-                                    temperature=dcfg.gen_temperature, seed=dcfg.seed,
-                                    progress=True)
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  np.savez(path + ".tmp.npz", tokens=tokens, mask=mask, key=np.asarray(key))
-  os.replace(path + ".tmp.npz", path)
-  return tokens, mask
+  saved = _load_partial(path, key)
+  out, start = (None, 0) if saved is None else ((saved[0]["tokens"], saved[0]["mask"]),
+                                                saved[1])
+  if start < dcfg.num_sequences:
+    holder = {}
+
+    def save(done):
+      _save_partial(path, key, done, tokens=holder["out"][0], mask=holder["out"][1])
+
+    if out is None:
+      out = (np.zeros((dcfg.num_sequences, dcfg.seq_len), np.int32),
+             np.zeros((dcfg.num_sequences, dcfg.seq_len), np.float32))
+    holder["out"] = out
+    if start:
+      print(f"  continuing the target's sequences from {start}/{dcfg.num_sequences}",
+            flush=True)
+    generate_sequences(target, dcfg.num_sequences, dcfg.seq_len, prompts=prompts,
+                       temperature=dcfg.gen_temperature, seed=dcfg.seed, progress=True,
+                       batch_size=dcfg.gen_batch, stop_tokens=stop_tokens, start=start,
+                       out=out, on_chunk=save)
+  return out
+
+
+def cached_features(target: Llama, path: str, tokens: np.ndarray, batch_size: int = 8):
+  """`target_features` of `tokens`, kept in `path` (.npz) keyed by a hash of the tokens;
+  saved every few chunks, so a killed run continues."""
+  import hashlib
+  key = hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()
+  key += f":{target.cfg.dim}"
+  saved = _load_partial(path, key)
+  feats, start = (None, 0) if saved is None else (saved[0]["feats"], saved[1])
+  if start < len(tokens):
+    if feats is None:
+      feats = np.zeros(tokens.shape + (target.cfg.dim,), np.float32)
+    last = [time.perf_counter()]
+
+    def save(done):
+      if done == len(tokens) or time.perf_counter() - last[0] > 60:
+        _save_partial(path, key, done, feats=feats)
+        last[0] = time.perf_counter()
+
+    feats = target_features(target, tokens, batch_size=batch_size, start=start, out=feats,
+                            on_chunk=save, progress=True)
+  return feats
 
 
 def loop_config(workdir: str, dcfg: DistillConfig, *, overwrite: bool = False, settings=None,
@@ -344,24 +480,52 @@ def loop_config(workdir: str, dcfg: DistillConfig, *, overwrite: bool = False, s
       nonfinite_hint="lower the draft learning rate")
 
 
+def _latest_step(workdir: str) -> int:
+  import os
+  from core import checkpoint as ckpt_lib
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return -1
+  ckpt = ckpt_lib.Checkpointer(workdir)
+  try:
+    step = ckpt.latest_step()
+  finally:
+    ckpt.close()
+  return -1 if step is None else step
+
+
 def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1,),),
-                mesh: Mesh | None = None, overwrite: bool = False, settings=None,
-                resume_allow=()):
-  """Generates (or reuses) the sequences, trains a DraftHead in `workdir` through core.train
-  (`loop_config`: an existing run with the same settings is resumed, a finished one just
-  loaded; settings named in `resume_allow`, e.g. "distill.learning_rate", may differ from
-  the run's) and returns (draft, train summary, (tokens, mask))."""
+                stop_tokens=(), mesh: Mesh | None = None, overwrite: bool = False,
+                settings=None, resume_allow=()):
+  """Generates (or reuses) the sequences (`cached_sequences`, ending at `stop_tokens`), the
+  draft vocabulary (`draft_vocab` of the training sequences, when dcfg.draft_vocab) and the
+  target's features (`cached_features`, when dcfg.cache_features and training remains),
+  trains a DraftHead in `workdir` through core.train (`loop_config`: an existing run with
+  the same settings is resumed, a finished one just loaded; settings named in
+  `resume_allow`, e.g. "distill.learning_rate", may differ from the run's) and returns
+  (draft, train summary, (tokens, mask), draft vocabulary ids or None)."""
   import os
   from core import train as train_lib
-  tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg)
+  tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg,
+                                  stop_tokens)
   n_train = dcfg.num_sequences - dcfg.eval_sequences
+  vocab = None
+  if dcfg.draft_vocab:
+    vocab = draft_vocab(tokens[:n_train], mask[:n_train], dcfg.draft_vocab,
+                        target.cfg.vocab_size)
+  feats = None
+  if dcfg.cache_features and (overwrite or _latest_step(workdir) < dcfg.steps):
+    feats = cached_features(target, os.path.join(workdir, "features.npz"), tokens)
   mesh = mesh or mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
   optim = OptimConfig(peak_lr=dcfg.learning_rate, warmup_steps=dcfg.warmup_steps,
                       total_steps=dcfg.steps, weight_decay=dcfg.weight_decay)
-  task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise)
-  train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed)
-  eval_src = SequenceSource(tokens[n_train:], mask[n_train:], dcfg.batch_size, split="eval")
+  task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise,
+                     draft_vocab=vocab)
+  split = lambda x, a, b: None if x is None else x[a:b]
+  train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed,
+                             feats=split(feats, 0, n_train))
+  eval_src = SequenceSource(tokens[n_train:], mask[n_train:], dcfg.batch_size, split="eval",
+                            feats=split(feats, n_train, None))
   loop = loop_config(workdir, dcfg, overwrite=overwrite, settings=settings,
                      resume_allow=resume_allow)
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)
-  return task.draft(out["state"]["params"]), out, (tokens, mask)
+  return task.draft(out["state"]["params"]), out, (tokens, mask), vocab

@@ -60,6 +60,8 @@ class SparseBatch:
   - weights: [B, F, L] float32 per-id weights, or None (all ones)
   - dedup:   DedupIds or None: RecD's distinct bags of some features and each sample's bag
              (the plain columns stay as they are, so dropping it gives the plain batch)
+  - teacher: [B] float32 or None: an external teacher's logit per example, a label-like
+             column the data augmentation step writes (ExFM, arXiv 2502.17494; rec/distill.py)
   """
 
   dense: np.ndarray
@@ -69,6 +71,7 @@ class SparseBatch:
   mask: np.ndarray
   weights: np.ndarray | None = None
   dedup: DedupIds | None = None
+  teacher: np.ndarray | None = None
 
   @property
   def batch_size(self) -> int:

@@ -52,6 +52,11 @@ samples' gradients per distinct bag. Without distinct bags the same groups read 
 samples' own bags (the plain path). `bag_sizes` {table: n}: the table's feature reads the
 first n ids of each bag only (bags padded to a longer L for other features cost n).
 
+Compressed exchange (arXiv 2407.04272), `a2a_compression=A2ACompression` (a2a_compression.py):
+the a2a all-to-all and the rw reduce-scatter of pooled partials, and their gradients, are
+sent as error-bounded fixed-rate payloads; an exchange where some value cannot meet its
+bound falls back to float32 as a whole. `pool(..., step=)` sets the iteration-wise bound.
+
 Letters: B batch (B_l per device, B_g global), F features, L ids per bag, D embedding
 dim, W width of a stored row (D, or a column chunk), N devices, S slots per device,
 C distinct bags (RecD; C_l per device), T towers of G devices (SPTT), Fm tower slots,
@@ -73,6 +78,7 @@ from core import mesh as mesh_lib
 from core.ops import take_columns
 from rec.data.batch import DedupIds
 from rec.data.dedup import DedupSpec
+from rec.embedding import a2a_compression as a2a_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import storage as storage_lib
 from rec.embedding import storage_spec
@@ -153,7 +159,8 @@ class EmbeddingCollection:
                optimizer: opt_lib.SparseOptimizer, rules: mesh_lib.Rules = mesh_lib.REC_RULES,
                out_of_range: str = "error", init_scale: str = "dlrm", lookup_impl: str = "xla",
                storage_seed: int = 0, dedup: DedupSpec | None = None,
-               bag_sizes: Mapping[str, int] | None = None):
+               bag_sizes: Mapping[str, int] | None = None,
+               a2a_compression: a2a_lib.A2ACompression | None = None):
     if out_of_range not in ("error", "hash"):
       raise ValueError(f"out_of_range={out_of_range!r}: expected 'error' or 'hash'")
     if lookup_impl not in ("xla", "pallas"):
@@ -196,6 +203,8 @@ class EmbeddingCollection:
            if n not in names or not isinstance(b, int) or b < 1}
     if bad:
       raise ValueError(f"bag_sizes {bad}: expected a size >= 1 for tables of {names}")
+    self.a2a_compression = (None if a2a_compression is None
+                            else a2a_compression.check(names))
     self._init_towers()
     self.groups = self._build_groups()
     if sum(g.comm == "sptt" for g in self.groups.values()) > 1:
@@ -674,7 +683,8 @@ class EmbeddingCollection:
     return flat(partial), flat(coef), flat(index), flat(valid)
 
   def pool(self, lookup: Lookup, partial: dict[str, jax.Array] | None = None,
-           towers: tuple[Callable[..., jax.Array], Any] | None = None) -> jax.Array:
+           towers: tuple[Callable[..., jax.Array], Any] | None = None,
+           step: jax.Array | int | None = None) -> jax.Array:
     """Output distribution of the bag sums -> emb_BFD [B, F, D] (all tables share D).
 
     Differentiable in `partial` (defaults to lookup.partial): pass it explicitly to take
@@ -683,6 +693,9 @@ class EmbeddingCollection:
     towers=(fn, params) (SPTT tables only): fn(params, t, emb [b, Fm, D]) -> [b, K, D], tower
     t's module on its slots 0..F_t-1 (t is traced: the device's tower), runs inside each
     tower group; returns [B, T * K, D], the towers' outputs in tower order.
+
+    `step` (the train step; None: 0) picks the iteration-wise bound of an
+    `a2a_compression`, which compresses the a2a and rw exchanges and their gradients.
     """
     partial = lookup.partial if partial is None else partial
     bspec = P(self.axes)
@@ -699,11 +712,19 @@ class EmbeddingCollection:
     if len(self.dims) != 1:
       raise ValueError(f"pool() stacks features into [B, F, D], but table dims differ: {self.dims}")
     outs, order = [], []
+    comp = self.a2a_compression
     for name, g in self.groups.items():
-      fn = getattr(self, f"_pool_{g.comm}")
-      f = jax.shard_map(lambda x, g=g, fn=fn: fn(g, x), mesh=self.mesh,
-                        in_specs=bspec, out_specs=bspec, check_vma=False)
-      emb = f(partial[name])
+      if comp is not None and g.comm in ("a2a", "rw"):
+        fn = getattr(self, f"_pool_{g.comm}_compressed")
+        scale = comp.schedule.factor(0 if step is None else step)
+        f = jax.shard_map(lambda x, c, g=g, fn=fn: fn(g, x, c), mesh=self.mesh,
+                          in_specs=(bspec, P()), out_specs=bspec, check_vma=False)
+        emb = f(partial[name], scale)
+      else:
+        fn = getattr(self, f"_pool_{g.comm}")
+        f = jax.shard_map(lambda x, g=g, fn=fn: fn(g, x), mesh=self.mesh,
+                          in_specs=bspec, out_specs=bspec, check_vma=False)
+        emb = f(partial[name])
       if name in lookup.inverse:
         emb = self._expand(emb, lookup.inverse[name])
       outs.append(emb)
@@ -755,6 +776,13 @@ class EmbeddingCollection:
     S = g.maps["feat"].shape[1]
     partial = partial.reshape(N, -1, S, g.width)
     back = _all_to_all0(partial, self.axes)          # [N_owner, B_l, S, W]
+    return self._combine_a2a(g, back)
+
+  def _combine_a2a(self, g, back):
+    """The owners' partials [N_owner, B_l, S, W] -> emb [B_l, F, D] (columns placed, row
+    shards summed)."""
+    N = self.num_devices
+    S = g.maps["feat"].shape[1]
     b = back.shape[1]
     flat = jnp.transpose(back, (1, 0, 2, 3)).reshape(b, N * S * g.width)
     F = len(g.features)
@@ -762,6 +790,41 @@ class EmbeddingCollection:
       return take_columns(flat, tuple(g.maps["select"].tolist())).reshape(b, F, g.dim)
     placed = take_columns(flat, tuple(g.maps["place"].tolist())).reshape(b, N * S, g.dim)
     return jnp.einsum("bjd,jf->bfd", placed, jnp.asarray(g.maps["combine"]))
+
+  def _feature_factors(self) -> np.ndarray:
+    """Table-wise bound factor per feature index, with a trailing 1 for padding slots (-1)."""
+    comp = self.a2a_compression
+    return np.append(comp.factors([self.tables[f].name for f in range(len(self.tables))]),
+                     np.float32(1.0))
+
+  def _pool_a2a_compressed(self, g, partial, scale):
+    """`_pool_a2a` with the all-to-all compressed (a2a_compression); per-row bounds from
+    the row's table (table-wise factor) and `scale` (iteration-wise factor)."""
+    comp = self.a2a_compression
+    N = self.num_devices
+    feat = g.maps["feat"]                                           # [N, S]
+    S = feat.shape[1]
+    fac = jnp.asarray(self._feature_factors()[feat])               # [N, S]; -1 -> 1
+    partial = partial.reshape(N, -1, S, g.width)
+    B_l = partial.shape[1]
+    me = jax.lax.axis_index(self.axes)
+    # Rows sent hold this device's slots; rows of the gradient coming back hold the owner's.
+    eb_f = jnp.broadcast_to((comp.bound * scale * fac[me])[None, None, :], (N, B_l, S))
+    eb_b = None
+    if comp.grad_bound is not None:
+      eb_b = jnp.broadcast_to((comp.grad_bound * scale * fac)[:, None, :], (N, B_l, S))
+    back = a2a_lib.all_to_all(partial, eb_f, eb_b, comp, self.axes)   # [N_owner, B_l, S, W]
+    return self._combine_a2a(g, back)
+
+  def _pool_rw_compressed(self, g, partial, scale):                 # [B_g, F, W]
+    comp = self.a2a_compression
+    fac = jnp.asarray(self._feature_factors()[np.asarray(g.features)])     # [F]
+    B_g, F = partial.shape[:2]
+    eb_f = jnp.broadcast_to(comp.bound * scale * fac, (B_g, F))
+    eb_b = None
+    if comp.grad_bound is not None:
+      eb_b = jnp.broadcast_to(comp.grad_bound * scale * fac, (B_g // self.num_devices, F))
+    return a2a_lib.reduce_scatter(partial, eb_f, eb_b, comp, self.axes)
 
   @staticmethod
   def _id_grads(coef, partial_grad):

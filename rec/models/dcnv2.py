@@ -204,6 +204,15 @@ class DCNv2(nnx.Module):
 
     Returns float32 logits [B].
     """
+    return self.top_mlp(self.body(dense_BD, emb_BFD))[:, 0].astype(jnp.float32)
+
+  @property
+  def body_dim(self) -> int:
+    return self.config.top_in
+
+  def body(self, dense_BD, emb_BFD):
+    """The shared body under the top MLP: cross network and deep MLP, [B, body_dim]
+    (extra heads, e.g. ExFM's auxiliary head in rec/distill.py, read it)."""
     cfg = self.config
     common.check_inputs("DCNv2", cfg, dense_BD, emb_BFD)
     dtype = common.DTYPES[cfg.dtype]
@@ -218,4 +227,4 @@ class DCNv2(nnx.Module):
       h = self.deep_mlp(cross_BX) if self.deep_mlp is not None else cross_BX
     else:
       h = jnp.concatenate([cross_BX, self.deep_mlp(x0_BX)], axis=1)
-    return self.top_mlp(h)[:, 0].astype(jnp.float32)
+    return h

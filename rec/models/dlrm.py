@@ -122,6 +122,15 @@ class DLRM(nnx.Module):
 
     Returns float32 logits [B].
     """
+    return self.top_mlp(self.body(dense_BD, emb_BFD))[:, 0].astype(jnp.float32)
+
+  @property
+  def body_dim(self) -> int:
+    return self.config.interaction_dim
+
+  def body(self, dense_BD, emb_BFD):
+    """The shared body under the top MLP: bottom MLP and interaction, [B, body_dim]
+    (extra heads, e.g. ExFM's auxiliary head in rec/distill.py, read it)."""
     cfg = self.config
     common.check_inputs("DLRM", cfg, dense_BD, emb_BFD)
     dtype = common.DTYPES[cfg.dtype]
@@ -129,5 +138,4 @@ class DLRM(nnx.Module):
       x_BD = None
     else:
       x_BD = self.bottom_mlp(dense_BD.astype(dtype))
-    h_BI = dot_interaction(x_BD, emb_BFD.astype(dtype), cfg.self_interaction)
-    return self.top_mlp(h_BI)[:, 0].astype(jnp.float32)
+    return dot_interaction(x_BD, emb_BFD.astype(dtype), cfg.self_interaction)

@@ -3,6 +3,7 @@ process on one CPU device, from the repository root."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -10,6 +11,16 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
+# Entry points: flat modules (experiments/<name>.py) and study packages whose __main__.py is
+# the entry point (experiments/<name>/__main__.py, run as `python -m experiments.<name>`).
+ENTRY_POINTS = sorted(
+    [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+     if not p.endswith("__init__.py")]
+    + [os.path.basename(os.path.dirname(p))
+       for p in glob.glob(os.path.join(REPO, "experiments", "*", "__main__.py"))])
+# The module that defines each entry point's flags (`define_flags()`).
+MODULES = [f"experiments.{n}" if os.path.exists(os.path.join(REPO, "experiments", n + ".py"))
+           else f"experiments.{n}.__main__" for n in ENTRY_POINTS]
 
 
 def run_entry(module: str, args, timeout: int = 600):

@@ -1,6 +1,5 @@
 """Every `python -m experiments.<name>` answers --help (and -h) with its flags and status 0."""
 
-import glob
 import os
 import subprocess
 import sys
@@ -9,16 +8,7 @@ import pytest
 
 from core import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Entry points: flat modules (experiments/<name>.py) and study packages whose __main__.py is
-# the entry point (experiments/<name>/__main__.py, run as `python -m experiments.<name>`).
-ENTRY_POINTS = sorted(
-    [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
-     if not p.endswith("__init__.py")]
-    + [os.path.basename(os.path.dirname(p))
-       for p in glob.glob(os.path.join(REPO, "experiments", "*", "__main__.py"))])
-MODULES = [n if os.path.exists(os.path.join(REPO, "experiments", n + ".py")) else n + ".__main__"
-           for n in ENTRY_POINTS]
+from tests.experiments.entry import ENTRY_POINTS, MODULES, REPO
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
@@ -49,12 +39,16 @@ def test_asks_for_help():
 
 def test_entry_points_import_together():
   """Tests import entry points side by side: none may define flags on import (several share
-  names such as --workdir), so each defines them in `define_flags()` when run as a script."""
+  names such as --workdir), so each defines them in `define_flags()` when run as a script;
+  nor may the library (core.train, core.cli, rec.configs ...): the entry point that reads a
+  flag defines it (`cli.run` the ones every entry point has)."""
   code = ("import importlib, sys\n"
-          f"for n in {MODULES!r}:\n"
-          "  importlib.import_module('experiments.' + n)\n"
+          "import core.train, core.cli, core.distributed, rec.configs, rec.runs, llm.train_lib\n"
+          f"for m in {MODULES!r}:\n"
+          "  importlib.import_module(m)\n"
           "from absl import flags\n"
-          "mine = [m for m in flags.FLAGS.flags_by_module_dict() if m.startswith('experiments.')]\n"
+          "mine = [m for m in flags.FLAGS.flags_by_module_dict()\n"
+          "        if m.split('.')[0] in ('experiments', 'core', 'rec', 'llm', 'kernels')]\n"
           "assert not mine, mine\n")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -26,7 +26,7 @@ def test_spec_decode_entry(tmp_path):
   out = run()
   assert out.returncode == 0, out.stderr[-3000:]
   summary = json.loads(out.stdout.strip().splitlines()[-1])
-  assert summary["greedy_match"] is True and set(summary["best"]) == {"1", "2"}
+  assert summary["greedy_match"] is True and set(summary["best"]["0"]) == {"1", "2"}
   res = json.load(open(tmp_path / "results.json"))
   assert len(res["rows"]) == 4 and all(r["tokens_per_call"] >= 1.0 for r in res["rows"])
   for r in res["rows"]:

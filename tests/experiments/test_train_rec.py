@@ -86,11 +86,15 @@ def test_finished_workdir_resume_overwrite_and_settings(tmp_path):
          in out.stderr and "--overwrite" in out.stderr
   assert len(out.stderr.strip().splitlines()) == 1      # one message, no traceback
   # Other settings on resume: one message naming each, before anything is built.
-  out = _fail(args + ["--steps=8", "--resume", "--data=synthetic_deep", "--num_rows=2000"])
+  out = _fail(args + ["--steps=8", "--resume", "--data=synthetic_deep", "--num_rows=2000",
+                      "--embedding_dim=32"])
   assert "  data: 'synthetic' (checkpoint) -> 'synthetic_deep' (now)" in out.stderr
   assert "  num_rows: 1000 (checkpoint) -> 2000 (now)" in out.stderr
+  assert "  embedding_dim: 16 (checkpoint) -> 32 (now)" in out.stderr
   assert "params:" not in out.stdout
-  lines = _run(args + ["--steps=6", "--resume", "--eval_every=3"])   # cadence and steps may change
+  # Cadence and steps may change; --embedding_dim=16 is the small preset's dim, the value
+  # the default 0 stands for, so it is the same setting.
+  lines = _run(args + ["--steps=6", "--resume", "--eval_every=3", "--embedding_dim=16"])
   assert json.loads(lines[-1])["steps"] == 6
   lines = _run(args + ["--steps=3", "--overwrite"])
   assert json.loads(lines[-1])["steps"] == 3 and not any(l.startswith("resumed") for l in lines)

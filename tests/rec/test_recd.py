@@ -98,7 +98,7 @@ def _check_dedup_trains_as_plain(n, kinds, skip_nonfinite):
   assert b0.dedup is None and b1.dedup.features == (0, 2, 3)
   assert b1.dedup.ids.shape == (8, 3, 3)   # 8 sessions: C_l = the sessions of a shard
 
-  l0, _, lk0, gp0, gs0 = jax.jit(plain.loss_and_grads)(state, b0)
+  l0, _, lk0, gp0, gs0 = jax.jit(plain.loss_and_grads)(state, b0)[:5]
   g0 = plain.collection.dense_gradients(lk0, gs0)
   step = jax.jit(lambda s, b: dd.train_step(s, b, skip_nonfinite=skip_nonfinite))
   before = plain.collection.to_tables(state["emb"])

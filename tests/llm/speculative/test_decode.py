@@ -97,6 +97,31 @@ def test_stop_tokens(target, draft, greedy):
   _check_rounds(got, SHAPES[1], N_NEW, stopped=(0, 3))
 
 
+def test_draft_vocab(target, draft, greedy):
+  """A reduced draft vocabulary (EAGLE-3's): the draft proposes only those tokens (a node
+  outside it is never drafted: only the bonus can be one), the output is still the target's;
+  the whole vocabulary as draft vocabulary drafts exactly what no draft vocabulary does."""
+  vocab = np.array([0, 2, 4, 6], np.int32)
+  out = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN,
+                             draft_vocab=vocab)
+  assert out.tokens == greedy
+  _check_rounds(out, SHAPES[1], N_NEW)
+  # Tokens emitted by accepted drafts (all but the bonus of each round) lie in the vocabulary.
+  for row, log in zip(out.tokens, out.accepted_per_round):
+    at = 1
+    for a in log:
+      assert set(row[at:at + a]) <= set(vocab.tolist()), (row, log)
+      at += a + 1
+  full = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN,
+                              draft_vocab=np.arange(V))
+  plain = speculative_generate(target, draft, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
+  assert full.accepted_per_round == plain.accepted_per_round and full.tokens == greedy
+  for bad in (np.array([0, 9, 1, 2]), np.array([0, 0, 1, 2]), np.array([1, 2]),
+              np.array([[0, 1, 2, 3]])):
+    with pytest.raises(ValueError, match="draft_vocab of shape"):
+      speculative_generate(target, draft, PROMPTS, 3, shape=SHAPES[1], draft_vocab=bad)
+
+
 def test_errors(target, draft):
   with pytest.raises(ValueError, match="pass rng"):
     speculative_generate(target, draft, PROMPTS, 3, shape=SHAPES[0], temperature=0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from llm.speculative import DraftHead, distill
@@ -71,3 +72,41 @@ def test_sequences_and_source(target, sequences):
   np.testing.assert_array_equal(first[2].tokens, resumed.tokens)
   evals = list(distill.SequenceSource(tokens[:20], mask[:20], 8, split="eval").batches())
   assert len(evals) == 3 and evals[-1].mask[4:].sum() == 0 and evals[-1].mask[:4].all()
+
+
+def test_draft_vocab_counts():
+  tokens = np.array([[5, 1, 1, 3], [1, 3, 7, 7]], np.int32)
+  mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.float32)   # the last 7 is padding
+  # counts: 1 x3, 3 x2, 5 x1, 7 x1; ties broken toward the lower id, result sorted.
+  np.testing.assert_array_equal(distill.draft_vocab(tokens, mask, 3, 8), [1, 3, 5])
+  np.testing.assert_array_equal(distill.draft_vocab(tokens, mask, 5, 8), [0, 1, 3, 5, 7])
+  with pytest.raises(ValueError, match="size=9"):
+    distill.draft_vocab(tokens, mask, 9, 8)
+
+
+def test_cached_sequences_and_features_resume(target, tmp_path):
+  """A killed generation continues from its last saved chunk to the same sequences; stop
+  tokens end sequences (mask 0 after); the cached features are the target's."""
+  prompts = [[1, 2], [3], [4, 5, 6], [7]]
+  dcfg = distill.DistillConfig(num_sequences=8, eval_sequences=2, seq_len=12, gen_batch=4)
+  path = str(tmp_path / "seq.npz")
+  full = distill.cached_sequences(target, path, prompts, dcfg, stop_tokens=(0,))
+  tokens, mask = full
+  for row, m in zip(tokens, mask):
+    n = int(m.sum())
+    assert m[:n].all() and not m[n:].any()
+    assert 0 not in row[:n - 1].tolist() and (n == 12 or row[n - 1] == 0)
+  assert (mask.sum(1) < 12).any()          # some sequence stopped at token 0
+  # A run killed after the first chunk: only rows < 4 saved; the rerun makes the rest.
+  part = str(tmp_path / "part.npz")
+  distill.cached_sequences(target, part, prompts, dcfg, stop_tokens=(0,))
+  with np.load(part) as f:
+    saved = {k: f[k] for k in f.files}
+  saved["done"] = np.asarray(4)
+  saved["tokens"][4:] = 0
+  np.savez(part, **saved)
+  again = distill.cached_sequences(target, part, prompts, dcfg, stop_tokens=(0,))
+  np.testing.assert_array_equal(again[0], tokens)
+  feats = distill.cached_features(target, str(tmp_path / "f.npz"), tokens, batch_size=3)
+  want = np.asarray(target.hidden(target.embed_tokens(jnp.asarray(tokens)))[0])
+  np.testing.assert_allclose(feats, want, rtol=1e-5, atol=1e-5)

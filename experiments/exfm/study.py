@@ -1,0 +1,451 @@
+"""ExFM (arXiv 2502.17494) study: one foundation-model teacher (Wukong) serving 2-3 vertical
+students (DLRM / DCN-v2) through the DAS, on streaming data in time order.
+
+  load_periods(data, ...)       rows of every period in time order: synthetic with drifting
+                                features, or the Criteo sample in file order
+  route(rows, S, feature)       each student's vertical: rows whose id of `feature` is
+                                congruent to its index mod S (the teacher trains on all)
+  Stream                        a run's batches over periods as one resumable BatchSource
+  train_teacher(...)            the teacher, updated every `teacher_every` periods on the
+                                union data since its last update; the DAS writes its logits
+                                for each period's student rows from the snapshot then current
+  train_student(...)            a student variant, period by period through RecTask and
+                                core.train (resume): train on period p, evaluate on p + 1
+  run(...), format_table(...), plot_gains(...), plot_scaling(...)
+
+Students' NE gain = (NE alone - NE variant) / NE alone, in %, per evaluated period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from core import flops as flops_lib
+from core import mesh as mesh_lib
+from core import train as train_loop
+from core.errors import UserError
+from rec import distill
+from rec.data.batch import DataSpec, SparseBatch
+from rec.data.criteo import CriteoSource
+from rec.data.synthetic import SyntheticCriteo
+from rec.embedding import optimizers as opt_lib
+from rec.embedding import planner as planner_lib
+from rec.embedding.collection import EmbeddingCollection
+from rec.metrics import RecMetrics
+from rec.models.dcnv2 import DCNv2, DCNv2Config
+from rec.models.dlrm import DLRM, DLRMConfig
+from rec.models.wukong import Wukong, WukongConfig
+from rec.train_lib import RecTask
+
+# The paper's ablation, in order; each a DistillSpec of the student (None: plain RecTask).
+VARIANTS = {
+    "alone": None,
+    "kd": distill.DistillSpec(kd_weight=1.0),
+    "aux_head": distill.DistillSpec(aux_weight=1.0),
+    "aux_head+adapter": distill.DistillSpec(aux_weight=1.0, adapter=True),
+}
+# The paper's reported NE gains by variant. Not filled: the paper's text (arXiv 2502.17494)
+# was not reachable from the machine this study was written on, and numbers are not guessed.
+PAPER_NE_GAIN: dict[str, float | None] = {v: None for v in VARIANTS}
+# Teacher sizes (Wukong): name -> (embedding dim, layers, n_F = n_L, rank, MLP width).
+TEACHERS = {"S": (8, 1, 4, 8, 64), "M": (16, 2, 8, 16, 128), "L": (16, 3, 16, 24, 256)}
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass
+class Rows:
+  """Examples in time order: dense [N, 13], ids [N, 26] (one-hot), labels [N]."""
+
+  dense: np.ndarray
+  ids: np.ndarray
+  labels: np.ndarray
+
+  def take(self, idx) -> "Rows":
+    return Rows(self.dense[idx], self.ids[idx], self.labels[idx])
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+
+def _rows(batch: SparseBatch) -> Rows:
+  return Rows(np.asarray(batch.dense), np.asarray(batch.ids)[:, :, 0], np.asarray(batch.labels))
+
+
+def synthetic_periods(num_periods: int, rows_per_period: int, num_rows: int,
+                      drift_features: int, seed: int = 0) -> tuple[list[Rows], DataSpec]:
+  """Periods of SyntheticCriteo(teacher="deep") whose first `drift_features` features drift:
+  in period p their Zipf ranks land on rows shifted by p * (num_rows // 7 + 1) (new ids
+  become the popular ones, old ones fade), and labels are drawn again from the source's
+  hidden model on the shifted ids (each id keeps its meaning; which ids are seen moves)."""
+  chunk = 2048
+  src = SyntheticCriteo(chunk, num_rows, seed=seed, teacher="deep")
+  n_chunks = -(-rows_per_period // chunk)
+  shift = num_rows // 7 + 1
+  periods = []
+  for p in range(num_periods):
+    parts = []
+    for c in range(n_chunks):
+      b = src.batch(p * n_chunks + c)
+      ids = np.array(b.ids)
+      ids[:, :drift_features] = (ids[:, :drift_features] + p * shift) % num_rows
+      b = dataclasses.replace(b, ids=ids)
+      logit = src.true_logits(b)
+      rng = np.random.default_rng([seed, 2025, p, c])
+      labels = (rng.random(len(logit)) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+      parts.append(_rows(dataclasses.replace(b, labels=labels)))
+    periods.append(Rows(*(np.concatenate([getattr(r, f) for r in parts])[:rows_per_period]
+                          for f in ("dense", "ids", "labels"))))
+  return periods, src.spec
+
+
+def criteo_periods(path: str, num_periods: int, num_rows: int) -> tuple[list[Rows], DataSpec]:
+  """The rows of a Criteo file (labeled, native format) in file order, which is time order
+  for Criteo Kaggle's train.txt, cut into `num_periods` equal periods."""
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: Criteo file not found; expected a labeled train.txt "
+                    "(e.g. --data=criteo:DIR with DIR/train.txt)")
+  src = CriteoSource([path], 1000, num_rows, repeat=False, drop_remainder=False)
+  batches = list(src.batches(0))
+  allr = Rows(*(np.concatenate([np.asarray(getattr(b, f))[np.asarray(b.mask) > 0]
+                                for b in batches]) for f in ("dense", "ids", "labels")))
+  allr.ids = allr.ids[:, :, 0]
+  n = len(allr) // num_periods
+  if n < 64:
+    raise UserError(f"{path}: {len(allr)} rows for {num_periods} periods; expected at least "
+                    f"64 rows per period")
+  return [allr.take(slice(p * n, (p + 1) * n)) for p in range(num_periods)], src.spec
+
+
+def route(rows: Rows, num_students: int, feature: int) -> list[Rows]:
+  """The students' verticals: row r goes to student ids[r, feature] mod S."""
+  v = rows.ids[:, feature] % num_students
+  return [rows.take(np.flatnonzero(v == s)) for s in range(num_students)]
+
+
+def to_batches(rows: Rows, batch_size: int) -> list[SparseBatch]:
+  """Full batches of `rows` in order (a remainder smaller than a batch is left out)."""
+  out = []
+  for k in range(len(rows) // batch_size):
+    r = rows.take(slice(k * batch_size, (k + 1) * batch_size))
+    out.append(SparseBatch(dense=r.dense.astype(np.float32), ids=r.ids[:, :, None].astype(np.int32),
+                           lengths=np.ones(r.ids.shape, np.int32),
+                           labels=r.labels.astype(np.float32),
+                           mask=np.ones(batch_size, np.float32)))
+  return out
+
+
+class Stream:
+  """A BatchSource over periods of batch lists: batch k of the concatenation; `ends[p]` is
+  the step after period p (what training through period p runs to)."""
+
+  def __init__(self, periods: Sequence[Sequence[SparseBatch]], spec: DataSpec, batch_size: int):
+    self.periods = [list(p) for p in periods]
+    self.flat = list(itertools.chain.from_iterable(self.periods))
+    self.ends = list(itertools.accumulate(len(p) for p in self.periods))
+    self.spec, self.batch_size = spec, batch_size
+
+  @property
+  def num_batches(self) -> int:
+    return len(self.flat)
+
+  def batches(self, start: int = 0):
+    yield from self.flat[start:]
+
+
+class PeriodSource:
+  """One period's batches as a BatchSource (what the DAS augments)."""
+
+  def __init__(self, batches: Sequence[SparseBatch], spec: DataSpec, batch_size: int):
+    self._b, self.spec, self.batch_size = list(batches), spec, batch_size
+
+  @property
+  def num_batches(self) -> int:
+    return len(self._b)
+
+  def batches(self, start: int = 0):
+    yield from self._b[start:]
+
+
+# --------------------------------------------------------------------------- models
+
+
+def teacher_config(size: str, spec: DataSpec) -> WukongConfig:
+  dim, layers, n, rank, width = TEACHERS[size]
+  return WukongConfig(num_dense=spec.num_dense, num_sparse=len(spec.sparse_features),
+                      embedding_dim=dim, rows_per_feature=spec.rows_per_feature,
+                      bottom_mlp=(width, 2 * dim), num_layers=layers, num_fm=n, num_lcb=n,
+                      fm_rank=rank, fm_mlp=(width,), top_mlp=(width, 1))
+
+
+def student_config(index: int, spec: DataSpec, dim: int = 8):
+  """Student 0, 2: small DLRMs; student 1: a small DCN-v2."""
+  common = dict(num_dense=spec.num_dense, num_sparse=len(spec.sparse_features),
+                embedding_dim=dim, rows_per_feature=spec.rows_per_feature)
+  if index % 2 == 1:
+    return DCNv2Config(bottom_mlp=(32,), num_cross_layers=2, deep_mlp=(32,), top_mlp=(16, 1),
+                       **common)
+  return DLRMConfig(bottom_mlp=(32, dim), top_mlp=(32, 1), **common)
+
+
+def make_task(model_fn, tables, lr: float, spec: distill.DistillSpec | None = None) -> RecTask:
+  """One device, tables table-wise, Adagrad on the dense part and the touched rows."""
+  mesh = mesh_lib.make_mesh("data:1", jax.devices()[:1], rules=mesh_lib.REC_RULES)
+  sparse = opt_lib.get_sparse_optimizer("adagrad", lr, initial_accumulator_value=0.1, eps=1e-7)
+  coll = EmbeddingCollection(tables, planner_lib.uniform_plan(tables, "tw", 1), mesh, sparse)
+  if spec is not None:
+    model_fn = distill.student_fn(model_fn, spec)
+  return RecTask(model_fn, coll, optax.adagrad(lr), mesh, distill=spec)
+
+
+def model_fn_for(cfg):
+  cls = {DLRMConfig: DLRM, DCNv2Config: DCNv2, WukongConfig: Wukong}[type(cfg)]
+  return lambda rngs: cls(cfg, rngs)
+
+
+def ne_of(logits: np.ndarray, batches: Sequence[SparseBatch]) -> float:
+  m = RecMetrics()
+  m.update(np.asarray(logits), np.concatenate([b.labels for b in batches]))
+  return float(m.result()["ne"])
+
+
+def _train_to(task, stream: Stream, step: int, workdir: str, first: bool, seed: int,
+              eval_batches=None) -> dict[str, Any]:
+  cfg = train_loop.TrainConfig(workdir=workdir, steps=step, log_every=max(1, step),
+                               resume=not first, overwrite=first, seed=seed, tensorboard=False,
+                               max_to_keep=1)
+  return train_loop.train(task, stream.batches, eval_batches, cfg)
+
+
+# --------------------------------------------------------------------------- teacher + DAS
+
+
+def train_teacher(size: str, union: Stream, student_periods: list[list[list[SparseBatch]]],
+                  spec: DataSpec, history: int, teacher_every: int, lr: float, seed: int,
+                  workdir: str, log=print) -> dict[str, Any]:
+  """The teacher of `size` streamed over `union` (history periods, then the students'
+  periods): trained on the history first, then every `teacher_every` periods on the periods
+  since its last update. For each student period p the DAS writes the logits of the then
+  current snapshot on each student's rows of p (`<workdir>/das/s<k>_p<p>.npy`).
+
+  Returns {params, flops_per_example, columns: {(k, p): path}, train_seconds}."""
+  cfg = teacher_config(size, spec)
+  task = make_task(model_fn_for(cfg), cfg.tables(), lr)
+  ckpt_dir = os.path.join(workdir, "train")
+  t0 = time.perf_counter()
+  out = _train_to(task, union, union.ends[history - 1], ckpt_dir, True, seed)
+  state = out["state"]
+  columns = {}
+  num_periods = len(union.periods)
+  for p in range(history, num_periods):
+    if p > history and (p - history) % teacher_every == 0:   # the slower cadence
+      out = _train_to(task, union, union.ends[p - 1], ckpt_dir, False, seed)
+      state = out["state"]
+      log(f"  teacher {size}: updated through period {p - 1}")
+    for k, batches in enumerate(student_periods):
+      path = os.path.join(workdir, "das", f"s{k}_p{p}.npy")
+      distill.augment(task, state, PeriodSource(batches[p], spec, union.batch_size),
+                      len(batches[p]), path)
+      columns[(k, p)] = path
+  model = nnx.eval_shape(lambda: model_fn_for(cfg)(nnx.Rngs(0)))
+  return {"size": size, "dense_params": flops_lib.count_params(model),
+          "embedding_params": sum(t.num_rows * t.dim for t in cfg.tables()),
+          "flops_per_example": flops_lib.model_flops_per_example(model_fn_for(cfg), cfg),
+          "columns": columns, "train_seconds": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- students
+
+
+def train_student(k: int, variant: str, periods: list[list[SparseBatch]], spec: DataSpec,
+                  history: int, columns: dict | None, lr: float, seed: int, workdir: str,
+                  log=print) -> list[float]:
+  """Student k as `variant` on its periods from `history` on (n batches each), each
+  period's batches carrying the DAS column: one core.train run of (T - 1) n steps whose
+  evaluation every n steps reads the next period (after period i's training the i + 1-th
+  eval call gets period i + 1), so it trains on period p and is evaluated on p + 1, then
+  continues. Returns the serving head's NE on each period history + 1 .. end."""
+  dspec = VARIANTS[variant]
+  cfg = student_config(k, spec)
+  task = make_task(model_fn_for(cfg), cfg.tables(), lr, dspec)
+  raw = periods[history:]
+  n = len(raw[0])
+  if any(len(b) != n for b in raw):
+    raise ValueError(f"student {k}: batches per period {[len(b) for b in raw]}; expected equal")
+  own = raw
+  if dspec is not None:   # the students read the DAS's files, never the teacher
+    own = [list(distill.TeacherColumnSource(PeriodSource(b, spec, b[0].batch_size),
+                                            columns[(k, history + i)], n).batches(0))
+           for i, b in enumerate(raw)]
+  stream = Stream(own[:-1], spec, raw[0][0].batch_size)
+  next_period = itertools.count(1)
+  cfg = train_loop.TrainConfig(workdir=workdir, steps=stream.num_batches, eval_every=n,
+                               log_every=n, overwrite=True, seed=seed, tensorboard=False,
+                               max_to_keep=1)
+  train_loop.train(task, stream.batches, lambda: raw[next(next_period)], cfg)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+  if [r["step"] for r in evals] != [n * (i + 1) for i in range(len(raw) - 1)]:
+    raise RuntimeError(f"{workdir}: eval steps {[r['step'] for r in evals]}; expected every {n}")
+  return [float(r["ne"]) for r in evals]
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def run(data: str, num_students: int, periods: int, history: int, teacher_every: int,
+        batch_size: int, batches_per_period: int, num_rows: int, drift_features: int,
+        teacher_sizes: Sequence[str], main_teacher: str, vertical_feature: int, lr: float,
+        seed: int, workdir: str, log=print) -> dict[str, Any]:
+  """The comparison on one data set; see the entry point's docstring. Every student gets
+  n = min(batches_per_period, the fewest full batches any student's vertical holds in a
+  period) batches per period; synthetic periods hold 1.6 S n B rows (verticals by id are
+  not of equal size)."""
+  t_start = time.perf_counter()
+  total = history + periods
+  if data == "synthetic":
+    rows, spec = synthetic_periods(total, int(1.6 * num_students * batches_per_period
+                                              * batch_size), num_rows, drift_features, seed)
+  else:
+    rows, spec = criteo_periods(data, total, num_rows)
+  verticals = [route(r, num_students, vertical_feature) for r in rows]
+  student_periods = [[to_batches(v[k], batch_size) for v in verticals]
+                     for k in range(num_students)]
+  n = min([batches_per_period] + [len(b) for sp in student_periods for b in sp])
+  if n < 1:
+    raise UserError(f"{data}: a student's vertical has no full batch of {batch_size} in some "
+                    "period; expected more rows per period or a smaller batch size")
+  student_periods = [[b[:n] for b in sp] for sp in student_periods]
+  union = Stream([to_batches(r, batch_size) for r in rows], spec, batch_size)
+  log(f"== {data}: {total} periods ({history} teacher-only history) of {len(rows[0])} rows; "
+      f"{n} batches of {batch_size} per student and period; the teacher "
+      f"{len(union.periods[0])} per period")
+
+  teachers = {}
+  for size in teacher_sizes:
+    log(f"== teacher {size} (Wukong {TEACHERS[size]})")
+    teachers[size] = train_teacher(size, union, student_periods, spec, history, teacher_every,
+                                   lr, seed, os.path.join(workdir, f"teacher_{size}"), log)
+  jobs = [(k, v, main_teacher) for k in range(num_students) for v in VARIANTS]
+  jobs += [(k, "aux_head+adapter", s) for k in range(num_students) for s in teacher_sizes
+           if s != main_teacher]
+  results = {}
+  t0 = time.perf_counter()
+  for j, (k, variant, size) in enumerate(jobs):
+    cols = teachers[size]["columns"]
+    name = f"s{k}_{variant}_{size}"
+    nes = train_student(k, variant, student_periods[k], spec, history, cols, lr, seed,
+                        os.path.join(workdir, "students", name), log)
+    results[(k, variant, size)] = nes
+    done = time.perf_counter() - t0
+    log(f"[{j + 1}/{len(jobs)}] student {k} ({type(student_config(k, spec)).__name__[:-6]}) "
+        f"{variant:<17} teacher {size}: NE {' '.join(f'{x:.4f}' for x in nes)} | "
+        f"{done:.0f} s, ETA {done / (j + 1) * (len(jobs) - j - 1):.0f} s")
+
+  eval_periods = list(range(history + 1, total))
+  rows_out = []
+  for k in range(num_students):
+    alone = np.asarray(results[(k, "alone", main_teacher)])
+    teacher_ne = [ne_of(np.load(teachers[main_teacher]["columns"][(k, p)]),
+                        student_periods[k][p]) for p in eval_periods]
+    for (kk, variant, size), nes in results.items():
+      if kk != k:
+        continue
+      gain = 100.0 * (alone - np.asarray(nes)) / alone
+      rows_out.append({"student": k, "model": type(student_config(k, spec)).__name__[:-6],
+                       "variant": variant, "teacher": size, "ne": nes,
+                       "ne_gain_pct": gain.tolist(), "mean_ne_gain_pct": float(gain.mean()),
+                       "teacher_ne": teacher_ne if size == main_teacher else None,
+                       "paper_ne_gain_pct": PAPER_NE_GAIN.get(variant)})
+  scaling = []
+  for size in teacher_sizes:
+    g = [r["mean_ne_gain_pct"] for r in rows_out
+         if r["variant"] == "aux_head+adapter" and r["teacher"] == size]
+    t = teachers[size]
+    scaling.append({"teacher": size, "dense_params": t["dense_params"],
+                    "embedding_params": t["embedding_params"],
+                    "flops_per_example": t["flops_per_example"],
+                    "mean_ne_gain_pct": float(np.mean(g)),
+                    "teacher_train_seconds": t["train_seconds"]})
+  return {"data": data, "eval_periods": eval_periods, "rows": rows_out, "scaling": scaling,
+          "batch_size": batch_size, "rows_per_period": len(rows[0]),
+          "student_batches_per_period": n, "teacher_batches_per_period": len(union.periods[0]),
+          "wall_seconds": time.perf_counter() - t_start}
+
+
+def format_table(res: dict[str, Any]) -> str:
+  lines = [f"{res['data']}: NE gain over the student alone (%), per evaluated period "
+           f"{res['eval_periods']}"]
+  lines.append(f"{'student':<10}{'variant':<19}{'teacher':<9}{'mean':>8}  per period"
+               f"{'':<20}paper")
+  for r in res["rows"]:
+    paper = "n/a" if r["paper_ne_gain_pct"] is None else f"{r['paper_ne_gain_pct']:.2f}"
+    lines.append(f"{r['student']} {r['model']:<8}{r['variant']:<19}{r['teacher']:<9}"
+                 f"{r['mean_ne_gain_pct']:>8.3f}  "
+                 + " ".join(f"{g:+.2f}" for g in r["ne_gain_pct"]) + f"   {paper}")
+  for r in res["rows"]:
+    if r["variant"] == "alone":
+      lines.append(f"student {r['student']} NE alone: " + " ".join(f"{x:.4f}" for x in r["ne"])
+                   + " | teacher column NE: " + " ".join(f"{x:.4f}" for x in r["teacher_ne"]))
+  lines.append("teacher size -> mean NE gain of aux_head+adapter (%): " + ", ".join(
+      f"{s['teacher']} ({s['dense_params']:,} dense params, "
+      f"{s['flops_per_example'] / 1e6:.2f} MFLOP/ex): {s['mean_ne_gain_pct']:+.3f}"
+      for s in res["scaling"]))
+  return "\n".join(lines)
+
+
+def plot_gains(results: Sequence[dict[str, Any]], path: str) -> str:
+  """NE gain per evaluated period, one panel per data set, a line per variant (mean over
+  the students, main teacher)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
+  for ax, res in zip(axes[0], results):
+    main = [r for r in res["rows"] if r["teacher_ne"] is not None]
+    for variant in VARIANTS:
+      g = np.mean([r["ne_gain_pct"] for r in main if r["variant"] == variant], axis=0)
+      ax.plot(res["eval_periods"], g, marker="o", label=variant)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set(xlabel="evaluated period (trained on the ones before)", ylabel="NE gain (%)",
+           title=os.path.basename(res["data"].rstrip("/")) or res["data"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_scaling(results: Sequence[dict[str, Any]], path: str) -> str:
+  """Mean NE gain of aux_head+adapter against the teacher's dense FLOPs per example."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  for res in results:
+    s = res["scaling"]
+    ax.plot([x["flops_per_example"] for x in s], [x["mean_ne_gain_pct"] for x in s],
+            marker="o", label=os.path.basename(res["data"].rstrip("/")) or res["data"])
+    for x in s:
+      ax.annotate(x["teacher"], (x["flops_per_example"], x["mean_ne_gain_pct"]), fontsize=8)
+  ax.set_xscale("log")
+  ax.set(xlabel="teacher FLOPs per example", ylabel="student NE gain (%)",
+         title="ExFM transfer vs teacher size")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

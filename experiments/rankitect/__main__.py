@@ -1,0 +1,162 @@
+r"""Rankitect (arXiv 2311.08430): ranking architecture search over low-level blocks, with
+sampling-based (random, evolution), one-shot and differentiable (DNAS) search under one
+space and budget, against the hand-designed DLRM / DCN-v2 / DHEN / Wukong.
+
+  python -m experiments.rankitect --method=random        # ~20 min budget on 2 CPU cores
+  python -m experiments.rankitect --method=evolution --trials=16
+  python -m experiments.rankitect --method=oneshot --supernet_steps=1500 --retrain=3
+  python -m experiments.rankitect --method=dnas --dnas_cost_weights=0.1,1.0
+  python -m experiments.rankitect --method=random --data=criteo:../shared/data/criteo_kaggle_sample \
+      --num_rows=20000 --workdir=runs/rankitect_criteo
+  python -m experiments.rankitect --method=random --data=avazu:../shared/data/avazu_sample \
+      --num_rows=20000 --workdir=runs/rankitect_avazu
+  python -m experiments.train_rec --model=searched:runs/rankitect/best_random.json --steps=300
+
+The space (space.py): --layers stack layers of --width embeddings (dim --embedding_dim),
+each one candidate of space.candidates (skip, LCB, dot, FMB, wide FMB, attention, DCN,
+MLP, wide MLP, Wukong's FMB + LCB, DHEN's dot + LCB) with residual and LayerNorm, a bottom
+MLP into the stack and a flatten -> MLP top. Data: --data=synthetic_deep (planted high-
+order interactions; the default, with --num_rows=20 rows per feature as in
+experiments.wukong_scaling), criteo:DIR, avazu:DIR (rec.data.sources). Every candidate and
+hand-designed model trains --steps steps of --batch_size through rec.runs.train_run.
+
+Budget: random / evolution train --trials candidates; oneshot trains a supernet for
+--supernet_steps, scores up to --candidates paths with inherited weights, retrains the
+best --retrain; dnas trains one supernet per --dnas_cost_weights value and retrains each
+argmax. --baselines trains the hand-designed points once per workdir. A killed run
+continues with the same command (Optuna journal, trials.jsonl, supernet checkpoints).
+
+Writes `<workdir>/results.json`, `<workdir>/rankitect.png` (NE vs MFLOPs, Pareto front per
+method, hand-designed models labelled), `<workdir>/best_<method>.json` (the method's
+lowest-NE architecture, for train_rec --model=searched:FILE) and every candidate's JSON
+under `<workdir>/archs/`. Prints a table, each method's search cost, and a JSON line last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags, logging
+
+from core import cli
+from core import results as results_lib
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The entry point's flags, defined when it runs as a script."""
+  from rec import configs
+  flags.DEFINE_enum("method", "random", ["random", "evolution", "oneshot", "dnas"],
+                    "Search method.")
+  flags.DEFINE_integer("trials", 10, "random / evolution: candidates trained from scratch.",
+                       lower_bound=1)
+  flags.DEFINE_integer("steps", 300, "Train steps of every candidate and hand-designed model.",
+                       lower_bound=1)
+  flags.DEFINE_integer("supernet_steps", 1500, "oneshot / dnas: supernet train steps.",
+                       lower_bound=1)
+  flags.DEFINE_integer("candidates", 60, "oneshot: paths scored with inherited weights (all "
+                       "of the space when it is smaller).", lower_bound=1)
+  flags.DEFINE_integer("retrain", 3, "oneshot: Pareto candidates retrained from scratch.",
+                       lower_bound=1)
+  flags.DEFINE_list("dnas_cost_weights", ["0.3"], "dnas: FLOP-cost weights, one supernet each.")
+  flags.DEFINE_integer("layers", 2, "Stack layers of the space.", lower_bound=1)
+  flags.DEFINE_integer("width", 8, "Embeddings per stack layer.", lower_bound=2)
+  flags.DEFINE_bool("baselines", True, "Train the hand-designed models (once per workdir).")
+  flags.DEFINE_string("workdir", "runs/rankitect", "Output directory (resumed when present).")
+  configs.define_rec_run_flags(
+      "eval_batch_size", "sparse_optimizer", "seed", dense_optimizer="adam",
+      data="synthetic_deep", num_rows=20, batch_size=256, eval_batches=4, embedding_dim=16,
+      learning_rate=1e-3, embedding_learning_rate=0.1)
+
+
+def main(argv):
+  del argv
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from rec import configs
+  from experiments.rankitect import study as study_lib
+  from experiments.rankitect.space import Space
+
+  try:
+    weights = [float(w) for w in FLAGS.dnas_cost_weights]
+  except ValueError:
+    raise ValueError(f"--dnas_cost_weights={','.join(FLAGS.dnas_cost_weights)}: expected "
+                     "numbers >= 0") from None
+  if any(w < 0 for w in weights) or not weights:
+    raise ValueError(f"--dnas_cost_weights={weights}: expected one or more numbers >= 0")
+  if FLAGS.embedding_dim < 1:
+    raise ValueError(f"--embedding_dim={FLAGS.embedding_dim}: expected >= 1 (the space's dim)")
+  space = Space(num_layers=FLAGS.layers, width=FLAGS.width, embedding_dim=FLAGS.embedding_dim)
+  # Settings without a flag here keep RecRunConfig's defaults; each candidate sets `model`.
+  base = configs.RecRunConfig.from_flags(
+      FLAGS, keep=[f for f in configs.RUN_FIELDS if f not in FLAGS and f != "model"],
+      model="dlrm")
+  base.validate()
+  st = study_lib.Study(FLAGS.workdir, space, base, steps=FLAGS.steps)
+  print(f"workdir {FLAGS.workdir} | method {FLAGS.method} | space {space.size()} architectures "
+        f"({len(space.names)} candidates ^ {space.num_layers} layers) | data {base.data}",
+        flush=True)
+
+  extra = {}
+  if FLAGS.baselines:
+    study_lib.baselines(st)
+  if FLAGS.method in ("random", "evolution"):
+    study_lib.sampling_search(st, FLAGS.method, FLAGS.trials, seed=base.seed)
+  elif FLAGS.method == "oneshot":
+    extra = study_lib.oneshot_search(st, FLAGS.supernet_steps, FLAGS.candidates, FLAGS.retrain,
+                                     seed=base.seed)
+  else:
+    extra = study_lib.dnas_search(st, FLAGS.supernet_steps, weights, seed=base.seed)
+
+  rows = st.log.rows
+  mine = [r for r in rows if r["method"] == FLAGS.method]
+  best = min(mine, key=lambda r: r["ne"])
+  best_path = os.path.join(FLAGS.workdir, f"best_{FLAGS.method}.json")
+  from rec.models import searched
+  with open(best["arch_file"]) as f:
+    searched.save_arch(json.load(f), best_path)
+  # The supernet part of a method's cost, kept so a later method's run in this workdir
+  # reports every method run here side by side.
+  results_lib.write_json({k: v for k, v in extra.items() if k not in ("rows", "scored", "alpha")},
+                         os.path.join(FLAGS.workdir, f"cost_{FLAGS.method}.json"))
+
+  def supernet_cost(m):
+    path = os.path.join(FLAGS.workdir, f"cost_{m}.json")
+    if not os.path.exists(path):
+      return None
+    with open(path) as f:
+      return json.load(f)
+
+  costs = {m: study_lib.cost_of(m, rows, supernet_cost(m))
+           for m in sorted({r["method"] for r in rows})}
+  print(study_lib.table(rows))
+  for m, c in costs.items():
+    print(f"search cost {m}: {c['candidates_trained']} trained ({c['train_wall_s']:.0f}s), "
+          f"supernet {c['supernet_steps']} steps ({c['supernet_wall_s']:.0f}s), "
+          f"{c['candidates_evaluated_inherited']} scored with inherited weights")
+  png = study_lib.plot(rows, os.path.join(FLAGS.workdir, "rankitect.png"))
+  fronts = {m: [r["label"] for r in study_lib.pareto([r for r in rows if r["method"] == m])]
+            for m in costs}
+  results_lib.write_results(FLAGS.workdir, {
+      "method": FLAGS.method, "space": {"layers": space.num_layers, "width": space.width,
+                                        "embedding_dim": space.embedding_dim,
+                                        "candidates": list(space.names)},
+      "data": base.data, "steps": FLAGS.steps, "rows": rows, "cost": costs, "pareto": fronts,
+      "best": best, "best_file": best_path, "plot": png,
+      **{k: v for k, v in extra.items() if k in ("scored", "alpha")}})
+  summary = {"method": FLAGS.method, "best": best["label"], "best_ne": best["ne"],
+             "best_mflops": best["mflops"], "best_file": best_path,
+             "candidates_trained": costs[FLAGS.method]["candidates_trained"],
+             "search_wall_s": costs[FLAGS.method]["total_wall_s"]}
+  hand = [r for r in rows if r["method"] == "hand-designed"]
+  if hand:
+    summary["best_hand_designed"] = min(hand, key=lambda r: r["ne"])["label"]
+    summary["best_hand_designed_ne"] = min(r["ne"] for r in hand)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

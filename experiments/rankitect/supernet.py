@@ -1,0 +1,156 @@
+"""Weight-sharing supernet over `space.Space` for one-shot NAS and DNAS (arXiv 2311.08430).
+
+Every layer holds every candidate's blocks (rec.models.searched.StackBlock), beside the
+stem, the layers' residual and norm, and the top of a `SearchedModel` whose layers have no
+blocks (`base`). Layer l's output is Norm(sum_k a_lk Candidate_k(X) + Residual(X)):
+- one-shot ("path"): a_l one-hot, one candidate per layer drawn uniformly each step
+  (lax.switch runs only that one);
+- DNAS ("gumbel"): a_l = softmax((alpha_l + g) / tau) with Gumbel noise g (Gumbel-softmax,
+  arXiv 1611.01144) and learned logits alpha [L, K]; the loss adds cost_weight times the
+  expected FLOPs sum_lk a_lk F_lk over the largest candidate's, as in FBNet's cost term;
+- evaluation with given weights (one-hot: a stand-alone candidate with inherited weights,
+  `standalone` copies them out).
+
+`SupernetTask` is `RecTask` whose step key (the seed folded with the step) draws the path
+or the noise, and whose loss adds the cost term; batches, the collection and the loop are
+RecTask's and core.train's.
+
+Letters: B batch, N embeddings, D dim, L layers, K candidates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from rec.models import searched
+from rec.train_lib import RecTask
+
+from experiments.rankitect.space import Space
+
+MODES = ("path", "gumbel")
+
+
+def gumbel_softmax(logits_LK, key, tau: float):
+  """softmax((logits + g) / tau) over the last axis, g = -log(-log u), u ~ U(0, 1)."""
+  u = jax.random.uniform(key, logits_LK.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+  g = -jnp.log(-jnp.log(u))
+  return jax.nn.softmax((logits_LK + g) / tau, axis=-1)
+
+
+def arch_config(space: Space, choices, num_dense: int, num_sparse: int,
+                rows) -> searched.SearchedConfig:
+  return searched.SearchedConfig.from_arch(space.arch(choices), num_dense, num_sparse, rows)
+
+
+class Supernet(nnx.Module):
+  """All candidates of every layer over one shared stem, residuals, norms and top."""
+
+  def __init__(self, space: Space, num_dense: int, num_sparse: int, rows, rngs: nnx.Rngs,
+               mode: str = "path", tau: float = 1.0, flops_LK=None):
+    if mode not in MODES:
+      raise ValueError(f"Supernet: mode={mode!r}, expected one of {MODES}")
+    self.space, self.mode, self.tau = space, mode, float(tau)
+    # A SearchedModel of the space (every layer `width` embeddings out) with its blocks
+    # removed holds what every path shares: stem, residuals, norms, top.
+    cfg = arch_config(space, [space.names[0]] * space.num_layers, num_dense, num_sparse, rows)
+    self.base = searched.SearchedModel(cfg, rngs)
+    for layer in self.base.layers:
+      layer.blocks = nnx.List([])
+    d, n0 = space.embedding_dim, cfg.num_inputs
+    self.candidates = nnx.List([
+        nnx.List([nnx.List([searched.StackBlock(
+            searched.Block(**{**b, "sizes": tuple(b.get("sizes", ()))}),
+            n0 if l == 0 else space.width, d, rngs) for b in blocks]) for blocks in space.blocks])
+        for l in range(space.num_layers)])
+    self.alpha = (nnx.Param(jnp.zeros((space.num_layers, len(space.names)), jnp.float32))
+                  if mode == "gumbel" else None)
+    # FLOPs per example of candidate k at layer l (study.candidate_flops): the cost term.
+    self.flops_LK = None if flops_LK is None else tuple(map(tuple, flops_LK))
+
+  def _candidate(self, l: int, k: int, x_BND):
+    outs = [b(x_BND) for b in self.candidates[l][k]]
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+
+  def __call__(self, dense_BD, emb_BFD, weights_LK=None, path_L=None):
+    """Logits [B] with mixing weights [L, K] (one-hot: one candidate per layer) or a path
+    [L] of candidate indices (only those run)."""
+    x_dense, x_BND = self.base.stem(dense_BD, emb_BFD)
+    for l, layer in enumerate(self.base.layers):
+      if path_L is not None:
+        branches = [lambda x, l=l, k=k: self._candidate(l, k, x)
+                    for k in range(len(self.space.names))]
+        y = jax.lax.switch(path_L[l], branches, x_BND)
+      else:
+        w = weights_LK[l].astype(x_BND.dtype)
+        y = sum(w[k] * self._candidate(l, k, x_BND) for k in range(len(self.space.names)))
+      x_BND = layer.finish(x_BND, y)
+    return self.base.top(x_dense, x_BND)
+
+  def sample(self, dense_BD, emb_BFD, key):
+    """(logits, cost) of one training step: a uniform path, or Gumbel-softmax weights and
+    their expected FLOPs relative to the largest candidates'."""
+    L, K = self.space.num_layers, len(self.space.names)
+    if self.mode == "path":
+      path = jax.random.randint(key, (L,), 0, K)
+      return self(dense_BD, emb_BFD, path_L=path), jnp.float32(0.0)
+    w_LK = gumbel_softmax(self.alpha[...], key, self.tau)
+    cost = jnp.float32(0.0)
+    if self.flops_LK is not None:
+      f_LK = jnp.asarray(self.flops_LK, jnp.float32)
+      cost = jnp.sum(w_LK * f_LK) / jnp.sum(jnp.max(f_LK, axis=1))
+    return self(dense_BD, emb_BFD, weights_LK=w_LK), cost
+
+
+def standalone(net: Supernet, choices, num_dense: int, num_sparse: int,
+               rows) -> searched.SearchedModel:
+  """The stand-alone searched model of `choices` with the supernet's weights (inherited)."""
+  space = net.space
+  cfg = arch_config(space, choices, num_dense, num_sparse, rows)
+  model = searched.SearchedModel(cfg, nnx.Rngs(0))
+  if net.base.bottom_mlp is not None:
+    nnx.update(model.bottom_mlp, nnx.state(net.base.bottom_mlp))
+  nnx.update(model.top_mlp, nnx.state(net.base.top_mlp))
+  for l, (mine, shared) in enumerate(zip(model.layers, net.base.layers)):
+    if (mine.shortcut is None) != (shared.shortcut is None):
+      raise ValueError(f"standalone: layer {l} shortcut differs from the supernet's")
+    if mine.shortcut is not None:
+      nnx.update(mine.shortcut, nnx.state(shared.shortcut))
+    nnx.update(mine.norm, nnx.state(shared.norm))
+    k = space.names.index(choices[l])
+    for b, src in zip(mine.blocks, net.candidates[l][k]):
+      nnx.update(b, nnx.state(src))
+  return model
+
+
+class SupernetTask(RecTask):
+  """RecTask over a Supernet: each step draws its path / Gumbel noise from the seed and the
+  step, and the loss adds cost_weight times the supernet's cost term (metric flop_cost)."""
+
+  def __init__(self, *args, seed: int = 0, cost_weight: float = 0.0, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.seed, self.cost_weight = int(seed), float(cost_weight)
+
+  def loss_and_grads(self, state, batch):
+    lookup = self.gather(state["emb"], batch)
+    key = jax.random.fold_in(jax.random.key(self.seed), state["step"])
+
+    def loss_fn(params, partial):
+      model = nnx.merge(self.graphdef, params)
+      logits, cost = model.sample(batch.dense, self.collection.pool(lookup, partial), key)
+      per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
+      loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+      return loss + self.cost_weight * cost, (logits, {"flop_cost": cost})
+
+    (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
+    return loss, logits, lookup, g_params, g_partial, terms
+
+  def weighted_eval_step(self, state, batch, weights_LK):
+    """{logits, labels, mask} with fixed mixing weights (one-hot: a candidate)."""
+    lookup = self.gather(state["emb"], batch)
+    model = nnx.merge(self.graphdef, state["params"])
+    logits = model(batch.dense, self.collection.pool(lookup), weights_LK=weights_LK)
+    return {"logits": logits, "labels": batch.labels, "mask": batch.mask}

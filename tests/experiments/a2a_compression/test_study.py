@@ -1,0 +1,49 @@
+"""experiments/a2a_compression/study.py: the H100 step model against a hand computation,
+table-wise factors from sensitivities, and the entry point end to end at a toy size."""
+
+import math
+
+import pytest
+
+from core import hardware
+from experiments.a2a_compression import study
+from rec.embedding import a2a_compression as ac
+from tests.experiments.entry import run_entry
+
+
+def test_h100_model_matches_hand_computation():
+  hw, eff = hardware.Hardware(), hardware.Efficiency()
+  link, hbm = hw.net_bytes_per_s * eff.all2all, hw.hbm_bytes_per_s * eff.hbm
+  ratio, codec = 3.0, 4.0
+  # Seconds to move 1 GB of float32 values: over the link, or compressed plus the codec
+  # (codec = 4 copies, each reading and writing the 1 GB).
+  t32 = 1e9 / link
+  tc = 1e9 / ratio / link + 4 * 2e9 / hbm
+  out = study.h100_speedup(ratio, codec, fractions=(0.5,))
+  assert out["time_ratio_exchange"] == pytest.approx(tc / t32)
+  assert out["by_comm_fraction"]["0.5"] == pytest.approx(1 / (0.5 + 0.5 * tc / t32))
+  f = out["comm_fraction_for_paper_speedup"]
+  assert 1 / (1 - f + f * tc / t32) == pytest.approx(study.PAPER_SPEEDUP)
+  # No compression and a free codec: no gain, and the paper's speedup is out of reach.
+  same = study.h100_speedup(1.0, 0.0, fractions=(0.9,))
+  assert same["by_comm_fraction"]["0.9"] == pytest.approx(1.0)
+  assert same["comm_fraction_for_paper_speedup"] is None
+
+
+def test_table_factors_follow_sensitivity():
+  f = ac.table_factors_from_sensitivity({"a": 1.0, "b": 4.0, "c": 1e6})
+  g = (1.0 * 4.0 * 1e6) ** (1 / 3)              # geometric mean
+  assert f["a"] == pytest.approx(min(4.0, g / 1.0))
+  assert f["b"] == pytest.approx(min(4.0, g / 4.0))
+  assert f["c"] == pytest.approx(0.25)          # clipped: the most sensitive, tightest bound
+  assert f["a"] >= f["b"] >= f["c"]
+
+
+@pytest.mark.slow   # six short trainings (compiles) in a fresh process
+def test_entry_point_end_to_end(tmp_path):
+  out, summary = run_entry("experiments.a2a_compression", [
+      "--datasets=synthetic", "--steps=4", "--batch_size=64", "--num_rows=500",
+      "--probe_batches=1", f"--workdir={tmp_path}"], timeout=1200)
+  assert summary["experiment"] == "a2a_compression"
+  assert summary["best_fixed_ratio"] > 1.0
+  assert (tmp_path / "results.json").exists() and (tmp_path / "a2a_compression.png").exists()

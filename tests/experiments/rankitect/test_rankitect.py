@@ -1,0 +1,180 @@
+"""Rankitect study (experiments/rankitect): Gumbel-softmax against a hand computation, a
+supernet path against the stand-alone model with the same weights, the FLOPs table against
+XLA's count of whole models, Pareto fronts; tiny searches of every method (slow)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from core import flops as flops_lib
+from rec import configs
+from rec.models import searched
+from experiments.rankitect import study as study_lib
+from experiments.rankitect import supernet as supernet_lib
+from experiments.rankitect.space import Space
+from tests.experiments.entry import run_entry
+
+ND, NS, ROWS = 3, 4, (10,) * 4
+SPACE = Space(num_layers=2, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,),
+              names=("skip", "wukong", "attention", "dcn", "dhen"))
+FLOPS_LK = [[float(k + 10 * l) for k in range(len(SPACE.names))] for l in range(2)]
+
+
+def test_gumbel_softmax_equals_hand_computation():
+  logits = np.array([[0.5, -1.0, 2.0], [0.0, 0.3, -0.2]], np.float32)
+  key, tau = jax.random.key(7), 0.7
+  got = np.asarray(supernet_lib.gumbel_softmax(logits, key, tau))
+  # The same uniform draws, then -log(-log u) and a softmax written out in float64.
+  u = np.asarray(jax.random.uniform(key, logits.shape, minval=np.finfo(np.float32).tiny,
+                                    maxval=1.0), np.float64)
+  z = (logits + -np.log(-np.log(u))) / tau
+  want = np.exp(z - z.max(-1, keepdims=True))
+  want /= want.sum(-1, keepdims=True)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # Low temperature: close to one-hot at argmax(logits + g).
+  hard = np.asarray(supernet_lib.gumbel_softmax(logits, key, 1e-3))
+  np.testing.assert_array_equal(hard.argmax(-1), z.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def net():
+  return supernet_lib.Supernet(SPACE, ND, NS, ROWS, nnx.Rngs(0), mode="gumbel", flops_LK=FLOPS_LK)
+
+
+@pytest.mark.parametrize("choices", [("wukong", "dcn"), ("skip", "attention"), ("dhen", "skip")])
+def test_supernet_path_equals_standalone(net, choices):
+  r = np.random.default_rng(0)
+  dense = r.normal(size=(5, ND)).astype(np.float32)
+  emb = r.normal(size=(5, NS, SPACE.embedding_dim)).astype(np.float32)
+  model = supernet_lib.standalone(net, choices, ND, NS, ROWS)
+  want = np.asarray(model(dense, emb))
+  idx = [SPACE.names.index(c) for c in choices]
+  onehot = np.zeros((2, len(SPACE.names)), np.float32)
+  onehot[[0, 1], idx] = 1.0
+  # One-hot mixing: the same ops in the same order, bit for bit.
+  np.testing.assert_array_equal(np.asarray(net(dense, emb, weights_LK=onehot)), want)
+  # A path through lax.switch runs only the chosen branches (compiled: float rounding).
+  np.testing.assert_allclose(np.asarray(net(dense, emb, path_L=np.array(idx))), want,
+                             rtol=1e-5, atol=1e-5)
+  # The stand-alone model is the architecture train_rec builds from the JSON file.
+  assert model.config == searched.SearchedConfig.from_arch(SPACE.arch(choices), ND, NS, ROWS)
+
+
+def test_gumbel_cost_is_the_expected_flops(net):
+  key = jax.random.key(3)
+  _, cost = net.sample(np.zeros((2, ND), np.float32),
+                            np.zeros((2, NS, SPACE.embedding_dim), np.float32), key)
+  w = np.asarray(supernet_lib.gumbel_softmax(np.zeros((2, len(SPACE.names)), np.float32), key, 1.0))
+  f = np.array(FLOPS_LK)
+  np.testing.assert_allclose(float(cost), (w * f).sum() / f.max(axis=1).sum(), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_flops_table_adds_up_to_xla_count():
+  sp = Space(num_layers=2, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,),
+             names=("skip", "fmb", "dhen"))
+  data = type("Spec", (), {"num_dense": ND, "sparse_features": tuple(f"C{i}" for i in range(NS)),
+                           "rows_per_feature": ROWS})
+  base, table = study_lib.candidate_flops(sp, data)
+  assert all(min(row) == 0.0 for row in table)
+  for choices in (("fmb", "dhen"), ("dhen", "dhen")):
+    cfg = supernet_lib.arch_config(sp, choices, ND, NS, ROWS)
+    whole = flops_lib.model_flops_per_example(lambda r: searched.SearchedModel(cfg, r), cfg, batch=8)
+    parts = base + sum(table[l][sp.names.index(c)] for l, c in enumerate(choices))
+    # Additive up to XLA's own simplifications of the whole graph (under 1% here).
+    assert parts == pytest.approx(whole, rel=1e-2)
+
+
+def test_pareto_front():
+  rows = [{"mflops": 1, "ne": 0.9}, {"mflops": 2, "ne": 0.8}, {"mflops": 3, "ne": 0.85},
+          {"mflops": 2, "ne": 0.95}, {"mflops": 5, "ne": 0.7}]
+  assert [(r["mflops"], r["ne"]) for r in study_lib.pareto(rows)] == [(1, 0.9), (2, 0.8), (5, 0.7)]
+
+
+def test_trial_log_survives_a_cut_last_line(tmp_path):
+  path = tmp_path / "trials.jsonl"
+  path.write_text(json.dumps({"label": "a", "ne": 1.0}) + "\n" + '{"label": "b", "n')
+  log = study_lib.TrialLog(str(path))
+  assert [r["label"] for r in log.rows] == ["a"]
+  path.write_text('{"label": "b", "n\n' + json.dumps({"label": "a"}) + "\n")
+  with pytest.raises(ValueError, match=":1:"):
+    study_lib.TrialLog(str(path))
+
+
+def tiny_study(workdir):
+  base = configs.RecRunConfig(data="synthetic_deep", num_rows=20, batch_size=64,
+                              eval_batch_size=64, eval_batches=1, dense_optimizer="adam",
+                              learning_rate=1e-3, embedding_learning_rate=0.1, mesh="-1")
+  sp = Space(num_layers=1, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,),
+             names=("skip", "lcb", "fmb"))
+  return study_lib.Study(str(workdir), sp, base, steps=3)
+
+
+@pytest.mark.slow
+def test_sampling_searches_resume(tmp_path):
+  import optuna
+  st = tiny_study(tmp_path)
+  rows = study_lib.sampling_search(st, "random", 1)
+  assert len(rows) == 1 and rows[0]["method"] == "random"
+  # A trial left running by a kill is failed and its budget trained again.
+  storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+      str(tmp_path / "optuna.journal")))
+  optuna.load_study(study_name="random", storage=storage).ask()
+  st2 = tiny_study(tmp_path)
+  rows = study_lib.sampling_search(st2, "random", 2)
+  assert len(rows) == 2 and len([r for r in st2.log.rows if r["method"] == "random"]) <= 2
+  evo = study_lib.sampling_search(st2, "evolution", 2)
+  assert len(evo) == 2
+  for r in rows + evo:   # each found architecture trains again from its file
+    cfg = configs.model_config(configs.RecRunConfig(model="searched:" + r["arch_file"]),
+                               runs_spec())
+    assert isinstance(cfg, searched.SearchedConfig)
+
+
+def runs_spec():
+  return type("Spec", (), {"num_dense": 13, "sparse_features": tuple(f"C{i + 1}" for i in range(26)),
+                           "rows_per_feature": (20,) * 26})
+
+
+@pytest.mark.slow
+def test_oneshot_and_dnas(tmp_path):
+  st = tiny_study(tmp_path)
+  out = study_lib.oneshot_search(st, supernet_steps=4, num_candidates=10, retrain=1)
+  assert out["candidates_evaluated"] == 3 and len(out["rows"]) == 1
+  assert all(np.isfinite(s["ne"]) for s in out["scored"])
+  d = study_lib.dnas_search(st, supernet_steps=4, cost_weights=[1.0])
+  assert len(d["rows"]) == 1 and np.asarray(d["alpha"]["1"]).shape == (1, 3)
+  b = study_lib.baselines(st, [("dlrm", "w64")])
+  assert b[0]["method"] == "hand-designed"
+  costs = {m: study_lib.cost_of(m, st.log.rows) for m in ("oneshot", "dnas")}
+  assert costs["oneshot"]["candidates_trained"] == 1
+  assert os.path.exists(study_lib.plot(st.log.rows, str(tmp_path / "p.png")))
+
+
+@pytest.mark.slow
+def test_entry_point_and_train_rec_retrains_the_found_arch(tmp_path):
+  wd = str(tmp_path / "rk")
+  common = ["--workdir=" + wd, "--steps=3", "--batch_size=32", "--eval_batch_size=64",
+            "--eval_batches=1", "--layers=1", "--width=4", "--embedding_dim=8"]
+  _, summary = run_entry("experiments.rankitect", ["--method=random", "--trials=1",
+                                                    "--nobaselines", *common])
+  assert summary["candidates_trained"] == 1 and os.path.exists(summary["best_file"])
+  _, again = run_entry("experiments.train_rec", [
+      "--model=searched:" + summary["best_file"], "--data=synthetic_deep", "--num_rows=20",
+      "--steps=3", "--batch_size=32", "--eval_batch_size=64", "--eval_batches=1",
+      "--workdir=" + str(tmp_path / "tr")])
+  assert again["steps"] == 3
+
+
+def test_a_workdir_keeps_its_space_and_budget(tmp_path):
+  base = configs.RecRunConfig(data="synthetic_deep")
+  study_lib.Study(str(tmp_path), SPACE, base, steps=3)
+  study_lib.Study(str(tmp_path), SPACE, base, steps=3)   # the same settings: resumes
+  with pytest.raises(ValueError, match=r"settings.json: .*space.width: 4 -> 6; steps: 3 -> 5"):
+    study_lib.Study(str(tmp_path), Space(num_layers=2, width=6, embedding_dim=8,
+                                         bottom_mlp=(8,), top_mlp=(8,), names=SPACE.names),
+                    base, steps=5)

@@ -1,0 +1,88 @@
+"""The rec run flags (rec.configs.define_rec_run_flags): one definition per RecRunConfig
+field with each entry point's defaults; `RecRunConfig.from_flags` naming a field an entry
+point has no flag for; the effective embedding dim in a run's settings, so a resume with
+the preset's dim given explicitly is not refused (issue 31, item 11)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from absl import flags
+
+from core import checkpoint as ckpt_lib
+from core import train as train_lib
+from rec import configs
+
+
+def _flag_values(*names, **defaults):
+  fv = flags.FlagValues()
+  configs.define_rec_run_flags(*names, flag_values=fv, **defaults)
+  return fv
+
+
+def test_defaults_bounds_and_every_field():
+  fv = _flag_values(*configs.RUN_FIELDS)
+  assert sorted(fv) == sorted(configs.RUN_FIELDS)
+  fv(["prog"])
+  assert configs.RecRunConfig.from_flags(fv) == configs.RecRunConfig()   # the config's defaults
+  fv = _flag_values("data", batch_size=1024, embedding_dim=16)
+  fv(["prog"])
+  assert sorted(fv) == ["batch_size", "data", "embedding_dim"]
+  assert (fv.batch_size, fv.embedding_dim, fv.data) == (1024, 16, "synthetic")
+  for bad in ("--batch_size=0", "--embedding_dim=-1"):
+    fv = _flag_values("batch_size", "embedding_dim")
+    with pytest.raises(flags.IllegalFlagValueError, match=f"flag {bad}"):
+      fv(["prog", bad])
+  with pytest.raises(ValueError, match=r"\['batchsize'\] are not RecRunConfig fields"):
+    configs.define_rec_run_flags(batchsize=3)
+
+
+def test_from_flags_names_a_missing_flag():
+  fv = _flag_values("batch_size", "num_rows")
+  fv(["prog", "--batch_size=64"])
+  with pytest.raises(ValueError, match=r"this entry point defines no flag --model, --preset, "
+                     r".*--days; define it \(rec\.configs\.define_rec_run_flags\('model'"):
+    configs.RecRunConfig.from_flags(fv)
+  rest = [f for f in configs.RUN_FIELDS if f not in ("batch_size", "num_rows", "seed")]
+  cfg = configs.RecRunConfig.from_flags(fv, keep=rest, seed=3)
+  assert (cfg.batch_size, cfg.num_rows, cfg.seed) == (64, 100_000, 3)
+  with pytest.raises(ValueError, match="this entry point defines no flag --seed"):
+    configs.RecRunConfig.from_flags(fv, keep=rest)
+  with pytest.raises(ValueError, match=r"keep=\['sed'\] are not RecRunConfig fields"):
+    configs.RecRunConfig.from_flags(fv, keep=rest + ["sed"], seed=3)
+
+
+def test_effective_embedding_dim_in_settings():
+  assert configs.RecRunConfig().run_settings()["embedding_dim"] == 16         # DLRM kaggle
+  assert configs.RecRunConfig(model="dcnv2").run_settings()["embedding_dim"] == 128
+  assert configs.RecRunConfig(embedding_dim=32).run_settings()["embedding_dim"] == 32
+  assert configs.RecRunConfig(model="logreg").run_settings()["embedding_dim"] == 1
+  old = dataclasses.asdict(configs.RecRunConfig(model="wukong", preset="l2_n8"))
+  assert configs.normalize_settings(old)["embedding_dim"] == 128
+  assert configs.normalize_settings({**old, "preset": "nope"})["embedding_dim"] == 0
+
+
+def _resume(workdir, saved: dict, now: configs.RecRunConfig, normalize=True):
+  ckpt = ckpt_lib.Checkpointer(workdir)
+  loop = dict(workdir=workdir, steps=1, normalize_settings=configs.normalize_settings
+              if normalize else None)
+  ckpt.save(1, {"x": np.zeros(2, np.float32)}, {"step": 1, "steps": 1, "settings": {
+      **train_lib.run_settings(train_lib.TrainConfig(**loop)), **saved}})
+  ckpt.close()
+  return train_lib.check_resume(train_lib.TrainConfig(**loop, resume=True,
+                                                      settings=now.run_settings()))
+
+
+def test_resume_with_the_preset_dim_given(tmp_path):
+  """`--resume --embedding_dim=16` on a run started without it (the default 0, the DLRM
+  preset's 16): the same setting, whether the checkpoint stored 16 or, written before the
+  effective dim was stored, 0. Another dim is still refused, naming it."""
+  default = configs.RecRunConfig()
+  explicit = configs.RecRunConfig(embedding_dim=16)
+  assert _resume(str(tmp_path / "a"), default.run_settings(), explicit) == 1
+  assert _resume(str(tmp_path / "b"), dataclasses.asdict(default), explicit) == 1
+  assert _resume(str(tmp_path / "c"), explicit.run_settings(), default) == 1
+  with pytest.raises(train_lib.RunSettingsError, match=r"embedding_dim: 16 \(checkpoint\) -> "
+                     r"32 \(now\)"):
+    _resume(str(tmp_path / "d"), dataclasses.asdict(default),
+            configs.RecRunConfig(embedding_dim=32))

@@ -1,0 +1,183 @@
+"""Searched architectures (rec/models/searched.py): the hand-designed models as points of the
+space give their own logits with the same weights; the JSON form and its errors."""
+
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.errors import UserError
+from rec import configs
+from rec.models import dcnv2, dhen, dlrm, searched, wukong
+
+ND, NS, D, B = 4, 5, 8, 6
+
+
+@nnx.jit
+def run(model, dense, emb):
+  """One compiled forward (eager ops would each compile on their own)."""
+  return model(dense, emb)
+
+
+def transfer(dst, src):
+  """Copies src's parameters into dst after checking both hold the same shapes."""
+  s, d = nnx.state(src), nnx.state(dst)
+  shapes = lambda t: jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(t))
+  assert shapes(s) == shapes(d)
+  nnx.update(dst, s)
+
+
+def inputs(seed=0):
+  r = np.random.default_rng(seed)
+  return (r.normal(size=(B, ND)).astype(np.float32),
+          r.normal(size=(B, NS, D)).astype(np.float32))
+
+
+def build(arch, num_dense=ND, seed=1):
+  cfg = searched.SearchedConfig.from_arch(arch, num_dense=num_dense, num_sparse=NS,
+                                          rows_per_feature=10)
+  return searched.SearchedModel(cfg, nnx.Rngs(seed))
+
+
+def test_dlrm_is_a_point():
+  cfg = dlrm.DLRMConfig(num_dense=ND, num_sparse=NS, embedding_dim=D, bottom_mlp=(16, D),
+                        top_mlp=(16, 1), rows_per_feature=10)
+  ref = dlrm.DLRM(cfg, nnx.Rngs(0))
+  model = build(searched.dlrm_arch(cfg))
+  transfer(model.bottom_mlp, ref.bottom_mlp)
+  transfer(model.top_mlp, ref.top_mlp)
+  dense, emb = inputs()
+  np.testing.assert_array_equal(np.asarray(run(model, dense, emb)), np.asarray(run(ref, dense, emb)))
+
+
+@pytest.mark.parametrize("bottom", [(16, 12), pytest.param((), marks=pytest.mark.slow)])
+def test_dcnv2_is_a_point(bottom):
+  cfg = dcnv2.DCNv2Config(num_dense=ND, num_sparse=NS, embedding_dim=D, rows_per_feature=10,
+                          bottom_mlp=bottom, num_cross_layers=2, cross_rank=8, deep_mlp=(16,))
+  ref = dcnv2.DCNv2(cfg, nnx.Rngs(0))
+  model = build(searched.dcnv2_arch(cfg))
+  if bottom:
+    transfer(model.bottom_mlp, ref.bottom_mlp)
+  transfer(model.flat[0], ref.cross)
+  transfer(model.flat[1], ref.deep_mlp)
+  transfer(model.top_mlp, ref.top_mlp)
+  dense, emb = inputs()
+  np.testing.assert_array_equal(np.asarray(run(model, dense, emb)), np.asarray(run(ref, dense, emb)))
+
+
+def test_wukong_is_a_point():
+  cfg = wukong.WukongConfig(num_dense=ND, num_sparse=NS, embedding_dim=D, rows_per_feature=10,
+                            bottom_mlp=(16, 2 * D), num_layers=2, num_fm=3, num_lcb=2,
+                            fm_rank=4, fm_mlp=(16,), top_mlp=(16, 1))
+  ref = wukong.Wukong(cfg, nnx.Rngs(0))
+  model = build(searched.wukong_arch(cfg))
+  transfer(model.bottom_mlp, ref.bottom_mlp)
+  for mine, theirs in zip(model.layers, ref.layers):
+    transfer(mine.blocks[0].inner, theirs.fmb)
+    transfer(mine.blocks[1].inner, theirs.lcb)
+    transfer(mine.shortcut, theirs.residual)
+    transfer(mine.norm, theirs.norm)
+  transfer(model.top_mlp, ref.top_mlp)
+  dense, emb = inputs()
+  np.testing.assert_array_equal(np.asarray(run(model, dense, emb)), np.asarray(run(ref, dense, emb)))
+
+
+@pytest.mark.parametrize("ensemble", ["concat", pytest.param("sum", marks=pytest.mark.slow)])
+def test_dhen_is_a_point(ensemble):
+  cfg = dhen.DHENConfig(num_dense=ND, num_sparse=NS, embedding_dim=D, rows_per_feature=10,
+                        bottom_mlp=(16, D),
+                        layers=(("dot", "self_attention", "linear"), ("dcn", "linear")),
+                        width=3, ensemble=ensemble, dcn_rank=4, top_mlp=(16, 1))
+  ref = dhen.DHEN(cfg, nnx.Rngs(0))
+  model = build(searched.dhen_arch(cfg))
+  transfer(model.bottom_mlp, ref.bottom_mlp)
+  for mine, theirs in zip(model.layers, ref.layers):
+    for b, m in zip(mine.blocks, theirs.interactions):
+      transfer(b.inner, m.inner)
+      assert (b.fit is None) == (m.fit is None)
+      if b.fit is not None:
+        transfer(b.fit, m.fit)
+    assert (mine.shortcut is None) == (theirs.shortcut is None)
+    if mine.shortcut is not None:
+      transfer(mine.shortcut, theirs.shortcut)
+    transfer(mine.norm, theirs.norm)
+  transfer(model.top_mlp, ref.top_mlp)
+  dense, emb = inputs()
+  np.testing.assert_allclose(np.asarray(run(model, dense, emb)), np.asarray(run(ref, dense, emb)),
+                             rtol=1e-6, atol=1e-6)
+
+
+ALL_BLOCKS = {
+    "embedding_dim": D, "bottom_mlp": [16, D], "bottom_relu_last": False,
+    "layers": [{"blocks": [{"type": t, "num_out": 3, **extra} for t, extra in (
+                   ("lcb", {}), ("fmb", {"rank": 2, "sizes": [8]}), ("dot", {}),
+                   ("attention", {"heads": 2}), ("dcn", {"rank": 4}), ("mlp", {"sizes": [8]}),
+                   ("identity", {}))], "combine": "sum"},
+               {"blocks": [], "residual": True, "norm": False}],
+    "head": ["dense", "flatten", "dot", "fm"],
+    "flat": [{"type": "cross", "layers": 1, "rank": 0}, {"type": "mlp", "sizes": [8]}],
+    "top_mlp": [8, 1]}
+
+
+def test_the_json_form_round_trips():
+  cfg = searched.SearchedConfig.from_arch(ALL_BLOCKS, ND, NS, 10)
+  assert cfg.stack_sizes() == [(NS + 1, 3), (3, 3)]
+  assert cfg.head_width == D + 3 * D + 3 + 1   # dense, flatten, 3 pairs, FM
+  again = searched.SearchedConfig.from_arch(json.loads(json.dumps(cfg.arch())), ND, NS, 10)
+  assert again == cfg
+
+
+@pytest.mark.slow
+def test_every_block_builds_and_runs():
+  model = build(ALL_BLOCKS)
+  dense, emb = inputs()
+  out = np.asarray(run(model, dense, emb))
+  assert out.shape == (B,) and np.isfinite(out).all()
+  # No dense features: the bottom MLP and the head's "dense" part drop out.
+  assert np.asarray(run(build(ALL_BLOCKS, num_dense=0), None, emb)).shape == (B,)
+
+
+def spec(num_dense=ND):
+  return types.SimpleNamespace(sparse_features=tuple(f"C{i + 1}" for i in range(NS)),
+                               rows_per_feature=(10,) * NS, num_dense=num_dense)
+
+
+def test_train_rec_model_flag_reads_the_file(tmp_path):
+  cfg = dlrm.DLRMConfig(num_dense=ND, num_sparse=NS, embedding_dim=D, bottom_mlp=(16, D),
+                        top_mlp=(16, 1), rows_per_feature=10)
+  path = searched.save_arch(searched.dlrm_arch(cfg), str(tmp_path / "dlrm.json"))
+  mcfg = configs.model_config(configs.RecRunConfig(model="searched:" + path), spec())
+  assert isinstance(mcfg, searched.SearchedConfig) and mcfg.head == ("dense", "dot")
+  assert configs.MODELS[type(mcfg)] is searched.SearchedModel
+  with pytest.raises(ValueError, match="--embedding_dim=32"):
+    configs.model_config(configs.RecRunConfig(model="searched:" + path, embedding_dim=32), spec())
+
+
+def test_unknown_block_names_block_file_and_choices(tmp_path):
+  path = tmp_path / "bad.json"
+  path.write_text(json.dumps({"embedding_dim": D, "top_mlp": [1], "layers": [
+      {"blocks": [{"type": "lcb", "num_out": 2}, {"type": "transformer", "num_out": 2}]}]}))
+  with pytest.raises(UserError) as e:
+    configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
+  msg = str(e.value)
+  assert "'transformer'" in msg and str(path) in msg and "layers[0].blocks[1]" in msg
+  assert all(name in msg for name in searched.STACK_BLOCKS)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"embedding_dim": 8, "top_mlp": [1], "flat": [{"type": "fmb"}]}', "flat[0]: unknown block 'fmb'"),
+    ('{"embedding_dim": 8, "top_mlp": [1], "widths": 3}', "unknown key(s) ['widths']"),
+    ('{"embedding_dim": 8, "bottom_mlp": [8], "top_mlp": [4]}', "must end at 1"),
+    ('{"embedding_dim": 8, "top_mlp": [1], "layers": [{"blocks": [{"type": "lcb"}]}]}',
+     "needs \"num_out\""),
+    ('{"embedding_dim": 8,\n "top_mlp": [1],,}', ":2:"),
+])
+def test_bad_files(tmp_path, text, needle):
+  path = tmp_path / "arch.json"
+  path.write_text(text)
+  with pytest.raises(UserError) as e:
+    configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
+  assert needle in str(e.value) and str(path) in str(e.value)
