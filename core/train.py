@@ -21,6 +21,7 @@ device-to-host transfer is added.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -69,6 +70,12 @@ class TrainConfig:
   max_skipped_in_a_row: int = 10     # nonfinite="skip": stop after this many in a row
   hang_timeout_s: float | None = None  # multi-process: a loop stuck this long ends the job
                                       # (None: --hang_timeout_s of core.distributed)
+  # Steps dispatched but not finished, at most: the host waits for the oldest beyond this.
+  # Two keep the device fed (one runs, one is queued) and bound the device queues: with
+  # dozens of multi-device steps queued, XLA:CPU's collectives over simulated devices can
+  # wait on participants stuck behind them (an all-to-all rendezvous that never completes
+  # on a loaded machine). 0: no bound.
+  max_in_flight: int = 2
   nonfinite_hint: str = "lower the learning rate"  # what to try, named by the entry point
 
 
@@ -373,9 +380,10 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
   """
   if cfg.nonfinite not in ("stop", "skip"):
     raise ValueError(f"--nonfinite={cfg.nonfinite!r}: expected 'stop' or 'skip'")
-  if cfg.check_every < 0 or cfg.max_skipped_in_a_row < 1:
+  if cfg.check_every < 0 or cfg.max_skipped_in_a_row < 1 or cfg.max_in_flight < 0:
     raise ValueError(f"TrainConfig: check_every={cfg.check_every} (expected >= 0), "
-                     f"max_skipped_in_a_row={cfg.max_skipped_in_a_row} (expected >= 1)")
+                     f"max_skipped_in_a_row={cfg.max_skipped_in_a_row} (expected >= 1), "
+                     f"max_in_flight={cfg.max_in_flight} (expected >= 0)")
   os.makedirs(cfg.workdir, exist_ok=True)
   latest = check_resume(cfg)
   train_step = task.train_step
@@ -410,6 +418,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     skipped = int(meta.get("skipped_steps", 0))
     skip_run = 0
     pending: list[tuple[int, dict[str, jax.Array]]] = []   # (step, metrics on device)
+    in_flight: collections.deque = collections.deque()      # metrics of unfinished steps
     fetched: list[tuple[int, dict[str, float]]] = []       # checked, not yet logged
     train_time = 0.0   # seconds of training steps after the first, eval and checkpoints excluded
 
@@ -509,6 +518,10 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       watchdog.beat(step)
       n = task.examples_in(host)
       pending.append((step, metrics))
+      if cfg.max_in_flight:
+        in_flight.append(metrics)
+        if len(in_flight) > cfg.max_in_flight:
+          jax.block_until_ready(in_flight.popleft())  # waits on the device, fetches nothing
       if step == start + 1:
         jax.block_until_ready(metrics)  # first step compiles: keep it out of the rates
         progress.begin(step)

@@ -153,9 +153,7 @@ def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, varian
     steps = configs.steps_for(epochs, configs.build_run(cfg)[1])
   out = {"runs": {}, "steps": steps}
   log(f"[{cfg.data}] baseline: {steps} steps")
-  # log_every=1 fetches every step's metrics: on XLA:CPU's simulated devices many steps in
-  # flight can deadlock in the all-to-all rendezvous (seen at batch 256 on 2 cores).
-  base = runs.train_run(cfg, f"{workdir}/baseline", steps=steps, log_every=1)
+  base = runs.train_run(cfg, f"{workdir}/baseline", steps=steps)
   task0 = base.task
   probe = _batches(task0, base.train_src, eval_batches)
   out["runs"]["baseline"] = {"eval": base.eval, "train_seconds": base.train_seconds,
@@ -170,7 +168,7 @@ def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, varian
       comp = dataclasses.replace(fixed, table_factors=ac.table_factors_from_sensitivity(sens),
                                  schedule=ac.Schedule("linear", 2.0, 0.5, steps))
     log(f"[{cfg.data}] {name}: {comp}")
-    r = runs.train_run(cfg, f"{workdir}/{name}", steps=steps, log_every=1,
+    r = runs.train_run(cfg, f"{workdir}/{name}", steps=steps,
                        built=configs.build_run(cfg, a2a_compression=comp))
     sizes = payload_sizes(r.task, r.state, _batches(r.task, r.train_src, eval_batches), comp, steps)
     out["runs"][name] = {"eval": r.eval, "train_seconds": r.train_seconds,

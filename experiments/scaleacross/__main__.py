@@ -37,7 +37,6 @@ are assumptions, stated in each file), so the numbers are side by side, not an e
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import flags
@@ -105,7 +104,7 @@ def main(argv):
   results_lib.write_results(FLAGS.workdir, res)
   study.plot(res, FLAGS.workdir)
   single = res["best_single_change"]
-  print(json.dumps({
+  results_lib.print_summary({
       "cluster": res["cluster"], "plans_feasible": res["plans_feasible"],
       "compute_efficiency": round(eff, 4),
       "baseline_step_s": round(res["baseline"]["step_s"], 4),
@@ -115,7 +114,7 @@ def main(argv):
       "best_single_speedup": round(single["speedup"], 4) if single else None,
       "best_plan": res["best"]["describe"],
       "table4_rel_err": [round(r["rel_err"], 4) for r in check if not r["fitted"]],
-  }))
+  })
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from core import plot as plot_lib
 from experiments.scaleacross import model, search
 from experiments.scaleacross.cluster import Cluster, Plan
 from llm.config import get_config
@@ -237,10 +238,7 @@ def format_check(rows: list[dict]) -> str:
 def plot(res: dict, workdir: str) -> str:
   """design_space.png: every feasible plan's step time by the axes on the outermost link,
   and the baseline / best single change / best broken down."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = plot_lib.pyplot()
   fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
   cats = sorted({d["outer"] for d in res["design_space"]})
   for j, c in enumerate(cats):

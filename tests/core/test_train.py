@@ -341,3 +341,30 @@ def test_nonfinite_state_is_never_checkpointed():
   state = {"a": jnp.ones(3), "b": {"c": jnp.array([1.0, jnp.inf]), "n": jnp.arange(3)}}
   assert train_lib._first_nonfinite_leaf(state) == "['b']['c']"
   assert train_lib._first_nonfinite_leaf({"a": jnp.ones(3)}) is None
+
+
+@pytest.mark.parametrize("max_in_flight", [0, 2])
+def test_steps_in_flight_are_bounded(tmp_path, monkeypatch, max_in_flight):
+  """With max_in_flight=2 the host waits on step s-2's metrics right after dispatching step
+  s (so at most two steps are queued on the devices); with 0 only the first (compiling)
+  step is waited on until the logging point."""
+  devices = jax.devices()[:1]
+  task, train_src, eval_src, _, _ = configs.build_run(_one_device(), devices)
+  waited = []
+  real = jax.block_until_ready
+
+  def spy(x):
+    if isinstance(x, dict) and "loss" in x:
+      waited.append(x)
+    return real(x)
+
+  monkeypatch.setattr(train_lib.jax, "block_until_ready", spy)
+  loop = train_lib.TrainConfig(workdir=str(tmp_path), steps=10, log_every=100, check_every=0,
+                               eval_every=0, checkpoint_every=0, tensorboard=False,
+                               max_in_flight=max_in_flight)
+  train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)
+  # step 1 (compile) and, with the bound, steps 1..8 once steps 3..10 are dispatched
+  assert len(waited) == (1 + 8 if max_in_flight else 1)
+  with pytest.raises(ValueError, match="max_in_flight=-1"):
+    train_lib.train(task, train_src.batches, None,
+                    dataclasses.replace(loop, max_in_flight=-1))
