@@ -36,14 +36,18 @@ def shape_bytes(text: str) -> int:
   return total
 
 
+def collectives(hlo_text: str):
+  """(kind, result type, line) of every collective of an HLO module, in order."""
+  for line in hlo_text.splitlines():
+    m = _OP.search(line)
+    if m:
+      yield m.group(2), m.group(1), line
+
+
 def collective_bytes(hlo_text: str) -> dict[tuple[str, tuple[str, ...] | str], int]:
   """{(kind, mesh axes): result bytes per device} over the collectives of an HLO module."""
   out: dict[tuple[str, tuple[str, ...] | str], int] = {}
-  for line in hlo_text.splitlines():
-    m = _OP.search(line)
-    if not m:
-      continue
-    result, kind = m.group(1), m.group(2)
+  for kind, result, line in collectives(hlo_text):
     axes = _MESH_AXES.search(line)
     if axes:
       key = tuple(a.strip().strip("'") for a in axes.group(1).split(",") if a.strip())

@@ -365,11 +365,9 @@ def exchange_bytes(hlo_text: str) -> dict[str, int]:
   (float32 all-to-alls, reduce-scatters and all-gathers: uncompressed exchanges and, inside
   a compressed exchange's conditional, its fallback branch)."""
   out = {"payload": 0, "float32": 0}
-  for line in hlo_text.splitlines():
-    m = hlo._OP.search(line)
-    if not m or m.group(2) not in ("all-to-all", "all-gather", "reduce-scatter"):
+  for kind, result, _ in hlo.collectives(hlo_text):
+    if kind not in ("all-to-all", "all-gather", "reduce-scatter"):
       continue
-    result = m.group(1)
     if result.lstrip("(").startswith("u8["):
       out["payload"] += hlo.shape_bytes(result)
     elif result.lstrip("(").startswith("f32["):
