@@ -23,7 +23,8 @@ element changed, or only the rows an input reads for a big embedding table) and 
 trials vmapped and jitted in chunks; each chunk's reference outputs come from the same
 compiled function on the same elements and examples in the same lanes with mask 0 (xor 0
 changes no bit), so a value the output does not depend on has PVF exactly 0 even under
-|change| > 0.
+|change| > 0. `exhaustive` runs every single-bit fault of a group instead (every value, bit
+and example once): the exact PVF that `estimate` samples, for small groups and checks.
 
 Letters: N trials in a chunk, X examples.
 """
@@ -31,6 +32,7 @@ Letters: N trials in a chunk, X examples.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -237,6 +239,35 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
   return max(0.0, mid - half), min(1.0, mid + half)
 
 
+@functools.lru_cache(maxsize=8)
+def _trials(faulty: Callable[..., Any], criterion: Callable[[jax.Array, jax.Array], jax.Array],
+            chunk: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """trials(data, elem [chunk], mask [chunk], example [chunk]) -> (changed, nonfinite) [chunk]
+  bools: `faulty` vmapped and jitted, judged against the same call with mask 0 in the same
+  lanes (XLA may round a lane differently by its position). Kept for the same (faulty,
+  criterion, chunk), so several fault models of one group compile once."""
+  run = jax.jit(jax.vmap(faulty, in_axes=(None, 0, 0, 0)))
+  zeros_m = jnp.zeros((chunk,), jnp.uint32)
+
+  @jax.jit
+  def judge(ref_out, out):
+    ch = criterion(ref_out, out)
+    bad = jax.tree.map(lambda o: ~jnp.all(jnp.isfinite(o).reshape(o.shape[0], -1), axis=1), out)
+    return ch, bad
+
+  def trials(data, elem, mask, ex):
+    return judge(run(data, elem, zeros_m, ex), run(data, elem, mask, ex))
+  return trials
+
+
+def _check_sizes(where: str, size: int, num_examples: int, trials: int) -> None:
+  if size < 1 or num_examples < 1 or trials < 1:
+    raise ValueError(f"{where}: size={size}, num_examples={num_examples}, trials={trials}; "
+                     "expected >= 1 each")
+  if size >= 2**31:
+    raise ValueError(f"{where}: size={size} values; int32 element indices need < 2**31")
+
+
 def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int, width: int,
              fault: FaultModel, criterion: Callable[[jax.Array, jax.Array], jax.Array],
              trials: int, key: jax.Array, chunk: int = 256,
@@ -250,23 +281,10 @@ def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int
   `record`, also "records": {elem, mask, example, changed} numpy arrays [trials], each
   trial as drawn (so an independent computation can replay it).
   """
-  if size < 1 or num_examples < 1 or trials < 1:
-    raise ValueError(f"estimate: size={size}, num_examples={num_examples}, trials={trials}; "
-                     "expected >= 1 each")
-  if size >= 2**31:
-    raise ValueError(f"estimate: size={size} values; int32 element indices need < 2**31")
+  _check_sizes("estimate", size, num_examples, trials)
   fault.check(width)
   chunk = max(1, min(chunk, trials))
-  run = jax.jit(jax.vmap(faulty, in_axes=(None, 0, 0, 0)))
-
-  zeros_m = jnp.zeros((chunk,), jnp.uint32)
-
-  @jax.jit
-  def judge(ref_out, out):
-    ch = criterion(ref_out, out)
-    bad = jax.tree.map(lambda o: ~jnp.all(jnp.isfinite(o).reshape(o.shape[0], -1), axis=1), out)
-    return ch, bad
-
+  run = _trials(faulty, criterion, chunk)
   changed = nonfinite = done = 0
   records: dict[str, list[np.ndarray]] = {"elem": [], "mask": [], "example": [], "changed": []}
   k_e, k_m, k_x = jax.random.split(key, 3)
@@ -275,9 +293,7 @@ def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int
     elem = jax.random.randint(jax.random.fold_in(k_e, i), (chunk,), 0, size, jnp.int32)
     mask = fault.masks(jax.random.fold_in(k_m, i), width, chunk)
     ex = jax.random.randint(jax.random.fold_in(k_x, i), (chunk,), 0, num_examples, jnp.int32)
-    out = run(data, elem, mask, ex)
-    # The reference in the same lanes (XLA may round a lane differently by its position).
-    ch, bad = judge(run(data, elem, zeros_m, ex), out)
+    ch, bad = run(data, elem, mask, ex)
     changed += int(np.asarray(ch)[:n].sum())
     nonfinite += int(np.asarray(bad)[:n].sum())
     done += n
@@ -290,3 +306,41 @@ def estimate(faulty: Callable[..., Any], data: Any, size: int, num_examples: int
   if record:
     out["records"] = {k: np.concatenate(v) for k, v in records.items()}
   return out
+
+
+def exhaustive(faulty: Callable[..., Any], data: Any, size: int, num_examples: int, width: int,
+               criterion: Callable[[jax.Array, jax.Array], jax.Array],
+               bits: tuple[int, ...] | None = None, chunk: int = 256) -> dict[str, Any]:
+  """The exact single-bit PVF of a group: every (value, bit, example) once, so PVF is the
+  fraction of them that change the output (what `estimate` with FaultModel("single")
+  samples uniformly; a check of it, or the answer itself for a small group).
+
+  `bits` (default every bit below `width`) restricts the flipped bit positions. Returns
+  {trials, changed, nonfinite, pvf, ci_low = ci_high = pvf} and "changed_VBX": the verdict
+  of every fault, a bool array [size, len(bits), num_examples].
+  """
+  bits = tuple(range(width)) if bits is None else tuple(bits)
+  if not bits or any(not 0 <= b < width for b in bits):
+    raise ValueError(f"exhaustive: bits={bits}; expected bit positions in [0, {width})")
+  total = size * len(bits) * num_examples
+  _check_sizes("exhaustive", size, num_examples, total)
+  if total >= 2**31:
+    raise ValueError(f"exhaustive: {total} faults; expected < 2**31 (use estimate)")
+  chunk = max(1, min(chunk, total))
+  run = _trials(faulty, criterion, chunk)
+  bit_arr = jnp.asarray(bits, jnp.uint32)
+  changed = np.zeros(total, bool)
+  nonfinite = 0
+  for s in range(0, total, chunk):
+    n = min(chunk, total - s)
+    i = jnp.minimum(s + jnp.arange(chunk, dtype=jnp.int32), total - 1)   # padded lanes repeat
+    ex = i % num_examples
+    b = (i // num_examples) % len(bits)
+    elem = i // (num_examples * len(bits))
+    ch, bad = run(data, elem, jnp.uint32(1) << bit_arr[b], ex)
+    changed[s:s + n] = np.asarray(ch)[:n]
+    nonfinite += int(np.asarray(bad)[:n].sum())
+  k = int(changed.sum())
+  return {"trials": total, "changed": k, "nonfinite": nonfinite, "pvf": k / total,
+          "ci_low": k / total, "ci_high": k / total,
+          "changed_VBX": changed.reshape(size, len(bits), num_examples)}

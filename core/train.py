@@ -120,7 +120,9 @@ class Task(Protocol):
   def device_batch(self, host_batch: Any) -> Any: ...
   def new_evaluator(self) -> "Evaluator": ...
   def examples_in(self, host_batch: Any) -> int: ...
-  # Optional: `example_unit`, what examples_in counts, for the progress line ("ex" if absent).
+  # Optional: `example_unit`, what examples_in counts, for the progress line ("ex" if absent);
+  # `host_metrics(host_batch) -> {name: float}`, numbers measured on each host batch, logged
+  # with that step's metrics (None or absent: none).
 
 
 class Evaluator(Protocol):
@@ -218,15 +220,28 @@ def _prefetch(it: Iterator[Any], fn: Callable[[Any], Any], depth: int) -> Iterat
   done = object()
   stop = threading.Event()
 
+  def put(item) -> bool:
+    # A consumer that stopped early (a finished or failed run) takes nothing more: waiting
+    # on a full queue forever would keep `it` open, and with it a loader's worker processes.
+    while not stop.is_set():
+      try:
+        q.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        pass
+    return False
+
   def work():
     try:
       for x in it:
-        if stop.is_set():
+        if stop.is_set() or not put((x, fn(x))):
           return
-        q.put((x, fn(x)))
-      q.put(done)
+      put(done)
     except BaseException as e:  # surfaced in the consumer
-      q.put(e)
+      put(e)
+    finally:
+      if hasattr(it, "close"):   # a generator: its cleanup (e.g. Grain's workers) runs now
+        it.close()
 
   t = threading.Thread(target=work, daemon=True)
   t.start()
@@ -240,6 +255,9 @@ def _prefetch(it: Iterator[Any], fn: Callable[[Any], Any], depth: int) -> Iterat
       yield item
   finally:
     stop.set()
+    # Let the thread finish the item in hand and close `it`: a daemon thread still inside
+    # XLA or a loader when the process exits aborts it ("exception not rethrown").
+    t.join(timeout=30)
 
 
 def evaluate(task: Task, state: Any, batches: Iterable[Any], eval_step=None) -> dict[str, float]:
@@ -507,6 +525,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       print(f"eval @ step {step}: {shown} ({time.perf_counter() - t:.1f}s)", flush=True)
 
     step = start
+    host_metrics = getattr(task, "host_metrics", None)
     batches = _prefetch(train_batches(start), task.device_batch, cfg.prefetch)
     t_last = time.perf_counter()
     watchdog = distributed.Watchdog(distributed.hang_timeout_s() if cfg.hang_timeout_s is None
@@ -517,6 +536,8 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       step += 1
       watchdog.beat(step)
       n = task.examples_in(host)
+      if host_metrics is not None:   # numbers the task measures on the host batch itself
+        metrics = {**metrics, **host_metrics(host)}
       pending.append((step, metrics))
       if cfg.max_in_flight:
         in_flight.append(metrics)

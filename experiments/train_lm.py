@@ -6,6 +6,8 @@ r"""Train a small Llama (arXiv 2407.21783) on a local text file: byte tokens, or
       --dtype=bfloat16 --remat --workdir=/tmp/lm
   python -m experiments.train_lm --text=book.txt --workdir=/tmp/lm --resume
   python -m experiments.generate --checkpoint=workdir:/tmp/lm --prompt="Once upon"
+  python -m experiments.train_lm --text=book.txt --seq_len=1024 --batch_size=4 \
+      --mesh=data:2,cp:4 --context_parallel=pass_kv --packing=wlb --cp_sharding=adaptive
 
 Uses the shared train loop (checkpoints, --resume, metrics.jsonl, TensorBoard, curves.png).
 --tokenizer (llm.tokenizer: a tokenizer.json, a directory holding one, or a llama2.c
@@ -14,6 +16,19 @@ tokenizer's, and a copy of the tokenizer goes into the workdir for experiments.g
 Writes `<workdir>/model_config.json` (read by experiments.generate) and results.json; the
 last stdout line is a JSON summary with the final eval loss and bits per token (per byte
 for byte tokens).
+
+--packing (WLB-LLM, arXiv 2503.17924; llm/packing/source.py): instead of random windows,
+documents (spans of the file's train part, lengths with the Pile's long-tailed shape drawn
+at --doc_context and scaled to --seq_len) packed into rows with segment ids, so attention
+never crosses documents: original (loader next-fit), fixed (greedy over --fixed_window
+global batches), wlb (variable-length rows with --wlb_queues outlier queues). Each row is a
+micro-batch. --cp_sharding lays rows out over the cp ranks: seq (the model's own 2N-chunk
+balancing), doc (2N chunks of every document), adaptive (per batch, the tile model's pick).
+Every step logs, measured on the batch the devices get: pack_imbalance_mb / _cp / _cp_row
+(max / mean of attention pairs over micro-batches, CP ranks, ranks within a row),
+pack_model_step / _ideal (the --cost_model's step time, slowest vs mean micro-batch x rank),
+pack_tile_step, pack_layout_document, pack_tokens; results.json holds every step's numbers.
+Eval stays on the held-out windows.
 """
 
 from __future__ import annotations
@@ -70,6 +85,28 @@ def define_flags() -> None:
                     "stop the run at that step, or skip the step (counted).")
   flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps.", lower_bound=1)
   flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.", lower_bound=0)
+  flags.DEFINE_enum("packing", "none", ["none", "original", "fixed", "wlb"],
+                    "none: random windows of --text; else documents (spans of --text with "
+                    "the Pile's long-tailed lengths) packed into rows by the loader's next-fit "
+                    "(original), fixed-length greedy balancing (fixed) or WLB-LLM's "
+                    "variable-length packing with outlier queues (wlb); arXiv 2503.17924.")
+  flags.DEFINE_enum("cp_sharding", "seq", ["seq", "doc", "adaptive"],
+                    "Context-parallel layout of packed rows: per sequence (the model's 2N "
+                    "chunks), per document (2N chunks of each document) or the per-batch "
+                    "adaptive choice; doc / adaptive need --packing and a cp mesh axis.")
+  flags.DEFINE_integer("fixed_window", 2, "--packing=fixed: global batches per greedy window.",
+                       lower_bound=1)
+  flags.DEFINE_integer("wlb_queues", 2, "--packing=wlb: outlier queues (thresholds 1/2, 1/4, "
+                       "1/8 of --seq_len; q queues use the q largest).", lower_bound=0,
+                       upper_bound=3)
+  flags.DEFINE_integer("doc_context", 131072, "Packed documents: lengths drawn with the Pile's "
+                       "shape at this context, then scaled to --seq_len (0: drawn at --seq_len, "
+                       "unscaled).", lower_bound=0)
+  flags.DEFINE_integer("cp_tile", 0, "--cp_sharding=adaptive: query / key tile of the tile "
+                       "model (0: the Mosaic GPU kernel's 128, scaled like the documents by "
+                       "--seq_len / --doc_context).", lower_bound=0)
+  flags.DEFINE_string("cost_model", "flops", "Packing's workload model: 'flops' (the model's "
+                      "FLOP counts, GFLOP units) or a CostModel JSON (llm.packing.cost; seconds).")
 
 
 def copy_tokenizer(tok, workdir: str) -> None:
@@ -87,6 +124,57 @@ def copy_tokenizer(tok, workdir: str) -> None:
     dst = os.path.join(workdir, name)
     if os.path.abspath(src) != os.path.abspath(dst):
       shutil.copyfile(src, dst)
+
+
+def check_packing_flags(f, cp_ranks: int) -> None:
+  """Flag combinations packing cannot run; the error names the flag."""
+  if f.cp_sharding != "seq" and f.packing == "none":
+    raise ValueError(f"--cp_sharding={f.cp_sharding} needs documents: set --packing="
+                     "original|fixed|wlb (--packing=none trains on windows of one sequence)")
+  if f.cp_sharding != "seq" and cp_ranks < 2:
+    raise ValueError(f"--cp_sharding={f.cp_sharding} needs context parallelism: "
+                     "--context_parallel=pass_kv|pass_q|auto and a --mesh with a cp axis of "
+                     f"2 or more ranks (got --context_parallel={f.context_parallel}, "
+                     f"--mesh={f.mesh})")
+  if f.cp_sharding != "seq" and f.seq_len % (2 * cp_ranks):
+    raise ValueError(f"--seq_len={f.seq_len} with --cp_sharding={f.cp_sharding}: expected a "
+                     f"multiple of 2 x {cp_ranks} cp ranks (2 chunks per rank)")
+  if f.packing != "none" and f.doc_context and f.doc_context < f.seq_len:
+    raise ValueError(f"--doc_context={f.doc_context}: expected 0 or at least --seq_len="
+                     f"{f.seq_len} (lengths are drawn at it and scaled down to --seq_len)")
+
+
+def packed_source(f, cfg, tokens, cp_ranks: int, share: dict):
+  """The --packing source over documents cut from `tokens` (see llm/packing/source.py)."""
+  from llm.packing import cost as cost_lib
+  from llm.packing.cp_shard import TileModel
+  from llm.packing.lengths import CorpusLengths
+  from llm.packing.source import PackedSource, PackingSpec
+  if f.cost_model == "flops":
+    cost = cost_lib.flop_cost_model(cost_lib.Shape.from_config(cfg)).scaled(1e-9, 1e-9,
+                                                                            unit="GFLOP")
+  else:
+    cost = cost_lib.CostModel.load(f.cost_model)
+  dist = (CorpusLengths(context=f.seq_len) if not f.doc_context else
+          CorpusLengths(context=f.doc_context, scale=f.seq_len / f.doc_context))
+  spec = PackingSpec(packing=f.packing, fixed_window=f.fixed_window, wlb_queues=f.wlb_queues,
+                     layout={"seq": "sequence", "doc": "document"}.get(f.cp_sharding,
+                                                                       f.cp_sharding))
+  tile = f.cp_tile or max(1, round(128 * f.seq_len / (f.doc_context or f.seq_len)))
+  return PackedSource(tokens, dist, spec, seq_len=f.seq_len, batch_size=f.batch_size,
+                      cp=cp_ranks, cost=cost, n_layers=cfg.n_layers, seed=f.seed,
+                      tile_model=TileModel(tile, tile), **share)
+
+
+def packing_summary(src) -> dict:
+  """Means over the steps run of what `PackedSource.step_metrics` measured."""
+  recs = src.records
+  if not recs:
+    return {}
+  mean = {k: float(sum(r[k] for r in recs) / len(recs)) for k in recs[0]}
+  tokens = sum(r["pack_tokens"] for r in recs)
+  mean["pack_model_tokens_per_unit"] = tokens / sum(r["pack_model_step"] for r in recs)
+  return mean
 
 
 def main(argv):
@@ -109,6 +197,8 @@ def main(argv):
       attention_impl=FLAGS.attention_impl, context_parallel=FLAGS.context_parallel,
       max_seq_len=max(FLAGS.seq_len, 16))
   mesh = mesh_lib.make_mesh(FLAGS.mesh, rules=mesh_lib.LLM_RULES)
+  cp_ranks = 1 if FLAGS.context_parallel == "none" else dict(mesh.shape).get("cp", 1)
+  check_packing_flags(FLAGS, cp_ranks)
   train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
   optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                              total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)
@@ -119,13 +209,19 @@ def main(argv):
               "data.seq_len": FLAGS.seq_len, "data.batch_size": FLAGS.batch_size,
               "data.eval_batches": FLAGS.eval_batches,
               "mesh": ",".join(f"{a}:{n}" for a, n in mesh.shape.items())}
+  if FLAGS.packing != "none":
+    settings.update({"data.packing": FLAGS.packing, "data.cp_sharding": FLAGS.cp_sharding,
+                     "data.cp_tile": FLAGS.cp_tile,
+                     "data.fixed_window": FLAGS.fixed_window, "data.wlb_queues": FLAGS.wlb_queues,
+                     "data.doc_context": FLAGS.doc_context, "data.cost_model": FLAGS.cost_model})
   loop_cfg = train_lib.TrainConfig(
       workdir=FLAGS.workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
       checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
       stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed, settings=settings,
       # Placement and kernels change no arithmetic that the state depends on.
       changeable=("mesh", "model.attention_impl", "model.context_parallel", "model.remat",
-                  "model.remat_policy", "data.eval_batches"),
+                  "model.remat_policy", "data.eval_batches", "data.cp_sharding",
+                  "data.cp_tile"),
       resume_allow=tuple(FLAGS.resume_allow), overwrite=FLAGS.overwrite,
       nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
       nonfinite_hint="lower --learning_rate or raise --warmup_steps")
@@ -134,11 +230,15 @@ def main(argv):
   except train_lib.RunSettingsError as e:
     sys.exit(f"train_lm: {e}")
   loop_cfg = dataclasses.replace(loop_cfg, overwrite=False)
-  task = lm_lib.LMTask(cfg, optim, mesh)
   share = dict(zip(("shard_index", "num_shards"),
                    mesh_lib.process_batch_share(mesh, mesh_lib.LLM_RULES, "act_batch")))
   train_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
                          seed=FLAGS.seed, **share)
+  packed = None
+  if FLAGS.packing != "none":
+    packed = packed_source(FLAGS, cfg, train_src.tokens, cp_ranks, share)
+  task = lm_lib.LMTask(cfg, optim, mesh, packed=packed is not None,
+                       host_metrics=packed and packed.step_metrics)
   eval_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
                         split="eval", eval_batches=FLAGS.eval_batches, **share)
   os.makedirs(FLAGS.workdir, exist_ok=True)
@@ -154,7 +254,8 @@ def main(argv):
         f"{FLAGS.batch_size}x{FLAGS.seq_len}", flush=True)
   t0 = time.time()
   try:
-    out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop_cfg)
+    out = train_lib.train(task, (packed or train_src).batches, lambda: eval_src.batches(0),
+                          loop_cfg)
   except (train_lib.RunSettingsError, train_lib.NonFiniteError,
           ckpt_lib.CheckpointMismatchError) as e:
     sys.exit(f"train_lm: {e}")
@@ -167,6 +268,13 @@ def main(argv):
              "params": cfg.num_params(), "wall_seconds": time.time() - t0}
   results = {"summary": summary, "model_config": config_lib.config_to_dict(cfg),
              "optim": dataclasses.asdict(optim), "eval": ev}
+  if packed is not None:
+    means = packing_summary(packed)
+    summary.update({"packing": FLAGS.packing, "cp_sharding": FLAGS.cp_sharding,
+                    **{k: round(v, 4) for k, v in means.items()}})
+    results["packing"] = {"spec": dataclasses.asdict(packed.spec), "cp_ranks": cp_ranks,
+                          "cost_model": packed.cost.to_dict(), "means": means,
+                          "steps": packed.records}
   results_lib.write_results(FLAGS.workdir, results)
   plot_lib.plot_run(FLAGS.workdir)
   if ev:

@@ -9,6 +9,8 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
   python -m experiments.train_rec --data=criteo:TB_DIR --days=0-2   # 3 Terabyte days, as downloaded
   python -m experiments.train_rec --dedup_features=C1,C2   # RecD: lookups on distinct bags
+  python -m experiments.train_rec --data=sessions:dup=0.875 --dedup_features=C1,C2,C3,C4,C5,C6,C7,C8 \
+      --data_workers=2   # RecD's session data; batches and their dedup made in Grain workers
   python -m experiments.train_rec --model=searched:runs/rankitect/best_random.json  # a found arch
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
@@ -59,6 +61,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
   flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.", lower_bound=1)
   flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.", lower_bound=1)
+  flags.DEFINE_integer("data_workers", 0, "Grain worker processes that draw the train batches "
+                       "(synthetic, sessions, criteo_bin) and run RecD's dedup (--dedup_features); "
+                       "0: in this process.", lower_bound=0)
 
 
 # Settings besides the loop's (steps, cadences, paths) that --resume may change: they
@@ -118,7 +123,7 @@ def main(argv):
     train_lib.check_resume(loop_cfg)  # before any data is read or state built
   except train_lib.RunSettingsError as e:
     sys.exit(f"train_rec: {e}")
-  task, train_src, eval_src, plan, mesh = configs.build_run(cfg)
+  task, train_src, eval_src, plan, mesh = configs.build_run(cfg, data_workers=FLAGS.data_workers)
   steps = configs.steps_for(FLAGS.epochs, train_src) if FLAGS.epochs else FLAGS.steps
   sources_lib.check_splits(eval_src)   # a bad eval line stops the run before step 0
   loop_cfg = dataclasses.replace(loop_cfg, steps=steps, overwrite=False, settings={

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -214,13 +214,16 @@ class LMTask:
   logits). packed: batches may hold several documents per row (segment ids, positions
   restarting); when False every row must be one sequence at positions 0..T-1, and the task
   drops both arrays, so attention sees the plain causal case ("auto" then takes cuDNN).
+  host_metrics: numbers measured on each host train batch, logged with its step by the loop
+  (e.g. `llm.packing.PackedSource.step_metrics`: attention work per micro-batch and rank).
   """
 
   def __init__(self, cfg: LlamaConfig, optim: OptimConfig, mesh: Mesh,
                rules: mesh_lib.Rules = mesh_lib.LLM_RULES, *, loss_chunk: int | None = None,
-               packed: bool = False):
+               packed: bool = False,
+               host_metrics: Callable[[LMBatch], dict[str, float]] | None = None):
     self.cfg, self.optim, self.mesh, self.rules = cfg, optim, mesh, rules
-    self.loss_chunk, self.packed = loss_chunk, packed
+    self.loss_chunk, self.packed, self.host_metrics = loss_chunk, packed, host_metrics
     self.tx = make_optimizer(optim)
     abstract = jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)

@@ -19,7 +19,9 @@ from flax import nnx
 from core import flops as flops_lib
 from core import mesh as mesh_lib
 from core import train as train_loop
+from rec.data import dedup as dedup_lib
 from rec.data import sources as sources_lib
+from rec.data import workers as workers_lib
 from rec.data.dedup import DedupSpec
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
@@ -479,10 +481,13 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
   return plan
 
 
-def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=None):
+def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=None,
+              data_workers: int = 0):
   """Returns (task, train source, eval source, plan, mesh). `sources`: (train, eval) sources
   to use instead of those of cfg.data (e.g. one split to predict on). `a2a_compression`: an
-  `a2a_compression.A2ACompression` for the collection's exchange (None: float32)."""
+  `a2a_compression.A2ACompression` for the collection's exchange (None: float32).
+  `data_workers` > 0: train batches are drawn in that many Grain worker processes
+  (`rec.data.workers.WorkerSource`), which also run RecD's dedup (--dedup_features)."""
   cfg.validate()
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
@@ -505,11 +510,16 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   plan = make_plan(cfg, tables, n, sparse_opt)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,
                              storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables),
-                             a2a_compression=a2a_compression)
+                             a2a_compression=a2a_compression,
+                             bag_sizes=getattr(train_src, "bag_sizes", None))
   dense_tx = make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate)
   if cfg.fp8_layers and cfg.fp8_recipe == "delayed":   # amax histories ride their gradients
     dense_tx = fp8_lib.with_fp8_history(dense_tx)
   task = RecTask(model_fn, coll, dense_tx, mesh)
+  if data_workers:
+    dd = coll.dedup and dedup_lib.DedupTransform(coll.dedup_features, coll.dedup.capacity,
+                                                 task.dedup_shards(), coll.dedup.on_overflow)
+    train_src = workers_lib.WorkerSource(train_src, dd or None, data_workers)
   return task, train_src, eval_src, plan, mesh
 
 

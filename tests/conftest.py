@@ -1,4 +1,5 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere; `devices(n)`.
+"""Test setup: 8 simulated CPU devices (XLA's CPU backend at -O0: tests/cpu_env.py), set before
+jax is imported anywhere; `devices(n)`.
 
 `@pytest.mark.devices(n)` marks a test that needs at least n devices (a mesh over them, a
 sharded-vs-single comparison); with fewer it skips with a reason naming both counts and the
@@ -8,8 +9,11 @@ platform, so a one-GPU machine (`JAX_PLATFORMS=cuda`) or a run with
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "XLA_FLAGS" not in os.environ:
+  from tests import cpu_env  # noqa: E402  (before jax)
+  os.environ["XLA_FLAGS"] = (cpu_env.xla_flags(8) if os.environ["JAX_PLATFORMS"] == "cpu"
+                             else "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

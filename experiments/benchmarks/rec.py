@@ -4,12 +4,15 @@ times) and the train loop end to end against it (experiments.bench_pipeline).
 `build_step` builds the DLRM / DCNv2 task of a `rec.configs.RecRunConfig` (or the MLPerf
 DLRM-DCNv2 run, `rec.mlperf`), its donated jitted step and a pool of 8 device batches
 generated before timing; `time_step` times it. `pipeline_rates` measures one --data source:
-the source alone, the step alone and `core.train.train` end to end (`rec.throughput`).
+the source alone, the step alone and `core.train.train` end to end (`rec.throughput`);
+`recd_rates` the same step and end-to-end rates plain against RecD's dedup on session data.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from typing import Any, Sequence
 
 
 def is_mlperf(model: str, preset: str) -> bool:
@@ -76,4 +79,65 @@ def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset
                             source_batches=source_batches)
 
 
-__all__ = ["build_step", "is_mlperf", "pipeline_rates", "time_step"]
+def recd_capacity(batch_shard: int, dup_rate: float, sigmas: float = 6.0) -> int:
+  """A fixed RecD capacity for sessions data: distinct bags of a batch shard of b samples
+  are about 1 + Binomial(b - 1, 1 - dup) (+ 1 for a session cut by the shard's start);
+  `sigmas` standard deviations above that, so one compiled step serves every batch."""
+  b, d = batch_shard, dup_rate
+  return min(b, math.ceil(2 + (b - 1) * (1 - d) + sigmas * math.sqrt((b - 1) * d * (1 - d))))
+
+
+def recd_rates(repeats: Sequence[float], batch_size: int, num_rows: int, model: str,
+               preset: str, mesh: str, steps: int, timing_repeats: int, data_workers: int,
+               num_user: int = 8, user_bag: int = 32, log=print) -> list[dict[str, Any]]:
+  """RecD (arXiv 2211.05239) end to end: per mean session length x (`sessions:dup=1-1/x`,
+  rec.data.sessions), examples/s of the jitted step alone (device batches placed before
+  timing) and of `core.train.train` end to end, plain against dedup of the user features,
+  both with the train batches drawn (and, for dedup, deduplicated) in `data_workers` Grain
+  worker processes. The end-to-end runs alternate plain / dedup `timing_repeats` times
+  (medians reported), so both see the same machine load."""
+  from core import benchmark
+  from rec import configs, throughput
+  from rec.data import dedup as dedup_lib
+  rows = []
+  for x in repeats:
+    dup = 1.0 - 1.0 / x
+    data = f"sessions:dup={dup!r},user={num_user},user_bag={user_bag}"
+    base = configs.RecRunConfig(model=model, preset=preset, data=data, num_rows=num_rows,
+                                mesh=mesh, batch_size=batch_size, eval_batch_size=batch_size,
+                                eval_batches=1, learning_rate=0.05,
+                                embedding_learning_rate=0.05, sharding="auto")
+    built = {}
+    for name in ("plain", "dedup"):
+      cfg = base
+      if name == "dedup":
+        n = built["plain"][0].dedup_shards()
+        cfg = dataclasses.replace(
+            base, dedup_features=",".join(f"C{f + 1}" for f in range(num_user)),
+            dedup_capacity=recd_capacity(batch_size // n, dup))
+      built[name] = configs.build_run(cfg, data_workers=data_workers)[:2]
+    src = built["plain"][1]
+    row = {"repeats": x, "dup_rate": dup, "data": data,
+           "dup_rate_measured": dedup_lib.duplication_rate(src.batch(0), range(num_user)),
+           "capacity_per_shard": built["dedup"][0].collection.dedup.capacity}
+    for name, (task, train_src) in built.items():
+      row[f"{name}_step_ex_s"] = throughput.step_rate(task, train_src, max(steps // 3, 1), 3)
+    e2e = {"plain": [], "dedup": []}
+    for _ in range(timing_repeats):
+      for name, (task, train_src) in built.items():
+        e2e[name].append(throughput.loop_rate(task, train_src, steps))
+    for name in e2e:
+      row[f"{name}_e2e_ex_s_runs"] = e2e[name]
+      row[f"{name}_e2e_ex_s"] = benchmark.median(e2e[name])
+    row["step_speedup"] = row["dedup_step_ex_s"] / row["plain_step_ex_s"]
+    row["e2e_speedup"] = row["dedup_e2e_ex_s"] / row["plain_e2e_ex_s"]
+    log(f"repeats {x:g} (dup {dup:.3f}, measured {row['dup_rate_measured']:.3f}): step "
+        f"{row['plain_step_ex_s']:,.0f} -> {row['dedup_step_ex_s']:,.0f} ex/s "
+        f"({row['step_speedup']:.2f}x), end to end {row['plain_e2e_ex_s']:,.0f} -> "
+        f"{row['dedup_e2e_ex_s']:,.0f} ex/s ({row['e2e_speedup']:.2f}x)")
+    rows.append(row)
+  return rows
+
+
+__all__ = ["build_step", "is_mlperf", "pipeline_rates", "recd_capacity", "recd_rates",
+           "time_step"]

@@ -3,6 +3,7 @@ the flat DLRM, and the all-to-all volume of SPTT against the flat model, side by
 
   python -m experiments.dmt                                  # runs/dmt
   python -m experiments.dmt --towers=2,4,8 --steps=1000
+  python -m experiments.dmt --h100_only                      # the H100 step model alone
 
 1. Train a flat DLRM (rec.models.dlrm) on synthetic Criteo-like data (--teacher; 26 one-hot
    features of --num_rows rows) through RecTask and the train loop (core.train), Adagrad on
@@ -20,12 +21,22 @@ the flat DLRM, and the all-to-all volume of SPTT against the flat model, side by
    (tables placed "sptt", rec.embedding.planner.tower_plan) equals the plain layout,
    forward and backward (tests/rec/test_dmt.py on 8 devices), so quality is measured on one
    device; tests/experiments/dmt checks comm_volume against the compiled program.
-Prints the table, writes results.json and dmt.png; last line JSON.
+5. The step time on H100 hosts (study.h100_step_model): bytes per bag and per pooled value
+   read from the compiled flat and SPTT lookups' HLO (study.hlo_unit_bytes, 8 simulated
+   devices), scaled to --h100_hosts hosts of 8 GPUs (one tower per host), local batch
+   --h100_local_batch, dim --h100_dim, the study's 26 features; compute from the models'
+   FLOPs; core.hardware's inter-host All2All and NVLink lines. Flat vs SPTT as built (row-
+   wise inside the tower group) and vs SPTT with table-wise hosts, with no and with full
+   overlap, beside the paper's up to 1.9x.
+Prints the tables, writes results.json, dmt.png and dmt_h100.png; last line JSON.
 
 Measured (`python -m experiments.dmt`, 2-core CPU shared (load ~10), jax 0.11.2, 5.5 min;
 the table in BENCHMARKS.md "DMT"): test AUC flat 0.6796; DMT T=2 0.6792 (similarity) /
 0.6784 (random); T=4 0.6801 / 0.6812; global all-to-all per step (B = 65,536) 123.5 MiB
 flat vs 43.5 (T=2, 2.84x less) and 67.5 MiB (T=4, 1.83x less).
+`--h100_only` (2026-11-27, load ~27, 148 s): modelled step speedup flat / SPTT at 1 / 2 / 4
+/ 8 / 16 hosts 0.13 / 0.54 / 0.61 / 0.54 / 0.40x as built (row-wise inside the host), 1.00 /
+1.44 / 1.33 / 0.95 / 0.57x with table-wise hosts; the paper: up to 1.9x (BENCHMARKS.md "DMT").
 """
 
 from __future__ import annotations
@@ -55,6 +66,11 @@ def define_flags() -> None:
                        lower_bound=1)
   flags.DEFINE_integer("seed", 0, "Seed.", lower_bound=0)
   flags.DEFINE_string("workdir", "runs/dmt", "Output directory.")
+  flags.DEFINE_list("h100_hosts", ["1", "2", "4", "8", "16"], "Host counts of the H100 step model.")
+  flags.DEFINE_integer("h100_local_batch", 4096, "Examples per GPU in the H100 step model.",
+                       lower_bound=1)
+  flags.DEFINE_integer("h100_dim", 128, "Embedding dim in the H100 step model.", lower_bound=1)
+  flags.DEFINE_bool("h100_only", False, "Only the H100 step model (no training).")
 
 
 def main(argv):
@@ -63,6 +79,34 @@ def main(argv):
   from experiments.dmt import study
 
   t0 = time.perf_counter()
+  try:
+    hosts = [int(h) for h in FLAGS.h100_hosts]
+  except ValueError:
+    hosts = []
+  if not hosts or any(not 1 <= h <= 26 for h in hosts):
+    from core import errors
+    raise errors.UserError(f"--h100_hosts={','.join(FLAGS.h100_hosts)}: expected host counts "
+                           "in 1..26 (one tower per host of the 26 features)")
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  units = study.measured_units()
+  h100 = study.h100_table(units, hosts, FLAGS.h100_local_batch, FLAGS.h100_dim,
+                          FLAGS.tower_k, seed=FLAGS.seed)
+  print(f"H100 step model: {units['bag_bytes']:g} bytes per bag, {units['value_bytes']:g} per "
+        f"pooled value (compiled HLO); local batch {FLAGS.h100_local_batch}, dim "
+        f"{FLAGS.h100_dim}, 26 features, K = {FLAGS.tower_k}; ms per step of one GPU",
+        flush=True)
+  print(study.format_h100(h100), flush=True)
+  h100_out = {"units": units, "rows": h100, "local_batch": FLAGS.h100_local_batch,
+              "dim": FLAGS.h100_dim, "paper_speedup_max": study.PAPER_SPEEDUP,
+              "plot": study.plot_h100(h100, os.path.join(FLAGS.workdir, "dmt_h100.png"))}
+  h100_summary = {f"h100_{r['hosts']}_hosts": {
+      "x_rw": round(r["speedup_serial"], 2), "x_tw": round(r["speedup_serial_tw"], 2),
+      "x_tw_overlap": round(r["speedup_overlap_tw"], 2)} for r in h100}
+  if FLAGS.h100_only:
+    results_lib.finish(FLAGS.workdir, {"h100": h100_out,
+                                       "wall_seconds": time.perf_counter() - t0},
+                       h100_summary | {"wall_seconds": round(time.perf_counter() - t0, 1)})
+    return
   out = study.run([int(t) for t in FLAGS.towers], FLAGS.tower_k, FLAGS.steps, FLAGS.batch_size,
                   FLAGS.eval_batches, FLAGS.num_rows, FLAGS.dim, FLAGS.teacher,
                   FLAGS.comm_batch, FLAGS.seed, FLAGS.workdir,
@@ -72,12 +116,13 @@ def main(argv):
   os.makedirs(FLAGS.workdir, exist_ok=True)
   out.update(comm_batch=FLAGS.comm_batch, steps=FLAGS.steps, teacher=FLAGS.teacher)
   out["plot"] = study.plot(rows, os.path.join(FLAGS.workdir, "dmt.png"))
+  out["h100"] = h100_out
   out["wall_seconds"] = time.perf_counter() - t0
   results_lib.write_results(FLAGS.workdir, out)
   results_lib.print_summary(
       {r["model"]: {"auc": round(r["auc"], 4), "logloss": round(r["logloss"], 4),
                     "a2a_reduction": round(r["global_reduction"], 2)} for r in rows}
-      | {"wall_seconds": round(out["wall_seconds"], 1)})
+      | h100_summary | {"wall_seconds": round(out["wall_seconds"], 1)})
 
 
 if __name__ == "__main__":

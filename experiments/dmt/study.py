@@ -8,6 +8,11 @@ the flat model's.
   comm_volume(...)                    bytes per step that the collection's all-to-alls and
                                       in-group collectives deliver, flat vs SPTT (checked
                                       against the compiled HLO in tests/experiments/dmt)
+  hlo_unit_bytes(...)                 bytes per bag and per pooled value read from the
+                                      compiled flat and SPTT lookups' HLO (8 devices)
+  h100_step_model(...), h100_table    flat vs SPTT step time of a GPU on H100 hosts (compute,
+                                      NVLink, inter-host exchange; core.hardware's links)
+                                      from those bytes, per host count, beside the paper's 1.9x
   run(...)                            the comparison: flat, then per T the similarity and
                                       the random partition; rows for the table and plot
   format_table(rows), plot(rows, path)
@@ -106,6 +111,219 @@ def comm_volume(batch: int, num_features: int, dim: int, towers: int, tower_k: i
   sptt["global_total"] = sptt["global_ids"] + sptt["global_embeddings"]
   return {"flat": flat, "sptt": sptt,
           "global_reduction": flat["global_total"] / sptt["global_total"]}
+
+
+# --- the step-time model on H100 hosts -------------------------------------------------------
+
+PAPER_SPEEDUP = 1.9   # arXiv 2403.00877 abstract: "up to 1.9x speedup" over flat baselines
+GPUS_PER_HOST = 8
+
+
+def hlo_unit_bytes(dims: Sequence[int] = (4, 8), batch: int = 16, bag: int = 1,
+                   tower_k: int = 2) -> dict[str, Any]:
+  """Bytes the compiled lookups move, read from their HLO (core.hlo) on 8 devices (2 tower
+  groups of 4 for SPTT, table-wise over all 8 for flat), 8 features, at two embedding dims:
+  the flat all-to-all is bags + pooled values, B F (u + e D), so the two dims give the
+  bytes per bag u and per pooled value e. The SPTT collectives of the same compile must then
+  be what those units predict (else a ValueError): the numbers the step model scales."""
+  from core import hlo
+  if jax.device_count() < 8:
+    raise ValueError(f"hlo_unit_bytes: {jax.device_count()} devices; expected 8 (set "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU)")
+  N, T, G, F = 8, 2, 4, 8
+  towers = ((0, 2, 5, 7), (1, 3, 4, 6))
+  mesh = mesh_lib.make_mesh("data:2,model:4", jax.devices()[:8])
+  sgd = opt_lib.get_sparse_optimizer("sgd", 0.1)
+  ids = np.zeros((batch, F, bag), np.int32)
+  lengths = np.ones((batch, F), np.int32)
+  weights = np.ones((batch, F, bag), np.float32)
+  got = {}
+  for D in dims:
+    cfg = DMTConfig(num_dense=3, embedding_dim=D, towers=towers, tower_k=tower_k,
+                    bottom_mlp=(8, D), top_mlp=(8, 1), rows_per_feature=(16,) * F)
+    tables = cfg.tables()
+    model = DMTModel(cfg, nnx.Rngs(0))
+    for name, plan, kw in (("flat", planner_lib.uniform_plan(tables, "tw", N), {}),
+                           ("sptt", planner_lib.tower_plan(tables, towers, N),
+                            {"towers": model.tower_transform()})):
+      coll = EmbeddingCollection(tables, plan, mesh, sgd)
+      fn = jax.jit(lambda s, i, l, w, coll=coll, kw=kw: coll.lookup(s, i, l, w, **kw))
+      text = fn.lower(coll.init(jax.random.key(0)), ids, lengths, weights).compile().as_text()
+      got[(name, D)] = {f"{k[0]} {','.join(k[1])}": N * v
+                        for k, v in hlo.collective_bytes(text).items()}
+  d1, d2 = dims
+  a2a = lambda D: got[("flat", D)]["all-to-all data,model"]
+  value = (a2a(d2) - a2a(d1)) / (batch * F * (d2 - d1))
+  bag_bytes = a2a(d1) / (batch * F) - value * d1
+  for D in dims:   # SPTT's collectives in the same units
+    want = {"all-to-all data": batch * F * bag_bytes + batch * T * (tower_k + 1) * D * value,
+            "all-gather model": G * batch * F * bag_bytes,
+            "reduce-scatter model": batch * F * D * value}
+    if got[("sptt", D)] != want:
+      raise ValueError(f"hlo_unit_bytes: SPTT collectives at dim {D} {got[('sptt', D)]}, "
+                       f"expected {want} from the flat program's units")
+  return {"bag_bytes": bag_bytes, "value_bytes": value, "bag": bag,
+          "compiled": {f"{n} D={D}": v for (n, D), v in got.items()}}
+
+
+def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batch: int,
+                    num_features: int, dim: int, tower_k: int, flops_flat: float,
+                    flops_dmt: float, gpus_per_host: int = GPUS_PER_HOST, hw=None,
+                    eff=None) -> dict[str, Any]:
+  """Step time of one GPU, flat table-wise DLRM vs DMT through SPTT with one tower per host,
+  on `hosts` hosts of `gpus_per_host` H100 (core.hardware: NVLink inside a host, the RDMA
+  NIC of each GPU across hosts, with the CP model's fitted lines: Efficiency.all2all_link
+  across, nvlink_link inside).
+
+  Bytes per GPU and step (b = local_batch, F features, D dim, u = bag_bytes, e =
+  value_bytes, N = hosts * G GPUs, H = hosts):
+    flat   all-to-alls over all N GPUs (the collection's three: forward bags b F u and
+           pooled b F D e, backward the pooled gradients b F D e); the share (N - G) / N of
+           each leaves the host, the share (G - 1) / N crosses NVLink, at the same time (the
+           slower one counts); each pays its link's latency once.
+    SPTT   global all-to-all over the towers (one per host): bags b F u forward, the towers'
+           compressed outputs b H (K + 1) D e forward and their gradients backward; the
+           share (H - 1) / H leaves the host. Inside the host (NVLink rings of G, core.
+           hardware.ring_collective_s): all-gather of the group's bags (G b F u gathered),
+           reduce-scatter of the partial sums (G b F D e) and, backward, the all-gather of
+           their gradients (G b F D e).
+    SPTT with the host's tables table-wise ("sptt_tw", the paper's in-host layout; this
+           codebase's SPTT is row-wise inside the group): the same global exchange, inside the
+           host all-to-alls over NVLink of the bags b F u and of the pooled values b F D e and
+           their gradients, the share (G - 1) / G leaving each GPU.
+  Compute: 3 x forward FLOPs per example (forward + backward) x b at the BF16 peak x
+  Efficiency.gemm. Two overlap cases: none (compute + communication) and full
+  (max(compute, communication)); the paper's gain comes from the communication, so the
+  speedup is largest where the exchange dominates the step.
+  """
+  from core import hardware
+  hw, eff = hw or hardware.Hardware(), eff or hardware.Efficiency()
+  if hosts < 1 or local_batch < 1 or gpus_per_host < 1:
+    raise ValueError(f"h100_step_model: hosts={hosts}, local_batch={local_batch}, "
+                     f"gpus_per_host={gpus_per_host}; expected >= 1 each")
+  net, nvl = eff.all2all_link(hw), eff.nvlink_link(hw)
+  G, H, b, F, D = gpus_per_host, hosts, local_batch, num_features, dim
+  N = G * H
+
+  def a2a(per_gpu: float, n: int, off_host: float, on_host: float) -> float:
+    """An all-to-all: each GPU sends `per_gpu` bytes to n peers (itself included)."""
+    if per_gpu == 0 or n == 1:
+      return 0.0
+    t_net = net.time(per_gpu * off_host) if off_host > 0 else 0.0
+    t_nvl = nvl.time(per_gpu * on_host) if on_host > 0 else 0.0
+    return max(t_net, t_nvl)
+
+  bags, pooled = b * F * bag_bytes, b * F * D * value_bytes
+  flat = {"global_s": (a2a(bags, N, (N - G) / N, (G - 1) / N)
+                       + 2 * a2a(pooled, N, (N - G) / N, (G - 1) / N)),
+          "intra_s": 0.0}
+  compressed = b * H * (tower_k + 1) * D * value_bytes
+  sptt = {"global_s": (a2a(bags, H, (H - 1) / H, 0.0)
+                       + 2 * a2a(compressed, H, (H - 1) / H, 0.0)),
+          "intra_s": (hardware.ring_collective_s("all_gather", G * bags, G, nvl)
+                      + hardware.ring_collective_s("reduce_scatter", G * pooled, G, nvl)
+                      + hardware.ring_collective_s("all_gather", G * pooled, G, nvl))}
+  # The same towers with the host's tables placed table-wise (modelled, not built here):
+  # all-to-alls over NVLink of the bags and of the pooled values and their gradients.
+  sptt_tw = {"global_s": sptt["global_s"],
+             "intra_s": (a2a(bags, G, 0.0, (G - 1) / G) + 2 * a2a(pooled, G, 0.0, (G - 1) / G))}
+  rate = hw.bf16_flops * eff.gemm
+  flat["compute_s"] = 3 * flops_flat * b / rate
+  sptt["compute_s"] = sptt_tw["compute_s"] = 3 * flops_dmt * b / rate
+  for m in (flat, sptt, sptt_tw):
+    m["comm_s"] = m["global_s"] + m["intra_s"]
+    m["step_serial_s"] = m["compute_s"] + m["comm_s"]
+    m["step_overlap_s"] = max(m["compute_s"], m["comm_s"])
+  out = {"hosts": H, "gpus": N, "local_batch": b, "flat": flat, "sptt": sptt,
+         "sptt_tw": sptt_tw}
+  for name, m in (("", sptt), ("_tw", sptt_tw)):
+    out[f"speedup_serial{name}"] = flat["step_serial_s"] / m["step_serial_s"]
+    out[f"speedup_overlap{name}"] = flat["step_overlap_s"] / m["step_overlap_s"]
+  return out
+
+
+def measured_units(bag: int = 1) -> dict[str, Any]:
+  """`hlo_unit_bytes`, compiled here when 8 devices exist, else in a subprocess with 8
+  simulated CPU devices."""
+  if jax.device_count() >= 8:
+    return hlo_unit_bytes(bag=bag)
+  import json
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip())
+  code = ("import json; from experiments.dmt import study; "
+          f"print(json.dumps(study.hlo_unit_bytes(bag={int(bag)})))")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=False)
+  if out.returncode:
+    raise RuntimeError(f"hlo_unit_bytes in a subprocess failed:\n{out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def h100_table(units: dict[str, Any], host_counts: Sequence[int], local_batch: int,
+               dim: int, tower_k: int, num_features: int = 26, num_dense: int = 13,
+               seed: int = 0) -> list[dict[str, Any]]:
+  """`h100_step_model` per host count, one tower per host (a random equal-count partition
+  of the features; FLOPs do not depend on which features), forward FLOPs per example of the
+  study's flat DLRM and DMT models from XLA's cost analysis (core.flops)."""
+  from core import flops as flops_lib
+  bottom, top = (64, dim), (64, 1)
+  flat_cfg = DLRMConfig(num_dense=num_dense, num_sparse=num_features, embedding_dim=dim,
+                        bottom_mlp=bottom, top_mlp=top, rows_per_feature=(8,) * num_features)
+  shapes = (num_dense, num_features, dim)
+  flops_flat = flops_lib.model_flops_per_example(lambda r: DLRM(flat_cfg, r), shapes)
+  rows = []
+  for h in host_counts:
+    parts = towers_lib.random_partition(num_features, h, seed) if h > 1 else (
+        tuple(range(num_features)),)
+    cfg = DMTConfig(num_dense=num_dense, embedding_dim=dim, towers=parts, tower_k=tower_k,
+                    bottom_mlp=bottom, top_mlp=top, rows_per_feature=8)
+    flops_dmt = flops_lib.model_flops_per_example(lambda r, cfg=cfg: DMTModel(cfg, r), shapes)
+    row = h100_step_model(units["bag_bytes"], units["value_bytes"], h, local_batch,
+                          num_features, dim, tower_k, flops_flat, flops_dmt)
+    row.update(flops_flat=flops_flat, flops_dmt=flops_dmt)
+    rows.append(row)
+  return rows
+
+
+def format_h100(rows) -> str:
+  """Milliseconds per step of one GPU and the speedups flat / SPTT (rw in the group, as
+  built) and flat / SPTT with table-wise hosts (tw, modelled)."""
+  lines = [f"{'hosts':>5}{'GPUs':>5}{'compute':>9}{'flat comm':>10}{'SPTT global':>12}"
+           f"{'rw intra':>9}{'tw intra':>9}{'x rw':>7}{'x rw ovl':>9}{'x tw':>7}"
+           f"{'x tw ovl':>9}   paper"]
+  for r in rows:
+    f, s, t = r["flat"], r["sptt"], r["sptt_tw"]
+    lines.append(f"{r['hosts']:>5}{r['gpus']:>5}{1e3 * s['compute_s']:>9.3f}"
+                 f"{1e3 * f['comm_s']:>10.3f}{1e3 * s['global_s']:>12.3f}"
+                 f"{1e3 * s['intra_s']:>9.3f}{1e3 * t['intra_s']:>9.3f}"
+                 f"{r['speedup_serial']:>7.2f}{r['speedup_overlap']:>9.2f}"
+                 f"{r['speedup_serial_tw']:>7.2f}{r['speedup_overlap_tw']:>9.2f}"
+                 f"   up to {PAPER_SPEEDUP}x")
+  return "\n".join(lines)
+
+
+def plot_h100(rows, path: str) -> str:
+  """Modelled speedup flat / SPTT per host count beside the paper's up to 1.9x."""
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  x = [r["hosts"] for r in rows]
+  ax.plot(x, [r["speedup_serial"] for r in rows], "o-", label="SPTT as built (rw in host)")
+  ax.plot(x, [r["speedup_serial_tw"] for r in rows], "s-", label="SPTT, tw in host (modelled)")
+  ax.axhline(PAPER_SPEEDUP, color="r", ls="--", lw=1, label=f"paper: up to {PAPER_SPEEDUP}x")
+  ax.axhline(1, color="k", lw=0.8)
+  ax.set(xscale="log", xlabel="hosts of 8 H100 (one tower per host)",
+         ylabel="step time flat / DMT", title="DMT step model, H100 hosts")
+  ax.set_xticks(x, [str(v) for v in x])
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def run(towers: Sequence[int], tower_k: int, steps: int, batch_size: int, eval_batches: int,

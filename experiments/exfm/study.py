@@ -1,8 +1,11 @@
 """ExFM (arXiv 2502.17494) study: one foundation-model teacher (Wukong) serving 2-3 vertical
-students (DLRM / DCN-v2) through the DAS, on streaming data in time order.
+students (DLRM / DCN-v2) through the DAS, on streaming data in time order. The teacher sees
+far more data than any student (every row of each period plus teacher-only history; the
+students their vertical's first batches), and is checked to beat the students alone before
+anything is distilled from it.
 
-  load_periods(data, ...)       rows of every period in time order: synthetic with drifting
-                                features, or the Criteo sample in file order
+  synthetic_periods(...),       rows of every period in time order: synthetic with drifting
+  criteo_periods(...)           features, or the Criteo sample in file order
   route(rows, S, feature)       each student's vertical: rows whose id of `feature` is
                                 congruent to its index mod S (the teacher trains on all)
   Stream                        a run's batches over periods as one resumable BatchSource
@@ -11,7 +14,9 @@ students (DLRM / DCN-v2) through the DAS, on streaming data in time order.
                                 for each period's student rows from the snapshot then current
   train_student(...)            a student variant, period by period through RecTask and
                                 core.train (resume): train on period p, evaluate on p + 1
-  run(...), format_table(...), plot_gains(...), plot_scaling(...)
+  run(...)                      teachers, students alone, the teacher check (its column's
+                                NE vs each student alone), distilled students, scaling
+  format_table(...), plot_gains(...), plot_scaling(...)
 
 Students' NE gain = (NE alone - NE variant) / NE alone, in %, per evaluated period.
 """
@@ -32,12 +37,13 @@ from flax import nnx
 
 from core import flops as flops_lib
 from core import mesh as mesh_lib
+from core import plot as plot_lib
 from core import train as train_loop
 from core.errors import UserError
 from rec import distill
 from rec.data.batch import DataSpec, SparseBatch
 from rec.data.criteo import CriteoSource
-from rec.data.synthetic import SyntheticCriteo
+from rec.data.synthetic import LOGIT_SCALE, SyntheticCriteo
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
@@ -54,9 +60,16 @@ VARIANTS = {
     "aux_head": distill.DistillSpec(aux_weight=1.0),
     "aux_head+adapter": distill.DistillSpec(aux_weight=1.0, adapter=True),
 }
-# The paper's reported NE gains by variant. Not filled: the paper's text (arXiv 2502.17494)
-# was not reachable from the machine this study was written on, and numbers are not guessed.
+# The paper's reported NE gains by variant. Not filled: the public text found (the arXiv
+# 2502.17494 abstract and third-party summaries of it) claims "significant performance
+# gain" without per-variant numbers; the paper's tables were not reachable, and numbers are
+# not guessed.
 PAPER_NE_GAIN: dict[str, float | None] = {v: None for v in VARIANTS}
+# Variants trained with every teacher size (NE gain against teacher size).
+SCALING_VARIANTS = ("kd", "aux_head+adapter")
+# Synthetic rows per period, in units of S n B, at least: each student's vertical (ids by
+# value mod S) then holds n full batches.
+MIN_SHARE = 1.6
 # Teacher sizes (Wukong): name -> (embedding dim, layers, n_F = n_L, rank, MLP width).
 TEACHERS = {"S": (8, 1, 4, 8, 64), "M": (16, 2, 8, 16, 128), "L": (16, 3, 16, 24, 256)}
 
@@ -84,13 +97,15 @@ def _rows(batch: SparseBatch) -> Rows:
 
 
 def synthetic_periods(num_periods: int, rows_per_period: int, num_rows: int,
-                      drift_features: int, seed: int = 0) -> tuple[list[Rows], DataSpec]:
+                      drift_features: int, seed: int = 0,
+                      logit_scale: float = LOGIT_SCALE) -> tuple[list[Rows], DataSpec]:
   """Periods of SyntheticCriteo(teacher="deep") whose first `drift_features` features drift:
   in period p their Zipf ranks land on rows shifted by p * (num_rows // 7 + 1) (new ids
   become the popular ones, old ones fade), and labels are drawn again from the source's
-  hidden model on the shifted ids (each id keeps its meaning; which ids are seen moves)."""
+  hidden model on the shifted ids (each id keeps its meaning; which ids are seen moves).
+  `logit_scale`: the std of the hidden logit (higher: more signal to learn)."""
   chunk = 2048
-  src = SyntheticCriteo(chunk, num_rows, seed=seed, teacher="deep")
+  src = SyntheticCriteo(chunk, num_rows, seed=seed, teacher="deep", logit_scale=logit_scale)
   n_chunks = -(-rows_per_period // chunk)
   shift = num_rows // 7 + 1
   periods = []
@@ -239,19 +254,20 @@ def train_teacher(size: str, union: Stream, student_periods: list[list[list[Spar
   since its last update. For each student period p the DAS writes the logits of the then
   current snapshot on each student's rows of p (`<workdir>/das/s<k>_p<p>.npy`).
 
-  Returns {params, flops_per_example, columns: {(k, p): path}, train_seconds}."""
+  Returns {size, dense_params, train_examples (by its last update), embedding_params,
+  flops_per_example, columns: {(k, p): path}, train_seconds}."""
   cfg = teacher_config(size, spec)
   task = make_task(model_fn_for(cfg), cfg.tables(), lr)
   ckpt_dir = os.path.join(workdir, "train")
   t0 = time.perf_counter()
   out = _train_to(task, union, union.ends[history - 1], ckpt_dir, True, seed)
-  state = out["state"]
+  state, trained = out["state"], union.ends[history - 1]
   columns = {}
   num_periods = len(union.periods)
   for p in range(history, num_periods):
     if p > history and (p - history) % teacher_every == 0:   # the slower cadence
       out = _train_to(task, union, union.ends[p - 1], ckpt_dir, False, seed)
-      state = out["state"]
+      state, trained = out["state"], union.ends[p - 1]
       log(f"  teacher {size}: updated through period {p - 1}")
     for k, batches in enumerate(student_periods):
       path = os.path.join(workdir, "das", f"s{k}_p{p}.npy")
@@ -260,6 +276,7 @@ def train_teacher(size: str, union: Stream, student_periods: list[list[list[Spar
       columns[(k, p)] = path
   model = nnx.eval_shape(lambda: model_fn_for(cfg)(nnx.Rngs(0)))
   return {"size": size, "dense_params": flops_lib.count_params(model),
+          "train_examples": trained * union.batch_size,
           "embedding_params": sum(t.num_rows * t.dim for t in cfg.tables()),
           "flops_per_example": flops_lib.model_flops_per_example(model_fn_for(cfg), cfg),
           "columns": columns, "train_seconds": time.perf_counter() - t0}
@@ -307,16 +324,24 @@ def train_student(k: int, variant: str, periods: list[list[SparseBatch]], spec: 
 def run(data: str, num_students: int, periods: int, history: int, teacher_every: int,
         batch_size: int, batches_per_period: int, num_rows: int, drift_features: int,
         teacher_sizes: Sequence[str], main_teacher: str, vertical_feature: int, lr: float,
-        seed: int, workdir: str, log=print) -> dict[str, Any]:
+        seed: int, workdir: str, log=print, teacher_data: float = 4.0,
+        logit_scale: float = LOGIT_SCALE) -> dict[str, Any]:
   """The comparison on one data set; see the entry point's docstring. Every student gets
   n = min(batches_per_period, the fewest full batches any student's vertical holds in a
-  period) batches per period; synthetic periods hold 1.6 S n B rows (verticals by id are
-  not of equal size)."""
+  period) batches per period. Synthetic periods hold max(teacher_data, 1.6) S n B rows:
+  the teacher trains on all of them, each student on the first n batches of its vertical
+  (1.6 at least because verticals by id are not of equal size); on Criteo the teacher has
+  every row of a period, the students their verticals' first n batches.
+
+  Order: the teachers and the students alone first, then the check that the teacher is
+  the better model on the students' evaluated periods (logged, and in `teacher_check`),
+  then the distilled students."""
   t_start = time.perf_counter()
   total = history + periods
   if data == "synthetic":
-    rows, spec = synthetic_periods(total, int(1.6 * num_students * batches_per_period
-                                              * batch_size), num_rows, drift_features, seed)
+    rows, spec = synthetic_periods(
+        total, int(max(teacher_data, MIN_SHARE) * num_students * batches_per_period
+                   * batch_size), num_rows, drift_features, seed, logit_scale)
   else:
     rows, spec = criteo_periods(data, total, num_rows)
   verticals = [route(r, num_students, vertical_feature) for r in rows]
@@ -328,6 +353,7 @@ def run(data: str, num_students: int, periods: int, history: int, teacher_every:
                     "period; expected more rows per period or a smaller batch size")
   student_periods = [[b[:n] for b in sp] for sp in student_periods]
   union = Stream([to_batches(r, batch_size) for r in rows], spec, batch_size)
+  student_examples = (periods - 1) * n * batch_size
   log(f"== {data}: {total} periods ({history} teacher-only history) of {len(rows[0])} rows; "
       f"{n} batches of {batch_size} per student and period; the teacher "
       f"{len(union.periods[0])} per period")
@@ -337,56 +363,100 @@ def run(data: str, num_students: int, periods: int, history: int, teacher_every:
     log(f"== teacher {size} (Wukong {TEACHERS[size]})")
     teachers[size] = train_teacher(size, union, student_periods, spec, history, teacher_every,
                                    lr, seed, os.path.join(workdir, f"teacher_{size}"), log)
-  jobs = [(k, v, main_teacher) for k in range(num_students) for v in VARIANTS]
-  jobs += [(k, "aux_head+adapter", s) for k in range(num_students) for s in teacher_sizes
-           if s != main_teacher]
+  eval_periods = list(range(history + 1, total))
   results = {}
   t0 = time.perf_counter()
-  for j, (k, variant, size) in enumerate(jobs):
-    cols = teachers[size]["columns"]
+  done_jobs = [0]
+
+  def student(k, variant, size, num_jobs):
     name = f"s{k}_{variant}_{size}"
-    nes = train_student(k, variant, student_periods[k], spec, history, cols, lr, seed,
+    nes = train_student(k, variant, student_periods[k], spec, history,
+                        teachers[size]["columns"], lr, seed,
                         os.path.join(workdir, "students", name), log)
     results[(k, variant, size)] = nes
+    done_jobs[0] += 1
     done = time.perf_counter() - t0
-    log(f"[{j + 1}/{len(jobs)}] student {k} ({type(student_config(k, spec)).__name__[:-6]}) "
-        f"{variant:<17} teacher {size}: NE {' '.join(f'{x:.4f}' for x in nes)} | "
-        f"{done:.0f} s, ETA {done / (j + 1) * (len(jobs) - j - 1):.0f} s")
+    log(f"[{done_jobs[0]}/{num_jobs}] student {k} ({model_name(k, spec)}) {variant:<17} "
+        f"teacher {size}: NE {' '.join(f'{x:.4f}' for x in nes)} | {done:.0f} s, ETA "
+        f"{done / done_jobs[0] * (num_jobs - done_jobs[0]):.0f} s")
 
-  eval_periods = list(range(history + 1, total))
+  jobs = [(k, v, main_teacher) for k in range(num_students) for v in VARIANTS if v != "alone"]
+  jobs += [(k, v, s) for k in range(num_students) for s in teacher_sizes if s != main_teacher
+           for v in SCALING_VARIANTS]
+  num_jobs = num_students + len(jobs)
+  for k in range(num_students):
+    student(k, "alone", main_teacher, num_jobs)
+
+  # The check before distilling: the teacher's column against each student alone, on the
+  # periods the students are evaluated on (the teacher's snapshot then current: stale by
+  # up to teacher_every periods; the student trained through the period before).
+  teacher_check = []
+  for size in teacher_sizes:
+    for k in range(num_students):
+      alone = np.asarray(results[(k, "alone", main_teacher)])
+      t_ne = np.asarray([ne_of(np.load(teachers[size]["columns"][(k, p)]),
+                               student_periods[k][p]) for p in eval_periods])
+      margin = 100.0 * (alone - t_ne) / alone
+      teacher_check.append({"teacher": size, "student": k, "teacher_ne": t_ne.tolist(),
+                            "alone_ne": alone.tolist(), "margin_pct": margin.tolist(),
+                            "mean_margin_pct": float(margin.mean())})
+      log(f"check: teacher {size} NE {' '.join(f'{x:.4f}' for x in t_ne)} vs student {k} "
+          f"alone {' '.join(f'{x:.4f}' for x in alone)}: teacher "
+          + (f"better by {margin.mean():.2f} %" if margin.min() > 0 else
+             f"NOT better in every period (mean {margin.mean():+.2f} %)"))
+  log(f"   the teacher trained on {teachers[main_teacher]['train_examples']:,} examples by its "
+      f"last update, each student on {student_examples:,}")
+  for job in jobs:
+    student(*job, num_jobs)
+
   rows_out = []
   for k in range(num_students):
     alone = np.asarray(results[(k, "alone", main_teacher)])
-    teacher_ne = [ne_of(np.load(teachers[main_teacher]["columns"][(k, p)]),
-                        student_periods[k][p]) for p in eval_periods]
+    check = next(c for c in teacher_check if c["teacher"] == main_teacher and c["student"] == k)
     for (kk, variant, size), nes in results.items():
       if kk != k:
         continue
       gain = 100.0 * (alone - np.asarray(nes)) / alone
-      rows_out.append({"student": k, "model": type(student_config(k, spec)).__name__[:-6],
+      rows_out.append({"student": k, "model": model_name(k, spec),
                        "variant": variant, "teacher": size, "ne": nes,
                        "ne_gain_pct": gain.tolist(), "mean_ne_gain_pct": float(gain.mean()),
-                       "teacher_ne": teacher_ne if size == main_teacher else None,
+                       "teacher_ne": check["teacher_ne"] if size == main_teacher else None,
                        "paper_ne_gain_pct": PAPER_NE_GAIN.get(variant)})
   scaling = []
   for size in teacher_sizes:
-    g = [r["mean_ne_gain_pct"] for r in rows_out
-         if r["variant"] == "aux_head+adapter" and r["teacher"] == size]
     t = teachers[size]
     scaling.append({"teacher": size, "dense_params": t["dense_params"],
                     "embedding_params": t["embedding_params"],
                     "flops_per_example": t["flops_per_example"],
-                    "mean_ne_gain_pct": float(np.mean(g)),
+                    "train_examples": t["train_examples"],
+                    "mean_teacher_margin_pct": float(np.mean(
+                        [c["mean_margin_pct"] for c in teacher_check if c["teacher"] == size])),
+                    "mean_ne_gain_pct": {v: float(np.mean(
+                        [r["mean_ne_gain_pct"] for r in rows_out
+                         if r["variant"] == v and r["teacher"] == size]))
+                        for v in SCALING_VARIANTS},
                     "teacher_train_seconds": t["train_seconds"]})
   return {"data": data, "eval_periods": eval_periods, "rows": rows_out, "scaling": scaling,
-          "batch_size": batch_size, "rows_per_period": len(rows[0]),
-          "student_batches_per_period": n, "teacher_batches_per_period": len(union.periods[0]),
+          "teacher_check": teacher_check, "batch_size": batch_size,
+          "rows_per_period": len(rows[0]), "student_batches_per_period": n,
+          "teacher_batches_per_period": len(union.periods[0]),
+          "student_train_examples": student_examples,
           "wall_seconds": time.perf_counter() - t_start}
 
 
+def model_name(k: int, spec: DataSpec) -> str:
+  return type(student_config(k, spec)).__name__[:-len("Config")]
+
+
 def format_table(res: dict[str, Any]) -> str:
-  lines = [f"{res['data']}: NE gain over the student alone (%), per evaluated period "
-           f"{res['eval_periods']}"]
+  lines = [f"{res['data']}: the teacher's column vs each student alone (NE per evaluated "
+           f"period {res['eval_periods']}; margin: (alone - teacher) / alone, %)"]
+  for c in res["teacher_check"]:
+    lines.append(f"  teacher {c['teacher']} / student {c['student']}: teacher "
+                 + " ".join(f"{x:.4f}" for x in c["teacher_ne"]) + " | alone "
+                 + " ".join(f"{x:.4f}" for x in c["alone_ne"])
+                 + f" | margin {c['mean_margin_pct']:+.2f} %")
+  lines.append(f"{res['data']}: NE gain over the student alone (%), per evaluated period")
   lines.append(f"{'student':<10}{'variant':<19}{'teacher':<9}{'mean':>8}  per period"
                f"{'':<20}paper")
   for r in res["rows"]:
@@ -394,23 +464,19 @@ def format_table(res: dict[str, Any]) -> str:
     lines.append(f"{r['student']} {r['model']:<8}{r['variant']:<19}{r['teacher']:<9}"
                  f"{r['mean_ne_gain_pct']:>8.3f}  "
                  + " ".join(f"{g:+.2f}" for g in r["ne_gain_pct"]) + f"   {paper}")
-  for r in res["rows"]:
-    if r["variant"] == "alone":
-      lines.append(f"student {r['student']} NE alone: " + " ".join(f"{x:.4f}" for x in r["ne"])
-                   + " | teacher column NE: " + " ".join(f"{x:.4f}" for x in r["teacher_ne"]))
-  lines.append("teacher size -> mean NE gain of aux_head+adapter (%): " + ", ".join(
-      f"{s['teacher']} ({s['dense_params']:,} dense params, "
-      f"{s['flops_per_example'] / 1e6:.2f} MFLOP/ex): {s['mean_ne_gain_pct']:+.3f}"
-      for s in res["scaling"]))
+  for v in SCALING_VARIANTS:
+    lines.append(f"teacher size -> mean NE gain of {v} (%): " + ", ".join(
+        f"{s['teacher']} ({s['dense_params']:,} dense params, "
+        f"{s['flops_per_example'] / 1e6:.2f} MFLOP/ex, teacher margin "
+        f"{s['mean_teacher_margin_pct']:+.2f} %): {s['mean_ne_gain_pct'][v]:+.3f}"
+        for s in res["scaling"]))
   return "\n".join(lines)
 
 
 def plot_gains(results: Sequence[dict[str, Any]], path: str) -> str:
   """NE gain per evaluated period, one panel per data set, a line per variant (mean over
   the students, main teacher)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plot_lib.pyplot()
   fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
   for ax, res in zip(axes[0], results):
     main = [r for r in res["rows"] if r["teacher_ne"] is not None]
@@ -429,22 +495,32 @@ def plot_gains(results: Sequence[dict[str, Any]], path: str) -> str:
 
 
 def plot_scaling(results: Sequence[dict[str, Any]], path: str) -> str:
-  """Mean NE gain of aux_head+adapter against the teacher's dense FLOPs per example."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  """Against the teacher's dense FLOPs per example: the students' mean NE gain of each
+  SCALING_VARIANTS variant (left) and the teacher's own NE margin over the students alone
+  (right), a line per data set."""
+  plt = plot_lib.pyplot()
+  fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(10, 3.8))
   for res in results:
     s = res["scaling"]
-    ax.plot([x["flops_per_example"] for x in s], [x["mean_ne_gain_pct"] for x in s],
-            marker="o", label=os.path.basename(res["data"].rstrip("/")) or res["data"])
-    for x in s:
-      ax.annotate(x["teacher"], (x["flops_per_example"], x["mean_ne_gain_pct"]), fontsize=8)
-  ax.set_xscale("log")
-  ax.set(xlabel="teacher FLOPs per example", ylabel="student NE gain (%)",
-         title="ExFM transfer vs teacher size")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+    name = os.path.basename(res["data"].rstrip("/")) or res["data"]
+    x = [t["flops_per_example"] for t in s]
+    for v, style in zip(SCALING_VARIANTS, ("o-", "s--")):
+      y = [t["mean_ne_gain_pct"][v] for t in s]
+      ax.plot(x, y, style, label=f"{name}: {v}")
+      for t, yy in zip(s, y):
+        ax.annotate(t["teacher"], (t["flops_per_example"], yy), fontsize=8)
+    ax_t.plot(x, [t["mean_teacher_margin_pct"] for t in s], "o-", label=name)
+    for t in s:
+      ax_t.annotate(t["teacher"], (t["flops_per_example"], t["mean_teacher_margin_pct"]),
+                    fontsize=8)
+  for a, ylabel, title in ((ax, "student NE gain (%)", "ExFM transfer vs teacher size"),
+                           (ax_t, "teacher NE margin over student alone (%)",
+                            "teacher vs students, same periods")):
+    a.axhline(0, color="gray", lw=0.8)
+    a.set_xscale("log")
+    a.set(xlabel="teacher FLOPs per example", ylabel=ylabel, title=title)
+    a.grid(alpha=0.3)
+    a.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

@@ -1,28 +1,37 @@
 r"""Parameter vulnerability factor (PVF, arXiv 2405.01741) of a trained DLRM per parameter
-group, and of a Llama (stories260K, or a tiny random model when absent).
+group, and of a Llama (stories260K, or a tiny random model when absent), beside what the
+paper reports.
 
   python -m experiments.pvf                                   # runs/pvf
-  python -m experiments.pvf --formats=fp32,bf16,int8 --faults=single,burst:4 --trials=4000
+  python -m experiments.pvf --trials=8000                     # narrower intervals
+  python -m experiments.pvf --formats=fp32 --faults=single,burst:4 --llama_faults=single,multi:2
   python -m experiments.pvf --dlrm_run=runs/train_rec/RUN     # a train_rec run's checkpoint
 
 DLRM: trains the `--preset` DLRM on synthetic data for --steps (rec.runs.train_run), or
 restores the latest checkpoint of --dlrm_run (built with the same flags); then for each
---formats x --faults, --trials faults per group (embedding tables, bottom MLP layers,
-interaction output, top MLP layers), each on one of --examples eval examples, under
---criterion (threshold[:t]: the click decision at t flips; tol:x: |change in probability|
-> x). Llama: the same per group (embed, attention and MLP per layer, norms) with the top-1
-next token at the last of --llama_len positions as the output, on sequences the model
-samples itself (llm.generate). Every trial runs the real modules with their parameters
-swapped (dlrm.py, llama.py; the injector and the trial batching are core/faults.py).
-Prints a table per model, writes results.json and pvf.png; last line JSON.
+--formats x --faults (default the paper's fault models: SBF `single`, MBF `multi:2`,
+MBBF `burst:2`), --trials faults per group (embedding tables, the bottom and top MLP as
+the paper's components and per layer, the interaction output), each on one of --examples
+eval examples, under --criterion (threshold[:t]: the click decision at t flips; tol:x:
+|change in probability| > x). Llama: the same per group (embed, attention and MLP per
+layer, norms) for --formats x --llama_faults, with the top-1 next token at the last of
+--llama_len positions as the output, on sequences the model samples itself
+(llm.generate). Every trial runs the real modules with their parameters swapped (dlrm.py,
+llama.py; the injector and the trial batching are core/faults.py). Prints a table per
+model with the paper's finding beside the groups it names (n/a elsewhere; study.py says
+what could be read of the paper), PVF by bit field of the single-bit faults and the
+paper's ordering of DLRM components tested on ours; writes results.json and pvf.png; last
+line JSON. Every PVF has a 95% Wilson interval; the widest half-width is printed.
 
-Measured (`python -m experiments.pvf`, defaults, 2-core CPU, jax 0.11.2, 2026-11-24, 4.0
-min; full tables in BENCHMARKS.md "PVF"): DLRM small (test AUC 0.755), threshold 0.5,
-2000 single-bit faults per group, fp32 / bf16 / int8: emb 0 / 0 / 0 (CI upper 0.0019),
-emb_read 0.011 / 0.0245 / 0, bottom_mlp.0 0.0075 / 0.012 / 0.001, interaction 0.011 /
-0.0175 / 0.0045, top_mlp.1 0.0085 / 0.0245 / 0.001. stories260K, top-1 change, 500 per
-group: layer 0 attention 0.054 / 0.088 / 0.018, layer 4 MLP 0.030 / 0.050 / 0.004,
-norms 0.132 / 0.220 / 0.122.
+Measured (`python -m experiments.pvf`, defaults, 2-core CPU shared at load average 28-30,
+jax 0.11.2, 2026-11-27, 11.9 min wall; tables in BENCHMARKS.md "PVF"): DLRM small (test
+AUC 0.755), threshold 0.5, 2000 faults per group, fp32 SBF / MBF / MBBF: emb 0 / 0 / 0
+(CI upper 0.0019; paper: lower than the MLPs), emb_read 0.011 / 0.0235 / 0.0265,
+bottom_mlp 0.0075 / 0.014 / 0.014, top_mlp 0.0055 / 0.014 / 0.016 (paper: the most
+vulnerable component; above emb here, above bottom_mlp only at --trials=64000 with
+--formats=fp32 --faults=single: 0.0076 vs 0.0057; below emb_read). stories260K,
+top-1 change, 500 SBF per group, fp32 / bf16 / int8: norms 0.132 / 0.210 / 0.126, layer 0
+attention 0.054 / 0.122 / 0.026.
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ def define_flags() -> None:
   flags.DEFINE_string("dlrm_run", "", "Restore this train_rec run's latest checkpoint instead "
                       "of training (the run must match --preset / --num_rows).")
   flags.DEFINE_list("formats", ["fp32", "bf16", "int8"], "Stored formats the bits flip in.")
-  flags.DEFINE_list("faults", ["single"],
-                    "Fault models: single, single:<bit>, multi:<k>, burst:<k>[:<start>].")
+  flags.DEFINE_list("faults", ["single", "multi:2", "burst:2"],
+                    "DLRM fault models (the paper's SBF, MBF, MBBF by default): single, "
+                    "single:<bit>, multi:<k>, burst:<k>[:<start>].")
   flags.DEFINE_string("criterion", "threshold:0.5", "DLRM output change: threshold[:t] | tol:x.")
   flags.DEFINE_integer("trials", 2000, "Faults per DLRM group and (format, fault).", lower_bound=1)
   flags.DEFINE_integer("examples", 1024, "DLRM eval examples the trials draw from.", lower_bound=1)
@@ -54,6 +64,7 @@ def define_flags() -> None:
                       "llama2.c checkpoint; when absent, a tiny random-init Llama; '' skips.")
   flags.DEFINE_integer("llama_trials", 500, "Faults per Llama group and (format, fault).",
                        lower_bound=1)
+  flags.DEFINE_list("llama_faults", ["single"], "Llama fault models (as --faults).")
   flags.DEFINE_integer("llama_seqs", 64, "Sequences sampled from the Llama as inputs.",
                        lower_bound=1)
   flags.DEFINE_integer("llama_len", 32, "Tokens per sequence.", lower_bound=1)
@@ -68,6 +79,7 @@ def _dlrm(t_key):
   from core import checkpoint as ckpt_lib
   from core import faults
   from experiments.pvf import dlrm as pvf
+  from experiments.pvf import study
   from rec import configs, runs
 
   cfg = configs.RecRunConfig(model="dlrm", preset=FLAGS.preset, data="synthetic",
@@ -93,13 +105,34 @@ def _dlrm(t_key):
                            max_examples=FLAGS.examples)
   crit = faults.make_criterion(FLAGS.criterion)
   rows = []
-  for fmt in FLAGS.formats:
-    for f in FLAGS.faults:
-      print(f"== DLRM {FLAGS.preset}: {fmt} {f}, {FLAGS.trials} trials per group", flush=True)
-      rows += pvf.dlrm_pvf(target, fmt, faults.FaultModel.parse(f), crit, FLAGS.trials,
-                           jax.random.fold_in(t_key, len(rows)), chunk=FLAGS.chunk)
+  fault_list = [faults.FaultModel.parse(f) for f in FLAGS.faults]
+  for i, fmt in enumerate(FLAGS.formats):
+    print(f"== DLRM {FLAGS.preset}: {fmt} {','.join(FLAGS.faults)}, {FLAGS.trials} trials "
+          "per group and fault model", flush=True)
+    rows += _with_fields(pvf.dlrm_pvf(target, fmt, fault_list, crit, FLAGS.trials,
+                                      jax.random.fold_in(t_key, i), chunk=FLAGS.chunk,
+                                      record=True))
+  rows = _by_fault(rows)
   return {"label": f"DLRM {FLAGS.preset}", "criterion": FLAGS.criterion, "test_auc": auc,
-          "examples": target.num_examples, "rows": rows}
+          "examples": target.num_examples, "rows": rows, "paper": study.PAPER_DLRM,
+          "checks": study.ordering_checks(rows)}
+
+
+def _with_fields(rows):
+  """Rows of single-bit faults get their PVF by bit field from their records; the records
+  themselves are dropped."""
+  from experiments.pvf import study
+  for r in rows:
+    if r["fault"].startswith("single"):
+      r["by_field"] = study.by_field(r)
+    r.pop("records", None)
+  return rows
+
+
+def _by_fault(rows):
+  """Rows ordered by (format, fault model), groups in forward order within each."""
+  key = {k: i for i, k in enumerate(dict.fromkeys((r["fmt"], r["fault"]) for r in rows))}
+  return sorted(rows, key=lambda r: key[r["fmt"], r["fault"]])
 
 
 def _llama(t_key):
@@ -124,14 +157,17 @@ def _llama(t_key):
   tokens = llm_pvf.sample_sequences(model, FLAGS.llama_seqs, FLAGS.llama_len,
                                     jax.random.fold_in(t_key, 7))
   rows = []
-  for fmt in FLAGS.formats:
-    for f in FLAGS.faults:
-      print(f"== {label}: {fmt} {f}, {FLAGS.llama_trials} trials per group", flush=True)
-      rows += llm_pvf.llama_pvf(model, tokens, fmt, faults.FaultModel.parse(f),
-                                FLAGS.llama_trials, jax.random.fold_in(t_key, 100 + len(rows)),
-                                chunk=min(FLAGS.chunk, 128))
+  fault_list = [faults.FaultModel.parse(f) for f in FLAGS.llama_faults]
+  for i, fmt in enumerate(FLAGS.formats):
+    print(f"== {label}: {fmt} {','.join(FLAGS.llama_faults)}, {FLAGS.llama_trials} trials "
+          "per group and fault model", flush=True)
+    rows += _with_fields(llm_pvf.llama_pvf(
+        model, tokens, fmt, fault_list, FLAGS.llama_trials,
+        jax.random.fold_in(t_key, 100 + i), chunk=min(FLAGS.chunk, 128), record=True))
+  rows = _by_fault(rows)
+  # The paper has no language model (its text model is a BERT classifier): n/a per group.
   return {"label": label, "criterion": "top1 next token (last position)",
-          "sequences": FLAGS.llama_seqs, "length": FLAGS.llama_len, "rows": rows}
+          "sequences": FLAGS.llama_seqs, "length": FLAGS.llama_len, "rows": rows, "paper": {}}
 
 
 def main(argv):
@@ -144,11 +180,18 @@ def main(argv):
   t0 = time.perf_counter()
   key = jax.random.key(FLAGS.seed)
   out = {"platform": jax.default_backend(), "formats": FLAGS.formats, "faults": FLAGS.faults,
-         "trials": FLAGS.trials, "models": [_dlrm(key)]}
-  print(study.format_rows(out["models"][0]["rows"]), flush=True)
+         "llama_faults": FLAGS.llama_faults, "trials": FLAGS.trials,
+         "llama_trials": FLAGS.llama_trials, "paper": study.PAPER_NOTE, "models": [_dlrm(key)]}
   if FLAGS.llama:
     out["models"].append(_llama(key))
-    print(study.format_rows(out["models"][1]["rows"]), flush=True)
+  for m in out["models"]:
+    worst = max(r["ci_high"] - r["ci_low"] for r in m["rows"]) / 2
+    print(f"== {m['label']}: PVF per group ({m['criterion']}); widest 95% Wilson half-width "
+          f"{worst:.4f}", flush=True)
+    print(study.format_rows(m["rows"], m["paper"]))
+    print(study.format_fields(m["rows"]))
+  print(study.format_checks(out["models"][0]["checks"]))
+  print(study.PAPER_NOTE, flush=True)
   os.makedirs(FLAGS.workdir, exist_ok=True)
   out["plot"] = study.plot(out, os.path.join(FLAGS.workdir, "pvf.png"))
   out["wall_seconds"] = time.perf_counter() - t0

@@ -8,7 +8,8 @@ each bottom-MLP layer, the interaction and each top-MLP layer, run through the r
 Groups (`dlrm_groups`): `emb` (every table's values, one group: a fault lands on a uniform
 value of all tables), `emb_read` (a uniform value of the rows the example's bag slots
 read: PVF given that the faulty row is looked up; "values" is then F * L * D per
-example), `bottom_mlp.<i>` / `top_mlp.<i>` (kernel and bias of layer i), and
+example), `bottom_mlp` / `top_mlp` (a uniform value of every layer's kernel and bias: the
+paper's bottom / top MLP components), `bottom_mlp.<i>` / `top_mlp.<i>` (layer i), and
 `interaction`, which has no parameters: its group is the interaction's output vector
 [dense, pairwise dots] of the example (an activation fault, reported beside the parameter
 groups for comparison). The output is the click probability sigmoid(logit) of one example.
@@ -16,8 +17,8 @@ groups for comparison). The output is the click probability sigmoid(logit) of on
 How a fault reaches the output: every trial runs the `DLRM` module itself, `nnx.merge` of
 its graph definition with the (faulted) parameters, on pooled embeddings from the
 embedding collection's own lookup (`EmbeddingCollection.lookup`: coefficients from
-weights, lengths and the table's pooling, bag sums). An MLP fault copies one layer's
-kernel and bias per trial with one element flipped (vmapped: N copies of one layer). The
+weights, lengths and the table's pooling, bag sums). An MLP fault copies the
+group's kernels and biases per trial with one element flipped (vmapped: N copies). The
 tables are far too big to copy per trial, so the lookup reads a compact table per
 example: for each feature one zero row (which the collection's padding slots read) and
 then the stored rows its bag slots read, in order, with the faulty value flipped wherever
@@ -100,9 +101,12 @@ def dlrm_target(config, params: dict[str, Any], tables: dict[str, np.ndarray],
 
 
 def dlrm_groups(config) -> list[str]:
-  """emb, emb_read, bottom_mlp.<i>..., interaction, top_mlp.<i>... (forward order)."""
-  return (["emb", "emb_read"] + [f"bottom_mlp.{i}" for i in range(len(config.bottom_mlp))]
-          + ["interaction"] + [f"top_mlp.{i}" for i in range(len(config.top_mlp))])
+  """emb, emb_read, bottom_mlp, bottom_mlp.<i>..., interaction, top_mlp, top_mlp.<i>...
+  (forward order; `bottom_mlp` / `top_mlp`: every layer of the component, the paper's
+  parameter components)."""
+  return (["emb", "emb_read", "bottom_mlp"]
+          + [f"bottom_mlp.{i}" for i in range(len(config.bottom_mlp))]
+          + ["interaction", "top_mlp"] + [f"top_mlp.{i}" for i in range(len(config.top_mlp))])
 
 
 class _InputFault:
@@ -234,21 +238,23 @@ def _group_faulty(target: DLRMTarget, group: str, fmt: str, lookup=None, clean=N
       return _forward(target.graphdef, params, d["dense"][x], d["emb"][x], fault)
     return faulty, data, int(cfg.interaction_dim)
 
-  mod, _, idx = group.rpartition(".")
-  if mod not in ("bottom_mlp", "top_mlp") or not idx.isdigit() or int(idx) not in target.params.get(
-      mod, {}).get("layers", {}):
+  mod, dot, idx = group.partition(".")
+  layers = target.params.get(mod, {}).get("layers", {}) if mod in ("bottom_mlp", "top_mlp") else {}
+  if not layers or (dot and not (idx.isdigit() and int(idx) in layers)):
     raise ValueError(f"PVF group {group!r}: expected one of {dlrm_groups(cfg)}")
-  i = int(idx)
-  leaves = ("kernel", "bias")
+  # The group's arrays in order: kernel and bias of layer idx, or of every layer.
+  slots = [(i, k) for i in ([int(idx)] if idx else sorted(layers)) for k in ("kernel", "bias")]
 
   def faulty(d, elem, mask, x):
-    old = d["params"][mod]["layers"][i]
-    layer = dict(zip(leaves, faults.flip_in_group([old[k] for k in leaves], elem, mask)))
-    enc = {**d["params"], mod: {"layers": {**d["params"][mod]["layers"], i: layer}}}
+    old = d["params"][mod]["layers"]
+    new = faults.flip_in_group([old[i][k] for i, k in slots], elem, mask)
+    layers = {i: dict(v) for i, v in old.items()}
+    for (i, k), v in zip(slots, new):
+      layers[i][k] = v
+    enc = {**d["params"], mod: {"layers": layers}}
     params = jax.tree.map(faults.decode, enc, is_leaf=_is_enc)
     return _forward(target.graphdef, params, d["dense"][x], d["emb"][x])
-  sizes = [int(np.size(target.params[mod]["layers"][i][k])) for k in leaves]
-  return faulty, data, int(sum(sizes))
+  return faulty, data, int(sum(np.size(layers[i][k]) for i, k in slots))
 
 
 def dlrm_probabilities(target: DLRMTarget, fmt: str = "fp32") -> np.ndarray:
@@ -260,11 +266,14 @@ def dlrm_probabilities(target: DLRMTarget, fmt: str = "fp32") -> np.ndarray:
                         jnp.arange(n, dtype=jnp.int32)))
 
 
-def dlrm_pvf(target: DLRMTarget, fmt: str, fault: faults.FaultModel, criterion,
+def dlrm_pvf(target: DLRMTarget, fmt: str,
+             fault: faults.FaultModel | Sequence[faults.FaultModel], criterion,
              trials: int, key: jax.Array, groups: Sequence[str] | None = None,
              chunk: int = 256, record: bool = False) -> list[dict[str, Any]]:
-  """One row per group: {group, values, fmt, fault, trials, changed, nonfinite, pvf,
-  ci_low, ci_high} (+ the trials themselves with `record`, see `faults.estimate`)."""
+  """One row per group (and fault model, when several are given; each group's trials
+  compile once for all of them): {group, values, fmt, fault, trials, changed, nonfinite,
+  pvf, ci_low, ci_high} (+ the trials themselves with `record`, see `faults.estimate`)."""
+  fault_list = [fault] if isinstance(fault, faults.FaultModel) else list(fault)
   rows = []
   groups = groups or dlrm_groups(target.config)
   lookup = _ExampleLookup(target.config, target.ids_XFL.shape[2])
@@ -272,8 +281,20 @@ def dlrm_pvf(target: DLRMTarget, fmt: str, fault: faults.FaultModel, criterion,
            if any(g not in ("emb", "emb_read") for g in groups) else None)
   for gi, group in enumerate(groups):
     faulty, data, size = _group_faulty(target, group, fmt, lookup, clean)
-    res = faults.estimate(faulty, data, size, target.num_examples, faults.bit_width(fmt),
-                          fault, criterion, trials, jax.random.fold_in(key, gi), chunk,
-                          record=record)
-    rows.append({"group": group, "values": size, "fmt": fmt, "fault": fault.label, **res})
+    for fi, f in enumerate(fault_list):
+      k = jax.random.fold_in(key, gi)
+      res = faults.estimate(faulty, data, size, target.num_examples, faults.bit_width(fmt),
+                            f, criterion, trials, k if fi == 0 else jax.random.fold_in(k, fi),
+                            chunk, record=record)
+      rows.append({"group": group, "values": size, "fmt": fmt, "fault": f.label, **res})
   return rows
+
+
+def dlrm_exact(target: DLRMTarget, fmt: str, group: str, criterion,
+               bits: Sequence[int] | None = None, chunk: int = 256) -> dict[str, Any]:
+  """The exact single-bit PVF of one group (`faults.exhaustive`: every value, bit in
+  `bits` (default all) and example once) and each fault's verdict ("changed_VBX")."""
+  faulty, data, size = _group_faulty(target, group, fmt)
+  res = faults.exhaustive(faulty, data, size, target.num_examples, faults.bit_width(fmt),
+                          criterion, None if bits is None else tuple(bits), chunk)
+  return {"group": group, "values": size, "fmt": fmt, "fault": "single (every bit)", **res}

@@ -87,12 +87,16 @@ def sample_sequences(model, num: int, length: int, key: jax.Array, bos: int = 1)
   return np.asarray([[bos] + row for row in new], np.int32)
 
 
-def llama_pvf(model, tokens_XT: np.ndarray, fmt: str, fault: faults.FaultModel, trials: int,
+def llama_pvf(model, tokens_XT: np.ndarray, fmt: str,
+              fault: faults.FaultModel | Sequence[faults.FaultModel], trials: int,
               key: jax.Array, groups: Sequence[str] | None = None,
               chunk: int = 64, record: bool = False) -> list[dict[str, Any]]:
-  """One row per group: {group, values, fmt, fault, trials, changed, nonfinite, pvf,
-  ci_low, ci_high} (+ the trials with `record`, `faults.estimate`); the criterion is the
-  top-1 next token at the last position."""
+  """One row per group (and fault model, when several are given; each group's trials
+  compile once for all of them): {group, values, fmt, fault, trials, changed, nonfinite,
+  pvf, ci_low, ci_high} (+ the trials with `record`, `faults.estimate`); the criterion is
+  the top-1 next token at the last position."""
+  fault_list = [fault] if isinstance(fault, faults.FaultModel) else list(fault)
+  criterion = faults.top1_criterion()
   all_groups = llama_groups(model)
   unknown = [g for g in (groups or []) if g not in all_groups]
   if unknown:
@@ -115,8 +119,10 @@ def llama_pvf(model, tokens_XT: np.ndarray, fmt: str, fault: faults.FaultModel, 
 
     data = {"enc": enc, "tokens": jnp.asarray(tokens_XT, jnp.int32)}
     size = faults.group_size([_get(enc, p) for p in paths])
-    res = faults.estimate(faulty, data, size, len(tokens_XT), faults.bit_width(fmt), fault,
-                          faults.top1_criterion(), trials, jax.random.fold_in(key, gi), chunk,
-                          record=record)
-    rows.append({"group": name, "values": size, "fmt": fmt, "fault": fault.label, **res})
+    for fi, f in enumerate(fault_list):
+      k = jax.random.fold_in(key, gi)
+      res = faults.estimate(faulty, data, size, len(tokens_XT), faults.bit_width(fmt), f,
+                            criterion, trials, k if fi == 0 else jax.random.fold_in(k, fi),
+                            chunk, record=record)
+      rows.append({"group": name, "values": size, "fmt": fmt, "fault": f.label, **res})
   return rows

@@ -2,8 +2,9 @@ r"""Rankitect (arXiv 2311.08430): ranking architecture search over low-level blo
 sampling-based (random, evolution), one-shot and differentiable (DNAS) search under one
 space and budget, against the hand-designed DLRM / DCN-v2 / DHEN / Wukong.
 
-  python -m experiments.rankitect --method=random        # ~20 min budget on 2 CPU cores
-  python -m experiments.rankitect --method=evolution --trials=16
+  python -m experiments.rankitect --method=random        # the 20-minute budget on 2 CPU cores
+  python -m experiments.rankitect --method=evolution
+  python -m experiments.rankitect --method=random --seed=1 --nobaselines --workdir=runs/rankitect_s1
   python -m experiments.rankitect --method=oneshot --supernet_steps=1500 --retrain=3
   python -m experiments.rankitect --method=dnas --dnas_cost_weights=0.1,1.0
   python -m experiments.rankitect --method=random --data=criteo:../shared/data/criteo_kaggle_sample \
@@ -25,6 +26,11 @@ Budget: random / evolution train --trials candidates; oneshot trains a supernet 
 best --retrain; dnas trains one supernet per --dnas_cost_weights value and retrains each
 argmax. --baselines trains the hand-designed points once per workdir. A killed run
 continues with the same command (Optuna journal, trials.jsonl, supernet checkpoints).
+Candidates of the space train through one compiled supernet program whose path is an
+argument (--shared_program; supernet.CandidateTask: the stand-alone model's training up to
+float rounding), so only the first candidate compiles; the persistent compilation cache
+(--compilation_cache_dir) keeps programs for later runs. BENCHMARKS.md's Rankitect section
+has the measured costs.
 
 Writes `<workdir>/results.json`, `<workdir>/rankitect.png` (NE vs MFLOPs, Pareto front per
 method, hand-designed models labelled), `<workdir>/best_<method>.json` (the method's
@@ -50,7 +56,7 @@ def define_flags() -> None:
   from rec import configs
   flags.DEFINE_enum("method", "random", ["random", "evolution", "oneshot", "dnas"],
                     "Search method.")
-  flags.DEFINE_integer("trials", 10, "random / evolution: candidates trained from scratch.",
+  flags.DEFINE_integer("trials", 20, "random / evolution: candidates trained from scratch.",
                        lower_bound=1)
   flags.DEFINE_integer("steps", 300, "Train steps of every candidate and hand-designed model.",
                        lower_bound=1)
@@ -65,6 +71,13 @@ def define_flags() -> None:
   flags.DEFINE_integer("width", 8, "Embeddings per stack layer.", lower_bound=2)
   flags.DEFINE_bool("baselines", True, "Train the hand-designed models (once per workdir).")
   flags.DEFINE_string("workdir", "runs/rankitect", "Output directory (resumed when present).")
+  flags.DEFINE_bool("shared_program", True, "Train candidates of the space through one compiled "
+                    "supernet program, the path an argument (false: each candidate compiles "
+                    "its own stand-alone program).")
+  flags.DEFINE_string("compilation_cache_dir", "runs/jax_compilation_cache",
+                      "JAX's persistent compilation cache: programs compiled once are reused "
+                      "by later runs (seeds, resumes, the baselines of another workdir); '' "
+                      "turns it off.")
   configs.define_rec_run_flags(
       "eval_batch_size", "sparse_optimizer", "seed", dense_optimizer="adam",
       data="synthetic_deep", num_rows=20, batch_size=256, eval_batches=4, embedding_dim=16,
@@ -88,13 +101,18 @@ def main(argv):
     raise ValueError(f"--dnas_cost_weights={weights}: expected one or more numbers >= 0")
   if FLAGS.embedding_dim < 1:
     raise ValueError(f"--embedding_dim={FLAGS.embedding_dim}: expected >= 1 (the space's dim)")
+  if FLAGS.compilation_cache_dir:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(FLAGS.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   space = Space(num_layers=FLAGS.layers, width=FLAGS.width, embedding_dim=FLAGS.embedding_dim)
   # Settings without a flag here keep RecRunConfig's defaults; each candidate sets `model`.
   base = configs.RecRunConfig.from_flags(
       FLAGS, keep=[f for f in configs.RUN_FIELDS if f not in FLAGS and f != "model"],
       model="dlrm")
   base.validate()
-  st = study_lib.Study(FLAGS.workdir, space, base, steps=FLAGS.steps)
+  st = study_lib.Study(FLAGS.workdir, space, base, steps=FLAGS.steps,
+                       shared_program=FLAGS.shared_program)
   print(f"workdir {FLAGS.workdir} | method {FLAGS.method} | space {space.size()} architectures "
         f"({len(space.names)} candidates ^ {space.num_layers} layers) | data {base.data}",
         flush=True)

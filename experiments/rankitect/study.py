@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import time
+import types
 from typing import Any, Sequence
 
 import jax
@@ -76,8 +77,13 @@ class Study:
   space: Space
   base: configs.RecRunConfig
   steps: int = 300
+  # Candidates of the space train through one compiled supernet program (CandidateTask);
+  # False: each through its own stand-alone program (runs.train_run of the JSON file).
+  shared_program: bool = True
   log: TrialLog | None = None
   started: float = dataclasses.field(default_factory=time.perf_counter)
+  _space_run: tuple | None = dataclasses.field(default=None, repr=False)
+  _program: Any = dataclasses.field(default=None, repr=False)   # the first CandidateTask
 
   def __post_init__(self):
     os.makedirs(self.workdir, exist_ok=True)
@@ -106,25 +112,60 @@ class Study:
 
   # --- one training
 
-  def _row(self, run, label: str, method: str, extra: dict[str, Any]) -> dict[str, Any]:
-    stats = configs.model_stats(run.task, run.train_src.spec)
+  def space_run(self):
+    """(config, configs.build_run result) of the space (its first point): the sources,
+    collection and mesh every candidate and supernet of the study shares, built once."""
+    if self._space_run is None:
+      space = self.space
+      path = searched.save_arch(space.arch([space.names[0]] * space.num_layers),
+                                os.path.join(self.workdir, "archs", "_space.json"))
+      cfg = dataclasses.replace(self.base, model=searched_model(path), preset="kaggle",
+                                embedding_dim=0)
+      self._space_run = (cfg, configs.build_run(cfg))
+    return self._space_run
+
+  def _row(self, run, label: str, method: str, extra: dict[str, Any],
+           model_fn=None) -> dict[str, Any]:
+    # FLOPs and parameters of the model itself (model_fn; default the task's).
+    owner = run.task if model_fn is None else types.SimpleNamespace(
+        model_fn=model_fn, collection=run.task.collection)
+    stats = configs.model_stats(owner, run.train_src.spec)
     return {"label": label, "method": method, "ne": run.eval["ne"], "auc": run.eval["auc"],
             "logloss": run.eval["logloss"], "mflops": stats["gflops_per_example"] * 1e3,
             "dense_params": stats["dense_params"], "wall_s": run.wall_seconds,
             "steps": run.steps, **extra}
 
-  def train_arch(self, arch: dict[str, Any], label: str, method: str,
+  def train_arch(self, choices: Sequence[str], label: str, method: str,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Trains an architecture from scratch (or returns its row from the log)."""
+    """Trains the space's architecture of `choices` from scratch (or returns its row from
+    the log); its JSON file is what train_rec --model=searched:FILE trains again."""
     done = self.log.get(label)
     if done is not None:
       return done
-    path = searched.save_arch(arch, os.path.join(self.workdir, "archs", f"{label}.json"))
-    cfg = dataclasses.replace(self.base, model=searched_model(path), preset="kaggle",
-                              embedding_dim=0)
-    run = runs.train_run(cfg, os.path.join(self.workdir, "runs", label), steps=self.steps,
-                         log_every=self.steps)
-    return self.log.add(self._row(run, label, method, {"arch_file": path, **(extra or {})}))
+    space = self.space
+    path = searched.save_arch(space.arch(choices),
+                              os.path.join(self.workdir, "archs", f"{label}.json"))
+    wd = os.path.join(self.workdir, "runs", label)
+    extra = {"arch_file": path, "choices": list(choices), **(extra or {})}
+    if not self.shared_program:
+      cfg = dataclasses.replace(self.base, model=searched_model(path), preset="kaggle",
+                                embedding_dim=0)
+      run = runs.train_run(cfg, wd, steps=self.steps, log_every=self.steps)
+      return self.log.add(self._row(run, label, method, {**extra, "program": "standalone"}))
+    cfg, (task0, train_src, eval_src, _, _) = self.space_run()
+    spec = train_src.spec
+    nd, ns, rows = spec.num_dense, len(spec.sparse_features), tuple(spec.rows_per_feature)
+    mine = supernet_lib.arch_config(space, choices, nd, ns, rows)
+    standalone_fn = lambda r: searched.SearchedModel(mine, r)
+    task = supernet_lib.CandidateTask(
+        lambda r: supernet_lib.Supernet(space, nd, ns, rows, r, mode="path"), task0.collection,
+        task0.dense_tx, task0.mesh, choices=choices, standalone_fn=standalone_fn,
+        program=self._program)
+    self._program = self._program or task
+    run = runs.train_run(cfg, wd, steps=self.steps, log_every=self.steps,
+                         built=(task, train_src, eval_src))
+    return self.log.add(self._row(run, label, method, {**extra, "program": "shared"},
+                                  model_fn=standalone_fn))
 
   def train_baseline(self, model: str, preset: str) -> dict[str, Any]:
     label = f"{model}:{preset}"
@@ -184,7 +225,7 @@ def sampling_search(study: Study, method: str, trials: int, seed: int = 0) -> li
     choices = [trial.suggest_categorical(f"layer{l}", list(space.names))
                for l in range(space.num_layers)]
     label = f"{method}_{'-'.join(choices)}"
-    row = study.train_arch(space.arch(choices), label, method, {"choices": choices})
+    row = study.train_arch(choices, label, method)
     st.tell(trial, [row["ne"], row["mflops"]])
     study.progress(method, len(complete), trials, row)
   for t in st.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -222,11 +263,7 @@ def _supernet_run(study: Study, name: str, mode: str, steps: int, cost_weight: f
                   flops_LK, seed: int):
   """Trains a supernet through RecTask / core.train (resumed from its checkpoints)."""
   space = study.space
-  path = searched.save_arch(space.arch([space.names[0]] * space.num_layers),
-                            os.path.join(study.workdir, "archs", "_space.json"))
-  cfg = dataclasses.replace(study.base, model=searched_model(path), preset="kaggle",
-                            embedding_dim=0)
-  task0, train_src, eval_src, _, _ = configs.build_run(cfg)
+  _, (task0, train_src, eval_src, _, _) = study.space_run()
   spec = train_src.spec
   nd, ns, rows = spec.num_dense, len(spec.sparse_features), tuple(spec.rows_per_feature)
   model_fn = lambda r: supernet_lib.Supernet(space, nd, ns, rows, r, mode=mode, flops_LK=flops_LK)
@@ -288,8 +325,7 @@ def oneshot_search(study: Study, supernet_steps: int, num_candidates: int, retra
   rows = []
   for i, p in enumerate(picks):
     label = f"oneshot_{'-'.join(p['choices'])}"
-    row = study.train_arch(space.arch(p["choices"]), label, "oneshot",
-                           {"choices": p["choices"], "inherited_ne": p["ne"]})
+    row = study.train_arch(p["choices"], label, "oneshot", {"inherited_ne": p["ne"]})
     rows.append(row)
     study.progress("oneshot", i, len(picks), row)
   return {"rows": rows, "scored": scored, "supernet_steps": supernet_steps,
@@ -305,12 +341,7 @@ def dnas_search(study: Study, supernet_steps: int, cost_weights: Sequence[float]
   flops_table = None
   for i, lam in enumerate(cost_weights):
     if flops_table is None:
-      path = searched.save_arch(space.arch([space.names[0]] * space.num_layers),
-                                os.path.join(study.workdir, "archs", "_space.json"))
-      cfg = dataclasses.replace(study.base, model=searched_model(path), preset="kaggle",
-                                embedding_dim=0)
-      spec = configs.build_run(cfg)[1].spec
-      flops_table = candidate_flops(space, spec)[1]
+      flops_table = candidate_flops(space, study.space_run()[1][1].spec)[1]
     task, state, _, wall, _ = _supernet_run(study, f"supernet_dnas_{lam:g}", "gumbel",
                                             supernet_steps, lam, flops_table, seed)
     walls += wall
@@ -318,8 +349,7 @@ def dnas_search(study: Study, supernet_steps: int, cost_weights: Sequence[float]
     choices = [space.names[int(k)] for k in alpha.argmax(axis=1)]
     alphas[f"{lam:g}"] = alpha.tolist()
     label = f"dnas{lam:g}_{'-'.join(choices)}"
-    row = study.train_arch(space.arch(choices), label, "dnas",
-                           {"choices": choices, "cost_weight": lam})
+    row = study.train_arch(choices, label, "dnas", {"cost_weight": lam})
     rows.append(row)
     study.progress("dnas", i, len(cost_weights), row)
   return {"rows": rows, "alpha": alphas, "supernet_steps": supernet_steps * len(cost_weights),

@@ -13,7 +13,9 @@ blocks (`base`). Layer l's output is Norm(sum_k a_lk Candidate_k(X) + Residual(X
 
 `SupernetTask` is `RecTask` whose step key (the seed folded with the step) draws the path
 or the noise, and whose loss adds the cost term; batches, the collection and the loop are
-RecTask's and core.train's.
+RecTask's and core.train's. `CandidateTask` trains one architecture from scratch through
+the supernet's program, its path an argument (state["path"]), so every architecture of the
+space shares one compiled step.
 
 Letters: B batch, N embeddings, D dim, L layers, K candidates.
 """
@@ -154,3 +156,111 @@ class SupernetTask(RecTask):
     model = nnx.merge(self.graphdef, state["params"])
     logits = model(batch.dense, self.collection.pool(lookup), weights_LK=weights_LK)
     return {"logits": logits, "labels": batch.labels, "mask": batch.mask}
+
+
+def inherit(supernet_params, standalone_params, path):
+  """The supernet's pure-dict params with the stand-alone model's (`standalone`'s inverse):
+  shared parts from it, and layer l's blocks into candidate path[l]. Every stand-alone leaf
+  must land on a supernet leaf of the same shape."""
+  out = jax.tree.map(lambda x: x, supernet_params)
+
+  def put(keys, value):
+    if keys[0] == "layers" and len(keys) > 2 and keys[2] == "blocks":
+      keys = ("candidates", keys[1], int(path[int(keys[1])])) + keys[3:]
+    else:
+      keys = ("base",) + keys
+    node = out
+    for k in keys[:-1]:
+      if k not in node:
+        raise ValueError(f"inherit: stand-alone parameter {'/'.join(map(str, keys))} has no "
+                         "place in the supernet")
+      node = node[k]
+    old = node.get(keys[-1])
+    if old is None or old.shape != value.shape:
+      raise ValueError(f"inherit: {'/'.join(map(str, keys))} shape "
+                       f"{None if old is None else old.shape} in the supernet, {value.shape} "
+                       "stand-alone")
+    node[keys[-1]] = jax.device_put(value, old.sharding) if isinstance(old, jax.Array) else value
+
+  for p, v in jax.tree_util.tree_leaves_with_path(standalone_params):
+    put(tuple(k.key for k in p), v)
+  return out
+
+
+class CandidateTask(RecTask):
+  """One architecture of the space (`choices`) trained from scratch through the supernet's
+  program (a Supernet in "path" mode as model_fn).
+
+  The path is state["path"], an argument of the compiled step, not a constant in it: every
+  architecture of the space runs the same program, compiled once and then found in the
+  persistent compilation cache. lax.switch runs only the chosen blocks; the other
+  candidates' parameters never reach the logits (zero gradients). init_state starts from
+  the stand-alone model's initialization for the seed (`inherit`), so the run is the
+  training `train_rec --model=searched:FILE` does, up to float rounding of the differently
+  compiled program (tests/experiments/rankitect)."""
+
+  def __init__(self, *args, choices, standalone_fn, program: "CandidateTask | None" = None,
+               **kwargs):
+    super().__init__(*args, **kwargs)
+    net = jax.eval_shape(lambda: self.model_fn(nnx.Rngs(0)))
+    if net.mode != "path":
+      raise ValueError(f"CandidateTask: a Supernet in mode 'path', got {net.mode!r}")
+    self.path = [net.space.names.index(c) for c in choices]
+    self.standalone_fn = standalone_fn
+    # The jitted step and eval of `program` (another candidate of the same space, data and
+    # optimizer), when given: core.train's jit of an already jitted function reuses its
+    # trace and executable, so later candidates neither trace nor compile.
+    self.program = program
+    self._templates: dict[int, tuple] = {}   # seed -> initial state on the host, shardings
+    if program is None:
+      self.train_step = jax.jit(self._train_step, donate_argnums=0)
+      self.eval_step = jax.jit(self._eval_step)
+    else:
+      self.train_step, self.eval_step = program.train_step, program.eval_step
+
+  def init_state(self, seed: int):
+    # RecTask's initial state for the seed, made once per program: the embedding tables
+    # are every candidate's, and the supernet's parameters off the path are never used.
+    owner = self.program or self
+    if seed not in owner._templates:
+      state = super().init_state(seed)
+      owner._templates[seed] = (jax.device_get(state), jax.tree.map(lambda x: x.sharding, state))
+    state = jax.device_put(*owner._templates[seed])
+    k_dense, _ = jax.random.split(jax.random.key(seed))   # RecTask.init_state's split
+    # The stand-alone model's initialization (built op by op: equal to its jitted
+    # initialization in RecTask up to one float32 ulp).
+    mine = nnx.to_pure_dict(nnx.state(self.standalone_fn(nnx.Rngs(k_dense))))
+    params = inherit(state["params"], mine, self.path)
+    opt = self.dense_tx.init(params)
+    state["opt"] = jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), opt, state["opt"])
+    state["params"] = params
+    state["path"] = jax.device_put(jnp.asarray(self.path, jnp.int32), state["step"].sharding)
+    return state
+
+  def _logits(self, params, path_L, dense, emb_BFD):
+    return nnx.merge(self.graphdef, params)(dense, emb_BFD, path_L=path_L)
+
+  def loss_and_grads(self, state, batch):
+    lookup = self.gather(state["emb"], batch)
+
+    def loss_fn(params, partial):
+      logits = self._logits(params, state["path"], batch.dense,
+                            self.collection.pool(lookup, partial))
+      per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
+      loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+      return loss, (logits, {})
+
+    (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
+    return loss, logits, lookup, g_params, g_partial, terms
+
+  def _train_step(self, state, batch):
+    new, metrics = RecTask.train_step(self, state, batch)
+    new["path"] = state["path"]
+    return new, metrics
+
+  def _eval_step(self, state, batch):
+    lookup = self.gather(state["emb"], batch)
+    return {"logits": self._logits(state["params"], state["path"], batch.dense,
+                                   self.collection.pool(lookup)),
+            "labels": batch.labels, "mask": batch.mask}

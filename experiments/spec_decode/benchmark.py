@@ -99,11 +99,15 @@ def plot(rows: list[dict], path: str) -> str:
 
 def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: TreeShape, *,
                   draft_vocab=None, repeats: int = 5, context: int = 96) -> dict:
-  """Where a round's time goes at batch 1, greedy: median ms of each piece, jitted alone on
-  a cache holding `context` tokens of the prompt's continuation: a plain decode step (one
-  target token and its argmax), the target verifying the shape's N nodes with the tree mask,
-  the draft expanding the tree (its LM-head top-k included), the draft head catching up
-  on depth + 1 pairs, acceptance and the KV commit."""
+  """Where a round's time goes at batch 1, greedy: each piece jitted alone on a cache holding
+  `context` tokens of the prompt's continuation: a plain decode step (one target token and
+  its argmax), the target verifying the shape's N nodes with the tree mask (and without it,
+  `verify_nomask`: what the mask costs), the draft expanding the tree (its LM-head top-k
+  included), the draft head catching up on depth + 1 pairs, acceptance and the KV commit.
+  Every timed call of a piece follows a timed plain step, so a shared machine's load swings
+  hit both: `<piece>_ms` is the piece's median, `<piece>_x` the median of its ratio to the
+  plain step timed just before it, and round_x the sum of the ratios (the accept length a
+  round needs to break even with plain decoding)."""
   import dataclasses
   import functools
 
@@ -124,26 +128,23 @@ def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: Tre
   head = dec.vocab_head(target, draft_vocab)
   start = tcache.length
 
-  def ms(fn, *args):
+  def once(fn, *args):
+    t = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return time.perf_counter() - t
 
   @functools.partial(jax.jit, static_argnums=0)
   def plain_step(tg, ts, cache, tok_B):
     logits, cache = nnx.merge(tg, ts)(tok_B[:, None], cache=cache)
     return jnp.argmax(logits[:, 0], -1), cache
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def verify(tg, ts, cache, tokens_BN, parents_BN, depths_BN):
+  @functools.partial(jax.jit, static_argnums=(0, 6))
+  def verify(tg, ts, cache, tokens_BN, parents_BN, depths_BN, masked=True):
     t = nnx.merge(tg, ts)
     vis = tree_lib.ancestors(parents_BN, shape.depth)
     h, cache = t.hidden(t.embed_tokens(tokens_BN), positions_BT=start[:, None] + depths_BN,
-                        cache=cache, mask_BTS=tree_lib.slot_mask(vis, start, s))
+                        cache=cache,
+                        mask_BTS=tree_lib.slot_mask(vis, start, s) if masked else None)
     return jnp.argmax(t.logits(h), -1), cache
 
   @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -163,20 +164,33 @@ def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: Tre
   root = jnp.asarray([prompt[-1]], jnp.int32)
   h = jnp.zeros((1, target.cfg.dim), jnp.float32)
   (tokens, parents, depths), _ = expand(tg, ts, dg, ds, dcache, h, root, head)
-  out = {
-      "tree": str(shape), "nodes": n,
-      "plain_step_ms": ms(plain_step, tg, ts, tcache, root),
-      "verify_ms": ms(verify, tg, ts, tcache, tokens, parents, depths),
-      "draft_tree_ms": ms(expand, tg, ts, dg, ds, dcache, h, root, head),
-      "draft_catch_up_ms": ms(catch_up, tg, ts, dg, ds, dcache,
-                              jnp.zeros((1, j, target.cfg.dim)), jnp.zeros((1, j), jnp.int32)),
-      "accept_ms": ms(accept, jax.nn.one_hot(tokens, target.cfg.vocab_size), tokens,
-                      tree_lib.children(parents, shape.top_k), jax.random.key(0)),
-      "commit_ms": ms(commit, tcache, start, jnp.zeros((1, j), jnp.int32),
-                      jnp.ones((1,), jnp.int32)),
+  pieces = {
+      "verify": (verify, tg, ts, tcache, tokens, parents, depths),
+      "verify_nomask": (verify, tg, ts, tcache, tokens, parents, depths, False),
+      "draft_tree": (expand, tg, ts, dg, ds, dcache, h, root, head),
+      "draft_catch_up": (catch_up, tg, ts, dg, ds, dcache, jnp.zeros((1, j, target.cfg.dim)),
+                         jnp.zeros((1, j), jnp.int32)),
+      "accept": (accept, jax.nn.one_hot(tokens, target.cfg.vocab_size), tokens,
+                 tree_lib.children(parents, shape.top_k), jax.random.key(0)),
+      "commit": (commit, tcache, start, jnp.zeros((1, j), jnp.int32),
+                 jnp.ones((1,), jnp.int32)),
   }
-  parts = ("verify_ms", "draft_tree_ms", "draft_catch_up_ms", "accept_ms", "commit_ms")
-  out["round_ms"] = sum(out[k] for k in parts)
+  plain = (plain_step, tg, ts, tcache, root)
+  for fn, *args in (plain, *pieces.values()):     # compile
+    jax.block_until_ready(fn(*args))
+  plain_s, times = [], {k: [] for k in pieces}
+  for _ in range(repeats):
+    for k, (fn, *args) in pieces.items():
+      plain_s.append(once(*plain))
+      times[k].append((once(fn, *args), plain_s[-1]))
+  out = {"tree": str(shape), "nodes": n, "repeats": repeats,
+         "plain_step_ms": 1e3 * statistics.median(plain_s)}
+  for k, pairs in times.items():
+    out[f"{k}_ms"] = 1e3 * statistics.median(t for t, _ in pairs)
+    out[f"{k}_x"] = statistics.median(t / p for t, p in pairs)
+  parts = ("verify", "draft_tree", "draft_catch_up", "accept", "commit")
+  out["round_ms"] = sum(out[f"{k}_ms"] for k in parts)
   # Accepted length a round needs to match plain decoding's speed (round / plain step).
-  out["break_even_accept_length"] = out["round_ms"] / out["plain_step_ms"]
+  out["round_x"] = sum(out[f"{k}_x"] for k in parts)
+  out["break_even_accept_length"] = out["round_x"]
   return out

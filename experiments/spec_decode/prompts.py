@@ -32,6 +32,23 @@ TEMPLATES = (
     "Tell me a story that involves {a}, {b} and {c}.",
     "Write an essay about how {a} changed the world.",
     "Write a recipe that a person who likes {a} would enjoy.",
+    "Write a Python function that helps someone keep track of {a}.",
+    "A train leaves at 3 pm carrying {a}. Make up a short math word problem about it and "
+    "solve it step by step.",
+    "Plan a weekend trip for someone interested in {a} and {b}.",
+    "Write a news headline and a short article about {a}.",
+    "What are common mistakes people make with {a}, and how can they avoid them?",
+    "Compare {a}, {b} and {c} in a short table or list.",
+    "Write a short speech for a school event about {a}.",
+    "Answer briefly: is {a} related to {b}? Explain your reasoning.",
+    "Translate the idea of {a} into a simple analogy a child would understand.",
+    "Write a job advertisement for a position involving {a}.",
+    "Give step-by-step instructions for a beginner who wants to learn about {a}.",
+    "Write a funny limerick about {a}.",
+    "Describe {a} in exactly three sentences.",
+    "What questions should I ask an expert on {a}?",
+    "Write a review of a fictional book titled 'The {a} of {b}'.",
+    "Brainstorm ten names for a company that sells {a}.",
 )
 
 

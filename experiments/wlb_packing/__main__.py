@@ -18,8 +18,14 @@ r"""WLB-LLM's packing study (arXiv 2503.17924, Table 2) on synthetic long-tailed
    step's micro-batches of W / mean, averaged over --steps), of W and of attention alone;
    packing time per global batch; token delay. Then per-sequence vs per-document CP sharding
    over --cp ranks (exact pairs per rank, and the tile model's adaptive pick).
+3. Training grid (training.py): train_lm's packed source (Pile-shaped documents,
+   llm.packing.lengths.CorpusLengths) for every packing x CP layout over --train_steps
+   global batches at --context, read by the work meter train_lm logs (imbalance across
+   micro-batches and CP ranks, the cost model's step time); modelled speedup over the
+   original packing with per-sequence CP beside the paper's end-to-end 1.23x.
 
-Prints the table, writes results.json and wlb_packing.png to --workdir; last line is JSON.
+Prints the tables, writes results.json, wlb_packing.png and wlb_training.png to --workdir;
+last line is JSON.
 
 Defaults: 4 micro-batches of 128K per global batch, 512 global batches (~144K documents:
 log-normal, median 1024, sigma 1.0, plus a 0.2% Pareto tail from 16K, clipped to 128K; these
@@ -56,7 +62,8 @@ from absl import flags
 from core import cli
 from core import results as results_lib
 
-from experiments.wlb_packing import study
+from experiments.wlb_packing import study, training
+from llm.packing.cp_shard import TileModel
 from llm.packing.lengths import LengthDist
 
 FLAGS = flags.FLAGS
@@ -120,6 +127,9 @@ def define_flags() -> None:
   flags.DEFINE_float("tail_alpha", _DIST.tail_alpha, "Pareto tail exponent (smaller: heavier).")
   flags.DEFINE_integer("min_len", _DIST.min_len, "Shortest document.", lower_bound=1)
   flags.DEFINE_integer("seed", _CFG.seed, "Seed of the document stream.", lower_bound=0)
+  flags.DEFINE_integer("train_steps", 16, "Global batches per cell of the training grid "
+                       "(packing x CP layout on train_lm's Pile-shaped source; 0: skip it).",
+                       lower_bound=0)
   for name in ("max_len_factor", "doc_median", "tail_min", "tail_alpha"):
     flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
   for name, low in (("fit_lengths", 1), ("fit_tokens", 1), ("windows", 1), ("queues", 0)):
@@ -191,10 +201,21 @@ def main(argv):
         f"{max(map(abs, m['linear']['rel_err'])):.1%} max")
   res = study.run_study(cfg, cost, progress=say)
   res["cost_model"] = cost.to_dict()
+  if FLAGS.train_steps and cfg.cp > 1:
+    from llm.config import get_config
+    res["training"] = training.train_grid(
+        context=cfg.dist.context, micro_batches=cfg.micro_batches, cp=cfg.cp,
+        steps=FLAGS.train_steps, cost=cost, n_layers=get_config(FLAGS.target).n_layers,
+        tile=TileModel(cfg.tile_q, cfg.tile_kv), seed=cfg.seed, progress=say)
   res["seconds"] = time.time() - t0
   print(study.format_table(res))
+  if "training" in res:
+    unit = "s" if m.get("source") == "measured" else m.get("source", "")
+    print(training.format_grid(res["training"], cfg.cp, unit))
   os.makedirs(FLAGS.workdir, exist_ok=True)
   study.plot(res, os.path.join(FLAGS.workdir, "wlb_packing.png"))
+  if "training" in res:
+    training.plot_grid(res["training"], os.path.join(FLAGS.workdir, "wlb_training.png"))
   results_lib.write_results(FLAGS.workdir, res)
   summary = {r["name"]: round(r["imbalance"], 3) for r in res["rows"]}
   summary.update({f"{r['name']}_delay": round(r["mean_delay_steps"], 3) for r in res["rows"]
@@ -202,6 +223,8 @@ def main(argv):
   summary.update({f"cp_{name}_{mode}": round(c["pairs_imbalance"][mode], 3)
                   for name, c in res["cp"].items() for mode in ("sequence", "document")})
   summary["attention_share"] = round(res["attention_share"], 3)
+  for r in res.get("training", []):
+    summary[f"train_{r['packing']}_{r['layout']}_speedup"] = round(r["speedup"], 3)
   results_lib.print_summary(summary)
 
 

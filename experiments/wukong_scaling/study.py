@@ -121,7 +121,34 @@ def scaling_fits(results: Mapping[str, Any]) -> dict[str, Any]:
       entry[f"{key}_points"] = [{"gflops": g, "gap": y, "preset": p} for g, y, p in pts]
       entry[f"{key}_dropped"] = [p for _, _, p in dropped]
     fits[arch] = entry
-  return {"floor": floor, "fits": fits}
+  return {"floor": floor, "fits": fits, "seed_fits": seed_fits(results, floor)}
+
+
+def seed_fits(results: Mapping[str, Any], floor: Mapping[str, Any]) -> dict[str, Any]:
+  """Per architecture, the NE-gap power law fitted separately to each seed's runs (sizes
+  trained with the same seed); the spread of the exponents b over seeds is the fit's
+  seed noise. Returns {arch: {"b": [per seed], "b_mean", "b_std", "seeds"}}; an
+  architecture is left out when no seed has two sizes with a positive gap."""
+  out = {}
+  by_arch: dict[str, list] = {}
+  for r in results["rows"]:
+    by_arch.setdefault(r["model"], []).append(r)
+  for arch, rows in by_arch.items():
+    per_seed: dict[int, list] = {}
+    for r in rows:
+      for run in r.get("runs", ()):
+        gap = run["ne"] - floor["ne"]
+        if gap > 0:
+          per_seed.setdefault(int(run["seed"]), []).append((r["gflops_per_example"], gap))
+    bs, seeds = [], []
+    for seed, pts in sorted(per_seed.items()):
+      if len({g for g, _ in pts}) >= 2:
+        bs.append(fit_power_law([g for g, _ in pts], [y for _, y in pts])["b"])
+        seeds.append(seed)
+    if bs:
+      out[arch] = {"b": bs, "seeds": seeds, "b_mean": float(np.mean(bs)),
+                   "b_std": float(np.std(bs, ddof=1)) if len(bs) > 1 else 0.0}
+  return out
 
 
 def findings(results: Mapping[str, Any], fit: Mapping[str, Any]) -> list[str]:
@@ -171,6 +198,11 @@ def findings(results: Mapping[str, Any], fit: Mapping[str, Any]) -> list[str]:
                + (f"; exponents with b >= 0 (no gain from compute): "
                   f"{', '.join(a for a in order if slopes[a] >= 0)}"
                   if any(slopes[a] >= 0 for a in order) else "") + ".")
+  per_seed = fit.get("seed_fits") or {}
+  if any(len(v["b"]) > 1 for v in per_seed.values()):
+    out.append("NE-gap exponent b fitted per seed, mean ± std (n seeds): " + ", ".join(
+        f"{a} {v['b_mean']:+.4f} ± {v['b_std']:.4f} ({len(v['b'])})"
+        for a, v in sorted(per_seed.items(), key=lambda kv: kv[1]["b_mean"])) + ".")
   matched = _matched_compute(by_arch, fit)
   if matched:
     out.append(matched)
@@ -270,5 +302,9 @@ def format_fits(fit: Mapping[str, Any]) -> str:
                                   f"a={g['a']:.4g} b={g['b']:+.4f} R^2={g['r2']:.3f}"))
       if f[f"{key}_dropped"]:
         parts[-1] += f" (dropped, gap <= 0: {', '.join(f[f'{key}_dropped'])})"
+    sf = (fit.get("seed_fits") or {}).get(arch)
+    if sf is not None:
+      parts.append("NE b per seed " + ", ".join(f"{b:+.4f}" for b in sf["b"])
+                   + f" (mean {sf['b_mean']:+.4f} ± {sf['b_std']:.4f})")
     lines.append(f"  {arch:8} " + " | ".join(parts))
   return "\n".join(lines)

@@ -33,8 +33,9 @@ micro-batches of W over the mean).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,6 +50,29 @@ def _check_lengths(ids, lengths, cap: int, where: str):
                      f"1..{cap} (documents are never split)")
 
 
+def next_fit(lengths: Iterable[int], *, seq_len: int,
+             micro_batches: int) -> Iterator[list[list[int]]]:
+  """The loader's packing as a stream: documents (ids 0, 1, ... in arrival order) filled
+  next-fit into sequences of `seq_len` tokens (a document that does not fit starts the next
+  sequence); yields each global batch of `micro_batches` sequences once it is full."""
+  step: list[list[int]] = []
+  seq: list[int] = []
+  used = 0
+  for i, l in enumerate(lengths):
+    l = int(l)
+    if not 1 <= l <= seq_len:
+      raise ValueError(f"original_packing: document {i} has {l} tokens, expected 1..{seq_len} "
+                       "(documents are never split)")
+    if used + l > seq_len:
+      step.append(seq)
+      seq, used = [], 0
+      if len(step) == micro_batches:
+        yield step
+        step = []
+    seq.append(i)
+    used += l
+
+
 def original_packing(lengths: np.ndarray, *, seq_len: int, micro_batches: int,
                      steps: int | None = None) -> list[list[list[int]]]:
   """Global batches (steps) of `micro_batches` sequences, each a list of document ids (their
@@ -56,22 +80,8 @@ def original_packing(lengths: np.ndarray, *, seq_len: int, micro_batches: int,
   (None: as many full ones as the documents fill); unused documents are left out."""
   lengths = np.asarray(lengths, np.int64)
   _check_lengths(np.arange(len(lengths)), lengths, seq_len, "original_packing")
-  out: list[list[list[int]]] = []
-  step: list[list[int]] = []
-  seq: list[int] = []
-  used = 0
-  for i, l in enumerate(lengths.tolist()):
-    if used + l > seq_len:
-      step.append(seq)
-      seq, used = [], 0
-      if len(step) == micro_batches:
-        out.append(step)
-        step = []
-        if steps is not None and len(out) == steps:
-          return out
-    seq.append(i)
-    used += l
-  return out
+  return list(itertools.islice(next_fit(lengths.tolist(), seq_len=seq_len,
+                                        micro_batches=micro_batches), steps))
 
 
 def balanced_pack(ids: Sequence[int], lengths: Sequence[int], *, bins: int, capacity: int,

@@ -22,6 +22,8 @@ feature regression plus the cross-entropy of the draft's token distribution agai
 target's (soft labels). Input features get uniform noise U(-noise, noise) (EAGLE's, for
 robustness to the draft's own errors when it feeds itself deeper in the tree). Reported:
 `top1`, how often the draft's argmax equals the target's, a proxy for greedy acceptance.
+`unroll` > 1 adds the head's own deeper draft steps to the loss (EAGLE-3's training-time
+test, arXiv 2503.01840; `unrolled_predictions`).
 AdamW with warmup + cosine from `llm.train_lib`. The [B,T,V] logits are materialized (fine
 for small vocabularies; a Llama 3 vocabulary would want the loss chunked over tokens).
 
@@ -186,25 +188,85 @@ def smooth_l1(x, y):
   return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5)
 
 
+def unrolled_predictions(draft: DraftHead, feats_in_BPD, next_emb_BPD, steps: int):
+  """The head's predicted features at each of `steps` unrolled draft steps, [steps][B,P,D],
+  over P pairs (f_p, x_{p+1}) of each sequence (EAGLE-3's training-time test, arXiv
+  2503.01840: the head is trained on its own predictions, as it drafts deeper in a tree).
+
+  Step 1 is the head over the target's features (causal). At step s > 1, pair p takes the
+  step s-1 prediction of pair p-1 in place of f_p, and attends as at draft depth s after
+  committing pairs <= p-s+1: to the step-1 keys of pairs <= p-s+1, then to the step-m key
+  of pair p-(s-m) for m = 2..s. Its target is still f_{p+1}; pairs p < s-1 have no such
+  chain (`unrolled_mask`). The keys of every step sit in one cache of steps * P slots,
+  and one [B,P,steps*P] mask per step says which each query sees."""
+  b, p, _ = feats_in_BPD.shape
+  cache = draft.init_cache(b, steps * p)
+  pos_BP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  q_P1 = jnp.arange(p)[:, None]
+  key_step_S = jnp.repeat(jnp.arange(1, steps + 1), p)     # step m of each slot
+  key_pos_S = jnp.tile(jnp.arange(p), steps)                # pair q of each slot
+  lag_PS = q_P1 - key_pos_S[None]                           # p - q
+  preds, feats_BPD = [], feats_in_BPD
+  for s in range(1, steps + 1):
+    visible_PS = (((key_step_S == 1)[None] & (lag_PS >= s - 1))
+                  | ((key_step_S > 1)[None] & (key_step_S <= s)[None]
+                     & (lag_PS == s - key_step_S[None])))
+    pred_BPD, cache = draft(feats_BPD, next_emb_BPD, positions_BT=pos_BP, cache=cache,
+                            slots_BT=(s - 1) * p + pos_BP,
+                            mask_BTS=jnp.broadcast_to(visible_PS, (b, p, steps * p)))
+    preds.append(pred_BPD)
+    # Pair p of the next step reads pair p-1's prediction (pair 0: a placeholder, masked).
+    feats_BPD = jnp.concatenate([feats_in_BPD[:, :1], pred_BPD[:, :-1]], axis=1)
+  return preds
+
+
+def unrolled_mask(mask_BP, step: int):
+  """Pairs with a step-`step` prediction: p >= step - 1 (pair mask [B,P] otherwise)."""
+  return mask_BP * (jnp.arange(mask_BP.shape[1]) >= step - 1).astype(mask_BP.dtype)
+
+
 def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_BT, mask_BT,
-                   feats_BTD, noise_BTD=None):
-  """Per-pair (regression, cross-entropy, top1 agreement) [B,T-1] and the pair mask [B,T-1]."""
+                   feats_BTD, noise_BTD=None, unroll: int = 1, per_step: bool = False):
+  """Per-pair (regression, cross-entropy, top1 agreement) [B,T-1] and the pair mask [B,T-1].
+  unroll > 1: `unrolled_predictions` of that many steps; each term is then the mean over
+  the pair's steps and the mask counts the steps the pair has (so sum(term * mask) /
+  sum(mask) is the mean over every (pair, step)). per_step: also [(top1, mask)] per step."""
   dt = draft.cfg.dtype
   emb_next = jnp.take(embed_VD, tokens_BT[:, 1:], axis=0).astype(dt)
   f_in = feats_BTD[:, :-1].astype(jnp.float32)
   if noise_BTD is not None:
     f_in = f_in + noise_BTD[:, :-1]
-  pred_BTD, _ = draft(f_in, emb_next)
+  pair_BP = mask_BT[:, 1:] * mask_BT[:, :-1]
+  if unroll == 1:
+    preds = [draft(f_in, emb_next)[0]]
+  else:
+    preds = unrolled_predictions(draft, f_in, emb_next, unroll)
   want_BTD = feats_BTD[:, 1:]
-  reg = jnp.mean(smooth_l1(pred_BTD.astype(jnp.float32), want_BTD.astype(jnp.float32)), axis=-1)
   eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
   logits = lambda h: jnp.einsum(eq, h.astype(dt), head.astype(dt),
                                 preferred_element_type=jnp.float32)
-  want_logits, pred_logits = logits(want_BTD), logits(pred_BTD)
+  want_logits = logits(want_BTD)
   p_want = jax.nn.softmax(want_logits, axis=-1)
-  ce = -jnp.sum(p_want * jax.nn.log_softmax(pred_logits, axis=-1), axis=-1)
-  top1 = (jnp.argmax(pred_logits, -1) == jnp.argmax(want_logits, -1)).astype(jnp.float32)
-  return reg, ce, top1, mask_BT[:, 1:] * mask_BT[:, :-1]
+  want_top = jnp.argmax(want_logits, -1)
+  terms, masks = [], []
+  for s, pred_BTD in enumerate(preds, start=1):
+    reg_s = jnp.mean(smooth_l1(pred_BTD.astype(jnp.float32), want_BTD.astype(jnp.float32)),
+                     axis=-1)
+    pred_logits = logits(pred_BTD)
+    ce_s = -jnp.sum(p_want * jax.nn.log_softmax(pred_logits, axis=-1), axis=-1)
+    top1_s = (jnp.argmax(pred_logits, -1) == want_top).astype(jnp.float32)
+    terms.append((reg_s, ce_s, top1_s))
+    masks.append(unrolled_mask(pair_BP, s))
+  if len(preds) == 1:
+    out = (*terms[0], pair_BP)
+  else:
+    # Means over every (pair, step) that exists: term * m sums the pair's steps' terms.
+    m = sum(masks)
+    mean = lambda i: sum(t[i] * m_s for t, m_s in zip(terms, masks)) / jnp.maximum(m, 1e-9)
+    out = (mean(0), mean(1), mean(2), m)
+  if per_step:
+    return out, [(t[2], m_s) for t, m_s in zip(terms, masks)]
+  return out
 
 
 class DistillEvaluator:
@@ -216,13 +278,19 @@ class DistillEvaluator:
 
   def update(self, outputs, host) -> None:
     sums, n = jax.device_get(outputs)
-    for k in self.sums:
-      self.sums[k] += float(sums[k])
+    for k, v in sums.items():
+      self.sums[k] = self.sums.get(k, 0.0) + float(v)
     self.pairs += float(n)
 
   def result(self) -> dict[str, float]:
+    """Means over the pairs (over every (pair, step) when unrolled); top1_dS: agreement at
+    unrolled step S alone, over the pairs that have one (its own count, pairs_dS)."""
     n = max(self.pairs, 1.0)
-    return {**{k: v / n for k, v in self.sums.items()}, "pairs": self.pairs}
+    out = {k: v / n for k, v in self.sums.items() if not k.startswith(("top1_d", "pairs_d"))}
+    for k, v in self.sums.items():
+      if k.startswith("top1_d"):
+        out[k] = v / max(self.sums["pairs_d" + k[len("top1_d"):]], 1.0)
+    return {**out, "pairs": self.pairs}
 
 
 class DistillTask:
@@ -230,11 +298,14 @@ class DistillTask:
 
   def __init__(self, target: Llama, optim: OptimConfig, mesh: Mesh, *, w_cls: float = 0.1,
                noise: float = 0.1, rules: mesh_lib.Rules = mesh_lib.LLM_RULES,
-               draft_vocab=None):
+               draft_vocab=None, unroll: int = 1):
     if not (math.isfinite(w_cls) and w_cls >= 0 and math.isfinite(noise) and noise >= 0):
       raise ValueError(f"DistillTask: w_cls={w_cls}, noise={noise}; expected finite and >= 0")
+    if not (isinstance(unroll, (int, np.integer)) and unroll >= 1):
+      raise ValueError(f"DistillTask: unroll={unroll!r}; expected an integer >= 1 (draft "
+                       "steps the loss unrolls)")
     self.cfg, self.optim, self.mesh, self.rules = target.cfg, optim, mesh, rules
-    self.w_cls, self.noise = w_cls, noise
+    self.w_cls, self.noise, self.unroll = w_cls, noise, int(unroll)
     self.tx = make_optimizer(optim)
     rep = NamedSharding(mesh, P())
     tgraph, tstate = nnx.split(target)
@@ -288,11 +359,14 @@ class DistillTask:
     if noise_key is not None and self.noise > 0:
       noise = jax.random.uniform(noise_key, batch["feats"].shape, jnp.float32, -self.noise,
                                  self.noise)
-    reg, ce, top1, m = distill_losses(self.draft(params), batch["embed"], batch["head"],
-                                      self.vocab_major, batch["tokens"], batch["mask"],
-                                      batch["feats"], noise)
-    return {"reg": jnp.sum(reg * m), "cls": jnp.sum(ce * m), "top1": jnp.sum(top1 * m)}, \
-        jnp.sum(m)
+    (reg, ce, top1, m), steps = distill_losses(
+        self.draft(params), batch["embed"], batch["head"], self.vocab_major, batch["tokens"],
+        batch["mask"], batch["feats"], noise, unroll=self.unroll, per_step=True)
+    sums = {"reg": jnp.sum(reg * m), "cls": jnp.sum(ce * m), "top1": jnp.sum(top1 * m)}
+    if self.unroll > 1:
+      for s, (top1_s, m_s) in enumerate(steps, start=1):
+        sums[f"top1_d{s}"], sums[f"pairs_d{s}"] = jnp.sum(top1_s * m_s), jnp.sum(m_s)
+    return sums, jnp.sum(m)
 
   def train_step(self, state, batch, skip_nonfinite: bool = False):
     key = jax.random.fold_in(jax.random.key(self.seed), state["step"])
@@ -375,6 +449,7 @@ class DistillConfig:
   weight_decay: float = 0.0
   w_cls: float = 0.1
   noise: float = 0.1
+  unroll: int = 1                 # draft steps the loss unrolls (`unrolled_predictions`)
   eval_every: int = 0
   log_every: int = 100
   checkpoint_every: int = 0
@@ -519,7 +594,7 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
   optim = OptimConfig(peak_lr=dcfg.learning_rate, warmup_steps=dcfg.warmup_steps,
                       total_steps=dcfg.steps, weight_decay=dcfg.weight_decay)
   task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise,
-                     draft_vocab=vocab)
+                     draft_vocab=vocab, unroll=dcfg.unroll)
   split = lambda x, a, b: None if x is None else x[a:b]
   train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed,
                              feats=split(feats, 0, n_train))

@@ -12,11 +12,13 @@ afterwards (a gather, whose gradient sums the samples' bag gradients per distinc
                             once from the flags (`--dedup_features`, `--dedup_capacity`)
   dedup_batch(batch, ...)   a pure numpy function of one batch: the same batch with
                             `SparseBatch.dedup` (rec/data/batch.py DedupIds) attached
+  DedupTransform            dedup_batch with its settings bound, for the input pipeline's
+                            worker processes (rec/data/workers.py WorkerSource)
   duplication_rate(batch)   1 - distinct bags / bags
 
 `dedup_batch` is pure so that it can run anywhere before the device: `RecTask.device_batch`
-calls it for a batch that arrives without `dedup`, and a loader's worker processes may call
-it instead. The device side is the embedding collection's `dedup` option
+calls it for a batch that arrives without `dedup`; with `--data_workers` (rec.configs.build_run)
+Grain's worker processes run it as `DedupTransform` and batches arrive carrying it. The device side is the embedding collection's `dedup` option
 (rec/embedding/collection.py). Distinct bags are found per batch shard (the rows one device
 of the batch axes receives), so the expansion back to samples needs no communication.
 Bags are equal when their lengths, ids and weights up to the length are; equal bags pool
@@ -185,6 +187,24 @@ def dedup_batch(batch: SparseBatch, features: Sequence[int], capacity: int = 0,
       out_w[row_U, j] = weights[first_U, f]
     inverse[:, j] = inv_B
   return dataclasses.replace(batch, dedup=DedupIds(features, out_ids, out_len, out_w, inverse))
+
+
+class DedupTransform:
+  """`dedup_batch` with its settings bound: a picklable callable batch -> batch for an input
+  pipeline's worker processes (rec/data/workers.py); `num_shards` must be the batch shards
+  the train step's devices expect (`RecTask.dedup_shards()`)."""
+
+  def __init__(self, features: Sequence[int], capacity: int = 0, num_shards: int = 1,
+               on_overflow: str = "fallback"):
+    self.features, self.capacity = tuple(int(f) for f in features), int(capacity)
+    self.num_shards, self.on_overflow = int(num_shards), on_overflow
+
+  def __call__(self, batch: SparseBatch) -> SparseBatch:
+    return dedup_batch(batch, self.features, self.capacity, self.num_shards, self.on_overflow)
+
+  def __repr__(self) -> str:
+    return (f"DedupTransform(features={self.features}, capacity={self.capacity}, "
+            f"num_shards={self.num_shards}, on_overflow={self.on_overflow!r})")
 
 
 def duplication_rate(batch: SparseBatch, features: Sequence[int] | None = None) -> float:

@@ -14,6 +14,12 @@ Forms:
                 accelerator by a jitted generator, so data never limits the step) or
                 `gen=auto` (the default: device on a GPU / TPU, host on CPU), e.g.
                 `synthetic_deep:logit_scale=4.0` or `synthetic:multi_hot=mlperf`.
+  sessions      RecD's session data (`rec.data.sessions.SessionSource`, arXiv 2211.05239):
+                synthetic whose first `user=8` sparse features are bags of `user_bag=32`
+                ids repeated over the samples of a session, sessions of mean length
+                1 / (1 - dup) (`dup=0.75`: 4 samples), e.g. `sessions:dup=0.875,user=4`;
+                logit_scale / zipf_alpha as above; drawn on the host (in Grain worker
+                processes with train_rec's --data_workers, which also run RecD's dedup).
   criteo:DIR    Criteo's text files (`rec.data.criteo.criteo_layout`): Kaggle as downloaded
                 (train.txt cut into 7 days as the DLRM reference does: days 1-6 train,
                 day 7 test + validation halves; test.txt unlabeled, for prediction), a
@@ -68,8 +74,14 @@ FORMS = ("'synthetic', 'criteo:DIR' or 'avazu:DIR' (the native files), or 'libfm
          "of experiments.preprocess_criteo), or 'synthetic_deep'; the "
          "synthetic forms take ':logit_scale=X' (X > 0), 'zipf_alpha=X' (X >= 0) and "
          "'multi_hot=mlperf' or 'multi_hot=3-2-1-...' (26 bag sizes >= 1) and 'gen=auto|host|device', "
-         "comma-separated")
+         "comma-separated; or 'sessions' (RecD's session data: ':dup=X' in [0, 1), 'user=N' "
+         "user features in 1..26, 'user_bag=N' ids per user bag, and logit_scale / zipf_alpha)")
 SYNTHETIC_TEACHERS = {"synthetic": "linear", "synthetic_deep": "deep"}
+SESSIONS = "sessions"
+# sessions:key=value -> (SessionSource argument, parser, valid)
+SESSION_OPTIONS = {"dup": ("dup_rate", float, lambda x: 0.0 <= x < 1.0),
+                   "user": ("num_user", int, lambda x: 1 <= x <= 26),
+                   "user_bag": ("user_bag", int, lambda x: x >= 1)}
 DEEP_LOGIT_SCALE = 3.0
 
 
@@ -112,12 +124,12 @@ def _multi_hot_option(value: str) -> tuple[int, ...]:
 
 
 def synthetic_options(data: str) -> dict | None:
-  """SyntheticCriteo's {teacher, logit_scale, ...} for a synthetic `--data` form; None for
-  others."""
+  """SyntheticCriteo's {teacher, logit_scale, ...} for a synthetic `--data` form (with
+  SessionSource's dup_rate / num_user / user_bag for `sessions`); None for others."""
   kind, sep, opts = data.partition(":")
-  if kind not in SYNTHETIC_TEACHERS:
+  if kind not in SYNTHETIC_TEACHERS and kind != SESSIONS:
     return None
-  teacher = SYNTHETIC_TEACHERS[kind]
+  teacher = SYNTHETIC_TEACHERS.get(kind, "linear")
   out = {"teacher": teacher,
          "logit_scale": DEEP_LOGIT_SCALE if teacher == "deep" else synthetic.LOGIT_SCALE}
   for item in opts.split(",") if sep else ():
@@ -125,7 +137,14 @@ def synthetic_options(data: str) -> dict | None:
     try:
       if not eq:
         raise ValueError
-      if key == "logit_scale":
+      if kind == SESSIONS and key in SESSION_OPTIONS:
+        name, parse, ok = SESSION_OPTIONS[key]
+        out[name] = parse(value)
+        if not ok(out[name]):
+          raise ValueError
+      elif kind == SESSIONS and key in ("multi_hot", "gen"):
+        raise ValueError
+      elif key == "logit_scale":
         out["logit_scale"] = float(value)
         if not out["logit_scale"] > 0:
           raise ValueError
@@ -207,6 +226,8 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     raise UserError(f"--days={days}: given with --data={data}; expected --days only with "
                     "Criteo Terabyte's day_N files (--data=criteo:DIR)")
   gen = syn.pop("gen", "auto") if syn is not None else None
+  if gen == "auto" and data.partition(":")[0] == SESSIONS:
+    gen = "host"   # sessions are drawn on the host (in Grain workers with --data_workers)
   if gen == "auto":   # an accelerator's step outruns numpy generation by far
     import jax
     gen = "host" if jax.default_backend() == "cpu" else "device"
@@ -218,6 +239,14 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
     train = device_synthetic.DeviceSynthetic(batch_size, rows, seed=seed, split="train", **place)
     evals = device_synthetic.DeviceSynthetic(eval_batch_size, rows, seed=seed, split="test",
                                              num_batches=eval_batches, **place)
+    return train, evals
+  if syn is not None and data.partition(":")[0] == SESSIONS:
+    from rec.data import sessions
+    shards = dict(shard_index=shard_index, num_shards=num_shards, flag=f"--data={data}", **syn)
+    train = sessions.SessionSource(batch_size, rows, seed=seed, split="train", **shards)
+    evals = sessions.SessionSource(eval_batch_size, rows, seed=seed, split="test",
+                                   num_batches=eval_batches, **shards)
+    print(f"--data={data}: {train.describe()}", flush=True)
     return train, evals
   if syn is not None:
     shards = dict(shard_index=shard_index, num_shards=num_shards, **syn)

@@ -6,7 +6,9 @@
   (n x n); the learned Y [n, k] projects it to n x k, and computing X (X^T Y) costs
   O(n d k) instead of O(n^2 d). With k = n and Y = I it is X X^T itself.
 - `FactorizationMachineBlock` (FMB): optimized FM -> flatten -> LayerNorm -> MLP ->
-  reshape to n_F embeddings of dim D.
+  reshape to n_F embeddings of dim D. The paper names no output activation; the MLP ends
+  linear (signed embeddings like the LCB's; the layer's LayerNorm follows), and
+  `output_relu=True` adds a ReLU on the output, as FuxiCTR's WuKong does.
 
 Letters: B batch, F (= N) input embeddings, D dim, K projection rank, M FMB outputs (n_F).
 """
@@ -60,15 +62,17 @@ class FactorizationMachineBlock(nnx.Module):
   """Wukong's FMB: reshape(MLP(LN(flatten(X X^T Y)))): [B, N, D] -> [B, M, D]."""
 
   def __init__(self, num_in: int, num_out: int, dim: int, rank: int, hidden: Sequence[int],
-               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+               output_relu: bool = False):
     if num_out < 1 or dim < 1:
       raise ValueError(f"FactorizationMachineBlock: num_out={num_out}, dim={dim}; expected >= 1")
     self.num_out, self.dim = num_out, dim
     self.fm = LowRankFM(num_in, rank, rngs, dtype, param_dtype)
     self.norm = nnx.LayerNorm(num_in * rank, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    # Hidden layers with ReLU; the last layer is linear (the layer's LayerNorm follows).
-    self.mlp = MLP(num_in * rank, tuple(hidden) + (num_out * dim,), rngs, activate_last=False,
-                   dtype=dtype, param_dtype=param_dtype)
+    # Hidden layers with ReLU; the last layer is linear unless output_relu (the layer's
+    # LayerNorm follows).
+    self.mlp = MLP(num_in * rank, tuple(hidden) + (num_out * dim,), rngs,
+                   activate_last=output_relu, dtype=dtype, param_dtype=param_dtype)
 
   def __call__(self, x_BND):
     fm_BNK = self.fm(x_BND)

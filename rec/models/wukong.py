@@ -11,7 +11,9 @@ The bottom MLP's last width is n_d * D: the dense features become n_d embeddings
 paper's Criteo setup, bottom MLP [512, 256] at D = 128, gives n_d = 2). The layer's
 LayerNorm normalizes each embedding over its D values; the FMB's normalizes the flat
 N_i * k interaction vector. As in DLRM, the tables live in the sharded collection
-(`WukongConfig.tables()`).
+(`WukongConfig.tables()`). FuxiCTR's WuKong, an independent implementation, gives the same
+layer outputs and logits with the same weights (`fm_output_relu=True` for its FMB ReLU;
+experiments/peers/README.md lists every difference).
 
 Letters: B batch, Dn dense input features, D embedding dim, F sparse features,
 N embeddings entering a layer, K FM rank (k), M FMB outputs (n_F), L LCB outputs (n_L).
@@ -66,6 +68,8 @@ class WukongConfig:
   num_lcb: int = 8         # n_L: embeddings out of each LCB
   fm_rank: int = 24        # k: columns of the FM projection Y
   fm_mlp: tuple[int, ...] = (512, 512)
+  fm_output_relu: bool = False   # ReLU after the FMB's last layer (FuxiCTR's WuKong); off:
+                                 # a linear output (the paper names no activation there)
   top_mlp: tuple[int, ...] = (512, 512, 1)
   feature_names: tuple[str, ...] | None = None
   dtype: str = "float32"   # activation dtype; parameters stay float32, logits are float32
@@ -149,7 +153,7 @@ class WukongLayer(nnx.Module):
     dtype = common.DTYPES[cfg.dtype]
     d, n_out = cfg.embedding_dim, cfg.num_fm + cfg.num_lcb
     self.fmb = FactorizationMachineBlock(num_in, cfg.num_fm, d, cfg.fm_rank, cfg.fm_mlp, rngs,
-                                         dtype=dtype)
+                                         dtype=dtype, output_relu=cfg.fm_output_relu)
     self.lcb = LinearCompression(num_in, cfg.num_lcb, rngs, dtype=dtype)
     self.residual = LinearCompression(num_in, n_out, rngs, dtype=dtype) if num_in != n_out else None
     self.norm = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from core import distributed
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REC = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
@@ -34,7 +35,7 @@ def _port() -> int:
 
 
 def _env(devices: int) -> dict:
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(devices),
              JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   env.pop("JAX_COORDINATOR_ADDRESS", None)
   return env
@@ -116,7 +117,9 @@ def _same_state(a, b, atol):
 ATOL = 1e-6
 
 
-def test_train_rec_two_processes_equal_one_and_resume_on_other_counts(tmp_path):
+def _two_and_straight(tmp_path) -> dict:
+  """A 4-step run on 2 processes (4 devices each) checked against 1 process with the 8
+  devices; returns the uninterrupted 1-process run of 6 steps that resumes are held to."""
   two = _run("experiments.train_rec", REC + ["--steps=4", f"--workdir={tmp_path / 'two'}"],
              2, 4, tmp_path)
   one = _run("experiments.train_rec", REC + ["--steps=4", f"--workdir={tmp_path / 'one'}"],
@@ -126,19 +129,34 @@ def test_train_rec_two_processes_equal_one_and_resume_on_other_counts(tmp_path):
   np.testing.assert_allclose(two["test_logloss"], one["test_logloss"], rtol=1e-6)
   _same_state(tmp_path / "two", tmp_path / "one", ATOL)
   assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
-  # The 2-process checkpoint continues on 1 process (8 devices) and on 4 (2 devices each)
-  # exactly as the uninterrupted 1-process run of 6 steps.
-  straight = _run("experiments.train_rec", REC + ["--steps=6", f"--workdir={tmp_path / 's6'}"],
-                  1, 8, tmp_path)
-  for name, procs, devs in (("r1", 1, 8), ("r4", 4, 2)):
-    shutil.copytree(tmp_path / "two", tmp_path / name)
-    out = _run("experiments.train_rec",
-               REC + ["--steps=6", "--resume", f"--workdir={tmp_path / name}"], procs, devs,
-               tmp_path)
-    assert out["steps"] == 6 and out["test_auc"] == straight["test_auc"], name
-    _same_state(tmp_path / name, tmp_path / "s6", ATOL)
+  return _run("experiments.train_rec", REC + ["--steps=6", f"--workdir={tmp_path / 's6'}"],
+              1, 8, tmp_path)
 
 
+def _resume_two_on(tmp_path, straight, name, procs, devs):
+  """The 2-process checkpoint continues on `procs` processes of `devs` devices exactly as
+  the uninterrupted run."""
+  shutil.copytree(tmp_path / "two", tmp_path / name)
+  out = _run("experiments.train_rec",
+             REC + ["--steps=6", "--resume", f"--workdir={tmp_path / name}"], procs, devs,
+             tmp_path)
+  assert out["steps"] == 6 and out["test_auc"] == straight["test_auc"], name
+  _same_state(tmp_path / name, tmp_path / "s6", ATOL)
+
+
+def test_train_rec_two_processes_equal_one_and_resume_on_one(tmp_path):
+  straight = _two_and_straight(tmp_path)
+  _resume_two_on(tmp_path, straight, "r1", 1, 8)
+
+
+@pytest.mark.slow   # 4 processes on top of the test above: resuming across counts is covered there
+def test_train_rec_two_processes_resume_on_four(tmp_path):
+  straight = _two_and_straight(tmp_path)
+  _resume_two_on(tmp_path, straight, "r4", 4, 2)
+
+
+@pytest.mark.slow   # cross-process collectives: train_rec's test above; CP / FSDP x TP x CP in
+                    # one process: tests/llm/test_llama_cp.py, test_train_lib.py, test_cp_prefill
 def test_llama_cp_prefill_and_fsdp_tp_cp_training_across_processes(tmp_path):
   # CP prefill over 8 ranks split across 2 processes: the ring's ppermutes cross processes.
   for variant in ("pass_kv", "pass_q"):

@@ -110,3 +110,63 @@ def test_estimate_unused_values_pvf_zero_and_used_values_counted():
   res = faults.estimate(used, data, 8, 16, 32, faults.FaultModel("single", 31),
                         faults.tolerance_criterion(0.0), 100, jax.random.key(0), chunk=64)
   assert res["changed"] == 100 and res["ci_low"] > 0.96
+
+
+# ------------------------------------------------------------------ exact enumeration
+
+def _read_own_value(fmt):
+  """A group of two values w = [1.0, 3.0] stored in `fmt`; example e outputs its value w[e]."""
+  enc = faults.encode(jnp.asarray([1.0, 3.0]), fmt)
+
+  def faulty(d, elem, mask, x):
+    e = dict(d)
+    e["v"] = faults.flip_element(d["v"], elem, mask)
+    return faults.decode(e)[x]
+  return faulty, enc
+
+
+# The single-bit faults that move a value across the 0.5 decision, worked out by hand from
+# the bit patterns (value, bits), examples reading only their own value:
+#   fp32 1.0 = 0x3F800000: the sign, exponent bits 24..29 (2^-1 .. 2^-63 are < 0.5 except
+#        bit 23's 0.5), bit 30 (exponent 255: inf); 3.0 = 0x40400000: the sign and bit 30
+#        (exponent 0: a subnormal); every other flip keeps the value >= 0.5.
+#   bf16 the same fields, 16 bits lower: 1.0 bits 8..15, 3.0 bits 14, 15.
+#   int8 one row, scale 3 / 127: codes 42 (0b00101010) and 127; 42 -> 10 (bit 5) and
+#        -86 (bit 7) fall below 0.5 * 127 / 3 = 21.2; 127 only by its sign bit.
+_HAND = {"fp32": ({24, 25, 26, 27, 28, 29, 30, 31}, {30, 31}, 1),
+         "bf16": ({8, 9, 10, 11, 12, 13, 14, 15}, {14, 15}, 1),
+         "int8": ({5, 7}, {7}, 0)}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_exhaustive_equals_hand_enumeration(fmt):
+  width = faults.bit_width(fmt)
+  faulty, enc = _read_own_value(fmt)
+  res = faults.exhaustive(faulty, enc, 2, 2, width, faults.threshold_criterion(0.5), chunk=48)
+  bits0, bits1, inf = _HAND[fmt]
+  want = np.zeros((2, width, 2), bool)
+  want[0, sorted(bits0), 0] = True
+  want[1, sorted(bits1), 1] = True        # a value the example does not read changes nothing
+  np.testing.assert_array_equal(res["changed_VBX"], want)
+  assert res["trials"] == 2 * width * 2 and res["changed"] == len(bits0) + len(bits1)
+  assert res["pvf"] == (len(bits0) + len(bits1)) / (4 * width) and res["nonfinite"] == inf
+  # Uniform single-bit trials estimate that fraction: it lies in their Wilson interval at
+  # z = 4 (a draw outside it has probability 6e-5; z = 1.96 would miss 1 seed in 20).
+  est = faults.estimate(faulty, enc, 2, 2, width, faults.FaultModel("single"),
+                        faults.threshold_criterion(0.5), 3000, jax.random.key(5), chunk=1000)
+  lo, hi = faults.wilson(est["changed"], est["trials"], z=4.0)
+  assert lo <= res["pvf"] <= hi, (est, res["pvf"])
+  sub = faults.exhaustive(faulty, enc, 2, 2, width, faults.threshold_criterion(0.5),
+                          bits=(width - 1,))
+  assert sub["changed"] == 2 and sub["pvf"] == 0.5        # sign flips, read by one example
+  with pytest.raises(ValueError, match="bits"):
+    faults.exhaustive(faulty, enc, 2, 2, width, faults.threshold_criterion(), bits=(width,))
+
+
+@pytest.mark.parametrize("k,n", [(0, 100), (3, 10), (17, 2000), (1999, 2000), (40, 40)])
+def test_wilson_is_the_score_test_inversion(k, n):
+  # The interval's ends are the roots in p of (k/n - p)^2 = z^2 p (1 - p) / n.
+  z, ph = 1.96, k / n
+  roots = np.sort(np.roots([1 + z * z / n, -(2 * ph + z * z / n), ph * ph]).real)
+  lo, hi = faults.wilson(k, n)
+  np.testing.assert_allclose([lo, hi], np.clip(roots, 0, 1), atol=1e-12)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from tests import cpu_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
 # Entry points: flat modules (experiments/<name>.py) and study packages whose __main__.py is
@@ -25,9 +27,8 @@ MODULES = [f"experiments.{n}" if os.path.exists(os.path.join(REPO, "experiments"
 
 def run_entry(module: str, args, timeout: int = 600):
   """Runs `python -m module *args`; asserts it exits 0 and returns (stdout, the JSON of its
-  last stdout line)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  last stdout line). One CPU device (tests/cpu_env.py)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
   out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=timeout)
   assert out.returncode == 0, out.stderr[-3000:]

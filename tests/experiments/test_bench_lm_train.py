@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from core import benchmark
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +24,7 @@ def test_peak_table():
 @pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_tiny_preset_runs_with_breakdown(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=cpu_env.xla_flags(2))
   out = subprocess.run(
       [sys.executable, "-m", "experiments.bench_lm_train", "--preset=tiny", "--seq_len=32",
        "--batch=2", "--mesh=data:2", "--remat=dots", "--steps=1", "--repeats=1", "--warmup=0",

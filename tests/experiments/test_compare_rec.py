@@ -11,6 +11,7 @@ import pytest
 
 from experiments.compare_rec import study
 from rec import runs
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -19,7 +20,7 @@ TINY = ["--num_rows=1000", "--embedding_dim=8", "--batch_size=64", "--eval_batch
 
 
 def _run(args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", "experiments.compare_rec", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

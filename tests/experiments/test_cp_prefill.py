@@ -5,12 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args, ok=True):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", "experiments.cp_prefill", "--repeats=2", *args],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert (out.returncode == 0) == ok, out.stderr[-3000:]

@@ -157,6 +157,8 @@ def test_refuses_without_gpu(tmp_path):
   assert not (tmp_path / "report.md").exists()
 
 
+@pytest.mark.slow   # about 90 s of CPU; the parts' benchmarks have their own toy-size tests.
+# Run it (`pytest -m slow tests/experiments/test_gpu_report.py`) before a GPU round.
 def test_dry_run_runs_every_part(tmp_path):
   """The whole report at toy sizes on CPU: every part runs, every target row has a figure
   or the reason it has none, report.md / report.json / logs are written."""

@@ -12,6 +12,7 @@ from llm import tokenizer as T
 from llm import weights as W
 from llm.config import LlamaConfig
 from tests.llm.test_tokenizer import _TINY, _bin_pieces, train_bpe
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("LLM_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -22,7 +23,7 @@ EXPECTED = [461, 461, 401, 401, 401, 461, 378, 455, 473, 456, 435, 299, 362, 409
 
 
 def _run(module, args, fails=False):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   if fails:
@@ -164,3 +165,67 @@ def test_bench_llm_runs_ours_only(tmp_path):
                                                   f"--workdir={tmp_path}"])[-1])
   assert out["ours"]["prefill_tokens_per_s"] > 0 and out["peer"] is None
   assert (tmp_path / "hf_model" / "config.json").exists()
+
+
+def test_train_lm_packing_flags_name_the_flag():
+  from types import SimpleNamespace
+
+  from experiments import train_lm
+  ok = dict(packing="wlb", cp_sharding="doc", seq_len=64, doc_context=131072,
+            context_parallel="pass_kv", mesh="data:2,cp:4")
+  train_lm.check_packing_flags(SimpleNamespace(**ok), cp_ranks=4)
+  train_lm.check_packing_flags(SimpleNamespace(**{**ok, "packing": "none", "cp_sharding": "seq"}),
+                               cp_ranks=1)
+  for change, ranks, match in [
+      ({"packing": "none"}, 4, "--cp_sharding=doc needs documents: set --packing"),
+      ({"cp_sharding": "adaptive", "context_parallel": "none"}, 1,
+       "--cp_sharding=adaptive needs context parallelism: --context_parallel"),
+      ({"seq_len": 36}, 4, "--seq_len=36 with --cp_sharding=doc: expected a multiple of 2 x 4"),
+      ({"doc_context": 32}, 4, "--doc_context=32: expected 0 or at least --seq_len=64")]:
+    with pytest.raises(ValueError, match=match):
+      train_lm.check_packing_flags(SimpleNamespace(**{**ok, **change}), cp_ranks=ranks)
+
+
+@pytest.mark.slow   # an entry point end to end on 8 simulated devices
+def test_train_lm_packing_logs_the_measured_work(tmp_path):
+  """train_lm --packing=wlb --cp_sharding=adaptive over data:2,cp:4: every step's logged
+  imbalance numbers equal an independent count over the same batches (rebuilt here from the
+  library's source with the run's settings), and a bad combination stops naming the flag."""
+  from llm.config import get_config
+  from llm.data import TextSource
+  from llm.packing import cost as C
+  from llm.packing.cp_shard import TileModel
+  from llm.packing.lengths import CorpusLengths
+  from llm.packing.source import PackedSource, PackingSpec
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+  wd = tmp_path / "run"
+  summary = json.loads(_run("experiments.train_lm", [
+      f"--text={text}", "--steps=3", "--seq_len=64", "--batch_size=4", "--mesh=data:2,cp:4",
+      "--context_parallel=pass_kv", "--packing=wlb", "--cp_sharding=adaptive",
+      "--doc_context=4096", "--eval_every=0", "--eval_batches=1", "--log_every=1",
+      f"--workdir={wd}"])[-1])
+  assert summary["packing"] == "wlb" and summary["cp_sharding"] == "adaptive"
+  logged = [json.loads(l) for l in (wd / "metrics.jsonl").read_text().splitlines()]
+  logged = [r for r in logged if r.get("split", "train") == "train" and "pack_tokens" in r]
+  assert len(logged) == 3
+  cfg = get_config("tiny")
+  src = PackedSource(TextSource(str(text), 64, 4).tokens, CorpusLengths(4096, scale=64 / 4096),
+                     PackingSpec(packing="wlb", layout="adaptive"), seq_len=64, batch_size=4,
+                     cp=4, cost=C.flop_cost_model(C.Shape.from_config(cfg)).scaled(1e-9, 1e-9),
+                     n_layers=cfg.n_layers, tile_model=TileModel(2, 2))
+  for rec, batch in zip(logged, src.batches(0)):
+    # Independent count: the model's entry balancing by chunk index, then pos + 1 per token.
+    c = 64 // 8
+    order = [k for i in range(4) for k in (i, 7 - i)]
+    slots = np.concatenate([np.arange(k * c, (k + 1) * c) for k in order])
+    w = np.where(batch.segment_ids != 0, batch.positions + 1, 0)[:, slots].reshape(4, 4, 16)
+    per = w.sum(-1)                                     # [rows, ranks]
+    assert rec["pack_imbalance_mb"] == pytest.approx(per.sum(1).max() / per.sum(1).mean())
+    assert rec["pack_imbalance_cp"] == pytest.approx(per.sum(0).max() / per.sum(0).mean())
+    assert rec["pack_tokens"] == float(np.sum(batch.segment_ids != 0))
+  res = json.loads((wd / "results.json").read_text())
+  assert len(res["packing"]["steps"]) == 3
+  err = _run("experiments.train_lm", [f"--text={text}", "--packing=none", "--cp_sharding=doc",
+                                      f"--workdir={tmp_path / 'bad'}"], fails=True)
+  assert "error: --cp_sharding=doc needs documents" in err

@@ -20,6 +20,7 @@ from core.errors import UserError
 from rec import predict as predict_lib
 from rec.data import criteo_bin
 from tests.experiments.entry import DATA, REPO
+from tests import cpu_env
 
 RAW = os.path.join(DATA, "criteo_kaggle_raw")
 AVAZU = os.path.join(DATA, "avazu_sample")
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(RAW, "train.txt"
 
 def _entry(module, args):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=cpu_env.xla_flags(8))
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
 

@@ -1,13 +1,15 @@
-"""DLRM / Llama PVF (experiments/pvf): the trials' forward (the DLRM module on the
-collection's lookup) equals the module on independently pooled embeddings, a fault
-nothing reads has PVF 0, and every recorded trial's verdict equals an independent replay:
-the same fault flipped in numpy and run through a plain-numpy DLRM, or through a direct
-Llama call."""
+"""DLRM / Llama PVF (experiments/pvf, arXiv 2405.01741): the trials' forward (the DLRM
+module on the collection's lookup) equals the module on independently pooled embeddings,
+a fault nothing reads has PVF 0, every recorded trial's verdict equals an independent
+replay (the same fault flipped in numpy and run through a plain-numpy DLRM, or through a
+direct Llama call), estimates agree with the exact PVF enumerated in numpy, and the
+report's bit fields and ordering check count what they say."""
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from flax import nnx
 
 from core import faults
@@ -139,37 +141,111 @@ def _np_changed(criterion: str, ref, out) -> bool:
   return bool((ref >= 0.5) != (out >= 0.5) or not np.isfinite(out))
 
 
+def _np_exact(target, group, fmt, bit, criterion):
+  """[values, examples] verdicts of every fault of `bit` in the group, by the numpy replay."""
+  size = {"emb": target.tables_RD.size,
+          "emb_read": target.ids_XFL.shape[1] * target.ids_XFL.shape[2]
+          * target.tables_RD.shape[1],
+          "interaction": CFG.interaction_dim}.get(group)
+  if size is None:
+    mod, _, i = group.rpartition(".")
+    size = sum(np.size(v) for v in target.params[mod]["layers"][int(i)].values())
+  with np.errstate(over="ignore", invalid="ignore"):   # the faults make inf and NaN
+    return np.array([[_np_changed(criterion, *_replay(target, group, fmt, e, 1 << bit, x))
+                      for x in range(target.num_examples)] for e in range(size)])
+
+
+def _np_layer_exact(target, group, fmt, criterion):
+  """[values, bits, examples] verdicts of every single-bit fault of one MLP layer in numpy,
+  all examples at once: _np_prob's model over a batch."""
+  width = {"fp32": 32, "bf16": 16}[fmt]
+  stored = jax.tree.map(lambda a: _flip(np.asarray(a, np.float32), fmt, 0, 0), target.params)
+  table = _flip(target.tables_RD, fmt, (0, 0), 0)
+  emb_XFD = np.stack([_np_emb(table, target.row_offset_F, target.ids_XFL[x],
+                              target.lengths_XF[x], target.weights_XFL[x])
+                      for x in range(target.num_examples)])
+
+  def probs(params):
+    x = _np_mlp(params["bottom_mlp"]["layers"], target.dense_XD, True)
+    z = np.concatenate([x[:, None], emb_XFD], 1)
+    li, lj = tril_indices(z.shape[1])
+    h = np.concatenate([x, np.einsum("xfd,xgd->xfg", z, z)[:, li, lj]], 1)
+    logit = _np_mlp(params["top_mlp"]["layers"], h.astype(np.float32), False)[:, 0]
+    return np.float32(1) / (np.float32(1) + np.exp(-logit))
+
+  mod, _, i = group.rpartition(".")
+  layer = stored[mod]["layers"][int(i)]
+  n = layer["kernel"].size
+  ref = probs(stored)
+  out = np.zeros((n + layer["bias"].size, width, target.num_examples), bool)
+  with np.errstate(over="ignore", invalid="ignore"):
+    for e in range(out.shape[0]):
+      for b in range(width):
+        new = dict(layer)
+        if e < n:
+          new["kernel"] = _flip(layer["kernel"], fmt,
+                                np.unravel_index(e, layer["kernel"].shape), 1 << b)
+        else:
+          new["bias"] = _flip(layer["bias"], fmt, e - n, 1 << b)
+        p = probs({**stored, mod: {"layers": {**stored[mod]["layers"], int(i): new}}})
+        out[e, b] = [_np_changed(criterion, r, o) for r, o in zip(ref, p)]
+  return out
+
+
 def test_pvf_counts_faults_that_matter():
   """Each recorded trial's verdict equals the numpy replay of the same fault (group,
   element, bits, example), for sign flips under |change| > 0 and exponent-MSB flips under
-  the 0.5 threshold, in fp32 and bf16 (each group kind: table, MLP layer, activation)."""
+  the 0.5 threshold, in fp32 and bf16 (each group kind: table, MLP layer, activation); the
+  estimate agrees with the exact PVF, every (value, example) of that bit replayed in numpy;
+  its interval is Wilson's; and the exhaustive run through the module gives, fault by
+  fault, the numpy verdicts of every bit of a layer."""
   _, _, _, target = _target()
-  # The logit's bias: a sign flip changes every probability (bias != 0).
-  b = target.params["top_mlp"]["layers"][1]["bias"]
-  assert abs(float(b[0])) > 0
   crit = {"tol0": faults.tolerance_criterion(0.0), "threshold": faults.threshold_criterion()}
   cases = [("top_mlp.1", "fp32", 31, "tol0"), ("bottom_mlp.0", "bf16", 15, "tol0"),
            ("emb_read", "fp32", 30, "threshold"), ("interaction", "fp32", 30, "threshold"),
            ("emb", "bf16", 14, "threshold")]
-  counts = {}
   for gi, (group, fmt, bit, c) in enumerate(cases):
     row, = pvf.dlrm_pvf(target, fmt, faults.FaultModel("single", bit), crit[c], 64,
                         jax.random.key(gi), groups=[group], chunk=32, record=True)
     rec = row["records"]
-    with np.errstate(over="ignore", invalid="ignore"):   # the faults make inf and NaN
+    with np.errstate(over="ignore", invalid="ignore"):
       want = [_np_changed(c, *_replay(target, group, fmt, int(e), int(m), int(x)))
               for e, m, x in zip(rec["elem"], rec["mask"], rec["example"])]
     np.testing.assert_array_equal(rec["changed"], want, err_msg=f"{group} {fmt} bit {bit}")
     assert row["changed"] == sum(want) and np.all(rec["mask"] == 1 << bit)
-    counts[group, fmt] = row
-  # 9 values (8 kernel + 1 bias): kernel faults change p unless the ReLU input is 0.
-  assert counts["top_mlp.1", "fp32"]["values"] == 9
-  assert counts["top_mlp.1", "fp32"]["changed"] > 32
-  # Exponent MSB of a value a bag reads or of the interaction: threshold crossings.
-  assert counts["emb_read", "fp32"]["changed"] > 0
-  assert counts["interaction", "fp32"]["changed"] > 0
-  assert set(pvf.dlrm_groups(CFG)) == {"emb", "emb_read", "bottom_mlp.0", "bottom_mlp.1",
-                                       "interaction", "top_mlp.0", "top_mlp.1"}
+    # The exact PVF of this bit: every (value, example) replayed in numpy.
+    exact = _np_exact(target, group, fmt, bit, c)
+    assert row["values"] == exact.shape[0]
+    lo, hi = faults.wilson(row["changed"], row["trials"], z=4.0)   # misses with p = 6e-5
+    assert lo <= exact.mean() <= hi, (group, fmt, bit, row["pvf"], exact.mean())
+    # Wilson's interval: the roots in p of (k/n - p)^2 = z^2 p (1 - p) / n.
+    n, ph, z = row["trials"], row["pvf"], 1.96
+    roots = np.sort(np.roots([1 + z * z / n, -(2 * ph + z * z / n), ph * ph]).real)
+    np.testing.assert_allclose([row["ci_low"], row["ci_high"]], np.clip(roots, 0, 1),
+                               atol=1e-12)
+  # Every single-bit fault of the logit layer (9 values x 32 bits x 24 examples) through
+  # the module, fault by fault against numpy.
+  res = pvf.dlrm_exact(target, "fp32", "top_mlp.1", crit["threshold"], chunk=512)
+  want = _np_layer_exact(target, "top_mlp.1", "fp32", "threshold")
+  np.testing.assert_array_equal(res["changed_VBX"], want)
+  assert res["changed"] == want.sum() and res["trials"] == 9 * 32 * 24
+  assert set(pvf.dlrm_groups(CFG)) == {"emb", "emb_read", "bottom_mlp", "bottom_mlp.0",
+                                       "bottom_mlp.1", "interaction", "top_mlp", "top_mlp.0",
+                                       "top_mlp.1"}
+
+
+def test_component_group_is_its_layers():
+  """`top_mlp` (every layer) has the layers' values, and its exact PVF of a bit is the
+  layers' exact PVFs weighted by their sizes (a uniform value of the component)."""
+  _, _, _, target = _target()
+  crit = faults.threshold_criterion()
+  parts = [pvf.dlrm_exact(target, "bf16", g, crit, bits=(14,), chunk=512)
+           for g in ("top_mlp", "top_mlp.0", "top_mlp.1")]
+  whole, l0, l1 = parts
+  assert whole["values"] == l0["values"] + l1["values"]
+  np.testing.assert_array_equal(whole["changed_VBX"],
+                                np.concatenate([l0["changed_VBX"], l1["changed_VBX"]]))
+  assert whole["changed"] == l0["changed"] + l1["changed"] > 0
 
 
 # ------------------------------------------------------------------ Llama
@@ -215,3 +291,30 @@ def test_llama_pvf_tiny():
     p = llm_pvf._set(pure, path, flipped)
     arg, finite = top1(p, int(x))
     assert bool(changed) == (arg != clean[int(x)][0] or not finite), (e, x)
+
+
+def test_study_fields_and_paper_ordering():
+  """PVF by bit field counts the recorded trials of each field, with Wilson intervals; the
+  ordering check says agrees / disagrees only where the intervals are apart."""
+  from experiments.pvf import study
+  mask = np.array([1 << 31, 1 << 30, 1 << 3, 1 << 23, 1 << 31, 1 << 0], np.uint32)
+  changed = np.array([1, 1, 0, 0, 0, 1], bool)
+  row = {"group": "g", "fmt": "fp32", "fault": "single",
+         "records": {"mask": mask, "changed": changed}}
+  f = study.by_field(row)
+  assert "records" not in row
+  assert {k: (v["trials"], v["changed"]) for k, v in f.items()} == {
+      "sign": (2, 1), "exponent": (2, 1), "mantissa": (2, 1)}
+  assert (f["sign"]["ci_low"], f["sign"]["ci_high"]) == faults.wilson(1, 2)
+  with pytest.raises(ValueError, match="one flipped bit"):
+    study.by_field({"group": "g", "fmt": "fp32", "fault": "multi:2",
+                    "records": {"mask": np.array([3], np.uint32), "changed": changed[:1]}})
+
+  def r(group, k, n=1000):
+    return {"group": group, "fmt": "fp32", "fault": "single", "pvf": k / n,
+            **dict(zip(("ci_low", "ci_high"), faults.wilson(k, n)))}
+  checks = study.ordering_checks([r("emb", 0), r("bottom_mlp", 60), r("top_mlp", 20),
+                                  r("emb_read", 25)])
+  assert [(c["claim"], c["verdict"]) for c in checks] == [
+      ("top_mlp > bottom_mlp", "disagrees"), ("top_mlp > emb", "agrees"),
+      ("top_mlp > emb_read", "not resolved")]

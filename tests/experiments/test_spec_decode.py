@@ -52,3 +52,23 @@ def test_spec_decode_entry(tmp_path):
   assert "distill.learning_rate is --draft_lr" in other.stderr
   allowed = run("--draft_lr=0.001", "--resume_allow=distill.learning_rate")
   assert allowed.returncode == 0 and "nothing to do" in allowed.stdout, allowed.stderr[-3000:]
+
+
+def test_profile_round_alternates_with_plain_steps():
+  """benchmark.profile_round on a tiny target: every piece timed beside a plain step, its
+  ratio and ms reported, round_x the sum of the round's ratios."""
+  from flax import nnx
+
+  from experiments.spec_decode import benchmark
+  from llm.speculative import DraftHead, TreeShape
+  from tests.llm.speculative.conftest import CFG
+  from tests.llm.test_model import make_model
+
+  target = make_model(CFG)[0]
+  out = benchmark.profile_round(target, DraftHead(CFG, nnx.Rngs(0)), [1, 2, 3],
+                                TreeShape(2, 2, 3), repeats=2, context=8)
+  parts = ("verify", "draft_tree", "draft_catch_up", "accept", "commit")
+  assert out["nodes"] == 4 and out["repeats"] == 2 and out["plain_step_ms"] > 0
+  assert all(out[f"{k}_ms"] > 0 and out[f"{k}_x"] > 0 for k in parts + ("verify_nomask",))
+  assert out["round_x"] == pytest.approx(sum(out[f"{k}_x"] for k in parts))
+  assert out["round_ms"] == pytest.approx(sum(out[f"{k}_ms"] for k in parts))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -45,7 +46,7 @@ def _fail(args, cwd=REPO):
 
 
 def _env():
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  return dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8),
               JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
 
 

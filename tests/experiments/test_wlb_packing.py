@@ -3,6 +3,7 @@ micro-batches (workload imbalance, token delay, CP rank imbalance of visible pai
 paper's Table 2 values carried beside ours, the stream's termination, and the entry point end
 to end on a small stream (FLOP cost model, no timing)."""
 
+import itertools
 import json
 import math
 import os
@@ -139,7 +140,7 @@ def test_stream_fills_the_steps_and_bad_configs_are_refused():
 def test_wlb_packing_end_to_end(tmp_path):
   cost = tmp_path / "cost.json"
   args = dict(context=8192, steps=16, windows="1,2", queues="1,2", cp=4, cp_steps=1, tile_q=32,
-              tile_kv=32, doc_median=256, tail_min=2048, tail_prob=0.02)
+              tile_kv=32, doc_median=256, tail_min=2048, tail_prob=0.02, train_steps=2)
   stdout, summary = run_entry(
       "experiments.wlb_packing",
       [f"--workdir={tmp_path}", "--cost_model=flops", f"--save_cost_model={cost}"]
@@ -151,6 +152,8 @@ def test_wlb_packing_end_to_end(tmp_path):
     res = json.load(f)
   assert [r["name"] for r in res["rows"]][0] == "original" and res["rows"][0]["paper"] == 1.44
   assert os.path.getsize(tmp_path / "wlb_packing.png") > 1000
+  assert os.path.getsize(tmp_path / "wlb_training.png") > 1000
+  assert summary["train_original_sequence_speedup"] == 1.0 and len(res["training"]) == 9
   # The FLOP cost model of Llama 3 8B's layer (H 32, G 8, K 128, D 4096, F 14336), by hand:
   # attention 3 x 4 H K l^2 / 2 (forward + backward), linear 3 x 2 x layer weights per token.
   model = CostModel.load(str(cost))
@@ -176,3 +179,57 @@ def test_flop_cost_model_matches_llm_cost():
   from llm import cost as llm_cost
   cfg = get_config("llama3_8b")
   assert Shape.from_config(cfg).linear_flops_per_token == llm_cost.linear_flops_per_token(cfg)
+
+
+def test_training_grid_equals_an_independent_count():
+  """Every cell of the training grid (train_lm's source and meter, host only) against plain
+  numpy over the same batches: pairs per (micro-batch, rank) after the model's entry
+  balancing (chunk i and 2N-1-i of the row, by index), their max / mean, the cost model's
+  slowest (micro-batch, rank) time and the speedup over the first cell."""
+  from experiments.wlb_packing import training
+  from llm.packing.cp_shard import TileModel
+  from llm.packing.lengths import CorpusLengths
+  from llm.packing.source import PackedSource, PackingSpec
+  t, n, m, steps = 256, 4, 4, 3
+  cost = CostModel(attn_quad=2.0, attn_lin=1.0, attn_const=5.0, lin_per_token=3.0,
+                   lin_const=7.0)
+  rows = training.train_grid(context=t, micro_batches=m, cp=n, steps=steps, cost=cost,
+                             n_layers=2, tile=TileModel(16, 16), seed=1)
+  assert [(r["packing"], r["layout"]) for r in rows][:4] == [
+      ("original", "sequence"), ("original", "document"), ("original", "adaptive"),
+      ("fixed", "sequence")] and len(rows) == 9
+  c = t // (2 * n)
+  slots = np.concatenate([np.arange(k * c, (k + 1) * c)
+                          for i in range(n) for k in (i, 2 * n - 1 - i)])
+  base = None
+  for row in rows:
+    src = PackedSource(np.zeros(t + 1, np.int32), CorpusLengths(context=t),
+                       PackingSpec(packing=row["packing"], layout=row["layout"]), seq_len=t,
+                       batch_size=m, cp=n, cost=cost, seed=1, tile_model=TileModel(16, 16))
+    mb, cp, step, tokens = [], [], [], 0
+    for batch in itertools.islice(src.batches(0), steps):
+      seg, pos = batch.segment_ids[:, slots], batch.positions[:, slots]
+      w = np.where(seg != 0, pos + 1, 0).reshape(m, n, -1).sum(-1)
+      mb.append(w.sum(1).max() / w.sum(1).mean())
+      cp.append(w.sum(0).max() / w.sum(0).mean())
+      worst = 0.0
+      for b in range(m):
+        s_r, p_r = seg[b].reshape(n, -1), pos[b].reshape(n, -1)
+        for q in range(n):
+          attn = 0.0
+          for d in set(s_r[q].tolist()) - {0}:
+            l = int(np.sum(seg[b] == d))
+            held = float(np.sum(np.where(s_r[q] == d, p_r[q] + 1, 0)))
+            attn += (2.0 * l * l + l + 5.0) * held / (l * (l + 1) / 2)
+          worst = max(worst, attn + 3.0 * int(np.sum(s_r[q] != 0)) + 7.0)
+      step.append(2 * worst)
+      tokens += int(np.sum(seg != 0))
+    assert row["imbalance_mb"] == pytest.approx(np.mean(mb), rel=1e-9)
+    assert row["imbalance_cp"] == pytest.approx(np.mean(cp), rel=1e-9)
+    assert row["model_step"] == pytest.approx(np.mean(step), rel=1e-9)
+    throughput = tokens / sum(step)
+    base = base or throughput
+    assert row["speedup"] == pytest.approx(throughput / base, rel=1e-9)
+  cells = {(r["packing"], r["layout"]): r for r in rows}
+  assert cells[("original", "document")]["imbalance_cp"] < cells[("original", "sequence")][
+      "imbalance_cp"]

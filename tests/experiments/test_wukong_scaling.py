@@ -16,6 +16,7 @@ from rec.data.batch import DataSpec
 from rec.models.dcnv2 import DCNv2Config
 from rec.models.dlrm import DLRMConfig
 from rec.models.wukong import WukongConfig
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = DataSpec(num_dense=13, sparse_features=tuple(f"C{i + 1}" for i in range(26)),
@@ -101,6 +102,26 @@ def test_scaling_fits_recover_planted_exponents_and_findings():
   assert "dropped, gap <= 0: w2" in text
 
 
+def test_seed_fits_recover_per_seed_exponents():
+  # Seed 0 planted at b = -0.1, seed 1 at b = -0.3: the per-seed fits find each exactly,
+  # the spread is their sample std; the mean-of-seeds fit is a different number.
+  floor_ne, xs = 0.5, [1e-4, 1e-3, 1e-2]
+  rows = []
+  for i, x in enumerate(xs):
+    runs = [{"seed": s, "ne": floor_ne + 0.02 * x ** b} for s, b in ((0, -0.1), (1, -0.3))]
+    r = _row("wukong", f"s{i}", x, float(np.mean([u["ne"] for u in runs])), 0.8)
+    rows.append({**r, "runs": runs, "num_seeds": 2})
+  res = {"rows": rows, "seeds": [0, 1], "reference": {"ne": floor_ne, "auc": 0.9}}
+  fit = scaling.scaling_fits(res)
+  sf = fit["seed_fits"]["wukong"]
+  assert sf["seeds"] == [0, 1]
+  np.testing.assert_allclose(sf["b"], [-0.1, -0.3], atol=1e-9)
+  assert sf["b_mean"] == pytest.approx(-0.2) and sf["b_std"] == pytest.approx(np.std([-0.1, -0.3], ddof=1))
+  assert any("fitted per seed" in n and "wukong -0.2000 ± 0.1414 (2)" in n
+             for n in scaling.findings(res, fit))
+  assert "NE b per seed -0.1000, -0.3000" in scaling.format_fits(fit)
+
+
 def test_default_specs():
   specs = scaling.default_specs("cpu", ["wukong", "dlrm"], sizes=2)
   g = scaling.GRIDS["cpu"]
@@ -170,7 +191,7 @@ def test_size_pattern_presets():
 
 @pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_experiment_end_to_end(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   args = ["--models=dlrm:w16,dlrm:w64,wukong:l1_n2_k4_w16,wukong:l1_n4_k4_w32", "--steps=4",
           "--batch_size=64", "--eval_batch_size=64", "--eval_batches=2", "--num_rows=100",
           "--embedding_dim=8", "--log_every=4", f"--workdir={tmp_path}"]

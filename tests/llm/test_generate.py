@@ -218,3 +218,16 @@ def test_sample_logits_greedy_limits_and_reproducibility():
   assert (many[:, ::2] == greedy[::2]).all() and (many[:, 1::2] != greedy[1::2]).any()
   with pytest.raises(ValueError, match="top_k=-1"):
     G.sample_logits(logits, key, 1.0, -1)
+
+
+def test_filtered_logits_unrestricted_skips_nothing():
+  """No top-k / top-p: the logits / temperature as they are (the sort is skipped); with a
+  restricted row in the batch every row goes through the sort, with the same result."""
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(size=(3, 40)), jnp.float32)
+  np.testing.assert_array_equal(G.filtered_logits(logits, 2.0), np.asarray(logits) / 2.0)
+  out = np.asarray(G.filtered_logits(logits, 1.0, jnp.array([0, 5, 0]), 1.0))
+  np.testing.assert_array_equal(out[[0, 2]], np.asarray(logits)[[0, 2]])
+  assert np.isfinite(out[1]).sum() == 5
+  np.testing.assert_array_equal(out[1] > -np.inf, np.asarray(logits)[1] >= np.sort(
+      np.asarray(logits)[1])[-5])

@@ -340,6 +340,18 @@ def test_measure_and_fit_run_here():
     assert t > 0 and err == pytest.approx((float(unscaled.doc_attention(l)) - t) / t, abs=1e-9)
   for n, t, err in zip((16, 64), m["linear"]["seconds"], m["linear"]["rel_err"]):
     assert t > 0 and err == pytest.approx((unscaled.linear(n) - t) / t, abs=1e-9)
+  # The non-negative fit is the optimum: its weighted residual is no larger than that of
+  # scipy's NNLS (Lawson-Hanson) on the same relative-error system.
+  from scipy.optimize import nnls
+  for x, t, coef in (
+      (np.array([[l * l, l, 1.0] for l in (16, 64)]), m["attention"]["seconds"],
+       [unscaled.attn_quad, unscaled.attn_lin, unscaled.attn_const]),
+      (np.array([[n, 1.0] for n in (16, 64)]), m["linear"]["seconds"],
+       [unscaled.lin_per_token, unscaled.lin_const])):
+    w = 1.0 / np.asarray(t)
+    _, best = nnls(x * w[:, None], np.asarray(t) * w)
+    ours = np.linalg.norm((x * w[:, None]) @ np.asarray(coef) - np.asarray(t) * w)
+    assert ours <= best + 1e-9
   f = C.flop_cost_model(shape)
   assert f.doc_attention(10) == 6 * 32 * 100
 
@@ -356,3 +368,200 @@ def test_length_dist_sample():
   assert np.mean(x > 2000) == pytest.approx(0.1 * 0.5 ** 1.5, rel=0.15)
   with pytest.raises(ValueError, match="min_len"):
     LengthDist(context=8, min_len=16)
+
+
+# ----------------------------------------------------------------------------- corpus shape
+
+
+def test_corpus_lengths_follow_the_pile_table():
+  from llm.packing.lengths import PILE_TABLE1, CorpusLengths
+  dist = CorpusLengths(context=131072)
+  # Documents per component = effective size / mean document size; the mixture's mean
+  # document is then Table 1's total: 1254.20 GiB over all documents = 5.91 KiB (published,
+  # rounded), i.e. 5.91 * 1024 / 4 tokens at 4 bytes per token.
+  assert len(PILE_TABLE1) == 22
+  assert sum(g for _, g, _ in PILE_TABLE1) == pytest.approx(1254.20, abs=0.05)
+  np.testing.assert_allclose(dist.weights()[:2] / dist.weights()[1],
+                             [227.12 / 4.33 / (180.55 / 30.55), 1.0])
+  assert float(dist.weights() @ dist.mean_tokens()) == pytest.approx(5.91 * 256, rel=2e-3)
+  docs = dist.documents(400_000, seed=1)
+  assert docs.mean() == pytest.approx(5.91 * 256, rel=0.05)
+  assert np.median(docs) < 0.5 * docs.mean()                # most documents short
+  assert docs.max() > 131072                                # a tail past the context
+  # Pieces: each document cut into context-sized pieces, the remainder last; nothing lost.
+  small = CorpusLengths(context=2048)
+  whole = small.documents(1024, [7, 0])
+  pieces = small.sample(10_000, 7)
+  want = [p for l in whole.tolist() for p in [2048] * (l // 2048) + ([l % 2048] if l % 2048
+                                                                     else [])]
+  np.testing.assert_array_equal(pieces[:len(want)], want)
+  assert pieces.max() == 2048 and pieces.min() >= 1
+  scaled = CorpusLengths(context=131072, scale=1 / 64).sample(5000, 3)
+  np.testing.assert_array_equal(
+      scaled, np.maximum(np.round(CorpusLengths(context=131072).sample(5000, 3) / 64), 1))
+  with pytest.raises(ValueError, match="scale=0"):
+    CorpusLengths(scale=0)
+
+
+# ----------------------------------------------------------------------------- work meter
+
+
+def _pairs_by_hand(seg, pos, ranks_of_slot):
+  """Per rank: sum over its real tokens of position + 1, in plain Python."""
+  out = {}
+  for s, p, r in zip(seg.tolist(), pos.tolist(), ranks_of_slot):
+    out[r] = out.get(r, 0) + (p + 1 if s else 0)
+  return [out.get(r, 0) for r in range(max(ranks_of_slot) + 1)]
+
+
+def test_step_work_counts_known_rows():
+  from llm.packing import meter as M
+  cost = C.CostModel(attn_quad=1.0, attn_lin=0.0, attn_const=0.0, lin_per_token=0.5,
+                     lin_const=2.0)
+  # One 16-token document over 2 ranks. Balanced (chunks of 4: rank 0 positions 0-3, 12-15;
+  # rank 1 4-11): 10 + 58 = 68 pairs each. Contiguous halves: 36 and 100.
+  seg, pos = B.row_segments([16], 16)
+  bal = M.step_work(seg[None], pos[None], 2, model_balances=True, cost=cost)
+  np.testing.assert_array_equal(bal.pairs, [[68, 68]])
+  flat = M.step_work(seg[None], pos[None], 2, model_balances=False, cost=cost)
+  np.testing.assert_array_equal(flat.pairs, [[36, 100]])
+  # The cost model's attention (l^2 = 256) split by pairs (of 136), plus 0.5 x 8 tokens + 2.
+  np.testing.assert_allclose(flat.model, [[256 * 36 / 136 + 6, 256 * 100 / 136 + 6]])
+  m = M.step_metrics(flat, n_layers=3)
+  assert m["imbalance_cp"] == pytest.approx(100 / 68)
+  assert m["model_step"] == pytest.approx(3 * (256 * 100 / 136 + 6))
+  assert m["model_ideal"] == pytest.approx(3 * (256 / 2 + 6))
+  assert m["tokens"] == 16 and m["imbalance_mb"] == 1.0
+
+
+def test_step_work_matches_an_independent_count():
+  """Two packed rows laid out per document for 4 ranks (the model balancing on entry): pairs,
+  tokens and modelled times per (row, rank) against plain Python over the slots, and the
+  step's imbalance numbers against numpy's max / mean."""
+  from llm.packing import meter as M
+  n, t = 4, 64
+  docs = _docs([20, 3, 17, 9, 6, 8, 1])
+  b = B.to_lm_batch(docs, [[0, 1, 2, 6], [3, 4, 5]], t)
+  host, _, _ = S.layout_batch(b, n, "document")
+  work = M.step_work(host.segment_ids, host.positions, n, model_balances=True, cost=COST)
+  # The model's entry balancing: slot j of the rebalanced row is host slot
+  # chunk_order[j // c] * c + j % c, chunks of c = t / 2n, order 0, 2n-1, 1, 2n-2, ...
+  c = t // (2 * n)
+  chunk_order = [k for i in range(n) for k in (i, 2 * n - 1 - i)]
+  slots = [chunk_order[j // c] * c + j % c for j in range(t)]
+  rank_of_host_slot = {s: j // (t // n) for j, s in enumerate(slots)}
+  ranks = [rank_of_host_slot[s] for s in range(t)]
+  for r in range(2):
+    seg, pos = host.segment_ids[r], host.positions[r]
+    np.testing.assert_array_equal(work.pairs[r], _pairs_by_hand(seg, pos, ranks))
+    np.testing.assert_array_equal(
+        work.tokens[r], [sum(1 for s, k in zip(seg, ranks) if s and k == q) for q in range(n)])
+    # Cost: each document's a l^2 + b l + c split by the pairs a rank holds of it.
+    lengths = {s: int(np.sum(seg == s)) for s in set(seg.tolist()) if s}
+    for q in range(n):
+      attn = 0.0
+      for s, l in lengths.items():
+        held = sum(p + 1 for ss, p, k in zip(seg.tolist(), pos.tolist(), ranks)
+                   if ss == s and k == q)
+        attn += float(COST.doc_attention(l)) * held / (l * (l + 1) / 2)
+      tokens = int(work.tokens[r, q])
+      assert work.model[r, q] == pytest.approx(attn + COST.lin_per_token * tokens
+                                               + COST.lin_const)
+  m = M.step_metrics(work, n_layers=2)
+  rows, per_rank = work.pairs.sum(1), work.pairs.sum(0)
+  assert m["imbalance_mb"] == pytest.approx(rows.max() / rows.mean())
+  assert m["imbalance_cp"] == pytest.approx(per_rank.max() / per_rank.mean())
+  assert m["imbalance_cp_row"] == pytest.approx(np.mean([p.max() / p.mean() for p in work.pairs]))
+  # Per-document sharding balances better than the model's per-sequence chunks, here
+  # 1.093 vs 1.288 (short documents cannot be cut evenly into 8 chunks).
+  seq = M.step_work(b.segment_ids, b.positions, n, model_balances=True, cost=COST)
+  assert m["imbalance_cp"] < 1.1 < 1.25 < M.step_metrics(seq, 2)["imbalance_cp"]
+
+
+# ----------------------------------------------------------------------------- packed source
+
+
+class _EvenLengths:
+  """Document lengths that are multiples of 2n = 8 (every chunk of a document the same
+  size, so each rank's share of a document can be written down)."""
+
+  def sample(self, n, seed):
+    rng = np.random.default_rng(seed)
+    return 8 * np.minimum(rng.geometric(0.15, size=n), 16)
+
+
+def _source(packing, layout, **kw):
+  from llm.packing.source import PackedSource, PackingSpec
+  args = dict(seq_len=128, batch_size=4, cp=4, cost=COST, n_layers=2, seed=5,
+              tile_model=S.TileModel(8, 8))
+  args.update(kw)
+  return PackedSource(np.arange(5000) % 251, _EvenLengths(),
+                      PackingSpec(packing=packing, layout=layout), **args)
+
+
+@pytest.mark.parametrize("packing", ["original", "fixed", "wlb"])
+def test_packed_source_resumes_and_keeps_documents_whole(packing):
+  import itertools
+  src = _source(packing, "document")
+  steps = list(itertools.islice(src.steps(), 6))
+  first = list(itertools.islice(src.batches(0), 6))
+  again = next(_source(packing, "document").batches(4))
+  for f in ("inputs", "targets", "mask", "positions", "segment_ids"):
+    np.testing.assert_array_equal(getattr(again, f), getattr(first[4], f))
+  for rows, batch in zip(steps, first):
+    got = B.unpack_rows(batch)           # by segment id and position: any layout
+    for r, row in enumerate(rows):
+      assert sum(int(src.lengths_of([i])[0]) for i in row) <= 128
+      assert len(got[r]) == len(row)
+      for i, tok in zip(row, got[r]):
+        np.testing.assert_array_equal(tok, src.document(i))
+
+
+def test_per_document_ranks_hold_chunks_r_and_2n_minus_1_minus_r():
+  """The ranks' tokens, as the model places the batch (load balancing on entry), together
+  are the batch; rank r holds chunks r and 2N-1-r of every document, so its pairs are a sum
+  written down from the lengths alone."""
+  from llm.packing import meter as M
+  n = 4
+  src = _source("wlb", "document")
+  batch = next(src.batches(0))
+  seg = M.rank_tokens(batch.segment_ids, n, True)
+  pos = M.rank_tokens(batch.positions, n, True)
+  tok = M.rank_tokens(batch.inputs, n, True)
+  rows = next(src.steps())
+  work = M.step_work(batch.segment_ids, batch.positions, n, model_balances=True, cost=COST)
+  for r, row in enumerate(rows):
+    hand = np.zeros(n, np.int64)
+    for s, i in enumerate(row, start=1):
+      doc, l = src.document(i), len(src.document(i))
+      c = l // (2 * n)
+      for q in range(n):
+        mine = (seg[r, q] == s)
+        want = np.concatenate([np.arange(q * c, (q + 1) * c),
+                               np.arange((2 * n - 1 - q) * c, (2 * n - q) * c)])
+        np.testing.assert_array_equal(np.sort(pos[r, q][mine]), want)
+        np.testing.assert_array_equal(tok[r, q][mine][np.argsort(pos[r, q][mine])], doc[want])
+        hand[q] += int(np.sum(want + 1))
+    np.testing.assert_array_equal(work.pairs[r], hand)
+    assert np.sum(seg[r] != 0) == sum(len(src.document(i)) for i in row)   # nothing else
+
+
+def test_packed_source_metrics_and_arguments():
+  import itertools
+  src = _source("wlb", "adaptive")
+  for rows, batch in itertools.islice(zip(src.steps(), src.batches(0)), 3):
+    m = src.step_metrics(batch)
+    natural = B.to_lm_batch({i: src.document(i) for r in rows for i in r}, rows, 128)
+    pick, _ = S.choose_layout(natural.segment_ids, natural.positions, 4, S.TileModel(8, 8))
+    assert m["pack_layout_document"] == float(pick == "document")
+    assert m["pack_tokens"] == sum(len(src.document(i)) for r in rows for i in r)
+  assert set(m) == {"pack_imbalance_mb", "pack_imbalance_cp", "pack_imbalance_cp_row",
+                    "pack_model_step", "pack_model_ideal", "pack_tokens", "pack_tile_step",
+                    "pack_layout_document"} and len(src.records) == 3
+  from llm.packing.source import PackingSpec
+  with pytest.raises(ValueError, match="packing='best'"):
+    PackingSpec(packing="best")
+  with pytest.raises(ValueError, match="layout='document' needs cp > 1"):
+    _source("wlb", "document", cp=1)
+  with pytest.raises(ValueError, match="has .* tokens; expected 1..seq_len=64"):
+    _source("wlb", "sequence", seq_len=64, cp=1).lengths_of([0])

@@ -142,17 +142,86 @@ def test_packed_training_equals_documents_alone(alone):
   assert abs(float(other) - alone[1]) > 1e-3
 
 
+@pytest.fixture(scope="module")
+def cp8(alone):
+  """(LMTask with ring attention, pass-KV, over cp:8; the parameters placed for it)."""
+  task = train_lib.LMTask(CFG.replace(attention_impl="xla", context_parallel="pass_kv"),
+                          train_lib.OptimConfig(), _mesh("cp:8"), packed=True)
+  return task, jax.device_put(alone[0], task.param_shardings)
+
+
 @pytest.mark.devices(8)
-def test_packed_ring_training_cp8_equals_documents_alone(alone):
+def test_packed_ring_training_cp8_equals_documents_alone(alone, cp8):
   """LMTask with ring attention (pass-KV) over cp:8: the per-document layout (given in the
   order the model's own load balancing turns into it) and the per-sequence one."""
   batch = B.to_lm_batch(_docs(), ROWS, T)
-  mesh = _mesh("cp:8")
-  task = train_lib.LMTask(CFG.replace(attention_impl="xla", context_parallel="pass_kv"),
-                          train_lib.OptimConfig(), mesh, packed=True)
-  params = jax.device_put(alone[0], task.param_shardings)
+  task, params = cp8
   for mode in ("document", "sequence"):
     laid, orders, got_mode = S.layout_batch(batch, 8, mode)
     assert got_mode == mode and (mode == "sequence") == bool(np.all(orders == np.arange(T)))
     loss, grads = _loss_and_grads(task, params, laid)
     _check(loss, grads, alone, int(batch.mask.sum()))
+
+
+# ----------------------------------------------------------------------------- train_lm's source
+
+
+def _alone_rows(docs, width):
+  """One unpacked, right-padded row per document (no segment ids or positions)."""
+  inputs = np.zeros((len(docs), width), np.int32)
+  targets = np.zeros_like(inputs)
+  mask = np.zeros((len(docs), width), np.float32)
+  for r, d in enumerate(docs):
+    inputs[r, :len(d)], targets[r, :len(d) - 1], mask[r, :len(d) - 1] = d, d[1:], 1.0
+  return LMBatch(inputs, targets, mask, np.broadcast_to(np.arange(width, dtype=np.int32),
+                                                        inputs.shape).copy(),
+                 np.ones_like(inputs))
+
+
+@pytest.mark.devices(8)
+def test_wlb_source_batch_trains_like_its_documents_alone(alone, cp8):
+  """A batch of `experiments.train_lm --packing=wlb --cp_sharding=doc` (PackedSource: Pile-
+  shaped documents cut from a token array, WLB-LLM packing, per-document CP layout) through
+  the cp:8 ring: loss sum and gradients equal those of its documents one at a time on one
+  device."""
+  from llm.packing.cost import Shape, flop_cost_model
+  from llm.packing.lengths import CorpusLengths
+  from llm.packing.source import PackedSource, PackingSpec
+  task, params = cp8
+  src = PackedSource(np.random.default_rng(1).integers(0, CFG.vocab_size, 4000),
+                     CorpusLengths(context=4096, scale=T / 4096),
+                     PackingSpec(packing="wlb", layout="document"),
+                     seq_len=T, batch_size=2, cp=8, cost=flop_cost_model(Shape.from_config(CFG)),
+                     seed=3)
+  rows, batch = next(zip(src.steps(), src.batches(0)))
+  docs = [src.document(i) for row in rows for i in row]
+  assert len(docs) >= 3 and any(len(r) > 1 for r in rows)     # several documents per row
+  loss, grads = _loss_and_grads(task, params, batch)
+  single = train_lib.LMTask(CFG, train_lib.OptimConfig(), _mesh("data:1"))
+  want, want_grads = _loss_and_grads(single, alone[0], _alone_rows(docs, T))
+  assert int(batch.mask.sum()) == sum(len(d) - 1 for d in docs)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4,
+                                                       atol=2e-5), grads, want_grads)
+
+
+@pytest.mark.devices(8)
+def test_meter_ranks_are_the_models_shards():
+  """`meter.rank_tokens` (what the work meter counts per rank) is what each cp device holds
+  after the model's own entry balancing, read from the placed array's shards."""
+  from llm import model as model_lib
+  from llm.packing import meter
+  mesh = _mesh("cp:8")
+  x = np.arange(2 * T, dtype=np.int32).reshape(2, T)
+  cfg = CFG.replace(context_parallel="pass_kv")
+
+  def place(x):
+    return model_lib._balance(x, cp=model_lib._context_parallel(cfg))
+
+  with jax.set_mesh(mesh):
+    out = jax.jit(place)(x)
+  want = meter.rank_tokens(x, 8, model_balances=True)
+  ranks = {d: i for i, d in enumerate(mesh.devices.ravel())}
+  for shard in out.addressable_shards:
+    r = ranks[shard.device]
+    np.testing.assert_array_equal(np.asarray(shard.data), want[:, r])

@@ -28,6 +28,7 @@ import sys
 
 import numpy as np
 import pytest
+from tests import cpu_env
 
 pytestmark = pytest.mark.models
 
@@ -168,7 +169,7 @@ def test_generate_chat_cli(tmp_path):
   path = _gguf_path()
   messages = tmp_path / "m.json"
   messages.write_text(json.dumps(CHAT))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
   out = subprocess.run([sys.executable, "-m", "experiments.generate", f"--checkpoint=gguf:{path}",
                         f"--chat_file={messages}", "--max_new_tokens=24"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=900)

@@ -109,16 +109,20 @@ def test_optimized_fm_matches_numpy_and_full_fm_at_identity():
   np.testing.assert_allclose(_call(fm, x), full, rtol=RTOL, atol=ATOL)
 
 
-def test_fm_block_matches_numpy():
+@pytest.mark.parametrize("output_relu", [False, True])
+def test_fm_block_matches_numpy(output_relu):
   rng = np.random.default_rng(4)
-  fmb = _build(lambda r: FactorizationMachineBlock(5, 3, 4, rank=2, hidden=(7,), rngs=r), 5)
+  fmb = _build(lambda r: FactorizationMachineBlock(5, 3, 4, rank=2, hidden=(7,), rngs=r,
+                                                   output_relu=output_relu), 5)
   x = _rand(rng, 3, 5, 4)
   y = np.asarray(fmb.fm.projection[...], np.float64)
   flat = np.stack([(x[b] @ x[b].T @ y).reshape(-1) for b in range(3)])
   h = np_layer_norm(flat, np.asarray(fmb.norm.scale[...]), np.asarray(fmb.norm.bias[...]))
-  want = np_mlp(fmb.mlp, h, activate_last=False).reshape(3, 3, 4)
+  want = np_mlp(fmb.mlp, h, activate_last=output_relu).reshape(3, 3, 4)
   got = _call(fmb, x)
   assert got.shape == (3, 3, 4)
+  if output_relu:
+    assert (want == 0).any() and (want > 0).any()   # the ReLU cuts some outputs, not all
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from rec.data import criteo, csv_data, libfm, sources
 from rec.data.batch import SparseBatch
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -647,7 +648,7 @@ def test_train_rec_on_libfm_and_csv_dirs(tmp_path):
   common = ["--preset=small", "--num_rows=64", "--batch_size=64", "--eval_batch_size=64",
             "--steps=6", "--eval_every=0", "--log_every=3"]
   runs = {f"libfm:{fm_dir}": [], f"csv:{csv_dir}": ["--csv_label=clicked"]}
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   procs = {d: subprocess.Popen(
       [sys.executable, "-m", "experiments.train_rec", *common, f"--data={d}",
        f"--workdir={tmp_path / d.split(':')[0]}", *extra], cwd=REPO, env=env,

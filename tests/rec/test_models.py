@@ -23,6 +23,7 @@ from rec.models.dcnv2 import DCNv2, DCNv2Config
 from rec.models.dhen import DHEN, DHENConfig
 from rec.models.dlrm import DLRMConfig
 from rec.models.wukong import SCALING_LADDER, Wukong, WukongConfig
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -316,7 +317,7 @@ def test_train_steps_eight_devices_equal_one(model_name):
 
 def test_train_rec_runs_and_reports_size(tmp_path):
   # The CLI path once (the cheapest model to compile); the step tests above cover each model.
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   args = ["--model=dcnv2", "--preset=small", "--num_rows=100", "--batch_size=32",
           "--eval_batch_size=32", "--eval_batches=1", "--steps=2", "--log_every=1",
           "--mesh=data:8", f"--workdir={tmp_path}"]

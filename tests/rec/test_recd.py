@@ -2,7 +2,9 @@
 path trains exactly as the plain one (loss, gradients, updated rows) on 8 devices under
 the sharding kinds and on one, with and without skip_nonfinite; the host dedup against a
 per-sample reference; capacity overflow falls back or errors; the train loop (eval,
-checkpoints, resume) runs with it."""
+checkpoints, resume) runs with it. In the input pipeline: batches deduplicated by Grain's map
+(in worker processes too) equal the host dedup of the same batches and train as the plain
+ones; the session source's duplication rate is its parameter within the sampling error."""
 
 import dataclasses
 
@@ -16,6 +18,7 @@ from core import mesh as mesh_lib
 from core import train as train_loop
 from rec import configs
 from rec.data import dedup as dedup_lib
+from rec.data import sessions, sources, workers
 from rec.data.batch import SparseBatch
 from rec.embedding import optimizers as opt_lib
 from rec.embedding.collection import EmbeddingCollection
@@ -87,14 +90,38 @@ def _mesh(n):
           mesh_lib.make_mesh("data:1", devices=jax.devices()[:1]))
 
 
+class _Batches:
+  """A random-access source of `_session_batch`es (batch k: seed k)."""
+
+  spec, batch_size, num_batches = None, 32, None
+
+  def batch(self, k):
+    return _session_batch(seed=k)
+
+
+def _pipeline_batch(task, k=1):
+  """Batch k as the input pipeline delivers it: drawn and deduplicated by Grain's map
+  (`WorkerSource`, the map in this process), before the task sees it."""
+  coll = task.collection
+  src = workers.WorkerSource(_Batches(), dedup_lib.DedupTransform(
+      coll.dedup_features, coll.dedup.capacity, task.dedup_shards(), coll.dedup.on_overflow),
+                             num_workers=0)
+  return next(iter(src.batches(k)))
+
+
 def _check_dedup_trains_as_plain(n, kinds, skip_nonfinite):
-  """One step of the dedup task against the plain task's loss and gradients: with SGD every
-  row moves by -lr x its gradient, so equal updates are equal gradients."""
+  """One step of the dedup task, fed the input pipeline's deduplicated batch, against the
+  plain task's loss and gradients: with SGD every row moves by -lr x its gradient, so
+  equal updates are equal gradients."""
   plain, dd = _tasks(_mesh(n), kinds)
   host = _session_batch()
   assert dedup_lib.duplication_rate(host, [0, 2, 3]) > 0.5
   state = _init_state(plain)
-  b0, b1 = plain.device_batch(host), dd.device_batch(host)
+  piped = _pipeline_batch(dd)
+  ref = dedup_lib.dedup_batch(host, [0, 2, 3], num_shards=dd.dedup_shards()).dedup
+  for name in ("ids", "lengths", "weights", "inverse"):   # the host dedup of the same batch
+    np.testing.assert_array_equal(getattr(piped.dedup, name), getattr(ref, name), err_msg=name)
+  b0, b1 = plain.device_batch(host), dd.device_batch(piped)
   assert b0.dedup is None and b1.dedup.features == (0, 2, 3)
   assert b1.dedup.ids.shape == (8, 3, 3)   # 8 sessions: C_l = the sessions of a shard
 
@@ -248,3 +275,90 @@ def test_train_loop_eval_and_resume_with_dedup(tmp_path):
                a["state"], b["state"])
   lines = (tmp_path / "straight" / "metrics.jsonl").read_text()
   assert '"dedup_fallback": 0.0' in lines
+
+
+# --- RecD in the input pipeline: session data, Grain worker processes ----------------------
+
+def test_worker_processes_deliver_the_host_dedup_of_each_batch():
+  """Batches drawn and deduplicated in a Grain worker process equal the host-side dedup
+  of the same batches (distinct bags, inverse indices, and the plain columns)."""
+  src = sessions.SessionSource(64, 1000, dup_rate=0.75, num_user=3, user_bag=4, seed=5)
+  dd = dedup_lib.DedupTransform([0, 1, 2], capacity=0, num_shards=4)
+  piped = workers.WorkerSource(src, dd, num_workers=1)
+  for k, got in zip(range(2, 5), piped.batches(2)):
+    want = dedup_lib.dedup_batch(src.batch(k), [0, 1, 2], num_shards=4)
+    for name in ("dense", "ids", "lengths", "labels", "mask"):
+      np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert got.dedup.features == want.dedup.features == (0, 1, 2)
+    for name in ("ids", "lengths", "inverse"):
+      np.testing.assert_array_equal(getattr(got.dedup, name), getattr(want.dedup, name),
+                                    err_msg=f"dedup.{name}, batch {k}")
+
+
+def test_session_source_duplication_rate_is_its_parameter():
+  """Each sample but a batch's first starts a session with probability 1 - dup: the user
+  features hold exactly one distinct bag per session, and the duplication rate over K
+  batches is dup (B - 1) / B within 4 standard errors sqrt((B - 1) dup (1 - dup)) / (B
+  sqrt(K))."""
+  B, K = 256, 24
+  for dup in (0.0, 0.875):
+    src = sessions.SessionSource(B, 5000, dup_rate=dup, num_user=2, user_bag=8, seed=2)
+    rates = []
+    for k in range(K):
+      b = src.batch(k)
+      starts = src.session_starts(k)
+      first = np.flatnonzero(starts)[np.cumsum(starts) - 1]
+      assert (b.ids[:, :2] == b.ids[first, :2]).all()          # repeated within a session
+      assert (b.lengths == [8, 8] + [1] * 24).all()
+      rate = dedup_lib.duplication_rate(b, [0])
+      assert rate == 1 - starts.sum() / B                       # one distinct bag per session
+      rates.append(rate)
+    mean, std = sessions.expected_dup_rate(dup, B)
+    assert abs(np.mean(rates) - mean) <= 4 * std / np.sqrt(K) + 1e-12, (dup, np.mean(rates))
+  assert sessions.dup_rate_for_repeats(4) == 0.75
+  # Process shares are the rows of the same global batches.
+  halves = [sessions.SessionSource(B, 5000, dup_rate=dup, num_user=2, user_bag=8, seed=2,
+                                   shard_index=i, num_shards=2) for i in range(2)]
+  np.testing.assert_array_equal(np.concatenate([h.batch(3).ids for h in halves]),
+                                src.batch(3).ids)
+
+
+def test_session_and_worker_errors_name_the_setting():
+  train, _ = sources.make_sources("sessions:dup=0.5,user=3,user_bag=4", 64, num_rows=1000)
+  assert train.dup_rate == 0.5 and train.bag_sizes["C3"] == 4 and train.bag_sizes["C4"] == 1
+  for bad in ("sessions:dup=1.0", "sessions:dup=x", "sessions:user=27", "sessions:user_bag=0",
+              "sessions:gen=device", "sessions:multi_hot=mlperf"):
+    with pytest.raises(ValueError, match=f"--data='{bad}': option"):
+      sources.make_sources(bad, 64, num_rows=1000)
+
+  class Stream:   # no batch(k): only read in order
+    spec, batch_size, num_batches = None, 8, None
+
+  with pytest.raises(ValueError, match=r"--data_workers=2: the source Stream has no random "
+                                       r"access"):
+    workers.WorkerSource(Stream(), None, num_workers=2)
+  with pytest.raises(ValueError, match=r"--data_workers=-1: expected >= 0"):
+    workers.WorkerSource(sessions.SessionSource(8, 100), None, num_workers=-1)
+
+
+@pytest.mark.slow   # two short runs, one with worker processes
+def test_training_from_worker_batches_equals_plain_training(tmp_path):
+  """train_rec's run on session data: batches and their dedup from a Grain worker process
+  (--data_workers=1, --dedup_features) train as the plain run drawn in this process."""
+  base = configs.RecRunConfig(model="dlrm", preset="small", num_rows=300, batch_size=64,
+                              eval_batch_size=64, eval_batches=1, mesh="data:1",
+                              data="sessions:dup=0.75,user=3,user_bag=4", seed=1,
+                              dense_optimizer="sgd", sparse_optimizer="sgd")
+  runs = {}
+  for name, cfg, w in (("plain", base, 0),
+                       ("dedup", dataclasses.replace(base, dedup_features="C1,C2,C3"), 1)):
+    task, train_src, _, _, _ = configs.build_run(cfg, devices=jax.devices()[:1], data_workers=w)
+    assert isinstance(train_src, workers.WorkerSource) == (w == 1)
+    loop = train_loop.TrainConfig(workdir=str(tmp_path / name), steps=3, log_every=1,
+                                  eval_every=0, tensorboard=False)
+    out = train_loop.train(task, train_src.batches, None, loop)
+    runs[name] = (out["state"]["params"], task.collection.to_tables(out["state"]["emb"]))
+  close = lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5,
+                                                  atol=1e-6)
+  jax.tree.map(close, runs["plain"], runs["dedup"])   # dense parameters and every table
+  assert '"dedup_fallback": 0.0' in (tmp_path / "dedup" / "metrics.jsonl").read_text()

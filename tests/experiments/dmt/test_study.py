@@ -68,13 +68,62 @@ def test_collective_bytes_reads_mesh_axes_and_tuples():
                                         ("all-reduce", "{{0,1},{2,3}}"): 8}
 
 
+def test_h100_step_model_matches_a_hand_computation():
+  """2 hosts of 8 GPUs, b = 1000, F = 8, D = 10, K = 1, 12 bytes per bag, 4 per value, on
+  round link numbers: NIC 1 GB/s + 10 us per all-to-all, NVLink 10 GB/s + 1 us per message,
+  0.5 TFLOP/s achieved."""
+  from core import hardware
+  hw = hardware.Hardware(bf16_flops=1e12, net_bytes_per_s=1e9, nvlink_bytes_per_s=1e10)
+  eff = hardware.Efficiency(gemm=0.5, nvlink=1.0, nvlink_latency_s=1e-6, all2all=1.0,
+                            all2all_latency_s=1e-5)
+  r = study.h100_step_model(12, 4, hosts=2, local_batch=1000, num_features=8, dim=10,
+                            tower_k=1, flops_flat=1e4, flops_dmt=5e3, hw=hw, eff=eff)
+  bags, pooled = 1000 * 8 * 12, 1000 * 8 * 10 * 4          # 96 KB, 320 KB per GPU
+  compressed = 1000 * 2 * 2 * 10 * 4                       # 2 towers x (K + 1) vectors
+  # Flat over 16 GPUs: half of each all-to-all leaves the host (the NIC is the slower path).
+  flat_comm = (1e-5 + bags / 2 / 1e9) + 2 * (1e-5 + pooled / 2 / 1e9)
+  # SPTT: half of the global exchange leaves the host; inside it, rings of 8 over NVLink
+  # (7 steps of an eighth of the gathered buffer each).
+  sptt_global = (1e-5 + bags / 2 / 1e9) + 2 * (1e-5 + compressed / 2 / 1e9)
+  rw_intra = 7 * (1e-6 + bags / 1e10) + 2 * 7 * (1e-6 + pooled / 1e10)
+  tw_intra = (1e-6 + bags * 7 / 8 / 1e10) + 2 * (1e-6 + pooled * 7 / 8 / 1e10)
+  flat_compute, dmt_compute = 3 * 1e4 * 1000 / 5e11, 3 * 5e3 * 1000 / 5e11
+  assert r["flat"]["comm_s"] == pytest.approx(flat_comm, rel=1e-12)
+  assert r["sptt"]["global_s"] == pytest.approx(sptt_global, rel=1e-12)
+  assert r["sptt"]["intra_s"] == pytest.approx(rw_intra, rel=1e-12)
+  assert r["sptt_tw"]["intra_s"] == pytest.approx(tw_intra, rel=1e-12)
+  assert r["speedup_serial"] == pytest.approx(
+      (flat_compute + flat_comm) / (dmt_compute + sptt_global + rw_intra), rel=1e-12)
+  assert r["speedup_overlap_tw"] == pytest.approx(
+      max(flat_compute, flat_comm) / max(dmt_compute, sptt_global + tw_intra), rel=1e-12)
+  # One host: no inter-host traffic; SPTT with table-wise tables is the flat layout.
+  one = study.h100_step_model(12, 4, 1, 1000, 8, 10, 1, 1e4, 1e4, hw=hw, eff=eff)
+  assert one["sptt"]["global_s"] == 0 and one["speedup_serial_tw"] == pytest.approx(1.0)
+  with pytest.raises(ValueError, match="hosts=0"):
+    study.h100_step_model(12, 4, 0, 1000, 8, 10, 1, 1e4, 1e4)
+
+
+@pytest.mark.slow   # four compiled lookups on 8 devices
+@pytest.mark.devices(8)
+def test_hlo_unit_bytes_are_the_collections_message_sizes():
+  """Bytes per bag (an id, a weight, a length) and per pooled float32 value, from the
+  compiled flat program; the SPTT program's collectives agree (checked inside)."""
+  u = study.hlo_unit_bytes(bag=1)
+  assert (u["bag_bytes"], u["value_bytes"]) == (12, 4)
+  u = study.hlo_unit_bytes(bag=2)
+  assert (u["bag_bytes"], u["value_bytes"]) == (2 * 4 + 2 * 4 + 4, 4)
+
+
 @pytest.mark.slow   # five short trainings in a fresh process
 def test_study_runs_end_to_end(tmp_path):
   out = run_entry("experiments.dmt", ["--steps=8", "--towers=2", "--num_rows=200",
                                       "--eval_batches=2", "--batch_size=128",
-                                      f"--workdir={tmp_path}"])[1]
-  assert set(out) == {"flat DLRM", "DMT T=2 (similarity)", "DMT T=2 (random)", "wall_seconds"}
-  assert all(0.3 < r["auc"] < 1 for k, r in out.items() if k != "wall_seconds")
+                                      "--h100_hosts=1,2", f"--workdir={tmp_path}"])[1]
+  assert set(out) == {"flat DLRM", "DMT T=2 (similarity)", "DMT T=2 (random)", "wall_seconds",
+                      "h100_1_hosts", "h100_2_hosts"}
+  assert out["h100_1_hosts"]["x_tw"] == 1.0
+  assert all(0.3 < r["auc"] < 1 for k, r in out.items() if k.startswith(("flat", "DMT")))
+  assert (tmp_path / "dmt_h100.png").exists()
   v = study.comm_volume(65536, 26, 16, 2, 2)
   assert out["DMT T=2 (random)"]["a2a_reduction"] == round(v["global_reduction"], 2)
   assert (tmp_path / "results.json").exists() and (tmp_path / "dmt.png").exists()

@@ -31,6 +31,16 @@ def test_synthetic_periods_drift_only_the_chosen_features():
   assert spec.rows_per_feature == (500,) * 26
 
 
+def test_synthetic_periods_logit_scale_is_the_sources():
+  rows = study.synthetic_periods(1, 2048, 500, 0, logit_scale=3.0)[0][0]
+  src = SyntheticCriteo(2048, 500, seed=0, teacher="deep", logit_scale=3.0)
+  logit = src.true_logits(src.batch(0))
+  u = np.random.default_rng([0, 2025, 0, 0]).random(2048)
+  np.testing.assert_array_equal(rows.labels, (u < 1 / (1 + np.exp(-logit))).astype(np.float32))
+  # the labels of the default scale are other draws
+  assert (study.synthetic_periods(1, 2048, 500, 0)[0][0].labels != rows.labels).any()
+
+
 def test_route_is_a_partition_by_the_vertical_feature():
   rows = study.synthetic_periods(1, 1000, 300, 0)[0][0]
   parts = study.route(rows, 3, feature=2)
@@ -74,6 +84,13 @@ def test_tiny_run_end_to_end(tmp_path):
   assert {r["variant"] for r in res["rows"]} == set(study.VARIANTS)
   assert all(np.isfinite(r["ne"]).all() and len(r["ne"]) == 2 for r in res["rows"])
   assert os.path.exists(tmp_path / "teacher_S" / "das" / "s1_p3.npy")
+  # the teacher check: its column's NE against each student alone on the evaluated periods
+  for c in res["teacher_check"]:
+    ne = np.array(next(r["ne"] for r in alone if r["student"] == c["student"]))
+    np.testing.assert_allclose(c["alone_ne"], ne)
+    np.testing.assert_allclose(c["margin_pct"], 100 * (ne - c["teacher_ne"]) / ne)
+  # the teacher trained on more examples than any student (history, union, extra rows)
+  assert res["scaling"][0]["train_examples"] > res["student_train_examples"]
   # the students read the DAS files: with one gone, a distilled student stops naming it
   os.remove(tmp_path / "teacher_S" / "das" / "s0_p1.npy")
   rows, spec = study.synthetic_periods(1, 640, 200, 0)

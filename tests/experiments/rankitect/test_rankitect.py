@@ -2,6 +2,8 @@
 supernet path against the stand-alone model with the same weights, the FLOPs table against
 XLA's count of whole models, Pareto fronts; tiny searches of every method (slow)."""
 
+import dataclasses
+import itertools
 import json
 import os
 
@@ -64,6 +66,28 @@ def test_supernet_path_equals_standalone(net, choices):
   assert model.config == searched.SearchedConfig.from_arch(SPACE.arch(choices), ND, NS, ROWS)
 
 
+def test_inherit_puts_the_standalone_weights_on_the_path(net):
+  choices = ("dcn", "wukong")
+  path = [SPACE.names.index(c) for c in choices]
+  sn = nnx.to_pure_dict(nnx.state(net))
+  cfg = supernet_lib.arch_config(SPACE, choices, ND, NS, ROWS)
+  mine = nnx.to_pure_dict(nnx.state(searched.SearchedModel(cfg, nnx.Rngs(5))))
+  got = supernet_lib.inherit(sn, mine, path)
+  # Copied back out by `standalone` (the inverse): the same leaves, bit for bit.
+  other = supernet_lib.Supernet(SPACE, ND, NS, ROWS, nnx.Rngs(0), mode="gumbel",
+                                flops_LK=FLOPS_LK)
+  nnx.update(other, got)
+  back = nnx.to_pure_dict(nnx.state(supernet_lib.standalone(other, choices, ND, NS, ROWS)))
+  for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+  # Candidates off the path keep the supernet's own values.
+  off = SPACE.names.index("attention")
+  for a, b in zip(jax.tree.leaves(sn["candidates"][0][off]), jax.tree.leaves(got["candidates"][0][off])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="inherit: .*(no place|shape)"):
+    supernet_lib.inherit(sn, mine, [SPACE.names.index("skip"), path[1]])
+
+
 def test_gumbel_cost_is_the_expected_flops(net):
   key = jax.random.key(3)
   _, cost = net.sample(np.zeros((2, ND), np.float32),
@@ -87,6 +111,68 @@ def test_flops_table_adds_up_to_xla_count():
     parts = base + sum(table[l][sp.names.index(c)] for l, c in enumerate(choices))
     # Additive up to XLA's own simplifications of the whole graph (under 1% here).
     assert parts == pytest.approx(whole, rel=1e-2)
+
+
+SMALL = Space(num_layers=2, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,),
+              names=("skip", "lcb", "dcn"))
+
+
+def small_run(tmp_path, space, choices):
+  base = configs.RecRunConfig(data="synthetic_deep", num_rows=20, batch_size=64,
+                              eval_batch_size=64, eval_batches=1, dense_optimizer="adam",
+                              learning_rate=1e-2, embedding_learning_rate=0.1, mesh="-1")
+  path = searched.save_arch(space.arch(choices), str(tmp_path / f"{'-'.join(choices)}.json"))
+  return configs.build_run(dataclasses.replace(base, model="searched:" + path))
+
+
+@pytest.mark.slow
+def test_candidate_task_trains_like_the_standalone_model(tmp_path):
+  """A candidate trained through the shared supernet program is the training train_rec does
+  on its JSON file: same initial weights (to one ulp), same losses and eval logits."""
+  steps = 4
+  runs_ = []
+  for choices in (("dcn", "lcb"), ("lcb", "skip")):
+    task0, train_src, eval_src, _, _ = small_run(tmp_path, SMALL, choices)
+    spec = train_src.spec
+    nd, ns, rows = spec.num_dense, len(spec.sparse_features), tuple(spec.rows_per_feature)
+    cfg = supernet_lib.arch_config(SMALL, choices, nd, ns, rows)
+    task = supernet_lib.CandidateTask(
+        lambda r: supernet_lib.Supernet(SMALL, nd, ns, rows, r, mode="path"), task0.collection,
+        task0.dense_tx, task0.mesh, choices=choices,
+        standalone_fn=lambda r, cfg=cfg: searched.SearchedModel(cfg, r),
+        program=runs_[0][0] if runs_ else None)
+    runs_.append((task, task0, train_src, eval_src, choices))
+  # The second candidate calls the first one's jitted step (one trace, one executable).
+  assert runs_[1][0].train_step is runs_[0][0].train_step
+  for task, task0, train_src, eval_src, choices in runs_:
+    mine, ref = task.init_state(3), task0.init_state(3)
+    k = [SMALL.names.index(c) for c in choices]
+    got = supernet_lib.standalone(nnx.merge(task.graphdef, mine["params"]), choices,
+                                  *_shape(train_src))
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state(got))),
+                    jax.tree.leaves(ref["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(mine["path"]), k)
+    off = [leaf.copy() for leaf in jax.tree.leaves(jax.device_get(
+        mine["params"]["candidates"][0][[i for i in range(3) if i != k[0]][0]]))]
+    step_ref = jax.jit(task0.train_step)
+    for b in itertools.islice(train_src.batches(0), steps):
+      mine, m1 = task.train_step(mine, task.device_batch(b))
+      ref, m2 = step_ref(ref, task0.device_batch(b))
+      np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=2e-5)
+    b = next(iter(eval_src.batches(0)))
+    np.testing.assert_allclose(np.asarray(task.eval_step(mine, task.device_batch(b))["logits"]),
+                               np.asarray(jax.jit(task0.eval_step)(ref, task0.device_batch(b))
+                                          ["logits"]), rtol=1e-4, atol=1e-4)
+    # Off the path nothing moved: those parameters never reach the logits.
+    for a, b in zip(off, jax.tree.leaves(jax.device_get(
+        mine["params"]["candidates"][0][[i for i in range(3) if i != k[0]][0]]))):
+      np.testing.assert_array_equal(a, b)
+
+
+def _shape(src):
+  s = src.spec
+  return s.num_dense, len(s.sparse_features), tuple(s.rows_per_feature)
 
 
 def test_pareto_front():

@@ -110,3 +110,44 @@ def test_cached_sequences_and_features_resume(target, tmp_path):
   feats = distill.cached_features(target, str(tmp_path / "f.npz"), tokens, batch_size=3)
   want = np.asarray(target.hidden(target.embed_tokens(jnp.asarray(tokens)))[0])
   np.testing.assert_allclose(feats, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unrolled_steps_match_decoding(target, sequences):
+  """`unrolled_predictions` against the head run as in decoding: step 1 is the causal head
+  (the plain loss's predictions); step s at pair p equals committing pairs <= p-s+1 into the
+  head's KV cache, then feeding it its own prediction s-1 times, one pair per call."""
+  tokens = jnp.asarray(sequences[0][:2, :12])
+  draft = DraftHead(CFG, nnx.Rngs(5))
+  feats = target.hidden(target.embed_tokens(tokens))[0]
+  f_in, emb = feats[:, :-1], target.embed_tokens(tokens[:, 1:])
+  steps = 3
+  preds = jax.jit(lambda f, e: distill.unrolled_predictions(draft, f, e, steps))(f_in, emb)
+  np.testing.assert_allclose(preds[0], draft(f_in, emb)[0], rtol=1e-5, atol=1e-5)
+  b, n = f_in.shape[:2]
+  for s in range(2, steps + 1):
+    for p in (s - 1, 6, n - 1):
+      commit = p - s + 2
+      pos = jnp.broadcast_to(jnp.arange(commit), (b, commit))
+      h, cache = draft(f_in[:, :commit], emb[:, :commit], positions_BT=pos,
+                       cache=draft.init_cache(b, n), slots_BT=pos)
+      h = h[:, -1:]
+      for q in range(commit, p + 1):
+        at = jnp.full((b, 1), q, jnp.int32)
+        h, cache = draft(h, emb[:, q:q + 1], positions_BT=at, cache=cache, slots_BT=at)
+      np.testing.assert_allclose(preds[s - 1][:, p], h[:, 0], rtol=1e-4, atol=1e-5,
+                                 err_msg=f"step {s}, pair {p}")
+  # The loss at unroll=1 is the plain one; unrolled, step-1 terms keep their pairs and each
+  # deeper step adds the pairs p >= s-1.
+  embed, head = target.embed[...], target.lm_head[...]
+  mask = jnp.ones(tokens.shape, jnp.float32)
+  one = distill.distill_losses(draft, embed, head, False, tokens, mask, feats)
+  (reg, ce, top1, m), per = distill.distill_losses(draft, embed, head, False, tokens, mask,
+                                                   feats, unroll=steps, per_step=True)
+  np.testing.assert_allclose(per[0][0], one[2])
+  np.testing.assert_array_equal(m[0], [1, 2] + [3] * (n - 2))
+  want = 0.0
+  for s in range(1, steps + 1):
+    d = np.abs(np.asarray(preds[s - 1]) - np.asarray(feats[:, 1:]))
+    want = want + np.where(np.arange(n) >= s - 1, np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1),
+                           0.0)
+  np.testing.assert_allclose(np.asarray(reg) * np.asarray(m), want, rtol=1e-5)
