@@ -8,9 +8,9 @@ space and budget, against the hand-designed DLRM / DCN-v2 / DHEN / Wukong.
   python -m experiments.rankitect --method=oneshot --supernet_steps=1500 --retrain=3
   python -m experiments.rankitect --method=dnas --dnas_cost_weights=0.1,1.0
   python -m experiments.rankitect --method=random --data=criteo:../shared/data/criteo_kaggle_sample \
-      --num_rows=20000 --workdir=runs/rankitect_criteo
+      --num_rows=20000 --steps=28 --workdir=runs/rankitect_criteo   # one epoch of the sample
   python -m experiments.rankitect --method=random --data=avazu:../shared/data/avazu_sample \
-      --num_rows=20000 --workdir=runs/rankitect_avazu
+      --num_rows=20000 --steps=32 --workdir=runs/rankitect_avazu     # one epoch of the sample
   python -m experiments.train_rec --model=searched:runs/rankitect/best_random.json --steps=300
 
 The space (space.py): --layers stack layers of --width embeddings (dim --embedding_dim),
