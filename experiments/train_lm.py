@@ -29,6 +29,11 @@ Every step logs, measured on the batch the devices get: pack_imbalance_mb / _cp 
 pack_model_step / _ideal (the --cost_model's step time, slowest vs mean micro-batch x rank),
 pack_tile_step, pack_layout_document, pack_tokens; results.json holds every step's numbers.
 Eval stays on the held-out windows.
+
+Flag combinations the library cannot train stop before anything is built (`check_flags`,
+naming the flags): --attention_impl=cudnn with --packing (cuDNN takes one document per row,
+and no segment ids in ring attention blocks; so no --cp_sharding=doc|adaptive either), with
+--dtype=float32, or off a GPU with cuDNN; auto, xla and the Pallas kernels take them all.
 """
 
 from __future__ import annotations
@@ -126,6 +131,49 @@ def copy_tokenizer(tok, workdir: str) -> None:
       shutil.copyfile(src, dst)
 
 
+def check_flags(f, cfg, cp_ranks: int, device=None) -> None:
+  """Every flag combination the library cannot train, refused before anything is traced:
+  the attention implementation's (`check_attention_flags`), then packing's."""
+  check_attention_flags(f, cfg, device)
+  check_packing_flags(f, cp_ranks)
+
+
+# What each --attention_impl trains (llm/attention): "xla", "xla_decode" and the Pallas
+# kernels ("pallas", "pallas_mgpu", "pallas_triton") take segment ids and positions
+# anywhere, so every --packing x --context_parallel x --cp_sharding combination; "auto"
+# picks per call among them (cuDNN only for calls without segment ids or positions).
+# "cudnn" takes one document per row (its registry entry's max_segments=1: a packed row
+# comes out NaN) and refuses segment ids on ring attention blocks, so no --packing (and so
+# no --cp_sharding=doc|adaptive, which need packed documents); ring attention without
+# packing runs its blocks (tests/llm/test_attention_cudnn.py). cuDNN computes in bfloat16 /
+# float16 with head dims a multiple of 8 up to 256, on a GPU with cuDNN (sm >= 8.0).
+def check_attention_flags(f, cfg, device=None) -> None:
+  """--attention_impl=cudnn combinations cuDNN cannot run (the table above), each named
+  with its flags' values. `device`: an llm.attention.choose.DeviceInfo (None: probed)."""
+  if f.attention_impl != "cudnn":
+    return
+  from llm.attention import choose
+  from llm.attention.cudnn import supports
+  instead = "expected --attention_impl=auto (cuDNN where a call allows it), pallas or xla"
+  if f.packing != "none" or f.cp_sharding != "seq":
+    raise ValueError(
+        f"--attention_impl=cudnn with --packing={f.packing} --cp_sharding={f.cp_sharding} "
+        f"--context_parallel={f.context_parallel}: packed rows hold several documents "
+        "(segment ids); cuDNN attention takes one document per row, and no segment ids on "
+        f"ring attention blocks; {instead}, or --packing=none --cp_sharding=seq")
+  reason = supports(cfg.dtype, cfg.head_dim)
+  if reason:
+    raise ValueError(f"--attention_impl=cudnn with --dtype={f.dtype} --preset={f.preset} "
+                     f"(head dim {cfg.head_dim}): {reason}; {instead}")
+  device = choose.device_info() if device is None else device
+  if not device.cudnn:
+    here = (f"backend {device.backend}" if device.backend != "gpu" else
+            f"compute capability {device.compute_capability}; it needs sm 8.0 or newer and "
+            "cuDNN found")
+    raise ValueError(f"--attention_impl=cudnn: no GPU with cuDNN flash attention here "
+                     f"({here}); {instead}")
+
+
 def check_packing_flags(f, cp_ranks: int) -> None:
   """Flag combinations packing cannot run; the error names the flag."""
   if f.cp_sharding != "seq" and f.packing == "none":
@@ -198,7 +246,7 @@ def main(argv):
       max_seq_len=max(FLAGS.seq_len, 16))
   mesh = mesh_lib.make_mesh(FLAGS.mesh, rules=mesh_lib.LLM_RULES)
   cp_ranks = 1 if FLAGS.context_parallel == "none" else dict(mesh.shape).get("cp", 1)
-  check_packing_flags(FLAGS, cp_ranks)
+  check_flags(FLAGS, cfg, cp_ranks)
   train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
   optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                              total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)

@@ -12,6 +12,8 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --data=sessions:dup=0.875 --dedup_features=C1,C2,C3,C4,C5,C6,C7,C8 \
       --data_workers=2   # RecD's session data; batches and their dedup made in Grain workers
   python -m experiments.train_rec --model=searched:runs/rankitect/best_random.json  # a found arch
+  python -m experiments.train_rec --mesh=data:8 --sharding=tw --a2a_mode=abs \
+      --a2a_error_bound=0.005 --a2a_grad_error_bound=0.001 --a2a_bits=8   # compressed exchange
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
 workdir: a new runs/train_rec_<model>_<date-time> per run); the last stdout line is a JSON
@@ -19,12 +21,21 @@ summary with model, steps, test_auc, test_logloss, test_ne, examples_per_sec, an
 model's dense / embedding parameter counts and forward GFLOPs per example (XLA's count for
 the dense part). `--resume` checks the flags against those saved with the checkpoint; a
 non-finite loss or gradient norm stops the run (or, with --nonfinite=skip, skips the step).
+
+--a2a_mode=abs|rel compresses the embedding exchange (arXiv 2407.04272; the all-to-all of
+tw / cw / twrw tables and the reduce-scatter of rw ones, their gradients with
+--a2a_grad_error_bound); a sharding with no exchange (one device, dp tables) is refused. At
+the end the run measures it (`rec.runs.a2a_report`): payload vs float32 bytes per device
+per step from the step's HLO, and the largest pooled-embedding and gradient errors against
+their bounds on the first two train batches; results.json holds it under `a2a_compression`, the
+summary line its bytes and error ratios.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import os
 import sys
 import time
@@ -143,6 +154,11 @@ def main(argv):
           ckpt_lib.CheckpointMismatchError) as e:
     sys.exit(f"train_rec: {e}")
   ev = out["eval"]
+  a2a = None
+  if task.collection.a2a_compression is not None:   # what the compressed exchange sent, its error
+    from rec import runs as runs_lib
+    a2a = runs_lib.a2a_report(task, out["state"], list(itertools.islice(train_src.batches(0), 2)))
+    print(runs_lib.format_a2a_report(a2a), flush=True)
   summary = {
       "model": cfg.model, "preset": cfg.preset, "data": cfg.data, "mesh": dict(mesh.shape),
       "steps": out["step"], "finished": out["finished"], "batch_size": cfg.batch_size,
@@ -152,10 +168,17 @@ def main(argv):
       "bad_lines_skipped": getattr(train_src, "bad_line_count", 0),
       "nonfinite_steps_skipped": out["skipped_steps"], "workdir": workdir, **stats,
   }
+  if a2a is not None:
+    summary.update({"a2a_payload_bytes": a2a["bytes"]["payload"],
+                    "a2a_float32_bytes": a2a["bytes"]["float32"],
+                    "a2a_max_error_over_bound": a2a["max_error_over_bound"],
+                    "a2a_max_grad_error_over_bound": a2a["max_grad_error_over_bound"]})
   results = {"summary": summary, "config": dataclasses.asdict(cfg), "steps_planned": steps,
              "plan": planner_lib.plan_summary(plan, task.collection.tables, task.collection.num_devices,
                                              cfg.batch_size),
              "embedding_groups": task.collection.describe(), "eval": ev}
+  if a2a is not None:
+    results["a2a_compression"] = a2a
   results_lib.write_results(workdir, results)
   plot_lib.plot_run(workdir)
   if ev:

@@ -538,10 +538,21 @@ class Llama(nnx.Module):
   def output_weight(self) -> tuple[jax.Array, bool]:
     """(the output projection's parameter, vocab_major): embed [V,D] when tied (True), else
     lm_head [D,V] (False); for losses that apply it chunk by chunk
-    (`llm.train_lib.chunked_cross_entropy`)."""
+    (`llm.train_lib.chunked_cross_entropy`); a weight-only quantized one dequantized whole."""
     if self.cfg.tie_embeddings:
-      return self.embed[...], True
-    return self.lm_head[...], False
+      return _weight(self.embed), True
+    return _weight(self.lm_head), False
+
+  def output_rows(self, ids, dtype=None) -> jax.Array:
+    """The output projection's rows of token `ids` [..., D] in `dtype` (default the compute
+    dtype): the LM head restricted to those tokens; a quantized one dequantizes only them."""
+    dt = self.cfg.dtype if dtype is None else dtype
+    v = (self.embed if self.cfg.tie_embeddings else self.lm_head).get_value()
+    if isinstance(v, QuantizedParam):
+      return v.rows.take_rows(ids, dt)        # rows [V, D] (out, in) either way
+    if self.cfg.tie_embeddings:
+      return jnp.take(v, ids, axis=0).astype(dt)
+    return jnp.moveaxis(jnp.take(v, ids, axis=1), 0, -1).astype(dt)
 
 
 # --- flat weights (the loader contract)

@@ -23,6 +23,7 @@ from rec.data import dedup as dedup_lib
 from rec.data import sources as sources_lib
 from rec.data import workers as workers_lib
 from rec.data.dedup import DedupSpec
+from rec.embedding import a2a_compression as a2a_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
@@ -65,6 +66,11 @@ class RecRunConfig:
   bad_lines: str = "error"            # error | skip
   dedup_features: str = ""            # RecD: "C1,C3" looked up on each batch's distinct bags
   dedup_capacity: int = 0             # RecD: distinct bags per device and feature; 0: automatic
+  # Compressed embedding exchange (arXiv 2407.04272; a2a_spec()): none | abs | rel
+  a2a_mode: str = "none"
+  a2a_error_bound: float = 1e-3       # pooled embeddings: abs |x - x'|, rel x the row's range
+  a2a_grad_error_bound: float | None = None   # their gradients; None: sent in float32
+  a2a_bits: int = 8                   # code width: 4 | 8 | 16
   seed: int = 0
   csv_label: str = ""                 # csv:DIR label column; "" = inferred
   csv_dense: str = ""                 # csv:DIR dense columns "I1,I2"; "" = inferred, "none"
@@ -117,6 +123,7 @@ class RecRunConfig:
     if self.fp8_recipe not in fp8_lib.RECIPES:
       raise ValueError(f"--fp8_recipe={self.fp8_recipe!r}: expected one of {list(fp8_lib.RECIPES)}")
     self.storage_spec()
+    self.a2a_spec()
     if self.dedup_capacity < 0:
       raise ValueError(f"--dedup_capacity={self.dedup_capacity}: expected >= 0 (0: the next "
                        "power of two that holds a batch's distinct bags)")
@@ -126,6 +133,28 @@ class RecRunConfig:
     checked against the tables."""
     return DedupSpec.from_flags(self.dedup_features, self.dedup_capacity,
                                 known=[t.name for t in tables])
+
+  def a2a_spec(self) -> a2a_lib.A2ACompression | None:
+    """The compressed embedding exchange from --a2a_mode, --a2a_error_bound,
+    --a2a_grad_error_bound and --a2a_bits (None: --a2a_mode=none); errors name the flag.
+    With --a2a_mode=none a bound or width other than the default is an error, not ignored."""
+    if self.a2a_mode == "none":
+      given = [f"--{n}={getattr(self, n)}" for n in A2A_FIELDS[1:]
+               if getattr(self, n) != _FIELD_DEFAULTS[n]]
+      if given:
+        raise ValueError(f"{', '.join(given)} with --a2a_mode=none: no exchange is compressed; "
+                         "expected --a2a_mode=abs|rel, or the default")
+      return None
+    if self.a2a_mode not in a2a_lib.MODES:
+      raise ValueError(f"--a2a_mode={self.a2a_mode!r}: expected none or one of "
+                       f"{list(a2a_lib.MODES)}")
+    return a2a_lib.A2ACompression(self.a2a_mode, self.a2a_error_bound,
+                                  self.a2a_grad_error_bound, self.a2a_bits).check()
+
+  def without_a2a(self) -> RecRunConfig:
+    """This config with the embedding exchange in float32 (the --a2a_* settings at their
+    defaults), e.g. a comparison's baseline."""
+    return dataclasses.replace(self, **{n: _FIELD_DEFAULTS[n] for n in A2A_FIELDS})
 
   def storage_spec(self) -> StorageSpec:
     """The tables' row storage from --storage, --cache_policy and --cache_fraction (errors
@@ -144,6 +173,8 @@ class RecRunConfig:
 
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
+A2A_FIELDS = ("a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits")
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RecRunConfig)}
 # Every RecRunConfig field, e.g. for `define_rec_run_flags(*RUN_FIELDS)`.
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RecRunConfig))
 
@@ -220,6 +251,20 @@ def _run_flags() -> dict[str, tuple[Callable[..., Any], dict[str, Any], str]]:
                          "RecD: distinct bags per device and feature; a batch with more runs "
                          "plain (metric dedup_fallback). 0: the next power of two that holds "
                          "them."),
+      "a2a_mode": (flags.DEFINE_enum, dict(enum_values=["none", *a2a_lib.MODES]),
+                   "Error-bounded lossy compression of the embedding exchange (arXiv "
+                   "2407.04272): the all-to-all of tw / cw / twrw tables and the reduce-scatter "
+                   "of rw tables send fixed-rate codes, forward and (--a2a_grad_error_bound) "
+                   "backward. abs: every value within --a2a_error_bound; rel: within it times "
+                   "its row's value range; none: float32."),
+      "a2a_error_bound": (flags.DEFINE_float, {},
+                          "--a2a_mode: bound of the pooled embeddings sent (> 0)."),
+      "a2a_grad_error_bound": (flags.DEFINE_float, {},
+                               "--a2a_mode: bound of their gradients (> 0); unset: the "
+                               "gradients go in float32."),
+      "a2a_bits": (flags.DEFINE_integer, dict(lower_bound=4),
+                   "--a2a_mode: code width, 4, 8 or 16 bits per value (plus a 6-byte row "
+                   "header)."),
       "seed": (flags.DEFINE_integer, dict(lower_bound=0),
                "Seed of parameters and synthetic data."),
       "csv_label": (flags.DEFINE_string, {},
@@ -267,7 +312,11 @@ def preset_embedding_dim(model: str, preset: str) -> int:
 def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
   """Run settings with `embedding_dim` 0 (the preset's) as the preset's dim, for settings
   saved before `RecRunConfig.run_settings` stored the effective dim and for the comparison
-  on resume (`core.train.TrainConfig.normalize_settings`). Unknown presets stay as given."""
+  on resume (`core.train.TrainConfig.normalize_settings`). Unknown presets stay as given.
+  Rec settings without the a2a fields get their defaults (such runs sent float32), so a
+  resume that turns compression on is refused naming them."""
+  if "model" in settings and "a2a_mode" not in settings:   # saved before the a2a settings:
+    settings = {**settings, **{n: _FIELD_DEFAULTS[n] for n in A2A_FIELDS}}   # uncompressed
   if settings.get("embedding_dim") != 0 or "model" not in settings:
     return settings
   try:
@@ -481,11 +530,31 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
   return plan
 
 
+def check_exchange(cfg: RecRunConfig, plan: planner_lib.Plan, num_devices: int) -> None:
+  """A compressed exchange needs one: an all-to-all (tw, cw, twrw tables) or a
+  reduce-scatter (rw) over 2 or more devices; else a ValueError naming the flags."""
+  kinds = sorted({ShardingKind(p.kind).value for p in plan.values()})
+  if num_devices > 1 and set(kinds) & set(COMPRESSED_KINDS):
+    return
+  why = (f"--mesh={cfg.mesh!r} gives the embedding tables 1 device" if num_devices == 1 else
+         f"--sharding={cfg.sharding} placed every table {'/'.join(kinds)}")
+  raise ValueError(
+      f"--a2a_mode={cfg.a2a_mode}: {why}, so no embedding exchange exists to compress; "
+      f"expected tables placed {'|'.join(COMPRESSED_KINDS)} on 2 or more devices (e.g. "
+      "--sharding=tw), or --a2a_mode=none")
+
+
+# Sharding kinds whose exchange a2a_compression compresses (dp and sptt groups are not).
+COMPRESSED_KINDS = ("tw", "cw", "twrw", "rw")
+
+
 def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=None,
               data_workers: int = 0):
   """Returns (task, train source, eval source, plan, mesh). `sources`: (train, eval) sources
   to use instead of those of cfg.data (e.g. one split to predict on). `a2a_compression`: an
-  `a2a_compression.A2ACompression` for the collection's exchange (None: float32).
+  `a2a_compression.A2ACompression` for the collection's exchange (a study's table-wise
+  factors or schedule) instead of cfg's --a2a_* settings (`RecRunConfig.a2a_spec`; None and
+  --a2a_mode=none: float32); a plan with no exchange to compress is an error.
   `data_workers` > 0: train batches are drawn in that many Grain worker processes
   (`rec.data.workers.WorkerSource`), which also run RecD's dedup (--dedup_features)."""
   cfg.validate()
@@ -508,6 +577,12 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
     tables = [dataclasses.replace(t, storage=cfg.storage_spec()) for t in tables]
   sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
   plan = make_plan(cfg, tables, n, sparse_opt)
+  if a2a_compression is not None and cfg.a2a_mode != "none":
+    raise ValueError(f"build_run: a2a_compression={a2a_compression} and --a2a_mode="
+                     f"{cfg.a2a_mode}; expected one of the two")
+  a2a_compression = a2a_compression if a2a_compression is not None else cfg.a2a_spec()
+  if a2a_compression is not None:
+    check_exchange(cfg, plan, n)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,
                              storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables),
                              a2a_compression=a2a_compression,

@@ -113,6 +113,9 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
   step, settings = saved_settings(workdir)
   fields = {f.name for f in dataclasses.fields(configs.RecRunConfig)}
   cfg = configs.RecRunConfig(**{k: v for k, v in settings.items() if k in fields})
+  # A compressed exchange (--a2a_mode) saved bytes in training; predictions take the exact
+  # float32 exchange, on any mesh.
+  cfg = cfg.without_a2a()
   new_data = data or cfg.data
   over = {"data": new_data, "bad_lines": "error",
           "days": (days if days is not None else (cfg.days if new_data == cfg.data else ""))}

@@ -3,10 +3,12 @@ bytes per step, compression ratio, AUC / log loss against uncompressed training,
 step-time gain modelled for H100 hosts, beside the paper's 1.38x.
 
   python -m experiments.a2a_compression                      # runs/a2a_compression
-  python -m experiments.a2a_compression --steps=300 --data=synthetic \
-      --a2a_mode=abs --a2a_error_bound=0.005 --a2a_bits=8
+  python -m experiments.a2a_compression --steps=300 --datasets=synthetic \
+      --a2a_mode=abs --a2a_error_bound=0.005 --a2a_bits=8 --batch_size=256 --num_rows=20000
 
-On every device present (8 simulated CPU devices in the tests: XLA_FLAGS=
+--batch_size, --num_rows, --seed and the --a2a_* settings are the shared rec run flags
+(rec.configs.define_rec_run_flags; train_rec takes the same --a2a_* flags). On every device
+present (2 or more: an exchange to compress; 8 simulated CPU devices with XLA_FLAGS=
 --xla_force_host_platform_device_count=8), DLRM with table-wise sharding trains on each
 --datasets entry (synthetic data and the Criteo Kaggle sample when its directory exists)
 three times from the same seed: uncompressed, with a fixed bound (--a2a_mode,
@@ -30,6 +32,7 @@ exchange share, the paper's 1.38x at a 50% share.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -40,6 +43,13 @@ from core import results as results_lib
 
 FLAGS = flags.FLAGS
 CRITEO_SAMPLE = "criteo:/work/shared/data/criteo_kaggle_sample"
+# RecRunConfig fields without a flag here: RecRunConfig's defaults, but for STUDY's values.
+FIXED = ("model", "preset", "embedding_dim", "dtype", "fp8_layers", "fp8_recipe", "data", "mesh",
+         "eval_batch_size", "eval_batches", "dense_optimizer", "learning_rate",
+         "sparse_optimizer", "embedding_learning_rate", "sharding", "sharding_overrides",
+         "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
+         "dedup_features", "dedup_capacity", "csv_label", "csv_dense", "csv_categorical", "days")
+STUDY = {"model": "dlrm", "sharding": "tw", "eval_batches": 4}
 
 
 def define_flags() -> None:
@@ -48,17 +58,14 @@ def define_flags() -> None:
   flags.DEFINE_integer("steps", 300, "Train steps per run (synthetic data).", lower_bound=1)
   flags.DEFINE_float("criteo_epochs", 1.0, "Passes over a criteo:DIR sample's train file per "
                      "run (more overfit the 7,200-line sample).", lower_bound=0.01)
-  flags.DEFINE_integer("batch_size", 256, "Global train batch size.", lower_bound=8)
-  flags.DEFINE_integer("num_rows", 20_000, "Hashed rows per sparse feature.", lower_bound=1)
   flags.DEFINE_integer("probe_batches", 4, "Batches for the sensitivity and payload sizes.",
                        lower_bound=1)
-  flags.DEFINE_enum("a2a_mode", "abs", ["abs", "rel"], "Error bound: abs (|x - x'| <= bound) "
-                    "or rel (<= bound * the row's value range).")
-  flags.DEFINE_float("a2a_error_bound", 0.01, "Bound of the pooled embeddings sent (> 0).")
-  flags.DEFINE_float("a2a_grad_error_bound", 0.001, "Bound of their gradients (> 0).")
-  flags.DEFINE_integer("a2a_bits", 8, "Code width: 4, 8 or 16.", lower_bound=4)
-  flags.DEFINE_integer("seed", 0, "Data and init seed.", lower_bound=0)
   flags.DEFINE_string("workdir", "runs/a2a_compression", "Output directory.")
+  from rec import configs
+  # The fixed variant's bounds are the shared --a2a_* flags (train_rec's); the baseline runs
+  # the same config with the exchange in float32.
+  configs.define_rec_run_flags("seed", *configs.A2A_FIELDS, batch_size=256, num_rows=20_000,
+                               a2a_mode="abs", a2a_error_bound=0.01, a2a_grad_error_bound=0.001)
 
 
 def main(argv):
@@ -66,11 +73,13 @@ def main(argv):
   cli.quiet_library_logs()
   from experiments.a2a_compression import study
   from rec import configs
-  from rec.embedding import a2a_compression as ac
 
   t0 = time.perf_counter()
-  fixed = ac.A2ACompression(FLAGS.a2a_mode, FLAGS.a2a_error_bound, FLAGS.a2a_grad_error_bound,
-                            FLAGS.a2a_bits).check()
+  flagged = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, **STUDY)
+  if flagged.a2a_mode == "none":
+    raise ValueError("--a2a_mode=none: this study compares a compressed exchange with the "
+                     "float32 one; expected --a2a_mode=abs|rel")
+  fixed = flagged.a2a_spec()
   variants = {"fixed": fixed, "adaptive": "adaptive"}
   log = lambda m: print(f"[{time.perf_counter() - t0:6.0f}s] {m}", flush=True)
   res = {}
@@ -78,14 +87,13 @@ def main(argv):
     if data.startswith("criteo:") and not os.path.isdir(data.split(":", 1)[1]):
       log(f"skip {data}: directory absent")
       continue
-    cfg = configs.RecRunConfig(model="dlrm", data=data, num_rows=FLAGS.num_rows,
-                               batch_size=FLAGS.batch_size, eval_batch_size=FLAGS.batch_size,
-                               eval_batches=4, sharding="tw", seed=FLAGS.seed)
+    cfg = dataclasses.replace(flagged.without_a2a(), data=data,
+                              eval_batch_size=flagged.batch_size)
     res[data] = study.run_dataset(cfg, FLAGS.steps, FLAGS.probe_batches, variants,
                                   os.path.join(FLAGS.workdir, data.split(":")[0]), log,
                                   epochs=FLAGS.criteo_epochs if data.startswith("criteo:") else None)
   log("codec cost")
-  codec = study.codec_cost(16, FLAGS.a2a_bits if FLAGS.a2a_bits != 4 else 4)
+  codec = study.codec_cost(16, fixed.bits)
   rows = study.summarize(res, codec)
   print(f"{'data':10} {'run':9} {'AUC':>7} {'dAUC':>8} {'logloss':>8} {'dLL':>8} "
         f"{'f32 B':>8} {'sent B':>8} {'hlo x':>6} {'fixed x':>7} {'zstd x':>7} {'fallbk':>6} {'eff x':>6} "

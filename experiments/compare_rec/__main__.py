@@ -79,7 +79,8 @@ def define_flags() -> None:
 # the config's defaults.
 FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
          "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "dedup_features",
-         "dedup_capacity", "days")
+         "dedup_capacity",
+         "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits", "days")
 
 
 def main(argv):

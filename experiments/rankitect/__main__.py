@@ -5,6 +5,8 @@ space and budget, against the hand-designed DLRM / DCN-v2 / DHEN / Wukong.
   python -m experiments.rankitect --method=random        # the 20-minute budget on 2 CPU cores
   python -m experiments.rankitect --method=evolution
   python -m experiments.rankitect --method=random --seed=1 --nobaselines --workdir=runs/rankitect_s1
+  python -m experiments.rankitect --method=random --search_seed=1 --nobaselines \
+      --workdir=runs/rankitect_ss1          # another search on seed 0's data
   python -m experiments.rankitect --method=oneshot --supernet_steps=1500 --retrain=3
   python -m experiments.rankitect --method=dnas --dnas_cost_weights=0.1,1.0
   python -m experiments.rankitect --method=random --data=criteo:../shared/data/criteo_kaggle_sample \
@@ -20,6 +22,9 @@ MLP into the stack and a flatten -> MLP top. Data: --data=synthetic_deep (plante
 order interactions; the default, with --num_rows=20 rows per feature as in
 experiments.wukong_scaling), criteo:DIR, avazu:DIR (rec.data.sources). Every candidate and
 hand-designed model trains --steps steps of --batch_size through rec.runs.train_run.
+Seeds: --seed draws the synthetic data and every trained model's initial weights;
+--search_seed (default --seed) the searcher alone, so searches with several search seeds on
+one data set measure the spread of what the search finds (a workdir keeps one of each).
 
 Budget: random / evolution train --trials candidates; oneshot trains a supernet for
 --supernet_steps, scores up to --candidates paths with inherited weights, retrains the
@@ -74,6 +79,10 @@ def define_flags() -> None:
   flags.DEFINE_bool("shared_program", True, "Train candidates of the space through one compiled "
                     "supernet program, the path an argument (false: each candidate compiles "
                     "its own stand-alone program).")
+  flags.DEFINE_integer("search_seed", None, "Seeds the searcher (random / evolution proposals, "
+                       "oneshot's paths, the supernets' initial weights and path / Gumbel "
+                       "draws) apart from the data and the candidates' initial weights "
+                       "(--seed); default: --seed.", lower_bound=0)
   flags.DEFINE_string("compilation_cache_dir", "runs/jax_compilation_cache",
                       "JAX's persistent compilation cache: programs compiled once are reused "
                       "by later runs (seeds, resumes, the baselines of another workdir); '' "
@@ -112,21 +121,20 @@ def main(argv):
       model="dlrm")
   base.validate()
   st = study_lib.Study(FLAGS.workdir, space, base, steps=FLAGS.steps,
-                       shared_program=FLAGS.shared_program)
+                       shared_program=FLAGS.shared_program, search_seed=FLAGS.search_seed)
   print(f"workdir {FLAGS.workdir} | method {FLAGS.method} | space {space.size()} architectures "
-        f"({len(space.names)} candidates ^ {space.num_layers} layers) | data {base.data}",
-        flush=True)
+        f"({len(space.names)} candidates ^ {space.num_layers} layers) | data {base.data} "
+        f"(seed {base.seed}) | search seed {st.search_seed}", flush=True)
 
   extra = {}
   if FLAGS.baselines:
     study_lib.baselines(st)
   if FLAGS.method in ("random", "evolution"):
-    study_lib.sampling_search(st, FLAGS.method, FLAGS.trials, seed=base.seed)
+    study_lib.sampling_search(st, FLAGS.method, FLAGS.trials)
   elif FLAGS.method == "oneshot":
-    extra = study_lib.oneshot_search(st, FLAGS.supernet_steps, FLAGS.candidates, FLAGS.retrain,
-                                     seed=base.seed)
+    extra = study_lib.oneshot_search(st, FLAGS.supernet_steps, FLAGS.candidates, FLAGS.retrain)
   else:
-    extra = study_lib.dnas_search(st, FLAGS.supernet_steps, weights, seed=base.seed)
+    extra = study_lib.dnas_search(st, FLAGS.supernet_steps, weights)
 
   rows = st.log.rows
   mine = [r for r in rows if r["method"] == FLAGS.method]
@@ -161,10 +169,12 @@ def main(argv):
       "method": FLAGS.method, "space": {"layers": space.num_layers, "width": space.width,
                                         "embedding_dim": space.embedding_dim,
                                         "candidates": list(space.names)},
-      "data": base.data, "steps": FLAGS.steps, "rows": rows, "cost": costs, "pareto": fronts,
+      "data": base.data, "seed": base.seed, "search_seed": st.search_seed,
+      "steps": FLAGS.steps, "rows": rows, "cost": costs, "pareto": fronts,
       "best": best, "best_file": best_path, "plot": png,
       **{k: v for k, v in extra.items() if k in ("scored", "alpha")}})
-  summary = {"method": FLAGS.method, "best": best["label"], "best_ne": best["ne"],
+  summary = {"method": FLAGS.method, "search_seed": st.search_seed,
+             "best": best["label"], "best_ne": best["ne"],
              "best_mflops": best["mflops"], "best_file": best_path,
              "candidates_trained": costs[FLAGS.method]["candidates_trained"],
              "search_wall_s": costs[FLAGS.method]["total_wall_s"]}

@@ -1,9 +1,9 @@
 """Rankitect's search methods under one space and one budget (arXiv 2311.08430).
 
 - random / evolution: Optuna's RandomSampler / NSGAIISampler (multi-objective evolution;
-  with the same seed its first generation is the random sampler's first draws, a paired
-  start) over one categorical choice per layer; every candidate trained from scratch through
-  `rec.runs.train_run` (RecTask, the collection, core.train) as `--model=searched:FILE`;
+  with the same search seed its first generation is the random sampler's first draws, a
+  paired start) over one categorical choice per layer; every candidate trained from scratch
+  through `rec.runs.train_run` (RecTask, the collection, core.train) as `--model=searched:FILE`;
   objectives (eval NE, forward MFLOPs/example). Trials live in an Optuna journal file in
   the workdir, so a killed search continues where it stopped.
 - oneshot: a weight-sharing supernet (supernet.py) trained with one uniform path per step,
@@ -14,7 +14,9 @@
 Every from-scratch training is one row of `<workdir>/trials.jsonl` (what a resumed run
 skips); the hand-designed models (space.BASELINES) are rows too. NE is the eval split's
 normalized entropy (log loss over the entropy of the positive rate); FLOPs are XLA's count
-of the dense model's forward pass per example (rec.configs.model_stats).
+of the dense model's forward pass per example (rec.configs.model_stats). The searcher's
+randomness (samplers, oneshot's paths, supernets) comes from `Study.search_seed`, the data
+and every trained model's initial weights from `base.seed`.
 """
 
 from __future__ import annotations
@@ -80,23 +82,30 @@ class Study:
   # Candidates of the space train through one compiled supernet program (CandidateTask);
   # False: each through its own stand-alone program (runs.train_run of the JSON file).
   shared_program: bool = True
+  # Seeds the searcher (Optuna's samplers, oneshot's paths, supernet init and path / Gumbel
+  # draws) apart from the data and the candidates' initial weights (base.seed); None: base.seed.
+  search_seed: int | None = None
   log: TrialLog | None = None
   started: float = dataclasses.field(default_factory=time.perf_counter)
   _space_run: tuple | None = dataclasses.field(default=None, repr=False)
   _program: Any = dataclasses.field(default=None, repr=False)   # the first CandidateTask
 
   def __post_init__(self):
+    if self.search_seed is None:
+      self.search_seed = self.base.seed
     os.makedirs(self.workdir, exist_ok=True)
     self.check_settings()
     self.log = TrialLog(os.path.join(self.workdir, "trials.jsonl"))
 
   def check_settings(self) -> None:
-    """Every method run in one workdir shares the space, data and budget (their rows are
-    compared): the first run writes them to settings.json, later runs must match."""
+    """Every method run in one workdir shares the space, data, budget and search seed (their
+    rows are compared, and a search resumes its journal): the first run writes them to
+    settings.json, later runs must match."""
     run = {f"run.{k}": v for k, v in dataclasses.asdict(self.base).items()
            if k not in ("model", "preset", "embedding_dim")}
     space = {f"space.{k}": v for k, v in dataclasses.asdict(self.space).items()}
-    now = json.loads(json.dumps({**space, **run, "steps": self.steps}))
+    now = json.loads(json.dumps({**space, **run, "steps": self.steps,
+                                 "search_seed": self.search_seed}))
     path = os.path.join(self.workdir, "settings.json")
     if not os.path.exists(path):
       with open(path, "w") as f:
@@ -104,11 +113,13 @@ class Study:
       return
     with open(path) as f:
       saved = json.load(f)
+    saved.setdefault("search_seed", saved.get("run.seed"))   # absent: the default, run.seed
     diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
     if diff:
       raise UserError(f"{path}: this workdir's searches ran with other settings "
                       f"({'; '.join(diff)}); "
-                      "expected the same space, data and budget (or another --workdir)")
+                      "expected the same space, data, budget and search seed (or another "
+                      "--workdir)")
 
   # --- one training
 
@@ -198,15 +209,17 @@ def searched_model(path: str) -> str:
 # --------------------------------------------------------------------------- sampling-based
 
 
-def sampling_search(study: Study, method: str, trials: int, seed: int = 0) -> list[dict[str, Any]]:
-  """Random or evolutionary search with Optuna: `trials` candidates trained in all (those
-  in the journal count), objectives (NE, MFLOPs) both minimized."""
+def sampling_search(study: Study, method: str, trials: int) -> list[dict[str, Any]]:
+  """Random or evolutionary search with Optuna (sampler seeded by study.search_seed):
+  `trials` candidates trained in all (those in the journal count), objectives (NE, MFLOPs)
+  both minimized."""
   import optuna
   from optuna.storages import JournalStorage
   from optuna.storages.journal import JournalFileBackend
   from optuna.trial import TrialState
 
   optuna.logging.set_verbosity(optuna.logging.WARNING)
+  seed = study.search_seed
   sampler = (optuna.samplers.RandomSampler(seed=seed) if method == "random" else
              optuna.samplers.NSGAIISampler(population_size=max(2, min(8, trials // 2)), seed=seed))
   storage = JournalStorage(JournalFileBackend(os.path.join(study.workdir, "optuna.journal")))
@@ -261,7 +274,8 @@ def candidate_flops(space: Space, spec) -> tuple[float, list[list[float]]]:
 
 def _supernet_run(study: Study, name: str, mode: str, steps: int, cost_weight: float,
                   flops_LK, seed: int):
-  """Trains a supernet through RecTask / core.train (resumed from its checkpoints)."""
+  """Trains a supernet through RecTask / core.train (resumed from its checkpoints); `seed`
+  draws its initial weights and its paths / Gumbel noise."""
   space = study.space
   _, (task0, train_src, eval_src, _, _) = study.space_run()
   spec = train_src.spec
@@ -301,9 +315,10 @@ def pareto(rows: Sequence[dict[str, Any]], x: str = "mflops",
   return sorted(front, key=lambda r: r[x])
 
 
-def oneshot_search(study: Study, supernet_steps: int, num_candidates: int, retrain: int,
-                   seed: int = 0) -> dict[str, Any]:
+def oneshot_search(study: Study, supernet_steps: int, num_candidates: int,
+                   retrain: int) -> dict[str, Any]:
   space = study.space
+  seed = study.search_seed
   study.begin("oneshot")
   task, state, eval_src, wall, spec = _supernet_run(study, "supernet_oneshot", "path",
                                                     supernet_steps, 0.0, None, seed)
@@ -333,9 +348,10 @@ def oneshot_search(study: Study, supernet_steps: int, num_candidates: int, retra
           "candidates_evaluated": len(scored)}
 
 
-def dnas_search(study: Study, supernet_steps: int, cost_weights: Sequence[float],
-                seed: int = 0) -> dict[str, Any]:
+def dnas_search(study: Study, supernet_steps: int,
+                cost_weights: Sequence[float]) -> dict[str, Any]:
   space = study.space
+  seed = study.search_seed
   rows, alphas, walls = [], {}, 0.0
   study.begin("dnas")
   flops_table = None

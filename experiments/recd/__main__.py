@@ -4,21 +4,22 @@ inverse-indexed path against the plain path, by duplication rate.
   python -m experiments.recd                        # runs/recd
   python -m experiments.recd --session_lens=1,4,16 --batch_size=4096
 
-Session-like synthetic data (study.session_batches): --num_user user features (bags of
---user_bag Zipf ids, the same for the --session_len consecutive samples of a session) and
---num_item one-hot item features per sample; duplication rate of the user features =
-1 - 1/session_len (up to chance repeats). Per session length, a DLRM (dim --dim, tables
-table-wise) times the forward lookup (gather + pool [+ expand]) and a full train step, plain
-and dedup side by side (medians of --repeats x --steps) through one RecTask whose embedding
-collection deduplicates the user features (rec/data/dedup.py, the collection's `dedup`
-option); the host-side dedup time (numpy, `RecTask.device_batch`, in the input pipeline as
-in RecD) is reported apart. Prints the table, writes results.json and recd.png; last line
-JSON.
+Session data from the library's source (rec.data.sessions.SessionSource, fixed-length
+form): --num_user user features (bags of --user_bag Zipf ids, the same for the S
+consecutive samples of a session, S one of --session_lens) and --num_item one-id item
+features per sample; duplication rate of the user features = 1 - 1/S (up to chance
+repeats). Per session length, a DLRM (dim --dim, tables table-wise) times the forward
+lookup (gather + pool [+ expand]) and a full train step, plain and dedup side by side
+(medians of --repeats x --steps) through one RecTask whose embedding collection
+deduplicates the user features (rec/data/dedup.py, the collection's `dedup` option); the
+host-side dedup time (numpy, `RecTask.device_batch`, in the input pipeline as in RecD) is
+reported apart. Prints the table, writes results.json and recd.png; last line JSON.
 
-Measured (`python -m experiments.recd`, 2-core CPU shared (load ~10), jax 0.11.2, 5.3 min;
-the full table in BENCHMARKS.md "RecD"): speedup plain / dedup of the lookup and the train
-step at user-feature duplication 0 / 0.75 / 0.875 / 0.97: lookup 1.08 / 4.74 / 6.88 /
-21.6x, step 1.05 / 2.08 / 5.46 / 8.88x (dedup path: 3,124 examples/s at S=1, 37,081 at S=32).
+Measured (`nice -n 19 python -m experiments.recd`, 2-core CPU shared (load 2.4-3.9), jax
+0.11.2, 2 min 12 s; the full table and a second run in BENCHMARKS.md "RecD"): speedup plain /
+dedup of the lookup and the train step at user-feature duplication 0 / 0.75 / 0.875 / 0.97:
+lookup 1.12 / 6.62 / 6.44 / 8.76x, step 1.00 / 1.51 / 6.00 / 7.60x (dedup path: 11,097
+examples/s at S=1, 76,705 at S=32); single ratios move up to 2x between runs.
 """
 
 from __future__ import annotations
@@ -55,9 +56,16 @@ def main(argv):
   from core import benchmark
   from experiments.recd import study
 
+  try:
+    lens = [int(s) for s in FLAGS.session_lens]
+  except ValueError:
+    lens = []
+  if not lens or any(s < 1 or FLAGS.batch_size % s for s in lens):
+    raise ValueError(f"--session_lens={','.join(FLAGS.session_lens)}: expected session lengths "
+                     f">= 1 dividing --batch_size={FLAGS.batch_size}")
   t0 = time.perf_counter()
   rows = study.throughput_study(
-      [int(s) for s in FLAGS.session_lens], FLAGS.batch_size, FLAGS.num_user, FLAGS.num_item,
+      lens, FLAGS.batch_size, FLAGS.num_user, FLAGS.num_item,
       FLAGS.user_bag, FLAGS.num_rows, FLAGS.dim, FLAGS.steps, FLAGS.repeats, FLAGS.mesh,
       FLAGS.seed, log=lambda s: print(s, flush=True))
   os.makedirs(FLAGS.workdir, exist_ok=True)

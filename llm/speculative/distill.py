@@ -317,7 +317,7 @@ class DistillTask:
       w, self.vocab_major = target.output_weight()
     else:
       w, self.vocab_major = head[0], True
-    self._shared = {"embed": jax.device_put(target.embed[...], rep),
+    self._shared = {"embed": jax.device_put(model_lib._weight(target.embed), rep),
                     "head": jax.device_put(w, rep)}
     abstract = nnx.eval_shape(lambda: DraftHead(self.cfg, nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)
@@ -438,7 +438,7 @@ class DistillConfig:
   num_sequences: int = 1024       # generated sequences (the last eval_sequences held out)
   seq_len: int = 128              # tokens per sequence, prompt included
   eval_sequences: int = 64
-  gen_temperature: float = 1.0    # the target samples its training sequences at this
+  gen_temperature: float = 1.0    # the target samples its training sequences at this (0: greedy)
   gen_batch: int = 64             # sequences generated per generate call
   draft_vocab: int = 0            # tokens the draft proposes from (0: the whole vocabulary)
   cache_features: bool = True     # the target's features computed once, kept in the workdir
@@ -459,9 +459,9 @@ class DistillConfig:
     if not 0 < self.eval_sequences < self.num_sequences:
       raise ValueError(f"DistillConfig: eval_sequences={self.eval_sequences}, expected "
                        f"0 < eval_sequences < num_sequences={self.num_sequences}")
-    if self.gen_temperature <= 0:
-      raise ValueError(f"DistillConfig: gen_temperature={self.gen_temperature}, expected > 0 "
-                       "(greedy sequences from few prompts repeat themselves)")
+    if not (math.isfinite(self.gen_temperature) and self.gen_temperature >= 0):
+      raise ValueError(f"DistillConfig: gen_temperature={self.gen_temperature}, expected a "
+                       "finite temperature >= 0 (0: greedy)")
 
 
 def _load_partial(path: str, key: str):
@@ -580,6 +580,13 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
   (draft, train summary, (tokens, mask), draft vocabulary ids or None)."""
   import os
   from core import train as train_lib
+  if dcfg.gen_temperature == 0:
+    distinct = len({tuple(int(t) for t in p) for p in prompts})
+    if distinct < dcfg.num_sequences:
+      raise ValueError(f"train_draft: gen_temperature=0 (greedy) with {distinct} distinct "
+                       f"prompts for num_sequences={dcfg.num_sequences}: greedy sequences "
+                       "from the same prompt are the same sequence; give one prompt per "
+                       "sequence or sample (gen_temperature > 0)")
   tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg,
                                   stop_tokens)
   n_train = dcfg.num_sequences - dcfg.eval_sequences

@@ -20,7 +20,8 @@ from tests.experiments.entry import MODULES, REPO
 # other integer flag must have lower_bound >= 1. "*": every entry point (a seed may be 0;
 # the shared rec flags of rec.configs.define_rec_run_flags mean the same everywhere).
 ALLOW_ZERO = {
-    "*": {"seed": "a seed", "data_seed": "a seed", "embedding_dim": "0: the preset's",
+    "*": {"seed": "a seed", "data_seed": "a seed", "search_seed": "a seed",
+          "embedding_dim": "0: the preset's",
           "dedup_capacity": "0: the next power of two that holds a batch's bags"},
     "core.cli": {"process_id": "process 0 of the job", "hang_timeout_s": "0: no hang watchdog"},
     "experiments.train_rec": {"eval_every": "0: evaluate only at the end",
@@ -68,7 +69,7 @@ BAD = {
         "--draft_batch=0", "--prompt_len=0", "--max_new_tokens=0", "--repeats=0",
         "--gen_prompt_len=0", "--warmup_steps=-1", "--batch_sizes=1,0", "--batch_sizes=",
         "--trees=0:2:2", "--trees=4:5", "--draft_lr=0", "--draft_lr=nan",
-        "--gen_temperature=0", "--temperatures=-1", "--w_cls=-1", "--noise=-0.5"],
+        "--gen_temperature=-1", "--temperatures=-1", "--w_cls=-1", "--noise=-0.5"],
     "experiments.train_rec": [
         "--steps=-5", "--steps=0", "--check_every=0", "--eval_every=-1",
         "--checkpoint_every=-1", "--log_every=0", "--stop_at_step=0"],
@@ -242,13 +243,18 @@ def test_flags_that_must_agree():
   from experiments.spec_decode import __main__ as spec
   from experiments.wlb_packing import __main__ as wlb
   ok = dict(eval_sequences=8, num_sequences=16, prompt_len=4, seq_len=8, prompt_text=None,
-            chat_prompts=False, gen_prompt_len=8, batch_sizes=["1", "8"])
+            chat_prompts=False, gen_prompt_len=8, batch_sizes=["1", "8"], bench_prompts=8,
+            gen_temperature=1.0)
   spec.check_flags(_flag_values(**ok))
   for change, msg in (({"eval_sequences": 16}, "--eval_sequences=16: expected fewer than "
                        "--num_sequences=16"),
                       ({"prompt_len": 8}, "--prompt_len=8: expected < --seq_len=8"),
                       ({"prompt_text": "t.txt"}, "--gen_prompt_len=8: expected < --seq_len=8"),
-                      ({"batch_sizes": ["1", "9"]}, "--batch_sizes up to 9 need as many")):
+                      ({"batch_sizes": ["1", "9"]}, "--batch_sizes up to 9 need as many"),
+                      ({"bench_prompts": 9}, "--bench_prompts=9: expected at most "
+                       "--eval_sequences=8"),
+                      ({"gen_temperature": 0.0}, "--gen_temperature=0 .greedy. needs "
+                       "--chat_prompts")):
     with pytest.raises(ValueError, match=msg):
       spec.check_flags(_flag_values(**{**ok, **change}))
   base = dict(min_len=16, context=4096, windows=["1", "2"], steps=8, outlier_fractions=["0.25",

@@ -186,6 +186,67 @@ def test_train_lm_packing_flags_name_the_flag():
       train_lm.check_packing_flags(SimpleNamespace(**{**ok, **change}), cp_ranks=ranks)
 
 
+def _lm_flags(**change):
+  from types import SimpleNamespace
+  ok = dict(attention_impl="cudnn", dtype="bfloat16", preset="tiny", packing="none",
+            cp_sharding="seq", seq_len=64, doc_context=131072, context_parallel="pass_kv",
+            mesh="data:2,cp:4")
+  f = SimpleNamespace(**{**ok, **change})
+  from llm.config import get_config
+  return f, get_config(f.preset, dtype=f.dtype, attention_impl=f.attention_impl,
+                       context_parallel=f.context_parallel)
+
+
+H100 = dict(backend="gpu", compute_capability="9.0", cuda_runtime=12080, cudnn=True)
+
+
+@pytest.mark.parametrize("change,ranks,match", [
+    # cuDNN takes one document per row and no segment ids on ring blocks: no packing ...
+    ({"packing": "wlb", "context_parallel": "none", "mesh": "data:8"}, 1,
+     "--attention_impl=cudnn with --packing=wlb --cp_sharding=seq --context_parallel=none: "
+     "packed rows hold several documents"),
+    ({"packing": "original"}, 4,
+     "--attention_impl=cudnn with --packing=original --cp_sharding=seq "
+     "--context_parallel=pass_kv: packed rows"),
+    # ... so neither per-document nor adaptive CP sharding (which need packed documents)
+    ({"packing": "fixed", "cp_sharding": "doc"}, 4,
+     "--attention_impl=cudnn with --packing=fixed --cp_sharding=doc --context_parallel=pass_kv"),
+    ({"packing": "wlb", "cp_sharding": "adaptive", "context_parallel": "pass_q"}, 4,
+     "--attention_impl=cudnn with --packing=wlb --cp_sharding=adaptive --context_parallel=pass_q"),
+    ({"cp_sharding": "doc"}, 4,
+     "--attention_impl=cudnn with --packing=none --cp_sharding=doc"),
+    # cuDNN's dtypes, and a device that has it
+    ({"dtype": "float32"}, 4, "--attention_impl=cudnn with --dtype=float32 --preset=tiny "
+                              r"\(head dim \d+\): dtype float32: cuDNN flash attention takes "
+                              "bfloat16 or float16"),
+    ({"device": dict(backend="cpu", compute_capability=None, cuda_runtime=None, cudnn=False)},
+     4, "--attention_impl=cudnn: no GPU with cuDNN flash attention here .backend cpu"),
+    ({"device": dict(H100, compute_capability="7.5", cudnn=False)}, 4,
+     "compute capability 7.5; it needs sm 8.0 or newer"),
+])
+def test_train_lm_refuses_what_cudnn_cannot_run(change, ranks, match):
+  from experiments import train_lm
+  from llm.attention.choose import DeviceInfo
+  device = DeviceInfo(**change.pop("device", H100))
+  f, cfg = _lm_flags(**change)
+  with pytest.raises(ValueError, match=match) as e:
+    train_lm.check_flags(f, cfg, cp_ranks=ranks, device=device)
+  assert "expected --attention_impl=auto" in str(e.value)
+
+
+def test_train_lm_accepts_what_the_library_runs():
+  from experiments import train_lm
+  from llm.attention.choose import DeviceInfo
+  # cuDNN blocks inside ring attention (pass-KV, pass-Q) on a GPU with cuDNN, no packing.
+  for cp in ("pass_kv", "pass_q", "auto"):
+    f, cfg = _lm_flags(context_parallel=cp)
+    train_lm.check_flags(f, cfg, cp_ranks=4, device=DeviceInfo(**H100))
+  # Every other implementation takes packed documents under any CP sharding (no device needed).
+  for impl in ("auto", "xla", "pallas"):
+    f, cfg = _lm_flags(attention_impl=impl, packing="wlb", cp_sharding="adaptive")
+    train_lm.check_flags(f, cfg, cp_ranks=4, device=DeviceInfo("cpu"))
+
+
 @pytest.mark.slow   # an entry point end to end on 8 simulated devices
 def test_train_lm_packing_logs_the_measured_work(tmp_path):
   """train_lm --packing=wlb --cp_sharding=adaptive over data:2,cp:4: every step's logged

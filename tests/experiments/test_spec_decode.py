@@ -33,7 +33,8 @@ def test_spec_decode_entry(tmp_path):
     # EAGLE's counts from the per-round log: each prompt's first token comes from the
     # prefill, each round adds its accepted drafts + 1; every prompt got 12 tokens.
     logs, new = r["accepted_per_round"], r["new_tokens"]
-    assert len(logs) == len(new) == r["batch"] and new == [12] * r["batch"]
+    # --bench_prompts (default 8) held-out prompts in batches of r["batch"].
+    assert len(logs) == len(new) == r["prompts"] == 8 and new == [12] * 8
     assert all(1 + sum(a + 1 for a in log) >= 12 > 1 + sum(a + 1 for a in log[:-1])
                for log in logs)
     assert r["tokens_per_call"] == pytest.approx(
@@ -72,3 +73,20 @@ def test_profile_round_alternates_with_plain_steps():
   assert all(out[f"{k}_ms"] > 0 and out[f"{k}_x"] > 0 for k in parts + ("verify_nomask",))
   assert out["round_x"] == pytest.approx(sum(out[f"{k}_x"] for k in parts))
   assert out["round_ms"] == pytest.approx(sum(out[f"{k}_ms"] for k in parts))
+
+
+def test_chat_prompts_are_distinct():
+  """Greedy training replies (--gen_temperature=0) need one distinct request per sequence."""
+  from experiments.spec_decode import prompts
+
+  class Tok:
+    vocab_size = 400
+
+    def decode(self, ids):
+      # 60 plain words: most templates use one or two of the three words, so 3000 plain
+      # draws repeat about 1,200 times; only redrawing makes them distinct.
+      return " " + "".join(chr(97 + (ids[0] // 26 ** k) % 26) for k in range(4)) \
+          if ids[0] < 60 else "#"
+
+  texts = prompts.instructions(Tok(), 3000, seed=0, pool=60)
+  assert len(set(texts)) == len(texts) == 3000

@@ -101,6 +101,33 @@ def test_finished_workdir_resume_overwrite_and_settings(tmp_path):
   assert json.loads(lines[-1])["steps"] == 3 and not any(l.startswith("resumed") for l in lines)
 
 
+@pytest.mark.slow   # two 8-device trainings in fresh processes
+def test_compressed_exchange_run_and_resume(tmp_path):
+  """--a2a_mode on 8 devices: results.json and the summary hold the payload bytes and the
+  errors against their bounds; a resume with the exchange in float32 is refused naming the
+  setting, and the float32 run of the same data and seed ends at another loss."""
+  args = SMALL + ["--steps=3", "--eval_batches=1", "--sharding=tw", "--mesh=data:8"]
+  lines = _run(args + ["--a2a_mode=abs", "--a2a_error_bound=0.002", "--a2a_bits=16",
+                       f"--workdir={tmp_path / 'c'}"])
+  summary = json.loads(lines[-1])
+  assert any(l.startswith("a2a compression (abs 0.002, 16 bits): 9,728 payload bytes")
+             for l in lines)
+  # tw on 8 devices: 8 x 8 rows of 4 table slots per exchange, forward only (gradients float32)
+  assert summary["a2a_payload_bytes"] == 8 * 8 * 4 * (6 + 16 * 2) == 9728
+  assert 0.5 < summary["a2a_max_error_over_bound"] <= 1.0 + 1e-6
+  assert summary["a2a_max_grad_error_over_bound"] is None
+  rep = json.load(open(tmp_path / "c" / "results.json"))["a2a_compression"]
+  assert rep["setting"] == {"mode": "abs", "bound": 0.002, "grad_bound": None, "bits": 16,
+                            "table_factors": {}, "schedule": rep["setting"]["schedule"]}
+  assert rep["bytes"]["payload"] == summary["a2a_payload_bytes"] < rep["bytes"]["float32"]
+  out = _fail(args + ["--steps=4", "--resume", f"--workdir={tmp_path / 'c'}"])
+  assert "  a2a_mode: 'abs' (checkpoint) -> 'none' (now)" in out.stderr
+  assert "  a2a_error_bound: 0.002 (checkpoint) -> 0.001 (now)" in out.stderr
+  assert "  a2a_bits: 16 (checkpoint) -> 8 (now)" in out.stderr
+  plain = json.loads(_run(args + [f"--workdir={tmp_path / 'p'}"])[-1])
+  assert "a2a_payload_bytes" not in plain and plain["test_logloss"] != summary["test_logloss"]
+
+
 def test_diverging_run_stops(tmp_path):
   out = _fail(SMALL + ["--learning_rate=1e6", "--embedding_learning_rate=1e6", "--steps=30",
                        "--eval_batches=1", f"--workdir={tmp_path}"])

@@ -1,6 +1,7 @@
 """experiments.wukong_scaling end to end, the power-law fit against known exponents and a
 closed-form reference, the `synthetic_deep` data form and the size-pattern presets."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -217,3 +218,40 @@ def test_experiment_end_to_end(tmp_path):
   assert any(l.startswith("  dlrm ") and "b=" in l for l in lines)
   assert sum(l.startswith(("dlrm:w", "wukong:l")) for l in lines) == 4
   assert (tmp_path / "wukong_scaling.png").stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------- side by side
+
+def test_fuxictr_data_is_the_runs_batches_in_order(tmp_path):
+  # The .npz the FuxiCTR peer trains on holds our source's first batches, in order.
+  from experiments.wukong_scaling import fuxictr
+  train, evals = sources.make_sources("synthetic_deep", 16, num_rows=20, eval_batches=2, seed=1)
+  counts = fuxictr.write_data(str(tmp_path / "d.npz"), train, evals, steps=3)
+  assert counts == {"train_examples": 48, "eval_examples": 32}
+  d = np.load(tmp_path / "d.npz")
+  for k in range(3):
+    b = train.batch(k)
+    np.testing.assert_array_equal(d["train_ids"][16 * k:16 * (k + 1)], b.ids[:, :, 0])
+    np.testing.assert_array_equal(d["train_dense"][16 * k:16 * (k + 1)], b.dense)
+    np.testing.assert_array_equal(d["train_labels"][16 * k:16 * (k + 1)], b.labels)
+  np.testing.assert_array_equal(d["eval_labels"][16:], list(evals.batches(0))[1].labels)
+
+
+def test_fuxictr_settings_checked():
+  from core.errors import UserError
+  from experiments.wukong_scaling import fuxictr
+  mcfg = configs.model_config(configs.RecRunConfig(model="wukong", preset="small"), SPEC)
+  cfg = configs.RecRunConfig(model="wukong", preset="small", dense_optimizer="adam")
+  with pytest.raises(UserError, match="--sparse_optimizer=rowwise_adagrad with --study=fuxictr"):
+    fuxictr.peer_config(mcfg, cfg, 10, 0, True, 0.0)
+  train, _ = sources.make_sources("synthetic", 4, num_rows=20, eval_batches=1)
+  b = train.batch(0)
+  two = dataclasses.replace(b, ids=np.repeat(b.ids, 2, axis=2), lengths=b.lengths * 2)
+
+  class TwoIdBags:
+    def batches(self, start=0):
+      yield two
+
+  with pytest.raises(UserError, match=r"train data batch 0: bags of 2 slots, lengths \[2\]; "
+                     "expected one id per bag"):
+    fuxictr.write_data("unused.npz", TwoIdBags(), TwoIdBags(), steps=1)

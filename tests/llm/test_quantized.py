@@ -183,3 +183,21 @@ def test_smollm2_blocks_equal_gguf_dequantize():
     np.testing.assert_array_equal(got, want[k], err_msg=k)
   total = quantized.param_bytes(params)
   assert total < 0.2 * sum(w.nbytes for w in want.values())
+
+
+@pytest.mark.parametrize("config,mode", [("untied", "int8"), ("tied", "int4")])
+def test_output_rows_and_weight_equal_the_dequantized_model(config, mode):
+  """The LM head's rows of some tokens (a speculative draft's reduced vocabulary) and the
+  whole output weight, from quantized weights, equal the dequantized float model's."""
+  cfg = _CONFIGS[config]
+  params, _ = quantized.quantize(cfg, mode, weights=_weights(cfg, 4))
+  qm, fm = _model(cfg, params), _model(cfg, _dequantized(params))
+  ids = jnp.asarray([5, 0, cfg.vocab_size - 1, 17], jnp.int32)
+  w, vocab_major = fm.output_weight()
+  want = w[ids] if vocab_major else w[:, ids].T
+  np.testing.assert_allclose(np.asarray(qm.output_rows(ids)), np.asarray(want), rtol=1e-6,
+                             atol=1e-6)
+  np.testing.assert_allclose(np.asarray(fm.output_rows(ids)), np.asarray(want), rtol=0, atol=0)
+  qw, q_major = qm.output_weight()
+  assert q_major == vocab_major
+  np.testing.assert_allclose(np.asarray(qw), np.asarray(w), rtol=1e-6, atol=1e-6)

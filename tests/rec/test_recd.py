@@ -4,7 +4,8 @@ the sharding kinds and on one, with and without skip_nonfinite; the host dedup a
 per-sample reference; capacity overflow falls back or errors; the train loop (eval,
 checkpoints, resume) runs with it. In the input pipeline: batches deduplicated by Grain's map
 (in worker processes too) equal the host dedup of the same batches and train as the plain
-ones; the session source's duplication rate is its parameter within the sampling error."""
+ones; the session source's duplication rate is its parameter within the sampling error
+(coin-flip sessions) or exactly (fixed-length sessions)."""
 
 import dataclasses
 
@@ -321,6 +322,31 @@ def test_session_source_duplication_rate_is_its_parameter():
                                    shard_index=i, num_shards=2) for i in range(2)]
   np.testing.assert_array_equal(np.concatenate([h.batch(3).ids for h in halves]),
                                 src.batch(3).ids)
+
+
+def test_fixed_length_sessions_duplicate_at_the_asked_rate():
+  """session_len=S: every S consecutive samples share their user bags, so the duplication
+  rate counted from each batch is 1 - 1/S (one distinct bag per session, none shared across
+  sessions), items stay per sample, and batch k is the same on every draw."""
+  B = 96
+  for S in (1, 3, 8):
+    src = sessions.SessionSource(B, 5000, session_len=S, num_user=2, num_item=3, user_bag=8,
+                                 seed=4)
+    assert src.dup_rate == pytest.approx(1 - 1 / S) and src.spec.sparse_features == (
+        "C1", "C2", "C3", "C4", "C5")
+    for k in (0, 5):
+      b = src.batch(k)
+      assert b.ids.shape == (B, 5, 8) and (b.lengths == [8, 8, 1, 1, 1]).all()
+      for f in (0, 1):
+        assert dedup_lib.duplication_rate(b, [f]) == pytest.approx(1 - 1 / S)
+        np.testing.assert_array_equal(b.ids[:, f], np.repeat(b.ids[::S, f], S, axis=0))
+      np.testing.assert_array_equal(src.batch(k).labels, b.labels)
+    assert dedup_lib.duplication_rate(src.batch(0), [2, 3, 4]) < 0.5   # items: Zipf repeats only
+  with pytest.raises(ValueError, match=r"study: session_len=7 for batch_size=96; expected a "
+                                       r"session length >= 1 dividing"):
+    sessions.SessionSource(B, 100, session_len=7, flag="study")
+  with pytest.raises(ValueError, match=r"dup=0.5 and session_len=4; expected one of them"):
+    sessions.SessionSource(B, 100, dup_rate=0.5, session_len=4)
 
 
 def test_session_and_worker_errors_name_the_setting():

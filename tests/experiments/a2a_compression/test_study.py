@@ -1,14 +1,19 @@
 """experiments/a2a_compression/study.py: the H100 step model against a hand computation,
 table-wise factors from sensitivities, and the entry point end to end at a toy size."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
 from core import hardware
 from experiments.a2a_compression import study
 from rec.embedding import a2a_compression as ac
-from tests.experiments.entry import run_entry
+from tests import cpu_env
+from tests.experiments.entry import REPO
 
 
 def test_h100_model_matches_hand_computation():
@@ -39,11 +44,35 @@ def test_table_factors_follow_sensitivity():
   assert f["a"] >= f["b"] >= f["c"]
 
 
+def _run_8(args, timeout=1200):
+  """`python -m experiments.a2a_compression *args` on 8 simulated CPU devices."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(8))
+  return subprocess.run([sys.executable, "-m", "experiments.a2a_compression", *args], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow   # six short trainings (compiles) in a fresh process
 def test_entry_point_end_to_end(tmp_path):
-  out, summary = run_entry("experiments.a2a_compression", [
-      "--datasets=synthetic", "--steps=4", "--batch_size=64", "--num_rows=500",
-      "--probe_batches=1", f"--workdir={tmp_path}"], timeout=1200)
+  # The shared rec run flags: --batch_size, --num_rows and the --a2a_* bounds.
+  out = _run_8(["--datasets=synthetic", "--steps=4", "--batch_size=64", "--num_rows=500",
+                "--probe_batches=1", "--a2a_mode=abs", "--a2a_error_bound=0.02",
+                f"--workdir={tmp_path}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  summary = json.loads(out.stdout.strip().splitlines()[-1])
   assert summary["experiment"] == "a2a_compression"
   assert summary["best_fixed_ratio"] > 1.0
   assert (tmp_path / "results.json").exists() and (tmp_path / "a2a_compression.png").exists()
+  res = json.load(open(tmp_path / "results.json"))
+  fixed = res["raw"]["synthetic"]["runs"]["fixed"]["setting"]
+  assert fixed["mode"] == "abs" and fixed["bound"] == 0.02 and fixed["grad_bound"] == 0.001
+
+
+@pytest.mark.slow   # fresh processes (jax imports)
+@pytest.mark.parametrize("args,msg", [
+    (["--a2a_mode=none"], "--a2a_mode=none: this study compares"),
+    (["--a2a_bits=5"], "--a2a_bits=5: unsupported code width"),
+    (["--a2a_error_bound=-1"], "--a2a_error_bound=-1.0: not a finite error bound > 0")])
+def test_bad_flags_name_them(tmp_path, args, msg):
+  out = _run_8(["--datasets=synthetic", f"--workdir={tmp_path}", *args], timeout=300)
+  last = out.stderr.strip().splitlines()[-1]
+  assert out.returncode == 2 and last.startswith("error: ") and msg in last, out.stderr[-2000:]

@@ -256,6 +256,38 @@ def test_entry_point_and_train_rec_retrains_the_found_arch(tmp_path):
   assert again["steps"] == 3
 
 
+class ScoredStudy(study_lib.Study):
+  """A Study whose candidates are scored by a fixed function of their choices instead of
+  trained: what the searcher proposes, without the training cost."""
+
+  def train_arch(self, choices, label, method, extra=None):
+    done = self.log.get(label)
+    if done is not None:
+      return done
+    k = [self.space.names.index(c) for c in choices]
+    return self.log.add({"label": label, "method": method, "choices": list(choices),
+                         "ne": 0.8 + 0.01 * ((3 * k[0] + 5 * k[1]) % 7),
+                         "mflops": 0.1 * (1 + k[0] + k[1]), "wall_s": 0.0})
+
+
+@pytest.mark.parametrize("method", ["random", "evolution"])
+def test_search_seed_draws_the_proposals_apart_from_the_data(tmp_path, method):
+  """Two search seeds on the same data (one --seed) propose different candidates; the same
+  search seed proposes the same ones again; a workdir keeps its search seed."""
+  base = configs.RecRunConfig(data="synthetic_deep", seed=0)
+
+  def proposals(name, search_seed):
+    st = ScoredStudy(str(tmp_path / name), SPACE, base, steps=3, search_seed=search_seed)
+    assert st.base.seed == 0 and st.search_seed == (0 if search_seed is None else search_seed)
+    return [r["label"] for r in study_lib.sampling_search(st, method, 8)]
+
+  first, again, other = proposals("a", None), proposals("b", 0), proposals("c", 1)
+  assert first == again and len(first) == 8
+  assert first != other
+  with pytest.raises(ValueError, match=r"settings.json: .*search_seed: 1 -> 2"):
+    ScoredStudy(str(tmp_path / "c"), SPACE, base, steps=3, search_seed=2)
+
+
 def test_a_workdir_keeps_its_space_and_budget(tmp_path):
   base = configs.RecRunConfig(data="synthetic_deep")
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)

@@ -151,3 +151,21 @@ def test_unrolled_steps_match_decoding(target, sequences):
     want = want + np.where(np.arange(n) >= s - 1, np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1),
                            0.0)
   np.testing.assert_allclose(np.asarray(reg) * np.asarray(m), want, rtol=1e-5)
+
+
+def test_greedy_sequences_need_distinct_prompts(target, tmp_path):
+  """gen_temperature=0 is greedy decoding: accepted with a prompt per sequence (the rows are
+  the target's argmax continuations), refused when prompts repeat (the same sequence twice);
+  negative temperatures are refused by the config."""
+  with pytest.raises(ValueError, match="gen_temperature=-0.5"):
+    distill.DistillConfig(num_sequences=4, eval_sequences=1, gen_temperature=-0.5)
+  dcfg = distill.DistillConfig(num_sequences=4, eval_sequences=1, seq_len=8, gen_batch=4,
+                               gen_temperature=0.0, steps=1)
+  with pytest.raises(ValueError, match="3 distinct prompts for num_sequences=4"):
+    distill.train_draft(target, str(tmp_path / "dup"), dcfg, prompts=[[1], [2], [3], [1]])
+  prompts = [[1], [2], [3], [4]]
+  tokens, mask = distill.cached_sequences(target, str(tmp_path / "s.npz"), prompts, dcfg)
+  assert mask.all()
+  ids = jnp.asarray(tokens)
+  logits = target(ids)[0]
+  np.testing.assert_array_equal(np.asarray(jnp.argmax(logits[:, :-1], -1)), tokens[:, 1:])
