@@ -305,6 +305,15 @@ def format_runs(results: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- compressed exchange
 
 
+def step_exchange_bytes(task, state: dict[str, Any], batch) -> dict[str, int]:
+  """Per-device bytes the embedding exchanges of one train step (forward and backward) move,
+  read off the step's HLO (`a2a_compression.exchange_bytes`: the uint8 payload and the float32
+  collectives)."""
+  import jax
+  from rec.embedding import a2a_compression as ac
+  return ac.exchange_bytes(jax.jit(task.train_step).lower(state, batch).as_text(dialect="hlo"))
+
+
 def _float32_task(task):
   """`task` with its collection's exchange in float32: same layout, state and model."""
   coll = copy.copy(task.collection)
@@ -335,7 +344,6 @@ def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict
   import jax
   import jax.numpy as jnp
   import optax
-  from rec.embedding import a2a_compression as ac
 
   coll = task.collection
   comp = coll.a2a_compression
@@ -348,10 +356,8 @@ def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict
   if not batches:
     raise ValueError("a2a_report: no batches")
 
-  def hlo(t):
-    return jax.jit(t.train_step).lower(state, batches[0]).as_text(dialect="hlo")
-
-  sent, f32 = ac.exchange_bytes(hlo(task)), ac.exchange_bytes(hlo(plain))
+  sent = step_exchange_bytes(task, state, batches[0])
+  f32 = step_exchange_bytes(plain, state, batches[0])
 
   # Replicated results: every process can read them (multi-process runs).
   @functools.partial(jax.jit, out_shardings=jax.sharding.NamedSharding(

@@ -4,7 +4,7 @@ training runs, the bytes on the wire, the entropy-coded estimate and the H100 st
 Runs (one `rec.runs.train_run` each, same data, seed and steps): the uncompressed
 baseline, a fixed bound, and the dual-level adaptive bound (table-wise factors from each
 table's measured sensitivity, and an iteration-wise schedule). Bytes per step come from the
-compiled train step's HLO (`a2a_compression.exchange_bytes`: the uint8 payload sent, vs the
+train step's HLO (`rec.runs.step_exchange_bytes`: the uint8 payload sent, vs the
 float32 exchange of the baseline); the entropy-coded size from zstandard over the payloads
 of real batches at the end of training.
 
@@ -67,11 +67,6 @@ def sensitivity(task, state, batches) -> dict[str, float]:
   g = np.mean([np.asarray(grads(state, b)) for b in batches], axis=0)
   return {n: float(v) for n, v in zip(names, g)}
 
-
-def step_bytes(task, state, batch) -> dict[str, int]:
-  """Per-device exchange bytes of one compiled train step (forward and backward)."""
-  fn = jax.jit(lambda s, b: task.train_step(s, b))
-  return ac.exchange_bytes(fn.lower(state, batch).compile().as_text())
 
 
 def payload_sizes(task, state, batches, comp: ac.A2ACompression, step: int) -> dict[str, float]:
@@ -157,7 +152,7 @@ def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, varian
   task0 = base.task
   probe = _batches(task0, base.train_src, eval_batches)
   out["runs"]["baseline"] = {"eval": base.eval, "train_seconds": base.train_seconds,
-                             "bytes": step_bytes(task0, base.state, probe[0])}
+                             "bytes": runs.step_exchange_bytes(task0, base.state, probe[0])}
   sens = None
   for name, comp in variants.items():
     if comp == "adaptive":
@@ -172,7 +167,7 @@ def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, varian
                        built=configs.build_run(cfg, a2a_compression=comp))
     sizes = payload_sizes(r.task, r.state, _batches(r.task, r.train_src, eval_batches), comp, steps)
     out["runs"][name] = {"eval": r.eval, "train_seconds": r.train_seconds,
-                         "bytes": step_bytes(r.task, r.state, probe[0]), "sizes": sizes,
+                         "bytes": runs.step_exchange_bytes(r.task, r.state, probe[0]), "sizes": sizes,
                          "setting": {"mode": comp.mode, "bound": comp.bound,
                                      "grad_bound": comp.grad_bound, "bits": comp.bits,
                                      "table_factors": dict(comp.table_factors),
