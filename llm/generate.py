@@ -100,9 +100,11 @@ def _sample(logits, key, sampling):
   return sample_logits(logits, key) if sampling is None else sample_logits(logits, key, *sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len):
-  """Writes the prompts into a fresh cache; samples each row's first new token."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "with_hidden"))
+def prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len,
+            with_hidden=False):
+  """Writes the prompts into a fresh cache; samples each row's first new token. with_hidden:
+  also returns the final hidden states [B,T,D] of the prompt tokens."""
   model = nnx.merge(graphdef, state)
   cache = model.init_cache(tokens_BT.shape[0], max_len)
   h_BTD, cache = model.hidden(model.embed_tokens(tokens_BT), cache=cache, lengths_B=lengths_B)
@@ -110,30 +112,48 @@ def prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len):
   h_last_B1D = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)
   key, sub = jax.random.split(key)
   tok_B = _sample(model.logits(h_last_B1D)[:, 0], sub, sampling)
+  if with_hidden:
+    return tok_B, cache, key, h_BTD
   return tok_B, cache, key
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "n_new"))
-def decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new):
-  """Feeds each sampled token back until n_new tokens per row or every row has stopped."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "with_hidden"))
+def decode(graphdef, state, cache, tok_B, key, sampling, stop_tokens, *, n_new,
+           with_hidden=False):
+  """Feeds each sampled token back until n_new tokens per row or every row has stopped.
+
+  with_hidden: also returns hidden [B, n_new, D], the final hidden state of each new token
+  (new token j is fed at step j + 1). The loop then runs until every new token a row keeps
+  has been fed: one step past the n_new-th token or the last row's stop token (that step's
+  sample is dropped; the cache needs one slot more)."""
   model = nnx.merge(graphdef, state)
   is_stop = lambda t: jnp.any(t[:, None] == stop_tokens[None, :], axis=-1)
-  out_BN = jnp.zeros((tok_B.shape[0], n_new), jnp.int32).at[:, 0].set(tok_B)
+  b = tok_B.shape[0]
+  n_out = n_new + 1 if with_hidden else n_new
+  out_BN = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok_B)
+  hid_BND = jnp.zeros((b, n_out if with_hidden else 0, model.cfg.dim), jnp.float32)
 
   def cond(carry):
-    i, _, _, _, done_B, _ = carry
-    return (i < n_new) & ~jnp.all(done_B)
+    i, _, _, _, done_B, fed_done_B, _, _ = carry
+    # fed_done: rows whose stop token has been fed too (with_hidden) or sampled.
+    return (i < n_out) & ~jnp.all(fed_done_B if with_hidden else done_B)
 
   def body(carry):
-    i, cache, tok_B, out_BN, done_B, key = carry
-    logits_B1V, cache = model(tok_B[:, None], cache=cache)
+    i, cache, tok_B, out_BN, done_B, _, hid_BND, key = carry
+    h_B1D, cache = model.hidden(model.embed_tokens(tok_B[:, None]), cache=cache)
+    if with_hidden:
+      hid_BND = jax.lax.dynamic_update_slice(hid_BND, h_B1D.astype(jnp.float32), (0, i - 1, 0))
     key, sub = jax.random.split(key)
-    tok_B = _sample(logits_B1V[:, 0], sub, sampling)
-    out_BN = jax.lax.dynamic_update_slice(out_BN, tok_B[:, None], (0, i))
-    return i + 1, cache, tok_B, out_BN, done_B | is_stop(tok_B), key
+    new_B = _sample(model.logits(h_B1D)[:, 0], sub, sampling)
+    out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (0, i))
+    return i + 1, cache, new_B, out_BN, done_B | is_stop(new_B), done_B, hid_BND, key
 
-  carry = (jnp.int32(1), cache, tok_B, out_BN, is_stop(tok_B), key)
-  n_done, _, _, out_BN, _, _ = jax.lax.while_loop(cond, body, carry)
+  first_done = is_stop(tok_B)
+  carry = (jnp.int32(1), cache, tok_B, out_BN, first_done, jnp.zeros_like(first_done), hid_BND,
+           key)
+  n_done, _, _, out_BN, _, _, hid_BND, _ = jax.lax.while_loop(cond, body, carry)
+  if with_hidden:
+    return out_BN[:, :n_new], jnp.minimum(n_done, n_new), hid_BND[:, :n_new]
   return out_BN, n_done
 
 
@@ -239,10 +259,42 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
                      max_len)
 
 
-def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, rng, max_len):
+def generate_with_hidden(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         stop_tokens=(), rng: jax.Array | None = None,
+                         max_len: int | None = None
+                         ) -> tuple[list[list[int]], list[np.ndarray]]:
+  """`generate`'s rows (the same tokens) and, per row, the model's final hidden states of
+  the prompt and the new tokens, [len(prompt) + len(row), D] float32: what it computed while
+  generating them (the prefill's for the prompt, each decode step's for the token it fed),
+  so a caller needing them (draft-head distillation) runs no second forward pass. The
+  cache needs one slot more than `generate`'s (default longest prompt + max_new_tokens + 1).
+  One device, no context parallelism."""
+  stop = check_request(model.cfg, prompts, max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
+                       where="generate_with_hidden")
+  if cp_ranks(model.cfg) > 1:
+    raise ValueError("generate_with_hidden: context-parallel models are not supported; use "
+                     "generate")
+  if max_new_tokens == 0:
+    return [[] for _ in prompts], [np.zeros((0, model.cfg.dim), np.float32) for _ in prompts]
+  return _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, rng,
+                   max_len, with_hidden=True)
+
+
+def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, rng, max_len,
+              with_hidden=False):
   t = max(len(p) for p in prompts)
   n = cp_ranks(model.cfg)
-  if n == 1:
+  if with_hidden:
+    # Every new token is fed back (its hidden state is wanted): t + max_new_tokens slots.
+    need = t + max_new_tokens
+    max_len = need if max_len is None else int(max_len)
+    if max_len < need:
+      raise ValueError(f"generate_with_hidden: max_len={max_len} slots, but the longest "
+                       f"prompt ({t} tokens) plus {max_new_tokens} new tokens, each fed back, "
+                       f"need {need}")
+  elif n == 1:
     # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 slots.
     need = t + max_new_tokens - 1
     max_len = t + max_new_tokens if max_len is None else int(max_len)
@@ -263,8 +315,14 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, r
   graphdef, state = nnx.split(model)
   sampling = sampling_settings(temperature, top_k, top_p)
   key = jax.random.key(0) if rng is None else rng
-  tok_B, cache, key = prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths),
-                               key, sampling, max_len=max_len)
-  out_BN, n_done = decode(graphdef, state, cache, tok_B, key, sampling, stop_array(stop),
-                           n_new=max_new_tokens)
-  return cut_rows(np.asarray(out_BN), int(n_done), stop)
+  first = prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths), key, sampling,
+                  max_len=max_len, with_hidden=with_hidden)
+  tok_B, cache, key = first[:3]
+  out = decode(graphdef, state, cache, tok_B, key, sampling, stop_array(stop),
+               n_new=max_new_tokens, with_hidden=with_hidden)
+  rows = cut_rows(np.asarray(out[0]), int(out[1]), stop)
+  if not with_hidden:
+    return rows
+  h_BTD, hid_BND = np.asarray(first[3], np.float32), np.asarray(out[2])
+  return rows, [np.concatenate([h_BTD[i, :len(p)], hid_BND[i, :len(r)]])
+                for i, (p, r) in enumerate(zip(prompts, rows))]

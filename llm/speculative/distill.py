@@ -3,7 +3,9 @@
 Data: sequences the target itself generates (`generate_sequences`: sampled from given prompts,
 by default the BOS token, e.g. chat requests, ending at stop ids), so the head learns the
 target's own continuations. The target's features f_i (final hidden states, post-norm) are
-computed once per sequence (`target_features`) and ride with the batches; without them
+captured as it generates the sequences (`llm.generate.generate_with_hidden`: no second
+forward pass), or computed once per sequence (`target_features`) for sequences made without
+them, and ride with the batches; without them
 `DistillTask.device_batch` runs the frozen target (a separate jit, in the loop's prefetch
 thread). Either way the train step holds only the head, its optimizer and the target's
 embedding and LM head. Sequences and features are kept in the workdir and saved chunk by
@@ -20,8 +22,12 @@ Loss over pairs i (f_i, x_{i+1}) -> f^_{i+1}, as EAGLE's:
     SmoothL1(f^_{i+1}, f_{i+1})  +  w_cls * CE(softmax(LMHead(f_{i+1})), LMHead(f^_{i+1}))
 feature regression plus the cross-entropy of the draft's token distribution against the
 target's (soft labels). Input features get uniform noise U(-noise, noise) (EAGLE's, for
-robustness to the draft's own errors when it feeds itself deeper in the tree). Reported:
-`top1`, how often the draft's argmax equals the target's, a proxy for greedy acceptance.
+robustness to the draft's own errors when it feeds itself deeper in the tree). As EAGLE's,
+the loss covers the replies only (`DistillConfig.prompt_loss=False`): the pairs from the
+last prompt token on, the ones the draft predicts from while decoding; the prompt's pairs
+still fill the head's attention context. Reported: `top1`, how often the draft's argmax
+equals the target's over those pairs, the teacher-forced rate at which the target accepts
+the draft's first token (greedy).
 `unroll` > 1 adds the head's own deeper draft steps to the loss (EAGLE-3's training-time
 test, arXiv 2503.01840; `unrolled_predictions`).
 AdamW with warmup + cosine from `llm.train_lib`. The [B,T,V] logits are materialized (fine
@@ -46,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
 from llm import model as model_lib
-from llm.generate import generate
+from llm.generate import generate, generate_with_hidden
 from llm.model import Llama
 from llm.speculative.decode import vocab_head
 from llm.speculative.draft import DraftHead
@@ -61,16 +67,21 @@ class SeqBatch:
   tokens: np.ndarray    # [B, T] int32
   mask: np.ndarray      # [B, T] float32
   feats: np.ndarray | None = None   # [B, T, D] the target's features, when precomputed
+  loss_from: np.ndarray | None = None  # [B] int32: the first pair in the loss (None: pair 0)
 
 
 def generate_sequences(target: Llama, num: int, length: int, *, prompts=((1,),),
                        temperature: float = 1.0, batch_size: int = 64, seed: int = 0,
                        progress: bool = False, stop_tokens=(), start: int = 0,
-                       out=None, on_chunk=None) -> tuple[np.ndarray, np.ndarray]:
+                       out=None, on_chunk=None, feats_out: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [num, length] int32, mask [num, length]) sampled from the target: sequence i
   continues prompts[i % len(prompts)] to `length` tokens or through its first stop token
   (the mask is 0 after it). Deterministic in seed. Resuming: `out` holds (tokens, mask) of
-  rows < start, made by the same call; on_chunk(rows done) is called after each chunk."""
+  rows < start, made by the same call; on_chunk(rows done) is called after each chunk.
+  feats_out [num, length, D]: filled with the target's features of each sequence as it
+  generated them (`llm.generate.generate_with_hidden`; 0 past the mask), the same tokens,
+  so no second forward pass is needed (`target_features`)."""
   if num < 1 or length < 2:
     raise ValueError(f"generate_sequences: num={num}, length={length}; expected >= 1 and >= 2")
   prompts = [list(p) for p in prompts]
@@ -87,13 +98,21 @@ def generate_sequences(target: Llama, num: int, length: int, *, prompts=((1,),),
   for first in range(start, num, batch_size):
     rows = range(first, min(num, first + batch_size))
     chunk = [prompts[i % len(prompts)] for i in rows]
-    new = generate(target, chunk, n_new, temperature=temperature, stop_tokens=stop_tokens,
-                   rng=jax.random.key(seed * 1_000_003 + first), max_len=max_len)
-    for i, p, o in zip(rows, chunk, new):
+    kw = dict(temperature=temperature, stop_tokens=stop_tokens,
+              rng=jax.random.key(seed * 1_000_003 + first))
+    if feats_out is None:
+      new = generate(target, chunk, n_new, max_len=max_len, **kw)
+      hidden = [None] * len(chunk)
+    else:
+      new, hidden = generate_with_hidden(target, chunk, n_new, max_len=max_len + 1, **kw)
+    for i, p, o, h in zip(rows, chunk, new, hidden):
       seq = (p + o)[:length]
       tokens[i], mask[i] = 0, 0.0
       tokens[i, :len(seq)] = seq
       mask[i, :len(seq)] = 1.0
+      if h is not None:
+        feats_out[i] = 0.0
+        feats_out[i, :len(seq)] = h[:len(seq)]
     if on_chunk is not None:
       on_chunk(rows.stop)
     if progress:
@@ -149,7 +168,8 @@ class SequenceSource:
   (resumable); eval yields the sequences in order, the last batch padded and masked."""
 
   def __init__(self, tokens: np.ndarray, mask: np.ndarray, batch_size: int, *,
-               split: str = "train", seed: int = 0, feats: np.ndarray | None = None):
+               split: str = "train", seed: int = 0, feats: np.ndarray | None = None,
+               loss_from: np.ndarray | None = None):
     if split not in ("train", "eval"):
       raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
     if tokens.shape != mask.shape or tokens.ndim != 2 or len(tokens) == 0:
@@ -158,14 +178,18 @@ class SequenceSource:
     if feats is not None and feats.shape[:2] != tokens.shape:
       raise ValueError(f"SequenceSource: feats {feats.shape}; expected [N, T, D] with [N, T] "
                        f"= {tokens.shape}")
+    if loss_from is not None and np.shape(loss_from) != tokens.shape[:1]:
+      raise ValueError(f"SequenceSource: loss_from of shape {np.shape(loss_from)}; expected "
+                       f"[N] = {tokens.shape[:1]}, one first pair per sequence")
     self.tokens, self.mask = tokens.astype(np.int32), mask.astype(np.float32)
     self.feats = feats
+    self.loss_from = None if loss_from is None else np.asarray(loss_from, np.int32)
     self.batch_size, self.split, self.seed = batch_size, split, seed
 
   def batch(self, k: int) -> SeqBatch:
     idx = np.random.default_rng([self.seed, k]).integers(0, len(self.tokens), self.batch_size)
-    return SeqBatch(self.tokens[idx], self.mask[idx],
-                    None if self.feats is None else self.feats[idx])
+    pick = lambda x: None if x is None else x[idx]
+    return SeqBatch(self.tokens[idx], self.mask[idx], pick(self.feats), pick(self.loss_from))
 
   def batches(self, start: int = 0) -> Iterator[SeqBatch]:
     if self.split == "train":
@@ -178,8 +202,8 @@ class SequenceSource:
       tok, m = self.tokens[i:i + b], self.mask[i:i + b]
       pad = b - len(tok)
       padded = lambda x: np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
-      yield SeqBatch(padded(tok), padded(m),
-                     None if self.feats is None else padded(self.feats[i:i + b]))
+      part = lambda x: None if x is None else padded(x[i:i + b])
+      yield SeqBatch(padded(tok), padded(m), part(self.feats), part(self.loss_from))
 
 
 def smooth_l1(x, y):
@@ -226,8 +250,10 @@ def unrolled_mask(mask_BP, step: int):
 
 
 def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_BT, mask_BT,
-                   feats_BTD, noise_BTD=None, unroll: int = 1, per_step: bool = False):
+                   feats_BTD, noise_BTD=None, unroll: int = 1, per_step: bool = False,
+                   loss_from_B=None):
   """Per-pair (regression, cross-entropy, top1 agreement) [B,T-1] and the pair mask [B,T-1].
+  loss_from_B [B]: pairs before it are left out of the mask (they still feed attention).
   unroll > 1: `unrolled_predictions` of that many steps; each term is then the mean over
   the pair's steps and the mask counts the steps the pair has (so sum(term * mask) /
   sum(mask) is the mean over every (pair, step)). per_step: also [(top1, mask)] per step."""
@@ -237,6 +263,9 @@ def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_B
   if noise_BTD is not None:
     f_in = f_in + noise_BTD[:, :-1]
   pair_BP = mask_BT[:, 1:] * mask_BT[:, :-1]
+  if loss_from_B is not None:
+    p_P = jnp.arange(pair_BP.shape[1], dtype=jnp.int32)
+    pair_BP = pair_BP * (p_P[None] >= loss_from_B[:, None]).astype(pair_BP.dtype)
   if unroll == 1:
     preds = [draft(f_in, emb_next)[0]]
   else:
@@ -348,7 +377,10 @@ class DistillTask:
     feats = dev.feats
     if feats is None:
       feats = self._features(self._target[0], self._target[1], dev.tokens)
-    return {"tokens": dev.tokens, "mask": dev.mask, "feats": feats, **self._shared}
+    out = {"tokens": dev.tokens, "mask": dev.mask, "feats": feats, **self._shared}
+    if dev.loss_from is not None:
+      out["loss_from"] = dev.loss_from
+    return out
 
   @staticmethod
   def examples_in(host: SeqBatch) -> int:
@@ -361,7 +393,8 @@ class DistillTask:
                                  self.noise)
     (reg, ce, top1, m), steps = distill_losses(
         self.draft(params), batch["embed"], batch["head"], self.vocab_major, batch["tokens"],
-        batch["mask"], batch["feats"], noise, unroll=self.unroll, per_step=True)
+        batch["mask"], batch["feats"], noise, unroll=self.unroll, per_step=True,
+        loss_from_B=batch.get("loss_from"))
     sums = {"reg": jnp.sum(reg * m), "cls": jnp.sum(ce * m), "top1": jnp.sum(top1 * m)}
     if self.unroll > 1:
       for s, (top1_s, m_s) in enumerate(steps, start=1):
@@ -441,6 +474,7 @@ class DistillConfig:
   gen_temperature: float = 1.0    # the target samples its training sequences at this (0: greedy)
   gen_batch: int = 64             # sequences generated per generate call
   draft_vocab: int = 0            # tokens the draft proposes from (0: the whole vocabulary)
+  prompt_loss: bool = False       # pairs inside the prompts count in the loss (EAGLE: replies only)
   cache_features: bool = True     # the target's features computed once, kept in the workdir
   batch_size: int = 32
   steps: int = 1500
@@ -482,11 +516,25 @@ def _save_partial(path: str, key: str, done: int, **arrays) -> None:
   os.replace(path + ".tmp.npz", path)
 
 
-def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, stop_tokens=()):
+def _features_key(tokens: np.ndarray, dim: int) -> str:
+  """What `cached_features` keys a features file by: a hash of the tokens, and the width."""
+  import hashlib
+  return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest() + f":{dim}"
+
+
+def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, stop_tokens=(),
+                     feats_path: str | None = None, save_every_s: float = 120.0):
   """`generate_sequences` for dcfg, kept in `path` (.npz) with the settings that made it
   (regenerated when they differ); saved after every chunk, so a killed run continues from
-  the last one."""
+  the last one.
+
+  feats_path: the target's features are captured while generating (`feats_out`) and kept
+  there: every `save_every_s` seconds under the sequences' settings (a killed run continues
+  from the last rows saved with their features) and, once every sequence is made, under the
+  key `cached_features` reads, which then finds them made. Sequences made earlier without
+  capture leave their features to `cached_features`."""
   import json
+  import time as time_lib
   key = json.dumps({"num": dcfg.num_sequences, "len": dcfg.seq_len, "seed": dcfg.seed,
                     "temperature": dcfg.gen_temperature, "prompts": [list(map(int, p))
                                                                       for p in prompts],
@@ -496,31 +544,44 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, sto
   out, start = (None, 0) if saved is None else ((saved[0]["tokens"], saved[0]["mask"]),
                                                 saved[1])
   if start < dcfg.num_sequences:
-    holder = {}
+    n = dcfg.num_sequences
+    feats, fkey = None, "generated:" + key
+    if feats_path is not None:
+      fsaved = _load_partial(feats_path, fkey)
+      if fsaved is not None and fsaved[1] <= start:
+        # Rows are a function of (seed, chunk): regenerate those saved without features.
+        feats, start = fsaved[0]["feats"], fsaved[1]
+      elif start == 0:
+        feats = np.zeros((n, dcfg.seq_len, target.cfg.dim), np.float32)
+    holder, last = {}, [time_lib.perf_counter()]
 
     def save(done):
       _save_partial(path, key, done, tokens=holder["out"][0], mask=holder["out"][1])
+      if feats is None:
+        return
+      if done == n:
+        _save_partial(feats_path, _features_key(holder["out"][0], target.cfg.dim), n,
+                      feats=feats)
+      elif time_lib.perf_counter() - last[0] > save_every_s:
+        _save_partial(feats_path, fkey, done, feats=feats)
+        last[0] = time_lib.perf_counter()
 
     if out is None:
-      out = (np.zeros((dcfg.num_sequences, dcfg.seq_len), np.int32),
-             np.zeros((dcfg.num_sequences, dcfg.seq_len), np.float32))
+      out = (np.zeros((n, dcfg.seq_len), np.int32), np.zeros((n, dcfg.seq_len), np.float32))
     holder["out"] = out
     if start:
-      print(f"  continuing the target's sequences from {start}/{dcfg.num_sequences}",
-            flush=True)
-    generate_sequences(target, dcfg.num_sequences, dcfg.seq_len, prompts=prompts,
+      print(f"  continuing the target's sequences from {start}/{n}", flush=True)
+    generate_sequences(target, n, dcfg.seq_len, prompts=prompts,
                        temperature=dcfg.gen_temperature, seed=dcfg.seed, progress=True,
                        batch_size=dcfg.gen_batch, stop_tokens=stop_tokens, start=start,
-                       out=out, on_chunk=save)
+                       out=out, on_chunk=save, feats_out=feats)
   return out
 
 
 def cached_features(target: Llama, path: str, tokens: np.ndarray, batch_size: int = 8):
   """`target_features` of `tokens`, kept in `path` (.npz) keyed by a hash of the tokens;
   saved every few chunks, so a killed run continues."""
-  import hashlib
-  key = hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()
-  key += f":{target.cfg.dim}"
+  key = _features_key(tokens, target.cfg.dim)
   saved = _load_partial(path, key)
   feats, start = (None, 0) if saved is None else (saved[0]["feats"], saved[1])
   if start < len(tokens):
@@ -587,16 +648,27 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
                        f"prompts for num_sequences={dcfg.num_sequences}: greedy sequences "
                        "from the same prompt are the same sequence; give one prompt per "
                        "sequence or sample (gen_temperature > 0)")
+  train_more = overwrite or _latest_step(workdir) < dcfg.steps
+  feats_path = os.path.join(workdir, "features.npz")
   tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg,
-                                  stop_tokens)
+                                  stop_tokens,
+                                  feats_path=feats_path if dcfg.cache_features and train_more
+                                  else None)
   n_train = dcfg.num_sequences - dcfg.eval_sequences
   vocab = None
   if dcfg.draft_vocab:
     vocab = draft_vocab(tokens[:n_train], mask[:n_train], dcfg.draft_vocab,
                         target.cfg.vocab_size)
+  loss_from = None
+  if not dcfg.prompt_loss:
+    # Pair p predicts the feature whose argmax is token p + 2; the draft proposes tokens
+    # from the second new one on (the first comes from the target's prefill), so the
+    # pairs it is used on start at p = len(prompt) - 1.
+    loss_from = np.asarray([len(prompts[i % len(prompts)]) - 1
+                            for i in range(dcfg.num_sequences)], np.int32)
   feats = None
-  if dcfg.cache_features and (overwrite or _latest_step(workdir) < dcfg.steps):
-    feats = cached_features(target, os.path.join(workdir, "features.npz"), tokens)
+  if dcfg.cache_features and train_more:
+    feats = cached_features(target, feats_path, tokens)
   mesh = mesh or mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
   optim = OptimConfig(peak_lr=dcfg.learning_rate, warmup_steps=dcfg.warmup_steps,
                       total_steps=dcfg.steps, weight_decay=dcfg.weight_decay)
@@ -604,9 +676,11 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
                      draft_vocab=vocab, unroll=dcfg.unroll)
   split = lambda x, a, b: None if x is None else x[a:b]
   train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed,
-                             feats=split(feats, 0, n_train))
+                             feats=split(feats, 0, n_train),
+                             loss_from=split(loss_from, 0, n_train))
   eval_src = SequenceSource(tokens[n_train:], mask[n_train:], dcfg.batch_size, split="eval",
-                            feats=split(feats, n_train, None))
+                            feats=split(feats, n_train, None),
+                            loss_from=split(loss_from, n_train, None))
   loop = loop_config(workdir, dcfg, overwrite=overwrite, settings=settings,
                      resume_allow=resume_allow)
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)

@@ -78,6 +78,27 @@ def test_stop_tokens_end_rows_early(tiny, greedy_out):
       [o[0]] for o in greedy_out]
 
 
+def test_generate_with_hidden(tiny, greedy_out):
+  """The same rows as generate, and per row the model's final hidden states of prompt and
+  new tokens: equal to one forward pass over the whole sequence, also when rows stop early
+  (a stop token's own state included) and when every row stops on its first token."""
+  graphdef, state = nnx.split(tiny)
+  hidden_of = jax.jit(lambda s, t: nnx.merge(graphdef, s).hidden(
+      nnx.merge(graphdef, s).embed_tokens(t))[0])
+  stop = greedy_out[0][2]
+  for stops in ((), (stop,), tuple({o[0] for o in greedy_out})):
+    want = G.generate(tiny, PROMPTS, 7, stop_tokens=stops, max_len=MAX_LEN)
+    rows, hidden = G.generate_with_hidden(tiny, PROMPTS, 7, stop_tokens=stops,
+                                          max_len=MAX_LEN + 1)
+    assert rows == want
+    for p, r, h in zip(PROMPTS, rows, hidden):
+      full = np.asarray(hidden_of(state, jnp.asarray([p + r])))[0]
+      assert h.shape == (len(p) + len(r), TINY.dim) and h.dtype == np.float32
+      np.testing.assert_allclose(h, full, rtol=2e-4, atol=2e-5)
+  with pytest.raises(ValueError, match="max_len=16 slots.*need 17"):
+    G.generate_with_hidden(tiny, [[1] * 10], 7, max_len=16)
+
+
 def test_generate_sampling(tiny, greedy_out):
   key = jax.random.key(3)
   a = G.generate(tiny, PROMPTS, 7, temperature=1.0, top_p=0.95, rng=key, max_len=MAX_LEN)

@@ -169,3 +169,75 @@ def test_greedy_sequences_need_distinct_prompts(target, tmp_path):
   ids = jnp.asarray(tokens)
   logits = target(ids)[0]
   np.testing.assert_array_equal(np.asarray(jnp.argmax(logits[:, :-1], -1)), tokens[:, 1:])
+
+
+def test_loss_covers_the_replies(target, sequences, tmp_path):
+  """loss_from leaves a row's earlier pairs out of the mask only (the terms are unchanged,
+  the left-out pairs still feed attention); train_draft starts each sequence's loss at its
+  last prompt token unless prompt_loss, and its eval top1 is then over those pairs."""
+  tokens, mask = jnp.asarray(sequences[0][:3, :10]), jnp.ones((3, 10), jnp.float32)
+  draft = DraftHead(CFG, nnx.Rngs(3))
+  embed, head = target.embed[...], target.lm_head[...]
+  feats = target.hidden(target.embed_tokens(tokens))[0]
+  full = distill.distill_losses(draft, embed, head, False, tokens, mask, feats)
+  part = distill.distill_losses(draft, embed, head, False, tokens, mask, feats,
+                                loss_from_B=jnp.asarray([0, 4, 9], jnp.int32))
+  for a, b in zip(full[:3], part[:3]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(part[3], [[1] * 9, [0] * 4 + [1] * 5, [0] * 9])
+  src = distill.SequenceSource(np.asarray(tokens), np.asarray(mask), 2, split="eval",
+                               loss_from=np.asarray([0, 4, 9]))
+  assert [b.loss_from.tolist() for b in src.batches()] == [[0, 4], [9, 0]]
+  with pytest.raises(ValueError, match=r"loss_from of shape \(2,\)"):
+    distill.SequenceSource(np.asarray(tokens), np.asarray(mask), 2, loss_from=np.zeros(2))
+
+  prompts = [[1, 2, 3, 4, 5], [6], [7, 1], [2, 3, 4]]
+  runs = {}
+  for prompt_loss in (False, True):
+    dcfg = distill.DistillConfig(num_sequences=4, eval_sequences=2, seq_len=8, gen_batch=4,
+                                 batch_size=2, steps=1, prompt_loss=prompt_loss)
+    runs[prompt_loss] = distill.train_draft(target, str(tmp_path / str(prompt_loss)), dcfg,
+                                            prompts=prompts)[1]["eval"]
+  # Eval rows: prompts [7, 1] and [2, 3, 4] in 8 tokens: 7 pairs each; replies only: the
+  # pairs from the last prompt token, 6 and 5.
+  assert runs[True]["pairs"] == 14 and runs[False]["pairs"] == 11
+
+
+def test_features_captured_while_generating(target, tmp_path, monkeypatch):
+  """cached_sequences(feats_path=) makes the same sequences as without it and keeps the
+  target's features of them, equal to a forward pass, where cached_features finds them (no
+  second pass); a run killed after its first chunk continues to the same features."""
+  prompts = [[1, 2], [3], [4, 5, 6], [7]]
+  dcfg = distill.DistillConfig(num_sequences=8, eval_sequences=2, seq_len=12, gen_batch=4)
+  plain = distill.cached_sequences(target, str(tmp_path / "plain.npz"), prompts, dcfg,
+                                   stop_tokens=(0,))
+  seq, fp = str(tmp_path / "seq.npz"), str(tmp_path / "feats.npz")
+  tokens, mask = distill.cached_sequences(target, seq, prompts, dcfg, stop_tokens=(0,),
+                                          feats_path=fp)
+  np.testing.assert_array_equal(tokens, plain[0])
+  np.testing.assert_array_equal(mask, plain[1])
+
+  def no_forward(*a, **k):
+    raise AssertionError("features recomputed")
+
+  monkeypatch.setattr(distill, "target_features", no_forward)
+  feats = distill.cached_features(target, fp, tokens)
+  want = np.asarray(target.hidden(target.embed_tokens(jnp.asarray(tokens)))[0])
+  m = mask[..., None] > 0
+  np.testing.assert_allclose(np.where(m, feats, 0), np.where(m, want, 0), rtol=2e-4, atol=2e-5)
+  assert not feats[~mask.astype(bool)].any()
+
+  # Killed after the first chunk: 4 rows with their features saved under the settings.
+  with np.load(seq) as f:
+    saved = {k: f[k] for k in f.files}
+  saved["done"] = np.asarray(6)          # sequences ahead of the features: rows 4, 5 redone
+  saved["tokens"][6:] = 0
+  np.savez(seq, **saved)
+  part = feats.copy()
+  part[4:] = 0
+  np.savez(fp, key=np.asarray("generated:" + str(saved["key"])), done=np.asarray(4),
+           feats=part)
+  again = distill.cached_sequences(target, seq, prompts, dcfg, stop_tokens=(0,),
+                                   feats_path=fp, save_every_s=0.0)
+  np.testing.assert_array_equal(again[0], tokens)
+  np.testing.assert_array_equal(distill.cached_features(target, fp, tokens), feats)
