@@ -37,6 +37,7 @@ processes together through orbax.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -144,6 +145,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   _quiet_stdout()
   global _monitor
   _monitor = _Monitor(heartbeat_timeout_s)
+  # Registered after jax's own clean-up, so run before it (atexit is last in, first out):
+  # the monitor thread must not touch jax while the backends and the coordination service
+  # shut down (a call there re-creates the CPU client, which needs the service: an abort).
+  atexit.register(_monitor.close)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
@@ -338,7 +343,10 @@ class _Monitor:
         logging.log_every_n_seconds(logging.WARNING, "distributed monitor: %s", 60, e)
 
   def close(self) -> None:
+    """Stops the thread and waits for its round in flight (a key-value call) to end."""
     self._stop.set()
+    if self._thread is not threading.current_thread():
+      self._thread.join(timeout=min(10.0 * self.interval_s, 60.0))
 
 
 def multi_process() -> bool:
