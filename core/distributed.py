@@ -25,7 +25,9 @@ that fails with a Python error (`report_failure`, called by `core.cli.run`) publ
 one-line error, and every other process prints `error: process I failed at step S: ...;
 last step reported: ...` and exits (status 4) at once, instead of aborting at the heartbeat
 timeout. A process that vanishes (killed, lost host) is named in one line once it has been
-silent for half of --heartbeat_timeout_s, before the coordination service's own abort text.
+silent for a quarter of --heartbeat_timeout_s (at least 3 polls), before the coordination
+service's own abort text: the service sends heartbeats every half timeout, so it can declare
+a process dead as early as half the timeout after its death.
 
 On CPU, cross-process collectives use gloo (set here before the backend starts); its
 "[Gloo] Rank i is connected to ..." lines (written to stdout at every new communicator) are
@@ -261,7 +263,9 @@ class _Monitor:
   def __init__(self, heartbeat_timeout_s: float, interval_s: float = 1.0,
                exit_fn: Callable[[int], None] = os._exit):
     self.interval_s = interval_s
-    self.silence_s = max(3.0 * interval_s, heartbeat_timeout_s / 2)
+    # Under the half timeout at which the service can first declare a death (module
+    # docstring), with room for a late poll.
+    self.silence_s = max(3.0 * interval_s, heartbeat_timeout_s / 4)
     self.heartbeat_timeout_s = heartbeat_timeout_s
     self.step = -1                     # -1: before the train loop's first step
     self.steps: dict[int, int] = {}    # process -> last step it published
@@ -270,7 +274,7 @@ class _Monitor:
     now = time.monotonic()
     self._seen: dict[int, tuple[str | None, float]] = {
         p: (None, now) for p in range(jax.process_count())}
-    self._named: set[int] = set()
+    self.named: set[int] = set()       # silent processes named (by the monitor or failure_line)
     self._seq = 0
     self._exit = exit_fn
     self.ending = threading.Event()   # set once a peer's failure ends this process
@@ -305,10 +309,10 @@ class _Monitor:
       p = int(key.rsplit("/", 1)[-1])
       self.steps[p] = int(value.split()[0])
       if p not in self._seen or self._seen[p][0] != value:
-        if p in self._named:
+        if p in self.named:
           print(f"process {p} is reporting again (step {self.steps[p]})", file=sys.stderr,
                 flush=True)
-          self._named.discard(p)
+          self.named.discard(p)
         self._seen[p] = (value, now)
     failed = _kv_client().key_value_dir_get(_FAILED)
     for key, value in failed:
@@ -328,8 +332,8 @@ class _Monitor:
       self._exit(PEER_FAILED_STATUS)
       return
     for p, (_, since) in self._seen.items():
-      if p != jax.process_index() and p not in self._named and now - since > self.silence_s:
-        self._named.add(p)
+      if p != jax.process_index() and p not in self.named and now - since > self.silence_s:
+        self.named.add(p)
         print(f"error: process {p} stopped reporting {now - since:.0f} s ago (died, lost "
               f"its host or hangs outside Python); last step reported: {self.last_steps()}. "
               f"The coordination service ends the job when it is silent for "
@@ -370,8 +374,9 @@ def failure_line(line: str) -> str:
   silent (call `settle` first)."""
   if _monitor is None:
     return line
-  silent = "".join(f"; process {p} has not reported for {s:.0f} s" for p, s in _monitor.silence()
-                   if s >= 2 * _monitor.interval_s)
+  gone = [(p, s) for p, s in _monitor.silence() if s >= 2 * _monitor.interval_s]
+  _monitor.named.update(p for p, _ in gone)   # named here: the monitor does not again
+  silent = "".join(f"; process {p} has not reported for {s:.0f} s" for p, s in gone)
   return f"{line}{silent}; last step reported: {_monitor.last_steps()}"
 
 

@@ -8,6 +8,11 @@ and notebooks share (experiments.compare_rec, wukong_scaling, mp_embedding, fp8_
                        workdir="runs/z")
     print(format_runs(res))
 
+A long study resumes: every finished run leaves `<its workdir>/run.json` (its settings and
+metrics), and `train_models(..., reuse_finished=True)` takes a run from there instead of
+training it again when the settings, steps and seed are the ones recorded; a recorded run
+with other settings is an error naming them (`finished_run`).
+
 Everything trains through `configs.build_run` and `core.train.train`; nothing here is a
 second loop. A seed sets the parameter initialization (dense and embedding) only: the data
 is the config's (`RecRunConfig.seed` picks the synthetic hidden model and the batch
@@ -30,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import time
@@ -37,7 +43,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from core import results as results_lib
 from core import train as train_lib
+from core.errors import UserError
 from rec import configs
 from rec.data import sources as sources_lib
 from rec.data.batch import DataSpec
@@ -110,6 +118,42 @@ def train_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int | None = No
 
 # --------------------------------------------------------------------------- seeds
 
+RUN_RECORD = "run.json"
+
+
+def _settings(cfg: configs.RecRunConfig, steps: int, seed: int) -> dict[str, Any]:
+  return json.loads(json.dumps({"config": dataclasses.asdict(cfg), "steps": int(steps),
+                                "seed": int(seed)}, default=str))
+
+
+def finished_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int,
+                 seed: int) -> dict[str, Any] | None:
+  """The result recorded in `<workdir>/run.json` by an earlier run of `cfg` for `steps` from
+  seed `seed`, or None when there is none. A record of other settings raises UserError
+  naming every field that differs (recorded value -> asked value)."""
+  path = os.path.join(workdir, RUN_RECORD)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      rec = json.load(f)
+    recorded, result = {k: rec[k] for k in ("config", "steps", "seed")}, rec["result"]
+  except (OSError, ValueError, KeyError) as e:
+    raise UserError(f"{path}: {e}; expected a run record written by rec.runs (delete it to "
+                    "train the run again)") from e
+  asked = _settings(cfg, steps, seed)
+  flat = lambda d: {**{f"config.{k}": v for k, v in d["config"].items()},
+                    "steps": d["steps"], "seed": d["seed"]}
+  a, r = flat(asked), flat(recorded)
+  diff = [f"{k}: {r.get(k, '(absent)')!r} -> {a.get(k, '(absent)')!r}"
+          for k in sorted(set(a) | set(r)) if a.get(k) != r.get(k)]
+  if diff:
+    raise UserError(f"{path}: this run finished with other settings ({'; '.join(diff)}); "
+                    "use another workdir, or delete the run to train it again")
+  return result
+
+
+
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
   """Mean and sample standard deviation (0 for one value)."""
@@ -121,10 +165,14 @@ def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str
                 steps: int | None = None, epochs: float | None = None, log_every: int = 100,
                 keep_checkpoints: bool = False, built: tuple | None = None,
                 label: str = "", note: str = "",
-                keep: Callable[[TrainedRun], Any] | None = None) -> dict[str, Any]:
+                keep: Callable[[TrainedRun], Any] | None = None,
+                reuse_finished: bool = False) -> dict[str, Any]:
   """`cfg` built once and trained once per seed, in `<run_prefix>_s<seed>`; each run's
   progress line starts with `label` (default model:preset) and ends with `note`. `keep`
   is called with each finished `TrainedRun` (its state is dropped afterwards otherwise).
+  Each finished run is recorded in its workdir (`RUN_RECORD`); reuse_finished: a seed whose
+  record holds these settings (`finished_run`) is taken from it, not trained again (the
+  state is not recorded, so not with `keep`).
 
   Returns {steps, examples, num_seeds, runs: [{seed, METRICS..., eval_examples,
   wall_seconds, train_seconds, examples_per_sec, workdir}], <metric>_mean / _std for
@@ -133,20 +181,33 @@ def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str
   _check_budget("train_seeds", steps, epochs)
   if not seeds:
     raise ValueError("train_seeds: no seeds")
+  if reuse_finished and keep is not None:
+    raise ValueError("train_seeds: reuse_finished=True with keep: a reused run has no state")
   built = built or configs.build_run(cfg)
   n_steps = configs.steps_for(epochs, built[1]) if epochs is not None else int(steps)
   runs = []
   for seed in seeds:
-    print(f"== {label or cfg.model + ':' + cfg.preset} seed {seed}: {n_steps} steps of "
+    name = label or cfg.model + ":" + cfg.preset
+    workdir = f"{run_prefix}_s{seed}"
+    done = finished_run(cfg, workdir, steps=n_steps, seed=seed) if reuse_finished else None
+    if done is not None:
+      print(f"== {name} seed {seed}: finished earlier ({os.path.join(workdir, RUN_RECORD)}), "
+            f"NE {done['ne']:.4f}", flush=True)
+      runs.append(done)
+      continue
+    print(f"== {name} seed {seed}: {n_steps} steps of "
           f"{cfg.batch_size}" + (f" | {note}" if note else ""), flush=True)
-    run = train_run(cfg, f"{run_prefix}_s{seed}", steps=n_steps, seed=seed,
+    run = train_run(cfg, workdir, steps=n_steps, seed=seed,
                     log_every=log_every, keep_checkpoints=keep_checkpoints, built=built)
     if keep is not None:
       keep(run)
-    runs.append({"seed": int(seed), **{k: run.eval[k] for k in METRICS},
-                 "eval_examples": int(run.eval["num_examples"]),
-                 "wall_seconds": run.wall_seconds, "train_seconds": run.train_seconds,
-                 "examples_per_sec": run.examples_per_sec, "workdir": run.workdir})
+    result = {"seed": int(seed), **{k: run.eval[k] for k in METRICS},
+              "eval_examples": int(run.eval["num_examples"]),
+              "wall_seconds": run.wall_seconds, "train_seconds": run.train_seconds,
+              "examples_per_sec": float(run.examples_per_sec), "workdir": run.workdir}
+    results_lib.write_json({**_settings(cfg, n_steps, seed), "result": result},
+                           os.path.join(workdir, RUN_RECORD))
+    runs.append(result)
     del run   # its state: one run's arrays alive at a time
   row: dict[str, Any] = {"steps": n_steps, "examples": n_steps * cfg.batch_size,
                          "num_seeds": len(runs)}
@@ -227,8 +288,10 @@ def reference_metrics(eval_src) -> dict[str, float] | None:
 def train_model(base: configs.RecRunConfig, spec: ModelSpec, seeds: Sequence[int],
                 workdir: str, steps: int | None = None, epochs: float | None = None,
                 log_every: int = 100, keep_checkpoints: bool = False,
-                keep: Callable[[TrainedRun], Any] | None = None) -> dict[str, Any]:
-  """`spec` on `base`'s data and settings, once per seed (`train_seeds`, `keep` as there),
+                keep: Callable[[TrainedRun], Any] | None = None,
+                reuse_finished: bool = False) -> dict[str, Any]:
+  """`spec` on `base`'s data and settings, once per seed (`train_seeds`, `keep` and
+  `reuse_finished` as there),
   in `<workdir>/runs/<model>_<preset>_s<seed>`; the row adds model, preset, label and the
   parameter counts / GFLOPs per example (configs.model_stats)."""
   _check_budget("train_model", steps, epochs)
@@ -240,15 +303,17 @@ def train_model(base: configs.RecRunConfig, spec: ModelSpec, seeds: Sequence[int
   row = train_seeds(cfg, seeds, os.path.join(workdir, "runs", f"{spec.model}_{spec.preset}"),
                     steps=steps, epochs=epochs, log_every=log_every,
                     keep_checkpoints=keep_checkpoints, built=built, label=spec.label,
-                    note=note, keep=keep)
+                    note=note, keep=keep, reuse_finished=reuse_finished)
   return {"model": spec.model, "preset": spec.preset, "label": spec.label, **stats, **row}
 
 
 def train_models(base: configs.RecRunConfig, specs: Sequence[ModelSpec],
                  seeds: Sequence[int] = (0,), steps: int | None = None,
                  epochs: float | None = None, workdir: str = "runs/compare_rec",
-                 log_every: int = 100, keep_checkpoints: bool = False) -> dict[str, Any]:
-  """Every spec under the same budget (module docstring); returns {"config", "seeds",
+                 log_every: int = 100, keep_checkpoints: bool = False,
+                 reuse_finished: bool = False) -> dict[str, Any]:
+  """Every spec under the same budget (module docstring; reuse_finished: `train_seeds`'s);
+  returns {"config", "seeds",
   "steps", "epochs", "rows" (one per spec, `train_model`), "reference" (true-logit metrics
   on synthetic data, else None), "wall_seconds"}."""
   if not specs:
@@ -266,7 +331,8 @@ def train_models(base: configs.RecRunConfig, specs: Sequence[ModelSpec],
         num_rows=base.num_rows, seed=base.seed, eval_batches=base.eval_batches)
     reference = reference_metrics(eval_src)
   rows = [train_model(base, s, seeds, workdir, steps=steps, epochs=epochs, log_every=log_every,
-                      keep_checkpoints=keep_checkpoints) for s in specs]
+                      keep_checkpoints=keep_checkpoints, reuse_finished=reuse_finished)
+          for s in specs]
   return {"config": dataclasses.asdict(base), "seeds": [int(s) for s in seeds], "steps": steps,
           "epochs": epochs, "rows": rows, "reference": reference,
           "wall_seconds": time.perf_counter() - t0}

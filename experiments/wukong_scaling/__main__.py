@@ -119,6 +119,10 @@ def define_flags() -> None:
                        lower_bound=0)
   flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_string("workdir", "runs/wukong_scaling", "Output directory.")
+  flags.DEFINE_bool("resume", False, "Take each model and seed that an interrupted run of "
+                    "the same command finished in --workdir from its run.json instead of "
+                    "training it again (a run recorded with other settings is an error "
+                    "naming them).")
   flags.DEFINE_string("from_results", "", "A results.json of an earlier run: redo the fits, "
                       "findings and plot from its points (no training) into --workdir.")
   flags.DEFINE_enum("study", "scaling", ["scaling", "fuxictr", "profile"], "scaling: the "
@@ -178,7 +182,7 @@ def main(argv):
              else study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
     results = runs.train_models(base, specs, seeds=[int(s) for s in FLAGS.seeds],
                                 steps=FLAGS.steps, workdir=FLAGS.workdir,
-                                log_every=FLAGS.log_every)
+                                log_every=FLAGS.log_every, reuse_finished=FLAGS.resume)
     data, examples = FLAGS.data, FLAGS.steps * FLAGS.batch_size
   fit = study.scaling_fits(results)
   notes = study.findings(results, fit)

@@ -175,7 +175,7 @@ def test_llama_cp_prefill_and_fsdp_tp_cp_training_across_processes(tmp_path):
 
 def test_a_killed_process_ends_the_job(tmp_path):
   procs = _start("experiments.train_rec",
-                 REC + ["--steps=100000", "--log_every=5", "--heartbeat_timeout_s=10",
+                 REC + ["--steps=100000", "--log_every=5", "--heartbeat_timeout_s=16",
                         f"--workdir={tmp_path / 'run'}"], 2, 4, tmp_path)
   log0 = procs[0][1]
   try:

@@ -2,6 +2,7 @@
 fails on a bad preset before anything trains, and a run that hands back its trained state
 (equal to its last checkpoint)."""
 
+import dataclasses
 import os
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from core import checkpoint as ckpt_lib
+from core.errors import UserError
 from rec import configs, runs
 
 
@@ -67,3 +69,30 @@ def test_train_run_hands_back_the_checkpointed_state(tmp_path):
     ckpt.close()
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(saved),
                jax.device_get(run.state))
+
+
+def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_path, capsys):
+  """Each finished run is recorded; reuse_finished takes it from the record (same metrics,
+  no training), trains a seed that has none, and refuses a record of other settings."""
+  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=50, batch_size=16,
+                             eval_batch_size=16, eval_batches=1, mesh="data:1")
+  built = configs.build_run(cfg, devices=jax.devices()[:1])
+  prefix = str(tmp_path / "r")
+  first = runs.train_seeds(cfg, [0], prefix, steps=2, built=built)
+  assert os.path.exists(os.path.join(prefix + "_s0", runs.RUN_RECORD))
+  capsys.readouterr()
+  again = runs.train_seeds(cfg, [0, 1], prefix, steps=2, built=built, reuse_finished=True)
+  out = capsys.readouterr().out
+  assert "seed 0: finished earlier" in out and "seed 1: 2 steps of 16" in out
+  assert again["runs"][0] == first["runs"][0]
+  assert again["runs"][1]["seed"] == 1 and again["num_seeds"] == 2
+  # Without reuse_finished the run trains again (and replaces its record).
+  assert "seed 0: 2 steps" in (runs.train_seeds(cfg, [0], prefix, steps=2, built=built),
+                               capsys.readouterr().out)[1]
+  other = dataclasses.replace(cfg, learning_rate=cfg.learning_rate * 2)
+  with pytest.raises(UserError, match=r"r_s0/run.json: this run finished with other settings "
+                     r"\(config.learning_rate: .* -> .*\)"):
+    runs.train_seeds(other, [0], prefix, steps=2, built=built, reuse_finished=True)
+  with pytest.raises(UserError, match=r"steps: 2 -> 3"):
+    runs.finished_run(cfg, prefix + "_s0", steps=3, seed=0)
+  assert runs.finished_run(cfg, prefix + "_s9", steps=2, seed=9) is None
