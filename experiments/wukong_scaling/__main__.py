@@ -196,7 +196,7 @@ def main(argv):
       "data": data, "examples_per_model": examples,
       "primary_metric": "ne", "floor": fit["floor"],
       "fits": {a: {"ne": f["ne"], "auc": f["auc"]} for a, f in fit["fits"].items()},
-      "seed_fits": fit["seed_fits"],
+      "seed_fits": fit["seed_fits"], "per_quadrupling": fit["per_quadrupling"],
       "points": [{"model": r["label"], "gflops_per_example": r["gflops_per_example"],
                   "ne": r["ne_mean"], "auc": r["auc_mean"]} for r in results["rows"]],
       "findings": notes, "wall_seconds": results["wall_seconds"]}

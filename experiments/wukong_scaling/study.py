@@ -14,6 +14,13 @@ fitted by least squares in log space (`fit_power_law`). The primary quality is t
 its gap is NE - NE_floor, the floor being the NE of the true planted logits on the same
 eval examples (0 on file data, where no floor is known); the secondary fit uses the AUC gap
 to the true logits' AUC. `findings` turns the fits and points into sentences.
+
+Beside the paper (`PAPER`): its Figure 1 shows Wukong's LogLoss on Meta's internal data
+falling by about 0.1% (relative) per quadrupling of compute, from about 1 to 100+
+GFLOP/example, while the baselines flatten. `per_quadrupling` puts ours on that scale: NE
+itself fitted as NE = a * GFLOPs^c per architecture (to the seed means, and per seed), its
+relative change per 4x compute 4^c - 1. NE is logloss over the entropy of the base rate, a
+constant of the eval set, so its relative change is the logloss's.
 """
 
 from __future__ import annotations
@@ -72,6 +79,39 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
   return {"a": float(math.exp(log_a)), "b": float(b), "r2": float(r2), "n": int(x.size)}
 
 
+# Wukong (arXiv 2403.02545), Figure 1: Wukong's relative LogLoss change per quadrupling of
+# compute on the paper's internal dataset (146B examples, 720 features), over the range of
+# compute it covers.
+PAPER = {"arch": "wukong", "rel_per_4x": -0.001, "gflops": (1.0, 100.0),
+         "source": "Wukong (arXiv 2403.02545) Figure 1: internal data, 146B examples, "
+                   "about 1 to 100+ GFLOP/example"}
+
+
+def per_quadrupling(results: Mapping[str, Any]) -> dict[str, Any]:
+  """Per architecture with at least two sizes: NE = a * GFLOPs^c fitted to the seed means
+  ("c", "r2", "rel_per_4x" = 4^c - 1) and to each seed's runs ("seed_rel_per_4x", mean,
+  std); `PAPER`'s figure beside them under "paper"."""
+  by_arch: dict[str, list] = {}
+  for r in results["rows"]:
+    by_arch.setdefault(r["model"], []).append(r)
+  out: dict[str, Any] = {}
+  for arch, rows in by_arch.items():
+    if len({r["gflops_per_example"] for r in rows}) < 2:
+      continue
+    f = fit_power_law([r["gflops_per_example"] for r in rows], [r["ne_mean"] for r in rows])
+    per_seed: dict[int, list] = {}
+    for r in rows:
+      for run in r.get("runs", ()):
+        per_seed.setdefault(int(run["seed"]), []).append((r["gflops_per_example"], run["ne"]))
+    seeds = [4.0 ** fit_power_law([g for g, _ in pts], [y for _, y in pts])["b"] - 1.0
+             for _, pts in sorted(per_seed.items()) if len({g for g, _ in pts}) >= 2]
+    out[arch] = {"c": f["b"], "r2": f["r2"], "rel_per_4x": 4.0 ** f["b"] - 1.0,
+                 "seed_rel_per_4x": seeds,
+                 "seed_mean": float(np.mean(seeds)) if seeds else None,
+                 "seed_std": float(np.std(seeds, ddof=1)) if len(seeds) > 1 else 0.0}
+  return {"archs": out, "paper": dict(PAPER)}
+
+
 def default_specs(grid: str = "cpu", archs: Sequence[str] = ("wukong", "dlrm", "dcnv2"),
                   sizes: int = 0) -> list[runs.ModelSpec]:
   """The sizes of `archs` in GRIDS[grid]; sizes > 0 keeps that many, spread evenly."""
@@ -121,7 +161,8 @@ def scaling_fits(results: Mapping[str, Any]) -> dict[str, Any]:
       entry[f"{key}_points"] = [{"gflops": g, "gap": y, "preset": p} for g, y, p in pts]
       entry[f"{key}_dropped"] = [p for _, _, p in dropped]
     fits[arch] = entry
-  return {"floor": floor, "fits": fits, "seed_fits": seed_fits(results, floor)}
+  return {"floor": floor, "fits": fits, "seed_fits": seed_fits(results, floor),
+          "per_quadrupling": per_quadrupling(results)}
 
 
 def seed_fits(results: Mapping[str, Any], floor: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,6 +244,20 @@ def findings(results: Mapping[str, Any], fit: Mapping[str, Any]) -> list[str]:
     out.append("NE-gap exponent b fitted per seed, mean ± std (n seeds): " + ", ".join(
         f"{a} {v['b_mean']:+.4f} ± {v['b_std']:.4f} ({len(v['b'])})"
         for a, v in sorted(per_seed.items(), key=lambda kv: kv[1]["b_mean"])) + ".")
+  quad = fit.get("per_quadrupling") or {}
+  if quad.get("archs"):
+    paper = quad["paper"]
+    def one(a, q):
+      s = f"{a} {100 * q['rel_per_4x']:+.2f}%"
+      if len(q["seed_rel_per_4x"]) > 1:
+        s += (f" (per seed {100 * q['seed_mean']:+.2f}% ± {100 * q['seed_std']:.2f}%, "
+              f"{len(q['seed_rel_per_4x'])} seeds)")
+      return s
+    out.append("Relative NE change per 4x compute (NE = a * GFLOPs^c): "
+               + ", ".join(one(a, q) for a, q in sorted(quad["archs"].items(),
+                                                         key=lambda kv: kv[1]["rel_per_4x"]))
+               + f"; the paper's {paper['arch']}: {100 * paper['rel_per_4x']:+.1f}% per 4x "
+               f"({paper['source']}).")
   matched = _matched_compute(by_arch, fit)
   if matched:
     out.append(matched)
@@ -240,12 +295,16 @@ def _matched_compute(by_arch: Mapping[str, list], fit: Mapping[str, Any]) -> str
 
 
 def plot_scaling(results: Mapping[str, Any], fit: Mapping[str, Any], path: str) -> str:
-  """Left: NE - floor against GFLOPs/example (log-log) with the fitted power laws; right:
-  AUC against GFLOPs/example (log x) with the true logits' AUC."""
+  """Left: NE - floor against GFLOPs/example (log-log) with the fitted power laws; middle:
+  AUC against GFLOPs/example (log x) with the true logits' AUC; right (with two sizes of
+  an architecture): the relative NE change per 4x compute beside the paper's (`PAPER`)."""
   plt = plot_lib.pyplot()
 
   floor = fit["floor"]
-  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
+  quad = fit.get("per_quadrupling") or {}
+  panels = 3 if quad.get("archs") else 2
+  fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+  ax0, ax1 = axes[0], axes[1]
   by_arch: dict[str, list] = {}
   for r in results["rows"]:
     by_arch.setdefault(r["model"], []).append(r)
@@ -279,6 +338,24 @@ def plot_scaling(results: Mapping[str, Any], fit: Mapping[str, Any], path: str) 
     plot_lib.plain_log_labels(a, "x")
     a.grid(alpha=0.3, which="both")
     a.legend(fontsize=8)
+  if panels == 3:
+    ax2, paper = axes[2], quad["paper"]
+    names = list(quad["archs"])
+    vals = [100 * quad["archs"][a]["rel_per_4x"] for a in names]
+    errs = [100 * quad["archs"][a]["seed_std"] for a in names]
+    ax2.bar(range(len(names)), vals, yerr=errs, capsize=3,
+            color=[f"C{i}" for i in range(len(names))])
+    ax2.bar(len(names), 100 * paper["rel_per_4x"], color="none", edgecolor="k", hatch="//")
+    ax2.set_xticks(range(len(names) + 1),
+                   [f"{a}\n(ours)" for a in names] + [f"{paper['arch']}\n(paper, "
+                                                       f"{paper['gflops'][0]:g}-"
+                                                       f"{paper['gflops'][1]:g}+ GFLOPs)"],
+                   fontsize=8)
+    ax2.axhline(0, c="k", lw=0.8)
+    ax2.set(ylabel="relative NE change per 4x compute (%)",
+            title="ours (seed std) beside the paper's Figure 1")
+    ax2.title.set_fontsize(9)
+    ax2.grid(alpha=0.3, axis="y")
   cfg = results["config"]
   fig.suptitle(f"{cfg['data']}: {results['rows'][0]['examples']:,} train examples per model "
                f"(batch {cfg['batch_size']}), dim {cfg['embedding_dim']}, seeds {results['seeds']}",

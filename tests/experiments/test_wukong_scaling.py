@@ -95,10 +95,11 @@ def test_scaling_fits_recover_planted_exponents_and_findings():
   # sqrt(1e-4 * 5e-3).
   x = np.sqrt(1e-4 * 5e-3)
   dl = d["ne"]
-  assert notes[4].startswith(f"At matched compute, {x:.2g} GFLOPs/example")
-  assert f"wukong {floor_ne + 0.02 * x ** -0.1:.4f}" in notes[4]
-  assert f"dlrm {floor_ne + dl['a'] * x ** dl['b']:.4f}" in notes[4]
-  assert notes[5].startswith("Best NE overall 0.5")
+  assert notes[4].startswith("Relative NE change per 4x compute")
+  assert notes[5].startswith(f"At matched compute, {x:.2g} GFLOPs/example")
+  assert f"wukong {floor_ne + 0.02 * x ** -0.1:.4f}" in notes[5]
+  assert f"dlrm {floor_ne + dl['a'] * x ** dl['b']:.4f}" in notes[5]
+  assert notes[6].startswith("Best NE overall 0.5")
   text = scaling.format_fits(fit)
   assert "dropped, gap <= 0: w2" in text
 
@@ -121,6 +122,30 @@ def test_seed_fits_recover_per_seed_exponents():
   assert any("fitted per seed" in n and "wukong -0.2000 ± 0.1414 (2)" in n
              for n in scaling.findings(res, fit))
   assert "NE b per seed -0.1000, -0.3000" in scaling.format_fits(fit)
+
+
+def test_per_quadrupling_beside_the_paper():
+  # NE itself planted as 0.7 * x^c per seed (c = -0.01, -0.03): per-seed relative changes per
+  # 4x compute are 4^c - 1 exactly; the seed-mean fit is a different number.
+  xs = [1e-4, 1e-3, 1e-2]
+  rows = []
+  for i, x in enumerate(xs):
+    runs = [{"seed": s, "ne": 0.7 * x ** c} for s, c in ((0, -0.01), (1, -0.03))]
+    rows.append({**_row("wukong", f"s{i}", x, float(np.mean([u["ne"] for u in runs])), 0.8),
+                 "runs": runs, "num_seeds": 2})
+  rows.append(_row("dlrm", "w1", 1e-3, 0.7, 0.8))   # one size: no fit
+  res = {"rows": rows, "seeds": [0, 1], "reference": {"ne": 0.5, "auc": 0.9}}
+  q = scaling.per_quadrupling(res)
+  assert set(q["archs"]) == {"wukong"} and q["paper"] == scaling.PAPER
+  w = q["archs"]["wukong"]
+  np.testing.assert_allclose(w["seed_rel_per_4x"], [4 ** -0.01 - 1, 4 ** -0.03 - 1], rtol=1e-9)
+  assert w["seed_std"] == pytest.approx(np.std(w["seed_rel_per_4x"], ddof=1))
+  mean_c = scaling.fit_power_law(xs, [r["ne_mean"] for r in rows[:3]])["b"]
+  assert w["rel_per_4x"] == pytest.approx(4 ** mean_c - 1) and -0.03 < mean_c < -0.01
+  notes = scaling.findings(res, scaling.scaling_fits(res))
+  line = next(n for n in notes if n.startswith("Relative NE change per 4x compute"))
+  assert f"wukong {100 * w['rel_per_4x']:+.2f}% (per seed" in line
+  assert "the paper's wukong: -0.1% per 4x" in line
 
 
 def test_default_specs():
