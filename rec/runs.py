@@ -153,8 +153,6 @@ def finished_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int,
   return result
 
 
-
-
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
   """Mean and sample standard deviation (0 for one value)."""
   v = np.asarray(values, np.float64)
