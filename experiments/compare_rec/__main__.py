@@ -73,6 +73,10 @@ def define_flags() -> None:
   flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_bool("keep_checkpoints", False, "Keep each run's final checkpoint.")
   flags.DEFINE_string("workdir", "runs/compare_rec", "Output directory.")
+  flags.DEFINE_bool("resume", False, "Take each model and seed that an interrupted run of "
+                    "the same command finished in --workdir from its run.json instead of "
+                    "training it again (a run recorded with other settings is an error "
+                    "naming them).")
 
 
 # RecRunConfig fields without a flag here: the models' own (from --models / --presets) or
@@ -95,7 +99,8 @@ def main(argv):
   results = runs.train_models(
       base, specs, seeds=[int(s) for s in FLAGS.seeds],
       steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs, workdir=FLAGS.workdir,
-      log_every=FLAGS.log_every, keep_checkpoints=FLAGS.keep_checkpoints)
+      log_every=FLAGS.log_every, keep_checkpoints=FLAGS.keep_checkpoints,
+      reuse_finished=FLAGS.resume)
   table = runs.format_runs(results)
   print("\n" + table, flush=True)
   results["table"] = table.splitlines()
