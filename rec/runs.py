@@ -184,8 +184,8 @@ def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str
   built = built or configs.build_run(cfg)
   n_steps = configs.steps_for(epochs, built[1]) if epochs is not None else int(steps)
   runs = []
+  name = label or cfg.model + ":" + cfg.preset
   for seed in seeds:
-    name = label or cfg.model + ":" + cfg.preset
     workdir = f"{run_prefix}_s{seed}"
     done = finished_run(cfg, workdir, steps=n_steps, seed=seed) if reuse_finished else None
     if done is not None:
