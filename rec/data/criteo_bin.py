@@ -458,11 +458,12 @@ def convert(src: str, dst: str, *, ids: str = "hash", num_rows: int | Sequence[i
   return manifest
 
 
-def _die_with_parent() -> None:
-  """Pool initializer: a worker ends as soon as the converting process is gone (killed), so
-  no orphan goes on converting. Linux's PR_SET_PDEATHSIG where the kernel honours it, else
-  a thread that watches the parent."""
-  parent = os.getppid()
+def _die_with_parent(parent: int) -> None:
+  """Pool initializer: a worker ends as soon as the converting process `parent` is gone
+  (killed), so no orphan goes on converting or waits on a queue lock that a killed sibling
+  held. Linux's PR_SET_PDEATHSIG where the kernel honours it, else a thread that watches the
+  parent; a worker whose start outlasted its parent ends here (the pid comes from the parent:
+  read in the worker it would already be the reaper's)."""
   if sys.platform.startswith("linux"):
     try:
       import ctypes
@@ -470,6 +471,8 @@ def _die_with_parent() -> None:
       ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
       pass
+  if os.getppid() != parent:
+    os._exit(1)
 
   def watch():
     while os.getppid() == parent:
@@ -495,7 +498,7 @@ class _WorkerContext(type(multiprocessing.get_context("spawn"))):
 
 def _pool(workers: int):
   return multiprocessing.pool.Pool(workers, initializer=_die_with_parent,
-                                   context=_WorkerContext())
+                                   initargs=(os.getpid(),), context=_WorkerContext())
 
 
 def _convert_units(pool, todo: list[Unit], dst: str, settings: dict, fingerprint: str,

@@ -212,6 +212,8 @@ def test_a_killed_process_ends_the_job(tmp_path):
   assert not any(l.startswith("[Gloo]") for l in lines)   # gloo's connection lines dropped
 
 
+@pytest.mark.slow   # 150 steps over text data in 2 processes; the naming itself: the monitor's
+                    # test below, a process ending the job: test_a_killed_process_ends_the_job
 def test_a_failing_process_is_named_by_the_others(tmp_path):
   """Process 1 meets a bad line (its shard's alone): it ends with that line (status 2), and
   process 0 ends at once with a line naming process 1, its step and error (status 4)."""

@@ -69,14 +69,17 @@ def test_help_lists_every_data_form():
     assert form in text, form
 
 
-def test_second_run_gets_a_new_workdir(tmp_path):
+def test_second_run_gets_a_new_workdir(tmp_path, monkeypatch):
   # The default workdir is new and dated, so running the main job twice just works.
-  for _ in range(2):
-    _run(SMALL + ["--steps=2", "--eval_batches=1"], cwd=tmp_path)
-  runs = sorted(os.listdir(tmp_path / "runs"))
-  assert len(runs) == 2 and all(re.fullmatch(r"train_rec_dlrm_\d{8}-\d{6}(-\d+)?", r) for r in runs)
+  _run(SMALL + ["--steps=2", "--eval_batches=1"], cwd=tmp_path)
+  first = os.listdir(tmp_path / "runs")
+  assert len(first) == 1 and re.fullmatch(r"train_rec_dlrm_\d{8}-\d{6}", first[0]), first
+  from experiments import train_rec
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(train_rec.time, "strftime", lambda fmt: first[0][len("train_rec_dlrm_"):])
+  assert train_rec.default_workdir("dlrm") == os.path.join("runs", first[0] + "-2")
   out = _fail(["--resume", "--steps=4"], cwd=tmp_path)
-  assert "--resume needs --workdir" in out.stderr and runs[-1] in out.stderr
+  assert "--resume needs --workdir" in out.stderr and first[0] in out.stderr
 
 
 def test_finished_workdir_resume_overwrite_and_settings(tmp_path):
@@ -139,6 +142,7 @@ def test_diverging_run_stops(tmp_path):
   assert "--learning_rate=-0.05: expected a finite learning rate > 0" in out.stderr
 
 
+@pytest.mark.slow   # 112 steps; a real-data epoch learning: compare_rec's criteo sample test
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
                     reason="Criteo sample not found (set REC_DATA_DIR)")
 def test_criteo_sample_epoch(tmp_path):

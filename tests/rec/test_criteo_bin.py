@@ -10,12 +10,15 @@ import collections
 import itertools
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from core.errors import UserError
 from rec.data import criteo, criteo_bin, sources
+from tests.experiments.entry import REPO
 
 ROWS = 97
 
@@ -331,3 +334,17 @@ def test_the_vocabulary_count_resumes_after_a_kill(tmp_path, capfd):
   assert f"2 of {len(units)} train units already counted (kept), {len(units) - 2} to do" in out
   assert m["rows_per_feature"] == ref["rows_per_feature"] and m["splits"] == ref["splits"]
   assert not os.path.exists(dst / "vocab" / "counts")     # removed once the vocabulary is built
+
+
+def test_a_pool_worker_that_starts_after_its_parent_died_ends():
+  """A worker whose start outlasts a killed parent would otherwise wait for ever on the task
+  queue's lock that a sibling (killed with the parent) held, keeping the job's pipes open."""
+  run = lambda parent: subprocess.run(
+      [sys.executable, "-c", "import os, sys; from rec.data import criteo_bin; "
+       f"criteo_bin._die_with_parent({parent}); print('alive')"],
+      cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+      timeout=120)
+  gone = run("os.getppid() + 1")                     # not its parent: that one is gone
+  assert gone.returncode == 1 and gone.stdout == "", gone
+  alive = run("os.getppid()")
+  assert alive.returncode == 0 and alive.stdout == "alive\n", alive
