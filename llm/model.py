@@ -444,8 +444,12 @@ class Llama(nnx.Module):
     return constrain(x_BTD, X_NAMES)
 
   def hidden(self, x_BTD, *, positions_BT=None, segment_ids_BT=None,
-             cache: KVCache | None = None, lengths_B=None, mask_BTS=None):
+             cache: KVCache | None = None, lengths_B=None, mask_BTS=None,
+             taps: tuple[int, ...] = ()):
     """Blocks and final norm over input embeddings x_BTD; returns (h_BTD, new cache or None).
+    With `taps` (block indices), also the residual stream after each of those blocks,
+    concatenated: (h_BTD, cache, taps_BT[len(taps)*D]) (EAGLE-3's low / mid / high features
+    for a draft head, `llm.speculative.draft`).
 
     Without a cache: positions default to arange(T); tokens attend to earlier positions of
     the same segment. With a cache: the first lengths_B[b] tokens of row b (default all T;
@@ -510,21 +514,29 @@ class Llama(nnx.Module):
     block_fn = Block.__call__
     if self.cfg.remat:
       block_fn = nnx.remat(block_fn, policy=remat_policy(self.cfg.remat_policy))
-    new_k, new_v = [], []
+    taps = tuple(int(i) for i in taps)
+    if any(not 0 <= i < self.cfg.n_layers for i in taps):
+      raise ValueError(f"Llama.hidden: taps={taps}; expected block indices in "
+                       f"[0, {self.cfg.n_layers})")
+    new_k, new_v, tapped = [], [], {}
     for i, block in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       x_BTD, kv = block_fn(block, x_BTD, positions_BT, segment_ids_BT, kv, kv_pos_BS, slots_BT,
                            mask_BTS)
       x_BTD = constrain(x_BTD, X_NAMES)
+      if i in taps:
+        tapped[i] = x_BTD
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
     h_BTD = self.final_norm(x_BTD)
-    if balance:
-      h_BTD = _balance(h_BTD, cp=cp, inverse=True)
+    unbalance = (lambda a: _balance(a, cp=cp, inverse=True)) if balance else (lambda a: a)
+    h_BTD = unbalance(h_BTD)
     if cache is not None:
       cache = KVCache(k=tuple(new_k), v=tuple(new_v), pos=kv_pos_BS,
                       length=cache.length + n_new_B)
+    if taps:
+      return h_BTD, cache, unbalance(jnp.concatenate([tapped[i] for i in taps], axis=-1))
     return h_BTD, cache
 
   def logits(self, h_BTD) -> jax.Array:

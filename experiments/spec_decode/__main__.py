@@ -144,6 +144,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("unroll", 1, "Draft steps the distillation loss unrolls: step s > 1 "
                        "feeds the head its own step s-1 predictions, attending as at draft "
                        "depth s (EAGLE-3's training-time test).", lower_bound=1)
+  flags.DEFINE_list("taps", [], "Target blocks (0-based) whose states the head also reads "
+                    "beside the final features, e.g. 2,15,27 for a low, a middle and a high "
+                    "one (EAGLE-3's fused features; empty: EAGLE's head).")
+  flags.DEFINE_float("tap_dropout", 0.3, "Share of training pairs with the taps zeroed, as "
+                     "the head sees them inside a draft tree.")
   flags.DEFINE_bool("prompt_loss", False, "Count the prompts' pairs in the distillation loss "
                     "too (default: the replies only, as EAGLE; the prompts still fill the "
                     "head's attention context).")
@@ -174,6 +179,10 @@ def define_flags() -> None:
                            "needs a distinct prompt per sequence: --chat_prompts)")
   flags.register_validator("draft_lr", lambda v: math.isfinite(v) and v > 0,
                            message="expected a finite learning rate > 0")
+  flags.register_validator("taps", lambda v: all(x.isdigit() for x in v),
+                           message="expected block indices >= 0, e.g. 2,15,27")
+  flags.register_validator("tap_dropout", lambda v: 0.0 <= v < 1.0,
+                           message="expected a share 0 <= p < 1")
   flags.register_validator("trees", _valid_trees,
                            message="expected shapes TOP_K:DEPTH:BUDGET (e.g. 4:5:24) or "
                            "chain:DEPTH, every number >= 1")
@@ -275,6 +284,10 @@ def main(argv):
   shapes = [TreeShape.parse(s) for s in FLAGS.trees]
   batch_sizes = [int(b) for b in FLAGS.batch_sizes]
   cfg, target = load_model(FLAGS.target, FLAGS.dtype)
+  bad = [int(x) for x in FLAGS.taps if int(x) >= cfg.n_layers]
+  if bad:
+    raise ValueError(f"--taps={','.join(FLAGS.taps)}: blocks {bad} are past the target's "
+                     f"{cfg.n_layers} blocks (expected 0 .. {cfg.n_layers - 1})")
   if not FLAGS.chat_prompts and FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
     raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens="
                      f"{FLAGS.max_new_tokens} exceeds the target's max_seq_len={cfg.max_seq_len}")
@@ -284,6 +297,7 @@ def main(argv):
       batch_size=FLAGS.draft_batch, steps=FLAGS.draft_steps, learning_rate=FLAGS.draft_lr,
       warmup_steps=FLAGS.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
       unroll=FLAGS.unroll, prompt_loss=FLAGS.prompt_loss,
+      taps=tuple(int(x) for x in FLAGS.taps), tap_dropout=FLAGS.tap_dropout,
       log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed,
       gen_batch=FLAGS.gen_batch, draft_vocab=FLAGS.draft_vocab,
       checkpoint_every=max(1, min(100, FLAGS.draft_steps // 10)))
@@ -356,7 +370,8 @@ def main(argv):
                                               "chat_prompts", "draft_vocab", "gen_batch",
                                               "dtype", "seed", "num_sequences", "seq_len",
                                               "draft_steps", "draft_batch", "draft_lr",
-                                              "prompt_loss", "unroll", "w_cls", "noise")}})
+                                              "prompt_loss", "unroll", "w_cls", "noise",
+                                              "taps", "tap_dropout")}})
   results_lib.print_summary(summary)
 
 

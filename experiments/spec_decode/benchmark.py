@@ -172,9 +172,9 @@ def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: Tre
   def verify(tg, ts, cache, tokens_BN, parents_BN, depths_BN, masked=True):
     t = nnx.merge(tg, ts)
     vis = tree_lib.ancestors(parents_BN, shape.depth)
-    h, cache = t.hidden(t.embed_tokens(tokens_BN), positions_BT=start[:, None] + depths_BN,
-                        cache=cache,
-                        mask_BTS=tree_lib.slot_mask(vis, start, s) if masked else None)
+    h, cache, *_ = t.hidden(t.embed_tokens(tokens_BN), positions_BT=start[:, None] + depths_BN,
+                            cache=cache, taps=draft.taps,
+                            mask_BTS=tree_lib.slot_mask(vis, start, s) if masked else None)
     return jnp.argmax(t.logits(h), -1), cache
 
   @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -186,7 +186,9 @@ def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: Tre
   def catch_up(tg, ts, dg, ds, dcache, h_BJD, tok_BJ):
     t, d = nnx.merge(tg, ts), nnx.merge(dg, ds)
     pos = start[:, None] + jnp.arange(j)
-    return d(h_BJD, t.embed_tokens(tok_BJ), positions_BT=pos, cache=dcache, slots_BT=pos)
+    taps = jnp.zeros((1, j, len(d.taps) * d.cfg.dim)) if d.taps else None
+    return d(h_BJD, t.embed_tokens(tok_BJ), positions_BT=pos, cache=dcache, slots_BT=pos,
+             taps_BTK=taps)
 
   accept = jax.jit(lambda p, t, c, k: accept_lib.accept_tree(p, t, c, k, depth=shape.depth,
                                                              greedy=True))

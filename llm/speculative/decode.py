@@ -26,6 +26,10 @@ depth is taken over the target's output rows of those ids only (`vocab_head`, ga
 per call), its log-softmax over them; the target verifies with its full vocabulary, so
 greedy output and the sampling distribution are unchanged.
 
+A head with taps (EAGLE-3's fused features, `llm.speculative.draft`) gets the target's
+states at those blocks wherever it gets the target's features: the prefill and, along the
+accepted path, the verification pass (step 5); its tree steps read zeros there.
+
 Every attention call (target prefill and verification, draft prefill, tree and catch-up) goes
 through `llm.attention` with the models' `attention_impl`; the tree mask through its `mask`
 argument ("auto" runs it as per-query decode steps, "xla_decode").
@@ -166,8 +170,8 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens_BT, lengths_B, key, sampling,
   target, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
   b, t = tokens_BT.shape
   tcache = target.init_cache(b, max_len)
-  h_BTD, tcache = target.hidden(target.embed_tokens(tokens_BT), cache=tcache,
-                                lengths_B=lengths_B)
+  h_BTD, tcache, *taps = target.hidden(target.embed_tokens(tokens_BT), cache=tcache,
+                                       lengths_B=lengths_B, taps=draft.taps)
   last_B11 = (lengths_B - 1)[:, None, None]
   key, sub = jax.random.split(key)
   root_B = _sample(target.logits(jnp.take_along_axis(h_BTD, last_B11, axis=1))[:, 0], sub,
@@ -179,7 +183,8 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens_BT, lengths_B, key, sampling,
   positions_BT = jnp.broadcast_to(arange_T, (b, t))
   slots_BT = jnp.where(arange_T[None] < lengths_B[:, None], positions_BT, max_len)
   hd_BTD, dcache = draft(h_BTD, target.embed_tokens(next_BT), positions_BT=positions_BT,
-                         cache=draft.init_cache(b, max_len), slots_BT=slots_BT)
+                         cache=draft.init_cache(b, max_len), slots_BT=slots_BT,
+                         taps_BTK=taps[0] if taps else None)
   dcache = dataclasses.replace(dcache, length=lengths_B.astype(jnp.int32))
   h_root_BD = jnp.take_along_axis(hd_BTD, last_B11, axis=1)[:, 0]
   return root_B, h_root_BD, tcache, dcache, key
@@ -208,9 +213,10 @@ def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, ke
     (tokens_BN, parents_BN, depths_BN), dcache = draft_tree(
         target, draft, dcache, c["h_root"], root_B, start_B, shape, head)
     visible_BNN = tree_lib.ancestors(parents_BN, shape.depth)
-    h_BND, tcache = target.hidden(target.embed_tokens(tokens_BN),
-                                  positions_BT=start_B[:, None] + depths_BN, cache=tcache,
-                                  mask_BTS=tree_lib.slot_mask(visible_BNN, start_B, s))
+    h_BND, tcache, *taps = target.hidden(target.embed_tokens(tokens_BN),
+                                         positions_BT=start_B[:, None] + depths_BN,
+                                         cache=tcache, taps=draft.taps,
+                                         mask_BTS=tree_lib.slot_mask(visible_BNN, start_B, s))
     key, sub = jax.random.split(c["key"])
     path_BJ, acc_B, bonus_B = accept_lib.accept_tree(
         _target_probs(target.logits(h_BND), sampling), tokens_BN,
@@ -224,9 +230,11 @@ def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, ke
                        bonus_B[:, None])
     valid_BJ = j_J[None] <= acc_B[:, None]
     dcache = _truncate(dcache, start_B)
-    hd_BJD, dcache = draft(jnp.take_along_axis(h_BND, path_BJ[..., None], axis=1),
-                           target.embed_tokens(new_BJ), positions_BT=start_B[:, None] + j_J,
-                           cache=dcache, slots_BT=jnp.where(valid_BJ, start_B[:, None] + j_J, s))
+    along = lambda x: jnp.take_along_axis(x, path_BJ[..., None], axis=1)
+    hd_BJD, dcache = draft(along(h_BND), target.embed_tokens(new_BJ),
+                           positions_BT=start_B[:, None] + j_J, cache=dcache,
+                           slots_BT=jnp.where(valid_BJ, start_B[:, None] + j_J, s),
+                           taps_BTK=along(taps[0]) if taps else None)
     dcache = dataclasses.replace(dcache, length=start_B + acc_B + 1)
     h_root_BD = jnp.take_along_axis(hd_BJD, acc_B[:, None, None], axis=1)[:, 0]
     active_B = ~c["done"]

@@ -30,6 +30,10 @@ equals the target's over those pairs, the teacher-forced rate at which the targe
 the draft's first token (greedy).
 `unroll` > 1 adds the head's own deeper draft steps to the loss (EAGLE-3's training-time
 test, arXiv 2503.01840; `unrolled_predictions`).
+`taps` (EAGLE-3's fused features): the head also reads the target's residual stream after
+those blocks (`llm.speculative.draft`); they come from a forward pass (`cached_features`, kept
+in float16 beside the features; generation does not capture them) and are zeroed on a
+`tap_dropout` share of the training pairs, since inside a draft tree the head has none.
 AdamW with warmup + cosine from `llm.train_lib`. The [B,T,V] logits are materialized (fine
 for small vocabularies; a Llama 3 vocabulary would want the loss chunked over tokens).
 
@@ -68,6 +72,7 @@ class SeqBatch:
   mask: np.ndarray      # [B, T] float32
   feats: np.ndarray | None = None   # [B, T, D] the target's features, when precomputed
   loss_from: np.ndarray | None = None  # [B] int32: the first pair in the loss (None: pair 0)
+  taps: np.ndarray | None = None    # [B, T, K*D] the target's states at the head's taps
 
 
 def generate_sequences(target: Llama, num: int, length: int, *, prompts=((1,),),
@@ -142,20 +147,29 @@ def draft_vocab(tokens: np.ndarray, mask: np.ndarray, size: int, vocab_size: int
 
 def target_features(target: Llama, tokens: np.ndarray, *, batch_size: int = 8, start: int = 0,
                     out: np.ndarray | None = None, on_chunk=None,
-                    progress: bool = False) -> np.ndarray:
+                    progress: bool = False, taps: tuple[int, ...] = (),
+                    taps_out: np.ndarray | None = None) -> np.ndarray:
   """The target's features [N, T, D] float32 (final hidden states, post-norm) of every
-  sequence, computed `batch_size` rows at a time (rows < start taken from `out`)."""
+  sequence, computed `batch_size` rows at a time (rows < start taken from `out`). With
+  `taps`, the states after those blocks go to `taps_out` [N, T, len(taps)*D] as well."""
   n, t = tokens.shape
   feats = np.zeros((n, t, target.cfg.dim), np.float32) if out is None else out
+  if taps and (taps_out is None or taps_out.shape != (n, t, len(taps) * target.cfg.dim)):
+    raise ValueError(f"target_features: taps={tuple(taps)} need taps_out of shape "
+                     f"{(n, t, len(taps) * target.cfg.dim)}, got "
+                     f"{None if taps_out is None else taps_out.shape}")
   graphdef, state = nnx.split(target)
-  fn = jax.jit(_target_features, static_argnums=0)
+  fn = jax.jit(_target_features, static_argnums=(0, 3))
   t0 = time.perf_counter()
   for first in range(start, n, batch_size):
     rows = tokens[first:first + batch_size]
     pad = batch_size - len(rows)
     batch = np.concatenate([rows, np.zeros((pad, t), np.int32)]) if pad else rows
-    feats[first:first + len(rows)] = np.asarray(fn(graphdef, state, jnp.asarray(batch)),
-                                                np.float32)[:len(rows)]
+    got = fn(graphdef, state, jnp.asarray(batch), tuple(taps))
+    if taps:
+      got, tapped = got
+      taps_out[first:first + len(rows)] = np.asarray(tapped, taps_out.dtype)[:len(rows)]
+    feats[first:first + len(rows)] = np.asarray(got, np.float32)[:len(rows)]
     if on_chunk is not None:
       on_chunk(first + len(rows))
     if progress:
@@ -169,7 +183,7 @@ class SequenceSource:
 
   def __init__(self, tokens: np.ndarray, mask: np.ndarray, batch_size: int, *,
                split: str = "train", seed: int = 0, feats: np.ndarray | None = None,
-               loss_from: np.ndarray | None = None):
+               loss_from: np.ndarray | None = None, taps: np.ndarray | None = None):
     if split not in ("train", "eval"):
       raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
     if tokens.shape != mask.shape or tokens.ndim != 2 or len(tokens) == 0:
@@ -178,18 +192,22 @@ class SequenceSource:
     if feats is not None and feats.shape[:2] != tokens.shape:
       raise ValueError(f"SequenceSource: feats {feats.shape}; expected [N, T, D] with [N, T] "
                        f"= {tokens.shape}")
+    if taps is not None and (feats is None or taps.shape[:2] != tokens.shape):
+      raise ValueError(f"SequenceSource: taps {taps.shape}; expected [N, T, K*D] with [N, T] "
+                       f"= {tokens.shape}, beside feats")
     if loss_from is not None and np.shape(loss_from) != tokens.shape[:1]:
       raise ValueError(f"SequenceSource: loss_from of shape {np.shape(loss_from)}; expected "
                        f"[N] = {tokens.shape[:1]}, one first pair per sequence")
     self.tokens, self.mask = tokens.astype(np.int32), mask.astype(np.float32)
-    self.feats = feats
+    self.feats, self.taps = feats, taps
     self.loss_from = None if loss_from is None else np.asarray(loss_from, np.int32)
     self.batch_size, self.split, self.seed = batch_size, split, seed
 
   def batch(self, k: int) -> SeqBatch:
     idx = np.random.default_rng([self.seed, k]).integers(0, len(self.tokens), self.batch_size)
     pick = lambda x: None if x is None else x[idx]
-    return SeqBatch(self.tokens[idx], self.mask[idx], pick(self.feats), pick(self.loss_from))
+    return SeqBatch(self.tokens[idx], self.mask[idx], pick(self.feats), pick(self.loss_from),
+                    pick(self.taps))
 
   def batches(self, start: int = 0) -> Iterator[SeqBatch]:
     if self.split == "train":
@@ -203,7 +221,8 @@ class SequenceSource:
       pad = b - len(tok)
       padded = lambda x: np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
       part = lambda x: None if x is None else padded(x[i:i + b])
-      yield SeqBatch(padded(tok), padded(m), part(self.feats), part(self.loss_from))
+      yield SeqBatch(padded(tok), padded(m), part(self.feats), part(self.loss_from),
+                     part(self.taps))
 
 
 def smooth_l1(x, y):
@@ -212,7 +231,8 @@ def smooth_l1(x, y):
   return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5)
 
 
-def unrolled_predictions(draft: DraftHead, feats_in_BPD, next_emb_BPD, steps: int):
+def unrolled_predictions(draft: DraftHead, feats_in_BPD, next_emb_BPD, steps: int,
+                         taps_in_BPK=None):
   """The head's predicted features at each of `steps` unrolled draft steps, [steps][B,P,D],
   over P pairs (f_p, x_{p+1}) of each sequence (EAGLE-3's training-time test, arXiv
   2503.01840: the head is trained on its own predictions, as it drafts deeper in a tree).
@@ -222,7 +242,8 @@ def unrolled_predictions(draft: DraftHead, feats_in_BPD, next_emb_BPD, steps: in
   committing pairs <= p-s+1: to the step-1 keys of pairs <= p-s+1, then to the step-m key
   of pair p-(s-m) for m = 2..s. Its target is still f_{p+1}; pairs p < s-1 have no such
   chain (`unrolled_mask`). The keys of every step sit in one cache of steps * P slots,
-  and one [B,P,steps*P] mask per step says which each query sees."""
+  and one [B,P,steps*P] mask per step says which each query sees. A head with taps reads
+  `taps_in_BPK` at step 1 and zeros deeper, as in a draft tree."""
   b, p, _ = feats_in_BPD.shape
   cache = draft.init_cache(b, steps * p)
   pos_BP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -237,7 +258,8 @@ def unrolled_predictions(draft: DraftHead, feats_in_BPD, next_emb_BPD, steps: in
                      & (lag_PS == s - key_step_S[None])))
     pred_BPD, cache = draft(feats_BPD, next_emb_BPD, positions_BT=pos_BP, cache=cache,
                             slots_BT=(s - 1) * p + pos_BP,
-                            mask_BTS=jnp.broadcast_to(visible_PS, (b, p, steps * p)))
+                            mask_BTS=jnp.broadcast_to(visible_PS, (b, p, steps * p)),
+                            taps_BTK=taps_in_BPK if s == 1 else None)
     preds.append(pred_BPD)
     # Pair p of the next step reads pair p-1's prediction (pair 0: a placeholder, masked).
     feats_BPD = jnp.concatenate([feats_in_BPD[:, :1], pred_BPD[:, :-1]], axis=1)
@@ -251,12 +273,14 @@ def unrolled_mask(mask_BP, step: int):
 
 def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_BT, mask_BT,
                    feats_BTD, noise_BTD=None, unroll: int = 1, per_step: bool = False,
-                   loss_from_B=None):
+                   loss_from_B=None, taps_BTK=None, tap_keep_BP=None):
   """Per-pair (regression, cross-entropy, top1 agreement) [B,T-1] and the pair mask [B,T-1].
   loss_from_B [B]: pairs before it are left out of the mask (they still feed attention).
   unroll > 1: `unrolled_predictions` of that many steps; each term is then the mean over
   the pair's steps and the mask counts the steps the pair has (so sum(term * mask) /
-  sum(mask) is the mean over every (pair, step)). per_step: also [(top1, mask)] per step."""
+  sum(mask) is the mean over every (pair, step)). per_step: also [(top1, mask)] per step.
+  taps_BTK: the target's states at the head's taps; tap_keep_BP [B,T-1] (0 / 1) zeroes
+  them on the pairs where it is 0 (training's tap dropout)."""
   dt = draft.cfg.dtype
   emb_next = jnp.take(embed_VD, tokens_BT[:, 1:], axis=0).astype(dt)
   f_in = feats_BTD[:, :-1].astype(jnp.float32)
@@ -266,10 +290,17 @@ def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_B
   if loss_from_B is not None:
     p_P = jnp.arange(pair_BP.shape[1], dtype=jnp.int32)
     pair_BP = pair_BP * (p_P[None] >= loss_from_B[:, None]).astype(pair_BP.dtype)
+  taps_in = None
+  if draft.taps:
+    if taps_BTK is None:
+      raise ValueError(f"distill_losses: the head reads taps {draft.taps}; pass taps_BTK")
+    taps_in = taps_BTK[:, :-1].astype(jnp.float32)
+    if tap_keep_BP is not None:
+      taps_in = taps_in * tap_keep_BP[..., None].astype(taps_in.dtype)
   if unroll == 1:
-    preds = [draft(f_in, emb_next)[0]]
+    preds = [draft(f_in, emb_next, taps_BTK=taps_in)[0]]
   else:
-    preds = unrolled_predictions(draft, f_in, emb_next, unroll)
+    preds = unrolled_predictions(draft, f_in, emb_next, unroll, taps_in)
   want_BTD = feats_BTD[:, 1:]
   eq = "btd,vd->btv" if vocab_major else "btd,dv->btv"
   logits = lambda h: jnp.einsum(eq, h.astype(dt), head.astype(dt),
@@ -327,14 +358,18 @@ class DistillTask:
 
   def __init__(self, target: Llama, optim: OptimConfig, mesh: Mesh, *, w_cls: float = 0.1,
                noise: float = 0.1, rules: mesh_lib.Rules = mesh_lib.LLM_RULES,
-               draft_vocab=None, unroll: int = 1):
+               draft_vocab=None, unroll: int = 1, taps: tuple[int, ...] = (),
+               tap_dropout: float = 0.0):
     if not (math.isfinite(w_cls) and w_cls >= 0 and math.isfinite(noise) and noise >= 0):
       raise ValueError(f"DistillTask: w_cls={w_cls}, noise={noise}; expected finite and >= 0")
     if not (isinstance(unroll, (int, np.integer)) and unroll >= 1):
       raise ValueError(f"DistillTask: unroll={unroll!r}; expected an integer >= 1 (draft "
                        "steps the loss unrolls)")
     self.cfg, self.optim, self.mesh, self.rules = target.cfg, optim, mesh, rules
+    if not 0.0 <= tap_dropout < 1.0:
+      raise ValueError(f"DistillTask: tap_dropout={tap_dropout}; expected 0 <= p < 1")
     self.w_cls, self.noise, self.unroll = w_cls, noise, int(unroll)
+    self.taps, self.tap_dropout = tuple(int(i) for i in taps), float(tap_dropout)
     self.tx = make_optimizer(optim)
     rep = NamedSharding(mesh, P())
     tgraph, tstate = nnx.split(target)
@@ -348,17 +383,18 @@ class DistillTask:
       w, self.vocab_major = head[0], True
     self._shared = {"embed": jax.device_put(model_lib._weight(target.embed), rep),
                     "head": jax.device_put(w, rep)}
-    abstract = nnx.eval_shape(lambda: DraftHead(self.cfg, nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: DraftHead(self.cfg, nnx.Rngs(0), self.taps))
     self.graphdef, abstract_state = nnx.split(abstract)
     self.param_shardings = nnx.to_pure_dict(
         model_lib.param_shardings(abstract_state, mesh, rules))
-    self._features = jax.jit(_target_features, static_argnums=0)
+    self._features = jax.jit(_target_features, static_argnums=(0, 3))
     self.seed = 0
 
   def init_state(self, seed: int) -> dict[str, Any]:
     self.seed = seed
     rep = NamedSharding(self.mesh, P())
-    init = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(DraftHead(self.cfg, nnx.Rngs(k)))),
+    init = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(DraftHead(self.cfg, nnx.Rngs(k),
+                                                                  self.taps))),
                    out_shardings=self.param_shardings)
     params = init(jax.random.key(seed))
     opt = jax.jit(self.tx.init, out_shardings=optax.tree_map_params(
@@ -374,10 +410,14 @@ class DistillTask:
     here by the frozen target in its own jit); the shared embedding and LM head ride along
     (the target's buffers, not copies)."""
     dev = mesh_lib.shard_batch(host, self.mesh, self.rules, batch_axis="act_batch")
-    feats = dev.feats
-    if feats is None:
-      feats = self._features(self._target[0], self._target[1], dev.tokens)
+    feats, taps = dev.feats, dev.taps
+    if feats is None or (self.taps and taps is None):
+      feats = self._features(self._target[0], self._target[1], dev.tokens, self.taps)
+      if self.taps:
+        feats, taps = feats
     out = {"tokens": dev.tokens, "mask": dev.mask, "feats": feats, **self._shared}
+    if self.taps:
+      out["taps"] = taps
     if dev.loss_from is not None:
       out["loss_from"] = dev.loss_from
     return out
@@ -391,10 +431,15 @@ class DistillTask:
     if noise_key is not None and self.noise > 0:
       noise = jax.random.uniform(noise_key, batch["feats"].shape, jnp.float32, -self.noise,
                                  self.noise)
+    keep = None
+    if noise_key is not None and self.taps and self.tap_dropout > 0:
+      b, t = batch["tokens"].shape
+      keep = jax.random.bernoulli(jax.random.fold_in(noise_key, 1), 1.0 - self.tap_dropout,
+                                  (b, t - 1))
     (reg, ce, top1, m), steps = distill_losses(
         self.draft(params), batch["embed"], batch["head"], self.vocab_major, batch["tokens"],
         batch["mask"], batch["feats"], noise, unroll=self.unroll, per_step=True,
-        loss_from_B=batch.get("loss_from"))
+        loss_from_B=batch.get("loss_from"), taps_BTK=batch.get("taps"), tap_keep_BP=keep)
     sums = {"reg": jnp.sum(reg * m), "cls": jnp.sum(ce * m), "top1": jnp.sum(top1 * m)}
     if self.unroll > 1:
       for s, (top1_s, m_s) in enumerate(steps, start=1):
@@ -430,14 +475,15 @@ class DistillTask:
     return DistillEvaluator()
 
 
-def _target_features(graphdef, state, tokens_BT):
+def _target_features(graphdef, state, tokens_BT, taps=()):
   target = nnx.merge(graphdef, state)
-  h_BTD, _ = target.hidden(target.embed_tokens(tokens_BT))
-  return h_BTD
+  out = target.hidden(target.embed_tokens(tokens_BT), taps=taps)
+  return (out[0], out[2]) if taps else out[0]
 
 
 def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
-  """The DraftHead of a DistillTask run's checkpoint at `step` (default: the latest)."""
+  """The DraftHead of a DistillTask run's checkpoint at `step` (default: the latest), with
+  the taps its run's settings name."""
   from core import checkpoint as ckpt_lib
   ckpt = ckpt_lib.Checkpointer(workdir)
   try:
@@ -446,7 +492,9 @@ def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
       raise FileNotFoundError(f"{workdir}/checkpoints: no draft-head checkpoint to load")
     mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
     rep = NamedSharding(mesh, P())
-    abstract_draft = nnx.eval_shape(lambda: DraftHead(target_cfg, nnx.Rngs(0)))
+    meta = ckpt.restore_meta(step) or {}
+    taps = tuple(meta.get("settings", {}).get("distill.taps") or ())
+    abstract_draft = nnx.eval_shape(lambda: DraftHead(target_cfg, nnx.Rngs(0), taps))
     graphdef, abstract_params = nnx.split(abstract_draft)
     params = nnx.to_pure_dict(abstract_params)
     tx = make_optimizer(OptimConfig())
@@ -484,6 +532,8 @@ class DistillConfig:
   w_cls: float = 0.1
   noise: float = 0.1
   unroll: int = 1                 # draft steps the loss unrolls (`unrolled_predictions`)
+  taps: tuple[int, ...] = ()      # target blocks whose states the head also reads (EAGLE-3)
+  tap_dropout: float = 0.3        # share of pairs trained with the taps zeroed (draft trees)
   eval_every: int = 0
   log_every: int = 100
   checkpoint_every: int = 0
@@ -578,25 +628,34 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, sto
   return out
 
 
-def cached_features(target: Llama, path: str, tokens: np.ndarray, batch_size: int = 8):
+def cached_features(target: Llama, path: str, tokens: np.ndarray, batch_size: int = 8,
+                    taps: tuple[int, ...] = ()):
   """`target_features` of `tokens`, kept in `path` (.npz) keyed by a hash of the tokens;
-  saved every few chunks, so a killed run continues."""
-  key = _features_key(tokens, target.cfg.dim)
+  saved every few chunks, so a killed run continues. With `taps`: (features, the states at
+  those blocks in float16, [N, T, len(taps)*D]), kept together."""
+  taps = tuple(int(i) for i in taps)
+  key = _features_key(tokens, target.cfg.dim) + (f":taps={list(taps)}" if taps else "")
   saved = _load_partial(path, key)
   feats, start = (None, 0) if saved is None else (saved[0]["feats"], saved[1])
+  tapped = None if saved is None or not taps else saved[0]["taps"]
   if start < len(tokens):
     if feats is None:
       feats = np.zeros(tokens.shape + (target.cfg.dim,), np.float32)
-    last = [time.perf_counter()]
+      if taps:
+        tapped = np.zeros(tokens.shape + (len(taps) * target.cfg.dim,), np.float16)
+    last = [time.perf_counter(), 0.0]     # (end of the last save, its duration)
 
     def save(done):
-      if done == len(tokens) or time.perf_counter() - last[0] > 60:
-        _save_partial(path, key, done, feats=feats)
-        last[0] = time.perf_counter()
+      # At most every minute, and at most a tenth of the time in saving (large files).
+      since = time.perf_counter() - last[0]
+      if done == len(tokens) or (since > 60 and since > 10 * last[1]):
+        t = time.perf_counter()
+        _save_partial(path, key, done, feats=feats, **({"taps": tapped} if taps else {}))
+        last[:] = [time.perf_counter(), time.perf_counter() - t]
 
     feats = target_features(target, tokens, batch_size=batch_size, start=start, out=feats,
-                            on_chunk=save, progress=True)
-  return feats
+                            on_chunk=save, progress=True, taps=taps, taps_out=tapped)
+  return (feats, tapped) if taps else feats
 
 
 def loop_config(workdir: str, dcfg: DistillConfig, *, overwrite: bool = False, settings=None,
@@ -649,11 +708,11 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
                        "from the same prompt are the same sequence; give one prompt per "
                        "sequence or sample (gen_temperature > 0)")
   train_more = overwrite or _latest_step(workdir) < dcfg.steps
-  feats_path = os.path.join(workdir, "features.npz")
+  feats_path = os.path.join(workdir, "features_taps.npz" if dcfg.taps else "features.npz")
+  # Generation captures the final features only: with taps they come from a forward pass.
+  capture = dcfg.cache_features and train_more and not dcfg.taps
   tokens, mask = cached_sequences(target, os.path.join(workdir, "sequences.npz"), prompts, dcfg,
-                                  stop_tokens,
-                                  feats_path=feats_path if dcfg.cache_features and train_more
-                                  else None)
+                                  stop_tokens, feats_path=feats_path if capture else None)
   n_train = dcfg.num_sequences - dcfg.eval_sequences
   vocab = None
   if dcfg.draft_vocab:
@@ -666,21 +725,26 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
     # pairs it is used on start at p = len(prompt) - 1.
     loss_from = np.asarray([len(prompts[i % len(prompts)]) - 1
                             for i in range(dcfg.num_sequences)], np.int32)
-  feats = None
+  feats = taps = None
   if dcfg.cache_features and train_more:
-    feats = cached_features(target, feats_path, tokens)
+    feats = cached_features(target, feats_path, tokens, taps=dcfg.taps)
+    if dcfg.taps:
+      feats, taps = feats
   mesh = mesh or mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
   optim = OptimConfig(peak_lr=dcfg.learning_rate, warmup_steps=dcfg.warmup_steps,
                       total_steps=dcfg.steps, weight_decay=dcfg.weight_decay)
   task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise,
-                     draft_vocab=vocab, unroll=dcfg.unroll)
+                     draft_vocab=vocab, unroll=dcfg.unroll, taps=dcfg.taps,
+                     tap_dropout=dcfg.tap_dropout)
   split = lambda x, a, b: None if x is None else x[a:b]
   train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed,
                              feats=split(feats, 0, n_train),
-                             loss_from=split(loss_from, 0, n_train))
+                             loss_from=split(loss_from, 0, n_train),
+                             taps=split(taps, 0, n_train))
   eval_src = SequenceSource(tokens[n_train:], mask[n_train:], dcfg.batch_size, split="eval",
                             feats=split(feats, n_train, None),
-                            loss_from=split(loss_from, n_train, None))
+                            loss_from=split(loss_from, n_train, None),
+                            taps=split(taps, n_train, None))
   loop = loop_config(workdir, dcfg, overwrite=overwrite, settings=settings,
                      resume_allow=resume_allow)
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)

@@ -13,6 +13,13 @@ position i. Embedding and LM head are the target's (frozen; never copied: caller
 target, or its weights). Differences from EAGLE-1's released head: the block keeps its input
 RMSNorm and a final RMSNorm follows it (the regressed features are post-norm).
 
+Fused features (EAGLE-3, arXiv 2503.01840): with `taps` (target block indices, e.g. a low,
+a middle and a high one) the head also reads the target's residual stream after those blocks
+at token i, each RMS-normalized (no weight): fc([embed(x_{i+1}); f_i; l_i; m_i; h_i]). The
+target gives them wherever it gives f_i (the prompt, the verified tokens); inside a draft
+tree, where the head feeds itself its own f^, they are zeros, and training drops them on a
+share of the pairs (`llm.speculative.distill`) so that the head knows both cases.
+
 The head keeps its own KV cache (`llm.model.KVCache` with one layer, slot = pair index in
 committed pairs); `__call__` writes a call's keys at explicit slots and takes an explicit
 mask, which tree drafting needs (`llm.speculative.decode`).
@@ -43,34 +50,57 @@ def write_slots(buf_BS, slots_BT, new_BT):
 
 
 class DraftHead(nnx.Module):
-  """fc([embed(next token); feature]) -> one Llama block -> RMSNorm: the next feature."""
+  """fc([embed(next token); feature (; taps)]) -> one Llama block -> RMSNorm: the next
+  feature."""
 
-  def __init__(self, target_cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, target_cfg: LlamaConfig, rngs: nnx.Rngs, taps: tuple[int, ...] = ()):
     self.cfg = cfg = draft_config(target_cfg)
+    self.taps = tuple(int(i) for i in taps)
+    if any(not 0 <= i < target_cfg.n_layers for i in self.taps):
+      raise ValueError(f"DraftHead: taps={self.taps}; expected block indices of the target "
+                       f"in [0, {target_cfg.n_layers})")
     d, pd = cfg.dim, cfg.param_dtype
-    self.fc = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d), pd) * (2 * d) ** -0.5,
+    n_in = (2 + len(self.taps)) * d
+    self.fc = nnx.Param(jax.random.normal(rngs.params(), (n_in, d), pd) * n_in ** -0.5,
                         out_sharding=(None, "embed"), eager_sharding=False)
     self.fc_bias = nnx.Param(jnp.zeros((d,), pd), out_sharding=("norm",), eager_sharding=False)
     self.block = model_lib.Block(cfg, rngs)
     self.norm = model_lib.RMSNorm(cfg)
 
+  def tap_input(self, taps_BTK, lead) -> jax.Array:
+    """The taps as the head reads them: each tap RMS-normalized (float32); zeros for None."""
+    d, k = self.cfg.dim, len(self.taps)
+    if taps_BTK is None:
+      return jnp.zeros((*lead, k * d), jnp.float32)
+    if taps_BTK.shape[-1] != k * d:
+      raise ValueError(f"DraftHead: taps of width {taps_BTK.shape[-1]}; expected "
+                       f"{k} taps x {d} = {k * d}")
+    x = taps_BTK.astype(jnp.float32).reshape(*taps_BTK.shape[:-1], k, d)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return x.reshape(*taps_BTK.shape[:-1], k * d)
+
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.init(self.cfg, batch, max_len)
 
   def __call__(self, feats_BTD, next_emb_BTD, *, positions_BT=None, cache: KVCache | None = None,
-               slots_BT=None, mask_BTS=None):
+               slots_BT=None, mask_BTS=None, taps_BTK=None):
     """(predicted features f^_BTD, new cache or None).
 
     feats_BTD: target features f_i (or the head's own predictions inside a draft tree);
-    next_emb_BTD: embeddings of x_{i+1} (the target's embedding). Without a cache: causal
+    next_emb_BTD: embeddings of x_{i+1} (the target's embedding); taps_BTK: the target's
+    states at `taps` ([B,T,len(taps)*D], `Llama.hidden(taps=...)`; None: zeros, as inside a
+    draft tree; ignored by a head without taps). Without a cache: causal
     over the call (positions default to arange(T)). With a cache: this call's keys go to
     `slots_BT` (>= S: not written) tagged with `positions_BT`, then every query attends to
     the cached slots at positions <= its own, narrowed by `mask_BTS` [B,T,S] when given.
     `cache.length` is left to the caller (tree slots are scratch, not committed pairs).
     """
     dt = self.cfg.dtype
-    x_BT2D = jnp.concatenate([next_emb_BTD.astype(dt), feats_BTD.astype(dt)], axis=-1)
-    x_BTD = x_BT2D @ self.fc[...].astype(dt) + self.fc_bias[...].astype(dt)
+    parts = [next_emb_BTD.astype(dt), feats_BTD.astype(dt)]
+    if self.taps:
+      parts.append(self.tap_input(taps_BTK, feats_BTD.shape[:-1]).astype(dt))
+    x_BTD = (jnp.concatenate(parts, axis=-1) @ self.fc[...].astype(dt)
+             + self.fc_bias[...].astype(dt))
     if cache is None:
       h_BTD, _ = self.block(x_BTD, positions_BT, None, mask_BTS=mask_BTS)
       return self.norm(h_BTD), None

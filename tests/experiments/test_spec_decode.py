@@ -53,6 +53,11 @@ def test_spec_decode_entry(tmp_path):
   assert "distill.learning_rate is --draft_lr" in other.stderr
   allowed = run("--draft_lr=0.001", "--resume_allow=distill.learning_rate")
   assert allowed.returncode == 0 and "nothing to do" in allowed.stdout, allowed.stderr[-3000:]
+  # Taps past the target's blocks: refused before anything is made, naming the flag.
+  bad = run("--taps=1,99", f"--workdir={tmp_path / 'taps'}")
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+      "error: --taps=1,99: blocks [99] are past the target's "), bad.stderr[-3000:]
+  assert not (tmp_path / "taps" / "draft").exists()
 
 
 def test_profile_round_alternates_with_plain_steps():

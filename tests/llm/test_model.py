@@ -209,6 +209,24 @@ def test_forward_matches_numpy_reference(cfg):
                              rtol=1e-4, atol=1e-4)
 
 
+def test_hidden_taps_are_the_residual_stream_after_those_blocks():
+  """taps=(0, 1): block 0's output (run alone here) and block 1's, whose final norm is h; h
+  and the cache are those of a call without taps."""
+  model, _ = make_model(TINY)
+  tokens = jnp.asarray(tokens_for(TINY, 2, 6))
+  x = model.embed_tokens(tokens)
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  h, _ = model.hidden(x)
+  h2, cache, taps = model.hidden(x, taps=(0, 1))
+  assert cache is None and taps.shape == (2, 6, 2 * TINY.dim)
+  np.testing.assert_array_equal(h2, h)
+  block0, _ = model.layers[0](x, pos, None, None, None, None, None)
+  np.testing.assert_allclose(taps[..., :TINY.dim], block0, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(model.final_norm(taps[..., TINY.dim:]), h, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"taps=\(2,\); expected block indices in \[0, 2\)"):
+    model.hidden(x, taps=(2,))
+
+
 def test_parameter_tree_contract():
   model = nnx.eval_shape(lambda: M.Llama(TINY, nnx.Rngs(0)))
   d, h, g, k, f, v = 64, 4, 2, 16, 128, 256

@@ -198,3 +198,31 @@ def test_sampling_reproduces_the_target_distribution(target, draft):
   # Power: the third token's marginal is not the second token's.
   marg2 = joint12.sum(0)
   assert np.all(marg2[counts3 > 0] > 0) and _lumped_pvalue(counts3, marg2) < 1e-6
+
+
+def test_a_head_with_taps(target, greedy):
+  """A head that also reads the target's block states (EAGLE-3's fused features): the prefill
+  hands it the prompt's states (its root feature equals the head run by hand over them),
+  greedy output is still the target's, and the taps change the drafts (the same head with
+  their input weights zeroed is accepted differently)."""
+  from llm.speculative import decode as dec
+  head = DraftHead(CFG, nnx.Rngs(7), taps=(0, 1))
+  d = CFG.dim
+  head.fc[...] = head.fc[...].at[2 * d:].multiply(8.0)        # the taps weigh in
+  prompt = jnp.asarray([PROMPTS[2]], jnp.int32)
+  tg, ts = nnx.split(target)
+  dg, ds = nnx.split(head)
+  root, h_root, *_ = dec.prefill(tg, ts, dg, ds, prompt, jnp.asarray([prompt.shape[1]]),
+                                 jax.random.key(0), None, max_len=MAX_LEN)
+  h, _, taps = target.hidden(target.embed_tokens(prompt), taps=(0, 1))
+  nxt = jnp.concatenate([prompt[:, 1:], root[:, None]], axis=1)
+  want = head(h, target.embed_tokens(nxt), taps_BTK=taps)[0][:, -1]
+  np.testing.assert_allclose(h_root, want, rtol=1e-5, atol=1e-5)
+  out = speculative_generate(target, head, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
+  assert out.tokens == greedy
+  _check_rounds(out, SHAPES[1], N_NEW)
+  blind = nnx.merge(dg, ds)
+  blind.fc[...] = blind.fc[...].at[2 * d:].set(0.0)
+  other = speculative_generate(target, blind, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
+  assert other.tokens == greedy
+  assert other.accepted_per_round != out.accepted_per_round

@@ -124,16 +124,22 @@ def test_unrolled_steps_match_decoding(target, sequences):
   preds = jax.jit(lambda f, e: distill.unrolled_predictions(draft, f, e, steps))(f_in, emb)
   np.testing.assert_allclose(preds[0], draft(f_in, emb)[0], rtol=1e-5, atol=1e-5)
   b, n = f_in.shape[:2]
+  # Committing pairs < c: all n pairs in one call, those >= c written nowhere (slot n), so
+  # one compiled program serves every c; then one pair per call as decoding feeds it.
+  commit_fn = jax.jit(lambda c: draft(
+      f_in, emb, positions_BT=jnp.broadcast_to(jnp.arange(n), (b, n)),
+      cache=draft.init_cache(b, n),
+      slots_BT=jnp.broadcast_to(jnp.where(jnp.arange(n) < c, jnp.arange(n), n), (b, n))))
+  step_fn = jax.jit(lambda h, e, at, cache: draft(h, e, positions_BT=at, cache=cache,
+                                                  slots_BT=at))
   for s in range(2, steps + 1):
     for p in (s - 1, 6, n - 1):
       commit = p - s + 2
-      pos = jnp.broadcast_to(jnp.arange(commit), (b, commit))
-      h, cache = draft(f_in[:, :commit], emb[:, :commit], positions_BT=pos,
-                       cache=draft.init_cache(b, n), slots_BT=pos)
-      h = h[:, -1:]
+      h, cache = commit_fn(commit)
+      h = h[:, commit - 1:commit]
       for q in range(commit, p + 1):
         at = jnp.full((b, 1), q, jnp.int32)
-        h, cache = draft(h, emb[:, q:q + 1], positions_BT=at, cache=cache, slots_BT=at)
+        h, cache = step_fn(h, emb[:, q:q + 1], at, cache)
       np.testing.assert_allclose(preds[s - 1][:, p], h[:, 0], rtol=1e-4, atol=1e-5,
                                  err_msg=f"step {s}, pair {p}")
   # The loss at unroll=1 is the plain one; unrolled, step-1 terms keep their pairs and each
@@ -179,9 +185,10 @@ def test_loss_covers_the_replies(target, sequences, tmp_path):
   draft = DraftHead(CFG, nnx.Rngs(3))
   embed, head = target.embed[...], target.lm_head[...]
   feats = target.hidden(target.embed_tokens(tokens))[0]
-  full = distill.distill_losses(draft, embed, head, False, tokens, mask, feats)
-  part = distill.distill_losses(draft, embed, head, False, tokens, mask, feats,
-                                loss_from_B=jnp.asarray([0, 4, 9], jnp.int32))
+  losses = jax.jit(lambda loss_from: distill.distill_losses(
+      draft, embed, head, False, tokens, mask, feats, loss_from_B=loss_from))
+  full = losses(jnp.zeros(3, jnp.int32))
+  part = losses(jnp.asarray([0, 4, 9], jnp.int32))
   for a, b in zip(full[:3], part[:3]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(part[3], [[1] * 9, [0] * 4 + [1] * 5, [0] * 9])
@@ -241,3 +248,39 @@ def test_features_captured_while_generating(target, tmp_path, monkeypatch):
                                    feats_path=fp, save_every_s=0.0)
   np.testing.assert_array_equal(again[0], tokens)
   np.testing.assert_array_equal(distill.cached_features(target, fp, tokens), feats)
+
+
+def test_taps_features_loss_training_and_loading(target, sequences, tmp_path):
+  """A head with taps (EAGLE-3's fused features): cached_features keeps the target's block
+  states (float16) beside its features under a key of their own; distill_losses zeroes them
+  on the pairs tap_keep drops (none kept equals zero taps) and refuses a taps head without
+  them; train_draft trains one and load_draft rebuilds it with its taps from the run's
+  settings."""
+  tokens = sequences[0][:4, :10]
+  path = str(tmp_path / "f.npz")
+  feats, taps = distill.cached_features(target, path, tokens, taps=(0, 1))
+  h, _, want = jax.jit(lambda t: target.hidden(target.embed_tokens(t), taps=(0, 1)))(tokens)
+  np.testing.assert_allclose(feats, h, rtol=1e-5, atol=1e-5)
+  assert taps.dtype == np.float16 and taps.shape == (4, 10, 2 * CFG.dim)
+  np.testing.assert_allclose(taps, want, rtol=2e-3, atol=2e-3)
+  with np.load(path) as f:
+    assert str(f["key"]).endswith(":taps=[0, 1]") and int(f["done"]) == 4
+  head = DraftHead(CFG, nnx.Rngs(3), taps=(0, 1))
+  args = (head, target.embed[...], target.lm_head[...], False, jnp.asarray(tokens),
+          jnp.ones((4, 10), jnp.float32), jnp.asarray(feats))
+  loss = jax.jit(lambda tp, keep: distill.distill_losses(*args, taps_BTK=tp,
+                                                         tap_keep_BP=keep)[:3])
+  tp, ones = jnp.asarray(taps), jnp.ones((4, 9))
+  for a, b in zip(loss(tp, jnp.zeros((4, 9))), loss(jnp.zeros_like(tp), ones)):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(loss(tp, ones)[0], loss(jnp.zeros_like(tp), ones)[0])
+  with pytest.raises(ValueError, match=r"the head reads taps \(0, 1\); pass taps_BTK"):
+    distill.distill_losses(*args)
+  dcfg = distill.DistillConfig(num_sequences=4, eval_sequences=2, seq_len=8, gen_batch=4,
+                               batch_size=2, steps=1, taps=(0, 1))
+  workdir = str(tmp_path / "run")
+  trained, out = distill.train_draft(target, workdir, dcfg, prompts=[[1], [2], [3], [4]])[:2]
+  assert trained.taps == (0, 1) and out["step"] == 1
+  loaded = distill.load_draft(workdir, CFG)
+  assert loaded.taps == (0, 1)
+  np.testing.assert_array_equal(loaded.fc[...], trained.fc[...])
