@@ -74,9 +74,10 @@ def attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, cau
 
 def flash_attention_reference(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True,
                               q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-                              kv_positions=None, scale: float | None = None):
+                              kv_positions=None, scale: float | None = None, mask_BTS=None):
   """Softmax(q k^T * scale, masked) v in jnp with an fp32 softmax; p is cast to v's dtype
-  before p @ v, as the kernels do. Returns (out like q, lse [B,T,H] fp32)."""
+  before p @ v, as the kernels do. Returns (out like q, lse [B,T,H] fp32). mask_BTS: an
+  optional [B,T,S] bool narrowing the rule (tree attention; the kernels take none)."""
   b, t, s, h, g, kd = check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids,
                                    q_positions, kv_positions)
   scale = kd ** -0.5 if scale is None else scale
@@ -84,6 +85,8 @@ def flash_attention_reference(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True,
   logits_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK,
                             preferred_element_type=jnp.float32) * scale
   mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal, b, t, s)
+  if mask_BTS is not None:
+    mask = mask_BTS.astype(bool) if mask is None else mask & mask_BTS.astype(bool)
   if mask is not None:
     logits_BGRTS = jnp.where(mask[:, None, None], logits_BGRTS, NEG_INF)
   m = jnp.max(logits_BGRTS, axis=-1, keepdims=True)

@@ -144,6 +144,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("unroll", 1, "Draft steps the distillation loss unrolls: step s > 1 "
                        "feeds the head its own step s-1 predictions, attending as at draft "
                        "depth s (EAGLE-3's training-time test).", lower_bound=1)
+  flags.DEFINE_float("unroll_decay", 1.0, "Weight of unrolled step s in the loss: "
+                     "decay**(s-1) (1: every step alike).")
   flags.DEFINE_list("taps", [], "Target blocks (0-based) whose states the head also reads "
                     "beside the final features, e.g. 2,15,27 for a low, a middle and a high "
                     "one (EAGLE-3's fused features; empty: EAGLE's head).")
@@ -181,6 +183,8 @@ def define_flags() -> None:
                            message="expected a finite learning rate > 0")
   flags.register_validator("taps", lambda v: all(x.isdigit() for x in v),
                            message="expected block indices >= 0, e.g. 2,15,27")
+  flags.register_validator("unroll_decay", lambda v: math.isfinite(v) and 0 < v <= 1,
+                           message="expected a weight 0 < decay <= 1")
   flags.register_validator("tap_dropout", lambda v: 0.0 <= v < 1.0,
                            message="expected a share 0 <= p < 1")
   flags.register_validator("trees", _valid_trees,
@@ -296,7 +300,7 @@ def main(argv):
       eval_sequences=FLAGS.eval_sequences, gen_temperature=FLAGS.gen_temperature,
       batch_size=FLAGS.draft_batch, steps=FLAGS.draft_steps, learning_rate=FLAGS.draft_lr,
       warmup_steps=FLAGS.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
-      unroll=FLAGS.unroll, prompt_loss=FLAGS.prompt_loss,
+      unroll=FLAGS.unroll, unroll_decay=FLAGS.unroll_decay, prompt_loss=FLAGS.prompt_loss,
       taps=tuple(int(x) for x in FLAGS.taps), tap_dropout=FLAGS.tap_dropout,
       log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed,
       gen_batch=FLAGS.gen_batch, draft_vocab=FLAGS.draft_vocab,
@@ -370,7 +374,8 @@ def main(argv):
                                               "chat_prompts", "draft_vocab", "gen_batch",
                                               "dtype", "seed", "num_sequences", "seq_len",
                                               "draft_steps", "draft_batch", "draft_lr",
-                                              "prompt_loss", "unroll", "w_cls", "noise",
+                                              "prompt_loss", "unroll", "unroll_decay",
+                                              "w_cls", "noise",
                                               "taps", "tap_dropout")}})
   results_lib.print_summary(summary)
 

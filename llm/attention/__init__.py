@@ -14,9 +14,11 @@ never branch on the name; context parallelism is not an implementation but a set
 model (`LlamaConfig.context_parallel`), whose ring (`ring.ring_attention`) runs an
 implementation from here on each block. `mask` ([B,T,S] bool, for tree attention) narrows
 the rule further; `masked.per_query_masked` applies it through the implementations' own
-segment-id rule, for those in `masked.MASK_IMPLS` (others raise). Implementations never see
-`mask`, and none imports this registry: it imports them, on first use of their name, so that
-importing the model pulls in no Pallas or cuDNN code it does not run.
+segment-id rule, for those in `masked.MASK_IMPLS` (others raise); calls longer than a decode
+step under "xla" / "auto" take the reference with the mask (`masked.dense_masked`). The
+other implementations never see `mask`, and none imports this registry: it imports them, on
+first use of their name, so that importing the model pulls in no Pallas or cuDNN code it
+does not run.
 """
 
 from __future__ import annotations
@@ -76,8 +78,7 @@ def attention(q_BTHK, k_BSGK, v_BSGK, *, impl: str = "xla", mask=None, **kwargs)
   if mask is None:
     return fn(q_BTHK, k_BSGK, v_BSGK, **kwargs)
   from llm.attention import masked
-  masked.check_mask_impl(impl)
-  return masked.per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask, **kwargs)
+  return masked.masked_attention(impl, fn, q_BTHK, k_BSGK, v_BSGK, mask, **kwargs)
 
 
 def auto_attention(q_BTHK, k_BSGK, v_BSGK, **kwargs):

@@ -17,6 +17,12 @@ steps. Implementations whose segment ids are restricted by data ("cudnn": same-a
 that shard keys over a ring (context parallelism) are refused with an error, as are the Pallas
 kernels (a T = 1 launch per query: correct, but no faster than "xla_decode"; untested here).
 
+Calls of more than `DECODE_MAX_T` queries under "xla" or "auto" (training a draft head on its
+own unrolled predictions, `llm.speculative.distill`) are not decode steps: they take the
+reference once with the mask folded into its rule (`dense_masked`), one [B,H,T,S] score
+block, where T vmapped decode steps would hold T copies of the keys' broadcast work for the
+backward pass (20x slower and 5x the memory at 159 queries over 318 keys).
+
 Letters: B batch, T queries, S keys, H query heads, G key/value heads, K head dim.
 """
 
@@ -25,7 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llm.attention.reference import default_positions
+from llm.attention.choose import DECODE_MAX_T
+from llm.attention.reference import attention_reference, default_positions
 
 # Implementations that take an explicit mask (through per-query segment ids).
 MASK_IMPLS = ("auto", "xla", "xla_decode")
@@ -37,14 +44,34 @@ def check_mask_impl(impl: str) -> None:
                      f"use one of {MASK_IMPLS} (attention_impl='auto' picks 'xla_decode')")
 
 
-def per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, q_segment_ids=None,
-                     kv_segment_ids=None, q_positions=None, kv_positions=None, **kwargs):
-  """`fn` (a registered implementation) with `mask_BTS` applied, one query at a time."""
+def _check_mask(q_BTHK, k_BSGK, mask_BTS) -> None:
   b, t = q_BTHK.shape[:2]
   s = k_BSGK.shape[1]
   if mask_BTS.shape != (b, t, s):
     raise ValueError(f"attention: mask shape {mask_BTS.shape}, expected [B,T,S] = {(b, t, s)} "
                      f"for q {q_BTHK.shape} and k {k_BSGK.shape}")
+
+
+def masked_attention(impl: str, fn, q_BTHK, k_BSGK, v_BSGK, mask_BTS, **kwargs):
+  """`attention(..., impl=impl, mask=mask_BTS)`: `dense_masked` for long calls under "xla" /
+  "auto", else `per_query_masked` through `fn` (module docstring)."""
+  check_mask_impl(impl)
+  if impl in ("xla", "auto") and q_BTHK.shape[1] > DECODE_MAX_T:
+    return dense_masked(q_BTHK, k_BSGK, v_BSGK, mask_BTS, **kwargs)
+  return per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask_BTS, **kwargs)
+
+
+def dense_masked(q_BTHK, k_BSGK, v_BSGK, mask_BTS, **kwargs):
+  """The reference over the whole call with `mask_BTS` folded into its rule."""
+  _check_mask(q_BTHK, k_BSGK, mask_BTS)
+  return attention_reference(q_BTHK, k_BSGK, v_BSGK, mask_BTS=mask_BTS, **kwargs)
+
+
+def per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, q_segment_ids=None,
+                     kv_segment_ids=None, q_positions=None, kv_positions=None, **kwargs):
+  """`fn` (a registered implementation) with `mask_BTS` applied, one query at a time."""
+  b, t = q_BTHK.shape[:2]
+  _check_mask(q_BTHK, k_BSGK, mask_BTS)
   visible_BTS = mask_BTS.astype(bool)
   if q_segment_ids is not None:
     if kv_segment_ids is None:

@@ -29,7 +29,7 @@ still fill the head's attention context. Reported: `top1`, how often the draft's
 equals the target's over those pairs, the teacher-forced rate at which the target accepts
 the draft's first token (greedy).
 `unroll` > 1 adds the head's own deeper draft steps to the loss (EAGLE-3's training-time
-test, arXiv 2503.01840; `unrolled_predictions`).
+test, arXiv 2503.01840; `unrolled_predictions`), step s weighted `unroll_decay`**(s-1).
 `taps` (EAGLE-3's fused features): the head also reads the target's residual stream after
 those blocks (`llm.speculative.draft`); they come from a forward pass (`cached_features`, kept
 in float16 beside the features; generation does not capture them) and are zeroed on a
@@ -273,12 +273,14 @@ def unrolled_mask(mask_BP, step: int):
 
 def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_BT, mask_BT,
                    feats_BTD, noise_BTD=None, unroll: int = 1, per_step: bool = False,
-                   loss_from_B=None, taps_BTK=None, tap_keep_BP=None):
+                   loss_from_B=None, taps_BTK=None, tap_keep_BP=None,
+                   unroll_decay: float = 1.0):
   """Per-pair (regression, cross-entropy, top1 agreement) [B,T-1] and the pair mask [B,T-1].
   loss_from_B [B]: pairs before it are left out of the mask (they still feed attention).
   unroll > 1: `unrolled_predictions` of that many steps; each term is then the mean over
-  the pair's steps and the mask counts the steps the pair has (so sum(term * mask) /
-  sum(mask) is the mean over every (pair, step)). per_step: also [(top1, mask)] per step.
+  the pair's steps, step s weighted unroll_decay**(s-1), and the mask sums the weights of
+  the steps the pair has (so sum(term * mask) / sum(mask) is the weighted mean over every
+  (pair, step); decay 1: the plain mean). per_step: also [(top1, mask)] per step.
   taps_BTK: the target's states at the head's taps; tap_keep_BP [B,T-1] (0 / 1) zeroes
   them on the pairs where it is 0 (training's tap dropout)."""
   dt = draft.cfg.dtype
@@ -320,9 +322,12 @@ def distill_losses(draft: DraftHead, embed_VD, head, vocab_major: bool, tokens_B
   if len(preds) == 1:
     out = (*terms[0], pair_BP)
   else:
-    # Means over every (pair, step) that exists: term * m sums the pair's steps' terms.
-    m = sum(masks)
-    mean = lambda i: sum(t[i] * m_s for t, m_s in zip(terms, masks)) / jnp.maximum(m, 1e-9)
+    # Weighted means over every (pair, step) that exists: term * m sums the pair's steps'
+    # weighted terms.
+    w = [unroll_decay ** (s - 1) for s in range(1, len(preds) + 1)]
+    m = sum(w_s * m_s for w_s, m_s in zip(w, masks))
+    mean = lambda i: (sum(w_s * t[i] * m_s for w_s, t, m_s in zip(w, terms, masks))
+                      / jnp.maximum(m, 1e-9))
     out = (mean(0), mean(1), mean(2), m)
   if per_step:
     return out, [(t[2], m_s) for t, m_s in zip(terms, masks)]
@@ -359,12 +364,16 @@ class DistillTask:
   def __init__(self, target: Llama, optim: OptimConfig, mesh: Mesh, *, w_cls: float = 0.1,
                noise: float = 0.1, rules: mesh_lib.Rules = mesh_lib.LLM_RULES,
                draft_vocab=None, unroll: int = 1, taps: tuple[int, ...] = (),
-               tap_dropout: float = 0.0):
+               tap_dropout: float = 0.0, unroll_decay: float = 1.0):
     if not (math.isfinite(w_cls) and w_cls >= 0 and math.isfinite(noise) and noise >= 0):
       raise ValueError(f"DistillTask: w_cls={w_cls}, noise={noise}; expected finite and >= 0")
     if not (isinstance(unroll, (int, np.integer)) and unroll >= 1):
       raise ValueError(f"DistillTask: unroll={unroll!r}; expected an integer >= 1 (draft "
                        "steps the loss unrolls)")
+    if not (math.isfinite(unroll_decay) and 0 < unroll_decay <= 1):
+      raise ValueError(f"DistillTask: unroll_decay={unroll_decay}; expected 0 < decay <= 1 "
+                       "(the weight of unrolled step s is decay**(s-1))")
+    self.unroll_decay = float(unroll_decay)
     self.cfg, self.optim, self.mesh, self.rules = target.cfg, optim, mesh, rules
     if not 0.0 <= tap_dropout < 1.0:
       raise ValueError(f"DistillTask: tap_dropout={tap_dropout}; expected 0 <= p < 1")
@@ -439,6 +448,7 @@ class DistillTask:
     (reg, ce, top1, m), steps = distill_losses(
         self.draft(params), batch["embed"], batch["head"], self.vocab_major, batch["tokens"],
         batch["mask"], batch["feats"], noise, unroll=self.unroll, per_step=True,
+        unroll_decay=self.unroll_decay,
         loss_from_B=batch.get("loss_from"), taps_BTK=batch.get("taps"), tap_keep_BP=keep)
     sums = {"reg": jnp.sum(reg * m), "cls": jnp.sum(ce * m), "top1": jnp.sum(top1 * m)}
     if self.unroll > 1:
@@ -532,6 +542,7 @@ class DistillConfig:
   w_cls: float = 0.1
   noise: float = 0.1
   unroll: int = 1                 # draft steps the loss unrolls (`unrolled_predictions`)
+  unroll_decay: float = 1.0       # weight of unrolled step s: decay**(s-1)
   taps: tuple[int, ...] = ()      # target blocks whose states the head also reads (EAGLE-3)
   tap_dropout: float = 0.3        # share of pairs trained with the taps zeroed (draft trees)
   eval_every: int = 0
@@ -735,7 +746,7 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
                       total_steps=dcfg.steps, weight_decay=dcfg.weight_decay)
   task = DistillTask(target, optim, mesh, w_cls=dcfg.w_cls, noise=dcfg.noise,
                      draft_vocab=vocab, unroll=dcfg.unroll, taps=dcfg.taps,
-                     tap_dropout=dcfg.tap_dropout)
+                     tap_dropout=dcfg.tap_dropout, unroll_decay=dcfg.unroll_decay)
   split = lambda x, a, b: None if x is None else x[a:b]
   train_src = SequenceSource(tokens[:n_train], mask[:n_train], dcfg.batch_size, seed=dcfg.seed,
                              feats=split(feats, 0, n_train),

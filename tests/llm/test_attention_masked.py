@@ -74,3 +74,38 @@ def test_mask_errors():
     attn_lib.attention(q, k, k, impl="cudnn", mask=jnp.ones((1, 2, 3), bool))
   with pytest.raises(ValueError, match=r"mask shape \(1, 3, 2\), expected \[B,T,S\]"):
     attn_lib.attention(q, k, k, impl="xla", mask=jnp.ones((1, 3, 2), bool))
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+def test_long_calls_take_the_reference_with_the_mask(impl, monkeypatch):
+  """More queries than a decode step (a draft head trained on its unrolled predictions):
+  one reference call with the mask folded in, equal to numpy and, with its gradients, to
+  the per-query path."""
+  from llm.attention import masked
+  from llm.attention.choose import DECODE_MAX_T
+  b, t, s, h, g, kd = 1, DECODE_MAX_T + 4, 2 * DECODE_MAX_T + 8, 4, 2, 8
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.normal(size=shape).astype(np.float32)
+             for shape in ((b, t, h, kd), (b, s, g, kd), (b, s, g, kd)))
+  q_pos = np.arange(t, dtype=np.int32)[None] + 4
+  kv_pos = np.arange(s, dtype=np.int32)[None] % (t + 4)
+  mask = rng.random((b, t, s)) < 0.5
+  allowed = mask & (kv_pos[:, None, :] <= q_pos[:, :, None])
+  kw = dict(causal=True, q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(kv_pos))
+  ref = attn_lib.get_attention("xla")
+
+  def loss(fn, q, k, v):
+    out, lse = fn(q, k, v)
+    return jnp.sum(out ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+  per_query = lambda q, k, v: masked.per_query_masked(ref, q, k, v, jnp.asarray(mask), **kw)
+  (_, want), want_grads = jax.value_and_grad(lambda *a: loss(per_query, *a), argnums=(0, 1, 2),
+                                             has_aux=True)(q, k, v)
+  monkeypatch.setattr(masked, "per_query_masked", None)     # the long call must not use it
+  dense = lambda q, k, v: attn_lib.attention(q, k, v, impl=impl, mask=jnp.asarray(mask), **kw)
+  (_, got), grads = jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2),
+                                       has_aux=True)(q, k, v)
+  np.testing.assert_allclose(np.asarray(got[0]), numpy_attention(q, k, v, allowed)[0],
+                             rtol=1e-5, atol=1e-5)
+  for a, w in zip((*got, *grads), (*want, *want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5)

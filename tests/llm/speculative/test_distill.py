@@ -115,8 +115,10 @@ def test_cached_sequences_and_features_resume(target, tmp_path):
 def test_unrolled_steps_match_decoding(target, sequences):
   """`unrolled_predictions` against the head run as in decoding: step 1 is the causal head
   (the plain loss's predictions); step s at pair p equals committing pairs <= p-s+1 into the
-  head's KV cache, then feeding it its own prediction s-1 times, one pair per call."""
-  tokens = jnp.asarray(sequences[0][:2, :12])
+  head's KV cache, then feeding it its own prediction s-1 times, one pair per call. 19
+  pairs: more queries than a decode step, so the unrolled steps' masked attention is the
+  dense one (`llm.attention.masked.dense_masked`), checked here against decode steps."""
+  tokens = jnp.asarray(sequences[0][:2, :20])
   draft = DraftHead(CFG, nnx.Rngs(5))
   feats = target.hidden(target.embed_tokens(tokens))[0]
   f_in, emb = feats[:, :-1], target.embed_tokens(tokens[:, 1:])
@@ -151,12 +153,19 @@ def test_unrolled_steps_match_decoding(target, sequences):
                                                    feats, unroll=steps, per_step=True)
   np.testing.assert_allclose(per[0][0], one[2])
   np.testing.assert_array_equal(m[0], [1, 2] + [3] * (n - 2))
-  want = 0.0
+  want, terms = 0.0, []
   for s in range(1, steps + 1):
     d = np.abs(np.asarray(preds[s - 1]) - np.asarray(feats[:, 1:]))
-    want = want + np.where(np.arange(n) >= s - 1, np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1),
-                           0.0)
+    terms.append(np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1))
+    want = want + np.where(np.arange(n) >= s - 1, terms[-1], 0.0)
   np.testing.assert_allclose(np.asarray(reg) * np.asarray(m), want, rtol=1e-5)
+  # unroll_decay: step s weighs decay**(s-1); the mask sums the weights a pair has.
+  reg_d, _, _, m_d = distill.distill_losses(draft, embed, head, False, tokens, mask, feats,
+                                            unroll=steps, unroll_decay=0.5)
+  np.testing.assert_allclose(m_d[0], [1, 1.5] + [1.75] * (n - 2))
+  want_d = sum(0.5 ** (s - 1) * np.where(np.arange(n) >= s - 1, term, 0.0)
+               for s, term in enumerate(terms, start=1))
+  np.testing.assert_allclose(np.asarray(reg_d) * np.asarray(m_d), want_d, rtol=1e-5)
 
 
 def test_greedy_sequences_need_distinct_prompts(target, tmp_path):
