@@ -77,8 +77,11 @@ def test_resume_is_bit_exact(tmp_path):
 
 # Row-wise Adagrad keeps one accumulator per row per column chunk under cw (as TorchRec
 # does), and the planner picks cw for some tables, so "auto" runs with element-wise Adagrad.
+# "auto" mixes kinds in one run; single kinds are slow-marked here, each kind and optimizer
+# being checked against one device by tests/rec/test_embedding_collection.py.
 @pytest.mark.parametrize("sharding,sparse_optimizer", [
-    ("dp", "rowwise_adagrad"), ("tw", "rowwise_adagrad"), ("auto", "adagrad")])
+    pytest.param("dp", "rowwise_adagrad", marks=pytest.mark.slow),
+    pytest.param("tw", "rowwise_adagrad", marks=pytest.mark.slow), ("auto", "adagrad")])
 def test_eight_devices_equal_one(tmp_path, sharding, sparse_optimizer):
   one = jax.devices()[:1]
   kw = dict(sharding=sharding, sparse_optimizer=sparse_optimizer)
