@@ -22,7 +22,7 @@ own unrolled predictions, `llm.speculative.distill`) are not decode steps: they 
 reference once with the mask folded into its rule (`dense_masked`), one [B,H,T,S] score
 block instead of T vmapped decode steps, whose backward pass is slow and memory-hungry
 (SmolLM2's draft head unrolled 3 steps at batch 4 x 160 tokens needed more than 8 GB that
-way; unrolled 2 steps at batch 8 it now trains at 0.85-0.88 s per step).
+way; unrolled 2 steps at batch 8 it trains at 0.85-0.88 s per step, BENCHMARKS.md).
 
 Letters: B batch, T queries, S keys, H query heads, G key/value heads, K head dim.
 """
