@@ -20,6 +20,14 @@ def xla_flags(devices: int) -> str:
   return f"--xla_force_host_platform_device_count={devices} {OPT_FLAG}"
 
 
+def python_path(repo: str) -> str:
+  """PYTHONPATH for a subprocess that imports the project from `repo`: the repository
+  first, then whatever PYTHONPATH this process has (packages installed with --target, as on
+  a GPU machine whose missing wheels are carried, stay importable)."""
+  rest = os.environ.get("PYTHONPATH", "")
+  return repo + (os.pathsep + rest if rest else "")
+
+
 def cpu_env(devices: int, **extra: str) -> dict[str, str]:
   """os.environ for a subprocess on the CPU with `devices` simulated devices."""
   return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)

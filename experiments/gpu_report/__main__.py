@@ -2,7 +2,7 @@ r"""Every GPU target the project states, measured in one run on one H100 / H200 
 each as a ratio to its reference taken in the same run; writes DIR/report.md (one row per
 target: figure, target, met or not) and DIR/report.json after every part.
 
-  python -m experiments.gpu_report --out=/tmp/gpu_report          # one GPU, ~8 min
+  python -m experiments.gpu_report --out=/tmp/gpu_report          # one GPU, ~10 min
   python -m experiments.gpu_report --parts=attention,decode        # some parts only
   python -m experiments.gpu_report --dry_run --out=/tmp/dry        # CPU, toy sizes
 

@@ -185,7 +185,9 @@ def run_part(part: Part, ctx: Context, budget_s: float) -> dict[str, Any]:
 
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
-_OUTCOME = re.compile(r"::\S*.*? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# A `-v` line: "tests/a.py::test_x PASSED [ 25%]", or under xdist "[gw1] [ 25%] PASSED tests/..."
+_OUTCOME = re.compile(r"(?:::\S*.*? |^\[gw\d+\] \[\s*\d+%\] )"
+                      r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
 def parse_pytest_counts(text: str) -> dict[str, int]:
@@ -213,8 +215,16 @@ def parse_pytest_counts(text: str) -> dict[str, int]:
 def run_pytest(args: list[str], env: dict[str, str], timeout_s: float, log_path: str,
                cwd: str) -> dict[str, Any]:
   """Runs `python -m pytest -v *args` in its own process group, killed after `timeout_s`;
-  returns {counts, returncode, timed_out, seconds}; the output goes to `log_path`."""
-  cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *args]
+  returns {counts, returncode, timed_out, seconds, failures}; the output goes to `log_path`,
+  each failure's reason (written as it happens, so a run cut short keeps it) to
+  `log_path`.failures and into `failures` ([{test, text}])."""
+  from experiments.gpu_report import pytest_failures
+  cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p",
+         "experiments.gpu_report.pytest_failures", *args]
+  failures_path = log_path + ".failures"
+  if os.path.exists(failures_path):
+    os.remove(failures_path)
+  env = {**env, pytest_failures.ENV: failures_path}
   t0 = time.monotonic()
   with open(log_path, "w") as log:
     log.write(" ".join(cmd) + "\n")
@@ -232,7 +242,7 @@ def run_pytest(args: list[str], env: dict[str, str], timeout_s: float, log_path:
     text = f.read()
   return {"counts": parse_pytest_counts(text), "returncode": proc.returncode,
           "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1),
-          "command": " ".join(cmd)}
+          "command": " ".join(cmd), "failures": pytest_failures.read_failures(failures_path)}
 
 
 # ------------------------------------------------------------------------ writing

@@ -15,6 +15,7 @@ import pytest
 
 from core import cli, errors
 from rec import configs
+from tests import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +27,7 @@ def _run(body: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
           + "\nif __name__ == '__main__':\n  cli.run(main)\n")
   return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True,
                         text=True, timeout=300,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO))
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO)))
 
 
 def _in_process(main, *args, capsys):

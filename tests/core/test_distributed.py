@@ -36,7 +36,7 @@ def _port() -> int:
 
 def _env(devices: int) -> dict:
   env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(devices),
-             JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+             JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO))
   env.pop("JAX_COORDINATOR_ADDRESS", None)
   return env
 

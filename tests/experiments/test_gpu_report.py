@@ -27,6 +27,13 @@ tests/b.py::test_w ERROR                                                  [100%]
 """
 
 
+PYTEST_XDIST_CUT = """\
+[gw1] [ 25%] PASSED tests/a.py::test_x
+[gw0] [ 50%] FAILED tests/a.py::test_y
+[gw1] [ 75%] SKIPPED tests/b.py::test_z
+"""
+
+
 def test_parse_pytest_counts():
   """The final summary line wins; a run cut short is counted from its -v lines."""
   assert report_lib.parse_pytest_counts(PYTEST_DONE) == {
@@ -35,6 +42,31 @@ def test_parse_pytest_counts():
   assert report_lib.parse_pytest_counts(cut) == {"passed": 1, "failed": 1, "skipped": 1,
                                                  "errors": 0}
   assert report_lib.parse_pytest_counts("=== 12 passed in 1.0s ===")["passed"] == 12
+  assert report_lib.parse_pytest_counts(PYTEST_XDIST_CUT) == {
+      "passed": 1, "failed": 1, "skipped": 1, "errors": 0}
+
+
+def test_a_pytest_run_cut_short_keeps_each_failure_reason(tmp_path):
+  """pytest prints failures only at the end; the report's pytest parts stop the run at
+  their limit, so each failure's reason is written as it happens (the plugin)."""
+  tests = tmp_path / "t"
+  tests.mkdir()
+  (tests / "test_cut.py").write_text(
+      "import time\n"
+      "def test_fails():\n  assert 1 + 1 == 3, 'arithmetic is off'\n"
+      "def test_passes():\n  pass\n"
+      "def test_hangs():\n  time.sleep(600)\n")
+  env = dict(os.environ, PYTHONPATH=REPO)
+  t0 = time.monotonic()
+  # Under xdist (as on a GPU): the controller writes each failure once, not its workers.
+  res = report_lib.run_pytest(["-n", "2", "-o", "addopts=", str(tests)], env,
+                              timeout_s=15.0, log_path=str(tmp_path / "out.log"), cwd=REPO)
+  assert res["timed_out"] and time.monotonic() - t0 < 120
+  assert res["counts"]["failed"] == 1 and res["counts"]["passed"] == 1
+  [fail] = res["failures"]
+  assert fail["test"].endswith("test_cut.py::test_fails (call)")
+  assert "arithmetic is off" in fail["text"]
+  assert parts._last_error_line(fail["text"]).startswith("AssertionError: arithmetic is off")
 
 
 def test_judged_statuses():

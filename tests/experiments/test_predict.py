@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(RAW, "train.txt"
 
 
 def _entry(module, args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO),
              XLA_FLAGS=cpu_env.xla_flags(8))
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)

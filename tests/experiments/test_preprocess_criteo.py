@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from tests import cpu_env
 from tests.experiments.entry import REPO
 from tests.rec.test_criteo_bin import line
 
@@ -21,7 +22,7 @@ def _cmd(*args):
 
 
 def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO))
   env.pop("XLA_FLAGS", None)
   return env
 

@@ -47,7 +47,7 @@ def _fail(args, cwd=REPO):
 
 def _env():
   return dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8),
-              JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+              JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO))
 
 
 @pytest.mark.parametrize("mesh,msg", [

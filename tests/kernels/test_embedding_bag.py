@@ -228,7 +228,12 @@ class EmbeddingBagCases:
     assert len(pieces) == 24 and starts[:3] == (0, 3, 6) and starts[-1] == rows.shape[0]
     assert all(p.size <= 40 for p in pieces)
     got = eb.embedding_bag(table, flat, coef, interpret=self.interpret)
-    np.testing.assert_array_equal(got, want)
+    # Bit for bit in interpret mode. On a GPU the backward's scatter-add of repeated ids
+    # lands in any order (atomics), and the pieces compile to another kernel: equal there up
+    # to the fp32 rounding of a few summed terms.
+    same = (np.testing.assert_array_equal if self.interpret else
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6))
+    same(got, want)
     local = np.where(coef != 0, local, 0)
     np.testing.assert_allclose(   # offsets added in the kernel (as in test_offsets_in_kernel)
         eb.embedding_bag(table, local, coef, offsets=offsets, interpret=self.interpret), want,
@@ -237,7 +242,7 @@ class EmbeddingBagCases:
       loss = lambda t: jnp.sum(eb.embedding_bag(t, flat, coef, interpret=self.interpret) * grad)
       g = jax.grad(loss)(table)
       monkeypatch.setattr(eb, "_I32_MAX_ELEMENTS", 2**31 - 1)
-      np.testing.assert_array_equal(g, jax.grad(loss)(table))
+      same(g, jax.grad(loss)(table))
 
   def test_jit_and_empty_bags(self):
     table, flat, _, _, coef, _, _ = _case("onehot", "float32")
