@@ -54,7 +54,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("repeats", 3, "Timed repeats.", lower_bound=1)
   flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.", lower_bound=0)
   flags.DEFINE_bool("breakdown", True, "Time forward, backward, attention, loss head, optimizer.")
-  flags.DEFINE_bool("profile", False, "jax.profiler trace of 3 steps to <workdir>/profile.")
+  flags.DEFINE_bool("profile", False, "jax.profiler trace of 3 steps to <workdir>/profile; "
+                    "its summary (device busy time, top kernels) goes into the results.")
   flags.DEFINE_bool("xla_dump", False, "XLA HLO dumps to <workdir>/xla_dump.")
   flags.DEFINE_string("workdir", "runs/bench_lm_train", "Where results.json and traces go.")
 

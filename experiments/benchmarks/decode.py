@@ -11,8 +11,11 @@ Letters: B batch, T prompt length, D model dim.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
+
+from core import profiling
 
 
 def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, float]:
@@ -32,10 +35,11 @@ def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, f
   return float(weights), float(kv)
 
 
-def time_decode(model, prompts, new_tokens: int, repeats: int):
+def time_decode(model, prompts, new_tokens: int, repeats: int, profile_dir: str | None = None):
   """(prefill seconds per repeat, decode seconds per repeat, generated ids) for greedy
   generation of `new_tokens` tokens after `prompts` [B, T] (no stop token); the first run
-  compiles and is not timed."""
+  compiles and is not timed. `profile_dir`: one more run's decode (not its prefill) is
+  traced there (core.profiling)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -47,14 +51,15 @@ def time_decode(model, prompts, new_tokens: int, repeats: int):
   stop = jnp.asarray((-1,), jnp.int32)   # no stop token: always new_tokens steps
   max_len = tokens.shape[1] + new_tokens
 
-  def run():
+  def run(trace_dir=None):
     key = jax.random.key(0)
     t0 = time.perf_counter()
     tok, cache, key = gen.prefill(graphdef, state, tokens, lengths, key, None, max_len=max_len)
     jax.block_until_ready((tok, cache))
     t1 = time.perf_counter()
-    out, _ = gen.decode(graphdef, state, cache, tok, key, None, stop, n_new=new_tokens)
-    out = np.asarray(out)
+    with profiling.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+      out, _ = gen.decode(graphdef, state, cache, tok, key, None, stop, n_new=new_tokens)
+      out = np.asarray(out)
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, out.tolist()
 
@@ -64,13 +69,17 @@ def time_decode(model, prompts, new_tokens: int, repeats: int):
     p, d, ids = run()
     pre.append(p)
     dec.append(d)
+  if profile_dir:
+    run(profile_dir)
   return pre, dec, ids
 
 
 def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats: int,
-                   copy_bytes_per_s: float, seed: int = 0) -> dict[str, Any]:
+                   copy_bytes_per_s: float, seed: int = 0,
+                   profile_dir: str | None = None) -> dict[str, Any]:
   """Prefill ms, decode ms per step and its ratio to the floor (weights + the mean filled
-  KV cache over `copy_bytes_per_s`) for random prompts [batch, prompt_len]."""
+  KV cache over `copy_bytes_per_s`) for random prompts [batch, prompt_len]; with
+  `profile_dir`, "profile": the traced decode's summary (core.profiling.summarize)."""
   import numpy as np
 
   from core import benchmark
@@ -79,15 +88,18 @@ def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats:
                      "step after the prefill's token)")
   rng = np.random.default_rng(seed)
   prompts = rng.integers(0, model.cfg.vocab_size, (batch, prompt_len)).tolist()
-  pre, dec, _ = time_decode(model, prompts, new_tokens, repeats)
+  pre, dec, _ = time_decode(model, prompts, new_tokens, repeats, profile_dir)
   step_ms = benchmark.median(dec) * 1e3 / (new_tokens - 1)
   kv_tokens = prompt_len + (new_tokens - 1) / 2       # filled, mean over steps
   w_bytes, kv_bytes = decode_bytes_per_step(model, batch, kv_tokens)
   floor_ms = (w_bytes + kv_bytes) / copy_bytes_per_s * 1e3
-  return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-          "prefill_ms": benchmark.median(pre) * 1e3, "decode_ms_per_step": step_ms,
-          "decode_floor_ms": floor_ms, "decode_over_floor": step_ms / floor_ms,
-          "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv_bytes}
+  out = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+         "prefill_ms": benchmark.median(pre) * 1e3, "decode_ms_per_step": step_ms,
+         "decode_floor_ms": floor_ms, "decode_over_floor": step_ms / floor_ms,
+         "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv_bytes}
+  if profile_dir:
+    out["profile"] = profiling.summarize(profile_dir, steps=new_tokens - 1)
+  return out
 
 
 __all__ = ["decode_bytes_per_step", "measure_decode", "time_decode"]

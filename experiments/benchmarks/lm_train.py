@@ -86,11 +86,14 @@ def run_benchmark(cfg, *, seq_len, batch, mesh_spec, mu_dtype="float32", loss_ch
 
   per_step, state = benchmark.time_steps(step_fn, state, steps, repeats, warmup)
   step_ms = benchmark.median(per_step) * 1e3
+  profile = None
   if profile_dir:
-    with jax.profiler.trace(profile_dir):
+    from core import profiling
+    with profiling.trace(profile_dir):
       for _ in range(3):
         state = step_fn(state)
       jax.block_until_ready(state)
+    profile = profiling.summarize(profile_dir, steps=3)
 
   n_dev = mesh.devices.size
   # What "auto" runs for the model's attention calls (no cache, default positions).
@@ -120,6 +123,8 @@ def run_benchmark(cfg, *, seq_len, batch, mesh_spec, mu_dtype="float32", loss_ch
          "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)) if cost else None,
          "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
          "argument_bytes": getattr(mem, "argument_size_in_bytes", None)}
+  if profile is not None:
+    res["profile"] = profile
   if not breakdown:
     return res
 

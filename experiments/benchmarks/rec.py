@@ -64,7 +64,8 @@ def time_step(step, state, pool, steps: int, repeats: int, warmup: int = 5):
 
 def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset: str,
                    mesh: str, steps: int, source_batches: int, gen_dir: str,
-                   gen_rows: int, repeats: int = 3) -> dict[str, Any]:
+                   gen_rows: int, repeats: int = 3,
+                   profile_dir: str | None = None) -> dict[str, Any]:
   """{source, step, end_to_end} examples/s and end_to_end / step for one --data source;
   "criteo_bin:gen" writes `gen_rows` random rows in the criteo_bin layout under `gen_dir`
   once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain."""
@@ -76,7 +77,7 @@ def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset
                              learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
   task, train_src, _, _, _ = configs.build_run(cfg)
   return throughput.measure(task, train_src, steps=steps, repeats=repeats,
-                            source_batches=source_batches)
+                            source_batches=source_batches, profile_dir=profile_dir)
 
 
 def recd_capacity(batch_shard: int, dup_rate: float, sigmas: float = 6.0) -> int:

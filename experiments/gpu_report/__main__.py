@@ -5,6 +5,7 @@ target: figure, target, met or not) and DIR/report.json after every part.
   python -m experiments.gpu_report --out=/tmp/gpu_report          # one GPU, ~10 min
   python -m experiments.gpu_report --parts=attention,decode        # some parts only
   python -m experiments.gpu_report --dry_run --out=/tmp/dry        # CPU, toy sizes
+  python -m experiments.gpu_report --parts=decode,lm_train --profile   # + kernel profiles
 
 On the lent GPU machine (its $OUT returns at most 8 files, so logs travel as one archive):
   PYTHONUNBUFFERED=1 python -m experiments.gpu_report --out=/tmp/r; cp /tmp/r/report.* $OUT;
@@ -37,6 +38,11 @@ logged; its log is DIR/logs/<part>.log. The measuring parts share one process (a
 persistent compilation cache of --compilation_cache_dir, so a rerun on the same machine
 skips compiles); the pytest parts run in subprocesses with XLA_PYTHON_CLIENT_PREALLOCATE
 off, in the GPU memory this process leaves.
+
+--profile also traces one timed case of decode (per batch size), lm_train (per case),
+rec_pipeline (the loop, per source), mlperf and fp8 (core.profiling): how busy the device
+was over the traced steps, kernels per step, and the kernels that took the time, in each
+part's log and report.md tables; the traces stay under DIR/logs/profile_* (in logs.tgz).
 
 --dry_run runs every part at toy sizes on CPU: Pallas kernels in interpret mode (the Mosaic
 GPU kernel in Pallas's GPU interpreter), cuDNN replaced by XLA, pytest on one file. Its
@@ -81,6 +87,11 @@ def define_flags() -> None:
   flags.DEFINE_string("compilation_cache_dir", "runs/jax_compilation_cache",
                       "JAX's persistent compilation cache ('' : off; the dry run leaves it "
                       "off unless given).")
+  flags.DEFINE_bool("profile", False,
+                    "Also trace one timed case of decode, lm_train, rec_pipeline and mlperf "
+                    "(jax.profiler): device busy / span, kernels per step and the top "
+                    "kernels in each part's details and log; traces under "
+                    "DIR/logs/profile_*.")
   flags.DEFINE_list("lm_remats", ["none", "attention"],
                     "Remat policies of the lm_train part (none, full, dots, attention): every "
                     "attention_impl at the first, then at the next as the budget allows; each "
@@ -158,10 +169,12 @@ def main(argv):
   sizes = (parts.Sizes.dry_run if FLAGS.dry_run else parts.Sizes.gpu)(**over)
   out_dir = FLAGS.out or report_lib.default_out_dir()
   settings = {k: FLAGS[k].value for k in ("parts", "dry_run", "budget_s", "part_budgets",
+                                          "profile",
                                           "compilation_cache_dir", "lm_remats", "fp8_layers",
                                           "fp8_recipe", "mlperf_rows")}
   report = parts.run_report(sizes, FLAGS.parts, out_dir, dry_run=FLAGS.dry_run,
-                            budget_s=budget_s, budgets=budgets, settings=settings)
+                            budget_s=budget_s, budgets=budgets, settings=settings,
+                            profile=FLAGS.profile)
   md = report_lib.to_markdown(report)
   print("\n" + md.split("\n## ")[0])
   by_status: dict[str, int] = {}

@@ -159,6 +159,23 @@ class Sizes:
     return cls.gpu(**{**kw, **overrides})
 
 
+def _profile_tables(profiles: dict[str, Any]) -> dict[str, list[dict]]:
+  """report.md tables of --profile summaries: per traced case, its busy time and kernels
+  per step, then the kernels that took the most time."""
+  out = {}
+  for label, s in profiles.items():
+    if not s:
+      continue
+    frac = "-" if s["busy_fraction"] is None else f"{s['busy_fraction']:.0%}"
+    head = {"kernel": f"(all: {s['lines']})", "count": s["kernels"],
+            "ms": s["busy_ms"], "share": f"busy {frac} of {s['span_ms']:.2f} ms, "
+                                         f"{s['kernels_per_step']:.0f} per step"}
+    out[f"profile {label}"] = [head] + [
+        {"kernel": t["name"], "count": t["count"], "ms": t["ms"], "share": f"{t['share']:.1%}"}
+        for t in s["top"]]
+  return out
+
+
 def _skipped_reason(ctx: Context, need_s: float = 0.0) -> str | None:
   if ctx.time_left() <= need_s:
     return f"the part's time budget ran out ({ctx.time_left():.0f} s left, {need_s:.0f} s needed)"
@@ -243,12 +260,14 @@ def part_lm_train(ctx: Context) -> dict:
                          max_seq_len=max(s.lm_seq, base.max_seq_len))
       res = lm_train.run_benchmark(cfg, seq_len=s.lm_seq, batch=s.lm_batch, mesh_spec="-1",
                                    steps=s.lm_steps, repeats=s.lm_repeats, warmup=s.lm_warmup,
-                                   breakdown=False)
+                                   breakdown=False,
+                                   profile_dir=ctx.profile_dir(f"lm_train_{impl}_{remat}"))
       results[(impl, remat)] = res
       mfu = "n/a" if res["mfu"] is None else f"{res['mfu']:.1%}"
       ctx.log(f"  {impl} ({res['attention_resolved']}) remat={remat}: step "
               f"{res['step_ms']:.1f} ms, {res['tokens_per_s']:,.0f} tokens/s, MFU {mfu} "
               f"(compile {res['compile_s']:.1f} s)")
+      ctx.log_profile(f"{impl} remat={remat} (3 steps)", res.get("profile"))
     except Exception as e:  # noqa: BLE001 - one impl failing must not end the part
       results[(impl, remat)] = {"error": fa_bench.error_text(e)}
       ctx.log(f"  {impl} remat={remat}: FAILED {results[(impl, remat)]['error']}")
@@ -290,8 +309,11 @@ def part_lm_train(ctx: Context) -> dict:
                   "TFLOP/s": res.get("model_tflops_per_s", ""), "MFU": res.get("mfu", ""),
                   "compile s": res.get("compile_s", ""),
                   "note": res.get("error", res.get("skipped", res.get("note", "")))})
+  profiles = {f"{i} remat={r}": v.get("profile") for (i, r), v in results.items()
+              if v.get("profile") and "note" not in v}
   return {"targets": targets,
-          "details": {"best_remat": best, "tables": {"train step": table},
+          "details": {"best_remat": best,
+                      "tables": {"train step": table, **_profile_tables(profiles)},
                       "results": {f"{i}/{r}": v for (i, r), v in results.items()}}}
 
 
@@ -312,7 +334,7 @@ def part_decode(ctx: Context) -> dict:
   copy_bw = ctx.copy_bandwidth()
   model = model_lib.Llama(cfg, nnx.Rngs(0))
   ctx.log(f"  Llama {s.dec_preset}: {cfg.num_params() / 1e9:.2f}B params in bf16")
-  targets, rows = [], []
+  targets, rows, profiles = [], [], {}
   for b in s.dec_batches:
     name = (f"decode ms/step over the bandwidth floor, {s.dec_preset} bf16, batch {b}, "
             f"prompt {s.dec_prompt}")
@@ -323,22 +345,26 @@ def part_decode(ctx: Context) -> dict:
       continue
     try:
       r = decode_bench.measure_decode(model, b, s.dec_prompt, s.dec_new_tokens, s.dec_repeats,
-                                      copy_bw)
+                                      copy_bw, profile_dir=ctx.profile_dir(f"decode_b{b}"))
     except Exception as e:  # noqa: BLE001 - report and go on (OOM at batch 8, ...)
       targets.append(judged("decode", name, None, at_most=limit, error=fa_bench.error_text(e)))
       ctx.log(f"  batch {b}: FAILED {targets[-1].detail}")
       continue
+    if "profile" in r:
+      profiles[f"batch {b}"] = r.pop("profile")
     rows.append(r)
     ctx.log(f"  batch {b}: prefill {r['prefill_ms']:.1f} ms, decode {r['decode_ms_per_step']:.3f}"
             f" ms/step, floor {r['decode_floor_ms']:.3f} ms ({r['decode_over_floor']:.2f}x)")
+    ctx.log_profile(f"decode batch {b}", profiles.get(f"batch {b}"))
     targets.append(judged(
         "decode", name, r["decode_over_floor"], at_most=limit,
         detail=f"{r['decode_ms_per_step']:.3f} ms vs floor {r['decode_floor_ms']:.3f} ms "
                f"({(r['weight_bytes_per_step'] + r['kv_bytes_per_step']) / 1e9:.2f} GB at "
                f"{copy_bw / 1e12:.2f} TB/s)"))
   del model
-  return {"targets": targets, "details": {"copy_bytes_per_s": copy_bw,
-                                          "tables": {"decode": rows}}}
+  return {"targets": targets, "details": {"copy_bytes_per_s": copy_bw, "profiles": profiles,
+                                          "tables": {"decode": rows,
+                                                     **_profile_tables(profiles)}}}
 
 
 # ------------------------------------------------------------------------ embedding bag
@@ -398,7 +424,7 @@ def part_rec_pipeline(ctx: Context) -> dict:
   """DLRM (Criteo Kaggle architecture): the train loop end to end against its jitted step,
   per data source; criteo_bin rows generated into a temporary directory."""
   s = ctx.sizes
-  targets, table = [], []
+  targets, table, profiles = [], [], {}
   gen_dir = tempfile.mkdtemp(prefix="gpu_report_criteo_bin_")
   try:
     for data in s.rp_data:
@@ -412,7 +438,8 @@ def part_rec_pipeline(ctx: Context) -> dict:
       try:
         r = rec_bench.pipeline_rates(data, s.rp_batch, s.rp_rows, "dlrm", "kaggle", "-1",
                                      s.rp_steps, s.rp_source_batches, gen_dir, s.rp_gen_rows,
-                                     repeats=s.rp_repeats)
+                                     repeats=s.rp_repeats,
+                                     profile_dir=ctx.profile_dir(f"rec_pipeline_{data}"))
       except Exception as e:  # noqa: BLE001 - report and go on
         targets.append(judged("rec_pipeline", name, None, at_least=PIPELINE_TARGET,
                               error=fa_bench.error_text(e)))
@@ -421,6 +448,9 @@ def part_rec_pipeline(ctx: Context) -> dict:
       ctx.log(f"  {data}: source {r['source_examples_per_sec']:,.0f}, step "
               f"{r['step_examples_per_sec']:,.0f}, end to end "
               f"{r['end_to_end_examples_per_sec']:,.0f} ex/s")
+      if "profile" in r:
+        profiles[data] = r.pop("profile")
+        ctx.log_profile(f"the loop on {data} ({s.rp_steps} steps)", profiles[data])
       table.append({"data": data, **r})
       targets.append(judged(
           "rec_pipeline", name, r["end_to_end_over_step"], at_least=PIPELINE_TARGET,
@@ -428,22 +458,33 @@ def part_rec_pipeline(ctx: Context) -> dict:
                  f" ex/s (source alone {r['source_examples_per_sec']:,.0f})"))
   finally:
     shutil.rmtree(gen_dir, ignore_errors=True)
-  return {"targets": targets, "details": {"tables": {"examples/s": table}}}
+  return {"targets": targets, "details": {"profiles": profiles,
+                                          "tables": {"examples/s": table,
+                                                     **_profile_tables(profiles)}}}
 
 
 def _time_rec_step(ctx: Context, batch, rows, steps, repeats, warmup,
-                   **overrides) -> tuple[float, int]:
-  """(median seconds per step, devices) of the MLPerf DCNv2 step, measured once per
-  setting in a report (the fp8 part's bf16 step is the mlperf part's when they match)."""
+                   profile_label: str | None = None, **overrides) -> tuple[float, int, Any]:
+  """(median seconds per step, devices, profile summary or None) of the MLPerf DCNv2 step,
+  measured once per setting in a report (the fp8 part's bf16 step is the mlperf part's when
+  they match); under --profile `steps` more steps are traced."""
   from core import benchmark
+  from core import profiling
   key = ("dcnv2_mlperf_step", batch, rows, steps, repeats, warmup,
          tuple(sorted(overrides.items())))
   if key not in ctx.shared:
     step, state, pool, ndev = rec_bench.build_step(batch, rows, "-1", "auto", "dcnv2",
                                                    "mlperf", **overrides)
     per_step, state = rec_bench.time_step(step, state, pool, steps, repeats, warmup)
+    summary = None
+    trace_dir = ctx.profile_dir(profile_label) if profile_label else None
+    if trace_dir:
+      with profiling.trace(trace_dir):
+        _, state = rec_bench.time_step(step, state, pool, steps, 1, 0)
+      summary = profiling.summarize(trace_dir, steps=steps)
+      ctx.log_profile(f"{profile_label} ({steps} steps)", summary)
     del state, pool
-    ctx.shared[key] = (benchmark.median(per_step), ndev)
+    ctx.shared[key] = (benchmark.median(per_step), ndev, summary)
   else:
     ctx.log("  (the same step as measured before in this report)")
   return ctx.shared[key]
@@ -454,8 +495,9 @@ def part_mlperf(ctx: Context) -> dict:
   tables capped at ml_rows rows, bf16 dense compute as NVIDIA's mixed precision) in
   examples/s per GPU against NVIDIA's 1.7M per H100."""
   s = ctx.sizes
-  sec, ndev = _time_rec_step(ctx, s.ml_batch, s.ml_rows, s.ml_steps, s.ml_repeats,
-                             s.ml_warmup, dtype="bfloat16")
+  sec, ndev, profile = _time_rec_step(ctx, s.ml_batch, s.ml_rows, s.ml_steps, s.ml_repeats,
+                                      s.ml_warmup, profile_label="mlperf_bf16",
+                                      dtype="bfloat16")
   per_dev = s.ml_batch / sec / ndev
   ctx.log(f"  {per_dev:,.0f} examples/s per device ({1e3 * sec:.2f} ms per step of "
           f"{s.ml_batch}, {ndev} device(s))")
@@ -465,7 +507,9 @@ def part_mlperf(ctx: Context) -> dict:
              target=">= 1.00x (MLPerf Training v4.0: 13.8M ex/s on 8 H100)",
              detail=f"{per_dev / 1e6:.3f}M ex/s per GPU, {1e3 * sec:.2f} ms per step")
   return {"targets": [t], "details": {"examples_per_sec_per_device": per_dev,
-                                      "step_ms": 1e3 * sec, "devices": ndev}}
+                                      "step_ms": 1e3 * sec, "devices": ndev,
+                                      "profile": profile,
+                                      "tables": _profile_tables({"bf16 step": profile})}}
 
 
 def part_fp8(ctx: Context) -> dict:
@@ -488,9 +532,11 @@ def part_fp8(ctx: Context) -> dict:
     if skip:
       times[variant] = {"skipped": skip}
       continue
-    sec, _ = _time_rec_step(ctx, s.ml_batch, s.ml_rows, s.ml_steps, s.ml_repeats,
-                            s.ml_warmup, dtype="bfloat16", **over)
-    times[variant] = {"step_ms": 1e3 * sec}
+    sec, _, profile = _time_rec_step(
+        ctx, s.ml_batch, s.ml_rows, s.ml_steps, s.ml_repeats, s.ml_warmup,
+        profile_label="mlperf_bf16" if variant == "bf16" else "fp8_step", dtype="bfloat16",
+        **over)
+    times[variant] = {"step_ms": 1e3 * sec, "profile": profile}
     ctx.log(f"  {variant}: {1e3 * sec:.3f} ms per step of {s.ml_batch}")
   name = (f"DCNv2 MLPerf preset step, bf16 ms / FP8 ({s.fp8_recipe}) ms on "
           f"{','.join(safe)} (batch {s.ml_batch}, tables capped at {s.ml_rows:,} rows)")
@@ -502,7 +548,9 @@ def part_fp8(ctx: Context) -> dict:
   else:
     t = judged("fp8", name, None, at_least=1.0,
                skipped=next(v["skipped"] for v in times.values() if "skipped" in v))
-  return {"targets": [t], "details": {"layers": safe, "dropped": dropped, "times": times}}
+  return {"targets": [t], "details": {
+      "layers": safe, "dropped": dropped, "times": times,
+      "tables": _profile_tables({f"{v} step": times[v].get("profile") for v in times})}}
 
 
 # ------------------------------------------------------------------------ pytest
@@ -584,10 +632,13 @@ DEFAULT_BUDGETS = {"attention": 110, "lm_train": 130, "decode": 35, "embedding_b
 
 def run_report(sizes: Sizes, parts: Sequence[str], out_dir: str, *, dry_run: bool,
                budget_s: float, budgets: dict[str, float] | None = None,
-               settings: dict | None = None) -> dict[str, Any]:
+               settings: dict | None = None, profile: bool = False) -> dict[str, Any]:
   """Runs `parts` in order, each under min(its budget, what is left of `budget_s`), and
   writes out_dir/report.md and report.json after each; returns the report. Off a GPU
-  only a dry run is allowed (RuntimeError naming --dry_run otherwise)."""
+  only a dry run is allowed (RuntimeError naming --dry_run otherwise). `profile`: the
+  decode, lm_train, rec_pipeline and mlperf parts also trace one timed case each
+  (core.profiling: device busy time, kernels per step, top kernels) into their details
+  and logs/profile_*."""
   import jax
 
   from core import benchmark
@@ -606,7 +657,7 @@ def run_report(sizes: Sizes, parts: Sequence[str], out_dir: str, *, dry_run: boo
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": 0.0,
             "settings": settings or {}, "sizes": dataclasses.asdict(sizes), "targets": [],
             "parts": {}}
-  ctx = Context(sizes=sizes, dry_run=dry_run, out_dir=out_dir, started=t0)
+  ctx = Context(sizes=sizes, dry_run=dry_run, out_dir=out_dir, started=t0, profile=profile)
   for name in parts:
     left = budget_s - (time.monotonic() - t0)
     if left < 5:

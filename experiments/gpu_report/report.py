@@ -90,6 +90,21 @@ class Context:
   log_file: Any = None
   shared: dict = dataclasses.field(default_factory=dict)   # measured once, used by parts
   started: float = dataclasses.field(default_factory=time.monotonic)
+  profile: bool = False      # --profile: trace a timed case of the parts that can
+
+  def profile_dir(self, label: str) -> str | None:
+    """Where a part traces `label` under --profile (logs/profile_<label>, so the logs'
+    archive carries it), else None."""
+    if not self.profile:
+      return None
+    return os.path.join(self.out_dir, "logs", "profile_" + re.sub(r"[^A-Za-z0-9_.-]+", "_",
+                                                                   label))
+
+  def log_profile(self, label: str, summary: dict | None) -> None:
+    if summary is not None:
+      from core import profiling
+      self.log(f"  profile of {label}: " + profiling.format_summary(summary).replace(
+          "\n", "\n    "))
 
   def time_left(self) -> float:
     return self.deadline - time.monotonic()

@@ -195,7 +195,7 @@ def test_dry_run_runs_every_part(tmp_path):
   """The whole report at toy sizes on CPU: every part runs, every target row has a figure
   or the reason it has none, report.md / report.json / logs are written."""
   stdout, summary = run_entry("experiments.gpu_report",
-                              ["--dry_run", f"--out={tmp_path}"], timeout=900)
+                              ["--dry_run", "--profile", f"--out={tmp_path}"], timeout=900)
   assert summary["dry_run"] and set(summary["parts"]) == set(parts.PARTS)
   assert set(summary["parts"].values()) == {"ok"}, summary
   rep = json.loads((tmp_path / "report.json").read_text())
@@ -223,6 +223,16 @@ def test_dry_run_runs_every_part(tmp_path):
     assert (tmp_path / "logs" / f"{name}.log").exists()
     assert rep["parts"][name]["wall_s"] >= rep["parts"][name]["compile_s"] >= 0
   assert "== attention" in stdout
+  # --profile: a traced case of each profiling part, summarized (XLA:CPU ops here).
+  prof = [rep["parts"]["decode"]["details"]["profiles"]["batch 1"],
+          rep["parts"]["lm_train"]["details"]["results"]["auto/none"]["profile"],
+          rep["parts"]["rec_pipeline"]["details"]["profiles"]["criteo_bin:gen"],
+          rep["parts"]["mlperf"]["details"]["profile"],
+          rep["parts"]["fp8"]["details"]["times"]["fp8"]["profile"]]
+  for p in prof:
+    assert p["kernels"] > 0 and p["top"] and 0 < p["busy_ms"] <= p["span_ms"] + 1e-6, p
+  assert "## decode: profile batch 1" in md and "## mlperf: profile bf16 step" in md
+  assert list((tmp_path / "logs").glob("profile_decode_b1/**/perfetto_trace.json.gz"))
 
 
 @pytest.mark.gpu

@@ -18,7 +18,10 @@ def test_generated_bin_dir_is_reused_and_measured(tmp_path):
   task, src, _, _, _ = configs.build_run(cfg)
   b = src.batch(0)
   assert b.ids.shape == (256, 26, 1) and np.all(b.ids < 50)
-  out = throughput.measure(task, src, steps=6, repeats=2, source_batches=3)
+  out = throughput.measure(task, src, steps=6, repeats=2, source_batches=3,
+                           profile_dir=str(tmp_path / "prof"))
+  prof = out.pop("profile")    # one more loop run, traced: the device's ops during it
+  assert prof["kernels"] > 0 and 0 < prof["busy_ms"] <= prof["span_ms"] + 1e-6
   assert set(out) == {"source_examples_per_sec", "step_examples_per_sec",
                       "end_to_end_examples_per_sec", "end_to_end_over_step"}
   assert all(v > 0 for v in out.values())

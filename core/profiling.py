@@ -1,0 +1,123 @@
+"""A jax.profiler trace of a region, summarized without TensorBoard: how busy the device
+was over the region, how many kernels it ran, and which took the time.
+
+`trace(dir)` records a region (`jax.profiler.trace` with its Perfetto JSON export);
+`summarize(dir)` reads that export back: the device lines of a GPU (its streams' kernels),
+or the XLA:CPU client's ops on a CPU. "busy" is the union of the lines' event intervals,
+"span" the region from the first event's start to the last one's end: busy / span far
+under 1 says the device waited on the host (launch gaps, dispatch, input), a large kernel
+count per step says the step is many small launches.
+
+    with profiling.trace(d):
+      run_three_steps()
+    print(profiling.format_summary(profiling.summarize(d, steps=3)))
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import glob
+import gzip
+import json
+import os
+from typing import Any, Iterator
+
+# Markers of XLA:CPU's thread pools and the executor spans that enclose the ops, not ops.
+_CPU_NOISE = ("ThreadpoolListener::", "SlinkyThreadPool::", "ThunkExecutor::", "end: ")
+
+
+@contextlib.contextmanager
+def trace(out_dir: str) -> Iterator[str]:
+  """Profiles the block into `out_dir` (its Perfetto JSON is what `summarize` reads)."""
+  import jax
+  os.makedirs(out_dir, exist_ok=True)
+  with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+    yield out_dir
+
+
+def _trace_file(out_dir: str) -> str:
+  found = sorted(glob.glob(os.path.join(out_dir, "**", "perfetto_trace.json.gz"),
+                           recursive=True), key=os.path.getmtime)
+  if not found:
+    raise FileNotFoundError(f"{out_dir}: no perfetto_trace.json.gz under it (expected the "
+                            "output of profiling.trace)")
+  return found[-1]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+  total, end = 0.0, float("-inf")
+  for a, b in sorted(intervals):
+    if b <= end:
+      continue
+    total += b - max(a, end)
+    end = b
+  return total
+
+
+def device_events(events: list[dict]) -> tuple[str, list[dict]]:
+  """(what the lines are, their complete events): a GPU's stream lines when the trace has a
+  device process (its "XLA Ops" line if no stream line is named), else the XLA:CPU client
+  threads' ops."""
+  procs = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  dev_pids = {p for p, n in procs.items() if n.startswith("/device:")}
+  if dev_pids:
+    lines = {k: n for k, n in threads.items() if k[0] in dev_pids}
+    for want in ("Stream", "XLA Ops"):
+      chosen = {k for k, n in lines.items() if want in n}
+      if chosen:
+        break
+    else:
+      chosen = set(lines)
+    what = ", ".join(sorted({procs[k[0]] for k in chosen})) + " (" + ", ".join(
+        sorted({lines[k] for k in chosen})) + ")"
+    return what, [e for e in complete if (e["pid"], e.get("tid")) in chosen]
+  chosen = {k for k, n in threads.items() if n.startswith("tf_XLAPjRtCpuClient")}
+  return "XLA:CPU client threads", [
+      e for e in complete if (e["pid"], e.get("tid")) in chosen
+      and not e["name"].startswith(_CPU_NOISE)]
+
+
+def summarize(out_dir: str, steps: int = 1, top: int = 12) -> dict[str, Any]:
+  """{lines, span_ms, busy_ms, busy_fraction, kernels, kernels_per_step, top} of the
+  newest trace under `out_dir`; `top` lists the names that took the most time (count,
+  total ms, share of busy time), `steps` the region's step count (for per-step figures)."""
+  with gzip.open(_trace_file(out_dir), "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  what, evs = device_events(events)
+  if not evs:
+    return {"lines": what, "span_ms": 0.0, "busy_ms": 0.0, "busy_fraction": None,
+            "kernels": 0, "kernels_per_step": 0.0, "top": []}
+  iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
+  span = max(b for _, b in iv) - min(a for a, _ in iv)
+  busy = _union_us(iv)
+  per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+  for e in evs:
+    rec = per_name[e["name"]]
+    rec[0] += 1
+    rec[1] += float(e["dur"])
+  ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+  total = sum(v[1] for v in per_name.values()) or 1.0
+  return {"lines": what, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+          "busy_fraction": busy / span if span > 0 else None, "kernels": len(evs),
+          "kernels_per_step": len(evs) / max(steps, 1),
+          "top": [{"name": n[:100], "count": c, "ms": d / 1e3, "share": d / total}
+                  for n, (c, d) in ranked]}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+  """A few lines for a log: busy / span, kernel count, the top names."""
+  frac = "-" if s["busy_fraction"] is None else f"{s['busy_fraction']:.0%}"
+  out = [f"{s['lines']}: busy {s['busy_ms']:.2f} of {s['span_ms']:.2f} ms ({frac}), "
+         f"{s['kernels']} events ({s['kernels_per_step']:.0f} per step)"]
+  out += [f"  {t['share']:6.1%} {t['ms']:9.3f} ms {t['count']:6d}x  {t['name']}"
+          for t in s["top"]]
+  return "\n".join(out)
+
+
+__all__ = ["device_events", "format_summary", "summarize", "trace"]
