@@ -64,18 +64,20 @@ def time_step(step, state, pool, steps: int, repeats: int, warmup: int = 5):
 
 def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset: str,
                    mesh: str, steps: int, source_batches: int, gen_dir: str,
-                   gen_rows: int, repeats: int = 3,
+                   gen_rows: int, repeats: int = 3, data_workers: int = 0,
                    profile_dir: str | None = None) -> dict[str, Any]:
   """{source, step, end_to_end} examples/s and end_to_end / step for one --data source;
   "criteo_bin:gen" writes `gen_rows` random rows in the criteo_bin layout under `gen_dir`
-  once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain."""
+  once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain;
+  `data_workers` > 0 draws the batches in that many Grain worker processes (train_rec's
+  --data_workers)."""
   from rec import configs, throughput
   if data == "criteo_bin:gen":
     data = "criteo_bin:" + throughput.synthetic_bin_dir(gen_dir, gen_rows, num_rows)
   cfg = configs.RecRunConfig(model=model, preset=preset, data=data, num_rows=num_rows, mesh=mesh,
                              batch_size=batch_size, eval_batch_size=batch_size, eval_batches=1,
                              learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
-  task, train_src, _, _, _ = configs.build_run(cfg)
+  task, train_src, _, _, _ = configs.build_run(cfg, data_workers=data_workers)
   return throughput.measure(task, train_src, steps=steps, repeats=repeats,
                             source_batches=source_batches, profile_dir=profile_dir)
 

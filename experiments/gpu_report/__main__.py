@@ -24,7 +24,8 @@ Parts (--parts, in this order by default; parts.py says what each measures):
                  an fp32 cache) at buffers over 4 GiB, against the copy bandwidth and XLA's
                  gather; targets fp32 / bf16 >= 70%, int8 >= 60% and faster than XLA
   rec_pipeline   DLRM `core.train.train` end to end against its jitted step (bench_dlrm's),
-                 batch 16384, synthetic and generated criteo_bin rows; target >= 0.8x
+                 batch 16384, synthetic and generated criteo_bin rows (read in process and
+                 in 8 Grain workers, train_rec's --data_workers); target >= 0.8x
   mlperf         DCNv2 MLPerf preset examples/s per GPU against NVIDIA's 1.7M per H100
   fp8            DCNv2 MLPerf preset step with FP8 on the probe's safe layers against bf16
   pytest_gpu     `JAX_PLATFORMS=cuda python -m pytest -m gpu tests` (a subprocess)

@@ -88,6 +88,7 @@ class Sizes:
   eb_warmup: int
   # DLRM loop vs step
   rp_data: tuple[str, ...]
+  rp_workers: tuple[int, ...]        # Grain worker processes per criteo_bin case (0: none)
   rp_batch: int
   rp_rows: int
   rp_steps: int
@@ -123,7 +124,7 @@ class Sizes:
         eb_rows=1_000_000, eb_dim=128, eb_batch=8192, eb_features=26, eb_bag_len=20,
         eb_formats=("float32", "bfloat16", "int8", "int4", "int8_cache"),
         eb_min_buffer_bytes=int(4.5 * 2**30), eb_repeats=10, eb_warmup=2,
-        rp_data=("synthetic", "criteo_bin:gen"), rp_batch=16384, rp_rows=1_000_000,
+        rp_data=("synthetic", "criteo_bin:gen"), rp_workers=(0, 8), rp_batch=16384, rp_rows=1_000_000,
         rp_steps=60, rp_source_batches=30, rp_gen_rows=2_000_000, rp_repeats=3,
         ml_batch=8192, ml_rows=4_000_000, ml_steps=20, ml_repeats=3, ml_warmup=3,
         fp8_layers=FP8_PROBE_SAFE, fp8_recipe="tensor",
@@ -149,7 +150,7 @@ class Sizes:
         eb_rows=64, eb_dim=16, eb_batch=4, eb_features=2, eb_bag_len=3,
         eb_formats=("bfloat16", "int8", "int8_cache"), eb_min_buffer_bytes=0,
         eb_repeats=1, eb_warmup=0,
-        rp_data=("criteo_bin:gen",), rp_batch=64, rp_rows=1000, rp_steps=2,
+        rp_data=("criteo_bin:gen",), rp_workers=(1,), rp_batch=64, rp_rows=1000, rp_steps=2,
         rp_source_batches=2, rp_gen_rows=1024, rp_repeats=1,
         ml_batch=64, ml_rows=1000, ml_steps=1, ml_repeats=1, ml_warmup=1,
         fp8_layers=("deep_mlp.0", "top_mlp.0"),
@@ -422,13 +423,17 @@ def _eb_target(name, row, key, at_least, fmt, detail_fn) -> Target:
 
 def part_rec_pipeline(ctx: Context) -> dict:
   """DLRM (Criteo Kaggle architecture): the train loop end to end against its jitted step,
-  per data source; criteo_bin rows generated into a temporary directory."""
+  per data source; criteo_bin rows generated into a temporary directory and read in this
+  process and in rp_workers Grain worker processes (train_rec's --data_workers)."""
   s = ctx.sizes
   targets, table, profiles = [], [], {}
   gen_dir = tempfile.mkdtemp(prefix="gpu_report_criteo_bin_")
   try:
-    for data in s.rp_data:
-      name = (f"DLRM train loop end to end / jitted step, batch {s.rp_batch}, {data}"
+    cases = [(data, w) for data in s.rp_data
+             for w in (s.rp_workers if data.startswith("criteo_bin") else (0,))]
+    for data, workers in cases:
+      label = data + (f", {workers} data worker{'s' * (workers > 1)}" if workers else "")
+      name = (f"DLRM train loop end to end / jitted step, batch {s.rp_batch}, {label}"
               f" ({s.rp_rows:,} rows per table)")
       skip = _skipped_reason(ctx)
       if skip:
@@ -438,20 +443,21 @@ def part_rec_pipeline(ctx: Context) -> dict:
       try:
         r = rec_bench.pipeline_rates(data, s.rp_batch, s.rp_rows, "dlrm", "kaggle", "-1",
                                      s.rp_steps, s.rp_source_batches, gen_dir, s.rp_gen_rows,
-                                     repeats=s.rp_repeats,
-                                     profile_dir=ctx.profile_dir(f"rec_pipeline_{data}"))
+                                     repeats=s.rp_repeats, data_workers=workers,
+                                     profile_dir=ctx.profile_dir(
+                                         f"rec_pipeline_{data}_w{workers}"))
       except Exception as e:  # noqa: BLE001 - report and go on
         targets.append(judged("rec_pipeline", name, None, at_least=PIPELINE_TARGET,
                               error=fa_bench.error_text(e)))
-        ctx.log(f"  {data}: FAILED {targets[-1].detail}")
+        ctx.log(f"  {label}: FAILED {targets[-1].detail}")
         continue
-      ctx.log(f"  {data}: source {r['source_examples_per_sec']:,.0f}, step "
+      ctx.log(f"  {label}: source {r['source_examples_per_sec']:,.0f}, step "
               f"{r['step_examples_per_sec']:,.0f}, end to end "
               f"{r['end_to_end_examples_per_sec']:,.0f} ex/s")
       if "profile" in r:
-        profiles[data] = r.pop("profile")
-        ctx.log_profile(f"the loop on {data} ({s.rp_steps} steps)", profiles[data])
-      table.append({"data": data, **r})
+        profiles[label] = r.pop("profile")
+        ctx.log_profile(f"the loop on {label} ({s.rp_steps} steps)", profiles[label])
+      table.append({"data": label, **r})
       targets.append(judged(
           "rec_pipeline", name, r["end_to_end_over_step"], at_least=PIPELINE_TARGET,
           detail=f"{r['end_to_end_examples_per_sec']:,.0f} vs {r['step_examples_per_sec']:,.0f}"
@@ -626,7 +632,7 @@ PARTS = {p.name: p for p in (
 # Seconds per part on a fresh H100 (compilation included), as the first run there took
 # (BENCHMARKS.md "GPU report"); they sum to the default --budget_s (about 10 minutes).
 DEFAULT_BUDGETS = {"attention": 110, "lm_train": 130, "decode": 35, "embedding_bag": 30,
-                   "rec_pipeline": 75, "mlperf": 70, "fp8": 80, "pytest_gpu": 60,
+                   "rec_pipeline": 100, "mlperf": 70, "fp8": 80, "pytest_gpu": 60,
                    "pytest_suite": 30}
 
 

@@ -226,7 +226,7 @@ def test_dry_run_runs_every_part(tmp_path):
   # --profile: a traced case of each profiling part, summarized (XLA:CPU ops here).
   prof = [rep["parts"]["decode"]["details"]["profiles"]["batch 1"],
           rep["parts"]["lm_train"]["details"]["results"]["auto/none"]["profile"],
-          rep["parts"]["rec_pipeline"]["details"]["profiles"]["criteo_bin:gen"],
+          rep["parts"]["rec_pipeline"]["details"]["profiles"]["criteo_bin:gen, 1 data worker"],
           rep["parts"]["mlperf"]["details"]["profile"],
           rep["parts"]["fp8"]["details"]["times"]["fp8"]["profile"]]
   for p in prof:
