@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import pytest
@@ -58,15 +59,30 @@ def test_a_pytest_run_cut_short_keeps_each_failure_reason(tmp_path):
       "def test_hangs():\n  time.sleep(600)\n")
   env = dict(os.environ, PYTHONPATH=REPO)
   t0 = time.monotonic()
-  # Under xdist (as on a GPU): the controller writes each failure once, not its workers.
-  res = report_lib.run_pytest(["-n", "2", "-o", "addopts=", str(tests)], env,
-                              timeout_s=15.0, log_path=str(tmp_path / "out.log"), cwd=REPO)
+  res = report_lib.run_pytest(["-p", "no:xdist", "-o", "addopts=", str(tests)], env,
+                              timeout_s=8.0, log_path=str(tmp_path / "out.log"), cwd=REPO)
   assert res["timed_out"] and time.monotonic() - t0 < 120
   assert res["counts"]["failed"] == 1 and res["counts"]["passed"] == 1
   [fail] = res["failures"]
   assert fail["test"].endswith("test_cut.py::test_fails (call)")
   assert "arithmetic is off" in fail["text"]
   assert parts._last_error_line(fail["text"]).startswith("AssertionError: arithmetic is off")
+
+
+def test_failures_are_written_by_the_xdist_controller_only(tmp_path, monkeypatch):
+  """Under xdist (the GPU report's pytest parts) a failure's report reaches the hook in
+  its worker and again in the controller: only the controller writes it."""
+  from experiments.gpu_report import pytest_failures as plugin
+  path = tmp_path / "failures"
+  monkeypatch.setenv(plugin.ENV, str(path))
+  monkeypatch.setattr(plugin, "_WORKER", plugin._WORKER)   # restored after the test
+  report = types.SimpleNamespace(failed=True, nodeid="t.py::test_x", when="call",
+                                 longreprtext="E   AssertionError: no")
+  for config in (types.SimpleNamespace(workerinput={}), types.SimpleNamespace()):
+    plugin.pytest_configure(config)           # a worker, then the controller
+    plugin.pytest_runtest_logreport(report)
+  assert plugin.read_failures(str(path)) == [{"test": "t.py::test_x (call)",
+                                              "text": "E   AssertionError: no"}]
 
 
 def test_judged_statuses():
