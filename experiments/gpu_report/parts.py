@@ -128,8 +128,9 @@ class Sizes:
         rp_steps=60, rp_source_batches=30, rp_gen_rows=2_000_000, rp_repeats=3,
         ml_batch=8192, ml_rows=4_000_000, ml_steps=20, ml_repeats=3, ml_warmup=3,
         fp8_layers=FP8_PROBE_SAFE, fp8_recipe="tensor",
-        # xdist over the host's cores (compiles dominate; the processes share the GPU).
-        pt_platform="cuda", pt_gpu_args=("-n", "4", "--dist=loadfile", "-m", "gpu", "tests"),
+        # xdist over the host's cores (compiles dominate; the processes share the GPU). The
+        # gpu tests spread test by test: most are in one file (the embedding bag's).
+        pt_platform="cuda", pt_gpu_args=("-n", "4", "--dist=load", "-m", "gpu", "tests"),
         pt_suite_args=("-n", "8", "--dist=loadfile", "tests"))
     return cls(**{**kw, **overrides})
 
