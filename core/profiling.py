@@ -3,7 +3,7 @@ was over the region, how many kernels it ran, and which took the time.
 
 `trace(dir)` records a region (`jax.profiler.trace` with its Perfetto JSON export);
 `summarize(dir)` reads that export back: the device lines of a GPU (its streams' kernels),
-or the XLA:CPU client's ops on a CPU. "busy" is the union of the lines' event intervals,
+or XLA:CPU's ops on a CPU. "busy" is the union of the lines' event intervals,
 "span" the region from the first event's start to the last one's end: busy / span far
 under 1 says the device waited on the host (launch gaps, dispatch, input), a large kernel
 count per step says the step is many small launches.
@@ -57,7 +57,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def device_events(events: list[dict]) -> tuple[str, list[dict]]:
   """(what the lines are, their complete events): a GPU's stream lines when the trace has a
-  device process (its "XLA Ops" line if no stream line is named), else the XLA:CPU client
+  device process (its "XLA Ops" line if no stream line is named), else the XLA:CPU
   threads' ops."""
   procs = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -76,8 +76,10 @@ def device_events(events: list[dict]) -> tuple[str, list[dict]]:
     what = ", ".join(sorted({procs[k[0]] for k in chosen})) + " (" + ", ".join(
         sorted({lines[k] for k in chosen})) + ")"
     return what, [e for e in complete if (e["pid"], e.get("tid")) in chosen]
-  chosen = {k for k, n in threads.items() if n.startswith("tf_XLAPjRtCpuClient")}
-  return "XLA:CPU client threads", [
+  # XLA:CPU runs ops on its client / execute threads and their pools ("tf_XLAPjRtCpuClient",
+  # "tf_XLAExecute", "tf_XLAEigen", by jax version); the pools' markers are dropped.
+  chosen = {k for k, n in threads.items() if n.startswith("tf_XLA")}
+  return "XLA:CPU threads", [
       e for e in complete if (e["pid"], e.get("tid")) in chosen
       and not e["name"].startswith(_CPU_NOISE)]
 

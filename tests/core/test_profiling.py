@@ -72,7 +72,7 @@ def test_a_real_cpu_trace(tmp_path):
     for _ in range(3):
       f(x).block_until_ready()
   s = profiling.summarize(str(tmp_path / "t"), steps=3)
-  assert s["lines"] == "XLA:CPU client threads"
+  assert s["lines"] == "XLA:CPU threads"
   assert s["kernels"] >= 3 and 0 < s["busy_ms"] <= s["span_ms"] + 1e-9
   assert all("Threadpool" not in t["name"] for t in s["top"])
 
