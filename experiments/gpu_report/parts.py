@@ -124,8 +124,8 @@ class Sizes:
         eb_rows=1_000_000, eb_dim=128, eb_batch=8192, eb_features=26, eb_bag_len=20,
         eb_formats=("float32", "bfloat16", "int8", "int4", "int8_cache"),
         eb_min_buffer_bytes=int(4.5 * 2**30), eb_repeats=10, eb_warmup=2,
-        rp_data=("synthetic", "criteo_bin:gen"), rp_workers=(0, 8), rp_batch=16384, rp_rows=1_000_000,
-        rp_steps=60, rp_source_batches=30, rp_gen_rows=2_000_000, rp_repeats=3,
+        rp_data=("synthetic", "criteo_bin:gen"), rp_workers=(0, 8), rp_batch=16384,
+        rp_rows=1_000_000, rp_steps=60, rp_source_batches=30, rp_gen_rows=2_000_000, rp_repeats=3,
         ml_batch=8192, ml_rows=4_000_000, ml_steps=20, ml_repeats=3, ml_warmup=3,
         fp8_layers=FP8_PROBE_SAFE, fp8_recipe="tensor",
         # xdist over the host's cores (compiles dominate; the processes share the GPU). The

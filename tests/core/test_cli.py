@@ -27,7 +27,8 @@ def _run(body: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
           + "\nif __name__ == '__main__':\n  cli.run(main)\n")
   return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True,
                         text=True, timeout=300,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO)))
+                        env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                 PYTHONPATH=cpu_env.python_path(REPO)))
 
 
 def _in_process(main, *args, capsys):

@@ -343,7 +343,8 @@ def test_a_pool_worker_that_starts_after_its_parent_died_ends():
   run = lambda parent: subprocess.run(
       [sys.executable, "-c", "import os, sys; from rec.data import criteo_bin; "
        f"criteo_bin._die_with_parent({parent}); print('alive')"],
-      cwd=REPO, env=dict(os.environ, PYTHONPATH=cpu_env.python_path(REPO)), capture_output=True, text=True,
+      cwd=REPO, env=dict(os.environ, PYTHONPATH=cpu_env.python_path(REPO)),
+      capture_output=True, text=True,
       timeout=120)
   gone = run("os.getppid() + 1")                     # not its parent: that one is gone
   assert gone.returncode == 1 and gone.stdout == "", gone
