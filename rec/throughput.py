@@ -68,7 +68,8 @@ def measure(task, src: BatchSource, *, steps: int = 50, repeats: int = 3,
             source_batches: int = 50, profile_dir: str | None = None) -> dict[str, Any]:
   """{source, step, end_to_end} examples/s and end_to_end / step; with `profile_dir`, one
   more loop run of `steps` steps is traced there and "profile" holds its summary
-  (core.profiling: how busy the device was while the loop fed it)."""
+  (core.profiling: how busy the device was while the loop fed it; the traced run includes
+  the loop's state init and final checkpoint, so its busy fraction is a lower bound)."""
   out = {"source_examples_per_sec": source_rate(src, source_batches),
          "step_examples_per_sec": step_rate(task, src, max(steps // repeats, 1), repeats),
          "end_to_end_examples_per_sec": loop_rate(task, src, steps)}

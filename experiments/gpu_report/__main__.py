@@ -89,8 +89,8 @@ def define_flags() -> None:
                       "JAX's persistent compilation cache ('' : off; the dry run leaves it "
                       "off unless given).")
   flags.DEFINE_bool("profile", False,
-                    "Also trace one timed case of decode, lm_train, rec_pipeline and mlperf "
-                    "(jax.profiler): device busy / span, kernels per step and the top "
+                    "Also trace one timed case of decode, lm_train, rec_pipeline, mlperf and "
+                    "fp8 (jax.profiler): device busy / span, kernels per step and the top "
                     "kernels in each part's details and log; traces under "
                     "DIR/logs/profile_*.")
   flags.DEFINE_list("lm_remats", ["none", "attention"],
