@@ -73,8 +73,11 @@ def load_weights(spec: str, weights: str = "float32"):
 
 
 def load_model(spec: str, dtype: str = "float32", weights: str = "float32"):
-  """Llama model from `llama2c:PATH`, `hf:DIR`, `gguf:FILE` or `workdir:DIR`; `weights`
-  int8 | int4 | gguf holds its matrices weight-only quantized (`llm.quantized`)."""
+  """Llama model from `llama2c:PATH`, `hf:DIR`, `gguf:FILE` or `workdir:DIR` for inference,
+  computing in `dtype` with its weights stored in `dtype` too (bfloat16: half the memory and
+  the bytes a decode step reads; the products see the same values as a float32 copy cast at
+  use, the norm scales are rounded to bfloat16); `weights` int8 | int4 | gguf holds its
+  matrices weight-only quantized (`llm.quantized`)."""
   import jax
   from flax import nnx
   from llm import model as model_lib
@@ -91,11 +94,12 @@ def load_model(spec: str, dtype: str = "float32", weights: str = "float32"):
     from llm.train_lib import load_workdir
     cfg, params = load_workdir(path)
     check_params_finite(params, f"{path} (latest checkpoint)")
-    cfg = cfg.replace(dtype=dtype, remat=False)
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype, remat=False)
+    params = jax.tree.map(lambda a: a.astype(dtype), params)
     graphdef, _ = nnx.split(jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0))))
     return cfg, nnx.merge(graphdef, params)
   cfg, flat = load_weights(spec, weights)
-  cfg = cfg.replace(dtype=dtype)
+  cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
   model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))   # no random init
   model_lib.load_weights(model, flat)
   return cfg, model

@@ -155,7 +155,7 @@ def profile_round(target: Llama, draft: DraftHead, prompt: list[int], shape: Tre
   tcache = dataclasses.replace(target.init_cache(1, s), length=jnp.full((1,), context,
                                                                          jnp.int32))
   dcache = dataclasses.replace(draft.init_cache(1, s), length=tcache.length)
-  head = dec.vocab_head(target, draft_vocab)
+  head = dec.vocab_head(target, draft_vocab, draft.cfg.dtype)
   start = tcache.length
 
   def once(fn, *args):

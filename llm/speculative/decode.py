@@ -67,14 +67,15 @@ def cache_slots(prompt_len: int, max_new_tokens: int, shape: TreeShape) -> int:
   return prompt_len + max_new_tokens + scratch
 
 
-def vocab_head(target: Llama, vocab_ids) -> tuple[jax.Array, jax.Array] | None:
+def vocab_head(target: Llama, vocab_ids, dtype=None) -> tuple[jax.Array, jax.Array] | None:
   """The draft's output head over a reduced vocabulary (EAGLE-3, arXiv 2503.01840): the
-  target's own output rows of `vocab_ids` [Vd] (gathered once per call, outside the decode
-  loop) and the ids. None: the full vocabulary."""
+  target's own output rows of `vocab_ids` [Vd] in `dtype` (default the target's compute
+  dtype; decoding takes the draft's: gathered once per call, outside the decode loop) and the
+  ids. None: the full vocabulary."""
   if vocab_ids is None:
     return None
   ids_Vd = jnp.asarray(vocab_ids, jnp.int32)
-  return target.output_rows(ids_Vd), ids_Vd
+  return target.output_rows(ids_Vd, dtype), ids_Vd
 
 
 def _draft_top_k(target: Llama, head, h_BXD, k: int):
@@ -287,7 +288,10 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
   sampling), decoded by draft trees of `shape`. max_len: cache slots (default
   `cache_slots(longest prompt, max_new_tokens, shape)`). draft_vocab: token ids [Vd] the
   draft proposes from (`distill.draft_vocab`; default: the whole vocabulary); the target
-  still scores every token, so the output's contract is unchanged."""
+  still scores every token, so the output's contract is unchanged. "Same tokens" holds in
+  float32; with a bfloat16 target the verification's attention (other shapes than a plain
+  step's) moves sums in their last bits, bfloat16 rounding amplifies that, and greedy rows
+  can part from plain decoding at near ties (BENCHMARKS.md, EAGLE on SmolLM2)."""
   cfg = target.cfg
   stop = gen_lib.check_request(cfg, prompts, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
@@ -322,7 +326,7 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
                                               sampling, max_len=max_len)
   out, n_out, rounds, accepted, loop_rounds, log = decode(
       tgraph, tstate, dgraph, dstate, root, h_root, tcache, dcache, key, sampling,
-      gen_lib.stop_array(stop), vocab_head(target, draft_vocab), shape=shape,
+      gen_lib.stop_array(stop), vocab_head(target, draft_vocab, draft.cfg.dtype), shape=shape,
       n_new=max_new_tokens)
   result = gen_lib.cut_rows(np.asarray(out), np.minimum(np.asarray(n_out), max_new_tokens),
                             stop)

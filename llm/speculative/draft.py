@@ -39,8 +39,12 @@ from llm.model import KVCache
 
 
 def draft_config(target_cfg: LlamaConfig) -> LlamaConfig:
-  """The head's block config: the target's sizes and numerics, one layer, no remat."""
-  return target_cfg.replace(n_layers=1, remat=False)
+  """The head's block config: the target's sizes, one layer, no remat, float32 whatever the
+  target's dtype (its weights are trained in it, and at ~1/20 of a 135M target's bytes a
+  bfloat16 copy would save little; on XLA:CPU float32's one-row products are also the fast
+  ones, `llm.model.einsum`)."""
+  return target_cfg.replace(n_layers=1, remat=False, dtype="float32", param_dtype="float32",
+                            cache_dtype=None)
 
 
 def write_slots(buf_BS, slots_BT, new_BT):

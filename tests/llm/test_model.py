@@ -459,6 +459,45 @@ def test_bf16_compute_runs_and_is_close():
   assert err.max() > 0                                        # bf16 really was used
 
 
+def test_one_row_16bit_products_run_as_two_rows_on_cpu_with_the_same_result():
+  # XLA:CPU's one-row 16-bit product is its slow matrix-vector path (llm.model.einsum): on
+  # CPU the row runs twice; rows are independent, so the result is the row's own.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(1, 1, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(64, 96)), jnp.bfloat16)
+  f = lambda x, w: M.einsum("btd,df->btf", x, w, preferred_element_type=jnp.float32)
+  jaxpr = lambda x, w: str(jax.make_jaxpr(f)(x, w))
+  on_cpu = jax.default_backend() == "cpu"
+  assert ("concatenate" in jaxpr(x, w)) == on_cpu
+  assert "concatenate" not in jaxpr(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert "concatenate" not in jaxpr(jnp.concatenate([x, x], 1), w)      # two rows already
+  got = np.asarray(jax.jit(f)(x, w))
+  assert got.shape == (1, 1, 96)
+  # The row inside a product of several rows (any position): the same numbers.
+  many = jnp.concatenate([jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.bfloat16), x], 1)
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(many, w))[:, 4:], got)
+  ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+  # Other specs keep their own order of axes ("bthk,hkd->btd" is the attention's output).
+  x4 = jnp.asarray(rng.normal(size=(1, 1, 2, 32)), jnp.bfloat16)
+  w3 = jnp.asarray(rng.normal(size=(2, 32, 64)), jnp.bfloat16)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(lambda a, b: M.einsum("bthk,hkd->btd", a, b))(x4, w3)),
+      np.asarray(jax.jit(lambda a, b: jnp.einsum("bthk,hkd->btd", a, b))(
+          jnp.concatenate([x4, x4], 1), w3))[:, :1])
+
+
+def test_bf16_batch1_decode_step_equals_its_row_in_a_batch():
+  # A batch-1 bf16 decode step (one-row products) gives the logits its row gets in a batch.
+  model, _ = make_model(TINY.replace(dtype="bfloat16", param_dtype="bfloat16"))
+  tokens = tokens_for(TINY, 2, 6)
+  _, c2 = run_cached(model, tokens[:, :5], model.init_cache(2, 8))
+  two, _ = run_cached(model, tokens[:, 5:6], c2)
+  _, c1 = run_cached(model, tokens[:1, :5], model.init_cache(1, 8))
+  one, _ = run_cached(model, tokens[:1, 5:6], c1)
+  np.testing.assert_array_equal(np.asarray(one), np.asarray(two)[:1])
+
+
 # --- FSDP x TP
 
 @pytest.mark.devices(8)

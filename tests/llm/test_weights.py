@@ -752,3 +752,24 @@ def test_stories260k_hf_export_same_ids(tmp_path):
   cfg2, w2 = W.load_checkpoint(f"hf:{d}")
   assert cfg2 == cfg
   assert _model_generate(cfg2, w2) == STORIES_IDS
+
+
+def test_load_model_stores_weights_in_the_compute_dtype(tmp_path):
+  # Inference in bfloat16 holds bfloat16 weights (no float32 copy cast at every step); the
+  # products see the values a float32 copy cast at use would give.
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from llm.checkpoints import load_model
+  raw = _random_raw(np.random.default_rng(6), _HDR_TIED)
+  path = str(tmp_path / "m.bin")
+  _write_raw(path, _HDR_TIED, raw)
+  _, f32 = load_model(f"llama2c:{path}")
+  cfg, bf = load_model(f"llama2c:{path}", "bfloat16")
+  assert cfg.dtype == cfg.param_dtype == "bfloat16"
+  leaves = jax.tree.leaves(nnx.state(bf, nnx.Param))
+  assert leaves and all(x.dtype == jnp.bfloat16 for x in leaves)
+  np.testing.assert_array_equal(
+      np.asarray(bf.layers[0].mlp.w_up[...], np.float32),
+      np.asarray(f32.layers[0].mlp.w_up[...].astype(jnp.bfloat16), np.float32))
