@@ -162,6 +162,7 @@ def test_train_lm_with_tokenizer_then_generate(tmp_path):
 def test_bench_llm_runs_ours_only(tmp_path):
   out = json.loads(_run("experiments.bench_llm", ["--preset=tiny", "--prompt_len=16",
                                                   "--new_tokens=4", "--rounds=1", "--repeats=1",
+                                                  "--copy_mb=16",
                                                   f"--workdir={tmp_path}"])[-1])
   assert out["ours"]["prefill_tokens_per_s"] > 0 and out["peer"] is None
   assert (tmp_path / "hf_model" / "config.json").exists()
