@@ -22,14 +22,15 @@ if "XLA_FLAGS" not in os.environ:
 # run. The controller makes the directory before the xdist workers start, so they and every
 # process they start inherit it. An entry is XLA's own output for the same program and flags
 # (jax's key hashes XLA_FLAGS), so results do not change. A size limit turns on jax's file
-# lock, so no process reads an entry another is still writing. Removed when the run ends;
-# TESTS_COMPILATION_CACHE=0 runs without it.
+# lock, so no process reads an entry another is still writing; each write then scans the
+# directory, so only programs that took 0.1 s or more to compile are kept (a few hundred,
+# not thousands). Removed when the run ends; TESTS_COMPILATION_CACHE=0 runs without it.
 _OWN_CACHE = None
 if ("JAX_COMPILATION_CACHE_DIR" not in os.environ
     and os.environ.get("TESTS_COMPILATION_CACHE", "1") != "0"):
   _OWN_CACHE = tempfile.mkdtemp(prefix="tests_jax_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
