@@ -8,30 +8,12 @@ platform, so a one-GPU machine (`JAX_PLATFORMS=cuda`) or a run with
 """
 
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "XLA_FLAGS" not in os.environ:
   from tests import cpu_env  # noqa: E402  (before jax)
   os.environ["XLA_FLAGS"] = (cpu_env.xla_flags(8) if os.environ["JAX_PLATFORMS"] == "cpu"
                              else "--xla_force_host_platform_device_count=8")
-
-# One persistent compilation cache for the whole run. Many tests compile the same programs
-# (a train step, a decode loop) in several processes: the entry points they start, run after
-# run. The controller makes the directory before the xdist workers start, so they and every
-# process they start inherit it. An entry is XLA's own output for the same program and flags
-# (jax's key hashes XLA_FLAGS), so results do not change. A size limit turns on jax's file
-# lock, so no process reads an entry another is still writing; each write then scans the
-# directory, so only programs that took 0.1 s or more to compile are kept (a few hundred,
-# not thousands). Removed when the run ends; TESTS_COMPILATION_CACHE=0 runs without it.
-_OWN_CACHE = None
-if ("JAX_COMPILATION_CACHE_DIR" not in os.environ
-    and os.environ.get("TESTS_COMPILATION_CACHE", "1") != "0"):
-  _OWN_CACHE = tempfile.mkdtemp(prefix="tests_jax_cache_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -62,8 +44,3 @@ def pytest_runtest_setup(item):
     have = jax.device_count()
     if have < need:
       pytest.skip(f"needs {need} devices, found {have} ({jax.default_backend()})")
-
-
-def pytest_unconfigure(config):
-  if _OWN_CACHE is not None:
-    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
