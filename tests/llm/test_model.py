@@ -488,7 +488,11 @@ def test_one_row_16bit_products_run_as_two_rows_on_cpu_with_the_same_result():
 
 
 def test_bf16_batch1_decode_step_equals_its_row_in_a_batch():
-  # A batch-1 bf16 decode step (one-row products) gives the logits its row gets in a batch.
+  # A batch-1 bf16 decode step (one-row products) gives the logits its row gets in a batch:
+  # on CPU both take YNNPACK's product (llm.model.einsum); a GPU's libraries promise no such
+  # thing between a matrix-vector and a matrix product.
+  if jax.default_backend() != "cpu":
+    pytest.skip(f"the one-row rule is XLA:CPU's; backend {jax.default_backend()}")
   model, _ = make_model(TINY.replace(dtype="bfloat16", param_dtype="bfloat16"))
   tokens = tokens_for(TINY, 2, 6)
   _, c2 = run_cached(model, tokens[:, :5], model.init_cache(2, 8))
