@@ -107,7 +107,8 @@ def prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len,
   also returns the final hidden states [B,T,D] of the prompt tokens."""
   model = nnx.merge(graphdef, state)
   cache = model.init_cache(tokens_BT.shape[0], max_len)
-  h_BTD, cache = model.hidden(model.embed_tokens(tokens_BT), cache=cache, lengths_B=lengths_B)
+  h_BTD, cache = model.hidden(model.embed_tokens(tokens_BT), cache=cache, lengths_B=lengths_B,
+                              fresh_cache=True)
   # Only the last real token of each row needs logits (a [B,T,V] tensor can be huge).
   h_last_B1D = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)
   key, sub = jax.random.split(key)

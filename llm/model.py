@@ -359,12 +359,16 @@ class Attention(nnx.Module):
     self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), (h * k) ** -0.5, pd)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
-               slots_BT=None, mask_BTS=None):
+               slots_BT=None, mask_BTS=None, call_seg_BT=None):
     """Without `kv`: attends within the call (segments + causal by position; positions_BT
     None: arange(T), and attention is told so, which lets cuDNN take the call). With
     kv = (k_BSGK, v_BSGK): writes this call's k, v at `slots_BT`, then attends to every slot
     by position (kv_pos_BS already holds the new positions). mask_BTS: an explicit mask on
-    top (tree attention; `llm.attention` `mask`). Returns (y_BTD, new kv)."""
+    top (tree attention; `llm.attention` `mask`). call_seg_BT (with `kv` whose slots were
+    all empty): attend within the call instead, token t seeing the earlier tokens of its
+    segment (1: written, 0: padding): the same keys as through the cache, and arithmetic
+    that does not depend on the cache's size (`Llama.hidden`'s fresh_cache). Returns
+    (y_BTD, new kv)."""
     cfg, dt = self.cfg, self.cfg.dtype
     q_BTHK = constrain(_dense(x_BTD, self.wq, dt, "btd,dhk->bthk"), Q_NAMES)
     k_BTGK = constrain(_dense(x_BTD, self.wk, dt, "btd,dgk->btgk"), KV_NAMES)
@@ -385,6 +389,11 @@ class Attention(nnx.Module):
       kv, kv_pos, seg = (k_all, v_all), kv_pos_BS, None
       # A cache kept in another dtype (cfg.cache_dtype) is read in the compute dtype.
       k_all, v_all = k_all.astype(dt), v_all.astype(dt)
+      if call_seg_BT is not None:
+        # The keys are this call's own, as stored (the same rounding as read back).
+        k_all = k_BTGK.astype(kv[0].dtype).astype(dt)
+        v_all = v_BTGK.astype(kv[1].dtype).astype(dt)
+        kv_pos, seg = positions_BT, call_seg_BT
     kw = dict(causal=True, q_positions=positions_BT, kv_positions=kv_pos, q_segment_ids=seg,
               kv_segment_ids=seg)
     if cp is None:
@@ -425,9 +434,9 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
-               slots_BT=None, mask_BTS=None):
+               slots_BT=None, mask_BTS=None, call_seg_BT=None):
     h_BTD, kv = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, kv, kv_pos_BS,
-                          slots_BT, mask_BTS)
+                          slots_BT, mask_BTS, call_seg_BT)
     x_BTD = x_BTD + h_BTD
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
 
@@ -463,7 +472,7 @@ class Llama(nnx.Module):
 
   def hidden(self, x_BTD, *, positions_BT=None, segment_ids_BT=None,
              cache: KVCache | None = None, lengths_B=None, mask_BTS=None,
-             taps: tuple[int, ...] = ()):
+             taps: tuple[int, ...] = (), fresh_cache: bool = False):
     """Blocks and final norm over input embeddings x_BTD; returns (h_BTD, new cache or None).
     With `taps` (block indices), also the residual stream after each of those blocks,
     concatenated: (h_BTD, cache, taps_BT[len(taps)*D]) (EAGLE-3's low / mid / high features
@@ -480,6 +489,13 @@ class Llama(nnx.Module):
     mask_BTS: optional [B,T,S] bool over the cache's slots (S = T without a cache): a token
     sees a key only where it is True, besides the rule above; tree attention for speculative
     decoding (`llm.speculative`). Not under context parallelism.
+
+    fresh_cache: the cache holds no token yet (a prompt's prefill). The tokens then attend
+    among themselves: the same keys as through the cache, in arithmetic that does not
+    depend on its size, so a prompt's logits do not change with max_len (with bfloat16
+    they would at near ties: reductions over a longer key axis group their sums
+    differently), and long caches cost nothing at prefill. Not with mask_BTS; under
+    context parallelism the prompt attends through the cache as without it.
     """
     b, t = x_BTD.shape[:2]
     arange_T = jnp.arange(t, dtype=jnp.int32)
@@ -491,7 +507,9 @@ class Llama(nnx.Module):
     # so masking stays exact in any order.
     balance = cp is not None and t % (2 * cp.n) == 0
     perm = functools.partial(_balance, cp=cp) if balance else (lambda a: a)
-    kv_pos_BS = slots_BT = None
+    kv_pos_BS = slots_BT = call_seg_BT = None
+    if fresh_cache and (cache is None or mask_BTS is not None):
+      raise ValueError("Llama.hidden: fresh_cache=True needs a cache and no mask_BTS")
     if cache is None:
       if lengths_B is not None:
         raise ValueError("Llama.hidden: lengths_B is only meaningful with a cache")
@@ -527,6 +545,8 @@ class Llama(nnx.Module):
                           dtype=jnp.int32)
         slots_BT = layout.cache_slots(fill_BN, valid_BT, cap, sharded=t % cp.n == 0)
       kv_pos_BS = _write_cache(cache.pos, slots_BT, positions_BT, cp)
+      if fresh_cache and cp is None:
+        call_seg_BT = valid_BT.astype(jnp.int32)
     x_BTD = constrain(perm(x_BTD), X_NAMES)
 
     block_fn = Block.__call__
@@ -540,7 +560,7 @@ class Llama(nnx.Module):
     for i, block in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       x_BTD, kv = block_fn(block, x_BTD, positions_BT, segment_ids_BT, kv, kv_pos_BS, slots_BT,
-                           mask_BTS)
+                           mask_BTS, call_seg_BT)
       x_BTD = constrain(x_BTD, X_NAMES)
       if i in taps:
         tapped[i] = x_BTD

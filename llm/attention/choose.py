@@ -9,7 +9,8 @@ from values, and from `DeviceInfo`: the backend, the GPU's compute capability, t
 runtime and whether cuDNN flash attention is usable, probed once per process
 (`device_info()`); tests and ahead-of-time lowering pass a DeviceInfo instead.
 
-    decode (T <= DECODE_MAX_T, T < S)       "xla_decode" (one read of the cache, any backend)
+    decode (T <= DECODE_MAX_T, T < S)       "xla_decode" (one read of the cache in place; on
+                                              CPU its sums as matrix products: decode.py)
     not a GPU                               "xla"
     no segment ids, no positions,           "cudnn" (cuDNN's causal / no mask is then exactly
       bf16 / fp16, cuDNN usable                the shared rule: nothing data-dependent)

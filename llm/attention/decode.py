@@ -14,21 +14,48 @@ the same arithmetic reads K and V once, in the layout they are stored in; with a
 per step the FLOPs are negligible and the step is bound by those reads. Arithmetic is fp32
 throughout (q, k, v upcast in the fused products).
 
+On CPU the sums over the keys run as matrix products instead (`decode_attention_matmul`,
+`decode_form`): XLA:CPU's fused reductions group a sum's terms by the length of the key
+axis, so a step's float32 sums changed in their last bits with the cache's size, and a
+bfloat16 model, which rounds every activation, then parted greedy choices at near ties
+(SmolLM2-135M, bfloat16: 2 to 6 of 8 greedy rows changed with 7 or 40 more cache slots).
+The product kernels add each output's terms key by key, so empty or masked slots, wherever
+they sit, leave the sums bit for bit as they are: a decode step does not depend on the cache
+size, and a tree node verified in one pass (`llm.speculative`, keys of siblings masked in
+between) gets the bits of a plain step at its position. On this CPU it is also no slower
+(SmolLM2 bfloat16, batch 1: 32.7 against 35.7 ms per step at a 72-slot cache, 41.5 against
+43.1 at 1032 slots). Elsewhere the elementwise form stays (one read of the cache in place,
+no transposed copy).
+
 Letters: B batch, T queries, S keys (cache slots), H query heads, G key/value heads
 (H = G * R), K head dim.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from llm.attention.reference import NEG_INF, attention_mask, check_shapes
 
 
-def decode_attention(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_ids=None,
-                     kv_segment_ids=None, q_positions=None, kv_positions=None,
-                     scale: float | None = None):
-  """The reference rule without batched matmuls; returns (out like q, lse [B,T,H] fp32)."""
+def decode_form() -> str:
+  """"matmul" on CPU, else "sums": which form `decode_attention` runs (module docstring)."""
+  return "matmul" if jax.default_backend() == "cpu" else "sums"
+
+
+def decode_attention(q_BTHK, k_BSGK, v_BSGK, **kwargs):
+  """The reference rule for decode steps in the form `decode_form` picks; returns (out like
+  q, lse [B,T,H] fp32)."""
+  fn = decode_attention_matmul if decode_form() == "matmul" else decode_attention_sums
+  return fn(q_BTHK, k_BSGK, v_BSGK, **kwargs)
+
+
+def decode_attention_sums(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_ids=None,
+                          kv_segment_ids=None, q_positions=None, kv_positions=None,
+                          scale: float | None = None):
+  """The reference rule without batched matmuls: elementwise products and reductions that
+  read the cache in its stored layout."""
   b, t, s, h, g, kd = check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids,
                                    q_positions, kv_positions)
   r = h // g
@@ -53,3 +80,34 @@ def decode_attention(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_i
   return (out_BTGRK.reshape(b, t, h, kd).astype(q_BTHK.dtype),
           lse[:, :, 0].reshape(b, t, h))
 
+
+
+def decode_attention_matmul(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True,
+                            q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                            kv_positions=None, scale: float | None = None):
+  """The reference rule with its two sums over the keys as float32 matrix products: the
+  scores, and the values with a column of ones beside them (the softmax's denominator comes
+  out of the same product, summed in the same order as the output)."""
+  b, t, s, h, g, kd = check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids,
+                                   q_positions, kv_positions)
+  r = h // g
+  scale = kd ** -0.5 if scale is None else scale
+  f32 = jnp.float32
+  q_BTGRK = q_BTHK.reshape(b, t, g, r, kd).astype(f32) * scale
+  logits_BTGRS = jnp.einsum("btgrk,bsgk->btgrs", q_BTGRK, k_BSGK.astype(f32))
+  mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal,
+                        b, t, s)
+  if mask is not None:
+    logits_BTGRS = jnp.where(mask[:, :, None, None, :], logits_BTGRS, NEG_INF)
+  m = jnp.max(logits_BTGRS, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p_BTGRS = jnp.exp(logits_BTGRS - m_safe)
+  ones_BSG1 = jnp.ones(v_BSGK.shape[:-1] + (1,), f32)
+  v1_BSGK = jnp.concatenate([v_BSGK.astype(f32), ones_BSG1], axis=-1)
+  o1_BTGRK = jnp.einsum("btgrs,bsgk->btgrk", p_BTGRS, v1_BSGK)
+  denom = o1_BTGRK[..., kd:]
+  seen = denom > 0
+  out_BTGRK = o1_BTGRK[..., :kd] / jnp.where(seen, denom, 1.0)
+  lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, denom, 1.0)), NEG_INF)
+  return (out_BTGRK.reshape(b, t, h, kd).astype(q_BTHK.dtype),
+          lse[..., 0].reshape(b, t, h))

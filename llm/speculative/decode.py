@@ -172,7 +172,7 @@ def prefill(tgraph, tstate, dgraph, dstate, tokens_BT, lengths_B, key, sampling,
   b, t = tokens_BT.shape
   tcache = target.init_cache(b, max_len)
   h_BTD, tcache, *taps = target.hidden(target.embed_tokens(tokens_BT), cache=tcache,
-                                       lengths_B=lengths_B, taps=draft.taps)
+                                       lengths_B=lengths_B, taps=draft.taps, fresh_cache=True)
   last_B11 = (lengths_B - 1)[:, None, None]
   key, sub = jax.random.split(key)
   root_B = _sample(target.logits(jnp.take_along_axis(h_BTD, last_B11, axis=1))[:, 0], sub,
@@ -289,9 +289,12 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
   `cache_slots(longest prompt, max_new_tokens, shape)`). draft_vocab: token ids [Vd] the
   draft proposes from (`distill.draft_vocab`; default: the whole vocabulary); the target
   still scores every token, so the output's contract is unchanged. "Same tokens" holds in
-  float32; with a bfloat16 target the verification's attention (other shapes than a plain
-  step's) moves sums in their last bits, bfloat16 rounding amplifies that, and greedy rows
-  can part from plain decoding at near ties (BENCHMARKS.md, EAGLE on SmolLM2)."""
+  float32, and at batch 1 in bfloat16 too on CPU, where a verified node's logits are those
+  of the plain step at its position bit for bit (the prefill attends within the prompt and
+  decode attention sums in matrix products: `Llama.hidden`'s fresh_cache,
+  llm/attention/decode.py). With a bfloat16 target at batch > 1, or off CPU, the rounding
+  after every operation can still part a greedy row from plain decoding at a near tie
+  (BENCHMARKS.md, EAGLE on SmolLM2)."""
   cfg = target.cfg
   stop = gen_lib.check_request(cfg, prompts, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,

@@ -1,5 +1,6 @@
-"""attention_impl="xla_decode" and "auto": the decode form equals the reference, and a
-decode step's compiled loop holds no copy of the KV cache (what "auto" picks per call:
+"""attention_impl="xla_decode" and "auto": both decode forms (elementwise sums; matrix
+products, CPU's) equal the reference, and with the elementwise form a decode step's compiled
+loop holds no copy of the KV cache (what "auto" picks per call:
 tests/llm/test_attention_choose.py)."""
 
 from __future__ import annotations
@@ -10,15 +11,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llm.attention.decode import decode_attention
+from llm.attention import decode as decode_lib
+from llm.attention.decode import decode_attention_matmul, decode_attention_sums
 from llm.attention.reference import attention_reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", [decode_attention_sums, decode_attention_matmul],
+                         ids=["sums", "matmul"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
-def test_decode_attention_equals_reference(causal, heads):
+def test_decode_attention_equals_reference(causal, heads, form):
   """Values, lse and gradients, with cache-like positions (empty slots at 2**30), segment
   ids, and a query that sees no key (out 0, lse -inf)."""
   b, t, s, k = 2, 3, 10, 8
@@ -34,7 +38,7 @@ def test_decode_attention_equals_reference(causal, heads):
   seg_kv = jnp.asarray(np.where(np.arange(s) < 3, 1, 2)[None].repeat(b, 0), jnp.int32)
   kw = dict(causal=causal, q_positions=q_pos, kv_positions=jnp.asarray(kv_pos),
             q_segment_ids=seg_q, kv_segment_ids=seg_kv)
-  got = jax.jit(lambda q, k, v: decode_attention(q, k, v, **kw))(q, kk, v)
+  got = jax.jit(lambda q, k, v: form(q, k, v, **kw))(q, kk, v)
   want = jax.jit(lambda q, k, v: attention_reference(q, k, v, **kw))(q, kk, v)
   for a, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), **TOL)
@@ -45,15 +49,24 @@ def test_decode_attention_equals_reference(causal, heads):
       return jnp.sum(o * o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0))
     return inner
 
-  ga = jax.jit(jax.grad(loss(decode_attention), argnums=(0, 1, 2)))(q, kk, v)
+  ga = jax.jit(jax.grad(loss(form), argnums=(0, 1, 2)))(q, kk, v)
   gw = jax.jit(jax.grad(loss(attention_reference), argnums=(0, 1, 2)))(q, kk, v)
   for a, w in zip(ga, gw):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), **TOL)
 
 
-def test_decode_loop_reads_the_cache_in_place():
-  """The compiled decode loop (bf16 weights and cache) transposes no KV cache: the only
-  cache-sized copies are the loop's entry copies of the (undonated) input cache."""
+def test_decode_form_by_backend(monkeypatch):
+  """CPU takes the matrix-product form, other backends the elementwise one."""
+  assert decode_lib.decode_form() == ("matmul" if jax.default_backend() == "cpu" else "sums")
+  monkeypatch.setattr(decode_lib.jax, "default_backend", lambda: "gpu")
+  assert decode_lib.decode_form() == "sums"
+
+
+def test_decode_loop_reads_the_cache_in_place(monkeypatch):
+  """With the elementwise form (every backend but CPU) the compiled decode loop (bf16
+  weights and cache) transposes no KV cache: the only cache-sized copies are the loop's
+  entry copies of the (undonated) input cache."""
+  monkeypatch.setattr(decode_lib, "decode_form", lambda: "sums")
   from llm import generate as gen
   from llm import model as model_lib
   from llm.config import get_config

@@ -252,3 +252,67 @@ def test_filtered_logits_unrestricted_skips_nothing():
   assert np.isfinite(out[1]).sum() == 5
   np.testing.assert_array_equal(out[1] > -np.inf, np.asarray(logits)[1] >= np.sort(
       np.asarray(logits)[1])[-5])
+
+
+# SmolLM2-135M's shapes, 4 of its 30 blocks and a 4096-token vocabulary, in bfloat16: with
+# the prompt attending through the whole cache (fresh_cache=False) its logits changed with
+# the cache size (76 slots against 83 or 116).
+SMOL_BF16 = M.LlamaConfig(vocab_size=4096, dim=576, n_layers=4, n_heads=9, n_kv_heads=3,
+                          ffn_dim=1536, rope_theta=1e5, max_seq_len=512, tie_embeddings=True,
+                          dtype="bfloat16", param_dtype="bfloat16")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="the cache-size rule is XLA:CPU's (llm/attention/decode.py)")
+def test_bf16_logits_do_not_depend_on_the_cache_size():
+  """The prompt's logits and four decode steps', bit for bit, for caches of 76 to 116 slots:
+  the prefill attends within the call and a step's sums over the keys are matrix products
+  (both: a bfloat16 model's greedy output otherwise changed with max_len)."""
+  graphdef, state = nnx.split(M.Llama(SMOL_BF16, nnx.Rngs(0)))
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, SMOL_BF16.vocab_size, (1, 12)))
+
+  def logits(max_len):
+    @jax.jit
+    def run(state):
+      m = nnx.merge(graphdef, state)
+      h, cache = m.hidden(m.embed_tokens(toks), cache=m.init_cache(1, max_len),
+                          fresh_cache=True)
+      out = [m.logits(h)]
+      for i in range(4):
+        lg, cache = m(toks[:, i:i + 1], cache=cache)
+        out.append(lg)
+      return jnp.concatenate(out, axis=1)
+    return np.asarray(run(state))
+
+  want = logits(76)
+  for max_len in (83, 116):
+    np.testing.assert_array_equal(logits(max_len), want, err_msg=f"max_len={max_len}")
+
+
+def test_fresh_cache_prefill_equals_the_cache_path(tiny):
+  """fresh_cache=True (the prompt attends within the call) gives the cache path's hidden
+  states and cache (padding never written); it refuses a mask_BTS and a missing cache."""
+  graphdef, state = nnx.split(tiny)
+  toks = jnp.asarray([[5, 17, 99, 3, 250, 7], [1, 2, 3, 0, 0, 0]], jnp.int32)
+  lengths = jnp.asarray([6, 3], jnp.int32)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(fresh):
+    m = nnx.merge(graphdef, state)
+    return m.hidden(m.embed_tokens(toks), cache=m.init_cache(2, 20), lengths_B=lengths,
+                    fresh_cache=fresh)
+
+  (h0, c0), (h1, c1) = run(False), run(True)
+  for b, n in enumerate((6, 3)):
+    np.testing.assert_allclose(np.asarray(h1[b, :n]), np.asarray(h0[b, :n]), rtol=1e-5,
+                               atol=1e-5)
+  for a, b in zip(c1.k + c1.v, c0.k + c0.v):    # layers past the first see h's last bits
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(c1.pos), np.asarray(c0.pos))
+  np.testing.assert_array_equal(np.asarray(c1.length), np.asarray(c0.length))
+  m = nnx.merge(graphdef, state)
+  with pytest.raises(ValueError, match="fresh_cache=True needs a cache and no mask_BTS"):
+    m.hidden(m.embed_tokens(toks), cache=m.init_cache(2, 20), fresh_cache=True,
+             mask_BTS=jnp.ones((2, 6, 20), bool))
+  with pytest.raises(ValueError, match="fresh_cache=True needs a cache"):
+    m.hidden(m.embed_tokens(toks), fresh_cache=True)

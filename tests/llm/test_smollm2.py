@@ -179,3 +179,26 @@ def test_generate_chat_cli(tmp_path):
   assert res["prompt_ids"] == GREEDY[2]["prompt_ids"]
   assert res["generated_ids"] == want[:want.index(2) + 1]
   assert res["reply"] == "The capital of France is Paris."
+
+
+def test_bf16_greedy_is_lossless_and_independent_of_the_cache_size():
+  """bfloat16 SmolLM2, batch 1: greedy ids do not change with max_len (they did for 2 to 6
+  of 8 random 12-token prompts with 7 or 40 more slots), and speculative decoding with an
+  untrained head (2:4:4 tree, 4096-token draft vocabulary) gives plain decoding's ids (5
+  of 8 rows did before; llm/attention/decode.py says why)."""
+  from flax import nnx
+
+  from llm import generate as gen_lib
+  from llm.checkpoints import load_model
+  from llm.speculative import DraftHead, TreeShape, speculative_generate
+  _, model = load_model("gguf:" + _gguf_path(), "bfloat16")
+  head = DraftHead(model.cfg, nnx.Rngs(0))
+  rng = np.random.default_rng(1)
+  for _ in range(4):
+    prompt = rng.integers(100, 40000, 12).tolist()
+    want = gen_lib.generate(model, [prompt], 48)
+    assert gen_lib.generate(model, [prompt], 48, max_len=12 + 48 + 7) == want
+    assert gen_lib.generate(model, [prompt], 48, max_len=12 + 48 + 40) == want
+    got = speculative_generate(model, head, [prompt], 48, shape=TreeShape.parse("2:4:4"),
+                               draft_vocab=np.arange(4096))
+    assert got.tokens == want

@@ -16,6 +16,7 @@ from flax import nnx
 from scipy import stats
 
 from llm import generate as G
+from llm.model import Llama
 from llm.speculative import DraftHead, TreeShape, speculative_generate
 from llm.speculative.decode import cache_slots
 from tests.llm.speculative.conftest import CFG, V
@@ -226,3 +227,51 @@ def test_a_head_with_taps(target, greedy):
   other = speculative_generate(target, blind, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
   assert other.tokens == greedy
   assert other.accepted_per_round != out.accepted_per_round
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="bit-equal rows rest on XLA:CPU's decode attention "
+                           "(llm/attention/decode.py)")
+def test_bf16_verification_equals_plain_steps_bit_for_bit():
+  """A bfloat16 target (SmolLM2's shapes, 4 blocks) verifying a tree in one pass computes,
+  at every node on the plain greedy path, the logits of the plain decode step at that
+  position bit for bit, with a sibling's key masked in between and a cache of another size:
+  greedy speculative decoding of a bfloat16 model is then lossless, not only in float32."""
+  from llm.speculative import tree as tree_lib
+  from tests.llm.test_generate import SMOL_BF16
+  graphdef, state = nnx.split(Llama(SMOL_BF16, nnx.Rngs(0)))
+  prompt = jnp.asarray(np.random.default_rng(1).integers(0, SMOL_BF16.vocab_size, (1, 12)))
+  parents = jnp.asarray([[-1, 0, 0, 1, 3]])        # root, a, sibling of a, b, c
+  depths = jnp.asarray([[0, 1, 1, 2, 3]])
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def prefill(max_len, state):
+    m = nnx.merge(graphdef, state)
+    h, cache = m.hidden(m.embed_tokens(prompt), cache=m.init_cache(1, max_len),
+                        fresh_cache=True)
+    return m.logits(h[:, -1:])[:, 0], cache
+
+  @jax.jit
+  def step(state, cache, tok):
+    logits, cache = nnx.merge(graphdef, state)(tok[:, None], cache=cache)
+    return logits[:, 0], cache
+
+  @jax.jit
+  def verify(state, cache, tokens):
+    m = nnx.merge(graphdef, state)
+    mask = tree_lib.slot_mask(tree_lib.ancestors(parents, 3), cache.length, cache.max_len)
+    h, _ = m.hidden(m.embed_tokens(tokens), positions_BT=cache.length[:, None] + depths,
+                    cache=cache, mask_BTS=mask)
+    return m.logits(h)[0]
+
+  logits, cache = prefill(40, state)
+  path, plain = [int(jnp.argmax(logits[0]))], []
+  for _ in range(4):
+    logits, cache = step(state, cache, jnp.asarray(path[-1:]))
+    plain.append(np.asarray(logits[0]))
+    path.append(int(np.argmax(plain[-1])))
+  _, cache = prefill(76, state)
+  tree = [path[0], path[1], (path[1] + 1) % SMOL_BF16.vocab_size, path[2], path[3]]
+  got = np.asarray(verify(state, cache, jnp.asarray([tree])))
+  for node, depth in ((0, 0), (1, 1), (3, 2), (4, 3)):
+    np.testing.assert_array_equal(got[node], plain[depth], err_msg=f"node {node}")
