@@ -38,6 +38,9 @@ import jax.numpy as jnp
 
 from llm.attention.reference import NEG_INF, attention_mask, check_shapes
 
+# The matrix-product form pads the key axis to a multiple of this many slots.
+KEY_BLOCK = 64
+
 
 def decode_form() -> str:
   """"matmul" on CPU, else "sums": which form `decode_attention` runs (module docstring)."""
@@ -87,23 +90,30 @@ def decode_attention_matmul(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True,
                             kv_positions=None, scale: float | None = None):
   """The reference rule with its two sums over the keys as float32 matrix products: the
   scores, and the values with a column of ones beside them (the softmax's denominator comes
-  out of the same product, summed in the same order as the output)."""
+  out of the same product, summed in the same order as the output). The key axis is padded
+  with masked slots to a multiple of `KEY_BLOCK`: XLA:CPU picks its product routine by size
+  (jax 0.12 takes another one below 64 keys than above), so nearby cache sizes share one."""
   b, t, s, h, g, kd = check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids,
                                    q_positions, kv_positions)
   r = h // g
   scale = kd ** -0.5 if scale is None else scale
   f32 = jnp.float32
-  q_BTGRK = q_BTHK.reshape(b, t, g, r, kd).astype(f32) * scale
-  logits_BTGRS = jnp.einsum("btgrk,bsgk->btgrs", q_BTGRK, k_BSGK.astype(f32))
   mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal,
                         b, t, s)
+  pad = -s % KEY_BLOCK
+  if pad:
+    mask = jnp.ones((b, t, s), bool) if mask is None else mask
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+  keys = ((0, 0), (0, pad), (0, 0), (0, 0))
+  q_BTGRK = q_BTHK.reshape(b, t, g, r, kd).astype(f32) * scale
+  logits_BTGRS = jnp.einsum("btgrk,bsgk->btgrs", q_BTGRK, jnp.pad(k_BSGK.astype(f32), keys))
   if mask is not None:
     logits_BTGRS = jnp.where(mask[:, :, None, None, :], logits_BTGRS, NEG_INF)
   m = jnp.max(logits_BTGRS, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   p_BTGRS = jnp.exp(logits_BTGRS - m_safe)
   ones_BSG1 = jnp.ones(v_BSGK.shape[:-1] + (1,), f32)
-  v1_BSGK = jnp.concatenate([v_BSGK.astype(f32), ones_BSG1], axis=-1)
+  v1_BSGK = jnp.pad(jnp.concatenate([v_BSGK.astype(f32), ones_BSG1], axis=-1), keys)
   o1_BTGRK = jnp.einsum("btgrs,bsgk->btgrk", p_BTGRS, v1_BSGK)
   denom = o1_BTGRK[..., kd:]
   seen = denom > 0
