@@ -18,13 +18,14 @@ On CPU the sums over the keys run as matrix products instead (`decode_attention_
 `decode_form`): XLA:CPU's fused reductions group a sum's terms by the length of the key
 axis, so a step's float32 sums changed in their last bits with the cache's size, and a
 bfloat16 model, which rounds every activation, then parted greedy choices at near ties
-(SmolLM2-135M, bfloat16: 2 to 6 of 8 greedy rows changed with 7 or 40 more cache slots).
+(SmolLM2-135M, bfloat16, with the prompt's prefill also attending through the whole cache:
+2 to 6 of 8 greedy rows changed with 7 or 40 more cache slots; `Llama.hidden`'s fresh_cache).
 The product kernels add each output's terms key by key, so empty or masked slots, wherever
 they sit, leave the sums bit for bit as they are: a decode step does not depend on the cache
 size, and a tree node verified in one pass (`llm.speculative`, keys of siblings masked in
-between) gets the bits of a plain step at its position. On this CPU it is also no slower
-(SmolLM2 bfloat16, batch 1: 32.7 against 35.7 ms per step at a 72-slot cache, 41.5 against
-43.1 at 1032 slots). Elsewhere the elementwise form stays (one read of the cache in place,
+between) gets the bits of a plain step at its position. On the 2-core CPU it is also no
+slower (SmolLM2 bfloat16, batch 1: 25.8 against 27.0 ms per step; float32 31.6 against
+31.9; BENCHMARKS.md). Elsewhere the elementwise form stays (one read of the cache in place,
 no transposed copy).
 
 Letters: B batch, T queries, S keys (cache slots), H query heads, G key/value heads

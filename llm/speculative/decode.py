@@ -289,12 +289,11 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
   `cache_slots(longest prompt, max_new_tokens, shape)`). draft_vocab: token ids [Vd] the
   draft proposes from (`distill.draft_vocab`; default: the whole vocabulary); the target
   still scores every token, so the output's contract is unchanged. "Same tokens" holds in
-  float32, and at batch 1 in bfloat16 too on CPU, where a verified node's logits are those
-  of the plain step at its position bit for bit (the prefill attends within the prompt and
-  decode attention sums in matrix products: `Llama.hidden`'s fresh_cache,
-  llm/attention/decode.py). With a bfloat16 target at batch > 1, or off CPU, the rounding
-  after every operation can still part a greedy row from plain decoding at a near tie
-  (BENCHMARKS.md, EAGLE on SmolLM2)."""
+  float32. With a bfloat16 target, rounding after every operation can part a greedy row
+  from plain decoding at a near tie: on CPU at batch 1 a verified node's logits usually are
+  the plain step's bit for bit (the prefill attends within the prompt and decode attention
+  sums in matrix products: `Llama.hidden`'s fresh_cache, llm/attention/decode.py), but not
+  always, and at batch > 1 less often (BENCHMARKS.md, EAGLE on SmolLM2)."""
   cfg = target.cfg
   stop = gen_lib.check_request(cfg, prompts, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,

@@ -235,8 +235,8 @@ def test_a_head_with_taps(target, greedy):
 def test_bf16_verification_equals_plain_steps_bit_for_bit():
   """A bfloat16 target (SmolLM2's shapes, 4 blocks) verifying a tree in one pass computes,
   at every node on the plain greedy path, the logits of the plain decode step at that
-  position bit for bit, with a sibling's key masked in between and a cache of another size:
-  greedy speculative decoding of a bfloat16 model is then lossless, not only in float32."""
+  position bit for bit, with a sibling's key masked in between and a cache of another size
+  (what keeps greedy speculative decoding of a bfloat16 model close to plain decoding)."""
   from llm.speculative import tree as tree_lib
   from tests.llm.test_generate import SMOL_BF16
   graphdef, state = nnx.split(Llama(SMOL_BF16, nnx.Rngs(0)))
