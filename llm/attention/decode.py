@@ -23,9 +23,11 @@ bfloat16 model, which rounds every activation, then parted greedy choices at nea
 The product kernels add each output's terms key by key, so empty or masked slots, wherever
 they sit, leave the sums bit for bit as they are: a decode step does not depend on the cache
 size, and a tree node verified in one pass (`llm.speculative`, keys of siblings masked in
-between) gets the bits of a plain step at its position. On the 2-core CPU it is also no
-slower (SmolLM2 bfloat16, batch 1: 25.8 against 27.0 ms per step; float32 31.6 against
-31.9; BENCHMARKS.md). Elsewhere the elementwise form stays (one read of the cache in place,
+between) got the bits of a plain step at its position in the checks (tests, SmolLM2 at
+batch 1); XLA:CPU does not promise it for every shape (a bfloat16 benchmark row still
+parted: BENCHMARKS.md). On the 2-core CPU it is also no slower (SmolLM2 bfloat16, batch 1,
+with fresh_cache: 25.8 against 27.0 ms per step; float32 31.6 against 31.9; bench_llm,
+BENCHMARKS.md). Elsewhere the elementwise form stays (one read of the cache in place,
 no transposed copy).
 
 Letters: B batch, T queries, S keys (cache slots), H query heads, G key/value heads
