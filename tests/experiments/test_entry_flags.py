@@ -35,7 +35,8 @@ ALLOW_ZERO = {
                              "cp_tile": "0: the kernel's 128, scaled like the documents"},
     "experiments.wlb_packing.__main__": {"train_steps": "0: no training grid"},
     "experiments.spec_decode.__main__": {"warmup_steps": "0: no warmup", "bos_id": "a token id",
-                                         "draft_vocab": "0: the whole vocabulary"},
+                                         "draft_vocab": "0: the whole vocabulary",
+                                         "decode_vocab": "0: --draft_vocab's"},
     "experiments.cp_prefill": {"cached_len": "0: nothing cached (plain prefill)"},
     "experiments.wukong_scaling.__main__": {"sizes": "0: every size of the grid"},
     "experiments.fp8_probe.__main__": {"timing_steps": "0: no timing"},
@@ -244,8 +245,9 @@ def test_flags_that_must_agree():
   from experiments.wlb_packing import __main__ as wlb
   ok = dict(eval_sequences=8, num_sequences=16, prompt_len=4, seq_len=8, prompt_text=None,
             chat_prompts=False, gen_prompt_len=8, batch_sizes=["1", "8"], bench_prompts=8,
-            gen_temperature=1.0)
+            gen_temperature=1.0, draft_vocab=64, decode_vocab=64)
   spec.check_flags(_flag_values(**ok))
+  spec.check_flags(_flag_values(**{**ok, "draft_vocab": 0, "decode_vocab": 999}))
   for change, msg in (({"eval_sequences": 16}, "--eval_sequences=16: expected fewer than "
                        "--num_sequences=16"),
                       ({"prompt_len": 8}, "--prompt_len=8: expected < --seq_len=8"),
@@ -254,7 +256,9 @@ def test_flags_that_must_agree():
                       ({"bench_prompts": 9}, "--bench_prompts=9: expected at most "
                        "--eval_sequences=8"),
                       ({"gen_temperature": 0.0}, "--gen_temperature=0 .greedy. needs "
-                       "--chat_prompts")):
+                       "--chat_prompts"),
+                      ({"decode_vocab": 65}, "--decode_vocab=65: expected at most "
+                       "--draft_vocab=64")):
     with pytest.raises(ValueError, match=msg):
       spec.check_flags(_flag_values(**{**ok, **change}))
   base = dict(min_len=16, context=4096, windows=["1", "2"], steps=8, outlier_fractions=["0.25",

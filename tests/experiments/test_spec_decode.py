@@ -43,9 +43,16 @@ def test_spec_decode_entry(tmp_path):
         sum(a + 1 for log in logs for a in log) / sum(len(log) for log in logs), rel=1e-12)
   assert (tmp_path / "spec_decode.png").exists()
   assert (tmp_path / "draft" / "checkpoints").is_dir()
-  # A second run reuses the trained head (resumes a finished run: no training steps).
-  again = run()
+  # A second run reuses the trained head (resumes a finished run: no training steps), here
+  # decoding with a bfloat16 copy of it over the 64 most frequent tokens: still lossless.
+  again = run("--draft_dtype=bfloat16", "--decode_vocab=64")
   assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr[-3000:]
+  summary = json.loads(again.stdout.strip().splitlines()[-1])
+  assert summary["greedy_match"] is True and summary["draft_vocab"] == 64
+  assert summary["draft_dtype"] == "bfloat16"
+  big = run("--decode_vocab=600")
+  assert big.returncode == 2 and big.stderr.strip().splitlines()[-1] == (
+      "error: --decode_vocab=600: the target's vocabulary has 512 tokens"), big.stderr[-3000:]
   # Another --draft_lr: refused, the hint naming flags spec_decode has; following it works.
   other = run("--draft_lr=0.001")
   assert other.returncode != 0

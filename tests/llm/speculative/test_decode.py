@@ -19,6 +19,7 @@ from llm import generate as G
 from llm.model import Llama
 from llm.speculative import DraftHead, TreeShape, speculative_generate
 from llm.speculative.decode import cache_slots
+from llm.speculative.draft import cast_head
 from tests.llm.speculative.conftest import CFG, V
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [3, 3, 6, 0, 2, 5, 1], [4, 4]]
@@ -227,6 +228,36 @@ def test_a_head_with_taps(target, greedy):
   other = speculative_generate(target, blind, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
   assert other.tokens == greedy
   assert other.accepted_per_round != out.accepted_per_round
+
+
+def test_a_bfloat16_copy_of_the_head(target, draft, greedy):
+  """`cast_head`: a bfloat16 copy of a trained float32 head (every weight and its arithmetic
+  in bfloat16; the original untouched; taps kept) predicts the features the float32 head
+  does to bfloat16 accuracy, and decodes the float32 target's greedy output unchanged."""
+  bf = cast_head(draft, jnp.bfloat16)
+  assert bf.cfg.dtype == bf.cfg.param_dtype == "bfloat16" and bf.taps == draft.taps
+  leaves = jax.tree.leaves(nnx.state(bf, nnx.Param))
+  assert leaves and {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(draft, nnx.Param))} == {
+      jnp.dtype(jnp.float32)}
+  assert cast_head(draft, "float32") is draft
+  rng = np.random.default_rng(0)
+  h = target.hidden(target.embed_tokens(jnp.asarray([PROMPTS[2]])))[0]
+  nxt = target.embed_tokens(jnp.asarray([rng.integers(0, V, len(PROMPTS[2]))]))
+  want, got = draft(h, nxt)[0], bf(h, nxt)[0]
+  assert got.dtype == jnp.bfloat16
+  # bfloat16 keeps 8 significant bits (relative rounding 2**-9 per operation); a dozen
+  # roundings in sequence through one block, on RMS-normalized outputs of size ~1.
+  err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+  assert 0 < err < 0.03, err
+  out = speculative_generate(target, bf, PROMPTS, N_NEW, shape=SHAPES[1], max_len=MAX_LEN)
+  assert out.tokens == greedy
+  _check_rounds(out, SHAPES[1], N_NEW)
+  with pytest.raises(ValueError, match="cast_head: dtype=float16; expected float32 or "
+                     "bfloat16"):
+    cast_head(draft, jnp.float16)
+  taps = cast_head(DraftHead(CFG, nnx.Rngs(1), taps=(1,)), "bfloat16")
+  assert taps.taps == (1,) and taps.fc[...].shape == (3 * CFG.dim, CFG.dim)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu",
