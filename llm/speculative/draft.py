@@ -45,8 +45,8 @@ def draft_config(target_cfg: LlamaConfig, dtype="float32") -> LlamaConfig:
   """The head's block config: the target's sizes, one layer, no remat, its weights and
   arithmetic in `dtype`. Heads train in float32 whatever the target's dtype; `cast_head`
   gives a trained head another dtype for decoding (a bfloat16 target's head decodes faster
-  in bfloat16 on XLA:CPU: its calls run 2-5 rows, where bfloat16 products cost about what
-  one row does, BENCHMARKS.md)."""
+  in bfloat16 on XLA:CPU: its calls run 2-5 rows, and bfloat16 products cost about the
+  same for 2 to 8 rows where float32 ones grow with them, BENCHMARKS.md)."""
   return target_cfg.replace(n_layers=1, remat=False, dtype=jnp.dtype(dtype).name,
                             param_dtype=jnp.dtype(dtype).name, cache_dtype=None)
 
