@@ -291,8 +291,7 @@ def main(argv):
   from core import benchmark as bench_lib
   from core.train import RunSettingsError
   from llm.checkpoints import load_model
-  from llm.speculative import TreeShape, distill
-  from llm.speculative import draft as draft_lib
+  from llm.speculative import TreeShape, cast_head, distill
 
   from experiments.spec_decode import benchmark
 
@@ -341,7 +340,7 @@ def main(argv):
   if FLAGS.decode_vocab:
     vocab = distill.draft_vocab(tokens[:first], mask[:first], FLAGS.decode_vocab,
                                 cfg.vocab_size)
-  draft = draft_lib.cast_head(draft, FLAGS.draft_dtype or FLAGS.dtype)
+  draft = cast_head(draft, FLAGS.draft_dtype or FLAGS.dtype)
   held_out = ([prompts[i % len(prompts)] for i in range(first, dcfg.num_sequences)]
               if FLAGS.chat_prompts else tokens[first:, :FLAGS.prompt_len].tolist())
   print(f"draft eval: {json.dumps({k: round(v, 4) for k, v in train_out['eval'].items()})}",

@@ -87,7 +87,6 @@ def decode_attention_sums(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segm
           lse[:, :, 0].reshape(b, t, h))
 
 
-
 def decode_attention_matmul(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True,
                             q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                             kv_positions=None, scale: float | None = None):
