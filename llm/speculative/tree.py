@@ -17,8 +17,18 @@ its children and nodes are sorted by depth.
 A tree of N = budget + 1 nodes (node 0: the root, the last token sampled from the target)
 is `tokens [B,N]`, `parents [B,N]` (-1 at the root) and `depths [B,N]`. Node i sits at
 position `start + depths[i]` and sees the cached prefix by position and, of the other
-nodes, only its ancestors (`ancestors`): written into cache slots [start, start + N), that
-is the [B,N,S] mask `slot_mask` builds for `llm.attention`'s `mask`.
+nodes, only its ancestors (`ancestors`): written into cache slots start + `node_slots`,
+that is the [B,N,S] mask `slot_mask` builds for `llm.attention`'s `mask`.
+
+Slot layout (`node_slots`): a node's key goes to a slot congruent to start + depth modulo
+`SLOT_LANES`, after its ancestors of the same residue (a chain's at start + depth).
+XLA:CPU's product routines (jax 0.11), which the decode attention's sums over the keys run
+as (`llm.attention.decode`), add the term of slot s into partial sum s mod 4 and add the
+partial sums at the end, so a node then sees its prefix and ancestors in the partial sums,
+and in the order, in which the plain decoding step at its position sees the same keys:
+verification gives that step's bits (with `llm.model.sum_last`'s norms, whatever the batch).
+A routine that groups terms otherwise (jax 0.12's for one query row) can still part them in
+the last bit.
 
 A chain (plain speculative decoding with one candidate per step) is TreeShape(1, d, d).
 
@@ -122,17 +132,53 @@ def ancestors(parents_BN, max_depth: int):
   return vis_BNN
 
 
-def slot_mask(visible_BTN, start_B, num_slots: int):
+# Partial sums of XLA:CPU's product routine over the key axis (module docstring).
+SLOT_LANES = 4
+
+
+def node_slots(depths_BN, lanes: int = SLOT_LANES):
+  """[B,N] cache slot of each node, as an offset from the tree's start: depth + lanes * c,
+  c = the nodes before it whose depth has its residue modulo lanes, less the depth // lanes
+  levels of that residue above it (each holds at least one). Needs nodes sorted by depth
+  (`select_tree`'s order). Offsets are distinct, congruent to the depth, increase along every
+  root-to-node path within a residue, stay below `slot_span`, and are the depths for a chain:
+  the first node of every level sits where plain decoding puts its token."""
+  n = depths_BN.shape[1]
+  same_BNN = (depths_BN[:, :, None] % lanes) == (depths_BN[:, None, :] % lanes)
+  earlier_NN = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]
+  kin_BN = jnp.sum(same_BNN & earlier_NN, axis=-1, dtype=jnp.int32) - depths_BN // lanes
+  return depths_BN + lanes * kin_BN
+
+
+def slot_span(shape: TreeShape, lanes: int = SLOT_LANES) -> int:
+  """Slots past start that `node_slots` can use for a tree of `shape` (static). A node at
+  depth d >= 1 gets lanes * c past its depth, c at most: the other N - 1 nodes less its d
+  ancestors (d // lanes of which share its residue), less the d // lanes; and the nodes that
+  the levels of its residue down to d can hold (1 root, top_k at depth 1, top_k**2 deeper),
+  less itself and d // lanes. The span is one past the largest offset over d <= depth."""
+  n, k = shape.nodes, shape.top_k
+  level = lambda d: 1 if d == 0 else (k if d == 1 else k * k)
+  def c(d):
+    held = sum(level(e) for e in range(d % lanes, d + 1, lanes))
+    return max(0, min(n - 1 - d, held - 1 - d // lanes))
+  return 1 + max([0] + [d + lanes * c(d) for d in range(1, min(shape.depth, n - 1) + 1)])
+
+
+def slot_mask(visible_BTN, start_B, num_slots: int, offsets_BN=None):
   """[B,T,S] attention mask over cache slots for queries whose tree keys were written at
-  slots [start, start + N): inside that range visible_BTN decides, every other slot is left
-  to the positions (the cached prefix; empty slots are hidden by theirs)."""
-  n = visible_BTN.shape[-1]
-  rel_BS = jnp.arange(num_slots, dtype=jnp.int32)[None] - start_B[:, None]
-  inside_BS = (rel_BS >= 0) & (rel_BS < n)
-  idx_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, n - 1)[:, None, :],
-                             visible_BTN.shape[:2] + (num_slots,))
+  slots start + offsets (default: start + arange(N), [start, start + N)): at those slots
+  visible_BTN decides, every other slot is left to the positions (the cached prefix; empty
+  slots are hidden by theirs)."""
+  b, t, n = visible_BTN.shape
+  if offsets_BN is None:
+    offsets_BN = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+  slots_BN = start_B[:, None] + offsets_BN
+  # The node in each slot (-1: none); slots past the cache are dropped.
+  node_BS = jax.vmap(lambda sl: jnp.full((num_slots,), -1, jnp.int32).at[sl].set(
+      jnp.arange(n, dtype=jnp.int32), mode="drop"))(slots_BN)
+  idx_BTS = jnp.broadcast_to(jnp.maximum(node_BS, 0)[:, None, :], (b, t, num_slots))
   vis_BTS = jnp.take_along_axis(visible_BTN, idx_BTS, axis=2)
-  return jnp.where(inside_BS[:, None, :], vis_BTS, True)
+  return jnp.where((node_BS >= 0)[:, None, :], vis_BTS, True)
 
 
 def children(parents_BN, top_k: int):

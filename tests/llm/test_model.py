@@ -139,6 +139,31 @@ def test_rope_scaling_frequencies_match_meta_formula():
                              meta_rope_freqs(128, 500000.0, RopeScaling()), rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 64, 100, 576, 1000, 4096])
+def test_sum_last_is_a_sum_in_one_order_for_any_row_count(n):
+  """`sum_last` against a float64 sum (float32 error bound of n additions), its shape, its
+  gradient (ones), and each row's bits the same whether 1, 5 or 24 rows are summed in one
+  jitted call, alone or inside an RMSNorm."""
+  rng = np.random.default_rng(n)
+  x = rng.standard_normal((4, 6, n)).astype(np.float32)
+  got = np.asarray(jax.jit(M.sum_last)(x))
+  assert got.shape == (4, 6, 1)
+  want = x.astype(np.float64).sum(-1, keepdims=True)
+  bound = n * np.finfo(np.float32).eps * np.abs(x).astype(np.float64).sum(-1, keepdims=True)
+  assert np.all(np.abs(got - want) <= bound)
+  np.testing.assert_array_equal(jax.grad(lambda a: M.sum_last(a).sum())(x), np.ones_like(x))
+  fns = [jax.jit(M.sum_last)]
+  if n % 2 == 0:
+    norm = M.RMSNorm(M.LlamaConfig(vocab_size=8, dim=n, n_layers=1, n_heads=1, n_kv_heads=1,
+                                   ffn_dim=8))
+    fns.append(jax.jit(lambda a: norm(a)))
+  for fn in fns:
+    full = np.asarray(fn(x))
+    for rows in ((0, 1), (0, 5)):
+      np.testing.assert_array_equal(np.asarray(fn(x[rows[0], :rows[1]])), full[0, :rows[1]])
+    np.testing.assert_array_equal(np.asarray(fn(x.reshape(24, n))), full.reshape(24, -1))
+
+
 def test_rope_is_a_rotation_of_half_split_pairs():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 8)), jnp.float32)
   inv = M.rope_frequencies(8, 10000.0, None)

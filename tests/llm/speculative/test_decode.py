@@ -262,47 +262,82 @@ def test_a_bfloat16_copy_of_the_head(target, draft, greedy):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu",
                     reason="bit-equal rows rest on XLA:CPU's decode attention "
-                           "(llm/attention/decode.py)")
-def test_bf16_verification_equals_plain_steps_bit_for_bit():
-  """A bfloat16 target (SmolLM2's shapes, 4 blocks) verifying a tree in one pass computes,
-  at every node on the plain greedy path, the logits of the plain decode step at that
-  position bit for bit, with a sibling's key masked in between and a cache of another size
-  (what keeps greedy speculative decoding of a bfloat16 model close to plain decoding)."""
+                           "(llm/attention/decode.py) and its product routine")
+def test_bf16_tree_verification_equals_plain_steps_bit_for_bit():
+  """A bfloat16 target (SmolLM2's shapes, 4 blocks) verifying an 8-node tree in one pass,
+  with the nodes at `tree.node_slots` in a cache of another size, computes at every node
+  the logits of the plain decode step that feeds that node's path, bit for bit (second and
+  third children included, whose keys sit past their siblings'), in a batch of one and of
+  two (whose 16 rows XLA:CPU runs through other routines: `model.sum_last`); the committed
+  path's keys and values are the plain steps'. What makes greedy speculative decoding of a
+  bfloat16 model return plain decoding's tokens. (A float32 step's one-row products run XLA:CPU's
+  matrix-vector routine, the tree's rows a matrix product: equal to about 1e-6, not in bits;
+  the attention's own sums are bit-equal in both: test_tree.py.)"""
   from llm.speculative import tree as tree_lib
+  from llm.speculative.decode import commit_path
+  from tests.llm.speculative.test_tree import product_sums_by_lanes
   from tests.llm.test_generate import SMOL_BF16
-  graphdef, state = nnx.split(Llama(SMOL_BF16, nnx.Rngs(0)))
-  prompt = jnp.asarray(np.random.default_rng(1).integers(0, SMOL_BF16.vocab_size, (1, 12)))
-  parents = jnp.asarray([[-1, 0, 0, 1, 3]])        # root, a, sibling of a, b, c
-  depths = jnp.asarray([[0, 1, 1, 2, 3]])
+  nodes = 8
+  if not product_sums_by_lanes(3 * nodes, tree_lib.SLOT_LANES):
+    pytest.skip(f"this XLA:CPU's product routine does not sum 3 and {3 * nodes} query rows "
+                f"in {tree_lib.SLOT_LANES} slot lanes alike (llm/speculative/tree.py)")
+  cfg = SMOL_BF16
+  graphdef, state = nnx.split(Llama(cfg, nnx.Rngs(0)))
+  rng = np.random.default_rng(1)
+  prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 13)))
+  parents = [-1, 0, 0, 0, 1, 2, 3, 5]
+  depths = [0, 1, 1, 1, 2, 2, 2, 3]
+  parents_BN, depths_BN = jnp.asarray([parents]), jnp.asarray([depths])
+  tokens = [int(t) for t in rng.integers(0, cfg.vocab_size, nodes)]
 
   @functools.partial(jax.jit, static_argnums=0)
   def prefill(max_len, state):
     m = nnx.merge(graphdef, state)
-    h, cache = m.hidden(m.embed_tokens(prompt), cache=m.init_cache(1, max_len),
+    _, cache = m.hidden(m.embed_tokens(prompt), cache=m.init_cache(1, max_len),
                         fresh_cache=True)
-    return m.logits(h[:, -1:])[:, 0], cache
+    return cache
 
   @jax.jit
   def step(state, cache, tok):
-    logits, cache = nnx.merge(graphdef, state)(tok[:, None], cache=cache)
-    return logits[:, 0], cache
+    logits, cache = nnx.merge(graphdef, state)(tok[None, None], cache=cache)
+    return logits[0, 0], cache
 
   @jax.jit
-  def verify(state, cache, tokens):
+  def verify(state, cache, tokens_BN):
     m = nnx.merge(graphdef, state)
-    mask = tree_lib.slot_mask(tree_lib.ancestors(parents, 3), cache.length, cache.max_len)
-    h, _ = m.hidden(m.embed_tokens(tokens), positions_BT=cache.length[:, None] + depths,
-                    cache=cache, mask_BTS=mask)
-    return m.logits(h)[0]
+    start, shape = cache.length, tokens_BN.shape
+    depths = jnp.broadcast_to(depths_BN, shape)
+    offsets = tree_lib.node_slots(depths)
+    mask = tree_lib.slot_mask(tree_lib.ancestors(jnp.broadcast_to(parents_BN, shape), 3),
+                              start, cache.max_len, offsets)
+    h, cache = m.hidden(m.embed_tokens(tokens_BN), positions_BT=start[:, None] + depths,
+                        cache=cache, slots_BT=start[:, None] + offsets, mask_BTS=mask)
+    return m.logits(h), cache, offsets
 
-  logits, cache = prefill(40, state)
-  path, plain = [int(jnp.argmax(logits[0]))], []
-  for _ in range(4):
-    logits, cache = step(state, cache, jnp.asarray(path[-1:]))
-    plain.append(np.asarray(logits[0]))
-    path.append(int(np.argmax(plain[-1])))
-  _, cache = prefill(76, state)
-  tree = [path[0], path[1], (path[1] + 1) % SMOL_BF16.vocab_size, path[2], path[3]]
-  got = np.asarray(verify(state, cache, jnp.asarray([tree])))
-  for node, depth in ((0, 0), (1, 1), (3, 2), (4, 3)):
-    np.testing.assert_array_equal(got[node], plain[depth], err_msg=f"node {node}")
+  def path_to(node):
+    return [] if node < 0 else path_to(parents[node]) + [node]
+
+  plain_logits, plain_cache = {}, {}
+  for node in range(nodes):
+    cache = prefill(40, state)
+    for n in path_to(node):
+      logits, cache = step(state, cache, jnp.asarray(tokens[n]))
+    plain_logits[node], plain_cache[node] = np.asarray(logits), cache
+  start = prefill(40, state).length
+  tree_cache = prefill(40 + tree_lib.slot_span(TreeShape(3, 3, nodes - 1)), state)
+  got, cache, offsets = verify(state, tree_cache, jnp.asarray([tokens]))
+  got2, _, _ = verify(state, jax.tree.map(lambda a: jnp.concatenate([a, a]), tree_cache),
+                      jnp.asarray([tokens, tokens]))
+  assert sorted(np.asarray(offsets)[0].tolist()) != list(range(nodes))   # not contiguous
+  for node in range(nodes):
+    for b, rows in ((0, got), (0, got2), (1, got2)):
+      np.testing.assert_array_equal(np.asarray(rows[b, node]), plain_logits[node],
+                                    err_msg=f"node {node} (depth {depths[node]}), row {b} of "
+                                            f"{rows.shape[0]}")
+  committed = commit_path(cache, start, jnp.asarray([path_to(7)]), jnp.asarray([3]), offsets)
+  ref = plain_cache[7]
+  n = int(ref.length[0])
+  np.testing.assert_array_equal(committed.length, ref.length)
+  np.testing.assert_array_equal(np.asarray(committed.pos)[:, :n], np.asarray(ref.pos)[:, :n])
+  for a, b in zip(committed.k + committed.v, ref.k + ref.v):
+    np.testing.assert_array_equal(np.asarray(a)[:, :n], np.asarray(b)[:, :n])
