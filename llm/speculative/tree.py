@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llm.speculative.draft import write_slots
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
@@ -172,10 +174,9 @@ def slot_mask(visible_BTN, start_B, num_slots: int, offsets_BN=None):
   b, t, n = visible_BTN.shape
   if offsets_BN is None:
     offsets_BN = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-  slots_BN = start_B[:, None] + offsets_BN
   # The node in each slot (-1: none); slots past the cache are dropped.
-  node_BS = jax.vmap(lambda sl: jnp.full((num_slots,), -1, jnp.int32).at[sl].set(
-      jnp.arange(n, dtype=jnp.int32), mode="drop"))(slots_BN)
+  node_BS = write_slots(jnp.full((b, num_slots), -1, jnp.int32), start_B[:, None] + offsets_BN,
+                        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)))
   idx_BTS = jnp.broadcast_to(jnp.maximum(node_BS, 0)[:, None, :], (b, t, num_slots))
   vis_BTS = jnp.take_along_axis(visible_BTN, idx_BTS, axis=2)
   return jnp.where((node_BS >= 0)[:, None, :], vis_BTS, True)
