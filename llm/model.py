@@ -298,21 +298,32 @@ def _weight(p: nnx.Param, dtype=None) -> jax.Array:
   return v if dtype is None else v.astype(dtype)
 
 
+# On CPU a 16-bit product runs with at least this many activation rows (see `einsum`).
+CPU_MIN_ROWS = 3
+
+
 def einsum(spec: str, x, w, **kw) -> jax.Array:
   """`jnp.einsum(spec, x, w)` for an activation x [B, T, ...] (spec "bt...,...->bt...").
 
-  XLA:CPU computes a product whose activation is one row (B = T = 1: a batch-1 decode step)
-  with Eigen's matrix-vector routine, and in 16-bit floats that routine is 7-12x slower than
-  YNNPACK's matrix product of two rows (bfloat16 [1,576] x [576,49152]: 42-46 ms against
-  3.6 ms on a 2-core AMD EPYC). On CPU such a product of 16-bit operands therefore runs as
-  two rows (the row twice) and keeps the first; rows of a product are computed
-  independently, so the result is the same. float32 keeps the matrix-vector routine, which
-  is the faster one there."""
+  On CPU a product of 16-bit operands whose activation has fewer than CPU_MIN_ROWS rows
+  (B * T: a decode step at batch 1 or 2) runs with the rows repeated up to that count, and
+  keeps the first. Two reasons, both XLA:CPU's (jax 0.11.2):
+  - speed: one row goes to Eigen's matrix-vector routine, which in 16-bit floats is 7-12x
+    slower than YNNPACK's matrix product of a few rows (bfloat16 [1,576] x [576,49152]:
+    42-46 ms against 3.6 ms on a 2-core AMD EPYC);
+  - the same bits for a row whatever the row count: on a CPU with AVX512-BF16 / AMX (an
+    Intel Xeon here) products of one or two rows take another routine than those of three or
+    more, and with float32 outputs about three quarters of the values differ in the last
+    bits (bfloat16 [r,576] x [576,4096]), while any count from three on gives the same bits;
+    speculative verification of many rows must equal a plain step's.
+  Rows of a product are computed independently, so the kept rows are the product's. float32
+  keeps the matrix-vector routine, which is the faster one there."""
   lhs, out = spec.split(",")[0], spec.split("->")[-1]
-  if (x.ndim >= 2 and x.shape[0] * x.shape[1] == 1 and out[:2] == lhs[:2]
+  if (x.ndim >= 2 and x.shape[0] * x.shape[1] < CPU_MIN_ROWS and out[:2] == lhs[:2]
       and jnp.dtype(x.dtype).itemsize == 2 and jnp.dtype(w.dtype).itemsize == 2
       and jax.default_backend() == "cpu"):
-    return jnp.einsum(spec, jnp.concatenate([x, x], axis=1), w, **kw)[:, :1]
+    reps = -(-CPU_MIN_ROWS // (x.shape[0] * x.shape[1]))
+    return jnp.einsum(spec, jnp.concatenate([x] * reps, axis=1), w, **kw)[:, :x.shape[1]]
   return jnp.einsum(spec, x, w, **kw)
 
 

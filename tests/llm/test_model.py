@@ -484,9 +484,12 @@ def test_bf16_compute_runs_and_is_close():
   assert err.max() > 0                                        # bf16 really was used
 
 
-def test_one_row_16bit_products_run_as_two_rows_on_cpu_with_the_same_result():
-  # XLA:CPU's one-row 16-bit product is its slow matrix-vector path (llm.model.einsum): on
-  # CPU the row runs twice; rows are independent, so the result is the row's own.
+def test_few_row_16bit_products_run_as_three_rows_on_cpu_with_the_same_result():
+  # XLA:CPU's one-row 16-bit product is its slow matrix-vector path, and on CPUs with
+  # AVX512-BF16 / AMX products of one or two rows take another routine than three or more
+  # (llm.model.einsum): on CPU the rows repeat up to CPU_MIN_ROWS; rows are independent, so
+  # the result is the row's own, and the same bits as inside any larger product.
+  assert M.CPU_MIN_ROWS == 3
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(1, 1, 64)), jnp.bfloat16)
   w = jnp.asarray(rng.normal(size=(64, 96)), jnp.bfloat16)
@@ -494,13 +497,18 @@ def test_one_row_16bit_products_run_as_two_rows_on_cpu_with_the_same_result():
   jaxpr = lambda x, w: str(jax.make_jaxpr(f)(x, w))
   on_cpu = jax.default_backend() == "cpu"
   assert ("concatenate" in jaxpr(x, w)) == on_cpu
+  assert ("concatenate" in jaxpr(jnp.concatenate([x, x], 0), w)) == on_cpu   # batch 2
   assert "concatenate" not in jaxpr(x.astype(jnp.float32), w.astype(jnp.float32))
-  assert "concatenate" not in jaxpr(jnp.concatenate([x, x], 1), w)      # two rows already
+  assert "concatenate" not in jaxpr(jnp.concatenate([x, x, x], 1), w)      # three rows already
   got = np.asarray(jax.jit(f)(x, w))
   assert got.shape == (1, 1, 96)
-  # The row inside a product of several rows (any position): the same numbers.
+  # The row inside a product of several rows (any position): the same numbers; so are the
+  # rows of a batch of two.
   many = jnp.concatenate([jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.bfloat16), x], 1)
   np.testing.assert_array_equal(np.asarray(jax.jit(f)(many, w))[:, 4:], got)
+  pair = jnp.concatenate([many[:, 1:2], x], 0)
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(pair, w)),
+                                np.asarray(jax.jit(f)(many, w))[0, [1, 4]][:, None])
   ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
   # Other specs keep their own order of axes ("bthk,hkd->btd" is the attention's output).
@@ -509,7 +517,7 @@ def test_one_row_16bit_products_run_as_two_rows_on_cpu_with_the_same_result():
   np.testing.assert_array_equal(
       np.asarray(jax.jit(lambda a, b: M.einsum("bthk,hkd->btd", a, b))(x4, w3)),
       np.asarray(jax.jit(lambda a, b: jnp.einsum("bthk,hkd->btd", a, b))(
-          jnp.concatenate([x4, x4], 1), w3))[:, :1])
+          jnp.concatenate([x4, x4, x4, x4], 1), w3))[:, :1])
 
 
 def test_bf16_batch1_decode_step_equals_its_row_in_a_batch():

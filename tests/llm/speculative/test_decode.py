@@ -275,12 +275,10 @@ def test_bf16_tree_verification_equals_plain_steps_bit_for_bit():
   the attention's own sums are bit-equal in both: test_tree.py.)"""
   from llm.speculative import tree as tree_lib
   from llm.speculative.decode import commit_path
-  from tests.llm.speculative.test_tree import product_sums_by_lanes
+  from tests.llm.speculative.test_tree import require_lanes
   from tests.llm.test_generate import SMOL_BF16
   nodes = 8
-  if not product_sums_by_lanes(3 * nodes, tree_lib.SLOT_LANES):
-    pytest.skip(f"this XLA:CPU's product routine does not sum 3 and {3 * nodes} query rows "
-                f"in {tree_lib.SLOT_LANES} slot lanes alike (llm/speculative/tree.py)")
+  require_lanes(3 * nodes, tree_lib.SLOT_LANES)
   cfg = SMOL_BF16
   graphdef, state = nnx.split(Llama(cfg, nnx.Rngs(0)))
   rng = np.random.default_rng(1)
