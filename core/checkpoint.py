@@ -8,19 +8,122 @@ target before reading any array: a mismatch is one error listing the leaves that
 Letting orbax find it instead fails inside its asyncio reads, and the reads still in flight
 then report into the closed event loop (hundreds of lines of `RuntimeError: Event loop is
 closed` before the real error).
+
+`save` turns a failed write (a full disk, a file-size limit: an OSError, or tensorstore's
+ValueError carrying `os_error_code`) into one CheckpointWriteError naming the checkpoint,
+the file and the OS error; orbax's threads' copies of it are not logged, nor are the
+reports of the writes still in flight, which end after orbax's event loop closed (a
+traceback each: `RuntimeError: Event loop is closed`, asyncio's `Task exception was never
+retrieved`). The unfinished checkpoint stays a `*.orbax-checkpoint-tmp` directory, so the
+previous one is still the latest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging as py_logging
 import os
-from typing import Any
+import re
+import sys
+from typing import Any, Iterator
 
 import jax
 import orbax.checkpoint as ocp
 
+from core import errors
+
 
 class CheckpointMismatchError(ValueError):
   """The stored state's tree, shapes or dtypes differ from the restore target's."""
+
+
+class CheckpointWriteError(errors.UserError):
+  """Writing a checkpoint failed for a reason of the machine (disk full, file too large)."""
+
+
+# tensorstore's text of a failed write: 'Failed writing: "PATH": ... [os_error_code='28']'
+_TS_FILE = re.compile(r'Failed (?:writing|to write)[^"]*"([^"]+)"')
+_TS_ERRNO = re.compile(r"os_error_code='?(\d+)")
+
+
+def write_error(directory: str, step: int, e: BaseException) -> CheckpointWriteError | None:
+  """The CheckpointWriteError for `e` raised while saving checkpoint `step`, or None when
+  `e` is not a failed write of the machine's (a bug keeps its traceback)."""
+  text = str(e)
+  if isinstance(e, OSError):
+    code, path = e.errno, e.filename
+  else:
+    m = _TS_ERRNO.search(text)
+    if not isinstance(e, ValueError) or m is None:
+      return None
+    code = int(m.group(1))
+    f = _TS_FILE.search(text)
+    path = f.group(1) if f else None
+  what = os.strerror(code) if code else (getattr(e, "strerror", None) or text.splitlines()[0])
+  name = errno.errorcode.get(code, "")
+  return CheckpointWriteError(
+      f"checkpoint {directory}/{step}: writing {path or directory} failed: {what}"
+      f"{f' ({name})' if name else ''}; expected room for the checkpoint on that file "
+      "system (free space, a file-size limit: ulimit -f) or another --workdir")
+
+
+class _DropOrbaxThreadErrors(py_logging.Filter):
+  """orbax's worker threads log the failed write before it is raised here, traceback and
+  all; the raised error is reported once."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return "raised an exception" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _quiet_orbax_threads() -> Iterator[None]:
+  f = _DropOrbaxThreadErrors()
+  loggers = [py_logging.getLogger("absl"), py_logging.getLogger()]
+  for lg in loggers:
+    lg.addFilter(f)
+  try:
+    yield
+  finally:
+    for lg in loggers:
+      lg.removeFilter(f)
+
+
+class _DropUnretrievedWriteErrors(py_logging.Filter):
+  """asyncio's `Task exception was never retrieved` for a failed checkpoint write (the
+  other writes of a save that already failed), reported once by `save`."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and "never retrieved" in str(record.msg) and
+                (isinstance(exc, OSError) or _TS_ERRNO.search(str(exc))))
+
+
+def _drop_loop_closed_reports() -> None:
+  """sys.unraisablehook and sys.excepthook (through which tensorstore's callbacks report)
+  skip the `RuntimeError: Event loop is closed` of writes that end after orbax's loop
+  closed, and asyncio's log the never-retrieved errors of failed writes; anything else
+  goes where it went."""
+  def closed(kind, value) -> bool:
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+  if not getattr(sys.unraisablehook, "drops_loop_closed", False):
+    unraisable = sys.unraisablehook
+    def unraisablehook(u):
+      if not closed(u.exc_type, u.exc_value):
+        unraisable(u)
+    unraisablehook.drops_loop_closed = True
+    sys.unraisablehook = unraisablehook
+  asyncio_log = py_logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropUnretrievedWriteErrors) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DropUnretrievedWriteErrors())
+  if not getattr(sys.excepthook, "drops_loop_closed", False):
+    excepthook = sys.excepthook
+    def hook(kind, value, tb):
+      if not closed(kind, value):
+        excepthook(kind, value, tb)
+    hook.drops_loop_closed = True
+    sys.excepthook = hook
 
 
 class Checkpointer:
@@ -42,9 +145,38 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
+    """Writes checkpoint `step`; a failed write is one CheckpointWriteError (module
+    docstring)."""
+    _drop_loop_closed_reports()
+    try:
+      with _quiet_orbax_threads():
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        self._manager.wait_until_finished()
+    except (OSError, ValueError) as e:
+      err = write_error(self.directory, step, e)
+      if err is None:
+        raise
+      raise err from None
+
+  def update_meta(self, step: int, meta: dict[str, Any]) -> None:
+    """Replaces the JSON metadata of the finished checkpoint `step` (written through a
+    temporary file and a rename; the arrays are untouched): the final evaluation's result,
+    which runs after the final checkpoint is written."""
+    import json
+    if jax.process_index() != 0:
+      return
+    path = os.path.join(self.directory, str(step), "meta", "metadata")
+    if not os.path.exists(path):   # another orbax layout: a resume evaluates again
+      py_logging.getLogger(__name__).warning("no %s to update", path)
+      return
+    tmp = path + ".tmp"
+    try:
+      with open(tmp, "w") as f:
+        json.dump(meta, f)
+      os.replace(tmp, path)
+    except OSError as e:
+      raise write_error(self.directory, step, e) from None
 
   def restore_meta(self, step: int) -> dict[str, Any]:
     """The JSON metadata saved with checkpoint `step`; reads no array."""

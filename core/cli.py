@@ -18,6 +18,14 @@ one's last step, and the process ends without jax's shutdown barrier. Known nois
 dropped: jax's "Unable to initialize backend 'tpu'" log line and the multiprocessing
 resource tracker's "leaked semaphore / shared_memory" warnings after a killed or failed
 run (the tracker still removes what they name).
+
+A run stopped on request (an exception with an integer `exit_status`: `core.train.Interrupted`
+after SIGTERM / SIGINT) ends with its message as the last line and that status (128 + the
+signal's number), without a traceback.
+
+The workdir: an entry point whose --workdir flag is set holds its lock (`core.workdir.claim`:
+one run per workdir) from before `main` to exit; a --workdir that is an existing file or
+cannot be written (a read-only mount) is refused there in one line, before any work.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from absl import app, flags, logging
 
 from core import distributed
 from core import errors
+from core import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 _HELP = ("help", "?", "helpshort", "helpfull", "helpxml")
@@ -165,6 +174,8 @@ def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> N
     try:
       if distributed.initialize_from_flags() and not distributed.is_primary():
         sys.stdout = open(os.devnull, "w")
+      if "workdir" in FLAGS and isinstance(FLAGS["workdir"].value, str) and FLAGS.workdir:
+        workdir_lib.claim(FLAGS.workdir)   # process 0 of a multi-process run
       return main(args)
     except SystemExit as e:
       if not isinstance(e.code, str):
@@ -174,7 +185,9 @@ def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> N
       distributed.report_failure("error: interrupted (KeyboardInterrupt)", exit_process=False)
       raise
     except Exception as e:
-      if not is_user_error(e):
+      if isinstance(getattr(e, "exit_status", None), int):   # stopped on request
+        line, status = str(e), e.exit_status
+      elif not is_user_error(e):
         if not distributed.multi_process():
           raise
         # Several processes: the traceback, then one line that names the processes gone

@@ -17,6 +17,20 @@ checked for a non-finite loss or gradient norm; the run stops at the first such 
 checkpoint of that state is written) or, with `nonfinite="skip"`, the task's step leaves
 the state unchanged on device and the loop counts the skipped steps. No per-step
 device-to-host transfer is added.
+
+One run per workdir: `train` holds `<workdir>/run.lock` (`core.workdir`) while it runs.
+Preemption keeps the work: SIGTERM (what SLURM and Kubernetes send) or SIGINT during `train`
+lets the step in hand finish, writes a checkpoint of it and raises `Interrupted` (message
+`stopped at step N; checkpoint N kept; continue with --resume`, `exit_status` 128 + the
+signal's number: 143, 130); a second signal stops at once (KeyboardInterrupt). An evaluation
+in progress stops between batches (with one process; several finish it). The final
+checkpoint is written before the final evaluation, whose result then goes into that
+checkpoint's metadata; a resume of a finished run whose final evaluation did not complete
+runs it. Besides `checkpoint_every`,
+a checkpoint is written once `checkpoint_every_minutes` have passed since the last one
+(default 10), so an interrupted default run loses at most that. With several processes,
+the stop and the time-based checkpoint are agreed at log steps (`log_every`) by one small
+collective (any process's request counts), so every process saves the same step.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import math
 import os
 import queue
 import shutil
+import signal
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
@@ -41,6 +56,7 @@ from absl import logging
 
 from core import checkpoint as ckpt_lib
 from core import distributed
+from core import workdir as workdir_lib
 
 
 @dataclasses.dataclass
@@ -49,6 +65,7 @@ class TrainConfig:
   steps: int
   eval_every: int = 0            # 0: evaluate only at the end
   checkpoint_every: int = 0      # 0: checkpoint only at the end
+  checkpoint_every_minutes: float = 10.0  # also checkpoint this long after the last (0: off)
   log_every: int = 50
   resume: bool = False
   stop_at_step: int | None = None  # stop (with a checkpoint) before `steps`, as a preemption would
@@ -81,9 +98,12 @@ class TrainConfig:
 
 # TrainConfig fields that are run settings and may differ on resume (they change how far the
 # run goes and what it reports, never the state or the batches it sees).
-LOOP_SETTINGS = ("steps", "eval_every", "checkpoint_every", "log_every", "stop_at_step",
+LOOP_SETTINGS = ("steps", "eval_every", "checkpoint_every", "checkpoint_every_minutes",
+                 "log_every", "stop_at_step",
                  "workdir", "max_to_keep", "prefetch", "tensorboard", "nonfinite",
                  "check_every", "max_skipped_in_a_row", "hang_timeout_s")
+# The clock of time-based checkpoints (a name of its own, so a test can move it alone).
+_clock = time.monotonic
 # Metrics that must stay finite; a task reports the ones it has.
 FINITE_METRICS = ("loss", "grad_norm")
 
@@ -95,6 +115,59 @@ class RunSettingsError(ValueError):
 
 class NonFiniteError(RuntimeError):
   """Training produced a non-finite loss, gradient norm or state."""
+
+
+class Interrupted(Exception):
+  """SIGTERM or SIGINT stopped training after a checkpoint of the step it was at.
+
+  `exit_status` is 128 + the signal's number (SIGTERM 143, SIGINT 130), the shell's code
+  for a process a signal ended; `core.cli.run` prints the message as the run's last line
+  and exits with it, without a traceback."""
+
+  def __init__(self, step: int, signum: int):
+    super().__init__(f"stopped at step {step}; checkpoint {step} kept; continue with --resume")
+    self.step, self.signum, self.exit_status = step, signum, 128 + signum
+
+
+class _EvalStopped(Exception):
+  """A stop request reached an evaluation between two batches."""
+
+
+class _StopSignals:
+  """SIGTERM and SIGINT while `train` runs: the first is noted (`signum`), a second stops at
+  once (KeyboardInterrupt). The previous handlers come back at exit. Only the main thread
+  can install handlers; elsewhere the signals keep theirs."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._old: dict[int, Any] = {}
+
+  def __enter__(self) -> "_StopSignals":
+    if threading.current_thread() is threading.main_thread():
+      for s in self.SIGNALS:
+        self._old[s] = signal.signal(s, self._note)
+    return self
+
+  def _note(self, signum, frame) -> None:
+    del frame
+    if self.signum is not None:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+  def __exit__(self, *exc) -> None:
+    for s, h in self._old.items():
+      signal.signal(s, signal.SIG_DFL if h is None else h)
+
+
+def _agree(stop: bool, due: bool) -> tuple[bool, bool]:
+  """Whether any process asks to stop / to checkpoint now: a collective that every process
+  of a multi-process run calls at the same step."""
+  from jax.experimental import multihost_utils
+  votes = np.asarray(multihost_utils.process_allgather(np.array([stop, due], np.int32)))
+  votes = votes.reshape(-1, 2).any(axis=0)
+  return bool(votes[0]), bool(votes[1])
 
 
 def check_learning_rate(flag: str, value: Any) -> None:
@@ -260,10 +333,15 @@ def _prefetch(it: Iterator[Any], fn: Callable[[Any], Any], depth: int) -> Iterat
     t.join(timeout=30)
 
 
-def evaluate(task: Task, state: Any, batches: Iterable[Any], eval_step=None) -> dict[str, float]:
+def evaluate(task: Task, state: Any, batches: Iterable[Any], eval_step=None,
+             stop: Callable[[], bool] | None = None) -> dict[str, float]:
+  """The task's metrics over `batches`; `stop()` true between two batches ends it early
+  (raising _EvalStopped)."""
   eval_step = eval_step or jax.jit(task.eval_step)
   ev = task.new_evaluator()
   for host, dev in _prefetch(iter(batches), task.device_batch, 2):
+    if stop is not None and stop():
+      raise _EvalStopped()
     ev.update(eval_step(state, dev), host)
   return ev.result()
 
@@ -394,7 +472,11 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
 
   `train_batches(start)` yields host batches from batch number `start` on. Raises
   RunSettingsError (see `check_resume`), checkpoint.CheckpointMismatchError (a checkpoint
-  whose arrays do not fit the state) or NonFiniteError (see the module docstring).
+  whose arrays do not fit the state), NonFiniteError or Interrupted (see the module
+  docstring), a UserError when another run holds the workdir, or
+  checkpoint.CheckpointWriteError (a full disk, a file-size limit); when only the final
+  checkpoint failed, the final evaluation still runs and the error carries the summary
+  this function would have returned (`.summary`), for the entry point's results.json.
   """
   if cfg.nonfinite not in ("stop", "skip"):
     raise ValueError(f"--nonfinite={cfg.nonfinite!r}: expected 'stop' or 'skip'")
@@ -402,6 +484,17 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     raise ValueError(f"TrainConfig: check_every={cfg.check_every} (expected >= 0), "
                      f"max_skipped_in_a_row={cfg.max_skipped_in_a_row} (expected >= 1), "
                      f"max_in_flight={cfg.max_in_flight} (expected >= 0)")
+  if not cfg.checkpoint_every_minutes >= 0:
+    raise ValueError(f"--checkpoint_every_minutes={cfg.checkpoint_every_minutes}: expected "
+                     ">= 0 (0: no time-based checkpoints)")
+  with workdir_lib.held(cfg.workdir), _StopSignals() as signals:
+    return _train(task, train_batches, eval_batches, cfg, signals)
+
+
+def _train(task: Task, train_batches: Callable[[int], Iterator[Any]],
+           eval_batches: Callable[[], Iterable[Any]] | None, cfg: TrainConfig,
+           signals: _StopSignals) -> dict[str, Any]:
+  """`train` with the workdir held and the stop signals noted in `signals`."""
   os.makedirs(cfg.workdir, exist_ok=True)
   latest = check_resume(cfg)
   train_step = task.train_step
@@ -433,12 +526,16 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     end = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
     progress = Progress(cfg.steps, start, getattr(task, "example_unit", "ex"))
     last_eval: dict[str, float] = dict(meta.get("last_eval", {}))
+    eval_step = meta.get("eval_step")   # the step last_eval was measured at
     skipped = int(meta.get("skipped_steps", 0))
     skip_run = 0
     pending: list[tuple[int, dict[str, jax.Array]]] = []   # (step, metrics on device)
     in_flight: collections.deque = collections.deque()      # metrics of unfinished steps
     fetched: list[tuple[int, dict[str, float]]] = []       # checked, not yet logged
     train_time = 0.0   # seconds of training steps after the first, eval and checkpoints excluded
+    saved_step, saved_at = None, _clock()   # the last checkpoint written, and when
+    save_error: ckpt_lib.CheckpointWriteError | None = None
+    one_process = jax.process_count() == 1
 
     def stop_message(step: int, what: str) -> str:
       good = [s for s in ckpt.all_steps() if s < step]
@@ -491,32 +588,47 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       fetched.clear()
       return scalars
 
+    def meta_of(step):
+      return {"step": step, "steps": cfg.steps, "last_eval": last_eval, "eval_step": eval_step,
+              "skipped_steps": skipped, "settings": settings, "changeable": _changeable(cfg)}
+
     def save(step):
+      nonlocal saved_step, saved_at
       drain()
       bad_leaf = _first_nonfinite_leaf(state)
       if bad_leaf is not None:
         raise NonFiniteError(stop_message(
             step, f"the state after step {step} holds non-finite values (first: {bad_leaf}) "
             "although the losses and gradient norms checked so far were finite"))
-      ckpt.save(step, state, {"step": step, "steps": cfg.steps, "last_eval": last_eval,
-                              "skipped_steps": skipped, "settings": settings,
-                              "changeable": _changeable(cfg)})
+      ckpt.save(step, state, meta_of(step))
+      saved_step, saved_at = step, _clock()
 
     def run_eval(step):
-      nonlocal last_eval
+      nonlocal last_eval, eval_step
       if eval_batches is None:
         return
       drain()
       t = time.perf_counter()
       try:
-        last_eval = evaluate(task, state, eval_batches(), eval_fn)
+        # One process stops an evaluation between batches; several finish it (a process
+        # leaving its eval collectives would leave the others waiting).
+        last_eval = evaluate(task, state, eval_batches(), eval_fn,
+                             stop=(lambda: signals.signum is not None) if one_process else None)
+        eval_step = step
+      except _EvalStopped:
+        if save_error is not None:
+          raise save_error from None
+        if saved_step != step:
+          save(step)
+        raise Interrupted(step, signals.signum) from None
       except Exception:
         # A bad eval batch (a corrupt shard, a malformed line) must not lose the training
         # before it: the state is checked and saved first, then the error goes on. With
         # several processes a save needs all of them, and the others may be waiting in an
         # eval collective: there the failure is reported (core.distributed) instead.
-        if jax.process_count() == 1 and step not in ckpt.all_steps():
-          save(step)
+        if one_process:
+          if step not in ckpt.all_steps():
+            save(step)
           print(f"evaluation at step {step} failed; the training so far is saved in "
                 f"{ckpt.directory}/{step} (continue with --resume)", flush=True)
         raise
@@ -571,14 +683,43 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
           train_time += time.perf_counter() - t_last
         save(step)
         boundary = True
+      # A stop request (SIGTERM / SIGINT) and the time-based checkpoint, decided at the
+      # same step by every process: at each step with one process, at log steps (one small
+      # collective) with several.
+      if step < end and (one_process or step % cfg.log_every == 0):
+        want_stop = signals.signum is not None
+        due = (cfg.checkpoint_every_minutes > 0 and
+               _clock() - saved_at >= 60 * cfg.checkpoint_every_minutes)
+        if not one_process:
+          want_stop, due = _agree(want_stop, due)
+        if (want_stop or due) and saved_step != step:
+          if not boundary:
+            jax.block_until_ready(state)
+            train_time += time.perf_counter() - t_last
+          save(step)
+          boundary = True
+        if want_stop:
+          raise Interrupted(step, signals.signum or signal.SIGTERM)
       if boundary:
         t_last = time.perf_counter()
     jax.block_until_ready(state)
     drain()
+    finished_unevaluated = (step >= cfg.steps and eval_batches is not None and
+                            meta.get("eval_step", step) != step)
     if step > start:  # a resumed run that had already finished has nothing new to record
+      # The final checkpoint goes first, so an interrupt during the final evaluation loses
+      # no training; a failed write still lets that evaluation run (results.json).
+      try:
+        save(step)
+      except ckpt_lib.CheckpointWriteError as e:
+        save_error = e
       if step >= cfg.steps:
         run_eval(step)
-      save(step)
+        if save_error is None and eval_batches is not None:
+          ckpt.update_meta(step, meta_of(step))
+    elif finished_unevaluated:   # its final evaluation was interrupted: run it now
+      run_eval(step)
+      ckpt.update_meta(step, meta_of(step))
     else:
       print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
   finally:
@@ -589,7 +730,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     ckpt.close()
   if skipped:
     print(f"{skipped} step(s) skipped for a non-finite loss or gradient norm", flush=True)
-  return {
+  out = {
       "state": state,
       "step": step,
       "finished": step >= cfg.steps,
@@ -598,3 +739,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       "train_seconds": train_time,
       "examples_per_sec": progress.examples / train_time if train_time > 0 else 0.0,
   }
+  if save_error is not None:
+    save_error.summary = out
+    raise save_error
+  return out

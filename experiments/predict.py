@@ -58,6 +58,10 @@ def main(argv):
   if jax.process_count() > 1:
     raise UserError(f"{jax.process_count()} processes; expected one: predictions are written "
                     "in file order by one process")
+  from core import workdir as workdir_lib
+  output = FLAGS.output or os.path.join(FLAGS.checkpoint, f"predictions_{FLAGS.split}.csv")
+  # A read-only or missing place for the CSV is named now, not after the predictions.
+  workdir_lib.check_writable(os.path.dirname(os.path.abspath(output)), "--output", output)
   t0 = time.time()
   run = predict_lib.load_run(FLAGS.checkpoint, FLAGS.data or None, FLAGS.split,
                              days=FLAGS.days, batch_size=FLAGS.batch_size or None,
@@ -66,7 +70,6 @@ def main(argv):
   print(f"checkpoint {FLAGS.checkpoint} (step {run.step}) | model {run.cfg.model} "
         f"({run.cfg.preset}) | data {run.cfg.data} split {FLAGS.split} | {split.describe}",
         flush=True)
-  output = FLAGS.output or os.path.join(FLAGS.checkpoint, f"predictions_{FLAGS.split}.csv")
   os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
   evaluator = run.task.new_evaluator() if split.labeled else None
   rows = 0

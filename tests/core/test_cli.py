@@ -69,6 +69,52 @@ def test_user_errors_end_in_one_line_with_status_2(capsys):
   _in_process(data_error, "--noverbose_errors", capsys=capsys)
 
 
+def test_a_stop_on_request_and_a_failed_checkpoint_write_end_in_one_line(capsys):
+  from core import checkpoint as ckpt_lib
+  from core import train as train_lib
+
+  def stopped(argv):
+    print("step 10/100")
+    raise train_lib.Interrupted(10, 15)   # SIGTERM during training
+  code, out, err = _in_process(stopped, capsys=capsys)
+  assert code == 143 and out == "step 10/100\n"
+  assert err == "stopped at step 10; checkpoint 10 kept; continue with --resume\n"
+  code, _, err = _in_process(lambda argv: (_ for _ in ()).throw(train_lib.Interrupted(3, 2)),
+                             capsys=capsys)
+  assert code == 130 and err.endswith("stopped at step 3; checkpoint 3 kept; continue with "
+                                      "--resume\n")
+  full = ValueError("OUT_OF_RANGE: Error writing \"a/0\": Failed writing: \"/w/checkpoints/"
+                    "5.orbax-checkpoint-tmp/state/d/1\": x [os_error_code='27']")
+  line = ckpt_lib.write_error("/w/checkpoints", 5, full)
+
+  def full_disk(argv):
+    raise line
+  code, _, err = _in_process(full_disk, capsys=capsys)
+  assert code == 2 and err == (
+      "error: checkpoint /w/checkpoints/5: writing /w/checkpoints/5.orbax-checkpoint-tmp/state/"
+      "d/1 failed: File too large (EFBIG); expected room for the checkpoint on that file system "
+      "(free space, a file-size limit: ulimit -f) or another --workdir\n")
+  assert ckpt_lib.write_error("/w", 5, ValueError("a bug")) is None   # keeps its traceback
+
+
+def test_a_workdir_flag_is_held_for_the_run(tmp_path, capsys):
+  from absl import flags as absl_flags
+  from core import workdir as workdir_lib
+  assert "workdir" not in absl_flags.FLAGS
+  absl_flags.DEFINE_string("workdir", None, "probe")   # as an entry point defines it
+  seen = {}
+
+  def main(argv):
+    seen["held"] = workdir_lib.holds(str(tmp_path / "w"))
+  try:
+    with pytest.raises(SystemExit):
+      cli.run(main, argv=["probe", f"--workdir={tmp_path / 'w'}"])
+  finally:
+    delattr(absl_flags.FLAGS, "workdir")
+  assert seen["held"]
+  workdir_lib.release(str(tmp_path / "w"))   # at exit in a real run
+
+
 def test_bugs_keep_their_traceback():
   out = _run("""
       import json

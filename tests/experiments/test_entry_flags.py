@@ -73,11 +73,12 @@ BAD = {
         "--gen_temperature=-1", "--temperatures=-1", "--w_cls=-1", "--noise=-0.5"],
     "experiments.train_rec": [
         "--steps=-5", "--steps=0", "--check_every=0", "--eval_every=-1",
-        "--checkpoint_every=-1", "--log_every=0", "--stop_at_step=0"],
+        "--checkpoint_every=-1", "--log_every=0", "--stop_at_step=0",
+        "--checkpoint_every_minutes=-1"],
     "experiments.train_lm": [
         "--seq_len=0", "--batch_size=0", "--steps=-1", "--warmup_steps=-1", "--eval_every=-1",
         "--eval_batches=0", "--checkpoint_every=-1", "--log_every=0", "--stop_at_step=0",
-        "--check_every=0"],
+        "--check_every=0", "--checkpoint_every_minutes=-1"],
     "experiments.cp_prefill": [
         "--batch=0", "--repeats=0", "--seq_len=0", "--cached_len=-2", "--peak_tflops=0",
         "--bandwidth_gbps=0", "--tol=-1"],

@@ -21,6 +21,21 @@ def test_help_exits_zero(name):
   assert "--" in out.stdout and "Try --helpfull" in out.stdout
 
 
+@pytest.mark.parametrize("name", ["train_rec", "train_lm"])
+def test_checkpoint_cadences_in_help(name):
+  """Both checkpoint cadences: every N steps (0: only at the end) and every N minutes
+  (default 10, 0: off)."""
+  out = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--helpshort"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  text = " ".join(out.stdout.split())
+  assert out.returncode == 0
+  assert "--checkpoint_every: Checkpoint every N steps (0: only at the end)." in text
+  assert ("--checkpoint_every_minutes: Also checkpoint once this many minutes have passed "
+          "since the last checkpoint (0: off). (default: '10.0') (a non-negative number)"
+          ) in text, text
+
+
 def test_short_h_and_errors_keep_their_status():
   h = subprocess.run([sys.executable, "-m", "experiments.cp_model", "-h"], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
