@@ -15,7 +15,9 @@ v4.0 result, 13.8M samples/s on 8 x H100 (~1.7M per GPU). The collection pads ev
 to the batch's L = 100 (the longest MLPerf bag), so the lookup reads ~11x the ids that
 the bags hold (sum of bag sizes 227 of 26 x 100 slots): padded slots cost no row reads in
 the Pallas kernel, but the XLA path gathers them. --show_plan prints the planner's plans
-at the full reference rows for 1 and 8 devices of 80 GB, without building anything.
+at the full reference rows for 1 and 8 devices of 80 GB (70 GiB each for the tables, or
+--memory_budget_gb), without building anything; a timed run's planner budget is
+--memory_budget_gb, by default the device's memory (rec.configs.plan_budget).
 
 The Criteo Kaggle architecture (arXiv 1906.00091): 26 tables of 100,000 rows, dim 16,
 bottom 13-512-256-64-16, dot interaction, top 512-256-1; batch 2048; Zipf(1.05) one-hot
@@ -41,14 +43,17 @@ from core import results as results_lib
 from experiments.benchmarks import rec as rec_bench
 
 FLAGS = flags.FLAGS
+# --show_plan without --memory_budget_gb: what an 80 GB H100 of the MLPerf reference leaves
+# the tables (the plans are for 1 and 8 of its GPUs, not for this machine).
+MLPERF_GPU_GB = 70.0
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
   from rec import configs
-  configs.define_rec_run_flags("batch_size", "mesh", "model", "preset", sharding="tw",
-      memory_budget_gb=70.0)
+  configs.define_rec_run_flags("batch_size", "mesh", "model", "preset", "memory_budget_gb",
+                               sharding="tw")
   flags.DEFINE_integer("rows", 100_000, "Rows per table (--preset=mlperf: the cap; 0: the "
                        "reference's 204M rows).", lower_bound=0)
   flags.DEFINE_integer("steps", 30, "Steps per timed repeat.", lower_bound=1)
@@ -80,8 +85,9 @@ def main(argv):
     if not rec_bench.is_mlperf(FLAGS.model, FLAGS.preset):
       raise app.UsageError("--show_plan is for --model=dcnv2 --preset=mlperf")
     from rec import mlperf
-    for n, text in mlperf.plans(memory_budget_gb=FLAGS.memory_budget_gb).items():
-      print(f"\n== MLPerf DCNv2 tables on {n} device(s), {FLAGS.memory_budget_gb:g} GiB each ==")
+    budget = MLPERF_GPU_GB if FLAGS.memory_budget_gb is None else FLAGS.memory_budget_gb
+    for n, text in mlperf.plans(memory_budget_gb=budget).items():
+      print(f"\n== MLPerf DCNv2 tables on {n} device(s), {budget:g} GiB each ==")
       print(text)
     return
   if rec_bench.is_mlperf(FLAGS.model, FLAGS.preset) and FLAGS.peer_python:

@@ -9,7 +9,11 @@ r"""Train a small Llama (arXiv 2407.21783) on a local text file: byte tokens, or
   python -m experiments.train_lm --text=book.txt --seq_len=1024 --batch_size=4 \
       --mesh=data:2,cp:4 --context_parallel=pass_kv --packing=wlb --cp_sharding=adaptive
 
-Uses the shared train loop (checkpoints, --resume, metrics.jsonl, TensorBoard, curves.png).
+Uses the shared train loop (checkpoints, --resume, metrics.jsonl, TensorBoard, curves.png;
+one run per workdir, default a new runs/train_lm_<preset>_<date-time>; SIGTERM / SIGINT keep
+a checkpoint of the step and end with `stopped at step N; checkpoint N kept; continue with
+--resume`, status 143 / 130; a checkpoint every --checkpoint_every_minutes besides
+--checkpoint_every).
 --tokenizer (llm.tokenizer: a tokenizer.json, a directory holding one, or a llama2.c
 tokenizer.bin) encodes the file as one text without BOS; the model's vocabulary is the
 tokenizer's, and a copy of the tokenizer goes into the workdir for experiments.generate.
@@ -78,9 +82,12 @@ def define_flags() -> None:
   flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).", lower_bound=0)
   flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.", lower_bound=1)
   flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
+  flags.DEFINE_float("checkpoint_every_minutes", 10, "Also checkpoint once this many minutes "
+                     "have passed since the last checkpoint (0: off).", lower_bound=0)
   flags.DEFINE_integer("log_every", 25, "Progress line every N steps.", lower_bound=1)
   flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.", lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/train_lm", "Output directory.")
+  flags.DEFINE_string("workdir", None, "Output directory (default: a new "
+                      "runs/train_lm_<preset>_<YYYYmmdd-HHMMSS>).")
   flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir (its "
                     "saved model / optimizer / data settings must match these flags).")
   flags.DEFINE_list("resume_allow", [], "Settings --resume may change deliberately, e.g. "
@@ -112,6 +119,9 @@ def define_flags() -> None:
                        "--seq_len / --doc_context).", lower_bound=0)
   flags.DEFINE_string("cost_model", "flops", "Packing's workload model: 'flops' (the model's "
                       "FLOP counts, GFLOP units) or a CostModel JSON (llm.packing.cost; seconds).")
+  flags.DEFINE_bool("memory_check", True, "Refuse a run whose parameters, optimizer state, "
+                    "gradients and activations (llm.memory's lower-bound estimate) exceed the "
+                    "device's memory (GPU: bytes_limit; CPU: available RAM), before compiling.")
 
 
 def copy_tokenizer(tok, workdir: str) -> None:
@@ -227,13 +237,18 @@ def packing_summary(src) -> dict:
 
 def main(argv):
   del argv
+  if FLAGS.resume and not FLAGS.workdir:
+    sys.exit("train_lm: --resume needs --workdir, the run to continue")
   cli.quiet_library_logs()
+  from core import workdir as workdir_lib
+  workdir = FLAGS.workdir or workdir_lib.dated(f"train_lm_{FLAGS.preset}")
   from core import checkpoint as ckpt_lib
   import jax
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
   from llm import config as config_lib
+  from llm import memory as lm_memory
   from llm import train_lib as lm_lib
   from llm import tokenizer as tok_lib
   from llm.data import TextSource
@@ -250,6 +265,11 @@ def main(argv):
   train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
   optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
                              total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)
+  if FLAGS.memory_check:   # seconds, where compiling a run that cannot fit takes minutes
+    lm_memory.check_train_run(cfg, mesh, FLAGS.batch_size, FLAGS.seq_len,
+                              mu_dtype=optim.mu_dtype, where=f"--preset={FLAGS.preset} "
+                              f"--batch_size={FLAGS.batch_size} --seq_len={FLAGS.seq_len} "
+                              f"--mesh={FLAGS.mesh}")
   # The run's settings, saved with each checkpoint and compared on --resume.
   settings = {**{f"model.{k}": v for k, v in config_lib.config_to_dict(cfg).items()},
               **{f"optim.{k}": v for k, v in dataclasses.asdict(optim).items()},
@@ -262,9 +282,12 @@ def main(argv):
                      "data.cp_tile": FLAGS.cp_tile,
                      "data.fixed_window": FLAGS.fixed_window, "data.wlb_queues": FLAGS.wlb_queues,
                      "data.doc_context": FLAGS.doc_context, "data.cost_model": FLAGS.cost_model})
+  workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
   loop_cfg = train_lib.TrainConfig(
-      workdir=FLAGS.workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
-      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
+      workdir=workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
+      checkpoint_every=FLAGS.checkpoint_every,
+      checkpoint_every_minutes=FLAGS.checkpoint_every_minutes, log_every=FLAGS.log_every,
+      resume=FLAGS.resume,
       stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed, settings=settings,
       # Placement and kernels change no arithmetic that the state depends on.
       changeable=("mesh", "model.attention_impl", "model.context_parallel", "model.remat",
@@ -289,31 +312,37 @@ def main(argv):
                        host_metrics=packed and packed.step_metrics)
   eval_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
                         split="eval", eval_batches=FLAGS.eval_batches, **share)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
-    with open(os.path.join(FLAGS.workdir, "model_config.json"), "w") as f:
+    with open(os.path.join(workdir, "model_config.json"), "w") as f:
       json.dump(config_lib.config_to_dict(cfg), f, indent=2)
     if tok is not None:
-      copy_tokenizer(tok, FLAGS.workdir)
+      copy_tokenizer(tok, workdir)
   unit = "byte" if tok is None else "token"
-  print(f"mesh {dict(mesh.shape)} | Llama {FLAGS.preset}: {cfg.num_params() / 1e6:.2f}M params, "
+  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {FLAGS.preset}: "
+        f"{cfg.num_params() / 1e6:.2f}M params, "
         f"{cfg.flops_per_token(FLAGS.seq_len) / 1e6:.1f} MFLOPs/token (train) | "
         f"{len(train_src.tokens):,} train {unit}s | {FLAGS.steps} steps of "
         f"{FLAGS.batch_size}x{FLAGS.seq_len}", flush=True)
   t0 = time.time()
+  write_failed = None
   try:
     out = train_lib.train(task, (packed or train_src).batches, lambda: eval_src.batches(0),
                           loop_cfg)
   except (train_lib.RunSettingsError, train_lib.NonFiniteError,
           ckpt_lib.CheckpointMismatchError) as e:
     sys.exit(f"train_lm: {e}")
+  except ckpt_lib.CheckpointWriteError as e:
+    if getattr(e, "summary", None) is None:
+      raise
+    out, write_failed = e.summary, e   # trained and evaluated: results.json first
   ev = out["eval"]
   summary = {"preset": FLAGS.preset, "mesh": dict(mesh.shape), "steps": out["step"],
              "finished": out["finished"], "eval_loss": ev.get("loss"),
              "eval_bits_per_token": ev.get("bits_per_token"),
              "eval_bits_per_byte": ev.get("bits_per_token") if tok is None else None,
              "tokenizer": FLAGS.tokenizer, "tokens_per_sec": out["examples_per_sec"],
-             "params": cfg.num_params(), "wall_seconds": time.time() - t0}
+             "params": cfg.num_params(), "wall_seconds": time.time() - t0, "workdir": workdir}
   results = {"summary": summary, "model_config": config_lib.config_to_dict(cfg),
              "optim": dataclasses.asdict(optim), "eval": ev}
   if packed is not None:
@@ -323,11 +352,13 @@ def main(argv):
     results["packing"] = {"spec": dataclasses.asdict(packed.spec), "cp_ranks": cp_ranks,
                           "cost_model": packed.cost.to_dict(), "means": means,
                           "steps": packed.records}
-  results_lib.write_results(FLAGS.workdir, results)
-  plot_lib.plot_run(FLAGS.workdir)
+  results_lib.write_results(workdir, results)
+  plot_lib.plot_run(workdir)
   if ev:
     print(f"eval loss {ev['loss']:.4f} | {ev['bits_per_token']:.3f} bits/{unit} | "
           f"{out['examples_per_sec']:,.0f} train tokens/s", flush=True)
+  if write_failed is not None:
+    raise write_failed
   results_lib.print_summary(summary)
 
 

@@ -21,6 +21,12 @@ summary with model, steps, test_auc, test_logloss, test_ne, examples_per_sec, an
 model's dense / embedding parameter counts and forward GFLOPs per example (XLA's count for
 the dense part). `--resume` checks the flags against those saved with the checkpoint; a
 non-finite loss or gradient norm stops the run (or, with --nonfinite=skip, skips the step).
+One run per workdir (`core.workdir`: a second run there is refused naming the first).
+SIGTERM / SIGINT finish the step, keep a checkpoint of it and end with the line `stopped at
+step N; checkpoint N kept; continue with --resume` and status 143 / 130; besides
+--checkpoint_every, a checkpoint is written every --checkpoint_every_minutes (default 10).
+A checkpoint that cannot be written (disk full, file-size limit) ends the run in one line
+naming it, after results.json when training and evaluation finished.
 
 --a2a_mode=abs|rel compresses the embedding exchange (arXiv 2407.04272; the all-to-all of
 tw / cw / twrw tables and the reduce-scatter of rw ones, their gradients with
@@ -70,6 +76,8 @@ def define_flags() -> None:
                        "(they are checked at every log line, eval and checkpoint too).", lower_bound=1)
   flags.DEFINE_integer("eval_every", 250, "Evaluate every N steps (0: only at the end).", lower_bound=0)
   flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
+  flags.DEFINE_float("checkpoint_every_minutes", 10, "Also checkpoint once this many minutes "
+                     "have passed since the last checkpoint (0: off).", lower_bound=0)
   flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.", lower_bound=1)
   flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.", lower_bound=1)
   flags.DEFINE_integer("data_workers", 0, "Grain worker processes that draw the train batches "
@@ -85,14 +93,10 @@ RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines")
 def default_workdir(model: str) -> str:
   """A new runs/train_rec_<model>_<YYYYmmdd-HHMMSS> (suffixed -2, -3, ... if taken); a
   searched:FILE model is named after the file."""
+  from core import workdir as workdir_lib
   if model.startswith("searched:"):
     model = "searched_" + os.path.splitext(os.path.basename(model))[0]
-  base = os.path.join("runs", f"train_rec_{model}_{time.strftime('%Y%m%d-%H%M%S')}")
-  path, i = base, 1
-  while os.path.exists(path):
-    i += 1
-    path = f"{base}-{i}"
-  return path
+  return workdir_lib.dated(f"train_rec_{model}")
 
 
 def main(argv):
@@ -115,7 +119,9 @@ def main(argv):
   if jax.process_count() > 1 and not FLAGS.workdir:
     sys.exit(f"train_rec: a run of {jax.process_count()} processes needs --workdir (the same "
              "directory on shared storage for every process)")
+  from core import workdir as workdir_lib
   workdir = FLAGS.workdir or default_workdir(cfg.model)
+  workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
   mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
   from rec.data import sources as sources_lib
   settings = {**cfg.run_settings(), "epochs": FLAGS.epochs,
@@ -123,8 +129,9 @@ def main(argv):
               **sources_lib.data_settings(cfg.data)}   # a conversion's fingerprint
   loop_cfg = train_lib.TrainConfig(
       workdir=workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
-      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, resume=FLAGS.resume,
-      stop_at_step=FLAGS.stop_at_step, seed=cfg.seed, settings=settings,
+      checkpoint_every=FLAGS.checkpoint_every,
+      checkpoint_every_minutes=FLAGS.checkpoint_every_minutes, log_every=FLAGS.log_every,
+      resume=FLAGS.resume, stop_at_step=FLAGS.stop_at_step, seed=cfg.seed, settings=settings,
       changeable=RESUME_CHANGEABLE, resume_allow=tuple(FLAGS.resume_allow),
       overwrite=FLAGS.overwrite, nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
       normalize_settings=configs.normalize_settings,
@@ -141,18 +148,24 @@ def main(argv):
       **settings, "features": sources_lib.spec_settings(train_src.spec)})
   print(f"workdir {workdir} | mesh {dict(mesh.shape)} | model {cfg.model} ({cfg.preset}) | "
         f"data {cfg.data} | {steps} steps of {cfg.batch_size}", flush=True)
+  budget, budget_source = configs.plan_budget(cfg)
   print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,
-                                cfg.batch_size), flush=True)
+                                cfg.batch_size, budget, budget_source=budget_source), flush=True)
   stats = configs.model_stats(task, train_src.spec)
   print(f"params: dense {stats['dense_params']:,} + embedding {stats['embedding_params']:,} = "
         f"{stats['dense_params'] + stats['embedding_params']:,} | forward "
         f"{stats['gflops_per_example']:.6f} GFLOPs/example (dense part)", flush=True)
   t0 = time.time()
+  write_failed = None
   try:
     out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop_cfg)
   except (train_lib.RunSettingsError, train_lib.NonFiniteError,
           ckpt_lib.CheckpointMismatchError) as e:
     sys.exit(f"train_rec: {e}")
+  except ckpt_lib.CheckpointWriteError as e:
+    if getattr(e, "summary", None) is None:
+      raise
+    out, write_failed = e.summary, e   # trained and evaluated: results.json first
   ev = out["eval"]
   a2a = None
   if task.collection.a2a_compression is not None:   # what the compressed exchange sent, its error
@@ -184,6 +197,8 @@ def main(argv):
   if ev:
     print(f"test AUC {ev['auc']:.4f} | logloss {ev['logloss']:.4f} | NE {ev['ne']:.4f} | "
           f"{out['examples_per_sec']:,.0f} train examples/s", flush=True)
+  if write_failed is not None:
+    raise write_failed
   results_lib.print_summary(summary)
 
 

@@ -7,6 +7,7 @@ directly with a `RecRunConfig`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from core import flops as flops_lib
+from core import memory as memory_lib
 from core import mesh as mesh_lib
 from core import train as train_loop
 from rec.data import dedup as dedup_lib
@@ -59,7 +61,7 @@ class RecRunConfig:
   embedding_learning_rate: float = 0.05
   sharding: str = "auto"              # auto | dp | tw | rw | cw | twrw
   sharding_overrides: str = ""        # "C1=tw,C3=rw"
-  memory_budget_gb: float = 16.0      # per device, for the planner
+  memory_budget_gb: float | None = None  # per device, for the planner; None: the device's
   storage: str = "fp32"               # embedding rows: a storage_spec kind (storage_spec())
   cache_fraction: float = 0.05        # int8_cache / int4_cache: fp32 cache, fraction of rows
   cache_policy: str = "lfu"           # int8_cache / int4_cache: lfu | lru
@@ -71,6 +73,8 @@ class RecRunConfig:
   a2a_error_bound: float = 1e-3       # pooled embeddings: abs |x - x'|, rel x the row's range
   a2a_grad_error_bound: float | None = None   # their gradients; None: sent in float32
   a2a_bits: int = 8                   # code width: 4 | 8 | 16
+  a2a_table_factors: str = ""         # both bounds' factor per table: "C1=0.5,C3=2" (else 1)
+  a2a_schedule: str = "constant"      # ... per train step: constant | KIND:START:END:STEPS
   seed: int = 0
   csv_label: str = ""                 # csv:DIR label column; "" = inferred
   csv_dense: str = ""                 # csv:DIR dense columns "I1,I2"; "" = inferred, "none"
@@ -118,7 +122,8 @@ class RecRunConfig:
     for name in ("batch_size", "eval_batch_size", "num_rows", "eval_batches"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name}={getattr(self, name)}: expected >= 1")
-    if not (math.isfinite(self.memory_budget_gb) and self.memory_budget_gb > 0):
+    if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
+                                                  and self.memory_budget_gb > 0):
       raise ValueError(f"--memory_budget_gb={self.memory_budget_gb}: expected a number > 0")
     if self.fp8_recipe not in fp8_lib.RECIPES:
       raise ValueError(f"--fp8_recipe={self.fp8_recipe!r}: expected one of {list(fp8_lib.RECIPES)}")
@@ -134,10 +139,12 @@ class RecRunConfig:
     return DedupSpec.from_flags(self.dedup_features, self.dedup_capacity,
                                 known=[t.name for t in tables])
 
-  def a2a_spec(self) -> a2a_lib.A2ACompression | None:
+  def a2a_spec(self, tables: Sequence[str] = ()) -> a2a_lib.A2ACompression | None:
     """The compressed embedding exchange from --a2a_mode, --a2a_error_bound,
-    --a2a_grad_error_bound and --a2a_bits (None: --a2a_mode=none); errors name the flag.
-    With --a2a_mode=none a bound or width other than the default is an error, not ignored."""
+    --a2a_grad_error_bound, --a2a_bits and the dual-level adaptive bound's
+    --a2a_table_factors and --a2a_schedule (None: --a2a_mode=none); errors name the flag,
+    and `tables` (names), when given, are the names --a2a_table_factors may use. With
+    --a2a_mode=none any of them other than its default is an error, not ignored."""
     if self.a2a_mode == "none":
       given = [f"--{n}={getattr(self, n)}" for n in A2A_FIELDS[1:]
                if getattr(self, n) != _FIELD_DEFAULTS[n]]
@@ -148,8 +155,10 @@ class RecRunConfig:
     if self.a2a_mode not in a2a_lib.MODES:
       raise ValueError(f"--a2a_mode={self.a2a_mode!r}: expected none or one of "
                        f"{list(a2a_lib.MODES)}")
-    return a2a_lib.A2ACompression(self.a2a_mode, self.a2a_error_bound,
-                                  self.a2a_grad_error_bound, self.a2a_bits).check()
+    return a2a_lib.A2ACompression(
+        self.a2a_mode, self.a2a_error_bound, self.a2a_grad_error_bound, self.a2a_bits,
+        table_factors=a2a_lib.parse_table_factors(self.a2a_table_factors),
+        schedule=a2a_lib.parse_schedule(self.a2a_schedule)).check(tables)
 
   def without_a2a(self) -> RecRunConfig:
     """This config with the embedding exchange in float32 (the --a2a_* settings at their
@@ -173,7 +182,8 @@ class RecRunConfig:
 
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
-A2A_FIELDS = ("a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits")
+A2A_FIELDS = ("a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits",
+              "a2a_table_factors", "a2a_schedule")
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RecRunConfig)}
 # Every RecRunConfig field, e.g. for `define_rec_run_flags(*RUN_FIELDS)`.
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RecRunConfig))
@@ -228,7 +238,10 @@ def _run_flags() -> dict[str, tuple[Callable[..., Any], dict[str, Any], str]]:
                    "Embedding sharding: auto = planner."),
       "sharding_overrides": (flags.DEFINE_string, {}, "Per-table kinds, e.g. C1=tw,C3=rw."),
       "memory_budget_gb": (flags.DEFINE_float, {},
-                           "Per-device embedding memory budget for the planner."),
+                           "Per-device embedding memory budget for the planner (default: "
+                           "the device's memory: a GPU's bytes_limit less "
+                           f"{memory_lib.GPU_HEADROOM:.0%}, or the available RAM divided "
+                           "over the CPU devices)."),
       "storage": (flags.DEFINE_enum,
                   dict(enum_values=["fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache",
                                     "int4_cache"]),
@@ -265,6 +278,16 @@ def _run_flags() -> dict[str, tuple[Callable[..., Any], dict[str, Any], str]]:
       "a2a_bits": (flags.DEFINE_integer, dict(lower_bound=4),
                    "--a2a_mode: code width, 4, 8 or 16 bits per value (plus a 6-byte row "
                    "header)."),
+      "a2a_table_factors": (flags.DEFINE_string, {},
+                            "--a2a_mode: the dual-level adaptive bound's table level: factors "
+                            "of both bounds per table, e.g. C1=0.5,C3=2 (a table not named: "
+                            "1)."),
+      "a2a_schedule": (flags.DEFINE_string, {},
+                       "--a2a_mode: the dual-level adaptive bound's iteration level: a factor "
+                       "of both bounds per train step (counted from 0): constant (1), or "
+                       "KIND:START:END:STEPS, e.g. linear:2:0.5:1000: linear and cosine go "
+                       "from START at step 0 to END at step STEPS, step holds START before "
+                       "step STEPS; END from step STEPS on."),
       "seed": (flags.DEFINE_integer, dict(lower_bound=0),
                "Seed of parameters and synthetic data."),
       "csv_label": (flags.DEFINE_string, {},
@@ -313,10 +336,11 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
   """Run settings with `embedding_dim` 0 (the preset's) as the preset's dim, for settings
   saved before `RecRunConfig.run_settings` stored the effective dim and for the comparison
   on resume (`core.train.TrainConfig.normalize_settings`). Unknown presets stay as given.
-  Rec settings without the a2a fields get their defaults (such runs sent float32), so a
-  resume that turns compression on is refused naming them."""
-  if "model" in settings and "a2a_mode" not in settings:   # saved before the a2a settings:
-    settings = {**settings, **{n: _FIELD_DEFAULTS[n] for n in A2A_FIELDS}}   # uncompressed
+  Rec settings without some a2a fields get their defaults (a run saved without a2a_mode
+  sent float32, one without a2a_schedule used a constant bound), so a resume that turns
+  either on is refused naming them."""
+  if "model" in settings and any(n not in settings for n in A2A_FIELDS):
+    settings = {**{n: _FIELD_DEFAULTS[n] for n in A2A_FIELDS}, **settings}
   if settings.get("embedding_dim") != 0 or "model" not in settings:
     return settings
   try:
@@ -503,6 +527,31 @@ def model_stats(task: RecTask, spec, batch: int = 64) -> dict[str, float]:
           "gflops_per_example": gflops}
 
 
+@functools.cache
+def _device_budget() -> tuple[int, str] | None:
+  # Read once per process, so the plan and its printout see one number.
+  mem = memory_lib.device_memory()
+  if mem is None:
+    return None
+  return memory_lib.per_device_budget(mem), (
+      f"{mem.source}, per device" if mem.host_ram else
+      f"{mem.source} less {memory_lib.GPU_HEADROOM:.0%} headroom")
+
+
+def plan_budget(cfg: RecRunConfig) -> tuple[int, str]:
+  """(bytes per device, where they come from) of the planner's budget: --memory_budget_gb
+  GiB, or by default the device's memory (`core.memory.per_device_budget`: a GPU's
+  bytes_limit less GPU_HEADROOM for the dense model, activations and XLA's temporaries,
+  which the planner does not count; the CPU's available RAM divided over its devices)."""
+  if cfg.memory_budget_gb is not None:
+    return int(cfg.memory_budget_gb * 2**30), "--memory_budget_gb"
+  got = _device_budget()
+  if got is None:
+    raise ValueError("--memory_budget_gb: not given, and this device reports no memory size; "
+                     "expected a per-device budget in GiB")
+  return got
+
+
 def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
               optimizer: opt_lib.SparseOptimizer) -> planner_lib.Plan:
   overrides = planner_lib.parse_overrides(cfg.sharding_overrides) if cfg.sharding_overrides else {}
@@ -514,7 +563,7 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
     if isinstance(optimizer, opt_lib.RowWiseAdagrad):
       kinds = tuple(k for k in planner_lib.AUTO_KINDS if k != ShardingKind.COLUMN_WISE)
     return planner_lib.plan(
-        tables, num_devices, memory_budget_bytes=int(cfg.memory_budget_gb * 2**30),
+        tables, num_devices, memory_budget_bytes=plan_budget(cfg)[0],
         batch_size=cfg.batch_size, overrides=overrides, kinds=kinds,
         optimizer_state_bytes_per_row=optimizer.state_bytes_per_row)
   try:
@@ -580,7 +629,8 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   if a2a_compression is not None and cfg.a2a_mode != "none":
     raise ValueError(f"build_run: a2a_compression={a2a_compression} and --a2a_mode="
                      f"{cfg.a2a_mode}; expected one of the two")
-  a2a_compression = a2a_compression if a2a_compression is not None else cfg.a2a_spec()
+  if a2a_compression is None:
+    a2a_compression = cfg.a2a_spec([t.name for t in tables])
   if a2a_compression is not None:
     check_exchange(cfg, plan, n)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,

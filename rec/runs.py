@@ -142,6 +142,10 @@ def finished_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int,
     raise UserError(f"{path}: {e}; expected a run record written by rec.runs (delete it to "
                     "train the run again)") from e
   asked = _settings(cfg, steps, seed)
+  # A record without some a2a fields ran with their defaults (float32, one bound throughout).
+  a2a = {n: v for n, v in _settings(configs.RecRunConfig(), 0, 0)["config"].items()
+         if n in configs.A2A_FIELDS}
+  recorded["config"] = {**a2a, **recorded["config"]}
   flat = lambda d: {**{f"config.{k}": v for k, v in d["config"].items()},
                     "steps": d["steps"], "seed": d["seed"]}
   a, r = flat(asked), flat(recorded)

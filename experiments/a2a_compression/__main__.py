@@ -6,14 +6,15 @@ step-time gain modelled for H100 hosts, beside the paper's 1.38x.
   python -m experiments.a2a_compression --steps=300 --datasets=synthetic \
       --a2a_mode=abs --a2a_error_bound=0.005 --a2a_bits=8 --batch_size=256 --num_rows=20000
 
---batch_size, --num_rows, --seed and the --a2a_* settings are the shared rec run flags
-(rec.configs.define_rec_run_flags; train_rec takes the same --a2a_* flags). On every device
-present (2 or more: an exchange to compress; 8 simulated CPU devices with XLA_FLAGS=
---xla_force_host_platform_device_count=8), DLRM with table-wise sharding trains on each
---datasets entry (synthetic data and the Criteo Kaggle sample when its directory exists)
-three times from the same seed: uncompressed, with a fixed bound (--a2a_mode,
---a2a_error_bound for the pooled embeddings, --a2a_grad_error_bound for their gradients,
---a2a_bits), and with the dual-level adaptive bound (table-wise factors from each table's
+--batch_size, --num_rows, --seed, --a2a_mode, --a2a_error_bound, --a2a_grad_error_bound and
+--a2a_bits are the shared rec run flags (rec.configs.define_rec_run_flags; train_rec takes the
+same, and the adaptive bound's --a2a_table_factors / --a2a_schedule, which this study
+derives itself). On every device present (2 or more: an exchange to compress; 8 simulated
+CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=8), DLRM with table-wise
+sharding trains on each --datasets entry (synthetic data and the Criteo Kaggle sample when
+its directory exists) three times from the same seed: uncompressed, with a fixed bound
+(--a2a_mode, --a2a_error_bound for the pooled embeddings, --a2a_grad_error_bound for their
+gradients, --a2a_bits), and with the dual-level adaptive bound (table-wise factors from each table's
 first-order loss sensitivity sum |dL / d emb_t|, measured on the baseline; a linear schedule from
 2x to 0.5x of the bound over the run). Reports per run: eval AUC / log loss and their
 change, per-device payload bytes of the compiled step (HLO) against the float32 exchange,
@@ -42,13 +43,14 @@ from core import cli
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
-CRITEO_SAMPLE = "criteo:/work/shared/data/criteo_kaggle_sample"
+CRITEO_SAMPLE = "criteo:../shared/data/criteo_kaggle_sample"   # beside the checkout
 # RecRunConfig fields without a flag here: RecRunConfig's defaults, but for STUDY's values.
 FIXED = ("model", "preset", "embedding_dim", "dtype", "fp8_layers", "fp8_recipe", "data", "mesh",
          "eval_batch_size", "eval_batches", "dense_optimizer", "learning_rate",
          "sparse_optimizer", "embedding_learning_rate", "sharding", "sharding_overrides",
          "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
-         "dedup_features", "dedup_capacity", "csv_label", "csv_dense", "csv_categorical", "days")
+         "dedup_features", "dedup_capacity", "csv_label", "csv_dense", "csv_categorical", "days",
+         "a2a_table_factors", "a2a_schedule")   # the adaptive variant makes its own
 STUDY = {"model": "dlrm", "sharding": "tw", "eval_batches": 4}
 
 
@@ -64,7 +66,7 @@ def define_flags() -> None:
   from rec import configs
   # The fixed variant's bounds are the shared --a2a_* flags (train_rec's); the baseline runs
   # the same config with the exchange in float32.
-  configs.define_rec_run_flags("seed", *configs.A2A_FIELDS, batch_size=256, num_rows=20_000,
+  configs.define_rec_run_flags("seed", "a2a_bits", batch_size=256, num_rows=20_000,
                                a2a_mode="abs", a2a_error_bound=0.01, a2a_grad_error_bound=0.001)
 
 

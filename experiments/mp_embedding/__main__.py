@@ -88,7 +88,8 @@ def define_flags() -> None:
 FIXED = ("dtype", "fp8_layers", "fp8_recipe", "dense_optimizer", "sparse_optimizer",
          "sharding_overrides", "memory_budget_gb", "storage", "cache_fraction", "cache_policy",
          "bad_lines", "dedup_features", "dedup_capacity",
-         "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits", "csv_label",
+         "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits", "a2a_table_factors",
+         "a2a_schedule", "csv_label",
          "csv_dense",
          "csv_categorical", "days")
 

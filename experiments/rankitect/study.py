@@ -114,6 +114,9 @@ class Study:
     with open(path) as f:
       saved = json.load(f)
     saved.setdefault("search_seed", saved.get("run.seed"))   # absent: the default, run.seed
+    default = json.loads(json.dumps(dataclasses.asdict(configs.RecRunConfig())))
+    for n in configs.A2A_FIELDS:   # absent: the default (float32, one bound throughout)
+      saved.setdefault(f"run.{n}", default[n])
     diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
     if diff:
       raise UserError(f"{path}: this workdir's searches ran with other settings "

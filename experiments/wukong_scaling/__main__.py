@@ -143,9 +143,10 @@ def define_flags() -> None:
                     "under each --profile_data (profile.py).")
   flags.DEFINE_list("profile_data", ["synthetic_deep:gen=host", "synthetic_deep:gen=device"],
                     "--study=profile: data forms to measure (replace --data).")
-  flags.DEFINE_string("fuxictr_python", "/work/peer311/bin/python", "--study=fuxictr: the "
-                      "PyTorch environment with fuxictr (experiments/peers/README.md).")
-  flags.DEFINE_string("fuxictr_src", "/work/peer311/fuxictr_model_zoo/WuKong.py",
+  flags.DEFINE_string("fuxictr_python", "../peer311/bin/python", "--study=fuxictr: the "
+                      "Python 3.11 peer environment's python, with torch and fuxictr "
+                      "(experiments/peers/README.md; default: beside the checkout).")
+  flags.DEFINE_string("fuxictr_src", "../peer311/fuxictr_model_zoo/WuKong.py",
                       "--study=fuxictr: FuxiCTR's model_zoo/WuKong/src/WuKong.py.")
   flags.DEFINE_boolean("fuxictr_batch_norm", True, "--study=fuxictr: BatchNorm in FuxiCTR's "
                        "head (its default; ours has none).")
@@ -159,7 +160,8 @@ def define_flags() -> None:
 FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
          "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
          "dedup_features", "dedup_capacity", "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound",
-         "a2a_bits", "csv_label", "csv_dense", "csv_categorical", "days")
+         "a2a_bits", "a2a_table_factors", "a2a_schedule", "csv_label", "csv_dense",
+         "csv_categorical", "days")
 
 
 

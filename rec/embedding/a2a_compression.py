@@ -99,6 +99,27 @@ def parse_schedule(text: str, flag: str = "--a2a_schedule") -> Schedule:
   return Schedule(parts[0], start, end, steps)
 
 
+def parse_table_factors(text: str, flag: str = "--a2a_table_factors") -> dict[str, float]:
+  """"" | "NAME=FACTOR,..." (e.g. "C1=0.5,C3=2"), each table once, factors finite and > 0;
+  the table names are checked against the collection's in `A2ACompression.check`."""
+  want = "NAME=FACTOR,... (e.g. C1=0.5,C3=2), each table once, factors > 0"
+  out: dict[str, float] = {}
+  for part in (p.strip() for p in text.split(",") if p.strip()):
+    name, eq, value = (s.strip() for s in part.partition("="))
+    if not (name and eq):
+      raise expected(f"{flag}={text!r}", f"{part!r} is not NAME=FACTOR", want)
+    try:
+      f = float(value)
+    except ValueError:
+      raise expected(f"{flag}={text!r}", f"the factor of {name} does not parse", want) from None
+    if not (math.isfinite(f) and f > 0):
+      raise expected(f"{flag}={text!r}", f"the factor of {name} is {f}", want)
+    if name in out:
+      raise expected(f"{flag}={text!r}", f"{name} is given twice", want)
+    out[name] = f
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class A2ACompression:
   """The compression setting of a collection's exchange, validated once (`check`)."""
@@ -133,11 +154,15 @@ class A2ACompression:
           raise expected(f"{flag}={b}", f"a relative bound needing {need} codes "
                          f"each side at the smallest scaled bound (--a2a_bits={self.bits} "
                          f"holds {q})", "a larger bound or more bits")
-    bad = {t: f for t, f in self.table_factors.items()
-           if (tables and t not in tables) or not (math.isfinite(f) and f > 0)}
+    given = ",".join(f"{t}={f:g}" for t, f in self.table_factors.items())
+    bad = [t for t, f in self.table_factors.items() if not (math.isfinite(f) and f > 0)]
     if bad:
-      raise expected(f"--a2a_table_factors {bad}", "unknown table or factor <= 0",
-                     f"factors > 0 for tables of {list(tables)}")
+      raise expected(f"--a2a_table_factors={given}", f"the factors of {bad} are not > 0",
+                     "finite factors > 0")
+    unknown = [t for t in self.table_factors if tables and t not in tables]
+    if unknown:
+      raise expected(f"--a2a_table_factors={given}", f"no table is named {unknown}",
+                     f"names of the tables {list(tables)}")
     return self
 
   def factors(self, names: Sequence[str]) -> np.ndarray:
@@ -387,5 +412,6 @@ def table_factors_from_sensitivity(sensitivity: Mapping[str, float], lo: float =
 
 
 __all__ = ["A2ACompression", "BITS", "HEADER_BYTES", "MODES", "Schedule", "all_to_all",
-           "decode", "encode", "entropy_bytes", "exchange_bytes", "parse_schedule", "payload_bytes",
-           "reduce_scatter", "rel_codes_needed", "row_bound", "table_factors_from_sensitivity"]
+           "decode", "encode", "entropy_bytes", "exchange_bytes", "parse_schedule",
+           "parse_table_factors", "payload_bytes", "reduce_scatter", "rel_codes_needed",
+           "row_bound", "table_factors_from_sensitivity"]

@@ -685,8 +685,9 @@ def _table_text(header: Sequence[str], rows: list[Sequence[str]], right: set[int
 def format_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig],
                 num_devices: int, batch_size: int, memory_budget_bytes: int | None = None,
                 cost_params: CostParams | None = None,
-                optimizer_state_bytes_per_row: OptStateBytes = 4) -> str:
-  """A human table: one row per table, then one per device (memory, load, comm, time)."""
+                optimizer_state_bytes_per_row: OptStateBytes = 4, budget_source: str = "") -> str:
+  """A human table: one row per table, then one per device (memory, load, comm, time);
+  the last line names the budget and `budget_source` (where its number comes from)."""
   est = estimate_plan(plan, tables, num_devices, batch_size, cost_params,
                       optimizer_state_bytes_per_row)
   rows = []
@@ -711,7 +712,9 @@ def format_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig
   slow = int(np.argmax(dev.time_s))
   lines.append(f"{len(tables)} tables on {num_devices} devices, global batch {batch_size}: "
                f"slowest device {slow} at {est.max_time_s * 1e6:.1f} us/step (estimated), "
-               f"max memory {_fmt_bytes(est.max_memory_bytes)}")
+               f"max memory {_fmt_bytes(est.max_memory_bytes)}"
+               + (f", budget {_fmt_bytes(budget)} per device" if budget else "")
+               + (f" ({budget_source})" if budget and budget_source else ""))
   return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -291,3 +292,49 @@ def test_train_lm_packing_logs_the_measured_work(tmp_path):
   err = _run("experiments.train_lm", [f"--text={text}", "--packing=none", "--cp_sharding=doc",
                                       f"--workdir={tmp_path / 'bad'}"], fails=True)
   assert "error: --cp_sharding=doc needs documents" in err
+
+
+def test_train_lm_refuses_405b_in_seconds_naming_estimate_and_memory(tmp_path):
+  """Llama 3.1 405B's training state alone (16 bytes per parameter, 5.9 TiB) is over any
+  host's RAM: refused by llm.memory's estimate before the model is built or compiled
+  (compiling it first took minutes and ended in RESOURCE_EXHAUSTED)."""
+  import time
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
+  t0 = time.monotonic()
+  out = subprocess.run([sys.executable, "-m", "experiments.train_lm", f"--text={text}",
+                        "--preset=llama3_405b", "--batch_size=8", "--seq_len=32",
+                        f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+  took = time.monotonic() - t0
+  assert out.returncode == 2, out.stderr[-3000:]
+  errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and out.stderr.strip().splitlines()[-1] == errors[0], out.stderr
+  line = errors[0]
+  for part in ("--preset=llama3_405b", "training needs at least", "params ", "optimizer ",
+               "gradients ", "activations ", "TiB", "on each of 8 devices",
+               "of available RAM shared by 8 CPU devices", "--nomemory_check"):
+    assert part in line, (part, line)
+  assert "Traceback" not in out.stderr
+  assert took < 30, took
+
+
+def test_train_lm_default_workdir_is_new_per_run(tmp_path):
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+  env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(1), JAX_PLATFORMS="cpu",
+             PYTHONPATH=cpu_env.python_path(REPO))
+  args = [sys.executable, "-m", "experiments.train_lm", f"--text={text}", "--seq_len=16",
+          "--batch_size=2", "--eval_every=0", "--eval_batches=1", "--log_every=1"]
+  out = subprocess.run(args + ["--steps=2"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  runs = os.listdir(tmp_path / "runs")
+  assert len(runs) == 1 and re.fullmatch(r"train_lm_tiny_\d{8}-\d{6}", runs[0]), runs
+  assert json.loads(out.stdout.splitlines()[-1])["workdir"] == os.path.join("runs", runs[0])
+  again = subprocess.run(args + ["--steps=2", "--resume"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 2
+  assert again.stderr.strip().splitlines()[-1] == ("error: train_lm: --resume needs --workdir, "
+                                                   "the run to continue")

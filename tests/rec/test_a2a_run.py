@@ -1,12 +1,17 @@
 """The compressed embedding exchange (arXiv 2407.04272) as a run setting: the shared rec run
-flags --a2a_mode / --a2a_error_bound / --a2a_grad_error_bound / --a2a_bits (errors name the
-flag), the refusal of a sharding with no exchange, the resume rule over them, and (slow) a
+flags --a2a_mode / --a2a_error_bound / --a2a_grad_error_bound / --a2a_bits and the
+dual-level adaptive bound's --a2a_table_factors / --a2a_schedule (errors name the flag), the
+refusal of a sharding with no exchange, the resume rule over them, a train_rec run whose
+schedule and table factors set the bound at the steps and tables they say, and (slow) a
 train_rec run on 8 devices against the float32 one: step 1's loss within the first-order
 bound of the arithmetic, bit-identical losses when every exchange falls back to float32,
 and `rec.runs.a2a_report`'s bytes and errors against the layout and the bounds."""
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +22,12 @@ from absl import flags
 
 from core import checkpoint as ckpt_lib
 from core import train as train_lib
+from core.errors import UserError
 from rec import configs
 from rec import runs
 from rec.embedding import a2a_compression as ac
+from tests import cpu_env
+from tests.experiments.entry import REPO
 
 SMALL = dict(preset="small", num_rows=1000, batch_size=64, eval_batch_size=64, eval_batches=1)
 
@@ -38,6 +46,10 @@ def test_flags_parse_into_the_setting():
                "--a2a_bits=4"]).a2a_spec()
   assert spec == ac.A2ACompression("rel", 0.05, 0.08, 4)
   assert _cfg(["--a2a_mode=abs"]).a2a_spec() == ac.A2ACompression("abs", 1e-3, None, 8)
+  spec = _cfg(["--a2a_mode=abs", "--a2a_table_factors=C1=0.5, C3=2",
+               "--a2a_schedule=cosine:2:0.5:100"]).a2a_spec(["C1", "C2", "C3"])
+  assert spec == ac.A2ACompression("abs", 1e-3, None, 8, {"C1": 0.5, "C3": 2.0},
+                                   ac.Schedule("cosine", 2.0, 0.5, 100))
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -55,6 +67,32 @@ def test_flags_parse_into_the_setting():
                                  r"is compressed"),
     (["--a2a_bits=16", "--a2a_grad_error_bound=0.1"],
      r"--a2a_grad_error_bound=0.1, --a2a_bits=16 with --a2a_mode=none"),
+    (["--a2a_schedule=linear:2:1:10"], r"--a2a_schedule=linear:2:1:10 with --a2a_mode=none"),
+    (["--a2a_table_factors=C1=2"], r"--a2a_table_factors=C1=2 with --a2a_mode=none"),
+    (["--a2a_mode=abs", "--a2a_schedule=exp:1:2:3"],
+     r"--a2a_schedule='exp:1:2:3': not a schedule; expected constant or KIND:START:END:STEPS"),
+    (["--a2a_mode=abs", "--a2a_schedule=linear:1:2"], r"--a2a_schedule='linear:1:2': not a "
+                                                      r"schedule"),
+    (["--a2a_mode=abs", "--a2a_schedule=linear:1:x:5"], r"--a2a_schedule='linear:1:x:5': a "
+                                                        r"number does not parse"),
+    (["--a2a_mode=abs", "--a2a_schedule=step:1:0:5"], r"--a2a_schedule='step:1:0:5': start "
+                                                      r"1.0, end 0.0, steps 5"),
+    (["--a2a_mode=abs", "--a2a_schedule=step:1:2:0"], r"--a2a_schedule='step:1:2:0': start "),
+    (["--a2a_mode=abs", "--a2a_table_factors=C1"], r"--a2a_table_factors='C1': 'C1' is not "
+                                                   r"NAME=FACTOR; expected NAME=FACTOR,"),
+    (["--a2a_mode=abs", "--a2a_table_factors==2"], r"--a2a_table_factors='=2': '=2' is not "
+                                                   r"NAME=FACTOR"),
+    (["--a2a_mode=abs", "--a2a_table_factors=C1=x"], r"--a2a_table_factors='C1=x': the factor "
+                                                     r"of C1 does not parse"),
+    (["--a2a_mode=abs", "--a2a_table_factors=C1=0"], r"--a2a_table_factors='C1=0': the factor "
+                                                     r"of C1 is 0.0; expected .* factors > 0"),
+    (["--a2a_mode=abs", "--a2a_table_factors=C1=nan"], r"the factor of C1 is nan"),
+    (["--a2a_mode=abs", "--a2a_table_factors=C1=1,C1=2"], r"--a2a_table_factors='C1=1,C1=2': "
+                                                          r"C1 is given twice"),
+    # rel: the smallest scaled bound (0.05 x 0.01) needs more codes than 8 bits hold
+    (["--a2a_mode=rel", "--a2a_error_bound=0.05", "--a2a_schedule=linear:1:0.01:10"],
+     r"--a2a_error_bound=0.05: a relative bound needing 507 codes each side at the smallest "
+     r"scaled bound"),
 ])
 def test_bad_settings_name_the_flag(args, msg):
   cfg = _cfg(args)
@@ -95,6 +133,27 @@ def test_build_run_takes_the_setting_once():
   assert cfg.without_a2a() == dataclasses.replace(cfg, a2a_mode="none", a2a_error_bound=1e-3)
 
 
+@pytest.mark.devices(8)
+def test_table_factors_name_tables_of_the_run():
+  cfg = _cfg(["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
+              "--sharding=tw", "--a2a_mode=abs", "--a2a_table_factors=C1=2,C99=0.5"])
+  cfg.validate()   # the names are the data's: checked once the tables are known
+  with pytest.raises(UserError, match=r"^--a2a_table_factors=C1=2,C99=0.5: no table is named "
+                     r"\['C99'\]; expected names of the tables \['C1', 'C2', "):
+    configs.build_run(cfg)
+
+
+def test_train_rec_refuses_a_bad_schedule_in_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
+  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", "--a2a_mode=abs",
+                        "--a2a_schedule=linear:2:0.5", f"--workdir={tmp_path / 'w'}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines() == [
+      "error: --a2a_schedule='linear:2:0.5': not a schedule; expected constant or "
+      "KIND:START:END:STEPS with KIND in linear|cosine|step, factors > 0, STEPS >= 1"]
+
+
 def _resume(workdir, saved: dict, now: configs.RecRunConfig):
   ckpt = ckpt_lib.Checkpointer(workdir)
   loop = dict(workdir=workdir, steps=1, normalize_settings=configs.normalize_settings)
@@ -120,11 +179,40 @@ def test_resume_with_other_a2a_settings_names_them(tmp_path):
   assert _resume(str(tmp_path / "c"), old, plain) == 1
 
 
+def test_resume_without_the_adaptive_fields_reads_them_as_constant(tmp_path):
+  """Settings saved with a2a_mode but without a2a_table_factors / a2a_schedule ran with one
+  bound for every table and step: they resume as that, and a schedule or factors now is
+  refused naming them."""
+  comp = configs.RecRunConfig(a2a_mode="abs", a2a_error_bound=0.01)
+  saved = {k: v for k, v in comp.run_settings().items()
+           if k not in ("a2a_table_factors", "a2a_schedule")}
+  assert _resume(str(tmp_path / "a"), saved, comp) == 1
+  now = dataclasses.replace(comp, a2a_schedule="linear:2:0.5:100", a2a_table_factors="C1=2")
+  with pytest.raises(train_lib.RunSettingsError) as e:
+    _resume(str(tmp_path / "b"), saved, now)
+  assert "a2a_schedule: 'constant' (checkpoint) -> 'linear:2:0.5:100' (now)" in str(e.value)
+  assert "a2a_table_factors: '' (checkpoint) -> 'C1=2' (now)" in str(e.value)
+
+
+def test_a_run_record_without_the_a2a_fields_is_the_float32_run(tmp_path):
+  """`rec.runs.finished_run`: a record written without the a2a fields (a float32 run, one
+  bound throughout) is reused for today's float32 config, not for a compressed one."""
+  cfg = configs.RecRunConfig(**SMALL)
+  rec = runs._settings(cfg, 3, 0)
+  rec["config"] = {k: v for k, v in rec["config"].items() if not k.startswith("a2a_")}
+  with open(tmp_path / runs.RUN_RECORD, "w") as f:
+    json.dump({**rec, "result": {"ne": 0.9}}, f)
+  assert runs.finished_run(cfg, str(tmp_path), steps=3, seed=0) == {"ne": 0.9}
+  with pytest.raises(UserError, match=r"config.a2a_schedule: 'constant' -> 'linear:2:1:3'"):
+    runs.finished_run(dataclasses.replace(cfg, a2a_mode="abs", a2a_schedule="linear:2:1:3"),
+                      str(tmp_path), steps=3, seed=0)
+
+
 # --------------------------------------------------------------------------- training
 
 
-def _train(cfg, workdir, steps=3):
-  task, train_src, eval_src, plan, _ = configs.build_run(cfg)
+def _train(cfg, workdir, steps=3, devices=None):
+  task, train_src, eval_src, plan, _ = configs.build_run(cfg, devices=devices)
   out = train_lib.train(task, train_src.batches, None, train_lib.TrainConfig(
       workdir=str(workdir), steps=steps, log_every=1, tensorboard=False))
   losses = [json.loads(l)["loss"] for l in open(workdir / "metrics.jsonl")]
@@ -179,3 +267,44 @@ def test_compressed_training_against_float32(tmp_path):
   np.testing.assert_array_equal(loss_x, loss0)
   rep = runs.a2a_report(task_x, out_x["state"], [first])
   assert rep["max_error_over_bound"] == 0 and rep["max_grad_error_over_bound"] == 0
+
+
+@pytest.mark.devices(2)
+def test_schedule_and_table_factors_set_the_bound_of_each_step_and_table(tmp_path):
+  """A train_rec run with --a2a_schedule=step:1e-27:1:2 and --a2a_table_factors: steps 0
+  and 1 run at a bound below float32's resolution (every exchange falls back to float32, so
+  their losses are the float32 run's, bit for bit), step 2 on at the flagged bound (its loss
+  moves). At the final state, the pooled embeddings at steps 0-3 against a float32 copy of
+  the collection: each table's largest error is 0 at steps 0 and 1, and from step 2 within
+  the flagged bound x its factor and near it (a factor left out would put C1's error below
+  half its bound and C2's above it). 16-bit codes: every row meets even C2's bound, so no
+  exchange of steps 2 on falls back."""
+  args = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
+          "--eval_batches=1", "--sharding=tw", "--mesh=data:2"]
+  base = _cfg(args)
+  cfg = _cfg(args + ["--a2a_mode=abs", "--a2a_error_bound=1e-3", "--a2a_grad_error_bound=1e-4",
+                     "--a2a_bits=16", "--a2a_table_factors=C1=4,C2=0.25",
+                     "--a2a_schedule=step:1e-27:1:2"])
+  two = jax.devices()[:2]   # train_rec on two devices: an exchange at the least cost
+  _, src, _, _, loss0 = _train(base, tmp_path / "f32", devices=two)
+  task, _, _, out, loss = _train(cfg, tmp_path / "adaptive", devices=two)
+  np.testing.assert_array_equal(loss[:2], loss0[:2])
+  assert loss[2] != loss0[2]
+  plain = runs._float32_task(task)   # the same layout and state, the exchange in float32
+  batch = task.device_batch(next(iter(src.batches(0))))
+
+  @jax.jit
+  def error(emb, batch, step):   # [F]: the largest |compressed - float32| per table
+    lookup = task.gather(emb, batch)
+    e = task.collection.pool(lookup, step=step) - plain.collection.pool(lookup, step=step)
+    return jnp.max(jnp.abs(e), axis=(0, 2))
+
+  names = [t.name for t in task.collection.tables]
+  factor = np.asarray([{"C1": 4.0, "C2": 0.25}.get(n, 1.0) for n in names])
+  for step in range(4):
+    err = np.asarray(error(out["state"]["emb"], batch, jnp.int32(step)), np.float64)
+    if step < 2:
+      np.testing.assert_array_equal(err, 0.0)
+    else:
+      ratio = err / (1e-3 * factor)
+      assert np.all((ratio > 0.5) & (ratio <= 1.0 + 1e-6)), (step, dict(zip(names, ratio)))

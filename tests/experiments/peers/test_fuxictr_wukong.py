@@ -3,9 +3,10 @@
 experiments/peers/fuxictr_wukong.py runs FuxiCTR's own `WuKongLayer` and `MLP_Block` in a
 PyTorch environment outside the project; this test writes our weights and an input X_0
 there and compares, per layer, the optimized FM, FMB, LCB and layer outputs and the logits.
-Skipped unless that environment exists: FUXICTR_PEER_PYTHON (default
-/work/peer311/bin/python, with torch and fuxictr) and FUXICTR_WUKONG_SRC (FuxiCTR's
-model_zoo/WuKong/src/WuKong.py; default /work/peer311/fuxictr_model_zoo/WuKong.py).
+Skipped unless that environment exists: FUXICTR_PEER_PYTHON (default: bin/python of the
+Python 3.11 peer environment, experiments/peers/README.md, with torch and fuxictr, at
+../peer311 beside the checkout) and FUXICTR_WUKONG_SRC (FuxiCTR's
+model_zoo/WuKong/src/WuKong.py; default: fuxictr_model_zoo/WuKong.py in that environment).
 """
 
 import json
@@ -20,10 +21,12 @@ from flax import nnx
 
 from rec.models.wukong import Wukong, WukongConfig
 
-PEER = os.environ.get("FUXICTR_PEER_PYTHON", "/work/peer311/bin/python")
-SRC = os.environ.get("FUXICTR_WUKONG_SRC", "/work/peer311/fuxictr_model_zoo/WuKong.py")
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "experiments", "peers",
-                      "fuxictr_wukong.py")
+REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+PEER_ENV = os.path.join(os.path.dirname(REPO), "peer311")   # the Python 3.11 peer environment
+PEER = os.environ.get("FUXICTR_PEER_PYTHON", os.path.join(PEER_ENV, "bin", "python"))
+SRC = os.environ.get("FUXICTR_WUKONG_SRC",
+                     os.path.join(PEER_ENV, "fuxictr_model_zoo", "WuKong.py"))
+SCRIPT = os.path.join(REPO, "experiments", "peers", "fuxictr_wukong.py")
 
 
 # Marked peer: the peer process imports torch and fuxictr (tens of seconds on a shared CPU).

@@ -243,17 +243,26 @@ def test_oneshot_and_dnas(tmp_path):
 
 @pytest.mark.slow
 def test_entry_point_and_train_rec_retrains_the_found_arch(tmp_path):
+  """The found architecture's file, trained by train_rec with the search's settings (its
+  own defaults for data, rows, optimizers and learning rates, given explicitly), is the
+  search's model: the same NE. --noshared_program trains each candidate as the stand-alone
+  program train_rec compiles (the shared supernet program matches it up to float rounding)."""
   wd = str(tmp_path / "rk")
-  common = ["--workdir=" + wd, "--steps=3", "--batch_size=32", "--eval_batch_size=64",
-            "--eval_batches=1", "--layers=1", "--width=4", "--embedding_dim=8"]
-  _, summary = run_entry("experiments.rankitect", ["--method=random", "--trials=1",
-                                                    "--nobaselines", *common])
+  run = ["--steps=3", "--batch_size=32", "--eval_batch_size=64", "--eval_batches=1"]
+  _, summary = run_entry("experiments.rankitect", [
+      "--method=random", "--trials=1", "--nobaselines", "--noshared_program",
+      "--workdir=" + wd, "--layers=1", "--width=4", "--embedding_dim=8", *run])
   assert summary["candidates_trained"] == 1 and os.path.exists(summary["best_file"])
+  with open(os.path.join(wd, "trials.jsonl")) as f:
+    (row,) = [json.loads(line) for line in f]
+  assert row["program"] == "standalone" and row["ne"] == summary["best_ne"]
   _, again = run_entry("experiments.train_rec", [
       "--model=searched:" + summary["best_file"], "--data=synthetic_deep", "--num_rows=20",
-      "--steps=3", "--batch_size=32", "--eval_batch_size=64", "--eval_batches=1",
-      "--workdir=" + str(tmp_path / "tr")])
+      "--dense_optimizer=adam", "--learning_rate=1e-3", "--embedding_learning_rate=0.1",
+      "--seed=0", *run, "--workdir=" + str(tmp_path / "tr")])
   assert again["steps"] == 3
+  assert again["test_ne"] == pytest.approx(row["ne"], rel=1e-5), (again["test_ne"], row["ne"])
+  assert again["test_auc"] == pytest.approx(row["auc"], rel=1e-5)
 
 
 class ScoredStudy(study_lib.Study):
@@ -286,6 +295,20 @@ def test_search_seed_draws_the_proposals_apart_from_the_data(tmp_path, method):
   assert first != other
   with pytest.raises(ValueError, match=r"settings.json: .*search_seed: 1 -> 2"):
     ScoredStudy(str(tmp_path / "c"), SPACE, base, steps=3, search_seed=2)
+
+
+def test_a_workdir_saved_without_the_a2a_settings_resumes(tmp_path):
+  """settings.json written before the a2a run settings existed (float32, one bound) is the
+  same search as today's defaults."""
+  base = configs.RecRunConfig(data="synthetic_deep")
+  study_lib.Study(str(tmp_path), SPACE, base, steps=3)
+  path = tmp_path / "settings.json"
+  saved = json.loads(path.read_text())
+  path.write_text(json.dumps({k: v for k, v in saved.items() if not k.startswith("run.a2a_")}))
+  study_lib.Study(str(tmp_path), SPACE, base, steps=3)
+  with pytest.raises(ValueError, match=r"run.a2a_schedule: 'constant' -> 'step:1:2:3'"):
+    study_lib.Study(str(tmp_path), SPACE, dataclasses.replace(base, a2a_schedule="step:1:2:3"),
+                    steps=3)
 
 
 def test_a_workdir_keeps_its_space_and_budget(tmp_path):
