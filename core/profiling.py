@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import glob
 import gzip
 import json
@@ -40,8 +41,8 @@ def _trace_file(out_dir: str) -> str:
   found = sorted(glob.glob(os.path.join(out_dir, "**", "perfetto_trace.json.gz"),
                            recursive=True), key=os.path.getmtime)
   if not found:
-    raise FileNotFoundError(f"{out_dir}: no perfetto_trace.json.gz under it (expected the "
-                            "output of profiling.trace)")
+    raise FileNotFoundError(errno.ENOENT, "no perfetto_trace.json.gz under it (expected the "
+                            "output of profiling.trace)", out_dir)
   return found[-1]
 
 

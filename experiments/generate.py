@@ -11,26 +11,30 @@ r"""Generate text or tokens from a Llama checkpoint with a KV cache (prefill, th
       --max_new_tokens=40                                    # token ids, greedy from BOS (id 1)
   python -m experiments.generate --checkpoint=gguf:$GGUF --weights=int4 --prompt="Paris is"
       # weight-only int4 (the file's Q4_1 blocks as stored); int8, or gguf: every tensor as stored
-  python -m experiments.generate --checkpoint=workdir:runs/train_lm --prompt="Once upon a"
+  python -m experiments.generate --checkpoint=workdir:runs/lm --prompt="Once upon a"   # a train_lm --workdir
 
 The tokenizer (llm.checkpoints.find_tokenizer) is --tokenizer when given (a tokenizer.json, a
-directory with one, or a llama2.c tokenizer.bin), else the checkpoint's own: hf:DIR's
+directory with one, a llama2.c tokenizer.bin, or a GGUF file's vocabulary), else the
+checkpoint's own: hf:DIR's
 tokenizer.json, the vocabulary a GGUF embeds, the copy a train_lm workdir holds (or bytes).
 --prompt is text, with BOS / EOS exactly as that tokenizer adds them (--bos / --nobos
 override BOS). --chat (one user message) or --chat_file (a JSON list of {"role", "content"})
 renders the checkpoint's chat template with the assistant's turn opened, as transformers'
 apply_chat_template(add_generation_prompt=True) does. Generation stops at the tokenizer's
 EOS ids (and, for chats, the template's end-of-turn token) unless --stop_ids is given.
-Without a tokenizer, use --prompt_ids. Prints the ids and the decoded text (for chats, the
-reply); the last stdout line is JSON.
+Without a tokenizer, use --prompt_ids. The prompt, its ids and its length (prompt plus
+--max_new_tokens within the model's max_seq_len) are checked against the checkpoint's config
+before the weights load. Prints the ids and the decoded text (for chats, the reply); the last
+stdout line is JSON.
 """
 
 from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
 from core import cli
+from core import errors
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
@@ -41,8 +45,9 @@ def define_flags() -> None:
   module beside other entry points whose flags share names)."""
   flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | gguf:FILE | workdir:DIR",
                       required=True)
-  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
-                      "tokenizer.bin (default: the checkpoint's own, see the module docstring).")
+  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, a llama2.c "
+                      "tokenizer.bin or a GGUF file (its vocabulary) (default: the checkpoint's "
+                      "own, see the module docstring).")
   flags.DEFINE_list("prompt_ids", None, "Prompt token ids (default: the BOS token).")
   flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
   flags.DEFINE_string("chat", None, "One user message, rendered with the checkpoint's chat "
@@ -70,31 +75,56 @@ def define_flags() -> None:
                     "stored).")
 
 
-def _prompt(tok):
+def _ids(flag: str) -> list[int] | None:
+  """The integers of a list flag (--prompt_ids, --stop_ids), or None when not given."""
+  values = FLAGS[flag].value
+  if values is None:
+    return None
+  bad = [v for v in values if not v.strip().lstrip("-").isdigit()]
+  if bad:
+    raise errors.expected(f"--{flag}={','.join(values)}", f"{bad[0]!r} is not an integer",
+                          "comma-separated token ids")
+  return [int(v) for v in values]
+
+
+def _messages():
+  """The chat messages of --chat / --chat_file (None for other prompts), read and checked
+  before anything loads."""
+  from llm import chat
+  if FLAGS.chat:
+    return [{"role": "user", "content": FLAGS.chat}]
+  if not FLAGS.chat_file:
+    return None
+  try:
+    return chat.load_messages(FLAGS.chat_file)
+  except UnicodeDecodeError as e:
+    raise errors.expected(f"--chat_file={FLAGS.chat_file}", f"byte {e.start} is not UTF-8",
+                          "a UTF-8 JSON list of {\"role\", \"content\"} messages") from None
+  except ValueError as e:
+    raise errors.UserError(f"--chat_file: {e}") from None
+
+
+def _prompt(tok, messages):
   """(prompt ids, stop ids implied by the prompt kind or None, is_chat) from the flags."""
   from llm import chat
   from llm.checkpoints import text_prompt
-  given = [n for n in ("prompt", "chat", "chat_file", "prompt_ids") if FLAGS[n].value]
-  if len(given) > 1:
-    raise app.UsageError(f"--{' and --'.join(given)}: give one prompt")
-  if (FLAGS.prompt is not None or FLAGS.chat or FLAGS.chat_file) and tok is None:
-    raise app.UsageError(f"--{given[0]} needs a tokenizer: {FLAGS.checkpoint} has none beside it "
-                         "(pass --tokenizer=PATH, or --prompt_ids)")
-  if FLAGS.chat or FLAGS.chat_file:
+  if (FLAGS.prompt is not None or messages is not None) and tok is None:
+    flag = "prompt" if FLAGS.prompt is not None else "chat_file" if FLAGS.chat_file else "chat"
+    raise errors.UserError(f"--{flag} needs a tokenizer: {FLAGS.checkpoint} has none beside "
+                           "it; pass --tokenizer=PATH, or give --prompt_ids")
+  if messages is not None:
+    flag = "--chat_file" if FLAGS.chat_file else "--chat"
     try:
-      messages = (chat.load_messages(FLAGS.chat_file) if FLAGS.chat_file
-                  else [{"role": "user", "content": FLAGS.chat}])
-      flag = "--chat_file" if FLAGS.chat_file else "--chat"
       return chat.encode_chat(tok, messages, where=flag), chat.stop_ids(tok), True
     except ValueError as e:
-      raise app.UsageError(str(e)) from None
+      raise errors.UserError(str(e)) from None
   if FLAGS.prompt is not None:
     prompt = text_prompt(tok, FLAGS.prompt, FLAGS.bos)
     if not prompt:
-      raise app.UsageError("--prompt encodes to no tokens; give some text or --bos")
+      raise errors.UserError("--prompt encodes to no tokens; give some text or --bos")
     return prompt, None, False
   if FLAGS.prompt_ids:
-    return [int(t) for t in FLAGS.prompt_ids], None, False
+    return _ids("prompt_ids"), None, False
   bos_id = FLAGS.bos_id
   if bos_id is None:
     bos_id = tok.bos_id if tok is not None and tok.bos_id is not None else 1
@@ -104,22 +134,32 @@ def _prompt(tok):
 def main(argv):
   del argv
   import jax
-  from llm.checkpoints import find_tokenizer, load_model
+  from llm.checkpoints import find_tokenizer, load_config, load_model
   from llm.generate import generate
-  cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
+  # Everything the flags alone decide, then what the checkpoint's config decides, before the
+  # weights load.
+  given = [n for n in ("prompt", "chat", "chat_file", "prompt_ids") if FLAGS[n].value]
+  if len(given) > 1:
+    raise errors.UserError(f"--{' and --'.join(given)}: give one prompt")
+  stop_flag = _ids("stop_ids")
+  messages = _messages()
+  cfg = load_config(FLAGS.checkpoint)
   tok = find_tokenizer(FLAGS.checkpoint, FLAGS.tokenizer, cfg.vocab_size)
-  prompt, chat_stop, is_chat = _prompt(tok)
-  bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-  if bad:
-    raise app.UsageError(f"prompt ids {bad} outside the vocabulary [0, {cfg.vocab_size})")
+  prompt, chat_stop, is_chat = _prompt(tok, messages)
+  for where, ids in (("prompt ids", prompt), ("--stop_ids", stop_flag or [])):
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise errors.expected(where, f"{bad[:5]} outside the vocabulary",
+                            f"ids in [0, {cfg.vocab_size}) ({FLAGS.checkpoint})")
   if len(prompt) + FLAGS.max_new_tokens > cfg.max_seq_len:
-    raise app.UsageError(
+    raise errors.UserError(
         f"--max_new_tokens={FLAGS.max_new_tokens} with a {len(prompt)}-token prompt makes "
         f"{len(prompt) + FLAGS.max_new_tokens} tokens, beyond the model's max_seq_len="
         f"{cfg.max_seq_len} ({FLAGS.checkpoint}); use --max_new_tokens="
         f"{max(cfg.max_seq_len - len(prompt), 0)} or less")
-  if FLAGS.stop_ids is not None:
-    stop = tuple(int(s) for s in FLAGS.stop_ids)
+  cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
+  if stop_flag is not None:
+    stop = tuple(stop_flag)
   elif chat_stop is not None:
     stop = chat_stop
   else:

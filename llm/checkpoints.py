@@ -6,6 +6,10 @@ Entry points (generate, spec_decode, bench_llm, ...) and notebooks share these; 
 formats themselves are read by `llm.weights` (llama2.c, safetensors), `llm.gguf` and
 `llm.tokenizer`; chat templates are rendered by `llm.chat`.
 
+`load_config` reads a checkpoint's LlamaConfig without its weights (settings are checked
+against it before a large model loads); `load_tokenizer` reads what `llm.tokenizer` reads and
+also a GGUF file's vocabulary (recognised by its magic, whatever the file's name).
+
 The tokenizer of a checkpoint: hf:DIR's tokenizer.json (with tokenizer_config.json,
 chat_template.jinja, generation_config.json beside it), the vocabulary a GGUF file embeds,
 the tokenizer.json / tokenizer.bin copy a train_lm workdir holds (or bytes), none for
@@ -17,6 +21,7 @@ special tokens, so their tokenizer adds none.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 
@@ -45,9 +50,29 @@ def gguf_checkpoint(path: str):
   """`llm.gguf.GGUFCheckpoint` of `path`, shared by the model and tokenizer loaders (opening
   a GGUF parses its whole vocabulary)."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: no such GGUF file")
+    raise FileNotFoundError(errno.ENOENT, "no such GGUF file", path)
   st = os.stat(path)
   return _gguf_checkpoint(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+def load_config(spec: str):
+  """The LlamaConfig of a checkpoint, read without its weights: a GGUF's metadata, hf:DIR's
+  config.json, a llama2.c header, a workdir's model_config.json (so that settings can be
+  checked against it before a large model loads)."""
+  kind, path = parse_spec(spec)
+  if kind == "gguf":
+    return gguf_checkpoint(path).config   # the cached reader load_weights uses next
+  from llm import weights as weights_lib
+  if kind == "hf":
+    return weights_lib.hf_config(path)
+  if kind == "llama2c":
+    return weights_lib.llama2c_config(path)
+  from llm.config import config_from_dict
+  file = os.path.join(path, "model_config.json")
+  if not os.path.exists(file):
+    raise FileNotFoundError(errno.ENOENT, "missing; expected a workdir written by "
+                            "experiments.train_lm", file)
+  return config_from_dict(weights_lib.read_json(file))
 
 
 def load_weights(spec: str, weights: str = "float32"):
@@ -114,12 +139,23 @@ def check_params_finite(params, where: str) -> None:
     check_finite(jax.tree_util.keystr(path), np.asarray(leaf), where)
 
 
+def load_tokenizer(path: str, vocab_size: int | None = None):
+  """`llm.tokenizer.load_tokenizer`, and also a GGUF file's embedded vocabulary (any
+  architecture's: only its tokenizer.ggml.* metadata is read)."""
+  from llm import tokenizer as tok_lib
+  if tok_lib.is_gguf(path):
+    from llm import gguf
+    return gguf.vocab_tokenizer(gguf.read_vocab(path), path, vocab_size)
+  return tok_lib.load_tokenizer(path, vocab_size)
+
+
 def find_tokenizer(spec: str, flag: str | None, vocab_size: int):
   """The tokenizer for checkpoint `spec` (module docstring), or None (token ids only).
-  `flag` (a tokenizer.json, a directory holding one, or a llama2.c tokenizer.bin) wins."""
+  `flag` (a tokenizer.json, a directory holding one, a llama2.c tokenizer.bin or a GGUF
+  file's vocabulary) wins."""
   from llm import tokenizer as tok_lib
   if flag:
-    return tok_lib.load_tokenizer(flag, vocab_size)
+    return load_tokenizer(flag, vocab_size)
   kind, path = parse_spec(spec)
   if kind == "hf" and os.path.exists(os.path.join(path, "tokenizer.json")):
     return tok_lib.load_tokenizer(path, vocab_size)
@@ -127,9 +163,9 @@ def find_tokenizer(spec: str, flag: str | None, vocab_size: int):
     return gguf_checkpoint(path).tokenizer()
   if kind == "workdir":
     tok = None
-    for name in ("tokenizer.json", "tokenizer.bin"):
+    for name in ("tokenizer.json", "tokenizer.bin", "tokenizer.gguf"):
       if os.path.exists(os.path.join(path, name)):
-        tok = tok_lib.load_tokenizer(os.path.join(path, name), vocab_size)
+        tok = load_tokenizer(os.path.join(path, name), vocab_size)
         break
     if tok is None and vocab_size == tok_lib.ByteTokenizer.vocab_size:
       tok = tok_lib.ByteTokenizer()

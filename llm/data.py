@@ -13,6 +13,7 @@ Letters: B batch, T sequence length.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from typing import Iterator
 
@@ -55,7 +56,7 @@ class TextSource:
                split: str = "train", eval_fraction: float = 0.05, seed: int = 0,
                eval_batches: int | None = None, shard_index: int = 0, num_shards: int = 1):
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"--text={path!r}: no such file")
+      raise FileNotFoundError(errno.ENOENT, "no such file (--text)", path)
     if split not in ("train", "eval"):
       raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
     if not 0.0 < eval_fraction < 1.0:

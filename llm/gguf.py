@@ -22,18 +22,24 @@ a weight-only quantized path can take Q8_0 / Q4_x blocks directly (`StoredTensor
     save_gguf("out.gguf", cfg, weights, qtype="Q8_0", vocab=ckpt.vocab)   # llama.cpp reads it
 
 Errors name the file and, where there is one, the tensor or key: another architecture, a
-truncated file, a quantization type outside the list above, a missing or misshapen tensor.
+truncated file, a quantization type outside the list above, a missing or misshapen tensor, a
+metadata value of the wrong type or range. Every length and count in the header, metadata and
+tensor table is checked against the file's size before anything is read or allocated for it,
+and block_count against the blocks the tensors hold, so a corrupt file fails at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import math
 import os
 import warnings
 from typing import Any
 
 import numpy as np
 
+from core import errors
 from llm.config import LlamaConfig, RopeScaling
 
 ARCH = "llama"
@@ -75,6 +81,19 @@ def _reader(path: str):
   gguf = _gguf()
 
   class Reader(gguf.GGUFReader):
+    source = path
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+      # Every read of the header, metadata and tensor table comes here: a count or length
+      # that runs past the end of the file is refused before anything is allocated or looped
+      # over (the gguf package would return a short array and go on).
+      need = int(offset) + np.dtype(dtype).itemsize * int(count)
+      if need > len(self.data):
+        raise ValueError(f"{path}: not a complete GGUF file: a field at byte {int(offset)} "
+                         f"needs {need - int(offset)} bytes, the file has {len(self.data)}; the "
+                         "metadata ends early, the file is truncated or not GGUF")
+      return super()._get(offset, dtype, count, override_order)
+
     def _build_tensors(self, start_offs, fields):
       size = len(self.data)
       for field in fields:
@@ -87,8 +106,8 @@ def _reader(path: str):
                            f"gguf {_gguf_version()} does not know; supported types: "
                            f"{', '.join(SUPPORTED_TYPES)}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(dims)) * type_size // block
-        begin = int(start_offs + offset[0])
+        n = math.prod(int(x) for x in dims) * type_size // block
+        begin = int(start_offs) + int(offset[0])   # Python ints: a huge offset must not wrap
         if begin + n > size:
           raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, shape "
                            f"{tuple(int(d) for d in reversed(dims.tolist()))}) needs bytes "
@@ -97,14 +116,14 @@ def _reader(path: str):
       super()._build_tensors(start_offs, fields)
 
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: no such GGUF file")
+    raise FileNotFoundError(errno.ENOENT, "no such GGUF file", path)
   try:
     return Reader(path)
   except ValueError as e:
     if str(e).startswith(path):
       raise
     raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
-  except (IndexError, TypeError, OverflowError, KeyError) as e:
+  except (IndexError, TypeError, OverflowError, KeyError, MemoryError) as e:
     raise ValueError(f"{path}: not a complete GGUF file ({type(e).__name__}: {e}); the "
                      "metadata ends early, the file is truncated or not GGUF") from None
 
@@ -117,9 +136,42 @@ def _gguf_version() -> str:
     return "(unknown version)"
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+# What a metadata value must be, by kind: (test, words for the message).
+_KINDS = {
+    "count": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "id": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "number": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+               "a finite number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+             "an array of strings"),
+    "ids": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+            "an array of integers"),
+    "numbers": (lambda v: isinstance(v, list) and all(
+        (_is_int(x) or isinstance(x, float)) and math.isfinite(x) for x in v),
+        "an array of finite numbers"),
+}
+
+
+def _field(reader, key: str, default: Any = None, kind: str | None = None) -> Any:
+  """Metadata value `key` (`default` when absent), checked to be of `kind` (`_KINDS`)."""
   f = reader.fields.get(key)
-  return default if f is None else f.contents()
+  if f is None:
+    return default
+  try:
+    v = f.contents()
+  except (ValueError, IndexError, TypeError) as e:   # e.g. a string that is not UTF-8
+    raise ValueError(f"{reader.source}: metadata {key} cannot be read ({type(e).__name__}: "
+                     f"{e}); the file is corrupt") from None
+  if kind is not None and not _KINDS[kind][0](v):
+    shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+    raise errors.expected(reader.source, f"metadata {key}={shown}", _KINDS[kind][1])
+  return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,13 +231,13 @@ class GGUFCheckpoint:
     r = _reader(path)
     self.metadata = {k: _field(r, k) for k in r.fields if not k.startswith("tokenizer.ggml.")
                      and not k.startswith("GGUF.")}
-    arch = _field(r, "general.architecture")
+    arch = _field(r, "general.architecture", kind="str")
     if arch != ARCH:
       raise ValueError(f"{path}: general.architecture={arch!r}; this loader reads "
                        f"Llama-architecture GGUF files only (general.architecture={ARCH!r}: "
                        "Llama 1/2/3, TinyLlama, SmolLM, ...)")
-    n_split = _field(r, "split.count", 1)
-    if n_split and int(n_split) > 1:
+    n_split = _field(r, "split.count", 1, kind="id")
+    if n_split > 1:
       raise ValueError(f"{path}: split.count={n_split}: one file of a split GGUF; merge the "
                        "parts first (llama.cpp's gguf-split --merge)")
     self._scaling_tensor = None
@@ -206,46 +258,66 @@ class GGUFCheckpoint:
       raise ValueError(f"{path}: metadata keys {[f'{ARCH}.{k}' for k in unknown]} are not "
                        "understood by this loader and may change the model's arithmetic")
 
-    def need(key):
-      v = _field(r, f"{ARCH}.{key}")
+    def need(key, kind="count"):
+      v = _field(r, f"{ARCH}.{key}", kind=kind)
       if v is None:
         raise ValueError(f"{path}: missing metadata key {ARCH}.{key!r}")
       return v
 
-    experts = _field(r, f"{ARCH}.expert_count", 0)
+    def opt(key, default, kind="count"):
+      return _field(r, f"{ARCH}.{key}", default, kind)
+
+    experts = _field(r, f"{ARCH}.expert_count", 0, kind="id")
     if experts:
       raise ValueError(f"{path}: {ARCH}.expert_count={experts}: a mixture of experts (Mixtral "
                        "style); the Llama model here is dense")
-    scaling = _field(r, f"{ARCH}.rope.scaling.type")
+    scaling = _field(r, f"{ARCH}.rope.scaling.type", kind="str")
     if scaling not in (None, "none"):
       raise ValueError(f"{path}: {ARCH}.rope.scaling.type={scaling!r}; only plain RoPE and "
                        "Llama 3's rope_freqs.weight factors are supported")
-    dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv = need("attention.head_count_kv") if _field(r, f"{ARCH}.attention.head_count_kv") \
-        is not None else n_heads
+    dim, n_heads = need("embedding_length"), need("attention.head_count")
+    kv = _field(r, f"{ARCH}.attention.head_count_kv", n_heads)
     if isinstance(kv, list):
       if len(set(kv)) != 1:
-        raise ValueError(f"{path}: {ARCH}.attention.head_count_kv varies by layer ({kv}); "
-                         "expected one value")
+        raise ValueError(f"{path}: {ARCH}.attention.head_count_kv varies by layer "
+                         f"({kv[:8]}); expected one value")
       kv = kv[0]
-    head_dim = int(_field(r, f"{ARCH}.attention.key_length", dim // n_heads))
-    v_dim = int(_field(r, f"{ARCH}.attention.value_length", head_dim))
-    rot = int(_field(r, f"{ARCH}.rope.dimension_count", head_dim))
+    if not _KINDS["count"][0](kv) or n_heads % kv:
+      raise errors.expected(path, f"metadata {ARCH}.attention.head_count_kv={kv!r}",
+                            f"an integer >= 1 that divides head_count={n_heads}")
+    head_dim = opt("attention.key_length", dim // n_heads)
+    v_dim = opt("attention.value_length", head_dim)
+    rot = opt("rope.dimension_count", head_dim)
+    if head_dim < 2 or head_dim % 2:
+      raise errors.expected(path, f"head dim {head_dim} (embedding_length={dim}, head_count="
+                            f"{n_heads}, key_length)", "an even number >= 2")
     if v_dim != head_dim or rot != head_dim:
       raise ValueError(f"{path}: key_length={head_dim}, value_length={v_dim}, "
                        f"rope.dimension_count={rot}; expected all equal (full rotary, one head "
                        "dim)")
     # llama.cpp's defaults when a key is absent: RoPE base 10000.
-    theta = float(_field(r, f"{ARCH}.rope.freq_base", 10000.0))
+    theta = float(opt("rope.freq_base", 10000.0, "number"))
+    eps = float(need("attention.layer_norm_rms_epsilon", "number"))
+    if not theta > 1 or not eps > 0:
+      raise errors.expected(path, f"metadata {ARCH}.rope.freq_base={theta}, {ARCH}.attention."
+                            f"layer_norm_rms_epsilon={eps}", "a RoPE base > 1 and an epsilon > 0")
     embed = stored.get("token_embd.weight")
     if embed is None:
       raise ValueError(f"{path}: no token_embd.weight tensor")
-    vocab = int(_field(r, f"{ARCH}.vocab_size", int(embed.shape[1])))
-    ctx = int(_field(r, f"{ARCH}.context_length", 2048))
-    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=int(need("block_count")),
-                      n_heads=n_heads, n_kv_heads=int(kv), ffn_dim=int(need("feed_forward_length")),
-                      head_dim=head_dim,
-                      norm_eps=float(need("attention.layer_norm_rms_epsilon")), rope_theta=theta,
+    vocab = opt("vocab_size", int(embed.shape[1]) if len(embed.shape) == 2 else None)
+    if vocab is None:
+      raise ValueError(f"{path}: token_embd.weight has shape {embed.shape.tolist()} and there "
+                       f"is no {ARCH}.vocab_size; expected a 2-d embedding")
+    ctx = opt("context_length", 2048)
+    n_layers = need("block_count")
+    # Before a name is listed per layer: the blocks the tensors hold bound block_count.
+    blocks = {n.split(".")[1] for n in stored if n.startswith("blk.")}
+    if n_layers > len(blocks):
+      raise errors.expected(path, f"metadata {ARCH}.block_count={n_layers}",
+                            f"the {len(blocks)} blocks (blk.N.*) whose tensors the file holds")
+    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                      n_kv_heads=kv, ffn_dim=need("feed_forward_length"), head_dim=head_dim,
+                      norm_eps=eps, rope_theta=theta,
                       tie_embeddings="output.weight" not in stored, max_seq_len=ctx)
     freqs = stored.get("rope_freqs.weight")
     if freqs is not None:
@@ -258,6 +330,9 @@ class GGUFCheckpoint:
     and original length, the factor being its largest entry."""
     from llm.model import rope_frequencies
     gguf = _gguf()
+    if t.tensor_type.name not in SUPPORTED_TYPES:
+      raise ValueError(f"{self.path}: tensor 'rope_freqs.weight' is stored as "
+                       f"{t.tensor_type.name}; supported types: {', '.join(SUPPORTED_TYPES)}")
     f = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
     if f.shape != (cfg.head_dim // 2,):
       raise ValueError(f"{self.path}: rope_freqs.weight has {f.size} entries, expected "
@@ -329,6 +404,12 @@ def read_gguf(path: str) -> GGUFCheckpoint:
   return GGUFCheckpoint(path)
 
 
+def read_vocab(path: str) -> GGUFVocab | None:
+  """The `tokenizer.ggml.*` vocabulary of any GGUF file (None: it has none); the
+  architecture and the tensors are not looked at beyond the reader's checks."""
+  return _vocab(_reader(path))
+
+
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
   """(config, float32 contract weights) of a Llama GGUF file."""
   ckpt = GGUFCheckpoint(path)
@@ -340,27 +421,21 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
 
 
 def _vocab(r) -> GGUFVocab | None:
-  model = _field(r, "tokenizer.ggml.model")
+  model = _field(r, "tokenizer.ggml.model", kind="str")
   if model is None:
     return None
 
-  def opt_int(key):
-    v = _field(r, f"tokenizer.ggml.{key}")
-    return None if v is None else int(v)
-
-  def opt_bool(key):
-    v = _field(r, f"tokenizer.ggml.{key}")
-    return None if v is None else bool(v)
+  def get(key, kind, default=None):
+    return _field(r, f"tokenizer.ggml.{key}", default, kind)
 
   return GGUFVocab(
-      model=model, tokens=list(_field(r, "tokenizer.ggml.tokens", [])),
-      token_types=[int(x) for x in _field(r, "tokenizer.ggml.token_type", [])],
-      scores=_field(r, "tokenizer.ggml.scores"), merges=_field(r, "tokenizer.ggml.merges"),
-      pre=_field(r, "tokenizer.ggml.pre"), bos_id=opt_int("bos_token_id"),
-      eos_id=opt_int("eos_token_id"), unk_id=opt_int("unknown_token_id"),
-      eot_id=opt_int("eot_token_id"), add_bos=opt_bool("add_bos_token"),
-      add_eos=opt_bool("add_eos_token"), add_space_prefix=opt_bool("add_space_prefix"),
-      chat_template=_field(r, "tokenizer.chat_template"))
+      model=model, tokens=get("tokens", "strs", []), token_types=get("token_type", "ids", []),
+      scores=get("scores", "numbers"), merges=get("merges", "strs"), pre=get("pre", "str"),
+      bos_id=get("bos_token_id", "id"), eos_id=get("eos_token_id", "id"),
+      unk_id=get("unknown_token_id", "id"), eot_id=get("eot_token_id", "id"),
+      add_bos=get("add_bos_token", "bool"), add_eos=get("add_eos_token", "bool"),
+      add_space_prefix=get("add_space_prefix", "bool"),
+      chat_template=_field(r, "tokenizer.chat_template", kind="str"))
 
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by `tokenizer.ggml.pre`. GPT-2's is the
@@ -452,14 +527,23 @@ def vocab_tokenizer(v: GGUFVocab | None, where: str, vocab_size: int | None = No
                      f"model's vocabulary of {vocab_size}")
   if v.token_types and len(v.token_types) != len(v.tokens):
     raise ValueError(f"{where}: {len(v.token_types)} token types for {len(v.tokens)} tokens")
-  if v.model == "gpt2":
-    tok, pre = _bpe_tokenizer(v, where)
-    default_bos = pre in _PRE_LLAMA3             # llama.cpp: llama3-family BPE adds BOS
-  elif v.model == "llama":
-    tok, default_bos = _spm_tokenizer(v, where), True
-  else:
-    raise ValueError(f"{where}: tokenizer.ggml.model={v.model!r}; supported: 'gpt2' (byte-level "
-                     "BPE) and 'llama' (SentencePiece)")
+  for name, i in (("unknown_token_id", v.unk_id), ("eot_token_id", v.eot_id)):
+    if i is not None and not 0 <= i < len(v.tokens):
+      raise ValueError(f"{where}: tokenizer.ggml.{name}={i} outside the {len(v.tokens)} tokens")
+  try:
+    if v.model == "gpt2":
+      tok, pre = _bpe_tokenizer(v, where)
+      default_bos = pre in _PRE_LLAMA3             # llama.cpp: llama3-family BPE adds BOS
+    elif v.model == "llama":
+      tok, default_bos = _spm_tokenizer(v, where), True
+    else:
+      raise ValueError(f"{where}: tokenizer.ggml.model={v.model!r}; supported: 'gpt2' "
+                       "(byte-level BPE) and 'llama' (SentencePiece)")
+  except ValueError:
+    raise
+  except Exception as e:   # the tokenizers library raises a bare Exception naming no file
+    raise ValueError(f"{where}: the tokenizer.ggml.* vocabulary does not build a tokenizer "
+                     f"({e})") from None
   types = v.token_types or [_NORMAL] * len(v.tokens)
   special = [AddedToken(t, special=True, normalized=False)
              for t, k in zip(v.tokens, types) if k in (_CONTROL, _UNKNOWN)]

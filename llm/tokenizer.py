@@ -33,6 +33,7 @@ U+FFFD for invalid sequences.
     tok = load_tokenizer("/path/Llama-3.2-1B")           # a directory with tokenizer.json
     tok = load_tokenizer("/path/tokenizer.json")
     tok = load_tokenizer("/path/tok512.bin")              # llama2.c
+    tok = llm.checkpoints.load_tokenizer("/path/model.gguf")   # any of these, or a GGUF's
     ids = tok.encode("Once upon a time", bos=tok.add_bos); text = tok.decode(ids)
 
 `add_bos` / `add_eos` say what the checkpoint's own tokenizer adds to a text, as its files
@@ -45,12 +46,15 @@ only what its `bos` / `eos` arguments ask for.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import json
 import os
 import re
 import struct
 from typing import Protocol, Sequence
+
+from core import errors
 
 
 class Tokenizer(Protocol):
@@ -112,7 +116,7 @@ class ByteTokenizer:
 def _token_content(tok) -> str | None:
   """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
   if isinstance(tok, dict):
-    return tok.get("content")
+    tok = tok.get("content")
   return tok if isinstance(tok, str) else None
 
 
@@ -131,7 +135,8 @@ class HFTokenizer:
   def __init__(self, path: str, bos_token: str | None = None, eos_token: str | None = None):
     from tokenizers import Tokenizer as _HFTok
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"{path}: no such tokenizer.json")
+      raise FileNotFoundError(errno.ENOENT, "no such file; expected a Hugging Face "
+                              "tokenizer.json", path)
     try:
       tok = _HFTok.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception naming no file
@@ -148,7 +153,8 @@ class HFTokenizer:
     if gen_eos is None:
       self.stop_ids = () if self.eos_id is None else (self.eos_id,)
     else:
-      self.stop_ids = tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
+      self.stop_ids = tuple(_token_id(i, "generation_config.json eos_token_id", d) for i in (
+          gen_eos if isinstance(gen_eos, list) else [gen_eos]))
     self.add_bos, self.add_eos = self._added_specials(conf)
     self.chat_template = _chat_template(d, conf)
     self.special_tokens = {}
@@ -193,7 +199,8 @@ class HFTokenizer:
     i = side["config.json"].get(f"{name}_token_id")
     if isinstance(i, list):
       i = i[0] if i else None
-    return None if i is None else int(i)
+    d = os.path.dirname(os.path.abspath(self.source))
+    return None if i is None else _token_id(i, f"config.json {name}_token_id", d)
 
   def _added_specials(self, conf: dict) -> tuple[bool, bool]:
     """(add_bos, add_eos): tokenizer_config.json's flags, else what the post-processor adds
@@ -244,6 +251,14 @@ class HFTokenizer:
     return self._tok.decode(_check_ids(self, ids), skip_special_tokens=skip_special)
 
 
+def _token_id(i, key: str, d: str) -> int:
+  """A token id read from a JSON file beside tokenizer.json (`key` names file and key)."""
+  if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+    file, _, name = key.partition(" ")
+    raise errors.expected(os.path.join(d, file), f"{name}={i!r}", "a token id (an integer >= 0)")
+  return i
+
+
 def _chat_template(d: str, conf: dict) -> str | None:
   path = os.path.join(d, "chat_template.jinja")
   if os.path.exists(path):
@@ -265,11 +280,12 @@ def _chat_template(d: str, conf: dict) -> str | None:
 def _read_json(path: str) -> dict:
   if not os.path.exists(path):
     return {}
-  with open(path) as fh:
-    try:
-      d = json.load(fh)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}: not JSON ({e})") from None
+  with open(path, "rb") as fh:
+    data = fh.read()
+  try:
+    d = json.loads(data.decode("utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path}: not UTF-8 JSON ({e})") from None
   if not isinstance(d, dict):
     raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
   return d
@@ -329,7 +345,8 @@ class Llama2cTokenizer:
 
   def __init__(self, path: str, vocab_size: int | None = None):
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"{path}: no such tokenizer.bin")
+      raise FileNotFoundError(errno.ENOENT, "no such file; expected a llama2.c tokenizer.bin",
+                              path)
     self.source = path
     _, self.pieces, self.scores = read_llama2c_tokenizer(path)
     self.vocab_size = len(self.pieces)
@@ -446,13 +463,32 @@ class Llama2cTokenizer:
 # ---------------------------------------------------------------------------------------------
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str) -> bool:
+  """Whether `path` names a GGUF file: its first bytes are GGUF's magic, or (a path that
+  is not a file) its name ends in .gguf."""
+  if not os.path.isfile(path):
+    return path.endswith(".gguf")
+  with open(path, "rb") as fh:
+    return fh.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
 def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
   """A directory holding tokenizer.json (a HF model directory), a `*.json` file (HF), or
-  any other file (llama2.c tokenizer.bin, checked against `vocab_size` when given)."""
+  any other file (llama2.c tokenizer.bin, checked against `vocab_size` when given). A GGUF
+  file's vocabulary is read by `llm.checkpoints.load_tokenizer` (which `llm.gguf` builds
+  with this module's HFTokenizer)."""
+  if is_gguf(path):
+    raise errors.expected(path, "a GGUF file", "a tokenizer.json, a directory holding one or "
+                          "a llama2.c tokenizer.bin here (llm.checkpoints.load_tokenizer, "
+                          "behind the --tokenizer of generate and llm_quant, reads a GGUF's "
+                          "vocabulary)")
   if os.path.isdir(path):
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
-      raise FileNotFoundError(f"{path}: no tokenizer.json in this directory")
+      raise FileNotFoundError(errno.ENOENT, "no tokenizer.json in this directory", path)
     tok: Tokenizer = HFTokenizer(file)
   elif path.endswith(".json"):
     tok = HFTokenizer(path)

@@ -19,6 +19,7 @@ Letters: B batch, T tokens, C tokens per chunk, D model dim, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import math
 from typing import Any, Callable
@@ -338,7 +339,8 @@ def load_workdir(workdir: str, step: int | None = None):
   from llm.config import config_from_dict
   path = os.path.join(workdir, "model_config.json")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{path}: missing; expected a workdir written by experiments.train_lm")
+    raise FileNotFoundError(errno.ENOENT, "missing; expected a workdir written by "
+                            "experiments.train_lm", path)
   with open(path) as f:
     cfg = config_from_dict(json.load(f))
   return cfg, load_workdir_params(workdir, cfg, step)
@@ -350,7 +352,7 @@ def load_workdir_params(workdir: str, cfg: LlamaConfig, step: int | None = None)
   ckpt = ckpt_lib.Checkpointer(workdir)
   step = ckpt.latest_step() if step is None else step
   if step is None:
-    raise FileNotFoundError(f"{workdir}/checkpoints: no checkpoint to load")
+    raise FileNotFoundError(errno.ENOENT, "no checkpoint to load", f"{workdir}/checkpoints")
   mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
   task = LMTask(cfg, OptimConfig(), mesh)
   abstract = jax.eval_shape(lambda: task.init_state(0))

@@ -19,20 +19,24 @@ so their q and k output features are permuted on load (`interleaved_to_half`, wh
     save_hf("/tmp/out", cfg, weights, dtype="bfloat16", max_shard_bytes=2**30)
 
 Loading checks what it reads: a file whose size disagrees with its header (a truncated
-download), a NaN or Inf in any tensor, and a config.json key that would change the
-arithmetic and is not understood are errors naming the file and the tensor or key.
+download), a NaN or Inf in any tensor, a config.json that is not a JSON object, a size that is
+not an integer >= 1 (or more layers than the tensors hold), and a config.json key that would
+change the arithmetic and is not understood are errors naming the file and the tensor or key.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
+import math
 import os
 import re
 
 import ml_dtypes  # registers numpy's "bfloat16" dtype, which safetensors' numpy path uses
 import numpy as np
 
+from core import errors
 from llm.config import LlamaConfig, RopeScaling
 
 Weights = dict[str, np.ndarray]
@@ -117,8 +121,14 @@ def _out_in(w: np.ndarray) -> np.ndarray:
 _LLAMA2C_MAGIC = 0x616B3432  # "ak42": llama2.c's versioned export, not the legacy one
 
 
-def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
-  """Reads a llama2.c legacy checkpoint (7 int32 header, then float32 arrays)."""
+def llama2c_config(path: str) -> LlamaConfig:
+  """The LlamaConfig of a llama2.c legacy checkpoint, from its header (the file size
+  checked against it), without reading the weights."""
+  return _llama2c_layout(path)[0]
+
+
+def _llama2c_layout(path: str):
+  """(config, [(name, shape)] in file order, number of floats) of a llama2.c file."""
   actual = os.path.getsize(path)
   if actual < 28:
     raise ValueError(f"{path}: {actual} bytes, too short for the 28-byte llama2.c header")
@@ -147,13 +157,25 @@ def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
             ("freq_cis_imag", (seq_len, k // 2))]
   if not tied:
     layout.append(("classifier", (vocab, dim)))
-  n_floats = sum(int(np.prod(s)) for _, s in layout)
+  n_floats = sum(math.prod(s) for _, s in layout)
   expected = 28 + 4 * n_floats
   if actual != expected:
     what = "truncated" if actual < expected else "longer than the header says"
     raise ValueError(f"{path}: {actual} bytes, expected {expected} for the llama2.c header "
                      f"{fields} ({'shared' if tied else 'separate'} classifier): the file is "
                      f"{what}")
+  cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                    n_kv_heads=n_kv_heads, ffn_dim=hidden, head_dim=k, norm_eps=1e-5,
+                    rope_theta=10000.0, rope_scaling=None, tie_embeddings=tied,
+                    max_seq_len=seq_len)
+  return cfg, layout, n_floats
+
+
+def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
+  """Reads a llama2.c legacy checkpoint (7 int32 header, then float32 arrays)."""
+  cfg, layout, n_floats = _llama2c_layout(path)
+  n_layers, n_heads, n_kv_heads, k, dim = (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                                           cfg.head_dim, cfg.dim)
   flat = np.fromfile(path, dtype="<f4", offset=28, count=n_floats)
   raw, pos = {}, 0
   for name, shape in layout:
@@ -162,11 +184,6 @@ def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
     pos += size
     if not name.startswith("freq_cis"):   # unused legacy RoPE tables
       check_finite(name, raw[name], f"{path} (llama2.c; per-layer arrays are [layer, ...])")
-
-  cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                    n_kv_heads=n_kv_heads, ffn_dim=hidden, head_dim=k, norm_eps=1e-5,
-                    rope_theta=10000.0, rope_scaling=None, tie_embeddings=tied,
-                    max_seq_len=seq_len)
   weights = {"embed": raw["embed"].copy()}
   for i in range(n_layers):
     p = f"layers.{i}."
@@ -180,7 +197,7 @@ def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
     weights[p + "w_up"] = _in_out(raw["w3"][i])
     weights[p + "w_down"] = _in_out(raw["w2"][i])
   weights["final_norm"] = raw["rms_final"].copy()
-  if not tied:
+  if not cfg.tie_embeddings:
     weights["lm_head"] = _in_out(raw["classifier"])
   return cfg, weights
 
@@ -258,7 +275,7 @@ def _hf_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
     return shape
   if name.endswith(".wo"):
     return (shape[2], shape[0] * shape[1])
-  return (int(np.prod(shape[1:])), shape[0])
+  return (math.prod(shape[1:]), shape[0])
 
 
 def _to_contract(cfg: LlamaConfig, name: str, t: np.ndarray) -> np.ndarray:
@@ -340,7 +357,10 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
       raise ValueError(f"{where}: {source}={rope!r}; expected one flat dict (per-layer-type "
                        "RoPE is not a Llama setting)")
   theta = rope.get("rope_theta")
+  if theta is not None:
+    _number(theta, f"{source}.rope_theta", where, above=1)
   if "rope_theta" in hf:
+    _number(hf["rope_theta"], "rope_theta", where, above=1)
     if theta is not None and float(theta) != float(hf["rope_theta"]):
       raise ValueError(f"{where}: rope_theta={hf['rope_theta']} disagrees with {source}."
                        f"rope_theta={theta}")
@@ -348,15 +368,13 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
   if theta is None:
     raise ValueError(f"{where}: no rope_theta (top level or in rope_parameters); the RoPE base "
                      "changes every attention score, so it is not defaulted")
-  if not isinstance(theta, (int, float)) or theta <= 1:
-    raise ValueError(f"{where}: rope_theta={theta!r}, expected a number > 1")
   kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind not in _ROPE_KEYS:
-    raise ValueError(f"{where}: {source} rope type {kind!r}, expected one of "
+  if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+    raise ValueError(f"{where}: {source} rope type {kind!r}; expected one of "
                      f"{sorted(_ROPE_KEYS)} (others change the RoPE frequencies)")
   for name, value in ((f"{source}.partial_rotary_factor", rope.get("partial_rotary_factor")),
                       ("partial_rotary_factor", hf.get("partial_rotary_factor"))):
-    if value is not None and float(value) != 1.0:
+    if value is not None and _number(value, name, where) != 1.0:
       raise ValueError(f"{where}: {name}={value}; only full rotary dims (1.0) are supported")
   known = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
   unknown = sorted(set(rope) - known)
@@ -368,10 +386,12 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     raise ValueError(f"{where}: {source} with rope type {kind!r} lacks {missing}")
   if kind == "default":
     return float(theta), None
-  scaling = RopeScaling(factor=float(rope["factor"]),
-                        low_freq_factor=float(rope["low_freq_factor"]),
-                        high_freq_factor=float(rope["high_freq_factor"]),
-                        original_max_position=int(rope["original_max_position_embeddings"]))
+  num = lambda key: _number(rope[key], f"{source}.{key}", where)  # noqa: E731
+  scaling = RopeScaling(factor=num("factor"), low_freq_factor=num("low_freq_factor"),
+                        high_freq_factor=num("high_freq_factor"),
+                        original_max_position=_count(rope["original_max_position_embeddings"],
+                                                     f"{source}.original_max_position_embeddings",
+                                                     where))
   if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
           and scaling.original_max_position > 0):
     raise ValueError(f"{where}: {source}={rope}; expected factor > 0, 0 < low_freq_factor < "
@@ -384,10 +404,21 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
   fields keep their defaults). A key that would change the arithmetic and is not understood
   (a rope type other than default / llama3, a missing rope_theta, biases, another
   activation, an unknown key) is an error, never a silent default."""
+  if not isinstance(hf, dict):
+    raise errors.expected(where, f"a JSON {_json_kind(hf)}", "a JSON object of a Llama "
+                          "model's settings (transformers' config.json)")
+
   def need(key):
     if key not in hf:
       raise ValueError(f"{where}: missing key {key!r}")
     return hf[key]
+
+  def count(key, default=None):
+    if default is None:
+      return _count(need(key), key, where)
+    v = hf.get(key)
+    return default if v is None else _count(v, key, where)
+
   if hf.get("model_type", "llama") != "llama":
     raise ValueError(f"{where}: model_type={hf['model_type']!r}, expected 'llama'")
   unknown = sorted(k for k in hf if k not in _HF_READ and not _harmless_key(k))
@@ -406,14 +437,56 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
   theta, scaling = _rope_from_hf(hf, where)
-  dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
+  dim, n_heads = count("hidden_size"), count("num_attention_heads")
+  n_kv_heads = count("num_key_value_heads", n_heads)
+  if n_heads % n_kv_heads:
+    raise errors.expected(where, f"num_attention_heads={n_heads}, num_key_value_heads="
+                          f"{n_kv_heads}", "a number of heads that is a multiple of the key / "
+                          "value heads")
+  if hf.get("head_dim") is None and dim % n_heads:
+    raise errors.expected(where, f"hidden_size={dim}, num_attention_heads={n_heads} and no "
+                          "head_dim", "hidden_size a multiple of num_attention_heads")
+  head_dim = count("head_dim", dim // n_heads)
+  if head_dim % 2:
+    raise errors.expected(where, f"head_dim={head_dim}", "an even head size (RoPE rotates "
+                          "pairs)")
+  tie = hf.get("tie_word_embeddings", False)
+  if not isinstance(tie, bool):
+    raise errors.expected(where, f"tie_word_embeddings={tie!r}", "true or false")
+  eps = _number(need("rms_norm_eps"), "rms_norm_eps", where)
+  if not eps > 0:
+    raise errors.expected(where, f"rms_norm_eps={eps!r}", "a number > 0")
   return LlamaConfig(
-      vocab_size=int(need("vocab_size")), dim=dim, n_layers=int(need("num_hidden_layers")),
-      n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-      ffn_dim=int(need("intermediate_size")), head_dim=int(hf.get("head_dim") or dim // n_heads),
-      norm_eps=float(need("rms_norm_eps")), rope_theta=theta, rope_scaling=scaling,
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)))
+      vocab_size=count("vocab_size"), dim=dim, n_layers=count("num_hidden_layers"),
+      n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=count("intermediate_size"),
+      head_dim=head_dim, norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
+      tie_embeddings=tie, max_seq_len=count("max_position_embeddings", 2048))
+
+
+def _json_kind(v) -> str:
+  return {dict: "object", list: "list", str: "string", bool: "boolean",
+          type(None): "null"}.get(type(v), "number")
+
+
+def _count(v, key: str, where: str) -> int:
+  """A config.json size: a JSON integer >= 1 (an error naming `where` and `key` otherwise)."""
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise errors.expected(where, f"{key}={v!r}", "an integer >= 1")
+  return v
+
+
+def _number(v, key: str, where: str, above: float | None = None) -> float:
+  """A config.json number (finite; > `above` when given)."""
+  f = math.nan
+  if isinstance(v, (int, float)) and not isinstance(v, bool):
+    try:
+      f = float(v)
+    except OverflowError:   # an integer beyond float64
+      f = math.inf
+  if not math.isfinite(f) or (above is not None and not f > above):
+    raise errors.expected(where, f"{key}={v!r}", "a number" + (
+        "" if above is None else f" > {above:g}"))
+  return float(v)
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
@@ -490,11 +563,41 @@ def _hf_files(d: str) -> dict[str, str] | None:
   index = os.path.join(d, _INDEX)
   if not os.path.exists(index):
     return None
-  with open(index) as fh:
-    weight_map = json.load(fh).get("weight_map")
+  index_json = read_json(index)
+  weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
   if not isinstance(weight_map, dict):
     raise ValueError(f"{index}: no 'weight_map' object")
+  bad = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
+  if bad is not None:
+    raise errors.expected(index, f"weight_map[{bad[0]!r}]={bad[1]!r}", "a safetensors file name")
   return {n: os.path.join(d, f) for n, f in weight_map.items()}
+
+
+def read_json(path: str):
+  """The JSON value in `path`; a file that is not UTF-8 JSON is an error naming it and the
+  line and column."""
+  with open(path, "rb") as fh:
+    data = fh.read()
+  try:
+    return json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise errors.expected(path, f"byte {e.start} (0x{data[e.start]:02X}) is not UTF-8",
+                          "a UTF-8 JSON file") from None
+  except json.JSONDecodeError as e:
+    raise errors.expected(f"{path}:{e.lineno}:{e.colno}", f"not JSON ({e.msg})",
+                          "a JSON file") from None
+  except RecursionError:
+    raise errors.expected(path, "JSON nested too deeply", "a JSON file") from None
+
+
+def hf_config(d: str) -> LlamaConfig:
+  """The LlamaConfig of a HF Llama directory, from its config.json alone."""
+  cfg_path = os.path.join(d, "config.json")
+  if not os.path.exists(cfg_path):
+    found = "no config.json" if os.path.isdir(d) else "no such directory"
+    raise FileNotFoundError(errno.ENOENT, f"{found}; expected a Hugging Face model directory "
+                            "(config.json and safetensors)", d)
+  return config_from_hf(read_json(cfg_path), cfg_path)
 
 
 def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights]:
@@ -505,12 +608,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
   A truncated file, or a NaN or Inf in any tensor, is an error naming the file and tensor.
   """
   cfg_path = os.path.join(d, "config.json")
-  if not os.path.exists(cfg_path):
-    raise FileNotFoundError(f"{d}: no config.json (expected a Hugging Face model directory)")
-  with open(cfg_path) as fh:
-    cfg = config_from_hf(json.load(fh), cfg_path)
-  want = _hf_names(cfg)
-
+  cfg = hf_config(d)
   files = _hf_files(d)
   if files is not None:
     source = os.path.join(d, _INDEX)
@@ -518,7 +616,8 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
     paths = ([os.path.join(d, _SINGLE)] if os.path.exists(os.path.join(d, _SINGLE))
              else sorted(glob.glob(os.path.join(d, "*.safetensors"))))
     if not paths:
-      raise FileNotFoundError(f"{d}: no {_INDEX}, {_SINGLE} or *.safetensors files")
+      raise FileNotFoundError(errno.ENOENT, f"no {_INDEX}, {_SINGLE} or *.safetensors "
+                              "files", d)
     files = {}
     for p in paths:
       with _safe_open(p) as f:
@@ -527,6 +626,14 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
             raise ValueError(f"{d}: tensor {n!r} is in both {files[n]} and {p}")
           files[n] = p
     source = d
+  # More layers than the files hold is a config.json error, found before the names of
+  # num_hidden_layers layers are listed.
+  held = {int(m.group(1)) for m in map(re.compile(r"model\.layers\.(\d+)\.").match, files)
+          if m}
+  if cfg.n_layers > len(held):
+    raise errors.expected(cfg_path, f"num_hidden_layers={cfg.n_layers}", f"the {len(held)} "
+                          f"layers whose tensors {source} holds")
+  want = _hf_names(cfg)
   # Tensors HF ignores: old checkpoints stored the RoPE inverse frequencies, and some tied
   # checkpoints still carry a copy of the embedding as lm_head.
   ignored = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|lm_head\.weight")
@@ -547,7 +654,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
   weights = {}
   for path, names in by_file.items():
     if not os.path.exists(path):
-      raise FileNotFoundError(f"{path}: listed in {source} but absent")
+      raise FileNotFoundError(errno.ENOENT, f"listed in {source} but absent", path)
     with _safe_open(path) as f:
       present = set(f.keys())
       for n in names:

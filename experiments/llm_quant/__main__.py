@@ -32,6 +32,7 @@ import os
 from absl import flags
 
 from core import cli
+from core import errors
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
@@ -67,6 +68,12 @@ def main(argv):
   from experiments.llm_quant import study
   from llm import checkpoints
   kind, _ = checkpoints.parse_spec(FLAGS.checkpoint)
+  if kind == "workdir":
+    raise errors.expected(f"--checkpoint={FLAGS.checkpoint}", "a train_lm workdir",
+                          "llama2c:PATH, hf:DIR or gguf:FILE (llm_quant compares the weight "
+                          "formats of a checkpoint file; experiments.generate "
+                          "--checkpoint=workdir:DIR --weights=int8 or int4 runs a workdir's "
+                          "model quantized)")
   modes = FLAGS.modes or [m for m in MODES if m != "gguf" or kind == "gguf"]
   text_file = FLAGS.text or study.HELDOUT
   with open(text_file, encoding="utf-8") as f:

@@ -23,6 +23,7 @@ Letters: l document length, T tokens in a micro-batch, H query heads, G KV heads
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -115,8 +116,9 @@ class CostModel:
   @classmethod
   def load(cls, path: str) -> CostModel:
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"cost model {path!r}: no such file (write one with "
-                              "CostModel.save or experiments.wlb_packing --save_cost_model)")
+      raise FileNotFoundError(errno.ENOENT, "no such cost model file (write one with "
+                              "CostModel.save or experiments.wlb_packing --save_cost_model)",
+                              path)
     with open(path) as f:
       return cls.from_dict(json.load(f))
 

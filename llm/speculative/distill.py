@@ -43,6 +43,7 @@ Letters: B batch, T tokens, D model dim, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import time
 from typing import Any, Iterator
@@ -499,7 +500,8 @@ def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
   try:
     step = ckpt.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"{workdir}/checkpoints: no draft-head checkpoint to load")
+      raise FileNotFoundError(errno.ENOENT, "no draft-head checkpoint to load",
+                              f"{workdir}/checkpoints")
     mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
     rep = NamedSharding(mesh, P())
     meta = ckpt.restore_meta(step) or {}

@@ -100,3 +100,69 @@ def test_generate_from_gguf(tmp_path):
   assert out["generated_ids"] == _greedy(*G.load_gguf(path), prompt, 6, stop=(2,))
   err = _run("experiments.generate", [f"--checkpoint=gguf:{path}", "--chat=hi"], fails=True)
   assert "has no chat template" in err
+
+
+_CASES = """
+import contextlib, importlib, io, json, sys
+from absl import flags
+from core import cli
+module = importlib.import_module(sys.argv[1])
+module.define_flags()
+out = []
+for args in json.loads(sys.argv[2]):
+  flags.FLAGS.unparse_flags()
+  err, code = io.StringIO(), 0
+  with contextlib.redirect_stderr(err):
+    try:
+      cli.run(module.main, [sys.argv[1], *args])
+    except SystemExit as e:
+      code = e.code
+  out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def run_cases(module: str, cases: list[list[str]]) -> list[tuple[int, str]]:
+  """(exit status, stderr) of `python -m module *args` for each case, run one after another
+  through core.cli.run in one process (one interpreter and jax start for all)."""
+  import os
+  import subprocess
+  import sys
+  from tests import cpu_env
+  from tests.experiments.entry import REPO
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
+  out = subprocess.run([sys.executable, "-c", _CASES, module, json.dumps(cases)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return [tuple(c) for c in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def test_generate_usage_errors_are_one_line_before_the_model_loads(tmp_path):
+  """Each bad flag ends in one `error:` line with status 2 (no flag help), found from the
+  checkpoint's config.json before the weights are read: this directory has none."""
+  d = tmp_path / "hf"
+  d.mkdir()
+  cfg = LlamaConfig(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                    rope_theta=10000.0, max_seq_len=16)
+  (d / "config.json").write_text(json.dumps(W.config_to_hf(cfg)))
+  ck = f"--checkpoint=hf:{d}"
+  bad_chat = tmp_path / "chat.json"
+  bad_chat.write_bytes(b'[{"role": "user", "content": "a"')
+  cases = {
+      "--prompt needs a tokenizer: hf:": [ck, "--prompt=hi"],
+      "--max_new_tokens=20 with a 1-token prompt makes 21 tokens, beyond the model's "
+      "max_seq_len=16": [ck, "--max_new_tokens=20"],
+      "prompt ids: [40] outside the vocabulary; expected ids in [0, 40)": [ck, "--prompt_ids=1,40"],
+      "--stop_ids: [-1] outside the vocabulary": [ck, "--prompt_ids=1", "--stop_ids=-1"],
+      "--prompt_ids=1,x: 'x' is not an integer": [ck, "--prompt_ids=1,x"],
+      f"--chat_file: {bad_chat}:1: not JSON": [ck, f"--chat_file={bad_chat}"],
+      "--chat needs a tokenizer": [ck, "--chat=hi"],
+      "/nope/tokenizer.json: no such file; expected a Hugging Face tokenizer.json":
+          [ck, "--tokenizer=/nope/tokenizer.json", "--prompt=hi"],
+      "/nope.gguf: no such GGUF file": ["--checkpoint=gguf:/nope.gguf"],
+  }
+  for (want, args), (code, err) in zip(cases.items(), run_cases("experiments.generate",
+                                                                 list(cases.values()))):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, err)
+    assert want in lines[0], (want, lines[0])

@@ -91,13 +91,27 @@ def test_entry_point_writes_results_and_plot(tmp_path):
 def test_smollm2_gguf_blocks_score_as_their_dequantization():
   """SmolLM2-135M-Instruct (Q4_1 layers, Q8_0 embedding): the file's own blocks are its
   float32 weights exactly, so perplexity agrees to float32 rounding; our int8 is close."""
-  from tests.llm.test_smollm2 import _gguf_path
+  from tests.real_models import smollm2_gguf_or_skip
   with open(study.HELDOUT, encoding="utf-8") as f:
     text = f.read()[:1200]
-  res = study.run(f"gguf:{_gguf_path()}", ["float32", "int8", "gguf"], text, "heldout",
-                  window=512, prompt_len=8, new_tokens=3, repeats=1, rounds=1)
-  v = res["variants"]
+  # The study's perplexity path (study.run adds decode timings, which nothing here checks).
+  spec = f"gguf:{smollm2_gguf_or_skip()}"
+  cfg, variants = study.load_variants(spec, ["float32", "int8", "gguf"])
+  ids, _ = study.text_ids(spec, text, cfg.vocab_size)
+  wins = study.windows(ids, 512)
+  v = {mode: {**info, **study.perplexity(model, wins)} for mode, (model, info) in variants.items()}
   assert v["gguf"]["forms"] == {"float32": 61, "int4 Q4_1 blocks": 210, "int8 Q8_0 blocks": 1}
   np.testing.assert_allclose(v["gguf"]["perplexity"], v["float32"]["perplexity"], rtol=1e-4)
   np.testing.assert_allclose(v["int8"]["perplexity"], v["float32"]["perplexity"], rtol=0.02)
   assert v["gguf"]["param_bytes"] < 0.2 * v["float32"]["param_bytes"]
+
+
+def test_a_workdir_checkpoint_says_what_works(tmp_path):
+  from tests.experiments.test_generate_chat import run_cases
+  [(code, err)] = run_cases("experiments.llm_quant.__main__",
+                            [[f"--checkpoint=workdir:{tmp_path}", f"--workdir={tmp_path}/q"]])
+  assert code == 2 and err.strip().splitlines() == [
+      f"error: --checkpoint=workdir:{tmp_path}: a train_lm workdir; expected llama2c:PATH, "
+      "hf:DIR or gguf:FILE (llm_quant compares the weight formats of a checkpoint file; "
+      "experiments.generate --checkpoint=workdir:DIR --weights=int8 or int4 runs a workdir's "
+      "model quantized)"], err
