@@ -117,6 +117,15 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
   # float32 exchange, on any mesh.
   cfg = cfg.without_a2a()
   new_data = data or cfg.data
+  if sources_lib.synthetic_options(new_data) is not None:
+    # Generated batches have no rows of their own to predict on; the model still predicts
+    # on files whose features match it (a synthetic run's are Criteo-shaped).
+    where = f"--data={data}" if data else f"--checkpoint={workdir}"
+    found = ("generated data" if data else
+             f"a run trained on generated data (--data={cfg.data})")
+    raise UserError(f"{where}: {found}, with no rows to predict on; expected --data naming "
+                    "files to predict on (criteo:DIR, avazu:DIR or criteo_bin:DIR) with the "
+                    "features the model was built for")
   over = {"data": new_data, "bad_lines": "error",
           "days": (days if days is not None else (cfg.days if new_data == cfg.data else ""))}
   if mesh:

@@ -134,20 +134,29 @@ def _num(where: str, d: dict, key: str, *, default=None, minimum=None, strict=Tr
   v = d[key]
   ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
   if integer:
-    ok = ok and float(v).is_integer()
+    ok = ok and (isinstance(v, int) or v.is_integer())
   if ok and minimum is not None:
     ok = v > minimum if strict else v >= minimum
   if not ok:
     want = "an integer" if integer else "a number"
     if minimum is not None:
       want += f" {'>' if strict else '>='} {minimum}"
-    raise expected(f"{where}.{key}", f"{v!r}", want)
-  return int(v) if integer else float(v)
+    raise expected(f"{where}.{key}", _show(v), want)
+  try:
+    return int(v) if integer else float(v)
+  except OverflowError:   # an integer beyond a float's range
+    raise expected(f"{where}.{key}", _show(v), "a number of a sensible size") from None
+
+
+def _show(value: Any, limit: int = 80) -> str:
+  """A value as an error message quotes it: repr, shortened."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _link(where: str, name: str, d: Any) -> LinkSpec:
   if not isinstance(d, dict):
-    raise expected(where, f"{d!r}", "an object with gbps and latency_us")
+    raise expected(where, _show(d), "an object with gbps and latency_us")
   agg = d.get("aggregate_gbps")
   win = d.get("window_mib")
   return LinkSpec(
@@ -166,7 +175,7 @@ def check_plan(cluster_devices: int, plan: Plan, where: str, n_layers: int | Non
   for axis in AXES + ("v", "flows", "compression"):
     v = plan.degree(axis)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      raise expected(f"{where}.{axis}", f"{v!r}", "an integer >= 1")
+      raise expected(f"{where}.{axis}", _show(v), "an integer >= 1")
   for key in ("overlap", "hierarchical"):
     if not isinstance(getattr(plan, key), bool):
       raise expected(f"{where}.{key}", f"{getattr(plan, key)!r}", "true or false")
@@ -177,8 +186,9 @@ def check_plan(cluster_devices: int, plan: Plan, where: str, n_layers: int | Non
   prod = plan.tp * plan.cp * plan.pp * plan.fsdp * plan.dp
   if prod != cluster_devices:
     raise expected(where, f"tp*cp*pp*fsdp*dp = {prod}", f"the {cluster_devices} GPUs")
-  if sorted(plan.placement) != sorted(AXES):
-    raise expected(f"{where}.placement", f"{list(plan.placement)}",
+  if sorted(map(str, plan.placement)) != sorted(AXES) or not all(
+      isinstance(a, str) for a in plan.placement):
+    raise expected(f"{where}.placement", _show(list(plan.placement)),
                    f"an order of all of {list(AXES)}")
   if n_heads is not None and n_heads % plan.tp:
     raise expected(f"{where}.tp", f"{plan.tp}", f"a divisor of the model's {n_heads} heads")
@@ -189,7 +199,7 @@ def check_plan(cluster_devices: int, plan: Plan, where: str, n_layers: int | Non
 
 def _plan(where: str, d: Any) -> Plan:
   if not isinstance(d, dict):
-    raise expected(where, f"{d!r}", "an object of Plan fields")
+    raise expected(where, _show(d), "an object of Plan fields")
   fields = {f.name for f in dataclasses.fields(Plan)}
   unknown = sorted(set(d) - fields)
   if unknown:
@@ -211,12 +221,12 @@ def parse(raw: dict, path: str) -> Cluster:
     raise expected(where, f"{type(raw).__name__}", "a JSON object")
   levels = raw.get("levels")
   if not isinstance(levels, list) or not levels:
-    raise expected(f"{where}: levels", f"{levels!r}", "a non-empty list of {size, link}")
+    raise expected(f"{where}: levels", _show(levels), "a non-empty list of {size, link}")
   sizes, links = [], []
   for i, lv in enumerate(levels):
     w = f"{where}: levels[{i}]"
     if not isinstance(lv, dict):
-      raise expected(w, f"{lv!r}", "an object with name, size and link")
+      raise expected(w, _show(lv), "an object with name, size and link")
     sizes.append(_num(w, lv, "size", minimum=0, integer=True))
     if "link" not in lv:
       raise expected(f"{w}.link", "missing", "the link joining this level's units "
@@ -224,7 +234,7 @@ def parse(raw: dict, path: str) -> Cluster:
     links.append(_link(f"{w}.link", str(lv.get("name", f"level{i}")), lv["link"]))
   gpu = raw.get("gpu")
   if not isinstance(gpu, dict):
-    raise expected(f"{where}: gpu", f"{gpu!r}", "an object with bf16_tflops, hbm_gib, hbm_tbps")
+    raise expected(f"{where}: gpu", _show(gpu), "an object with bf16_tflops, hbm_gib, hbm_tbps")
   ce = gpu.get("compute_efficiency")
   if ce is not None:
     ce = _num(f"{where}: gpu", gpu, "compute_efficiency", minimum=0)
@@ -232,11 +242,11 @@ def parse(raw: dict, path: str) -> Cluster:
       raise expected(f"{where}: gpu.compute_efficiency", f"{ce}", "a fraction in (0, 1]")
   model = raw.get("model")
   if not isinstance(model, dict):
-    raise expected(f"{where}: model", f"{model!r}", "an object with preset, seq_len, "
+    raise expected(f"{where}: model", _show(model), "an object with preset, seq_len, "
                    "global_batch_tokens")
   preset = model.get("preset")
-  if preset not in PRESETS:
-    raise expected(f"{where}: model.preset", f"{preset!r}", f"one of {sorted(PRESETS)}")
+  if not isinstance(preset, str) or preset not in PRESETS:
+    raise expected(f"{where}: model.preset", _show(preset), f"one of {sorted(PRESETS)}")
   mw = f"{where}: model"
   seq_len = _num(mw, model, "seq_len", minimum=0, integer=True)
   gbt = _num(mw, model, "global_batch_tokens", minimum=0, integer=True)
@@ -250,17 +260,17 @@ def parse(raw: dict, path: str) -> Cluster:
   check_plan(devices, baseline, f"{where}: baseline", cfg.n_layers, cfg.n_heads)
   search_raw = raw.get("search", {})
   if not isinstance(search_raw, dict):
-    raise expected(f"{where}: search", f"{search_raw!r}", "an object of lists")
+    raise expected(f"{where}: search", _show(search_raw), "an object of lists")
   search = {}
   for key, default in DEFAULT_SEARCH.items():
     vals = search_raw.get(key, default)
     if not isinstance(vals, list) or not vals:
-      raise expected(f"{where}: search.{key}", f"{vals!r}", "a non-empty list")
+      raise expected(f"{where}: search.{key}", _show(vals), "a non-empty list")
     for v in vals:
       ok = (isinstance(v, bool) if key in ("overlap", "hierarchical")
             else isinstance(v, int) and not isinstance(v, bool) and v >= 1)
       if not ok:
-        raise expected(f"{where}: search.{key}", f"{v!r}",
+        raise expected(f"{where}: search.{key}", _show(v),
                        "true / false" if key in ("overlap", "hierarchical") else "integers >= 1")
     search[key] = tuple(vals)
   unknown = sorted(set(search_raw) - set(DEFAULT_SEARCH))
@@ -289,11 +299,20 @@ DEFAULT_SEARCH = {
 def load(path: str) -> Cluster:
   """Reads and checks a cluster file."""
   try:
-    with open(path) as f:
-      raw = json.load(f)
+    with open(path, "rb") as f:
+      data = f.read()
   except FileNotFoundError:
     raise expected(f"--cluster={path}", "no such file", "a cluster JSON file") from None
-  except json.JSONDecodeError as e:
-    raise expected(f"{os.path.basename(path)}:{e.lineno}", f"invalid JSON ({e.msg})",
+  name = os.path.basename(path)
+  try:
+    raw = json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b"\n") + 1
+    raise expected(f"{name}:{line}", f"byte {data[e.start]:#04x} is not UTF-8 text",
                    "a JSON object") from None
+  except json.JSONDecodeError as e:
+    raise expected(f"{name}:{e.lineno}:{e.colno}", f"invalid JSON ({e.msg})",
+                   "a JSON object") from None
+  except RecursionError:
+    raise expected(name, "JSON nested too deeply to read", "a JSON object") from None
   return parse(raw, path)

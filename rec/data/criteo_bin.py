@@ -416,9 +416,31 @@ def convert(src: str, dst: str, *, ids: str = "hash", num_rows: int | Sequence[i
   fingerprint = settings_fingerprint(settings)
   _check_previous(dst, settings, fingerprint, overwrite)
   print(f"{flag}={src}: {layout.note}", flush=True)
+  # A truncated .gz would otherwise fail its unit after others finished: work that its
+  # fixed copy (another size and mtime, so another fingerprint) could not reuse.
+  stream.verify_gzip(list(paths), f"{flag}={src}")
   units = plan_units(layout, unit_bytes)
+  made = [d for d in [dst] + [os.path.join(dst, s) for s in layout.splits]
+          + [os.path.join(dst, "vocab"), os.path.join(dst, "vocab", "counts")]
+          if not os.path.isdir(d)]
   for split in layout.splits:
     os.makedirs(os.path.join(dst, split), exist_ok=True)
+  try:
+    return _convert(layout, units, dst, settings, fingerprint, ids, bad_lines, min_count,
+                    workers, rows)
+  except BaseException:
+    for d in reversed(made):   # directories this call made that hold nothing (yet)
+      try:
+        os.rmdir(d)
+      except OSError:
+        pass
+    raise
+
+
+def _convert(layout: stream.Layout, units: list[Unit], dst: str, settings: dict,
+             fingerprint: str, ids: str, bad_lines: str, min_count: int, workers: int | None,
+             rows: list[int]) -> dict:
+  """`convert` once its split directories exist: the units not yet done, then the manifest."""
   done = {u: m for u in units if (m := _read_marker(dst, u, fingerprint)) is not None}
   todo = [u for u in units if u not in done]
   workers = workers or max(1, min(len(units), os.cpu_count() or 1))
@@ -445,7 +467,7 @@ def convert(src: str, dst: str, *, ids: str = "hash", num_rows: int | Sequence[i
               "settings": settings, "rows_per_feature": rows, "layout": layout.kind,
               "note": layout.note,
               "columns": {k: {"dtype": d, "width": w} for k, (d, w) in COLUMNS.items()},
-              "splits": {}, "sources": sources_info,
+              "splits": {}, "sources": settings["sources"],
               "bad_lines_skipped": sum(m["bad_lines"] for m in markers)}
   for split in layout.splits:
     shards = [dict(s, split=split) for u, m in zip(units, markers) if u.split == split

@@ -175,11 +175,18 @@ def _split_data(data: str) -> tuple[str, str]:
   return kind, d
 
 
-def _check_num_rows(num_rows) -> None:
+def _check_num_rows(num_rows, minimum: int = 2) -> None:
+  """--num_rows within what the form (`minimum`: 2 for files, whose row 0 is the missing
+  value) and the embedding tables take, checked here so that the error names the flag
+  rather than a data source or table class."""
   for r in ([num_rows] if isinstance(num_rows, int) else num_rows or []):
-    if r > stream.MAX_ROWS:
+    if r < minimum:
+      why = " (row 0 holds the missing value)" if minimum > 1 else ""
+      raise UserError(f"--num_rows={r:,}: too few rows; expected at least {minimum}{why}")
+    if r > stream.MAX_TABLE_ROWS:
       raise UserError(f"--num_rows={r:,}: more rows than an int32 id can address; expected "
-                      f"at most 2^31 = {stream.MAX_ROWS:,}")
+                      f"at most 2^31 - 2 = {stream.MAX_TABLE_ROWS:,} (the ids and a table's "
+                      "padding id, num_rows, are int32)")
 
 
 def layout(data: str, days: str | Sequence[int] | None = None) -> stream.Layout:
@@ -219,7 +226,7 @@ def make_sources(data: str, batch_size: int, eval_batch_size: int | None = None,
   days: Criteo Terabyte's days ('0-2', '0,3', a list; None = every day present).
   """
   eval_batch_size = eval_batch_size or batch_size
-  _check_num_rows(num_rows)
+  _check_num_rows(num_rows, 1 if synthetic_options(data) is not None else 2)
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
   syn = synthetic_options(data)
   if syn is not None and days:
@@ -317,8 +324,12 @@ def _line_source(kind: str, lay: stream.Layout, rows) -> Callable[..., stream.Li
 
 
 def _even(train, evals, num_shards: int):
-  """Line sources of several processes: every process's eval runs the same number of
-  batches (the shards' counts differ by up to one; the short ones end with padding)."""
+  """The line sources of a run, made ready: every .gz train file read to its end now (a
+  truncated download, e.g. a Terabyte day first reached at step 31, stops the run before
+  step 0 with the file named; eval files are parsed whole by `check_splits`); with several
+  processes, every process's eval runs the same number of batches (the shards' counts
+  differ by up to one; the short ones end with padding)."""
+  stream.verify_gzip(train.files, "train files")
   if num_shards > 1:
     evals.pad_to_batches = evals.max_shard_batches()
   return train, evals
@@ -350,6 +361,9 @@ def split_source(data: str, split: str, batch_size: int, num_rows=None,
   or "predict": the unlabeled rows, Kaggle's test file), read in order, last batch padded.
   Kaggle's test rows get Kaggle's ids and headers (Criteo `Id,Predicted` from 60,000,000;
   Avazu `id,click` from the file), so the CSV is a submission; other rows are numbered."""
+  if synthetic_options(data) is not None:
+    raise UserError(f"--data={data}: generated data, with no rows to predict on; expected "
+                    "criteo:DIR, avazu:DIR or criteo_bin:DIR")
   _check_num_rows(num_rows)
   rows = DEFAULT_NUM_ROWS if num_rows is None else num_rows
   kind, d = _split_data(data)

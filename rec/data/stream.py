@@ -24,6 +24,7 @@ import errno
 import gzip
 import math
 import os
+import zlib
 from typing import BinaryIO, Iterator, Sequence
 
 from absl import logging
@@ -35,6 +36,9 @@ from rec.data.batch import DataSpec, SparseBatch
 BAD_LINE_MODES = ("error", "skip")
 # Ids are int32 row numbers in [0, rows): a table holds at most 2^31 rows.
 MAX_ROWS = 2**31
+# A table a run trains: its ids and its padding id (num_rows) stay below int32's maximum
+# (rec.embedding.storage.check_size), so --num_rows is at most 2^31 - 2.
+MAX_TABLE_ROWS = 2**31 - 2
 _BLOCK = 1 << 24
 
 
@@ -129,10 +133,92 @@ def index_lines(path: str) -> LineIndex:
 
 
 def open_binary(path: str) -> BinaryIO:
-  """Opens `path` for reading bytes, through gzip when its name ends in `.gz`."""
+  """Opens `path` for reading bytes, through gzip when its name ends in `.gz` (a damaged or
+  truncated stream then raises a UserError naming the file, where it is met)."""
   if str(path).endswith(".gz"):
-    return gzip.open(path, "rb")
+    return _GzipFile(path, "rb")
   return open(path, "rb", buffering=1 << 20)
+
+
+def gzip_error(path: str, e: BaseException) -> UserError:
+  """The one line for a .gz file whose stream cannot be read to its end."""
+  if isinstance(e, EOFError):
+    found = "the gzip stream ends before its end marker (a truncated file)"
+  else:
+    found = f"damaged gzip data ({e})"
+  return UserError(f"{path}: {found}; expected a whole .gz file (download or copy it again, "
+                   "or check it with `gzip -t`)")
+
+
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
+
+
+class _GzipFile(gzip.GzipFile):
+  """gzip.GzipFile whose read errors (EOFError, zlib.error, BadGzipFile: a truncated or
+  damaged stream, none naming the file) are a UserError naming it; a stream read to its
+  end is remembered as whole (`verify_gzip` skips it)."""
+
+  def __init__(self, path, mode="rb"):
+    st = os.stat(path)
+    self._key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    super().__init__(path, mode)
+
+  def _named(self, read, *args):
+    try:
+      out = read(*args)
+    except _GZIP_ERRORS as e:
+      raise gzip_error(self.name, e) from None
+    if not out and (not args or args[0] != 0):   # the end of the stream, CRC and length checked
+      _GZIP_VERIFIED.add(self._key)
+    return out
+
+  def read(self, size=-1):
+    return self._named(super().read, size)
+
+  def read1(self, size=-1):
+    return self._named(super().read1, size)
+
+  def readline(self, size=-1):
+    return self._named(super().readline, size)
+
+  def readlines(self, hint=-1):
+    return self._named(super().readlines, hint)
+
+  def peek(self, n):
+    return self._named(super().peek, n)
+
+
+# (path, size, mtime_ns) of .gz files read to their end without error in this process
+_GZIP_VERIFIED: set[tuple[str, int, int]] = set()
+
+
+def verify_gzip(paths: Sequence[str], what: str = "") -> None:
+  """Reads every .gz file of `paths` to the end of its stream before it is needed (threads:
+  zlib releases the GIL), so a truncated or damaged download stops a run before step 0 with
+  the file named, not when training first reaches it. Plain files are skipped; a file
+  checked before in this process (same size and mtime) is not read again."""
+  todo = []
+  for p in dict.fromkeys(os.fspath(p) for p in paths):
+    if not p.endswith(".gz"):
+      continue
+    st = os.stat(p)
+    if (os.path.abspath(p), st.st_size, st.st_mtime_ns) not in _GZIP_VERIFIED:
+      todo.append((p, st.st_size))
+  if not todo:
+    return
+  size = sum(n for _, n in todo)
+  if size > 64 << 20:
+    print(f"{what or 'data'}: reading {len(todo)} gzip file(s) ({size / 2**30:.2f} GiB) to "
+          "the end before training, to find a truncated one now", flush=True)
+
+  def read_through(p: str) -> None:
+    with open_binary(p) as f:
+      while f.read(_BLOCK):
+        pass
+
+  import concurrent.futures
+  with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 8)) as pool:
+    list(pool.map(read_through, [p for p, _ in todo]))
 
 
 def check_rows_per_feature(rows: int | Sequence[int], names: Sequence[str],

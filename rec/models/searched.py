@@ -98,34 +98,40 @@ def _where(where: str, path: str) -> str:
   return f"{where}: {path}" if where else path
 
 
+def _show(value: Any, limit: int = 80) -> str:
+  """A value as an error message quotes it: repr, shortened."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _int(value: Any, path: str, where: str, minimum: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise UserError(f"{_where(where, path)}: {value!r}; expected an integer >= {minimum}")
+    raise UserError(f"{_where(where, path)}: {_show(value)}; expected an integer >= {minimum}")
   return value
 
 
 def _sizes(value: Any, path: str, where: str) -> tuple[int, ...]:
   if not isinstance(value, (list, tuple)):
-    raise UserError(f"{_where(where, path)}: {value!r}; expected a list of layer widths")
+    raise UserError(f"{_where(where, path)}: {_show(value)}; expected a list of layer widths")
   return tuple(_int(v, f"{path}[{i}]", where) for i, v in enumerate(value))
 
 
 def _keys(d: Any, allowed: Sequence[str], path: str, where: str) -> None:
   if not isinstance(d, Mapping):
-    raise UserError(f"{_where(where, path)}: {d!r}; expected an object")
+    raise UserError(f"{_where(where, path)}: {_show(d)}; expected an object")
   bad = sorted(set(d) - set(allowed))
   if bad:
-    raise UserError(f"{_where(where, path)}: unknown key(s) {bad}; expected keys from "
+    raise UserError(f"{_where(where, path)}: unknown key(s) {_show(bad)}; expected keys from "
                     f"{sorted(allowed)}")
 
 
 def _block(d: Any, path: str, where: str, flat: bool) -> Block:
   kinds = FLAT_KEYS if flat else BLOCK_KEYS
   if not isinstance(d, Mapping) or "type" not in d:
-    raise UserError(f"{_where(where, path)}: {d!r}; expected an object with a \"type\"")
+    raise UserError(f"{_where(where, path)}: {_show(d)}; expected an object with a \"type\"")
   kind = d["type"]
-  if kind not in kinds:
-    raise UserError(f"{_where(where, path)}: unknown block {kind!r}; expected one of "
+  if not isinstance(kind, str) or kind not in kinds:
+    raise UserError(f"{_where(where, path)}: unknown block {_show(kind)}; expected one of "
                     f"{sorted(kinds)}")
   _keys(d, ("type",) + kinds[kind], path, where)
   kw: dict[str, Any] = {"type": kind}
@@ -147,7 +153,7 @@ def _block(d: Any, path: str, where: str, flat: bool) -> Block:
 
 def _bool(value: Any, path: str, where: str) -> bool:
   if not isinstance(value, bool):
-    raise UserError(f"{_where(where, path)}: {value!r}; expected true or false")
+    raise UserError(f"{_where(where, path)}: {_show(value)}; expected true or false")
   return value
 
 
@@ -301,12 +307,12 @@ class SearchedConfig:
     layers = []
     raw_layers = arch.get("layers", [])
     if not isinstance(raw_layers, list):
-      raise UserError(f"{_where(where, 'layers')}: {raw_layers!r}; expected a list of layers")
+      raise UserError(f"{_where(where, 'layers')}: {_show(raw_layers)}; expected a list of layers")
     for i, l in enumerate(raw_layers):
       _keys(l, LAYER_KEYS, f"layers[{i}]", where)
       blocks = l.get("blocks", [])
       if not isinstance(blocks, list):
-        raise UserError(f"{_where(where, f'layers[{i}].blocks')}: {blocks!r}; expected a list")
+        raise UserError(f"{_where(where, f'layers[{i}].blocks')}: {_show(blocks)}; expected a list")
       layers.append(Layer(
           blocks=tuple(_block(b, f"layers[{i}].blocks[{j}]", where, flat=False)
                        for j, b in enumerate(blocks)),
@@ -315,10 +321,10 @@ class SearchedConfig:
           norm=_bool(l.get("norm", True), f"layers[{i}].norm", where)))
     flat = arch.get("flat", [])
     if not isinstance(flat, list):
-      raise UserError(f"{_where(where, 'flat')}: {flat!r}; expected a list of blocks")
+      raise UserError(f"{_where(where, 'flat')}: {_show(flat)}; expected a list of blocks")
     head = arch.get("head", ["flatten"])
     if not isinstance(head, list) or any(h not in HEAD_PARTS for h in head):
-      raise UserError(f"{_where(where, 'head')}: {head!r}; expected a list from {list(HEAD_PARTS)}")
+      raise UserError(f"{_where(where, 'head')}: {_show(head)}; expected a list from {list(HEAD_PARTS)}")
     bottom = _sizes(arch.get("bottom_mlp", []), "bottom_mlp", where) if num_dense > 0 else ()
     try:
       return cls(num_dense=num_dense, num_sparse=num_sparse,
@@ -342,11 +348,23 @@ def load_arch(path: str) -> dict[str, Any]:
   if not os.path.isfile(path):
     raise UserError(f"--model=searched:{path}: no such file; expected an architecture JSON "
                     "file (rec/models/searched.py)")
-  with open(path) as f:
-    try:
-      arch = json.load(f)
-    except json.JSONDecodeError as e:
-      raise UserError(f"{path}:{e.lineno}: {e.msg}; expected an architecture JSON object") from None
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    arch = json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b"\n") + 1
+    raise UserError(f"{path}:{line}: byte {data[e.start]:#04x} is not UTF-8 text; expected an "
+                    "architecture JSON object") from None
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path}:{e.lineno}:{e.colno}: {e.msg}; expected an architecture JSON "
+                    "object") from None
+  except RecursionError:
+    raise UserError(f"{path}: JSON nested too deeply to read; expected an architecture JSON "
+                    "object") from None
+  if not isinstance(arch, dict):
+    raise UserError(f"{path}: a JSON {type(arch).__name__}; expected an architecture JSON "
+                    "object ({\"embedding_dim\": ..., \"top_mlp\": [...], ...})")
   return arch
 
 

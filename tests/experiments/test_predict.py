@@ -117,3 +117,21 @@ def test_train_then_predict_kaggle_test_and_refuse_other_data(tmp_path):
                                         r"expected 13 as the model of w was built for"):
       predict_lib.check_features({"features": settings["features"]}, av.source.spec,
                                  f"--data=avazu:{AVAZU} split valid", "w")
+
+
+def test_synthetic_run_names_what_to_give(monkeypatch, tmp_path):
+  """A run trained on generated data has no rows of its own: the one line says so and asks
+  for --data (files whose features fit the model); --data=synthetic is refused the same way."""
+  from core import cli
+  settings = {"model": "logreg", "preset": "kaggle", "data": "synthetic", "num_rows": 1000}
+  monkeypatch.setattr(predict_lib, "saved_settings", lambda workdir: (2, settings))
+  for data, where, found in ((None, f"--checkpoint={tmp_path}",
+                              "a run trained on generated data (--data=synthetic)"),
+                             ("synthetic_deep", "--data=synthetic_deep", "generated data")):
+    with pytest.raises(UserError) as e:
+      predict_lib.load_run(str(tmp_path), data, "test")
+    assert cli.is_user_error(e.value)
+    assert str(e.value) == (f"{where}: {found}, with no rows to predict on; expected --data "
+                            "naming files to predict on (criteo:DIR, avazu:DIR or "
+                            "criteo_bin:DIR) with the features the model was built for")
+    assert "expected 'synthetic'" not in str(e.value)

@@ -72,3 +72,30 @@ def test_kill_resume_and_flag_errors(tmp_path):
   out = subprocess.run(_cmd(f"--src={tmp_path / 'none'}", f"--dst={dst}"), cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and out.stderr.startswith(f"error: --src={tmp_path / 'none'}: ")
+
+
+def test_truncated_gz_is_one_line_and_leaves_no_directories(tmp_path):
+  import gzip
+  src = tmp_path / "src"
+  src.mkdir()
+  for d in range(3):
+    data = gzip.compress("".join(line(i) for i in range(d * 500, (d + 1) * 500)).encode())
+    (src / f"day_{d}.gz").write_bytes(data[:len(data) // 2] if d == 0 else data)
+  dst = tmp_path / "bin"
+  out = subprocess.run(_cmd(f"--src={src}", f"--dst={dst}", "--workers=2"), cwd=REPO,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      f"error: {src / 'day_0.gz'}: the gzip stream ends before its end marker"), out.stderr
+  assert not dst.exists(), sorted(str(p) for p in dst.rglob("*"))
+  # a bad line stops the conversion: no directory it made is left empty
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "train.txt").write_text("".join(line(i) for i in range(100)).replace("\t", " "))
+  out = subprocess.run(_cmd(f"--src={bad}", f"--dst={dst}", "--workers=2"), cwd=REPO,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad / 'train.txt'}:1: ")
+  assert not [d for d in dst.rglob("*") if d.is_dir() and not any(d.iterdir())]
+  assert not dst.exists() or any(dst.iterdir())

@@ -602,3 +602,64 @@ def test_make_sources_avazu_and_bad_values(tmp_path):
     sources.make_sources(f"avazu:{tmp_path}/nothing", 2)
   with pytest.raises(ValueError, match="neither train.txt"):
     sources.make_sources(f"criteo:{tmp_path}", 2)
+
+
+# --- damaged .gz files and --num_rows bounds: one line naming the file or the flag ----------
+
+def _truncated_gz(path, lines: list[str]) -> None:
+  """A gzip file of `lines` cut in half, as an interrupted download leaves it."""
+  data = gzip.compress("".join(lines).encode())
+  with open(path, "wb") as f:
+    f.write(data[:len(data) // 2])
+
+
+def _assert_names(e, path) -> None:
+  from core import cli
+  assert cli.is_user_error(e.value), repr(e.value)
+  msg = str(e.value)
+  assert msg.startswith(f"{path}: the gzip stream ends before its end marker") and "\n" not in msg
+
+
+def test_truncated_gz_names_the_file(tmp_path):
+  from core.errors import UserError
+  # Criteo text .gz: met when the reader reaches it
+  day = tmp_path / "one" / "day_0.gz"
+  day.parent.mkdir()
+  _truncated_gz(day, numbered_criteo(3000))
+  with pytest.raises(UserError) as e:
+    list(criteo.CriteoSource(str(day), 4, 1000, repeat=False).batches())
+  _assert_names(e, day)
+  # Avazu's train.gz: its days are scanned when the layout is made
+  avz = tmp_path / "avazu"
+  avz.mkdir()
+  _truncated_gz(avz / "train.gz", [AVAZU_HEADER] + [az(hour=f"141021{h:02d}", row_id=str(i))
+                                                    for i, h in enumerate(range(24))] * 40)
+  with pytest.raises(UserError) as e:
+    sources.make_sources(f"avazu:{avz}", 4)
+  _assert_names(e, avz / "train.gz")
+  # a Terabyte train day training would reach only late: found before any batch is drawn
+  tera = tmp_path / "tera"
+  tera.mkdir()
+  for d in range(3):
+    write(tera, f"day_{d}.gz", numbered_criteo(2000))
+  _truncated_gz(tera / "day_1.gz", numbered_criteo(2000))
+  with pytest.raises(UserError) as e:
+    sources.make_sources(f"criteo:{tera}", 4)
+  _assert_names(e, tera / "day_1.gz")
+  write(tera, "day_1.gz", numbered_criteo(2000))   # whole again: accepted
+  assert sources.make_sources(f"criteo:{tera}", 4)[0].num_examples == 4000
+
+
+def test_num_rows_bounds_name_the_flag(tmp_path):
+  from core.errors import UserError
+  for name in ("train.txt", "valid.txt"):
+    write(tmp_path, name, numbered_criteo(9))
+  top = 2**31 - 2   # ids and the padding id num_rows below int32's maximum
+  for data in (f"criteo:{tmp_path}", "synthetic"):
+    sources.make_sources(data, 4, num_rows=top)
+    for n in (top + 1, 2**31, 2**31 + 1):
+      with pytest.raises(UserError, match=rf"^--num_rows={n:,}: more rows than an int32 id can "
+                                          rf"address; expected at most 2\^31 - 2 = {top:,} "):
+        sources.make_sources(data, 4, num_rows=n)
+  with pytest.raises(UserError, match=r"^--num_rows=1: too few rows; expected at least 2"):
+    sources.make_sources(f"criteo:{tmp_path}", 4, num_rows=1)

@@ -181,3 +181,21 @@ def test_bad_files(tmp_path, text, needle):
   with pytest.raises(UserError) as e:
     configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
   assert needle in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("data, needle", [
+    (b'{"embedding_dim": 8,\n "top_mlp": [1],,}', ":2:17: Expecting property name enclosed in "
+                                                  "double quotes; expected an architecture JSON"),
+    (b"embedding_dim: 8\n", ":1:1: Expecting value; expected an architecture JSON object"),
+    (b'{"embedding_dim": 8,\n\n "top_mlp": [1\xff]}', ":3: byte 0xff is not UTF-8 text; expected"),
+    (b"[1, 2]", ": a JSON list; expected an architecture JSON object"),
+    (b"[" * 100_000, ": JSON nested too deeply to read; expected an architecture JSON object"),
+])
+def test_file_that_is_not_an_architecture_json_is_one_line(tmp_path, data, needle):
+  from core import cli
+  path = tmp_path / "arch.json"
+  path.write_bytes(data)
+  with pytest.raises(UserError) as e:
+    configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
+  assert cli.is_user_error(e.value) and "\n" not in str(e.value)
+  assert str(e.value).startswith(f"{path}{needle}"), str(e.value)
