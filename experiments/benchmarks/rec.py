@@ -66,7 +66,8 @@ def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset
                    mesh: str, steps: int, source_batches: int, gen_dir: str,
                    gen_rows: int, repeats: int = 3, data_workers: int = 0,
                    profile_dir: str | None = None) -> dict[str, Any]:
-  """{source, step, end_to_end} examples/s and end_to_end / step for one --data source;
+  """{source, step, end_to_end} examples/s, end_to_end / step and "source" (the batch
+  source's class) for one --data source;
   "criteo_bin:gen" writes `gen_rows` random rows in the criteo_bin layout under `gen_dir`
   once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain;
   `data_workers` > 0 draws the batches in that many Grain worker processes (train_rec's
@@ -78,8 +79,10 @@ def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset
                              batch_size=batch_size, eval_batch_size=batch_size, eval_batches=1,
                              learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
   task, train_src, _, _, _ = configs.build_run(cfg, data_workers=data_workers)
-  return throughput.measure(task, train_src, steps=steps, repeats=repeats,
-                            source_batches=source_batches, profile_dir=profile_dir)
+  out = throughput.measure(task, train_src, steps=steps, repeats=repeats,
+                           source_batches=source_batches, profile_dir=profile_dir)
+  out["source"] = type(train_src).__name__    # what drew the batches (DeviceSynthetic, ...)
+  return out
 
 
 def recd_capacity(batch_shard: int, dup_rate: float, sigmas: float = 6.0) -> int:

@@ -45,13 +45,27 @@ rec_pipeline (the loop, per source), mlperf and fp8 (core.profiling): how busy t
 was over the traced steps, kernels per step, and the kernels that took the time, in each
 part's log and report.md tables; the traces stay under DIR/logs/profile_* (in logs.tgz).
 
---dry_run runs every part at toy sizes on CPU: Pallas kernels in interpret mode (the Mosaic
-GPU kernel in Pallas's GPU interpreter), cuDNN replaced by XLA, pytest on one file. Its
-figures mean nothing; it keeps the report from rotting between GPU sessions (the default
-test suite runs it; 2-4 minutes on the 2-core CPU, nearly all of it compilation). Without
---dry_run the report refuses to run off a GPU.
+--dry_run runs the parts on CPU at toy sizes (`parts.Sizes.dry_run`), each code path of
+the GPU run once: Pallas kernels interpreted (the Mosaic GPU kernels in Pallas's GPU
+interpreter, Triton in its own), the attention part's cuDNN rows on XLA's attention, the
+lm_train part's cudnn case on llm.attention.cudnn's jnp emulation of the kernel (the same
+mask mapping, lse and backward; cuDNN itself needs a GPU), "synthetic" as gen=device (the
+device-side generator, what it is on a GPU), pytest on one file. Its figures mean
+nothing; it fails (exit 1) on any row with an error, and keeps the report from rotting
+between GPU sessions. The default test suite runs, in about 50 s of CPU:
+  python -m experiments.gpu_report --dry_run \
+      --parts=attention,lm_train,decode,embedding_bag,rec_pipeline \
+      --lm_impls=cudnn,pallas_mgpu --bag_formats=float32,int4 \
+      --pipeline_data=synthetic:gen=device
+(Mosaic GPU fused and split backward, Triton and cuDNN at head dim 128; the cudnn and
+pallas_mgpu train steps; decode; float32 and int4 bags; the DLRM loop on the device-side
+generator). The whole dry run (every part, --profile: the auto / xla train cases, the
+bfloat16 / int8 / int8_cache bags, criteo_bin in a Grain worker, mlperf, fp8, the pytest
+parts) is `pytest -m slow tests/experiments/test_gpu_report.py`, about 4 minutes of CPU:
+run it before a GPU round. Without --dry_run the report refuses to run off a GPU.
 
-The last stdout line is a JSON summary (the report's path, targets by status, parts).
+The last stdout line is a JSON summary (the report's path, targets by status, parts, and
+"errors": how many rows hold an error, each listed on stderr).
 """
 
 from __future__ import annotations
@@ -65,9 +79,10 @@ os.environ.setdefault("PJRT_NPROC", "16")
 
 import sys  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from core import cli  # noqa: E402
+from core import errors  # noqa: E402
 from core import results as results_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -93,10 +108,23 @@ def define_flags() -> None:
                     "fp8 (jax.profiler): device busy / span, kernels per step and the top "
                     "kernels in each part's details and log; traces under "
                     "DIR/logs/profile_*.")
+  flags.DEFINE_list("lm_impls", list(parts.Sizes.gpu().lm_impls),
+                    "attention_impl cases of the lm_train part, in order (an impl that the "
+                    "first, auto, resolves to reuses its program; the dry run's default: "
+                    + ",".join(parts.Sizes.dry_run().lm_impls) + ").")
   flags.DEFINE_list("lm_remats", ["none", "attention"],
                     "Remat policies of the lm_train part (none, full, dots, attention): every "
                     "attention_impl at the first, then at the next as the budget allows; each "
                     "impl's fastest counts.")
+  flags.DEFINE_list("bag_formats", list(parts.Sizes.gpu().eb_formats),
+                    "Row formats of the embedding_bag part (some of float32, bfloat16, int8, "
+                    "int8_split, int4, int8_cache, int4_cache; the dry run's default: the "
+                    "same).")
+  flags.DEFINE_list("pipeline_data", list(parts.Sizes.gpu().rp_data),
+                    "--data sources of the rec_pipeline part: synthetic forms (on a GPU "
+                    "'synthetic' is drawn on the device, gen=device) and criteo_bin:gen (rows "
+                    "generated in the criteo_bin layout, read through Grain); the dry run's "
+                    "default: " + ",".join(parts.Sizes.dry_run().rp_data) + ".")
   flags.DEFINE_list("fp8_layers", list(parts.FP8_PROBE_SAFE),
                     "FP8 layers of the fp8 part (default: the FP8 probe's safe set for DCN-v2; "
                     "names the MLPerf preset lacks are dropped).")
@@ -106,7 +134,7 @@ def define_flags() -> None:
 
 
 def parse_budgets(items: list[str], known) -> dict[str, float]:
-  """["attention:90", ...] -> {"attention": 90.0}; a bad entry is a UsageError naming it."""
+  """["attention:90", ...] -> {"attention": 90.0}; a bad entry is a UserError naming it."""
   out = {}
   for item in items:
     name, sep, value = item.partition(":")
@@ -115,8 +143,8 @@ def parse_budgets(items: list[str], known) -> dict[str, float]:
     except ValueError:
       seconds = None
     if name not in known or seconds is None or seconds <= 0:
-      raise app.UsageError(f"--part_budgets: {item!r}, expected PART:SECONDS with PART one of "
-                           f"{list(known)} and SECONDS > 0")
+      raise errors.expected("--part_budgets", repr(item), f"PART:SECONDS with PART one of "
+                            f"{', '.join(known)} and SECONDS > 0")
     out[name] = seconds
   return out
 
@@ -131,16 +159,30 @@ def main(argv):
   from experiments.gpu_report import report as report_lib
 
   unknown = [p for p in FLAGS.parts if p not in parts.PARTS]
-  if unknown:
-    raise app.UsageError(f"--parts: {unknown} unknown, expected some of {list(parts.PARTS)}")
+  if unknown or not FLAGS.parts:
+    raise errors.expected("--parts", f"{','.join(FLAGS.parts)!r}",
+                          f"some of {', '.join(parts.PARTS)}")
   bad_remat = [r for r in FLAGS.lm_remats if r not in ("none", "full", "dots", "attention")]
   if bad_remat or not FLAGS.lm_remats:
-    raise app.UsageError(f"--lm_remats: {FLAGS.lm_remats}, expected some of none, full, "
-                         "dots, attention")
+    raise errors.expected("--lm_remats", f"{','.join(FLAGS.lm_remats)!r}",
+                          "some of none, full, dots, attention")
+  bad_impl = [i for i in FLAGS.lm_impls if i not in parts.LM_IMPLS]
+  if bad_impl or not FLAGS.lm_impls:
+    raise errors.expected("--lm_impls", f"{','.join(FLAGS.lm_impls)!r}",
+                          f"some of {', '.join(parts.LM_IMPLS)}")
+  bad_format = [f for f in FLAGS.bag_formats if f not in parts.eb_bench.FORMATS]
+  if bad_format or not FLAGS.bag_formats:
+    raise errors.expected("--bag_formats", f"{','.join(FLAGS.bag_formats)!r}",
+                          f"some of {', '.join(parts.eb_bench.FORMATS)}")
+  bad_data = [d for d in FLAGS.pipeline_data if not parts.is_pipeline_data(d)]
+  if bad_data or not FLAGS.pipeline_data:
+    raise errors.expected("--pipeline_data", f"{','.join(bad_data) or 'nothing'!r}",
+                          "synthetic forms (synthetic, synthetic_deep, with options such as "
+                          "gen=device), criteo_bin:gen or criteo_bin:DIR")
   if FLAGS.budget_s <= 0:
-    raise app.UsageError(f"--budget_s={FLAGS.budget_s}, expected > 0")
+    raise errors.expected("--budget_s", str(FLAGS.budget_s), "> 0")
   if FLAGS.mlperf_rows is not None and FLAGS.mlperf_rows < 0:
-    raise app.UsageError(f"--mlperf_rows={FLAGS.mlperf_rows}, expected >= 0")
+    raise errors.expected("--mlperf_rows", str(FLAGS.mlperf_rows), ">= 0")
   budgets = parse_budgets(FLAGS.part_budgets, parts.PARTS)
   budget_s = FLAGS.budget_s
   if FLAGS.dry_run and not FLAGS["budget_s"].present:
@@ -160,19 +202,22 @@ def main(argv):
   if cache:
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-  over = dict(lm_remats=tuple(FLAGS.lm_remats), fp8_layers=tuple(FLAGS.fp8_layers),
-              fp8_recipe=FLAGS.fp8_recipe)
-  for name in ("lm_remats", "fp8_layers"):     # the dry run keeps its own unless asked
-    if FLAGS.dry_run and not FLAGS[name].present:
-      over.pop(name)
+  over = dict(lm_impls=tuple(FLAGS.lm_impls), lm_remats=tuple(FLAGS.lm_remats),
+              eb_formats=tuple(FLAGS.bag_formats), rp_data=tuple(FLAGS.pipeline_data),
+              fp8_layers=tuple(FLAGS.fp8_layers), fp8_recipe=FLAGS.fp8_recipe)
+  for flag, field in (("lm_impls", "lm_impls"), ("lm_remats", "lm_remats"),
+                      ("bag_formats", "eb_formats"), ("pipeline_data", "rp_data"),
+                      ("fp8_layers", "fp8_layers")):
+    if FLAGS.dry_run and not FLAGS[flag].present:   # the dry run keeps its own unless asked
+      over.pop(field)
   if FLAGS.mlperf_rows is not None:
     over["ml_rows"] = FLAGS.mlperf_rows
   sizes = (parts.Sizes.dry_run if FLAGS.dry_run else parts.Sizes.gpu)(**over)
   out_dir = FLAGS.out or report_lib.default_out_dir()
   settings = {k: FLAGS[k].value for k in ("parts", "dry_run", "budget_s", "part_budgets",
-                                          "profile",
-                                          "compilation_cache_dir", "lm_remats", "fp8_layers",
-                                          "fp8_recipe", "mlperf_rows")}
+                                          "profile", "compilation_cache_dir", "lm_impls",
+                                          "lm_remats", "bag_formats", "pipeline_data",
+                                          "fp8_layers", "fp8_recipe", "mlperf_rows")}
   report = parts.run_report(sizes, FLAGS.parts, out_dir, dry_run=FLAGS.dry_run,
                             budget_s=budget_s, budgets=budgets, settings=settings,
                             profile=FLAGS.profile)
@@ -181,9 +226,16 @@ def main(argv):
   by_status: dict[str, int] = {}
   for t in report["targets"]:
     by_status[t["status"]] = by_status.get(t["status"], 0) + 1
+  bad_rows = report_lib.row_errors(report)
+  if bad_rows:
+    print(f"\n{len(bad_rows)} row(s) with an error:\n  " + "\n  ".join(bad_rows),
+          file=sys.stderr)
   results_lib.print_summary({"report": os.path.join(out_dir, "report.md"), "dry_run": FLAGS.dry_run,
                              "wall_s": report["wall_s"], "targets": by_status,
-                             "parts": {k: v["status"] for k, v in report["parts"].items()}})
+                             "parts": {k: v["status"] for k, v in report["parts"].items()},
+                             "errors": len(bad_rows)})
+  if FLAGS.dry_run and bad_rows:
+    sys.exit(1)     # the dry run checks that every case runs: any error fails it
 
 
 if __name__ == "__main__":

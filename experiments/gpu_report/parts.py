@@ -6,13 +6,15 @@ flash attention against cuDNN on the same shapes, MFU against the device kind's 
 peak, decode against the copy bandwidth measured here, the embedding bag against that
 copy and XLA's gather, the train loop against its own jitted step, FP8 against bf16.
 `Sizes.gpu()` holds the issue's sizes for one H100 / H200, `Sizes.dry_run()` toy sizes
-that exercise the same code on CPU (Pallas interpret mode, cuDNN replaced by XLA).
+that take the same code paths on CPU (Pallas interpret mode; cuDNN replaced by XLA's
+attention, and in the train step by llm.attention.cudnn's jnp emulation of the kernel).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
 import shutil
 import tempfile
@@ -40,6 +42,32 @@ MLPERF_REFERENCE = 1.7e6    # NVIDIA, MLPerf Training v4.0 DLRM-DCNv2: 13.8M ex/
 # scaling, log loss within 1e-3 relative; BENCHMARKS.md "FP8 dense layers"). Layers the
 # MLPerf preset lacks are dropped (and logged).
 FP8_PROBE_SAFE = ("bottom_mlp.0", "cross.0", "cross.1", "deep_mlp.0", "top_mlp.0")
+# The dry run's attention_impl for the lm_train part's "cudnn" case (see _lm_attention).
+CUDNN_STAND_IN = "cudnn_emulated"
+# The default test suite's dry run (tests/experiments/test_gpu_report.py), about 50 s of
+# CPU: the code paths the CPU dry run would otherwise leave unchecked between GPU rounds
+# (the cuDNN and Mosaic GPU train steps, the fused and the split backward, Triton, float32
+# and int4 bags, the device-side synthetic generator) and the decode part. The rest
+# (auto / xla train cases, the other row formats, criteo_bin in a Grain worker, mlperf,
+# fp8, the pytest parts, --profile) is the whole dry run, a slow-marked test.
+SUITE_DRY_RUN = ("--parts=attention,lm_train,decode,embedding_bag,rec_pipeline",
+                 "--lm_impls=cudnn,pallas_mgpu", "--bag_formats=float32,int4",
+                 "--pipeline_data=synthetic:gen=device")
+# attention_impl values the lm_train part takes (--lm_impls).
+LM_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_mgpu", "pallas_triton")
+
+
+def is_pipeline_data(data: str) -> bool:
+  """Whether `data` is a --data source the rec_pipeline part takes: a synthetic form
+  (its options checked), criteo_bin:gen or criteo_bin:DIR."""
+  from rec.data import sources
+  try:
+    if sources.synthetic_options(data) is not None:
+      return True
+  except ValueError:
+    return False
+  kind, sep, rest = data.partition(":")
+  return kind == "criteo_bin" and bool(sep and rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +116,7 @@ class Sizes:
   eb_warmup: int
   # DLRM loop vs step
   rp_data: tuple[str, ...]
+  rp_preset: str                     # DLRM preset (rec.configs.MODEL_PRESETS["dlrm"])
   rp_workers: tuple[int, ...]        # Grain worker processes per criteo_bin case (0: none)
   rp_batch: int
   rp_rows: int
@@ -124,7 +153,9 @@ class Sizes:
         eb_rows=1_000_000, eb_dim=128, eb_batch=8192, eb_features=26, eb_bag_len=20,
         eb_formats=("float32", "bfloat16", "int8", "int4", "int8_cache"),
         eb_min_buffer_bytes=int(4.5 * 2**30), eb_repeats=10, eb_warmup=2,
-        rp_data=("synthetic", "criteo_bin:gen"), rp_workers=(0, 8), rp_batch=16384,
+        # "synthetic" on a GPU is drawn on the device (rec.data.device_synthetic).
+        rp_data=("synthetic", "criteo_bin:gen"), rp_preset="kaggle", rp_workers=(0, 8),
+        rp_batch=16384,
         rp_rows=1_000_000, rp_steps=60, rp_source_batches=30, rp_gen_rows=2_000_000, rp_repeats=3,
         ml_batch=8192, ml_rows=4_000_000, ml_steps=20, ml_repeats=3, ml_warmup=3,
         fp8_layers=FP8_PROBE_SAFE, fp8_recipe="tensor",
@@ -136,23 +167,37 @@ class Sizes:
 
   @classmethod
   def dry_run(cls, **overrides) -> Sizes:
-    """Toy sizes that run every part's code on CPU in seconds (numbers meaningless)."""
-    # One case per code path where a part has several of the same kind (compiles dominate
-    # here): Mosaic GPU at head dim 64 (split backward), "auto" resolving to "xla" (the
-    # reuse path), decode at batch 1, generated criteo_bin rows, FP8 on one layer (plus one
-    # name the MLPerf preset lacks, dropped: emulated FP8 compiles slowly on CPU).
+    """Toy sizes that take every code path of the GPU report on CPU (numbers meaningless).
+
+    Each path once, at the smallest shape it runs: flash attention at head dim 128 with the
+    Mosaic GPU kernel's fused and split backward (interpreted), Triton (interpreted) and
+    the cuDNN row (XLA's attention standing in); the train step with attention_impl auto
+    (XLA on CPU), xla (which reuses auto's program, as cudnn does on a GPU), cudnn (its
+    jnp emulation, `llm.attention.cudnn` implementation="xla": the same mask mapping, lse
+    and backward, no kernel) and pallas_mgpu (interpreted; head dim 64, GQA); decode at
+    batch 1; every embedding-bag row format of the GPU run (Pallas interpreted, XLA's
+    gather); the DLRM loop on synthetic rows drawn by the device-side generator
+    (`gen=device`, what "synthetic" resolves to on a GPU) and on generated criteo_bin rows
+    in one Grain worker; the MLPerf step with FP8 on one layer (plus one name the preset
+    lacks, dropped); pytest on one file.
+    """
     kw = dict(
         copy_bytes=1 << 20,
-        fa_head_dims=(64,), fa_seq_lens=(128,), fa_tokens=128, fa_heads=1, fa_causal=(True,),
-        fa_mgpu_configs=("64x128x2",), fa_block=64, fa_steps=1, fa_repeats=1, fa_warmup=0,
-        lm_preset="tiny", lm_seq=32, lm_batch=1, lm_impls=("auto", "xla"), lm_remats=("none",),
-        lm_steps=1, lm_repeats=1, lm_warmup=0, lm_min_case_s=0.0,
-        dec_preset="tiny", dec_batches=(1,), dec_prompt=8, dec_new_tokens=3, dec_repeats=1,
+        fa_head_dims=(128,), fa_seq_lens=(128,), fa_tokens=128, fa_heads=1, fa_causal=(True,),
+        fa_mgpu_configs=("64x128x2:fused", "64x128x2:split"), fa_block=64, fa_steps=1,
+        fa_repeats=1, fa_warmup=0,
+        lm_preset="tiny", lm_overrides=(("n_layers", 1), ("n_heads", 2), ("n_kv_heads", 1),
+                                        ("head_dim", 64)),
+        lm_seq=32, lm_batch=1, lm_impls=("auto", "xla", "cudnn", "pallas_mgpu"),
+        lm_remats=("none",), lm_steps=1, lm_repeats=1, lm_warmup=0, lm_min_case_s=0.0,
+        dec_preset="tiny", dec_overrides=(("n_layers", 1),), dec_batches=(1,), dec_prompt=8,
+        dec_new_tokens=3, dec_repeats=1,
         eb_rows=64, eb_dim=16, eb_batch=4, eb_features=2, eb_bag_len=3,
-        eb_formats=("bfloat16", "int8", "int8_cache"), eb_min_buffer_bytes=0,
-        eb_repeats=1, eb_warmup=0,
-        rp_data=("criteo_bin:gen",), rp_workers=(1,), rp_batch=64, rp_rows=1000, rp_steps=2,
-        rp_source_batches=2, rp_gen_rows=1024, rp_repeats=1,
+        eb_formats=("float32", "bfloat16", "int8", "int4", "int8_cache"),
+        eb_min_buffer_bytes=0, eb_repeats=1, eb_warmup=0,
+        rp_data=("synthetic:gen=device", "criteo_bin:gen"), rp_preset="small", rp_workers=(1,),
+        rp_batch=64, rp_rows=1000, rp_steps=2, rp_source_batches=2, rp_gen_rows=1024,
+        rp_repeats=1,
         ml_batch=64, ml_rows=1000, ml_steps=1, ml_repeats=1, ml_warmup=1,
         fp8_layers=("deep_mlp.0", "top_mlp.0"),
         pt_platform="cpu",
@@ -257,7 +302,8 @@ def part_lm_train(ctx: Context) -> dict:
     try:
       from llm.config import get_config
       base = get_config(s.lm_preset, **dict(s.lm_overrides))
-      cfg = base.replace(dtype="bfloat16", attention_impl=impl, remat=remat != "none",
+      cfg = base.replace(dtype="bfloat16", attention_impl=_lm_attention(impl, ctx.dry_run),
+                         remat=remat != "none",
                          remat_policy="full" if remat == "none" else remat,
                          max_seq_len=max(s.lm_seq, base.max_seq_len))
       res = lm_train.run_benchmark(cfg, seq_len=s.lm_seq, batch=s.lm_batch, mesh_spec="-1",
@@ -292,8 +338,8 @@ def part_lm_train(ctx: Context) -> dict:
     best[impl] = min(timed, key=lambda r: timed[r]["step_ms"]) if timed else s.lm_remats[0]
     res = results[(impl, best[impl])]
     name = (f"Llama {s.lm_preset} train MFU, seq {s.lm_seq}, batch {s.lm_batch}, attention "
-            f"{impl}" + (f" (-> {res['attention_resolved']})" if impl == "auto" and
-                         "attention_resolved" in res else "")
+            f"{impl}" + (f" (-> {res['attention_resolved']})"
+                         if res.get("attention_resolved", impl) != impl else "")
             + f", remat {best[impl]} (fastest of {', '.join(timed) or '-'})")
     if "step_ms" in res:
       detail = (f"{res['step_ms']:.1f} ms/step, {res['model_tflops_per_s']:.0f} TFLOP/s"
@@ -317,6 +363,18 @@ def part_lm_train(ctx: Context) -> dict:
           "details": {"best_remat": best,
                       "tables": {"train step": table, **_profile_tables(profiles)},
                       "results": {f"{i}/{r}": v for (i, r), v in results.items()}}}
+
+
+def _lm_attention(impl: str, dry_run: bool) -> str:
+  """The attention_impl a train case runs: `impl`, except "cudnn" in the dry run, which
+  runs `llm.attention.cudnn` on its jnp emulation of the kernel (registered as
+  CUDNN_STAND_IN: the same mask mapping, lse and backward; cuDNN itself needs a GPU)."""
+  if not (dry_run and impl == "cudnn"):
+    return impl
+  from llm import attention as attn_lib
+  from llm.attention.cudnn import cudnn_attention
+  attn_lib.register(CUDNN_STAND_IN, functools.partial(cudnn_attention, implementation="xla"))
+  return CUDNN_STAND_IN
 
 
 # ------------------------------------------------------------------------ decode
@@ -442,7 +500,7 @@ def part_rec_pipeline(ctx: Context) -> dict:
                               skipped=skip))
         continue
       try:
-        r = rec_bench.pipeline_rates(data, s.rp_batch, s.rp_rows, "dlrm", "kaggle", "-1",
+        r = rec_bench.pipeline_rates(data, s.rp_batch, s.rp_rows, "dlrm", s.rp_preset, "-1",
                                      s.rp_steps, s.rp_source_batches, gen_dir, s.rp_gen_rows,
                                      repeats=s.rp_repeats, data_workers=workers,
                                      profile_dir=ctx.profile_dir(
@@ -684,4 +742,5 @@ def run_report(sizes: Sizes, parts: Sequence[str], out_dir: str, *, dry_run: boo
   return report
 
 
-__all__ = ["DEFAULT_BUDGETS", "PARTS", "Sizes", "run_report"]
+__all__ = ["CUDNN_STAND_IN", "DEFAULT_BUDGETS", "LM_IMPLS", "PARTS", "SUITE_DRY_RUN", "Sizes",
+           "is_pipeline_data", "run_report"]

@@ -164,9 +164,10 @@ def _release() -> None:
 
 def run_part(part: Part, ctx: Context, budget_s: float) -> dict[str, Any]:
   """Runs one part under its budget; returns its record (status, error, targets, details,
-  wall / compile / run seconds). Never raises for the part's own failure."""
+  wall / compile / run seconds, and this process's CPU seconds). Never raises for the
+  part's own failure."""
   ctx.deadline = time.monotonic() + budget_s
-  t0 = time.monotonic()
+  t0, cpu0 = time.monotonic(), time.process_time()
   record: dict[str, Any] = {"budget_s": round(budget_s, 1)}
   ctx.log(f"== {part.name}: {part.what} (budget {budget_s:.0f} s)")
   with _CompileClock() as clock:
@@ -184,16 +185,48 @@ def run_part(part: Part, ctx: Context, budget_s: float) -> dict[str, Any]:
       _release()
   wall = time.monotonic() - t0
   record.update(wall_s=round(wall, 2), compile_s=round(clock.seconds, 2),
-                run_s=round(max(wall - clock.seconds, 0.0), 2))
+                run_s=round(max(wall - clock.seconds, 0.0), 2),
+                cpu_s=round(time.process_time() - cpu0, 2))
   if record["status"] != "ok":
     record["targets"] = [Target(part.name, f"{part.name} (whole part)", "-", None, "",
                                 record["status"], record["error"])]
   ctx.log(f"{part.name}: {record['status']} in {wall:.1f} s (compile {clock.seconds:.1f} s, "
-          f"run {record['run_s']:.1f} s)")
+          f"run {record['run_s']:.1f} s; this process's CPU {record['cpu_s']:.1f} s)")
   for t in record["targets"]:
     ctx.log(f"  {t.status:<10} {t.name}: {t.text or '-'} (target {t.target})"
             + (f" {t.detail}" if t.status in ("failed", "oom", "skipped") else ""))
   return record
+
+
+def row_errors(report: dict[str, Any]) -> list[str]:
+  """Every error the report holds, one line each ("part: where: error"): parts that failed
+  or ran out of memory, target rows that did, and any row of a part's details
+  with an "error" (a Triton row, an XLA gather, one train case: rows no target is judged
+  on). Empty when every case ran; the dry run fails on any."""
+  out: list[str] = []
+
+  def walk(part: str, where: str, x) -> None:
+    if isinstance(x, dict):
+      if isinstance(x.get("error"), str):
+        label = ", ".join(f"{k}={x[k]}" for k in ("impl", "dtype", "seq_len", "head_dim")
+                          if k in x)
+        out.append(f"{part}: {where}{' ' + label if label else ''}: {x['error']}")
+      for k, v in x.items():
+        if k != "error":
+          walk(part, f"{where}/{k}" if where else str(k), v)
+    elif isinstance(x, (list, tuple)):
+      for i, v in enumerate(x):
+        walk(part, f"{where}[{i}]", v)
+
+  for name, p in report["parts"].items():
+    if p.get("status") in ("failed", "oom"):
+      out.append(f"{name}: the part {p['status']}: {p['error']}")
+    walk(name, "details", p.get("details", {}))
+  for t in report["targets"]:
+    t = t if isinstance(t, dict) else dataclasses.asdict(t)
+    if t["status"] in ("failed", "oom") and not any(t["detail"] in e for e in out):
+      out.append(f"{t['part']}: {t['name']}: {t['status']}: {t['detail']}")
+  return list(dict.fromkeys(out))
 
 
 # ------------------------------------------------------------------------ pytest
@@ -335,5 +368,5 @@ def default_out_dir(root: str = "runs") -> str:
 
 
 __all__ = ["COMPILE_EVENTS", "Context", "Part", "STATUSES", "Target", "default_out_dir",
-           "judged", "parse_pytest_counts", "run_part", "run_pytest", "to_markdown",
-           "write_report"]
+           "judged", "parse_pytest_counts", "row_errors", "run_part", "run_pytest",
+           "to_markdown", "write_report"]

@@ -1,6 +1,8 @@
-"""experiments.gpu_report: the dry run end to end (every part at toy sizes on CPU), the
-refusal off a GPU, and the report's machinery (target statuses, pytest counts, failures and
-out-of-memory told apart, the budget) against hand-made cases."""
+"""experiments.gpu_report: the dry run end to end at toy sizes on CPU (in the default suite
+the GPU code paths the CPU could leave unchecked, parts.SUITE_DRY_RUN, failing on any row's
+error; every part, slow-marked), the refusal off a GPU, and the report's machinery (target
+statuses, row errors, pytest counts, failures and out-of-memory told apart, the budget)
+against hand-made cases."""
 
 from __future__ import annotations
 
@@ -205,8 +207,78 @@ def test_refuses_without_gpu(tmp_path):
   assert not (tmp_path / "report.md").exists()
 
 
-@pytest.mark.slow   # about 90 s of CPU; the parts' benchmarks have their own toy-size tests.
-# Run it (`pytest -m slow tests/experiments/test_gpu_report.py`) before a GPU round.
+def test_dry_run_takes_the_gpu_code_paths(tmp_path):
+  """The default suite's dry run (parts.SUITE_DRY_RUN, about 50 s of CPU): Mosaic GPU with
+  the fused and the split backward, Triton and the cuDNN row; the cudnn (emulated) and
+  pallas_mgpu train steps; decode; float32 and int4 bags through Pallas and XLA; the DLRM
+  loop on the device-side generator. Any row with an error fails it (the entry point
+  exits 1, and every row is checked here)."""
+  stdout, summary = run_entry("experiments.gpu_report",
+                              ["--dry_run", f"--out={tmp_path}", *parts.SUITE_DRY_RUN],
+                              timeout=600)
+  rep = json.loads((tmp_path / "report.json").read_text())
+  assert report_lib.row_errors(rep) == [] and summary["errors"] == 0, summary
+  assert summary["parts"] == {p: "ok" for p in ("attention", "lm_train", "decode",
+                                                 "embedding_bag", "rec_pipeline")}
+  for t in rep["targets"]:   # a figure, or (MFU on CPU) the reason there is none
+    assert t["status"] in ("met", "missed", "info") or (
+        t["part"] == "lm_train" and t["status"] == "unmeasured" and "no peak" in t["detail"]), t
+  details = {name: p["details"] for name, p in rep["parts"].items()}
+  timed = lambda r: "fwd_ms" in r and "bwd_ms" in r
+  rows = {r["impl"]: r for r in details["attention"]["rows"] if timed(r)}
+  assert set(rows) == {"cudnn", "mgpu[64x128x2:fused]", "mgpu[64x128x2:split]", "triton"}
+  assert {r["head_dim"] for r in rows.values()} == {128} and rows["cudnn"]["stand_in"] == "xla"
+  lm = details["lm_train"]["results"]
+  assert lm["cudnn/none"]["attention_resolved"] == parts.CUDNN_STAND_IN
+  assert lm["pallas_mgpu/none"]["attention_resolved"] == "pallas_mgpu"
+  assert all(r["step_ms"] > 0 for r in lm.values()) and len(lm) == 2
+  bags = {(r["dtype"], r["impl"]) for r in details["embedding_bag"]["tables"]["lookups"]
+          if "ms" in r}
+  assert bags == {(f, i) for f in ("float32", "int4") for i in ("pallas", "xla")}
+  [loop] = details["rec_pipeline"]["tables"]["examples/s"]
+  assert loop["data"] == "synthetic:gen=device" and loop["source"] == "DeviceSynthetic"
+  assert [t["part"] for t in rep["targets"]].count("decode") == 1
+  assert "== attention" in stdout
+
+
+def test_help_says_what_the_suite_runs():
+  """The entry point's docstring (its --help) gives the default suite's dry run exactly."""
+  import experiments.gpu_report.__main__ as entry
+  doc = " ".join(entry.__doc__.replace("\\\n", " ").split())
+  assert ("python -m experiments.gpu_report --dry_run " + " ".join(parts.SUITE_DRY_RUN)) in doc
+
+
+def test_row_errors_finds_every_error():
+  """Errors in rows no target is judged on (a Triton row, an XLA gather) count too."""
+  rep = {"parts": {"attention": {"status": "ok", "details": {"rows": [
+      {"impl": "cudnn", "fwd_ms": 1.0}, {"impl": "triton", "head_dim": 128,
+                                         "error": "ValueError: no"}]}},
+                   "fp8": {"status": "failed", "error": "KeyError: x", "details": {}}},
+         "targets": [report_lib.judged("decode", "b1", None, error="RuntimeError: y").__dict__,
+                     report_lib.judged("decode", "b8", None, skipped="budget").__dict__]}
+  assert report_lib.row_errors(rep) == [
+      "attention: details/rows[1] impl=triton, head_dim=128: ValueError: no",
+      "fp8: the part failed: KeyError: x", "decode: b1: failed: RuntimeError: y"]
+  rep["parts"] = {"a": {"status": "ok", "details": {"rows": [{"impl": "x", "ms": 1.0}]}}}
+  rep["targets"] = []
+  assert report_lib.row_errors(rep) == []
+
+
+def test_a_bad_case_flag_ends_in_one_line(tmp_path):
+  """A case flag naming nothing the part runs is refused before any part starts."""
+  out = subprocess.run([sys.executable, "-m", "experiments.gpu_report", "--dry_run",
+                        f"--out={tmp_path}", "--pipeline_data=synthetic,synthetic:gen=gpu"],
+                       cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      "error: --pipeline_data: 'synthetic:gen=gpu'; expected synthetic forms (synthetic, "
+      "synthetic_deep, with options such as gen=device), criteo_bin:gen or criteo_bin:DIR")
+  assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.slow   # about 4 minutes of CPU; test_dry_run_takes_the_gpu_code_paths is its
+# default-suite part. Run it (`pytest -m slow tests/experiments/test_gpu_report.py`)
+# before a GPU round.
 def test_dry_run_runs_every_part(tmp_path):
   """The whole report at toy sizes on CPU: every part runs, every target row has a figure
   or the reason it has none, report.md / report.json / logs are written."""
@@ -223,10 +295,13 @@ def test_dry_run_runs_every_part(tmp_path):
   for t in rep["targets"]:
     assert t["status"] in ("met", "missed", "info") or (
         t["part"] == "lm_train" and t["status"] == "unmeasured" and "no peak" in t["detail"]), t
-  assert len(by_part["attention"]) == 2 and len(by_part["lm_train"]) == 2
+  assert report_lib.row_errors(rep) == [] and summary["errors"] == 0
+  assert len(by_part["attention"]) == 2 and len(by_part["lm_train"]) == 4
   assert "the program of auto" in rep["parts"]["lm_train"]["details"]["results"]["xla/none"][
       "note"]
-  assert len(by_part["decode"]) == 1 and len(by_part["embedding_bag"]) == 6
+  assert len(by_part["decode"]) == 1 and len(by_part["embedding_bag"]) == 10
+  loops = rep["parts"]["rec_pipeline"]["details"]["tables"]["examples/s"]
+  assert [r["source"] for r in loops][0] == "DeviceSynthetic" and len(loops) == 2
   # The fp8 part's bf16 step is the mlperf part's step (same batch, tables, dtype).
   assert rep["parts"]["fp8"]["details"]["times"]["bf16"]["step_ms"] == pytest.approx(
       rep["parts"]["mlperf"]["details"]["step_ms"])
