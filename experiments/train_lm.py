@@ -14,8 +14,8 @@ one run per workdir, default a new runs/train_lm_<preset>_<date-time>; SIGTERM /
 a checkpoint of the step and end with `stopped at step N; checkpoint N kept; continue with
 --resume`, status 143 / 130; a checkpoint every --checkpoint_every_minutes besides
 --checkpoint_every).
---tokenizer (llm.tokenizer: a tokenizer.json, a directory holding one, or a llama2.c
-tokenizer.bin) encodes the file as one text without BOS; the model's vocabulary is the
+--tokenizer (llm.checkpoints.load_tokenizer: a tokenizer.json, a directory holding one, a
+llama2.c tokenizer.bin, or a GGUF file, whose vocabulary is used) encodes the file as one text without BOS; the model's vocabulary is the
 tokenizer's, and a copy of the tokenizer goes into the workdir for experiments.generate.
 Writes `<workdir>/model_config.json` (read by experiments.generate) and results.json; the
 last stdout line is a JSON summary with the final eval loss and bits per token (per byte
@@ -62,8 +62,9 @@ def define_flags() -> None:
   module beside other entry points whose flags share names)."""
   flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens unless --tokenizer).",
                       required=True)
-  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, or a llama2.c "
-                      "tokenizer.bin (default: UTF-8 bytes, vocab 256).")
+  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, a llama2.c "
+                      "tokenizer.bin or a GGUF file's vocabulary (default: UTF-8 bytes, vocab "
+                      "256).")
   flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (its vocab is set to "
                       "the tokenizer's).")
   flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
@@ -128,8 +129,11 @@ def copy_tokenizer(tok, workdir: str) -> None:
   """Copies the tokenizer file (and a HF tokenizer's tokenizer_config.json and
   generation_config.json, which name its special tokens) into the workdir, where
   experiments.generate --checkpoint=workdir:DIR finds it."""
+  from llm import tokenizer as tok_lib
   src_dir = os.path.dirname(os.path.abspath(tok.source))
-  if tok.source.endswith(".json"):
+  if tok_lib.is_gguf(tok.source):      # the vocabulary lives in the GGUF: the file goes along
+    names = [(tok.source, "tokenizer.gguf")]
+  elif tok.source.endswith(".json"):
     names = [(tok.source, "tokenizer.json")] + [
         (os.path.join(src_dir, n), n) for n in ("tokenizer_config.json", "generation_config.json")
         if os.path.exists(os.path.join(src_dir, n))]
@@ -247,13 +251,14 @@ def main(argv):
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
+  from llm import checkpoints
   from llm import config as config_lib
   from llm import memory as lm_memory
   from llm import train_lib as lm_lib
   from llm import tokenizer as tok_lib
   from llm.data import TextSource
 
-  tok = None if FLAGS.tokenizer is None else tok_lib.load_tokenizer(FLAGS.tokenizer)
+  tok = None if FLAGS.tokenizer is None else checkpoints.load_tokenizer(FLAGS.tokenizer)
   cfg = config_lib.get_config(
       FLAGS.preset, vocab_size=tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
       dtype=FLAGS.dtype, remat=FLAGS.remat,

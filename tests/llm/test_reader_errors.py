@@ -149,6 +149,23 @@ def test_a_gguf_as_tokenizer_uses_its_vocabulary(tmp_path):
   assert _line(lambda: C.load_tokenizer("/nope.gguf")) == "error: /nope.gguf: no such GGUF file"
 
 
+def test_train_lm_keeps_a_gguf_tokenizer_in_its_workdir(tmp_path):
+  """train_lm --tokenizer=FILE.gguf: the vocabulary read from the GGUF, the file copied into
+  the workdir as tokenizer.gguf, where generate --checkpoint=workdir:DIR finds it."""
+  from experiments.train_lm import copy_tokenizer
+  from llm import gguf as G
+  from tests.llm.test_reader_fuzz import _vocab
+  path = G.save_gguf(str(tmp_path / "m.gguf"), CFG, _weights(CFG), qtype="F32", vocab=_vocab())
+  tok = C.load_tokenizer(path)
+  wd = tmp_path / "run"
+  wd.mkdir()
+  copy_tokenizer(tok, str(wd))
+  assert sorted(os.listdir(wd)) == ["tokenizer.gguf"]
+  got = C.find_tokenizer(f"workdir:{wd}", None, tok.vocab_size)
+  assert got.encode("ab abc", bos=False) == tok.encode("ab abc", bos=False)
+  assert (got.add_bos, got.add_eos) == (False, False)   # train_lm's stream has none
+
+
 def test_gguf_counts_past_the_file_are_refused_at_once(tmp_path):
   """Length and count fields are checked against the file before anything is allocated or
   looped over; block_count against the blocks the tensors hold."""
