@@ -168,6 +168,8 @@ def test_save_gguf_q8_0_round_trip(tmp_path):
 
 
 @pytest.mark.models
+@pytest.mark.slow   # the same blocks: test_smollm2.py's dequantization check and llm_quant's
+# test_smollm2_gguf_blocks_score_as_their_dequantization (perplexity equal to float32's)
 def test_smollm2_blocks_equal_gguf_dequantize():
   """SmolLM2-135M-Instruct's GGUF (Q4_1 layers, Q8_0 embedding): every block taken directly
   gives `gguf.quants.dequantize`'s numbers (`GGUFCheckpoint.weights`)."""

@@ -23,7 +23,7 @@ from tests.real_models import smollm2_gguf_or_skip
 
 pytestmark = pytest.mark.models
 
-N_NEW = 24
+N_NEW = 16
 SHAPES = [TreeShape(1, 3, 3), TreeShape(3, 3, 8)]
 REQUESTS = ["What is the capital of France?", "Write a haiku about the sea.",
             "List three colors."]
@@ -60,12 +60,14 @@ def trained(smollm2, tmp_path_factory):
 
 def test_untrained_head_is_lossless(smollm2, greedy):
   target, prompts, stop = smollm2
-  draft = DraftHead(target.cfg, nnx.Rngs(0))
-  for shape in SHAPES:
-    out = speculative_generate(target, draft, prompts, N_NEW, shape=shape, stop_tokens=stop)
-    assert out.tokens == greedy, shape
+  draft = DraftHead(target.cfg, nnx.Rngs(0))   # a tree (the trained head's test: a chain)
+  out = speculative_generate(target, draft, prompts, N_NEW, shape=SHAPES[1], stop_tokens=stop)
+  assert out.tokens == greedy
 
 
+@pytest.mark.slow   # lossless on this model: test_untrained_head_is_lossless; a trained head
+# (distill.train_draft) on tiny models: test_distill.py; accept lengths of a trained head:
+# tests/experiments/test_spec_decode_heads.py
 def test_trained_head_is_lossless_and_accepts(smollm2, greedy, trained):
   target, prompts, stop = smollm2
   draft, vocab, out = trained
