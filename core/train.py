@@ -1,11 +1,24 @@
 """The one train loop every model family uses.
 
 A `Task` owns the model: it builds the state, the pure train and eval steps and the
-evaluation metrics. The loop owns the run: jit with donated state, a background thread
-that prepares batches, eval every N steps, metrics to JSONL and TensorBoard, a progress
-line with rate and ETA, orbax checkpoints every N steps and at the end, and `resume`,
-which continues the same run exactly: the state, its RNG and optimizer state come from
-the checkpoint, and batch k of the resumed run is batch k of the uninterrupted one.
+evaluation metrics (its dense optimizer step: `core.update.dense_update`). The loop owns
+the run: jit with donated state, a background thread that prepares batches, and after each
+step the hooks due then (`core.hooks`): eval every N steps, metrics to JSONL and
+TensorBoard, a progress line with rate and ETA, orbax checkpoints every N steps and at the
+end, the finiteness checks, the multi-process watchdog. `resume` continues the same run
+exactly: the state, its RNG and optimizer state come from the checkpoint, and batch k of
+the resumed run is batch k of the uninterrupted one.
+
+Adding a hook (a custom evaluation, a probe, a writer) is one argument to `train`:
+
+    def probe(run):                 # run: `Run`; step, state, cfg, task, writer, ...
+      run.pause()                   # the steps in flight finish; its time is not training's
+      run.writer.write(run.step, "probe", my_metrics(run.state))
+
+    train(task, batches, eval_batches, cfg, hooks=[Hook(probe, every=500)])
+
+`Hook(fn, every=N, last=False)` runs `fn(run)` after every step divisible by N (and at the
+loop's last step with `last=True`), after the loop's own hooks and before the stop check.
 
 Two guards keep a run honest. Settings: the entry point hands the loop its run's settings
 (`TrainConfig.settings`, e.g. the flags); they are saved with every checkpoint, and
@@ -57,6 +70,8 @@ from absl import logging
 from core import checkpoint as ckpt_lib
 from core import distributed
 from core import workdir as workdir_lib
+from core.hooks import Hook, MetricWriter, Progress, builtin_hooks, run_hooks
+from core.update import dense_update, select_tree  # core.train's names too
 
 
 @dataclasses.dataclass
@@ -161,14 +176,6 @@ class _StopSignals:
       signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
-def _agree(stop: bool, due: bool) -> tuple[bool, bool]:
-  """Whether any process asks to stop / to checkpoint now: a collective that every process
-  of a multi-process run calls at the same step."""
-  from jax.experimental import multihost_utils
-  votes = np.asarray(multihost_utils.process_allgather(np.array([stop, due], np.int32)))
-  votes = votes.reshape(-1, 2).any(axis=0)
-  return bool(votes[0]), bool(votes[1])
-
 
 def check_learning_rate(flag: str, value: Any) -> None:
   """Raises a ValueError naming `flag` unless `value` is a finite number > 0."""
@@ -177,11 +184,6 @@ def check_learning_rate(flag: str, value: Any) -> None:
   if not ok:
     raise ValueError(f"{flag}={value!r}: expected a finite learning rate > 0")
 
-
-def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
-  """`new` where the scalar `ok` is true, else `old`, leaf by leaf (for small trees: dense
-  parameters and their optimizer state; embedding tables skip by their touched rows)."""
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 class Task(Protocol):
@@ -202,85 +204,6 @@ class Evaluator(Protocol):
   def update(self, outputs: Any, host_batch: Any) -> None: ...
   def result(self) -> dict[str, float]: ...
 
-
-class MetricWriter:
-  """Scalars to `<workdir>/metrics.jsonl` and TensorBoard event files under `<workdir>/tb`;
-  in a multi-process run only process 0 writes (the others' writers do nothing)."""
-
-  def __init__(self, workdir: str, resume_step: int | None, tensorboard: bool = True):
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self._f = self._tb = None
-    if not distributed.is_primary():
-      return
-    if resume_step is not None and os.path.exists(self.path):
-      # Drop records past the checkpoint: the resumed run writes them again.
-      with open(self.path) as f:
-        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= resume_step]
-      with open(self.path + ".tmp", "w") as f:
-        f.writelines(keep)
-      os.replace(self.path + ".tmp", self.path)
-    elif os.path.exists(self.path):
-      os.remove(self.path)
-    self._f = open(self.path, "a")
-    self._tb = None
-    if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step)
-
-  def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
-    if self._f is None:
-      return
-    rec = {"step": step, "split": split, **{k: float(v) for k, v in scalars.items()}}
-    self._f.write(json.dumps(rec) + "\n")
-    self._f.flush()
-    if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(f"{split}/{k}", float(v), step)
-
-  def close(self) -> None:
-    if self._f is not None:
-      self._f.close()
-    if self._tb is not None:
-      self._tb.close()
-
-
-def _fmt_time(s: float) -> str:
-  s = int(max(s, 0))
-  return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-class Progress:
-  """One line every `log_every` steps: step, steps/s, examples/s (or the task's own unit,
-  `Task.example_unit`, e.g. tokens), loss, ETA. Each report is a line of its own, so a log
-  file holds one line per report."""
-
-  def __init__(self, total: int, start: int, unit: str = "ex"):
-    self.total, self.start, self.unit = total, start, unit
-    self.t0 = None
-    self.step0 = start
-    self.examples = 0
-
-  def begin(self, step: int) -> None:  # after the first (compiling) step
-    self.t0, self.step0, self.examples = time.perf_counter(), step, 0
-
-  def line(self, step: int, scalars: dict[str, float],
-           peers: dict[int, int] | None = None) -> str:
-    """The progress line; `peers` ({process: last published step}) adds how many
-    processes of a multi-process run have reported and the slowest one's step."""
-    if self.t0 is None or step == self.step0:
-      rate, ex_rate, eta = 0.0, 0.0, "?"
-    else:
-      dt = time.perf_counter() - self.t0
-      rate = (step - self.step0) / dt
-      ex_rate = self.examples / dt
-      eta = _fmt_time((self.total - step) / rate)
-    vals = " ".join(f"{k} {v:.4f}" for k, v in scalars.items())
-    procs = ""
-    if jax.process_count() > 1:
-      procs = (f" | {len(peers or {})}/{jax.process_count()} processes reporting, slowest at "
-               f"step {min((peers or {0: 0}).values())}")
-    return (f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {rate:.2f} steps/s | "
-            f"{ex_rate:,.0f} {self.unit}/s | {vals} | ETA {eta}{procs}")
 
 
 def _prefetch(it: Iterator[Any], fn: Callable[[Any], Any], depth: int) -> Iterator[Any]:
@@ -466,14 +389,245 @@ def _first_nonfinite_leaf(state) -> str | None:
   return next((p for p, ok in zip(paths, flags) if not ok), None)
 
 
+
+class Run:
+  """One training run in progress: its state and bookkeeping, read and driven by the
+  hooks (`core.hooks`). `step`, `state`, `host` and `metrics` are those of the step just
+  dispatched; `pause()` marks a hook's time (an evaluation, a checkpoint) as outside the
+  training rates after waiting for the steps in flight; `drain()` fetches and checks the
+  metrics of the steps not yet checked."""
+
+  def __init__(self, task: Task, cfg: TrainConfig, eval_batches, signals: _StopSignals):
+    self.task, self.cfg, self.eval_batches, self.signals = task, cfg, eval_batches, signals
+    self.settings = run_settings(cfg)
+    self.ckpt = ckpt_lib.Checkpointer(cfg.workdir, cfg.max_to_keep)
+    self.writer = self.watchdog = self.eval_fn = None
+    self.end = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
+    self.one_process = jax.process_count() == 1
+    self.host = self.metrics = None
+    self.pending: list[tuple[int, dict[str, jax.Array]]] = []   # (step, metrics on device)
+    self.in_flight: collections.deque = collections.deque()      # metrics of unfinished steps
+    self.fetched: list[tuple[int, dict[str, float]]] = []       # checked, not yet logged
+    self.train_time = 0.0   # seconds of training steps after the first, hooks' pauses excluded
+    self.t_last = 0.0       # when the current stretch of training time began
+    self.paused = False
+    self.skip_run = 0
+    self.save_error: ckpt_lib.CheckpointWriteError | None = None
+
+  def restore(self, latest: int | None) -> None:
+    """The initial state, or the checkpoint at step `latest` with its metadata."""
+    cfg = self.cfg
+    self.state = self.task.init_state(cfg.seed)
+    self.start, self.meta = 0, {}
+    if latest is not None:
+      self.state, self.meta = self.ckpt.restore(latest, ckpt_lib.abstract_like(self.state))
+      self.start = int(self.meta["step"])
+      if self.meta.get("steps") not in (None, cfg.steps):
+        logging.warning("resuming a run planned for %s steps with --steps=%d",
+                        self.meta["steps"], cfg.steps)
+      print(f"resumed from {self.ckpt.directory}/{latest} at step {self.start}", flush=True)
+    elif cfg.resume:
+      print(f"--resume: no checkpoint under {self.ckpt.directory}; starting from step 0",
+            flush=True)
+    self.step = self.start
+    self.writer = MetricWriter(cfg.workdir, self.start if latest is not None else None,
+                               cfg.tensorboard)
+    self.progress = Progress(cfg.steps, self.start, getattr(self.task, "example_unit", "ex"))
+    self.last_eval: dict[str, float] = dict(self.meta.get("last_eval", {}))
+    self.eval_step = self.meta.get("eval_step")   # the step last_eval was measured at
+    self.skipped = int(self.meta.get("skipped_steps", 0))
+    self.saved_step, self.saved_at = None, _clock()   # the last checkpoint written, and when
+
+  def clock(self) -> float:
+    return _clock()
+
+  def pause(self) -> None:
+    """Waits for the steps in flight and ends the current stretch of training time (once
+    per step, however many hooks pause)."""
+    if not self.paused:
+      jax.block_until_ready(self.state)
+      self.train_time += time.perf_counter() - self.t_last
+      self.paused = True
+
+  def resume_clock(self) -> None:
+    if self.paused:
+      self.t_last = time.perf_counter()
+      self.paused = False
+
+  def interrupt(self) -> None:
+    raise Interrupted(self.step, self.signals.signum or signal.SIGTERM)
+
+  def stop_message(self, step: int, what: str) -> str:
+    good = [s for s in self.ckpt.all_steps() if s < step]
+    where = (f"the last good checkpoint is {self.ckpt.directory}/{max(good)} (step "
+             f"{max(good)}); continue from it with --resume" if good else
+             "no checkpoint precedes it; a new run starts from step 0")
+    return (f"training stopped: {what}. No checkpoint of the state after it was written; "
+            f"{where}. What to try: {self.cfg.nonfinite_hint}; look for bad values in batch "
+            f"{step - 1} (the batch of step {step}); or --nonfinite=skip to skip such steps "
+            "and count them (changing a setting on resume needs --resume_allow=NAME).")
+
+  def check(self, step: int, values: dict[str, float]) -> None:
+    """Counts a skipped step (NonFiniteError after max_skipped_in_a_row in a row); a
+    non-finite loss or gradient norm is a NonFiniteError."""
+    if values.get("skipped", 0.0) > 0:
+      self.skipped += 1
+      self.skip_run += 1
+      if self.skip_run >= self.cfg.max_skipped_in_a_row:
+        first = step - self.skip_run + 1
+        raise NonFiniteError(self.stop_message(
+            first, f"steps {first} to {step} were all skipped for a non-finite loss or "
+            f"gradient norm ({self.skip_run} in a row, "
+            f"max_skipped_in_a_row={self.cfg.max_skipped_in_a_row})"))
+      return
+    self.skip_run = 0
+    bad = _nonfinite(values)
+    if bad:
+      shown = ", ".join(f"{k} {v}" for k, v in bad.items())
+      raise NonFiniteError(self.stop_message(
+          step, f"step {step} is the first with a non-finite loss or gradient norm ({shown})"))
+
+  def drain(self, keep_last: int = 0) -> None:
+    """Fetches and checks the metrics of all pending steps but the newest `keep_last`
+    (leaving the step just dispatched to run while the host waits for older ones)."""
+    n = len(self.pending) - keep_last
+    if n <= 0:
+      return
+    take = self.pending[:n]
+    del self.pending[:n]
+    for (s, _), vals in zip(take, jax.device_get([m for _, m in take])):
+      values = {k: float(np.mean(v)) for k, v in vals.items()}
+      self.check(s, values)
+      self.fetched.append((s, values))
+
+  def log_scalars(self) -> dict[str, float]:
+    """The mean metrics of the steps fetched since the last log (skipped steps left out;
+    under nonfinite="skip", how many were skipped)."""
+    fetched = self.fetched
+    kept = [v for _, v in fetched if not v.get("skipped", 0.0)]
+    keys = dict.fromkeys(k for _, v in fetched for k in v)
+    scalars = {k: float(np.mean([v[k] for v in kept])) for k in keys
+               if k != "skipped" and kept}
+    if self.cfg.nonfinite == "skip":
+      scalars["skipped"] = float(sum(v.get("skipped", 0.0) for _, v in fetched))
+    fetched.clear()
+    return scalars
+
+  def meta_of(self, step: int) -> dict[str, Any]:
+    return {"step": step, "steps": self.cfg.steps, "last_eval": self.last_eval,
+            "eval_step": self.eval_step, "skipped_steps": self.skipped,
+            "settings": self.settings, "changeable": _changeable(self.cfg)}
+
+  def save(self) -> None:
+    """Checks the pending steps and the state, then checkpoints the current step."""
+    step = self.step
+    self.drain()
+    bad_leaf = _first_nonfinite_leaf(self.state)
+    if bad_leaf is not None:
+      raise NonFiniteError(self.stop_message(
+          step, f"the state after step {step} holds non-finite values (first: {bad_leaf}) "
+          "although the losses and gradient norms checked so far were finite"))
+    self.ckpt.save(step, self.state, self.meta_of(step))
+    self.saved_step, self.saved_at = step, _clock()
+
+  def evaluate(self) -> None:
+    """Evaluates the current state, writes and prints the result. A stop request during it
+    saves and raises Interrupted; a failing evaluation saves the training first."""
+    if self.eval_batches is None:
+      return
+    step = self.step
+    self.drain()
+    t = time.perf_counter()
+    try:
+      # One process stops an evaluation between batches; several finish it (a process
+      # leaving its eval collectives would leave the others waiting).
+      stop = (lambda: self.signals.signum is not None) if self.one_process else None
+      self.last_eval = evaluate(self.task, self.state, self.eval_batches(), self.eval_fn,
+                                stop=stop)
+      self.eval_step = step
+    except _EvalStopped:
+      if self.save_error is not None:
+        raise self.save_error from None
+      if self.saved_step != step:
+        self.save()
+      raise Interrupted(step, self.signals.signum) from None
+    except Exception:
+      # A bad eval batch (a corrupt shard, a malformed line) must not lose the training
+      # before it: the state is checked and saved first, then the error goes on. With
+      # several processes a save needs all of them, and the others may be waiting in an
+      # eval collective: there the failure is reported (core.distributed) instead.
+      if self.one_process:
+        if step not in self.ckpt.all_steps():
+          self.save()
+        print(f"evaluation at step {step} failed; the training so far is saved in "
+              f"{self.ckpt.directory}/{step} (continue with --resume)", flush=True)
+      raise
+    self.writer.write(step, "eval", self.last_eval)
+    shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items() if isinstance(v, float))
+    print(f"eval @ step {step}: {shown} ({time.perf_counter() - t:.1f}s)", flush=True)
+
+  def finish(self) -> None:
+    """After the loop: the final checkpoint, then the final evaluation (whose result goes
+    into that checkpoint's metadata); a failed final write is kept in `save_error` and the
+    evaluation still runs. A finished run whose final evaluation did not complete runs it."""
+    jax.block_until_ready(self.state)
+    self.drain()
+    step, cfg = self.step, self.cfg
+    finished_unevaluated = (step >= cfg.steps and self.eval_batches is not None and
+                            self.meta.get("eval_step", step) != step)
+    if step > self.start:  # a resumed run that had already finished has nothing new to record
+      try:
+        self.save()
+      except ckpt_lib.CheckpointWriteError as e:
+        self.save_error = e
+      if step >= cfg.steps:
+        self.evaluate()
+        if self.save_error is None and self.eval_batches is not None:
+          self.ckpt.update_meta(step, self.meta_of(step))
+    elif finished_unevaluated:   # its final evaluation was interrupted: run it now
+      self.evaluate()
+      self.ckpt.update_meta(step, self.meta_of(step))
+    else:
+      print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
+
+  def close(self) -> None:
+    if self.watchdog is not None:
+      self.watchdog.close()
+    if self.writer is not None:
+      self.writer.close()
+    self.ckpt.close()
+
+  def summary(self) -> dict[str, Any]:
+    """What `train` returns (or raises, with a failed final checkpoint's error)."""
+    if self.skipped:
+      print(f"{self.skipped} step(s) skipped for a non-finite loss or gradient norm",
+            flush=True)
+    out = {
+        "state": self.state,
+        "step": self.step,
+        "finished": self.step >= self.cfg.steps,
+        "eval": self.last_eval,
+        "skipped_steps": self.skipped,
+        "train_seconds": self.train_time,
+        "examples_per_sec": (self.progress.examples / self.train_time
+                             if self.train_time > 0 else 0.0),
+    }
+    if self.save_error is not None:
+      self.save_error.summary = out
+      raise self.save_error
+    return out
+
+
 def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
-          eval_batches: Callable[[], Iterable[Any]] | None, cfg: TrainConfig) -> dict[str, Any]:
+          eval_batches: Callable[[], Iterable[Any]] | None, cfg: TrainConfig,
+          hooks: Sequence[Hook] = ()) -> dict[str, Any]:
   """Runs (or resumes) training; returns a summary with the last eval metrics and rates.
 
-  `train_batches(start)` yields host batches from batch number `start` on. Raises
-  RunSettingsError (see `check_resume`), checkpoint.CheckpointMismatchError (a checkpoint
-  whose arrays do not fit the state), NonFiniteError or Interrupted (see the module
-  docstring), a UserError when another run holds the workdir, or
+  `train_batches(start)` yields host batches from batch number `start` on. `hooks`: the
+  caller's `Hook(fn, every=N)`s, run after the loop's own (see the module docstring).
+  Raises RunSettingsError (see `check_resume`), checkpoint.CheckpointMismatchError (a
+  checkpoint whose arrays do not fit the state), NonFiniteError or Interrupted (see the
+  module docstring), a UserError when another run holds the workdir, or
   checkpoint.CheckpointWriteError (a full disk, a file-size limit); when only the final
   checkpoint failed, the final evaluation still runs and the error carries the summary
   this function would have returned (`.summary`), for the entry point's results.json.
@@ -488,13 +642,14 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     raise ValueError(f"--checkpoint_every_minutes={cfg.checkpoint_every_minutes}: expected "
                      ">= 0 (0: no time-based checkpoints)")
   with workdir_lib.held(cfg.workdir), _StopSignals() as signals:
-    return _train(task, train_batches, eval_batches, cfg, signals)
+    return _train(task, train_batches, eval_batches, cfg, signals, hooks)
 
 
 def _train(task: Task, train_batches: Callable[[int], Iterator[Any]],
            eval_batches: Callable[[], Iterable[Any]] | None, cfg: TrainConfig,
-           signals: _StopSignals) -> dict[str, Any]:
-  """`train` with the workdir held and the stop signals noted in `signals`."""
+           signals: _StopSignals, hooks: Sequence[Hook]) -> dict[str, Any]:
+  """`train` with the workdir held and the stop signals noted in `signals`: one jitted
+  step per batch, then the hooks due at that step; after the loop, `Run.finish`."""
   os.makedirs(cfg.workdir, exist_ok=True)
   latest = check_resume(cfg)
   train_step = task.train_step
@@ -503,243 +658,23 @@ def _train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       raise ValueError(f"--nonfinite=skip: {type(task).__name__}.train_step takes no "
                        "skip_nonfinite argument; use --nonfinite=stop")
     train_step = functools.partial(task.train_step, skip_nonfinite=True)
-  settings = run_settings(cfg)
-  ckpt = ckpt_lib.Checkpointer(cfg.workdir, cfg.max_to_keep)
-  writer = watchdog = None
+  run = Run(task, cfg, eval_batches, signals)
   try:
-    state = task.init_state(cfg.seed)
-    start = 0
-    meta: dict[str, Any] = {}
-    if latest is not None:
-      state, meta = ckpt.restore(latest, ckpt_lib.abstract_like(state))
-      start = int(meta["step"])
-      if meta.get("steps") not in (None, cfg.steps):
-        logging.warning("resuming a run planned for %s steps with --steps=%d", meta["steps"],
-                        cfg.steps)
-      print(f"resumed from {ckpt.directory}/{latest} at step {start}", flush=True)
-    elif cfg.resume:
-      print(f"--resume: no checkpoint under {ckpt.directory}; starting from step 0", flush=True)
-
-    writer = MetricWriter(cfg.workdir, start if latest is not None else None, cfg.tensorboard)
+    run.restore(latest)
     step_fn = jax.jit(train_step, donate_argnums=0)
-    eval_fn = jax.jit(task.eval_step)
-    end = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
-    progress = Progress(cfg.steps, start, getattr(task, "example_unit", "ex"))
-    last_eval: dict[str, float] = dict(meta.get("last_eval", {}))
-    eval_step = meta.get("eval_step")   # the step last_eval was measured at
-    skipped = int(meta.get("skipped_steps", 0))
-    skip_run = 0
-    pending: list[tuple[int, dict[str, jax.Array]]] = []   # (step, metrics on device)
-    in_flight: collections.deque = collections.deque()      # metrics of unfinished steps
-    fetched: list[tuple[int, dict[str, float]]] = []       # checked, not yet logged
-    train_time = 0.0   # seconds of training steps after the first, eval and checkpoints excluded
-    saved_step, saved_at = None, _clock()   # the last checkpoint written, and when
-    save_error: ckpt_lib.CheckpointWriteError | None = None
-    one_process = jax.process_count() == 1
-
-    def stop_message(step: int, what: str) -> str:
-      good = [s for s in ckpt.all_steps() if s < step]
-      where = (f"the last good checkpoint is {ckpt.directory}/{max(good)} (step {max(good)}); "
-               "continue from it with --resume" if good else
-               "no checkpoint precedes it; a new run starts from step 0")
-      return (f"training stopped: {what}. No checkpoint of the state after it was written; "
-              f"{where}. What to try: {cfg.nonfinite_hint}; look for bad values in batch "
-              f"{step - 1} (the batch of step {step}); or --nonfinite=skip to skip such steps "
-              "and count them (changing a setting on resume needs --resume_allow=NAME).")
-
-    def check(step: int, values: dict[str, float]) -> None:
-      nonlocal skipped, skip_run
-      bad = _nonfinite(values)
-      if values.get("skipped", 0.0) > 0:
-        skipped += 1
-        skip_run += 1
-        if skip_run >= cfg.max_skipped_in_a_row:
-          raise NonFiniteError(stop_message(
-              step - skip_run + 1, f"steps {step - skip_run + 1} to {step} were all skipped "
-              f"for a non-finite loss or gradient norm ({skip_run} in a row, "
-              f"max_skipped_in_a_row={cfg.max_skipped_in_a_row})"))
-        return
-      skip_run = 0
-      if bad:
-        shown = ", ".join(f"{k} {v}" for k, v in bad.items())
-        raise NonFiniteError(stop_message(
-            step, f"step {step} is the first with a non-finite loss or gradient norm ({shown})"))
-
-    def drain(keep_last: int = 0) -> None:
-      """Fetches and checks the metrics of all pending steps but the newest `keep_last`
-      (leaving the step just dispatched to run while the host waits for older ones)."""
-      n = len(pending) - keep_last
-      if n <= 0:
-        return
-      take = pending[:n]
-      del pending[:n]
-      for (s, _), vals in zip(take, jax.device_get([m for _, m in take])):
-        values = {k: float(np.mean(v)) for k, v in vals.items()}
-        check(s, values)
-        fetched.append((s, values))
-
-    def log_scalars() -> dict[str, float]:
-      kept = [v for _, v in fetched if not v.get("skipped", 0.0)]
-      keys = dict.fromkeys(k for _, v in fetched for k in v)
-      scalars = {k: float(np.mean([v[k] for v in kept])) for k in keys
-                 if k != "skipped" and kept}
-      if cfg.nonfinite == "skip":
-        scalars["skipped"] = float(sum(v.get("skipped", 0.0) for _, v in fetched))
-      fetched.clear()
-      return scalars
-
-    def meta_of(step):
-      return {"step": step, "steps": cfg.steps, "last_eval": last_eval, "eval_step": eval_step,
-              "skipped_steps": skipped, "settings": settings, "changeable": _changeable(cfg)}
-
-    def save(step):
-      nonlocal saved_step, saved_at
-      drain()
-      bad_leaf = _first_nonfinite_leaf(state)
-      if bad_leaf is not None:
-        raise NonFiniteError(stop_message(
-            step, f"the state after step {step} holds non-finite values (first: {bad_leaf}) "
-            "although the losses and gradient norms checked so far were finite"))
-      ckpt.save(step, state, meta_of(step))
-      saved_step, saved_at = step, _clock()
-
-    def run_eval(step):
-      nonlocal last_eval, eval_step
-      if eval_batches is None:
-        return
-      drain()
-      t = time.perf_counter()
-      try:
-        # One process stops an evaluation between batches; several finish it (a process
-        # leaving its eval collectives would leave the others waiting).
-        last_eval = evaluate(task, state, eval_batches(), eval_fn,
-                             stop=(lambda: signals.signum is not None) if one_process else None)
-        eval_step = step
-      except _EvalStopped:
-        if save_error is not None:
-          raise save_error from None
-        if saved_step != step:
-          save(step)
-        raise Interrupted(step, signals.signum) from None
-      except Exception:
-        # A bad eval batch (a corrupt shard, a malformed line) must not lose the training
-        # before it: the state is checked and saved first, then the error goes on. With
-        # several processes a save needs all of them, and the others may be waiting in an
-        # eval collective: there the failure is reported (core.distributed) instead.
-        if one_process:
-          if step not in ckpt.all_steps():
-            save(step)
-          print(f"evaluation at step {step} failed; the training so far is saved in "
-                f"{ckpt.directory}/{step} (continue with --resume)", flush=True)
-        raise
-      writer.write(step, "eval", last_eval)
-      shown = " ".join(f"{k} {v:.4f}" for k, v in last_eval.items() if isinstance(v, float))
-      print(f"eval @ step {step}: {shown} ({time.perf_counter() - t:.1f}s)", flush=True)
-
-    step = start
-    host_metrics = getattr(task, "host_metrics", None)
-    batches = _prefetch(train_batches(start), task.device_batch, cfg.prefetch)
-    t_last = time.perf_counter()
-    watchdog = distributed.Watchdog(distributed.hang_timeout_s() if cfg.hang_timeout_s is None
-                                    else cfg.hang_timeout_s)
-    while step < end:
-      host, dev = next(batches)
-      state, metrics = step_fn(state, dev)
-      step += 1
-      watchdog.beat(step)
-      n = task.examples_in(host)
-      if host_metrics is not None:   # numbers the task measures on the host batch itself
-        metrics = {**metrics, **host_metrics(host)}
-      pending.append((step, metrics))
-      if cfg.max_in_flight:
-        in_flight.append(metrics)
-        if len(in_flight) > cfg.max_in_flight:
-          jax.block_until_ready(in_flight.popleft())  # waits on the device, fetches nothing
-      if step == start + 1:
-        jax.block_until_ready(metrics)  # first step compiles: keep it out of the rates
-        progress.begin(step)
-        t_last = time.perf_counter()
-      else:
-        progress.examples += n
-      if step % cfg.log_every == 0 or step == end:
-        drain()
-        scalars = log_scalars()
-        now = time.perf_counter()
-        train_time += now - t_last
-        writer.write(step, "train", scalars)
-        print(progress.line(step, scalars, watchdog.peers()), flush=True)
-        t_last = now
-      elif cfg.check_every and step % cfg.check_every == 0:
-        drain(keep_last=1)
-      boundary = False
-      if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-        jax.block_until_ready(state)
-        train_time += time.perf_counter() - t_last
-        run_eval(step)
-        boundary = True
-      if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < end:
-        if not boundary:
-          jax.block_until_ready(state)
-          train_time += time.perf_counter() - t_last
-        save(step)
-        boundary = True
-      # A stop request (SIGTERM / SIGINT) and the time-based checkpoint, decided at the
-      # same step by every process: at each step with one process, at log steps (one small
-      # collective) with several.
-      if step < end and (one_process or step % cfg.log_every == 0):
-        want_stop = signals.signum is not None
-        due = (cfg.checkpoint_every_minutes > 0 and
-               _clock() - saved_at >= 60 * cfg.checkpoint_every_minutes)
-        if not one_process:
-          want_stop, due = _agree(want_stop, due)
-        if (want_stop or due) and saved_step != step:
-          if not boundary:
-            jax.block_until_ready(state)
-            train_time += time.perf_counter() - t_last
-          save(step)
-          boundary = True
-        if want_stop:
-          raise Interrupted(step, signals.signum or signal.SIGTERM)
-      if boundary:
-        t_last = time.perf_counter()
-    jax.block_until_ready(state)
-    drain()
-    finished_unevaluated = (step >= cfg.steps and eval_batches is not None and
-                            meta.get("eval_step", step) != step)
-    if step > start:  # a resumed run that had already finished has nothing new to record
-      # The final checkpoint goes first, so an interrupt during the final evaluation loses
-      # no training; a failed write still lets that evaluation run (results.json).
-      try:
-        save(step)
-      except ckpt_lib.CheckpointWriteError as e:
-        save_error = e
-      if step >= cfg.steps:
-        run_eval(step)
-        if save_error is None and eval_batches is not None:
-          ckpt.update_meta(step, meta_of(step))
-    elif finished_unevaluated:   # its final evaluation was interrupted: run it now
-      run_eval(step)
-      ckpt.update_meta(step, meta_of(step))
-    else:
-      print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
+    run.eval_fn = jax.jit(task.eval_step)
+    all_hooks = builtin_hooks(run, hooks)
+    batches = _prefetch(train_batches(run.start), task.device_batch, cfg.prefetch)
+    run.t_last = time.perf_counter()
+    run.watchdog = distributed.Watchdog(distributed.hang_timeout_s() if cfg.hang_timeout_s
+                                        is None else cfg.hang_timeout_s)
+    while run.step < run.end:
+      run.host, dev = next(batches)
+      run.state, run.metrics = step_fn(run.state, dev)
+      run.step += 1
+      run_hooks(all_hooks, run)
+      run.resume_clock()
+    run.finish()
   finally:
-    if watchdog is not None:
-      watchdog.close()
-    if writer is not None:
-      writer.close()
-    ckpt.close()
-  if skipped:
-    print(f"{skipped} step(s) skipped for a non-finite loss or gradient norm", flush=True)
-  out = {
-      "state": state,
-      "step": step,
-      "finished": step >= cfg.steps,
-      "eval": last_eval,
-      "skipped_steps": skipped,
-      "train_seconds": train_time,
-      "examples_per_sec": progress.examples / train_time if train_time > 0 else 0.0,
-  }
-  if save_error is not None:
-    save_error.summary = out
-    raise save_error
-  return out
+    run.close()
+  return run.summary()

@@ -39,31 +39,33 @@ import sys
 from absl import app, flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
 from experiments.benchmarks import rec as rec_bench
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
 # --show_plan without --memory_budget_gb: what an 80 GB H100 of the MLPerf reference leaves
 # the tables (the plans are for 1 and 8 of its GPUs, not for this machine).
 MLPERF_GPU_GB = 70.0
 
+SHOW_PLAN = config.setting("show_plan", "bool", "Print the MLPerf preset's plans for 1 and 8 "
+                           "devices, exit.")
+
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
   from rec import configs
-  configs.define_rec_run_flags("batch_size", "mesh", "model", "preset", "memory_budget_gb",
-                               sharding="tw")
-  flags.DEFINE_integer("rows", 100_000, "Rows per table (--preset=mlperf: the cap; 0: the "
-                       "reference's 204M rows).", lower_bound=0)
-  flags.DEFINE_integer("steps", 30, "Steps per timed repeat.", lower_bound=1)
-  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.", lower_bound=1)
-  flags.DEFINE_integer("rounds", 3, "Rounds; each runs ours then the peer.", lower_bound=1)
-  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).",
-                       lower_bound=1)
-  flags.DEFINE_string("peer_python", "", "Python of the TorchRec environment; empty: skip the peer.")
-  flags.DEFINE_string("workdir", "runs/bench_dlrm", "Where results.json and the plot go.")
-  flags.DEFINE_bool("show_plan", False, "Print the MLPerf preset's plans for 1 and 8 devices, exit.")
+  config.define_flags(
+      None, settings.BATCH_SIZE, settings.MESH, configs.MODEL, settings.PRESET,
+      configs.MEMORY_BUDGET_GB, configs.SHARDING, rec_settings.ROWS, settings.STEPS,
+      settings.REPEATS, settings.ROUNDS, settings.THREADS, settings.PEER_PYTHON,
+      settings.WORKDIR, SHOW_PLAN,
+      batch_size=2048, mesh="-1", model="dlrm", preset="kaggle", memory_budget_gb=None,
+      sharding="tw", rows=100_000, steps=30, repeats=3, rounds=3, threads=2, peer_python="",
+      workdir="runs/bench_dlrm", show_plan=False)
 
 
 def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: int, threads: int):

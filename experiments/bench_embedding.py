@@ -22,25 +22,29 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+POOLING = config.setting("pooling", "list", "Pooling factors (ids per bag).")
+PATHS = config.setting("paths", "list", "Which paths to time: sparse, naive.")
+NAIVE_STEPS = config.setting("naive_steps", "integer", "Steps per timed repeat of the naive "
+                             "path (slow at large R).", lower=1)
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_list("rows", ["10000", "100000", "1000000", "10000000"], "Table sizes R.")
-  flags.DEFINE_list("pooling", ["1", "8"], "Pooling factors (ids per bag).")
-  flags.DEFINE_list("paths", ["sparse", "naive"], "Which paths to time.")
-  flags.DEFINE_integer("dim", 64, "Embedding dim.", lower_bound=1)
-  flags.DEFINE_integer("batch_size", 4096, "Bags per step.", lower_bound=1)
-  flags.DEFINE_integer("steps", 30, "Steps per timed repeat of the sparse path.", lower_bound=1)
-  flags.DEFINE_integer("naive_steps", 5, "Steps per timed repeat of the naive path (slow at "
-                       "large R).", lower_bound=1)
-  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).", lower_bound=1)
-  flags.DEFINE_float("zipf_alpha", 1.05, "Zipf exponent of the ids.")
-  flags.DEFINE_string("workdir", "runs/bench_embedding", "Where results.json and the plot go.")
+  config.define_flags(
+      None, rec_settings.ROWS.narrowed(lower=1).several(), POOLING, PATHS, rec_settings.DIM,
+      settings.BATCH_SIZE, settings.STEPS, NAIVE_STEPS, settings.REPEATS,
+      rec_settings.ZIPF_ALPHA, settings.WORKDIR,
+      rows=["10000", "100000", "1000000", "10000000"], pooling=["1", "8"],
+      paths=["sparse", "naive"], dim=64, batch_size=4096, steps=30, naive_steps=5, repeats=5,
+      zipf_alpha=1.05, workdir="runs/bench_embedding")
 
 
 def make_steps(num_rows: int, dim: int, batch: int, pooling: int, alpha: float, seed: int = 0):

@@ -36,8 +36,10 @@ add it to FAMILIES; its flags go beside the others.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import types
 from typing import Any, Callable, NamedTuple
 
 # Pallas's GPU interpreter (--interpret_check) runs each warpgroup on its own XLA CPU thread;
@@ -48,47 +50,79 @@ os.environ.setdefault("PJRT_NPROC", "16")
 from absl import app, flags  # noqa: E402
 
 from core import cli  # noqa: E402
+from core import config  # noqa: E402
 from core import results as results_lib  # noqa: E402
+from core import settings  # noqa: E402
 from experiments.benchmarks import attention  # noqa: E402
 from experiments.benchmarks import embedding_bag  # noqa: E402
+from llm import settings as lm_settings  # noqa: E402,F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
+
+
+KERNELS = config.setting(
+    "kernels", "list", "Kernel families to run (keys of FAMILIES).")
+INTERPRET_CHECK = config.setting(
+    "interpret_check", "bool", "Tiny kernel-vs-reference check in Pallas interpret mode (works on "
+    "CPU).")
+SEQ_LENS = config.setting(
+    "seq_lens", "list", "Sequence lengths T = S.")
+TOKENS = config.setting(
+    "tokens", "integer", "batch x seq_len (batch = tokens // seq_len, at least 1).", lower=1)
+KV_HEADS = config.setting(
+    "kv_heads", "integer", "Key/value heads G (0: = heads).", lower=0)
+HEAD_DIMS = config.setting(
+    "head_dims", "list", "Head dims K.")
+CAUSAL = config.setting(
+    "causal", "list", "Causal settings to run.")
+BLOCK_Q = config.setting(
+    "block_q", "integer", "Triton kernel forward block_q.", lower=1)
+BLOCK_K = config.setting(
+    "block_k", "integer", "Triton kernel forward block_k.", lower=1)
+MGPU_CONFIGS = config.setting(
+    "mgpu_configs", "list", "Mosaic GPU configs to time, each "
+    "BLOCK_QxBLOCK_KVxSTAGES[:split|fused]: forward tiling (block_q rows per compute warpgroup) "
+    "and backward variant (default fused at head dim 128, split at 64).")
+EB_ROWS = config.setting(
+    "eb_rows", "integer", "Rows per table.", lower=1)
+EB_DIM = config.setting(
+    "eb_dim", "integer", "Embedding dim.", lower=1)
+EB_BATCH = config.setting(
+    "eb_batch", "integer", "Bags per feature.", lower=1)
+EB_FEATURES = config.setting(
+    "eb_features", "integer", "Tables (features) in the flat buffer.", lower=1)
+EB_BAG_LEN = config.setting(
+    "eb_bag_len", "integer", "Ids per bag.", lower=1)
+EB_DTYPES = config.setting(
+    "eb_dtypes", "list", "Row formats.")
+
+# The kernels take float16 inputs too: --dtype is the shared setting with that choice added.
+DTYPE = dataclasses.replace(settings.DTYPE, choices=(*settings.DTYPE.choices, "float16"))
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_list("kernels", ["flash_attention", "embedding_bag"], "Kernel families to run (keys of FAMILIES).")
-  flags.DEFINE_bool("interpret_check", False,
-                    "Tiny kernel-vs-reference check in Pallas interpret mode (works on CPU).")
-  flags.DEFINE_string("workdir", "runs/bench_kernels", "Where results.json goes.")
-  flags.DEFINE_integer("repeats", 5, "Timed repeats (median reported).", lower_bound=1)
-  flags.DEFINE_integer("steps", 10, "Calls per timed repeat.", lower_bound=1)
-  # flash_attention
-  flags.DEFINE_list("seq_lens", ["4096", "8192", "16384"], "Sequence lengths T = S.")
-  flags.DEFINE_integer("tokens", 16384, "batch x seq_len (batch = tokens // seq_len, at least 1).",
-                       lower_bound=1)
-  flags.DEFINE_integer("heads", 16, "Query heads H.", lower_bound=1)
-  flags.DEFINE_integer("kv_heads", 0, "Key/value heads G (0: = heads).", lower_bound=0)
-  flags.DEFINE_list("head_dims", ["128", "64"], "Head dims K.")
-  flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
-  flags.DEFINE_list("impls", ["mgpu", "triton", "cudnn", "xla"],
-                    "Attention implementations: mgpu, triton, pallas (the backend's choice of "
-                    "the two), cudnn, xla.")
-  flags.DEFINE_list("causal", ["true", "false"], "Causal settings to run.")
-  flags.DEFINE_integer("block_q", 128, "Triton kernel forward block_q.", lower_bound=1)
-  flags.DEFINE_integer("block_k", 128, "Triton kernel forward block_k.", lower_bound=1)
-  flags.DEFINE_list("mgpu_configs", ["64x128x2"],
-                    "Mosaic GPU configs to time, each BLOCK_QxBLOCK_KVxSTAGES[:split|fused]: "
-                    "forward tiling (block_q rows per compute warpgroup) and backward variant "
-                    "(default fused at head dim 128, split at 64).")
-  # embedding_bag
-  flags.DEFINE_integer("eb_rows", 1_000_000, "Rows per table.", lower_bound=1)
-  flags.DEFINE_integer("eb_dim", 128, "Embedding dim.", lower_bound=1)
-  flags.DEFINE_integer("eb_batch", 8192, "Bags per feature.", lower_bound=1)
-  flags.DEFINE_integer("eb_features", 26, "Tables (features) in the flat buffer.", lower_bound=1)
-  flags.DEFINE_integer("eb_bag_len", 20, "Ids per bag.", lower_bound=1)
-  flags.DEFINE_list("eb_dtypes", ["float32", "bfloat16", "int8", "int8_split"], "Row formats.")
+  config.define_flags(
+      None, KERNELS, INTERPRET_CHECK, "workdir", "repeats", "steps", SEQ_LENS, TOKENS, "heads",
+      KV_HEADS, HEAD_DIMS, DTYPE, "impls", CAUSAL, BLOCK_Q, BLOCK_K, MGPU_CONFIGS, EB_ROWS,
+      EB_DIM, EB_BATCH, EB_FEATURES, EB_BAG_LEN, EB_DTYPES,
+      kernels=["flash_attention", "embedding_bag"], interpret_check=False,
+      workdir="runs/bench_kernels", repeats=5, steps=10, seq_lens=["4096", "8192", "16384"],
+      tokens=16384, heads=["16"], kv_heads=0, head_dims=["128", "64"], dtype="bfloat16",
+      impls=["mgpu", "triton", "cudnn", "xla"], causal=["true", "false"], block_q=128,
+      block_k=128, mgpu_configs=["64x128x2"], eb_rows=1_000_000, eb_dim=128, eb_batch=8192,
+      eb_features=26, eb_bag_len=20, eb_dtypes=["float32", "bfloat16", "int8", "int8_split"])
+  flags.register_validator("heads", lambda v: len(v) == 1 and v[0].isdigit() and int(v[0]) >= 1,
+                           message="expected one query head count >= 1")
+
+
+def bench_config(fv=None):
+  """The flags' values as the benchmarks read them (`cfg.heads`: the query head count)."""
+  fv = FLAGS if fv is None else fv
+  cfg = types.SimpleNamespace(**{name: fv[name].value for name in fv})
+  cfg.heads = int(cfg.heads[0])
+  return cfg
 
 
 def _ratio(r, part):
@@ -184,8 +218,9 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--kernels: {unknown} unknown, expected some of {sorted(FAMILIES)}")
   os.makedirs(FLAGS.workdir, exist_ok=True)
+  cfg = bench_config()
   out = {"machine": benchmark.machine(), "flags": {
-      k: FLAGS[k].value for k in ("kernels", "seq_lens", "tokens", "heads", "kv_heads",
+      k: getattr(cfg, k) for k in ("kernels", "seq_lens", "tokens", "heads", "kv_heads",
                                   "head_dims", "dtype", "impls", "causal", "block_q", "block_k",
                                   "mgpu_configs", "repeats", "steps", "interpret_check")}}
 
@@ -211,7 +246,7 @@ def main(argv):
   for name in FLAGS.kernels:
     print(f"{name}:", flush=True)
     try:
-      results[name] = FAMILIES[name].bench(FLAGS)
+      results[name] = FAMILIES[name].bench(cfg)
       summary[name] = FAMILIES[name].summary(results[name])
     except app.UsageError:
       raise

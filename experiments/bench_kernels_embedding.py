@@ -15,10 +15,11 @@ Zipf ids, `--zipf_alpha`, hit L2 and can exceed 1).
 Row formats (`--dtypes`): float32, bfloat16, int8 (FBGEMM row-wise int8 packed with scale
 and bias inline), int8_split (codes, scale and bias in three arrays), int4 (FBGEMM N-bit,
 dequantized in the kernel), int8_cache / int4_cache (the mixed-precision tables of arXiv
-2010.11305 with `--cache_fraction` of the rows in an fp32 LFU cache: "pallas" and "xla"
-time the whole lookup with the cache search, "pallas_kernel" the kernel alone; the hit
-rate goes into the results). `--sweep` adds a few Pallas launch configurations per
-format (rows in flight `unroll`, bags per program, warps) beside the default one.
+2010.11305 with `--cache_fraction` of the rows in an fp32 LFU cache, by default int8 0.05
+and int4 0.01: "pallas" and "xla" time the whole lookup with the cache search,
+"pallas_kernel" the kernel alone; the hit rate goes into the results). `--sweep` adds a
+few Pallas launch configurations per format (rows in flight `unroll`, bags per program,
+warps) beside the default one.
 
 Every implementation runs in its own try: one that fails to compile or runs out of
 memory is reported with its error and the others go on. Prints a table, writes
@@ -35,28 +36,31 @@ import sys
 from absl import flags
 
 from core import cli
+from core import config
+from core import settings
 from experiments.benchmarks import embedding_bag as eb_bench
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+FEATURES = config.setting("features", "integer", "Tables (features) in the flat buffer.",
+                          lower=1)
+BAG_LEN = config.setting("bag_len", "integer", "Ids per bag.", lower=1)
+DTYPES = config.setting("dtypes", "list", f"Row formats, some of {eb_bench.FORMATS}.")
+SWEEP = config.setting("sweep", "bool", "Also time a few Pallas launch configs per format.")
 
 
 def define_flags() -> None:
   """The entry point's flags, defined only when run as a script: experiments.bench_kernels
   imports this module and has flags of the same names."""
-  flags.DEFINE_integer("rows", 1_000_000, "Rows per table.", lower_bound=1)
-  flags.DEFINE_integer("dim", 128, "Embedding dim D.", lower_bound=1)
-  flags.DEFINE_integer("batch", 8192, "Bags per feature.", lower_bound=1)
-  flags.DEFINE_integer("features", 26, "Tables (features) in the flat buffer.", lower_bound=1)
-  flags.DEFINE_integer("bag_len", 20, "Ids per bag.", lower_bound=1)
-  flags.DEFINE_list("dtypes", list(eb_bench.FORMATS),
-                    f"Row formats, some of {eb_bench.FORMATS}.")
-  flags.DEFINE_list("impls", ["pallas", "xla", "triton"], "Implementations.")
-  flags.DEFINE_float("zipf_alpha", 0.0, "Zipf exponent of the ids (0: uniform).")
-  flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).", lower_bound=1)
-  flags.DEFINE_bool("sweep", False, "Also time a few Pallas launch configs per format.")
-  flags.DEFINE_float("cache_fraction", None, "int8_cache / int4_cache: cache size as a fraction "
-                     "of the rows (default: int8 0.05, int4 0.01).")
-  flags.DEFINE_string("workdir", "runs/bench_kernels_embedding", "Where results.json goes.")
+  from rec import configs
+  config.define_flags(
+      None, rec_settings.ROWS.narrowed(lower=1), rec_settings.DIM, settings.BATCH, FEATURES,
+      BAG_LEN, DTYPES, settings.IMPLS, rec_settings.ZIPF_ALPHA, settings.REPEATS, SWEEP,
+      configs.CACHE_FRACTION, settings.WORKDIR,
+      rows=1_000_000, dim=128, batch=8192, features=26, bag_len=20,
+      dtypes=list(eb_bench.FORMATS), impls=["pallas", "xla", "triton"], zipf_alpha=0.0,
+      repeats=20, sweep=False, cache_fraction=None, workdir="runs/bench_kernels_embedding")
 
 
 def main(argv):

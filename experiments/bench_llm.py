@@ -10,7 +10,8 @@ and decode time against the memory-bandwidth floor.
 
 A ~100M-parameter config (`llama_100m`: dim 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
 vocab 32000) with random weights, fp32; or a real checkpoint (--checkpoint=llama2c: | hf: |
-gguf:), prompted with --prompt through its own tokenizer, whose file the peer reads itself
+gguf:), prompted with --prompt through its own tokenizer (every row the same; --prompt_len is
+then its length), whose file the peer reads itself
 (transformers' own GGUF dequantization and Q/K un-permutation; an HF directory as it is).
 Random and llama2.c weights are exported with `llm.weights.save_hf`. The peer script
 (`experiments/peers/hf_llama.py`, run in the peer environment) loads the very same tensors
@@ -21,7 +22,8 @@ into `transformers.LlamaForCausalLM`. Timed per round, ours then the peer
 Both run greedy, so the generated ids must agree (a cross-check of the model and the
 loader against an independent implementation); the script reports how many rows match.
 
---dtype=bfloat16 stores weights and computes in bf16, KV cache included (the peer still
+--weights=int8 | int4 | gguf quantizes our model's weights only (the peer keeps float
+weights). --dtype=bfloat16 stores weights and computes in bf16, KV cache included (the peer still
 gets the fp32 export, so ids may part after a few tokens). The bandwidth floor of a decode
 step is (weight bytes + KV-cache bytes read per step) / copy bandwidth: every weight is read
 once per step (the embedding table once as the tied output projection, or only its B rows
@@ -42,43 +44,30 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.benchmarks.decode import decode_bytes_per_step  # noqa: F401
 from experiments.benchmarks.decode import time_decode as time_ours
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
+
+
+COPY_MB = config.setting(
+    "copy_mb", "integer", "Size of the copy that measures memory bandwidth (MiB).", lower=1)
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("preset", "llama_100m", "Model size (llm.config.PRESETS) of the random "
-                      "model used without --checkpoint.")
-  flags.DEFINE_string("checkpoint", None, "A real checkpoint instead of random weights: "
-                      "llama2c:PATH | hf:DIR | gguf:FILE (llm.checkpoints).")
-  flags.DEFINE_string("prompt", "Once upon a time, there was a little robot who",
-                      "With --checkpoint and its tokenizer: the prompt text of every row "
-                      "(BOS as the tokenizer adds it); --prompt_len is then its length.")
-  flags.DEFINE_integer("batch", 1, "Prompts per batch.", lower_bound=1)
-  flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per row.", lower_bound=1)
-  flags.DEFINE_integer("new_tokens", 32, "Generated tokens per row.", lower_bound=1)
-  flags.DEFINE_integer("repeats", 3, "Timed repeats per round.", lower_bound=1)
-  flags.DEFINE_integer("rounds", 2, "Rounds; each runs ours then the peer.", lower_bound=1)
-  flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).",
-                       lower_bound=1)
-  flags.DEFINE_string("peer_python", "", "Python of the transformers environment; empty: skip.")
-  flags.DEFINE_string("workdir", "runs/bench_llm", "Where results.json, the plot and the "
-                      "exported weights go.")
-  flags.DEFINE_integer("seed", 0, "Weights and prompt seed.", lower_bound=0)
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                    "Weights, compute and KV cache dtype of our model.")
-  flags.DEFINE_enum("weights", "float32", ["float32", "int8", "int4", "gguf"],
-                    "Weight-only quantization of our model (llm.quantized): float32 (none, "
-                    "stored in --dtype), int8 / int4 (group-wise, dequantized inside each "
-                    "matmul; a GGUF's Q8_0 / Q4_x blocks taken directly), gguf (a gguf: "
-                    "checkpoint's tensors as stored). The peer keeps float weights.")
-  flags.DEFINE_integer("copy_mb", 1024, "Size of the copy that measures memory bandwidth (MiB).",
-                       lower_bound=1)
+  config.define_flags(
+      None, "preset", "checkpoint", "prompt", "batch", "prompt_len", "new_tokens", "repeats",
+      "rounds", "threads", "peer_python", "workdir", "seed", "dtype", "weights", COPY_MB,
+      preset="llama_100m", checkpoint=None,
+      prompt="Once upon a time, there was a little robot who", batch=1, prompt_len=128,
+      new_tokens=32, repeats=3, rounds=2, threads=2, peer_python="", workdir="runs/bench_llm",
+      seed=0, dtype="float32", weights="float32", copy_mb=1024)
 
 
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:

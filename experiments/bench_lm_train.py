@@ -30,34 +30,37 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.benchmarks import lm_train
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
+
+
+MU_DTYPE = config.setting(
+    "mu_dtype", "enum", "AdamW first-moment dtype.", choices=("float32", "bfloat16"))
+LOSS_CHUNK = config.setting(
+    "loss_chunk", "integer", "Tokens per chunk of the cross-entropy (-1: auto, 0: plain loss over "
+    "full logits).", lower=-1)
+WARMUP = config.setting(
+    "warmup", "integer", "Untimed steps after compiling.", lower=0)
+BREAKDOWN = config.setting(
+    "breakdown", "bool", "Time forward, backward, attention, loss head, optimizer.")
+XLA_DUMP = config.setting(
+    "xla_dump", "bool", "XLA HLO dumps to <workdir>/xla_dump.")
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("preset", "llama32_1b", "Model size (llm.config.PRESETS).")
-  flags.DEFINE_integer("seq_len", 8192, "Tokens per row.", lower_bound=1)
-  flags.DEFINE_integer("batch", 1, "Global batch (rows).", lower_bound=1)
-  flags.DEFINE_string("mesh", "data:1", "Mesh (core.mesh: e.g. data:1, fsdp:8, data:2,tp:4).")
-  flags.DEFINE_string("attention_impl", "auto", "llm.attention implementation.")
-  flags.DEFINE_enum("remat", "none", ["none", "full", "dots", "attention"],
-                    "Rematerialization: none, or LlamaConfig.remat_policy.")
-  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
-  flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"], "AdamW first-moment dtype.")
-  flags.DEFINE_integer("loss_chunk", -1, "Tokens per chunk of the cross-entropy (-1: auto, "
-                       "0: plain loss over full logits).", lower_bound=-1)
-  flags.DEFINE_integer("steps", 10, "Steps per timed repeat.", lower_bound=1)
-  flags.DEFINE_integer("repeats", 3, "Timed repeats.", lower_bound=1)
-  flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.", lower_bound=0)
-  flags.DEFINE_bool("breakdown", True, "Time forward, backward, attention, loss head, optimizer.")
-  flags.DEFINE_bool("profile", False, "jax.profiler trace of 3 steps to <workdir>/profile; "
-                    "its summary (device busy time, top kernels) goes into the results.")
-  flags.DEFINE_bool("xla_dump", False, "XLA HLO dumps to <workdir>/xla_dump.")
-  flags.DEFINE_string("workdir", "runs/bench_lm_train", "Where results.json and traces go.")
+  config.define_flags(
+      None, "preset", "seq_len", "batch", "mesh", "attention_impl", "remat", "dtype", MU_DTYPE,
+      LOSS_CHUNK, "steps", "repeats", WARMUP, BREAKDOWN, "profile", XLA_DUMP, "workdir",
+      preset="llama32_1b", seq_len=8192, batch=1, mesh="data:1", attention_impl="auto",
+      remat="none", dtype="bfloat16", mu_dtype="float32", loss_chunk=-1, steps=10, repeats=3,
+      warmup=2, breakdown=True, profile=False, xla_dump=False, workdir="runs/bench_lm_train")
 
 
 def main(argv):

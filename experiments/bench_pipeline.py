@@ -10,8 +10,9 @@ r"""Is the accelerator fed? Input pipeline alone, train step alone, and end to e
 For each --data (measured by `experiments.benchmarks.rec.pipeline_rates`): examples/s of
 the source alone (`batches()`, host or device), of the jitted train step alone over batches
 already on the devices (as experiments.bench_dlrm times it), and of `core.train.train` end
-to end (prefetch, placement, metrics; no eval), and the ratio end to end / step, which
-the target asks to be at least 0.8 at batch 16384 on a GPU.
+to end (prefetch, placement, metrics; no eval; --steps steps, which the step timing splits
+into its repeats), and the ratio end to end / step, which the target asks to be at least
+0.8 at batch 16384 on a GPU.
 `criteo_bin:gen` writes --gen_rows random rows in the `rec.data.criteo_bin` layout under
 --workdir once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain.
 The model is DLRM's Criteo Kaggle architecture with --num_rows rows per table.
@@ -36,35 +37,36 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
 from experiments.benchmarks import rec as rec_bench
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+SOURCE_BATCHES = config.setting("source_batches", "integer", "Batches timed for the source "
+                                "alone.", lower=1)
+GEN_ROWS = config.setting("gen_rows", "integer", "Rows of the generated criteo_bin directory.",
+                          lower=1)
+RECD_REPEATS = config.setting(
+    "recd_repeats", "list", "RecD: mean session lengths of session data to measure plain vs "
+    "dedup end to end, e.g. 1,2,4,8 (replaces --data); empty: off.")
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
   from rec import configs
-  configs.define_rec_run_flags("num_rows", "model", "preset", "mesh", batch_size=16384)
-  flags.DEFINE_list("data", ["synthetic:gen=device", "synthetic:gen=host", "criteo_bin:gen"],
-                    "Sources to measure (train_rec's --data forms; criteo_bin:gen = generated).")
-  flags.DEFINE_integer("steps", 60, "End-to-end steps (also split into the step timing's repeats).",
-                       lower_bound=1)
-  flags.DEFINE_integer("source_batches", 60, "Batches timed for the source alone.", lower_bound=1)
-  flags.DEFINE_integer("gen_rows", 4_000_000, "Rows of the generated criteo_bin directory.",
-                       lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/bench_pipeline", "results.json, plot, generated data.")
-  flags.DEFINE_list("recd_repeats", [], "RecD: mean session lengths of session data to measure "
-                    "plain vs dedup end to end, e.g. 1,2,4,8 (replaces --data); empty: off.")
-  flags.DEFINE_integer("data_workers", 2, "Grain worker processes drawing the train batches "
-                       "(and RecD's dedup) for --recd_repeats; 0: in this process.",
-                       lower_bound=0)
-  flags.DEFINE_integer("repeats", 3, "--recd_repeats: end-to-end runs per setting (median).",
-                       lower_bound=1)
-  flags.DEFINE_integer("num_user", 8, "--recd_repeats: user (deduplicated) features.",
-                       lower_bound=1, upper_bound=26)
-  flags.DEFINE_integer("user_bag", 32, "--recd_repeats: ids per user-feature bag.", lower_bound=1)
+  config.define_flags(
+      None, configs.NUM_ROWS, configs.MODEL, settings.PRESET, settings.MESH,
+      settings.BATCH_SIZE, settings.DATA.several(), settings.STEPS, SOURCE_BATCHES, GEN_ROWS,
+      settings.WORKDIR, RECD_REPEATS, rec_settings.DATA_WORKERS, settings.REPEATS,
+      rec_settings.NUM_USER.narrowed(upper=26), rec_settings.USER_BAG,
+      num_rows=100_000, model="dlrm", preset="kaggle", mesh="-1", batch_size=16384,
+      data=["synthetic:gen=device", "synthetic:gen=host", "criteo_bin:gen"],
+      steps=60, source_batches=60, gen_rows=4_000_000, workdir="runs/bench_pipeline",
+      recd_repeats=[], data_workers=2, repeats=3, num_user=8, user_bag=32)
 
 
 def main(argv):
@@ -111,8 +113,16 @@ def main(argv):
   except ImportError:
     pass
   results_lib.print_summary({"device": machine["device"], "batch_size": FLAGS.batch_size,
-                             **{r["data"]: {k: round(v, 3) if k.endswith("step") else round(v)
-                                            for k, v in r.items() if k != "data"} for r in rows}})
+                             **{r["data"]: {k: _rounded(k, v) for k, v in r.items() if k != "data"}
+                                for r in rows}})
+
+
+def _rounded(key, value):
+  """A summary number: ratios to 3 places, rates whole; other values (the source's name) as
+  they are."""
+  if not isinstance(value, (int, float)):
+    return value
+  return round(value, 3) if key.endswith("step") else round(value)
 
 
 # RecD's end-to-end training throughput gain, "up to 2.48x" (arXiv 2211.05239v4 and the

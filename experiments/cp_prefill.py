@@ -45,32 +45,39 @@ import statistics
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
+
+
+CACHED_LEN = config.setting(
+    "cached_len", "integer", "Tokens already in the KV cache (persistent-KV prefill; 0: full "
+    "prefill without a cache). Multiple of 2*cp.", lower=0)
+VARIANT = config.setting(
+    "variant", "enum", "Ring attention variant.", choices=("pass_kv", "pass_q", "auto"))
+INNER_IMPL = config.setting(
+    "inner_impl", "enum", "Per-block attention inside the ring.", choices=("xla", "pallas"))
+TOL = config.setting(
+    "tol", "float", "Max |logit difference| to pass; default 1e-4 (float32), 0.2 (bfloat16).",
+    none_ok=True)
+PEAK_TFLOPS = config.setting(
+    "peak_tflops", "float", "C of the auto rule, TF/s per rank (H100 dense bf16).")
+BANDWIDTH_GBPS = config.setting(
+    "bandwidth_gbps", "float", "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("mesh", "cp:-1", "Mesh with a cp axis, e.g. cp:4, data:2,cp:4, tp:2,cp:4.")
-  flags.DEFINE_string("preset", "tiny", "Llama size (llm.config.PRESETS); random weights.")
-  flags.DEFINE_integer("seq_len", 512, "New tokens per row in the timed prefill (a multiple "
-                       "of 2*cp).", lower_bound=1)
-  flags.DEFINE_integer("cached_len", 0, "Tokens already in the KV cache (persistent-KV prefill; "
-                       "0: full prefill without a cache). Multiple of 2*cp.", lower_bound=0)
-  flags.DEFINE_integer("batch", 1, "Rows per batch.", lower_bound=1)
-  flags.DEFINE_enum("variant", "pass_kv", ["pass_kv", "pass_q", "auto"], "Ring attention variant.")
-  flags.DEFINE_enum("inner_impl", "xla", ["xla", "pallas"], "Per-block attention inside the ring.")
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params fp32).")
-  flags.DEFINE_integer("repeats", 5, "Timed calls of each (after one compile call).",
-                       lower_bound=1)
-  flags.DEFINE_float("tol", None, "Max |logit difference| to pass; default 1e-4 (float32), "
-                     "0.2 (bfloat16).")
-  flags.DEFINE_float("peak_tflops", 989.0, "C of the auto rule, TF/s per rank (H100 dense bf16).")
-  flags.DEFINE_float("bandwidth_gbps", 50.0, "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
-  flags.DEFINE_integer("seed", 0, "Weights and tokens seed.", lower_bound=0)
-  flags.DEFINE_string("workdir", "runs/cp_prefill", "Where results.json goes.")
+  config.define_flags(
+      None, "mesh", "preset", "seq_len", CACHED_LEN, "batch", VARIANT, INNER_IMPL, "dtype",
+      "repeats", TOL, PEAK_TFLOPS, BANDWIDTH_GBPS, "seed", "workdir", mesh="cp:-1", preset="tiny",
+      seq_len=512, cached_len=0, batch=1, variant="pass_kv", inner_impl="xla", dtype="float32",
+      repeats=5, tol=None, peak_tflops=989.0, bandwidth_gbps=50.0, seed=0,
+      workdir="runs/cp_prefill")
   for name in ("peak_tflops", "bandwidth_gbps"):
     flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
   flags.register_validator("tol", lambda v: v is None or v >= 0, message="expected >= 0")

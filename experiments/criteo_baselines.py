@@ -5,7 +5,9 @@ r"""DLRM vs logistic regression on the same hashed Criteo features (arXiv 1906.0
 Trains each model on train.txt (the DLRM Kaggle preset: dim 16, bottom 13-512-256-64-16,
 top 512-256-1; logistic regression: one weight per hashed id plus a dense linear part),
 evaluates on valid.txt + test.txt, and prints a table of AUC, log loss and NE for every
-(model, epochs) pair. Same hashing, batches, optimizers and learning rates for both.
+(model, epochs) pair (--epochs: the epoch counts, each trained). Same hashing, batches,
+optimizers and learning rates for both (--learning_rate: the dense and the embedding one,
+Adagrad).
 Writes results.json and a PNG to --workdir; the last stdout line is JSON.
 """
 
@@ -16,7 +18,10 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
 
@@ -25,11 +30,11 @@ def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
   from rec import configs
-  configs.define_rec_run_flags("num_rows", "seed", data=None, batch_size=128)
-  flags.DEFINE_list("models", ["logreg", "dlrm"], "Models to compare.")
-  flags.DEFINE_list("epochs", ["1", "3"], "Epoch counts to train each model for.")
-  flags.DEFINE_float("learning_rate", 0.05, "Dense and embedding learning rate (Adagrad).")
-  flags.DEFINE_string("workdir", "runs/criteo_baselines", "Output directory.")
+  config.define_flags(None, configs.NUM_ROWS, settings.SEED, settings.DATA,
+                      settings.BATCH_SIZE, rec_settings.MODELS, settings.EPOCHS.several(),
+                      settings.LEARNING_RATE, settings.WORKDIR, num_rows=100_000, seed=0, data=None,
+                      batch_size=128, models=["logreg", "dlrm"],
+                      epochs=["1", "3"], learning_rate=0.05, workdir="runs/criteo_baselines")
   flags.mark_flag_as_required("data")
 
 
@@ -42,14 +47,14 @@ def main(argv):
   rows = []
   for model in FLAGS.models:
     for ep in FLAGS.epochs:
-      cfg = configs.RecRunConfig(model=model, data=FLAGS.data, num_rows=FLAGS.num_rows,
-                                 batch_size=FLAGS.batch_size, eval_batch_size=1024, mesh="-1",
-                                 learning_rate=FLAGS.learning_rate,
-                                 embedding_learning_rate=FLAGS.learning_rate, seed=FLAGS.seed)
+      cfg = configs.make_run(model=model, data=FLAGS.data, num_rows=FLAGS.num_rows,
+                             batch_size=FLAGS.batch_size, eval_batch_size=1024, mesh="-1",
+                             learning_rate=FLAGS.learning_rate,
+                             embedding_learning_rate=FLAGS.learning_rate, seed=FLAGS.seed)
       task, train_src, eval_src, _, _ = configs.build_run(cfg)
       steps = configs.steps_for(float(ep), train_src)
       workdir = os.path.join(FLAGS.workdir, f"{model}_e{ep}")
-      print(f"== {model}, {ep} epoch(s): {steps} steps of {cfg.batch_size}", flush=True)
+      print(f"== {model}, {ep} epoch(s): {steps} steps of {cfg.train.batch_size}", flush=True)
       out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
                             train_lib.TrainConfig(workdir=workdir, steps=steps, log_every=max(1, steps // 4),
                                                   resume=False, seed=cfg.seed, tensorboard=False))

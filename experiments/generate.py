@@ -34,45 +34,48 @@ import time
 
 from absl import flags
 from core import cli
+from core import config
 from core import errors
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
+
+
+PROMPT_IDS = config.setting(
+    "prompt_ids", "list", "Prompt token ids (default: the BOS token).", none_ok=True)
+CHAT = config.setting(
+    "chat", "string", "One user message, rendered with the checkpoint's chat template (the "
+    "assistant's turn opened).", none_ok=True)
+CHAT_FILE = config.setting(
+    "chat_file", "string", 'A JSON file holding a list of {"role", "content"} messages, '
+    "rendered like --chat.", none_ok=True)
+BOS = config.setting(
+    "bos", "bool", "Prepend the tokenizer's BOS to --prompt (default: as the checkpoint's "
+    "tokenizer does: tokenizer_config.json add_bos_token, the tokenizer.json post-processor, GGUF "
+    "tokenizer.ggml.add_bos_token).", none_ok=True)
+TEMPERATURE = config.setting(
+    "temperature", "float", "0 = greedy.")
+TOP_K = config.setting(
+    "top_k", "integer", "Keep the k most likely tokens (0 = all).", lower=0)
+TOP_P = config.setting(
+    "top_p", "float", "Nucleus sampling mass (1 = all).")
+STOP_IDS = config.setting(
+    "stop_ids", "list", "Stop after any of these token ids (default: the tokenizer's EOS ids; "
+    "none without a tokenizer).", none_ok=True)
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | gguf:FILE | workdir:DIR",
-                      required=True)
-  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, a llama2.c "
-                      "tokenizer.bin or a GGUF file (its vocabulary) (default: the checkpoint's "
-                      "own, see the module docstring).")
-  flags.DEFINE_list("prompt_ids", None, "Prompt token ids (default: the BOS token).")
-  flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-  flags.DEFINE_string("chat", None, "One user message, rendered with the checkpoint's chat "
-                      "template (the assistant's turn opened).")
-  flags.DEFINE_string("chat_file", None, "A JSON file holding a list of {\"role\", "
-                      "\"content\"} messages, rendered like --chat.")
-  flags.DEFINE_bool("bos", None, "Prepend the tokenizer's BOS to --prompt (default: as the "
-                    "checkpoint's tokenizer does: tokenizer_config.json add_bos_token, the "
-                    "tokenizer.json post-processor, GGUF tokenizer.ggml.add_bos_token).")
-  flags.DEFINE_integer("bos_id", None, "Token used when no prompt is given (default: the "
-                       "tokenizer's BOS, else 1).", lower_bound=0)
-  flags.DEFINE_integer("max_new_tokens", 40, "Tokens to generate; prompt + new tokens must fit "
-                       "in the model's max_seq_len.", lower_bound=1)
-  flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).", lower_bound=0)
-  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = all).")
-  flags.DEFINE_list("stop_ids", None, "Stop after any of these token ids (default: the "
-                    "tokenizer's EOS ids; none without a tokenizer).")
-  flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_enum("weights", "float32", ["float32", "int8", "int4", "gguf"],
-                    "Weight-only quantization (llm.quantized): float32 (none), int8 / int4 "
-                    "(group-wise, groups of 32, dequantized inside each matmul; a GGUF's Q8_0 / "
-                    "Q4_0 / Q4_1 blocks taken directly), gguf (a gguf: checkpoint's tensors as "
-                    "stored).")
+  config.define_flags(
+      None, "checkpoint", "tokenizer", PROMPT_IDS, "prompt", CHAT, CHAT_FILE, BOS, "bos_id",
+      "max_new_tokens", TEMPERATURE, TOP_K, TOP_P, STOP_IDS, "seed", "dtype", "weights",
+      checkpoint=None, tokenizer=None, prompt_ids=None, prompt=None, chat=None, chat_file=None,
+      bos=None, bos_id=None, max_new_tokens=40, temperature=0.0, top_k=0, top_p=1.0,
+      stop_ids=None, seed=0, dtype="float32", weights="float32")
+  flags.mark_flag_as_required("checkpoint")
 
 
 def _ids(flag: str) -> list[int] | None:

@@ -70,7 +70,9 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
 from core.quant import qsnr
 
 FLAGS = flags.FLAGS
@@ -78,15 +80,20 @@ FLAGS = flags.FLAGS
 SWEEP_FORMATS = ("mxint8", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "mxint4", "mx9", "mx6", "mx4")
 
 
+SAMPLES = config.setting(
+    "samples", "integer", "N(0, 1) samples (a multiple of 4096).", lower=1)
+SWEEP_FORMATS_SETTING = config.setting(
+    "sweep_formats", "list", "Formats of the block-size sweep.")
+BLOCK_SIZES = config.setting(
+    "block_sizes", "list", "Block sizes of the sweep (powers of two up to 4096).")
+
+
 def define_flags() -> None:
-  flags.DEFINE_string("workdir", "runs/mx_qsnr", "Where results.json and qsnr.png go.")
-  flags.DEFINE_integer("samples", 4_194_304, "N(0, 1) samples (a multiple of 4096).", lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "numpy PCG64 seed of the samples.", lower_bound=0)
-  flags.DEFINE_list("formats", [], "Formats of the table (default: all of "
-                    "core.quant.qsnr.QUANTIZERS).")
-  flags.DEFINE_list("sweep_formats", list(SWEEP_FORMATS), "Formats of the block-size sweep.")
-  flags.DEFINE_list("block_sizes", ["8", "16", "32", "64", "128", "256", "1024"],
-                    "Block sizes of the sweep (powers of two up to 4096).")
+  config.define_flags(
+      None, "workdir", SAMPLES, "seed", "formats", SWEEP_FORMATS_SETTING, BLOCK_SIZES,
+      workdir="runs/mx_qsnr", samples=4_194_304, seed=0, formats=[],
+      sweep_formats=list(SWEEP_FORMATS),
+      block_sizes=["8", "16", "32", "64", "128", "256", "1024"])
 
 
 def main(argv) -> None:

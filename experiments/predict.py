@@ -27,23 +27,19 @@ from absl import flags
 from core import cli
 
 FLAGS = flags.FLAGS
-SPLITS = ["train", "valid", "test", "predict"]
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
-  flags.DEFINE_string("checkpoint", None, "The --workdir of a train_rec run (its latest "
-                      "checkpoint and settings).", required=True)
-  flags.DEFINE_string("data", "", "Data to predict on, a --data form of train_rec (criteo:DIR, "
-                      "avazu:DIR, criteo_bin:DIR); empty: the run's own.")
-  flags.DEFINE_enum("split", "predict", SPLITS, "Which rows: predict = the unlabeled ones "
-                    "(Kaggle's test file); train / valid / test = labeled rows, with metrics.")
-  flags.DEFINE_string("days", None, "Criteo Terabyte days of --data (default: the run's).")
-  flags.DEFINE_string("output", "", "CSV to write (default: <checkpoint>/predictions_<split>.csv).")
+  from core import config
+  from core import settings  # noqa: F401  (the settings named below)
+  from rec import predict  # noqa: F401
+  config.define_flags(None, "checkpoint", "data", "split", "days", "output", "mesh",
+                      data="", split="predict", output="", mesh="")
+  flags.mark_flag_as_required("checkpoint")
+  # 0 (the run's --eval_batch_size) sits below the shared --batch_size setting's bound.
   flags.DEFINE_integer("batch_size", 0, "Rows per batch (0: the run's --eval_batch_size).",
                        lower_bound=0)
-  flags.DEFINE_string("mesh", "", "Device mesh (default: the run's; its embedding layout needs "
-                      "the same number of devices).")
 
 
 def main(argv):
@@ -67,9 +63,9 @@ def main(argv):
                              days=FLAGS.days, batch_size=FLAGS.batch_size or None,
                              mesh=FLAGS.mesh or None)
   split = run.split
-  print(f"checkpoint {FLAGS.checkpoint} (step {run.step}) | model {run.cfg.model} "
-        f"({run.cfg.preset}) | data {run.cfg.data} split {FLAGS.split} | {split.describe}",
-        flush=True)
+  m = run.cfg.model
+  print(f"checkpoint {FLAGS.checkpoint} (step {run.step}) | model {m.model} ({m.preset}) | "
+        f"data {run.cfg.data.data} split {FLAGS.split} | {split.describe}", flush=True)
   os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
   evaluator = run.task.new_evaluator() if split.labeled else None
   rows = 0
@@ -85,7 +81,7 @@ def main(argv):
       rows += len(probs)
   os.replace(tmp, output)
   metrics = evaluator.result() if evaluator is not None else {}
-  summary = {"checkpoint": FLAGS.checkpoint, "step": run.step, "data": run.cfg.data,
+  summary = {"checkpoint": FLAGS.checkpoint, "step": run.step, "data": run.cfg.data.data,
              "split": FLAGS.split, "rows": rows, "labeled": split.labeled, "output": output,
              "wall_seconds": time.time() - t0,
              **{k: metrics.get(k) for k in ("auc", "logloss", "ne", "accuracy") if metrics}}

@@ -26,31 +26,34 @@ import time
 
 from absl import flags
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
 
 FLAGS = flags.FLAGS
+
+SRC = config.setting("src", "string", "Directory with the Criteo text files.", none_ok=True)
+DST = config.setting("dst", "string", "Output directory.", none_ok=True)
+IDS = config.setting("ids", "enum", "hash: 1 + hex % (rows - 1); vocab: frequency-thresholded "
+                     "vocabulary of the train split (DLRM / TorchRec).", choices=("hash", "vocab"))
+MIN_COUNT = config.setting("min_count", "integer", "--ids=vocab: values seen fewer times map "
+                           "to one rare id.", lower=1)
+WORKERS = config.setting("workers", "integer", "Worker processes; 0 = one per CPU core.",
+                         lower=0)
+UNIT_MB = config.setting("unit_mb", "integer", "Plain files are converted in units of about "
+                         "this many MiB (one worker task each; a killed run keeps the finished "
+                         "units).", lower=1)
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("src", None, "Directory with the Criteo text files.", required=True)
-  flags.DEFINE_string("dst", None, "Output directory.", required=True)
-  flags.DEFINE_enum("ids", "hash", ["hash", "vocab"], "hash: 1 + hex % (rows - 1); vocab: "
-                    "frequency-thresholded vocabulary of the train split (DLRM / TorchRec).")
-  flags.DEFINE_integer("num_rows", 100_000, "--ids=hash: rows per feature (2 .. 2^31).",
-                       lower_bound=1)
-  flags.DEFINE_integer("min_count", 1, "--ids=vocab: values seen fewer times map to one rare id.",
-                       lower_bound=1)
-  flags.DEFINE_enum("bad_lines", "error", ["error", "skip"], "Malformed lines: stop, or skip and count.")
-  flags.DEFINE_integer("workers", 0, "Worker processes; 0 = one per CPU core.", lower_bound=0)
-  flags.DEFINE_string("days", "", "Criteo Terabyte: the days to convert, e.g. 0-2 or 0,3,23 "
-                      "(empty: every day_N present).")
-  flags.DEFINE_integer("unit_mb", 64, "Plain files are converted in units of about this many "
-                       "MiB (one worker task each; a killed run keeps the finished units).",
-                       lower_bound=1)
-  flags.DEFINE_bool("overwrite", False, "Replace a finished conversion in --dst made from other "
-                    "inputs or settings (without it, that is an error).")
+  from rec import configs
+  config.define_flags(None, SRC, DST, IDS, configs.NUM_ROWS, MIN_COUNT, configs.BAD_LINES,
+                      WORKERS, configs.DAYS, UNIT_MB, settings.OVERWRITE,
+                      ids="hash", num_rows=100_000, min_count=1, bad_lines="error", workers=0,
+                      days="", unit_mb=64, overwrite=False)
+  flags.mark_flags_as_required(["src", "dst"])
 
 
 def main(argv):

@@ -34,10 +34,14 @@ pack_model_step / _ideal (the --cost_model's step time, slowest vs mean micro-ba
 pack_tile_step, pack_layout_document, pack_tokens; results.json holds every step's numbers.
 Eval stays on the held-out windows.
 
-Flag combinations the library cannot train stop before anything is built (`check_flags`,
-naming the flags): --attention_impl=cudnn with --packing (cuDNN takes one document per row,
-and no segment ids in ring attention blocks; so no --cp_sharding=doc|adaptive either), with
---dtype=float32, or off a GPU with cuDNN; auto, xla and the Pallas kernels take them all.
+The run's settings are one llm.run_config.LMRunConfig (model / data / packing / parallelism /
+train / loop sections, a flag per setting); the workdir keeps it as config.py, with the
+command that made it, and `--config=<workdir>/config.py` replays the run (flags given win,
+named in one printed line). Combinations the library cannot train stop before anything is
+built (`LMRunConfig.validate`, naming the flags): --attention_impl=cudnn with --packing
+(cuDNN takes one document per row, and no segment ids in ring attention blocks; so no
+--cp_sharding=doc|adaptive either), with --dtype=float32, or off a GPU with cuDNN; auto, xla
+and the Pallas kernels take them all.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -52,82 +57,29 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
+from core import errors
 from core import results as results_lib
+from core import settings
+from llm import run_config
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
-  module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("text", None, "Text file to train on (bytes are tokens unless --tokenizer).",
-                      required=True)
-  flags.DEFINE_string("tokenizer", None, "tokenizer.json, a directory holding one, a llama2.c "
-                      "tokenizer.bin or a GGUF file's vocabulary (default: UTF-8 bytes, vocab "
-                      "256).")
-  flags.DEFINE_string("preset", "tiny", "Llama size from llm.config.PRESETS (its vocab is set to "
-                      "the tokenizer's).")
-  flags.DEFINE_string("mesh", "-1", "Mesh, e.g. fsdp:8, data:2,tp:4, fsdp:2,tp:4; -1 = all devices "
-                      "on the data axis.")
-  flags.DEFINE_integer("seq_len", 128, "Tokens per training sequence.", lower_bound=1)
-  flags.DEFINE_integer("batch_size", 16, "Global batch size (sequences).", lower_bound=1)
-  flags.DEFINE_integer("steps", 300, "Train steps.", lower_bound=1)
-  flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
-  flags.DEFINE_integer("warmup_steps", 30, "Linear warmup steps.", lower_bound=0)
-  flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices only).")
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params stay fp32).")
-  flags.DEFINE_bool("remat", False, "Rematerialize each block in the backward pass.")
-  flags.DEFINE_string("attention_impl", "xla", "Attention implementation (llm.attention).")
-  flags.DEFINE_enum("context_parallel", "none", ["none", "pass_kv", "pass_q", "auto"],
-                    "Ring attention over the mesh's cp axis (LlamaConfig.context_parallel).")
-  flags.DEFINE_integer("eval_every", 100, "Evaluate every N steps (0: only at the end).", lower_bound=0)
-  flags.DEFINE_integer("eval_batches", 8, "Eval batches from the held-out tail of the file.", lower_bound=1)
-  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
-  flags.DEFINE_float("checkpoint_every_minutes", 10, "Also checkpoint once this many minutes "
-                     "have passed since the last checkpoint (0: off).", lower_bound=0)
-  flags.DEFINE_integer("log_every", 25, "Progress line every N steps.", lower_bound=1)
-  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step.", lower_bound=1)
-  flags.DEFINE_string("workdir", None, "Output directory (default: a new "
-                      "runs/train_lm_<preset>_<YYYYmmdd-HHMMSS>).")
-  flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir (its "
-                    "saved model / optimizer / data settings must match these flags).")
-  flags.DEFINE_list("resume_allow", [], "Settings --resume may change deliberately, e.g. "
-                    "optim.peak_lr,optim.total_steps.")
-  flags.DEFINE_bool("overwrite", False, "Delete the checkpoints and metrics in --workdir first.")
-  flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
-                    "stop the run at that step, or skip the step (counted).")
-  flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps.", lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "Seed of parameters and batch sampling.", lower_bound=0)
-  flags.DEFINE_enum("packing", "none", ["none", "original", "fixed", "wlb"],
-                    "none: random windows of --text; else documents (spans of --text with "
-                    "the Pile's long-tailed lengths) packed into rows by the loader's next-fit "
-                    "(original), fixed-length greedy balancing (fixed) or WLB-LLM's "
-                    "variable-length packing with outlier queues (wlb); arXiv 2503.17924.")
-  flags.DEFINE_enum("cp_sharding", "seq", ["seq", "doc", "adaptive"],
-                    "Context-parallel layout of packed rows: per sequence (the model's 2N "
-                    "chunks), per document (2N chunks of each document) or the per-batch "
-                    "adaptive choice; doc / adaptive need --packing and a cp mesh axis.")
-  flags.DEFINE_integer("fixed_window", 2, "--packing=fixed: global batches per greedy window.",
-                       lower_bound=1)
-  flags.DEFINE_integer("wlb_queues", 2, "--packing=wlb: outlier queues (thresholds 1/2, 1/4, "
-                       "1/8 of --seq_len; q queues use the q largest).", lower_bound=0,
-                       upper_bound=3)
-  flags.DEFINE_integer("doc_context", 131072, "Packed documents: lengths drawn with the Pile's "
-                       "shape at this context, then scaled to --seq_len (0: drawn at --seq_len, "
-                       "unscaled).", lower_bound=0)
-  flags.DEFINE_integer("cp_tile", 0, "--cp_sharding=adaptive: query / key tile of the tile "
-                       "model (0: the Mosaic GPU kernel's 128, scaled like the documents by "
-                       "--seq_len / --doc_context).", lower_bound=0)
-  flags.DEFINE_string("cost_model", "flops", "Packing's workload model: 'flops' (the model's "
-                      "FLOP counts, GFLOP units) or a CostModel JSON (llm.packing.cost; seconds).")
-  flags.DEFINE_bool("memory_check", True, "Refuse a run whose parameters, optimizer state, "
-                    "gradients and activations (llm.memory's lower-bound estimate) exceed the "
-                    "device's memory (GPU: bytes_limit; CPU: available RAM), before compiling.")
+  module beside other entry points whose flags share names): one per setting of
+  llm.run_config.LMRunConfig, --config, and the loop's per-invocation --workdir / --resume /
+  --resume_allow / --overwrite."""
+  config.define_flags(run_config.LMRunConfig)
+  config.define_flags(None, *settings.RUN_FLAGS, resume=False, resume_allow=(),
+                      overwrite=False)
 
 
 def copy_tokenizer(tok, workdir: str) -> None:
-  """Copies the tokenizer file (and a HF tokenizer's tokenizer_config.json and
-  generation_config.json, which name its special tokens) into the workdir, where
+  """Copies the tokenizer file (and a HF tokenizer's tokenizer_config.json,
+  generation_config.json and chat_template.jinja, which name its special tokens and hold
+  its chat template) into the workdir, where
   experiments.generate --checkpoint=workdir:DIR finds it."""
   from llm import tokenizer as tok_lib
   src_dir = os.path.dirname(os.path.abspath(tok.source))
@@ -135,7 +87,8 @@ def copy_tokenizer(tok, workdir: str) -> None:
     names = [(tok.source, "tokenizer.gguf")]
   elif tok.source.endswith(".json"):
     names = [(tok.source, "tokenizer.json")] + [
-        (os.path.join(src_dir, n), n) for n in ("tokenizer_config.json", "generation_config.json")
+        (os.path.join(src_dir, n), n)
+        for n in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
         if os.path.exists(os.path.join(src_dir, n))]
   else:
     names = [(tok.source, "tokenizer.bin")]
@@ -146,85 +99,35 @@ def copy_tokenizer(tok, workdir: str) -> None:
 
 
 def check_flags(f, cfg, cp_ranks: int, device=None) -> None:
-  """Every flag combination the library cannot train, refused before anything is traced:
-  the attention implementation's (`check_attention_flags`), then packing's."""
-  check_attention_flags(f, cfg, device)
-  check_packing_flags(f, cp_ranks)
+  """Every combination the library cannot train, on settings by flat name (`f`), refused
+  before anything is traced (llm.run_config.check; `LMRunConfig.validate` runs it)."""
+  run_config.check(f, cfg, cp_ranks, device)
 
 
-# What each --attention_impl trains (llm/attention): "xla", "xla_decode" and the Pallas
-# kernels ("pallas", "pallas_mgpu", "pallas_triton") take segment ids and positions
-# anywhere, so every --packing x --context_parallel x --cp_sharding combination; "auto"
-# picks per call among them (cuDNN only for calls without segment ids or positions).
-# "cudnn" takes one document per row (its registry entry's max_segments=1: a packed row
-# comes out NaN) and refuses segment ids on ring attention blocks, so no --packing (and so
-# no --cp_sharding=doc|adaptive, which need packed documents); ring attention without
-# packing runs its blocks (tests/llm/test_attention_cudnn.py). cuDNN computes in bfloat16 /
-# float16 with head dims a multiple of 8 up to 256, on a GPU with cuDNN (sm >= 8.0).
-def check_attention_flags(f, cfg, device=None) -> None:
-  """--attention_impl=cudnn combinations cuDNN cannot run (the table above), each named
-  with its flags' values. `device`: an llm.attention.choose.DeviceInfo (None: probed)."""
-  if f.attention_impl != "cudnn":
-    return
-  from llm.attention import choose
-  from llm.attention.cudnn import supports
-  instead = "expected --attention_impl=auto (cuDNN where a call allows it), pallas or xla"
-  if f.packing != "none" or f.cp_sharding != "seq":
-    raise ValueError(
-        f"--attention_impl=cudnn with --packing={f.packing} --cp_sharding={f.cp_sharding} "
-        f"--context_parallel={f.context_parallel}: packed rows hold several documents "
-        "(segment ids); cuDNN attention takes one document per row, and no segment ids on "
-        f"ring attention blocks; {instead}, or --packing=none --cp_sharding=seq")
-  reason = supports(cfg.dtype, cfg.head_dim)
-  if reason:
-    raise ValueError(f"--attention_impl=cudnn with --dtype={f.dtype} --preset={f.preset} "
-                     f"(head dim {cfg.head_dim}): {reason}; {instead}")
-  device = choose.device_info() if device is None else device
-  if not device.cudnn:
-    here = (f"backend {device.backend}" if device.backend != "gpu" else
-            f"compute capability {device.compute_capability}; it needs sm 8.0 or newer and "
-            "cuDNN found")
-    raise ValueError(f"--attention_impl=cudnn: no GPU with cuDNN flash attention here "
-                     f"({here}); {instead}")
+check_attention_flags = run_config.check_attention
+check_packing_flags = run_config.check_packing
 
 
-def check_packing_flags(f, cp_ranks: int) -> None:
-  """Flag combinations packing cannot run; the error names the flag."""
-  if f.cp_sharding != "seq" and f.packing == "none":
-    raise ValueError(f"--cp_sharding={f.cp_sharding} needs documents: set --packing="
-                     "original|fixed|wlb (--packing=none trains on windows of one sequence)")
-  if f.cp_sharding != "seq" and cp_ranks < 2:
-    raise ValueError(f"--cp_sharding={f.cp_sharding} needs context parallelism: "
-                     "--context_parallel=pass_kv|pass_q|auto and a --mesh with a cp axis of "
-                     f"2 or more ranks (got --context_parallel={f.context_parallel}, "
-                     f"--mesh={f.mesh})")
-  if f.cp_sharding != "seq" and f.seq_len % (2 * cp_ranks):
-    raise ValueError(f"--seq_len={f.seq_len} with --cp_sharding={f.cp_sharding}: expected a "
-                     f"multiple of 2 x {cp_ranks} cp ranks (2 chunks per rank)")
-  if f.packing != "none" and f.doc_context and f.doc_context < f.seq_len:
-    raise ValueError(f"--doc_context={f.doc_context}: expected 0 or at least --seq_len="
-                     f"{f.seq_len} (lengths are drawn at it and scaled down to --seq_len)")
-
-
-def packed_source(f, cfg, tokens, cp_ranks: int, share: dict):
+def packed_source(run: run_config.LMRunConfig, cfg, tokens, cp_ranks: int, share: dict):
   """The --packing source over documents cut from `tokens` (see llm/packing/source.py)."""
   from llm.packing import cost as cost_lib
   from llm.packing.cp_shard import TileModel
   from llm.packing.lengths import CorpusLengths
   from llm.packing.source import PackedSource, PackingSpec
-  if f.cost_model == "flops":
+  p, seq_len = run.data.packing, run.data.seq_len
+  if p.cost_model == "flops":
     cost = cost_lib.flop_cost_model(cost_lib.Shape.from_config(cfg)).scaled(1e-9, 1e-9,
                                                                             unit="GFLOP")
   else:
-    cost = cost_lib.CostModel.load(f.cost_model)
-  dist = (CorpusLengths(context=f.seq_len) if not f.doc_context else
-          CorpusLengths(context=f.doc_context, scale=f.seq_len / f.doc_context))
-  spec = PackingSpec(packing=f.packing, fixed_window=f.fixed_window, wlb_queues=f.wlb_queues,
-                     layout={"seq": "sequence", "doc": "document"}.get(f.cp_sharding,
-                                                                       f.cp_sharding))
-  tile = f.cp_tile or max(1, round(128 * f.seq_len / (f.doc_context or f.seq_len)))
-  return PackedSource(tokens, dist, spec, seq_len=f.seq_len, batch_size=f.batch_size,
-                      cp=cp_ranks, cost=cost, n_layers=cfg.n_layers, seed=f.seed,
+    cost = cost_lib.CostModel.load(p.cost_model)
+  dist = (CorpusLengths(context=seq_len) if not p.doc_context else
+          CorpusLengths(context=p.doc_context, scale=seq_len / p.doc_context))
+  spec = PackingSpec(packing=p.packing, fixed_window=p.fixed_window, wlb_queues=p.wlb_queues,
+                     layout={"seq": "sequence", "doc": "document"}.get(p.cp_sharding,
+                                                                       p.cp_sharding))
+  tile = p.cp_tile or max(1, round(128 * seq_len / (p.doc_context or seq_len)))
+  return PackedSource(tokens, dist, spec, seq_len=seq_len, batch_size=run.train.batch_size,
+                      cp=cp_ranks, cost=cost, n_layers=cfg.n_layers, seed=run.train.seed,
                       tile_model=TileModel(tile, tile), **share)
 
 
@@ -239,13 +142,76 @@ def packing_summary(src) -> dict:
   return mean
 
 
+def check_init_flags(run: run_config.LMRunConfig, flag_values) -> None:
+  """With --init the checkpoint sets the model's shape: a --preset given (flag or --config
+  file) is refused, naming both."""
+  given = flag_values["preset"].present
+  if flag_values["config"].value:
+    given = given or "preset" in config.read_file(run_config.LMRunConfig,
+                                                  flag_values["config"].value)
+  if given:
+    raise errors.expected(f"--preset={run.model.preset} with --init={run.model.init}",
+                          "a size for a model whose checkpoint sets it",
+                          "no --preset with --init")
+
+
+def init_spec(spec: str | None) -> str | None:
+  """--init with its path made absolute (what a workdir records)."""
+  if not spec:
+    return None
+  kind, _, path = spec.partition(":")
+  return f"{kind}:{os.path.abspath(path)}"
+
+
+def chat_sources(run: run_config.LMRunConfig, tok, share: dict):
+  """(train, eval) sources of --data=chat:FILE: conversations packed whole into rows, the
+  loss on the assistant's tokens (llm.chat_data), a tenth held out for eval."""
+  from llm import chat_data
+  if tok is None or getattr(tok, "chat_template", None) is None:
+    raise errors.expected(f"--data={run.data.data}", "no chat template in the tokenizer "
+                          f"({getattr(tok, 'source', 'bytes')})", "--init or --tokenizer with "
+                          "a chat template (tokenizer_config.json, chat_template.jinja or a "
+                          "GGUF's tokenizer.chat_template)")
+  if share.get("num_shards", 1) > 1:
+    raise errors.UserError(f"--data={run.data.data}: chat files train in one process; "
+                           "expected a single-process run")
+  path, d, t = run.chat_file(), run.data, run.train
+  convs = chat_data.read_chat_file(path, tok, max_len=d.seq_len)
+  train = chat_data.ChatSource(path, tok, d.seq_len, t.batch_size, seed=t.seed,
+                               conversations=convs)
+  ev = chat_data.ChatSource(path, tok, d.seq_len, t.batch_size, split="eval",
+                            conversations=convs)
+  return train, ev
+
+
+def train_size(src, unit: str) -> str:
+  """What the run trains on, for the first line."""
+  if hasattr(src, "tokens"):
+    return f"{len(src.tokens):,} train {unit}s"
+  return f"{len(src.train):,} train conversations ({len(src.eval)} held out)"
+
+
+def resolved_config() -> tuple[run_config.LMRunConfig, dict]:
+  """The run's config from the flags (and --config), and the settings whose flag overrode
+  the --config file ({name: (file's, flag's)}), announced in one line."""
+  run = config.from_flags(run_config.LMRunConfig)
+  over = config.command_line_overrides(run_config.LMRunConfig)
+  if over:
+    print(f"--config={FLAGS.config}: overridden by the command line: " + ", ".join(
+        f"--{n}={now!r} (file: {was!r})" for n, (was, now) in over.items()), flush=True)
+  return run, over
+
+
 def main(argv):
   del argv
   if FLAGS.resume and not FLAGS.workdir:
     sys.exit("train_lm: --resume needs --workdir, the run to continue")
   cli.quiet_library_logs()
+  run, overridden = resolved_config()
+  m, d, t = run.model, run.data, run.train
+  seq_len, batch_size = d.seq_len, t.batch_size
   from core import workdir as workdir_lib
-  workdir = FLAGS.workdir or workdir_lib.dated(f"train_lm_{FLAGS.preset}")
+  workdir = FLAGS.workdir or workdir_lib.dated(f"train_lm_{m.preset}")
   from core import checkpoint as ckpt_lib
   import jax
   from core import mesh as mesh_lib
@@ -258,48 +224,38 @@ def main(argv):
   from llm import tokenizer as tok_lib
   from llm.data import TextSource
 
-  tok = None if FLAGS.tokenizer is None else checkpoints.load_tokenizer(FLAGS.tokenizer)
-  cfg = config_lib.get_config(
-      FLAGS.preset, vocab_size=tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
-      dtype=FLAGS.dtype, remat=FLAGS.remat,
-      attention_impl=FLAGS.attention_impl, context_parallel=FLAGS.context_parallel,
-      max_seq_len=max(FLAGS.seq_len, 16))
-  mesh = mesh_lib.make_mesh(FLAGS.mesh, rules=mesh_lib.LLM_RULES)
-  cp_ranks = 1 if FLAGS.context_parallel == "none" else dict(mesh.shape).get("cp", 1)
-  check_flags(FLAGS, cfg, cp_ranks)
-  train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
-  optim = lm_lib.OptimConfig(peak_lr=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
-                             total_steps=FLAGS.steps, weight_decay=FLAGS.weight_decay)
-  if FLAGS.memory_check:   # seconds, where compiling a run that cannot fit takes minutes
-    lm_memory.check_train_run(cfg, mesh, FLAGS.batch_size, FLAGS.seq_len,
-                              mu_dtype=optim.mu_dtype, where=f"--preset={FLAGS.preset} "
-                              f"--batch_size={FLAGS.batch_size} --seq_len={FLAGS.seq_len} "
-                              f"--mesh={FLAGS.mesh}")
-  # The run's settings, saved with each checkpoint and compared on --resume.
-  settings = {**{f"model.{k}": v for k, v in config_lib.config_to_dict(cfg).items()},
-              **{f"optim.{k}": v for k, v in dataclasses.asdict(optim).items()},
-              "data.text": os.path.abspath(FLAGS.text), "data.tokenizer": FLAGS.tokenizer and os.path.abspath(FLAGS.tokenizer),
-              "data.seq_len": FLAGS.seq_len, "data.batch_size": FLAGS.batch_size,
-              "data.eval_batches": FLAGS.eval_batches,
-              "mesh": ",".join(f"{a}:{n}" for a, n in mesh.shape.items())}
-  if FLAGS.packing != "none":
-    settings.update({"data.packing": FLAGS.packing, "data.cp_sharding": FLAGS.cp_sharding,
-                     "data.cp_tile": FLAGS.cp_tile,
-                     "data.fixed_window": FLAGS.fixed_window, "data.wlb_queues": FLAGS.wlb_queues,
-                     "data.doc_context": FLAGS.doc_context, "data.cost_model": FLAGS.cost_model})
+  run.check_data()   # before any file is read
+  pretrained = None
+  if m.init:
+    check_init_flags(run, FLAGS)
+    pcfg = checkpoints.load_config(m.init)
+    if seq_len > pcfg.max_seq_len:
+      raise errors.expected(f"--seq_len={seq_len}", f"longer than the context of --init="
+                            f"{m.init} ({pcfg.max_seq_len} tokens)", f"at most {pcfg.max_seq_len}")
+    pretrained, init_weights, tok = checkpoints.load_pretrained(m.init, m.weights, d.tokenizer)
+    if tok is None and pretrained.vocab_size != tok_lib.ByteTokenizer.vocab_size:
+      raise errors.expected(f"--init={m.init}", "no tokenizer beside it", "--tokenizer=PATH "
+                            f"with its vocabulary of {pretrained.vocab_size}")
+  else:
+    init_weights = None
+    tok = None if d.tokenizer is None else checkpoints.load_tokenizer(d.tokenizer)
+  cfg = run.llama_config(tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
+                         pretrained)
+  mesh = mesh_lib.make_mesh(run.parallelism.mesh, rules=mesh_lib.LLM_RULES)
+  cp_ranks = 1 if m.context_parallel == "none" else dict(mesh.shape).get("cp", 1)
+  run.validate(cp_ranks, llama=cfg)
+  optim = run.optim_config()
+  lora = run.lora_config()
+  if t.memory_check:   # seconds, where compiling a run that cannot fit takes minutes
+    lm_memory.check_train_run(cfg, mesh, batch_size, seq_len,
+                              mu_dtype=optim.mu_dtype, where=f"--preset={m.preset} "
+                              f"--batch_size={batch_size} --seq_len={seq_len} "
+                              f"--mesh={run.parallelism.mesh}")
   workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
-  loop_cfg = train_lib.TrainConfig(
-      workdir=workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
-      checkpoint_every=FLAGS.checkpoint_every,
-      checkpoint_every_minutes=FLAGS.checkpoint_every_minutes, log_every=FLAGS.log_every,
-      resume=FLAGS.resume,
-      stop_at_step=FLAGS.stop_at_step, seed=FLAGS.seed, settings=settings,
-      # Placement and kernels change no arithmetic that the state depends on.
-      changeable=("mesh", "model.attention_impl", "model.context_parallel", "model.remat",
-                  "model.remat_policy", "data.eval_batches", "data.cp_sharding",
-                  "data.cp_tile"),
-      resume_allow=tuple(FLAGS.resume_allow), overwrite=FLAGS.overwrite,
-      nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
+  loop_cfg = settings.loop_config(
+      run.loop, workdir=workdir, seed=t.seed,
+      settings=run.run_settings(cfg, optim, mesh),   # saved with each checkpoint
+      changeable=run_config.CHANGEABLE,
       nonfinite_hint="lower --learning_rate or raise --warmup_steps")
   try:
     train_lib.check_resume(loop_cfg)  # before model_config.json is written over
@@ -308,27 +264,38 @@ def main(argv):
   loop_cfg = dataclasses.replace(loop_cfg, overwrite=False)
   share = dict(zip(("shard_index", "num_shards"),
                    mesh_lib.process_batch_share(mesh, mesh_lib.LLM_RULES, "act_batch")))
-  train_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
-                         seed=FLAGS.seed, **share)
   packed = None
-  if FLAGS.packing != "none":
-    packed = packed_source(FLAGS, cfg, train_src.tokens, cp_ranks, share)
-  task = lm_lib.LMTask(cfg, optim, mesh, packed=packed is not None,
-                       host_metrics=packed and packed.step_metrics)
-  eval_src = TextSource(FLAGS.text, FLAGS.seq_len, FLAGS.batch_size, tokenizer=tok,
-                        split="eval", eval_batches=FLAGS.eval_batches, **share)
+  if run.chat_file():
+    train_src, eval_src = chat_sources(run, tok, share)
+  else:
+    train_src = TextSource(d.text, seq_len, batch_size, tokenizer=tok, seed=t.seed, **share)
+    if d.packing.packing != "none":
+      packed = packed_source(run, cfg, train_src.tokens, cp_ranks, share)
+    eval_src = TextSource(d.text, seq_len, batch_size, tokenizer=tok,
+                          split="eval", eval_batches=d.eval_batches, **share)
+  try:
+    task = lm_lib.LMTask(cfg, optim, mesh, packed=packed is not None or bool(run.chat_file()),
+                         host_metrics=packed and packed.step_metrics,
+                         init_weights=init_weights, lora=lora)
+  except ValueError as e:
+    raise errors.UserError(str(e)) from None
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "model_config.json"), "w") as f:
       json.dump(config_lib.config_to_dict(cfg), f, indent=2)
-    if tok is not None:
+    config.write_file(run, os.path.join(workdir, "config.py"),
+                      command=" ".join(["python -m experiments.train_lm", *map(
+                          shlex.quote, sys.argv[1:])]), overridden=overridden)
+    if tok is not None and getattr(tok, "source", "bytes") != "bytes":
       copy_tokenizer(tok, workdir)
+    if lora is not None:
+      lm_lib.save_lora_run(workdir, init_spec(m.init), m.weights, lora)
   unit = "byte" if tok is None else "token"
-  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {FLAGS.preset}: "
+  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {m.preset}: "
         f"{cfg.num_params() / 1e6:.2f}M params, "
-        f"{cfg.flops_per_token(FLAGS.seq_len) / 1e6:.1f} MFLOPs/token (train) | "
-        f"{len(train_src.tokens):,} train {unit}s | {FLAGS.steps} steps of "
-        f"{FLAGS.batch_size}x{FLAGS.seq_len}", flush=True)
+        f"{cfg.flops_per_token(seq_len) / 1e6:.1f} MFLOPs/token (train) | "
+        f"{train_size(train_src, unit)} | {run.loop.steps} steps of "
+        f"{batch_size}x{seq_len}", flush=True)
   t0 = time.time()
   write_failed = None
   try:
@@ -342,17 +309,22 @@ def main(argv):
       raise
     out, write_failed = e.summary, e   # trained and evaluated: results.json first
   ev = out["eval"]
-  summary = {"preset": FLAGS.preset, "mesh": dict(mesh.shape), "steps": out["step"],
+  if lora is not None and jax.process_index() == 0:   # the adapters on their own (PEFT)
+    from llm import lora as lora_lib
+    lora_lib.save_peft(os.path.join(workdir, "adapter"), out["state"]["lora"], lora,
+                       base=init_spec(m.init))
+  summary = {"preset": m.preset, "mesh": dict(mesh.shape), "steps": out["step"],
              "finished": out["finished"], "eval_loss": ev.get("loss"),
              "eval_bits_per_token": ev.get("bits_per_token"),
              "eval_bits_per_byte": ev.get("bits_per_token") if tok is None else None,
-             "tokenizer": FLAGS.tokenizer, "tokens_per_sec": out["examples_per_sec"],
+             "tokenizer": d.tokenizer, "tokens_per_sec": out["examples_per_sec"],
              "params": cfg.num_params(), "wall_seconds": time.time() - t0, "workdir": workdir}
-  results = {"summary": summary, "model_config": config_lib.config_to_dict(cfg),
+  results = {"summary": summary, "config": config.to_dict(run),
+             "model_config": config_lib.config_to_dict(cfg),
              "optim": dataclasses.asdict(optim), "eval": ev}
   if packed is not None:
     means = packing_summary(packed)
-    summary.update({"packing": FLAGS.packing, "cp_sharding": FLAGS.cp_sharding,
+    summary.update({"packing": d.packing.packing, "cp_sharding": d.packing.cp_sharding,
                     **{k: round(v, 4) for k, v in means.items()}})
     results["packing"] = {"spec": dataclasses.asdict(packed.spec), "cp_ranks": cp_ranks,
                           "cost_model": packed.cost.to_dict(), "means": means,

@@ -7,6 +7,7 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --data=criteo:../shared/data/criteo_kaggle_sample \
       --num_rows=100000 --batch_size=128 --epochs=3 --workdir=/tmp/dlrm_criteo
   python -m experiments.train_rec --workdir=/tmp/run --resume   # continue a stopped run
+  python -m experiments.train_rec --config=/tmp/run/config.py --workdir=/tmp/run2   # replay it
   python -m experiments.train_rec --data=criteo:TB_DIR --days=0-2   # 3 Terabyte days, as downloaded
   python -m experiments.train_rec --dedup_features=C1,C2   # RecD: lookups on distinct bags
   python -m experiments.train_rec --data=sessions:dup=0.875 --dedup_features=C1,C2,C3,C4,C5,C6,C7,C8 \
@@ -28,10 +29,16 @@ step N; checkpoint N kept; continue with --resume` and status 143 / 130; besides
 A checkpoint that cannot be written (disk full, file-size limit) ends the run in one line
 naming it, after results.json when training and evaluation finished.
 
+The run's settings are one typed config (`TrainRecConfig`: the `rec.configs.RecRunConfig`
+and the train loop's `core.settings.LoopConfig`, plus --epochs and --data_workers); the
+workdir keeps them resolved as `config.py`, and `--config=<workdir>/config.py` replays the
+run (flags given on the command line win over the file, each such flag printed in one line
+and noted in the new config.py).
+
 --a2a_mode=abs|rel compresses the embedding exchange (arXiv 2407.04272; the all-to-all of
 tw / cw / twrw tables and the reduce-scatter of rw ones, their gradients with
 --a2a_grad_error_bound); a sharding with no exchange (one device, dp tables) is refused. At
-the end the run measures it (`rec.runs.a2a_report`): payload vs float32 bytes per device
+the end the run measures it (`rec.embedding.a2a_report`): payload vs float32 bytes per device
 per step from the step's HLO, and the largest pooled-embedding and gradient errors against
 their bounds on the first two train batches; results.json holds it under `a2a_compression`, the
 summary line its bytes and error ratios.
@@ -43,46 +50,46 @@ import dataclasses
 import glob
 import itertools
 import os
+import shlex
 import sys
 import time
 
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings as core_settings
+from rec import configs
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+CONFIG_FILE = "config.py"   # the resolved settings in the workdir; --config replays them
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRecConfig:
+  """A train_rec run: the rec run's settings, the train loop's, and how long / how fed."""
+  run: configs.RecRunConfig = config.section(configs.RecRunConfig)
+  loop: core_settings.LoopConfig = config.section(core_settings.LoopConfig)
+  epochs: float | None = core_settings.EPOCHS.field(None)   # instead of --steps
+  data_workers: int = rec_settings.DATA_WORKERS.field(0)
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  from rec import configs
-  configs.define_rec_run_flags(*configs.RUN_FIELDS)   # at RecRunConfig's defaults
-  flags.DEFINE_integer("steps", 1000, "Train steps (ignored when --epochs is set).", lower_bound=1)
-  flags.DEFINE_float("epochs", None, "Train for this many passes over the train files.")
-  flags.DEFINE_string("workdir", None, "Output directory (default: a new "
-                      "runs/train_rec_<model>_<YYYYmmdd-HHMMSS>).")
-  flags.DEFINE_bool("resume", False, "Continue the run whose checkpoints are in --workdir (its "
-                    "saved settings must match these flags but for steps, epochs, cadences, "
-                    "--eval_batch_size, --bad_lines and paths).")
-  flags.DEFINE_list("resume_allow", [], "Settings --resume may change deliberately, e.g. "
-                    "learning_rate,embedding_learning_rate.")
-  flags.DEFINE_bool("overwrite", False, "Delete the checkpoints and metrics in --workdir and "
-                    "start afresh.")
-  flags.DEFINE_enum("nonfinite", "stop", ["stop", "skip"], "A NaN / inf loss or gradient norm: "
-                    "stop the run at that step (no checkpoint of it), or skip the step (counted).")
-  flags.DEFINE_integer("check_every", 100, "Check losses for NaN / inf at least every N steps "
-                       "(they are checked at every log line, eval and checkpoint too).", lower_bound=1)
-  flags.DEFINE_integer("eval_every", 250, "Evaluate every N steps (0: only at the end).", lower_bound=0)
-  flags.DEFINE_integer("checkpoint_every", 0, "Checkpoint every N steps (0: only at the end).", lower_bound=0)
-  flags.DEFINE_float("checkpoint_every_minutes", 10, "Also checkpoint once this many minutes "
-                     "have passed since the last checkpoint (0: off).", lower_bound=0)
-  flags.DEFINE_integer("log_every", 50, "Progress line and train metrics every N steps.", lower_bound=1)
-  flags.DEFINE_integer("stop_at_step", None, "Stop (with a checkpoint) at this step, as a preemption would.", lower_bound=1)
-  flags.DEFINE_integer("data_workers", 0, "Grain worker processes that draw the train batches "
-                       "(synthetic, sessions, criteo_bin) and run RecD's dedup (--dedup_features); "
-                       "0: in this process.", lower_bound=0)
+  configs.define_run_flags(*configs.RUN_FIELDS)   # at RecRunConfig's defaults
+  config.define_flags(TrainRecConfig)
+  config.define_flags(None, *core_settings.RUN_FLAGS, resume=False, resume_allow=[],
+                      overwrite=False)
+
+
+def from_flags(flag_values=None) -> TrainRecConfig:
+  """The run's config from the flags (and --config), the cache flags folded into
+  --storage (`rec.configs.fold_cache_flags`)."""
+  cfg = config.from_flags(TrainRecConfig, flag_values)
+  return dataclasses.replace(cfg, run=configs.fold_cache_flags(cfg.run, flag_values))
 
 
 # Settings besides the loop's (steps, cadences, paths) that --resume may change: they
@@ -101,56 +108,60 @@ def default_workdir(model: str) -> str:
 
 def main(argv):
   del argv
+  tcfg = from_flags()
+  cfg = tcfg.run
   if FLAGS.resume and not FLAGS.workdir:
-    runs = sorted(glob.glob(os.path.join("runs", f"train_rec_{FLAGS.model}_*")), key=os.path.getmtime)
+    runs = sorted(glob.glob(os.path.join("runs", f"train_rec_{cfg.model.model}_*")),
+                  key=os.path.getmtime)
     newest = f" (the newest here: --workdir={runs[-1]})" if runs else ""
     sys.exit(f"train_rec: --resume needs --workdir, the run to continue{newest}")
+  overridden = config.command_line_overrides(TrainRecConfig)
+  for name, (was, now) in overridden.items():
+    print(f"--{name}={now!s} overrides {FLAGS.config}'s {was!s}", flush=True)
   cli.quiet_library_logs()
   from core import checkpoint as ckpt_lib
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
-  from rec import configs
   from rec.embedding import planner as planner_lib
 
-  cfg = configs.RecRunConfig.from_flags(FLAGS)
   cfg.validate()
   import jax
   if jax.process_count() > 1 and not FLAGS.workdir:
     sys.exit(f"train_rec: a run of {jax.process_count()} processes needs --workdir (the same "
              "directory on shared storage for every process)")
   from core import workdir as workdir_lib
-  workdir = FLAGS.workdir or default_workdir(cfg.model)
+  workdir = FLAGS.workdir or default_workdir(cfg.model.model)
   workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    config.write_file(tcfg, os.path.join(workdir, CONFIG_FILE), overridden=overridden,
+                      command="python -m experiments.train_rec " + shlex.join(sys.argv[1:]))
   mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
   from rec.data import sources as sources_lib
-  settings = {**cfg.run_settings(), "epochs": FLAGS.epochs,
+  settings = {**cfg.run_settings(), "epochs": tcfg.epochs,
               "mesh": ",".join(f"{a}:{n}" for a, n in mesh_shape.items()),
-              **sources_lib.data_settings(cfg.data)}   # a conversion's fingerprint
-  loop_cfg = train_lib.TrainConfig(
-      workdir=workdir, steps=FLAGS.steps, eval_every=FLAGS.eval_every,
-      checkpoint_every=FLAGS.checkpoint_every,
-      checkpoint_every_minutes=FLAGS.checkpoint_every_minutes, log_every=FLAGS.log_every,
-      resume=FLAGS.resume, stop_at_step=FLAGS.stop_at_step, seed=cfg.seed, settings=settings,
-      changeable=RESUME_CHANGEABLE, resume_allow=tuple(FLAGS.resume_allow),
-      overwrite=FLAGS.overwrite, nonfinite=FLAGS.nonfinite, check_every=FLAGS.check_every,
-      normalize_settings=configs.normalize_settings,
+              **sources_lib.data_settings(cfg.data.data)}   # a conversion's fingerprint
+  loop_cfg = core_settings.loop_config(
+      tcfg.loop, workdir=workdir, seed=cfg.seed, settings=settings,
+      changeable=RESUME_CHANGEABLE, normalize_settings=configs.normalize_settings,
       nonfinite_hint="lower --learning_rate (dense part) or --embedding_learning_rate "
                      "(embedding tables)")
   try:
     train_lib.check_resume(loop_cfg)  # before any data is read or state built
   except train_lib.RunSettingsError as e:
     sys.exit(f"train_rec: {e}")
-  task, train_src, eval_src, plan, mesh = configs.build_run(cfg, data_workers=FLAGS.data_workers)
-  steps = configs.steps_for(FLAGS.epochs, train_src) if FLAGS.epochs else FLAGS.steps
+  task, train_src, eval_src, plan, mesh = configs.build_run(cfg, data_workers=tcfg.data_workers)
+  steps = configs.steps_for(tcfg.epochs, train_src) if tcfg.epochs else tcfg.loop.steps
   sources_lib.check_splits(eval_src)   # a bad eval line stops the run before step 0
   loop_cfg = dataclasses.replace(loop_cfg, steps=steps, overwrite=False, settings={
       **settings, "features": sources_lib.spec_settings(train_src.spec)})
-  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | model {cfg.model} ({cfg.preset}) | "
-        f"data {cfg.data} | {steps} steps of {cfg.batch_size}", flush=True)
+  m, batch_size = cfg.model, cfg.train.batch_size
+  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | model {m.model} ({m.preset}) | "
+        f"data {cfg.data.data} | {steps} steps of {batch_size}", flush=True)
   budget, budget_source = configs.plan_budget(cfg)
   print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,
-                                cfg.batch_size, budget, budget_source=budget_source), flush=True)
+                                batch_size, budget, budget_source=budget_source), flush=True)
   stats = configs.model_stats(task, train_src.spec)
   print(f"params: dense {stats['dense_params']:,} + embedding {stats['embedding_params']:,} = "
         f"{stats['dense_params'] + stats['embedding_params']:,} | forward "
@@ -169,12 +180,13 @@ def main(argv):
   ev = out["eval"]
   a2a = None
   if task.collection.a2a_compression is not None:   # what the compressed exchange sent, its error
-    from rec import runs as runs_lib
-    a2a = runs_lib.a2a_report(task, out["state"], list(itertools.islice(train_src.batches(0), 2)))
-    print(runs_lib.format_a2a_report(a2a), flush=True)
+    from rec.embedding import a2a_report as a2a_report_lib
+    a2a = a2a_report_lib.a2a_report(task, out["state"],
+                                    list(itertools.islice(train_src.batches(0), 2)))
+    print(a2a_report_lib.format_a2a_report(a2a), flush=True)
   summary = {
-      "model": cfg.model, "preset": cfg.preset, "data": cfg.data, "mesh": dict(mesh.shape),
-      "steps": out["step"], "finished": out["finished"], "batch_size": cfg.batch_size,
+      "model": m.model, "preset": m.preset, "data": cfg.data.data, "mesh": dict(mesh.shape),
+      "steps": out["step"], "finished": out["finished"], "batch_size": batch_size,
       "test_auc": ev.get("auc"), "test_logloss": ev.get("logloss"), "test_ne": ev.get("ne"),
       "test_accuracy": ev.get("accuracy"), "test_examples": ev.get("num_examples"),
       "examples_per_sec": out["examples_per_sec"], "wall_seconds": time.time() - t0,
@@ -186,9 +198,9 @@ def main(argv):
                     "a2a_float32_bytes": a2a["bytes"]["float32"],
                     "a2a_max_error_over_bound": a2a["max_error_over_bound"],
                     "a2a_max_grad_error_over_bound": a2a["max_grad_error_over_bound"]})
-  results = {"summary": summary, "config": dataclasses.asdict(cfg), "steps_planned": steps,
-             "plan": planner_lib.plan_summary(plan, task.collection.tables, task.collection.num_devices,
-                                             cfg.batch_size),
+  results = {"summary": summary, "config": cfg.flat_settings(), "steps_planned": steps,
+             "plan": planner_lib.plan_summary(plan, task.collection.tables,
+                                              task.collection.num_devices, batch_size),
              "embedding_groups": task.collection.describe(), "eval": ev}
   if a2a is not None:
     results["a2a_compression"] = a2a

@@ -14,11 +14,12 @@ Row formats:
 - float rows [R, D] (float32, bfloat16, ...);
 - `core.quant.RowwiseQuantized` int8 (FBGEMM row-wise: uint8 codes [R, D], float32 scale
   and bias [R] in separate arrays);
-- `PackedInt8Rows` (`pack_int8`): the same codes with each row's scale and bias stored
-  inline after its codes, FBGEMM's fused row, padded to 16 bytes (FBGEMM's row_alignment)
-  and held as 32-bit words [R, W]. This is the fast int8 layout: one 16-byte-aligned
-  vector read per row fetches codes and scale / bias together, where the split layout
-  makes every row three random reads (codes, scale, bias; 32-byte sectors each).
+- `PackedInt8Rows` (`pack_int8`, `kernels/packed_int8.py`): the same codes with each row's
+  scale and bias stored inline after its codes, FBGEMM's fused row, padded to 16 bytes
+  (FBGEMM's row_alignment) and held as 32-bit words [R, W]. This is the fast int8 layout:
+  one 16-byte-aligned vector read per row fetches codes and scale / bias together, where
+  the split layout makes every row three random reads (codes, scale, bias; 32-byte sectors
+  each).
 - `core.quant.RowwiseQuantized` N-bit (FBGEMM's SBHalf: int4 / int2 / int8 codes packed
   low bits first [R, ceil(D * bits / 8)], float16 scale and bias [R]): column c is read
   from byte c div (8 / bits), shifted down by (c mod (8 / bits)) * bits (two columns of an
@@ -98,8 +99,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from core import quant
+# The packed int8 row format (pack_int8 included) is also this module's.
+from kernels.packed_int8 import PackedInt8Rows, pack_int8, packed_words_per_row, unpack_int8
 
-_ROW_ALIGN_WORDS = 4            # packed rows are a multiple of 16 bytes (FBGEMM row_alignment)
 _MAGIC = 0x4B000000             # float32 bits of 2^23: (byte | _MAGIC) as float = 2^23 + byte
 _TWO23 = 8388608.0
 # Largest element count an operand addressed with 32-bit offsets may have (Pallas' Triton
@@ -109,56 +111,6 @@ _I32_MAX_ELEMENTS = 2**31 - 1
 _I32_MAX_BYTES = 2**32
 # Bytes of rows each program keeps in flight (the default unroll).
 _BYTES_IN_FLIGHT = 16384
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PackedInt8Rows:
-  """FBGEMM row-wise int8 rows with scale and bias inline, as 32-bit words [R, W].
-
-  Row r: its D codes (uint8, four per word, column c in byte c % 4 of word c // 4, the
-  little-endian byte order of FBGEMM's fused row), zero-padded to a whole word, then the
-  float32 bit patterns of its scale and bias, then zero words up to a multiple of 4 words
-  (16 bytes). `pack_int8` builds it from a `core.quant.RowwiseQuantized`; `unpack_int8`
-  inverts it.
-  """
-
-  words: jax.Array                 # [R, W] int32
-  dim: int = dataclasses.field(default=0, metadata=dict(static=True))   # D
-
-  @property
-  def shape(self) -> tuple[int, int]:
-    """Shape of the float rows these codes stand for: (R, D)."""
-    return (self.words.shape[0], self.dim)
-
-
-def packed_words_per_row(dim: int) -> int:
-  """W: words of a packed row of `dim` int8 codes (codes, scale, bias, 16-byte padding)."""
-  return -(-(-(-dim // 4) + 2) // _ROW_ALIGN_WORDS) * _ROW_ALIGN_WORDS
-
-
-@jax.jit
-def pack_int8(table: quant.RowwiseQuantized) -> PackedInt8Rows:
-  """The packed layout of an int8 `RowwiseQuantized` (FBGEMM's fused row, 16-byte rows)."""
-  if table.bits != 8:
-    raise ValueError(f"kernels/embedding_bag.py pack_int8: bits={table.bits}, expected 8")
-  n, d = table.q.shape[0], table.dim
-  d4 = -(-d // 4) * 4
-  q = table.q if d4 == d else jnp.pad(table.q, ((0, 0), (0, d4 - d)))
-  fused = quant.to_fused_bytes(quant.RowwiseQuantized(q, table.scale, table.bias, 8, d4))
-  w = packed_words_per_row(d)
-  fused = jnp.pad(fused, ((0, 0), (0, 4 * w - fused.shape[1])))
-  return PackedInt8Rows(lax.bitcast_convert_type(fused.reshape(n, w, 4), jnp.int32), d)
-
-
-@jax.jit
-def unpack_int8(packed: PackedInt8Rows) -> quant.RowwiseQuantized:
-  """The `RowwiseQuantized` (codes, scale, bias) held in packed rows."""
-  n, w = packed.words.shape
-  d4 = -(-packed.dim // 4) * 4
-  raw = lax.bitcast_convert_type(packed.words, jnp.uint8).reshape(n, 4 * w)
-  qr = quant.from_fused_bytes(raw[:, :d4 + 8], 8, d4)
-  return quant.RowwiseQuantized(qr.q[:, :packed.dim], qr.scale, qr.bias, 8, packed.dim)
 
 
 Table = jax.Array | quant.RowwiseQuantized | PackedInt8Rows
@@ -317,6 +269,56 @@ def _columns(x_BU):
   return [c for pair in zip(_columns(even), _columns(odd)) for c in pair]
 
 
+def _fetch(layout, data, starts, bits, units, cols, col_ok, idx, ok):
+  """One position's reads for BM bags at rows `idx` (`ok`: read at all): (rows,) for float
+  rows, (codes or rows, scale, bias) for split int8 and N-bit, (code words, scale / bias
+  words) for packed int8."""
+  n_pieces = len(starts) - 1
+  pieces = data[:n_pieces] if layout != "packed8" else data
+  if layout == "packed8":
+    (w_ref,) = pieces
+    codes = plgpu.load(w_ref.at[idx[:, None], cols[None, :]],
+                       mask=ok[:, None] & col_ok[None, :], other=0)
+    sb_cols = jnp.arange(2, dtype=jnp.int32) + units
+    sb = plgpu.load(w_ref.at[idx[:, None], sb_cols[None, :]], mask=ok[:, None], other=0)
+    return codes, sb
+  if layout == "nbit":
+    per = 8 // bits
+    byte = _gather(pieces, starts, idx, ok, cols // per, col_ok).astype(jnp.int32)
+    shift = ((cols % per) * bits)[None, :]
+    codes = lax.shift_right_logical(byte, shift) & jnp.int32((1 << bits) - 1)
+    s_ref, b_ref = data[n_pieces:]
+    return (codes.astype(jnp.float32),
+            plgpu.load(s_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32),
+            plgpu.load(b_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32))
+  rows = _gather(pieces, starts, idx, ok, cols, col_ok)
+  if layout == "split8":
+    s_ref, b_ref = data[n_pieces:]
+    return rows, plgpu.load(s_ref.at[idx], mask=ok, other=0.0), plgpu.load(
+        b_ref.at[idx], mask=ok, other=0.0)
+  return (rows,)
+
+
+def _accumulate(layout, cached, acc, c, got):
+  """`acc` plus coefficient `c` [BM] times the rows `_fetch` read (`got`), dequantized."""
+  # The bias term c * b is added to every column here rather than summed per bag and
+  # added at the end: a separate [BM] carry gets a Triton layout of its own, and every
+  # id, coef and scale / bias load is then issued once more in that layout.
+  if layout == "packed8":
+    codes, sb = got
+    s, b = lax.unstack(lax.bitcast_convert_type(sb, jnp.float32), axis=-1)
+    cs, cb = (c * s)[:, None], (c * b)[:, None]
+    return tuple(a + (cs * p + cb) for a, p in zip(acc, _unpack_codes(codes)))
+  if layout in ("split8", "nbit"):
+    q, s, b = got[:3]
+    acc = acc + ((c * s)[:, None] * q.astype(jnp.float32) + (c * b)[:, None])
+  else:
+    acc = acc + c[:, None] * got[0].astype(jnp.float32)
+  if cached:        # a cached position read zeros above and its fp32 row here
+    acc = acc + c[:, None] * got[-1]
+  return acc
+
+
 def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat, bm, bw,
                 unroll, starts, has_offsets, bits, cached):
   n_pieces = len(starts) - 1
@@ -328,7 +330,6 @@ def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat
   ids_ref, coef_ref, *rest = rest
   off_ref = rest[0] if has_offsets else None
   o_ref = rest[-1]
-  pieces = data[:n_pieces] if layout != "packed8" else data
 
   m0 = pl.program_id(0) * bm
   j0 = pl.program_id(1) * bw
@@ -341,47 +342,8 @@ def _bag_kernel(*refs, layout, num_rows, dim, units, bag_len, num_bags, num_feat
   if has_offsets:
     off = off_ref[lax.rem(jnp.minimum(m, num_bags - 1), num_feat)]
 
-  def fetch(idx, ok):
-    if layout == "packed8":
-      (w_ref,) = pieces
-      codes = plgpu.load(w_ref.at[idx[:, None], cols[None, :]],
-                         mask=ok[:, None] & col_ok[None, :], other=0)
-      sb_cols = jnp.arange(2, dtype=jnp.int32) + units
-      sb = plgpu.load(w_ref.at[idx[:, None], sb_cols[None, :]], mask=ok[:, None], other=0)
-      return codes, sb
-    if layout == "nbit":
-      per = 8 // bits
-      byte = _gather(pieces, starts, idx, ok, cols // per, col_ok).astype(jnp.int32)
-      shift = ((cols % per) * bits)[None, :]
-      codes = lax.shift_right_logical(byte, shift) & jnp.int32((1 << bits) - 1)
-      s_ref, b_ref = data[n_pieces:]
-      return (codes.astype(jnp.float32),
-              plgpu.load(s_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32),
-              plgpu.load(b_ref.at[idx], mask=ok, other=0.0).astype(jnp.float32))
-    rows = _gather(pieces, starts, idx, ok, cols, col_ok)
-    if layout == "split8":
-      s_ref, b_ref = data[n_pieces:]
-      return rows, plgpu.load(s_ref.at[idx], mask=ok, other=0.0), plgpu.load(
-          b_ref.at[idx], mask=ok, other=0.0)
-    return (rows,)
-
-  def accumulate(acc, c, got):
-    # The bias term c * b is added to every column here rather than summed per bag and
-    # added at the end: a separate [BM] carry gets a Triton layout of its own, and every
-    # id, coef and scale / bias load is then issued once more in that layout.
-    if layout == "packed8":
-      codes, sb = got
-      s, b = lax.unstack(lax.bitcast_convert_type(sb, jnp.float32), axis=-1)
-      cs, cb = (c * s)[:, None], (c * b)[:, None]
-      return tuple(a + (cs * p + cb) for a, p in zip(acc, _unpack_codes(codes)))
-    if layout in ("split8", "nbit"):
-      q, s, b = got[:3]
-      acc = acc + ((c * s)[:, None] * q.astype(jnp.float32) + (c * b)[:, None])
-    else:
-      acc = acc + c[:, None] * got[0].astype(jnp.float32)
-    if cached:        # a cached position read zeros above and its fp32 row here
-      acc = acc + c[:, None] * got[-1]
-    return acc
+  fetch = functools.partial(_fetch, layout, data, starts, bits, units, cols, col_ok)
+  accumulate = functools.partial(_accumulate, layout, cached)
 
   def group(g, acc):
     # U positions at once: their ids and coefficients as one [BM, U] tile (contiguous per

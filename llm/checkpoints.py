@@ -130,6 +130,29 @@ def load_model(spec: str, dtype: str = "float32", weights: str = "float32"):
   return cfg, model
 
 
+def load_pretrained(spec: str, weights: str = "float32", tokenizer: str | None = None):
+  """(LlamaConfig, contract weights, tokenizer or None) to start training from: any kind
+  `load_model` reads (a workdir's latest checkpoint, a LoRA run's adapters merged), the
+  matrices int8 / int4 with `weights`; `tokenizer` (a path) must have the checkpoint's
+  vocabulary size."""
+  from llm import model as model_lib
+  from llm import quantized
+  kind, _ = parse_spec(spec)
+  if kind == "workdir":
+    cfg, model = load_model(spec)
+    flat = model_lib.weights_from_model(model)
+    if weights != "float32":
+      quantized.check_mode(weights, None, flag="--weights")
+      flat = quantized.quantize(cfg, weights, weights=flat)[0]
+  else:
+    cfg, flat = load_weights(spec, weights)
+  tok = find_tokenizer(spec, tokenizer, cfg.vocab_size)
+  if tok is not None and tok.vocab_size != cfg.vocab_size:
+    raise ValueError(f"--tokenizer={tokenizer}: vocabulary of {tok.vocab_size}; expected the "
+                     f"checkpoint's {cfg.vocab_size} ({spec})")
+  return cfg, flat, tok
+
+
 def check_params_finite(params, where: str) -> None:
   """Raises ValueError naming `where` and the parameter that holds a NaN or an Inf."""
   import jax

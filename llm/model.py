@@ -8,7 +8,8 @@ tied or untied output projection. Parameters are kept in `cfg.param_dtype` and c
 and through ring attention when `cfg.context_parallel` says so (below).
 
 RoPE uses the half-split convention of Hugging Face checkpoints: within each head, entry j is
-rotated with entry j + K/2 (`rotate_half`), so q/k weights are stored in that layout.
+rotated with entry j + K/2 (`rotate_half`), so q/k weights are stored in that layout. RoPE
+and the products and sums whose bits do not depend on the row count are `llm.numerics`.
 
 The parameter tree (names, shapes, logical axes) is a contract shared with `llm.weights`:
   embed [V,D] (vocab, embed); layers[i].{attn_norm,mlp_norm}.scale [D] (norm);
@@ -65,7 +66,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core.mesh import LLM_RULES, Rules, logical_to_spec, mesh_axes
 from llm.attention import attention, layout
-from llm.config import LlamaConfig, RopeScaling
+from llm.config import LlamaConfig
+# CPU_MIN_ROWS, einsum, sum_last and rope_frequencies are also this module's names.
+from llm.numerics import CPU_MIN_ROWS, apply_rope, einsum, rope_frequencies, sum_last
+from llm.lora import LoraWeight
 from llm.quantized import QuantizedParam
 
 # Position of an empty cache slot: above any real position, so `kv_pos <= q_pos` hides it.
@@ -169,36 +173,6 @@ def cp_ranks(cfg: LlamaConfig) -> int:
   return 1 if cp is None else cp.n
 
 
-# --- RoPE
-
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """Inverse frequencies [K/2] (float32), with Llama 3.1 scaling when `scaling` is set:
-  long wavelengths are divided by `factor`, short ones kept, and the band between
-  original_max_position / high_freq_factor and / low_freq_factor interpolated smoothly."""
-  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-  if scaling is not None:
-    s = scaling
-    low_wavelen = s.original_max_position / s.low_freq_factor
-    high_wavelen = s.original_max_position / s.high_freq_factor
-    wavelen = 2 * np.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = ((s.original_max_position / wavelen - s.low_freq_factor)
-              / (s.high_freq_factor - s.low_freq_factor))
-    smoothed = (1 - smooth) * inv / s.factor + smooth * inv
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    inv = np.where(medium, smoothed, scaled)
-  return inv.astype(np.float32)
-
-
-def apply_rope(x_BTNK: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates (x[j], x[j + K/2]) by position * inv_freq[j] (half-split convention), in fp32."""
-  angles_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  cos, sin = jnp.cos(angles_BTk)[:, :, None], jnp.sin(angles_BTk)[:, :, None]
-  x1, x2 = jnp.split(x_BTNK.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTNK.dtype)
-
-
 # --- KV cache
 
 @jax.tree_util.register_dataclass
@@ -291,46 +265,30 @@ def _param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
 def _weight(p: nnx.Param, dtype=None) -> jax.Array:
   """A parameter's value in `dtype` (None: as held); a weight-only quantized one
   (`llm.quantized.QuantizedParam`) is dequantized here, inside the jitted computation, so
-  memory holds only its codes."""
-  v = p.get_value()
+  memory holds only its codes; one with a LoRA adapter (`llm.lora.LoraWeight`) is its base
+  plus the adapter's product."""
+  return _value(p.get_value(), dtype)
+
+
+def _value(v, dtype=None) -> jax.Array:
+  if isinstance(v, LoraWeight):
+    base = _value(v.base, jnp.float32)
+    return (base + v.delta(jnp.float32)).astype(v.a.dtype if dtype is None else dtype)
   if isinstance(v, QuantizedParam):
     return v.value(jnp.float32 if dtype is None else dtype)
   return v if dtype is None else v.astype(dtype)
 
 
-# On CPU a 16-bit product runs with at least this many activation rows (see `einsum`).
-CPU_MIN_ROWS = 3
-
-
-def einsum(spec: str, x, w, **kw) -> jax.Array:
-  """`jnp.einsum(spec, x, w)` for an activation x [B, T, ...] (spec "bt...,...->bt...").
-
-  On CPU a product of 16-bit operands whose activation has fewer than CPU_MIN_ROWS rows
-  (B * T: a decode step at batch 1 or 2) runs with the rows repeated up to that count, and
-  keeps the first. Two reasons, both XLA:CPU's (jax 0.11.2):
-  - speed: one row goes to Eigen's matrix-vector routine, which in 16-bit floats is 7-12x
-    slower than YNNPACK's matrix product of a few rows (bfloat16 [1,576] x [576,49152]:
-    42-46 ms against 3.6 ms on a 2-core AMD EPYC);
-  - the same bits for a row whatever the row count: on a CPU with AVX512-BF16 / AMX (an
-    Intel Xeon here) products of one or two rows take another routine than those of three or
-    more, and with float32 outputs about three quarters of the values differ in the last
-    bits (bfloat16 [r,576] x [576,4096]), while any count from three on gives the same bits;
-    speculative verification of many rows must equal a plain step's.
-  Rows of a product are computed independently, so the kept rows are the product's. float32
-  keeps the matrix-vector routine, which is the faster one there."""
-  lhs, out = spec.split(",")[0], spec.split("->")[-1]
-  if (x.ndim >= 2 and x.shape[0] * x.shape[1] < CPU_MIN_ROWS and out[:2] == lhs[:2]
-      and jnp.dtype(x.dtype).itemsize == 2 and jnp.dtype(w.dtype).itemsize == 2
-      and jax.default_backend() == "cpu"):
-    reps = -(-CPU_MIN_ROWS // (x.shape[0] * x.shape[1]))
-    return jnp.einsum(spec, jnp.concatenate([x] * reps, axis=1), w, **kw)[:, :x.shape[1]]
-  return jnp.einsum(spec, x, w, **kw)
-
-
 def _dense(x, p: nnx.Param, dtype, spec: str, **kw) -> jax.Array:
   """`einsum(spec, x, weight)` in `dtype`; a quantized weight multiplies in its own
-  [out, in] layout, dequantized inside the computation (`QuantizedParam.matmul`)."""
-  v = p.get_value()
+  [out, in] layout, dequantized inside the computation (`QuantizedParam.matmul`); a LoRA
+  adapter adds its low-rank product (`LoraWeight.low_rank`)."""
+  return _dense_value(x, p.get_value(), dtype, spec, **kw)
+
+
+def _dense_value(x, v, dtype, spec: str, **kw) -> jax.Array:
+  if isinstance(v, LoraWeight):
+    return _dense_value(x, v.base, dtype, spec, **kw) + v.low_rank(x, dtype)
   if isinstance(v, QuantizedParam):
     return v.matmul(x, dtype, **kw)
   return einsum(spec, x, v.astype(dtype), **kw)
@@ -342,31 +300,6 @@ def _take_rows(p: nnx.Param, ids, dtype) -> jax.Array:
   if isinstance(v, QuantizedParam):
     return v.take(ids, dtype)
   return jnp.take(v, ids, axis=0).astype(dtype)
-
-
-def sum_last(x) -> jax.Array:
-  """Sum over the last axis (kept, size 1) in one fixed order of elementwise adds: zero-padded
-  to a multiple of 2**p that leaves at most 16 terms, halved p times (x[:n] + x[n:]), then
-  the rest added left to right.
-
-  A reduce leaves the order of its adds to the backend, and XLA:CPU picks by context: a
-  bfloat16 SmolLM2's norms over 10 rows (a batch of two verifying 5 tree nodes) ran as
-  YNNPACK fusions, over 2 or 4 rows (plain decode steps) as XLA's own loops, and a row's sum
-  of squares came out different in its last bits. Elementwise float32 adds cannot be
-  reordered, so every row gets the same sum whatever the row count, batch or fusion."""
-  n = x.shape[-1]
-  p = max(0, math.ceil(math.log2(n / 16))) if n > 16 else 0
-  pad = -n % (2 ** p)
-  if pad:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-  n += pad
-  for _ in range(p):
-    n //= 2
-    x = x[..., :n] + x[..., n:]
-  out = x[..., :1]
-  for i in range(1, n):
-    out = out + x[..., i:i + 1]
-  return out
 
 
 class RMSNorm(nnx.Module):
@@ -567,32 +500,8 @@ class Llama(nnx.Module):
       if segment_ids_BT is not None:
         raise ValueError("Llama.hidden: segment_ids_BT with a cache is not supported; cached "
                          "rows are separated by batch and padding by lengths_B")
-      if cache.pos.shape[0] != b or len(cache.k) != self.cfg.n_layers:
-        raise ValueError(f"Llama.hidden: cache for batch {cache.pos.shape[0]} and "
-                         f"{len(cache.k)} layers, expected batch {b} and {self.cfg.n_layers}")
-      n_new_B = (jnp.full((b,), t, jnp.int32) if lengths_B is None
-                 else jnp.asarray(lengths_B, jnp.int32))
-      if positions_BT is None:
-        positions_BT = cache.length[:, None] + arange_T
-      positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
-      valid_BT = perm(arange_T < n_new_B[:, None])
-      if cp is None:
-        # Padding goes to slot S, out of range, which the scatter drops.
-        default_BT = (cache.length[:, None] + arange_T if given_slots_BT is None
-                      else jnp.asarray(given_slots_BT, jnp.int32))
-        slots_BT = jnp.where(valid_BT, default_BT, cache.max_len)
-      else:
-        if cache.max_len % cp.n:
-          raise ValueError(f"Llama.hidden: a cache of {cache.max_len} slots cannot be split "
-                           f"over the {cp.n} ranks of mesh axis {cp.axis!r}; make max_len a "
-                           "multiple of it")
-        cap = cache.max_len // cp.n
-        fill_BN = jnp.sum((cache.pos != SENTINEL_POS).reshape(b, cp.n, cap), axis=-1,
-                          dtype=jnp.int32)
-        slots_BT = layout.cache_slots(fill_BN, valid_BT, cap, sharded=t % cp.n == 0)
-      kv_pos_BS = _write_cache(cache.pos, slots_BT, positions_BT, cp)
-      if fresh_cache and cp is None:
-        call_seg_BT = valid_BT.astype(jnp.int32)
+      positions_BT, n_new_B, slots_BT, kv_pos_BS, call_seg_BT = self._cache_writes(
+          cache, b, t, positions_BT, lengths_B, given_slots_BT, fresh_cache, perm, cp)
     x_BTD = constrain(perm(x_BTD), X_NAMES)
 
     block_fn = Block.__call__
@@ -622,6 +531,39 @@ class Llama(nnx.Module):
     if taps:
       return h_BTD, cache, unbalance(jnp.concatenate([tapped[i] for i in taps], axis=-1))
     return h_BTD, cache
+
+  def _cache_writes(self, cache: KVCache, b: int, t: int, positions_BT, lengths_B,
+                    given_slots_BT, fresh_cache: bool, perm, cp: _CP | None):
+    """`hidden`'s tokens in a cache: (positions_BT, n_new_B, slots_BT, kv_pos_BS,
+    call_seg_BT), positions and slots in the call's (under CP, balanced) order, padding sent
+    to slot S (dropped), kv_pos_BS the cache's positions after the write."""
+    if cache.pos.shape[0] != b or len(cache.k) != self.cfg.n_layers:
+      raise ValueError(f"Llama.hidden: cache for batch {cache.pos.shape[0]} and "
+                       f"{len(cache.k)} layers, expected batch {b} and {self.cfg.n_layers}")
+    arange_T = jnp.arange(t, dtype=jnp.int32)
+    n_new_B = (jnp.full((b,), t, jnp.int32) if lengths_B is None
+               else jnp.asarray(lengths_B, jnp.int32))
+    if positions_BT is None:
+      positions_BT = cache.length[:, None] + arange_T
+    positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
+    valid_BT = perm(arange_T < n_new_B[:, None])
+    if cp is None:
+      # Padding goes to slot S, out of range, which the scatter drops.
+      default_BT = (cache.length[:, None] + arange_T if given_slots_BT is None
+                    else jnp.asarray(given_slots_BT, jnp.int32))
+      slots_BT = jnp.where(valid_BT, default_BT, cache.max_len)
+    else:
+      if cache.max_len % cp.n:
+        raise ValueError(f"Llama.hidden: a cache of {cache.max_len} slots cannot be split "
+                         f"over the {cp.n} ranks of mesh axis {cp.axis!r}; make max_len a "
+                         "multiple of it")
+      cap = cache.max_len // cp.n
+      fill_BN = jnp.sum((cache.pos != SENTINEL_POS).reshape(b, cp.n, cap), axis=-1,
+                        dtype=jnp.int32)
+      slots_BT = layout.cache_slots(fill_BN, valid_BT, cap, sharded=t % cp.n == 0)
+    kv_pos_BS = _write_cache(cache.pos, slots_BT, positions_BT, cp)
+    call_seg_BT = valid_BT.astype(jnp.int32) if fresh_cache and cp is None else None
+    return positions_BT, n_new_B, slots_BT, kv_pos_BS, call_seg_BT
 
   def logits(self, h_BTD) -> jax.Array:
     dt = self.cfg.dtype

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
+from core import update as update_lib
 from llm import model as model_lib
 from llm.config import LlamaConfig
 from llm.data import LMBatch
@@ -217,52 +218,86 @@ class LMTask:
   drops both arrays, so attention sees the plain causal case ("auto" then takes cuDNN).
   host_metrics: numbers measured on each host train batch, logged with its step by the loop
   (e.g. `llm.packing.PackedSource.step_metrics`: attention work per micro-batch and rank).
+
+  init_weights: start from these contract weights (`llm.checkpoints.load_weights`: a
+  pretrained checkpoint) instead of a random init; matrices held as `QuantizedParam`
+  (int8 / int4) only with `lora`, replicated over the mesh. lora: train LoRA adapters
+  (`llm.lora`) on the frozen weights: the state holds the base under "params" (never
+  updated), the adapters under "lora" and the optimizer state of the adapters only.
   """
 
   def __init__(self, cfg: LlamaConfig, optim: OptimConfig, mesh: Mesh,
                rules: mesh_lib.Rules = mesh_lib.LLM_RULES, *, loss_chunk: int | None = None,
                packed: bool = False,
-               host_metrics: Callable[[LMBatch], dict[str, float]] | None = None):
+               host_metrics: Callable[[LMBatch], dict[str, float]] | None = None,
+               init_weights: dict[str, Any] | None = None, lora=None):
     self.cfg, self.optim, self.mesh, self.rules = cfg, optim, mesh, rules
     self.loss_chunk, self.packed, self.host_metrics = loss_chunk, packed, host_metrics
+    self.init_weights, self.lora = init_weights, lora
     self.tx = make_optimizer(optim)
     abstract = jax.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)
     self.param_shardings = nnx.to_pure_dict(
         model_lib.param_shardings(abstract_state, mesh, rules))
+    if init_weights is not None and _has_quantized(init_weights):
+      if lora is None:
+        raise ValueError("LMTask: quantized weights train only through LoRA adapters "
+                         "(--weights=int8|int4 needs --lora_rank)")
+
+  def _base_params(self, seed: int):
+    if self.init_weights is None:
+      init = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.Llama(self.cfg, nnx.Rngs(k)))),
+                     out_shardings=self.param_shardings)
+      return init(jax.random.key(seed))
+    model = nnx.eval_shape(lambda: model_lib.Llama(self.cfg, nnx.Rngs(0)))
+    model_lib.load_weights(model, self.init_weights)
+    params = nnx.to_pure_dict(nnx.state(model))
+    if _has_quantized(self.init_weights):
+      return jax.device_put(params, NamedSharding(self.mesh, P()))
+    return jax.device_put(params, self.param_shardings)
 
   def init_state(self, seed: int) -> dict[str, Any]:
     rep = NamedSharding(self.mesh, P())
-    init = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.Llama(self.cfg, nnx.Rngs(k)))),
-                   out_shardings=self.param_shardings)
-    params = init(jax.random.key(seed))
+    params = self._base_params(seed)
+    step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    if self.lora is not None:
+      from llm import lora as lora_lib
+      from llm.weights import param_shapes
+      adapters = jax.device_put(lora_lib.init_adapters(
+          param_shapes(self.cfg), self.lora, jax.random.key(seed + 1)), rep)
+      opt = jax.jit(self.tx.init, out_shardings=rep)(adapters)
+      return {"step": step, "params": params, "lora": adapters, "opt": opt}
     opt = jax.jit(self.tx.init, out_shardings=optax.tree_map_params(
         self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, params), self.param_shardings,
         transform_non_params=lambda _: rep))(params)
-    return {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params, "opt": opt}
+    return {"step": step, "params": params, "opt": opt}
 
-  def model(self, params) -> model_lib.Llama:
-    return nnx.merge(self.graphdef, params)
+  def model(self, params, adapters=None) -> model_lib.Llama:
+    model = nnx.merge(self.graphdef, params)
+    if adapters is not None:
+      from llm import lora as lora_lib
+      lora_lib.with_adapters(model, adapters, self.lora)
+    return model
 
-  def logits(self, params, batch: LMBatch):
+  def logits(self, params, batch: LMBatch, adapters=None):
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # constraints by logical name
-      logits, _ = self.model(params)(batch.inputs, positions_BT=batch.positions,
-                                     segment_ids_BT=batch.segment_ids)
+      logits, _ = self.model(params, adapters)(batch.inputs, positions_BT=batch.positions,
+                                               segment_ids_BT=batch.segment_ids)
     return logits
 
-  def loss_sum(self, params, batch: LMBatch):
+  def loss_sum(self, params, batch: LMBatch, adapters=None):
     """(sum of masked next-token cross-entropies, number of real targets), fp32."""
     n = jnp.sum(batch.mask)
     b, t = batch.inputs.shape
     chunk = (loss_chunk_tokens(b, t, self.cfg.vocab_size) if self.loss_chunk is None
              else self.loss_chunk)
     if chunk == 0:
-      loss, _ = next_token_loss(self.logits(params, batch), batch.targets, batch.mask)
+      loss, _ = next_token_loss(self.logits(params, batch, adapters), batch.targets, batch.mask)
       return loss * jnp.maximum(n, 1.0), n
     if t % chunk:
       raise ValueError(f"LMTask: loss_chunk={chunk} does not divide the sequence length {t}")
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-      model = self.model(params)
+      model = self.model(params, adapters)
       h_BTD, _ = model.hidden(model.embed_tokens(batch.inputs), positions_BT=batch.positions,
                               segment_ids_BT=batch.segment_ids)
       w, vocab_major = model.output_weight()
@@ -285,31 +320,41 @@ class LMTask:
     return int(np.sum(host.mask)) * self._shares
 
   def train_step(self, state, batch: LMBatch, skip_nonfinite: bool = False):
-    """One AdamW step. skip_nonfinite: a step whose loss or gradient norm is NaN or inf
-    keeps the parameters and optimizer state (a select on device, as optax.apply_if_finite)
-    and reports `skipped` 1; the step count still advances."""
+    """One AdamW step (`core.update.dense_update`). skip_nonfinite: a step whose loss or
+    gradient norm is NaN or inf keeps the parameters and optimizer state and reports
+    `skipped` 1; the step count still advances."""
+    if self.lora is not None:   # the adapters train; the base stays as it is
+      def adapter_loss(adapters):
+        total, n = self.loss_sum(state["params"], batch, adapters)
+        return total / jnp.maximum(n, 1.0)
+
+      loss, grads = jax.value_and_grad(adapter_loss)(state["lora"])
+      dense = update_lib.dense_update(self.tx, state["lora"], state["opt"], grads, loss,
+                                      skip_nonfinite=skip_nonfinite)
+      metrics = {**dense.metrics, "lr": make_schedule(self.optim)(state["step"])}
+      return {"step": state["step"] + 1, "params": state["params"], "lora": dense.params,
+              "opt": dense.opt}, metrics
+
     def loss_fn(params):
       total, n = self.loss_sum(params, batch)
       return total / jnp.maximum(n, 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-    updates, opt = self.tx.update(grads, state["opt"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    grad_norm = optax.tree.norm(grads)
-    metrics = {"loss": loss, "grad_norm": grad_norm,
-               "lr": make_schedule(self.optim)(state["step"])}
-    if skip_nonfinite:
-      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), params, state["params"])
-      opt = jax.tree.map(lambda n, o: jnp.where(ok, n, o), opt, state["opt"])
-      metrics["skipped"] = (~ok).astype(jnp.float32)
-    return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+    dense = update_lib.dense_update(self.tx, state["params"], state["opt"], grads, loss,
+                                    skip_nonfinite=skip_nonfinite)
+    metrics = {**dense.metrics, "lr": make_schedule(self.optim)(state["step"])}
+    return {"step": state["step"] + 1, "params": dense.params, "opt": dense.opt}, metrics
 
   def eval_step(self, state, batch: LMBatch):
-    return self.loss_sum(state["params"], batch)
+    return self.loss_sum(state["params"], batch, state.get("lora"))
 
   def new_evaluator(self) -> LMEvaluator:
     return LMEvaluator()
+
+
+def _has_quantized(weights) -> bool:
+  from llm.quantized import QuantizedParam
+  return any(isinstance(w, QuantizedParam) for w in weights.values())
 
 
 def _single_sequences(host: LMBatch) -> LMBatch:
@@ -332,8 +377,13 @@ def _single_sequences(host: LMBatch) -> LMBatch:
   return dataclasses.replace(host, segment_ids=None, positions=None)
 
 
+# A LoRA run's workdir names its base and adapters here (experiments.train_lm).
+LORA_FILE = "lora.json"
+
+
 def load_workdir(workdir: str, step: int | None = None):
-  """(LlamaConfig, params pure dict) from a `experiments.train_lm` workdir's checkpoint."""
+  """(LlamaConfig, params pure dict) from a `experiments.train_lm` workdir's checkpoint (a
+  LoRA run's adapters merged into its base)."""
   import json
   import os
   from llm.config import config_from_dict
@@ -346,18 +396,50 @@ def load_workdir(workdir: str, step: int | None = None):
   return cfg, load_workdir_params(workdir, cfg, step)
 
 
+def save_lora_run(workdir: str, init: str, weights: str, lora) -> str:
+  """Writes the LoRA run's base checkpoint, its storage and the adapters' settings."""
+  import json
+  import os
+  path = os.path.join(workdir, LORA_FILE)
+  with open(path, "w") as f:
+    json.dump({"init": init, "weights": weights, "rank": lora.rank, "alpha": lora.alpha,
+               "targets": list(lora.targets)}, f, indent=2)
+  return path
+
+
 def load_workdir_params(workdir: str, cfg: LlamaConfig, step: int | None = None):
-  """The params (pure dict, on one device) of the checkpoint at `step` (default: latest)."""
+  """The params (pure dict, on one device) of the checkpoint at `step` (default: latest);
+  a LoRA run's (`LORA_FILE`) are its base with the adapters merged in, float32."""
+  import json
+  import os
   from core import checkpoint as ckpt_lib
   ckpt = ckpt_lib.Checkpointer(workdir)
   step = ckpt.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(errno.ENOENT, "no checkpoint to load", f"{workdir}/checkpoints")
   mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
-  task = LMTask(cfg, OptimConfig(), mesh)
+  lora_path = os.path.join(workdir, LORA_FILE)
+  lora = None
+  if os.path.exists(lora_path):
+    from llm import checkpoints
+    from llm import lora as lora_lib
+    with open(lora_path) as f:
+      meta = json.load(f)
+    lora = lora_lib.LoraConfig(meta["rank"], meta["alpha"], tuple(meta["targets"]))
+    _, base, _ = checkpoints.load_pretrained(meta["init"], meta["weights"])
+    task = LMTask(cfg, OptimConfig(), mesh, init_weights=base, lora=lora)
+  else:
+    task = LMTask(cfg, OptimConfig(), mesh)
   abstract = jax.eval_shape(lambda: task.init_state(0))
   abstract = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), abstract)
   state, _ = ckpt.restore(step, abstract)
   ckpt.close()
-  return state["params"]
+  if lora is None:
+    return state["params"]
+  from llm import lora as lora_lib
+  merged = lora_lib.merge(base, state["lora"], lora)
+  model = nnx.eval_shape(lambda: model_lib.Llama(cfg.replace(param_dtype="float32"),
+                                                  nnx.Rngs(0)))
+  model_lib.load_weights(model, merged)
+  return nnx.to_pure_dict(nnx.state(model))

@@ -1,7 +1,26 @@
-"""Builds a recommendation run from plain settings: data sources, model, plan, task.
+"""A recommendation run's settings (`RecRunConfig`, a typed tree of frozen dataclasses on
+`core.config`) and how a run is built from them: data sources, model, plan, task.
 
-`experiments/train_rec.py` is the flag front end; notebooks and tests call `build_run`
-directly with a `RecRunConfig`.
+  RecRunConfig
+    model      RecModelConfig   model, preset, embedding_dim, dtype, fp8_layers, fp8_recipe
+    data       RecDataConfig    data, num_rows, bad_lines, days, csv_label, csv_dense,
+                                csv_categorical, eval_batches
+    embedding  EmbeddingConfig  storage (a StorageSpec), sharding, sharding_overrides,
+                                memory_budget_gb,
+                 dedup  DedupConfig  dedup_features, dedup_capacity
+                 a2a    A2AConfig    a2a_mode, a2a_error_bound, a2a_grad_error_bound,
+                                     a2a_bits, a2a_table_factors, a2a_schedule
+    train      RecTrainConfig   batch_size, eval_batch_size, dense_optimizer, learning_rate,
+                                sparse_optimizer, embedding_learning_rate
+    mesh, seed
+
+Each leaf is a setting defined once (here, or in `core.settings` for those the LM entry
+points share), so a leaf's flat name is its flag: `make_run(batch_size=64)`,
+`replace_run(cfg, storage="int8_cache:lru:0.1")`, `define_run_flags("model", "data",
+batch_size=1024)` in an entry point's define_flags() and `run_from_flags()` in its main.
+The flags --cache_policy and --cache_fraction (and `make_run`'s cache_policy= /
+cache_fraction= / cache_ways=) fold into the storage spec. `experiments/train_rec.py` is the
+flag front end; notebooks and tests call `build_run` with a config.
 """
 
 from __future__ import annotations
@@ -9,17 +28,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
-from core import flops as flops_lib
+from core import config
+from core import errors
 from core import memory as memory_lib
 from core import mesh as mesh_lib
+from core import settings as core_settings
 from core import train as train_loop
 from rec.data import dedup as dedup_lib
 from rec.data import sources as sources_lib
@@ -28,115 +47,244 @@ from rec.data.dedup import DedupSpec
 from rec.embedding import a2a_compression as a2a_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
+from rec.embedding import rowwise_storage
+from rec.embedding import storage_spec as storage_spec_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.config import ShardingKind, TableConfig
 from rec.embedding.storage_spec import StorageSpec
 from rec.layers import fp8 as fp8_lib
-from rec.models import dcnv2 as dcnv2_lib
-from rec.models import dhen as dhen_lib
-from rec.models import dlrm as dlrm_lib
-from rec.models import logreg as logreg_lib
-from rec.models import searched as searched_lib
-from rec.models import wukong as wukong_lib
 from rec.train_lib import RecTask, make_dense_optimizer
 
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
+SHARDINGS = ("auto", "dp", "tw", "rw", "cw", "twrw")
 
-@dataclasses.dataclass
+# Settings of a rec run (those shared with the LM entry points are in core.settings).
+MODEL = config.setting(
+    "model", "string", "Model family: dlrm | dcnv2 | dhen | wukong | logreg, or searched:FILE "
+    "(an architecture JSON of rec/models/searched.py, e.g. one experiments.rankitect found).")
+EMBEDDING_DIM = config.setting("embedding_dim", "integer", "Embedding dim (of every model); "
+                               "0 keeps the preset's.", lower=0)
+FP8_LAYERS = config.setting(
+    "fp8_layers", "string", "Dense layers whose matmuls run in FP8 (dlrm, dcnv2): 'all', or "
+    "patterns such as top_mlp.*,cross.0 (rec/layers/fp8.py).")
+FP8_RECIPE = config.setting(
+    "fp8_recipe", "enum", "FP8 scaling: per tensor or per row (current amax), or per tensor "
+    "from an amax history.", choices=tuple(fp8_lib.RECIPES))
+NUM_ROWS = config.setting("num_rows", "integer", "Hashed rows per sparse feature.", lower=1)
+BAD_LINES = config.setting("bad_lines", "enum", "Malformed data lines: stop, or skip and "
+                           "count.", choices=("error", "skip"))
+DAYS = config.setting(
+    "days", "string", "--data=criteo:DIR with Terabyte day_N[.gz] files: the days to use, "
+    "e.g. 0-2 or 0,3,23 (empty: every day present); day 23 (else the last day given) is "
+    "split into validation and test halves.", none_ok=True)
+CSV_LABEL = config.setting("csv_label", "string", "--data=csv:DIR: label column; empty = the "
+                           "first named label/click/clicked/y.")
+CSV_DENSE = config.setting("csv_dense", "string", "--data=csv:DIR: dense columns, e.g. I1,I2; "
+                           "empty = inferred (numeric I<n> columns), none = no dense.")
+CSV_CATEGORICAL = config.setting("csv_categorical", "string", "--data=csv:DIR: categorical "
+                                 "columns, e.g. C1,C2; empty = every other column but id.")
+EVAL_BATCH_SIZE = config.setting("eval_batch_size", "integer", "Global eval batch size.",
+                                 lower=1)
+DENSE_OPTIMIZER = config.setting("dense_optimizer", "enum", "Optax optimizer of the dense "
+                                 "part.", choices=DENSE_OPTIMIZERS)
+SPARSE_OPTIMIZER = config.setting("sparse_optimizer", "enum", "Sparse embedding optimizer.",
+                                  choices=tuple(opt_lib.OPTIMIZER_NAMES))
+EMBEDDING_LEARNING_RATE = config.setting("embedding_learning_rate", "float",
+                                         "Embedding learning rate.")
+SHARDING = config.setting("sharding", "enum", "Embedding sharding: auto = planner.",
+                          choices=SHARDINGS)
+SHARDING_OVERRIDES = config.setting("sharding_overrides", "string", "Per-table kinds, e.g. "
+                                    "C1=tw,C3=rw.")
+MEMORY_BUDGET_GB = config.setting(
+    "memory_budget_gb", "float", "Per-device embedding memory budget for the planner "
+    "(default: the device's memory: a GPU's bytes_limit less "
+    f"{memory_lib.GPU_HEADROOM:.0%}, or the available RAM divided over the CPU devices).",
+    none_ok=True)
+
+
+def _parse_storage(text: str) -> StorageSpec:
+  try:
+    return StorageSpec.parse(text, "--storage")
+  except ValueError as e:   # the caller names the flag or the file's field and the value
+    msg, named = str(e), f"--storage={text!r}: "
+    raise ValueError(msg[len(named):] if msg.startswith(named) else msg) from None
+
+
+STORAGE = config.setting(
+    "storage", "string", "Embedding row storage: KIND[:lfu|lru[:FRACTION[:WAYS]]], the cache "
+    "suffix for a *_cache kind (such as int8_cache:lru). Kinds: "
+    f"{' | '.join(storage_spec_lib.kinds())}. bf16 rounds updates to nearest, bf16_sr "
+    "stochastically; intN are FBGEMM row-wise rows updated with stochastic rounding; *_cache "
+    "adds an fp32 cache of the hot rows (arXiv 2010.11305).", parse=_parse_storage, format=str)
+CACHE_POLICY = config.setting(
+    "cache_policy", "enum", "--storage=*_cache given without its :policy: which rows the "
+    "cache keeps, the most frequently or the most recently used.", choices=("lfu", "lru"))
+CACHE_FRACTION = config.setting(
+    "cache_fraction", "float", "--storage=*_cache given without its :fraction: cache size as "
+    "a fraction of each device's rows (the paper: int8 0.05, int4 0.01).")
+DEDUP_FEATURES = config.setting(
+    "dedup_features", "string", "RecD (arXiv 2211.05239): features looked up on each "
+    "batch's distinct bags, e.g. C1,C3 (user features that repeat across a session's "
+    "samples); empty: off.")
+DEDUP_CAPACITY = config.setting(
+    "dedup_capacity", "integer", "RecD: distinct bags per device and feature; a batch with "
+    "more runs plain (metric dedup_fallback). 0: the next power of two that holds them.",
+    lower=0)
+A2A_MODE = config.setting(
+    "a2a_mode", "enum", "Error-bounded lossy compression of the embedding exchange (arXiv "
+    "2407.04272): the all-to-all of tw / cw / twrw tables and the reduce-scatter of rw tables "
+    "send fixed-rate codes, forward and (--a2a_grad_error_bound) backward. abs: every value "
+    "within --a2a_error_bound; rel: within it times its row's value range; none: float32.",
+    choices=("none", *a2a_lib.MODES))
+A2A_ERROR_BOUND = config.setting("a2a_error_bound", "float", "--a2a_mode: bound of the "
+                                 "pooled embeddings sent (> 0).")
+A2A_GRAD_ERROR_BOUND = config.setting(
+    "a2a_grad_error_bound", "float", "--a2a_mode: bound of their gradients (> 0); unset: the "
+    "gradients go in float32.", none_ok=True)
+A2A_BITS = config.setting("a2a_bits", "integer", "--a2a_mode: code width, 4, 8 or 16 bits "
+                          "per value (plus a 6-byte row header).", lower=4)
+A2A_TABLE_FACTORS = config.setting(
+    "a2a_table_factors", "string", "--a2a_mode: the dual-level adaptive bound's table level: "
+    "factors of both bounds per table, e.g. C1=0.5,C3=2 (a table not named: 1).")
+A2A_SCHEDULE = config.setting(
+    "a2a_schedule", "string", "--a2a_mode: the dual-level adaptive bound's iteration level: "
+    "a factor of both bounds per train step (counted from 0): constant (1), or "
+    "KIND:START:END:STEPS, e.g. linear:2:0.5:1000: linear and cosine go from START at step 0 "
+    "to END at step STEPS, step holds START before step STEPS; END from step STEPS on.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecModelConfig:
+  """Which model, at which size and precision."""
+  model: str = MODEL.field("dlrm")        # dlrm | dcnv2 | dhen | wukong | logreg | searched:FILE
+  preset: str = core_settings.PRESET.field("kaggle")   # MODEL_PRESETS; kaggle: the Criteo one
+  embedding_dim: int = EMBEDDING_DIM.field(0)   # 0: the preset's
+  dtype: str = core_settings.DTYPE.field("float32")
+  fp8_layers: str = FP8_LAYERS.field("")
+  fp8_recipe: str = FP8_RECIPE.field("tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecDataConfig:
+  """The data (rec.data.sources) and how it is read."""
+  data: str = core_settings.DATA.field("synthetic")
+  num_rows: int = NUM_ROWS.field(100_000)
+  bad_lines: str = BAD_LINES.field("error")
+  days: str = DAYS.field("")                        # criteo:DIR Terabyte days; "": all present
+  csv_label: str = CSV_LABEL.field("")
+  csv_dense: str = CSV_DENSE.field("")
+  csv_categorical: str = CSV_CATEGORICAL.field("")
+  eval_batches: int = core_settings.EVAL_BATCHES.field(8)
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupConfig:
+  """RecD's lookups on each batch's distinct bags (rec.data.dedup)."""
+  dedup_features: str = DEDUP_FEATURES.field("")
+  dedup_capacity: int = DEDUP_CAPACITY.field(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class A2AConfig:
+  """The compressed embedding exchange (arXiv 2407.04272; `RecRunConfig.a2a_spec`)."""
+  a2a_mode: str = A2A_MODE.field("none")
+  a2a_error_bound: float = A2A_ERROR_BOUND.field(1e-3)
+  a2a_grad_error_bound: float | None = A2A_GRAD_ERROR_BOUND.field(None)
+  a2a_bits: int = A2A_BITS.field(8)
+  a2a_table_factors: str = A2A_TABLE_FACTORS.field("")
+  a2a_schedule: str = A2A_SCHEDULE.field("constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+  """The embedding tables: row storage, placement, RecD and the exchange."""
+  storage: StorageSpec = STORAGE.field(StorageSpec("fp32"))
+  sharding: str = SHARDING.field("auto")
+  sharding_overrides: str = SHARDING_OVERRIDES.field("")
+  memory_budget_gb: float | None = MEMORY_BUDGET_GB.field(None)   # None: the device's
+  dedup: DedupConfig = config.section(DedupConfig)
+  a2a: A2AConfig = config.section(A2AConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecTrainConfig:
+  """Batch sizes and optimizers."""
+  batch_size: int = core_settings.BATCH_SIZE.field(2048)
+  eval_batch_size: int = EVAL_BATCH_SIZE.field(8192)
+  dense_optimizer: str = DENSE_OPTIMIZER.field("adagrad")
+  learning_rate: float = core_settings.LEARNING_RATE.field(0.05)
+  sparse_optimizer: str = SPARSE_OPTIMIZER.field("rowwise_adagrad")
+  embedding_learning_rate: float = EMBEDDING_LEARNING_RATE.field(0.05)
+
+
+@dataclasses.dataclass(frozen=True)
 class RecRunConfig:
-  model: str = "dlrm"                 # dlrm | dcnv2 | dhen | wukong | logreg | searched:FILE
-  preset: str = "kaggle"              # per model, see MODEL_PRESETS; kaggle = its Criteo default
-  embedding_dim: int = 0              # 0: the preset's; else overrides it (and the tables')
-  dtype: str = "float32"              # dense activations: float32 | bfloat16 (not logreg)
-  fp8_layers: str = ""                # FP8 dense matmuls (dlrm, dcnv2): "", "all", "top_mlp.*"
-  fp8_recipe: str = "tensor"          # tensor | row | delayed (rec/layers/fp8.py)
-  data: str = "synthetic"             # synthetic[_deep] | criteo:DIR | ... (rec.data.sources)
-  num_rows: int = 100_000             # hashed rows per sparse feature
-  mesh: str = "-1"
-  batch_size: int = 2048
-  eval_batch_size: int = 8192
-  eval_batches: int = 8               # synthetic eval set size, in eval batches
-  dense_optimizer: str = "adagrad"
-  learning_rate: float = 0.05
-  sparse_optimizer: str = "rowwise_adagrad"
-  embedding_learning_rate: float = 0.05
-  sharding: str = "auto"              # auto | dp | tw | rw | cw | twrw
-  sharding_overrides: str = ""        # "C1=tw,C3=rw"
-  memory_budget_gb: float | None = None  # per device, for the planner; None: the device's
-  storage: str = "fp32"               # embedding rows: a storage_spec kind (storage_spec())
-  cache_fraction: float = 0.05        # int8_cache / int4_cache: fp32 cache, fraction of rows
-  cache_policy: str = "lfu"           # int8_cache / int4_cache: lfu | lru
-  bad_lines: str = "error"            # error | skip
-  dedup_features: str = ""            # RecD: "C1,C3" looked up on each batch's distinct bags
-  dedup_capacity: int = 0             # RecD: distinct bags per device and feature; 0: automatic
-  # Compressed embedding exchange (arXiv 2407.04272; a2a_spec()): none | abs | rel
-  a2a_mode: str = "none"
-  a2a_error_bound: float = 1e-3       # pooled embeddings: abs |x - x'|, rel x the row's range
-  a2a_grad_error_bound: float | None = None   # their gradients; None: sent in float32
-  a2a_bits: int = 8                   # code width: 4 | 8 | 16
-  a2a_table_factors: str = ""         # both bounds' factor per table: "C1=0.5,C3=2" (else 1)
-  a2a_schedule: str = "constant"      # ... per train step: constant | KIND:START:END:STEPS
-  seed: int = 0
-  csv_label: str = ""                 # csv:DIR label column; "" = inferred
-  csv_dense: str = ""                 # csv:DIR dense columns "I1,I2"; "" = inferred, "none"
-  csv_categorical: str = ""           # csv:DIR categorical columns; "" = inferred
-  days: str = ""                      # criteo:DIR Terabyte days, e.g. "0-2"; "" = all present
-
-  @classmethod
-  def from_flags(cls, flag_values, keep: Sequence[str] = (), **overrides) -> RecRunConfig:
-    """The config of an entry point's flags: every field takes the absl flag of its name
-    (`define_rec_run_flags`), or its value in `overrides`, which win; a field the entry
-    point fixes at the dataclass default is named in `keep`. A field with none of the three
-    is an error naming its flag, never a silent default."""
-    fields = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(keep) - set(fields))
-    if unknown:
-      raise ValueError(f"RecRunConfig.from_flags: keep={unknown} are not RecRunConfig fields "
-                       f"(expected some of {fields})")
-    missing = [n for n in fields if n not in flag_values and n not in overrides and n not in keep]
-    if missing:
-      raise ValueError(
-          f"RecRunConfig.from_flags: this entry point defines no flag "
-          f"{', '.join('--' + n for n in missing)}; define it "
-          f"(rec.configs.define_rec_run_flags({', '.join(map(repr, missing))})), pass its "
-          f"value ({missing[0]}=...), or keep its default (keep=({missing[0]!r}, ...))")
-    kw = {n: flag_values[n].value for n in fields if n in flag_values}
-    return cls(**{**kw, **overrides})
+  """A recommendation run's settings (module docstring); `make_run` builds one by flat
+  names."""
+  model: RecModelConfig = config.section(RecModelConfig)
+  data: RecDataConfig = config.section(RecDataConfig)
+  embedding: EmbeddingConfig = config.section(EmbeddingConfig)
+  train: RecTrainConfig = config.section(RecTrainConfig)
+  mesh: str = core_settings.MESH.field("-1")
+  seed: int = core_settings.SEED.field(0)
 
   def run_settings(self) -> dict[str, Any]:
-    """The config as a run's saved settings (`core.train.TrainConfig.settings`): every
-    field, `embedding_dim` as the dim the model gets, so the default 0 (the preset's) and
-    the preset's dim given explicitly are the same setting."""
-    return normalize_settings(dataclasses.asdict(self))
+    """The config as a run's saved settings (`core.train.TrainConfig.settings`): every leaf
+    by flat name, the storage as its flags' strings and numbers (storage, cache_policy,
+    cache_fraction; cache_ways only when not the default), `embedding_dim` as the dim the
+    model gets, so the default 0 (the preset's) and the preset's dim given explicitly are
+    the same setting."""
+    return normalize_settings(self.flat_settings())
+
+  def flat_settings(self) -> dict[str, Any]:
+    """Every setting by flat name as JSON-able strings and numbers (a study's run record,
+    results.json's "config"): the storage as its flags' storage, cache_policy and
+    cache_fraction (cache_ways only when not the default)."""
+    out = config.flat(self)
+    spec = out.pop("storage")
+    out.update(storage=spec.kind, cache_policy=spec.cache_policy or _CACHE_FLAG_DEFAULTS[0],
+               cache_fraction=spec.cache_fraction if spec.cached else _CACHE_FLAG_DEFAULTS[1])
+    if spec.cached and spec.cache_ways != rowwise_storage.DEFAULT_WAYS:
+      out["cache_ways"] = spec.cache_ways
+    return out
 
   def validate(self) -> None:
     """Raises a ValueError naming the flag of the first setting that cannot train: a
-    learning rate that is not finite and > 0, an unknown optimizer, a size < 1."""
-    train_loop.check_learning_rate("--learning_rate", self.learning_rate)
-    train_loop.check_learning_rate("--embedding_learning_rate", self.embedding_learning_rate)
-    if self.dense_optimizer not in DENSE_OPTIMIZERS:
-      raise ValueError(f"--dense_optimizer={self.dense_optimizer!r}: expected one of "
+    learning rate that is not finite and > 0, an unknown optimizer, a size < 1 (a config
+    made by `make_run` has its values checked already; one built field by field not)."""
+    t, e = self.train, self.embedding
+    train_loop.check_learning_rate("--learning_rate", t.learning_rate)
+    train_loop.check_learning_rate("--embedding_learning_rate", t.embedding_learning_rate)
+    if t.dense_optimizer not in DENSE_OPTIMIZERS:
+      raise ValueError(f"--dense_optimizer={t.dense_optimizer!r}: expected one of "
                        f"{list(DENSE_OPTIMIZERS)}")
-    if self.sparse_optimizer not in opt_lib.OPTIMIZER_NAMES:
-      raise ValueError(f"--sparse_optimizer={self.sparse_optimizer!r}: expected one of "
+    if t.sparse_optimizer not in opt_lib.OPTIMIZER_NAMES:
+      raise ValueError(f"--sparse_optimizer={t.sparse_optimizer!r}: expected one of "
                        f"{list(opt_lib.OPTIMIZER_NAMES)}")
-    for name in ("batch_size", "eval_batch_size", "num_rows", "eval_batches"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"--{name}={getattr(self, name)}: expected >= 1")
-    if self.memory_budget_gb is not None and not (math.isfinite(self.memory_budget_gb)
-                                                  and self.memory_budget_gb > 0):
-      raise ValueError(f"--memory_budget_gb={self.memory_budget_gb}: expected a number > 0")
-    if self.fp8_recipe not in fp8_lib.RECIPES:
-      raise ValueError(f"--fp8_recipe={self.fp8_recipe!r}: expected one of {list(fp8_lib.RECIPES)}")
-    self.storage_spec()
+    for name, value in (("batch_size", t.batch_size), ("eval_batch_size", t.eval_batch_size),
+                        ("num_rows", self.data.num_rows),
+                        ("eval_batches", self.data.eval_batches)):
+      if value < 1:
+        raise ValueError(f"--{name}={value}: expected >= 1")
+    if e.memory_budget_gb is not None and not (math.isfinite(e.memory_budget_gb)
+                                               and e.memory_budget_gb > 0):
+      raise ValueError(f"--memory_budget_gb={e.memory_budget_gb}: expected a number > 0")
+    if self.model.fp8_recipe not in fp8_lib.RECIPES:
+      raise ValueError(f"--fp8_recipe={self.model.fp8_recipe!r}: expected one of "
+                       f"{list(fp8_lib.RECIPES)}")
+    if not isinstance(e.storage, StorageSpec):
+      raise ValueError(f"--storage={e.storage!r}: expected a StorageSpec (make_run and "
+                       "StorageSpec.parse read a storage name)")
     self.a2a_spec()
-    if self.dedup_capacity < 0:
-      raise ValueError(f"--dedup_capacity={self.dedup_capacity}: expected >= 0 (0: the next "
-                       "power of two that holds a batch's distinct bags)")
+    if e.dedup.dedup_capacity < 0:
+      raise ValueError(f"--dedup_capacity={e.dedup.dedup_capacity}: expected >= 0 (0: the "
+                       "next power of two that holds a batch's distinct bags)")
 
   def dedup_spec(self, tables) -> DedupSpec | None:
     """RecD's setting from --dedup_features / --dedup_capacity (None: off); names are
     checked against the tables."""
-    return DedupSpec.from_flags(self.dedup_features, self.dedup_capacity,
+    d = self.embedding.dedup
+    return DedupSpec.from_flags(d.dedup_features, d.dedup_capacity,
                                 known=[t.name for t in tables])
 
   def a2a_spec(self, tables: Sequence[str] = ()) -> a2a_lib.A2ACompression | None:
@@ -145,192 +293,141 @@ class RecRunConfig:
     --a2a_table_factors and --a2a_schedule (None: --a2a_mode=none); errors name the flag,
     and `tables` (names), when given, are the names --a2a_table_factors may use. With
     --a2a_mode=none any of them other than its default is an error, not ignored."""
-    if self.a2a_mode == "none":
-      given = [f"--{n}={getattr(self, n)}" for n in A2A_FIELDS[1:]
-               if getattr(self, n) != _FIELD_DEFAULTS[n]]
+    a = self.embedding.a2a
+    if a.a2a_mode == "none":
+      given = [f"--{n}={getattr(a, n)}" for n in A2A_FIELDS[1:]
+               if getattr(a, n) != _FIELD_DEFAULTS[n]]
       if given:
         raise ValueError(f"{', '.join(given)} with --a2a_mode=none: no exchange is compressed; "
                          "expected --a2a_mode=abs|rel, or the default")
       return None
-    if self.a2a_mode not in a2a_lib.MODES:
-      raise ValueError(f"--a2a_mode={self.a2a_mode!r}: expected none or one of "
+    if a.a2a_mode not in a2a_lib.MODES:
+      raise ValueError(f"--a2a_mode={a.a2a_mode!r}: expected none or one of "
                        f"{list(a2a_lib.MODES)}")
     return a2a_lib.A2ACompression(
-        self.a2a_mode, self.a2a_error_bound, self.a2a_grad_error_bound, self.a2a_bits,
-        table_factors=a2a_lib.parse_table_factors(self.a2a_table_factors),
-        schedule=a2a_lib.parse_schedule(self.a2a_schedule)).check(tables)
+        a.a2a_mode, a.a2a_error_bound, a.a2a_grad_error_bound, a.a2a_bits,
+        table_factors=a2a_lib.parse_table_factors(a.a2a_table_factors),
+        schedule=a2a_lib.parse_schedule(a.a2a_schedule)).check(tables)
 
   def without_a2a(self) -> RecRunConfig:
     """This config with the embedding exchange in float32 (the --a2a_* settings at their
     defaults), e.g. a comparison's baseline."""
-    return dataclasses.replace(self, **{n: _FIELD_DEFAULTS[n] for n in A2A_FIELDS})
-
-  def storage_spec(self) -> StorageSpec:
-    """The tables' row storage from --storage, --cache_policy and --cache_fraction (errors
-    name the flag), e.g. StorageSpec("int8_cache", "lfu", 0.05)."""
-    return StorageSpec.from_flags(self.storage, self.cache_policy, self.cache_fraction)
-
-  def with_storage(self, spec: StorageSpec) -> RecRunConfig:
-    """This config with the tables stored as `spec` (its settings as the fields above)."""
-    if spec.cached and spec.cache_ways != StorageSpec(spec.kind).cache_ways:
-      raise ValueError(f"storage {spec}: {spec.cache_ways} cache ways; a RecRunConfig has no "
-                       f"setting for them (runs use {StorageSpec(spec.kind).cache_ways})")
-    over = {"storage": spec.kind}
-    if spec.cached:
-      over.update(cache_policy=spec.cache_policy, cache_fraction=spec.cache_fraction)
-    return dataclasses.replace(self, **over)
+    return dataclasses.replace(self, embedding=dataclasses.replace(self.embedding,
+                                                                   a2a=A2AConfig()))
 
 
-DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
-A2A_FIELDS = ("a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits",
-              "a2a_table_factors", "a2a_schedule")
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RecRunConfig)}
-# Every RecRunConfig field, e.g. for `define_rec_run_flags(*RUN_FIELDS)`.
-RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RecRunConfig))
+A2A_FIELDS = tuple(n for n in config.leaves(A2AConfig))
+_LEAVES = config.leaves(RecRunConfig)
+_FIELD_DEFAULTS = {n: leaf.default for n, leaf in _LEAVES.items()}
+_CACHE_FLAGS = ("cache_policy", "cache_fraction")
+_CACHE_FLAG_DEFAULTS = ("lfu", 0.05)   # what a bare --storage=*_cache gets from the flags
+# The flat names of a run's settings (`make_run`'s keywords, `run_settings`' keys, the
+# names `define_run_flags` takes): every leaf, and the storage's cache flags.
+RUN_FIELDS = tuple(_LEAVES) + _CACHE_FLAGS
 
 
-def _run_flags() -> dict[str, tuple[Callable[..., Any], dict[str, Any], str]]:
-  """RecRunConfig field -> (absl DEFINE function, its keyword arguments, help)."""
-  from absl import flags
-  count = dict(lower_bound=1)
-  return {
-      "model": (flags.DEFINE_string, {},
-                "Model family: dlrm | dcnv2 | dhen | wukong | logreg, or searched:FILE (an "
-                "architecture JSON of rec/models/searched.py, e.g. one experiments.rankitect "
-                "found)."),
-      "preset": (flags.DEFINE_string, {},
-                 "Model sizes (rec.configs.MODEL_PRESETS). kaggle: the model's Criteo default; "
-                 "small: a tiny one. dlrm: also terabyte. dhen: also dhen_2l, dhen_4l, dhen_8l. "
-                 "wukong: also l<layers>_n<n> (e.g. l3_n16) and scaled<i> (rung i of the "
-                 "scaling ladder)."),
-      "embedding_dim": (flags.DEFINE_integer, dict(lower_bound=0),
-                        "Embedding dim (of every model); 0 keeps the preset's."),
-      "dtype": (flags.DEFINE_enum, dict(enum_values=["float32", "bfloat16"]),
-                "Dense activation / matmul dtype (parameters stay float32)."),
-      "fp8_layers": (flags.DEFINE_string, {},
-                     "Dense layers whose matmuls run in FP8 (dlrm, dcnv2): 'all', or patterns "
-                     "such as top_mlp.*,cross.0 (rec/layers/fp8.py)."),
-      "fp8_recipe": (flags.DEFINE_enum, dict(enum_values=list(fp8_lib.RECIPES)),
-                     "FP8 scaling: per tensor or per row (current amax), or per tensor from an "
-                     "amax history."),
-      "data": (flags.DEFINE_string, {},
-               "synthetic | synthetic_deep (planted Criteo-shaped data; options after ':', e.g. "
-               "synthetic:zipf_alpha=1.2,multi_hot=mlperf,gen=device) | criteo:DIR (Kaggle "
-               "train.txt or Terabyte day_N) | criteo_bin:DIR (preprocessed binary Criteo, "
-               "experiments.preprocess_criteo) | avazu:DIR | libfm:DIR (libFM / libFFM train, "
-               "valid, test) | csv:DIR (BARS / FuxiCTR CSV with a header; see --csv_*). "
-               "rec/data/sources.py describes each form."),
-      "num_rows": (flags.DEFINE_integer, count, "Hashed rows per sparse feature."),
-      "mesh": (flags.DEFINE_string, {},
-               "Device mesh, e.g. data:8 or data:2,model:4; -1 = all devices."),
-      "batch_size": (flags.DEFINE_integer, count, "Global train batch size."),
-      "eval_batch_size": (flags.DEFINE_integer, count, "Global eval batch size."),
-      "eval_batches": (flags.DEFINE_integer, count,
-                       "Synthetic data: eval set size in eval batches."),
-      "dense_optimizer": (flags.DEFINE_enum, dict(enum_values=list(DENSE_OPTIMIZERS)),
-                          "Optax optimizer of the dense part."),
-      "learning_rate": (flags.DEFINE_float, {}, "Dense learning rate."),
-      "sparse_optimizer": (flags.DEFINE_enum, dict(enum_values=list(opt_lib.OPTIMIZER_NAMES)),
-                           "Sparse embedding optimizer."),
-      "embedding_learning_rate": (flags.DEFINE_float, {}, "Embedding learning rate."),
-      "sharding": (flags.DEFINE_enum,
-                   dict(enum_values=["auto", "dp", "tw", "rw", "cw", "twrw"]),
-                   "Embedding sharding: auto = planner."),
-      "sharding_overrides": (flags.DEFINE_string, {}, "Per-table kinds, e.g. C1=tw,C3=rw."),
-      "memory_budget_gb": (flags.DEFINE_float, {},
-                           "Per-device embedding memory budget for the planner (default: "
-                           "the device's memory: a GPU's bytes_limit less "
-                           f"{memory_lib.GPU_HEADROOM:.0%}, or the available RAM divided "
-                           "over the CPU devices)."),
-      "storage": (flags.DEFINE_enum,
-                  dict(enum_values=["fp32", "bf16", "bf16_sr", "int8", "int4", "int8_cache",
-                                    "int4_cache"]),
-                  "Embedding row storage: bf16 rounds updates to nearest, bf16_sr "
-                  "stochastically; int8 / int4 are FBGEMM row-wise rows updated with stochastic "
-                  "rounding; *_cache adds an fp32 cache of the hot rows (arXiv 2010.11305)."),
-      "cache_fraction": (flags.DEFINE_float, {},
-                         "--storage=int8_cache / int4_cache: cache size as a fraction of each "
-                         "device's rows (the paper: int8 0.05, int4 0.01)."),
-      "cache_policy": (flags.DEFINE_enum, dict(enum_values=["lfu", "lru"]),
-                       "--storage=*_cache: which rows the cache keeps, the most frequently or "
-                       "the most recently used."),
-      "bad_lines": (flags.DEFINE_enum, dict(enum_values=["error", "skip"]),
-                    "Malformed data lines: stop, or skip and count."),
-      "dedup_features": (flags.DEFINE_string, {},
-                         "RecD (arXiv 2211.05239): features looked up on each batch's distinct "
-                         "bags, e.g. C1,C3 (user features that repeat across a session's "
-                         "samples); empty: off."),
-      "dedup_capacity": (flags.DEFINE_integer, dict(lower_bound=0),
-                         "RecD: distinct bags per device and feature; a batch with more runs "
-                         "plain (metric dedup_fallback). 0: the next power of two that holds "
-                         "them."),
-      "a2a_mode": (flags.DEFINE_enum, dict(enum_values=["none", *a2a_lib.MODES]),
-                   "Error-bounded lossy compression of the embedding exchange (arXiv "
-                   "2407.04272): the all-to-all of tw / cw / twrw tables and the reduce-scatter "
-                   "of rw tables send fixed-rate codes, forward and (--a2a_grad_error_bound) "
-                   "backward. abs: every value within --a2a_error_bound; rel: within it times "
-                   "its row's value range; none: float32."),
-      "a2a_error_bound": (flags.DEFINE_float, {},
-                          "--a2a_mode: bound of the pooled embeddings sent (> 0)."),
-      "a2a_grad_error_bound": (flags.DEFINE_float, {},
-                               "--a2a_mode: bound of their gradients (> 0); unset: the "
-                               "gradients go in float32."),
-      "a2a_bits": (flags.DEFINE_integer, dict(lower_bound=4),
-                   "--a2a_mode: code width, 4, 8 or 16 bits per value (plus a 6-byte row "
-                   "header)."),
-      "a2a_table_factors": (flags.DEFINE_string, {},
-                            "--a2a_mode: the dual-level adaptive bound's table level: factors "
-                            "of both bounds per table, e.g. C1=0.5,C3=2 (a table not named: "
-                            "1)."),
-      "a2a_schedule": (flags.DEFINE_string, {},
-                       "--a2a_mode: the dual-level adaptive bound's iteration level: a factor "
-                       "of both bounds per train step (counted from 0): constant (1), or "
-                       "KIND:START:END:STEPS, e.g. linear:2:0.5:1000: linear and cosine go "
-                       "from START at step 0 to END at step STEPS, step holds START before "
-                       "step STEPS; END from step STEPS on."),
-      "seed": (flags.DEFINE_integer, dict(lower_bound=0),
-               "Seed of parameters and synthetic data."),
-      "csv_label": (flags.DEFINE_string, {},
-                    "--data=csv:DIR: label column; empty = the first named "
-                    "label/click/clicked/y."),
-      "csv_dense": (flags.DEFINE_string, {},
-                    "--data=csv:DIR: dense columns, e.g. I1,I2; empty = inferred (numeric I<n> "
-                    "columns), none = no dense."),
-      "csv_categorical": (flags.DEFINE_string, {},
-                          "--data=csv:DIR: categorical columns, e.g. C1,C2; empty = every other "
-                          "column but id."),
-      "days": (flags.DEFINE_string, {},
-               "--data=criteo:DIR with Terabyte day_N[.gz] files: the days to use, e.g. 0-2 or "
-               "0,3,23 (empty: every day present); day 23 (else the last day given) is split "
-               "into validation and test halves."),
-  }
+def _with_cache(spec: StorageSpec, cache_policy: str | None = None,
+                cache_fraction: float | None = None, cache_ways: int | None = None
+                ) -> StorageSpec:
+  """`spec` with the cache settings given (checked, errors naming --cache_policy /
+  --cache_fraction, whatever the kind); a kind without a cache ignores them."""
+  flag = {"cache_policy": "--cache_policy", "cache_fraction": "--cache_fraction",
+          "cache_ways": "cache_ways", "kind": "--storage"}
+  name = lambda f, v: f"{flag[f]}={v!r}"
+  policy, fraction, ways = cache_policy, cache_fraction, cache_ways
+  rowwise_storage.check_cache(
+      policy if policy is not None else (spec.cache_policy or _CACHE_FLAG_DEFAULTS[0]),
+      fraction if fraction is not None else (spec.cache_fraction or _CACHE_FLAG_DEFAULTS[1]),
+      ways if ways is not None else (spec.cache_ways or rowwise_storage.DEFAULT_WAYS), name)
+  if not spec.cached:
+    return spec
+  return StorageSpec(spec.kind, policy or spec.cache_policy,
+                     float(fraction) if fraction is not None else spec.cache_fraction,
+                     ways or spec.cache_ways)
 
 
-def define_rec_run_flags(*names: str, flag_values=None, **defaults: Any) -> None:
-  """Defines the absl flags of RecRunConfig fields, one definition each (help, choices,
-  bounds), for an entry point's `define_flags()`: the fields in `names` with the dataclass
-  defaults, and those in `defaults` with the entry point's own. `from_flags` reads them.
+def _fold(cfg: RecRunConfig, cache: dict[str, Any]) -> RecRunConfig:
+  cache = {k: v for k, v in cache.items() if v is not None}
+  if not cache:
+    return cfg
+  spec = _with_cache(cfg.embedding.storage, **cache)
+  return dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, storage=spec))
+
+
+def make_run(**flat: Any) -> RecRunConfig:
+  """A RecRunConfig from settings by flat name (the others at their defaults), each checked
+  (`core.config.build`; errors name the flag): a leaf's name, or
+  cache_policy= / cache_fraction= / cache_ways=, which fold into the storage spec
+  (`storage` may be the spec or its text, e.g. "int8_cache:lru:0.1")."""
+  cache = {n: flat.pop(n) for n in (*_CACHE_FLAGS, "cache_ways") if n in flat}
+  return _fold(config.build(RecRunConfig, **flat), cache)
+
+
+def replace_run(cfg: RecRunConfig, **flat: Any) -> RecRunConfig:
+  """`cfg` with the settings in `flat` (`make_run`'s names) changed, each checked."""
+  cache = {n: flat.pop(n) for n in (*_CACHE_FLAGS, "cache_ways") if n in flat}
+  return _fold(config.replace(cfg, **flat), cache)
+
+
+def define_run_flags(*names: str, flag_values=None, **defaults: Any) -> None:
+  """Defines the flags of RecRunConfig settings for an entry point's define_flags(): those
+  in `names` at the config's defaults and those in `defaults` at the entry point's own
+  (`core.config.define_flags(RecRunConfig, only=...)`, with --config); with --storage also
+  --cache_policy and --cache_fraction, which fold into a bare --storage=*_cache.
   `flag_values`: where (default absl's FLAGS)."""
   from absl import flags
   flags.disclaim_key_flags()   # the flags are the calling entry point's: its --help lists them
-  fv = flags.FLAGS if flag_values is None else flag_values
-  table = _run_flags()
-  unknown = sorted((set(names) | set(defaults)) - set(table))
+  unknown = sorted((set(names) | set(defaults)) - set(RUN_FIELDS))
   if unknown:
-    raise ValueError(f"define_rec_run_flags: {unknown} are not RecRunConfig fields (expected "
-                     f"some of {list(table)})")
-  fields = {f.name: f.default for f in dataclasses.fields(RecRunConfig)}
-  for name in [n for n in table if n in names or n in defaults]:
-    define, kw, text = table[name]
-    define(name, defaults.get(name, fields[name]), help=text, flag_values=fv, **kw)
+    raise ValueError(f"define_run_flags: {unknown} are not RecRunConfig fields (expected "
+                     f"some of {list(RUN_FIELDS)})")
+  cache = {n: defaults.pop(n, d) for n, d in zip(_CACHE_FLAGS, _CACHE_FLAG_DEFAULTS)}
+  only = [n for n in names if n not in _CACHE_FLAGS]
+  config.define_flags(RecRunConfig, only=only, flag_values=flag_values, **defaults)
+  if "storage" in only or "storage" in defaults or set(_CACHE_FLAGS) & set(names):
+    config.define_flags(None, *_CACHE_FLAGS, flag_values=flag_values, **cache)
+
+
+def run_from_flags(flag_values=None, **overrides: Any) -> RecRunConfig:
+  """The RecRunConfig of the entry point's flags (`define_run_flags`): each setting from,
+  last wins, its default, its flag's default, the --config file, the command line, then
+  `overrides` (`make_run`'s names: the values the entry point fixes). A setting without a
+  flag keeps the config's default. --cache_policy / --cache_fraction fold into the storage
+  (`fold_cache_flags`)."""
+  cache = {n: overrides.pop(n) for n in (*_CACHE_FLAGS, "cache_ways") if n in overrides}
+  cfg = config.from_flags(RecRunConfig, flag_values, **overrides)
+  if cache:
+    return _fold(cfg, cache)
+  return cfg if "storage" in overrides else fold_cache_flags(cfg, flag_values)
+
+
+def fold_cache_flags(cfg: RecRunConfig, flag_values=None) -> RecRunConfig:
+  """`cfg` with the flags --cache_policy / --cache_fraction folded into a bare
+  --storage=*_cache (what they meant before the storage took :policy:fraction); with a
+  --storage that gives them, either flag given is an error. Any other storage (a --config
+  file's, one without a cache) keeps its own."""
+  from absl import flags
+  fv = flags.FLAGS if flag_values is None else flag_values
+  if "storage" not in fv or not all(n in fv for n in _CACHE_FLAGS):
+    return cfg
+  given = [n for n in _CACHE_FLAGS if fv[n].present]
+  text = fv["storage"].value
+  from_flag = fv["storage"].present or _parse_storage(text) == cfg.embedding.storage
+  if from_flag and ":" not in text:
+    return _fold(cfg, {n: fv[n].value for n in _CACHE_FLAGS})
+  if given:
+    got = ", ".join(f"--{n}={fv[n].value!r}" for n in given)
+    raise errors.expected(got, f"with --storage={cfg.embedding.storage}",
+                          "the cache settings given once: in --storage=KIND:POLICY:FRACTION "
+                          "or as --cache_policy / --cache_fraction with a bare --storage=KIND")
+  return cfg
 
 
 def preset_embedding_dim(model: str, preset: str) -> int:
   """The embedding dim of `model`'s `preset` (what --embedding_dim=0 keeps)."""
   spec = types.SimpleNamespace(sparse_features=tuple(f"C{i}" for i in range(1, 27)),
                                rows_per_feature=(1,) * 26, num_dense=13)   # Criteo's shape
-  return model_config(RecRunConfig(model=model, preset=preset), spec).tables()[0].dim
-
+  return model_config(make_run(model=model, preset=preset), spec).tables()[0].dim
 
 def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
   """Run settings with `embedding_dim` 0 (the preset's) as the preset's dim, for settings
@@ -350,181 +447,10 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
   return {**settings, "embedding_dim": dim}
 
 
-PRESETS = {
-    "kaggle": dlrm_lib.DLRMConfig.criteo_kaggle,
-    "terabyte": dlrm_lib.DLRMConfig.criteo_terabyte,
-}
+from rec.models.presets import (  # noqa: E402,F401  (re-exported: configs.model_config ...)
+    MODEL_PRESETS, MODELS, PATTERNS, PRESETS, SEARCHED, _pattern, _with_embedding_dim,
+    build_model_fn, model_config, model_stats, searched_config)
 
-# Per model: preset name -> constructor(rows, **overrides). "kaggle" is each model's
-# Criteo default, "small" a tiny one for tests and smoke runs. Size patterns (PATTERNS,
-# for scaling studies such as experiments.wukong_scaling) are parsed by `_pattern`:
-#   wukong  "l<layers>_n<n>" (the paper's Criteo search space, n_F = n_L = n), optionally
-#           "_k<rank>_w<mlp width>" (WukongConfig.family; defaults k24, w512), and
-#           "scaled<i>" (rung i of wukong.SCALING_LADDER);
-#   dlrm    "w<W>[_d<depth>]": bottom MLP (W, D), top MLP depth x W then 1 (depth 2), dim 16;
-#   dcnv2   "x<layers>_r<rank>_w<W>[_d<depth>]": raw dense features, <layers> cross layers
-#           of rank <rank> (0: full rank), deep MLP depth x W (depth 2), stacked, dim 16.
-MODEL_PRESETS: dict[str, dict[str, Callable[..., Any]]] = {
-    "dlrm": {
-        **PRESETS,
-        "small": lambda rows, **o: dlrm_lib.DLRMConfig(
-            **{"embedding_dim": 16, "bottom_mlp": (64, 16), "top_mlp": (64, 1),
-               "rows_per_feature": rows, **o}),
-    },
-    "dcnv2": {
-        "kaggle": dcnv2_lib.DCNv2Config.criteo,
-        # MLPerf Training DLRM-DCNv2: criteo's architecture, multi-hot pooling factors, big
-        # tables in bf16 (rows from the data: MLPERF_ROWS for MLPerf-shaped data).
-        "mlperf": dcnv2_lib.DCNv2Config.mlperf,
-        "small": lambda rows, **o: dcnv2_lib.DCNv2Config(
-            **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 16),
-               "num_cross_layers": 2, "cross_rank": 32, "deep_mlp": (64,), "top_mlp": (1,), **o}),
-    },
-    "dhen": {
-        "kaggle": dhen_lib.DHENConfig.criteo,
-        "dhen_2l": dhen_lib.DHENConfig.dhen_2l,
-        "dhen_4l": dhen_lib.DHENConfig.dhen_4l,
-        "dhen_8l": dhen_lib.DHENConfig.dhen_8l,
-        # Every interaction kind once, so a smoke run exercises them all.
-        "small": lambda rows, **o: dhen_lib.DHENConfig(
-            **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 16),
-               "layers": (("dot", "self_attention", "linear"), ("dcn", "conv", "conv2d")),
-               "width": 8, "dcn_rank": 16, "top_mlp": (64, 1), **o}),
-    },
-    "wukong": {
-        "kaggle": wukong_lib.WukongConfig.criteo,
-        "small": lambda rows, **o: wukong_lib.WukongConfig(
-            **{"embedding_dim": 16, "rows_per_feature": rows, "bottom_mlp": (64, 32),
-               "num_layers": 2, "num_fm": 4, "num_lcb": 4, "fm_rank": 8, "fm_mlp": (64,),
-               "top_mlp": (64, 1), **o}),
-    },
-}
-
-
-PATTERNS = {"dlrm": ["w<W>[_d<depth>]"], "dcnv2": ["x<layers>_r<rank>_w<W>[_d<depth>]"],
-            "wukong": ["l<layers>_n<n>[_k<rank>][_w<width>]", "scaled<i>"]}
-
-
-def _pattern(model: str, preset: str) -> Callable[..., Any] | None:
-  """The constructor of a size-pattern preset (see MODEL_PRESETS' comment), or None."""
-  if model == "wukong":
-    if m := re.fullmatch(r"l(\d+)_n(\d+)(?:_k(\d+))?(?:_w(\d+))?", preset):
-      layers, n = int(m[1]), int(m[2])
-      rank, width = int(m[3] or 24), int(m[4] or 512)
-      # k24, w512 is WukongConfig.criteo's own FMB / top MLP, so "l2_n8" is unchanged.
-      return lambda rows, **o: wukong_lib.WukongConfig.family(rows, layers, n, n, rank, width, **o)
-    if m := re.fullmatch(r"scaled(\d+)", preset):
-      return lambda rows, **o: wukong_lib.WukongConfig.scaled(rows, int(m[1]), **o)
-  if model == "dlrm" and (m := re.fullmatch(r"w(\d+)(?:_d(\d+))?", preset)):
-    width, depth = int(m[1]), int(m[2] or 2)
-    return lambda rows, **o: dlrm_lib.DLRMConfig(
-        **{"num_dense": 13, "num_sparse": 26, "embedding_dim": 16, "rows_per_feature": rows,
-           "bottom_mlp": (width, 16), "top_mlp": (width,) * depth + (1,), **o})
-  if model == "dcnv2" and (m := re.fullmatch(r"x(\d+)_r(\d+)_w(\d+)(?:_d(\d+))?", preset)):
-    layers, rank, width, depth = int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2)
-    return lambda rows, **o: dcnv2_lib.DCNv2Config(
-        **{"num_dense": 13, "num_sparse": 26, "embedding_dim": 16, "rows_per_feature": rows,
-           "bottom_mlp": (), "num_cross_layers": layers, "cross_rank": rank,
-           "deep_mlp": (width,) * depth, "structure": "stacked", "top_mlp": (1,), **o})
-  return None
-
-
-def _with_embedding_dim(mcfg, dim: int):
-  """The config at embedding dim `dim`; a bottom MLP that feeds embeddings ends at the
-  new dim (DLRM, DHEN) or keeps its number of dense embeddings (Wukong)."""
-  over: dict[str, Any] = {"embedding_dim": dim}
-  if mcfg.num_dense > 0 and isinstance(mcfg, (dlrm_lib.DLRMConfig, dhen_lib.DHENConfig)):
-    over["bottom_mlp"] = mcfg.bottom_mlp[:-1] + (dim,)
-  if mcfg.num_dense > 0 and isinstance(mcfg, wukong_lib.WukongConfig):
-    over["bottom_mlp"] = mcfg.bottom_mlp[:-1] + (mcfg.num_dense_embeddings * dim,)
-  return dataclasses.replace(mcfg, **over)
-
-
-def model_config(cfg: RecRunConfig, spec):
-  """The model config for `cfg.model` / `cfg.preset` on data shaped like `spec`."""
-  names = tuple(spec.sparse_features)
-  rows = tuple(spec.rows_per_feature)
-  if cfg.model == "logreg":
-    if cfg.embedding_dim not in (0, 1):
-      raise ValueError(f"--embedding_dim={cfg.embedding_dim}: logreg's tables are dim 1")
-    if cfg.dtype != "float32" or cfg.fp8_layers:
-      raise ValueError(f"--dtype={cfg.dtype!r}, --fp8_layers={cfg.fp8_layers!r} with "
-                       "--model=logreg: logreg has no dense layers to run in low precision "
-                       "(expected float32 and no FP8 layers)")
-    return logreg_lib.LogRegConfig(num_dense=spec.num_dense, num_sparse=len(names),
-                                   rows_per_feature=rows, feature_names=names)
-  if cfg.model.startswith(SEARCHED):
-    return searched_config(cfg, spec)
-  if cfg.model not in MODEL_PRESETS:
-    raise ValueError(f"--model={cfg.model!r}: expected one of "
-                     f"{sorted(MODEL_PRESETS) + ['logreg', SEARCHED + 'FILE']}")
-  presets = MODEL_PRESETS[cfg.model]
-  make = presets.get(cfg.preset) or _pattern(cfg.model, cfg.preset)
-  if make is None:
-    extra = PATTERNS.get(cfg.model, [])
-    raise ValueError(f"--preset={cfg.preset!r} for --model={cfg.model}: expected one of "
-                     f"{sorted(presets) + extra}")
-  over: dict[str, Any] = dict(num_dense=spec.num_dense, num_sparse=len(names), feature_names=names)
-  if cfg.dtype != "float32":
-    over["dtype"] = cfg.dtype
-  if cfg.fp8_layers:
-    if cfg.model not in ("dlrm", "dcnv2"):
-      raise ValueError(f"--fp8_layers={cfg.fp8_layers!r} with --model={cfg.model}: FP8 layers "
-                       "are wired into dlrm and dcnv2")
-    over.update(fp8_layers=cfg.fp8_layers, fp8_recipe=cfg.fp8_recipe)
-  if spec.num_dense == 0:
-    over["bottom_mlp"] = ()
-  mcfg = make(rows, **over)
-  if cfg.embedding_dim < 0:
-    raise ValueError(f"--embedding_dim={cfg.embedding_dim}: expected >= 0 (0: the preset's)")
-  if cfg.embedding_dim and cfg.embedding_dim != mcfg.embedding_dim:
-    mcfg = _with_embedding_dim(mcfg, cfg.embedding_dim)
-  return mcfg
-
-
-SEARCHED = "searched:"   # --model=searched:FILE, an architecture JSON (rec/models/searched.py)
-
-
-def searched_config(cfg: RecRunConfig, spec) -> searched_lib.SearchedConfig:
-  """The architecture of --model=searched:FILE on data shaped like `spec` (its embedding dim
-  is the file's; --preset does not apply)."""
-  path = cfg.model[len(SEARCHED):]
-  arch = searched_lib.load_arch(path)
-  if cfg.fp8_layers:
-    raise ValueError(f"--fp8_layers={cfg.fp8_layers!r} with --model={cfg.model}: FP8 layers "
-                     "are wired into dlrm and dcnv2")
-  if cfg.embedding_dim and cfg.embedding_dim != arch.get("embedding_dim"):
-    raise ValueError(f"--embedding_dim={cfg.embedding_dim} with --model={cfg.model}: the file "
-                     f"sets embedding_dim={arch.get('embedding_dim')}; expected 0 or that value")
-  return searched_lib.SearchedConfig.from_arch(
-      arch, num_dense=spec.num_dense, num_sparse=len(spec.sparse_features),
-      rows_per_feature=tuple(spec.rows_per_feature), feature_names=tuple(spec.sparse_features),
-      dtype=cfg.dtype, where=path)
-
-
-MODELS = {dlrm_lib.DLRMConfig: dlrm_lib.DLRM, dcnv2_lib.DCNv2Config: dcnv2_lib.DCNv2,
-          dhen_lib.DHENConfig: dhen_lib.DHEN, wukong_lib.WukongConfig: wukong_lib.Wukong,
-          logreg_lib.LogRegConfig: logreg_lib.LogReg,
-          searched_lib.SearchedConfig: searched_lib.SearchedModel}
-
-
-def build_model_fn(cfg: RecRunConfig, spec) -> tuple[Any, list[TableConfig], str | float]:
-  """Returns (model constructor taking rngs, its tables, init scale of the tables)."""
-  mcfg = model_config(cfg, spec)
-  model_cls = MODELS[type(mcfg)]
-  init_scale = 0.0 if cfg.model == "logreg" else "dlrm"
-  return (lambda rngs: model_cls(mcfg, rngs)), mcfg.tables(), init_scale
-
-
-def model_stats(task: RecTask, spec, batch: int = 64) -> dict[str, float]:
-  """Dense and embedding parameter counts and forward GFLOPs/example of the dense model
-  (XLA's count; the embedding lookup is memory traffic and not counted)."""
-  tables = task.collection.tables
-  dense = flops_lib.count_params(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(0))))
-  shapes = (spec.num_dense, len(tables), tables[0].dim)
-  gflops = flops_lib.model_flops_per_example(task.model_fn, shapes, batch=batch) / 1e9
-  return {"dense_params": dense, "embedding_params": sum(t.num_rows * t.dim for t in tables),
-          "gflops_per_example": gflops}
 
 
 @functools.cache
@@ -543,8 +469,8 @@ def plan_budget(cfg: RecRunConfig) -> tuple[int, str]:
   GiB, or by default the device's memory (`core.memory.per_device_budget`: a GPU's
   bytes_limit less GPU_HEADROOM for the dense model, activations and XLA's temporaries,
   which the planner does not count; the CPU's available RAM divided over its devices)."""
-  if cfg.memory_budget_gb is not None:
-    return int(cfg.memory_budget_gb * 2**30), "--memory_budget_gb"
+  if cfg.embedding.memory_budget_gb is not None:
+    return int(cfg.embedding.memory_budget_gb * 2**30), "--memory_budget_gb"
   got = _device_budget()
   if got is None:
     raise ValueError("--memory_budget_gb: not given, and this device reports no memory size; "
@@ -554,9 +480,10 @@ def plan_budget(cfg: RecRunConfig) -> tuple[int, str]:
 
 def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
               optimizer: opt_lib.SparseOptimizer) -> planner_lib.Plan:
-  overrides = planner_lib.parse_overrides(cfg.sharding_overrides) if cfg.sharding_overrides else {}
+  e = cfg.embedding
+  overrides = planner_lib.parse_overrides(e.sharding_overrides) if e.sharding_overrides else {}
   planner_lib.validate_overrides(overrides, tables)
-  if cfg.sharding == "auto":
+  if e.sharding == "auto":
     # A row-wise optimizer keeps one accumulator per row per column chunk under cw (as
     # TorchRec does), which changes the update; auto plans keep it exact by leaving cw out.
     kinds = None
@@ -564,12 +491,12 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
       kinds = tuple(k for k in planner_lib.AUTO_KINDS if k != ShardingKind.COLUMN_WISE)
     return planner_lib.plan(
         tables, num_devices, memory_budget_bytes=plan_budget(cfg)[0],
-        batch_size=cfg.batch_size, overrides=overrides, kinds=kinds,
+        batch_size=cfg.train.batch_size, overrides=overrides, kinds=kinds,
         optimizer_state_bytes_per_row=optimizer.state_bytes_per_row)
   try:
-    kind = ShardingKind(cfg.sharding)
+    kind = ShardingKind(e.sharding)
   except ValueError:
-    raise ValueError(f"--sharding={cfg.sharding!r}: expected auto or one of "
+    raise ValueError(f"--sharding={e.sharding!r}: expected auto or one of "
                      f"{[k.value for k in ShardingKind]}") from None
   plan = planner_lib.uniform_plan(tables, kind, num_devices)
   if overrides:
@@ -586,10 +513,10 @@ def check_exchange(cfg: RecRunConfig, plan: planner_lib.Plan, num_devices: int) 
   if num_devices > 1 and set(kinds) & set(COMPRESSED_KINDS):
     return
   why = (f"--mesh={cfg.mesh!r} gives the embedding tables 1 device" if num_devices == 1 else
-         f"--sharding={cfg.sharding} placed every table {'/'.join(kinds)}")
+         f"--sharding={cfg.embedding.sharding} placed every table {'/'.join(kinds)}")
   raise ValueError(
-      f"--a2a_mode={cfg.a2a_mode}: {why}, so no embedding exchange exists to compress; "
-      f"expected tables placed {'|'.join(COMPRESSED_KINDS)} on 2 or more devices (e.g. "
+      f"--a2a_mode={cfg.embedding.a2a.a2a_mode}: {why}, so no embedding exchange exists to "
+      f"compress; expected tables placed {'|'.join(COMPRESSED_KINDS)} on 2 or more devices (e.g. "
       "--sharding=tw), or --a2a_mode=none")
 
 
@@ -607,38 +534,40 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   `data_workers` > 0: train batches are drawn in that many Grain worker processes
   (`rec.data.workers.WorkerSource`), which also run RecD's dedup (--dedup_features)."""
   cfg.validate()
+  t, d, e = cfg.train, cfg.data, cfg.embedding
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
-  for what, b in (("batch_size", cfg.batch_size), ("eval_batch_size", cfg.eval_batch_size)):
+  for what, b in (("batch_size", t.batch_size), ("eval_batch_size", t.eval_batch_size)):
     if b % n:
       raise ValueError(f"--{what}={b} is not divisible by the {n} devices of --mesh={cfg.mesh!r}")
   if sources is not None:
     train_src, eval_src = sources
   else:
     train_src, eval_src = sources_lib.make_sources(
-        cfg.data, cfg.batch_size, eval_batch_size=cfg.eval_batch_size, num_rows=cfg.num_rows,
-        seed=cfg.seed, bad_lines=cfg.bad_lines, eval_batches=cfg.eval_batches,
-        csv_label=cfg.csv_label, csv_dense=cfg.csv_dense, csv_categorical=cfg.csv_categorical,
-        mesh=mesh, days=cfg.days or None, **dict(zip(
+        d.data, t.batch_size, eval_batch_size=t.eval_batch_size, num_rows=d.num_rows,
+        seed=cfg.seed, bad_lines=d.bad_lines, eval_batches=d.eval_batches,
+        csv_label=d.csv_label, csv_dense=d.csv_dense, csv_categorical=d.csv_categorical,
+        mesh=mesh, days=d.days or None, **dict(zip(
             ("shard_index", "num_shards"), mesh_lib.process_batch_share(mesh, mesh_lib.REC_RULES))))
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
-  if cfg.storage != "fp32":
-    tables = [dataclasses.replace(t, storage=cfg.storage_spec()) for t in tables]
-  sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
+  if e.storage != StorageSpec("fp32"):
+    tables = [dataclasses.replace(tb, storage=e.storage) for tb in tables]
+  sparse_opt = opt_lib.get_sparse_optimizer(t.sparse_optimizer, t.embedding_learning_rate)
   plan = make_plan(cfg, tables, n, sparse_opt)
-  if a2a_compression is not None and cfg.a2a_mode != "none":
+  if a2a_compression is not None and e.a2a.a2a_mode != "none":
     raise ValueError(f"build_run: a2a_compression={a2a_compression} and --a2a_mode="
-                     f"{cfg.a2a_mode}; expected one of the two")
+                     f"{e.a2a.a2a_mode}; expected one of the two")
   if a2a_compression is None:
-    a2a_compression = cfg.a2a_spec([t.name for t in tables])
+    a2a_compression = cfg.a2a_spec([tb.name for tb in tables])
   if a2a_compression is not None:
     check_exchange(cfg, plan, n)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale,
                              storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables),
                              a2a_compression=a2a_compression,
                              bag_sizes=getattr(train_src, "bag_sizes", None))
-  dense_tx = make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate)
-  if cfg.fp8_layers and cfg.fp8_recipe == "delayed":   # amax histories ride their gradients
+  dense_tx = make_dense_optimizer(t.dense_optimizer, t.learning_rate)
+  # amax histories ride their gradients
+  if cfg.model.fp8_layers and cfg.model.fp8_recipe == "delayed":
     dense_tx = fp8_lib.with_fp8_history(dense_tx)
   task = RecTask(model_fn, coll, dense_tx, mesh)
   if data_workers:

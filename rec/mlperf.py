@@ -34,7 +34,7 @@ def run_config(batch_size: int, mesh: str = "-1", sharding: str = "auto",
             learning_rate=LEARNING_RATE, sparse_optimizer="rowwise_adagrad",
             embedding_learning_rate=LEARNING_RATE, sharding=sharding,
             memory_budget_gb=memory_budget_gb)
-  return configs.RecRunConfig(**{**kw, **overrides})
+  return configs.make_run(**{**kw, **overrides})
 
 
 def build_run(cfg: configs.RecRunConfig, max_rows: int | None = None, devices=None):
@@ -42,17 +42,18 @@ def build_run(cfg: configs.RecRunConfig, max_rows: int | None = None, devices=No
   synthetic Zipf ids in bags of the reference's sizes (MLPERF_MULTI_HOT)."""
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
-  if cfg.batch_size % n:
-    raise ValueError(f"--batch_size={cfg.batch_size} is not divisible by the {n} devices of "
-                     f"--mesh={cfg.mesh!r}")
-  src = synthetic.SyntheticCriteo(cfg.batch_size, dcnv2.mlperf_rows(max_rows), seed=cfg.seed,
-                                  multi_hot=synthetic.MLPERF_MULTI_HOT)
+  if cfg.train.batch_size % n:
+    raise ValueError(f"--batch_size={cfg.train.batch_size} is not divisible by the {n} "
+                     f"devices of --mesh={cfg.mesh!r}")
+  src = synthetic.SyntheticCriteo(cfg.train.batch_size, dcnv2.mlperf_rows(max_rows),
+                                  seed=cfg.seed, multi_hot=synthetic.MLPERF_MULTI_HOT)
   model_fn, tables, init_scale = configs.build_model_fn(cfg, src.spec)
-  sparse_opt = opt_lib.get_sparse_optimizer(cfg.sparse_optimizer, cfg.embedding_learning_rate)
+  sparse_opt = opt_lib.get_sparse_optimizer(cfg.train.sparse_optimizer,
+                                           cfg.train.embedding_learning_rate)
   plan = configs.make_plan(cfg, tables, n, sparse_opt)
   coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale)
-  task = RecTask(model_fn, coll, make_dense_optimizer(cfg.dense_optimizer, cfg.learning_rate),
-                 mesh)
+  dense_tx = make_dense_optimizer(cfg.train.dense_optimizer, cfg.train.learning_rate)
+  task = RecTask(model_fn, coll, dense_tx, mesh)
   return task, src, plan
 
 

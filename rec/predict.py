@@ -24,9 +24,19 @@ import jax
 import numpy as np
 
 from core import checkpoint as ckpt_lib
+from core import config
 from core.errors import UserError
 from rec import configs
 from rec.data import sources as sources_lib
+
+SPLITS = ("train", "valid", "test", "predict")
+# The settings of a prediction (experiments.predict's flags, beside --checkpoint, --data,
+# --days and --mesh).
+SPLIT = config.setting("split", "enum", "Which rows: predict = the unlabeled ones (Kaggle's "
+                       "test file); train / valid / test = labeled rows, with metrics.",
+                       choices=SPLITS)
+OUTPUT = config.setting("output", "string", "CSV to write (default: "
+                        "<checkpoint>/predictions_<split>.csv).")
 
 
 @dataclasses.dataclass
@@ -111,31 +121,33 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
   """The run trained in `workdir`, rebuilt on `split` of `data` (default: the run's own
   data) with its latest checkpoint restored; see the module docstring."""
   step, settings = saved_settings(workdir)
-  fields = {f.name for f in dataclasses.fields(configs.RecRunConfig)}
-  cfg = configs.RecRunConfig(**{k: v for k, v in settings.items() if k in fields})
+  fields = set(configs.RUN_FIELDS) | {"cache_ways"}
+  cfg = configs.make_run(**{k: v for k, v in settings.items() if k in fields})
   # A compressed exchange (--a2a_mode) saved bytes in training; predictions take the exact
   # float32 exchange, on any mesh.
   cfg = cfg.without_a2a()
-  new_data = data or cfg.data
+  new_data = data or cfg.data.data
   if sources_lib.synthetic_options(new_data) is not None:
     # Generated batches have no rows of their own to predict on; the model still predicts
     # on files whose features match it (a synthetic run's are Criteo-shaped).
     where = f"--data={data}" if data else f"--checkpoint={workdir}"
     found = ("generated data" if data else
-             f"a run trained on generated data (--data={cfg.data})")
+             f"a run trained on generated data (--data={cfg.data.data})")
     raise UserError(f"{where}: {found}, with no rows to predict on; expected --data naming "
                     "files to predict on (criteo:DIR, avazu:DIR or criteo_bin:DIR) with the "
                     "features the model was built for")
   over = {"data": new_data, "bad_lines": "error",
-          "days": (days if days is not None else (cfg.days if new_data == cfg.data else ""))}
+          "days": days if days is not None else (
+              cfg.data.days if new_data == cfg.data.data else "")}
   if mesh:
     over["mesh"] = mesh
-  b = batch_size or cfg.eval_batch_size
+  b = batch_size or cfg.train.eval_batch_size
   over.update(batch_size=b, eval_batch_size=b)
-  cfg = dataclasses.replace(cfg, **over)
-  check_conversion(settings, cfg.data, workdir)
-  part = sources_lib.split_source(cfg.data, split, b, cfg.num_rows, cfg.days or None)
-  check_features(settings, part.source.spec, f"--data={cfg.data} split {split}", workdir)
+  cfg = configs.replace_run(cfg, **over)
+  d = cfg.data
+  check_conversion(settings, d.data, workdir)
+  part = sources_lib.split_source(d.data, split, b, d.num_rows, d.days or None)
+  check_features(settings, part.source.spec, f"--data={d.data} split {split}", workdir)
   task, _, _, _, _ = configs.build_run(cfg, sources=(part.source, part.source))
   ckpt = ckpt_lib.Checkpointer(workdir)
   try:

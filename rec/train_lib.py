@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import mesh as mesh_lib
 from core import train as train_loop
+from core import update as update_lib
 from rec import distill as distill_lib
 from rec import metrics as metrics_lib
 from rec.data import dedup as dedup_lib
@@ -217,22 +218,20 @@ class RecTask:
     """One step; metrics `loss` and `grad_norm` (the global norm of the dense gradients and
     the embedding bag-sum gradients). skip_nonfinite: when either is NaN or inf the step
     changes nothing but the step count (dense state kept by a select; every id of the batch
-    marked invalid, so the sparse update touches no row) and reports `skipped` 1."""
+    marked invalid, so the sparse update touches no row) and reports `skipped` 1
+    (`core.update.dense_update`)."""
     loss, _, lookup, g_params, g_partial, terms = self.loss_and_grads(state, batch)
-    grad_norm = optax.tree.norm((g_params, g_partial))
-    updates, opt = self.dense_tx.update(g_params, state["opt"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": grad_norm, **terms}
+    dense = update_lib.dense_update(
+        self.dense_tx, state["params"], state["opt"], g_params, loss,
+        grad_norm=optax.tree.norm((g_params, g_partial)), skip_nonfinite=skip_nonfinite)
+    metrics = {**dense.metrics, **terms}
     if self.collection.dedup is not None:   # 1: a capacity overflow ran this batch plain
       metrics["dedup_fallback"] = jnp.float32(batch.dedup is None)
     if skip_nonfinite:
-      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      params = train_loop.select_tree(ok, params, state["params"])
-      opt = train_loop.select_tree(ok, opt, state["opt"])
-      lookup = dataclasses.replace(lookup, valid={k: v & ok for k, v in lookup.valid.items()})
-      metrics["skipped"] = (~ok).astype(jnp.float32)
+      lookup = dataclasses.replace(lookup, valid={k: v & dense.ok
+                                                  for k, v in lookup.valid.items()})
     emb = self.collection.apply_gradients(state["emb"], lookup, g_partial, state["step"])
-    new = {"step": state["step"] + 1, "params": params, "opt": opt, "emb": emb}
+    new = {"step": state["step"] + 1, "params": dense.params, "opt": dense.opt, "emb": emb}
     return new, metrics
 
   def eval_step(self, state, batch: SparseBatch) -> dict[str, jax.Array]:

@@ -7,7 +7,7 @@ step-time gain modelled for H100 hosts, beside the paper's 1.38x.
       --a2a_mode=abs --a2a_error_bound=0.005 --a2a_bits=8 --batch_size=256 --num_rows=20000
 
 --batch_size, --num_rows, --seed, --a2a_mode, --a2a_error_bound, --a2a_grad_error_bound and
---a2a_bits are the shared rec run flags (rec.configs.define_rec_run_flags; train_rec takes the
+--a2a_bits are the shared rec run flags (rec.configs.define_run_flags; train_rec takes the
 same, and the adaptive bound's --a2a_table_factors / --a2a_schedule, which this study
 derives itself). On every device present (2 or more: an exchange to compress; 8 simulated
 CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=8), DLRM with table-wise
@@ -33,41 +33,34 @@ exchange share, the paper's 1.38x at a 50% share.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
 CRITEO_SAMPLE = "criteo:../shared/data/criteo_kaggle_sample"   # beside the checkout
-# RecRunConfig fields without a flag here: RecRunConfig's defaults, but for STUDY's values.
-FIXED = ("model", "preset", "embedding_dim", "dtype", "fp8_layers", "fp8_recipe", "data", "mesh",
-         "eval_batch_size", "eval_batches", "dense_optimizer", "learning_rate",
-         "sparse_optimizer", "embedding_learning_rate", "sharding", "sharding_overrides",
-         "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
-         "dedup_features", "dedup_capacity", "csv_label", "csv_dense", "csv_categorical", "days",
-         "a2a_table_factors", "a2a_schedule")   # the adaptive variant makes its own
+# The study's RecRunConfig settings besides the flags' (the others keep the config's
+# defaults; the adaptive variant makes its own --a2a_table_factors / --a2a_schedule).
 STUDY = {"model": "dlrm", "sharding": "tw", "eval_batches": 4}
 
 
 def define_flags() -> None:
-  flags.DEFINE_list("datasets", ["synthetic", CRITEO_SAMPLE], "Datasets (rec.data.sources "
-                    "specs); a criteo:DIR whose DIR is absent is skipped with a line.")
-  flags.DEFINE_integer("steps", 300, "Train steps per run (synthetic data).", lower_bound=1)
-  flags.DEFINE_float("criteo_epochs", 1.0, "Passes over a criteo:DIR sample's train file per "
-                     "run (more overfit the 7,200-line sample).", lower_bound=0.01)
-  flags.DEFINE_integer("probe_batches", 4, "Batches for the sensitivity and payload sizes.",
-                       lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/a2a_compression", "Output directory.")
+  from core import settings  # noqa: F401  (the settings named below)
+  from experiments.a2a_compression import study  # noqa: F401
   from rec import configs
+  from rec import settings as rec_settings  # noqa: F401
+  config.define_flags(None, "datasets", "steps", "criteo_epochs", "probe_batches", "workdir",
+                      datasets=["synthetic", CRITEO_SAMPLE], steps=300, criteo_epochs=1.0,
+                      probe_batches=4, workdir="runs/a2a_compression")
   # The fixed variant's bounds are the shared --a2a_* flags (train_rec's); the baseline runs
   # the same config with the exchange in float32.
-  configs.define_rec_run_flags("seed", "a2a_bits", batch_size=256, num_rows=20_000,
-                               a2a_mode="abs", a2a_error_bound=0.01, a2a_grad_error_bound=0.001)
+  configs.define_run_flags("seed", "a2a_bits", batch_size=256, num_rows=20_000,
+                           a2a_mode="abs", a2a_error_bound=0.01, a2a_grad_error_bound=0.001)
 
 
 def main(argv):
@@ -77,8 +70,8 @@ def main(argv):
   from rec import configs
 
   t0 = time.perf_counter()
-  flagged = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, **STUDY)
-  if flagged.a2a_mode == "none":
+  flagged = configs.run_from_flags(**STUDY)
+  if flagged.embedding.a2a.a2a_mode == "none":
     raise ValueError("--a2a_mode=none: this study compares a compressed exchange with the "
                      "float32 one; expected --a2a_mode=abs|rel")
   fixed = flagged.a2a_spec()
@@ -89,8 +82,8 @@ def main(argv):
     if data.startswith("criteo:") and not os.path.isdir(data.split(":", 1)[1]):
       log(f"skip {data}: directory absent")
       continue
-    cfg = dataclasses.replace(flagged.without_a2a(), data=data,
-                              eval_batch_size=flagged.batch_size)
+    cfg = configs.replace_run(flagged.without_a2a(), data=data,
+                              eval_batch_size=flagged.train.batch_size)
     res[data] = study.run_dataset(cfg, FLAGS.steps, FLAGS.probe_batches, variants,
                                   os.path.join(FLAGS.workdir, data.split(":")[0]), log,
                                   epochs=FLAGS.criteo_epochs if data.startswith("criteo:") else None)

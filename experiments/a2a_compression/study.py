@@ -4,7 +4,7 @@ training runs, the bytes on the wire, the entropy-coded estimate and the H100 st
 Runs (one `rec.runs.train_run` each, same data, seed and steps): the uncompressed
 baseline, a fixed bound, and the dual-level adaptive bound (table-wise factors from each
 table's measured sensitivity, and an iteration-wise schedule). Bytes per step come from the
-train step's HLO (`rec.runs.step_exchange_bytes`: the uint8 payload sent, vs the
+train step's HLO (`rec.embedding.a2a_report.step_exchange_bytes`: the uint8 payload sent, vs the
 float32 exchange of the baseline); the entropy-coded size from zstandard over the payloads
 of real batches at the end of training.
 
@@ -28,10 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core import config
 from core import hardware
 from rec import runs
 from rec import configs
 from rec.embedding import a2a_compression as ac
+from rec.embedding import a2a_report
+
+# The study's own settings (its entry point's flags).
+DATASETS = config.setting("datasets", "list", "Datasets (rec.data.sources specs); a "
+                          "criteo:DIR whose DIR is absent is skipped with a line.")
+CRITEO_EPOCHS = config.setting("criteo_epochs", "float", "Passes over a criteo:DIR sample's "
+                               "train file per run (more overfit the 7,200-line sample).",
+                               lower=0.01)
 
 PAPER_SPEEDUP = 1.38     # arXiv 2407.04272, abstract: "1.38x training speedup"
 
@@ -147,12 +156,12 @@ def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, varian
   if epochs is not None:
     steps = configs.steps_for(epochs, configs.build_run(cfg)[1])
   out = {"runs": {}, "steps": steps}
-  log(f"[{cfg.data}] baseline: {steps} steps")
+  log(f"[{cfg.data.data}] baseline: {steps} steps")
   base = runs.train_run(cfg, f"{workdir}/baseline", steps=steps)
   task0 = base.task
   probe = _batches(task0, base.train_src, eval_batches)
   out["runs"]["baseline"] = {"eval": base.eval, "train_seconds": base.train_seconds,
-                             "bytes": runs.step_exchange_bytes(task0, base.state, probe[0])}
+                             "bytes": a2a_report.step_exchange_bytes(task0, base.state, probe[0])}
   sens = None
   for name, comp in variants.items():
     if comp == "adaptive":
@@ -162,12 +171,12 @@ def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, varian
       fixed = variants["fixed"]
       comp = dataclasses.replace(fixed, table_factors=ac.table_factors_from_sensitivity(sens),
                                  schedule=ac.Schedule("linear", 2.0, 0.5, steps))
-    log(f"[{cfg.data}] {name}: {comp}")
+    log(f"[{cfg.data.data}] {name}: {comp}")
     r = runs.train_run(cfg, f"{workdir}/{name}", steps=steps,
                        built=configs.build_run(cfg, a2a_compression=comp))
     sizes = payload_sizes(r.task, r.state, _batches(r.task, r.train_src, eval_batches), comp, steps)
     out["runs"][name] = {"eval": r.eval, "train_seconds": r.train_seconds,
-                         "bytes": runs.step_exchange_bytes(r.task, r.state, probe[0]), "sizes": sizes,
+                         "bytes": a2a_report.step_exchange_bytes(r.task, r.state, probe[0]), "sizes": sizes,
                          "setting": {"mode": comp.mode, "bound": comp.bound,
                                      "grad_bound": comp.grad_bound, "bits": comp.bits,
                                      "table_factors": dict(comp.table_factors),

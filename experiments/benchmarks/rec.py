@@ -10,7 +10,6 @@ the source alone, the step alone and `core.train.train` end to end (`rec.through
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -39,7 +38,7 @@ def build_step(batch_size: int, rows: int, mesh: str, sharding: str, model: str 
               batch_size=batch_size, eval_batch_size=batch_size, dense_optimizer="adagrad",
               learning_rate=0.1, sparse_optimizer="rowwise_adagrad",
               embedding_learning_rate=0.1, sharding=sharding, memory_budget_gb=memory_budget_gb)
-    cfg = configs.RecRunConfig(**{**kw, **overrides})
+    cfg = configs.make_run(**{**kw, **overrides})
     task, train_src, _, _, _ = configs.build_run(cfg)
   pool = [task.device_batch(train_src.batch(k)) for k in range(8)]
   state = task.init_state(0)
@@ -75,9 +74,9 @@ def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset
   from rec import configs, throughput
   if data == "criteo_bin:gen":
     data = "criteo_bin:" + throughput.synthetic_bin_dir(gen_dir, gen_rows, num_rows)
-  cfg = configs.RecRunConfig(model=model, preset=preset, data=data, num_rows=num_rows, mesh=mesh,
-                             batch_size=batch_size, eval_batch_size=batch_size, eval_batches=1,
-                             learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
+  cfg = configs.make_run(model=model, preset=preset, data=data, num_rows=num_rows, mesh=mesh,
+                         batch_size=batch_size, eval_batch_size=batch_size, eval_batches=1,
+                         learning_rate=0.05, embedding_learning_rate=0.05, sharding="auto")
   task, train_src, _, _, _ = configs.build_run(cfg, data_workers=data_workers)
   out = throughput.measure(task, train_src, steps=steps, repeats=repeats,
                            source_batches=source_batches, profile_dir=profile_dir)
@@ -109,16 +108,16 @@ def recd_rates(repeats: Sequence[float], batch_size: int, num_rows: int, model: 
   for x in repeats:
     dup = 1.0 - 1.0 / x
     data = f"sessions:dup={dup!r},user={num_user},user_bag={user_bag}"
-    base = configs.RecRunConfig(model=model, preset=preset, data=data, num_rows=num_rows,
-                                mesh=mesh, batch_size=batch_size, eval_batch_size=batch_size,
-                                eval_batches=1, learning_rate=0.05,
-                                embedding_learning_rate=0.05, sharding="auto")
+    base = configs.make_run(model=model, preset=preset, data=data, num_rows=num_rows,
+                            mesh=mesh, batch_size=batch_size, eval_batch_size=batch_size,
+                            eval_batches=1, learning_rate=0.05,
+                            embedding_learning_rate=0.05, sharding="auto")
     built = {}
     for name in ("plain", "dedup"):
       cfg = base
       if name == "dedup":
         n = built["plain"][0].dedup_shards()
-        cfg = dataclasses.replace(
+        cfg = configs.replace_run(
             base, dedup_features=",".join(f"C{f + 1}" for f in range(num_user)),
             dedup_capacity=recd_capacity(batch_size // n, dup))
       built[name] = configs.build_run(cfg, data_workers=data_workers)[:2]

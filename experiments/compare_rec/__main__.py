@@ -47,6 +47,7 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
@@ -55,37 +56,19 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
+  from core import settings  # noqa: F401  (the settings named below)
+  from experiments.compare_rec import study  # noqa: F401
   from rec import configs
-  configs.define_rec_run_flags("data", "num_rows", "dense_optimizer", "learning_rate",
+  from rec import settings as rec_settings  # noqa: F401
+  configs.define_run_flags("data", "num_rows", "dense_optimizer", "learning_rate",
       "sparse_optimizer", "embedding_learning_rate", "mesh", "bad_lines", "csv_label",
       "csv_dense", "csv_categorical", embedding_dim=16, batch_size=1024, eval_batch_size=4096,
       eval_batches=16)
-  flags.DEFINE_list("models", ["dlrm", "dcnv2", "dhen", "wukong"],
-                    "Models to compare: names, or model:preset (e.g. wukong:l3_n16).")
-  flags.DEFINE_string("presets", "", "Per-model presets, e.g. wukong=l2_n8,dhen=dhen_2l "
-                      "(default: each model's kaggle preset).")
-  flags.DEFINE_list("seeds", ["0", "1", "2"], "Parameter-init seeds; one run per model and seed.")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.",
-                       lower_bound=0)
-  flags.DEFINE_integer("steps", 500, "Train steps per run (ignored when --epochs is set).",
-                       lower_bound=1)
-  flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
-  flags.DEFINE_bool("keep_checkpoints", False, "Keep each run's final checkpoint.")
-  flags.DEFINE_string("workdir", "runs/compare_rec", "Output directory.")
-  flags.DEFINE_bool("resume", False, "Take each model and seed that an interrupted run of "
-                    "the same command finished in --workdir from its run.json instead of "
-                    "training it again (a run recorded with other settings is an error "
-                    "naming them).")
-
-
-# RecRunConfig fields without a flag here: the models' own (from --models / --presets) or
-# the config's defaults.
-FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
-         "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "dedup_features",
-         "dedup_capacity",
-         "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits", "a2a_table_factors",
-         "a2a_schedule", "days")
+  config.define_flags(
+      None, "models", "presets", "seeds", "data_seed", "steps", "epochs", "log_every",
+      "keep_checkpoints", "workdir", "resume", models=["dlrm", "dcnv2", "dhen", "wukong"],
+      presets="", seeds=["0", "1", "2"], data_seed=0, steps=500, log_every=100,
+      keep_checkpoints=False, workdir="runs/compare_rec", resume=False)
 
 
 def main(argv):
@@ -95,7 +78,7 @@ def main(argv):
   from experiments.compare_rec import study
   from rec import configs, runs
 
-  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
+  base = configs.run_from_flags(seed=FLAGS.data_seed)
   specs = runs.parse_models(FLAGS.models, FLAGS.presets)
   results = runs.train_models(
       base, specs, seeds=[int(s) for s in FLAGS.seeds],

@@ -9,7 +9,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from core import config
 from core import plot as plot_lib
+
+# The study's own settings (its entry point's flags).
+PRESETS = config.setting("presets", "string", "Per-model presets, e.g. wukong=l2_n8,dhen=dhen_2l "
+                         "(default: each model's kaggle preset).")
+KEEP_CHECKPOINTS = config.setting("keep_checkpoints", "bool", "Keep each run's final "
+                                  "checkpoint.")
 
 
 def summary(results: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,8 +44,10 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import hardware
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
 
 from experiments.cp_model import study
 
@@ -53,35 +55,57 @@ FLAGS = flags.FLAGS
 _HW, _EFF = hardware.Hardware(), hardware.Efficiency()  # defaults, documented in core/hardware.py
 
 
+BF16_TFLOPS = config.setting(
+    "bf16_tflops", "float", "Peak BF16 TF/s per GPU (paper App. A).")
+FP8_TFLOPS = config.setting(
+    "fp8_tflops", "float", "Peak FP8 TF/s per GPU (assumed 2x BF16).")
+HBM_TBPS = config.setting(
+    "hbm_tbps", "float", "HBM TB/s per GPU (paper §4.1).")
+NVLINK_GBPS = config.setting(
+    "nvlink_gbps", "float", "NVLink GB/s per GPU per direction (H100 SXM spec).")
+NET_GBPS = config.setting(
+    "net_gbps", "float", "Inter-host GB/s per GPU (400 Gb/s RDMA, paper §4.1).")
+ATTN_EFF = config.setting(
+    "attn_eff", "float", "Attention fraction of BF16 peak (App. A: 540/800).")
+HBM_EFF = config.setting(
+    "hbm_eff", "float", "Achieved fraction of HBM bandwidth (assumed).")
+NVLINK_EFF = config.setting(
+    "nvlink_eff", "float", "Achieved fraction of NVLink bandwidth (assumed).")
+SENDRECV_EFF = config.setting(
+    "sendrecv_eff", "float", "Ring SendRecv fraction of net_gbps (Table 5).")
+SENDRECV_LATENCY_US = config.setting(
+    "sendrecv_latency_us", "float", "Ring SendRecv latency, us (Table 5).", lower=0.0)
+ALL2ALL_EFF = config.setting(
+    "all2all_eff", "float", "pass-Q All2All fraction of net_gbps (Table 5).")
+ALL2ALL_LATENCY_US = config.setting(
+    "all2all_latency_us", "float", "pass-Q All2All latency, us (Table 5).", lower=0.0)
+GEMM_EFF = config.setting(
+    "gemm_eff", "float", "GEMM fraction of peak, in (0, 1]; unset: fit it to --calib_s.",
+    none_ok=True)
+CALIB_S = config.setting(
+    "calib_s", "float", "Measured TP8 full prefill of --tokens_128k (Table 6).")
+TOKENS_128K = config.setting(
+    "tokens_128k", "integer", "Tokens of the paper's '128K' full prefill.", lower=1)
+TOKENS_1M = config.setting(
+    "tokens_1m", "integer", "Tokens of the paper's '1M' full prefill.", lower=1)
+CURVE_POINTS = config.setting(
+    "curve_points", "integer", "Points per predicted curve in the plots (>= 2).", lower=2)
+
+
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("workdir", "runs/cp_model", "Where results.json and the plots go.")
-  flags.DEFINE_float("bf16_tflops", _HW.bf16_flops / 1e12, "Peak BF16 TF/s per GPU (paper App. A).")
-  flags.DEFINE_float("fp8_tflops", _HW.fp8_flops / 1e12, "Peak FP8 TF/s per GPU (assumed 2x BF16).")
-  flags.DEFINE_float("hbm_tbps", _HW.hbm_bytes_per_s / 1e12, "HBM TB/s per GPU (paper §4.1).")
-  flags.DEFINE_float("nvlink_gbps", _HW.nvlink_bytes_per_s / 1e9,
-                     "NVLink GB/s per GPU per direction (H100 SXM spec).")
-  flags.DEFINE_float("net_gbps", _HW.net_bytes_per_s / 1e9,
-                     "Inter-host GB/s per GPU (400 Gb/s RDMA, paper §4.1).")
-  flags.DEFINE_float("attn_eff", _EFF.attn, "Attention fraction of BF16 peak (App. A: 540/800).")
-  flags.DEFINE_float("hbm_eff", _EFF.hbm, "Achieved fraction of HBM bandwidth (assumed).")
-  flags.DEFINE_float("nvlink_eff", _EFF.nvlink, "Achieved fraction of NVLink bandwidth (assumed).")
-  flags.DEFINE_float("sendrecv_eff", _EFF.sendrecv, "Ring SendRecv fraction of net_gbps (Table 5).")
-  flags.DEFINE_float("sendrecv_latency_us", _EFF.sendrecv_latency_s * 1e6,
-                     "Ring SendRecv latency, us (Table 5).", lower_bound=0.0)
-  flags.DEFINE_float("all2all_eff", _EFF.all2all, "pass-Q All2All fraction of net_gbps (Table 5).")
-  flags.DEFINE_float("all2all_latency_us", _EFF.all2all_latency_s * 1e6,
-                     "pass-Q All2All latency, us (Table 5).", lower_bound=0.0)
-  flags.DEFINE_float("gemm_eff", None, "GEMM fraction of peak, in (0, 1]; unset: fit it to "
-                     "--calib_s.")
-  flags.DEFINE_float("calib_s", 42.01, "Measured TP8 full prefill of --tokens_128k (Table 6).")
-  flags.DEFINE_integer("tokens_128k", 131072, "Tokens of the paper's '128K' full prefill.",
-                       lower_bound=1)
-  flags.DEFINE_integer("tokens_1m", 1048576, "Tokens of the paper's '1M' full prefill.",
-                       lower_bound=1)
-  flags.DEFINE_integer("curve_points", 200, "Points per predicted curve in the plots (>= 2).",
-                       lower_bound=2)
+  config.define_flags(
+      None, "workdir", BF16_TFLOPS, FP8_TFLOPS, HBM_TBPS, NVLINK_GBPS, NET_GBPS, ATTN_EFF,
+      HBM_EFF, NVLINK_EFF, SENDRECV_EFF, SENDRECV_LATENCY_US, ALL2ALL_EFF, ALL2ALL_LATENCY_US,
+      GEMM_EFF, CALIB_S, TOKENS_128K, TOKENS_1M, CURVE_POINTS, workdir="runs/cp_model",
+      bf16_tflops=_HW.bf16_flops / 1e12, fp8_tflops=_HW.fp8_flops / 1e12,
+      hbm_tbps=_HW.hbm_bytes_per_s / 1e12, nvlink_gbps=_HW.nvlink_bytes_per_s / 1e9,
+      net_gbps=_HW.net_bytes_per_s / 1e9, attn_eff=_EFF.attn, hbm_eff=_EFF.hbm,
+      nvlink_eff=_EFF.nvlink, sendrecv_eff=_EFF.sendrecv,
+      sendrecv_latency_us=_EFF.sendrecv_latency_s * 1e6, all2all_eff=_EFF.all2all,
+      all2all_latency_us=_EFF.all2all_latency_s * 1e6, gemm_eff=None, calib_s=42.01,
+      tokens_128k=131072, tokens_1m=1048576, curve_points=200)
   for name in ("bf16_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "net_gbps", "attn_eff",
                "hbm_eff", "nvlink_eff", "sendrecv_eff", "all2all_eff", "calib_s"):
     flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")

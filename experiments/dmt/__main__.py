@@ -47,30 +47,37 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+TOWERS = config.setting("towers", "list", "Tower counts T to train.")
+TOWER_K = config.setting("tower_k", "integer", "Compressed vectors per tower (+ 1 local-dot "
+                         "vector).", lower=1)
+TEACHER = config.setting("teacher", "enum", "Synthetic label model.", choices=("linear", "deep"))
+COMM_BATCH = config.setting("comm_batch", "integer", "Global batch for the all-to-all volume.",
+                            lower=1)
+H100_HOSTS = config.setting("h100_hosts", "list", "Host counts of the H100 step model.")
+H100_LOCAL_BATCH = config.setting("h100_local_batch", "integer", "Examples per GPU in the "
+                                  "H100 step model.", lower=1)
+H100_DIM = config.setting("h100_dim", "integer", "Embedding dim in the H100 step model.",
+                          lower=1)
+H100_ONLY = config.setting("h100_only", "bool", "Only the H100 step model (no training).")
 
 
 def define_flags() -> None:
   from rec import configs
-  configs.define_rec_run_flags(batch_size=512, num_rows=5000)
-  flags.DEFINE_list("towers", ["2", "4"], "Tower counts T to train.")
-  flags.DEFINE_integer("tower_k", 2, "Compressed vectors per tower (+ 1 local-dot vector).",
-                       lower_bound=1)
-  flags.DEFINE_integer("steps", 600, "Train steps per model.", lower_bound=1)
-  flags.DEFINE_integer("eval_batches", 8, "Test batches of --batch_size.", lower_bound=1)
-  flags.DEFINE_integer("dim", 16, "Embedding dim.", lower_bound=1)
-  flags.DEFINE_enum("teacher", "deep", ["linear", "deep"], "Synthetic label model.")
-  flags.DEFINE_integer("comm_batch", 65536, "Global batch for the all-to-all volume.",
-                       lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "Seed.", lower_bound=0)
-  flags.DEFINE_string("workdir", "runs/dmt", "Output directory.")
-  flags.DEFINE_list("h100_hosts", ["1", "2", "4", "8", "16"], "Host counts of the H100 step model.")
-  flags.DEFINE_integer("h100_local_batch", 4096, "Examples per GPU in the H100 step model.",
-                       lower_bound=1)
-  flags.DEFINE_integer("h100_dim", 128, "Embedding dim in the H100 step model.", lower_bound=1)
-  flags.DEFINE_bool("h100_only", False, "Only the H100 step model (no training).")
+  config.define_flags(
+      None, settings.BATCH_SIZE, configs.NUM_ROWS, TOWERS, TOWER_K, settings.STEPS,
+      settings.EVAL_BATCHES, rec_settings.DIM, TEACHER, COMM_BATCH, settings.SEED,
+      settings.WORKDIR, H100_HOSTS, H100_LOCAL_BATCH, H100_DIM, H100_ONLY,
+      batch_size=512, num_rows=5000, towers=["2", "4"], tower_k=2, steps=600, eval_batches=8,
+      dim=16, teacher="deep", comm_batch=65536, seed=0, workdir="runs/dmt",
+      h100_hosts=["1", "2", "4", "8", "16"], h100_local_batch=4096, h100_dim=128,
+      h100_only=False)
 
 
 def main(argv):

@@ -28,6 +28,8 @@ vertical students by external distillation, on streaming data.
    serving head), aux_head (the auxiliary head) and aux_head+adapter (plus the student
    adapter) with the --main_teacher, and kd and aux_head+adapter with every other teacher
    size (NE gain against teacher size).
+--data: synthetic and/or criteo:DIR (a criteo:DIR that is absent is skipped when it is the
+default); --learning_rate: Adagrad's, of the dense part and the rows.
 Prints the tables per data set, writes results.json, exfm_gains.png, exfm_scaling.png; the
 last line is JSON. The paper's own NE gains are "n/a": the public text searched (its
 abstract and summaries) states "significant performance gain" without per-variant numbers.
@@ -48,46 +50,55 @@ import time
 from absl import flags, logging
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
 from core.errors import UserError
 
 FLAGS = flags.FLAGS
 DEFAULT_CRITEO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "..", "shared", "data", "criteo_kaggle_raw")
 
+STUDENTS = config.setting("students", "integer", "Students (vertical models) per teacher, "
+                          "2-3.", lower=1)
+PERIODS = config.setting("periods", "integer", "Student periods (each but the last is "
+                         "trained on, each but the first evaluated).", lower=2)
+HISTORY = config.setting("history", "integer", "Periods before the students start (teacher "
+                         "only).", lower=1)
+TEACHER_EVERY = config.setting("teacher_every", "integer", "Teacher update cadence in "
+                               "periods.", lower=1)
+CRITEO_BATCH_SIZE = config.setting("criteo_batch_size", "integer", "Batch size on the Criteo "
+                                   "sample.", lower=1)
+BATCHES_PER_PERIOD = config.setting(
+    "batches_per_period", "integer", "Batches per student and period (fewer where a vertical "
+    "holds fewer: the Criteo sample).", lower=1)
+DRIFT_FEATURES = config.setting("drift_features", "integer", "Synthetic features whose ids "
+                                "drift.", lower=0, upper=26)
+TEACHER_DATA = config.setting(
+    "teacher_data", "float", "Synthetic rows per period for the teacher, in units of the "
+    "students' union (students x batches_per_period x batch_size); each student trains on its "
+    "vertical's first batches only.", lower=1.0)
+LOGIT_SCALE = config.setting("logit_scale", "float", "Std of the synthetic hidden logit "
+                             "(signal strength).", lower=0.0)
+TEACHER_SIZES = config.setting("teacher_sizes", "list", "Teacher sizes (Wukong): S, M, L.")
+MAIN_TEACHER = config.setting("main_teacher", "string", "The teacher of the variant "
+                              "comparison.")
+VERTICAL_FEATURE = config.setting("vertical_feature", "integer", "Feature whose id picks a "
+                                  "row's student.", lower=0, upper=25)
+
 
 def define_flags() -> None:
   from rec import configs
-  flags.DEFINE_list("data", ["synthetic", "criteo:" + os.path.normpath(DEFAULT_CRITEO)],
-                    "Data sets: synthetic and/or criteo:DIR (DIR/train.txt in time order); a "
-                    "criteo:DIR that is absent is skipped when it is the default.")
-  flags.DEFINE_integer("students", 2, "Students (vertical models) per teacher, 2-3.",
-                       lower_bound=1)
-  flags.DEFINE_integer("periods", 6, "Student periods (each but the last is trained on, "
-                       "each but the first evaluated).", lower_bound=2)
-  flags.DEFINE_integer("history", 3, "Periods before the students start (teacher only).",
-                       lower_bound=1)
-  flags.DEFINE_integer("teacher_every", 2, "Teacher update cadence in periods.", lower_bound=1)
-  configs.define_rec_run_flags("batch_size", "num_rows", batch_size=256, num_rows=500)
-  flags.DEFINE_integer("criteo_batch_size", 32, "Batch size on the Criteo sample.",
-                       lower_bound=1)
-  flags.DEFINE_integer("batches_per_period", 16, "Batches per student and period (fewer where "
-                       "a vertical holds fewer: the Criteo sample).", lower_bound=1)
-  flags.DEFINE_integer("drift_features", 4, "Synthetic features whose ids drift.",
-                       lower_bound=0, upper_bound=26)
-  flags.DEFINE_float("teacher_data", 4.0, "Synthetic rows per period for the teacher, in "
-                     "units of the students' union (students x batches_per_period x "
-                     "batch_size); each student trains on its vertical's first batches only.",
-                     lower_bound=1.0)
-  flags.DEFINE_float("logit_scale", 3.0, "Std of the synthetic hidden logit (signal strength).",
-                     lower_bound=0.0)
-  flags.DEFINE_list("teacher_sizes", ["S", "M", "L"], "Teacher sizes (Wukong): S, M, L.")
-  flags.DEFINE_string("main_teacher", "L", "The teacher of the variant comparison.")
-  flags.DEFINE_integer("vertical_feature", 0, "Feature whose id picks a row's student.",
-                       lower_bound=0, upper_bound=25)
-  flags.DEFINE_float("learning_rate", 0.05, "Adagrad learning rate (dense and rows).")
-  flags.DEFINE_integer("seed", 0, "Seed.", lower_bound=0)
-  flags.DEFINE_string("workdir", "runs/exfm", "Output directory.")
+  config.define_flags(
+      None, settings.DATA.several(), STUDENTS, PERIODS, HISTORY, TEACHER_EVERY,
+      settings.BATCH_SIZE, configs.NUM_ROWS, CRITEO_BATCH_SIZE, BATCHES_PER_PERIOD,
+      DRIFT_FEATURES, TEACHER_DATA, LOGIT_SCALE, TEACHER_SIZES, MAIN_TEACHER, VERTICAL_FEATURE,
+      settings.LEARNING_RATE, settings.SEED, settings.WORKDIR,
+      data=["synthetic", "criteo:" + os.path.normpath(DEFAULT_CRITEO)], students=2, periods=6,
+      history=3, teacher_every=2, batch_size=256, num_rows=500, criteo_batch_size=32,
+      batches_per_period=16, drift_features=4, teacher_data=4.0, logit_scale=3.0,
+      teacher_sizes=["S", "M", "L"], main_teacher="L", vertical_feature=0, learning_rate=0.05,
+      seed=0, workdir="runs/exfm")
 
 
 def main(argv):

@@ -51,61 +51,39 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
+  from core import settings  # noqa: F401  (the settings named below)
+  from experiments.fp8_probe import probe  # noqa: F401
   from rec import configs
-  configs.define_rec_run_flags("data", "dense_optimizer", "learning_rate",
+  from rec import settings as rec_settings  # noqa: F401
+  configs.define_run_flags("data", "dense_optimizer", "learning_rate",
       "embedding_learning_rate", "mesh", batch_size=512, eval_batch_size=2048, eval_batches=4,
       embedding_dim=16, num_rows=20_000)
-  flags.DEFINE_list("models", ["dlrm", "dcnv2:small"], "model or model:preset (dlrm, dcnv2).")
-  flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds of the trained variants.")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.",
-                       lower_bound=0)
-  flags.DEFINE_integer("steps", 300, "Train steps per run (ignored when --epochs is set).",
-                       lower_bound=1)
-  flags.DEFINE_float("epochs", None, "Passes over the train files instead of --steps.")
-  flags.DEFINE_list("variants", ["fp32", "bf16", "fp8_tensor", "fp8_row", "fp8_delayed"],
-                    "Training variants (probe.VARIANTS); fp8_safe is added when the "
-                    "probe's safe layers are some but not all.")
-  flags.DEFINE_list("probe_recipes", ["tensor", "row"], "Scalings the probe tries.")
-  flags.DEFINE_integer("probe_batches", 8, "Eval batches the probe runs (at most).", lower_bound=1)
-  flags.DEFINE_float("max_logloss_increase", 1e-3,
-                     "A layer is safe in FP8 when eval log loss grows by at most this "
-                     "fraction with that layer alone in FP8.")
-  flags.DEFINE_integer("timing_steps", 5, "Train steps per timing repeat (0: no timing).",
-                       lower_bound=0)
-  flags.DEFINE_integer("timing_repeats", 3, "Timing repeats (median reported).", lower_bound=1)
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/fp8_probe", "Output directory.")
-
-# RecRunConfig fields without a flag here: the models' own (--models), the FP8 settings
-# (the probe's variants) and the config's defaults.
-FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sparse_optimizer", "sharding",
-         "sharding_overrides", "memory_budget_gb", "storage", "cache_fraction", "cache_policy",
-         "bad_lines", "dedup_features", "dedup_capacity",
-         "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits", "a2a_table_factors",
-         "a2a_schedule", "csv_label",
-         "csv_dense",
-         "csv_categorical", "days")
-
+  config.define_flags(
+      None, "models", "seeds", "data_seed", "steps", "epochs", "variants", "probe_recipes",
+      "probe_batches", "max_logloss_increase", "timing_steps", "timing_repeats", "log_every",
+      "workdir", models=["dlrm", "dcnv2:small"], seeds=["0"], data_seed=0, steps=300,
+      variants=["fp32", "bf16", "fp8_tensor", "fp8_row", "fp8_delayed"],
+      probe_recipes=["tensor", "row"], probe_batches=8, max_logloss_increase=1e-3,
+      timing_steps=5, timing_repeats=3, log_every=100, workdir="runs/fp8_probe")
 
 
 def main(argv):
   del argv
   cli.quiet_library_logs()
-  import dataclasses
-
   import jax
 
   from experiments.fp8_probe import probe as fp8_probe
   from rec import configs, runs
 
   t0 = time.perf_counter()
-  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
+  base = configs.run_from_flags(seed=FLAGS.data_seed)
   seeds = [int(s) for s in FLAGS.seeds]
   budget = dict(steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs)
   unknown = [v for v in FLAGS.variants if v not in fp8_probe.VARIANTS]
@@ -116,7 +94,7 @@ def main(argv):
          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
          "models": []}
   for spec in runs.parse_models(FLAGS.models):
-    cfg = dataclasses.replace(base, model=spec.model, preset=spec.preset)
+    cfg = configs.replace_run(base, model=spec.model, preset=spec.preset)
     wd = os.path.join(FLAGS.workdir, f"{spec.model}_{spec.preset}")
     print(f"== {spec.label}: fp32 reference run", flush=True)
     trained = fp8_probe.train_reference(cfg, wd, seed=seeds[0], log_every=FLAGS.log_every,

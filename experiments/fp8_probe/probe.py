@@ -5,7 +5,7 @@ and bf16.
 The study of `experiments.fp8_probe` (the FP8 layer itself is rec/layers/fp8.py); a
 notebook can call it too:
 
-    cfg = configs.RecRunConfig(model="dcnv2", preset="small", data="synthetic")
+    cfg = configs.make_run(model="dcnv2", preset="small", data="synthetic")
     trained = train_reference(cfg, steps=300, workdir="runs/fp8")     # fp32, kept
     report = probe(trained, recipe="tensor", max_batches=4)
     print(format_probe(report))
@@ -48,12 +48,26 @@ import optax
 from flax import nnx
 
 from core import benchmark
+from core import config
 from rec import configs
 from rec import metrics as metrics_lib
 from rec import runs
 from rec.layers import fp8
 
 KERNEL_KEYS = ("kernel", "down", "up")
+
+# The study's own settings (its entry point's flags).
+VARIANTS_SETTING = config.setting(
+    "variants", "list", "Training variants (probe.VARIANTS); fp8_safe is added when the "
+    "probe's safe layers are some but not all.")
+PROBE_RECIPES = config.setting("probe_recipes", "list", "Scalings the probe tries.")
+MAX_LOGLOSS_INCREASE = config.setting(
+    "max_logloss_increase", "float", "A layer is safe in FP8 when eval log loss grows by at "
+    "most this fraction with that layer alone in FP8.")
+TIMING_STEPS = config.setting("timing_steps", "integer", "Train steps per timing repeat (0: "
+                              "no timing).", lower=0)
+TIMING_REPEATS = config.setting("timing_repeats", "integer", "Timing repeats (median "
+                                "reported).", lower=1)
 
 # The training variants of the quality table: RecRunConfig overrides.
 VARIANTS: dict[str, dict[str, str]] = {
@@ -80,9 +94,9 @@ class Trained:
 def train_reference(cfg: configs.RecRunConfig, workdir: str, steps: int | None = None,
                     epochs: float | None = None, seed: int = 0, log_every: int = 100) -> Trained:
   """Trains `cfg` (fp32 dense part) once and keeps its final state for the probe."""
-  cfg = dataclasses.replace(cfg, dtype="float32", fp8_layers="")
+  cfg = configs.replace_run(cfg, dtype="float32", fp8_layers="")
   kept = []
-  row = runs.train_model(cfg, runs.ModelSpec(cfg.model, cfg.preset), [seed],
+  row = runs.train_model(cfg, runs.ModelSpec(cfg.model.model, cfg.model.preset), [seed],
                          os.path.join(workdir, "fp32"), steps=steps, epochs=epochs,
                          log_every=log_every, keep=kept.append)
   run, = kept
@@ -262,11 +276,11 @@ def train_variants(cfg: configs.RecRunConfig, variants: dict[str, dict[str, str]
   rec.runs.train_model} (test AUC, log loss, NE and accuracy: mean and std over seeds).
   `done`: rows already trained (e.g. the probe's fp32 run), reused by name."""
   rows = dict(done or {})
-  spec = runs.ModelSpec(cfg.model, cfg.preset)
+  spec = runs.ModelSpec(cfg.model.model, cfg.model.preset)
   for name, over in variants.items():
     if name in rows:
       continue
-    v = dataclasses.replace(cfg, **over)
+    v = configs.replace_run(cfg, **over)
     rows[name] = runs.train_model(v, spec, seeds, os.path.join(workdir, name), steps=steps,
                                   epochs=epochs, log_every=log_every)
   return {name: rows[name] for name in variants}
@@ -292,7 +306,7 @@ def step_times(cfg: configs.RecRunConfig, variants: dict[str, dict[str, str]], s
   out: dict[str, Any] = {"device": jax.devices()[0].device_kind,
                          "platform": jax.default_backend(), "variants": {}}
   for name, over in variants.items():
-    task, train_src, _, _, _ = configs.build_run(dataclasses.replace(cfg, **over))
+    task, train_src, _, _, _ = configs.build_run(configs.replace_run(cfg, **over))
     batch = task.device_batch(next(iter(train_src.batches(0))))
     step = jax.jit(task.train_step, donate_argnums=0)
     per_step, _ = benchmark.time_steps(lambda s: step(s, batch)[0], task.init_state(0), steps,

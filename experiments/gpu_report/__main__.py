@@ -82,55 +82,67 @@ import sys  # noqa: E402
 from absl import flags  # noqa: E402
 
 from core import cli  # noqa: E402
+from core import config  # noqa: E402
 from core import errors  # noqa: E402
 from core import results as results_lib  # noqa: E402
+from core import settings as _settings  # noqa: E402,F401  (the shared settings by name)
 
 FLAGS = flags.FLAGS
 DRY_RUN_BUDGET_S = 3600.0
 
 
+OUT = _settings.OUT   # default: runs/gpu_report_<date>_<time>
+PARTS = config.setting("parts", "list", "Parts to run, in order (parts.PARTS).")
+DRY_RUN = config.setting("dry_run", "bool", "Every part at toy sizes on CPU (numbers "
+                         "meaningless).")
+BUDGET_S = config.setting(
+    "budget_s", "float", "Wall-clock budget of the whole report in seconds (the dry run has "
+    "none unless this is given).")
+PART_BUDGETS = config.setting(
+    "part_budgets", "list", "Per-part budgets in seconds, PART:SECONDS (default: "
+    "parts.DEFAULT_BUDGETS).")
+LM_IMPLS = config.setting(
+    "lm_impls", "list", "attention_impl cases of the lm_train part, in order (an impl that the "
+    "first, auto, resolves to reuses its program; the dry run has its own default).")
+LM_REMATS = config.setting(
+    "lm_remats", "list", "Remat policies of the lm_train part (none, full, dots, attention): "
+    "every attention_impl at the first, then at the next as the budget allows; each impl's "
+    "fastest counts.")
+BAG_FORMATS = config.setting(
+    "bag_formats", "list", "Row formats of the embedding_bag part (some of float32, bfloat16, "
+    "int8, int8_split, int4, int8_cache, int4_cache; the dry run's default: the same).")
+PIPELINE_DATA = config.setting(
+    "pipeline_data", "list", "--data sources of the rec_pipeline part: synthetic forms (on a "
+    "GPU 'synthetic' is drawn on the device, gen=device) and criteo_bin:gen (rows generated in "
+    "the criteo_bin layout, read through Grain); the dry run has its own default.")
+MLPERF_ROWS = config.setting(
+    "mlperf_rows", "integer", "Rows per table cap of the mlperf part (default 4M on a GPU; 0: "
+    "the reference's 204M rows, ~60 GB).", lower=0, none_ok=True)
+
+
 def define_flags() -> None:
+  """The report's flags; --fp8_layers / --fp8_recipe are the rec settings (rec.configs),
+  here the fp8 part's (layers comma-separated; recipe tensor or row)."""
+  from rec import configs  # noqa: F401  (defines the fp8 settings)
+
   from experiments.gpu_report import parts
-  flags.DEFINE_string("out", "", "Report directory (default runs/gpu_report_<date>_<time>).")
-  flags.DEFINE_list("parts", list(parts.PARTS), f"Parts to run, in order: {list(parts.PARTS)}.")
-  flags.DEFINE_bool("dry_run", False, "Every part at toy sizes on CPU (numbers meaningless).")
-  flags.DEFINE_float("budget_s", float(sum(parts.DEFAULT_BUDGETS.values())),
-                     "Wall-clock budget of the whole report in seconds (the dry run has none "
-                     "unless this is given).")
-  flags.DEFINE_list("part_budgets", [],
-                    "Per-part budgets in seconds, PART:SECONDS (default "
-                    + ",".join(f"{k}:{v}" for k, v in parts.DEFAULT_BUDGETS.items()) + ").")
-  flags.DEFINE_string("compilation_cache_dir", "runs/jax_compilation_cache",
-                      "JAX's persistent compilation cache ('' : off; the dry run leaves it "
-                      "off unless given).")
-  flags.DEFINE_bool("profile", False,
-                    "Also trace one timed case of decode, lm_train, rec_pipeline, mlperf and "
-                    "fp8 (jax.profiler): device busy / span, kernels per step and the top "
-                    "kernels in each part's details and log; traces under "
-                    "DIR/logs/profile_*.")
-  flags.DEFINE_list("lm_impls", list(parts.Sizes.gpu().lm_impls),
-                    "attention_impl cases of the lm_train part, in order (an impl that the "
-                    "first, auto, resolves to reuses its program; the dry run's default: "
-                    + ",".join(parts.Sizes.dry_run().lm_impls) + ").")
-  flags.DEFINE_list("lm_remats", ["none", "attention"],
-                    "Remat policies of the lm_train part (none, full, dots, attention): every "
-                    "attention_impl at the first, then at the next as the budget allows; each "
-                    "impl's fastest counts.")
-  flags.DEFINE_list("bag_formats", list(parts.Sizes.gpu().eb_formats),
-                    "Row formats of the embedding_bag part (some of float32, bfloat16, int8, "
-                    "int8_split, int4, int8_cache, int4_cache; the dry run's default: the "
-                    "same).")
-  flags.DEFINE_list("pipeline_data", list(parts.Sizes.gpu().rp_data),
-                    "--data sources of the rec_pipeline part: synthetic forms (on a GPU "
-                    "'synthetic' is drawn on the device, gen=device) and criteo_bin:gen (rows "
-                    "generated in the criteo_bin layout, read through Grain); the dry run's "
-                    "default: " + ",".join(parts.Sizes.dry_run().rp_data) + ".")
-  flags.DEFINE_list("fp8_layers", list(parts.FP8_PROBE_SAFE),
-                    "FP8 layers of the fp8 part (default: the FP8 probe's safe set for DCN-v2; "
-                    "names the MLPerf preset lacks are dropped).")
-  flags.DEFINE_enum("fp8_recipe", "tensor", ["tensor", "row"], "FP8 scaling of the fp8 part.")
-  flags.DEFINE_integer("mlperf_rows", None, "Rows per table cap of the mlperf part (default "
-                       "4M on a GPU; 0: the reference's 204M rows, ~60 GB).", lower_bound=0)
+  config.define_flags(
+      None, OUT, PARTS, DRY_RUN, BUDGET_S, PART_BUDGETS, "compilation_cache_dir", "profile",
+      LM_IMPLS, LM_REMATS, BAG_FORMATS, PIPELINE_DATA, "fp8_layers", "fp8_recipe", MLPERF_ROWS,
+      out="", parts=list(parts.PARTS), dry_run=False,
+      budget_s=float(sum(parts.DEFAULT_BUDGETS.values())), part_budgets=[],
+      compilation_cache_dir="runs/jax_compilation_cache", profile=False,
+      lm_impls=list(parts.Sizes.gpu().lm_impls), lm_remats=["none", "attention"],
+      bag_formats=list(parts.Sizes.gpu().eb_formats),
+      pipeline_data=list(parts.Sizes.gpu().rp_data),
+      fp8_layers=",".join(parts.FP8_PROBE_SAFE), fp8_recipe="tensor", mlperf_rows=None)
+  flags.register_validator("fp8_recipe", lambda v: v in ("tensor", "row"),
+                           message="expected tensor or row (the fp8 part's scalings)")
+
+
+def fp8_layers() -> tuple[str, ...]:
+  """--fp8_layers as names (the rec setting is one comma-separated string)."""
+  return tuple(n.strip() for n in (FLAGS.fp8_layers or "").split(",") if n.strip())
 
 
 def parse_budgets(items: list[str], known) -> dict[str, float]:
@@ -204,7 +216,7 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   over = dict(lm_impls=tuple(FLAGS.lm_impls), lm_remats=tuple(FLAGS.lm_remats),
               eb_formats=tuple(FLAGS.bag_formats), rp_data=tuple(FLAGS.pipeline_data),
-              fp8_layers=tuple(FLAGS.fp8_layers), fp8_recipe=FLAGS.fp8_recipe)
+              fp8_layers=fp8_layers(), fp8_recipe=FLAGS.fp8_recipe)
   for flag, field in (("lm_impls", "lm_impls"), ("lm_remats", "lm_remats"),
                       ("bag_formats", "eb_formats"), ("pipeline_data", "rp_data"),
                       ("fp8_layers", "fp8_layers")):
@@ -218,6 +230,7 @@ def main(argv):
                                           "profile", "compilation_cache_dir", "lm_impls",
                                           "lm_remats", "bag_formats", "pipeline_data",
                                           "fp8_layers", "fp8_recipe", "mlperf_rows")}
+  settings["fp8_layers"] = list(fp8_layers())
   report = parts.run_report(sizes, FLAGS.parts, out_dir, dry_run=FLAGS.dry_run,
                             budget_s=budget_s, budgets=budgets, settings=settings,
                             profile=FLAGS.profile)

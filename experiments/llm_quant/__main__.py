@@ -32,30 +32,31 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import errors
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
 MODES = ("float32", "int8", "int4", "gguf")
 
 
+MODES_SETTING = config.setting(
+    "modes", "list", "Weight formats to compare, of float32, int8, int4, gguf (default: all four "
+    "on a gguf: checkpoint, else the first three).", none_ok=True)
+WINDOW = config.setting(
+    "window", "integer", "Perplexity window in tokens (capped at max_seq_len).", lower=2)
+
+
 def define_flags() -> None:
-  flags.DEFINE_string("checkpoint", None, "llama2c:PATH | hf:DIR | gguf:FILE (llm.checkpoints).",
-                      required=True)
-  flags.DEFINE_list("modes", None, "Weight formats to compare, of float32, int8, int4, gguf "
-                    "(default: all four on a gguf: checkpoint, else the first three).")
-  flags.DEFINE_string("text", None, "Held-out text file (default: the study's heldout.txt).")
-  flags.DEFINE_string("tokenizer", None, "Tokenizer (default: the checkpoint's own; none: UTF-8 "
-                      "bytes).")
-  flags.DEFINE_integer("window", 512, "Perplexity window in tokens (capped at max_seq_len).",
-                       lower_bound=2)
-  flags.DEFINE_integer("prompt_len", 32, "Decode prompt tokens (the text's first).",
-                       lower_bound=1)
-  flags.DEFINE_integer("new_tokens", 32, "Decoded tokens per timed run.", lower_bound=2)
-  flags.DEFINE_integer("repeats", 3, "Timed runs per variant and round.", lower_bound=1)
-  flags.DEFINE_integer("rounds", 3, "Rounds; each times every variant in turn.", lower_bound=1)
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_string("workdir", "runs/llm_quant", "Where results.json and the plot go.")
+  config.define_flags(
+      None, "checkpoint", MODES_SETTING, "text", "tokenizer", WINDOW, "prompt_len",
+      lm_settings.NEW_TOKENS.narrowed(lower=2), "repeats", "rounds", "dtype", "workdir",
+      checkpoint=None, modes=None, text=None,
+      tokenizer=None, window=512, prompt_len=32, new_tokens=32, repeats=3, rounds=3,
+      dtype="float32", workdir="runs/llm_quant")
+  flags.mark_flag_as_required("checkpoint")
   flags.register_validator(
       "modes", lambda v: v is None or (v and all(m in MODES for m in v)
                                        and len(set(v)) == len(v)),

@@ -56,6 +56,7 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
@@ -63,36 +64,17 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
+  from core import settings  # noqa: F401  (the settings named below)
+  from experiments.mp_embedding import study
   from rec import configs
-  configs.define_rec_run_flags("data", "model", "preset", "embedding_dim", "eval_batches",
+  from rec import settings as rec_settings  # noqa: F401
+  configs.define_run_flags("data", "model", "preset", "embedding_dim", "eval_batches",
       "num_rows", "learning_rate", "embedding_learning_rate", "sharding", "mesh",
       batch_size=1024, eval_batch_size=4096)
-  from experiments.mp_embedding import study
-  flags.DEFINE_list("formats", list(study.DEFAULT_FORMATS),
-                    "Row storages, the first the reference: fp32 | bf16 | bf16_sr | int8 | int4 "
-                    "| int8_cache[:lfu|lru[:fraction]] | int4_cache[...] "
-                    "(rec/embedding/storage_spec.py).")
-  flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds; one run per format and seed.")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model, the batch stream "
-                       "and stochastic rounding.", lower_bound=0)
-  flags.DEFINE_integer("steps", 300, "Train steps per run (ignored when --epochs is set).",
-                       lower_bound=1)
-  flags.DEFINE_float("epochs", None, "Train for this many passes over the train files instead.")
-  flags.DEFINE_list("memory_dims", ["16", "32", "64", "128"],
-                    "Embedding dims of the per-dim memory table.")
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/mp_embedding", "Output directory.")
-
-# RecRunConfig fields without a flag here: the storage (from --formats) and the config's
-# defaults.
-FIXED = ("dtype", "fp8_layers", "fp8_recipe", "dense_optimizer", "sparse_optimizer",
-         "sharding_overrides", "memory_budget_gb", "storage", "cache_fraction", "cache_policy",
-         "bad_lines", "dedup_features", "dedup_capacity",
-         "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound", "a2a_bits", "a2a_table_factors",
-         "a2a_schedule", "csv_label",
-         "csv_dense",
-         "csv_categorical", "days")
-
+  config.define_flags(
+      None, "formats", "seeds", "data_seed", "steps", "epochs", "memory_dims", "log_every",
+      "workdir", formats=list(study.DEFAULT_FORMATS), seeds=["0"], data_seed=0, steps=300,
+      memory_dims=["16", "32", "64", "128"], log_every=100, workdir="runs/mp_embedding")
 
 
 def main(argv):
@@ -101,7 +83,7 @@ def main(argv):
   from experiments.mp_embedding import study
   from rec import configs
 
-  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
+  base = configs.run_from_flags(seed=FLAGS.data_seed)
   formats = study.parse_formats(FLAGS.formats)
   results = study.compare_formats(
       base, formats, seeds=[int(s) for s in FLAGS.seeds],
@@ -121,7 +103,7 @@ def main(argv):
         + "\n".join(dim_lines), flush=True)
   results.update(table=table.splitlines(), memory_table=memory.splitlines(),
                  memory_by_dim=by_dim)
-  summary = {"data": base.data, "steps": results["rows"][0]["steps"],
+  summary = {"data": base.data.data, "steps": results["rows"][0]["steps"],
              "seeds": results["seeds"],
              "rows": {r["format"]: {"auc": round(r["auc_mean"], 4),
                                     "d_auc": round(r["auc_delta_mean"], 4),

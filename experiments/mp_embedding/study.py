@@ -2,7 +2,7 @@
 
 The study of `experiments.mp_embedding`; a notebook can call it too:
 
-    base = configs.RecRunConfig(data="synthetic", batch_size=1024)
+    base = configs.make_run(data="synthetic", batch_size=1024)
     res = compare_formats(base, parse_formats(["fp32", "int8_cache:lfu:0.05"]), seeds=(0,),
                           steps=300, workdir="runs/mp")
     print(format_table(res))
@@ -30,28 +30,27 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from core import config
 from rec import configs, runs
 from rec.embedding import storage as storage_lib
 from rec.embedding import storage_spec
 from rec.embedding.storage_spec import StorageSpec
 
 METRICS = ("auc", "logloss")
+MEMORY_DIMS = config.setting("memory_dims", "list", "Embedding dims of the per-dim memory "
+                             "table.")
 DEFAULT_FORMATS = ("fp32", "int8_cache:lfu:0.05", "int8_cache:lru:0.05", "int4_cache:lfu:0.01",
                    "int4_cache:lru:0.01")
 
 
 def parse_formats(entries: Sequence[str]) -> list[StorageSpec]:
-  """--formats entries -> storage specs (errors name the entry); a spec must be one a
-  RecRunConfig can hold (`RecRunConfig.with_storage`)."""
-  specs = []
-  for entry in entries:
-    spec = StorageSpec.parse(entry, where="--formats entry")
-    try:
-      configs.RecRunConfig().with_storage(spec)
-    except ValueError as e:
-      raise ValueError(f"--formats entry={entry!r}: {e}") from None
-    specs.append(spec)
-  return specs
+  """--formats entries -> storage specs (errors name the entry)."""
+  return [StorageSpec.parse(entry, where="--formats entry") for entry in entries]
+
+
+def with_storage(base: configs.RecRunConfig, spec: StorageSpec) -> configs.RecRunConfig:
+  """`base` with its tables stored as `spec`."""
+  return configs.replace_run(base, storage=spec)
 
 
 def memory_breakdown(collection, emb_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,14 +134,14 @@ def train_format(base: configs.RecRunConfig, spec: StorageSpec, seeds: Sequence[
   per-seed metrics, memory (`memory_breakdown`), eval cache hit rate, wall time."""
   if (steps is None) == (epochs is None):
     raise ValueError(f"train_format: steps={steps}, epochs={epochs}; give exactly one")
-  cfg = base.with_storage(spec)
+  cfg = with_storage(base, spec)
   built = configs.build_run(cfg)
   task, train_src, eval_src = built[:3]
   n_steps = configs.steps_for(epochs, train_src) if epochs is not None else int(steps)
   rows = []
   for seed in seeds:
-    print(f"== {spec} seed {seed}: {n_steps} steps of {cfg.batch_size} "
-          f"(tables: {cfg.storage_spec()})", flush=True)
+    print(f"== {spec} seed {seed}: {n_steps} steps of {cfg.train.batch_size} "
+          f"(tables: {cfg.embedding.storage})", flush=True)
     run_dir = os.path.join(workdir, "runs", f"{str(spec).replace(':', '_')}_s{seed}")
     run = runs.train_run(cfg, run_dir, steps=n_steps, seed=seed, log_every=log_every,
                          built=built)
@@ -151,7 +150,7 @@ def train_format(base: configs.RecRunConfig, spec: StorageSpec, seeds: Sequence[
                  "cache_hit_rate": cache_hit_rate(task.collection, emb, eval_src.batches(0)),
                  "wall_seconds": run.wall_seconds, "examples_per_sec": run.examples_per_sec})
     memory = memory_breakdown(task.collection, emb)
-  row = {"format": str(spec), "storage": str(cfg.storage_spec()), "steps": n_steps,
+  row = {"format": str(spec), "storage": str(cfg.embedding.storage), "steps": n_steps,
          "runs": rows, "memory": memory}
   for k in METRICS + ("wall_seconds", "examples_per_sec"):
     row[f"{k}_mean"] = float(np.mean([r[k] for r in rows]))
@@ -169,7 +168,7 @@ def compare_formats(base: configs.RecRunConfig, formats: Sequence[StorageSpec],
   if not formats:
     raise ValueError("compare_formats: no formats")
   for spec in formats:   # bad settings fail before anything trains
-    base.with_storage(spec).validate()
+    with_storage(base, spec).validate()
   t0 = time.perf_counter()
   rows = [train_format(base, f, seeds, workdir, steps=steps, epochs=epochs, log_every=log_every)
           for f in formats]
@@ -180,7 +179,7 @@ def compare_formats(base: configs.RecRunConfig, formats: Sequence[StorageSpec],
       row[f"{k}_delta_mean"] = float(np.mean(deltas))
       row[f"{k}_delta_std"] = float(np.std(deltas, ddof=1)) if len(deltas) > 1 else 0.0
     row["memory_vs_reference"] = ref["memory"]["table_bytes"] / row["memory"]["table_bytes"]
-  return {"config": dataclasses.asdict(base), "formats": [str(f) for f in formats],
+  return {"config": base.flat_settings(), "formats": [str(f) for f in formats],
           "seeds": [int(s) for s in seeds], "steps": steps, "epochs": epochs, "rows": rows,
           "wall_seconds": time.perf_counter() - t0}
 

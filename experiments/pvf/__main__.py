@@ -42,35 +42,42 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+DLRM_RUN = config.setting("dlrm_run", "string", "Restore this train_rec run's latest checkpoint "
+                          "instead of training (the run must match --preset / --num_rows).")
+FAULTS = config.setting("faults", "list", "DLRM fault models (the paper's SBF, MBF, MBBF by "
+                        "default): single, single:<bit>, multi:<k>, burst:<k>[:<start>].")
+CRITERION = config.setting("criterion", "string", "DLRM output change: threshold[:t] | tol:x.")
+EXAMPLES = config.setting("examples", "integer", "DLRM eval examples the trials draw from.",
+                          lower=1)
+LLAMA = config.setting("llama", "string", "llama2.c checkpoint; when absent, a tiny random-init "
+                       "Llama; '' skips.")
+LLAMA_TRIALS = config.setting("llama_trials", "integer", "Faults per Llama group and (format, "
+                              "fault).", lower=1)
+LLAMA_FAULTS = config.setting("llama_faults", "list", "Llama fault models (as --faults).")
+LLAMA_SEQS = config.setting("llama_seqs", "integer", "Sequences sampled from the Llama as "
+                            "inputs.", lower=1)
+LLAMA_LEN = config.setting("llama_len", "integer", "Tokens per sequence.", lower=1)
+CHUNK = config.setting("chunk", "integer", "Trials per jitted, vmapped call.", lower=1)
 
 
 def define_flags() -> None:
   from rec import configs
-  configs.define_rec_run_flags(preset="small", batch_size=512, num_rows=20_000)
-  flags.DEFINE_integer("steps", 300, "DLRM train steps (synthetic data).", lower_bound=1)
-  flags.DEFINE_string("dlrm_run", "", "Restore this train_rec run's latest checkpoint instead "
-                      "of training (the run must match --preset / --num_rows).")
-  flags.DEFINE_list("formats", ["fp32", "bf16", "int8"], "Stored formats the bits flip in.")
-  flags.DEFINE_list("faults", ["single", "multi:2", "burst:2"],
-                    "DLRM fault models (the paper's SBF, MBF, MBBF by default): single, "
-                    "single:<bit>, multi:<k>, burst:<k>[:<start>].")
-  flags.DEFINE_string("criterion", "threshold:0.5", "DLRM output change: threshold[:t] | tol:x.")
-  flags.DEFINE_integer("trials", 2000, "Faults per DLRM group and (format, fault).", lower_bound=1)
-  flags.DEFINE_integer("examples", 1024, "DLRM eval examples the trials draw from.", lower_bound=1)
-  flags.DEFINE_string("llama", "../shared/data/llama2c/stories260K.bin",
-                      "llama2.c checkpoint; when absent, a tiny random-init Llama; '' skips.")
-  flags.DEFINE_integer("llama_trials", 500, "Faults per Llama group and (format, fault).",
-                       lower_bound=1)
-  flags.DEFINE_list("llama_faults", ["single"], "Llama fault models (as --faults).")
-  flags.DEFINE_integer("llama_seqs", 64, "Sequences sampled from the Llama as inputs.",
-                       lower_bound=1)
-  flags.DEFINE_integer("llama_len", 32, "Tokens per sequence.", lower_bound=1)
-  flags.DEFINE_integer("chunk", 256, "Trials per jitted, vmapped call.", lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "Seed of training, inputs and fault draws.", lower_bound=0)
-  flags.DEFINE_string("workdir", "runs/pvf", "Output directory.")
+  config.define_flags(
+      None, settings.PRESET, settings.BATCH_SIZE, configs.NUM_ROWS, settings.STEPS, DLRM_RUN,
+      settings.FORMATS, FAULTS, CRITERION, rec_settings.TRIALS, EXAMPLES, LLAMA, LLAMA_TRIALS,
+      LLAMA_FAULTS, LLAMA_SEQS, LLAMA_LEN, CHUNK, settings.SEED, settings.WORKDIR,
+      preset="small", batch_size=512, num_rows=20_000, steps=300, dlrm_run="",
+      formats=["fp32", "bf16", "int8"], faults=["single", "multi:2", "burst:2"],
+      criterion="threshold:0.5", trials=2000, examples=1024,
+      llama="../shared/data/llama2c/stories260K.bin", llama_trials=500, llama_faults=["single"],
+      llama_seqs=64, llama_len=32, chunk=256, seed=0, workdir="runs/pvf")
 
 
 def _dlrm(t_key):
@@ -82,9 +89,9 @@ def _dlrm(t_key):
   from experiments.pvf import study
   from rec import configs, runs
 
-  cfg = configs.RecRunConfig(model="dlrm", preset=FLAGS.preset, data="synthetic",
-                             num_rows=FLAGS.num_rows, batch_size=FLAGS.batch_size,
-                             eval_batch_size=FLAGS.examples, eval_batches=1, seed=FLAGS.seed)
+  cfg = configs.make_run(model="dlrm", preset=FLAGS.preset, data="synthetic",
+                         num_rows=FLAGS.num_rows, batch_size=FLAGS.batch_size,
+                         eval_batch_size=FLAGS.examples, eval_batches=1, seed=FLAGS.seed)
   if FLAGS.dlrm_run:
     task, train_src, eval_src, _, _ = configs.build_run(cfg)
     ckpt = ckpt_lib.Checkpointer(FLAGS.dlrm_run)

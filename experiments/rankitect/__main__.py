@@ -51,43 +51,49 @@ import os
 from absl import flags, logging
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+METHOD = config.setting("method", "enum", "Search method.",
+                        choices=("random", "evolution", "oneshot", "dnas"))
+SUPERNET_STEPS = config.setting("supernet_steps", "integer", "oneshot / dnas: supernet train "
+                                "steps.", lower=1)
+CANDIDATES = config.setting("candidates", "integer", "oneshot: paths scored with inherited "
+                            "weights (all of the space when it is smaller).", lower=1)
+RETRAIN = config.setting("retrain", "integer", "oneshot: Pareto candidates retrained from "
+                         "scratch.", lower=1)
+DNAS_COST_WEIGHTS = config.setting("dnas_cost_weights", "list", "dnas: FLOP-cost weights, one "
+                                   "supernet each.")
+LAYERS = config.setting("layers", "integer", "Stack layers of the space.", lower=1)
+WIDTH = config.setting("width", "integer", "Embeddings per stack layer.", lower=2)
+BASELINES = config.setting("baselines", "bool", "Train the hand-designed models (once per "
+                           "workdir).")
+SHARED_PROGRAM = config.setting(
+    "shared_program", "bool", "Train candidates of the space through one compiled supernet "
+    "program, the path an argument (false: each candidate compiles its own stand-alone "
+    "program).")
+SEARCH_SEED = config.setting(
+    "search_seed", "integer", "Seeds the searcher (random / evolution proposals, oneshot's "
+    "paths, the supernets' initial weights and path / Gumbel draws) apart from the data and "
+    "the candidates' initial weights (--seed); default: --seed.", lower=0, none_ok=True)
 
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
   from rec import configs
-  flags.DEFINE_enum("method", "random", ["random", "evolution", "oneshot", "dnas"],
-                    "Search method.")
-  flags.DEFINE_integer("trials", 20, "random / evolution: candidates trained from scratch.",
-                       lower_bound=1)
-  flags.DEFINE_integer("steps", 300, "Train steps of every candidate and hand-designed model.",
-                       lower_bound=1)
-  flags.DEFINE_integer("supernet_steps", 1500, "oneshot / dnas: supernet train steps.",
-                       lower_bound=1)
-  flags.DEFINE_integer("candidates", 60, "oneshot: paths scored with inherited weights (all "
-                       "of the space when it is smaller).", lower_bound=1)
-  flags.DEFINE_integer("retrain", 3, "oneshot: Pareto candidates retrained from scratch.",
-                       lower_bound=1)
-  flags.DEFINE_list("dnas_cost_weights", ["0.3"], "dnas: FLOP-cost weights, one supernet each.")
-  flags.DEFINE_integer("layers", 2, "Stack layers of the space.", lower_bound=1)
-  flags.DEFINE_integer("width", 8, "Embeddings per stack layer.", lower_bound=2)
-  flags.DEFINE_bool("baselines", True, "Train the hand-designed models (once per workdir).")
-  flags.DEFINE_string("workdir", "runs/rankitect", "Output directory (resumed when present).")
-  flags.DEFINE_bool("shared_program", True, "Train candidates of the space through one compiled "
-                    "supernet program, the path an argument (false: each candidate compiles "
-                    "its own stand-alone program).")
-  flags.DEFINE_integer("search_seed", None, "Seeds the searcher (random / evolution proposals, "
-                       "oneshot's paths, the supernets' initial weights and path / Gumbel "
-                       "draws) apart from the data and the candidates' initial weights "
-                       "(--seed); default: --seed.", lower_bound=0)
-  flags.DEFINE_string("compilation_cache_dir", "runs/jax_compilation_cache",
-                      "JAX's persistent compilation cache: programs compiled once are reused "
-                      "by later runs (seeds, resumes, the baselines of another workdir); '' "
-                      "turns it off.")
-  configs.define_rec_run_flags(
+  config.define_flags(
+      None, METHOD, rec_settings.TRIALS, settings.STEPS, SUPERNET_STEPS, CANDIDATES, RETRAIN,
+      DNAS_COST_WEIGHTS, LAYERS, WIDTH, BASELINES, settings.WORKDIR, SHARED_PROGRAM,
+      SEARCH_SEED, settings.COMPILATION_CACHE_DIR,
+      method="random", trials=20, steps=300, supernet_steps=1500, candidates=60, retrain=3,
+      dnas_cost_weights=["0.3"], layers=2, width=8, baselines=True, workdir="runs/rankitect",
+      shared_program=True, search_seed=None,
+      compilation_cache_dir="runs/jax_compilation_cache")
+  configs.define_run_flags(
       "eval_batch_size", "sparse_optimizer", "seed", dense_optimizer="adam",
       data="synthetic_deep", num_rows=20, batch_size=256, eval_batches=4, embedding_dim=16,
       learning_rate=1e-3, embedding_learning_rate=0.1)
@@ -116,14 +122,12 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   space = Space(num_layers=FLAGS.layers, width=FLAGS.width, embedding_dim=FLAGS.embedding_dim)
   # Settings without a flag here keep RecRunConfig's defaults; each candidate sets `model`.
-  base = configs.RecRunConfig.from_flags(
-      FLAGS, keep=[f for f in configs.RUN_FIELDS if f not in FLAGS and f != "model"],
-      model="dlrm")
+  base = configs.run_from_flags(model="dlrm")
   base.validate()
   st = study_lib.Study(FLAGS.workdir, space, base, steps=FLAGS.steps,
                        shared_program=FLAGS.shared_program, search_seed=FLAGS.search_seed)
   print(f"workdir {FLAGS.workdir} | method {FLAGS.method} | space {space.size()} architectures "
-        f"({len(space.names)} candidates ^ {space.num_layers} layers) | data {base.data} "
+        f"({len(space.names)} candidates ^ {space.num_layers} layers) | data {base.data.data} "
         f"(seed {base.seed}) | search seed {st.search_seed}", flush=True)
 
   extra = {}
@@ -169,7 +173,7 @@ def main(argv):
       "method": FLAGS.method, "space": {"layers": space.num_layers, "width": space.width,
                                         "embedding_dim": space.embedding_dim,
                                         "candidates": list(space.names)},
-      "data": base.data, "seed": base.seed, "search_seed": st.search_seed,
+      "data": base.data.data, "seed": base.seed, "search_seed": st.search_seed,
       "steps": FLAGS.steps, "rows": rows, "cost": costs, "pareto": fronts,
       "best": best, "best_file": best_path, "plot": png,
       **{k: v for k, v in extra.items() if k in ("scored", "alpha")}})

@@ -101,7 +101,7 @@ class Study:
     """Every method run in one workdir shares the space, data, budget and search seed (their
     rows are compared, and a search resumes its journal): the first run writes them to
     settings.json, later runs must match."""
-    run = {f"run.{k}": v for k, v in dataclasses.asdict(self.base).items()
+    run = {f"run.{k}": v for k, v in self.base.run_settings().items()
            if k not in ("model", "preset", "embedding_dim")}
     space = {f"space.{k}": v for k, v in dataclasses.asdict(self.space).items()}
     now = json.loads(json.dumps({**space, **run, "steps": self.steps,
@@ -114,7 +114,7 @@ class Study:
     with open(path) as f:
       saved = json.load(f)
     saved.setdefault("search_seed", saved.get("run.seed"))   # absent: the default, run.seed
-    default = json.loads(json.dumps(dataclasses.asdict(configs.RecRunConfig())))
+    default = json.loads(json.dumps(configs.make_run().run_settings()))
     for n in configs.A2A_FIELDS:   # absent: the default (float32, one bound throughout)
       saved.setdefault(f"run.{n}", default[n])
     diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
@@ -133,7 +133,7 @@ class Study:
       space = self.space
       path = searched.save_arch(space.arch([space.names[0]] * space.num_layers),
                                 os.path.join(self.workdir, "archs", "_space.json"))
-      cfg = dataclasses.replace(self.base, model=searched_model(path), preset="kaggle",
+      cfg = configs.replace_run(self.base, model=searched_model(path), preset="kaggle",
                                 embedding_dim=0)
       self._space_run = (cfg, configs.build_run(cfg))
     return self._space_run
@@ -162,7 +162,7 @@ class Study:
     wd = os.path.join(self.workdir, "runs", label)
     extra = {"arch_file": path, "choices": list(choices), **(extra or {})}
     if not self.shared_program:
-      cfg = dataclasses.replace(self.base, model=searched_model(path), preset="kaggle",
+      cfg = configs.replace_run(self.base, model=searched_model(path), preset="kaggle",
                                 embedding_dim=0)
       run = runs.train_run(cfg, wd, steps=self.steps, log_every=self.steps)
       return self.log.add(self._row(run, label, method, {**extra, "program": "standalone"}))
@@ -186,7 +186,7 @@ class Study:
     done = self.log.get(label)
     if done is not None:
       return done
-    cfg = dataclasses.replace(self.base, model=model, preset=preset,
+    cfg = configs.replace_run(self.base, model=model, preset=preset,
                               embedding_dim=self.space.embedding_dim)
     run = runs.train_run(cfg, os.path.join(self.workdir, "runs", label.replace(":", "_")),
                          steps=self.steps, log_every=self.steps)

@@ -30,24 +30,27 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
+from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
+
+SESSION_LENS = config.setting("session_lens", "list", "Samples per session.")
+NUM_ITEM = config.setting("num_item", "integer", "Item (per-sample, one-hot) features.",
+                          lower=1)
 
 
 def define_flags() -> None:
   from rec import configs
-  configs.define_rec_run_flags("batch_size", "num_rows")
-  flags.DEFINE_list("session_lens", ["1", "2", "4", "8", "16", "32"], "Samples per session.")
-  flags.DEFINE_integer("num_user", 8, "User (deduplicated) features.", lower_bound=1)
-  flags.DEFINE_integer("num_item", 8, "Item (per-sample, one-hot) features.", lower_bound=1)
-  flags.DEFINE_integer("user_bag", 32, "Ids per user-feature bag.", lower_bound=1)
-  flags.DEFINE_integer("dim", 32, "Embedding dim.", lower_bound=1)
-  flags.DEFINE_integer("steps", 5, "Calls per timing repeat.", lower_bound=1)
-  flags.DEFINE_integer("repeats", 5, "Timing repeats (median reported).", lower_bound=1)
-  flags.DEFINE_string("mesh", "-1", "Device mesh; -1 = all devices.")
-  flags.DEFINE_integer("seed", 0, "Data and init seed.", lower_bound=0)
-  flags.DEFINE_string("workdir", "runs/recd", "Output directory.")
+  config.define_flags(
+      None, settings.BATCH_SIZE, configs.NUM_ROWS, SESSION_LENS, rec_settings.NUM_USER,
+      NUM_ITEM, rec_settings.USER_BAG, rec_settings.DIM, settings.STEPS, settings.REPEATS,
+      settings.MESH, settings.SEED, settings.WORKDIR,
+      batch_size=2048, num_rows=100_000, session_lens=["1", "2", "4", "8", "16", "32"],
+      num_user=8, num_item=8, user_bag=32, dim=32, steps=5, repeats=5, mesh="-1", seed=0,
+      workdir="runs/recd")
 
 
 def main(argv):

@@ -42,23 +42,28 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings
 
 FLAGS = flags.FLAGS
 _CLUSTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
 
+CLUSTER = config.setting("cluster", "string", "Cluster description (JSON; format in "
+                         "experiments/scaleacross/cluster.py).")
+COMPUTE_EFFICIENCY = config.setting(
+    "compute_efficiency", "float", "Achieved fraction of the BF16 peak, in (0, 1]; unset: the "
+    "cluster file's gpu.compute_efficiency, else fitted to Llama 3's Table 4.", none_ok=True)
+SWEEP_OUTER_GBPS = config.setting(
+    "sweep_outer_gbps", "list", "Also rerun the search with the outermost link's aggregate "
+    "egress (its line rate where it has none) at each of these Gb/s, e.g. 6400,25600,102400.")
+
 
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
-  flags.DEFINE_string("cluster", os.path.join(_CLUSTERS, "two_regions.json"),
-                      "Cluster description (JSON; format in experiments/scaleacross/cluster.py).")
-  flags.DEFINE_string("workdir", "runs/scaleacross", "Where results.json and the plot go.")
-  flags.DEFINE_float("compute_efficiency", None,
-                     "Achieved fraction of the BF16 peak, in (0, 1]; unset: the cluster "
-                     "file's gpu.compute_efficiency, else fitted to Llama 3's Table 4.")
-  flags.DEFINE_list("sweep_outer_gbps", [],
-                    "Also rerun the search with the outermost link's aggregate egress (its "
-                    "line rate where it has none) at each of these Gb/s, e.g. 6400,25600,102400.")
+  config.define_flags(None, CLUSTER, settings.WORKDIR, COMPUTE_EFFICIENCY, SWEEP_OUTER_GBPS,
+                      cluster=os.path.join(_CLUSTERS, "two_regions.json"),
+                      workdir="runs/scaleacross", compute_efficiency=None, sweep_outer_gbps=[])
   flags.register_validator("sweep_outer_gbps", _positive_numbers,
                            message="expected numbers > 0")
   flags.register_validator("compute_efficiency", lambda v: v is None or 0 < v <= 1,

@@ -72,7 +72,10 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
 STORIES = os.path.join("..", "shared", "data", "llama2c", "stories260K.bin")
@@ -105,86 +108,85 @@ def _temperatures(values) -> bool:
     return False
 
 
+PROMPT_TEXT = config.setting(
+    "prompt_text", "string", "Text whose windows prompt the target's sequences (default: none for "
+    "llama2c / hf targets, which start from BOS; a train_lm workdir's own --text).", none_ok=True)
+GEN_PROMPT_LEN = config.setting(
+    "gen_prompt_len", "integer", "Tokens per --prompt_text window.", lower=1)
+CHAT_PROMPTS = config.setting(
+    "chat_prompts", "bool", "Prompt the target with chat requests: instructions built from words "
+    "of its own vocabulary, rendered with its chat template (prompts.py); sequences end at its "
+    "end-of-turn token; the held-out requests are the benchmark's prompts (--prompt_len unused).")
+NUM_SEQUENCES = config.setting(
+    "num_sequences", "integer", "Sequences the target generates for distillation.", lower=2)
+GEN_TEMPERATURE = config.setting(
+    "gen_temperature", "float", "Temperature the target samples them at (0: greedy).")
+GEN_BATCH = config.setting(
+    "gen_batch", "integer", "Sequences per generate call while making them.", lower=1)
+DECODE_VOCAB = config.setting(
+    "decode_vocab", "integer", "Tokens the draft proposes from while decoding: the most frequent "
+    "of its training sequences, at most --draft_vocab (0: --draft_vocab's). A trained head's "
+    "output rows are the target's, so fewer can be kept without retraining (FR-Spec, arXiv "
+    "2502.14856); benchmark-only, not a setting of the trained head.", lower=0)
+DRAFT_DTYPE = config.setting(
+    "draft_dtype", "enum", "dtype the trained head decodes in (its weights cast once; it trains "
+    "in float32; default: --dtype's).", choices=("float32", "bfloat16"), none_ok=True)
+DRAFT_STEPS = config.setting(
+    "draft_steps", "integer", "Draft-head train steps.", lower=1)
+DRAFT_BATCH = config.setting(
+    "draft_batch", "integer", "Sequences per draft train step.", lower=1)
+DRAFT_LR = config.setting(
+    "draft_lr", "float", "Peak AdamW learning rate of the draft head.")
+W_CLS = config.setting(
+    "w_cls", "float", "Weight of the token cross-entropy beside the feature loss.", lower=0.0)
+NOISE = config.setting(
+    "noise", "float", "Uniform noise on the input features (EAGLE's).", lower=0.0)
+UNROLL = config.setting(
+    "unroll", "integer", "Draft steps the distillation loss unrolls: step s > 1 feeds the head "
+    "its own step s-1 predictions, attending as at draft depth s (EAGLE-3's training-time test).",
+    lower=1)
+UNROLL_DECAY = config.setting(
+    "unroll_decay", "float", "Weight of unrolled step s in the loss: decay**(s-1) (1: every step "
+    "alike).")
+TAPS = config.setting(
+    "taps", "list", "Target blocks (0-based) whose states the head also reads beside the final "
+    "features, e.g. 2,15,27 for a low, a middle and a high one (EAGLE-3's fused features; empty: "
+    "EAGLE's head).")
+TAP_DROPOUT = config.setting(
+    "tap_dropout", "float", "Share of training pairs with the taps zeroed, as the head sees them "
+    "inside a draft tree.")
+PROMPT_LOSS = config.setting(
+    "prompt_loss", "bool", "Count the prompts' pairs in the distillation loss too (default: the "
+    "replies only, as EAGLE; the prompts still fill the head's attention context).")
+BATCH_SIZES = config.setting(
+    "batch_sizes", "list", "Batch sizes to measure.")
+BENCH_PROMPTS = config.setting(
+    "bench_prompts", "integer", "Held-out prompts each batch size is measured over (consecutive "
+    "batches of that size; at least the largest batch).", lower=1)
+TEMPERATURES = config.setting(
+    "temperatures", "list", "Decoding temperatures to measure; 0: greedy (checked against plain "
+    "decoding); > 0: sampling (rejection sampling; same distribution).")
+
+
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
-  flags.DEFINE_string("target", f"llama2c:{STORIES}", "Target model: llama2c:PATH | hf:DIR | "
-                      "workdir:DIR (an experiments.train_lm run).")
-  flags.DEFINE_string("workdir", "runs/spec_decode", "Output directory (the draft head trains "
-                      "in <workdir>/draft).")
-  flags.DEFINE_string("prompt_text", None, "Text whose windows prompt the target's sequences "
-                      "(default: none for llama2c / hf targets, which start from BOS; a "
-                      "train_lm workdir's own --text).")
-  flags.DEFINE_integer("gen_prompt_len", 8, "Tokens per --prompt_text window.", lower_bound=1)
-  flags.DEFINE_bool("chat_prompts", False, "Prompt the target with chat requests: instructions "
-                    "built from words of its own vocabulary, rendered with its chat template "
-                    "(prompts.py); sequences end at its end-of-turn token; the held-out "
-                    "requests are the benchmark's prompts (--prompt_len unused).")
-  flags.DEFINE_integer("bos_id", 1, "Start token of sequences without --prompt_text.",
-                       lower_bound=0)
-  flags.DEFINE_integer("num_sequences", 1024, "Sequences the target generates for distillation.",
-                       lower_bound=2)
-  flags.DEFINE_integer("eval_sequences", 64, "Of those, held out (eval; benchmark prompts).",
-                       lower_bound=1)
-  flags.DEFINE_integer("seq_len", 128, "Tokens per generated sequence.", lower_bound=2)
-  flags.DEFINE_float("gen_temperature", 1.0, "Temperature the target samples them at (0: greedy).")
-  flags.DEFINE_integer("gen_batch", 64, "Sequences per generate call while making them.",
-                       lower_bound=1)
-  flags.DEFINE_integer("draft_vocab", 0, "Tokens the draft proposes from: the most frequent "
-                       "in the training sequences (EAGLE-3's reduced draft vocabulary; 0: the "
-                       "whole vocabulary). The target still scores every token.",
-                       lower_bound=0)
-  flags.DEFINE_integer("decode_vocab", 0, "Tokens the draft proposes from while decoding: "
-                       "the most frequent of its training sequences, at most --draft_vocab "
-                       "(0: --draft_vocab's). A trained head's output rows are the target's, "
-                       "so fewer can be kept without retraining (FR-Spec, arXiv 2502.14856); "
-                       "benchmark-only, not a setting of the trained head.", lower_bound=0)
-  flags.DEFINE_enum("draft_dtype", None, ["float32", "bfloat16"], "dtype the trained head "
-                    "decodes in (its weights cast once; it trains in float32; default: "
-                    "--dtype's).")
-  flags.DEFINE_integer("draft_steps", 1500, "Draft-head train steps.", lower_bound=1)
-  flags.DEFINE_integer("draft_batch", 32, "Sequences per draft train step.", lower_bound=1)
-  flags.DEFINE_float("draft_lr", 3e-3, "Peak AdamW learning rate of the draft head.")
-  flags.DEFINE_integer("warmup_steps", 100, "Linear warmup steps.", lower_bound=0)
-  flags.DEFINE_float("w_cls", 0.1, "Weight of the token cross-entropy beside the feature loss.",
-                     lower_bound=0.0)
-  flags.DEFINE_float("noise", 0.1, "Uniform noise on the input features (EAGLE's).",
-                     lower_bound=0.0)
-  flags.DEFINE_integer("unroll", 1, "Draft steps the distillation loss unrolls: step s > 1 "
-                       "feeds the head its own step s-1 predictions, attending as at draft "
-                       "depth s (EAGLE-3's training-time test).", lower_bound=1)
-  flags.DEFINE_float("unroll_decay", 1.0, "Weight of unrolled step s in the loss: "
-                     "decay**(s-1) (1: every step alike).")
-  flags.DEFINE_list("taps", [], "Target blocks (0-based) whose states the head also reads "
-                    "beside the final features, e.g. 2,15,27 for a low, a middle and a high "
-                    "one (EAGLE-3's fused features; empty: EAGLE's head).")
-  flags.DEFINE_float("tap_dropout", 0.3, "Share of training pairs with the taps zeroed, as "
-                     "the head sees them inside a draft tree.")
-  flags.DEFINE_bool("prompt_loss", False, "Count the prompts' pairs in the distillation loss "
-                    "too (default: the replies only, as EAGLE; the prompts still fill the "
-                    "head's attention context).")
-  flags.DEFINE_bool("overwrite", False, "Retrain the draft head from scratch.")
-  flags.DEFINE_list("resume_allow", [], "Draft-head settings a rerun may change and still "
-                    "reuse the trained head, e.g. distill.learning_rate (--draft_lr).")
-  flags.DEFINE_list("trees", ["chain:4", "2:4:8", "4:5:24", "8:6:48"],
-                    "Tree shapes TOP_K:DEPTH:BUDGET (or chain:DEPTH).")
-  flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes to measure.")
-  flags.DEFINE_integer("bench_prompts", 8, "Held-out prompts each batch size is measured over "
-                       "(consecutive batches of that size; at least the largest batch).",
-                       lower_bound=1)
-  flags.DEFINE_integer("prompt_len", 16, "Prompt tokens (a held-out sequence's first ones).",
-                       lower_bound=1)
-  flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
-  flags.DEFINE_list("temperatures", ["0"], "Decoding temperatures to measure; 0: greedy "
-                    "(checked against plain decoding); > 0: sampling (rejection sampling; "
-                    "same distribution).")
-  flags.DEFINE_integer("repeats", 3, "Timed runs of each (alternating plain / speculative).",
-                       lower_bound=1)
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_bool("profile", False, "Also time a round's pieces at batch 1 per tree shape "
-                    "(plain step, target verify, draft tree, catch-up, accept, commit).")
-  flags.DEFINE_integer("seed", 0, "Seed of the generated data, the draft init and sampling.",
-                       lower_bound=0)
+  config.define_flags(
+      None, "target", "workdir", PROMPT_TEXT, GEN_PROMPT_LEN, CHAT_PROMPTS, "bos_id",
+      NUM_SEQUENCES, "eval_sequences", lm_settings.SEQ_LEN.narrowed(lower=2), GEN_TEMPERATURE,
+      GEN_BATCH, "draft_vocab", DECODE_VOCAB, DRAFT_DTYPE, DRAFT_STEPS, DRAFT_BATCH, DRAFT_LR,
+      "warmup_steps", W_CLS, NOISE, UNROLL, UNROLL_DECAY, TAPS, TAP_DROPOUT, PROMPT_LOSS,
+      "overwrite", "resume_allow", "trees", BATCH_SIZES, BENCH_PROMPTS, "prompt_len",
+      "max_new_tokens", TEMPERATURES, "repeats", "dtype", "profile", "seed",
+      target=f"llama2c:{STORIES}", workdir="runs/spec_decode",
+      prompt_text=None, gen_prompt_len=8, chat_prompts=False, bos_id=1, num_sequences=1024,
+      eval_sequences=64, seq_len=128, gen_temperature=1.0, gen_batch=64, draft_vocab=0,
+      decode_vocab=0, draft_dtype=None, draft_steps=1500, draft_batch=32, draft_lr=3e-3,
+      warmup_steps=100, w_cls=0.1, noise=0.1, unroll=1, unroll_decay=1.0, taps=[],
+      tap_dropout=0.3, prompt_loss=False, overwrite=False, resume_allow=[],
+      trees=["chain:4", "2:4:8", "4:5:24", "8:6:48"], batch_sizes=["1", "8"], bench_prompts=8,
+      prompt_len=16, max_new_tokens=128, temperatures=["0"], repeats=3, dtype="float32",
+      profile=False, seed=0)
   flags.register_validator("gen_temperature", lambda v: math.isfinite(v) and v >= 0,
                            message="expected a finite temperature >= 0 (0: greedy, which "
                            "needs a distinct prompt per sequence: --chat_prompts)")

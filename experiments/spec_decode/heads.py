@@ -28,7 +28,10 @@ import numpy as np
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
 
@@ -76,22 +79,11 @@ def accept_lengths(target, head, prompts, shape, max_new_tokens: int, *, stop_to
 
 
 def define_flags() -> None:
-  flags.DEFINE_string("target", None, "Target model: llama2c:PATH | hf:DIR | gguf:FILE | "
-                      "workdir:DIR, the one the heads were distilled for.")
-  flags.DEFINE_string("data", None, "A spec_decode draft directory holding sequences.npz and "
-                      "features.npz (the held-out data).")
-  flags.DEFINE_list("heads", [], "spec_decode draft directories whose heads to compare.")
-  flags.DEFINE_integer("eval_sequences", 32, "Held-out sequences: the last ones of --data "
-                       "(spec_decode's --eval_sequences).", lower_bound=1)
-  flags.DEFINE_integer("draft_vocab", 0, "spec_decode's --draft_vocab (0: the whole "
-                       "vocabulary).", lower_bound=0)
-  flags.DEFINE_integer("steps", 3, "Unrolled draft steps the agreement is measured at.",
-                       lower_bound=1)
-  flags.DEFINE_list("trees", ["chain:4", "2:4:4"], "Tree shapes TOP_K:DEPTH:BUDGET or "
-                    "chain:DEPTH.")
-  flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per held-out request.",
-                       lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/spec_heads", "Where results.json goes.")
+  config.define_flags(
+      None, "target", "data", "heads", "eval_sequences", "draft_vocab", "steps", "trees",
+      "max_new_tokens", "workdir", target=None, data=None, heads=[], eval_sequences=32,
+      draft_vocab=0, steps=3, trees=["chain:4", "2:4:4"], max_new_tokens=64,
+      workdir="runs/spec_heads")
   flags.mark_flags_as_required(["target", "data"])
 
 

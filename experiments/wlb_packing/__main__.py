@@ -60,7 +60,10 @@ import time
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
+from core import settings  # noqa: F401  (the shared settings by name)
+from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 from experiments.wlb_packing import study, training
 from llm.packing.cp_shard import TileModel
@@ -80,56 +83,84 @@ def _ints(min_value: int):
   return ok
 
 
+SAVE_COST_MODEL = config.setting(
+    "save_cost_model", "string", "Also write the cost model used to this path.", none_ok=True)
+FIT_IMPL = config.setting(
+    "fit_impl", "string", "llm.attention implementation to time.")
+FIT_DTYPE = config.setting(
+    "fit_dtype", "string", "dtype of the timed calls.")
+FIT_REPEATS = config.setting(
+    "fit_repeats", "integer", "Timed repeats per point (median).", lower=1)
+FIT_LENGTHS = config.setting(
+    "fit_lengths", "list", "Document lengths timed for the attention fit.")
+FIT_TOKENS = config.setting(
+    "fit_tokens", "list", "Token counts timed for the linear-op fit.")
+MEASURE_DIM = config.setting(
+    "measure_dim", "integer", "Model dim of the timed shape.", lower=1)
+MEASURE_HEADS = config.setting(
+    "measure_heads", "integer", "Query heads of the timed shape.", lower=1)
+MEASURE_KV_HEADS = config.setting(
+    "measure_kv_heads", "integer", "KV heads of the timed shape.", lower=1)
+MEASURE_HEAD_DIM = config.setting(
+    "measure_head_dim", "integer", "Head dim of the timed shape.", lower=1)
+MEASURE_FFN = config.setting(
+    "measure_ffn", "integer", "MLP hidden size of the timed shape.", lower=1)
+CONTEXT = config.setting(
+    "context", "integer", "Sequence length of fixed-length packing.", lower=1)
+MICRO_BATCHES = config.setting(
+    "micro_batches", "integer", "Micro-batches (sequences) per global batch.", lower=1)
+MAX_LEN_FACTOR = config.setting(
+    "max_len_factor", "float", "WLB-LLM's micro-batch token cap / context.")
+WINDOWS = config.setting(
+    "windows", "list", "Global batches per greedy window.")
+QUEUES = config.setting(
+    "queues", "list", "Outlier queue counts for WLB-LLM.")
+OUTLIER_FRACTIONS = config.setting(
+    "outlier_fractions", "list", "Queue thresholds / context; q queues use the q largest.")
+CP = config.setting(
+    "cp", "integer", "Context-parallel ranks for the sharding comparison (1: none).", lower=1)
+CP_STEPS = config.setting(
+    "cp_steps", "integer", "Global batches in the CP comparison.", lower=1)
+TILE_Q = config.setting(
+    "tile_q", "integer", "Query rows per kernel tile (tile model).", lower=1)
+TILE_KV = config.setting(
+    "tile_kv", "integer", "Keys per kernel tile (tile model).", lower=1)
+DOC_MEDIAN = config.setting(
+    "doc_median", "float", "Median length of the log-normal body.")
+DOC_SIGMA = config.setting(
+    "doc_sigma", "float", "Sigma of the log-normal body.", lower=0.0)
+TAIL_PROB = config.setting(
+    "tail_prob", "float", "Probability that a document is from the tail.", lower=0.0, upper=1.0)
+TAIL_MIN = config.setting(
+    "tail_min", "float", "Pareto tail scale (smallest tail length).")
+TAIL_ALPHA = config.setting(
+    "tail_alpha", "float", "Pareto tail exponent (smaller: heavier).")
+MIN_LEN = config.setting(
+    "min_len", "integer", "Shortest document.", lower=1)
+TRAIN_STEPS = config.setting(
+    "train_steps", "integer", "Global batches per cell of the training grid (packing x CP layout "
+    "on train_lm's Pile-shaped source; 0: skip it).", lower=0)
+
+
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
-  flags.DEFINE_string("workdir", "runs/wlb_packing", "Where results.json and the plot go.")
-  flags.DEFINE_string("cost_model", "fit", "'fit' (measure here), 'flops' (FLOP counts, no "
-                      "fit) or the path of a CostModel JSON (CostModel.save).")
-  flags.DEFINE_string("save_cost_model", None, "Also write the cost model used to this path.")
-  flags.DEFINE_string("target", "llama3_8b", "llm.config preset whose layer the cost is for.")
-  flags.DEFINE_string("fit_impl", "xla", "llm.attention implementation to time.")
-  flags.DEFINE_string("fit_dtype", "float32", "dtype of the timed calls.")
-  flags.DEFINE_integer("fit_repeats", 5, "Timed repeats per point (median).", lower_bound=1)
-  flags.DEFINE_list("fit_lengths", ["128", "256", "512", "768", "1024", "1536", "2048"],
-                    "Document lengths timed for the attention fit.")
-  flags.DEFINE_list("fit_tokens", ["256", "512", "1024", "2048", "4096"],
-                    "Token counts timed for the linear-op fit.")
-  flags.DEFINE_integer("measure_dim", 512, "Model dim of the timed shape.", lower_bound=1)
-  flags.DEFINE_integer("measure_heads", 4, "Query heads of the timed shape.", lower_bound=1)
-  flags.DEFINE_integer("measure_kv_heads", 1, "KV heads of the timed shape.", lower_bound=1)
-  flags.DEFINE_integer("measure_head_dim", 128, "Head dim of the timed shape.", lower_bound=1)
-  flags.DEFINE_integer("measure_ffn", 1792, "MLP hidden size of the timed shape.", lower_bound=1)
-  flags.DEFINE_integer("context", _DIST.context, "Sequence length of fixed-length packing.",
-                       lower_bound=1)
-  flags.DEFINE_integer("micro_batches", _CFG.micro_batches,
-                       "Micro-batches (sequences) per global batch.", lower_bound=1)
-  flags.DEFINE_integer("steps", _CFG.steps,
-                       "Global batches simulated (a multiple of every window).", lower_bound=1)
-  flags.DEFINE_float("max_len_factor", _CFG.max_len_factor,
-                     "WLB-LLM's micro-batch token cap / context.")
-  flags.DEFINE_list("windows", [str(k) for k in _CFG.windows], "Global batches per greedy window.")
-  flags.DEFINE_list("queues", [str(q) for q in _CFG.queues], "Outlier queue counts for WLB-LLM.")
-  flags.DEFINE_list("outlier_fractions", [str(f) for f in _CFG.outlier_fractions],
-                    "Queue thresholds / context; q queues use the q largest.")
-  flags.DEFINE_integer("cp", _CFG.cp, "Context-parallel ranks for the sharding comparison "
-                       "(1: none).", lower_bound=1)
-  flags.DEFINE_integer("cp_steps", _CFG.cp_steps, "Global batches in the CP comparison.",
-                       lower_bound=1)
-  flags.DEFINE_integer("tile_q", _CFG.tile_q, "Query rows per kernel tile (tile model).",
-                       lower_bound=1)
-  flags.DEFINE_integer("tile_kv", _CFG.tile_kv, "Keys per kernel tile (tile model).",
-                       lower_bound=1)
-  flags.DEFINE_float("doc_median", _DIST.median, "Median length of the log-normal body.")
-  flags.DEFINE_float("doc_sigma", _DIST.sigma, "Sigma of the log-normal body.", lower_bound=0.0)
-  flags.DEFINE_float("tail_prob", _DIST.tail_prob, "Probability that a document is from the tail.",
-                     lower_bound=0.0, upper_bound=1.0)
-  flags.DEFINE_float("tail_min", _DIST.tail_min, "Pareto tail scale (smallest tail length).")
-  flags.DEFINE_float("tail_alpha", _DIST.tail_alpha, "Pareto tail exponent (smaller: heavier).")
-  flags.DEFINE_integer("min_len", _DIST.min_len, "Shortest document.", lower_bound=1)
-  flags.DEFINE_integer("seed", _CFG.seed, "Seed of the document stream.", lower_bound=0)
-  flags.DEFINE_integer("train_steps", 16, "Global batches per cell of the training grid "
-                       "(packing x CP layout on train_lm's Pile-shaped source; 0: skip it).",
-                       lower_bound=0)
+  config.define_flags(
+      None, "workdir", "cost_model", SAVE_COST_MODEL, "target", FIT_IMPL, FIT_DTYPE, FIT_REPEATS,
+      FIT_LENGTHS, FIT_TOKENS, MEASURE_DIM, MEASURE_HEADS, MEASURE_KV_HEADS, MEASURE_HEAD_DIM,
+      MEASURE_FFN, CONTEXT, MICRO_BATCHES, "steps", MAX_LEN_FACTOR, WINDOWS, QUEUES,
+      OUTLIER_FRACTIONS, CP, CP_STEPS, TILE_Q, TILE_KV, DOC_MEDIAN, DOC_SIGMA, TAIL_PROB,
+      TAIL_MIN, TAIL_ALPHA, MIN_LEN, "seed", TRAIN_STEPS, workdir="runs/wlb_packing",
+      cost_model="fit", save_cost_model=None, target="llama3_8b", fit_impl="xla",
+      fit_dtype="float32", fit_repeats=5,
+      fit_lengths=["128", "256", "512", "768", "1024", "1536", "2048"],
+      fit_tokens=["256", "512", "1024", "2048", "4096"], measure_dim=512, measure_heads=4,
+      measure_kv_heads=1, measure_head_dim=128, measure_ffn=1792, context=_DIST.context,
+      micro_batches=_CFG.micro_batches, steps=_CFG.steps, max_len_factor=_CFG.max_len_factor,
+      windows=[str(k) for k in _CFG.windows], queues=[str(q) for q in _CFG.queues],
+      outlier_fractions=[str(f) for f in _CFG.outlier_fractions], cp=_CFG.cp,
+      cp_steps=_CFG.cp_steps, tile_q=_CFG.tile_q, tile_kv=_CFG.tile_kv, doc_median=_DIST.median,
+      doc_sigma=_DIST.sigma, tail_prob=_DIST.tail_prob, tail_min=_DIST.tail_min,
+      tail_alpha=_DIST.tail_alpha, min_len=_DIST.min_len, seed=_CFG.seed, train_steps=16)
   for name in ("max_len_factor", "doc_median", "tail_min", "tail_alpha"):
     flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
   for name, low in (("fit_lengths", 1), ("fit_tokens", 1), ("windows", 1), ("queues", 0)):

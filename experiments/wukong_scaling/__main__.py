@@ -106,6 +106,7 @@ import os
 from absl import flags
 
 from core import cli
+from core import config
 from core import results as results_lib
 
 FLAGS = flags.FLAGS
@@ -114,55 +115,24 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
   module beside other entry points whose flags share names)."""
+  from core import settings  # noqa: F401  (the settings named below)
+  from experiments.wukong_scaling import study  # noqa: F401
   from rec import configs
-  configs.define_rec_run_flags("sparse_optimizer", "mesh", data="synthetic_deep", num_rows=20,
+  from rec import settings as rec_settings  # noqa: F401
+  configs.define_run_flags("sparse_optimizer", "mesh", data="synthetic_deep", num_rows=20,
       embedding_dim=16, batch_size=1024, eval_batch_size=4096, eval_batches=16,
       dense_optimizer="adam", learning_rate=0.001, embedding_learning_rate=0.1)
-  flags.DEFINE_enum("grid", "cpu", ["cpu", "large"], "Size grid (study.GRIDS).")
-  flags.DEFINE_list("archs", ["wukong", "dlrm", "dcnv2"], "Architectures of the grid to train.")
-  flags.DEFINE_integer("sizes", 0, "Sizes per architecture, spread over the grid (0: all).",
-                       lower_bound=0)
-  flags.DEFINE_list("models", [], "Explicit model:preset list instead of the grid.")
-  flags.DEFINE_integer("steps", 800, "Train steps per model (same examples for every size).",
-                       lower_bound=1)
-  flags.DEFINE_list("seeds", ["0"], "Parameter-init seeds (quality = mean over seeds).")
-  flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic hidden model and batch stream.",
-                       lower_bound=0)
-  flags.DEFINE_integer("log_every", 100, "Progress line every N steps.", lower_bound=1)
-  flags.DEFINE_string("workdir", "runs/wukong_scaling", "Output directory.")
-  flags.DEFINE_bool("resume", False, "Take each model and seed that an interrupted run of "
-                    "the same command finished in --workdir from its run.json instead of "
-                    "training it again (a run recorded with other settings is an error "
-                    "naming them).")
-  flags.DEFINE_string("from_results", "", "A results.json of an earlier run: redo the fits, "
-                      "findings and plot from its points (no training) into --workdir.")
-  flags.DEFINE_enum("study", "scaling", ["scaling", "fuxictr", "profile"], "scaling: the "
-                    "size grid and its power laws; fuxictr: the one --models Wukong and "
-                    "FuxiCTR's WuKong trained side by side on the same examples (fuxictr.py); "
-                    "profile: source / step / end-to-end examples/s of the grid's models "
-                    "under each --profile_data (profile.py).")
-  flags.DEFINE_list("profile_data", ["synthetic_deep:gen=host", "synthetic_deep:gen=device"],
-                    "--study=profile: data forms to measure (replace --data).")
-  flags.DEFINE_string("fuxictr_python", "../peer311/bin/python", "--study=fuxictr: the "
-                      "Python 3.11 peer environment's python, with torch and fuxictr "
-                      "(experiments/peers/README.md; default: beside the checkout).")
-  flags.DEFINE_string("fuxictr_src", "../peer311/fuxictr_model_zoo/WuKong.py",
-                      "--study=fuxictr: FuxiCTR's model_zoo/WuKong/src/WuKong.py.")
-  flags.DEFINE_boolean("fuxictr_batch_norm", True, "--study=fuxictr: BatchNorm in FuxiCTR's "
-                       "head (its default; ours has none).")
-  flags.DEFINE_float("fuxictr_max_grad_norm", 0.0, "--study=fuxictr: FuxiCTR's gradient "
-                     "clipping (0: off, as ours; its fit() default is 10).", lower_bound=0.0)
-  flags.DEFINE_integer("fuxictr_threads", 2, "--study=fuxictr: torch CPU threads.",
-                       lower_bound=1)
-
-# RecRunConfig fields without a flag here: the models' own (the grid or --models) or the
-# config's defaults.
-FIXED = ("model", "preset", "dtype", "fp8_layers", "fp8_recipe", "sharding", "sharding_overrides",
-         "memory_budget_gb", "storage", "cache_fraction", "cache_policy", "bad_lines",
-         "dedup_features", "dedup_capacity", "a2a_mode", "a2a_error_bound", "a2a_grad_error_bound",
-         "a2a_bits", "a2a_table_factors", "a2a_schedule", "csv_label", "csv_dense",
-         "csv_categorical", "days")
-
+  config.define_flags(
+      None, "grid", "archs", "sizes", "models", "steps", "seeds", "data_seed", "log_every",
+      "workdir", "resume", "from_results", "study", "profile_data", "fuxictr_python",
+      "fuxictr_src", "fuxictr_batch_norm", "fuxictr_max_grad_norm", "fuxictr_threads",
+      grid="cpu", archs=["wukong", "dlrm", "dcnv2"], sizes=0, models=[], steps=800,
+      seeds=["0"], data_seed=0, log_every=100, workdir="runs/wukong_scaling", resume=False,
+      from_results="", study="scaling",
+      profile_data=["synthetic_deep:gen=host", "synthetic_deep:gen=device"],
+      fuxictr_python="../peer311/bin/python",
+      fuxictr_src="../peer311/fuxictr_model_zoo/WuKong.py", fuxictr_batch_norm=True,
+      fuxictr_max_grad_norm=0.0, fuxictr_threads=2)
 
 
 def main(argv):
@@ -190,7 +160,7 @@ def main(argv):
     results = keep
     data, examples = results["config"]["data"], results["rows"][0]["examples"]
   else:
-    base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
+    base = configs.run_from_flags(seed=FLAGS.data_seed)
     specs = (runs.parse_models(FLAGS.models) if FLAGS.models
              else study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
     results = runs.train_models(base, specs, seeds=[int(s) for s in FLAGS.seeds],
@@ -228,8 +198,7 @@ def side_by_side_main():
   if len(specs) != 1 or specs[0].model != "wukong":
     raise UserError(f"--models={FLAGS.models} with --study=fuxictr; expected one wukong "
                     "preset, e.g. --models=wukong:l2_n8_k16_w128")
-  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed,
-                                         model="wukong", preset=specs[0].preset)
+  base = configs.run_from_flags(seed=FLAGS.data_seed, model="wukong", preset=specs[0].preset)
   res = fuxictr.side_by_side(base, [int(s) for s in FLAGS.seeds], FLAGS.workdir,
                              peer_python=FLAGS.fuxictr_python, peer_src=FLAGS.fuxictr_src,
                              steps=FLAGS.steps, log_every=FLAGS.log_every,
@@ -253,7 +222,7 @@ def profile_main():
   """--study=profile: profile.profile over the grid (or --models) and --profile_data."""
   from experiments.wukong_scaling import profile, study
   from rec import configs, runs
-  base = configs.RecRunConfig.from_flags(FLAGS, keep=FIXED, seed=FLAGS.data_seed)
+  base = configs.run_from_flags(seed=FLAGS.data_seed)
   specs = (runs.parse_models(FLAGS.models) if FLAGS.models
            else study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
   rows = profile.profile(base, specs, FLAGS.profile_data, steps=FLAGS.steps)

@@ -23,7 +23,6 @@ tables ~ N(0, 1e-4), and uses zero MLP biases and LayerNorm epsilon 1e-5.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -63,17 +62,18 @@ def _flat(batches, where: str) -> dict[str, np.ndarray]:
 def peer_config(mcfg: WukongConfig, cfg: configs.RecRunConfig, steps: int, seed: int,
                 mlp_batch_norm: bool, max_grad_norm: float) -> dict[str, Any]:
   """The sizes and training settings the peer builds and trains (its config_json)."""
-  if cfg.dense_optimizer != "adam" or cfg.sparse_optimizer != "adagrad":
-    raise UserError(f"--dense_optimizer={cfg.dense_optimizer}, --sparse_optimizer="
-                    f"{cfg.sparse_optimizer} with --study=fuxictr; expected adam and adagrad "
+  t = cfg.train
+  if t.dense_optimizer != "adam" or t.sparse_optimizer != "adagrad":
+    raise UserError(f"--dense_optimizer={t.dense_optimizer}, --sparse_optimizer="
+                    f"{t.sparse_optimizer} with --study=fuxictr; expected adam and adagrad "
                     "(the pair both frameworks run as the same algorithm)")
   return {"embedding_dim": mcfg.embedding_dim, "num_layers": mcfg.num_layers,
           "num_fm": mcfg.num_fm, "num_lcb": mcfg.num_lcb, "fm_rank": mcfg.fm_rank,
           "fm_mlp": list(mcfg.fm_mlp), "top_mlp": list(mcfg.top_mlp),
           "num_dense": mcfg.num_dense, "rows_per_feature": list(mcfg.rows_per_feature),
-          "batch_size": cfg.batch_size, "eval_batch_size": cfg.eval_batch_size,
-          "steps": steps, "learning_rate": cfg.learning_rate,
-          "embedding_learning_rate": cfg.embedding_learning_rate,
+          "batch_size": t.batch_size, "eval_batch_size": t.eval_batch_size,
+          "steps": steps, "learning_rate": t.learning_rate,
+          "embedding_learning_rate": t.embedding_learning_rate,
           "dense_optimizer": "adam", "sparse_optimizer": "adagrad", "seed": int(seed),
           "mlp_batch_norm": bool(mlp_batch_norm), "max_grad_norm": float(max_grad_norm)}
 
@@ -142,8 +142,8 @@ def side_by_side(cfg: configs.RecRunConfig, seeds: Sequence[int], workdir: str, 
     if not os.path.exists(p):
       raise UserError(f"{flag}={p!r}: no such file; expected the FuxiCTR peer environment "
                       "(experiments/peers/README.md)")
-  if cfg.model != "wukong":
-    raise UserError(f"--models / --model={cfg.model!r} with --study=fuxictr; expected wukong")
+  if cfg.model.model != "wukong":
+    raise UserError(f"--models / --model={cfg.model.model!r} with --study=fuxictr; expected wukong")
   t0 = time.perf_counter()
   built = configs.build_run(cfg)
   task, train_src, eval_src = built[:3]
@@ -155,14 +155,14 @@ def side_by_side(cfg: configs.RecRunConfig, seeds: Sequence[int], workdir: str, 
   stats = configs.model_stats(task, train_src.spec)
   rows = []
   for seed in seeds:
-    print(f"== ours seed {seed}: {n_steps} steps of {cfg.batch_size}", flush=True)
+    print(f"== ours seed {seed}: {n_steps} steps of {cfg.train.batch_size}", flush=True)
     run = runs.train_run(cfg, os.path.join(workdir, f"ours_s{seed}"), steps=n_steps, seed=seed,
                          log_every=log_every, built=built)
     rows.append({"side": "ours", "seed": int(seed), **{k: run.eval[k] for k in METRICS},
                  "examples_per_sec": run.examples_per_sec,
                  "dense_params": stats["dense_params"], "curve": _our_curve(run.workdir)})
     del run
-    print(f"== FuxiCTR seed {seed}: {n_steps} steps of {cfg.batch_size}", flush=True)
+    print(f"== FuxiCTR seed {seed}: {n_steps} steps of {cfg.train.batch_size}", flush=True)
     out = run_peer(peer_python, peer_src, data_path, {**peer_cfg, "seed": int(seed)},
                    os.path.join(workdir, f"fuxictr_s{seed}.npz"), threads)
     loss = out["train_loss"]
@@ -181,7 +181,7 @@ def side_by_side(cfg: configs.RecRunConfig, seeds: Sequence[int], workdir: str, 
     summary[side] = {f"{k}_{s}": v for k in METRICS + ("examples_per_sec",)
                      for s, v in zip(("mean", "std"), runs.mean_std([r[k] for r in got]))}
   ref = runs.reference_metrics(eval_src)
-  return {"study": "fuxictr", "config": dataclasses.asdict(cfg), "peer_config": peer_cfg,
+  return {"study": "fuxictr", "config": cfg.flat_settings(), "peer_config": peer_cfg,
           "steps": n_steps, "seeds": [int(s) for s in seeds], "data": counts, "rows": rows,
           "summary": summary, "reference": ref, "gflops_per_example": stats["gflops_per_example"],
           "wall_seconds": time.perf_counter() - t0}

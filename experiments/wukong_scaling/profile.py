@@ -11,7 +11,6 @@ different random stream), `gen=host` in numpy (the reference stream).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -25,7 +24,7 @@ def profile(base: configs.RecRunConfig, specs: Sequence[runs.ModelSpec], datas: 
   rows = []
   for spec in specs:
     for data in datas:
-      cfg = dataclasses.replace(runs.for_model(base, spec), data=data)
+      cfg = configs.replace_run(runs.for_model(base, spec), data=data)
       t0 = time.perf_counter()
       task, train_src = configs.build_run(cfg)[:2]
       m = throughput.measure(task, train_src, steps=steps, repeats=3,

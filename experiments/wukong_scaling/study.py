@@ -31,8 +31,37 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from core import config
 from core import plot as plot_lib
 from rec import runs
+
+# The study's own settings (its entry point's flags).
+GRID = config.setting("grid", "enum", "Size grid (study.GRIDS).", choices=("cpu", "large"))
+ARCHS = config.setting("archs", "list", "Architectures of the grid to train.")
+SIZES = config.setting("sizes", "integer", "Sizes per architecture, spread over the grid (0: "
+                       "all).", lower=0)
+STUDY = config.setting(
+    "study", "enum", "scaling: the size grid and its power laws; fuxictr: the one --models "
+    "Wukong and FuxiCTR's WuKong trained side by side on the same examples (fuxictr.py); "
+    "profile: source / step / end-to-end examples/s of the grid's models under each "
+    "--profile_data (profile.py).", choices=("scaling", "fuxictr", "profile"))
+FROM_RESULTS = config.setting("from_results", "string", "A results.json of an earlier run: "
+                              "redo the fits, findings and plot from its points (no "
+                              "training) into --workdir.")
+PROFILE_DATA = config.setting("profile_data", "list", "--study=profile: data forms to "
+                              "measure (replace --data).")
+FUXICTR_PYTHON = config.setting(
+    "fuxictr_python", "string", "--study=fuxictr: the Python 3.11 peer environment's python, "
+    "with torch and fuxictr (experiments/peers/README.md; default: beside the checkout).")
+FUXICTR_SRC = config.setting("fuxictr_src", "string", "--study=fuxictr: FuxiCTR's "
+                             "model_zoo/WuKong/src/WuKong.py.")
+FUXICTR_BATCH_NORM = config.setting("fuxictr_batch_norm", "bool", "--study=fuxictr: BatchNorm "
+                                    "in FuxiCTR's head (its default; ours has none).")
+FUXICTR_MAX_GRAD_NORM = config.setting(
+    "fuxictr_max_grad_norm", "float", "--study=fuxictr: FuxiCTR's gradient clipping (0: off, "
+    "as ours; its fit() default is 10).", lower=0)
+FUXICTR_THREADS = config.setting("fuxictr_threads", "integer", "--study=fuxictr: torch CPU "
+                                 "threads.", lower=1)
 
 # Sizes per architecture, as preset patterns of rec.configs (dim 16 unless --embedding_dim).
 # "cpu" at dim 16, 26 sparse + 13 dense features, forward GFLOPs/example: Wukong 0.00015 to

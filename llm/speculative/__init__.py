@@ -4,8 +4,10 @@ target scores the whole tree in one forward pass with its KV cache, and the long
 agrees with is kept, greedily or by rejection sampling that preserves its distribution.
 
   draft.py    DraftHead: fc([embed(x_{i+1}); f_i]) -> one Llama block -> RMSNorm; cast_head
-  distill.py  self-distillation on sequences the target generates (feature regression +
-              token cross-entropy) as a core.train Task; checkpoints; load_draft
+  distill.py  self-distillation on sequences the target generates, through core.train:
+              train_draft, the workdir's caches, load_draft (and the two modules' names)
+  distill_data.py  generated sequences, the target's features, batches, draft vocabulary
+  distill_task.py  the loss (feature regression + token cross-entropy), DistillTask
   tree.py     TreeShape (top_k, depth, budget), EAGLE-2 pool re-ranking, ancestor / slot masks
   accept.py   longest accepted path: greedy, or recursive rejection sampling (exact)
   decode.py   batched rounds under one while_loop: draft tree, verify, accept, commit KV

@@ -181,6 +181,15 @@ def _floats(u8: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> tuple[np.nd
   return values, np.isfinite(values) & ~has_nul
 
 
+def _labels(u8: np.ndarray, ls: np.ndarray, ll: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(valid, positive) of the label tokens starting at `ls` with lengths `ll`: 1, +1, 0, -1."""
+  a, b = u8[ls], u8[np.minimum(ls + 1, len(u8) - 1)]
+  sign = ((a == ord("+")) | (a == ord("-"))) & (b == ord("1"))
+  label_ok = ((ll == 1) & ((a == ord("0")) | (a == ord("1")))) | ((ll == 2) & sign)
+  labels = ((ll == 1) & (a == ord("1"))) | ((ll == 2) & (a == ord("+")))
+  return label_ok, labels
+
+
 def parse_lines(lines: list[bytes], rows_per_feature: Sequence[int], form: str,
                 num_fields: int, fields_from: str = "") -> stream.Parsed:
   """Decodes libFM (positional) or libFFM lines into ids, weights and labels.
@@ -225,11 +234,7 @@ def parse_lines(lines: list[bytes], rows_per_feature: Sequence[int], form: str,
   c2_T[two] = cpos[np.searchsorted(cpos, c1_T[two]) + 1]
 
   # labels: 1, +1, 0, -1
-  ls, ll = tstart_T[first_N], tlen_T[first_N]
-  a, b = u8[ls], u8[np.minimum(ls + 1, len(u8) - 1)]
-  sign = ((a == ord("+")) | (a == ord("-"))) & (b == ord("1"))
-  label_ok = ((ll == 1) & ((a == ord("0")) | (a == ord("1")))) | ((ll == 2) & sign)
-  labels = ((ll == 1) & (a == ord("1"))) | ((ll == 2) & (a == ord("+")))
+  label_ok, labels = _labels(u8, tstart_T[first_N], tlen_T[first_N])
 
   # pairs: every token but the labels
   is_pair = np.ones(len(tend_T), bool)

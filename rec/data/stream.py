@@ -8,7 +8,9 @@ with header lines left out), decodes them a chunk at a time with its subclass's 
 and cuts the decoded rows into SparseBatches. The subclass only knows its line format;
 everything about files, shards, bad lines, epochs, remainders and resuming lives here.
 A part of a plain file that starts at a known byte offset is read from there (a seek);
-parts of .gz files are reached by decompressing the lines before them.
+parts of .gz files are reached by decompressing the lines before them. Opening files (.gz
+with errors that name the file), reading .gz files through before a run and line indexes are
+`rec.data.textfiles`, whose names this module also gives.
 
 Errors name the file and line, what was found and what was expected
 (`<file>:<line>: <found>; expected <what>`, `core.errors.UserError`).
@@ -21,17 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import gzip
 import math
 import os
-import zlib
-from typing import BinaryIO, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from absl import logging
 import numpy as np
 
 from core.errors import UserError
 from rec.data.batch import DataSpec, SparseBatch
+# re-exported: the line readers open, index and verify files through this module
+from rec.data.textfiles import (BLOCK, LineIndex, gzip_error, index_lines, open_binary,
+                               verify_gzip)
 
 BAD_LINE_MODES = ("error", "skip")
 # Ids are int32 row numbers in [0, rows): a table holds at most 2^31 rows.
@@ -39,7 +42,6 @@ MAX_ROWS = 2**31
 # A table a run trains: its ids and its padding id (num_rows) stay below int32's maximum
 # (rec.embedding.storage.check_size), so --num_rows is at most 2^31 - 2.
 MAX_TABLE_ROWS = 2**31 - 2
-_BLOCK = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,143 +84,6 @@ def as_parts(files) -> tuple[Part, ...]:
   if isinstance(files, (str, os.PathLike, Part)):
     files = [files]
   return tuple(f if isinstance(f, Part) else Part(os.fspath(f)) for f in files)
-
-
-@dataclasses.dataclass(frozen=True)
-class LineIndex:
-  """Line count of a file and where its blocks start, from one pass (`index_lines`), so
-  that the byte offset of any line of a plain file costs one block read."""
-
-  path: str
-  lines: int                                 # a last line without its newline counts
-  blocks: tuple[tuple[int, int], ...]        # (byte offset, newlines before it) per block
-
-  def offset(self, line: int) -> int:
-    """Byte offset where 0-based line `line` starts (`lines`: the end of the file)."""
-    if self.path.endswith(".gz"):
-      raise UserError(f"{self.path}: a gzip file; expected a plain file to seek in")
-    if not 0 <= line <= self.lines:
-      raise UserError(f"{self.path}: line {line + 1:,} asked for; expected at most "
-                      f"{self.lines:,} lines")
-    if line == 0:
-      return 0
-    # the block holding the line's preceding newline (the `line`-th newline)
-    k = max(i for i, (_, before) in enumerate(self.blocks) if before < line)
-    pos, before = self.blocks[k]
-    with open(self.path, "rb") as f:
-      f.seek(pos)
-      block = f.read(_BLOCK)
-    i = -1
-    for _ in range(line - before):
-      i = block.find(b"\n", i + 1)
-      if i < 0:   # the last line, without its newline: it ends the file
-        return os.path.getsize(self.path)
-    return pos + i + 1
-
-
-def index_lines(path: str) -> LineIndex:
-  """Counts the lines of a plain or .gz file by counting newlines in large blocks (no
-  parsing) and remembers where each block starts."""
-  total = 0
-  pos = 0
-  tail = b"\n"
-  blocks = []
-  with open_binary(path) as f:
-    while block := f.read(_BLOCK):
-      blocks.append((pos, total))
-      total += block.count(b"\n")
-      pos += len(block)
-      tail = block[-1:]
-  return LineIndex(os.fspath(path), total + (tail != b"\n"), tuple(blocks))
-
-
-def open_binary(path: str) -> BinaryIO:
-  """Opens `path` for reading bytes, through gzip when its name ends in `.gz` (a damaged or
-  truncated stream then raises a UserError naming the file, where it is met)."""
-  if str(path).endswith(".gz"):
-    return _GzipFile(path, "rb")
-  return open(path, "rb", buffering=1 << 20)
-
-
-def gzip_error(path: str, e: BaseException) -> UserError:
-  """The one line for a .gz file whose stream cannot be read to its end."""
-  if isinstance(e, EOFError):
-    found = "the gzip stream ends before its end marker (a truncated file)"
-  else:
-    found = f"damaged gzip data ({e})"
-  return UserError(f"{path}: {found}; expected a whole .gz file (download or copy it again, "
-                   "or check it with `gzip -t`)")
-
-
-_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
-
-
-class _GzipFile(gzip.GzipFile):
-  """gzip.GzipFile whose read errors (EOFError, zlib.error, BadGzipFile: a truncated or
-  damaged stream, none naming the file) are a UserError naming it; a stream read to its
-  end is remembered as whole (`verify_gzip` skips it)."""
-
-  def __init__(self, path, mode="rb"):
-    st = os.stat(path)
-    self._key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    super().__init__(path, mode)
-
-  def _named(self, read, *args):
-    try:
-      out = read(*args)
-    except _GZIP_ERRORS as e:
-      raise gzip_error(self.name, e) from None
-    if not out and (not args or args[0] != 0):   # the end of the stream, CRC and length checked
-      _GZIP_VERIFIED.add(self._key)
-    return out
-
-  def read(self, size=-1):
-    return self._named(super().read, size)
-
-  def read1(self, size=-1):
-    return self._named(super().read1, size)
-
-  def readline(self, size=-1):
-    return self._named(super().readline, size)
-
-  def readlines(self, hint=-1):
-    return self._named(super().readlines, hint)
-
-  def peek(self, n):
-    return self._named(super().peek, n)
-
-
-# (path, size, mtime_ns) of .gz files read to their end without error in this process
-_GZIP_VERIFIED: set[tuple[str, int, int]] = set()
-
-
-def verify_gzip(paths: Sequence[str], what: str = "") -> None:
-  """Reads every .gz file of `paths` to the end of its stream before it is needed (threads:
-  zlib releases the GIL), so a truncated or damaged download stops a run before step 0 with
-  the file named, not when training first reaches it. Plain files are skipped; a file
-  checked before in this process (same size and mtime) is not read again."""
-  todo = []
-  for p in dict.fromkeys(os.fspath(p) for p in paths):
-    if not p.endswith(".gz"):
-      continue
-    st = os.stat(p)
-    if (os.path.abspath(p), st.st_size, st.st_mtime_ns) not in _GZIP_VERIFIED:
-      todo.append((p, st.st_size))
-  if not todo:
-    return
-  size = sum(n for _, n in todo)
-  if size > 64 << 20:
-    print(f"{what or 'data'}: reading {len(todo)} gzip file(s) ({size / 2**30:.2f} GiB) to "
-          "the end before training, to find a truncated one now", flush=True)
-
-  def read_through(p: str) -> None:
-    with open_binary(p) as f:
-      while f.read(_BLOCK):
-        pass
-
-  import concurrent.futures
-  with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 8)) as pool:
-    list(pool.map(read_through, [p for p, _ in todo]))
 
 
 def check_rows_per_feature(rows: int | Sequence[int], names: Sequence[str],
@@ -684,7 +549,7 @@ class LineSource:
             continue
           n = 0 if self._is_header(first) else 1
           tail = b"\n"
-          while block := f.read(_BLOCK):
+          while block := f.read(BLOCK):
             n += block.count(b"\n")
             tail = block[-1:]
           if tail != b"\n":

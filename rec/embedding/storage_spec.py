@@ -16,8 +16,9 @@ A spec is parsed once where a setting enters (a flag, a TableConfig, a study's l
 travels as the object: frozen and hashable, so it is a static argument under jit and part
 of the collection's group keys. `str(spec)` is its canonical text ("int8_cache:lfu:0.05";
 ways only when not the default), which results.json and the group keys hold, and
-`parse(str(spec)) == spec`. Run settings (what a checkpoint compares on resume) keep the
-flags' own strings and numbers (`RecRunConfig.storage`, `cache_policy`, `cache_fraction`).
+`parse(str(spec)) == spec`. A run config holds the spec itself (`RecRunConfig.embedding.
+storage`); its saved settings (what a checkpoint compares on resume) keep the flags' own
+strings and numbers (`RecRunConfig.run_settings`: storage, cache_policy, cache_fraction).
 
 The registry (`register_storage`, `make_storage`) maps a kind to the storage class that
 implements it; it sits above storage.py and rowwise_storage.py, which never import it.

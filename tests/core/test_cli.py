@@ -47,7 +47,8 @@ def test_user_errors_end_in_one_line_with_status_2(capsys):
   assert code == 2 and out == "working\n"
   assert err == "error: data.txt:7: field label = '2'; expected 0 or 1\n"
   # a settings check that raises ValueError in the project's own code
-  code, _, err = _in_process(lambda argv: configs.RecRunConfig(learning_rate=-1.0).validate(),
+  code, _, err = _in_process(lambda argv: configs.RecRunConfig(
+      train=configs.RecTrainConfig(learning_rate=-1.0)).validate(),
                              capsys=capsys)
   assert code == 2 and err == "error: --learning_rate=-1.0: expected a finite learning rate > 0\n"
   # sys.exit with a message (the entry points' own stops)
@@ -127,7 +128,7 @@ def test_bugs_keep_their_traceback():
 def test_is_user_error():
   assert cli.is_user_error(errors.UserError("x"))
   try:
-    configs.RecRunConfig(batch_size=0).validate()
+    configs.RecRunConfig(train=configs.RecTrainConfig(batch_size=0)).validate()
   except ValueError as e:
     assert cli.is_user_error(e) and cli.error_line(e) == "error: --batch_size=0: expected >= 1"
   try:

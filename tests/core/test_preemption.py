@@ -119,7 +119,7 @@ def test_one_run_per_workdir_and_signals_keep_the_work(tmp_path):
 
 
 def _small():
-  cfg = configs.RecRunConfig(model="logreg", data="synthetic", num_rows=100, mesh="-1",
+  cfg = configs.make_run(model="logreg", data="synthetic", num_rows=100, mesh="-1",
                              batch_size=64, eval_batch_size=64, eval_batches=2, sharding="dp")
   return configs.build_run(cfg, jax.devices()[:1])
 

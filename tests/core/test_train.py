@@ -24,7 +24,7 @@ def _cfg(**kw):
   base = dict(model="dlrm", preset="small", data="synthetic", num_rows=1000, mesh="-1",
               batch_size=64, eval_batch_size=64, eval_batches=2, sharding="dp")
   base.update(kw)
-  return configs.RecRunConfig(**base)
+  return configs.make_run(**base)
 
 
 def _train(cfg, workdir, steps=20, devices=None, **loop):
@@ -112,13 +112,13 @@ class _NotBuilt:
 
 
 def _settings(cfg):
-  return dataclasses.asdict(cfg)
+  return cfg.flat_settings()
 
 
 def test_resume_with_other_settings_is_one_error(tmp_path):
   cfg = _cfg(mesh="data:8")
   _train(cfg, tmp_path, steps=6, settings=_settings(cfg))
-  other = dataclasses.replace(cfg, num_rows=2000, data="synthetic_deep", learning_rate=0.01)
+  other = configs.replace_run(cfg, num_rows=2000, data="synthetic_deep", learning_rate=0.01)
   loop = train_lib.TrainConfig(workdir=str(tmp_path), steps=12, eval_every=3, log_every=2,
                                resume=True, settings=_settings(other), changeable=("eval_batch_size",),
                                tensorboard=False)
@@ -144,7 +144,7 @@ def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capf
   cfg = _cfg(mesh="data:8")
   _train(cfg, tmp_path, steps=4, settings=_settings(cfg))
   capfd.readouterr()
-  bigger = dataclasses.replace(cfg, num_rows=2000)
+  bigger = configs.replace_run(cfg, num_rows=2000)
   with pytest.raises(ckpt_lib.CheckpointMismatchError) as e:
     _train(bigger, tmp_path, steps=8, resume=True, settings=_settings(bigger),
            resume_allow=("num_rows",))
@@ -157,7 +157,7 @@ def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capf
   # The same check names a model that is not the checkpoint's, leaf by leaf.
   with pytest.raises(ckpt_lib.CheckpointMismatchError, match="params/cross/layers/0/bias: in "
                      "the new state float32"):
-    other = dataclasses.replace(cfg, model="dcnv2")
+    other = configs.replace_run(cfg, model="dcnv2")
     _train(other, tmp_path, steps=8, resume=True, settings=_settings(other),
            resume_allow=("model",))
 
@@ -184,8 +184,9 @@ def test_optimizer_settings_are_validated_with_the_flag():
                    (dict(embedding_learning_rate=float("inf")), "--embedding_learning_rate=inf"),
                    (dict(dense_optimizer="lamb"), "--dense_optimizer='lamb'"),
                    (dict(sparse_optimizer="ftrl"), "--sparse_optimizer='ftrl'")]:
+    cfg = _cfg()   # built field by field: build_run's own check, not make_run's
     with pytest.raises(ValueError, match=re.escape(flag)):
-      configs.build_run(_cfg(**kw))
+      configs.build_run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw)))
   with pytest.raises(ValueError, match=r"RowWiseAdagrad: learning_rate=-1.0"):
     opt_lib.get_sparse_optimizer("rowwise_adagrad", -1.0)
   with pytest.raises(ValueError, match=r"Adam: eps=-1e-08"):

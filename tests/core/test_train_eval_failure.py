@@ -15,7 +15,7 @@ from rec import configs
 
 
 def test_a_failing_eval_saves_the_training_first(tmp_path, capsys):
-  cfg = configs.RecRunConfig(model="logreg", data="synthetic", num_rows=100, mesh="-1",
+  cfg = configs.make_run(model="logreg", data="synthetic", num_rows=100, mesh="-1",
                              batch_size=64, eval_batch_size=64, eval_batches=2, sharding="dp")
   task, train_src, eval_src, _, _ = configs.build_run(cfg, jax.devices()[:1])
 

@@ -18,7 +18,7 @@ from tests.experiments.entry import MODULES, REPO
 
 # Integer flags whose lower bound is below 1, with what the value at the bound means; any
 # other integer flag must have lower_bound >= 1. "*": every entry point (a seed may be 0;
-# the shared rec flags of rec.configs.define_rec_run_flags mean the same everywhere).
+# the shared rec flags of rec.configs.define_run_flags mean the same everywhere).
 ALLOW_ZERO = {
     "*": {"seed": "a seed", "data_seed": "a seed", "search_seed": "a seed",
           "embedding_dim": "0: the preset's",
@@ -32,7 +32,9 @@ ALLOW_ZERO = {
                              "checkpoint_every": "0: only at the end",
                              "wlb_queues": "0: WLB-LLM without outlier queues",
                              "doc_context": "0: document lengths drawn at --seq_len, unscaled",
-                             "cp_tile": "0: the kernel's 128, scaled like the documents"},
+                             "cp_tile": "0: the kernel's 128, scaled like the documents",
+                             "lora_rank": "0: full fine-tuning (no adapters)"},
+    "experiments.finetune_lm.__main__": {"lora_rank": "0: full fine-tuning (no adapters)"},
     "experiments.wlb_packing.__main__": {"train_steps": "0: no training grid"},
     "experiments.spec_decode.__main__": {"warmup_steps": "0: no warmup", "bos_id": "a token id",
                                          "draft_vocab": "0: the whole vocabulary",
@@ -93,6 +95,9 @@ import importlib, json, re, sys
 from absl import flags
 from core import cli
 modules, bad = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+RUN_CONFIG_ENTRIES = {"experiments.train_rec", "experiments.compare_rec.__main__",
+                      "experiments.wukong_scaling.__main__", "experiments.mp_embedding.__main__",
+                      "experiments.fp8_probe.__main__", "experiments.a2a_compression.__main__"}
 out = {"errors": {}, "names": {}, "bounds": {}, "configs": {}}
 required = {}
 
@@ -129,14 +134,14 @@ for module in ["core.cli"] + modules:
       break
     required.setdefault(module, []).append(f"--{m[1]}=x")
   mod = importlib.import_module(module)
-  if hasattr(mod, "FIXED") or module == "experiments.train_rec":
-    # the config from the default flags, the fields the entry point fixes kept (`FIXED`)
+  if module in RUN_CONFIG_ENTRIES:
+    # the config from the default flags (settings without a flag at the config's defaults)
     from rec import configs
     def config():
       over = {} if "seed" in flags.FLAGS else {"seed": 0}
       try:
-        cfg = configs.RecRunConfig.from_flags(flags.FLAGS, keep=getattr(mod, "FIXED", ()), **over)
-        return {"config": {k: v for k, v in vars(cfg).items()}}
+        cfg = configs.run_from_flags(**over)
+        return {"config": cfg.flat_settings()}
       except ValueError as e:
         return {"config_error": str(e)}
     out["configs"][module] = parse(module, define, [], then=config)
@@ -177,9 +182,8 @@ def test_integer_flags_bounded_and_refused_below(parsed, module):
 
 
 def test_rec_entry_points_build_their_config_from_flags(parsed):
-  """Each entry point that builds a RecRunConfig with `from_flags(FLAGS, keep=FIXED)`
-  defines a flag for every field it does not fix, so its config comes out whole, at its own
-  defaults."""
+  """Each entry point that builds a RecRunConfig with `rec.configs.run_from_flags` gets
+  its config whole from its default flags, at its own defaults."""
   assert {"experiments.train_rec", "experiments.compare_rec.__main__",
           "experiments.wukong_scaling.__main__", "experiments.mp_embedding.__main__",
           "experiments.fp8_probe.__main__"} <= set(parsed["configs"])

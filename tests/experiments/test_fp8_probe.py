@@ -45,7 +45,7 @@ def test_runs_end_to_end(tmp_path):
 def test_probe_on_a_small_model():
   """The probe's rows: one per layer plus all, errors in the range FP8 gives; an untrained
   model keeps every layer's log loss within a percent; safe = under the threshold."""
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", data="synthetic", num_rows=200,
+  cfg = configs.make_run(model="dlrm", preset="small", data="synthetic", num_rows=200,
                              batch_size=64, eval_batch_size=256, eval_batches=1, mesh="data:1")
   task, train_src, eval_src, _, _ = configs.build_run(cfg, devices=jax.devices()[:1])
   mcfg = dataclasses.replace(configs.model_config(cfg, train_src.spec), top_mlp=(1,),

@@ -17,25 +17,28 @@ from tests.experiments.entry import run_entry as _run
 
 
 def test_config_storage_names_and_errors():
-  cfg = configs.RecRunConfig(storage="int8_cache", cache_policy="lru", cache_fraction=0.05)
+  cfg = configs.make_run(storage="int8_cache", cache_policy="lru", cache_fraction=0.05)
   cfg.validate()
-  assert str(cfg.storage_spec()) == "int8_cache:lru:0.05"
-  assert str(configs.RecRunConfig(storage="bf16_sr").storage_spec()) == "bf16_sr"
+  assert str(cfg.embedding.storage) == "int8_cache:lru:0.05"
+  assert str(configs.make_run(storage="bf16_sr").embedding.storage) == "bf16_sr"
   for kw, msg in [({"storage": "int3"}, "--storage='int3'"),
                   ({"cache_fraction": 0.0}, "--cache_fraction=0.0"),
                   ({"cache_policy": "mru"}, "--cache_policy='mru'")]:
     with pytest.raises(ValueError, match=msg):
-      configs.RecRunConfig(**kw).validate()
+      configs.make_run(**kw).validate()
   spec, = mp_embedding.parse_formats(["int4_cache:lfu:0.01"])
   assert spec == StorageSpec("int4_cache", "lfu", 0.01)
-  with_spec = configs.RecRunConfig().with_storage(spec)
-  assert (with_spec.storage, with_spec.cache_policy, with_spec.cache_fraction) == (
+  with_spec = mp_embedding.with_storage(configs.make_run(), spec).flat_settings()
+  assert (with_spec["storage"], with_spec["cache_policy"], with_spec["cache_fraction"]) == (
       "int4_cache", "lfu", 0.01)
   # "int8_cache:lfu" takes the default fraction; an entry the grammar refuses names itself.
   assert str(mp_embedding.parse_formats(["int8_cache:lfu"])[0]) == "int8_cache:lfu:0.05"
-  for bad in ("int8:lfu:0.1", "int8_cache:lfu:0", "fp64", "int8_cache:lfu:0.1:4"):
+  for bad in ("int8:lfu:0.1", "int8_cache:lfu:0", "fp64"):
     with pytest.raises(ValueError, match=f"--formats entry='{bad}'"):
       mp_embedding.parse_formats([bad])
+  # Cache ways are part of the spec a run config holds.
+  four, = mp_embedding.parse_formats(["int8_cache:lfu:0.1:4"])
+  assert mp_embedding.with_storage(configs.make_run(), four).embedding.storage.cache_ways == 4
 
 
 def test_memory_is_counted_from_the_arrays():
@@ -43,7 +46,7 @@ def test_memory_is_counted_from_the_arrays():
   codes, fp32 scale and bias, a 10% LRU cache rounded up to whole 16-way sets (33 sets,
   528 slots), its tags and times."""
   import jax
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=200, batch_size=64,
+  cfg = configs.make_run(model="dlrm", preset="small", num_rows=200, batch_size=64,
                              eval_batch_size=64, eval_batches=1, storage="int8_cache",
                              cache_policy="lru", cache_fraction=0.1, sharding="tw")
   task, *_ = configs.build_run(cfg, devices=jax.devices()[:1])

@@ -163,7 +163,7 @@ def test_default_specs():
   for grid in scaling.GRIDS.values():
     for arch, presets in grid.items():
       for p in presets:
-        configs.model_config(configs.RecRunConfig(model=arch, preset=p), SPEC)
+        configs.model_config(configs.make_run(model=arch, preset=p), SPEC)
 
 
 # ---------------------------------------------------------------------------- data and presets
@@ -184,7 +184,7 @@ def test_synthetic_deep_form():
   with pytest.raises(ValueError, match=r"option 'logit_scale=0'"):
     sources.make_sources("synthetic:logit_scale=0", 32)
   # The train_rec path builds on it.
-  cfg = configs.RecRunConfig(data="synthetic_deep", model="wukong", preset="l1_n2_k4_w16",
+  cfg = configs.make_run(data="synthetic_deep", model="wukong", preset="l1_n2_k4_w16",
                              embedding_dim=8, num_rows=50, batch_size=32, eval_batch_size=32)
   _, train_src, _, _, _ = configs.build_run(cfg)
   assert train_src.teacher == "deep"
@@ -192,25 +192,25 @@ def test_synthetic_deep_form():
 
 def test_size_pattern_presets():
   rows = SPEC.rows_per_feature
-  d = configs.model_config(configs.RecRunConfig(model="dlrm", preset="w256_d3"), SPEC)
+  d = configs.model_config(configs.make_run(model="dlrm", preset="w256_d3"), SPEC)
   assert (d.bottom_mlp, d.top_mlp, d.embedding_dim) == ((256, 16), (256, 256, 256, 1), 16)
-  d32 = configs.model_config(configs.RecRunConfig(model="dlrm", preset="w64", embedding_dim=32),
+  d32 = configs.model_config(configs.make_run(model="dlrm", preset="w64", embedding_dim=32),
                              SPEC)
   assert (d32.bottom_mlp, d32.top_mlp, d32.embedding_dim) == ((64, 32), (64, 64, 1), 32)
   assert isinstance(d32, DLRMConfig)
-  c = configs.model_config(configs.RecRunConfig(model="dcnv2", preset="x2_r32_w128"), SPEC)
+  c = configs.model_config(configs.make_run(model="dcnv2", preset="x2_r32_w128"), SPEC)
   assert isinstance(c, DCNv2Config)
   assert (c.bottom_mlp, c.num_cross_layers, c.cross_rank, c.deep_mlp, c.top_mlp) == (
       (), 2, 32, (128, 128), (1,))
-  w = configs.model_config(configs.RecRunConfig(model="wukong", preset="l2_n8_k16_w128"), SPEC)
+  w = configs.model_config(configs.make_run(model="wukong", preset="l2_n8_k16_w128"), SPEC)
   assert w == WukongConfig.family(rows, 2, 8, 8, 16, 128, num_dense=13, num_sparse=26,
                                   feature_names=SPEC.sparse_features)
   # The older l<l>_n<n> form is unchanged: the paper's Criteo search space.
-  old = configs.model_config(configs.RecRunConfig(model="wukong", preset="l3_n16"), SPEC)
+  old = configs.model_config(configs.make_run(model="wukong", preset="l3_n16"), SPEC)
   assert old == WukongConfig.criteo(rows, 3, 16, 16, num_dense=13, num_sparse=26,
                                     feature_names=SPEC.sparse_features)
   with pytest.raises(ValueError, match=r"--preset='w64' for --model=dcnv2: expected one of .*x<la"):
-    configs.model_config(configs.RecRunConfig(model="dcnv2", preset="w64"), SPEC)
+    configs.model_config(configs.make_run(model="dcnv2", preset="w64"), SPEC)
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -265,8 +265,8 @@ def test_fuxictr_data_is_the_runs_batches_in_order(tmp_path):
 def test_fuxictr_settings_checked():
   from core.errors import UserError
   from experiments.wukong_scaling import fuxictr
-  mcfg = configs.model_config(configs.RecRunConfig(model="wukong", preset="small"), SPEC)
-  cfg = configs.RecRunConfig(model="wukong", preset="small", dense_optimizer="adam")
+  mcfg = configs.model_config(configs.make_run(model="wukong", preset="small"), SPEC)
+  cfg = configs.make_run(model="wukong", preset="small", dense_optimizer="adam")
   with pytest.raises(UserError, match="--sparse_optimizer=rowwise_adagrad with --study=fuxictr"):
     fuxictr.peer_config(mcfg, cfg, 10, 0, True, 0.0)
   train, _ = sources.make_sources("synthetic", 4, num_rows=20, eval_batches=1)

@@ -5,9 +5,8 @@ refusal of a sharding with no exchange, the resume rule over them, a train_rec r
 schedule and table factors set the bound at the steps and tables they say, and (slow) a
 train_rec run on 8 devices against the float32 one: step 1's loss within the first-order
 bound of the arithmetic, bit-identical losses when every exchange falls back to float32,
-and `rec.runs.a2a_report`'s bytes and errors against the layout and the bounds."""
+and `rec.embedding.a2a_report`'s bytes and errors against the layout and the bounds."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ from core.errors import UserError
 from rec import configs
 from rec import runs
 from rec.embedding import a2a_compression as ac
+from rec.embedding import a2a_report
 from tests import cpu_env
 from tests.experiments.entry import REPO
 
@@ -35,9 +35,9 @@ SMALL = dict(preset="small", num_rows=1000, batch_size=64, eval_batch_size=64, e
 def _cfg(flag_args):
   """The config train_rec builds from these flags (all rec run flags at their defaults)."""
   fv = flags.FlagValues()
-  configs.define_rec_run_flags(*configs.RUN_FIELDS, flag_values=fv)
+  configs.define_run_flags(*configs.RUN_FIELDS, flag_values=fv)
   fv(["prog", *flag_args])
-  return configs.RecRunConfig.from_flags(fv)
+  return configs.run_from_flags(fv)
 
 
 def test_flags_parse_into_the_setting():
@@ -116,7 +116,7 @@ def test_bits_below_four_fail_at_parsing():
                           r"tw\|cw\|twrw\|rw on 2 or more devices"),
 ])
 def test_no_exchange_is_refused(over, msg):
-  cfg = configs.RecRunConfig(**SMALL, a2a_mode="abs", **over)
+  cfg = configs.make_run(**SMALL, a2a_mode="abs", **over)
   devices = jax.devices()[:1] if over.get("mesh") == "data:1" else None
   with pytest.raises(ValueError, match=msg):
     configs.build_run(cfg, devices=devices)
@@ -124,13 +124,13 @@ def test_no_exchange_is_refused(over, msg):
 
 @pytest.mark.devices(8)
 def test_build_run_takes_the_setting_once():
-  cfg = configs.RecRunConfig(**SMALL, sharding="rw", a2a_mode="abs", a2a_error_bound=0.01)
+  cfg = configs.make_run(**SMALL, sharding="rw", a2a_mode="abs", a2a_error_bound=0.01)
   task = configs.build_run(cfg)[0]
   assert task.collection.a2a_compression == ac.A2ACompression("abs", 0.01)
   with pytest.raises(ValueError, match="build_run: a2a_compression=.* and --a2a_mode=abs; "
                      "expected one of the two"):
     configs.build_run(cfg, a2a_compression=ac.A2ACompression("abs", 0.02))
-  assert cfg.without_a2a() == dataclasses.replace(cfg, a2a_mode="none", a2a_error_bound=1e-3)
+  assert cfg.without_a2a() == configs.replace_run(cfg, a2a_mode="none", a2a_error_bound=1e-3)
 
 
 @pytest.mark.devices(8)
@@ -165,7 +165,7 @@ def _resume(workdir, saved: dict, now: configs.RecRunConfig):
 
 
 def test_resume_with_other_a2a_settings_names_them(tmp_path):
-  plain, comp = configs.RecRunConfig(), configs.RecRunConfig(a2a_mode="abs", a2a_bits=4)
+  plain, comp = configs.make_run(), configs.make_run(a2a_mode="abs", a2a_bits=4)
   with pytest.raises(train_lib.RunSettingsError) as e:
     _resume(str(tmp_path / "a"), plain.run_settings(), comp)
   assert "a2a_mode: 'none' (checkpoint) -> 'abs' (now)" in str(e.value)
@@ -183,11 +183,11 @@ def test_resume_without_the_adaptive_fields_reads_them_as_constant(tmp_path):
   """Settings saved with a2a_mode but without a2a_table_factors / a2a_schedule ran with one
   bound for every table and step: they resume as that, and a schedule or factors now is
   refused naming them."""
-  comp = configs.RecRunConfig(a2a_mode="abs", a2a_error_bound=0.01)
+  comp = configs.make_run(a2a_mode="abs", a2a_error_bound=0.01)
   saved = {k: v for k, v in comp.run_settings().items()
            if k not in ("a2a_table_factors", "a2a_schedule")}
   assert _resume(str(tmp_path / "a"), saved, comp) == 1
-  now = dataclasses.replace(comp, a2a_schedule="linear:2:0.5:100", a2a_table_factors="C1=2")
+  now = configs.replace_run(comp, a2a_schedule="linear:2:0.5:100", a2a_table_factors="C1=2")
   with pytest.raises(train_lib.RunSettingsError) as e:
     _resume(str(tmp_path / "b"), saved, now)
   assert "a2a_schedule: 'constant' (checkpoint) -> 'linear:2:0.5:100' (now)" in str(e.value)
@@ -197,14 +197,14 @@ def test_resume_without_the_adaptive_fields_reads_them_as_constant(tmp_path):
 def test_a_run_record_without_the_a2a_fields_is_the_float32_run(tmp_path):
   """`rec.runs.finished_run`: a record written without the a2a fields (a float32 run, one
   bound throughout) is reused for today's float32 config, not for a compressed one."""
-  cfg = configs.RecRunConfig(**SMALL)
+  cfg = configs.make_run(**SMALL)
   rec = runs._settings(cfg, 3, 0)
   rec["config"] = {k: v for k, v in rec["config"].items() if not k.startswith("a2a_")}
   with open(tmp_path / runs.RUN_RECORD, "w") as f:
     json.dump({**rec, "result": {"ne": 0.9}}, f)
   assert runs.finished_run(cfg, str(tmp_path), steps=3, seed=0) == {"ne": 0.9}
   with pytest.raises(UserError, match=r"config.a2a_schedule: 'constant' -> 'linear:2:1:3'"):
-    runs.finished_run(dataclasses.replace(cfg, a2a_mode="abs", a2a_schedule="linear:2:1:3"),
+    runs.finished_run(configs.replace_run(cfg, a2a_mode="abs", a2a_schedule="linear:2:1:3"),
                       str(tmp_path), steps=3, seed=0)
 
 
@@ -238,9 +238,9 @@ def _first_order_bound(task, batch, eb):
 @pytest.mark.devices(8)
 def test_compressed_training_against_float32(tmp_path):
   eb, geb = 1e-3, 1e-4
-  base = configs.RecRunConfig(**SMALL, sharding="tw", mesh="data:8")
+  base = configs.make_run(**SMALL, sharding="tw", mesh="data:8")
   task0, src, plan, _, loss0 = _train(base, tmp_path / "f32")
-  comp = dataclasses.replace(base, a2a_mode="abs", a2a_error_bound=eb, a2a_grad_error_bound=geb)
+  comp = configs.replace_run(base, a2a_mode="abs", a2a_error_bound=eb, a2a_grad_error_bound=geb)
   task, _, _, out, loss = _train(comp, tmp_path / "abs")
   # Step 1 runs the same parameters on embeddings moved by at most eb each (tw: one partial
   # per pooled value): its loss moves by at most the first-order bound (plus second order).
@@ -251,7 +251,7 @@ def test_compressed_training_against_float32(tmp_path):
   assert np.max(np.abs(loss - loss0)) < 10 * bound1, (loss, loss0, bound1)
   # What the report measures at the final state: bytes from the HLO equal the layout's
   # rows times the fixed-rate payload (forward + backward), errors within their bounds.
-  rep = runs.a2a_report(task, out["state"], [first, first])
+  rep = a2a_report.a2a_report(task, out["state"], [first, first])
   N, B_l = 8, 64 // 8
   S = max(sum(1 for p in plan.values() if p.devices == (d,)) for d in range(N))
   rows = N * B_l * S
@@ -261,11 +261,11 @@ def test_compressed_training_against_float32(tmp_path):
   assert 0.5 < rep["max_grad_error_over_bound"] <= 1.0 + 1e-6
   assert all(t["partials"] == 1 and t["bound"] == eb for t in rep["tables"].values())
   # A bound below float32's resolution: every exchange falls back to float32, bit for bit.
-  exact = dataclasses.replace(base, a2a_mode="abs", a2a_error_bound=1e-30,
+  exact = configs.replace_run(base, a2a_mode="abs", a2a_error_bound=1e-30,
                               a2a_grad_error_bound=1e-30, a2a_bits=16)
   task_x, _, _, out_x, loss_x = _train(exact, tmp_path / "exact")
   np.testing.assert_array_equal(loss_x, loss0)
-  rep = runs.a2a_report(task_x, out_x["state"], [first])
+  rep = a2a_report.a2a_report(task_x, out_x["state"], [first])
   assert rep["max_error_over_bound"] == 0 and rep["max_grad_error_over_bound"] == 0
 
 
@@ -290,7 +290,7 @@ def test_schedule_and_table_factors_set_the_bound_of_each_step_and_table(tmp_pat
   task, _, _, out, loss = _train(cfg, tmp_path / "adaptive", devices=two)
   np.testing.assert_array_equal(loss[:2], loss0[:2])
   assert loss[2] != loss0[2]
-  plain = runs._float32_task(task)   # the same layout and state, the exchange in float32
+  plain = a2a_report._float32_task(task)   # the same layout and state, the exchange in float32
   batch = task.device_batch(next(iter(src.batches(0))))
 
   @jax.jit

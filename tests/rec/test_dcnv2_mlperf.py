@@ -95,7 +95,7 @@ def test_mlperf_rows_cap_and_preset_wiring():
   with pytest.raises(ValueError, match="max_rows=0"):
     dcnv2.mlperf_rows(0)
   src = synthetic.SyntheticCriteo(8, dcnv2.mlperf_rows(1000), multi_hot=synthetic.MLPERF_MULTI_HOT)
-  mcfg = configs.model_config(configs.RecRunConfig(model="dcnv2", preset="mlperf"), src.spec)
+  mcfg = configs.model_config(configs.make_run(model="dcnv2", preset="mlperf"), src.spec)
   assert mcfg.rows_per_feature == dcnv2.mlperf_rows(1000)
   assert mcfg == DCNv2Config.mlperf(dcnv2.mlperf_rows(1000), num_dense=13, num_sparse=26,
                                     feature_names=src.spec.sparse_features)
@@ -103,7 +103,7 @@ def test_mlperf_rows_cap_and_preset_wiring():
   assert src.spec.max_ids_per_bag == 100
   # --storage=bf16 still applies to every table; a data set of other width keeps working.
   avazu = DataSpec(num_dense=0, sparse_features=("a", "b"), rows_per_feature=(5, 2**21))
-  a = configs.model_config(configs.RecRunConfig(model="dcnv2", preset="mlperf"), avazu)
+  a = configs.model_config(configs.make_run(model="dcnv2", preset="mlperf"), avazu)
   assert a.bottom_mlp == () and a.pooling_factors is None and a.table_storage == ("fp32", "bf16")
   with pytest.raises(ValueError, match="pooling_factors has 3 entries, expected one per"):
     DCNv2Config.criteo(10, pooling_factors=(1, 2, 3))

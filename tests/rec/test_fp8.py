@@ -196,21 +196,21 @@ def test_bf16_dense_compute():
     sqnr = 10 * np.log10(np.sum(y32 ** 2) / np.sum((y16 - y32) ** 2))
     assert 20 < sqnr < 70, (type(cfg).__name__, sqnr)
   with pytest.raises(ValueError, match="--dtype='bfloat16', .* with --model=logreg"):
-    configs.model_config(configs.RecRunConfig(model="logreg", dtype="bfloat16"),
+    configs.model_config(configs.make_run(model="logreg", dtype="bfloat16"),
                          runs.CRITEO_SHAPED)
 
 
 def test_run_config_passes_dtype_and_fp8():
   spec = runs.CRITEO_SHAPED
-  base = configs.RecRunConfig(model="dcnv2", preset="small")
-  m = configs.model_config(dataclasses.replace(base, dtype="bfloat16", fp8_layers="cross.*",
+  base = configs.make_run(model="dcnv2", preset="small")
+  m = configs.model_config(configs.replace_run(base, dtype="bfloat16", fp8_layers="cross.*",
                                                fp8_recipe="row"), spec)
   assert (m.dtype, m.fp8_layers, m.fp8_recipe) == ("bfloat16", "cross.*", "row")
   assert configs.model_config(base, spec).fp8_layers == ""
   with pytest.raises(ValueError, match="FP8 layers are wired into dlrm and dcnv2"):
-    configs.model_config(dataclasses.replace(base, model="wukong", fp8_layers="all"), spec)
+    configs.model_config(configs.replace_run(base, model="wukong", fp8_layers="all"), spec)
   with pytest.raises(ValueError, match="--fp8_recipe='x'"):
-    dataclasses.replace(base, fp8_recipe="x").validate()
+    dataclasses.replace(base, model=dataclasses.replace(base.model, fp8_recipe="x")).validate()
 
 
 def test_lowers_for_cuda_to_float8_dots():

@@ -187,7 +187,7 @@ def test_terabyte_day_subsets_and_the_mlperf_split(tmp_path):
   # train_rec's --days reaches the sources through RecRunConfig.days
   import jax
   from rec import configs
-  cfg = configs.RecRunConfig(model="logreg", data=f"criteo:{tmp_path}", days="0,1,7", mesh="-1",
+  cfg = configs.make_run(model="logreg", data=f"criteo:{tmp_path}", days="0,1,7", mesh="-1",
                              batch_size=2, eval_batch_size=2)
   _, train, ev, _, _ = configs.build_run(cfg, jax.devices()[:1])
   assert train.num_examples == 7 and ev.num_examples == 10

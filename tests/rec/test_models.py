@@ -235,38 +235,38 @@ def test_config_errors_name_the_bad_value():
 def test_model_presets_wiring():
   rows = SPEC.rows_per_feature
   # DLRM's default is unchanged: the reference Kaggle config.
-  assert configs.model_config(configs.RecRunConfig(), SPEC) == DLRMConfig.criteo_kaggle(
+  assert configs.model_config(configs.make_run(), SPEC) == DLRMConfig.criteo_kaggle(
       rows, num_dense=13, num_sparse=26, feature_names=SPEC.sparse_features)
-  w = configs.model_config(configs.RecRunConfig(model="wukong", preset="l3_n16"), SPEC)
+  w = configs.model_config(configs.make_run(model="wukong", preset="l3_n16"), SPEC)
   assert (w.num_layers, w.num_fm, w.num_lcb, w.fm_rank, w.embedding_dim) == (3, 16, 16, 24, 128)
-  s = configs.model_config(configs.RecRunConfig(model="wukong", preset="scaled2"), SPEC)
+  s = configs.model_config(configs.make_run(model="wukong", preset="scaled2"), SPEC)
   assert (s.num_layers, s.num_fm, s.fm_rank, s.fm_mlp) == (2, 16, 24, (1024, 1024))
-  d = configs.model_config(configs.RecRunConfig(model="dhen", preset="dhen_4l"), SPEC)
+  d = configs.model_config(configs.make_run(model="dhen", preset="dhen_4l"), SPEC)
   assert len(d.layers) == 4
   # --embedding_dim reaches the tables; bottom MLPs that feed embeddings follow it.
   for model, preset in (("dlrm", "kaggle"), ("dcnv2", "kaggle"), ("dhen", "small"),
                         ("wukong", "kaggle")):
-    cfg = configs.RecRunConfig(model=model, preset=preset, embedding_dim=32)
+    cfg = configs.make_run(model=model, preset=preset, embedding_dim=32)
     mcfg = configs.model_config(cfg, SPEC)
     _, tables, _ = configs.build_model_fn(cfg, SPEC)
     assert mcfg.embedding_dim == 32 and {t.dim for t in tables} == {32}, model
-  assert configs.model_config(configs.RecRunConfig(model="wukong", embedding_dim=32),
+  assert configs.model_config(configs.make_run(model="wukong", embedding_dim=32),
                               SPEC).num_dense_embeddings == 2
   # No dense features (Avazu): no bottom MLP.
   avazu = DataSpec(num_dense=0, sparse_features=("a", "b", "c"), rows_per_feature=(5, 6, 7))
   for model in ("dcnv2", "dhen", "wukong"):
-    mcfg = configs.model_config(configs.RecRunConfig(model=model, preset="small"), avazu)
+    mcfg = configs.model_config(configs.make_run(model=model, preset="small"), avazu)
     assert mcfg.bottom_mlp == () and mcfg.feature_names == ("a", "b", "c")
   with pytest.raises(ValueError, match=r"--preset='terabyte' for --model=wukong: expected one of"):
-    configs.model_config(configs.RecRunConfig(model="wukong", preset="terabyte"), SPEC)
+    configs.model_config(configs.make_run(model="wukong", preset="terabyte"), SPEC)
   with pytest.raises(ValueError, match=r"--model='xdeepfm'"):
-    configs.model_config(configs.RecRunConfig(model="xdeepfm"), SPEC)
+    configs.model_config(configs.make_run(model="xdeepfm"), SPEC)
 
 
 # ---------------------------------------------------------------------------- data parallel
 
 def _task(model_name, mesh, devices=None):
-  cfg = configs.RecRunConfig(model=model_name, preset="small", num_rows=100, mesh=mesh,
+  cfg = configs.make_run(model=model_name, preset="small", num_rows=100, mesh=mesh,
                              batch_size=32, eval_batch_size=32, eval_batches=1, sharding="dp")
   task, train_src, _, _, _ = configs.build_run(cfg, devices)
   return task, train_src
@@ -328,7 +328,7 @@ def test_train_rec_runs_and_reports_size(tmp_path):
   summary = json.loads(lines[-1])
   assert summary["model"] == "dcnv2" and summary["steps"] == 2
   model_fn, _, _ = configs.build_model_fn(
-      configs.RecRunConfig(model="dcnv2", preset="small", num_rows=100), SPEC)
+      configs.make_run(model="dcnv2", preset="small", num_rows=100), SPEC)
   dense = flops_lib.count_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
   assert summary["dense_params"] == dense
   assert summary["embedding_params"] == 26 * 100 * 16

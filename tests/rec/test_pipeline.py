@@ -266,7 +266,7 @@ def test_device_synthetic_trains_and_resumes_exactly(tmp_path):
   import os
   from core import train as train_lib
   from rec import configs
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", data="synthetic:gen=device",
+  cfg = configs.make_run(model="dlrm", preset="small", data="synthetic:gen=device",
                              num_rows=1000, mesh="data:2,model:4", batch_size=64,
                              eval_batch_size=64, eval_batches=2, sharding="tw")
 

@@ -379,11 +379,11 @@ def test_default_budget_is_the_gpus_bytes_limit_less_headroom(device_pool):
   from core import memory
   from rec import configs
   device_pool(memory.DeviceMemory(80 << 30, 1, "NVIDIA H100 bytes_limit"))
-  budget, source = configs.plan_budget(configs.RecRunConfig())
+  budget, source = configs.plan_budget(configs.make_run())
   assert budget == int((80 << 30) * (1 - memory.GPU_HEADROOM)) == 64 << 30
   assert source == "NVIDIA H100 bytes_limit less 20% headroom"
   # The flag still decides when given.
-  assert configs.plan_budget(configs.RecRunConfig(memory_budget_gb=1.5)) == (
+  assert configs.plan_budget(configs.make_run(memory_budget_gb=1.5)) == (
       int(1.5 * 2**30), "--memory_budget_gb")
 
 
@@ -392,7 +392,7 @@ def test_default_budget_on_the_cpu_is_available_ram_over_its_devices(device_pool
   from rec import configs
   device_pool(memory.DeviceMemory(64 << 30, 8, "available RAM shared by 8 CPU devices",
                                   host_ram=True))
-  budget, source = configs.plan_budget(configs.RecRunConfig())
+  budget, source = configs.plan_budget(configs.make_run())
   assert budget == 8 << 30 and source == "available RAM shared by 8 CPU devices, per device"
 
 
@@ -403,16 +403,16 @@ def test_auto_plan_uses_the_device_budget(device_pool):
   tables, N = criteo_tables(), 8
   opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.1)
   total = sum(pl.table_bytes(t, opt.state_bytes_per_row) for t in tables)
-  cfg = configs.RecRunConfig(sharding="auto")
+  cfg = configs.make_run(sharding="auto")
   device_pool(memory.DeviceMemory(total, 1, "gpu bytes_limit"))     # 80% of all tables
   p = configs.make_plan(cfg, tables, N, opt)
-  est = pl.estimate_plan(p, tables, N, cfg.batch_size, None, opt.state_bytes_per_row)
+  est = pl.estimate_plan(p, tables, N, cfg.train.batch_size, None, opt.state_bytes_per_row)
   assert est.max_memory_bytes <= 0.8 * total
   device_pool(memory.DeviceMemory(total // 100, 1, "gpu bytes_limit"))   # under the biggest
   with pytest.raises(pl.PlanError, match="budget"):
     configs.make_plan(cfg, tables, N, opt)
   # An explicit budget ignores the device's (still the one too small for a table).
-  big = configs.RecRunConfig(sharding="auto", memory_budget_gb=0.8 * total / 2**30)
+  big = configs.make_run(sharding="auto", memory_budget_gb=0.8 * total / 2**30)
   assert configs.make_plan(big, tables, N, opt) == p
 
 
@@ -420,7 +420,7 @@ def test_no_device_size_and_no_flag_names_the_flag(device_pool):
   from rec import configs
   device_pool(None)
   with pytest.raises(ValueError, match="--memory_budget_gb: not given"):
-    configs.plan_budget(configs.RecRunConfig())
+    configs.plan_budget(configs.make_run())
 
 
 def test_format_plan_names_the_budget_and_its_source():

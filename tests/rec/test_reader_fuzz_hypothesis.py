@@ -325,7 +325,7 @@ def test_searched_arch_json_errs_in_one_line_or_round_trips(tmp_path, data):
                                rows_per_feature=(10,) * 6, num_dense=13)
   with bounded(name):
     try:
-      c = configs.searched_config(configs.RecRunConfig(model=f"searched:{path}"), spec)
+      c = configs.searched_config(configs.make_run(model=f"searched:{path}"), spec)
     except Exception as e:   # noqa: BLE001
       expect_user_error(e, name)
       return

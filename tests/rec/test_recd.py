@@ -231,7 +231,8 @@ def test_spec_and_flag_errors_name_the_setting():
   with pytest.raises(ValueError, match=r"--dedup_features=C1: dedup capacity -1"):
     dedup_lib.DedupSpec.from_flags("C1", -1)
   with pytest.raises(ValueError, match="--dedup_capacity=-2"):
-    configs.RecRunConfig(dedup_capacity=-2).validate()
+    configs.RecRunConfig(embedding=configs.EmbeddingConfig(
+        dedup=configs.DedupConfig(dedup_capacity=-2))).validate()
   mesh = _mesh(1)
   plan = {t.name: TablePlacement("tw", (0,)) for t in CFG.tables()}
   sgd = opt_lib.get_sparse_optimizer("sgd", 0.1)
@@ -258,7 +259,7 @@ def test_spec_and_flag_errors_name_the_setting():
 def test_train_loop_eval_and_resume_with_dedup(tmp_path):
   """train_rec's run (build_run) with --dedup_features: 4 straight steps == 2 + resume + 2,
   bit for bit, eval included; the metrics record no fallback."""
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=200, batch_size=64,
+  cfg = configs.make_run(model="dlrm", preset="small", num_rows=200, batch_size=64,
                              eval_batch_size=64, eval_batches=1, mesh="data:1",
                              dedup_features="C1,C2", seed=3)
   runs = {}
@@ -371,13 +372,13 @@ def test_session_and_worker_errors_name_the_setting():
 def test_training_from_worker_batches_equals_plain_training(tmp_path):
   """train_rec's run on session data: batches and their dedup from a Grain worker process
   (--data_workers=1, --dedup_features) train as the plain run drawn in this process."""
-  base = configs.RecRunConfig(model="dlrm", preset="small", num_rows=300, batch_size=64,
+  base = configs.make_run(model="dlrm", preset="small", num_rows=300, batch_size=64,
                               eval_batch_size=64, eval_batches=1, mesh="data:1",
                               data="sessions:dup=0.75,user=3,user_bag=4", seed=1,
                               dense_optimizer="sgd", sparse_optimizer="sgd")
   runs = {}
   for name, cfg, w in (("plain", base, 0),
-                       ("dedup", dataclasses.replace(base, dedup_features="C1,C2,C3"), 1)):
+                       ("dedup", configs.replace_run(base, dedup_features="C1,C2,C3"), 1)):
     task, train_src, _, _, _ = configs.build_run(cfg, devices=jax.devices()[:1], data_workers=w)
     assert isinstance(train_src, workers.WorkerSource) == (w == 1)
     loop = train_loop.TrainConfig(workdir=str(tmp_path / name), steps=3, log_every=1,

@@ -531,7 +531,7 @@ def test_resume_is_exact(storage, tmp_path):
   checkpoint (orbax), resume, 3 more, every array of the state bit for bit."""
   from core import train as train_lib
   from rec import configs
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=300, batch_size=64,
+  cfg = configs.make_run(model="dlrm", preset="small", num_rows=300, batch_size=64,
                              eval_batch_size=64, eval_batches=1, storage=storage,
                              cache_policy="lru", cache_fraction=0.1, sharding="rw",
                              mesh="data:2")

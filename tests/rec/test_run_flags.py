@@ -1,9 +1,9 @@
-"""The rec run flags (rec.configs.define_rec_run_flags): one definition per RecRunConfig
-field with each entry point's defaults; `RecRunConfig.from_flags` naming a field an entry
-point has no flag for; the effective embedding dim in a run's settings, so a resume with
-the preset's dim given explicitly is not refused (issue 31, item 11)."""
+"""The rec run flags (rec.configs.define_run_flags): one definition per RecRunConfig
+setting with each entry point's defaults (and --config); `run_from_flags` keeping the
+default of a setting an entry point has no flag for; the effective embedding dim in a run's
+settings, so a resume with the preset's dim given explicitly is not refused (issue 31,
+item 11)."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -16,48 +16,44 @@ from rec import configs
 
 def _flag_values(*names, **defaults):
   fv = flags.FlagValues()
-  configs.define_rec_run_flags(*names, flag_values=fv, **defaults)
+  configs.define_run_flags(*names, flag_values=fv, **defaults)
   return fv
 
 
 def test_defaults_bounds_and_every_field():
   fv = _flag_values(*configs.RUN_FIELDS)
-  assert sorted(fv) == sorted(configs.RUN_FIELDS)
+  assert sorted(fv) == sorted(configs.RUN_FIELDS + ("config",))
   fv(["prog"])
-  assert configs.RecRunConfig.from_flags(fv) == configs.RecRunConfig()   # the config's defaults
+  assert configs.run_from_flags(fv) == configs.make_run()   # the config's defaults
   fv = _flag_values("data", batch_size=1024, embedding_dim=16)
   fv(["prog"])
-  assert sorted(fv) == ["batch_size", "data", "embedding_dim"]
+  assert sorted(fv) == ["batch_size", "config", "data", "embedding_dim"]
   assert (fv.batch_size, fv.embedding_dim, fv.data) == (1024, 16, "synthetic")
   for bad in ("--batch_size=0", "--embedding_dim=-1"):
     fv = _flag_values("batch_size", "embedding_dim")
     with pytest.raises(flags.IllegalFlagValueError, match=f"flag {bad}"):
       fv(["prog", bad])
   with pytest.raises(ValueError, match=r"\['batchsize'\] are not RecRunConfig fields"):
-    configs.define_rec_run_flags(batchsize=3)
+    configs.define_run_flags(batchsize=3)
 
 
-def test_from_flags_names_a_missing_flag():
+def test_from_flags_keeps_the_default_of_a_setting_without_a_flag():
   fv = _flag_values("batch_size", "num_rows")
   fv(["prog", "--batch_size=64"])
-  with pytest.raises(ValueError, match=r"this entry point defines no flag --model, --preset, "
-                     r".*--days; define it \(rec\.configs\.define_rec_run_flags\('model'"):
-    configs.RecRunConfig.from_flags(fv)
-  rest = [f for f in configs.RUN_FIELDS if f not in ("batch_size", "num_rows", "seed")]
-  cfg = configs.RecRunConfig.from_flags(fv, keep=rest, seed=3)
-  assert (cfg.batch_size, cfg.num_rows, cfg.seed) == (64, 100_000, 3)
-  with pytest.raises(ValueError, match="this entry point defines no flag --seed"):
-    configs.RecRunConfig.from_flags(fv, keep=rest)
-  with pytest.raises(ValueError, match=r"keep=\['sed'\] are not RecRunConfig fields"):
-    configs.RecRunConfig.from_flags(fv, keep=rest + ["sed"], seed=3)
+  cfg = configs.run_from_flags(fv, seed=3)
+  assert (cfg.train.batch_size, cfg.data.num_rows, cfg.seed) == (64, 100_000, 3)
+  assert cfg.model == configs.make_run().model           # no flag: the config's default
+  with pytest.raises(ValueError, match=r"--sed: not a setting of RecRunConfig \(did you mean "
+                     r"'seed'\?\)"):
+    configs.run_from_flags(fv, sed=3)
 
 
 def test_effective_embedding_dim_in_settings():
-  assert configs.RecRunConfig().run_settings()["embedding_dim"] == 16         # DLRM kaggle
-  assert configs.RecRunConfig(model="dcnv2").run_settings()["embedding_dim"] == 128
-  assert configs.RecRunConfig(embedding_dim=32).run_settings()["embedding_dim"] == 32
-  assert configs.RecRunConfig(model="logreg").run_settings()["embedding_dim"] == 1
-  old = dataclasses.asdict(configs.RecRunConfig(model="wukong", preset="l2_n8"))
+  assert configs.make_run().run_settings()["embedding_dim"] == 16         # DLRM kaggle
+  assert configs.make_run(model="dcnv2").run_settings()["embedding_dim"] == 128
+  assert configs.make_run(embedding_dim=32).run_settings()["embedding_dim"] == 32
+  assert configs.make_run(model="logreg").run_settings()["embedding_dim"] == 1
+  old = configs.make_run(model="wukong", preset="l2_n8").flat_settings()
   assert configs.normalize_settings(old)["embedding_dim"] == 128
   assert configs.normalize_settings({**old, "preset": "nope"})["embedding_dim"] == 0
 
@@ -77,12 +73,12 @@ def test_resume_with_the_preset_dim_given(tmp_path):
   """`--resume --embedding_dim=16` on a run started without it (the default 0, the DLRM
   preset's 16): the same setting, whether the checkpoint stored 16 or, written before the
   effective dim was stored, 0. Another dim is still refused, naming it."""
-  default = configs.RecRunConfig()
-  explicit = configs.RecRunConfig(embedding_dim=16)
+  default = configs.make_run()
+  explicit = configs.make_run(embedding_dim=16)
   assert _resume(str(tmp_path / "a"), default.run_settings(), explicit) == 1
-  assert _resume(str(tmp_path / "b"), dataclasses.asdict(default), explicit) == 1
+  assert _resume(str(tmp_path / "b"), default.flat_settings(), explicit) == 1
   assert _resume(str(tmp_path / "c"), explicit.run_settings(), default) == 1
   with pytest.raises(train_lib.RunSettingsError, match=r"embedding_dim: 16 \(checkpoint\) -> "
                      r"32 \(now\)"):
-    _resume(str(tmp_path / "d"), dataclasses.asdict(default),
-            configs.RecRunConfig(embedding_dim=32))
+    _resume(str(tmp_path / "d"), default.flat_settings(),
+            configs.make_run(embedding_dim=32))

@@ -2,7 +2,6 @@
 fails on a bad preset before anything trains, and a run that hands back its trained state
 (equal to its last checkpoint)."""
 
-import dataclasses
 import os
 
 import jax
@@ -30,15 +29,16 @@ def test_parse_models_and_presets():
 
 
 def test_run_config_shares_the_embedding_dim_except_logreg():
-  base = configs.RecRunConfig(embedding_dim=16, learning_rate=0.3)
+  base = configs.make_run(embedding_dim=16, learning_rate=0.3)
   w = runs.for_model(base, runs.ModelSpec("wukong", "l2_n8"))
-  assert (w.model, w.preset, w.embedding_dim, w.learning_rate) == ("wukong", "l2_n8", 16, 0.3)
+  assert (w.model.model, w.model.preset, w.model.embedding_dim, w.train.learning_rate) == (
+      "wukong", "l2_n8", 16, 0.3)
   lr = runs.for_model(base, runs.ModelSpec("logreg"))
-  assert lr.embedding_dim == 0 and lr.learning_rate == 0.3   # one weight per id
+  assert lr.model.embedding_dim == 0 and lr.train.learning_rate == 0.3   # one weight per id
 
 
 def test_bad_preset_fails_before_any_training(tmp_path):
-  base = configs.RecRunConfig(num_rows=100, batch_size=64, eval_batch_size=64)
+  base = configs.make_run(num_rows=100, batch_size=64, eval_batch_size=64)
   specs = [runs.ModelSpec("dlrm", "small"), runs.ModelSpec("wukong", "l2")]
   with pytest.raises(ValueError, match=r"--preset='l2' for --model=wukong: expected one of"):
     runs.train_models(base, specs, steps=1, workdir=str(tmp_path))
@@ -50,7 +50,7 @@ def test_bad_preset_fails_before_any_training(tmp_path):
 def test_train_run_hands_back_the_checkpointed_state(tmp_path):
   """The state in memory is the run's last checkpoint, bit for bit; a workdir left by an
   earlier run (a checkpoint that would otherwise be resumed) is replaced."""
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=50, batch_size=16,
+  cfg = configs.make_run(model="dlrm", preset="small", num_rows=50, batch_size=16,
                              eval_batch_size=16, eval_batches=1, mesh="data:1")
   built = configs.build_run(cfg, devices=jax.devices()[:1])
   stale = tmp_path / "a" / "checkpoints" / "7"
@@ -74,7 +74,7 @@ def test_train_run_hands_back_the_checkpointed_state(tmp_path):
 def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_path, capsys):
   """Each finished run is recorded; reuse_finished takes it from the record (same metrics,
   no training), trains a seed that has none, and refuses a record of other settings."""
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=50, batch_size=16,
+  cfg = configs.make_run(model="dlrm", preset="small", num_rows=50, batch_size=16,
                              eval_batch_size=16, eval_batches=1, mesh="data:1")
   built = configs.build_run(cfg, devices=jax.devices()[:1])
   prefix = str(tmp_path / "r")
@@ -89,7 +89,7 @@ def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_pat
   # Without reuse_finished the run trains again (and replaces its record).
   assert "seed 0: 2 steps" in (runs.train_seeds(cfg, [0], prefix, steps=2, built=built),
                                capsys.readouterr().out)[1]
-  other = dataclasses.replace(cfg, learning_rate=cfg.learning_rate * 2)
+  other = configs.replace_run(cfg, learning_rate=cfg.train.learning_rate * 2)
   with pytest.raises(UserError, match=r"r_s0/run.json: this run finished with other settings "
                      r"\(config.learning_rate: .* -> .*\)"):
     runs.train_seeds(other, [0], prefix, steps=2, built=built, reuse_finished=True)

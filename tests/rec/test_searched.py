@@ -149,11 +149,11 @@ def test_train_rec_model_flag_reads_the_file(tmp_path):
   cfg = dlrm.DLRMConfig(num_dense=ND, num_sparse=NS, embedding_dim=D, bottom_mlp=(16, D),
                         top_mlp=(16, 1), rows_per_feature=10)
   path = searched.save_arch(searched.dlrm_arch(cfg), str(tmp_path / "dlrm.json"))
-  mcfg = configs.model_config(configs.RecRunConfig(model="searched:" + path), spec())
+  mcfg = configs.model_config(configs.make_run(model="searched:" + path), spec())
   assert isinstance(mcfg, searched.SearchedConfig) and mcfg.head == ("dense", "dot")
   assert configs.MODELS[type(mcfg)] is searched.SearchedModel
   with pytest.raises(ValueError, match="--embedding_dim=32"):
-    configs.model_config(configs.RecRunConfig(model="searched:" + path, embedding_dim=32), spec())
+    configs.model_config(configs.make_run(model="searched:" + path, embedding_dim=32), spec())
 
 
 def test_unknown_block_names_block_file_and_choices(tmp_path):
@@ -161,7 +161,7 @@ def test_unknown_block_names_block_file_and_choices(tmp_path):
   path.write_text(json.dumps({"embedding_dim": D, "top_mlp": [1], "layers": [
       {"blocks": [{"type": "lcb", "num_out": 2}, {"type": "transformer", "num_out": 2}]}]}))
   with pytest.raises(UserError) as e:
-    configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
+    configs.model_config(configs.make_run(model=f"searched:{path}"), spec())
   msg = str(e.value)
   assert "'transformer'" in msg and str(path) in msg and "layers[0].blocks[1]" in msg
   assert all(name in msg for name in searched.STACK_BLOCKS)
@@ -179,7 +179,7 @@ def test_bad_files(tmp_path, text, needle):
   path = tmp_path / "arch.json"
   path.write_text(text)
   with pytest.raises(UserError) as e:
-    configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
+    configs.model_config(configs.make_run(model=f"searched:{path}"), spec())
   assert needle in str(e.value) and str(path) in str(e.value)
 
 
@@ -196,6 +196,6 @@ def test_file_that_is_not_an_architecture_json_is_one_line(tmp_path, data, needl
   path = tmp_path / "arch.json"
   path.write_bytes(data)
   with pytest.raises(UserError) as e:
-    configs.model_config(configs.RecRunConfig(model=f"searched:{path}"), spec())
+    configs.model_config(configs.make_run(model=f"searched:{path}"), spec())
   assert cli.is_user_error(e.value) and "\n" not in str(e.value)
   assert str(e.value).startswith(f"{path}{needle}"), str(e.value)

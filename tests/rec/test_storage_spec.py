@@ -89,23 +89,27 @@ def test_flags_and_the_storage_agree_on_the_cache_fraction():
 
 
 def test_run_config_builds_the_spec_at_the_edge():
-  cfg = configs.RecRunConfig(storage="int8_cache", cache_policy="lru", cache_fraction=0.05)
+  cfg = configs.make_run(storage="int8_cache", cache_policy="lru", cache_fraction=0.05)
   cfg.validate()
-  assert cfg.storage_spec() == StorageSpec("int8_cache", "lru", 0.05)
-  assert str(cfg.storage_spec()) == "int8_cache:lru:0.05"
-  assert configs.RecRunConfig(storage="bf16_sr").storage_spec() == StorageSpec("bf16_sr")
+  assert cfg.embedding.storage == StorageSpec("int8_cache", "lru", 0.05)
+  assert str(cfg.embedding.storage) == "int8_cache:lru:0.05"
+  assert configs.make_run(storage="bf16_sr").embedding.storage == StorageSpec("bf16_sr")
   for kw, msg in [({"storage": "int3"}, "--storage='int3'"),
                   ({"cache_fraction": 0.0}, "--cache_fraction=0.0"),
                   ({"cache_policy": "mru"}, "--cache_policy='mru'")]:
     with pytest.raises(ValueError, match=msg):
-      configs.RecRunConfig(**kw).validate()
+      configs.make_run(**kw).validate()
   # Settings stay JSON-able strings and numbers (checkpoints compare them on resume).
-  back = configs.RecRunConfig().with_storage(StorageSpec.parse("int4_cache:lru:0.02"))
-  assert (back.storage, back.cache_policy, back.cache_fraction) == ("int4_cache", "lru", 0.02)
-  json.dumps(dataclasses.asdict(back))
-  assert back.storage_spec() == StorageSpec.parse("int4_cache:lru:0.02")
-  with pytest.raises(ValueError, match="4 cache ways; a RecRunConfig has no setting"):
-    configs.RecRunConfig().with_storage(StorageSpec.parse("int8_cache:lfu:0.1:4"))
+  back = configs.make_run(storage=StorageSpec.parse("int4_cache:lru:0.02"))
+  saved = back.run_settings()
+  assert (saved["storage"], saved["cache_policy"], saved["cache_fraction"]) == (
+      "int4_cache", "lru", 0.02)
+  json.dumps(saved)
+  assert back.embedding.storage == StorageSpec.parse("int4_cache:lru:0.02")
+  # The config holds the whole spec, ways too (saved only when not the default).
+  four = configs.make_run(storage="int8_cache:lfu:0.1:4")
+  assert four.embedding.storage == StorageSpec("int8_cache", "lfu", 0.1, 4)
+  assert four.run_settings()["cache_ways"] == 4 and "cache_ways" not in saved
 
 
 def test_registry_makes_each_kind():
@@ -130,7 +134,7 @@ def test_table_config_planner_and_collection_hold_the_object():
   assert planner_lib.storage_bytes(t) == make_storage(t.storage).bytes_per_row(16) / 16
   assert planner_lib.storage_bytes(TableConfig("h", 10, 8, storage="bf16")) == 2
   import jax
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", num_rows=64, batch_size=8,
+  cfg = configs.make_run(model="dlrm", preset="small", num_rows=64, batch_size=8,
                              eval_batch_size=8, eval_batches=1, storage="int4_cache",
                              cache_policy="lru", cache_fraction=0.5, sharding="dp", mesh="data:1")
   task, *_ = configs.build_run(cfg, devices=jax.devices()[:1])

@@ -13,7 +13,7 @@ def test_generated_bin_dir_is_reused_and_measured(tmp_path):
   t = (tmp_path / "gen" / "manifest.json").stat().st_mtime_ns
   throughput.synthetic_bin_dir(d, 4096, 50)                  # same settings: kept as is
   assert (tmp_path / "gen" / "manifest.json").stat().st_mtime_ns == t
-  cfg = configs.RecRunConfig(model="dlrm", preset="small", data=f"criteo_bin:{d}", mesh="-1",
+  cfg = configs.make_run(model="dlrm", preset="small", data=f"criteo_bin:{d}", mesh="-1",
                              batch_size=256, eval_batch_size=256)
   task, src, _, _, _ = configs.build_run(cfg)
   b = src.batch(0)

@@ -99,7 +99,7 @@ def test_side_by_side_training_learns(tmp_path):
                      text=True, timeout=300)
   if r.returncode != 0:
     pytest.skip(f"{PEER} cannot import torch and fuxictr: {r.stderr.strip()[-300:]}")
-  cfg = configs.RecRunConfig(model="wukong", preset="small", data="synthetic_deep", num_rows=20,
+  cfg = configs.make_run(model="wukong", preset="small", data="synthetic_deep", num_rows=20,
                              batch_size=256, eval_batch_size=1024,
                              eval_batches=2, dense_optimizer="adam", learning_rate=1e-3,
                              sparse_optimizer="adagrad", embedding_learning_rate=0.1)

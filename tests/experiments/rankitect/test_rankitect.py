@@ -2,7 +2,6 @@
 supernet path against the stand-alone model with the same weights, the FLOPs table against
 XLA's count of whole models, Pareto fronts; tiny searches of every method (slow)."""
 
-import dataclasses
 import itertools
 import json
 import os
@@ -118,11 +117,11 @@ SMALL = Space(num_layers=2, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(
 
 
 def small_run(tmp_path, space, choices):
-  base = configs.RecRunConfig(data="synthetic_deep", num_rows=20, batch_size=64,
+  base = configs.make_run(data="synthetic_deep", num_rows=20, batch_size=64,
                               eval_batch_size=64, eval_batches=1, dense_optimizer="adam",
                               learning_rate=1e-2, embedding_learning_rate=0.1, mesh="-1")
   path = searched.save_arch(space.arch(choices), str(tmp_path / f"{'-'.join(choices)}.json"))
-  return configs.build_run(dataclasses.replace(base, model="searched:" + path))
+  return configs.build_run(configs.replace_run(base, model="searched:" + path))
 
 
 @pytest.mark.slow
@@ -192,7 +191,7 @@ def test_trial_log_survives_a_cut_last_line(tmp_path):
 
 
 def tiny_study(workdir):
-  base = configs.RecRunConfig(data="synthetic_deep", num_rows=20, batch_size=64,
+  base = configs.make_run(data="synthetic_deep", num_rows=20, batch_size=64,
                               eval_batch_size=64, eval_batches=1, dense_optimizer="adam",
                               learning_rate=1e-3, embedding_learning_rate=0.1, mesh="-1")
   sp = Space(num_layers=1, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,),
@@ -216,7 +215,7 @@ def test_sampling_searches_resume(tmp_path):
   evo = study_lib.sampling_search(st2, "evolution", 2)
   assert len(evo) == 2
   for r in rows + evo:   # each found architecture trains again from its file
-    cfg = configs.model_config(configs.RecRunConfig(model="searched:" + r["arch_file"]),
+    cfg = configs.model_config(configs.make_run(model="searched:" + r["arch_file"]),
                                runs_spec())
     assert isinstance(cfg, searched.SearchedConfig)
 
@@ -283,7 +282,7 @@ class ScoredStudy(study_lib.Study):
 def test_search_seed_draws_the_proposals_apart_from_the_data(tmp_path, method):
   """Two search seeds on the same data (one --seed) propose different candidates; the same
   search seed proposes the same ones again; a workdir keeps its search seed."""
-  base = configs.RecRunConfig(data="synthetic_deep", seed=0)
+  base = configs.make_run(data="synthetic_deep", seed=0)
 
   def proposals(name, search_seed):
     st = ScoredStudy(str(tmp_path / name), SPACE, base, steps=3, search_seed=search_seed)
@@ -300,19 +299,19 @@ def test_search_seed_draws_the_proposals_apart_from_the_data(tmp_path, method):
 def test_a_workdir_saved_without_the_a2a_settings_resumes(tmp_path):
   """settings.json written before the a2a run settings existed (float32, one bound) is the
   same search as today's defaults."""
-  base = configs.RecRunConfig(data="synthetic_deep")
+  base = configs.make_run(data="synthetic_deep")
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)
   path = tmp_path / "settings.json"
   saved = json.loads(path.read_text())
   path.write_text(json.dumps({k: v for k, v in saved.items() if not k.startswith("run.a2a_")}))
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)
   with pytest.raises(ValueError, match=r"run.a2a_schedule: 'constant' -> 'step:1:2:3'"):
-    study_lib.Study(str(tmp_path), SPACE, dataclasses.replace(base, a2a_schedule="step:1:2:3"),
+    study_lib.Study(str(tmp_path), SPACE, configs.replace_run(base, a2a_schedule="step:1:2:3"),
                     steps=3)
 
 
 def test_a_workdir_keeps_its_space_and_budget(tmp_path):
-  base = configs.RecRunConfig(data="synthetic_deep")
+  base = configs.make_run(data="synthetic_deep")
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)   # the same settings: resumes
   with pytest.raises(ValueError, match=r"settings.json: .*space.width: 4 -> 6; steps: 3 -> 5"):

@@ -1,0 +1,128 @@
+r"""Export a checkpoint as a Hugging Face directory or a GGUF file, with its tokenizer and
+chat template.
+
+  python -m experiments.export --checkpoint=workdir:runs/finetune_lm/lora --to=hf --out=/tmp/hf
+  python -m experiments.export --checkpoint=workdir:runs/finetune_lm/full --to=gguf \
+      --gguf_type=Q8_0 --out=/tmp/model.gguf
+
+--checkpoint: every kind `llm.checkpoints` loads (a LoRA run's workdir exports its base with
+the adapters merged; the adapters alone are its adapter/ directory, PEFT's layout).
+--to=hf: config.json + model.safetensors (--dtype float32 | bfloat16) and the tokenizer:
+tokenizer.json with tokenizer_config.json (bos / eos tokens, chat template), built from the
+checkpoint's own (a HF tokenizer's files, or a GGUF vocabulary through `tokenizers`).
+--to=gguf: a Llama GGUF llama.cpp runs (--gguf_type F32 | F16 | Q8_0) with the vocabulary
+of a GGUF or llama2.c tokenizer (`llm.gguf.save_gguf`); a tokenizer.json has no GGUF form
+here and is refused in one line. The output appears whole or not at all (written beside it,
+then renamed); an existing --out is refused unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from absl import flags
+
+from core import cli
+from core import config
+from core import errors
+from core import results as results_lib
+
+FLAGS = flags.FLAGS
+TO = config.setting("to", "enum", "Export format: hf (a Hugging Face directory) or gguf.",
+                    choices=("hf", "gguf"))
+GGUF_TYPE = config.setting("gguf_type", "enum", "--to=gguf: matrix storage.",
+                           choices=("F32", "F16", "Q8_0"))
+
+
+def define_flags() -> None:
+  from core import settings  # noqa: F401  (the settings named below)
+  from llm import settings as lm_settings  # noqa: F401
+  config.define_flags(None, "checkpoint", TO, "out", GGUF_TYPE, "dtype", "overwrite",
+                      "tokenizer", checkpoint=None, to="hf", out=None, gguf_type="F16",
+                      dtype="float32", overwrite=False, tokenizer=None)
+  flags.mark_flags_as_required(["checkpoint", "out"])
+
+
+def hf_tokenizer_files(tok, where: str) -> dict[str, str]:
+  """{file name: text} of a HF tokenizer directory for `tok`; one that has no such form is
+  a UserError naming `where`."""
+  inner = getattr(tok, "tokenizers", None) or getattr(tok, "_tok", None)
+  if inner is None or not hasattr(inner, "to_str"):
+    raise errors.expected(where, f"a {type(tok).__name__} tokenizer ({tok.source})",
+                          "a HF tokenizer.json or a GGUF vocabulary to export with --to=hf")
+  conf = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bool(tok.add_bos),
+          "add_eos_token": bool(tok.add_eos), "clean_up_tokenization_spaces": False}
+  for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
+    if i is not None:
+      conf[name] = inner.id_to_token(i)
+  if tok.chat_template:
+    conf["chat_template"] = tok.chat_template
+  return {"tokenizer.json": inner.to_str(), "tokenizer_config.json": json.dumps(conf, indent=2)}
+
+
+def gguf_vocab(spec: str, tok, where: str):
+  """The GGUF vocabulary of the checkpoint's tokenizer: a GGUF's own, or a llama2.c one."""
+  from llm import checkpoints
+  from llm import gguf
+  from llm import tokenizer as tok_lib
+  source = getattr(tok, "source", "")
+  if tok_lib.is_gguf(source):
+    return gguf.read_vocab(source)
+  kind, path = checkpoints.parse_spec(spec)
+  if kind == "gguf":
+    return checkpoints.gguf_checkpoint(path).vocab
+  if isinstance(tok, tok_lib.Llama2cTokenizer):
+    return gguf.vocab_from_llama2c(tok)
+  raise errors.expected(where, f"a {type(tok).__name__} tokenizer ({source})",
+                        "a GGUF or llama2.c vocabulary to export with --to=gguf (export "
+                        "--to=hf for a tokenizer.json)")
+
+
+def main(argv):
+  del argv
+  cli.quiet_library_logs()
+  from llm import checkpoints
+  out = os.path.abspath(FLAGS.out)
+  if os.path.exists(out) and not FLAGS.overwrite:
+    raise errors.expected(f"--out={FLAGS.out}", "exists", "a new path (or --overwrite)")
+  where = f"--checkpoint={FLAGS.checkpoint}"
+  cfg, weights, tok = checkpoints.load_pretrained(FLAGS.checkpoint, "float32", FLAGS.tokenizer)
+  if tok is None:
+    raise errors.expected(where, "no tokenizer beside it", "--tokenizer=PATH")
+  tmp = f"{out}.partial.{os.getpid()}"
+  try:
+    if FLAGS.to == "hf":
+      from llm import weights as weights_lib
+      files = hf_tokenizer_files(tok, where)
+      weights_lib.save_hf(tmp, cfg, weights, dtype=FLAGS.dtype)
+      for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+          f.write(text)
+    else:
+      from llm import gguf
+      vocab = gguf_vocab(FLAGS.checkpoint, tok, where)
+      if tok.chat_template and vocab.chat_template is None:
+        import dataclasses
+        vocab = dataclasses.replace(vocab, chat_template=tok.chat_template)
+      gguf.save_gguf(tmp, cfg, weights, FLAGS.gguf_type, vocab=vocab)
+    if os.path.exists(out):
+      (shutil.rmtree if os.path.isdir(out) else os.remove)(out)
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      (shutil.rmtree if os.path.isdir(tmp) else os.remove)(tmp)
+  size = (sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
+          if os.path.isdir(out) else os.path.getsize(out))
+  summary = {"checkpoint": FLAGS.checkpoint, "to": FLAGS.to, "out": out, "bytes": size,
+             "params": cfg.num_params(),
+             "format": FLAGS.dtype if FLAGS.to == "hf" else FLAGS.gguf_type}
+  print(f"export: {FLAGS.checkpoint} -> {out} ({FLAGS.to}, {summary['format']}, "
+        f"{size / 1e6:.1f} MB)", flush=True)
+  results_lib.print_summary(summary)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,195 @@
+r"""Fine-tune a pretrained chat model on a skill it lacks, fully and through LoRA, and score
+held-out exact match before and after.
+
+  python -m experiments.finetune_lm --init=gguf:.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+The task (experiments/finetune_lm/tasks.py): a person's fields in random order and wording
+in, one fixed-format record out. The study writes train.jsonl (--train_examples) and
+held_out.jsonl (--held_out, surnames never in train) into --workdir, scores the base model's
+greedy replies to the held-out requests, then for each of --methods runs
+`python -m experiments.train_lm --init=... --data=chat:train.jsonl` (full: every weight;
+lora: rank --lora_rank adapters on every projection, the base frozen) for --steps steps and
+scores the tuned model the same way. results.json holds exact match before and after per
+mode, the train and eval loss curves (from each run's metrics.jsonl), wall time and the
+settings (steps, sequence length, batch); finetune.png plots the loss curves and exact match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+from core import cli
+from core import config
+from core import errors
+from core import results as results_lib
+
+FLAGS = flags.FLAGS
+TRAIN_EXAMPLES = config.setting("train_examples", "integer", "Generated training examples.",
+                                lower=2)
+HELD_OUT = config.setting("held_out", "integer", "Held-out examples scored by exact match.",
+                          lower=1)
+METHODS = config.setting("methods", "list", "Fine-tuning methods run: full (every weight), "
+                          "lora (adapters).")
+LORA_LEARNING_RATE = config.setting("lora_learning_rate", "float", "Peak learning rate of "
+                                    "the LoRA run (--learning_rate: the full run's).", lower=0)
+REPLY_TOKENS = config.setting("reply_tokens", "integer", "Greedy tokens generated per "
+                              "held-out request.", lower=1)
+
+
+def define_flags() -> None:
+  from core import settings  # noqa: F401  (the settings named below)
+  from llm import run_config  # noqa: F401
+  from llm import settings as lm_settings  # noqa: F401
+  config.define_flags(
+      None, "init", TRAIN_EXAMPLES, HELD_OUT, METHODS, "steps", "seq_len", "batch_size",
+      "learning_rate", LORA_LEARNING_RATE, "lora_rank", REPLY_TOKENS, "seed", "workdir",
+      init=None, train_examples=2000, held_out=100, methods=("full", "lora"), steps=40,
+      seq_len=128, batch_size=8, learning_rate=1e-4, lora_learning_rate=2e-3, lora_rank=16,
+      reply_tokens=32, seed=0, workdir="runs/finetune_lm")
+  flags.mark_flag_as_required("init")
+
+
+def exact_match(spec: str, examples, reply_tokens: int) -> tuple[float, list[str]]:
+  """(fraction of held-out examples answered exactly, the replies) of checkpoint `spec`."""
+  from experiments.finetune_lm import tasks
+  from llm import checkpoints
+  from llm import evaluate
+  cfg, model = checkpoints.load_model(spec)
+  tok = checkpoints.find_tokenizer(spec, None, cfg.vocab_size)
+  replies = evaluate.greedy_replies(model, tok, [tasks.messages(e, False) for e in examples],
+                                    reply_tokens)
+  return sum(tasks.exact_match(r, e) for r, e in zip(replies, examples)) / len(examples), replies
+
+
+def curves(workdir: str) -> dict[str, list]:
+  """Train loss by step and eval loss by step from a run's metrics.jsonl."""
+  out = {"train": [], "eval": []}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      rec = json.loads(line)
+      split = rec.get("split", "train")
+      if "loss" in rec and split in out:
+        out[split].append((rec["step"], rec["loss"]))
+  return out
+
+
+def finetune(mode: str, train_file: str, workdir: str) -> dict:
+  """Runs train_lm for one mode; returns its summary line and wall time."""
+  lr = FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate
+  args = [sys.executable, "-m", "experiments.train_lm", f"--init={FLAGS.init}",
+          f"--data=chat:{train_file}", f"--steps={FLAGS.steps}", f"--seq_len={FLAGS.seq_len}",
+          f"--batch_size={FLAGS.batch_size}", f"--learning_rate={lr}",
+          f"--warmup_steps={max(1, FLAGS.steps // 10)}", f"--eval_every={max(1, FLAGS.steps // 4)}",
+          "--log_every=5", "--checkpoint_every_minutes=0", f"--seed={FLAGS.seed}",
+          f"--workdir={workdir}", "--overwrite"]
+  if mode == "lora":
+    args += [f"--lora_rank={FLAGS.lora_rank}", f"--lora_alpha={2 * FLAGS.lora_rank}",
+             "--lora_targets=all"]
+  t0 = time.time()
+  last = ""
+  with subprocess.Popen(args, text=True, stdout=subprocess.PIPE,
+                        preexec_fn=_end_with_parent) as proc:
+    # SIGTERM / SIGINT reach the run, which keeps a checkpoint and stops; the study ends
+    # with it (a rerun starts each run afresh: --overwrite).
+    forward = lambda signum, frame: proc.send_signal(signum)
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      for line in proc.stdout:   # the run's progress lines, shown as they come
+        print(f"  [{mode}] {line.rstrip()}", flush=True)
+        last = line if line.strip() else last
+    finally:
+      for sig, handler in old.items():
+        signal.signal(sig, handler)
+  if proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+    raise SystemExit(f"finetune_lm: stopped during the {mode} run ({last.strip()})")
+  if proc.returncode != 0:
+    raise RuntimeError(f"finetune_lm: train_lm ({mode}) failed with status {proc.returncode}")
+  return {"summary": json.loads(last), "seconds": time.time() - t0}
+
+
+def _end_with_parent() -> None:
+  """In the train_lm child: SIGTERM when this study's process dies (Linux), so no run
+  outlives the study."""
+  if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+def plot(workdir: str, results: dict) -> str:
+  from core import plot as plot_lib
+  plt = plot_lib.pyplot()
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  for mode, r in results["runs"].items():
+    if r["curves"]["train"]:
+      s, l = zip(*r["curves"]["train"])
+      a.plot(s, l, label=f"{mode} train")
+    if r["curves"]["eval"]:
+      s, l = zip(*r["curves"]["eval"])
+      a.plot(s, l, "o--", label=f"{mode} eval")
+  a.set_xlabel("step")
+  a.set_ylabel("loss (assistant tokens)")
+  a.legend()
+  names = ["base"] + list(results["runs"])
+  values = [results["exact_match_before"]] + [r["exact_match"] for r in results["runs"].values()]
+  b.bar(names, values)
+  b.set_ylim(0, 1)
+  b.set_ylabel(f"held-out exact match ({results['held_out']} examples)")
+  fig.suptitle(f"{FLAGS.init}: {FLAGS.steps} steps x {FLAGS.batch_size} rows of "
+               f"{FLAGS.seq_len} tokens")
+  path = os.path.join(workdir, "finetune.png")
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  return path
+
+
+def main(argv):
+  del argv
+  from experiments.finetune_lm import tasks
+  bad = [m for m in FLAGS.methods if m not in ("full", "lora")]
+  if bad:
+    raise errors.expected(f"--methods={','.join(FLAGS.methods)}", f"{bad[0]!r}", "full and / or lora")
+  if "lora" in FLAGS.methods and FLAGS.lora_rank < 1:
+    raise errors.expected(f"--lora_rank={FLAGS.lora_rank}", "no adapters for --methods=lora",
+                          "a rank >= 1")
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  train = tasks.make_examples(FLAGS.train_examples, FLAGS.seed, "train")
+  held = tasks.make_examples(FLAGS.held_out, FLAGS.seed, "held_out")
+  train_file = tasks.write_chat_file(os.path.join(FLAGS.workdir, "train.jsonl"), train)
+  tasks.write_chat_file(os.path.join(FLAGS.workdir, "held_out.jsonl"), held)
+  t0 = time.time()
+  before, replies = exact_match(FLAGS.init, held, FLAGS.reply_tokens)
+  print(f"base model: held-out exact match {before:.3f} (e.g. {replies[0]!r} for "
+        f"{held[0]['answer']!r})", flush=True)
+  results = {"init": FLAGS.init, "held_out": len(held), "train_examples": len(train),
+             "steps": FLAGS.steps, "seq_len": FLAGS.seq_len, "batch_size": FLAGS.batch_size,
+             "exact_match_before": before, "base_replies": replies[:5], "runs": {}}
+  for mode in FLAGS.methods:
+    wd = os.path.join(FLAGS.workdir, mode)
+    run = finetune(mode, train_file, wd)
+    after, replies = exact_match(f"workdir:{wd}", held, FLAGS.reply_tokens)
+    print(f"{mode}: held-out exact match {before:.3f} -> {after:.3f} "
+          f"({run['seconds']:.0f} s of training)", flush=True)
+    results["runs"][mode] = {
+        "exact_match": after, "replies": replies[:5], "train_seconds": run["seconds"],
+        "eval_loss": run["summary"].get("eval_loss"), "curves": curves(wd),
+        "learning_rate": FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate,
+        "lora_rank": FLAGS.lora_rank if mode == "lora" else None}
+  results["wall_seconds"] = time.time() - t0
+  plot(FLAGS.workdir, results)
+  summary = {"exact_match_before": before, **{f"exact_match_{m}": r["exact_match"]
+                                              for m, r in results["runs"].items()},
+             "steps": FLAGS.steps, "seq_len": FLAGS.seq_len, "batch_size": FLAGS.batch_size,
+             "wall_seconds": results["wall_seconds"]}
+  results_lib.finish(FLAGS.workdir, results, summary)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,149 @@
+"""What a run's compressed embedding exchange (arXiv 2407.04272; rec/embedding/
+a2a_compression.py, --a2a_mode of train_rec) sends and how far it moves the values:
+`step_exchange_bytes` (bytes per train step, from its HLO), `a2a_report` (bytes and the
+errors against a float32 copy of the collection, beside their bounds) and
+`format_a2a_report` (its one line).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rec.embedding import a2a_compression as ac
+from rec.embedding.config import ShardingKind
+
+def step_exchange_bytes(task, state: dict[str, Any], batch) -> dict[str, int]:
+  """Per-device bytes the embedding exchanges of one train step (forward and backward) move,
+  read off the step's HLO (`a2a_compression.exchange_bytes`: the uint8 payload and the float32
+  collectives)."""
+  return ac.exchange_bytes(jax.jit(task.train_step).lower(state, batch).as_text(dialect="hlo"))
+
+
+def _float32_task(task):
+  """`task` with its collection's exchange in float32: same layout, state and model."""
+  coll = copy.copy(task.collection)
+  coll.a2a_compression = None
+  plain = copy.copy(task)
+  plain.collection = coll
+  return plain
+
+
+def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict[str, Any]:
+  """What a run's compressed embedding exchange (`task.collection.a2a_compression`, arXiv
+  2407.04272) sends and how far it moves the values, at `state` on `host_batches` (train
+  batches: the first one's shape is the step whose bytes are counted):
+
+  bytes: per device and train step, forward and backward, from the HLO of the train step
+    (`a2a_compression.exchange_bytes`): `payload`, the uint8 codes sent; `float32`, the
+    float32 exchanges of the same step with compression off (the step lowered again);
+    `float32_in_compressed`, the compressed step's float32 collectives (the fallback
+    branches, taken only when some row cannot meet its bound, and exchanges not compressed).
+  tables: per table, the largest |pooled embedding compressed - float32| over the batches
+    (same state, same lookups), the bound of one sent value (bound x table factor x the
+    schedule's factor at the state's step) and the partials summed into one pooled value
+    (rw / twrw row shards; each adds at most one bound); 0 partials: not compressed.
+  groups: per embedding group, the largest |bag-sum gradient compressed - float32| for one
+    cotangent (the loss's gradient w.r.t. the float32 pooled embeddings) and its bound
+    (None: gradients in float32).
+  """
+  coll = task.collection
+  comp = coll.a2a_compression
+  if comp is None:
+    raise ValueError("a2a_report: the task's collection has no a2a_compression")
+  if coll.towers:
+    raise ValueError("a2a_report: sptt towers (their exchange is not compressed)")
+  plain = _float32_task(task)
+  batches = [task.device_batch(b) for b in host_batches]
+  if not batches:
+    raise ValueError("a2a_report: no batches")
+
+  sent = step_exchange_bytes(task, state, batches[0])
+  f32 = step_exchange_bytes(plain, state, batches[0])
+
+  # Replicated results: every process can read them (multi-process runs).
+  @functools.partial(jax.jit, out_shardings=jax.sharding.NamedSharding(
+      task.mesh, jax.sharding.PartitionSpec()))
+  def errors(state, batch):
+    lookup = task.gather(state["emb"], batch)
+    step = state["step"]
+    emb_f, vjp_f = jax.vjp(lambda p: plain.collection.pool(lookup, p, step=step), lookup.partial)
+    emb_c, vjp_c = jax.vjp(lambda p: coll.pool(lookup, p, step=step), lookup.partial)
+
+    def loss(emb):
+      per = optax.sigmoid_binary_cross_entropy(
+          task.logits(state["params"], batch.dense, emb), batch.labels)
+      return jnp.sum(per * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+    ct = jax.grad(loss)(emb_f)
+    g_f, g_c = vjp_f(ct)[0], vjp_c(ct)[0]
+    return (jnp.max(jnp.abs(emb_c - emb_f), axis=(0, 2)), jnp.max(jnp.abs(emb_f)),
+            {n: jnp.max(jnp.abs(g_c[n] - g_f[n])) for n in g_f})
+
+  emb_err = np.zeros(len(coll.tables))
+  emb_max = 0.0
+  grad_err = {n: 0.0 for n in coll.groups}
+  for batch in batches:
+    e, m, g = jax.device_get(errors(state, batch))
+    emb_err = np.maximum(emb_err, np.asarray(e, np.float64))
+    emb_max = max(emb_max, float(m))
+    grad_err = {n: max(grad_err[n], float(g[n])) for n in grad_err}
+  step = int(jax.device_get(state["step"]))
+  scale = float(comp.schedule.factor(step))
+  names = [t.name for t in coll.tables]
+  factors = dict(zip(names, comp.factors(names).tolist()))
+  group_of = {coll.tables[f].name: (n, g) for n, g in coll.groups.items() for f in g.features}
+  tables = {}
+  for i, name in enumerate(names):
+    _, g = group_of[name]
+    p = coll.plan[name]
+    kind = ShardingKind(p.kind).value
+    partials = 0 if g.comm not in ("a2a", "rw") or coll.num_devices == 1 else (
+        len(p.devices) if kind in ("rw", "twrw") else 1)
+    bound = comp.bound * factors[name] * scale
+    err = float(emb_err[i])
+    tables[name] = {"kind": kind, "max_abs_error": err, "bound": bound, "partials": partials,
+                    "error_over_bound": err / (partials * bound) if partials else None}
+  groups = {}
+  for n, g in coll.groups.items():
+    compressed = g.comm in ("a2a", "rw") and coll.num_devices > 1
+    gb = (None if comp.grad_bound is None or not compressed else
+          comp.grad_bound * scale * max(factors[coll.tables[f].name] for f in g.features))
+    groups[n] = {"pattern": g.comm, "tables": [coll.tables[f].name for f in g.features],
+                 "max_abs_grad_error": grad_err[n], "grad_bound": gb,
+                 "error_over_bound": grad_err[n] / gb if gb else None}
+  ratios = [t["error_over_bound"] for t in tables.values() if t["error_over_bound"] is not None]
+  gratios = [g["error_over_bound"] for g in groups.values() if g["error_over_bound"] is not None]
+  return {
+      "setting": {"mode": comp.mode, "bound": comp.bound, "grad_bound": comp.grad_bound,
+                  "bits": comp.bits, "table_factors": dict(comp.table_factors),
+                  "schedule": dataclasses.asdict(comp.schedule)},
+      "step": step, "batches": len(batches),
+      "bytes": {"payload": sent["payload"], "float32": f32["float32"],
+                "float32_in_compressed": sent["float32"]},
+      "tables": tables, "groups": groups, "max_abs_pooled": emb_max,
+      "max_error_over_bound": max(ratios, default=None),
+      "max_grad_error_over_bound": max(gratios, default=None),
+  }
+
+
+def format_a2a_report(rep: Mapping[str, Any]) -> str:
+  """One line: bytes sent per step and the largest errors against their bounds."""
+  b = rep["bytes"]
+  s = rep["setting"]
+  grad = ("gradients sent in float32" if s["grad_bound"] is None else
+          f"gradient error <= {rep['max_grad_error_over_bound']:.3f} x its bound")
+  worst = rep["max_error_over_bound"]
+  return (f"a2a compression ({s['mode']} {s['bound']:g}, {s['bits']} bits): "
+          f"{b['payload']:,} payload bytes per device per step (the step uncompressed: "
+          f"{b['float32']:,} float32 bytes of exchanges); pooled error <= {worst:.3f} x its "
+          f"bound{' (exact: the exchanges fell back to float32)' if worst == 0 else ''}, "
+          f"{grad} (step {rep['step']}, {rep['batches']} batch"
+          f"{'es' if rep['batches'] != 1 else ''})")

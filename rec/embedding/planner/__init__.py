@@ -1,0 +1,37 @@
+"""Embedding sharding planner: a sharding kind and devices per table, from a cost model.
+
+Like TorchRec's EmbeddingShardingPlanner and Neo (arXiv 2104.05158): each table gets one of
+dp / tw / cw / rw / twrw (`rec.embedding.config.ShardingKind`) and a set of devices, chosen
+so that every device fits its memory budget and the slowest device's estimated time per
+step is small; sptt places DMT's towers. Pure Python and numpy: it runs before any mesh
+exists. TorchRec's planner parts, one module each:
+
+  types.py      TablePlacement, Plan, PlanError, validate_plan, the layout helpers (row
+                shards, column chunks, twrw groups), sharding overrides
+  estimate.py   the cost model (estimator and storage reservation): placement_cost,
+                estimate_plan, table_bytes, storage_bytes, CostParams
+  placement.py  enumeration and placement: the greedy `plan`, uniform_plan, tower_plan
+  formats.py    format_plan (a human table), plan_summary (results.json)
+
+Every name is re-exported here: `from rec.embedding import planner; planner.plan(...)`.
+"""
+
+from rec.embedding.planner.estimate import (STORAGE_BYTES, CostParams, DeviceCosts,
+                                            OptStateBytes, PlanEstimate, estimate_plan,
+                                            placement_cost, storage_bytes, table_bytes)
+from rec.embedding.planner.formats import _fmt_bytes, format_plan, plan_summary
+from rec.embedding.planner.placement import CW_MIN_WIDTH, plan, tower_plan, uniform_plan
+from rec.embedding.planner.types import (AUTO_KINDS, CW, DP, KIND_ORDER, RW, SPTT, TW, TWRW,
+                                         Plan, PlanError, TablePlacement, as_kind,
+                                         column_chunk_widths, default_group_size,
+                                         parse_overrides, row_shard_sizes, validate_overrides,
+                                         validate_plan)
+
+__all__ = [
+    "AUTO_KINDS", "CW", "CW_MIN_WIDTH", "CostParams", "DP", "DeviceCosts", "KIND_ORDER",
+    "OptStateBytes", "Plan", "PlanError", "PlanEstimate", "RW", "SPTT", "STORAGE_BYTES", "TW",
+    "TWRW", "TablePlacement", "as_kind", "column_chunk_widths", "default_group_size",
+    "estimate_plan", "format_plan", "parse_overrides", "placement_cost", "plan",
+    "plan_summary", "row_shard_sizes", "storage_bytes", "table_bytes", "tower_plan",
+    "uniform_plan", "validate_overrides", "validate_plan",
+]

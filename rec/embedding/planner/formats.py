@@ -1,0 +1,98 @@
+"""A plan for people and for results.json: format_plan (a table per table and per device),
+plan_summary (JSON-able, with the cost model's estimates).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rec.embedding.config import TableConfig
+from rec.embedding.planner.estimate import CostParams, OptStateBytes, estimate_plan
+from rec.embedding.planner.types import KIND_ORDER, TablePlacement
+
+
+def _fmt_bytes(n: float) -> str:
+  """Decimal units: 999 B, 1.50 KB, 2.60 GB."""
+  if n == math.inf:
+    return "inf"
+  for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+def _fmt_devices(devs: tuple[int, ...]) -> str:
+  """0-7 for a contiguous ascending run of 3 or more, else 3,0,5."""
+  if len(devs) >= 3 and devs == tuple(range(devs[0], devs[0] + len(devs))):
+    return f"{devs[0]}-{devs[-1]}"
+  return ",".join(map(str, devs))
+
+
+def _table_text(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
+  widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+  fmt = lambda r: "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                            for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+  return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def format_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig],
+                num_devices: int, batch_size: int, memory_budget_bytes: int | None = None,
+                cost_params: CostParams | None = None,
+                optimizer_state_bytes_per_row: OptStateBytes = 4, budget_source: str = "") -> str:
+  """A human table: one row per table, then one per device (memory, load, comm, time);
+  the last line names the budget and `budget_source` (where its number comes from)."""
+  est = estimate_plan(plan, tables, num_devices, batch_size, cost_params,
+                      optimizer_state_bytes_per_row)
+  rows = []
+  for t in tables:
+    p, c = plan[t.name], est.per_table[t.name]
+    rows.append([t.name, f"{t.num_rows:,}", t.dim, t.storage, p.kind.value,
+                 _fmt_devices(p.devices), _fmt_bytes(int(c.memory_bytes.max())),
+                 f"{c.time_s.max() * 1e6:.1f}"])
+  lines = _table_text(["table", "rows", "dim", "dtype", "kind", "devices", "mem/device",
+                       "max us"], rows, right={1, 2, 6, 7})
+  dev = est.per_device
+  budget = memory_budget_bytes
+  drows = []
+  for d in range(num_devices):
+    mem = int(dev.memory_bytes[d])
+    used = f"{_fmt_bytes(mem)} / {_fmt_bytes(budget)} ({100 * mem / budget:.0f}%)" if budget \
+        else _fmt_bytes(mem)
+    drows.append([d, used, f"{dev.lookup_elems[d]:.3g}", _fmt_bytes(dev.comm_bytes[d]),
+                  f"{dev.time_s[d] * 1e6:.1f}"])
+  lines += [""] + _table_text(["device", "memory / budget" if budget else "memory",
+                               "lookup elems", "comm", "est us"], drows, right={0, 2, 3, 4})
+  slow = int(np.argmax(dev.time_s))
+  lines.append(f"{len(tables)} tables on {num_devices} devices, global batch {batch_size}: "
+               f"slowest device {slow} at {est.max_time_s * 1e6:.1f} us/step (estimated), "
+               f"max memory {_fmt_bytes(est.max_memory_bytes)}"
+               + (f", budget {_fmt_bytes(budget)} per device" if budget else "")
+               + (f" ({budget_source})" if budget and budget_source else ""))
+  return "\n".join(lines)
+
+
+def plan_summary(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig] | None = None,
+                 num_devices: int | None = None, batch_size: int | None = None,
+                 cost_params: CostParams | None = None,
+                 optimizer_state_bytes_per_row: OptStateBytes = 4) -> dict[str, Any]:
+  """JSON-able summary for results.json; with tables, N and batch it adds the estimates."""
+  counts = {k.value: sum(p.kind == k for p in plan.values()) for k in KIND_ORDER}
+  out: dict[str, Any] = {
+      "tables": {n: {"kind": p.kind.value, "devices": list(p.devices)} for n, p in plan.items()},
+      "kinds": {k: v for k, v in counts.items() if v},
+  }
+  if tables is not None and num_devices is not None and batch_size is not None:
+    est = estimate_plan(plan, tables, num_devices, batch_size, cost_params,
+                        optimizer_state_bytes_per_row)
+    dev = est.per_device
+    out["estimate"] = {
+        "num_devices": num_devices, "batch_size": batch_size,
+        "max_time_s": est.max_time_s, "max_memory_bytes": est.max_memory_bytes,
+        "device_time_s": [float(x) for x in dev.time_s],
+        "device_memory_bytes": [int(x) for x in dev.memory_bytes],
+        "device_comm_bytes": [float(x) for x in dev.comm_bytes],
+    }
+  return out

@@ -1,0 +1,162 @@
+"""core.config: settings defined once, typed configs, their flags and config files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from absl import flags
+
+from core import config
+from core import errors
+from core import settings
+
+
+def _spec_parse(text: str) -> tuple[str, int]:
+  kind, _, n = text.partition(":")
+  if not n.isdigit():
+    raise ValueError("expected KIND:N")
+  return kind, int(n)
+
+
+SPEC = config.setting("test_config_spec", "string", "A kind and a count, KIND:N.",
+                      parse=_spec_parse, format=lambda v: f"{v[0]}:{v[1]}")
+MODE = config.setting("test_config_mode", "enum", "A mode.", choices=("a", "b", "c"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+  spec: tuple = SPEC.field(("x", 1))
+  test_config_mode: str = MODE.field("a", choices=("a", "b"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  loop: settings.LoopConfig = config.section(settings.LoopConfig)
+  inner: Inner = config.section(Inner)
+  seed: int = settings.SEED.field(0)
+  dtype: str = settings.DTYPE.field("float32")
+
+
+# `Inner.spec` is named after its field, not its setting: a config is refused.
+def test_a_field_is_named_after_its_setting():
+  with pytest.raises(ValueError, match="named after its setting"):
+    config.leaves(Run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner2:
+  test_config_spec: tuple = SPEC.field(("x", 1))
+  test_config_mode: str = MODE.field("a", choices=("a", "b"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run2:
+  loop: settings.LoopConfig = config.section(settings.LoopConfig)
+  inner: Inner2 = config.section(Inner2)
+  seed: int = settings.SEED.field(0)
+  dtype: str = settings.DTYPE.field("float32")
+
+
+def _parsed(*args: str, **defaults) -> flags.FlagValues:
+  fv = flags.FlagValues()
+  config.define_flags(Run2, flag_values=fv, **defaults)
+  fv(["prog", *args])
+  return fv
+
+
+def test_a_setting_is_defined_once():
+  with pytest.raises(ValueError, match="defined in core.settings and again"):
+    config.setting("steps", "integer", "Steps again.")
+  assert config.get("steps") is settings.STEPS
+
+
+def test_flags_from_the_tree_with_the_entry_points_defaults():
+  fv = _parsed("--dtype=bfloat16", "--test_config_spec=y:3", steps=7)
+  run = config.from_flags(Run2, fv)
+  assert run.loop.steps == 7 and run.dtype == "bfloat16" and run.inner.test_config_spec == ("y", 3)
+  assert run.loop.eval_every == 250 and run.inner.test_config_mode == "a"
+  assert config.flat(run)["steps"] == 7
+  # the narrowed choices are the flag's
+  with pytest.raises(flags.IllegalFlagValueError):
+    _parsed("--test_config_mode=c")
+
+
+def test_only_some_flags_and_overrides():
+  fv = flags.FlagValues()
+  config.define_flags(Run2, only=("seed",), flag_values=fv)
+  fv(["prog", "--seed=3"])
+  assert "steps" not in fv and "config" in fv
+  run = config.from_flags(Run2, fv, steps=5)
+  assert run.seed == 3 and run.loop.steps == 5 and run.dtype == "float32"
+
+
+def test_build_replace_and_one_line_errors():
+  run = config.build(Run2, steps=3, test_config_spec="z:2")
+  assert run.inner.test_config_spec == ("z", 2)
+  assert config.replace(run, seed=4).seed == 4 and config.replace(run, seed=4).loop.steps == 3
+  with pytest.raises(errors.UserError, match=r"^--steps=0: out of range; expected an integer >= 1$"):
+    config.build(Run2, steps=0)
+  with pytest.raises(errors.UserError, match=r"--stepz: not a setting of Run2 \(did you mean 'steps'\?\)"):
+    config.build(Run2, stepz=1)
+  with pytest.raises(errors.UserError, match=r"--test_config_spec='nope': expected KIND:N; expected a kind and a count, kind:n"):
+    config.build(Run2, test_config_spec="nope")
+  with pytest.raises(errors.UserError, match=r"--test_config_mode='c': not a choice; expected one of \['a', 'b'\]"):
+    config.build(Run2, test_config_mode="c")
+
+
+def test_a_written_config_replays_and_a_flag_wins(tmp_path):
+  fv = _parsed("--steps=9", "--test_config_spec=q:4", "--seed=2")
+  run = config.from_flags(Run2, fv)
+  path = config.write_file(run, str(tmp_path / "config.py"), command="prog --steps=9")
+  assert "prog --steps=9" in open(path).read()
+  assert config.from_flags(Run2, _parsed(f"--config={path}")) == run
+  fv = _parsed(f"--config={path}", "--seed=5")
+  replayed = config.from_flags(Run2, fv)
+  assert replayed == config.replace(run, seed=5)
+  over = config.command_line_overrides(Run2, fv)
+  assert over == {"seed": (2, 5)}
+  again = config.write_file(replayed, str(tmp_path / "again.py"), overridden=over)
+  assert "'seed': 5,  # --seed on the command line; the --config file had 2" in open(again).read()
+  # a JSON file of some settings, and a dict from get_config
+  (tmp_path / "c.json").write_text(json.dumps({"steps": 4}))
+  assert config.from_flags(Run2, _parsed(f"--config={tmp_path / 'c.json'}")).loop.steps == 4
+  (tmp_path / "d.py").write_text("def get_config():\n  return {'dtype': 'bfloat16'}\n")
+  assert config.from_flags(Run2, _parsed(f"--config={tmp_path / 'd.py'}")).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("def get_config(:\n", r"bad\.py:1:\d+: .*; expected a Python file defining get_config\(\)"),
+    ("x = 1\n", r"bad\.py: no get_config\(\); expected a function get_config\(\)"),
+    ("def get_config():\n  return {'step': 1}\n",
+     r"bad\.py: step: not a setting of Run2 \(did you mean 'steps'\?\)"),
+    ("def get_config():\n  return {'steps': 'abc'}\n",
+     r"bad\.py: steps='abc': a str; expected an integer >= 1"),
+    ("def get_config():\n  return {'resume': True}\n", r"bad\.py: resume: not a setting of Run2"),
+    ("def get_config():\n  return [1]\n", r"bad\.py: a list; expected a dict of settings"),
+])
+def test_a_bad_config_file_is_one_line(tmp_path, text, message):
+  (tmp_path / "bad.py").write_text(text)
+  with pytest.raises(errors.UserError, match=message):
+    config.read_file(Run2, str(tmp_path / "bad.py"))
+  fv = _parsed(f"--config={tmp_path / 'bad.py'}")
+  with pytest.raises(errors.UserError):
+    config.from_flags(Run2, fv)
+
+
+def test_a_bad_json_config_names_line_and_column(tmp_path):
+  (tmp_path / "bad.json").write_text('{"steps": 3,\n "seed": }')
+  with pytest.raises(errors.UserError, match=r"bad\.json:2:10: "):
+    config.read_file(Run2, str(tmp_path / "bad.json"))
+
+
+def test_loose_settings_and_loop_config():
+  fv = flags.FlagValues()
+  config.define_flags(None, "repeats", *settings.RUN_FLAGS, repeats=5, flag_values=fv)
+  fv(["prog", "--workdir=/tmp/x", "--resume_allow=a,b"])
+  assert fv.repeats == 5 and "config" not in fv
+  tc = settings.loop_config(settings.LoopConfig(steps=3), fv, seed=1)
+  assert (tc.workdir, tc.steps, tc.resume_allow, tc.seed) == ("/tmp/x", 3, ("a", "b"), 1)
+  with pytest.raises(ValueError, match="needs a default"):
+    config.define_flags(None, "nonfinite", flag_values=flags.FlagValues())

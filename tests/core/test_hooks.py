@@ -1,0 +1,116 @@
+"""The train loop's hooks (core.hooks) and the shared dense update (core.update), on a toy
+least-squares task: a caller's hook runs at its steps and sees the state of that step; the
+non-finite guard skips a poisoned step and the loop counts it."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from core import hooks as hooks_lib
+from core import train as train_lib
+from core import update as update_lib
+
+W = np.array([1.0, -2.0, 0.5], np.float32)
+
+
+class _Mse:
+  def __init__(self):
+    self.sum = self.n = 0.0
+
+  def update(self, outputs, host):
+    self.sum += float(outputs) * len(host["y"])
+    self.n += len(host["y"])
+
+  def result(self):
+    return {"mse": self.sum / self.n}
+
+
+class _Toy:
+  """y = x @ W by SGD; batch k is a draw of seed k (batch `poison` holds a NaN)."""
+
+  def __init__(self, poison: int | None = None):
+    self.tx, self.poison = optax.sgd(0.1), poison
+
+  def batches(self, start):
+    k = start
+    while True:
+      x = np.random.default_rng(k).normal(size=(16, 3)).astype(np.float32)
+      y = x @ W
+      if k == self.poison:
+        y[0] = np.nan
+      yield {"x": x, "y": y}
+      k += 1
+
+  def init_state(self, seed):
+    params = {"w": jnp.zeros(3)}
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+
+  def train_step(self, state, batch, skip_nonfinite=False):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2))(state["params"])
+    dense = update_lib.dense_update(self.tx, state["params"], state["opt"], grads, loss,
+                                    skip_nonfinite=skip_nonfinite)
+    return {"step": state["step"] + 1, "params": dense.params, "opt": dense.opt}, dense.metrics
+
+  def eval_step(self, state, batch):
+    return jnp.mean((batch["x"] @ state["params"]["w"] - batch["y"]) ** 2)
+
+  def device_batch(self, host):
+    return jax.tree.map(jnp.asarray, host)
+
+  def new_evaluator(self):
+    return _Mse()
+
+  def examples_in(self, host):
+    return len(host["y"])
+
+
+def _loop(tmp_path, **kw):
+  return train_lib.TrainConfig(workdir=str(tmp_path), steps=10, log_every=5,
+                               tensorboard=False, **kw)
+
+
+def test_hook_due_at_its_steps_and_the_last():
+  seen = []
+  hook = hooks_lib.Hook(lambda run: seen.append(run.step), every=3, last=True)
+  off = hooks_lib.Hook(lambda run: seen.append(-run.step), every=0)
+  for step in range(1, 11):
+    hooks_lib.run_hooks([hook, off], types.SimpleNamespace(step=step, end=10))
+  assert seen == [3, 6, 9, 10]
+
+
+def test_a_callers_hook_sees_each_of_its_steps(tmp_path):
+  task = _Toy()
+  seen = []
+
+  def probe(run):
+    run.pause()
+    seen.append((run.step, int(run.state["step"])))
+    run.writer.write(run.step, "probe", {"w0": float(run.state["params"]["w"][0])})
+
+  out = train_lib.train(task, task.batches, lambda: [next(task.batches(100))], _loop(tmp_path),
+                        hooks=[train_lib.Hook(probe, every=4)])
+  assert seen == [(4, 4), (8, 8)] and out["step"] == 10
+  assert out["eval"]["mse"] < float(np.mean(W ** 2))   # it trained
+  with open(tmp_path / "metrics.jsonl") as f:
+    probes = [line for line in f if '"probe"' in line]
+  assert len(probes) == 2
+
+
+def test_dense_update_skips_a_nonfinite_step_and_the_loop_counts_it(tmp_path):
+  task = _Toy(poison=6)   # the batch of step 7
+  out = train_lib.train(task, task.batches, None, _loop(tmp_path, nonfinite="skip"))
+  assert out["skipped_steps"] == 1 and out["step"] == 10
+  assert np.isfinite(np.asarray(out["state"]["params"]["w"])).all()
+  clean = _Toy()
+  state = clean.init_state(0)
+  batch = clean.device_batch(next(_Toy(poison=0).batches(0)))
+  new, metrics = jax.jit(lambda s, b: clean.train_step(s, b, skip_nonfinite=True))(state, batch)
+  assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
+  np.testing.assert_array_equal(np.asarray(new["params"]["w"]), np.zeros(3))
+  assert int(new["step"]) == 1
