@@ -291,7 +291,7 @@ def main(argv):
     if lora is not None:
       lm_lib.save_lora_run(workdir, init_spec(m.init), m.weights, lora)
   unit = "byte" if tok is None else "token"
-  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {m.preset}: "
+  print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {m.init or m.preset}: "
         f"{cfg.num_params() / 1e6:.2f}M params, "
         f"{cfg.flops_per_token(seq_len) / 1e6:.1f} MFLOPs/token (train) | "
         f"{train_size(train_src, unit)} | {run.loop.steps} steps of "
@@ -313,7 +313,8 @@ def main(argv):
     from llm import lora as lora_lib
     lora_lib.save_peft(os.path.join(workdir, "adapter"), out["state"]["lora"], lora,
                        base=init_spec(m.init))
-  summary = {"preset": m.preset, "mesh": dict(mesh.shape), "steps": out["step"],
+  summary = {"preset": None if m.init else m.preset, "init": m.init,
+             "mesh": dict(mesh.shape), "steps": out["step"],
              "finished": out["finished"], "eval_loss": ev.get("loss"),
              "eval_bits_per_token": ev.get("bits_per_token"),
              "eval_bits_per_byte": ev.get("bits_per_token") if tok is None else None,

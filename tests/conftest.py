@@ -1,5 +1,5 @@
 """Test setup: 8 simulated CPU devices (XLA's CPU backend at -O0: tests/cpu_env.py), set before
-jax is imported anywhere; one persistent compilation cache per session; `devices(n)`.
+jax is imported anywhere; `devices(n)`.
 
 `@pytest.mark.devices(n)` marks a test that needs at least n devices (a mesh over them, a
 sharded-vs-single comparison); with fewer it skips with a reason naming both counts and the
@@ -7,23 +7,9 @@ platform, so a one-GPU machine (`JAX_PLATFORMS=cuda`) or a run with
 `XLA_FLAGS=--xla_force_host_platform_device_count=1` skips those tests instead of failing.
 """
 
-import atexit
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache per test session, shared by the pytest-xdist workers and
-# the entry points the tests start as subprocesses (they inherit the environment): the same
-# small programs compile once per session instead of once per process. A fresh directory
-# each session, so a run never reads a cache another run wrote; removed by the process that
-# made it.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _cache = tempfile.mkdtemp(prefix="jax_test_cache_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if "XLA_FLAGS" not in os.environ:
   from tests import cpu_env  # noqa: E402  (before jax)
   os.environ["XLA_FLAGS"] = (cpu_env.xla_flags(8) if os.environ["JAX_PLATFORMS"] == "cpu"

@@ -83,7 +83,7 @@ def curves(workdir: str) -> dict[str, list]:
 def finetune(mode: str, train_file: str, workdir: str) -> dict:
   """Runs train_lm for one mode; returns its summary line and wall time."""
   lr = FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate
-  args = [sys.executable, "-m", "experiments.train_lm", f"--init={FLAGS.init}",
+  args = [sys.executable, "-c", _CHILD, f"--init={FLAGS.init}",
           f"--data=chat:{train_file}", f"--steps={FLAGS.steps}", f"--seq_len={FLAGS.seq_len}",
           f"--batch_size={FLAGS.batch_size}", f"--learning_rate={lr}",
           f"--warmup_steps={max(1, FLAGS.steps // 10)}", f"--eval_every={max(1, FLAGS.steps // 4)}",
@@ -94,8 +94,7 @@ def finetune(mode: str, train_file: str, workdir: str) -> dict:
              "--lora_targets=all"]
   t0 = time.time()
   last = ""
-  with subprocess.Popen(args, text=True, stdout=subprocess.PIPE,
-                        preexec_fn=_end_with_parent) as proc:
+  with subprocess.Popen(args, text=True, stdout=subprocess.PIPE) as proc:
     # SIGTERM / SIGINT reach the run, which keeps a checkpoint and stops; the study ends
     # with it (a rerun starts each run afresh: --overwrite).
     forward = lambda signum, frame: proc.send_signal(signum)
@@ -114,12 +113,16 @@ def finetune(mode: str, train_file: str, workdir: str) -> dict:
   return {"summary": json.loads(last), "seconds": time.time() - t0}
 
 
-def _end_with_parent() -> None:
-  """In the train_lm child: SIGTERM when this study's process dies (Linux), so no run
-  outlives the study."""
-  if sys.platform.startswith("linux"):
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+# The train_lm child: on Linux it asks for SIGTERM when this study's process dies
+# (PR_SET_PDEATHSIG, set in the child before JAX starts threads), so no run outlives the
+# study; then it runs train_lm as `python -m experiments.train_lm` would.
+_CHILD = ("import ctypes, os, runpy, signal, sys\n"
+          "if sys.platform.startswith('linux'):\n"
+          "  ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, int(signal.SIGTERM))\n"
+          "  if os.getppid() == 1:\n"
+          "    sys.exit('finetune_lm: the study ended before its run started')\n"
+          "sys.argv[0] = 'experiments.train_lm'\n"
+          "runpy.run_module('experiments.train_lm', run_name='__main__', alter_sys=True)\n")
 
 
 def plot(workdir: str, results: dict) -> str:
