@@ -46,24 +46,14 @@ def define_flags() -> None:
   flags.mark_flag_as_required("checkpoint")
 
 
-def chat_file(data: str | None) -> str | None:
-  """The file of --data=chat:FILE (None without --data); another form is an error."""
-  if data is None:
-    return None
-  kind, sep, path = data.partition(":")
-  if kind != "chat" or not sep or not path:
-    raise errors.expected(f"--data={data}", "not a chat file", "chat:FILE.jsonl")
-  return path
-
-
 def main(argv):
   del argv
   cli.quiet_library_logs()
-  chat = chat_file(FLAGS.data)
+  from llm import chat_data
+  chat = chat_data.chat_path(FLAGS.data)
   if (FLAGS.text is None) == (chat is None):
     raise errors.expected("--text / --data", "both given" if chat else "neither given",
                           "one of --text=FILE or --data=chat:FILE")
-  from llm import chat_data
   from llm import checkpoints
   from llm import evaluate
   from llm.data import read_text

@@ -155,14 +155,6 @@ def check_init_flags(run: run_config.LMRunConfig, flag_values) -> None:
                           "no --preset with --init")
 
 
-def init_spec(spec: str | None) -> str | None:
-  """--init with its path made absolute (what a workdir records)."""
-  if not spec:
-    return None
-  kind, _, path = spec.partition(":")
-  return f"{kind}:{os.path.abspath(path)}"
-
-
 def chat_sources(run: run_config.LMRunConfig, tok, share: dict):
   """(train, eval) sources of --data=chat:FILE: conversations packed whole into rows, the
   loss on the assistant's tokens (llm.chat_data), a tenth held out for eval."""
@@ -289,7 +281,7 @@ def main(argv):
     if tok is not None and getattr(tok, "source", "bytes") != "bytes":
       copy_tokenizer(tok, workdir)
     if lora is not None:
-      lm_lib.save_lora_run(workdir, init_spec(m.init), m.weights, lora)
+      lm_lib.save_lora_run(workdir, checkpoints.absolute_spec(m.init), m.weights, lora)
   unit = "byte" if tok is None else "token"
   print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {m.init or m.preset}: "
         f"{cfg.num_params() / 1e6:.2f}M params, "
@@ -312,7 +304,7 @@ def main(argv):
   if lora is not None and jax.process_index() == 0:   # the adapters on their own (PEFT)
     from llm import lora as lora_lib
     lora_lib.save_peft(os.path.join(workdir, "adapter"), out["state"]["lora"], lora,
-                       base=init_spec(m.init))
+                       base=checkpoints.absolute_spec(m.init))
   summary = {"preset": None if m.init else m.preset, "init": m.init,
              "mesh": dict(mesh.shape), "steps": out["step"],
              "finished": out["finished"], "eval_loss": ev.get("loss"),

@@ -100,6 +100,19 @@ def check_split(tok, messages: Sequence[dict]) -> bool:
   return conv.tokens[start:].tolist() == list(whole)
 
 
+def chat_path(data: str | None) -> str | None:
+  """The file of a `--data=chat:FILE` setting (None when unset); another form is an error
+  naming the flag."""
+  if data is None:
+    return None
+  kind, sep, path = data.partition(":")
+  if kind != "chat" or not sep or not path:
+    from core import errors
+    raise errors.expected(f"--data={data}", "not a chat file", "chat:FILE.jsonl (JSON Lines "
+                          "of {\"messages\": [...]}); plain text goes in --text")
+  return path
+
+
 def read_chat_file(path: str, tok, max_len: int | None = None) -> list[Conversation]:
   """The conversations of a JSON Lines chat file; a bad line is a ValueError naming the
   file and line; a conversation longer than `max_len` tokens is one too (rows never split

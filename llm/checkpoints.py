@@ -39,6 +39,14 @@ def parse_spec(spec: str) -> tuple[str, str]:
   return kind, path
 
 
+def absolute_spec(spec: str | None) -> str | None:
+  """`kind:path` with the path made absolute (what a workdir records of a checkpoint)."""
+  if not spec:
+    return None
+  kind, _, path = spec.partition(":")
+  return f"{kind}:{os.path.abspath(path)}"
+
+
 @functools.lru_cache(maxsize=2)
 def _gguf_checkpoint(path: str, mtime_ns: int, size: int):
   from llm.gguf import read_gguf

@@ -178,13 +178,8 @@ class LMRunConfig:
 
   def chat_file(self) -> str | None:
     """The file of --data=chat:FILE (None: --text)."""
-    if self.data.data is None:
-      return None
-    kind, sep, path = self.data.data.partition(":")
-    if kind != "chat" or not sep or not path:
-      raise errors.expected(f"--data={self.data.data}", "not a chat file", "chat:FILE.jsonl "
-                            "(JSON Lines of {\"messages\": [...]}); plain text goes in --text")
-    return path
+    from llm import chat_data
+    return chat_data.chat_path(self.data.data)
 
   def optim_config(self):
     """llm.train_lib.OptimConfig of the train section, decaying over the loop's steps."""
@@ -240,8 +235,8 @@ class LMRunConfig:
            "data.eval_batches": d.eval_batches,
            "mesh": ",".join(f"{a}:{n}" for a, n in mesh.shape.items())}
     if self.model.init:
-      kind, _, path = self.model.init.partition(":")
-      out["model.init"] = f"{kind}:{os.path.abspath(path)}"
+      from llm import checkpoints
+      out["model.init"] = checkpoints.absolute_spec(self.model.init)
     if self.model.weights != "float32":
       out["model.weights"] = self.model.weights
     if self.lora.lora_rank:
