@@ -9,6 +9,10 @@ Letting orbax find it instead fails inside its asyncio reads, and the reads stil
 then report into the closed event loop (hundreds of lines of `RuntimeError: Event loop is
 closed` before the real error).
 
+`restore(..., on_host=("emb",))` reads a part of the state as host numpy arrays in the
+shapes it was written with (a layout of another device count or plan), for the caller to
+convert (rec/embedding/reshard.py); `mismatches` lists the leaves that differ.
+
 `save` turns a failed write (a full disk, a file-size limit: an OSError, or tensorstore's
 ValueError carrying `os_error_code`) into one CheckpointWriteError naming the checkpoint,
 the file and the OS error; orbax's threads' copies of it are not logged, nor are the
@@ -26,9 +30,10 @@ import logging as py_logging
 import os
 import re
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from core import errors
@@ -183,30 +188,49 @@ class Checkpointer:
     return dict(self._manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore())).meta or {})
 
-  def check_compatible(self, step: int, abstract_state: Any) -> None:
-    """Raises CheckpointMismatchError listing every leaf whose path, shape or dtype in
-    checkpoint `step` differs from `abstract_state`'s."""
+  def mismatches(self, step: int, abstract_state: Any) -> tuple[list[str], int]:
+    """(the leaves whose path, shape or dtype in checkpoint `step` differ from
+    `abstract_state`'s, one line each; the number of leaves of both); reads no array."""
     stored = _leaf_specs(self._manager.item_metadata(step)["state"])
     wanted = _leaf_specs(abstract_state)
     problems = []
     for path in sorted(set(stored) | set(wanted)):
       if path not in wanted:
-        problems.append(f"  {path}: in the checkpoint {stored[path]}, not in the new state")
+        problems.append(f"{path}: in the checkpoint {stored[path]}, not in the new state")
       elif path not in stored:
-        problems.append(f"  {path}: in the new state {wanted[path]}, not in the checkpoint")
+        problems.append(f"{path}: in the new state {wanted[path]}, not in the checkpoint")
       elif stored[path] != wanted[path]:
-        problems.append(f"  {path}: checkpoint {stored[path]}, new state {wanted[path]}")
+        problems.append(f"{path}: checkpoint {stored[path]}, new state {wanted[path]}")
+    return problems, len(set(stored) | set(wanted))
+
+  def check_compatible(self, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointMismatchError listing every leaf whose path, shape or dtype in
+    checkpoint `step` differs from `abstract_state`'s."""
+    problems, total = self.mismatches(step, abstract_state)
     if problems:
-      shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+      shown = [f"  {p}" for p in problems[:20]] + (
+          [f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
       raise CheckpointMismatchError(
           f"checkpoint {self.directory}/{step} does not fit the state this run builds "
-          f"({len(problems)} of {len(set(stored) | set(wanted))} arrays differ):\n"
+          f"({len(problems)} of {total} arrays differ):\n"
           + "\n".join(shown) + "\nThe run's settings (model, sizes, mesh, sharding, "
           "optimizer) must be those the checkpoint was written with.")
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+  def restore(self, step: int, abstract_state: Any,
+              on_host: Sequence[str] = ()) -> tuple[Any, dict[str, Any]]:
     """Restores the state with the shardings of `abstract_state` (ShapeDtypeStructs),
-    after `check_compatible`."""
+    after `check_compatible`. `on_host`: top-level keys of the state (a dict) read as host
+    numpy arrays in the tree, shapes and dtypes they were saved with, whatever
+    `abstract_state` holds there: a part written in another layout (another device count,
+    another plan), which the caller converts (rec/embedding/reshard.py)."""
+    if on_host:
+      stored = self._manager.item_metadata(step)["state"]
+      missing = [k for k in on_host if k not in stored]
+      if missing:
+        raise CheckpointMismatchError(f"checkpoint {self.directory}/{step} holds no "
+                                      f"{missing}; expected a state with them")
+      abstract_state = {**abstract_state, **{
+          k: jax.tree.map(lambda m: np.empty(m.shape, m.dtype), stored[k]) for k in on_host}}
     self.check_compatible(step, abstract_state)
     out = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))

@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 
 from absl import app, flags, logging
 
+from core import config
 from core import distributed
 from core import errors
 from core import workdir as workdir_lib
@@ -174,6 +175,10 @@ def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> N
     try:
       if distributed.initialize_from_flags() and not distributed.is_primary():
         sys.stdout = open(os.devnull, "w")
+      over = config.apply_file(FLAGS)   # a --config file's loose settings (a study's row)
+      if over:
+        print(f"--config={FLAGS.config}: overridden by the command line: " + ", ".join(
+            f"--{n}={now!r} (file: {was!r})" for n, (was, now) in over.items()), flush=True)
       if "workdir" in FLAGS and isinstance(FLAGS["workdir"].value, str) and FLAGS.workdir:
         workdir_lib.claim(FLAGS.workdir)   # process 0 of a multi-process run
       return main(args)

@@ -35,6 +35,12 @@ given on the command line win over the file, and the file over the defaults.
 naming any setting where a flag overrode the file; `--config=<workdir>/config.py` replays
 the run. absl's `--flagfile=FILE` (one `--flag=value` per line) works as well.
 
+An entry point whose settings are partly loose flags (a study's --seeds, --models beside
+its RecRunConfig) names them `define_flags(None, ..., in_config=True)`: its --config file
+may set them too (a paper-table row as a file), `apply_file` makes the file's values their
+flags' defaults (core.cli.run calls it before main), and a typed config's `from_flags`
+reads the same file past them. Per-invocation flags (--workdir, --resume) stay out of it.
+
 Bad settings are one line naming the flag or the file and field, what was found and what
 was expected (`core.errors.UserError`).
 """
@@ -49,7 +55,7 @@ import os
 import pprint
 import runpy
 import sys
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from core import errors
 
@@ -143,6 +149,8 @@ class Setting:
     if self.parse is not None:
       return (self.format or str)(value)
     if self.kind == "list":
+      if self.item is not None:   # `several`: each value as the flag's text holds it
+        return [v if isinstance(v, str) else str(self.item.flag_text(v)) for v in value]
       return list(value)
     return value
 
@@ -320,12 +328,13 @@ def _where(where: str, name: str, value: Any) -> str:
   return f"{where}: {name}" if where else f"--{name}"
 
 
-def _unknown(cls: type, name: str, table: Mapping[str, Leaf], where: str) -> errors.UserError:
+def _unknown(cls: type | None, name: str, table: Mapping[str, Any],
+             where: str) -> errors.UserError:
   close = difflib.get_close_matches(name, list(table), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
+  of = cls.__name__ if cls is not None else "this entry point"
   return errors.expected(f"{where}: {name}" if where else f"--{name}",
-                         f"not a setting of {cls.__name__}{hint}",
-                         f"one of {sorted(table)}")
+                         f"not a setting of {of}{hint}", f"one of {sorted(table)}")
 
 
 # Flags -------------------------------------------------------------------------------
@@ -338,17 +347,24 @@ CONFIG = setting("config", "string",
 
 
 def define_flags(cls: type | None = None, *settings_: Setting | str,
-                 only: Sequence[str] | None = None, flag_values=None,
+                 only: Sequence[str] | None = None, flag_values=None, in_config: bool = False,
                  **defaults: Any) -> None:
   """Defines the absl flags of config class `cls` (each leaf, or the leaves named in
   `only` and in `defaults`), of the loose `settings_` (a Setting or a setting's name), and
-  --config when `cls` is given. `defaults`: the entry point's own defaults by flat name.
-  `flag_values`: where (default absl's FLAGS)."""
+  --config when `cls` is given or `in_config`. `in_config`: the --config file may set the
+  loose settings too (`apply_file`). `defaults`: the entry point's own defaults by flat
+  name. `flag_values`: where (default absl's FLAGS)."""
   from absl import flags
   flags.disclaim_key_flags()   # the flags are the calling entry point's: its --help lists them
   fv = flags.FLAGS if flag_values is None else flag_values
   todo: list[tuple[Setting, Any, tuple[str, ...] | None]] = []
+  declared = _declared(fv)
+  if in_config:
+    declared["loose"].update({s.name: s for s in (get(s) if isinstance(s, str) else s
+                                                   for s in settings_)})
+    todo.append((CONFIG, None, None))
   if cls is not None:
+    declared["cls"] = cls
     table = leaves(cls)
     names = list(table) if only is None else list(only)
     names += [n for n in defaults if n in table and n not in names]
@@ -435,8 +451,8 @@ def from_flags(cls: type, flag_values=None, **overrides: Any) -> Any:
       values[name] = fv[name].value
   path = fv["config"].value if "config" in fv else None
   if path:
-    for name, value in read_file(cls, path).items():
-      if name not in fv or not fv[name].present:
+    for name, value in read_file(cls, path, _loose(fv)).items():
+      if name in table and (name not in fv or not fv[name].present):
         values[name] = value
   values.update(overrides)
   return build(cls, **{n: v for n, v in values.items()})
@@ -452,8 +468,8 @@ def command_line_overrides(cls: type, flag_values=None) -> dict[str, Any]:
     return {}
   out = {}
   table = leaves(cls)
-  for name, value in read_file(cls, path).items():
-    if name in fv and fv[name].present:
+  for name, value in read_file(cls, path, _loose(fv)).items():
+    if name in table and name in fv and fv[name].present:
       given = table[name].setting.check(fv[name].value, _where("", name, fv[name].value),
                                         table[name].choices)
       if given != value:
@@ -463,11 +479,14 @@ def command_line_overrides(cls: type, flag_values=None) -> dict[str, Any]:
 
 # Files -------------------------------------------------------------------------------
 
-def read_file(cls: type, path: str) -> dict[str, Any]:
-  """The settings of config file `path` by flat name, checked against `cls`: a Python file
-  whose get_config() returns a `cls` config or a dict, or a JSON object. One UserError
-  line naming the file (and line, or field) for a file that does not parse, an unknown
-  setting or a value of the wrong kind."""
+def read_file(cls: type | None, path: str,
+              extra: Mapping[str, Setting] | Collection[str] = ()) -> dict[str, Any]:
+  """The settings of config file `path` by flat name, checked against `cls` (None: no typed
+  config) and the loose settings in `extra` (names, or names to the Setting an entry point
+  defined, e.g. a `several` one): a Python file whose get_config() returns
+  a `cls` config or a dict, or a JSON object. One UserError line naming the file (and line,
+  or field) for a file that does not parse, an unknown setting or a value of the wrong
+  kind."""
   if not os.path.isfile(path):
     raise errors.expected(f"--config={path}", "no such file", "a Python or JSON config file")
   if path.endswith(".json"):
@@ -488,19 +507,60 @@ def read_file(cls: type, path: str) -> dict[str, Any]:
                             "config or a dict of settings")
     got = module["get_config"]()
   if dataclasses.is_dataclass(got) and not isinstance(got, type):
-    if type(got) is not cls:
-      raise errors.expected(path, f"get_config() returns a {type(got).__name__}",
-                            f"a {cls.__name__} or a dict of its settings")
+    if cls is None or type(got) is not cls:
+      want = "a dict of settings" if cls is None else f"a {cls.__name__} or a dict of its settings"
+      raise errors.expected(path, f"get_config() returns a {type(got).__name__}", want)
     got = flat(got)
   if not isinstance(got, Mapping):
     raise errors.expected(path, f"a {type(got).__name__}", "a dict of settings by name")
-  table = leaves(cls)
+  table = leaves(cls) if cls is not None else {}
   out = {}
   for name, value in got.items():
-    if name not in table:
-      raise _unknown(cls, name, table, path)
-    out[name] = table[name].setting.check(value, f"{path}: {name}", table[name].choices)
+    if name in table:
+      out[name] = table[name].setting.check(value, f"{path}: {name}", table[name].choices)
+    elif name in extra:
+      s = extra[name] if isinstance(extra, Mapping) else get(name)
+      out[name] = s.check(value, f"{path}: {name}")
+    else:
+      raise _unknown(cls, name, {**table, **dict.fromkeys(extra)}, path)
   return out
+
+
+def _declared(fv) -> dict[str, Any]:
+  """What an entry point declared of its --config file on FlagValues `fv`: the typed config
+  class whose leaves it holds ("cls") and the loose settings it may set ("loose"). Kept in
+  the FlagValues' own __dict__, where absl keeps its state, so each FlagValues has its own."""
+  return fv.__dict__.setdefault("__config_file", {"cls": None, "loose": {}})
+
+
+def _loose(fv) -> dict[str, Setting]:
+  """The loose settings declared in_config whose flags `fv` still holds."""
+  return {n: s for n, s in _declared(fv)["loose"].items() if n in fv}
+
+
+def apply_file(flag_values=None) -> dict[str, tuple[Any, Any]]:
+  """The --config file's values of the loose settings declared `in_config` made their
+  flags' defaults, so `FLAGS.seeds` reads the file's seeds unless --seeds was given (the
+  typed config's leaves come from `from_flags`). Returns {name: (file's, flag's)} of the
+  loose settings the command line overrode. Nothing without --config or such settings."""
+  from absl import flags
+  fv = flags.FLAGS if flag_values is None else flag_values
+  loose = _loose(fv)
+  path = fv["config"].value if "config" in fv else None
+  if not path or not loose:
+    return {}
+  over = {}
+  for name, value in read_file(_declared(fv)["cls"], path, loose).items():
+    if name not in loose:
+      continue
+    s = loose[name]
+    if fv[name].present:
+      given = s.check(fv[name].value, f"--{name}")
+      if given != value:
+        over[name] = (value, given)
+    else:
+      fv.set_default(name, s.flag_text(value))
+  return over
 
 
 def write_file(config: Any, path: str, *, command: str = "",

@@ -1,11 +1,13 @@
-"""Plots: pyplot on the Agg backend (`pyplot()`, every plot's start), a run's metrics.jsonl
-(train loss, eval metrics) as a PNG beside results.json, plain tick labels for log axes."""
+"""Plots: pyplot on the Agg backend (`pyplot()`, every plot's start), `figure(path)` (a
+figure laid out, written and closed when its block ends), a run's metrics.jsonl (train loss,
+eval metrics) as a PNG beside results.json, plain tick labels for log axes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 
 def pyplot():
@@ -17,6 +19,27 @@ def pyplot():
   return plt
 
 
+@contextlib.contextmanager
+def figure(path: str, *grid: int, dpi: int = 110, tight: bool | tuple = True,
+           bbox_inches: str | None = None, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+  """`with figure(path, figsize=(6, 4)) as (fig, ax):` draws into `plt.subplots(*grid,
+  **subplots)` (Agg); when the block ends the figure is laid out (`tight`: True, False, or
+  the rect tight_layout fills), written to `path` (its folder made) at `dpi` and closed. A
+  block that raises writes nothing, and the figure is closed all the same."""
+  plt = pyplot()
+  fig, axes = plt.subplots(*grid, **subplots)
+  try:
+    yield fig, axes
+    if tight is True:
+      fig.tight_layout()
+    elif tight:
+      fig.tight_layout(rect=tight)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi, **({"bbox_inches": bbox_inches} if bbox_inches else {}))
+  finally:
+    plt.close(fig)
+
+
 def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: str = "curves.png") -> str | None:
   """Writes `<workdir>/<out_name>` with train loss and the chosen eval metrics over steps
   (process 0 of a multi-process run; None elsewhere or without metrics)."""
@@ -24,27 +47,23 @@ def plot_run(workdir: str, eval_keys: Sequence[str] = ("auc", "ne"), out_name: s
   path = os.path.join(workdir, "metrics.jsonl")
   if jax.process_index() != 0 or not os.path.exists(path):
     return None
-  plt = pyplot()
-
   with open(path) as f:
     recs = [json.loads(l) for l in f if l.strip()]
   train = [r for r in recs if r["split"] == "train" and "loss" in r]
   evals = [r for r in recs if r["split"] == "eval"]
   keys = [k for k in eval_keys if any(k in r for r in evals)]
-  fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4.5 * (1 + len(keys)), 3.4), squeeze=False)
-  ax = axes[0][0]
-  ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.2)
-  ax.set(title="train loss", xlabel="step")
-  for a, k in zip(axes[0][1:], keys):
-    pts = [(r["step"], r[k]) for r in evals if k in r]
-    a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", lw=1.2)
-    a.set(title=f"eval {k}", xlabel="step")
-  for a in axes[0]:
-    a.grid(alpha=0.3)
-  fig.tight_layout()
   out = os.path.join(workdir, out_name)
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
+  with figure(out, 1, 1 + len(keys), figsize=(4.5 * (1 + len(keys)), 3.4),
+              squeeze=False) as (fig, axes):
+    ax = axes[0][0]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.2)
+    ax.set(title="train loss", xlabel="step")
+    for a, k in zip(axes[0][1:], keys):
+      pts = [(r["step"], r[k]) for r in evals if k in r]
+      a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", lw=1.2)
+      a.set(title=f"eval {k}", xlabel="step")
+    for a in axes[0]:
+      a.grid(alpha=0.3)
   return out
 
 

@@ -197,7 +197,11 @@ class Task(Protocol):
   def examples_in(self, host_batch: Any) -> int: ...
   # Optional: `example_unit`, what examples_in counts, for the progress line ("ex" if absent);
   # `host_metrics(host_batch) -> {name: float}`, numbers measured on each host batch, logged
-  # with that step's metrics (None or absent: none).
+  # with that step's metrics (None or absent: none);
+  # `checkpoint_meta() -> dict`, JSON saved with every checkpoint's metadata (e.g. the
+  # layout the state was written in); `restore_checkpoint(ckpt, step, state) -> (state,
+  # meta)`, the checkpoint read into `state`'s shardings, converting a state written in
+  # another layout (absent: `ckpt.restore` with the shapes and shardings of `state`).
 
 
 class Evaluator(Protocol):
@@ -420,7 +424,10 @@ class Run:
     self.state = self.task.init_state(cfg.seed)
     self.start, self.meta = 0, {}
     if latest is not None:
-      self.state, self.meta = self.ckpt.restore(latest, ckpt_lib.abstract_like(self.state))
+      restore = getattr(self.task, "restore_checkpoint", None)
+      self.state, self.meta = (
+          restore(self.ckpt, latest, self.state) if restore is not None else
+          self.ckpt.restore(latest, ckpt_lib.abstract_like(self.state)))
       self.start = int(self.meta["step"])
       if self.meta.get("steps") not in (None, cfg.steps):
         logging.warning("resuming a run planned for %s steps with --steps=%d",
@@ -514,7 +521,9 @@ class Run:
     return scalars
 
   def meta_of(self, step: int) -> dict[str, Any]:
-    return {"step": step, "steps": self.cfg.steps, "last_eval": self.last_eval,
+    extra = getattr(self.task, "checkpoint_meta", None)
+    return {**(extra() if extra is not None else {}),
+            "step": step, "steps": self.cfg.steps, "last_eval": self.last_eval,
             "eval_step": self.eval_step, "skipped_steps": self.skipped,
             "settings": self.settings, "changeable": _changeable(self.cfg)}
 

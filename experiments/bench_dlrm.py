@@ -128,16 +128,13 @@ def main(argv):
   results_lib.write_results(FLAGS.workdir, results)
   try:
     from core import plot as plot_lib
-    plt = plot_lib.pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    names = ["ours (JAX)"] + (["TorchRec + FBGEMM"] if peer else [])
-    vals = [ours] + ([peer] if peer else [])
-    ax.boxplot(vals, tick_labels=names)
-    ax.set(ylabel="train examples / s", title=f"{FLAGS.model} {FLAGS.preset}, batch {B}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(FLAGS.workdir, "bench_dlrm.png"), dpi=110)
-    plt.close(fig)
+    with plot_lib.figure(
+        os.path.join(FLAGS.workdir, "bench_dlrm.png"), figsize=(5, 3.5)) as (fig, ax):
+      names = ["ours (JAX)"] + (["TorchRec + FBGEMM"] if peer else [])
+      vals = [ours] + ([peer] if peer else [])
+      ax.boxplot(vals, tick_labels=names)
+      ax.set(ylabel="train examples / s", title=f"{FLAGS.model} {FLAGS.preset}, batch {B}")
+      ax.grid(alpha=0.3)
   except Exception as e:  # the numbers matter more than the picture
     print(f"plot skipped: {e}", file=sys.stderr)
   results_lib.print_summary(summary)

@@ -147,20 +147,16 @@ def summarize(results):
 
 def plot(results, path):
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for P in sorted({r["pooling"] for r in results}):
-    for p, style in (("sparse", "o-"), ("naive", "s--")):
-      pts = sorted((r["rows"], r["median_ms"]) for r in results if r["pooling"] == P and r["path"] == p)
-      if pts:
-        ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=f"{p}, pooling {P}")
-  ax.set(xscale="log", yscale="log", xlabel="table rows R", ylabel="ms / train step",
-         title="embedding train step vs table size (dim 64, batch 4096)")
-  ax.grid(alpha=0.3, which="both")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, figsize=(6, 4)) as (fig, ax):
+    for P in sorted({r["pooling"] for r in results}):
+      for p, style in (("sparse", "o-"), ("naive", "s--")):
+        pts = sorted((r["rows"], r["median_ms"]) for r in results if r["pooling"] == P and r["path"] == p)
+        if pts:
+          ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=f"{p}, pooling {P}")
+    ax.set(xscale="log", yscale="log", xlabel="table rows R", ylabel="ms / train step",
+           title="embedding train step vs table size (dim 64, batch 4096)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
 
 
 def main(argv):

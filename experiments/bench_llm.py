@@ -207,15 +207,13 @@ def main(argv):
   results_lib.write_results(FLAGS.workdir, results)
   if q:
     from core import plot as plot_lib
-    plt = plot_lib.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, title in ((axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
-                           (axes[1], "decode_tokens_per_s", "decode tokens/s")):
-      ax.bar(["ours (JAX)", "transformers"], [o[key], q[key]], color=["tab:blue", "tab:orange"])
-      ax.set_title(title)
-    fig.suptitle(f"Llama {name}, batch {FLAGS.batch}, prompt {prompt_len}, CPU")
-    fig.tight_layout()
-    fig.savefig(os.path.join(FLAGS.workdir, "bench_llm.png"), dpi=120)
+    with plot_lib.figure(os.path.join(FLAGS.workdir, "bench_llm.png"), 1, 2,
+                         figsize=(8, 3.2), dpi=120) as (fig, axes):
+      for ax, key, title in ((axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
+                             (axes[1], "decode_tokens_per_s", "decode tokens/s")):
+        ax.bar(["ours (JAX)", "transformers"], [o[key], q[key]], color=["tab:blue", "tab:orange"])
+        ax.set_title(title)
+      fig.suptitle(f"Llama {name}, batch {FLAGS.batch}, prompt {prompt_len}, CPU")
   results_lib.print_summary(summary)
 
 

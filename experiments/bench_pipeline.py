@@ -94,22 +94,19 @@ def main(argv):
                                              "steps", "source_batches", "gen_rows")}})
   try:
     from core import plot as plot_lib
-    plt = plot_lib.pyplot()
     import numpy as np
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    x = np.arange(len(rows))
-    for i, (key, label) in enumerate((("source_examples_per_sec", "source alone"),
-                                      ("step_examples_per_sec", "step alone"),
-                                      ("end_to_end_examples_per_sec", "end to end"))):
-      ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
-    ax.set_xticks(x, [r["data"] for r in rows], fontsize=8)
-    ax.set(yscale="log", ylabel="examples / s",
-           title=f"{FLAGS.model} {FLAGS.preset}, batch {FLAGS.batch_size}, {machine['device']}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(os.path.join(FLAGS.workdir, "bench_pipeline.png"), dpi=110)
-    plt.close(fig)
+    with plot_lib.figure(os.path.join(FLAGS.workdir, "bench_pipeline.png"),
+                         figsize=(7, 3.5)) as (fig, ax):
+      x = np.arange(len(rows))
+      for i, (key, label) in enumerate((("source_examples_per_sec", "source alone"),
+                                        ("step_examples_per_sec", "step alone"),
+                                        ("end_to_end_examples_per_sec", "end to end"))):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
+      ax.set_xticks(x, [r["data"] for r in rows], fontsize=8)
+      ax.set(yscale="log", ylabel="examples / s",
+             title=f"{FLAGS.model} {FLAGS.preset}, batch {FLAGS.batch_size}, {machine['device']}")
+      ax.legend(fontsize=8)
+      ax.grid(alpha=0.3, axis="y")
   except ImportError:
     pass
   results_lib.print_summary({"device": machine["device"], "batch_size": FLAGS.batch_size,
@@ -160,23 +157,19 @@ def recd_main():
   out = {"recd_rows": rows, "machine": machine, "config": config,
          "paper_train_speedup_max": PAPER_TRAIN_SPEEDUP}
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
-  x = [r["repeats"] for r in rows]
-  ax.plot(x, [r["step_speedup"] for r in rows], "s-", label="train step alone")
-  ax.plot(x, [r["e2e_speedup"] for r in rows], "o-", label="end to end (Grain workers)")
-  ax.axhline(PAPER_TRAIN_SPEEDUP, color="r", ls="--", lw=1,
-             label=f"paper: up to {PAPER_TRAIN_SPEEDUP}x (training)")
-  ax.axhline(1, color="k", lw=0.8)
-  ax.set(xscale="log", xlabel="mean session length (samples per user-feature bag)",
-         ylabel="examples/s, dedup / plain", title=f"RecD, {machine['device']}")
-  ax.set_xticks(x, [f"{v:g}" for v in x])
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
   out["plot"] = os.path.join(FLAGS.workdir, "recd_end_to_end.png")
-  fig.savefig(out["plot"], dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(out["plot"], figsize=(6, 4)) as (fig, ax):
+    x = [r["repeats"] for r in rows]
+    ax.plot(x, [r["step_speedup"] for r in rows], "s-", label="train step alone")
+    ax.plot(x, [r["e2e_speedup"] for r in rows], "o-", label="end to end (Grain workers)")
+    ax.axhline(PAPER_TRAIN_SPEEDUP, color="r", ls="--", lw=1,
+               label=f"paper: up to {PAPER_TRAIN_SPEEDUP}x (training)")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="mean session length (samples per user-feature bag)",
+           ylabel="examples/s, dedup / plain", title=f"RecD, {machine['device']}")
+    ax.set_xticks(x, [f"{v:g}" for v in x])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
   results_lib.finish(FLAGS.workdir, out, {
       "device": machine["device"], "batch_size": FLAGS.batch_size,
       **{f"x{r['repeats']:g}": {"step_x": round(r["step_speedup"], 3),

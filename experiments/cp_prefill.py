@@ -39,15 +39,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import statistics
 
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
+from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
@@ -69,18 +68,30 @@ BANDWIDTH_GBPS = config.setting(
     "bandwidth_gbps", "float", "BW of the auto rule, GB/s per rank (400 Gb/s RDMA).")
 
 
-def define_flags() -> None:
+# The LM run's settings (llm.run_config.LMRunConfig) this entry point takes, at its own
+# defaults; every other setting of the run keeps LMRunConfig's.
+LM_FLAGS = dict(mesh="cp:-1", preset="tiny", seq_len=512, dtype="float32", seed=0)
+
+
+def define_flags(flag_values=None) -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
-  module beside other entry points whose flags share names)."""
+  module beside other entry points whose flags share names; `flag_values`: where, default
+  absl's FLAGS). The model, mesh and lengths are LMRunConfig's settings; every setting but
+  --workdir may come from a --config file."""
+  from llm.run_config import LMRunConfig
+  fv = flags.FLAGS if flag_values is None else flag_values
+  config.define_flags(LMRunConfig, only=(), flag_values=fv, **LM_FLAGS)
   config.define_flags(
-      None, "mesh", "preset", "seq_len", CACHED_LEN, "batch", VARIANT, INNER_IMPL, "dtype",
-      "repeats", TOL, PEAK_TFLOPS, BANDWIDTH_GBPS, "seed", "workdir", mesh="cp:-1", preset="tiny",
-      seq_len=512, cached_len=0, batch=1, variant="pass_kv", inner_impl="xla", dtype="float32",
-      repeats=5, tol=None, peak_tflops=989.0, bandwidth_gbps=50.0, seed=0,
-      workdir="runs/cp_prefill")
+      None, CACHED_LEN, "batch", VARIANT, INNER_IMPL, "repeats", TOL, PEAK_TFLOPS,
+      BANDWIDTH_GBPS, in_config=True, flag_values=fv, cached_len=0, batch=1,
+      variant="pass_kv", inner_impl="xla", repeats=5, tol=None, peak_tflops=989.0,
+      bandwidth_gbps=50.0)
+  config.define_flags(None, "workdir", flag_values=fv, workdir="runs/cp_prefill")
   for name in ("peak_tflops", "bandwidth_gbps"):
-    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
-  flags.register_validator("tol", lambda v: v is None or v >= 0, message="expected >= 0")
+    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0",
+                             flag_values=fv)
+  flags.register_validator("tol", lambda v: v is None or v >= 0, message="expected >= 0",
+                           flag_values=fv)
 
 
 def make_mesh_for(spec: str):
@@ -227,19 +238,19 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   import jax
-  from llm.config import get_config
-  if FLAGS.dtype == "float32":
+  from llm.run_config import LMRunConfig
+  lm = config.from_flags(LMRunConfig)
+  m = lm.model
+  if m.dtype == "float32":
     jax.config.update("jax_default_matmul_precision", "float32")  # fp32 parity, also on GPU
-  cfg = get_config(FLAGS.preset, dtype=FLAGS.dtype)
-  mesh = make_mesh_for(FLAGS.mesh)
-  tol = FLAGS.tol if FLAGS.tol is not None else (1e-4 if FLAGS.dtype == "float32" else 0.2)
-  res = run(cfg, mesh, seq_len=FLAGS.seq_len, cached_len=FLAGS.cached_len, batch=FLAGS.batch,
-            variant=FLAGS.variant, inner_impl=FLAGS.inner_impl, repeats=FLAGS.repeats, tol=tol,
-            peak_flops=FLAGS.peak_tflops * 1e12, bandwidth=FLAGS.bandwidth_gbps * 1e9,
-            seed=FLAGS.seed, preset=FLAGS.preset)
+  mesh = make_mesh_for(lm.parallelism.mesh)
+  tol = FLAGS.tol if FLAGS.tol is not None else (1e-4 if m.dtype == "float32" else 0.2)
+  res = run(lm.preset_config(), mesh, seq_len=lm.data.seq_len, cached_len=FLAGS.cached_len,
+            batch=FLAGS.batch, variant=FLAGS.variant, inner_impl=FLAGS.inner_impl,
+            repeats=FLAGS.repeats, tol=tol, peak_flops=FLAGS.peak_tflops * 1e12,
+            bandwidth=FLAGS.bandwidth_gbps * 1e9, seed=lm.train.seed, preset=m.preset)
   print(format_table(res))
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.finish(FLAGS.workdir, res, res["summary"])
+  Report(FLAGS.workdir).finish(res, res["summary"])
   if not res["summary"]["passed"]:
     raise SystemExit(1)
 

@@ -71,19 +71,17 @@ def main(argv):
       "data": FLAGS.data, "num_rows": FLAGS.num_rows, "batch_size": FLAGS.batch_size,
       "learning_rate": FLAGS.learning_rate, "results": rows})
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
-  for model in FLAGS.models:
-    rs = [r for r in rows if r["model"] == model]
-    axes[0].plot([r["epochs"] for r in rs], [r["auc"] for r in rs], "o-", label=model)
-    axes[1].plot([r["epochs"] for r in rs], [r["ne"] for r in rs], "o-", label=model)
-  axes[0].set(xlabel="epochs", title="eval AUC")
-  axes[1].set(xlabel="epochs", title="eval NE (lower is better)")
-  for a in axes:
-    a.grid(alpha=0.3)
-    a.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(FLAGS.workdir, "criteo_baselines.png"), dpi=110)
+  with plot_lib.figure(os.path.join(FLAGS.workdir, "criteo_baselines.png"), 1, 2,
+                       figsize=(8, 3.3)) as (fig, axes):
+    for model in FLAGS.models:
+      rs = [r for r in rows if r["model"] == model]
+      axes[0].plot([r["epochs"] for r in rs], [r["auc"] for r in rs], "o-", label=model)
+      axes[1].plot([r["epochs"] for r in rs], [r["ne"] for r in rs], "o-", label=model)
+    axes[0].set(xlabel="epochs", title="eval AUC")
+    axes[1].set(xlabel="epochs", title="eval NE (lower is better)")
+    for a in axes:
+      a.grid(alpha=0.3)
+      a.legend()
   results_lib.print_summary({"results": rows})
 
 

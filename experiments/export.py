@@ -10,10 +10,14 @@ the adapters merged; the adapters alone are its adapter/ directory, PEFT's layou
 --to=hf: config.json + model.safetensors (--dtype float32 | bfloat16) and the tokenizer:
 tokenizer.json with tokenizer_config.json (bos / eos tokens, chat template), built from the
 checkpoint's own (a HF tokenizer's files, or a GGUF vocabulary through `tokenizers`).
---to=gguf: a Llama GGUF llama.cpp runs (--gguf_type F32 | F16 | Q8_0) with the vocabulary
-of a GGUF or llama2.c tokenizer (`llm.gguf.save_gguf`); a tokenizer.json has no GGUF form
-here and is refused in one line. The output appears whole or not at all (written beside it,
-then renamed); an existing --out is refused unless --overwrite.
+--to=gguf: a GGUF llama.cpp runs (--gguf_type F32 | F16 | Q8_0) with the vocabulary of a
+GGUF or llama2.c tokenizer (`llm.gguf.save_gguf`); a tokenizer.json has no GGUF form here and
+is refused in one line. Either format is written as the checkpoint's family
+(`llm.config.family`, the summary's "family"): Qwen2 (q / k / v biases; HF
+Qwen2ForCausalLM, GGUF arch qwen2), Mistral (a sliding window; HF MistralForCausalLM, GGUF
+arch llama with llama.attention.sliding_window, which llama.cpp ignores), else Llama. The
+output appears whole or not at all (written beside it, then renamed); an existing --out is
+refused unless --overwrite.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from llm import checkpoints
+  from llm.config import family
   out = os.path.abspath(FLAGS.out)
   if os.path.exists(out) and not FLAGS.overwrite:
     raise errors.expected(f"--out={FLAGS.out}", "exists", "a new path (or --overwrite)")
@@ -116,7 +121,7 @@ def main(argv):
   size = (sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
           if os.path.isdir(out) else os.path.getsize(out))
   summary = {"checkpoint": FLAGS.checkpoint, "to": FLAGS.to, "out": out, "bytes": size,
-             "params": cfg.num_params(),
+             "params": cfg.num_params(), "family": family(cfg),
              "format": FLAGS.dtype if FLAGS.to == "hf" else FLAGS.gguf_type}
   print(f"export: {FLAGS.checkpoint} -> {out} ({FLAGS.to}, {summary['format']}, "
         f"{size / 1e6:.1f} MB)", flush=True)

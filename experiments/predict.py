@@ -14,8 +14,10 @@ criteo_bin conversion's predict split). Criteo Kaggle's unlabeled rows get Kaggl
 rows are numbered from 0 (`row,probability,label`). The model, its features and the id
 settings come from the checkpoint; data whose features or ids differ from those the model
 was trained on (another --num_rows, another vocabulary --min_count, Avazu rows for a Criteo
-model) is refused with the difference named. Writes the CSV, `<output>.json` with the
-summary, and prints one JSON line last.
+model) is refused with the difference named. Any device count and --mesh
+predict (default: the run's mesh where as many devices are here, else all of them on one
+axis); a checkpoint of another layout is resharded. Writes the CSV, `<output>.json` with
+the summary, and prints one JSON line last.
 """
 
 from __future__ import annotations

@@ -109,26 +109,11 @@ check_packing_flags = run_config.check_packing
 
 
 def packed_source(run: run_config.LMRunConfig, cfg, tokens, cp_ranks: int, share: dict):
-  """The --packing source over documents cut from `tokens` (see llm/packing/source.py)."""
+  """The --packing source over documents cut from `tokens` (llm.packing.source.from_run)."""
   from llm.packing import cost as cost_lib
-  from llm.packing.cp_shard import TileModel
-  from llm.packing.lengths import CorpusLengths
-  from llm.packing.source import PackedSource, PackingSpec
-  p, seq_len = run.data.packing, run.data.seq_len
-  if p.cost_model == "flops":
-    cost = cost_lib.flop_cost_model(cost_lib.Shape.from_config(cfg)).scaled(1e-9, 1e-9,
-                                                                            unit="GFLOP")
-  else:
-    cost = cost_lib.CostModel.load(p.cost_model)
-  dist = (CorpusLengths(context=seq_len) if not p.doc_context else
-          CorpusLengths(context=p.doc_context, scale=seq_len / p.doc_context))
-  spec = PackingSpec(packing=p.packing, fixed_window=p.fixed_window, wlb_queues=p.wlb_queues,
-                     layout={"seq": "sequence", "doc": "document"}.get(p.cp_sharding,
-                                                                       p.cp_sharding))
-  tile = p.cp_tile or max(1, round(128 * seq_len / (p.doc_context or seq_len)))
-  return PackedSource(tokens, dist, spec, seq_len=seq_len, batch_size=run.train.batch_size,
-                      cp=cp_ranks, cost=cost, n_layers=cfg.n_layers, seed=run.train.seed,
-                      tile_model=TileModel(tile, tile), **share)
+  from llm.packing import source
+  return source.from_run(run, tokens, cp_ranks, n_layers=cfg.n_layers,
+                         cost=cost_lib.from_setting(run.data.packing.cost_model, cfg), **share)
 
 
 def packing_summary(src) -> dict:

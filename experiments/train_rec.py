@@ -27,7 +27,10 @@ SIGTERM / SIGINT finish the step, keep a checkpoint of it and end with the line 
 step N; checkpoint N kept; continue with --resume` and status 143 / 130; besides
 --checkpoint_every, a checkpoint is written every --checkpoint_every_minutes (default 10).
 A checkpoint that cannot be written (disk full, file-size limit) ends the run in one line
-naming it, after results.json when training and evaluation finished.
+naming it, after results.json when training and evaluation finished. `--resume` may change
+--mesh, the device count, --sharding, --sharding_overrides and --memory_budget_gb: a
+checkpoint of another embedding layout is resharded (one line says so: `resharded
+checkpoint 4: 8 devices tw -> 4 devices rw`).
 
 The run's settings are one typed config (`TrainRecConfig`: the `rec.configs.RecRunConfig`
 and the train loop's `core.settings.LoopConfig`, plus --epochs and --data_workers); the
@@ -93,8 +96,9 @@ def from_flags(flag_values=None) -> TrainRecConfig:
 
 
 # Settings besides the loop's (steps, cadences, paths) that --resume may change: they
-# change neither the state nor the batches the run sees.
-RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines")
+# change neither the state nor the batches the run sees (the layout settings only where
+# the state lies: a checkpoint of another layout is resharded).
+RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines") + configs.LAYOUT_SETTINGS
 
 
 def default_workdir(model: str) -> str:
@@ -137,11 +141,9 @@ def main(argv):
     os.makedirs(workdir, exist_ok=True)
     config.write_file(tcfg, os.path.join(workdir, CONFIG_FILE), overridden=overridden,
                       command="python -m experiments.train_rec " + shlex.join(sys.argv[1:]))
-  mesh_shape = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES).shape
   from rec.data import sources as sources_lib
-  settings = {**cfg.run_settings(), "epochs": tcfg.epochs,
-              "mesh": ",".join(f"{a}:{n}" for a, n in mesh_shape.items()),
-              **sources_lib.data_settings(cfg.data.data)}   # a conversion's fingerprint
+  settings = configs.checkpoint_settings(
+      cfg, mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES), epochs=tcfg.epochs)
   loop_cfg = core_settings.loop_config(
       tcfg.loop, workdir=workdir, seed=cfg.seed, settings=settings,
       changeable=RESUME_CHANGEABLE, normalize_settings=configs.normalize_settings,

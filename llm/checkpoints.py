@@ -26,7 +26,7 @@ import functools
 import os
 
 FORMS = ("llama2c:PATH (llama2.c legacy .bin)", "hf:DIR (Hugging Face config.json + "
-         "safetensors)", "gguf:FILE (llama.cpp GGUF, Llama architecture)",
+         "safetensors)", "gguf:FILE (llama.cpp GGUF, Llama or Qwen2 architecture)",
          "workdir:DIR (an experiments.train_lm run)")
 _KINDS = ("llama2c", "hf", "gguf", "workdir")
 
@@ -141,8 +141,9 @@ def load_model(spec: str, dtype: str = "float32", weights: str = "float32"):
 def load_pretrained(spec: str, weights: str = "float32", tokenizer: str | None = None):
   """(LlamaConfig, contract weights, tokenizer or None) to start training from: any kind
   `load_model` reads (a workdir's latest checkpoint, a LoRA run's adapters merged), the
-  matrices int8 / int4 with `weights`; `tokenizer` (a path) must have the checkpoint's
-  vocabulary size."""
+  matrices int8 / int4 with `weights`; the tokenizer (`tokenizer`, a path, or the
+  checkpoint's own) may have fewer tokens than the model's vocabulary (Qwen2's embeddings
+  are padded past its tokenizer's 151,665 tokens), never more."""
   from llm import model as model_lib
   from llm import quantized
   kind, _ = parse_spec(spec)
@@ -155,9 +156,9 @@ def load_pretrained(spec: str, weights: str = "float32", tokenizer: str | None =
   else:
     cfg, flat = load_weights(spec, weights)
   tok = find_tokenizer(spec, tokenizer, cfg.vocab_size)
-  if tok is not None and tok.vocab_size != cfg.vocab_size:
-    raise ValueError(f"--tokenizer={tokenizer}: vocabulary of {tok.vocab_size}; expected the "
-                     f"checkpoint's {cfg.vocab_size} ({spec})")
+  if tok is not None and tok.vocab_size > cfg.vocab_size:
+    raise ValueError(f"{tokenizer or tok.source}: vocabulary of {tok.vocab_size}; expected at "
+                     f"most the checkpoint's {cfg.vocab_size} ({spec})")
   return cfg, flat, tok
 
 

@@ -1,7 +1,13 @@
-"""Llama 3 model sizes (arXiv 2407.21783) and tiny test configs.
+"""Llama 3 model sizes (arXiv 2407.21783) and tiny test configs; the options that make the
+same decoder Qwen2 / Qwen2.5 or Mistral.
 
 Presets follow the released configs: Llama 3.1 8B / 70B / 405B and Llama 3.2 1B / 3B
 (tied embeddings, RoPE scaling factor 32). `head_dim` defaults to dim // n_heads.
+Two options cover the second family: `qkv_bias` (Qwen2: biases on the q / k / v
+projections, added before RoPE) and `sliding_window` (Mistral, arXiv 2310.06825: a token
+sees itself and the W - 1 positions before it, in every layer). `family(cfg)` names the
+checkpoint architecture a config is written back as (HF `architectures`, GGUF
+`general.architecture`).
 Attention is two settings: `attention_impl`, the single-device implementation
 (`llm.attention`: "auto", "xla", "cudnn", "pallas", ...), and `context_parallel`, whether
 and how the sequence is split over the mesh's cp axis (ring attention, arXiv 2411.01783,
@@ -14,9 +20,13 @@ import dataclasses
 
 from absl import logging
 
+from core import errors
 from llm.attention import check_impl
 
 CONTEXT_PARALLEL = ("none", "pass_kv", "pass_q", "auto")
+# Implementations that apply a sliding window (as an explicit mask, llm/attention/masked.py);
+# the kernels' masks are segment ids and positions only.
+WINDOW_IMPLS = ("auto", "xla", "xla_decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +64,10 @@ class LlamaConfig:
   context_parallel: str = "none"
   remat: bool = False             # rematerialize each block in the backward pass
   remat_policy: str = "full"      # what remat keeps: "full" | "dots" | "attention" (llm.model)
+  qkv_bias: bool = False          # biases on the q / k / v projections (Qwen2)
+  # Mistral's sliding window: query position p sees keys at positions p - W < kv_pos <= p
+  # in every layer (transformers' `kv_idx > q_idx - sliding_window`); None: full causal.
+  sliding_window: int | None = None
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -79,6 +93,19 @@ class LlamaConfig:
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise ValueError(f"LlamaConfig: {name}={getattr(self, name)!r}, expected 'float32' "
                          "or 'bfloat16'")
+    w = self.sliding_window
+    if w is not None:
+      if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise errors.expected("LlamaConfig", f"sliding_window={w!r}", "None or an integer >= 1")
+      if self.attention_impl not in WINDOW_IMPLS:
+        raise errors.expected("LlamaConfig", f"sliding_window={w} with attention_impl="
+                              f"{self.attention_impl!r}, which applies no window",
+                              f"attention_impl one of {WINDOW_IMPLS} (the jnp paths mask the "
+                              "window) or sliding_window=None")
+      if self.context_parallel != "none":
+        raise errors.expected("LlamaConfig", f"sliding_window={w} with context_parallel="
+                              f"{self.context_parallel!r} (ring attention applies no window)",
+                              "context_parallel='none' for a sliding-window model")
 
   def replace(self, **kw) -> LlamaConfig:
     return dataclasses.replace(self, **kw)
@@ -87,6 +114,8 @@ class LlamaConfig:
     """Parameter count (embeddings included, output counted once when tied)."""
     d, k = self.dim, self.head_dim
     attn = d * k * (self.n_heads * 2 + self.n_kv_heads * 2)
+    if self.qkv_bias:
+      attn += k * (self.n_heads + 2 * self.n_kv_heads)
     ffn = 3 * d * self.ffn_dim
     per_layer = attn + ffn + 2 * d
     out = 0 if self.tie_embeddings else self.vocab_size * d
@@ -128,9 +157,26 @@ PRESETS: dict[str, LlamaConfig] = {
                              ffn_dim=128, rope_theta=10000.0, max_seq_len=512,
                              tie_embeddings=True, rope_scaling=RopeScaling(
                                  factor=4.0, original_max_position=64)),
+    # The second family's options at the tiny size: Qwen2 (q / k / v biases, tied, RoPE base
+    # 1e6 as Qwen2.5) and Mistral (a sliding window shorter than a test sequence).
+    "tiny_qwen2": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              ffn_dim=128, norm_eps=1e-6, rope_theta=1000000.0,
+                              max_seq_len=512, tie_embeddings=True, qkv_bias=True),
+    "tiny_mistral": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                ffn_dim=128, rope_theta=1000000.0, max_seq_len=512,
+                                sliding_window=8),
     "byte_small": LlamaConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                               ffn_dim=768, rope_theta=10000.0, max_seq_len=1024),
 }
+
+
+def family(cfg: LlamaConfig) -> str:
+  """The checkpoint family `cfg` is written as: "qwen2" (q / k / v biases), "mistral" (a
+  sliding window), else "llama". A Mistral without a window is Llama's arithmetic and is
+  written as Llama; a Qwen2 with a window in every layer stays Qwen2 (use_sliding_window)."""
+  if cfg.qkv_bias:
+    return "qwen2"
+  return "mistral" if cfg.sliding_window is not None else "llama"
 
 
 def get_config(name: str, **overrides) -> LlamaConfig:

@@ -1,13 +1,23 @@
-"""GGUF checkpoints (llama.cpp's format) of Llama-architecture models: read and write.
+"""GGUF checkpoints (llama.cpp's format) of Llama- and Qwen2-architecture models: read and
+write.
 
 Read with ggml's own `gguf` package (GGUFReader); everything else follows llama.cpp:
-  config     from the `llama.*` metadata (sizes, rope.freq_base, rms epsilon as stored);
+  arch       `general.architecture` "llama" (Llama 1/2/3, SmolLM, TinyLlama and Mistral,
+             which llama.cpp's converter writes as llama) or "qwen2" (Qwen2 / Qwen2.5:
+             attn_q / attn_k / attn_v biases); any other is refused naming it.
+  config     from the `<arch>.*` metadata (sizes, rope.freq_base, rms epsilon as stored);
              a `rope_freqs.weight` tensor (Llama 3.1 / 3.2 RoPE scaling) is matched to the
              llama3 rule; MoE, other RoPE scaling types and partial rotary are refused.
+             `<arch>.attention.sliding_window` is read as a window in every layer; llama.cpp's
+             converter does not write it for Mistral (a Mistral GGUF then loads with full
+             attention, which is what llama.cpp runs it with: equal to transformers' Mistral
+             only up to sliding_window tokens) and llama.cpp ignores it for these
+             architectures when `save_gguf` writes it.
   weights    dequantized by `gguf.quants.dequantize` from F32, F16, BF16, Q8_0, Q4_0, Q4_1,
              Q4_K, Q5_K and Q6_K, then laid out as the flat contract of `llm.weights`. llama.cpp's
-             converter permutes the rows of attn_q / attn_k from transformers' half-split RoPE
-             layout to Meta's interleaved one (its `permute`); loading permutes them back.
+             converter permutes the rows of attn_q / attn_k of "llama" files from transformers'
+             half-split RoPE layout to Meta's interleaved one (its `permute`); loading permutes
+             them back. "qwen2" files keep the half-split layout (llama.cpp's NEOX RoPE).
   tokenizer  the embedded vocabulary through the `tokenizers` library: `gpt2` (byte-level BPE
              from tokens + merges, pre-tokenized as `tokenizer.ggml.pre` says) and `llama`
              (SentencePiece BPE from tokens + scores, merges ranked by score, byte fallback);
@@ -42,7 +52,8 @@ import numpy as np
 from core import errors
 from llm.config import LlamaConfig, RopeScaling
 
-ARCH = "llama"
+# general.architecture -> what it holds; the architectures read and written here.
+ARCHS = {"llama": "Llama, Mistral, SmolLM, TinyLlama, ...", "qwen2": "Qwen2 / Qwen2.5"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 EXPORT_TYPES = ("F32", "F16", "Q8_0")
 
@@ -52,12 +63,15 @@ _GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
 _LAYER = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
           "attn_output": "wo", "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up",
           "ffn_down": "w_down"}
-# `llama.*` keys read here; any other key of the architecture may change the arithmetic.
+# Qwen2's q / k / v biases: blk.{i}.<name>.bias -> layers.{i}.<contract>.
+_BIAS = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}
+# `<arch>.*` keys read here; any other key of the architecture may change the arithmetic.
 _ARCH_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward_length",
               "rope.dimension_count", "rope.freq_base", "attention.head_count",
               "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
               "attention.key_length", "attention.value_length", "vocab_size",
-              "rope.scaling.type", "expert_count", "expert_used_count"}
+              "rope.scaling.type", "expert_count", "expert_used_count",
+              "attention.sliding_window"}
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
@@ -222,9 +236,13 @@ class GGUFVocab:
   chat_template: str | None = None
 
 
+def _supported_archs() -> str:
+  return ", ".join(f"{a!r} ({what})" for a, what in ARCHS.items())
+
+
 class GGUFCheckpoint:
-  """A Llama-architecture GGUF file: `config`, `tensors` (contract name -> StoredTensor),
-  `vocab`, `weights()` and `tokenizer()`."""
+  """A Llama- or Qwen2-architecture GGUF file: `config`, `tensors` (contract name ->
+  StoredTensor), `vocab`, `weights()` and `tokenizer()`."""
 
   def __init__(self, path: str):
     self.path = path
@@ -232,10 +250,10 @@ class GGUFCheckpoint:
     self.metadata = {k: _field(r, k) for k in r.fields if not k.startswith("tokenizer.ggml.")
                      and not k.startswith("GGUF.")}
     arch = _field(r, "general.architecture", kind="str")
-    if arch != ARCH:
-      raise ValueError(f"{path}: general.architecture={arch!r}; this loader reads "
-                       f"Llama-architecture GGUF files only (general.architecture={ARCH!r}: "
-                       "Llama 1/2/3, TinyLlama, SmolLM, ...)")
+    if arch not in ARCHS:
+      raise errors.expected(path, f"general.architecture={arch!r}, an architecture this "
+                            "loader does not read", f"one of {_supported_archs()}")
+    self.arch = arch
     n_split = _field(r, "split.count", 1, kind="id")
     if n_split > 1:
       raise ValueError(f"{path}: split.count={n_split}: one file of a split GGUF; merge the "
@@ -251,39 +269,39 @@ class GGUFCheckpoint:
   # -- config
 
   def _config(self, r, stored) -> LlamaConfig:
-    path = self.path
-    unknown = sorted(k[len(ARCH) + 1:] for k in r.fields
-                     if k.startswith(ARCH + ".") and k[len(ARCH) + 1:] not in _ARCH_KEYS)
+    path, arch = self.path, self.arch
+    unknown = sorted(k[len(arch) + 1:] for k in r.fields
+                     if k.startswith(arch + ".") and k[len(arch) + 1:] not in _ARCH_KEYS)
     if unknown:
-      raise ValueError(f"{path}: metadata keys {[f'{ARCH}.{k}' for k in unknown]} are not "
+      raise ValueError(f"{path}: metadata keys {[f'{arch}.{k}' for k in unknown]} are not "
                        "understood by this loader and may change the model's arithmetic")
 
     def need(key, kind="count"):
-      v = _field(r, f"{ARCH}.{key}", kind=kind)
+      v = _field(r, f"{arch}.{key}", kind=kind)
       if v is None:
-        raise ValueError(f"{path}: missing metadata key {ARCH}.{key!r}")
+        raise ValueError(f"{path}: missing metadata key {arch}.{key!r}")
       return v
 
     def opt(key, default, kind="count"):
-      return _field(r, f"{ARCH}.{key}", default, kind)
+      return _field(r, f"{arch}.{key}", default, kind)
 
-    experts = _field(r, f"{ARCH}.expert_count", 0, kind="id")
+    experts = _field(r, f"{arch}.expert_count", 0, kind="id")
     if experts:
-      raise ValueError(f"{path}: {ARCH}.expert_count={experts}: a mixture of experts (Mixtral "
+      raise ValueError(f"{path}: {arch}.expert_count={experts}: a mixture of experts (Mixtral "
                        "style); the Llama model here is dense")
-    scaling = _field(r, f"{ARCH}.rope.scaling.type", kind="str")
+    scaling = _field(r, f"{arch}.rope.scaling.type", kind="str")
     if scaling not in (None, "none"):
-      raise ValueError(f"{path}: {ARCH}.rope.scaling.type={scaling!r}; only plain RoPE and "
+      raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r}; only plain RoPE and "
                        "Llama 3's rope_freqs.weight factors are supported")
     dim, n_heads = need("embedding_length"), need("attention.head_count")
-    kv = _field(r, f"{ARCH}.attention.head_count_kv", n_heads)
+    kv = _field(r, f"{arch}.attention.head_count_kv", n_heads)
     if isinstance(kv, list):
       if len(set(kv)) != 1:
-        raise ValueError(f"{path}: {ARCH}.attention.head_count_kv varies by layer "
+        raise ValueError(f"{path}: {arch}.attention.head_count_kv varies by layer "
                          f"({kv[:8]}); expected one value")
       kv = kv[0]
     if not _KINDS["count"][0](kv) or n_heads % kv:
-      raise errors.expected(path, f"metadata {ARCH}.attention.head_count_kv={kv!r}",
+      raise errors.expected(path, f"metadata {arch}.attention.head_count_kv={kv!r}",
                             f"an integer >= 1 that divides head_count={n_heads}")
     head_dim = opt("attention.key_length", dim // n_heads)
     v_dim = opt("attention.value_length", head_dim)
@@ -299,7 +317,7 @@ class GGUFCheckpoint:
     theta = float(opt("rope.freq_base", 10000.0, "number"))
     eps = float(need("attention.layer_norm_rms_epsilon", "number"))
     if not theta > 1 or not eps > 0:
-      raise errors.expected(path, f"metadata {ARCH}.rope.freq_base={theta}, {ARCH}.attention."
+      raise errors.expected(path, f"metadata {arch}.rope.freq_base={theta}, {arch}.attention."
                             f"layer_norm_rms_epsilon={eps}", "a RoPE base > 1 and an epsilon > 0")
     embed = stored.get("token_embd.weight")
     if embed is None:
@@ -307,18 +325,20 @@ class GGUFCheckpoint:
     vocab = opt("vocab_size", int(embed.shape[1]) if len(embed.shape) == 2 else None)
     if vocab is None:
       raise ValueError(f"{path}: token_embd.weight has shape {embed.shape.tolist()} and there "
-                       f"is no {ARCH}.vocab_size; expected a 2-d embedding")
+                       f"is no {arch}.vocab_size; expected a 2-d embedding")
+    window = opt("attention.sliding_window", None)
     ctx = opt("context_length", 2048)
     n_layers = need("block_count")
     # Before a name is listed per layer: the blocks the tensors hold bound block_count.
     blocks = {n.split(".")[1] for n in stored if n.startswith("blk.")}
     if n_layers > len(blocks):
-      raise errors.expected(path, f"metadata {ARCH}.block_count={n_layers}",
+      raise errors.expected(path, f"metadata {arch}.block_count={n_layers}",
                             f"the {len(blocks)} blocks (blk.N.*) whose tensors the file holds")
     cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
                       n_kv_heads=kv, ffn_dim=need("feed_forward_length"), head_dim=head_dim,
                       norm_eps=eps, rope_theta=theta,
-                      tie_embeddings="output.weight" not in stored, max_seq_len=ctx)
+                      tie_embeddings="output.weight" not in stored, max_seq_len=ctx,
+                      qkv_bias=arch == "qwen2", sliding_window=window)
     freqs = stored.get("rope_freqs.weight")
     if freqs is not None:
       cfg = cfg.replace(rope_scaling=self._rope_scaling(cfg, freqs))
@@ -356,13 +376,11 @@ class GGUFCheckpoint:
     from llm.weights import _hf_shape, param_shapes
     cfg, path = self.config, self.path
     want = param_shapes(cfg)
-    names = dict(_GLOBAL)
-    for i in range(cfg.n_layers):
-      names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{c}" for g, c in _LAYER.items()})
+    names = _gguf_names(cfg)
     extra = [n for n in stored if n not in names and n != "rope_freqs.weight"]
     if extra:
       raise ValueError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected, e.g. "
-                       "biases or experts) for a Llama with "
+                       f"biases or experts) for a {self.arch} model with "
                        f"{cfg.n_layers} layers")
     out = {}
     for gname, contract in names.items():
@@ -381,7 +399,8 @@ class GGUFCheckpoint:
       if shape != expected:
         raise ValueError(f"{path}: tensor {gname!r} has shape {shape} (rows, cols), expected "
                          f"{expected} for {contract} from the metadata")
-      heads = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads}.get(contract.rsplit(".", 1)[-1])
+      heads = ({"wq": cfg.n_heads, "wk": cfg.n_kv_heads}.get(contract.rsplit(".", 1)[-1])
+               if self.arch == "llama" else None)   # qwen2: half-split as transformers'
       out[contract] = StoredTensor(gname, contract, qtype, shape, t.data, heads)
     return out
 
@@ -400,6 +419,16 @@ class GGUFCheckpoint:
     return vocab_tokenizer(self.vocab, self.path, self.config.vocab_size)
 
 
+def _gguf_names(cfg: LlamaConfig) -> dict[str, str]:
+  """GGUF tensor name -> contract name for `cfg` (lm_head listed even when tied)."""
+  names = dict(_GLOBAL)
+  for i in range(cfg.n_layers):
+    names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{c}" for g, c in _LAYER.items()})
+    if cfg.qkv_bias:
+      names.update({f"blk.{i}.{g}.bias": f"layers.{i}.{c}" for g, c in _BIAS.items()})
+  return names
+
+
 def read_gguf(path: str) -> GGUFCheckpoint:
   return GGUFCheckpoint(path)
 
@@ -411,7 +440,7 @@ def read_vocab(path: str) -> GGUFVocab | None:
 
 
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-  """(config, float32 contract weights) of a Llama GGUF file."""
+  """(config, float32 contract weights) of a Llama / Qwen2 GGUF file."""
   ckpt = GGUFCheckpoint(path)
   return ckpt.config, ckpt.weights()
 
@@ -596,12 +625,17 @@ def vocab_from_llama2c(tok) -> GGUFVocab:
 
 def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype: str = "F16",
               vocab: GGUFVocab | None = None, name: str = "llama") -> str:
-  """Writes `cfg` / `weights` as a Llama GGUF file llama.cpp loads: matrices in `qtype`
-  (F32, F16 or Q8_0; a Q8_0 matrix whose rows are not whole 32-blocks is stored F16, as
-  llama.cpp's converter does), norms in F32, q / k rows permuted to llama.cpp's interleaved
-  RoPE layout, Llama 3 RoPE scaling as rope_freqs.weight. `vocab` (GGUFCheckpoint.vocab,
+  """Writes `cfg` / `weights` as a GGUF file llama.cpp loads, of general.architecture
+  "qwen2" for a Qwen2 config (q / k / v biases; `llm.config.family`), else "llama" (a
+  Mistral too, as llama.cpp's converter writes it): matrices in `qtype` (F32, F16 or Q8_0;
+  a Q8_0 matrix whose rows are not whole 32-blocks is stored F16, as llama.cpp's converter
+  does), norms and biases in F32, "llama" q / k rows permuted to llama.cpp's interleaved
+  RoPE layout, Llama 3 RoPE scaling as rope_freqs.weight, a sliding window as
+  `<arch>.attention.sliding_window` (read back here; llama.cpp ignores it for these
+  architectures and runs full attention). `vocab` (GGUFCheckpoint.vocab,
   `vocab_from_llama2c`) is written as tokenizer.ggml.*; llama.cpp needs one to run the file."""
   gguf = _gguf()
+  from llm.config import family
   from llm.weights import _from_contract, _hf_names, check_weights, half_to_interleaved
   if qtype not in EXPORT_TYPES:
     raise ValueError(f"save_gguf: qtype={qtype!r}, expected one of {EXPORT_TYPES}")
@@ -609,7 +643,8 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
   T = gguf.GGMLQuantizationType
   file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
-  w = gguf.GGUFWriter(path, ARCH)
+  arch = "qwen2" if family(cfg) == "qwen2" else "llama"
+  w = gguf.GGUFWriter(path, arch)
   w.add_name(name)
   w.add_context_length(cfg.max_seq_len)
   w.add_embedding_length(cfg.dim)
@@ -623,6 +658,8 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
     w.add_value_length(cfg.head_dim)
   w.add_rope_freq_base(cfg.rope_theta)
   w.add_layer_norm_rms_eps(cfg.norm_eps)
+  if cfg.sliding_window is not None:
+    w.add_sliding_window(cfg.sliding_window)
   w.add_vocab_size(cfg.vocab_size)
   w.add_file_type(int(file_type))
   w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -634,13 +671,11 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
     scaled = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     w.add_tensor("rope_freqs.weight", (np.asarray(base, np.float64)
                                        / np.asarray(scaled, np.float64)).astype(np.float32))
-  to_gguf = {v: k for k, v in _GLOBAL.items()}
-  for i in range(cfg.n_layers):
-    to_gguf.update({f"layers.{i}.{c}": f"blk.{i}.{g}.weight" for g, c in _LAYER.items()})
+  to_gguf = {c: g for g, c in _gguf_names(cfg).items()}
   for hf_name, contract in _hf_names(cfg).items():
     a = np.asarray(_from_contract(contract, np.asarray(weights[contract])), np.float32)
     short = contract.rsplit(".", 1)[-1]
-    if short in ("wq", "wk"):
+    if short in ("wq", "wk") and arch == "llama":
       a = half_to_interleaved(a, cfg.n_heads if short == "wq" else cfg.n_kv_heads)
     a = np.ascontiguousarray(a)
     if a.ndim == 1 or qtype == "F32":

@@ -27,6 +27,13 @@ matters: context parallelism (below) places slots on any rank. Calls:
 `Llama.hidden` (blocks + final norm on embeddings) and `Llama.logits` split the same call,
 e.g. to take logits at a few positions only.
 
+Qwen2 and Mistral are options of this model (`llm.config`): `cfg.qkv_bias` adds
+layers[i].attn.bq [H,K], .bk/.bv [G,K] to q / k / v before RoPE; `cfg.sliding_window` W
+narrows every layer's attention to keys at positions > q_pos - W (`sliding_window_mask`,
+passed as the explicit `mask` of `llm.attention`, so the jnp implementations apply it in
+training, prefill and decode over the cache alike; the config refuses the kernels and ring
+attention with a window). The cache still keeps every token (no rolling buffer).
+
 Context parallelism (arXiv 2411.01783): with cfg.context_parallel "pass_kv" | "pass_q" |
 "auto" and a `jax.set_mesh` mesh with a `cp` axis of N > 1 ranks, the same calls run context
 parallel (`ring.ring_attention`, its blocks by cfg.attention_impl) and return the same
@@ -262,6 +269,10 @@ def _param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def _zeros(shape, names, dtype) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
+
+
 def _weight(p: nnx.Param, dtype=None) -> jax.Array:
   """A parameter's value in `dtype` (None: as held); a weight-only quantized one
   (`llm.quantized.QuantizedParam`) is dequantized here, inside the jitted computation, so
@@ -327,6 +338,10 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), d ** -0.5, pd)
     self.wv = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), d ** -0.5, pd)
     self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), (h * k) ** -0.5, pd)
+    if cfg.qkv_bias:         # Qwen2: added to q / k / v before RoPE; zero at init
+      self.bq = _zeros((h, k), ("heads", "head_dim"), pd)
+      self.bk = _zeros((g, k), ("kv_heads", "head_dim"), pd)
+      self.bv = _zeros((g, k), ("kv_heads", "head_dim"), pd)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, kv=None, kv_pos_BS=None,
                slots_BT=None, mask_BTS=None, call_seg_BT=None):
@@ -343,6 +358,10 @@ class Attention(nnx.Module):
     q_BTHK = constrain(_dense(x_BTD, self.wq, dt, "btd,dhk->bthk"), Q_NAMES)
     k_BTGK = constrain(_dense(x_BTD, self.wk, dt, "btd,dgk->btgk"), KV_NAMES)
     v_BTGK = constrain(_dense(x_BTD, self.wv, dt, "btd,dgk->btgk"), KV_NAMES)
+    if cfg.qkv_bias:
+      q_BTHK = q_BTHK + _weight(self.bq, dt)
+      k_BTGK = k_BTGK + _weight(self.bk, dt)
+      v_BTGK = v_BTGK + _weight(self.bv, dt)
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     rope_pos_BT = positions_BT
     if rope_pos_BT is None:
@@ -351,6 +370,9 @@ class Attention(nnx.Module):
     q_BTHK = apply_rope(q_BTHK, rope_pos_BT, inv_freq)
     k_BTGK = apply_rope(k_BTGK, rope_pos_BT, inv_freq)
     cp = _context_parallel(cfg)
+    if hasattr(kv, "write_and_attend"):   # a paged KV cache (llm/serving/paged.py)
+      out_BTHK, kv = kv.write_and_attend(q_BTHK, k_BTGK, v_BTGK, rope_pos_BT)
+      return constrain(_dense(out_BTHK.astype(dt), self.wo, dt, "bthk,hkd->btd"), X_NAMES), kv
     if kv is None:
       k_all, v_all, kv_pos, seg = k_BTGK, v_BTGK, positions_BT, segment_ids_BT
     else:
@@ -366,6 +388,10 @@ class Attention(nnx.Module):
         kv_pos, seg = positions_BT, call_seg_BT
     kw = dict(causal=True, q_positions=positions_BT, kv_positions=kv_pos, q_segment_ids=seg,
               kv_segment_ids=seg)
+    window_BTS = sliding_window_mask(positions_BT, kv_pos, cfg.sliding_window,
+                                     x_BTD.shape[0], x_BTD.shape[1], k_all.shape[1])
+    if window_BTS is not None:   # LlamaConfig allows a window only on the jnp paths, no CP
+      mask_BTS = window_BTS if mask_BTS is None else mask_BTS.astype(bool) & window_BTS
     if cp is None:
       out_BTHK, _ = attention(q_BTHK, k_all, v_all, impl=cfg.attention_impl, mask=mask_BTS, **kw)
     else:                    # Llama.hidden refuses mask_BTS under CP
@@ -375,6 +401,18 @@ class Attention(nnx.Module):
                                         inner_impl=cfg.attention_impl, **kw)
     y_BTD = _dense(out_BTHK.astype(dt), self.wo, dt, "bthk,hkd->btd")
     return constrain(y_BTD, X_NAMES), kv
+
+
+def sliding_window_mask(q_pos_BT, kv_pos_BS, window: int | None, b: int, t: int, s: int):
+  """[B,T,S] bool: key s is inside query t's window (kv_pos > q_pos - window; the causal
+  rule does the rest), positions defaulting to arange; None without a window, or when the
+  call's default positions cannot reach past it (no cache, T <= window)."""
+  if window is None or (q_pos_BT is None and kv_pos_BS is None and t <= window):
+    return None
+  arange = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))  # noqa: E731
+  q_BT = arange(t) if q_pos_BT is None else q_pos_BT
+  kv_BS = arange(s) if kv_pos_BS is None else kv_pos_BS
+  return kv_BS[:, None, :] > q_BT[:, :, None] - window
 
 
 class MLP(nnx.Module):
@@ -603,6 +641,8 @@ def _flat_params(model: Llama) -> dict[str, nnx.Param]:
                 p + "wk": blk.attn.wk, p + "wv": blk.attn.wv, p + "wo": blk.attn.wo,
                 p + "mlp_norm": blk.mlp_norm.scale, p + "w_gate": blk.mlp.w_gate,
                 p + "w_up": blk.mlp.w_up, p + "w_down": blk.mlp.w_down})
+    if model.cfg.qkv_bias:
+      out.update({p + "bq": blk.attn.bq, p + "bk": blk.attn.bk, p + "bv": blk.attn.bv})
   out["final_norm"] = model.final_norm.scale
   if not model.cfg.tie_embeddings:
     out["lm_head"] = model.lm_head

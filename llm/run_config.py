@@ -4,6 +4,7 @@
   run = config.replace(run, seq_len=1024, packing="wlb", mesh="data:2,cp:4")
   run.validate(cp_ranks=4)                              # what the library cannot train
   cfg = run.llama_config(vocab_size=256); optim = run.optim_config()
+  cfg = run.preset_config()                             # the preset as defined (studies)
 
 Sections: `model` (the Llama: preset, dtype, remat, attention, context parallelism),
 `data` (text, tokenizer, rows, eval set, and `packing`: WLB-LLM's document packing, arXiv
@@ -157,16 +158,25 @@ class LMRunConfig:
     """The LlamaConfig trained: the preset at this vocabulary (or the `pretrained`
     checkpoint's LlamaConfig: its shape and context), dtype, remat, attention."""
     from llm import config as config_lib
+    if pretrained is not None:
+      return pretrained.replace(param_dtype="float32", **self._numerics())
+    return config_lib.get_config(self.model.preset, vocab_size=vocab_size,
+                                 max_seq_len=max(self.data.seq_len, 16), **self._numerics())
+
+  def preset_config(self, **overrides):
+    """The preset's LlamaConfig as llm.config defines it (its vocabulary and context) at the
+    run's dtype, remat, attention and context parallelism, then `overrides`: the model a
+    study runs or counts without a tokenizer or a text (cp_prefill, cp_model, wlb_packing)."""
+    from llm import config as config_lib
+    return config_lib.get_config(self.model.preset, **{**self._numerics(), **overrides})
+
+  def _numerics(self) -> dict[str, Any]:
+    """The LlamaConfig fields the model section sets beside the sizes."""
     m = self.model
     remat = ({"remat": False} if m.remat == "none" else
              {"remat": True, "remat_policy": m.remat})
-    if pretrained is not None:
-      return pretrained.replace(dtype=m.dtype, param_dtype="float32",
-                                attention_impl=m.attention_impl,
-                                context_parallel=m.context_parallel, **remat)
-    return config_lib.get_config(
-        m.preset, vocab_size=vocab_size, dtype=m.dtype, attention_impl=m.attention_impl,
-        context_parallel=m.context_parallel, max_seq_len=max(self.data.seq_len, 16), **remat)
+    return {"dtype": m.dtype, "attention_impl": m.attention_impl,
+            "context_parallel": m.context_parallel, **remat}
 
   def lora_config(self):
     """llm.lora.LoraConfig of the lora section, or None (rank 0: full fine-tuning)."""

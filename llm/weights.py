@@ -1,11 +1,13 @@
-"""Llama weight loaders and exporters: llama2.c legacy `.bin` and Hugging Face safetensors.
+"""Llama weight loaders and exporters: llama2.c legacy `.bin` and Hugging Face safetensors
+(Llama, Qwen2 / Qwen2.5 and Mistral directories: `llm.weights_hf`).
 
 Everything meets in one flat dict of numpy arrays (the contract `llm.model` loads):
 
     embed [V, D]; per layer i: layers.{i}.attn_norm [D], layers.{i}.wq [D, H, K],
     layers.{i}.wk [D, G, K], layers.{i}.wv [D, G, K], layers.{i}.wo [H, K, D],
     layers.{i}.mlp_norm [D], layers.{i}.w_gate [D, F], layers.{i}.w_up [D, F],
-    layers.{i}.w_down [F, D]; final_norm [D]; lm_head [D, V] (absent when tied).
+    layers.{i}.w_down [F, D]; final_norm [D]; lm_head [D, V] (absent when tied);
+    with cfg.qkv_bias (Qwen2) also layers.{i}.bq [H, K], layers.{i}.bk / bv [G, K].
 
 V: vocab, D: model dim, H: query heads, G: key/value heads, K: head dim, F: FFN hidden.
 

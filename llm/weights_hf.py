@@ -1,9 +1,14 @@
-"""Hugging Face Llama directories: config.json and safetensors, read and written.
+"""Hugging Face directories of Llama, Qwen2 / Qwen2.5 and Mistral: config.json and
+safetensors, read and written.
 
 `load_hf` reads config.json (`config_from_hf`: every key that changes the arithmetic
 understood, or an error naming it) and the tensors of model.safetensors, of a sharded
 index's files or of any *.safetensors, one at a time, into the contract dict
-(`llm.weights_layout`); `save_hf` writes one, sharded by size. A file whose size disagrees
+(`llm.weights_layout`); `save_hf` writes one, sharded by size, as the architecture
+`llm.config.family` names. model_type "llama" (LlamaForCausalLM), "qwen2"
+(Qwen2ForCausalLM: q / k / v biases, `use_sliding_window` honored when it covers every
+layer or none) and "mistral" (MistralForCausalLM: `sliding_window`) are read; any other
+model_type is refused naming it. A file whose size disagrees
 with its header (a truncated download), a NaN or Inf, an unexpected or missing tensor and a
 JSON error are errors naming the file and the tensor or key.
 """
@@ -20,13 +25,19 @@ import re
 import numpy as np
 
 from core import errors
-from llm.config import LlamaConfig, RopeScaling
+from llm.config import LlamaConfig, RopeScaling, family
 from llm.weights_layout import (DTYPES, Weights, check_finite, check_weights, in_out, out_in,
                                 param_shapes)
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+# The architectures read and written, by config.json model_type (`llm.config.FAMILIES`).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+_BIASES = ("bq", "bk", "bv")
 
 
 def _hf_names(cfg: LlamaConfig) -> dict[str, str]:
@@ -43,6 +54,10 @@ def _hf_names(cfg: LlamaConfig) -> dict[str, str]:
                   hf + "mlp.gate_proj.weight": p + "w_gate",
                   hf + "mlp.up_proj.weight": p + "w_up",
                   hf + "mlp.down_proj.weight": p + "w_down"})
+    if cfg.qkv_bias:
+      names.update({hf + "self_attn.q_proj.bias": p + "bq",
+                    hf + "self_attn.k_proj.bias": p + "bk",
+                    hf + "self_attn.v_proj.bias": p + "bv"})
   names["model.norm.weight"] = "final_norm"
   if not cfg.tie_embeddings:
     names["lm_head.weight"] = "lm_head"
@@ -54,6 +69,8 @@ def _hf_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
   shape = param_shapes(cfg)[name]
   if len(shape) == 1 or name == "embed":
     return shape
+  if name.rsplit(".", 1)[-1] in _BIASES:
+    return (math.prod(shape),)
   if name.endswith(".wo"):
     return (shape[2], shape[0] * shape[1])
   return (math.prod(shape[1:]), shape[0])
@@ -65,6 +82,8 @@ def _to_contract(cfg: LlamaConfig, name: str, t: np.ndarray) -> np.ndarray:
   if short in ("wq", "wk", "wv"):
     heads = cfg.n_heads if short == "wq" else cfg.n_kv_heads
     return in_out(t, heads, cfg.head_dim)
+  if short in _BIASES:
+    return np.ascontiguousarray(t).reshape(-1, cfg.head_dim)
   if short == "wo":
     return np.ascontiguousarray(t.T).reshape(cfg.n_heads, cfg.head_dim, cfg.dim)
   if short in ("w_gate", "w_up", "w_down", "lm_head"):
@@ -76,6 +95,8 @@ def _from_contract(name: str, w: np.ndarray) -> np.ndarray:
   short = name.rsplit(".", 1)[-1]
   if short == "wo":
     return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
+  if short in _BIASES:
+    return np.ascontiguousarray(w).reshape(-1)
   if short in ("wq", "wk", "wv", "w_gate", "w_up", "w_down", "lm_head"):
     return out_in(w)
   return w
@@ -88,13 +109,18 @@ def _from_contract(name: str, w: np.ndarray) -> np.ndarray:
 # `_`-prefixed keys (transformers' bookkeeping: _name_or_path, _model_name_or_path,
 # _commit_hash, _attn_implementation, ...), `*_token_id(s)` and `initializer_*` are harmless
 # by pattern. Any other key is refused: it may change the arithmetic (quantization_config,
-# sliding_window, softcapping, experts, multipliers, ...).
+# sliding_window on a Llama, softcapping, experts, multipliers, ...).
 _HF_READ = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "rope_interleaved",
     "tie_word_embeddings", "max_position_embeddings", "attention_bias", "mlp_bias",
     "pruned_heads", "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder"})
+# What each family reads besides (Qwen2's window settings, Mistral's window).
+_FAMILY_READ = {"llama": frozenset(),
+                "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
+                                    "layer_types"}),
+                "mistral": frozenset({"sliding_window"})}
 _HF_HARMLESS = frozenset({
     "architectures", "transformers_version", "torch_dtype", "dtype", "use_bfloat16",
     "torchscript", "use_cache", "attention_dropout", "pretraining_tp",
@@ -180,18 +206,30 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
   return float(theta), scaling
 
 
+def _supported() -> str:
+  return ", ".join(f"{t!r} ({a})" for t, a in ARCHITECTURES.items())
+
+
 def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
-  """LlamaConfig from a HF `config.json` dict as transformers 4.x or 5 writes it (runtime
-  fields keep their defaults). A key that would change the arithmetic and is not understood
-  (a rope type other than default / llama3, a missing rope_theta, biases, another
-  activation, an unknown key) is an error, never a silent default."""
+  """LlamaConfig from a HF `config.json` dict of a Llama, Qwen2 or Mistral as transformers
+  4.x or 5 writes it (runtime fields keep their defaults). A key that would change the
+  arithmetic and is not understood (another model_type, a rope type other than default /
+  llama3, a missing rope_theta, biases other than Qwen2's, another activation, a window in
+  some layers only, an unknown key) is an error, never a silent default."""
   if not isinstance(hf, dict):
-    raise errors.expected(where, f"a JSON {_json_kind(hf)}", "a JSON object of a Llama "
-                          "model's settings (transformers' config.json)")
+    raise errors.expected(where, f"a JSON {_json_kind(hf)}", "a JSON object of a model's "
+                          "settings (transformers' config.json)")
+  model_type = hf.get("model_type", "llama")
+  if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+    arch = hf.get("architectures")
+    shown = f" (architectures {arch})" if arch else ""
+    raise errors.expected(where, f"model_type={model_type!r}{shown}, an architecture this "
+                          "loader does not read", f"one of {_supported()}")
 
   def need(key):
     if key not in hf:
-      raise ValueError(f"{where}: missing key {key!r}")
+      raise errors.expected(where, f"missing key {key!r}", f"it in a {model_type!r} "
+                            f"config.json ({ARCHITECTURES[model_type]})")
     return hf[key]
 
   def count(key, default=None):
@@ -200,17 +238,17 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
     v = hf.get(key)
     return default if v is None else _count(v, key, where)
 
-  if hf.get("model_type", "llama") != "llama":
-    raise ValueError(f"{where}: model_type={hf['model_type']!r}, expected 'llama'")
-  unknown = sorted(k for k in hf if k not in _HF_READ and not _harmless_key(k))
+  read = _HF_READ | _FAMILY_READ[model_type]
+  unknown = sorted(k for k in hf if k not in read and not _harmless_key(k))
   if unknown:
-    raise ValueError(f"{where}: keys {unknown} are not understood by this Llama loader and may "
-                     "change the model's arithmetic; remove them from the file if they do not")
+    raise ValueError(f"{where}: keys {unknown} are not understood by this {model_type} loader "
+                     "and may change the model's arithmetic; remove them from the file if they "
+                     "do not")
   for key in ("attention_bias", "mlp_bias", "is_encoder_decoder", "add_cross_attention",
               "tie_encoder_decoder", "pruned_heads"):
     if hf.get(key):
-      raise ValueError(f"{where}: {key}={hf[key]!r}; the Llama model here has no biases, "
-                       "cross-attention or pruned heads")
+      raise ValueError(f"{where}: {key}={hf[key]!r}; the model here has no biases besides "
+                       "Qwen2's q / k / v ones, no cross-attention and no pruned heads")
   if hf.get("rope_interleaved"):
     raise ValueError(f"{where}: rope_interleaved={hf['rope_interleaved']!r}; transformers' "
                      "Llama rotates half-split pairs (j, j + K/2), so interleaved RoPE weights "
@@ -237,11 +275,58 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
   eps = _number(need("rms_norm_eps"), "rms_norm_eps", where)
   if not eps > 0:
     raise errors.expected(where, f"rms_norm_eps={eps!r}", "a number > 0")
+  n_layers = count("num_hidden_layers")
   return LlamaConfig(
-      vocab_size=count("vocab_size"), dim=dim, n_layers=count("num_hidden_layers"),
+      vocab_size=count("vocab_size"), dim=dim, n_layers=n_layers,
       n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=count("intermediate_size"),
       head_dim=head_dim, norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
-      tie_embeddings=tie, max_seq_len=count("max_position_embeddings", 2048))
+      tie_embeddings=tie, max_seq_len=count("max_position_embeddings", 2048),
+      qkv_bias=model_type == "qwen2",
+      sliding_window=_window_from_hf(hf, model_type, n_layers, where))
+
+
+def _window_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> int | None:
+  """The sliding window of every layer (None: full attention). Mistral: `sliding_window`
+  (null or absent: none). Qwen2 as transformers 5 reads it: `use_sliding_window` off means
+  none whatever `sliding_window` says; on, the layers `layer_types` marks
+  "sliding_attention" (without layer_types: those from `max_window_layers` on, default 28)
+  take the window, which must then be every layer or none."""
+  if model_type == "llama":
+    return None
+  w = hf.get("sliding_window")
+  if model_type == "mistral":
+    return None if w is None else _count(w, "sliding_window", where)
+  use = hf.get("use_sliding_window", False)
+  if not isinstance(use, bool):
+    raise errors.expected(where, f"use_sliding_window={use!r}", "true or false")
+  types = hf.get("layer_types")
+  if types is not None:
+    kinds = ("full_attention", "sliding_attention")
+    if (not isinstance(types, list) or len(types) != n_layers
+        or any(t not in kinds for t in types)):
+      shown = repr(types) if len(repr(types)) <= 80 else repr(types)[:77] + "..."
+      raise errors.expected(where, f"layer_types={shown}", f"a list of {n_layers} entries "
+                            "(num_hidden_layers), each 'full_attention' or 'sliding_attention'")
+  if not use or w is None:
+    return None
+  w = _count(w, "sliding_window", where)
+  if types is not None:
+    windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    source = "layer_types"
+  else:
+    first = hf.get("max_window_layers", 28)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+      raise errors.expected(where, f"max_window_layers={first!r}", "an integer >= 0")
+    windowed = list(range(first, n_layers))
+    source = f"max_window_layers={first}"
+  if not windowed:
+    return None
+  if len(windowed) < n_layers:
+    raise errors.expected(where, f"use_sliding_window=true with the window in layers "
+                          f"{windowed[:8]}{'...' if len(windowed) > 8 else ''} of {n_layers} "
+                          f"only ({source})", "the window in every layer or in none (a "
+                          "per-layer window is not supported)")
+  return w
 
 
 def _json_kind(v) -> str:
@@ -271,13 +356,25 @@ def _number(v, key: str, where: str, above: float | None = None) -> float:
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
-  """A transformers-loadable LlamaForCausalLM `config.json` dict for `cfg`, in the 4.x layout
-  (top-level rope_theta / rope_scaling), which transformers 4.x and 5 both read."""
+  """A transformers-loadable `config.json` dict for `cfg` as the architecture
+  `llm.config.family` names (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM), in
+  the 4.x layout (top-level rope_theta / rope_scaling), which transformers 4.x and 5 both
+  read; a Qwen2 window is written for every layer (max_window_layers 0 and layer_types)."""
   rs = cfg.rope_scaling
+  kind = family(cfg)
+  if kind == "llama":
+    extra = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+  elif kind == "mistral":
+    extra = {"sliding_window": cfg.sliding_window}
+  else:
+    windowed = cfg.sliding_window is not None
+    extra = {"use_sliding_window": windowed, "sliding_window": cfg.sliding_window,
+             "max_window_layers": 0 if windowed else cfg.n_layers,
+             "layer_types": [("sliding_attention" if windowed else "full_attention")]
+                            * cfg.n_layers}
   return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-      "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-      "pretraining_tp": 1, "use_cache": True, "initializer_range": 0.02,
+      "architectures": [ARCHITECTURES[kind]], "model_type": kind, "hidden_act": "silu",
+      **extra, "attention_dropout": 0.0, "use_cache": True, "initializer_range": 0.02,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -360,7 +457,7 @@ def read_json(path: str):
 
 
 def hf_config(d: str) -> LlamaConfig:
-  """The LlamaConfig of a HF Llama directory, from its config.json alone."""
+  """The LlamaConfig of a HF Llama / Qwen2 / Mistral directory, from its config.json alone."""
   cfg_path = os.path.join(d, "config.json")
   if not os.path.exists(cfg_path):
     found = "no config.json" if os.path.isdir(d) else "no such directory"
@@ -370,7 +467,8 @@ def hf_config(d: str) -> LlamaConfig:
 
 
 def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights]:
-  """Reads a HF Llama directory (config.json + safetensors) into the contract dict.
+  """Reads a HF Llama / Qwen2 / Mistral directory (config.json + safetensors) into the
+  contract dict.
 
   `dtype` casts every array ("float32" default: exact for bf16/fp16 files); None keeps the
   stored dtype. Tensors are read one at a time, so peak memory is about the result's size.
@@ -443,7 +541,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
 
 def save_hf(d: str, cfg: LlamaConfig, weights: Weights, dtype: str = "float32",
             max_shard_bytes: int | None = None) -> str:
-  """Writes `cfg` and `weights` as a HF Llama directory; returns `d`.
+  """Writes `cfg` and `weights` as a HF directory of `family(cfg)`; returns `d`.
 
   Shards into model-0000i-of-0000n.safetensors plus model.safetensors.index.json when the
   tensors exceed `max_shard_bytes` (greedy, in layer order; a bigger tensor gets a shard of

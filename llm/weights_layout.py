@@ -3,7 +3,8 @@
     embed [V, D]; per layer i: layers.{i}.attn_norm [D], layers.{i}.wq [D, H, K],
     layers.{i}.wk [D, G, K], layers.{i}.wv [D, G, K], layers.{i}.wo [H, K, D],
     layers.{i}.mlp_norm [D], layers.{i}.w_gate [D, F], layers.{i}.w_up [D, F],
-    layers.{i}.w_down [F, D]; final_norm [D]; lm_head [D, V] (absent when tied).
+    layers.{i}.w_down [F, D]; final_norm [D]; lm_head [D, V] (absent when tied);
+    with cfg.qkv_bias (Qwen2) also layers.{i}.bq [H, K], layers.{i}.bk / bv [G, K].
 
 `param_shapes` / `check_weights` state and check it; `in_out` / `out_in` convert torch-style
 [out, in] matrices; `interleaved_to_half` / `half_to_interleaved` permute q and k rows
@@ -53,7 +54,8 @@ def half_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
 # Contract shapes and the [out, in] <-> contract conversions shared by both formats.
 
 def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-  """The contract name -> shape table for `cfg` (lm_head only when untied)."""
+  """The contract name -> shape table for `cfg` (lm_head only when untied, q / k / v biases
+  only with qkv_bias)."""
   v, d, h, g, k, f = (cfg.vocab_size, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                       cfg.ffn_dim)
   shapes = {"embed": (v, d)}
@@ -62,6 +64,8 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes.update({p + "attn_norm": (d,), p + "wq": (d, h, k), p + "wk": (d, g, k),
                    p + "wv": (d, g, k), p + "wo": (h, k, d), p + "mlp_norm": (d,),
                    p + "w_gate": (d, f), p + "w_up": (d, f), p + "w_down": (f, d)})
+    if cfg.qkv_bias:
+      shapes.update({p + "bq": (h, k), p + "bk": (g, k), p + "bv": (g, k)})
   shapes["final_norm"] = (d,)
   if not cfg.tie_embeddings:
     shapes["lm_head"] = (d, v)
@@ -76,7 +80,7 @@ def check_weights(cfg: LlamaConfig, weights: Weights, where: str = "weights") ->
   if missing or extra:
     raise ValueError(f"{where}: missing parameters {missing[:8]}, unexpected {extra[:8]} "
                      f"for vocab={cfg.vocab_size} dim={cfg.dim} n_layers={cfg.n_layers} "
-                     f"tie_embeddings={cfg.tie_embeddings}")
+                     f"tie_embeddings={cfg.tie_embeddings} qkv_bias={cfg.qkv_bias}")
   for n, shape in shapes.items():
     if tuple(np.shape(weights[n])) != shape:
       raise ValueError(f"{where}: parameter {n!r} has shape {tuple(np.shape(weights[n]))}, "

@@ -107,6 +107,10 @@ def save_llama2c(path: str, cfg: LlamaConfig, weights: Weights) -> None:
     raise ValueError(f"save_llama2c: {path}: the legacy format needs head_dim * n_heads == dim "
                      f"(got {cfg.head_dim} * {cfg.n_heads} vs {cfg.dim}) and no RoPE scaling "
                      f"(got {cfg.rope_scaling})")
+  if cfg.qkv_bias or cfg.sliding_window is not None:
+    raise ValueError(f"save_llama2c: {path}: qkv_bias={cfg.qkv_bias}, sliding_window="
+                     f"{cfg.sliding_window}; run.c's Llama has no biases and no window "
+                     "(export it as hf or gguf)")
   if cfg.rope_theta != 10000.0 or cfg.norm_eps != 1e-5:
     raise ValueError(f"save_llama2c: {path}: run.c hard-codes rope_theta 10000 and eps 1e-5, "
                      f"got rope_theta={cfg.rope_theta} norm_eps={cfg.norm_eps}")

@@ -57,6 +57,10 @@ from rec.train_lib import RecTask, make_dense_optimizer
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
 SHARDINGS = ("auto", "dp", "tw", "rw", "cw", "twrw")
+# Settings that only decide where the state lies (devices, mesh, the embedding plan): a
+# checkpoint written under others is resharded on restore (RecTask.restore_checkpoint), so
+# a resume or a prediction may change them.
+LAYOUT_SETTINGS = ("mesh", "sharding", "sharding_overrides", "memory_budget_gb")
 
 # Settings of a rec run (those shared with the LM entry points are in core.settings).
 MODEL = config.setting(
@@ -575,6 +579,20 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
                                                  task.dedup_shards(), coll.dedup.on_overflow)
     train_src = workers_lib.WorkerSource(train_src, dd or None, data_workers)
   return task, train_src, eval_src, plan, mesh
+
+
+def checkpoint_settings(cfg: RecRunConfig, mesh, spec=None,
+                        epochs: float | None = None) -> dict[str, Any]:
+  """The settings a train_rec run saves with its checkpoints (`core.train.TrainConfig.
+  settings`): the config's run settings, --epochs, the mesh it ran on, what its data means
+  (`sources.data_settings`: a conversion's fingerprint) and, given the train source's
+  `spec`, the features the model was built for (`rec.predict` checks data against them)."""
+  out = {**cfg.run_settings(), "epochs": epochs,
+         "mesh": ",".join(f"{a}:{n}" for a, n in mesh.shape.items()),
+         **sources_lib.data_settings(cfg.data.data)}
+  if spec is not None:
+    out["features"] = sources_lib.spec_settings(spec)
+  return out
 
 
 def steps_for(epochs: float, train_src) -> int:

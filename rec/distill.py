@@ -88,14 +88,16 @@ class DistillSpec:
 
 
 class ExFMStudent(nnx.Module):
-  """A student (DLRM, DCN-v2: a model with `body`, `body_dim` and `top_mlp`) with ExFM's
-  auxiliary head and student adapter beside it; calling it gives the serving logits."""
+  """A student (a model with `body`, `body_dim` and `top_mlp`: rec.models.common's
+  DenseModel, i.e. DLRM, DCN-v2, DHEN, Wukong) with ExFM's auxiliary head and student
+  adapter beside it; calling it gives the serving logits."""
 
   def __init__(self, base: nnx.Module, spec: DistillSpec, rngs: nnx.Rngs):
     missing = [a for a in ("body", "body_dim", "top_mlp") if not hasattr(base, a)]
     if spec.aux_weight > 0 and missing:
       raise UserError(f"ExFM auxiliary head: model {type(base).__name__} has no {missing}; "
-                      "expected a model with a shared body under its top MLP (DLRM, DCNv2)")
+                      "expected a model with a shared body under its top MLP (DLRM, DCNv2, "
+                      "DHEN, Wukong)")
     self.base = base      # built first: its parameters are the plain model's draws
     self.aux_head = (MLP(base.body_dim, spec.aux_mlp + (1,), rngs, activate_last=False,
                          name="aux_head") if spec.aux_weight > 0 else None)

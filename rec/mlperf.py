@@ -27,8 +27,10 @@ GLOBAL_BATCH = 65536    # its global batch (8 GPUs x 8192)
 
 
 def run_config(batch_size: int, mesh: str = "-1", sharding: str = "auto",
-               memory_budget_gb: float = 70.0, **overrides) -> configs.RecRunConfig:
-  """RecRunConfig of the MLPerf DCNv2 (reference learning rate, row-wise Adagrad tables)."""
+               memory_budget_gb: float | None = None, **overrides) -> configs.RecRunConfig:
+  """RecRunConfig of the MLPerf DCNv2 (reference learning rate, row-wise Adagrad tables);
+  the planner's budget `memory_budget_gb` GiB per device, by default the device's memory
+  (`rec.configs.plan_budget`)."""
   kw = dict(model="dcnv2", preset="mlperf", data="synthetic:multi_hot=mlperf", mesh=mesh,
             batch_size=batch_size, eval_batch_size=batch_size, dense_optimizer="adagrad",
             learning_rate=LEARNING_RATE, sparse_optimizer="rowwise_adagrad",

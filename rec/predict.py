@@ -8,7 +8,8 @@
 flags, the features the model was built for, the criteo_bin conversion it saw), checks the
 data against them before anything is built, then builds the run with `configs.build_run`
 on the split's source and restores the state through `core.checkpoint` (the train loop's
-own pieces: nothing here is a second model or loader). A difference that would make the
+own pieces: nothing here is a second model or loader), on any device count and mesh (the
+checkpoint resharded, `RecTask.restore_checkpoint`). A difference that would make the
 ids or features mean something else (another vocabulary --min_count, other rows per
 feature, another number of dense features) is a `UserError` naming the data file, the
 value found and the checkpoint's.
@@ -17,6 +18,7 @@ value found and the checkpoint's.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Iterator
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from core import checkpoint as ckpt_lib
 from core import config
+from core import mesh as mesh_lib
 from core.errors import UserError
 from rec import configs
 from rec.data import sources as sources_lib
@@ -117,9 +120,11 @@ def check_features(settings: dict, spec, where: str, workdir: str) -> None:
 
 def load_run(workdir: str, data: str | None = None, split: str = "test", *,
              days: str | None = None, batch_size: int | None = None,
-             mesh: str | None = None) -> LoadedRun:
+             mesh: str | None = None, devices=None) -> LoadedRun:
   """The run trained in `workdir`, rebuilt on `split` of `data` (default: the run's own
-  data) with its latest checkpoint restored; see the module docstring."""
+  data) with its latest checkpoint restored; see the module docstring. `mesh` (default:
+  the run's where `devices`, default all, are as many, else every device on one axis) and
+  `devices` may differ from the run's: its checkpoint is resharded."""
   step, settings = saved_settings(workdir)
   fields = set(configs.RUN_FIELDS) | {"cache_ways"}
   cfg = configs.make_run(**{k: v for k, v in settings.items() if k in fields})
@@ -139,8 +144,11 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
   over = {"data": new_data, "bad_lines": "error",
           "days": days if days is not None else (
               cfg.data.days if new_data == cfg.data.data else "")}
+  n = len(jax.devices() if devices is None else devices)
   if mesh:
     over["mesh"] = mesh
+  elif mesh_size(cfg.mesh) != n:   # trained on another device count: all of these
+    over["mesh"] = "-1"
   b = batch_size or cfg.train.eval_batch_size
   over.update(batch_size=b, eval_batch_size=b)
   cfg = configs.replace_run(cfg, **over)
@@ -148,14 +156,20 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
   check_conversion(settings, d.data, workdir)
   part = sources_lib.split_source(d.data, split, b, d.num_rows, d.days or None)
   check_features(settings, part.source.spec, f"--data={d.data} split {split}", workdir)
-  task, _, _, _, _ = configs.build_run(cfg, sources=(part.source, part.source))
+  task, _, _, _, _ = configs.build_run(cfg, devices, sources=(part.source, part.source))
   ckpt = ckpt_lib.Checkpointer(workdir)
   try:
     state = task.init_state(cfg.seed)
-    state, _ = ckpt.restore(step, ckpt_lib.abstract_like(state))
+    state, _ = task.restore_checkpoint(ckpt, step, state)
   finally:
     ckpt.close()
   return LoadedRun(cfg, task, state, step, part, settings)
+
+
+def mesh_size(spec: str) -> int | None:
+  """Devices a --mesh needs (None: it takes whatever there is, an axis of -1)."""
+  sizes = [n for _, n in mesh_lib.parse_mesh(spec)]
+  return None if -1 in sizes else math.prod(sizes)
 
 
 def predictions(run: LoadedRun, evaluator=None

@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from core import checkpoint as ckpt_lib
 from core import mesh as mesh_lib
 from core import train as train_loop
 from core import update as update_lib
@@ -38,6 +39,7 @@ from rec import distill as distill_lib
 from rec import metrics as metrics_lib
 from rec.data import dedup as dedup_lib
 from rec.data.batch import SparseBatch
+from rec.embedding import reshard
 from rec.embedding.collection import EmbeddingCollection
 
 
@@ -125,6 +127,48 @@ class RecTask:
         transform_non_params=lambda _: rep))
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), rep), "params": params,
             "opt": opt, "emb": self.collection.init(k_emb)}
+
+  # --- checkpoints
+
+  LAYOUT_KEY = "embedding_layout"   # the checkpoint metadata's record of the tables' layout
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    """Saved with every checkpoint: where each table's rows are in the state, so that a
+    resume or a prediction under another layout can restore them (`restore_checkpoint`)."""
+    if not hasattr(self, "_layout_json"):
+      self._layout_json = self.collection.layout().to_json()
+    return {self.LAYOUT_KEY: self._layout_json}
+
+  def restore_checkpoint(self, ckpt, step: int, state) -> tuple[dict[str, Any], dict]:
+    """Checkpoint `step` of `ckpt` (a core.checkpoint.Checkpointer) in `state`'s layout and
+    shardings. A checkpoint written in another embedding layout (device count, mesh,
+    sharding plan, planner budget) has its tables and their optimizer state read on the
+    host and resharded through their unsharded rows (rec/embedding/reshard.py), saying so
+    in one line; the dense parameters and optimizer state are placed on this mesh by their
+    own shardings. Tables of other rows or dim are a CheckpointMismatchError of one line
+    naming the table and both shapes (and the arrays that differ); a different dense model
+    in the same layout is `Checkpointer.check_compatible`'s list."""
+    saved = ckpt.restore_meta(step).get(self.LAYOUT_KEY)
+    now = self.collection.layout()
+    if saved is None or saved == self.checkpoint_meta()[self.LAYOUT_KEY]:
+      return ckpt.restore(step, ckpt_lib.abstract_like(state))
+    then = reshard.Layout.from_json(saved)
+    where = f"checkpoint {ckpt.directory}/{step}"
+    try:
+      then.check_tables(now, where)
+    except reshard.LayoutMismatchError as e:   # one line: the table, then its arrays
+      problems, total = ckpt.mismatches(step, ckpt_lib.abstract_like(state))
+      shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+      raise ckpt_lib.CheckpointMismatchError(
+          f"{e} ({len(problems)} of {total} arrays differ: {shown})") from None
+    if then.same_buffers(now):   # the same arrays on another mesh: orbax places them
+      restored, meta = ckpt.restore(step, ckpt_lib.abstract_like(state))
+    else:
+      restored, meta = ckpt.restore(step, ckpt_lib.abstract_like(state), on_host=("emb",))
+      restored = {**restored, "emb": self.collection.from_layout(
+          then, restored["emb"], int(restored["step"]), where)}
+    print(f"resharded checkpoint {step}: {then.describe()} -> {now.describe()}", flush=True)
+    return restored, meta
 
   # --- batches
 

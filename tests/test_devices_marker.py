@@ -6,12 +6,12 @@ simulated device count set by XLA_FLAGS, so the count differs from this process'
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests import forkserver
 
 SCRATCH = '''
 import jax
@@ -38,7 +38,7 @@ def run_scratch(tmp_path, device_count: int) -> str:
   (tmp_path / "test_scratch.py").write_text(SCRATCH)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={device_count}")
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+  proc = forkserver.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -62,7 +62,7 @@ def test_rejects_a_malformed_mark(tmp_path):
   shutil.copy(os.path.join(REPO_ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
   (tmp_path / "test_bad.py").write_text(
       "import pytest\n\n@pytest.mark.devices('8')\ndef test_bad():\n  pass\n")
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+  proc = forkserver.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   assert "devices mark takes one int >= 1" in proc.stdout + proc.stderr

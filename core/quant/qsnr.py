@@ -174,29 +174,24 @@ def format_sweep(rows: Sequence[dict]) -> str:
 def plot(table: Sequence[dict], sweep: Sequence[dict], path: str) -> str:
   """Two panels: QSNR against bits per value (every format), QSNR against block size."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-
-  fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
-  marks = {"ocp_mx": "o", "bdr": "s", "float": "^", "fp8": "D", "rowwise": "v"}
-  for fam, m in marks.items():
-    rows = [r for r in table if r["family"] == fam]
-    a.scatter([r["bits_per_value"] for r in rows], [r["qsnr_db"] for r in rows], marker=m,
-              label=fam)
-    for r in rows:
-      a.annotate(r["format"], (r["bits_per_value"], r["qsnr_db"]), fontsize=7,
-                 xytext=(3, 2), textcoords="offset points")
-  a.set(xlabel="bits per value (elements + shared scales)", ylabel="QSNR (dB)",
-        title="QSNR on N(0, 1)")
-  a.legend(fontsize=8)
-  for name in dict.fromkeys(r["format"] for r in sweep):
-    pts = [(r["block_size"], r["qsnr_db"]) for r in sweep if r["format"] == name]
-    b.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name, lw=1.2, ms=3)
-  b.set_xscale("log", base=2)
-  b.set(xlabel="block size", ylabel="QSNR (dB)", title="QSNR against block size")
-  b.legend(fontsize=7, ncol=2)
-  for ax in (a, b):
-    ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(12, 4.6)) as (fig, (a, b)):
+    marks = {"ocp_mx": "o", "bdr": "s", "float": "^", "fp8": "D", "rowwise": "v"}
+    for fam, m in marks.items():
+      rows = [r for r in table if r["family"] == fam]
+      a.scatter([r["bits_per_value"] for r in rows], [r["qsnr_db"] for r in rows], marker=m,
+                label=fam)
+      for r in rows:
+        a.annotate(r["format"], (r["bits_per_value"], r["qsnr_db"]), fontsize=7,
+                   xytext=(3, 2), textcoords="offset points")
+    a.set(xlabel="bits per value (elements + shared scales)", ylabel="QSNR (dB)",
+          title="QSNR on N(0, 1)")
+    a.legend(fontsize=8)
+    for name in dict.fromkeys(r["format"] for r in sweep):
+      pts = [(r["block_size"], r["qsnr_db"]) for r in sweep if r["format"] == name]
+      b.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name, lw=1.2, ms=3)
+    b.set_xscale("log", base=2)
+    b.set(xlabel="block size", ylabel="QSNR (dB)", title="QSNR against block size")
+    b.legend(fontsize=7, ncol=2)
+    for ax in (a, b):
+      ax.grid(alpha=0.3)
   return path

@@ -34,13 +34,12 @@ exchange share, the paper's 1.38x at a 50% share.
 from __future__ import annotations
 
 import os
-import time
 
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 CRITEO_SAMPLE = "criteo:../shared/data/criteo_kaggle_sample"   # beside the checkout
@@ -49,18 +48,23 @@ CRITEO_SAMPLE = "criteo:../shared/data/criteo_kaggle_sample"   # beside the chec
 STUDY = {"model": "dlrm", "sharding": "tw", "eval_batches": 4}
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting
+  but --workdir may come from a --config file (configs/ beside this file)."""
   from core import settings  # noqa: F401  (the settings named below)
   from experiments.a2a_compression import study  # noqa: F401
   from rec import configs
   from rec import settings as rec_settings  # noqa: F401
-  config.define_flags(None, "datasets", "steps", "criteo_epochs", "probe_batches", "workdir",
+  config.define_flags(None, "datasets", "steps", "criteo_epochs", "probe_batches",
+                      in_config=True, flag_values=flag_values,
                       datasets=["synthetic", CRITEO_SAMPLE], steps=300, criteo_epochs=1.0,
-                      probe_batches=4, workdir="runs/a2a_compression")
+                      probe_batches=4)
+  config.define_flags(None, "workdir", flag_values=flag_values, workdir="runs/a2a_compression")
   # The fixed variant's bounds are the shared --a2a_* flags (train_rec's); the baseline runs
   # the same config with the exchange in float32.
-  configs.define_run_flags("seed", "a2a_bits", batch_size=256, num_rows=20_000,
-                           a2a_mode="abs", a2a_error_bound=0.01, a2a_grad_error_bound=0.001)
+  configs.define_run_flags("seed", "a2a_bits", flag_values=flag_values, batch_size=256,
+                           num_rows=20_000, a2a_mode="abs", a2a_error_bound=0.01,
+                           a2a_grad_error_bound=0.001)
 
 
 def main(argv):
@@ -69,14 +73,14 @@ def main(argv):
   from experiments.a2a_compression import study
   from rec import configs
 
-  t0 = time.perf_counter()
+  report = Report(FLAGS.workdir)
   flagged = configs.run_from_flags(**STUDY)
   if flagged.embedding.a2a.a2a_mode == "none":
     raise ValueError("--a2a_mode=none: this study compares a compressed exchange with the "
                      "float32 one; expected --a2a_mode=abs|rel")
   fixed = flagged.a2a_spec()
   variants = {"fixed": fixed, "adaptive": "adaptive"}
-  log = lambda m: print(f"[{time.perf_counter() - t0:6.0f}s] {m}", flush=True)
+  log = report.log
   res = {}
   for data in FLAGS.datasets:
     if data.startswith("criteo:") and not os.path.isdir(data.split(":", 1)[1]):
@@ -113,14 +117,12 @@ def main(argv):
         f"{codec['codec_in_copies']:.1f} float32 copies of the rows.")
   print(f"paper (arXiv 2407.04272): {study.PAPER_SPEEDUP}x training speedup, "
         "\"minimal accuracy impact\" (abstract)")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  study.plot(rows, os.path.join(FLAGS.workdir, "a2a_compression.png"))
+  report.plot(study.plot, rows, name="a2a_compression.png")
   out = {"rows": rows, "codec": codec, "raw": res, "paper_speedup": study.PAPER_SPEEDUP,
-         "seconds": time.perf_counter() - t0}
-  results_lib.write_results(FLAGS.workdir, out)
+         "seconds": report.seconds}
   best = max((r for r in rows if r["run"] != "baseline"), key=lambda r: r["fixed_ratio"],
              default=None)
-  results_lib.print_summary({
+  report.finish(out, {
       "experiment": "a2a_compression", "seconds": round(out["seconds"], 1),
       "best_fixed_ratio": None if best is None else round(best["fixed_ratio"], 3),
       "best_zstd_ratio": None if best is None else round(best["zstd_ratio"], 3),

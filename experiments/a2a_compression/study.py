@@ -222,25 +222,20 @@ def _f32_rows_bytes(sizes, r) -> float:
 
 
 def plot(rows, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
   comp = [r for r in rows if r["run"] != "baseline"]
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  labels = [f"{r['data'].split(':')[0]}\n{r['run']}" for r in comp]
-  x = np.arange(len(comp))
-  axes[0].bar(x - 0.2, [r["fixed_ratio"] for r in comp], 0.4, label="fixed-rate (sent)")
-  axes[0].bar(x + 0.2, [r["zstd_ratio"] for r in comp], 0.4, label="zstd estimate")
-  axes[0].set_xticks(x, labels, fontsize=7)
-  axes[0].set_ylabel("compression ratio (float32 / bytes)")
-  axes[0].legend()
-  for r, lab in zip(comp, labels):
-    fr = r["h100"]["by_comm_fraction"]
-    axes[1].plot([float(k) for k in fr], list(fr.values()), marker="o", label=lab.replace("\n", " "))
-  axes[1].axhline(PAPER_SPEEDUP, color="k", ls="--", label="paper 1.38x")
-  axes[1].set_xlabel("exchange fraction of the float32 step (H100 model)")
-  axes[1].set_ylabel("modelled step speedup (payload, fallbacks float32)")
-  axes[1].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(10, 4), dpi=120) as (fig, axes):
+    labels = [f"{r['data'].split(':')[0]}\n{r['run']}" for r in comp]
+    x = np.arange(len(comp))
+    axes[0].bar(x - 0.2, [r["fixed_ratio"] for r in comp], 0.4, label="fixed-rate (sent)")
+    axes[0].bar(x + 0.2, [r["zstd_ratio"] for r in comp], 0.4, label="zstd estimate")
+    axes[0].set_xticks(x, labels, fontsize=7)
+    axes[0].set_ylabel("compression ratio (float32 / bytes)")
+    axes[0].legend()
+    for r, lab in zip(comp, labels):
+      fr = r["h100"]["by_comm_fraction"]
+      axes[1].plot([float(k) for k in fr], list(fr.values()), marker="o", label=lab.replace("\n", " "))
+    axes[1].axhline(PAPER_SPEEDUP, color="k", ls="--", label="paper 1.38x")
+    axes[1].set_xlabel("exchange fraction of the float32 step (H100 model)")
+    axes[1].set_ylabel("modelled step speedup (payload, fallbacks float32)")
+    axes[1].legend(fontsize=7)

@@ -19,8 +19,9 @@ def is_mlperf(model: str, preset: str) -> bool:
 
 
 def build_step(batch_size: int, rows: int, mesh: str, sharding: str, model: str = "dlrm",
-               preset: str = "kaggle", memory_budget_gb: float = 70.0, **overrides):
-  """(jitted donated step, state, pool of device batches, devices) for the benchmark.
+               preset: str = "kaggle", memory_budget_gb: float | None = None, **overrides):
+  """(jitted donated step, state, pool of device batches, devices) for the benchmark; the
+  planner's budget is `memory_budget_gb` GiB per device, by default the device's memory.
 
   The Criteo Kaggle DLRM: Adagrad dense, row-wise Adagrad sparse, both lr 0.1, `rows` per
   table; --model=dcnv2 --preset=mlperf: `rec.mlperf`'s run with tables capped at `rows`

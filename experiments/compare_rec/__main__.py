@@ -42,33 +42,35 @@ and NE as mean ± sample std over seeds 0, 1, 2:
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
-  module beside other entry points whose flags share names)."""
+  module beside other entry points whose flags share names; `flag_values`: where, default
+  absl's FLAGS); every setting but --workdir / --resume may come from a --config file
+  (configs/ beside this file)."""
   from core import settings  # noqa: F401  (the settings named below)
   from experiments.compare_rec import study  # noqa: F401
   from rec import configs
   from rec import settings as rec_settings  # noqa: F401
   configs.define_run_flags("data", "num_rows", "dense_optimizer", "learning_rate",
       "sparse_optimizer", "embedding_learning_rate", "mesh", "bad_lines", "csv_label",
-      "csv_dense", "csv_categorical", embedding_dim=16, batch_size=1024, eval_batch_size=4096,
-      eval_batches=16)
+      "csv_dense", "csv_categorical", flag_values=flag_values, embedding_dim=16,
+      batch_size=1024, eval_batch_size=4096, eval_batches=16)
   config.define_flags(
       None, "models", "presets", "seeds", "data_seed", "steps", "epochs", "log_every",
-      "keep_checkpoints", "workdir", "resume", models=["dlrm", "dcnv2", "dhen", "wukong"],
-      presets="", seeds=["0", "1", "2"], data_seed=0, steps=500, log_every=100,
-      keep_checkpoints=False, workdir="runs/compare_rec", resume=False)
+      "keep_checkpoints", in_config=True, flag_values=flag_values,
+      models=["dlrm", "dcnv2", "dhen", "wukong"], presets="", seeds=["0", "1", "2"],
+      data_seed=0, steps=500, log_every=100, keep_checkpoints=False)
+  config.define_flags(None, "workdir", "resume", flag_values=flag_values,
+                      workdir="runs/compare_rec", resume=False)
 
 
 def main(argv):
@@ -85,13 +87,11 @@ def main(argv):
       steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs, workdir=FLAGS.workdir,
       log_every=FLAGS.log_every, keep_checkpoints=FLAGS.keep_checkpoints,
       reuse_finished=FLAGS.resume)
-  table = runs.format_runs(results)
-  print("\n" + table, flush=True)
-  results["table"] = table.splitlines()
+  report = Report(FLAGS.workdir)
+  results["table"] = report.table(runs.format_runs(results), lead="\n")
   results["summary"] = summary = study.summary(results)
-  results_lib.write_results(FLAGS.workdir, results)
-  study.plot_comparison(results, os.path.join(FLAGS.workdir, "compare_rec.png"))
-  results_lib.print_summary(summary)
+  report.finish(results, summary,
+                plots=[(study.plot_comparison, (results,), "compare_rec.png")])
 
 
 if __name__ == "__main__":

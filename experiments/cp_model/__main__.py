@@ -39,16 +39,14 @@ With the defaults (any CPU, ~1 s plus imports) it prints GEMM efficiency 0.571 a
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from core import cli
 from core import config
 from core import hardware
-from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
 
+from experiments.common.report import Report
 from experiments.cp_model import study
 
 FLAGS = flags.FLAGS
@@ -92,13 +90,16 @@ CURVE_POINTS = config.setting(
     "curve_points", "integer", "Points per predicted curve in the plots (>= 2).", lower=2)
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
-  module beside other entry points whose flags share names)."""
+  module beside other entry points whose flags share names; `flag_values`: where, default
+  absl's FLAGS); every setting but --workdir may come from a --config file (configs/)."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  config.define_flags(None, "workdir", flag_values=fv, workdir="runs/cp_model")
   config.define_flags(
-      None, "workdir", BF16_TFLOPS, FP8_TFLOPS, HBM_TBPS, NVLINK_GBPS, NET_GBPS, ATTN_EFF,
+      None, BF16_TFLOPS, FP8_TFLOPS, HBM_TBPS, NVLINK_GBPS, NET_GBPS, ATTN_EFF,
       HBM_EFF, NVLINK_EFF, SENDRECV_EFF, SENDRECV_LATENCY_US, ALL2ALL_EFF, ALL2ALL_LATENCY_US,
-      GEMM_EFF, CALIB_S, TOKENS_128K, TOKENS_1M, CURVE_POINTS, workdir="runs/cp_model",
+      GEMM_EFF, CALIB_S, TOKENS_128K, TOKENS_1M, CURVE_POINTS, in_config=True, flag_values=fv,
       bf16_tflops=_HW.bf16_flops / 1e12, fp8_tflops=_HW.fp8_flops / 1e12,
       hbm_tbps=_HW.hbm_bytes_per_s / 1e12, nvlink_gbps=_HW.nvlink_bytes_per_s / 1e9,
       net_gbps=_HW.net_bytes_per_s / 1e9, attn_eff=_EFF.attn, hbm_eff=_EFF.hbm,
@@ -108,14 +109,21 @@ def define_flags() -> None:
       tokens_128k=131072, tokens_1m=1048576, curve_points=200)
   for name in ("bf16_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "net_gbps", "attn_eff",
                "hbm_eff", "nvlink_eff", "sendrecv_eff", "all2all_eff", "calib_s"):
-    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
+    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0",
+                             flag_values=fv)
   flags.register_validator("gemm_eff", lambda v: v is None or 0 < v <= 1,
-                           message="expected a fraction in (0, 1]")
+                           message="expected a fraction in (0, 1]", flag_values=fv)
+
+
+# The LM run the paper's tables time: Llama 3 405B (an LMRunConfig; the settings it
+# changes from train_lm's defaults).
+LM_RUN = dict(preset="llama3_405b")
 
 
 def build_constants(flag_values) -> tuple:
-  """(cfg, Hardware, Efficiency before the GEMM fit) from the flags."""
-  from llm.config import get_config
+  """(cfg, Hardware, Efficiency before the GEMM fit) from the flags; cfg is the model of
+  the LM run `LM_RUN`."""
+  from llm.run_config import LMRunConfig
 
   f = flag_values
   hw = hardware.Hardware(bf16_flops=f.bf16_tflops * 1e12, fp8_flops=f.fp8_tflops * 1e12,
@@ -126,7 +134,7 @@ def build_constants(flag_values) -> tuple:
                             sendrecv=f.sendrecv_eff,
                             sendrecv_latency_s=f.sendrecv_latency_us * 1e-6,
                             all2all=f.all2all_eff, all2all_latency_s=f.all2all_latency_us * 1e-6)
-  return get_config("llama3_405b"), hw, eff
+  return config.replace(LMRunConfig(), **LM_RUN).preset_config(), hw, eff
 
 
 def main(argv):
@@ -136,10 +144,9 @@ def main(argv):
                        calib_s=FLAGS.calib_s, gemm_eff=FLAGS.gemm_eff,
                        curve_points=FLAGS.curve_points)
   print(study.format_table(res))
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.write_results(FLAGS.workdir, res)
-  study.plot(res, FLAGS.workdir)
-  results_lib.print_summary(res["summary"])
+  report = Report(FLAGS.workdir)
+  study.plot(res, report.path())
+  report.finish(res, res["summary"])
 
 
 if __name__ == "__main__":

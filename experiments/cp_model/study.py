@@ -216,62 +216,54 @@ def format_table(res: dict) -> str:
 
 def plot(res: dict, workdir: str) -> list[str]:
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-
   out = []
   full = res["curves"]["full"]
-  fig, ax = plt.subplots(figsize=(5.2, 3.8))
-  for name, color in (("128K", "C0"), ("1M", "C1")):
-    ax.plot(full["cp"], full[name + "_s"], "-", color=color, label=f"model {name}")
-    pts = [p for p in res["points"] if p["kind"] == "full" and p["context"] == name]
-    ax.plot([p["cp"] for p in pts], [p["paper_ms"] / 1e3 for p in pts], "o", color=color,
-            label=f"paper {name}")
-  ax.set(xscale="log", yscale="log", xlabel="hosts (CP ranks, TP8 each)", ylabel="TTFT (s)",
-         title="Llama 3 405B full prefill")
-  ax.set_xticks(list(CP_SWEEP), [str(c) for c in CP_SWEEP])
-  ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
   out.append(os.path.join(workdir, "full_prefill.png"))
-  fig.savefig(out[-1], dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(out[-1], figsize=(5.2, 3.8)) as (fig, ax):
+    for name, color in (("128K", "C0"), ("1M", "C1")):
+      ax.plot(full["cp"], full[name + "_s"], "-", color=color, label=f"model {name}")
+      pts = [p for p in res["points"] if p["kind"] == "full" and p["context"] == name]
+      ax.plot([p["cp"] for p in pts], [p["paper_ms"] / 1e3 for p in pts], "o", color=color,
+              label=f"paper {name}")
+    ax.set(xscale="log", yscale="log", xlabel="hosts (CP ranks, TP8 each)", ylabel="TTFT (s)",
+           title="Llama 3 405B full prefill")
+    ax.set_xticks(list(CP_SWEEP), [str(c) for c in CP_SWEEP])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
 
   curve = res["curves"]["partial_cp4"]
   s = res["summary"]
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-  x = [100 * m for m in curve["miss_rate"]]
-  pts = [p for p in res["points"] if p["kind"] == "partial"]
-  for variant, color in (("pass_kv", "C0"), ("pass_q", "C3")):
-    axes[0].plot(x, curve[variant + "_ms"], "-", color=color, label=f"model {variant}")
-    vp = [p for p in pts if p["variant"] == variant]
-    axes[0].plot([100 * p["miss_rate"] for p in vp], [p["paper_ms"] for p in vp], "o",
-                 color=color, ms=4, label=f"paper {variant}")
-  # The difference cancels any cost common to both variants (the ratio, Fig. 9, does not).
-  diff = [a - b for a, b in zip(curve["pass_kv_ms"], curve["pass_q_ms"])]
-  axes[1].plot(x, diff, "-", color="k", label="model")
-  paper = {p["new_tokens"]: {} for p in pts}
-  for p in pts:
-    paper[p["new_tokens"]][p["variant"]] = p["paper_ms"]
-  axes[1].plot([100 * t / PARTIAL_TOTAL for t in paper],
-               [v["pass_kv"] - v["pass_q"] for v in paper.values()], "o", color="k", ms=4,
-               label="paper (Table 4)")
-  axes[1].axhline(0.0, color="gray", lw=0.8)
-  for a in axes:
-    if s["crossover_miss_rate_model"] is not None:
-      a.axvline(100 * s["crossover_miss_rate_model"], color="C2", ls="--", lw=1,
-                label="model crossover")
-    if s["crossover_miss_rate_paper_interp"] is not None:
-      a.axvline(100 * s["crossover_miss_rate_paper_interp"], color="C1", ls="--", lw=1,
-                label="paper crossover")
-    a.axvline(100 * s["alg5_achieved_miss_rate"], color="C4", ls=":", lw=1,
-              label="Alg. 5 (achieved C, BW)")
-    a.set(xscale="log", xlabel="KV cache miss rate T/(T+P) (%)")
-    a.grid(alpha=0.3, which="both")
-    a.legend(fontsize=7)
-  axes[0].set(yscale="log", ylabel="TTFT (ms)", title="CP4 partial prefill, P + T = 128000")
-  axes[1].set(ylabel="pass-KV - pass-Q TTFT (ms)", title="pass-KV minus pass-Q")
-  fig.tight_layout()
   out.append(os.path.join(workdir, "partial_prefill.png"))
-  fig.savefig(out[-1], dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(out[-1], 1, 2, figsize=(10, 3.8)) as (fig, axes):
+    x = [100 * m for m in curve["miss_rate"]]
+    pts = [p for p in res["points"] if p["kind"] == "partial"]
+    for variant, color in (("pass_kv", "C0"), ("pass_q", "C3")):
+      axes[0].plot(x, curve[variant + "_ms"], "-", color=color, label=f"model {variant}")
+      vp = [p for p in pts if p["variant"] == variant]
+      axes[0].plot([100 * p["miss_rate"] for p in vp], [p["paper_ms"] for p in vp], "o",
+                   color=color, ms=4, label=f"paper {variant}")
+    # The difference cancels any cost common to both variants (the ratio, Fig. 9, does not).
+    diff = [a - b for a, b in zip(curve["pass_kv_ms"], curve["pass_q_ms"])]
+    axes[1].plot(x, diff, "-", color="k", label="model")
+    paper = {p["new_tokens"]: {} for p in pts}
+    for p in pts:
+      paper[p["new_tokens"]][p["variant"]] = p["paper_ms"]
+    axes[1].plot([100 * t / PARTIAL_TOTAL for t in paper],
+                 [v["pass_kv"] - v["pass_q"] for v in paper.values()], "o", color="k", ms=4,
+                 label="paper (Table 4)")
+    axes[1].axhline(0.0, color="gray", lw=0.8)
+    for a in axes:
+      if s["crossover_miss_rate_model"] is not None:
+        a.axvline(100 * s["crossover_miss_rate_model"], color="C2", ls="--", lw=1,
+                  label="model crossover")
+      if s["crossover_miss_rate_paper_interp"] is not None:
+        a.axvline(100 * s["crossover_miss_rate_paper_interp"], color="C1", ls="--", lw=1,
+                  label="paper crossover")
+      a.axvline(100 * s["alg5_achieved_miss_rate"], color="C4", ls=":", lw=1,
+                label="Alg. 5 (achieved C, BW)")
+      a.set(xscale="log", xlabel="KV cache miss rate T/(T+P) (%)")
+      a.grid(alpha=0.3, which="both")
+      a.legend(fontsize=7)
+    axes[0].set(yscale="log", ylabel="TTFT (ms)", title="CP4 partial prefill, P + T = 128000")
+    axes[1].set(ylabel="pass-KV - pass-Q TTFT (ms)", title="pass-KV minus pass-Q")
   return out

@@ -41,15 +41,12 @@ flat vs 43.5 (T=2, 2.84x less) and 67.5 MiB (T=4, 1.83x less).
 
 from __future__ import annotations
 
-import os
-import time
-
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -68,16 +65,19 @@ H100_DIM = config.setting("h100_dim", "integer", "Embedding dim in the H100 step
 H100_ONLY = config.setting("h100_only", "bool", "Only the H100 step model (no training).")
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting
+  but --workdir may come from a --config file (configs/ beside this file)."""
   from rec import configs
   config.define_flags(
       None, settings.BATCH_SIZE, configs.NUM_ROWS, TOWERS, TOWER_K, settings.STEPS,
       settings.EVAL_BATCHES, rec_settings.DIM, TEACHER, COMM_BATCH, settings.SEED,
-      settings.WORKDIR, H100_HOSTS, H100_LOCAL_BATCH, H100_DIM, H100_ONLY,
-      batch_size=512, num_rows=5000, towers=["2", "4"], tower_k=2, steps=600, eval_batches=8,
-      dim=16, teacher="deep", comm_batch=65536, seed=0, workdir="runs/dmt",
+      H100_HOSTS, H100_LOCAL_BATCH, H100_DIM, H100_ONLY, in_config=True,
+      flag_values=flag_values, batch_size=512, num_rows=5000, towers=["2", "4"], tower_k=2,
+      steps=600, eval_batches=8, dim=16, teacher="deep", comm_batch=65536, seed=0,
       h100_hosts=["1", "2", "4", "8", "16"], h100_local_batch=4096, h100_dim=128,
       h100_only=False)
+  config.define_flags(None, settings.WORKDIR, flag_values=flag_values, workdir="runs/dmt")
 
 
 def main(argv):
@@ -85,7 +85,7 @@ def main(argv):
   cli.quiet_library_logs()
   from experiments.dmt import study
 
-  t0 = time.perf_counter()
+  report = Report(FLAGS.workdir)
   try:
     hosts = [int(h) for h in FLAGS.h100_hosts]
   except ValueError:
@@ -94,7 +94,6 @@ def main(argv):
     from core import errors
     raise errors.UserError(f"--h100_hosts={','.join(FLAGS.h100_hosts)}: expected host counts "
                            "in 1..26 (one tower per host of the 26 features)")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
   units = study.measured_units()
   h100 = study.h100_table(units, hosts, FLAGS.h100_local_batch, FLAGS.h100_dim,
                           FLAGS.tower_k, seed=FLAGS.seed)
@@ -102,34 +101,28 @@ def main(argv):
         f"pooled value (compiled HLO); local batch {FLAGS.h100_local_batch}, dim "
         f"{FLAGS.h100_dim}, 26 features, K = {FLAGS.tower_k}; ms per step of one GPU",
         flush=True)
-  print(study.format_h100(h100), flush=True)
+  report.table(study.format_h100(h100))
   h100_out = {"units": units, "rows": h100, "local_batch": FLAGS.h100_local_batch,
               "dim": FLAGS.h100_dim, "paper_speedup_max": study.PAPER_SPEEDUP,
-              "plot": study.plot_h100(h100, os.path.join(FLAGS.workdir, "dmt_h100.png"))}
+              "plot": report.plot(study.plot_h100, h100, name="dmt_h100.png")}
   h100_summary = {f"h100_{r['hosts']}_hosts": {
       "x_rw": round(r["speedup_serial"], 2), "x_tw": round(r["speedup_serial_tw"], 2),
       "x_tw_overlap": round(r["speedup_overlap_tw"], 2)} for r in h100}
   if FLAGS.h100_only:
-    results_lib.finish(FLAGS.workdir, {"h100": h100_out,
-                                       "wall_seconds": time.perf_counter() - t0},
-                       h100_summary | {"wall_seconds": round(time.perf_counter() - t0, 1)})
+    report.finish({"h100": h100_out}, h100_summary, wall="wall_seconds")
     return
   out = study.run([int(t) for t in FLAGS.towers], FLAGS.tower_k, FLAGS.steps, FLAGS.batch_size,
                   FLAGS.eval_batches, FLAGS.num_rows, FLAGS.dim, FLAGS.teacher,
                   FLAGS.comm_batch, FLAGS.seed, FLAGS.workdir,
                   log=lambda s: print(s, flush=True))
   rows = out["rows"]
-  print(study.format_table(rows), flush=True)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  report.table(study.format_table(rows))
   out.update(comm_batch=FLAGS.comm_batch, steps=FLAGS.steps, teacher=FLAGS.teacher)
-  out["plot"] = study.plot(rows, os.path.join(FLAGS.workdir, "dmt.png"))
+  out["plot"] = report.plot(study.plot, rows, name="dmt.png")
   out["h100"] = h100_out
-  out["wall_seconds"] = time.perf_counter() - t0
-  results_lib.write_results(FLAGS.workdir, out)
-  results_lib.print_summary(
-      {r["model"]: {"auc": round(r["auc"], 4), "logloss": round(r["logloss"], 4),
-                    "a2a_reduction": round(r["global_reduction"], 2)} for r in rows}
-      | h100_summary | {"wall_seconds": round(out["wall_seconds"], 1)})
+  report.finish(out, {r["model"]: {"auc": round(r["auc"], 4), "logloss": round(r["logloss"], 4),
+                                   "a2a_reduction": round(r["global_reduction"], 2)}
+                      for r in rows} | h100_summary, wall="wall_seconds")
 
 
 if __name__ == "__main__":

@@ -308,21 +308,17 @@ def format_h100(rows) -> str:
 def plot_h100(rows, path: str) -> str:
   """Modelled speedup flat / SPTT per host count beside the paper's up to 1.9x."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
-  x = [r["hosts"] for r in rows]
-  ax.plot(x, [r["speedup_serial"] for r in rows], "o-", label="SPTT as built (rw in host)")
-  ax.plot(x, [r["speedup_serial_tw"] for r in rows], "s-", label="SPTT, tw in host (modelled)")
-  ax.axhline(PAPER_SPEEDUP, color="r", ls="--", lw=1, label=f"paper: up to {PAPER_SPEEDUP}x")
-  ax.axhline(1, color="k", lw=0.8)
-  ax.set(xscale="log", xlabel="hosts of 8 H100 (one tower per host)",
-         ylabel="step time flat / DMT", title="DMT step model, H100 hosts")
-  ax.set_xticks(x, [str(v) for v in x])
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, figsize=(6, 4)) as (fig, ax):
+    x = [r["hosts"] for r in rows]
+    ax.plot(x, [r["speedup_serial"] for r in rows], "o-", label="SPTT as built (rw in host)")
+    ax.plot(x, [r["speedup_serial_tw"] for r in rows], "s-", label="SPTT, tw in host (modelled)")
+    ax.axhline(PAPER_SPEEDUP, color="r", ls="--", lw=1, label=f"paper: up to {PAPER_SPEEDUP}x")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="hosts of 8 H100 (one tower per host)",
+           ylabel="step time flat / DMT", title="DMT step model, H100 hosts")
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
   return path
 
 
@@ -381,15 +377,11 @@ def format_table(rows) -> str:
 def plot(rows, path: str) -> str:
   """Test AUC against the global all-to-all bytes per step, one point per model."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  for r in rows:
-    ax.scatter(r["global_bytes"] / 2**20, r["auc"], s=40)
-    ax.annotate(r["model"], (r["global_bytes"] / 2**20, r["auc"]), fontsize=7)
-  ax.set(xlabel="global all-to-all MB per step (forward)", ylabel="test AUC",
-         title="DMT vs flat DLRM")
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, figsize=(6.5, 4)) as (fig, ax):
+    for r in rows:
+      ax.scatter(r["global_bytes"] / 2**20, r["auc"], s=40)
+      ax.annotate(r["model"], (r["global_bytes"] / 2**20, r["auc"]), fontsize=7)
+    ax.set(xlabel="global all-to-all MB per step (forward)", ylabel="test AUC",
+           title="DMT vs flat DLRM")
+    ax.grid(alpha=0.3)
   return path

@@ -45,15 +45,14 @@ the gains follow the margin, not the teacher's size.
 from __future__ import annotations
 
 import os
-import time
 
 from absl import flags, logging
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
 from core.errors import UserError
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 DEFAULT_CRITEO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -87,18 +86,21 @@ VERTICAL_FEATURE = config.setting("vertical_feature", "integer", "Feature whose 
                                   "row's student.", lower=0, upper=25)
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting
+  but --workdir may come from a --config file (configs/ beside this file)."""
   from rec import configs
   config.define_flags(
       None, settings.DATA.several(), STUDENTS, PERIODS, HISTORY, TEACHER_EVERY,
       settings.BATCH_SIZE, configs.NUM_ROWS, CRITEO_BATCH_SIZE, BATCHES_PER_PERIOD,
       DRIFT_FEATURES, TEACHER_DATA, LOGIT_SCALE, TEACHER_SIZES, MAIN_TEACHER, VERTICAL_FEATURE,
-      settings.LEARNING_RATE, settings.SEED, settings.WORKDIR,
+      settings.LEARNING_RATE, settings.SEED, in_config=True, flag_values=flag_values,
       data=["synthetic", "criteo:" + os.path.normpath(DEFAULT_CRITEO)], students=2, periods=6,
       history=3, teacher_every=2, batch_size=256, num_rows=500, criteo_batch_size=32,
       batches_per_period=16, drift_features=4, teacher_data=4.0, logit_scale=3.0,
       teacher_sizes=["S", "M", "L"], main_teacher="L", vertical_feature=0, learning_rate=0.05,
-      seed=0, workdir="runs/exfm")
+      seed=0)
+  config.define_flags(None, settings.WORKDIR, flag_values=flag_values, workdir="runs/exfm")
 
 
 def main(argv):
@@ -126,7 +128,7 @@ def main(argv):
       datasets.append((d, path, FLAGS.criteo_batch_size))
     else:
       raise UserError(f"--data={d}: expected synthetic or criteo:DIR")
-  t0 = time.perf_counter()
+  report = Report(FLAGS.workdir)
   results = []
   for name, data, batch in datasets:
     res = study.run(data, FLAGS.students, FLAGS.periods, FLAGS.history, FLAGS.teacher_every,
@@ -137,26 +139,22 @@ def main(argv):
                     log=lambda s: print(s, flush=True), teacher_data=FLAGS.teacher_data,
                     logit_scale=FLAGS.logit_scale)
     res["data"] = name
-    print(study.format_table(res), flush=True)
+    report.table(study.format_table(res))
     results.append(res)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
   out = {"results": results, "settings": {k: FLAGS[k].value for k in (
       "students", "periods", "history", "teacher_every", "batch_size", "criteo_batch_size",
       "batches_per_period", "num_rows", "drift_features", "teacher_data", "logit_scale",
       "teacher_sizes", "main_teacher", "vertical_feature", "learning_rate", "seed")},
          "paper_ne_gain_pct": study.PAPER_NE_GAIN,
-         "plots": [study.plot_gains(results, os.path.join(FLAGS.workdir, "exfm_gains.png")),
-                   study.plot_scaling(results, os.path.join(FLAGS.workdir, "exfm_scaling.png"))],
-         "wall_seconds": time.perf_counter() - t0}
-  results_lib.write_results(FLAGS.workdir, out)
+         "plots": [report.plot(study.plot_gains, results, name="exfm_gains.png"),
+                   report.plot(study.plot_scaling, results, name="exfm_scaling.png")]}
   summary = {r["data"].split(":")[0]: {
       "teacher_margin_pct": round(sum(c["mean_margin_pct"] for c in r["teacher_check"]
                                       if c["teacher"] == FLAGS.main_teacher) / FLAGS.students, 3),
       **{v: round(sum(x["mean_ne_gain_pct"] for x in r["rows"]
                       if x["variant"] == v and x["teacher_ne"] is not None) / FLAGS.students, 3)
          for v in study.VARIANTS if v != "alone"}} for r in results}
-  summary["wall_seconds"] = round(out["wall_seconds"], 1)
-  results_lib.print_summary(summary)
+  report.finish(out, summary, wall="wall_seconds")
 
 
 if __name__ == "__main__":

@@ -476,21 +476,18 @@ def format_table(res: dict[str, Any]) -> str:
 def plot_gains(results: Sequence[dict[str, Any]], path: str) -> str:
   """NE gain per evaluated period, one panel per data set, a line per variant (mean over
   the students, main teacher)."""
-  plt = plot_lib.pyplot()
-  fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
-  for ax, res in zip(axes[0], results):
-    main = [r for r in res["rows"] if r["teacher_ne"] is not None]
-    for variant in VARIANTS:
-      g = np.mean([r["ne_gain_pct"] for r in main if r["variant"] == variant], axis=0)
-      ax.plot(res["eval_periods"], g, marker="o", label=variant)
-    ax.axhline(0, color="gray", lw=0.8)
-    ax.set(xlabel="evaluated period (trained on the ones before)", ylabel="NE gain (%)",
-           title=os.path.basename(res["data"].rstrip("/")) or res["data"])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(
+      path, 1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False) as (fig, axes):
+    for ax, res in zip(axes[0], results):
+      main = [r for r in res["rows"] if r["teacher_ne"] is not None]
+      for variant in VARIANTS:
+        g = np.mean([r["ne_gain_pct"] for r in main if r["variant"] == variant], axis=0)
+        ax.plot(res["eval_periods"], g, marker="o", label=variant)
+      ax.axhline(0, color="gray", lw=0.8)
+      ax.set(xlabel="evaluated period (trained on the ones before)", ylabel="NE gain (%)",
+             title=os.path.basename(res["data"].rstrip("/")) or res["data"])
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7)
   return path
 
 
@@ -498,30 +495,26 @@ def plot_scaling(results: Sequence[dict[str, Any]], path: str) -> str:
   """Against the teacher's dense FLOPs per example: the students' mean NE gain of each
   SCALING_VARIANTS variant (left) and the teacher's own NE margin over the students alone
   (right), a line per data set."""
-  plt = plot_lib.pyplot()
-  fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(10, 3.8))
-  for res in results:
-    s = res["scaling"]
-    name = os.path.basename(res["data"].rstrip("/")) or res["data"]
-    x = [t["flops_per_example"] for t in s]
-    for v, style in zip(SCALING_VARIANTS, ("o-", "s--")):
-      y = [t["mean_ne_gain_pct"][v] for t in s]
-      ax.plot(x, y, style, label=f"{name}: {v}")
-      for t, yy in zip(s, y):
-        ax.annotate(t["teacher"], (t["flops_per_example"], yy), fontsize=8)
-    ax_t.plot(x, [t["mean_teacher_margin_pct"] for t in s], "o-", label=name)
-    for t in s:
-      ax_t.annotate(t["teacher"], (t["flops_per_example"], t["mean_teacher_margin_pct"]),
-                    fontsize=8)
-  for a, ylabel, title in ((ax, "student NE gain (%)", "ExFM transfer vs teacher size"),
-                           (ax_t, "teacher NE margin over student alone (%)",
-                            "teacher vs students, same periods")):
-    a.axhline(0, color="gray", lw=0.8)
-    a.set_xscale("log")
-    a.set(xlabel="teacher FLOPs per example", ylabel=ylabel, title=title)
-    a.grid(alpha=0.3)
-    a.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(10, 3.8)) as (fig, (ax, ax_t)):
+    for res in results:
+      s = res["scaling"]
+      name = os.path.basename(res["data"].rstrip("/")) or res["data"]
+      x = [t["flops_per_example"] for t in s]
+      for v, style in zip(SCALING_VARIANTS, ("o-", "s--")):
+        y = [t["mean_ne_gain_pct"][v] for t in s]
+        ax.plot(x, y, style, label=f"{name}: {v}")
+        for t, yy in zip(s, y):
+          ax.annotate(t["teacher"], (t["flops_per_example"], yy), fontsize=8)
+      ax_t.plot(x, [t["mean_teacher_margin_pct"] for t in s], "o-", label=name)
+      for t in s:
+        ax_t.annotate(t["teacher"], (t["flops_per_example"], t["mean_teacher_margin_pct"]),
+                      fontsize=8)
+    for a, ylabel, title in ((ax, "student NE gain (%)", "ExFM transfer vs teacher size"),
+                             (ax_t, "teacher NE margin over student alone (%)",
+                              "teacher vs students, same periods")):
+      a.axhline(0, color="gray", lw=0.8)
+      a.set_xscale("log")
+      a.set(xlabel="teacher FLOPs per example", ylabel=ylabel, title=title)
+      a.grid(alpha=0.3)
+      a.legend(fontsize=7)
   return path

@@ -127,28 +127,26 @@ _CHILD = ("import ctypes, os, runpy, signal, sys\n"
 
 def plot(workdir: str, results: dict) -> str:
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-  for mode, r in results["runs"].items():
-    if r["curves"]["train"]:
-      s, l = zip(*r["curves"]["train"])
-      a.plot(s, l, label=f"{mode} train")
-    if r["curves"]["eval"]:
-      s, l = zip(*r["curves"]["eval"])
-      a.plot(s, l, "o--", label=f"{mode} eval")
-  a.set_xlabel("step")
-  a.set_ylabel("loss (assistant tokens)")
-  a.legend()
-  names = ["base"] + list(results["runs"])
-  values = [results["exact_match_before"]] + [r["exact_match"] for r in results["runs"].values()]
-  b.bar(names, values)
-  b.set_ylim(0, 1)
-  b.set_ylabel(f"held-out exact match ({results['held_out']} examples)")
-  fig.suptitle(f"{FLAGS.init}: {FLAGS.steps} steps x {FLAGS.batch_size} rows of "
-               f"{FLAGS.seq_len} tokens")
   path = os.path.join(workdir, "finetune.png")
-  fig.savefig(path, dpi=110, bbox_inches="tight")
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(11, 4), tight=False,
+                       bbox_inches="tight") as (fig, (a, b)):
+    for mode, r in results["runs"].items():
+      if r["curves"]["train"]:
+        s, l = zip(*r["curves"]["train"])
+        a.plot(s, l, label=f"{mode} train")
+      if r["curves"]["eval"]:
+        s, l = zip(*r["curves"]["eval"])
+        a.plot(s, l, "o--", label=f"{mode} eval")
+    a.set_xlabel("step")
+    a.set_ylabel("loss (assistant tokens)")
+    a.legend()
+    names = ["base"] + list(results["runs"])
+    values = [results["exact_match_before"]] + [r["exact_match"] for r in results["runs"].values()]
+    b.bar(names, values)
+    b.set_ylim(0, 1)
+    b.set_ylabel(f"held-out exact match ({results['held_out']} examples)")
+    fig.suptitle(f"{FLAGS.init}: {FLAGS.steps} steps x {FLAGS.batch_size} rows of "
+                 f"{FLAGS.seq_len} tokens")
   return path
 
 

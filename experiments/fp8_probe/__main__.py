@@ -46,13 +46,12 @@ AUC) is far above the probe's per-layer effects, so these runs show FP8 trains, 
 from __future__ import annotations
 
 import os
-import time
 
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 
@@ -82,7 +81,7 @@ def main(argv):
   from experiments.fp8_probe import probe as fp8_probe
   from rec import configs, runs
 
-  t0 = time.perf_counter()
+  report = Report(FLAGS.workdir)
   base = configs.run_from_flags(seed=FLAGS.data_seed)
   seeds = [int(s) for s in FLAGS.seeds]
   budget = dict(steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs)
@@ -130,17 +129,13 @@ def main(argv):
                           "fp8_layer_names": list(trained.model_cfg.fp8_layer_names),
                           "probes": probes, "variants": rows, "step_times": timing,
                           "safe_layers": safe})
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  out["plot"] = fp8_probe.plot(out, os.path.join(FLAGS.workdir, "fp8_probe.png"))
-  out["wall_seconds"] = time.perf_counter() - t0
-  results_lib.write_results(FLAGS.workdir, out)
-  summary = {"data": FLAGS.data, "platform": out["platform"], "models": {
+  out["plot"] = report.plot(fp8_probe.plot, out, name="fp8_probe.png")
+  report.finish(out, {"data": FLAGS.data, "platform": out["platform"], "models": {
       m["label"]: {"safe_layers": m["safe_layers"],
                    **{f"{v}_auc": round(r["auc_mean"], 5) for v, r in m["variants"].items()},
                    **{f"{v}_logloss": round(r["logloss_mean"], 5)
                       for v, r in m["variants"].items()}}
-      for m in out["models"]}, "wall_seconds": round(out["wall_seconds"], 1)}
-  results_lib.print_summary(summary)
+      for m in out["models"]}}, wall="wall_seconds")
 
 
 if __name__ == "__main__":

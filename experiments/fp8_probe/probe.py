@@ -319,32 +319,28 @@ def plot(results: dict[str, Any], path: str) -> str:
   """Per model: the probe's per-layer output and gradient SQNR (first recipe), and each
   training variant's log loss change against fp32."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-
   models = results["models"]
-  fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.6 * len(models)), squeeze=False)
-  for (a, b), m in zip(axes, models):
-    rep = m["probes"][0] if m["probes"] else None
-    if rep:
-      names = [r["layer"] for r in rep["layers"]]
-      x = np.arange(len(names))
-      a.bar(x - 0.2, [r["out_sqnr_db"] for r in rep["layers"]], 0.4, label="layer output")
-      a.bar(x + 0.2, [r["grad_sqnr_db"] for r in rep["layers"]], 0.4, label="kernel gradient")
-      a.set_xticks(x, names, rotation=30, fontsize=8)
-      a.set(ylabel="SQNR vs fp32 (dB)",
-            title=f"{m['label']}: probe, one layer in FP8 ({rep['recipe']} scaling)")
-      a.legend(fontsize=8)
-    rows = m["variants"]
-    names = list(rows)
-    base = rows["fp32"]["logloss_mean"]
-    b.bar(names, [rows[n]["logloss_mean"] - base for n in names],
-          yerr=[rows[n]["logloss_std"] for n in names], capsize=3)
-    b.axhline(0, color="k", lw=0.8)
-    b.set(ylabel="test log loss - fp32's", title=f"{m['label']}: trained from scratch")
-    b.tick_params(axis="x", rotation=30, labelsize=8)
-    for ax in (a, b):
-      ax.grid(alpha=0.3, axis="y")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, len(models), 2, figsize=(12, 3.6 * len(models)),
+                       squeeze=False) as (fig, axes):
+    for (a, b), m in zip(axes, models):
+      rep = m["probes"][0] if m["probes"] else None
+      if rep:
+        names = [r["layer"] for r in rep["layers"]]
+        x = np.arange(len(names))
+        a.bar(x - 0.2, [r["out_sqnr_db"] for r in rep["layers"]], 0.4, label="layer output")
+        a.bar(x + 0.2, [r["grad_sqnr_db"] for r in rep["layers"]], 0.4, label="kernel gradient")
+        a.set_xticks(x, names, rotation=30, fontsize=8)
+        a.set(ylabel="SQNR vs fp32 (dB)",
+              title=f"{m['label']}: probe, one layer in FP8 ({rep['recipe']} scaling)")
+        a.legend(fontsize=8)
+      rows = m["variants"]
+      names = list(rows)
+      base = rows["fp32"]["logloss_mean"]
+      b.bar(names, [rows[n]["logloss_mean"] - base for n in names],
+            yerr=[rows[n]["logloss_std"] for n in names], capsize=3)
+      b.axhline(0, color="k", lw=0.8)
+      b.set(ylabel="test log loss - fp32's", title=f"{m['label']}: trained from scratch")
+      b.tick_params(axis="x", rotation=30, labelsize=8)
+      for ax in (a, b):
+        ax.grid(alpha=0.3, axis="y")
   return path

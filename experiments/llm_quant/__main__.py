@@ -27,15 +27,13 @@ jax 0.11.2, 16 min; BENCHMARKS.md "Weight-only int8 / int4 inference"): perplexi
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from core import cli
 from core import config
 from core import errors
-from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
+from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
@@ -89,14 +87,14 @@ def main(argv):
   print(f"text: {t['source']}; {t['tokens']} tokens ({t['tokenizer']}), windows of "
         f"{t['window']}; machine: {results['machine']}; load average before / after "
         f"{results['load_average']['before'][0]:.2f} / {results['load_average']['after'][0]:.2f}")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  study.plot(results, os.path.join(FLAGS.workdir, "llm_quant.png"))
+  report = Report(FLAGS.workdir)
+  report.plot(study.plot, results, name="llm_quant.png")
   summary = {m: {"perplexity": round(r["perplexity"], 4),
                  "decode_tokens_per_s": round(r["decode_tokens_per_s"], 1),
                  "decode_speedup_vs_float32": round(r.get("decode_speedup_vs_float32", 1.0), 3),
                  "param_mb": round(r["param_bytes"] / 1e6, 2)}
              for m, r in results["variants"].items()}
-  results_lib.finish(FLAGS.workdir, results, {"checkpoint": FLAGS.checkpoint, **summary})
+  report.finish(results, {"checkpoint": FLAGS.checkpoint, **summary})
 
 
 if __name__ == "__main__":

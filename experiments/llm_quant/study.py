@@ -183,23 +183,18 @@ def table(results: dict) -> str:
 
 def plot(results: dict, path: str) -> None:
   """Perplexity and decode tokens/s per variant, weight MB on the bars."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from core import plot as plot_lib
   modes = list(results["variants"])
   rows = [results["variants"][m] for m in modes]
-  fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-  colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(modes)]
-  axes[0].bar(modes, [r["perplexity"] for r in rows], color=colors)
-  lo = min(r["perplexity"] for r in rows)
-  axes[0].set_ylim(lo * 0.95, max(r["perplexity"] for r in rows) * 1.02)
-  axes[0].set_title("perplexity (held-out text)")
-  bars = axes[1].bar(modes, [r["decode_tokens_per_s"] for r in rows], color=colors)
-  for b, r in zip(bars, rows):
-    axes[1].annotate(f"{r['param_bytes'] / 1e6:.0f} MB", (b.get_x() + b.get_width() / 2,
-                     b.get_height()), ha="center", va="bottom", fontsize=8)
-  axes[1].set_title("decode tokens/s, batch 1 (CPU)")
-  fig.suptitle(f"{os.path.basename(results['checkpoint'])}: weight-only quantization", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(9, 3.4), dpi=120) as (fig, axes):
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(modes)]
+    axes[0].bar(modes, [r["perplexity"] for r in rows], color=colors)
+    lo = min(r["perplexity"] for r in rows)
+    axes[0].set_ylim(lo * 0.95, max(r["perplexity"] for r in rows) * 1.02)
+    axes[0].set_title("perplexity (held-out text)")
+    bars = axes[1].bar(modes, [r["decode_tokens_per_s"] for r in rows], color=colors)
+    for b, r in zip(bars, rows):
+      axes[1].annotate(f"{r['param_bytes'] / 1e6:.0f} MB", (b.get_x() + b.get_width() / 2,
+                       b.get_height()), ha="center", va="bottom", fontsize=8)
+    axes[1].set_title("decode tokens/s, batch 1 (CPU)")
+    fig.suptitle(f"{os.path.basename(results['checkpoint'])}: weight-only quantization", fontsize=9)

@@ -51,30 +51,32 @@ accuracy is maintained, the memory is 2-2.3x at int8 + 5% and 3.8-5x at int4 + 1
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-  """The entry point's flags, defined when it runs as a script."""
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags, defined when it runs as a script (`flag_values`: where,
+  default absl's FLAGS); every setting but --workdir may come from a --config file
+  (configs/ beside this file)."""
   from core import settings  # noqa: F401  (the settings named below)
   from experiments.mp_embedding import study
   from rec import configs
   from rec import settings as rec_settings  # noqa: F401
   configs.define_run_flags("data", "model", "preset", "embedding_dim", "eval_batches",
       "num_rows", "learning_rate", "embedding_learning_rate", "sharding", "mesh",
-      batch_size=1024, eval_batch_size=4096)
+      flag_values=flag_values, batch_size=1024, eval_batch_size=4096)
   config.define_flags(
       None, "formats", "seeds", "data_seed", "steps", "epochs", "memory_dims", "log_every",
-      "workdir", formats=list(study.DEFAULT_FORMATS), seeds=["0"], data_seed=0, steps=300,
-      memory_dims=["16", "32", "64", "128"], log_every=100, workdir="runs/mp_embedding")
+      in_config=True, flag_values=flag_values, formats=list(study.DEFAULT_FORMATS),
+      seeds=["0"], data_seed=0, steps=300, memory_dims=["16", "32", "64", "128"],
+      log_every=100)
+  config.define_flags(None, "workdir", flag_values=flag_values, workdir="runs/mp_embedding")
 
 
 def main(argv):
@@ -115,10 +117,8 @@ def main(argv):
                       for r in results["rows"]},
              "wall_seconds": round(results["wall_seconds"], 1)}
   results["summary"] = summary
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.write_results(FLAGS.workdir, results)
-  study.plot(results, os.path.join(FLAGS.workdir, "mp_embedding.png"))
-  results_lib.print_summary(summary)
+  report = Report(FLAGS.workdir)
+  report.finish(results, summary, plots=[(study.plot, (results,), "mp_embedding.png")])
 
 
 if __name__ == "__main__":

@@ -215,19 +215,15 @@ def format_memory(results: Mapping[str, Any]) -> str:
 def plot(results, path: str) -> None:
   """Quality change (AUC, log loss) against memory reduction, one point per format."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
   rows = results["rows"]
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-  for ax, key, label in ((axes[0], "auc", "test AUC - reference"),
-                         (axes[1], "logloss", "test log loss - reference")):
-    for r in rows:
-      ax.errorbar(r["memory_vs_reference"], r[f"{key}_delta_mean"],
-                  yerr=r[f"{key}_delta_std"] or None, fmt="o", capsize=3)
-      ax.annotate(r["format"], (r["memory_vs_reference"], r[f"{key}_delta_mean"]),
-                  fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.axhline(0, color="gray", lw=0.8)
-    ax.set(xlabel=f"table memory reduction vs {rows[0]['format']} (x)", ylabel=label)
-  fig.suptitle(f"mixed-precision embeddings, data {results['config']['data']}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(10, 3.8)) as (fig, axes):
+    for ax, key, label in ((axes[0], "auc", "test AUC - reference"),
+                           (axes[1], "logloss", "test log loss - reference")):
+      for r in rows:
+        ax.errorbar(r["memory_vs_reference"], r[f"{key}_delta_mean"],
+                    yerr=r[f"{key}_delta_std"] or None, fmt="o", capsize=3)
+        ax.annotate(r["format"], (r["memory_vs_reference"], r[f"{key}_delta_mean"]),
+                    fontsize=7, xytext=(4, 4), textcoords="offset points")
+      ax.axhline(0, color="gray", lw=0.8)
+      ax.set(xlabel=f"table memory reduction vs {rows[0]['format']} (x)", ylabel=label)
+    fig.suptitle(f"mixed-precision embeddings, data {results['config']['data']}")

@@ -1,8 +1,9 @@
 """Hugging Face transformers Llama prefill / decode speed on CPU (peer of experiments.bench_llm).
 
 Runs in the peer environment (torch CPU + transformers), imports nothing from the project.
-Loads a Llama directory (--model_dir: one that `experiments.bench_llm` exported with the
-same weights as our model, or a real checkpoint's) or a GGUF file (--gguf_file: transformers
+Loads, as AutoModelForCausalLM (Llama, Qwen2 and Mistral alike), a model directory
+(--model_dir: one that `experiments.bench_llm` exported with the same weights as our model,
+or a real checkpoint's) or a GGUF file (--gguf_file: transformers
 dequantizes it with the gguf package and undoes llama.cpp's Q/K permutation itself; needs
 `gguf` and `accelerate` in this environment), then times, in fp32 under torch.inference_mode:
   prefill: one forward over [batch, prompt_len] prompt tokens with use_cache=True;
@@ -37,11 +38,11 @@ def main():
            else {"torch_dtype": torch.float32})
   if args.gguf_file:
     d, name = os.path.split(os.path.abspath(args.gguf_file))
-    model = transformers.LlamaForCausalLM.from_pretrained(d, gguf_file=name, **dtype,
-                                                          attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, **dtype,
+                                                              attn_implementation="sdpa")
   else:
-    model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, **dtype,
-                                                          attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, **dtype,
+                                                              attn_implementation="sdpa")
   model.eval()
   with open(args.prompt_ids_file) as f:
     prompts = torch.tensor(json.load(f), dtype=torch.long)

@@ -37,14 +37,13 @@ attention 0.054 / 0.122 / 0.026.
 from __future__ import annotations
 
 import os
-import time
 
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -67,17 +66,20 @@ LLAMA_LEN = config.setting("llama_len", "integer", "Tokens per sequence.", lower
 CHUNK = config.setting("chunk", "integer", "Trials per jitted, vmapped call.", lower=1)
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting
+  but --workdir may come from a --config file (configs/ beside this file)."""
   from rec import configs
   config.define_flags(
       None, settings.PRESET, settings.BATCH_SIZE, configs.NUM_ROWS, settings.STEPS, DLRM_RUN,
       settings.FORMATS, FAULTS, CRITERION, rec_settings.TRIALS, EXAMPLES, LLAMA, LLAMA_TRIALS,
-      LLAMA_FAULTS, LLAMA_SEQS, LLAMA_LEN, CHUNK, settings.SEED, settings.WORKDIR,
-      preset="small", batch_size=512, num_rows=20_000, steps=300, dlrm_run="",
-      formats=["fp32", "bf16", "int8"], faults=["single", "multi:2", "burst:2"],
+      LLAMA_FAULTS, LLAMA_SEQS, LLAMA_LEN, CHUNK, settings.SEED, in_config=True,
+      flag_values=flag_values, preset="small", batch_size=512, num_rows=20_000, steps=300,
+      dlrm_run="", formats=["fp32", "bf16", "int8"], faults=["single", "multi:2", "burst:2"],
       criterion="threshold:0.5", trials=2000, examples=1024,
       llama="../shared/data/llama2c/stories260K.bin", llama_trials=500, llama_faults=["single"],
-      llama_seqs=64, llama_len=32, chunk=256, seed=0, workdir="runs/pvf")
+      llama_seqs=64, llama_len=32, chunk=256, seed=0)
+  config.define_flags(None, settings.WORKDIR, flag_values=flag_values, workdir="runs/pvf")
 
 
 def _dlrm(t_key):
@@ -184,7 +186,7 @@ def main(argv):
 
   from experiments.pvf import study
 
-  t0 = time.perf_counter()
+  report = Report(FLAGS.workdir)
   key = jax.random.key(FLAGS.seed)
   out = {"platform": jax.default_backend(), "formats": FLAGS.formats, "faults": FLAGS.faults,
          "llama_faults": FLAGS.llama_faults, "trials": FLAGS.trials,
@@ -199,14 +201,10 @@ def main(argv):
     print(study.format_fields(m["rows"]))
   print(study.format_checks(out["models"][0]["checks"]))
   print(study.PAPER_NOTE, flush=True)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  out["plot"] = study.plot(out, os.path.join(FLAGS.workdir, "pvf.png"))
-  out["wall_seconds"] = time.perf_counter() - t0
-  results_lib.write_results(FLAGS.workdir, out)
-  summary = {m["label"]: {f"{r['group']}/{r['fmt']}/{r['fault']}": round(r["pvf"], 5)
-                          for r in m["rows"]} for m in out["models"]}
-  summary["wall_seconds"] = round(out["wall_seconds"], 1)
-  results_lib.print_summary(summary)
+  out["plot"] = report.plot(study.plot, out, name="pvf.png")
+  report.finish(out, {m["label"]: {f"{r['group']}/{r['fmt']}/{r['fault']}": round(r["pvf"], 5)
+                                   for r in m["rows"]} for m in out["models"]},
+                wall="wall_seconds")
 
 
 if __name__ == "__main__":

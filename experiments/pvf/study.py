@@ -124,48 +124,44 @@ def plot(results: dict[str, Any], path: str) -> str:
   paper's finding under the groups it names; then PVF by bit field of the single-bit
   faults."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-
   models = [m for m in results["models"] if m["rows"]]
   field_models = [m for m in models if any("by_field" in r for r in m["rows"])]
   n = len(models) + len(field_models)
-  fig, axes = plt.subplots(n, 1, figsize=(13, 3.9 * n), squeeze=False)
-  for ax, m in zip(axes[:len(models), 0], models):
-    paper = m.get("paper", {})
-    groups = list(dict.fromkeys(r["group"] for r in m["rows"]))
-    series = list(dict.fromkeys((r["fmt"], r["fault"]) for r in m["rows"]))
-    x = np.arange(len(groups))
-    w = 0.8 / len(series)
-    for s, (fmt, fault) in enumerate(series):
-      by = {r["group"]: r for r in m["rows"] if (r["fmt"], r["fault"]) == (fmt, fault)}
-      p = np.array([by[g]["pvf"] for g in groups])
-      err = np.maximum(0, [[by[g]["pvf"] - by[g]["ci_low"] for g in groups],
-                           [by[g]["ci_high"] - by[g]["pvf"] for g in groups]])
-      ax.bar(x + (s - (len(series) - 1) / 2) * w, p, w, yerr=err, capsize=2,
-             label=f"{fmt} {fault}")
-    labels = [g + (f"\n[paper: {paper[g]}]" if g in paper else "") for g in groups]
-    ax.set_xticks(x, labels, rotation=30, fontsize=7)
-    ax.set(ylabel="PVF (95% Wilson CI)", title=f"{m['label']}: {m['criterion']}")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7, ncol=3)
-  for ax, m in zip(axes[len(models):, 0], field_models):
-    rows = [r for r in m["rows"] if "by_field" in r]
-    keys = [(r["group"], r["fmt"]) for r in rows]
-    names = list(dict.fromkeys(f for r in rows for f in r["by_field"]))
-    x = np.arange(len(keys))
-    w = 0.8 / len(names)
-    for s, name in enumerate(names):
-      p = np.array([r["by_field"].get(name, {}).get("pvf", np.nan) for r in rows])
-      lo = np.array([r["by_field"].get(name, {}).get("ci_low", np.nan) for r in rows])
-      hi = np.array([r["by_field"].get(name, {}).get("ci_high", np.nan) for r in rows])
-      ax.bar(x + (s - (len(names) - 1) / 2) * w, p, w,
-             yerr=np.maximum(0, np.nan_to_num([p - lo, hi - p])), capsize=2, label=name)
-    ax.set_xticks(x, [f"{g}\n{f}" for g, f in keys], rotation=90, fontsize=6)
-    ax.set(ylabel="PVF of single-bit faults", title=f"{m['label']}: by bit field")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
-  fig.text(0.01, 0.003, textwrap.fill(PAPER_NOTE, 180), fontsize=7)
-  fig.tight_layout(rect=(0, 0.025, 1, 1))
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, n, 1, figsize=(13, 3.9 * n), squeeze=False,
+                       tight=(0, 0.025, 1, 1)) as (fig, axes):
+    for ax, m in zip(axes[:len(models), 0], models):
+      paper = m.get("paper", {})
+      groups = list(dict.fromkeys(r["group"] for r in m["rows"]))
+      series = list(dict.fromkeys((r["fmt"], r["fault"]) for r in m["rows"]))
+      x = np.arange(len(groups))
+      w = 0.8 / len(series)
+      for s, (fmt, fault) in enumerate(series):
+        by = {r["group"]: r for r in m["rows"] if (r["fmt"], r["fault"]) == (fmt, fault)}
+        p = np.array([by[g]["pvf"] for g in groups])
+        err = np.maximum(0, [[by[g]["pvf"] - by[g]["ci_low"] for g in groups],
+                             [by[g]["ci_high"] - by[g]["pvf"] for g in groups]])
+        ax.bar(x + (s - (len(series) - 1) / 2) * w, p, w, yerr=err, capsize=2,
+               label=f"{fmt} {fault}")
+      labels = [g + (f"\n[paper: {paper[g]}]" if g in paper else "") for g in groups]
+      ax.set_xticks(x, labels, rotation=30, fontsize=7)
+      ax.set(ylabel="PVF (95% Wilson CI)", title=f"{m['label']}: {m['criterion']}")
+      ax.grid(alpha=0.3, axis="y")
+      ax.legend(fontsize=7, ncol=3)
+    for ax, m in zip(axes[len(models):, 0], field_models):
+      rows = [r for r in m["rows"] if "by_field" in r]
+      keys = [(r["group"], r["fmt"]) for r in rows]
+      names = list(dict.fromkeys(f for r in rows for f in r["by_field"]))
+      x = np.arange(len(keys))
+      w = 0.8 / len(names)
+      for s, name in enumerate(names):
+        p = np.array([r["by_field"].get(name, {}).get("pvf", np.nan) for r in rows])
+        lo = np.array([r["by_field"].get(name, {}).get("ci_low", np.nan) for r in rows])
+        hi = np.array([r["by_field"].get(name, {}).get("ci_high", np.nan) for r in rows])
+        ax.bar(x + (s - (len(names) - 1) / 2) * w, p, w,
+               yerr=np.maximum(0, np.nan_to_num([p - lo, hi - p])), capsize=2, label=name)
+      ax.set_xticks(x, [f"{g}\n{f}" for g, f in keys], rotation=90, fontsize=6)
+      ax.set(ylabel="PVF of single-bit faults", title=f"{m['label']}: by bit field")
+      ax.grid(alpha=0.3, axis="y")
+      ax.legend(fontsize=7)
+    fig.text(0.01, 0.003, textwrap.fill(PAPER_NOTE, 180), fontsize=7)
   return path

@@ -411,31 +411,25 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 def plot(rows: Sequence[dict[str, Any]], path: str) -> str:
   """NE against MFLOPs/example: every trained candidate, each method's Pareto front, and
   the hand-designed models labelled."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(8, 5))
-  by: dict[str, list] = {}
-  for r in rows:
-    by.setdefault(r["method"], []).append(r)
-  for i, (m, rs) in enumerate(sorted(by.items())):
-    c = f"C{i}"
-    marker = "s" if m == "hand-designed" else "o"
-    ax.scatter([r["mflops"] for r in rs], [r["ne"] for r in rs], c=c, marker=marker, s=22,
-               alpha=0.6, label=m)
-    front = pareto(rs)
-    ax.plot([r["mflops"] for r in front], [r["ne"] for r in front], "-", c=c, lw=1.2)
-    if m == "hand-designed":
-      for r in rs:
-        ax.annotate(r["label"], (r["mflops"], r["ne"]), fontsize=6, xytext=(3, 3),
-                    textcoords="offset points")
-  ax.set_xscale("log")
-  ax.set_xlabel("forward MFLOPs / example (XLA)")
-  ax.set_ylabel("eval NE (lower is better)")
-  ax.set_title("Rankitect search: NE vs FLOPs, Pareto fronts per method")
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  from core import plot as plot_lib
+  with plot_lib.figure(path, figsize=(8, 5), dpi=120) as (fig, ax):
+    by: dict[str, list] = {}
+    for r in rows:
+      by.setdefault(r["method"], []).append(r)
+    for i, (m, rs) in enumerate(sorted(by.items())):
+      c = f"C{i}"
+      marker = "s" if m == "hand-designed" else "o"
+      ax.scatter([r["mflops"] for r in rs], [r["ne"] for r in rs], c=c, marker=marker, s=22,
+                 alpha=0.6, label=m)
+      front = pareto(rs)
+      ax.plot([r["mflops"] for r in front], [r["ne"] for r in front], "-", c=c, lw=1.2)
+      if m == "hand-designed":
+        for r in rs:
+          ax.annotate(r["label"], (r["mflops"], r["ne"]), fontsize=6, xytext=(3, 3),
+                      textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("forward MFLOPs / example (XLA)")
+    ax.set_ylabel("eval NE (lower is better)")
+    ax.set_title("Rankitect search: NE vs FLOPs, Pareto fronts per method")
+    ax.legend(fontsize=8)
   return path

@@ -24,15 +24,12 @@ examples/s at S=1, 76,705 at S=32); single ratios move up to 2x between runs.
 
 from __future__ import annotations
 
-import os
-import time
-
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -42,15 +39,17 @@ NUM_ITEM = config.setting("num_item", "integer", "Item (per-sample, one-hot) fea
                           lower=1)
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting
+  but --workdir may come from a --config file (configs/ beside this file)."""
   from rec import configs
   config.define_flags(
       None, settings.BATCH_SIZE, configs.NUM_ROWS, SESSION_LENS, rec_settings.NUM_USER,
       NUM_ITEM, rec_settings.USER_BAG, rec_settings.DIM, settings.STEPS, settings.REPEATS,
-      settings.MESH, settings.SEED, settings.WORKDIR,
+      settings.MESH, settings.SEED, in_config=True, flag_values=flag_values,
       batch_size=2048, num_rows=100_000, session_lens=["1", "2", "4", "8", "16", "32"],
-      num_user=8, num_item=8, user_bag=32, dim=32, steps=5, repeats=5, mesh="-1", seed=0,
-      workdir="runs/recd")
+      num_user=8, num_item=8, user_bag=32, dim=32, steps=5, repeats=5, mesh="-1", seed=0)
+  config.define_flags(None, settings.WORKDIR, flag_values=flag_values, workdir="runs/recd")
 
 
 def main(argv):
@@ -66,22 +65,19 @@ def main(argv):
   if not lens or any(s < 1 or FLAGS.batch_size % s for s in lens):
     raise ValueError(f"--session_lens={','.join(FLAGS.session_lens)}: expected session lengths "
                      f">= 1 dividing --batch_size={FLAGS.batch_size}")
-  t0 = time.perf_counter()
+  report = Report(FLAGS.workdir)
   rows = study.throughput_study(
       lens, FLAGS.batch_size, FLAGS.num_user, FLAGS.num_item,
       FLAGS.user_bag, FLAGS.num_rows, FLAGS.dim, FLAGS.steps, FLAGS.repeats, FLAGS.mesh,
       FLAGS.seed, log=lambda s: print(s, flush=True))
-  os.makedirs(FLAGS.workdir, exist_ok=True)
   out = {"machine": benchmark.machine(), "flags": {k: FLAGS[k].value for k in (
       "batch_size", "num_user", "num_item", "user_bag", "num_rows", "dim", "steps", "repeats",
       "mesh")}, "rows": rows}
-  out["plot"] = study.plot(rows, os.path.join(FLAGS.workdir, "recd.png"))
-  out["wall_seconds"] = time.perf_counter() - t0
-  results_lib.write_results(FLAGS.workdir, out)
-  results_lib.print_summary({f"s{r['session_len']}": {"dup": round(r["dup_rate_user"], 3),
-                                                      "lookup_x": round(r["lookup_speedup"], 2),
-                                                      "step_x": round(r["step_speedup"], 2)}
-                             for r in rows} | {"wall_seconds": round(out["wall_seconds"], 1)})
+  out["plot"] = report.plot(study.plot, rows, name="recd.png")
+  report.finish(out, {f"s{r['session_len']}": {"dup": round(r["dup_rate_user"], 3),
+                                               "lookup_x": round(r["lookup_speedup"], 2),
+                                               "step_x": round(r["step_speedup"], 2)}
+                      for r in rows}, wall="wall_seconds")
 
 
 if __name__ == "__main__":

@@ -108,17 +108,13 @@ def format_rows(rows, header: bool = True) -> str:
 def plot(rows, path: str) -> str:
   """Lookup and step speedup (plain / dedup) against the user features' duplication rate."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
-  x = [r["dup_rate_user"] for r in rows]
-  ax.plot(x, [r["lookup_speedup"] for r in rows], "o-", label="lookup (gather + pool)")
-  ax.plot(x, [r["step_speedup"] for r in rows], "s-", label="train step")
-  ax.axhline(1, color="k", lw=0.8)
-  ax.set(xlabel="duplication rate of the user features", ylabel="speedup (plain / dedup)",
-         title="RecD in-batch dedup")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, figsize=(6, 4)) as (fig, ax):
+    x = [r["dup_rate_user"] for r in rows]
+    ax.plot(x, [r["lookup_speedup"] for r in rows], "o-", label="lookup (gather + pool)")
+    ax.plot(x, [r["step_speedup"] for r in rows], "s-", label="train step")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set(xlabel="duplication rate of the user features", ylabel="speedup (plain / dedup)",
+           title="RecD in-batch dedup")
+    ax.grid(alpha=0.3)
+    ax.legend()
   return path

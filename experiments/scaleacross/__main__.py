@@ -43,8 +43,8 @@ from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 _CLUSTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
@@ -59,15 +59,19 @@ SWEEP_OUTER_GBPS = config.setting(
     "egress (its line rate where it has none) at each of these Gb/s, e.g. 6400,25600,102400.")
 
 
-def define_flags() -> None:
-  """The entry point's flags, defined when it runs as a script."""
-  config.define_flags(None, CLUSTER, settings.WORKDIR, COMPUTE_EFFICIENCY, SWEEP_OUTER_GBPS,
-                      cluster=os.path.join(_CLUSTERS, "two_regions.json"),
-                      workdir="runs/scaleacross", compute_efficiency=None, sweep_outer_gbps=[])
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags, defined when it runs as a script (`flag_values`: where,
+  default absl's FLAGS); every setting but --workdir may come from a --config file
+  (configs/ beside this file)."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  config.define_flags(None, CLUSTER, COMPUTE_EFFICIENCY, SWEEP_OUTER_GBPS, in_config=True,
+                      flag_values=fv, cluster=os.path.join(_CLUSTERS, "two_regions.json"),
+                      compute_efficiency=None, sweep_outer_gbps=[])
+  config.define_flags(None, settings.WORKDIR, flag_values=fv, workdir="runs/scaleacross")
   flags.register_validator("sweep_outer_gbps", _positive_numbers,
-                           message="expected numbers > 0")
+                           message="expected numbers > 0", flag_values=fv)
   flags.register_validator("compute_efficiency", lambda v: v is None or 0 < v <= 1,
-                           message="expected a fraction in (0, 1]")
+                           message="expected a fraction in (0, 1]", flag_values=fv)
 
 
 def _positive_numbers(vals) -> bool:
@@ -105,11 +109,10 @@ def main(argv):
   print(study.format_table(res))
   if FLAGS.sweep_outer_gbps:
     print(study.format_sweep(res["sweep_outer_link"], cl.links[-1].name))
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.write_results(FLAGS.workdir, res)
-  study.plot(res, FLAGS.workdir)
+  report = Report(FLAGS.workdir)
+  study.plot(res, report.path())
   single = res["best_single_change"]
-  results_lib.print_summary({
+  report.finish(res, {
       "cluster": res["cluster"], "plans_feasible": res["plans_feasible"],
       "compute_efficiency": round(eff, 4),
       "baseline_step_s": round(res["baseline"]["step_s"], 4),

@@ -238,43 +238,39 @@ def format_check(rows: list[dict]) -> str:
 def plot(res: dict, workdir: str) -> str:
   """design_space.png: every feasible plan's step time by the axes on the outermost link,
   and the baseline / best single change / best broken down."""
-  plt = plot_lib.pyplot()
-  fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
-  cats = sorted({d["outer"] for d in res["design_space"]})
-  for j, c in enumerate(cats):
-    pts = [d for d in res["design_space"] if d["outer"] == c]
-    for hier, color in ((True, "tab:blue"), (False, "tab:orange")):
-      ys = [d["step_s"] for d in pts if d["hierarchical"] == hier]
-      xs = [j + (0.15 if hier else -0.15) + 0.1 * ((i * 0.618) % 1 - 0.5)
-            for i in range(len(ys))]
-      ax.scatter(xs, ys, s=4, alpha=0.4, color=color,
-                 label=("hierarchical" if hier else "flat ring") if j == 0 else None)
-  for name, marker in (("baseline", "X"), ("best_single_change", "s"), ("best", "*")):
-    e = res[name]
-    if e is None:
-      continue
-    outer = list(e["crosses"])[-1]
-    c = "+".join(e["crosses"][outer]) or "none"
-    if c in cats:
-      ax.scatter([cats.index(c)], [e["step_s"]], marker=marker, s=120, color="k", zorder=5,
-                 label=name.replace("_", " "))
-  ax.set_xticks(range(len(cats)), cats, rotation=20)
-  ax.set_xlabel(f"axes spanning the outermost link ({list(res['baseline']['crosses'])[-1]})")
-  ax.set_ylabel("step time (s)")
-  ax.set_yscale("log")
-  ax.set_title(f"{res['cluster']}: {res['plans_feasible']} feasible plans")
-  ax.legend(fontsize=8)
-  names = ["baseline", "best_single_change", "best"]
-  bottom = [0.0] * 3
-  for k in BREAKDOWN:
-    vals = [res[n]["breakdown"][k] if res[n] else 0.0 for n in names]
-    bx.bar(range(3), vals, bottom=bottom, label=k)
-    bottom = [b + v for b, v in zip(bottom, vals)]
-  bx.set_xticks(range(3), ["baseline", "best single change", "best"])
-  bx.set_ylabel("seconds per step")
-  bx.legend(fontsize=8)
-  fig.tight_layout()
   path = os.path.join(workdir, "design_space.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(13, 4.8)) as (fig, (ax, bx)):
+    cats = sorted({d["outer"] for d in res["design_space"]})
+    for j, c in enumerate(cats):
+      pts = [d for d in res["design_space"] if d["outer"] == c]
+      for hier, color in ((True, "tab:blue"), (False, "tab:orange")):
+        ys = [d["step_s"] for d in pts if d["hierarchical"] == hier]
+        xs = [j + (0.15 if hier else -0.15) + 0.1 * ((i * 0.618) % 1 - 0.5)
+              for i in range(len(ys))]
+        ax.scatter(xs, ys, s=4, alpha=0.4, color=color,
+                   label=("hierarchical" if hier else "flat ring") if j == 0 else None)
+    for name, marker in (("baseline", "X"), ("best_single_change", "s"), ("best", "*")):
+      e = res[name]
+      if e is None:
+        continue
+      outer = list(e["crosses"])[-1]
+      c = "+".join(e["crosses"][outer]) or "none"
+      if c in cats:
+        ax.scatter([cats.index(c)], [e["step_s"]], marker=marker, s=120, color="k", zorder=5,
+                   label=name.replace("_", " "))
+    ax.set_xticks(range(len(cats)), cats, rotation=20)
+    ax.set_xlabel(f"axes spanning the outermost link ({list(res['baseline']['crosses'])[-1]})")
+    ax.set_ylabel("step time (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"{res['cluster']}: {res['plans_feasible']} feasible plans")
+    ax.legend(fontsize=8)
+    names = ["baseline", "best_single_change", "best"]
+    bottom = [0.0] * 3
+    for k in BREAKDOWN:
+      vals = [res[n]["breakdown"][k] if res[n] else 0.0 for n in names]
+      bx.bar(range(3), vals, bottom=bottom, label=k)
+      bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(range(3), ["baseline", "best single change", "best"])
+    bx.set_ylabel("seconds per step")
+    bx.legend(fontsize=8)
   return path

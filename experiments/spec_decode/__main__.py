@@ -73,8 +73,8 @@ from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
+from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
@@ -168,43 +168,57 @@ TEMPERATURES = config.setting(
     "decoding); > 0: sampling (rejection sampling; same distribution).")
 
 
-def define_flags() -> None:
+# The LM settings this entry point takes from llm.run_config.LMRunConfig, at its own
+# defaults (--seq_len narrowed: a sequence is a prompt and at least one more token).
+LM_FLAGS = dict(dtype="float32", warmup_steps=100, seed=0)
+
+
+def define_flags(flag_values=None) -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
-  module beside other entry points whose flags share names)."""
+  module beside other entry points whose flags share names; `flag_values`: where, default
+  absl's FLAGS); every setting but --workdir / --overwrite / --resume_allow may come from
+  a --config file (configs/ beside this file)."""
+  from llm.run_config import LMRunConfig
+  fv = flags.FLAGS if flag_values is None else flag_values
+  config.define_flags(None, lm_settings.SEQ_LEN.narrowed(lower=2), in_config=True,
+                      flag_values=fv, seq_len=128)
+  config.define_flags(LMRunConfig, only=(), flag_values=fv, **LM_FLAGS)
   config.define_flags(
-      None, "target", "workdir", PROMPT_TEXT, GEN_PROMPT_LEN, CHAT_PROMPTS, "bos_id",
-      NUM_SEQUENCES, "eval_sequences", lm_settings.SEQ_LEN.narrowed(lower=2), GEN_TEMPERATURE,
+      None, "target", PROMPT_TEXT, GEN_PROMPT_LEN, CHAT_PROMPTS, "bos_id",
+      NUM_SEQUENCES, "eval_sequences", GEN_TEMPERATURE,
       GEN_BATCH, "draft_vocab", DECODE_VOCAB, DRAFT_DTYPE, DRAFT_STEPS, DRAFT_BATCH, DRAFT_LR,
-      "warmup_steps", W_CLS, NOISE, UNROLL, UNROLL_DECAY, TAPS, TAP_DROPOUT, PROMPT_LOSS,
-      "overwrite", "resume_allow", "trees", BATCH_SIZES, BENCH_PROMPTS, "prompt_len",
-      "max_new_tokens", TEMPERATURES, "repeats", "dtype", "profile", "seed",
-      target=f"llama2c:{STORIES}", workdir="runs/spec_decode",
-      prompt_text=None, gen_prompt_len=8, chat_prompts=False, bos_id=1, num_sequences=1024,
-      eval_sequences=64, seq_len=128, gen_temperature=1.0, gen_batch=64, draft_vocab=0,
-      decode_vocab=0, draft_dtype=None, draft_steps=1500, draft_batch=32, draft_lr=3e-3,
-      warmup_steps=100, w_cls=0.1, noise=0.1, unroll=1, unroll_decay=1.0, taps=[],
-      tap_dropout=0.3, prompt_loss=False, overwrite=False, resume_allow=[],
-      trees=["chain:4", "2:4:8", "4:5:24", "8:6:48"], batch_sizes=["1", "8"], bench_prompts=8,
-      prompt_len=16, max_new_tokens=128, temperatures=["0"], repeats=3, dtype="float32",
-      profile=False, seed=0)
+      W_CLS, NOISE, UNROLL, UNROLL_DECAY, TAPS, TAP_DROPOUT, PROMPT_LOSS,
+      "trees", BATCH_SIZES, BENCH_PROMPTS, "prompt_len", "max_new_tokens", TEMPERATURES,
+      "repeats", "profile", in_config=True, flag_values=fv,
+      target=f"llama2c:{STORIES}", prompt_text=None, gen_prompt_len=8, chat_prompts=False,
+      bos_id=1, num_sequences=1024, eval_sequences=64, gen_temperature=1.0, gen_batch=64,
+      draft_vocab=0, decode_vocab=0, draft_dtype=None, draft_steps=1500, draft_batch=32,
+      draft_lr=3e-3, w_cls=0.1, noise=0.1, unroll=1, unroll_decay=1.0, taps=[],
+      tap_dropout=0.3, prompt_loss=False, trees=["chain:4", "2:4:8", "4:5:24", "8:6:48"],
+      batch_sizes=["1", "8"], bench_prompts=8, prompt_len=16, max_new_tokens=128,
+      temperatures=["0"], repeats=3, profile=False)
+  config.define_flags(None, "workdir", "overwrite", "resume_allow", flag_values=fv,
+                      workdir="runs/spec_decode", overwrite=False, resume_allow=[])
   flags.register_validator("gen_temperature", lambda v: math.isfinite(v) and v >= 0,
                            message="expected a finite temperature >= 0 (0: greedy, which "
-                           "needs a distinct prompt per sequence: --chat_prompts)")
+                           "needs a distinct prompt per sequence: --chat_prompts)",
+                           flag_values=fv)
   flags.register_validator("draft_lr", lambda v: math.isfinite(v) and v > 0,
-                           message="expected a finite learning rate > 0")
+                           message="expected a finite learning rate > 0", flag_values=fv)
   flags.register_validator("taps", lambda v: all(x.isdigit() for x in v),
-                           message="expected block indices >= 0, e.g. 2,15,27")
+                           message="expected block indices >= 0, e.g. 2,15,27",
+                           flag_values=fv)
   flags.register_validator("unroll_decay", lambda v: math.isfinite(v) and 0 < v <= 1,
-                           message="expected a weight 0 < decay <= 1")
+                           message="expected a weight 0 < decay <= 1", flag_values=fv)
   flags.register_validator("tap_dropout", lambda v: 0.0 <= v < 1.0,
-                           message="expected a share 0 <= p < 1")
+                           message="expected a share 0 <= p < 1", flag_values=fv)
   flags.register_validator("trees", _valid_trees,
                            message="expected shapes TOP_K:DEPTH:BUDGET (e.g. 4:5:24) or "
-                           "chain:DEPTH, every number >= 1")
+                           "chain:DEPTH, every number >= 1", flag_values=fv)
   flags.register_validator("batch_sizes", lambda v: bool(v) and _positive_ints(v),
-                           message="expected integers >= 1")
+                           message="expected integers >= 1", flag_values=fv)
   flags.register_validator("temperatures", lambda v: bool(v) and _temperatures(v),
-                           message="expected finite numbers >= 0")
+                           message="expected finite numbers >= 0", flag_values=fv)
 
 
 def check_flags(f) -> None:
@@ -229,6 +243,17 @@ def check_flags(f) -> None:
   if f.decode_vocab and f.draft_vocab and f.decode_vocab > f.draft_vocab:
     raise ValueError(f"--decode_vocab={f.decode_vocab}: expected at most --draft_vocab="
                      f"{f.draft_vocab} (the vocabulary the head trained on)")
+
+
+def lm_run(f):
+  """The LM run of this study (llm.run_config.LMRunConfig): the target checkpoint (the
+  run's init) in --dtype, its --seq_len sequences, and the draft head's training (the run's
+  steps, batch_size and learning_rate: --draft_steps, --draft_batch, --draft_lr; its
+  --warmup_steps and --seed); the settings the study changes from the flags' run."""
+  from llm.run_config import LMRunConfig
+  return config.replace(config.from_flags(LMRunConfig, f), init=f.target,
+                        steps=f.draft_steps, batch_size=f.draft_batch,
+                        learning_rate=f.draft_lr)
 
 
 def with_flag_names(err: Exception, flag_names) -> str:
@@ -297,11 +322,12 @@ def main(argv):
 
   from experiments.spec_decode import benchmark
 
-  t0 = time.time()
+  report = Report(FLAGS.workdir, clock=time.time)
   check_flags(FLAGS)
   shapes = [TreeShape.parse(s) for s in FLAGS.trees]
   batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-  cfg, target = load_model(FLAGS.target, FLAGS.dtype)
+  lm = lm_run(FLAGS)
+  cfg, target = load_model(lm.model.init, lm.model.dtype)
   bad = [int(x) for x in FLAGS.taps if int(x) >= cfg.n_layers]
   if bad:
     raise ValueError(f"--taps={','.join(FLAGS.taps)}: blocks {bad} are past the target's "
@@ -315,19 +341,20 @@ def main(argv):
   if not FLAGS.chat_prompts and FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
     raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens="
                      f"{FLAGS.max_new_tokens} exceeds the target's max_seq_len={cfg.max_seq_len}")
+  t = lm.train
   dcfg = distill.DistillConfig(
-      num_sequences=FLAGS.num_sequences, seq_len=FLAGS.seq_len,
+      num_sequences=FLAGS.num_sequences, seq_len=lm.data.seq_len,
       eval_sequences=FLAGS.eval_sequences, gen_temperature=FLAGS.gen_temperature,
-      batch_size=FLAGS.draft_batch, steps=FLAGS.draft_steps, learning_rate=FLAGS.draft_lr,
-      warmup_steps=FLAGS.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
+      batch_size=t.batch_size, steps=lm.loop.steps, learning_rate=t.learning_rate,
+      warmup_steps=t.warmup_steps, w_cls=FLAGS.w_cls, noise=FLAGS.noise,
       unroll=FLAGS.unroll, unroll_decay=FLAGS.unroll_decay, prompt_loss=FLAGS.prompt_loss,
       taps=tuple(int(x) for x in FLAGS.taps), tap_dropout=FLAGS.tap_dropout,
-      log_every=max(1, min(100, FLAGS.draft_steps // 10)), seed=FLAGS.seed,
+      log_every=max(1, min(100, lm.loop.steps // 10)), seed=t.seed,
       gen_batch=FLAGS.gen_batch, draft_vocab=FLAGS.draft_vocab,
-      checkpoint_every=max(1, min(100, FLAGS.draft_steps // 10)))
-  print(f"target {FLAGS.target}: {cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, "
+      checkpoint_every=max(1, min(100, lm.loop.steps // 10)))
+  print(f"target {lm.model.init}: {cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, "
         f"dim {cfg.dim}, vocab {cfg.vocab_size}; draft head: 1 layer", flush=True)
-  prompts, stop = _prompts_for_target(FLAGS.target, cfg.vocab_size)
+  prompts, stop = _prompts_for_target(lm.model.init, cfg.vocab_size)
   print(f"distilling the draft head in {os.path.join(FLAGS.workdir, 'draft')} "
         f"({dcfg.num_sequences} target sequences of {dcfg.seq_len} tokens, "
         f"{dcfg.steps} steps)", flush=True)
@@ -335,14 +362,14 @@ def main(argv):
     draft, train_out, (tokens, mask), vocab = distill.train_draft(
         target, os.path.join(FLAGS.workdir, "draft"), dcfg, prompts=prompts, stop_tokens=stop,
         overwrite=FLAGS.overwrite, resume_allow=tuple(FLAGS.resume_allow),
-        settings={"target": FLAGS.target, "dtype": FLAGS.dtype})
+        settings={"target": lm.model.init, "dtype": lm.model.dtype})
   except RunSettingsError as e:
     raise RunSettingsError(with_flag_names(e, set(FLAGS))) from None
   first = dcfg.num_sequences - dcfg.eval_sequences
   if FLAGS.decode_vocab:
     vocab = distill.draft_vocab(tokens[:first], mask[:first], FLAGS.decode_vocab,
                                 cfg.vocab_size)
-  draft = cast_head(draft, FLAGS.draft_dtype or FLAGS.dtype)
+  draft = cast_head(draft, FLAGS.draft_dtype or lm.model.dtype)
   held_out = ([prompts[i % len(prompts)] for i in range(first, dcfg.num_sequences)]
               if FLAGS.chat_prompts else tokens[first:, :FLAGS.prompt_len].tolist())
   print(f"draft eval: {json.dumps({k: round(v, 4) for k, v in train_out['eval'].items()})}",
@@ -354,7 +381,7 @@ def main(argv):
     for b in batch_sizes:
       rows += benchmark.compare(target, draft, held_out[:FLAGS.bench_prompts],
                                 FLAGS.max_new_tokens, shapes, batch=b, repeats=FLAGS.repeats,
-                                temperature=temp, seed=FLAGS.seed, stop_tokens=stop,
+                                temperature=temp, seed=lm.train.seed, stop_tokens=stop,
                                 draft_vocab=vocab)
   head = (f"{'temp':>4} {'batch':>5} {'tree':>9} {'accept len':>10} {'tok/call':>8} "
           f"{'plain ms/tok':>12} {'spec ms/tok':>11} {'speedup':>7} {'greedy ==':>9}")
@@ -376,13 +403,12 @@ def main(argv):
       print(f"{r['tree']:>9} {r['plain_step_ms']:>8.1f} "
             + " ".join(f"{r[k + '_x']:>6.2f}x{r[k + '_ms']:>6.1f}ms" for k in parts)
             + f" {r['round_x']:>15.2f}")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  plot_path = benchmark.plot(rows, os.path.join(FLAGS.workdir, "spec_decode.png"))
+  plot_path = report.plot(benchmark.plot, rows, name="spec_decode.png")
   best = {f"{t:g}": {str(b): max((r for r in rows if r["batch"] == b and r["temperature"] == t),
                                   key=lambda r: r["speedup"]) for b in batch_sizes}
           for t in temperatures}
   greedy = [r["greedy_match"] for r in rows if r["temperature"] == 0]
-  summary = {"target": FLAGS.target, "temperatures": temperatures,
+  summary = {"target": lm.model.init, "temperatures": temperatures,
              "max_new_tokens": FLAGS.max_new_tokens, "draft_eval": train_out["eval"],
              "draft_vocab": 0 if vocab is None else len(vocab),
              "draft_dtype": draft.cfg.dtype,
@@ -390,20 +416,19 @@ def main(argv):
              "best": {t: {b: {"tree": r["tree"], "speedup": round(r["speedup"], 3),
                               "accept_length": round(r["accept_length"], 3)}
                           for b, r in by_b.items()} for t, by_b in best.items()},
-             "wall_seconds": round(time.time() - t0, 1)}
-  results_lib.write_results(FLAGS.workdir, {
+             "wall_seconds": round(report.seconds, 1)}
+  report.finish({
       "summary": summary, "rows": rows, "profile": profile, "machine": bench_lib.machine(),
       "plot": plot_path,
-      "flags": {f: FLAGS[f].value for f in ("target", "trees", "batch_sizes", "prompt_len",
-                                              "max_new_tokens", "temperatures", "repeats",
-                                              "chat_prompts", "draft_vocab", "decode_vocab",
-                                              "draft_dtype", "gen_batch",
-                                              "dtype", "seed", "num_sequences", "seq_len",
-                                              "draft_steps", "draft_batch", "draft_lr",
-                                              "prompt_loss", "unroll", "unroll_decay",
-                                              "w_cls", "noise",
-                                              "taps", "tap_dropout")}})
-  results_lib.print_summary(summary)
+      "flags": {**{f: FLAGS[f].value for f in ("target", "trees", "batch_sizes", "prompt_len",
+                                                 "max_new_tokens", "temperatures", "repeats",
+                                                 "chat_prompts", "draft_vocab", "decode_vocab",
+                                                 "draft_dtype", "gen_batch", "num_sequences",
+                                                 "draft_steps", "draft_batch", "draft_lr",
+                                                 "prompt_loss", "unroll", "unroll_decay",
+                                                 "w_cls", "noise", "taps", "tap_dropout")},
+                "dtype": lm.model.dtype, "seed": lm.train.seed,
+                "seq_len": lm.data.seq_len}}, summary)
 
 
 if __name__ == "__main__":

@@ -102,28 +102,24 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
 def plot(rows: list[dict], path: str) -> str:
   """Speedup and accepted length per tree shape, one line per (temperature, batch size)."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
   trees = list(dict.fromkeys(r["tree"] for r in rows))
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for temp, b in sorted({(r.get("temperature", 0.0), r["batch"]) for r in rows}):
-    by = {r["tree"]: r for r in rows
-          if r["batch"] == b and r.get("temperature", 0.0) == temp}
-    xs = [i for i, t in enumerate(trees) if t in by]
-    label = f"batch {b}, " + ("greedy" if temp == 0 else f"T={temp:g}")
-    style = "o-" if temp == 0 else "s--"
-    axes[0].plot(xs, [by[trees[i]]["speedup"] for i in xs], style, label=label)
-    axes[1].plot(xs, [by[trees[i]]["accept_length"] for i in xs], style, label=label)
-  for ax, title in zip(axes, ("wall-clock speedup over plain decoding",
-                              "mean accepted length (tokens per round)")):
-    ax.set_xticks(range(len(trees)), trees)
-    ax.set_xlabel("tree top_k:depth:budget")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-  axes[0].axhline(1.0, color="gray", lw=0.8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 2, figsize=(11, 4)) as (fig, axes):
+    for temp, b in sorted({(r.get("temperature", 0.0), r["batch"]) for r in rows}):
+      by = {r["tree"]: r for r in rows
+            if r["batch"] == b and r.get("temperature", 0.0) == temp}
+      xs = [i for i, t in enumerate(trees) if t in by]
+      label = f"batch {b}, " + ("greedy" if temp == 0 else f"T={temp:g}")
+      style = "o-" if temp == 0 else "s--"
+      axes[0].plot(xs, [by[trees[i]]["speedup"] for i in xs], style, label=label)
+      axes[1].plot(xs, [by[trees[i]]["accept_length"] for i in xs], style, label=label)
+    for ax, title in zip(axes, ("wall-clock speedup over plain decoding",
+                                "mean accepted length (tokens per round)")):
+      ax.set_xticks(range(len(trees)), trees)
+      ax.set_xlabel("tree top_k:depth:budget")
+      ax.set_title(title)
+      ax.grid(alpha=0.3)
+      ax.legend()
+    axes[0].axhline(1.0, color="gray", lw=0.8)
   return path
 
 

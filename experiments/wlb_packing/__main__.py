@@ -54,17 +54,16 @@ On a GPU, measure at the target shape and reuse the fit (unmeasured here):
 
 from __future__ import annotations
 
-import os
 import time
 
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
+from experiments.common.report import Report
 from experiments.wlb_packing import study, training
 from llm.packing.cp_shard import TileModel
 from llm.packing.lengths import LengthDist
@@ -142,15 +141,20 @@ TRAIN_STEPS = config.setting(
     "on train_lm's Pile-shaped source; 0: skip it).", lower=0)
 
 
-def define_flags() -> None:
-  """The entry point's flags, defined when it runs as a script."""
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags, defined when it runs as a script (`flag_values`: where,
+  default absl's FLAGS); every setting but --workdir / --save_cost_model may come from a
+  --config file (configs/ beside this file)."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  config.define_flags(None, "workdir", SAVE_COST_MODEL, flag_values=fv,
+                      workdir="runs/wlb_packing", save_cost_model=None)
   config.define_flags(
-      None, "workdir", "cost_model", SAVE_COST_MODEL, "target", FIT_IMPL, FIT_DTYPE, FIT_REPEATS,
+      None, "cost_model", "target", FIT_IMPL, FIT_DTYPE, FIT_REPEATS,
       FIT_LENGTHS, FIT_TOKENS, MEASURE_DIM, MEASURE_HEADS, MEASURE_KV_HEADS, MEASURE_HEAD_DIM,
       MEASURE_FFN, CONTEXT, MICRO_BATCHES, "steps", MAX_LEN_FACTOR, WINDOWS, QUEUES,
       OUTLIER_FRACTIONS, CP, CP_STEPS, TILE_Q, TILE_KV, DOC_MEDIAN, DOC_SIGMA, TAIL_PROB,
-      TAIL_MIN, TAIL_ALPHA, MIN_LEN, "seed", TRAIN_STEPS, workdir="runs/wlb_packing",
-      cost_model="fit", save_cost_model=None, target="llama3_8b", fit_impl="xla",
+      TAIL_MIN, TAIL_ALPHA, MIN_LEN, "seed", TRAIN_STEPS, in_config=True, flag_values=fv,
+      cost_model="fit", target="llama3_8b", fit_impl="xla",
       fit_dtype="float32", fit_repeats=5,
       fit_lengths=["128", "256", "512", "768", "1024", "1536", "2048"],
       fit_tokens=["256", "512", "1024", "2048", "4096"], measure_dim=512, measure_heads=4,
@@ -162,18 +166,20 @@ def define_flags() -> None:
       doc_sigma=_DIST.sigma, tail_prob=_DIST.tail_prob, tail_min=_DIST.tail_min,
       tail_alpha=_DIST.tail_alpha, min_len=_DIST.min_len, seed=_CFG.seed, train_steps=16)
   for name in ("max_len_factor", "doc_median", "tail_min", "tail_alpha"):
-    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0")
+    flags.register_validator(name, lambda v: v > 0, message="expected a value > 0",
+                             flag_values=fv)
   for name, low in (("fit_lengths", 1), ("fit_tokens", 1), ("windows", 1), ("queues", 0)):
-    flags.register_validator(name, _ints(low), message=f"expected integers >= {low}")
+    flags.register_validator(name, _ints(low), message=f"expected integers >= {low}",
+                             flag_values=fv)
   flags.register_validator(
       "outlier_fractions", lambda v: all(0 < float(x) <= 1 for x in v),
-      message="expected fractions of the context in (0, 1]")
+      message="expected fractions of the context in (0, 1]", flag_values=fv)
 
 
-def build_cost(f, progress):
-  from llm.config import get_config
+def build_cost(f, llama, progress):
+  """The cost model of --cost_model for the target model `llama` (its LlamaConfig)."""
   from llm.packing import cost as C
-  target = C.Shape.from_config(get_config(f.target))
+  target = C.Shape.from_config(llama)
   if f.cost_model == "flops":
     return C.flop_cost_model(target)
   if f.cost_model == "fit":
@@ -214,12 +220,22 @@ def build_config(f) -> study.StudyConfig:
       tile_kv=f.tile_kv, seed=f.seed)
 
 
+def lm_run(f, cfg: study.StudyConfig):
+  """The LM run of the training grid (train_lm's settings the study changes; its packing
+  and CP layout set per cell): --target's model at the study's context, micro-batches, CP
+  ranks and seed."""
+  return training.lm_run(context=cfg.dist.context, micro_batches=cfg.micro_batches,
+                         cp=cfg.cp, seed=cfg.seed, preset=f.target)
+
+
 def main(argv):
   del argv
-  t0 = time.time()
-  say = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+  report = Report(FLAGS.workdir, clock=time.time)
+  say = lambda msg: report.log(msg, digits=1)
   cfg = build_config(FLAGS)
-  cost = build_cost(FLAGS, say)
+  lm = lm_run(FLAGS, cfg)
+  target = lm.preset_config()
+  cost = build_cost(FLAGS, target, say)
   if FLAGS.save_cost_model:
     cost.save(FLAGS.save_cost_model)
   m = cost.meta
@@ -233,21 +249,20 @@ def main(argv):
   res = study.run_study(cfg, cost, progress=say)
   res["cost_model"] = cost.to_dict()
   if FLAGS.train_steps and cfg.cp > 1:
-    from llm.config import get_config
+    p = lm.data.packing
     res["training"] = training.train_grid(
-        context=cfg.dist.context, micro_batches=cfg.micro_batches, cp=cfg.cp,
-        steps=FLAGS.train_steps, cost=cost, n_layers=get_config(FLAGS.target).n_layers,
-        tile=TileModel(cfg.tile_q, cfg.tile_kv), seed=cfg.seed, progress=say)
-  res["seconds"] = time.time() - t0
+        context=lm.data.seq_len, micro_batches=lm.train.batch_size, cp=cfg.cp,
+        steps=FLAGS.train_steps, cost=cost, n_layers=target.n_layers,
+        tile=TileModel(cfg.tile_q, cfg.tile_kv), fixed_window=p.fixed_window,
+        wlb_queues=p.wlb_queues, seed=lm.train.seed, preset=lm.model.preset, progress=say)
+  res["seconds"] = report.seconds
   print(study.format_table(res))
   if "training" in res:
     unit = "s" if m.get("source") == "measured" else m.get("source", "")
     print(training.format_grid(res["training"], cfg.cp, unit))
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  study.plot(res, os.path.join(FLAGS.workdir, "wlb_packing.png"))
+  report.plot(study.plot, res, name="wlb_packing.png")
   if "training" in res:
-    training.plot_grid(res["training"], os.path.join(FLAGS.workdir, "wlb_training.png"))
-  results_lib.write_results(FLAGS.workdir, res)
+    report.plot(training.plot_grid, res["training"], name="wlb_training.png")
   summary = {r["name"]: round(r["imbalance"], 3) for r in res["rows"]}
   summary.update({f"{r['name']}_delay": round(r["mean_delay_steps"], 3) for r in res["rows"]
                   if r["name"].startswith("wlb")})
@@ -256,7 +271,7 @@ def main(argv):
   summary["attention_share"] = round(res["attention_share"], 3)
   for r in res.get("training", []):
     summary[f"train_{r['packing']}_{r['layout']}_speedup"] = round(r["speedup"], 3)
-  results_lib.print_summary(summary)
+  report.finish(res, summary)
 
 
 if __name__ == "__main__":

@@ -217,36 +217,32 @@ def format_table(res) -> str:
 def plot(res, path: str) -> None:
   """Imbalance per packing beside the paper's, imbalance vs token delay, CP rank imbalance."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
 
   rows = res["rows"]
-  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-  x = np.arange(len(rows))
-  ax = axes[0]
-  ax.bar(x - 0.2, [r["imbalance"] for r in rows], 0.4, label="ours, W = Wa + Wl")
-  ax.bar(x + 0.2, [r["imbalance_attention"] for r in rows], 0.4, label="ours, Wa only",
-         alpha=0.6)
-  ax.plot(x, [r["paper"] or np.nan for r in rows], "k*", ms=10, label="paper Table 2")
-  ax.set_xticks(x, [r["name"] for r in rows], rotation=45, ha="right", fontsize=8)
-  ax.axhline(1.0, color="gray", lw=0.5)
-  ax.set_ylim(bottom=0.9)
-  ax.set_ylabel("imbalance degree (max / mean)")
-  ax.legend(fontsize=7)
-  ax = axes[1]
-  ax.plot([r["mean_delay_steps"] for r in rows], [r["imbalance"] for r in rows], "o")
-  for r in rows:
-    ax.annotate(r["name"], (r["mean_delay_steps"], r["imbalance"]), fontsize=7)
-  ax.set_xlabel("mean token delay (global batches)")
-  ax.set_ylabel("imbalance degree")
-  ax = axes[2]
-  names = list(res["cp"])
-  for k, mode in enumerate(("sequence", "document")):
-    ax.bar(np.arange(len(names)) + (k - 0.5) * 0.4,
-           [res["cp"][n]["pairs_imbalance"][mode] for n in names], 0.4, label=f"per-{mode}")
-  ax.set_xticks(np.arange(len(names)), names)
-  ax.set_ylim(bottom=0.9)
-  ax.set_ylabel(f"CP{res['config']['cp']} rank imbalance (attention pairs)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, 3, figsize=(14, 3.8), dpi=120) as (fig, axes):
+    x = np.arange(len(rows))
+    ax = axes[0]
+    ax.bar(x - 0.2, [r["imbalance"] for r in rows], 0.4, label="ours, W = Wa + Wl")
+    ax.bar(x + 0.2, [r["imbalance_attention"] for r in rows], 0.4, label="ours, Wa only",
+           alpha=0.6)
+    ax.plot(x, [r["paper"] or np.nan for r in rows], "k*", ms=10, label="paper Table 2")
+    ax.set_xticks(x, [r["name"] for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.set_ylim(bottom=0.9)
+    ax.set_ylabel("imbalance degree (max / mean)")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.plot([r["mean_delay_steps"] for r in rows], [r["imbalance"] for r in rows], "o")
+    for r in rows:
+      ax.annotate(r["name"], (r["mean_delay_steps"], r["imbalance"]), fontsize=7)
+    ax.set_xlabel("mean token delay (global batches)")
+    ax.set_ylabel("imbalance degree")
+    ax = axes[2]
+    names = list(res["cp"])
+    for k, mode in enumerate(("sequence", "document")):
+      ax.bar(np.arange(len(names)) + (k - 0.5) * 0.4,
+             [res["cp"][n]["pairs_imbalance"][mode] for n in names], 0.4, label=f"per-{mode}")
+    ax.set_xticks(np.arange(len(names)), names)
+    ax.set_ylim(bottom=0.9)
+    ax.set_ylabel(f"CP{res['config']['cp']} rank imbalance (attention pairs)")
+    ax.legend(fontsize=7)

@@ -101,38 +101,40 @@ reproduce example for example.
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
   """The entry point's flags, defined when it runs as a script (tests import the
-  module beside other entry points whose flags share names)."""
+  module beside other entry points whose flags share names; `flag_values`: where, default
+  absl's FLAGS); every setting but --workdir / --resume / --from_results may come from a
+  --config file (configs/ beside this file)."""
   from core import settings  # noqa: F401  (the settings named below)
   from experiments.wukong_scaling import study  # noqa: F401
   from rec import configs
   from rec import settings as rec_settings  # noqa: F401
-  configs.define_run_flags("sparse_optimizer", "mesh", data="synthetic_deep", num_rows=20,
-      embedding_dim=16, batch_size=1024, eval_batch_size=4096, eval_batches=16,
-      dense_optimizer="adam", learning_rate=0.001, embedding_learning_rate=0.1)
+  configs.define_run_flags("sparse_optimizer", "mesh", flag_values=flag_values,
+      data="synthetic_deep", num_rows=20, embedding_dim=16, batch_size=1024,
+      eval_batch_size=4096, eval_batches=16, dense_optimizer="adam", learning_rate=0.001,
+      embedding_learning_rate=0.1)
   config.define_flags(
       None, "grid", "archs", "sizes", "models", "steps", "seeds", "data_seed", "log_every",
-      "workdir", "resume", "from_results", "study", "profile_data", "fuxictr_python",
-      "fuxictr_src", "fuxictr_batch_norm", "fuxictr_max_grad_norm", "fuxictr_threads",
+      "study", "profile_data", "fuxictr_python", "fuxictr_src", "fuxictr_batch_norm",
+      "fuxictr_max_grad_norm", "fuxictr_threads", in_config=True, flag_values=flag_values,
       grid="cpu", archs=["wukong", "dlrm", "dcnv2"], sizes=0, models=[], steps=800,
-      seeds=["0"], data_seed=0, log_every=100, workdir="runs/wukong_scaling", resume=False,
-      from_results="", study="scaling",
+      seeds=["0"], data_seed=0, log_every=100, study="scaling",
       profile_data=["synthetic_deep:gen=host", "synthetic_deep:gen=device"],
       fuxictr_python="../peer311/bin/python",
       fuxictr_src="../peer311/fuxictr_model_zoo/WuKong.py", fuxictr_batch_norm=True,
       fuxictr_max_grad_norm=0.0, fuxictr_threads=2)
+  config.define_flags(None, "workdir", "resume", "from_results", flag_values=flag_values,
+                      workdir="runs/wukong_scaling", resume=False, from_results="")
 
 
 def main(argv):
@@ -167,6 +169,7 @@ def main(argv):
                                 steps=FLAGS.steps, workdir=FLAGS.workdir,
                                 log_every=FLAGS.log_every, reuse_finished=FLAGS.resume)
     data, examples = FLAGS.data, FLAGS.steps * FLAGS.batch_size
+  report = Report(FLAGS.workdir)
   fit = study.scaling_fits(results)
   notes = study.findings(results, fit)
   table, fits_text = runs.format_runs(results), study.format_fits(fit)
@@ -184,9 +187,8 @@ def main(argv):
                   "ne": r["ne_mean"], "auc": r["auc_mean"]} for r in results["rows"]],
       "findings": notes, "wall_seconds": results["wall_seconds"]}
   results["summary"] = summary
-  results_lib.write_results(FLAGS.workdir, results)
-  study.plot_scaling(results, fit, os.path.join(FLAGS.workdir, "wukong_scaling.png"))
-  results_lib.print_summary(summary)
+  report.finish(results, summary,
+                plots=[(study.plot_scaling, (results, fit), "wukong_scaling.png")])
 
 
 def side_by_side_main():
@@ -205,17 +207,15 @@ def side_by_side_main():
                              mlp_batch_norm=FLAGS.fuxictr_batch_norm,
                              max_grad_norm=FLAGS.fuxictr_max_grad_norm,
                              threads=FLAGS.fuxictr_threads)
-  table = fuxictr.format_side_by_side(res)
-  print("\n" + table, flush=True)
-  res["table"] = table.splitlines()
+  report = Report(FLAGS.workdir)
+  res["table"] = report.table(fuxictr.format_side_by_side(res), lead="\n")
   summary = {"study": "fuxictr", "data": FLAGS.data, "preset": specs[0].preset,
              "steps": res["steps"], "seeds": res["seeds"], **{
                  side: {k: round(v, 5) for k, v in res["summary"][side].items()}
                  for side in ("ours", "fuxictr")}, "wall_seconds": res["wall_seconds"]}
   res["summary_line"] = summary
-  results_lib.write_results(FLAGS.workdir, res)
-  fuxictr.plot_curves(res, os.path.join(FLAGS.workdir, "fuxictr_side_by_side.png"))
-  results_lib.print_summary(summary)
+  report.finish(res, summary,
+                plots=[(fuxictr.plot_curves, (res,), "fuxictr_side_by_side.png")])
 
 
 def profile_main():
@@ -226,14 +226,13 @@ def profile_main():
   specs = (runs.parse_models(FLAGS.models) if FLAGS.models
            else study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes))
   rows = profile.profile(base, specs, FLAGS.profile_data, steps=FLAGS.steps)
-  table = profile.format_profile(rows, FLAGS.batch_size)
-  print("\n" + table, flush=True)
+  report = Report(FLAGS.workdir)
+  table = report.table(profile.format_profile(rows, FLAGS.batch_size), lead="\n")
   summary = {"study": "profile", "batch_size": FLAGS.batch_size, "rows": [
       {k: r[k] for k in ("label", "data", "source_examples_per_sec", "step_examples_per_sec",
                          "end_to_end_examples_per_sec", "seconds_per_10m")} for r in rows]}
-  results_lib.write_results(FLAGS.workdir, {"study": "profile", "rows": rows,
-                                            "table": table.splitlines(), "summary": summary})
-  results_lib.print_summary(summary)
+  report.finish({"study": "profile", "rows": rows, "table": table, "summary": summary},
+                summary)
 
 
 if __name__ == "__main__":

@@ -214,21 +214,17 @@ def format_side_by_side(res: Mapping[str, Any]) -> str:
 def plot_curves(res: Mapping[str, Any], path: str) -> str:
   """Train loss (mean over each logging window) of both sides, one line per seed."""
   from core import plot as plot_lib
-  plt = plot_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  for r in res["rows"]:
-    steps, loss = zip(*r["curve"])
-    ax.plot(steps, loss, "-" if r["side"] == "ours" else "--",
-            c="C0" if r["side"] == "ours" else "C1",
-            label=f"{r['side']} seed {r['seed']} (test NE {r['ne']:.4f})")
-  ax.set(xlabel="step", ylabel="train loss (window mean)",
-         title=f"{res['config']['data']}: ours vs FuxiCTR WuKong, {res['steps']} steps of "
-               f"{res['config']['batch_size']}")
-  ax.title.set_fontsize(9)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, figsize=(6.5, 4)) as (fig, ax):
+    for r in res["rows"]:
+      steps, loss = zip(*r["curve"])
+      ax.plot(steps, loss, "-" if r["side"] == "ours" else "--",
+              c="C0" if r["side"] == "ours" else "C1",
+              label=f"{r['side']} seed {r['seed']} (test NE {r['ne']:.4f})")
+    ax.set(xlabel="step", ylabel="train loss (window mean)",
+           title=f"{res['config']['data']}: ours vs FuxiCTR WuKong, {res['steps']} steps of "
+                 f"{res['config']['batch_size']}")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
   return path

@@ -327,72 +327,67 @@ def plot_scaling(results: Mapping[str, Any], fit: Mapping[str, Any], path: str) 
   """Left: NE - floor against GFLOPs/example (log-log) with the fitted power laws; middle:
   AUC against GFLOPs/example (log x) with the true logits' AUC; right (with two sizes of
   an architecture): the relative NE change per 4x compute beside the paper's (`PAPER`)."""
-  plt = plot_lib.pyplot()
 
   floor = fit["floor"]
   quad = fit.get("per_quadrupling") or {}
   panels = 3 if quad.get("archs") else 2
-  fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
-  ax0, ax1 = axes[0], axes[1]
-  by_arch: dict[str, list] = {}
-  for r in results["rows"]:
-    by_arch.setdefault(r["model"], []).append(r)
-  for i, (arch, rows) in enumerate(by_arch.items()):
-    c = f"C{i}"
-    rows = sorted(rows, key=lambda r: r["gflops_per_example"])
-    f = fit["fits"][arch]
-    pts = f["ne_points"]
-    xs = np.array([p["gflops"] for p in pts])
-    label = arch
-    if f["ne"] is not None:
-      label += f": b={f['ne']['b']:+.3f}, R²={f['ne']['r2']:.2f}"
-      xx = np.geomspace(xs.min(), xs.max(), 50)
-      ax0.plot(xx, f["ne"]["a"] * xx ** f["ne"]["b"], "-", c=c, lw=1.2)
-    ax0.errorbar(xs, [p["gap"] for p in pts],
-                 yerr=[next(r["ne_std"] for r in rows if r["preset"] == p["preset"]) for p in pts],
-                 fmt="o", c=c, capsize=3, label=label)
-    ax1.errorbar([r["gflops_per_example"] for r in rows], [r["auc_mean"] for r in rows],
-                 yerr=[r["auc_std"] for r in rows], fmt="o-", c=c, capsize=3, label=arch)
-  ax0.set_xscale("log")
-  ax0.set_yscale("log")
-  plot_lib.plain_log_labels(ax0, "y")
-  ax0.set(xlabel="forward GFLOPs / example", ylabel="test NE - NE floor",
-          title=f"NE gap vs compute (floor {floor['ne']:.4f}: {floor['source']})")
-  ax0.title.set_fontsize(9)
-  if results.get("reference"):
-    ax1.axhline(floor["auc"], ls="--", c="k", lw=1, label="true logits (Bayes)")
-  ax1.set_xscale("log")
-  ax1.set(xlabel="forward GFLOPs / example", ylabel="test AUC", title="AUC vs compute")
-  for a in (ax0, ax1):
-    plot_lib.plain_log_labels(a, "x")
-    a.grid(alpha=0.3, which="both")
-    a.legend(fontsize=8)
-  if panels == 3:
-    ax2, paper = axes[2], quad["paper"]
-    names = list(quad["archs"])
-    vals = [100 * quad["archs"][a]["rel_per_4x"] for a in names]
-    errs = [100 * quad["archs"][a]["seed_std"] for a in names]
-    ax2.bar(range(len(names)), vals, yerr=errs, capsize=3,
-            color=[f"C{i}" for i in range(len(names))])
-    ax2.bar(len(names), 100 * paper["rel_per_4x"], color="none", edgecolor="k", hatch="//")
-    ax2.set_xticks(range(len(names) + 1),
-                   [f"{a}\n(ours)" for a in names] + [f"{paper['arch']}\n(paper, "
-                                                       f"{paper['gflops'][0]:g}-"
-                                                       f"{paper['gflops'][1]:g}+ GFLOPs)"],
-                   fontsize=8)
-    ax2.axhline(0, c="k", lw=0.8)
-    ax2.set(ylabel="relative NE change per 4x compute (%)",
-            title="ours (seed std) beside the paper's Figure 1")
-    ax2.title.set_fontsize(9)
-    ax2.grid(alpha=0.3, axis="y")
-  cfg = results["config"]
-  fig.suptitle(f"{cfg['data']}: {results['rows'][0]['examples']:,} train examples per model "
-               f"(batch {cfg['batch_size']}), dim {cfg['embedding_dim']}, seeds {results['seeds']}",
-               fontsize=10)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with plot_lib.figure(path, 1, panels, figsize=(5.5 * panels, 4.2)) as (fig, axes):
+    ax0, ax1 = axes[0], axes[1]
+    by_arch: dict[str, list] = {}
+    for r in results["rows"]:
+      by_arch.setdefault(r["model"], []).append(r)
+    for i, (arch, rows) in enumerate(by_arch.items()):
+      c = f"C{i}"
+      rows = sorted(rows, key=lambda r: r["gflops_per_example"])
+      f = fit["fits"][arch]
+      pts = f["ne_points"]
+      xs = np.array([p["gflops"] for p in pts])
+      label = arch
+      if f["ne"] is not None:
+        label += f": b={f['ne']['b']:+.3f}, R²={f['ne']['r2']:.2f}"
+        xx = np.geomspace(xs.min(), xs.max(), 50)
+        ax0.plot(xx, f["ne"]["a"] * xx ** f["ne"]["b"], "-", c=c, lw=1.2)
+      ax0.errorbar(xs, [p["gap"] for p in pts],
+                   yerr=[next(r["ne_std"] for r in rows if r["preset"] == p["preset"]) for p in pts],
+                   fmt="o", c=c, capsize=3, label=label)
+      ax1.errorbar([r["gflops_per_example"] for r in rows], [r["auc_mean"] for r in rows],
+                   yerr=[r["auc_std"] for r in rows], fmt="o-", c=c, capsize=3, label=arch)
+    ax0.set_xscale("log")
+    ax0.set_yscale("log")
+    plot_lib.plain_log_labels(ax0, "y")
+    ax0.set(xlabel="forward GFLOPs / example", ylabel="test NE - NE floor",
+            title=f"NE gap vs compute (floor {floor['ne']:.4f}: {floor['source']})")
+    ax0.title.set_fontsize(9)
+    if results.get("reference"):
+      ax1.axhline(floor["auc"], ls="--", c="k", lw=1, label="true logits (Bayes)")
+    ax1.set_xscale("log")
+    ax1.set(xlabel="forward GFLOPs / example", ylabel="test AUC", title="AUC vs compute")
+    for a in (ax0, ax1):
+      plot_lib.plain_log_labels(a, "x")
+      a.grid(alpha=0.3, which="both")
+      a.legend(fontsize=8)
+    if panels == 3:
+      ax2, paper = axes[2], quad["paper"]
+      names = list(quad["archs"])
+      vals = [100 * quad["archs"][a]["rel_per_4x"] for a in names]
+      errs = [100 * quad["archs"][a]["seed_std"] for a in names]
+      ax2.bar(range(len(names)), vals, yerr=errs, capsize=3,
+              color=[f"C{i}" for i in range(len(names))])
+      ax2.bar(len(names), 100 * paper["rel_per_4x"], color="none", edgecolor="k", hatch="//")
+      ax2.set_xticks(range(len(names) + 1),
+                     [f"{a}\n(ours)" for a in names] + [f"{paper['arch']}\n(paper, "
+                                                         f"{paper['gflops'][0]:g}-"
+                                                         f"{paper['gflops'][1]:g}+ GFLOPs)"],
+                     fontsize=8)
+      ax2.axhline(0, c="k", lw=0.8)
+      ax2.set(ylabel="relative NE change per 4x compute (%)",
+              title="ours (seed std) beside the paper's Figure 1")
+      ax2.title.set_fontsize(9)
+      ax2.grid(alpha=0.3, axis="y")
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['data']}: {results['rows'][0]['examples']:,} train examples per model "
+                 f"(batch {cfg['batch_size']}), dim {cfg['embedding_dim']}, seeds {results['seeds']}",
+                 fontsize=10)
   return path
 
 

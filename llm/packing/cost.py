@@ -301,3 +301,11 @@ def fit_cost_model(measure_shape: Shape, target: Shape | None = None, *,
   fl = target.linear_flops_per_token / measure_shape.linear_flops_per_token
   return model.scaled(fa, fl, target_shape=dataclasses.asdict(target),
                       attn_factor=fa, linear_factor=fl)
+
+
+def from_setting(text: str, cfg) -> CostModel:
+  """The workload model of --cost_model=`text` for LlamaConfig `cfg`: "flops" (its FLOP
+  counts in GFLOP units) or a CostModel JSON's path (seconds)."""
+  if text == "flops":
+    return flop_cost_model(Shape.from_config(cfg)).scaled(1e-9, 1e-9, unit="GFLOP")
+  return CostModel.load(text)

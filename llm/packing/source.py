@@ -18,7 +18,8 @@ Batch k is a deterministic function of (seed, k): `batches(start)` replays the p
 state (queues, carried documents) over the lengths alone up to `start`, then builds rows.
 Rows carry segment ids and restarting positions (`batch.to_lm_batch`), so attention never
 crosses documents. `step_metrics(host)` measures the attention work of a batch it yielded
-(`meter.step_metrics`), with the CP layout picked for it.
+(`meter.step_metrics`), with the CP layout picked for it. `from_run` builds the source an
+`llm.run_config.LMRunConfig` trains on (train_lm --packing, wlb_packing's training grid).
 
 Letters: B rows per global batch, T tokens per row.
 """
@@ -36,6 +37,7 @@ from llm.packing import cp_shard, meter
 from llm.packing import packers as P
 from llm.packing.batch import to_lm_batch
 from llm.packing.cost import CostModel
+from llm.packing.lengths import CorpusLengths
 
 PACKINGS = ("original", "fixed", "wlb")
 LAYOUTS = ("sequence", "document", "adaptive")
@@ -199,3 +201,29 @@ class PackedSource:
     out = {f"pack_{k}": v for k, v in out.items()}
     self.records.append(out)
     return out
+
+
+# --cp_sharding's names of the CP layouts.
+CP_SHARDINGS = {"seq": "sequence", "doc": "document", "adaptive": "adaptive"}
+
+
+def from_run(run, tokens: np.ndarray, cp_ranks: int, *, n_layers: int, cost: CostModel,
+             tile_model: cp_shard.TileModel | None = None, shard_index: int = 0,
+             num_shards: int = 1) -> PackedSource:
+  """The packed source of an LMRunConfig `run` (its data.packing section, seq_len,
+  batch_size and seed) over documents cut from `tokens`: Pile-shaped lengths drawn at
+  doc_context and scaled to seq_len (doc_context 0: drawn at seq_len), laid out over
+  `cp_ranks`; `cost`: the workload model the meter times (llm.packing.cost), for an
+  `n_layers` model; `tile_model`: default square tiles of cp_tile (0: 128 scaled like the
+  documents)."""
+  p, seq_len = run.data.packing, run.data.seq_len
+  dist = (CorpusLengths(context=seq_len) if not p.doc_context else
+          CorpusLengths(context=p.doc_context, scale=seq_len / p.doc_context))
+  spec = PackingSpec(packing=p.packing, fixed_window=p.fixed_window, wlb_queues=p.wlb_queues,
+                     layout=CP_SHARDINGS[p.cp_sharding])
+  if tile_model is None:
+    tile = p.cp_tile or max(1, round(128 * seq_len / (p.doc_context or seq_len)))
+    tile_model = cp_shard.TileModel(tile, tile)
+  return PackedSource(tokens, dist, spec, seq_len=seq_len, batch_size=run.train.batch_size,
+                      cp=cp_ranks, cost=cost, n_layers=n_layers, seed=run.train.seed,
+                      tile_model=tile_model, shard_index=shard_index, num_shards=num_shards)

@@ -48,6 +48,11 @@ sharding/compressed.py): the a2a all-to-all and the rw reduce-scatter of pooled 
 and their gradients, are sent as error-bounded fixed-rate payloads. `pool(..., step=)` sets
 the iteration-wise bound.
 
+Resharding (rec/embedding/reshard.py): `layout()` says where every table's rows are in the
+state (saved with checkpoints); `from_layout(saved_layout, host_state, step)` restores a
+state written under any other plan, mesh or device count through the tables' unsharded
+rows, optimizer state and storage extras with them.
+
 Letters: B batch (B_l per device, B_g global), F features, L ids per bag, D embedding
 dim, W width of a stored row (D, or a column chunk), N devices, C distinct bags (RecD),
 T towers (SPTT), K outputs of a tower module.
@@ -69,6 +74,7 @@ from rec.data.batch import DedupIds
 from rec.data.dedup import DedupSpec
 from rec.embedding import a2a_compression as a2a_lib
 from rec.embedding import optimizers as opt_lib
+from rec.embedding import reshard
 from rec.embedding import sharding
 from rec.embedding import storage as storage_lib
 from rec.embedding import storage_spec
@@ -205,12 +211,13 @@ class EmbeddingCollection:
     return storage_spec.make_storage(g.storage, seed=self.storage_seed)
 
   def state_shardings(self) -> dict[str, Any]:
-    out = {}
-    for name, ex in self.exchanges.items():
-      s = NamedSharding(self.mesh, ex.spec())
-      shapes = jax.eval_shape(lambda ex=ex: self._empty_group(ex))
-      out[name] = jax.tree.map(lambda _: s, shapes)
-    return out
+    if not hasattr(self, "_state_shardings"):   # the layout is static: made once
+      out = {}
+      for name, ex in self.exchanges.items():
+        s = NamedSharding(self.mesh, ex.spec())
+        out[name] = jax.tree.map(lambda _: s, self._host_template(ex, rows_per_block=1))
+      self._state_shardings = out
+    return dict(self._state_shardings)
 
   def _empty_group(self, ex: base.Exchange):
     rows, g = ex.buffer_rows(), ex.g
@@ -268,6 +275,50 @@ class EmbeddingCollection:
                      "opt": self.optimizer.init_state(buf.shape[0], g.width)}
       state[name] = jax.device_put(group_state, shardings[name])
     return state
+
+  def layout(self) -> reshard.Layout:
+    """Where every table's rows are in this collection's state (saved with checkpoints, so
+    that another layout can restore them: `from_layout`)."""
+    groups = []
+    for name, ex in self.exchanges.items():
+      spans = tuple(reshard.Span(self.tables[sh.feature].name, sh.row_start, sh.row_end,
+                                 sh.col_start, sh.col_end, int(row)) for sh, row in ex.blocks())
+      groups.append((name, reshard.GroupLayout(str(ex.g.storage), ex.g.width, ex.buffer_rows(),
+                                               ex.num_blocks(), spans)))
+    return reshard.Layout(
+        self.num_devices, tuple((str(a), int(n)) for a, n in self.mesh.shape.items()),
+        tuple((t.name, sharding.get(self.plan[t.name].kind, t.name).kind.value)
+              for t in self.tables),
+        tuple((t.name, t.num_rows, t.dim) for t in self.tables), tuple(groups))
+
+  def from_layout(self, layout: reshard.Layout, state: dict[str, Any], step: int,
+                  where: str = "checkpoint") -> dict[str, Any]:
+    """The state `state` (host arrays, laid out as `layout`: another plan, mesh or device
+    count) in this collection's layout, placed on its mesh: tables and optimizer state
+    through their unsharded rows (rec/embedding/reshard.py). Tables of other rows or dim
+    raise reshard.LayoutMismatchError naming `where`, the table and both shapes."""
+    now = self.layout()
+    layout.check_tables(now, where)
+    logical = reshard.to_logical(layout, state)
+    host = reshard.from_logical(now, logical, self.storages(), self.host_templates(), step)
+    return jax.device_put(host, self.state_shardings())
+
+  def storages(self) -> dict[str, storage_lib.RowStorage]:
+    """Each group's row storage."""
+    return {n: self.storage(g) for n, g in self.groups.items()}
+
+  def host_templates(self) -> dict[str, Any]:
+    """Each group's fresh state (`_empty_group`: zero rows, initial optimizer state) as
+    host arrays, what a buffer's padding rows and columns hold; made from one row each."""
+    return {n: self._host_template(ex) for n, ex in self.exchanges.items()}
+
+  def _host_template(self, ex: base.Exchange, rows_per_block: int | None = None):
+    w, blocks = ex.g.width, ex.num_blocks()
+    rows = ex.buffer_rows() if rows_per_block is None else rows_per_block * blocks
+    storage = self.storage(ex.g)
+    opt = jax.device_get(self.optimizer.init_state(1, w))
+    return {"table": storage.from_rows(storage.zero_rows(rows, w, blocks), blocks),
+            "opt": {k: np.broadcast_to(v, (rows,) + v.shape[1:]).copy() for k, v in opt.items()}}
 
   def to_tables(self, state: dict[str, Any]) -> dict[str, np.ndarray]:
     """Gathers device buffers back into full logical tables (host numpy, float32)."""

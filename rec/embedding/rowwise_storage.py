@@ -52,6 +52,7 @@ step may change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, ClassVar
 
@@ -169,12 +170,15 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     if n % shards:
       raise ValueError(f"{type(self).__name__}.from_float: {n} rows do not split into "
                        f"{shards} equal blocks")
-    if d % self._per():
-      raise ValueError(f"{type(self).__name__}.from_float: rows of width {d} in int{self.bits}"
-                       f" need a width that is a multiple of {self._per()} (whole bytes of "
-                       "codes); pick another dim or column-wise chunking")
+    self._check_width(d, "from_float")
     st = jax.vmap(self._from_block)(rows.reshape(shards, n // shards, d))
     return {k: v.reshape((-1,) + v.shape[2:]) for k, v in st.items()}
+
+  def _check_width(self, d: int, where: str) -> None:
+    if d % self._per():
+      raise ValueError(f"{type(self).__name__}.{where}: rows of width {d} in int{self.bits}"
+                       f" need a width that is a multiple of {self._per()} (whole bytes of "
+                       "codes); pick another dim or column-wise chunking")
 
   def _from_block(self, rows_RD):
     r_, _ = rows_RD.shape
@@ -206,6 +210,110 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
       tags = st["cache_tags"]
       rows = rows.at[jnp.where(tags >= 0, tags, r_)].set(st["cache_rows"], mode="drop")
     return rows
+
+  # ------------------------------------------------------------------ resharding
+
+  def to_rows(self, state: StorageState, shards: int = 1) -> dict[str, np.ndarray]:
+    """Per row: codes, scale, bias; with a cache also `cached` (bool), `cache_rows` (its
+    float32 values where cached, else 0) and the policy's score (`counts` LFU, `last` LRU:
+    the slot's last access, 0 where not cached)."""
+    st = {k: np.asarray(jax.device_get(v)) for k, v in state.items()}
+    out = {k: st[k] for k in ("q", "scale", "bias")}
+    if not self.cached:
+      return out
+    n, d = st["q"].shape[0], st["cache_rows"].shape[1]
+    tags = st["cache_tags"].reshape(shards, -1)
+    live = tags >= 0
+    row = (tags + (np.arange(shards) * (n // shards))[:, None])[live]
+    cached = np.zeros(n, bool)
+    cached[row] = True
+    values = np.zeros((n, d), np.float32)
+    values[row] = st["cache_rows"].reshape(shards, -1, d)[live]
+    out.update(cached=cached, cache_rows=values)
+    if self.policy == "lfu":
+      out["counts"] = st["counts"]
+    else:
+      last = np.zeros(n, np.int32)
+      last[row] = st["cache_last"].reshape(shards, -1)[live]
+      out["last"] = last
+    return out
+
+  def from_rows(self, rows: dict[str, np.ndarray], shards: int = 1,
+                step: int = 0) -> StorageState:
+    """Each block's cache rebuilt from the rows marked cached: in every set the A best by
+    the policy's score (then lower row) stay, at ways in that order; the others are
+    written back quantized as an eviction would (stochastic rounding at `step`). With the
+    same blocks and geometry every cached row stays (the ways may differ)."""
+    st = {k: np.array(rows[k]) for k in ("q", "scale", "bias")}
+    if not self.cached:
+      return st
+    n, d = rows["cache_rows"].shape
+    r_ = n // shards
+    s, a = cache_geometry(r_, self.fraction, self.ways)
+    g = np.nonzero(rows["cached"])[0]                       # global rows, in order
+    blk, r = g // r_, g % r_
+    score = rows["counts" if self.policy == "lfu" else "last"][g].astype(np.int64)
+    key = blk * s + r % s                                   # (block, set)
+    order = np.lexsort((r, -score, key))
+    g, r, key = g[order], r[order], key[order]
+    rank = np.arange(len(g)) - np.searchsorted(key, key, side="left")
+    keep = rank < a
+    slot = key[keep] * a + rank[keep]                       # in the concatenated caches
+    c = shards * s * a
+    tags = np.full(c, -1, np.int32)
+    tags[slot] = r[keep]
+    values = np.zeros((c, d), np.float32)
+    values[slot] = rows["cache_rows"][g[keep]]
+    st.update(cache_rows=values, cache_tags=tags)
+    if self.policy == "lfu":
+      st["counts"] = np.array(rows["counts"])
+    else:
+      last = np.zeros(c, np.int32)
+      last[slot] = rows["last"][g[keep]]
+      st["cache_last"] = last
+    out = g[~keep]
+    if len(out):    # no room in the new cache: back to the codes, as an eviction writes
+      qr = _evict_codes(self, jnp.asarray(_pad_rows(rows["cache_rows"][out])), jnp.int32(step))
+      for k, v in (("q", qr.q), ("scale", qr.scale), ("bias", qr.bias)):
+        st[k][out] = np.asarray(v)[:len(out)].astype(st[k].dtype)
+    return st
+
+  def zero_rows(self, num_rows: int, dim: int, shards: int = 1) -> dict[str, np.ndarray]:
+    out = super().zero_rows(num_rows, dim, shards)
+    if self.cached:    # from_float caches each block's first rows
+      r_ = num_rows // shards
+      s, a = cache_geometry(r_, self.fraction, self.ways)
+      out["cached"] = np.tile(np.arange(r_) < min(r_, s * a), shards)
+    return out
+
+  def rows_to_float(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+    n = rows["q"].shape[0]
+    pad = lambda a: jnp.asarray(_pad_rows(np.asarray(a)))
+    qr = quant.RowwiseQuantized(pad(rows["q"]), pad(rows["scale"]), pad(rows["bias"]),
+                                bits=self.bits, dim=rows["q"].shape[1] * self._per())
+    out = np.array(quant.dequantize_rowwise(qr), np.float32)[:n]
+    if self.cached:
+      out[rows["cached"]] = rows["cache_rows"][rows["cached"]]
+    return out
+
+  def rows_from_float(self, values_RD, like=()):
+    values = np.asarray(values_RD, np.float32)
+    n = values.shape[0]
+    self._check_width(values.shape[1], "from_float")
+    qr = quant.quantize_rowwise(jnp.asarray(_pad_rows(values)), self.bits)
+    out = {k: np.asarray(v)[:n] for k, v in (("q", qr.q), ("scale", qr.scale),
+                                             ("bias", qr.bias))}
+    if not self.cached:
+      return out
+    n = values.shape[0]
+    agg = lambda key, f, dtype: (f([np.asarray(x[key]) for x in like if key in x], axis=0)
+                                 if any(key in x for x in like) else np.zeros(n, dtype))
+    cached = agg("cached", np.any, bool)
+    out.update(cached=cached, cache_rows=np.where(cached[:, None], values, 0.0)
+               .astype(np.float32))
+    out["counts" if self.policy == "lfu" else "last"] = agg(
+        "counts" if self.policy == "lfu" else "last", np.max, np.int32).astype(np.int32)
+    return out
 
   def num_rows(self, state: StorageState) -> int:
     return state["q"].shape[0]
@@ -393,3 +501,18 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
       st["cache_last"] = st["cache_last"].at[put].set(step1, mode="drop")
     return st
 
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _evict_codes(storage: CachedQuantizedStorage, x_UD: jax.Array, step: jax.Array
+                 ) -> quant.RowwiseQuantized:
+  """The codes an eviction writes for the cached rows `x_UD` (stochastic rounding at `step`)."""
+  return storage._quantize_sr(x_UD, x_UD, step, _SALT_EVICT)
+
+
+def _pad_rows(x: np.ndarray) -> np.ndarray:
+  """`x` with zero rows added up to a power of two: the host-side conversions compile once
+  per size class, not once per table."""
+  n = x.shape[0]
+  p = 1 << max(0, (n - 1).bit_length())
+  return x if p == n else np.concatenate([x, np.zeros((p - n,) + x.shape[1:], x.dtype)])

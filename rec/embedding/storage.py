@@ -33,6 +33,11 @@ state. A run therefore resumes bit for bit from a checkpoint (the step and the s
 are in it), replicas of a data-parallel table round alike, and a row rounds the same way
 whatever device or buffer offset holds it, so sharded runs match one device.
 
+Resharding (rec/embedding/reshard.py) reads and writes a buffer's state as arrays of one
+entry per row (`to_rows` / `from_rows`; a cache's slots resolved to the rows they hold), and
+converts through float32 where a table's columns are cut otherwise (`rows_to_float`,
+`rows_from_float`).
+
 Index conventions shared by every storage (N = num_rows):
   - gather: an index outside [0, N) yields a row of zeros (`mode="fill"`, fill 0; negative
     indices are out of range too, never wrapped). Callers pass in-range ids or mask the result.
@@ -128,6 +133,41 @@ class RowStorage(abc.ABC):
   def bytes_per_row(self, dim: int) -> float:
     """Device bytes one row of width `dim` takes (the planner's memory model); formats with
     per-table parts (a cache) give their average over the rows."""
+
+  # Resharding (rec/embedding/reshard.py): a buffer's state as arrays of one entry per row
+  # (leading dim: the buffer's rows), so rows can move between buffers of any layout.
+
+  def to_rows(self, state: StorageState, shards: int = 1) -> dict[str, np.ndarray]:
+    """The state of a buffer of `shards` blocks as host arrays with one entry per row (a
+    cache's slots resolved to the rows they hold). Formats whose state is per-row already
+    return it as it is."""
+    del shards
+    return {k: np.asarray(jax.device_get(v)) for k, v in state.items()}
+
+  def from_rows(self, rows: dict[str, np.ndarray], shards: int = 1,
+                step: int = 0) -> StorageState:
+    """The inverse of `to_rows` for a buffer of `shards` blocks (host arrays); `step` seeds
+    the stochastic rounding of what a format has to round (a cache's overflow)."""
+    del shards, step
+    return {k: np.asarray(v) for k, v in rows.items()}
+
+  def zero_rows(self, num_rows: int, dim: int, shards: int = 1) -> dict[str, np.ndarray]:
+    """The `to_rows` dict of `from_float(zeros [num_rows, dim], shards)` (a fresh buffer:
+    what padding holds), made on the host from one row."""
+    del shards
+    one = self.rows_from_float(np.zeros((1, dim), np.float32))
+    return {k: np.broadcast_to(v, (num_rows,) + v.shape[1:]).copy() for k, v in one.items()}
+
+  @abc.abstractmethod
+  def rows_to_float(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+    """Every row of a `to_rows` dict as float32 `[R, D]` (what lookups read)."""
+
+  @abc.abstractmethod
+  def rows_from_float(self, values_RD: np.ndarray,
+                      like: tuple[dict[str, np.ndarray], ...] = ()) -> dict[str, np.ndarray]:
+    """A `to_rows` dict holding the float32 rows `values_RD` in this format (rounded to
+    nearest); `like`: `to_rows` dicts of the same rows whose per-row bookkeeping (a cache's
+    residency and counters) carries over."""
 
 
   def component_bytes(self, state: StorageState) -> dict[str, int]:
@@ -250,6 +290,13 @@ class _DenseRowStorage(RowStorage):
 
   def bytes_per_row(self, dim: int) -> float:
     return dim * jnp.dtype(self.dtype).itemsize
+
+  def rows_to_float(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+    return np.asarray(rows["rows"]).astype(np.float32)
+
+  def rows_from_float(self, values_RD, like=()):
+    del like
+    return {"rows": np.asarray(jnp.asarray(values_RD, jnp.float32).astype(self.dtype))}
 
   def _from_f32(self, rows: jax.Array, old, step) -> jax.Array:
     """`rows` in this dtype; `old()` gives the rows' previous values (for stochastic

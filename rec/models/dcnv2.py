@@ -37,7 +37,6 @@ import numpy as np
 from flax import nnx
 
 from rec.data.synthetic import MLPERF_MULTI_HOT
-from rec.embedding.config import TableConfig
 from rec.layers.dcn import CrossNetwork
 from rec.layers.mlp import MLP
 from rec.models import common
@@ -61,13 +60,8 @@ def mlperf_rows(max_rows: int | None = None) -> tuple[int, ...]:
   return tuple(min(r, int(max_rows)) for r in MLPERF_ROWS)
 
 
-def _positive(name: str, sizes: tuple[int, ...], where: str) -> None:
-  if any(s < 1 for s in sizes):
-    raise ValueError(f"{where}: {name}={sizes}, expected positive layer sizes")
-
-
 @dataclasses.dataclass(frozen=True)
-class DCNv2Config:
+class DCNv2Config(common.DenseConfig):
   """Sizes of a DCN-v2; MLPs list layer outputs (inputs are implied).
 
   bottom_mlp (ReLU after every layer) maps the dense features before the concat; () uses
@@ -99,17 +93,8 @@ class DCNv2Config:
   table_storage: tuple[str, ...] | None = None
 
   def __post_init__(self):
-    for f in ("bottom_mlp", "deep_mlp", "top_mlp"):
-      object.__setattr__(self, f, tuple(int(s) for s in getattr(self, f)))
-    common.normalize_features(self)
     w = "DCNv2Config"
-    if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
-      raise ValueError(f"{w}: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
-                       f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
-    for f in ("bottom_mlp", "deep_mlp", "top_mlp"):
-      _positive(f, getattr(self, f), w)
-    if self.num_dense == 0 and self.bottom_mlp:
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp} with num_dense=0; expected ()")
+    self.check_dense(w, mlps=("bottom_mlp", "deep_mlp", "top_mlp"), positive="each")
     if self.num_cross_layers < 1 or self.cross_rank < 0:
       raise ValueError(f"{w}: num_cross_layers={self.num_cross_layers}, cross_rank="
                        f"{self.cross_rank}; expected >= 1 layers and rank >= 0 (0: full rank)")
@@ -117,9 +102,6 @@ class DCNv2Config:
       raise ValueError(f"{w}: structure={self.structure!r}, expected one of {STRUCTURES}")
     if self.structure == "parallel" and not self.deep_mlp:
       raise ValueError(f"{w}: structure='parallel' needs a deep_mlp beside the cross network")
-    if not self.top_mlp or self.top_mlp[-1] != 1:
-      raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
-    common.check_dtype(w, self.dtype)
     common.check_fp8(w, self)
     for f in ("pooling_factors", "table_storage"):
       v = getattr(self, f)
@@ -149,15 +131,6 @@ class DCNv2Config:
       return self.cross_dim + self.deep_mlp[-1]
     return self.deep_mlp[-1] if self.deep_mlp else self.cross_dim
 
-  def tables(self) -> list[TableConfig]:
-    """One sum-pooled table per sparse feature, named after the feature."""
-    n = self.num_sparse
-    pf = self.pooling_factors or (1.0,) * n
-    st = self.table_storage or ("fp32",) * n
-    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim,
-                        pooling_factor=float(p), storage=s)
-            for name, rows, p, s in zip(self.feature_names, self.rows_per_feature, pf, st)]
-
   @classmethod
   def criteo(cls, num_rows: int | Sequence[int], **overrides) -> DCNv2Config:
     """MLPerf Training's DLRM-DCNv2 on Criteo: dim 128, bottom 13-512-256-128, 3 cross
@@ -182,49 +155,27 @@ class DCNv2Config:
     return cls.criteo(rows_t, **{**defaults, **overrides})
 
 
-class DCNv2(nnx.Module):
+class DCNv2(common.DenseModel):
   """The dense part of DCN-v2: bottom MLP, cross network, deep MLP, top to one logit."""
 
   def __init__(self, config: DCNv2Config, rngs: nnx.Rngs):
     self.config = cfg = config
     dtype = common.DTYPES[cfg.dtype]
     fp8 = dict(fp8_layers=cfg.fp8_layers, fp8_recipe=cfg.fp8_recipe)
-    self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=True, dtype=dtype,
-                           name="bottom_mlp", **fp8) if cfg.bottom_mlp else None)
+    self.bottom_mlp = common.bottom_mlp(cfg, rngs, relu_last=True)
     self.cross = CrossNetwork(cfg.cross_dim, cfg.num_cross_layers, rngs,
                               rank=cfg.cross_rank or None, dtype=dtype, name="cross", **fp8)
     # Stacked: the deep MLP reads the cross output; parallel: x0. Both are X wide.
     self.deep_mlp = (MLP(cfg.cross_dim, cfg.deep_mlp, rngs, activate_last=True, dtype=dtype,
                          name="deep_mlp", **fp8) if cfg.deep_mlp else None)
-    self.top_mlp = MLP(cfg.top_in, cfg.top_mlp, rngs, activate_last=False, dtype=dtype,
-                       name="top_mlp", **fp8)
+    self.top_mlp = common.top_mlp(cfg, cfg.top_in, rngs)
 
-  def __call__(self, dense_BD, emb_BFD):
-    """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].
-
-    Returns float32 logits [B].
-    """
-    return self.top_mlp(self.body(dense_BD, emb_BFD))[:, 0].astype(jnp.float32)
-
-  @property
-  def body_dim(self) -> int:
-    return self.config.top_in
-
-  def body(self, dense_BD, emb_BFD):
-    """The shared body under the top MLP: cross network and deep MLP, [B, body_dim]
-    (extra heads, e.g. ExFM's auxiliary head in rec/distill.py, read it)."""
-    cfg = self.config
-    common.check_inputs("DCNv2", cfg, dense_BD, emb_BFD)
-    dtype = common.DTYPES[cfg.dtype]
-    parts = []
-    if cfg.num_dense > 0:
-      dense_BD = dense_BD.astype(dtype)
-      parts.append(self.bottom_mlp(dense_BD) if self.bottom_mlp is not None else dense_BD)
-    parts.append(emb_BFD.astype(dtype).reshape(emb_BFD.shape[0], -1))
-    x0_BX = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+  def interact(self, x_BD, emb_BFD):
+    """Cross network over x0 = [dense part, flattened embeddings], then the deep MLP
+    (stacked) or beside it (parallel): [B, top_in]."""
+    flat_BX = emb_BFD.reshape(emb_BFD.shape[0], -1)
+    x0_BX = flat_BX if x_BD is None else jnp.concatenate([x_BD, flat_BX], axis=1)
     cross_BX = self.cross(x0_BX)
-    if cfg.structure == "stacked":
-      h = self.deep_mlp(cross_BX) if self.deep_mlp is not None else cross_BX
-    else:
-      h = jnp.concatenate([cross_BX, self.deep_mlp(x0_BX)], axis=1)
-    return h
+    if self.config.structure == "stacked":
+      return self.deep_mlp(cross_BX) if self.deep_mlp is not None else cross_BX
+    return jnp.concatenate([cross_BX, self.deep_mlp(x0_BX)], axis=1)

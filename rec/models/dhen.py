@@ -35,7 +35,6 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from rec.embedding.config import TableConfig
 from rec.layers.attention import SelfAttentionInteraction
 from rec.layers.compression import LinearCompression
 from rec.layers.conv import FeatureConv1D, FeatureConv2D
@@ -49,7 +48,7 @@ ENSEMBLES = ("concat", "sum", "weighted_sum")
 
 
 @dataclasses.dataclass(frozen=True)
-class DHENConfig:
+class DHENConfig(common.DenseConfig):
   """Sizes of a DHEN; `layers` names the interaction modules of each layer, in order.
 
   bottom_mlp must end at embedding_dim (the dense features become one embedding) and is
@@ -77,26 +76,11 @@ class DHENConfig:
 
   def __post_init__(self):
     w = "DHENConfig"
-    object.__setattr__(self, "bottom_mlp", tuple(int(s) for s in self.bottom_mlp))
-    object.__setattr__(self, "top_mlp", tuple(int(s) for s in self.top_mlp))
     if isinstance(self.layers, str) or any(isinstance(l, str) for l in self.layers):
       raise ValueError(f"{w}: layers={self.layers!r}, expected a tuple of tuples of module "
                        "names, e.g. (('dot', 'linear'), ('dot', 'linear'))")
     object.__setattr__(self, "layers", tuple(tuple(l) for l in self.layers))
-    common.normalize_features(self)
-    if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
-      raise ValueError(f"{w}: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
-                       f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
-    if self.num_dense > 0 and (not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim):
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp} must end at embedding_dim="
-                       f"{self.embedding_dim}: its output is the dense embedding")
-    if self.num_dense == 0 and self.bottom_mlp:
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp} with num_dense=0; expected ()")
-    if any(s < 1 for s in self.bottom_mlp + self.top_mlp):
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp}, top_mlp={self.top_mlp}; expected "
-                       "positive layer sizes")
-    if not self.top_mlp or self.top_mlp[-1] != 1:
-      raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
+    self.check_dense(w, mlps=("bottom_mlp", "top_mlp"), bottom="embedding")
     if not self.layers or any(not l for l in self.layers):
       raise ValueError(f"{w}: layers={self.layers}; expected at least one layer, each with at "
                        "least one interaction module")
@@ -117,7 +101,6 @@ class DHENConfig:
       if "dot" in self.layers[i] and n_in < 2:
         raise ValueError(f"{w}: layer {i} has 'dot' on {n_in} embedding; pairwise dot "
                          "products need at least 2")
-    common.check_dtype(w, self.dtype)
 
   @property
   def num_inputs(self) -> int:
@@ -136,11 +119,6 @@ class DHENConfig:
       sizes.append((n, n_out))
       n = n_out
     return sizes
-
-  def tables(self) -> list[TableConfig]:
-    """One sum-pooled table per sparse feature, named after the feature."""
-    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim)
-            for name, rows in zip(self.feature_names, self.rows_per_feature)]
 
   @classmethod
   def criteo(cls, num_rows: int | Sequence[int], **overrides) -> DHENConfig:
@@ -254,32 +232,13 @@ class DHENLayer(nnx.Module):
     return self.norm(y + skip.astype(y.dtype))
 
 
-class DHEN(nnx.Module):
+class DHEN(common.StackedModel):
   """The dense part of DHEN: bottom MLP, N stacked DHEN layers, top MLP to one logit."""
 
   def __init__(self, config: DHENConfig, rngs: nnx.Rngs):
     self.config = cfg = config
-    dtype = common.DTYPES[cfg.dtype]
     # No ReLU after the last bottom layer: the dense embedding is signed like the sparse ones.
-    self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=False, dtype=dtype)
-                       if cfg.num_dense > 0 else None)
+    self.bottom_mlp = common.bottom_mlp(cfg, rngs, relu_last=False)
     self.layers = nnx.List([DHENLayer(kinds, n_in, n_out, cfg, rngs)
                             for kinds, (n_in, n_out) in zip(cfg.layers, cfg.layer_sizes())])
-    n_last = cfg.layer_sizes()[-1][1]
-    self.top_mlp = MLP(n_last * cfg.embedding_dim, cfg.top_mlp, rngs, activate_last=False,
-                       dtype=dtype)
-
-  def __call__(self, dense_BD, emb_BFD):
-    """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].
-
-    Returns float32 logits [B].
-    """
-    cfg = self.config
-    common.check_inputs("DHEN", cfg, dense_BD, emb_BFD)
-    dtype = common.DTYPES[cfg.dtype]
-    x_BND = emb_BFD.astype(dtype)
-    if self.bottom_mlp is not None:
-      x_BND = jnp.concatenate([self.bottom_mlp(dense_BD.astype(dtype))[:, None, :], x_BND], axis=1)
-    for layer in self.layers:
-      x_BND = layer(x_BND)
-    return self.top_mlp(x_BND.reshape(x_BND.shape[0], -1))[:, 0].astype(jnp.float32)
+    self.top_mlp = common.top_mlp(cfg, cfg.layer_sizes()[-1][1] * cfg.embedding_dim, rngs)

@@ -16,16 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import jax.numpy as jnp
 from flax import nnx
 
-from rec.embedding.config import TableConfig
 from rec.layers.interaction import dot_interaction, num_dot_outputs
-from rec.layers.mlp import MLP
 from rec.models import common
 
 @dataclasses.dataclass(frozen=True)
-class DLRMConfig:
+class DLRMConfig(common.DenseConfig):
   """Sizes of a DLRM; bottom_mlp and top_mlp list layer outputs (inputs are implied).
 
   bottom_mlp must end at embedding_dim (the dense vector joins the dot interaction),
@@ -48,25 +45,10 @@ class DLRMConfig:
   fp8_recipe: str = "tensor"
 
   def __post_init__(self):
-    object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
-    object.__setattr__(self, "top_mlp", tuple(self.top_mlp))
-    common.normalize_features(self)
-    if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
-      raise ValueError(f"DLRMConfig: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
-                       f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
-    if self.num_dense > 0 and (not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim):
-      raise ValueError(
-          f"DLRMConfig: bottom_mlp={self.bottom_mlp} must end at embedding_dim="
-          f"{self.embedding_dim}: its output is dotted with the embeddings")
-    if self.num_dense == 0 and self.bottom_mlp:
-      raise ValueError(f"DLRMConfig: bottom_mlp={self.bottom_mlp} with num_dense=0; expected () "
-                       "(no dense features, no bottom MLP)")
-    if not self.top_mlp or self.top_mlp[-1] != 1:
-      raise ValueError(f"DLRMConfig: top_mlp={self.top_mlp} must end at 1 (the logit)")
+    self.check_dense("DLRMConfig", bottom="dot")
     if self.num_dense == 0 and self.num_sparse == 1 and not self.self_interaction:
       raise ValueError("DLRMConfig: one embedding and no dense features give no pairwise "
                        "interaction; use self_interaction=True or more features")
-    common.check_dtype("DLRMConfig", self.dtype)
     common.check_fp8("DLRMConfig", self)
 
   @property
@@ -81,11 +63,6 @@ class DLRMConfig:
     num_vectors = self.num_sparse + (1 if self.num_dense > 0 else 0)
     p = num_dot_outputs(num_vectors, self.self_interaction)
     return p + (self.embedding_dim if self.num_dense > 0 else 0)
-
-  def tables(self) -> list[TableConfig]:
-    """One sum-pooled table per sparse feature, named after the feature."""
-    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim)
-            for name, rows in zip(self.feature_names, self.rows_per_feature)]
 
   @classmethod
   def criteo_kaggle(cls, num_rows: int | Sequence[int], **overrides) -> DLRMConfig:
@@ -102,40 +79,16 @@ class DLRMConfig:
     return cls(**{**kwargs, **overrides})
 
 
-class DLRM(nnx.Module):
+class DLRM(common.DenseModel):
   """The dense part of DLRM: bottom MLP, dot interaction, top MLP to one logit."""
 
   def __init__(self, config: DLRMConfig, rngs: nnx.Rngs):
     self.config = config
-    dtype = common.DTYPES[config.dtype]
     # Bottom MLP ends in a ReLU, as in the reference (its sigmoid_bot = -1).
-    fp8 = dict(fp8_layers=config.fp8_layers, fp8_recipe=config.fp8_recipe)
-    self.bottom_mlp = (MLP(config.num_dense, config.bottom_mlp, rngs, activate_last=True,
-                           dtype=dtype, name="bottom_mlp", **fp8)
-                       if config.num_dense > 0 else None)
+    self.bottom_mlp = common.bottom_mlp(config, rngs, relu_last=True)
     # The reference's last top layer is a sigmoid; we return the logit before it.
-    self.top_mlp = MLP(config.interaction_dim, config.top_mlp, rngs, activate_last=False,
-                       dtype=dtype, name="top_mlp", **fp8)
+    self.top_mlp = common.top_mlp(config, config.interaction_dim, rngs)
 
-  def __call__(self, dense_BD, emb_BFD):
-    """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].
-
-    Returns float32 logits [B].
-    """
-    return self.top_mlp(self.body(dense_BD, emb_BFD))[:, 0].astype(jnp.float32)
-
-  @property
-  def body_dim(self) -> int:
-    return self.config.interaction_dim
-
-  def body(self, dense_BD, emb_BFD):
-    """The shared body under the top MLP: bottom MLP and interaction, [B, body_dim]
-    (extra heads, e.g. ExFM's auxiliary head in rec/distill.py, read it)."""
-    cfg = self.config
-    common.check_inputs("DLRM", cfg, dense_BD, emb_BFD)
-    dtype = common.DTYPES[cfg.dtype]
-    if self.bottom_mlp is None:
-      x_BD = None
-    else:
-      x_BD = self.bottom_mlp(dense_BD.astype(dtype))
-    return dot_interaction(x_BD, emb_BFD.astype(dtype), cfg.self_interaction)
+  def interact(self, x_BD, emb_BFD):
+    """[dense vector, pairwise dot products of it and the embeddings]: [B, interaction_dim]."""
+    return dot_interaction(x_BD, emb_BFD, self.config.self_interaction)

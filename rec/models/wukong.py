@@ -27,10 +27,8 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from rec.embedding.config import TableConfig
 from rec.layers.compression import LinearCompression
 from rec.layers.fm import FactorizationMachineBlock
-from rec.layers.mlp import MLP
 from rec.models import common
 
 # Our dense-scaling ladder, following the paper's recipe (grow depth l, the embedding
@@ -50,7 +48,7 @@ SCALING_LADDER = (
 
 
 @dataclasses.dataclass(frozen=True)
-class WukongConfig:
+class WukongConfig(common.DenseConfig):
   """Sizes of a Wukong; MLPs list layer outputs (inputs are implied).
 
   bottom_mlp must end at a multiple of embedding_dim (that many dense embeddings) and is
@@ -76,26 +74,10 @@ class WukongConfig:
 
   def __post_init__(self):
     w = "WukongConfig"
-    for f in ("bottom_mlp", "fm_mlp", "top_mlp"):
-      object.__setattr__(self, f, tuple(int(s) for s in getattr(self, f)))
-    common.normalize_features(self)
-    if self.num_sparse < 1 or self.num_dense < 0 or self.embedding_dim < 1:
-      raise ValueError(f"{w}: num_sparse={self.num_sparse}, num_dense={self.num_dense}, "
-                       f"embedding_dim={self.embedding_dim}; expected >= 1, >= 0, >= 1")
-    if any(s < 1 for s in self.bottom_mlp + self.fm_mlp + self.top_mlp):
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp}, fm_mlp={self.fm_mlp}, top_mlp="
-                       f"{self.top_mlp}; expected positive layer sizes")
-    if self.num_dense > 0 and (not self.bottom_mlp or self.bottom_mlp[-1] % self.embedding_dim):
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp} must end at a multiple of "
-                       f"embedding_dim={self.embedding_dim}: its output is cut into dense embeddings")
-    if self.num_dense == 0 and self.bottom_mlp:
-      raise ValueError(f"{w}: bottom_mlp={self.bottom_mlp} with num_dense=0; expected ()")
+    self.check_dense(w, mlps=("bottom_mlp", "fm_mlp", "top_mlp"), bottom="embeddings")
     for name in ("num_layers", "num_fm", "num_lcb", "fm_rank"):
       if getattr(self, name) < 1:
         raise ValueError(f"{w}: {name}={getattr(self, name)}, expected >= 1")
-    if not self.top_mlp or self.top_mlp[-1] != 1:
-      raise ValueError(f"{w}: top_mlp={self.top_mlp} must end at 1 (the logit)")
-    common.check_dtype(w, self.dtype)
 
   @property
   def num_dense_embeddings(self) -> int:
@@ -110,11 +92,6 @@ class WukongConfig:
     """(N_in, N_out) of every layer."""
     n_out = self.num_fm + self.num_lcb
     return [(self.num_inputs if i == 0 else n_out, n_out) for i in range(self.num_layers)]
-
-  def tables(self) -> list[TableConfig]:
-    """One sum-pooled table per sparse feature, named after the feature."""
-    return [TableConfig(name=name, num_rows=rows, dim=self.embedding_dim)
-            for name, rows in zip(self.feature_names, self.rows_per_feature)]
 
   @classmethod
   def criteo(cls, num_rows: int | Sequence[int], layers: int = 2, n_fm: int = 8,
@@ -164,33 +141,12 @@ class WukongLayer(nnx.Module):
     return self.norm(y_BND + skip.astype(y_BND.dtype))
 
 
-class Wukong(nnx.Module):
+class Wukong(common.StackedModel):
   """The dense part of Wukong: bottom MLP, l Wukong layers, top MLP to one logit."""
 
   def __init__(self, config: WukongConfig, rngs: nnx.Rngs):
     self.config = cfg = config
-    dtype = common.DTYPES[cfg.dtype]
     # No ReLU after the last bottom layer: dense embeddings are signed like the sparse ones.
-    self.bottom_mlp = (MLP(cfg.num_dense, cfg.bottom_mlp, rngs, activate_last=False, dtype=dtype)
-                       if cfg.num_dense > 0 else None)
+    self.bottom_mlp = common.bottom_mlp(cfg, rngs, relu_last=False)
     self.layers = nnx.List([WukongLayer(n_in, cfg, rngs) for n_in, _ in cfg.layer_sizes()])
-    n_out = cfg.num_fm + cfg.num_lcb
-    self.top_mlp = MLP(n_out * cfg.embedding_dim, cfg.top_mlp, rngs, activate_last=False,
-                       dtype=dtype)
-
-  def __call__(self, dense_BD, emb_BFD):
-    """dense_BD: [B, Dn] (ignored, may be None, when num_dense == 0); emb_BFD: [B, F, D].
-
-    Returns float32 logits [B].
-    """
-    cfg = self.config
-    common.check_inputs("Wukong", cfg, dense_BD, emb_BFD)
-    dtype = common.DTYPES[cfg.dtype]
-    x_BND = emb_BFD.astype(dtype)
-    if self.bottom_mlp is not None:
-      d_BD = self.bottom_mlp(dense_BD.astype(dtype))
-      x_BND = jnp.concatenate(
-          [d_BD.reshape(d_BD.shape[0], cfg.num_dense_embeddings, cfg.embedding_dim), x_BND], axis=1)
-    for layer in self.layers:
-      x_BND = layer(x_BND)
-    return self.top_mlp(x_BND.reshape(x_BND.shape[0], -1))[:, 0].astype(jnp.float32)
+    self.top_mlp = common.top_mlp(cfg, (cfg.num_fm + cfg.num_lcb) * cfg.embedding_dim, rngs)

@@ -16,6 +16,7 @@ import pytest
 from core import cli, errors
 from rec import configs
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +26,7 @@ def _run(body: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
   code = ("import sys\nfrom core import cli\n\ndef main(argv):\n"
           + textwrap.indent(textwrap.dedent(body), "  ")
           + "\nif __name__ == '__main__':\n  cli.run(main)\n")
-  return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True,
+  return forkserver.run([sys.executable, "-c", code, *args], fork=True, cwd=cwd, capture_output=True,
                         text=True, timeout=300,
                         env=dict(os.environ, JAX_PLATFORMS="cpu",
                                  PYTHONPATH=cpu_env.python_path(REPO)))

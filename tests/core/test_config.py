@@ -160,3 +160,37 @@ def test_loose_settings_and_loop_config():
   assert (tc.workdir, tc.steps, tc.resume_allow, tc.seed) == ("/tmp/x", 3, ("a", "b"), 1)
   with pytest.raises(ValueError, match="needs a default"):
     config.define_flags(None, "nonfinite", flag_values=flags.FlagValues())
+
+
+def test_a_config_file_sets_the_loose_settings_declared_in_config(tmp_path):
+  """A study's row as a file: its loose settings (declared in_config) become their flags'
+  defaults, the typed config's leaves come through from_flags, a flag given wins; the
+  per-invocation flags stay out of the file."""
+  def parsed(*args):
+    fv = flags.FlagValues()
+    config.define_flags(Run2, flag_values=fv)
+    config.define_flags(None, "repeats", in_config=True, repeats=5, flag_values=fv)
+    config.define_flags(None, *settings.RUN_FLAGS, flag_values=fv)
+    fv(["prog", *args])
+    return fv
+
+  row = tmp_path / "row.py"
+  row.write_text("def get_config():\n  return {'repeats': 7, 'steps': 4}\n")
+  fv = parsed(f"--config={row}")
+  assert config.apply_file(fv) == {} and fv.repeats == 7 and not fv["repeats"].present
+  assert config.from_flags(Run2, fv).loop.steps == 4
+  fv = parsed(f"--config={row}", "--repeats=9")
+  assert config.apply_file(fv) == {"repeats": (7, 9)} and fv.repeats == 9
+  row.write_text("def get_config():\n  return {'repeats': 0}\n")
+  with pytest.raises(errors.UserError, match=r"row\.py: repeats=0: out of range"):
+    config.apply_file(parsed(f"--config={row}"))
+  row.write_text("def get_config():\n  return {'workdir': '/tmp/x'}\n")
+  with pytest.raises(errors.UserError, match=r"row\.py: workdir: not a setting of Run2"):
+    config.apply_file(parsed(f"--config={row}"))
+  # An entry point of loose settings only.
+  fv = flags.FlagValues()
+  config.define_flags(None, "repeats", "steps", in_config=True, flag_values=fv, steps=3)
+  row.write_text("def get_config():\n  return {'steps': 8}\n")
+  fv(["prog", f"--config={row}"])
+  config.apply_file(fv)
+  assert (fv.steps, fv.repeats) == (8, None)

@@ -20,6 +20,7 @@ import pytest
 
 from core import distributed
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REC = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
@@ -52,7 +53,7 @@ def _start(module: str, args: list[str], processes: int, devices: int, tmp) -> l
   procs = []
   for i, c in enumerate(cmd):
     out = open(tmp / f"{module}.{len(os.listdir(tmp))}.p{i}.log", "w+")
-    procs.append((subprocess.Popen(c, cwd=REPO, env=_env(devices), stdout=out,
+    procs.append((forkserver.popen(c, cwd=REPO, env=_env(devices), stdout=out,
                                    stderr=subprocess.STDOUT), out))
   return procs
 
@@ -288,7 +289,7 @@ def test_stdout_filter_drops_gloo_lines_only():
           b"[Gloo] Rank 1 is connected\nlast")
   want = b"step 1/10\n[Glo\npartial without newline then more\nlast"
   for chunks in ([data], [data[i:i + 3] for i in range(0, len(data), 3)]):
-    proc = subprocess.Popen([sys.executable, "-c", distributed._STDOUT_FILTER],
+    proc = forkserver.popen([sys.executable, "-c", distributed._STDOUT_FILTER],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     for c in chunks:
       proc.stdin.write(c)

@@ -28,6 +28,7 @@ from core import checkpoint as ckpt_lib
 from core import train as train_lib
 from core.errors import UserError
 from rec import configs
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--num_rows=1000", "--batch_size=64", "--log_every=10", "--eval_every=0",
@@ -41,7 +42,7 @@ def _env():
 
 
 def _start(args, log):
-  return subprocess.Popen([sys.executable, "-m", "experiments.train_rec", *ARGS, *args],
+  return forkserver.popen([sys.executable, "-m", "experiments.train_rec", *ARGS, *args],
                           cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                           env=_env())
 
@@ -70,7 +71,7 @@ def _stop(p, sig, log):
 
 
 def _run(args):
-  return subprocess.run([sys.executable, "-m", "experiments.train_rec", *ARGS, *args],
+  return forkserver.run([sys.executable, "-m", "experiments.train_rec", *ARGS, *args],
                         cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
 
 
@@ -228,7 +229,7 @@ print("STEPS", ckpt.all_steps())
 
 
 def test_a_file_size_limit_during_a_checkpoint(tmp_path):
-  out = subprocess.run([sys.executable, "-c", _FSIZE, str(tmp_path)], cwd=REPO,
+  out = forkserver.run([sys.executable, "-c", _FSIZE, str(tmp_path)], fork=True, cwd=REPO,
                        capture_output=True, text=True, timeout=300, env=_env())
   lines = out.stdout.splitlines()
   assert lines[-1] == "STEPS [1]", out.stdout + out.stderr[-3000:]
@@ -247,7 +248,7 @@ def test_train_rec_with_a_file_size_limit_writes_results_and_one_line(tmp_path):
              "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))\n"
              "sys.argv = ['train_rec', *sys.argv[1:]]\n"
              "runpy.run_module('experiments.train_rec', run_name='__main__', alter_sys=True)\n")
-  out = subprocess.run([sys.executable, "-c", limited, *ARGS, "--steps=20", f"--workdir={w}"],
+  out = forkserver.run([sys.executable, "-c", limited, *ARGS, "--steps=20", f"--workdir={w}"],
                        cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
   assert out.returncode == 2, out.stderr[-3000:]
   last = out.stderr.strip().splitlines()[-1]

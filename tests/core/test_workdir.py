@@ -15,6 +15,7 @@ import pytest
 
 from core import workdir as workdir_lib
 from core.errors import UserError
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +37,7 @@ time.sleep(float(sys.argv[2]))
 
 
 def _holder(path, seconds, gate=None):
-  return subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(seconds)]
+  return forkserver.popen([sys.executable, "-c", _HOLDER, str(path), str(seconds)]
                           + ([str(gate)] if gate else []), cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -93,7 +94,7 @@ def test_racing_processes_never_both_win(tmp_path):
 
 
 def test_a_dead_holder_is_taken_over_with_one_line(tmp_path, capsys):
-  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+  dead = forkserver.run([sys.executable, "-c", "import os; print(os.getpid())"],
                         capture_output=True, text=True).stdout.strip()
   (tmp_path / workdir_lib.LOCK_NAME).write_text(json.dumps(
       {"host": socket.gethostname(), "pid": int(dead), "started": "2026-01-01 00:00:00 UTC",
@@ -191,7 +192,7 @@ def test_entry_points_name_a_read_only_path_before_any_work(tmp_path, module, fl
   os.makedirs(ro)
   target = ro / "p.csv" if flag == "--output" else ro
   args = [f"{flag}={target}"] + (["--checkpoint=/nonexistent/run"] if flag == "--output" else [])
-  out = subprocess.run([sys.executable, "-c", _READ_ONLY, str(ro), module, *args], cwd=REPO,
+  out = forkserver.run([sys.executable, "-c", _READ_ONLY, str(ro), module, *args], cwd=REPO,
                        capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
@@ -203,7 +204,7 @@ def test_entry_points_name_a_read_only_path_before_any_work(tmp_path, module, fl
 def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   f = tmp_path / "taken"
   f.write_text("x")
-  out = subprocess.run([sys.executable, "-m", "experiments.cp_model", f"--workdir={f}"],
+  out = forkserver.run([sys.executable, "-m", "experiments.cp_model", f"--workdir={f}"],
                        cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -6,10 +6,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
 
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -29,7 +29,7 @@ def run_entry(module: str, args, timeout: int = 600):
   """Runs `python -m module *args`; asserts it exits 0 and returns (stdout, the JSON of its
   last stdout line). One CPU device (tests/cpu_env.py)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
-  out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+  out = forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=timeout)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from tests.experiments.entry import DATA
 from tests.experiments.entry import REPO
 from tests.experiments.entry import run_entry
+from tests import forkserver
 
 
 def _run(module, args):
@@ -52,7 +52,7 @@ def test_bench_kernels_interpret_check(tmp_path):
 
 def test_bench_kernels_refuses_without_gpu(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "experiments.bench_kernels",
+  out = forkserver.run([sys.executable, "-m", "experiments.bench_kernels",
                         f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True)
   assert out.returncode == 2 and "need a GPU" in out.stderr
   assert "refused" in json.loads(out.stdout.strip().splitlines()[-1])

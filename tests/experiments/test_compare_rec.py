@@ -3,7 +3,6 @@ line) and its report (rec.runs' table, study.summary) against hand-computed valu
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from experiments.compare_rec import study
 from rec import runs
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -21,7 +21,7 @@ TINY = ["--num_rows=1000", "--embedding_dim=8", "--batch_size=64", "--eval_batch
 
 def _run(args):
   env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "experiments.compare_rec", *args], cwd=REPO, env=env,
+  out = forkserver.run([sys.executable, "-m", "experiments.compare_rec", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.strip().splitlines()

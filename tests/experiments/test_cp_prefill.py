@@ -3,16 +3,16 @@ timings, the variant "auto" runs, results.json and the JSON last line."""
 
 import json
 import os
-import subprocess
 import sys
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args, ok=True):
   env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "experiments.cp_prefill", "--repeats=2", *args],
+  out = forkserver.run([sys.executable, "-m", "experiments.cp_prefill", "--repeats=2", *args],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert (out.returncode == 0) == ok, out.stderr[-3000:]
   return out

@@ -8,13 +8,13 @@ that must agree with each other are refused before any work; `wlb_packing --step
 
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 
 from tests.experiments.entry import MODULES, REPO
+from tests import forkserver
 
 # Integer flags whose lower bound is below 1, with what the value at the bound means; any
 # other integer flag must have lower_bound >= 1. "*": every entry point (a seed may be 0;
@@ -155,7 +155,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def parsed():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(MODULES), json.dumps(BAD)],
+  out = forkserver.run([sys.executable, "-c", _SCRIPT, json.dumps(MODULES), json.dumps(BAD)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -234,7 +234,7 @@ def test_hang_timeout_read_from_its_flag():
 def test_wlb_packing_steps_0_exits_at_once(tmp_path):
   """The command of issue 31 item 1; it used to run until killed, memory growing."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "experiments.wlb_packing", "--cost_model=flops",
+  out = forkserver.run([sys.executable, "-m", "experiments.wlb_packing", "--cost_model=flops",
                         "--steps=0", f"--workdir={tmp_path}"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60)
   assert out.returncode != 0 and "flag --steps=0: 0 is not a positive integer" in out.stderr

@@ -1,7 +1,6 @@
 """Every `python -m experiments.<name>` answers --help (and -h) with its flags and status 0."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,11 +8,12 @@ import pytest
 from core import cli
 
 from tests.experiments.entry import ENTRY_POINTS, MODULES, REPO
+from tests import forkserver
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_help_exits_zero(name):
-  out = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=REPO,
+  out = forkserver.run([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=REPO,
                        capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -25,7 +25,7 @@ def test_help_exits_zero(name):
 def test_checkpoint_cadences_in_help(name):
   """Both checkpoint cadences: every N steps (0: only at the end) and every N minutes
   (default 10, 0: off)."""
-  out = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--helpshort"], cwd=REPO,
+  out = forkserver.run([sys.executable, "-m", f"experiments.{name}", "--helpshort"], cwd=REPO,
                        capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   text = " ".join(out.stdout.split())
@@ -37,10 +37,10 @@ def test_checkpoint_cadences_in_help(name):
 
 
 def test_short_h_and_errors_keep_their_status():
-  h = subprocess.run([sys.executable, "-m", "experiments.cp_model", "-h"], cwd=REPO,
+  h = forkserver.run([sys.executable, "-m", "experiments.cp_model", "-h"], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
   assert h.returncode == 0 and "--workdir" in h.stdout
-  bad = subprocess.run([sys.executable, "-m", "experiments.cp_model", "--no_such_flag"], cwd=REPO,
+  bad = forkserver.run([sys.executable, "-m", "experiments.cp_model", "--no_such_flag"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1 and "no_such_flag" in bad.stderr
 
@@ -65,6 +65,6 @@ def test_entry_points_import_together():
           "mine = [m for m in flags.FLAGS.flags_by_module_dict()\n"
           "        if m.split('.')[0] in ('experiments', 'core', 'rec', 'llm', 'kernels')]\n"
           "assert not mine, mine\n")
-  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+  out = forkserver.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stderr[-3000:]

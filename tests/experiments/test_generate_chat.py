@@ -13,6 +13,7 @@ from llm import weights as W
 from llm.config import LlamaConfig
 from tests.experiments.test_lm_entry import _greedy, _run, _tiny_weights
 from tests.llm.test_tokenizer import train_bpe
+from tests import forkserver
 
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
             "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -131,7 +132,7 @@ def run_cases(module: str, cases: list[list[str]]) -> list[tuple[int, str]]:
   from tests import cpu_env
   from tests.experiments.entry import REPO
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
-  out = subprocess.run([sys.executable, "-c", _CASES, module, json.dumps(cases)], cwd=REPO,
+  out = forkserver.run([sys.executable, "-c", _CASES, module, json.dumps(cases)], fork=True, cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return [tuple(c) for c in json.loads(out.stdout.strip().splitlines()[-1])]

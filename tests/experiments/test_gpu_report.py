@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import types
@@ -20,6 +19,7 @@ from experiments.gpu_report import parts
 from experiments.gpu_report import report as report_lib
 from tests.experiments.entry import REPO
 from tests.experiments.entry import run_entry
+from tests import forkserver
 
 PYTEST_DONE = """\
 tests/a.py::test_x PASSED                                                 [ 25%]
@@ -199,7 +199,7 @@ def test_lm_train_order_reuse_and_fastest_remat(tmp_path, monkeypatch):
 
 
 def test_refuses_without_gpu(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "experiments.gpu_report", f"--out={tmp_path}",
+  out = forkserver.run([sys.executable, "-m", "experiments.gpu_report", f"--out={tmp_path}",
                         "--parts=decode"], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
   assert out.returncode == 2 and "--dry_run" in out.stderr
@@ -266,7 +266,7 @@ def test_row_errors_finds_every_error():
 
 def test_a_bad_case_flag_ends_in_one_line(tmp_path):
   """A case flag naming nothing the part runs is refused before any part starts."""
-  out = subprocess.run([sys.executable, "-m", "experiments.gpu_report", "--dry_run",
+  out = forkserver.run([sys.executable, "-m", "experiments.gpu_report", "--dry_run",
                         f"--out={tmp_path}", "--pipeline_data=synthetic,synthetic:gen=gpu"],
                        cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)

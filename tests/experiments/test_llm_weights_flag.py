@@ -3,12 +3,12 @@ is refused naming the flag, `gguf` is refused on a checkpoint that is not GGUF, 
 runs int8 weights end to end."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from tests.experiments.entry import DATA, REPO, run_entry
+from tests import forkserver
 
 STORIES = os.path.join(DATA, "llama2c", "stories260K.bin")
 
@@ -16,7 +16,7 @@ STORIES = os.path.join(DATA, "llama2c", "stories260K.bin")
 def _run(module, *args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+  return forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 
 

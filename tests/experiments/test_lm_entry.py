@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ from llm import weights as W
 from llm.config import LlamaConfig
 from tests.llm.test_tokenizer import _TINY, _bin_pieces, train_bpe
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("LLM_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -25,7 +25,7 @@ EXPECTED = [461, 461, 401, 401, 401, 461, 378, 455, 473, 456, 435, 299, 362, 409
 
 def _run(module, args, fails=False):
   env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+  out = forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   if fails:
     assert out.returncode != 0, out.stdout[-3000:]
@@ -303,7 +303,7 @@ def test_train_lm_refuses_405b_in_seconds_naming_estimate_and_memory(tmp_path):
   text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
   env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
   t0 = time.monotonic()
-  out = subprocess.run([sys.executable, "-m", "experiments.train_lm", f"--text={text}",
+  out = forkserver.run([sys.executable, "-m", "experiments.train_lm", f"--text={text}",
                         "--preset=llama3_405b", "--batch_size=8", "--seq_len=32",
                         f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
@@ -327,13 +327,13 @@ def test_train_lm_default_workdir_is_new_per_run(tmp_path):
              PYTHONPATH=cpu_env.python_path(REPO))
   args = [sys.executable, "-m", "experiments.train_lm", f"--text={text}", "--seq_len=16",
           "--batch_size=2", "--eval_every=0", "--eval_batches=1", "--log_every=1"]
-  out = subprocess.run(args + ["--steps=2"], cwd=tmp_path, env=env, capture_output=True,
+  out = forkserver.run(args + ["--steps=2"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   runs = os.listdir(tmp_path / "runs")
   assert len(runs) == 1 and re.fullmatch(r"train_lm_tiny_\d{8}-\d{6}", runs[0]), runs
   assert json.loads(out.stdout.splitlines()[-1])["workdir"] == os.path.join("runs", runs[0])
-  again = subprocess.run(args + ["--steps=2", "--resume"], cwd=tmp_path, env=env,
+  again = forkserver.run(args + ["--steps=2", "--resume"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 2
   assert again.stderr.strip().splitlines()[-1] == ("error: train_lm: --resume needs --workdir, "

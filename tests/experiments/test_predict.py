@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ from rec import predict as predict_lib
 from rec.data import criteo_bin
 from tests.experiments.entry import DATA, REPO
 from tests import cpu_env
+from tests import forkserver
 
 RAW = os.path.join(DATA, "criteo_kaggle_raw")
 AVAZU = os.path.join(DATA, "avazu_sample")
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(RAW, "train.txt"
 def _entry(module, args):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=cpu_env.python_path(REPO),
              XLA_FLAGS=cpu_env.xla_flags(8))
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+  return forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
 
 

@@ -15,6 +15,7 @@ import time
 from tests import cpu_env
 from tests.experiments.entry import REPO
 from tests.rec.test_criteo_bin import line
+from tests import forkserver
 
 
 def _cmd(*args):
@@ -34,7 +35,7 @@ def test_kill_resume_and_flag_errors(tmp_path):
   dst = tmp_path / "bin"
   args = [f"--src={src}", f"--dst={dst}", "--ids=vocab", "--min_count=2", "--unit_mb=1",
           "--workers=2"]
-  proc = subprocess.Popen(_cmd(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+  proc = forkserver.popen(_cmd(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 120
   while not glob.glob(str(dst / "vocab" / "counts" / "*.done")):
@@ -44,13 +45,13 @@ def test_kill_resume_and_flag_errors(tmp_path):
   _, err = proc.communicate(timeout=60)
   time.sleep(2)                                 # the orphans see their parent gone
   assert "leaked" not in err and "Traceback" not in err, err[-3000:]
-  done = subprocess.run(_cmd(*args), cwd=REPO, env=_env(), capture_output=True, text=True,
+  done = forkserver.run(_cmd(*args), cwd=REPO, env=_env(), capture_output=True, text=True,
                         timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "resuming the vocabulary count in" in done.stdout
   assert "leaked" not in done.stderr and "\r" not in done.stderr
   resumed = json.loads(done.stdout.strip().splitlines()[-1])
-  fresh = subprocess.run(_cmd(*args[:1], f"--dst={tmp_path / 'fresh'}", *args[2:]), cwd=REPO,
+  fresh = forkserver.run(_cmd(*args[:1], f"--dst={tmp_path / 'fresh'}", *args[2:]), cwd=REPO,
                          env=_env(), capture_output=True, text=True, timeout=300)
   assert fresh.returncode == 0, fresh.stderr[-3000:]
   assert json.loads(fresh.stdout.strip().splitlines()[-1])["rows"] == resumed["rows"]
@@ -66,10 +67,10 @@ def test_kill_resume_and_flag_errors(tmp_path):
                      f"error: {dst}/manifest.json: a finished conversion of other inputs or "
                      "settings (min_count: 2 -> 3); expected the same --src and settings to "
                      "resume it, --overwrite to replace it, or another --dst")):
-    out = subprocess.run(_cmd(*args, *bad), cwd=REPO, env=_env(), capture_output=True,
+    out = forkserver.run(_cmd(*args, *bad), cwd=REPO, env=_env(), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == want, out.stderr
-  out = subprocess.run(_cmd(f"--src={tmp_path / 'none'}", f"--dst={dst}"), cwd=REPO, env=_env(),
+  out = forkserver.run(_cmd(f"--src={tmp_path / 'none'}", f"--dst={dst}"), cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and out.stderr.startswith(f"error: --src={tmp_path / 'none'}: ")
 
@@ -82,7 +83,7 @@ def test_truncated_gz_is_one_line_and_leaves_no_directories(tmp_path):
     data = gzip.compress("".join(line(i) for i in range(d * 500, (d + 1) * 500)).encode())
     (src / f"day_{d}.gz").write_bytes(data[:len(data) // 2] if d == 0 else data)
   dst = tmp_path / "bin"
-  out = subprocess.run(_cmd(f"--src={src}", f"--dst={dst}", "--workers=2"), cwd=REPO,
+  out = forkserver.run(_cmd(f"--src={src}", f"--dst={dst}", "--workers=2"), cwd=REPO,
                        env=_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-3000:]
   assert "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -93,7 +94,7 @@ def test_truncated_gz_is_one_line_and_leaves_no_directories(tmp_path):
   bad = tmp_path / "bad"
   bad.mkdir()
   (bad / "train.txt").write_text("".join(line(i) for i in range(100)).replace("\t", " "))
-  out = subprocess.run(_cmd(f"--src={bad}", f"--dst={dst}", "--workers=2"), cwd=REPO,
+  out = forkserver.run(_cmd(f"--src={bad}", f"--dst={dst}", "--workers=2"), cwd=REPO,
                        env=_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
   assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad / 'train.txt'}:1: ")

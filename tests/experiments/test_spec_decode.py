@@ -4,10 +4,10 @@ distills a draft head and compiles every tree shape), then reruns: reusing the h
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("LLM_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -20,7 +20,7 @@ def test_spec_decode_entry(tmp_path):
   args = [f"--target=llama2c:{STORIES}", f"--workdir={tmp_path}", "--draft_steps=30",
           "--num_sequences=48", "--eval_sequences=8", "--seq_len=48", "--draft_batch=8",
           "--trees=chain:2,2:3:6", "--batch_sizes=1,2", "--max_new_tokens=12", "--repeats=1"]
-  run = lambda *more: subprocess.run([sys.executable, "-m", "experiments.spec_decode", *args,
+  run = lambda *more: forkserver.run([sys.executable, "-m", "experiments.spec_decode", *args,
                                       *more], cwd=REPO, capture_output=True, text=True,
                                      timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   out = run()

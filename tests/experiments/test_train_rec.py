@@ -4,11 +4,11 @@ workdirs, resume checks, diverging runs and the flags' help."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -17,7 +17,7 @@ SMALL = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_s
 
 
 def _run(args, cwd=REPO):
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=_env(),
+  out = forkserver.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=_env(),
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.strip().splitlines()
@@ -39,7 +39,7 @@ def test_synthetic_run_writes_results(tmp_path):
 
 
 def _fail(args, cwd=REPO):
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=_env(),
+  out = forkserver.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=cwd, env=_env(),
                        capture_output=True, text=True, timeout=600)
   assert out.returncode != 0, out.stdout[-2000:]
   return out
@@ -60,7 +60,7 @@ def test_bad_mesh_fails_clearly(tmp_path, mesh, msg):
 
 
 def test_help_lists_every_data_form():
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", "--help"], cwd=REPO,
+  out = forkserver.run([sys.executable, "-m", "experiments.train_rec", "--help"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0
   text = " ".join(out.stdout.split())
@@ -179,7 +179,7 @@ def test_converted_data_is_checked_before_training_and_on_resume(tmp_path):
   env.pop("XLA_FLAGS")
   args = ["--model=logreg", f"--data=criteo_bin:{d}", "--batch_size=256",
           "--eval_batch_size=256", "--log_every=2"]
-  run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.train_rec", *args, *a],
+  run = lambda *a: forkserver.run([sys.executable, "-m", "experiments.train_rec", *args, *a],
                                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   out = run("--steps=2", f"--workdir={tmp_path / 'r'}")
   assert out.returncode == 0, out.stderr[-3000:]

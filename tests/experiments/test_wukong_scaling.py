@@ -4,7 +4,6 @@ closed-form reference, the `synthetic_deep` data form and the size-pattern prese
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +17,7 @@ from rec.models.dcnv2 import DCNv2Config
 from rec.models.dlrm import DLRMConfig
 from rec.models.wukong import WukongConfig
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = DataSpec(num_dense=13, sparse_features=tuple(f"C{i + 1}" for i in range(26)),
@@ -221,7 +221,7 @@ def test_experiment_end_to_end(tmp_path):
   args = ["--models=dlrm:w16,dlrm:w64,wukong:l1_n2_k4_w16,wukong:l1_n4_k4_w32", "--steps=4",
           "--batch_size=64", "--eval_batch_size=64", "--eval_batches=2", "--num_rows=100",
           "--embedding_dim=8", "--log_every=4", f"--workdir={tmp_path}"]
-  out = subprocess.run([sys.executable, "-m", "experiments.wukong_scaling", *args], cwd=REPO,
+  out = forkserver.run([sys.executable, "-m", "experiments.wukong_scaling", *args], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.strip().splitlines()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
 import sys
 
 import jax
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from kernels import flash_attention_reference as ref
+from tests import forkserver
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -131,14 +131,14 @@ def test_kernels_load_no_model_code():
           "kernels.flash_attention_mgpu; "
           "bad = sorted(m for m in sys.modules if m == 'llm' or m.startswith('llm.')); "
           "assert not bad, bad")
-  subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
+  forkserver.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def test_reference_module_loads_no_pallas():
   code = ("import sys; import kernels.flash_attention_reference; "
           "assert 'jax.experimental.pallas' not in sys.modules, 'pallas imported'")
-  subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
+  forkserver.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 

@@ -4,7 +4,6 @@ registry names: which implementation runs a call on which device, and that the n
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 # GPU interpret mode ("pallas_mgpu" off a GPU) runs one XLA CPU thread per warpgroup; see
@@ -24,6 +23,7 @@ from kernels.flash_attention_triton import flash_attention_triton  # noqa: E402
 from llm import attention as attn_lib  # noqa: E402
 from llm.attention import attention, choose, get_attention  # noqa: E402
 from llm.attention.choose import DeviceInfo, choose_impl, choose_kernel  # noqa: E402
+from tests import forkserver
 
 _POOL_THREADS = int(os.environ["PJRT_NPROC"] if _PJRT_NPROC_PRESET is not None
                     or not xla_bridge.backends_are_initialized() else os.cpu_count())
@@ -136,5 +136,5 @@ def test_registry_loads_no_pallas():
   """Importing the model's attention registry and config must not pull Pallas in."""
   code = ("import sys; import llm.attention, llm.config, llm.model; "
           "assert 'jax.experimental.pallas' not in sys.modules, 'pallas imported'")
-  subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
+  forkserver.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
                  env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -218,9 +218,9 @@ def _tensor_info_offset(path, name):
 def test_errors_name_file_tensor_and_key(tmp_path):
   hf = _hf_weights(CFG)
   path = str(tmp_path / "m.gguf")
-  write(path, CFG, hf, arch="qwen2")
-  with pytest.raises(ValueError, match=f"{path}: general.architecture='qwen2'; this loader reads "
-                     "Llama-architecture GGUF files only"):
+  write(path, CFG, hf, arch="gemma")
+  with pytest.raises(ValueError, match=f"{path}: general.architecture='gemma', an architecture "
+                     "this loader does not read; expected one of 'llama'"):
     G.read_gguf(path)
   write(path, CFG, hf, "Q8_0")
   size = os.path.getsize(path)
@@ -247,8 +247,8 @@ def test_errors_name_file_tensor_and_key(tmp_path):
                      "types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
     G.read_gguf(path)
   for meta, match in (({"llama.expert_count": 8}, "llama.expert_count=8: a mixture of experts"),
-                      ({"llama.attention.sliding_window": 4096},
-                       r"metadata keys \['llama.attention.sliding_window'\] are not understood"),
+                      ({"llama.attn_logit_softcapping": 4096},
+                       r"metadata keys \['llama.attn_logit_softcapping'\] are not understood"),
                       ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type='yarn'")):
     write(path, CFG, hf, meta=meta)
     with pytest.raises(ValueError, match=f"{path}: {match}"):

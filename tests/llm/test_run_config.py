@@ -112,3 +112,17 @@ def test_run_settings_keep_the_names_checkpoints_hold():
   assert {"data.packing", "data.cost_model", "model.remat", "data.seq_len"} <= set(got)
   assert "data.packing" not in LMRunConfig(
       data=run_config.DataSection(text="t.txt")).run_settings(cfg, run.optim_config(), mesh)
+
+
+def test_preset_config_is_the_preset_at_the_runs_numerics():
+  """A study's model (cp_prefill, cp_model, wlb_packing): the preset's own vocabulary and
+  context, the run's dtype, remat, attention and context parallelism; llama_config sets
+  the tokenizer's vocabulary and the run's sequence length instead."""
+  from llm.config import get_config
+  run = config.replace(LMRunConfig(), preset="llama_100m", dtype="bfloat16", remat="dots",
+                       context_parallel="pass_q", seq_len=64)
+  want = get_config("llama_100m", dtype="bfloat16", attention_impl="xla", remat=True,
+                    remat_policy="dots", context_parallel="pass_q")
+  assert run.preset_config() == want
+  assert run.preset_config(attention_impl="auto") == want.replace(attention_impl="auto")
+  assert run.llama_config(256) == want.replace(vocab_size=256, max_seq_len=64)

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from tests import cpu_env
 from tests.real_models import smollm2_gguf_or_skip
+from tests import forkserver
 
 pytestmark = pytest.mark.models
 
@@ -155,7 +155,7 @@ def test_generate_chat_cli(tmp_path):
   messages = tmp_path / "m.json"
   messages.write_text(json.dumps(CHAT))
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
-  out = subprocess.run([sys.executable, "-m", "experiments.generate", f"--checkpoint=gguf:{path}",
+  out = forkserver.run([sys.executable, "-m", "experiments.generate", f"--checkpoint=gguf:{path}",
                         f"--chat_file={messages}", "--max_new_tokens=24"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -373,8 +373,8 @@ def test_config_from_hf_defaults_and_errors():
     W.config_from_hf({k: v for k, v in base.items() if k != "rms_norm_eps"}, "x/config.json")
   with pytest.raises(ValueError, match="rope type 'yarn'"):
     W.config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
-  with pytest.raises(ValueError, match="model_type='mistral'"):
-    W.config_from_hf({**base, "model_type": "mistral"})
+  with pytest.raises(ValueError, match="model_type='gemma'"):
+    W.config_from_hf({**base, "model_type": "gemma"})
 
 
 # config.json files written by LlamaConfig(...).save_pretrained of the transformers release in

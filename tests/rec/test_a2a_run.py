@@ -9,7 +9,6 @@ and `rec.embedding.a2a_report`'s bytes and errors against the layout and the bou
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -28,6 +27,7 @@ from rec.embedding import a2a_compression as ac
 from rec.embedding import a2a_report
 from tests import cpu_env
 from tests.experiments.entry import REPO
+from tests import forkserver
 
 SMALL = dict(preset="small", num_rows=1000, batch_size=64, eval_batch_size=64, eval_batches=1)
 
@@ -145,7 +145,7 @@ def test_table_factors_name_tables_of_the_run():
 
 def test_train_rec_refuses_a_bad_schedule_in_one_line(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", "--a2a_mode=abs",
+  out = forkserver.run([sys.executable, "-m", "experiments.train_rec", "--a2a_mode=abs",
                         "--a2a_schedule=linear:2:0.5", f"--workdir={tmp_path / 'w'}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]

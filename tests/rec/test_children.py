@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests import forkserver
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GONE_WITHIN_S = 10.0
 
@@ -56,7 +58,7 @@ def _alive(pid: int) -> bool:
                                         (signal.SIGINT, True)], ids=["kill9", "term", "ctrl_c"])
 def test_workers_and_tracker_end_with_the_run(tmp_path, sig, group):
   log = open(tmp_path / "run.log", "wb")
-  run = subprocess.Popen(
+  run = forkserver.popen(
       [sys.executable, "-m", "experiments.train_rec", "--model=logreg", "--data_workers=2",
        "--steps=10000000", "--batch_size=8", "--num_rows=100", "--eval_every=0",
        "--log_every=1000000", f"--workdir={tmp_path / 'run'}"],

@@ -10,7 +10,6 @@ import collections
 import itertools
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -20,6 +19,7 @@ from core.errors import UserError
 from rec.data import criteo, criteo_bin, sources
 from tests import cpu_env
 from tests.experiments.entry import REPO
+from tests import forkserver
 
 ROWS = 97
 
@@ -340,7 +340,7 @@ def test_the_vocabulary_count_resumes_after_a_kill(tmp_path, capfd):
 def test_a_pool_worker_that_starts_after_its_parent_died_ends():
   """A worker whose start outlasts a killed parent would otherwise wait for ever on the task
   queue's lock that a sibling (killed with the parent) held, keeping the job's pipes open."""
-  run = lambda parent: subprocess.run(
+  run = lambda parent: forkserver.run(
       [sys.executable, "-c", "import os, sys; from rec.data import criteo_bin; "
        f"criteo_bin._die_with_parent({parent}); print('alive')"],
       cwd=REPO, env=dict(os.environ, PYTHONPATH=cpu_env.python_path(REPO)),

@@ -23,6 +23,7 @@ import pytest
 from rec.data import criteo, csv_data, libfm, sources
 from rec.data.batch import SparseBatch
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -649,7 +650,7 @@ def test_train_rec_on_libfm_and_csv_dirs(tmp_path):
             "--steps=6", "--eval_every=0", "--log_every=3"]
   runs = {f"libfm:{fm_dir}": [], f"csv:{csv_dir}": ["--csv_label=clicked"]}
   env = dict(os.environ, XLA_FLAGS=cpu_env.xla_flags(8), JAX_PLATFORMS="cpu")
-  procs = {d: subprocess.Popen(
+  procs = {d: forkserver.popen(
       [sys.executable, "-m", "experiments.train_rec", *common, f"--data={d}",
        f"--workdir={tmp_path / d.split(':')[0]}", *extra], cwd=REPO, env=env,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for d, extra in runs.items()}

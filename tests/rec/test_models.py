@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -24,6 +23,7 @@ from rec.models.dhen import DHEN, DHENConfig
 from rec.models.dlrm import DLRMConfig
 from rec.models.wukong import SCALING_LADDER, Wukong, WukongConfig
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -321,7 +321,7 @@ def test_train_rec_runs_and_reports_size(tmp_path):
   args = ["--model=dcnv2", "--preset=small", "--num_rows=100", "--batch_size=32",
           "--eval_batch_size=32", "--eval_batches=1", "--steps=2", "--log_every=1",
           "--mesh=data:8", f"--workdir={tmp_path}"]
-  out = subprocess.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=REPO, env=env,
+  out = forkserver.run([sys.executable, "-m", "experiments.train_rec", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.strip().splitlines()

@@ -5,7 +5,6 @@ config.py to the same resolved config, a flag winning over the file (noted in co
 and a mistyped field of the file refused in one line naming file and field."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from rec import configs
 from rec.embedding.storage_spec import StorageSpec
 from tests.cpu_env import cpu_env
 from tests.experiments.entry import REPO
+from tests import forkserver
 
 SMALL = ["--model=dlrm", "--preset=small", "--num_rows=100", "--batch_size=32",
          "--eval_batch_size=32", "--eval_batches=1", "--mesh=-1", "--steps=2",
@@ -90,7 +90,7 @@ def test_train_rec_writes_config_py_that_replays_the_run(tmp_path):
   """The workdir's config.py replays the run: the same resolved settings; a flag given with
   it wins, is printed in one line, and is noted in the new config.py."""
   env = cpu_env(1)
-  run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.train_rec", *a],
+  run = lambda *a: forkserver.run([sys.executable, "-m", "experiments.train_rec", *a],
                                   cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   first = str(tmp_path / "a")
   out = run(*SMALL, "--storage=int8_cache:lru:0.1", f"--workdir={first}")

@@ -1,26 +1,31 @@
 """Cost model of the embedding planner: per-device memory, lookups, traffic and time.
 
 Cost model, per table and per training step. Symbols: N embedding devices, B global batch
-(b = B / N examples per device), P pooling factor (mean ids per bag), R rows, D dim,
-w width of a column chunk, g devices in a twrw group, r_i rows of row shard i (shards of
-ceil(R / n) rows, the last shorter), s storage bytes per element (fp32 4, bf16 2),
-o(w) optimizer state bytes per row of a shard of width w, ib bytes per id (4),
-a bytes per pooled activation / gradient element (4), and
-X(w) = ib*P + 2*a*w: bytes per example that a model-parallel shard of width w moves
-(ids in, pooled sums out, pooled gradients back).
+(b = B / N examples per device), P pooling factor (mean ids per bag), L id slots per bag
+the batch carries (its padded bag: `CostParams.ids_per_bag`, else ceil(P)), R rows, D dim,
+w width of a column chunk, g devices in a twrw / sptt group (T = N / g towers), r_i rows of
+row shard i (shards of ceil(R / n) rows, the last shorter), m(w) storage bytes of a row of
+width w (fp32 4w, bf16 2w; int8 / int4 codes plus each row's scale and bias, so every
+column chunk has its own; a cache's share), s = m(D) / D, o(w) optimizer state bytes per
+row of a shard of width w, ib bytes per id (4), a bytes per pooled activation / gradient
+element (4), vb bytes of a valid flag (1), and the bytes of one bag on the wire:
+  u    = L*ib + L*wb + lb   all-to-all (ids, float32 weights wb = 4, int32 length lb = 4)
+  u_rw = L*ib + lb          rw's all-gather (+ L*wb when the batches carry weights)
+X(w) = u + 2*a*w: bytes per example that a model-parallel shard of width w moves (the bag
+in, pooled sums out, pooled gradients back).
 
-  kind  device          memory bytes        fwd elements     comm bytes (sent + received)
-  dp    every device    R*(D*s + o(D))      b*P*D            2*(N-1)*U*(a*D + ib),  U = min(b*P, R)
-  tw    owner           R*(D*s + o(D))      B*P*D            (N-1)*b*X(D)
-        any other       0                   0                b*X(D)
-  cw    owner, chunk i  R*(w_i*s + o(w_i))  B*P*w_i          (N-1)*b*X(w_i)
-        not owner of i  0                   0                b*X(w_i)      (summed over chunks)
-  rw    shard i         r_i*(D*s + o(D))    B*P*D*r_i/R      2*(N-1)*b*ib*P + 4*(N-1)/N*B*a*D
-  twrw  member j        r_j*(D*s + o(D))    B*P*D*r_j/R      (N+g-2)*b*X(D)
-        non-member      0                   0                g*b*X(D)
-  sptt  member j        r_j*(D*s + o(D))    B*P*D*r_j/R      b*ib*P + (T-1)*b*ib*P
-                                                             + 2*(g-1)*(B/g)*ib*P + 4*(g-1)/g*B*a*D
-        non-member      0                   0                b*ib*P
+  kind  device          memory bytes          fwd elements     comm bytes (sent + received)
+  dp    every device    R*(m(D) + o(D))       b*P*D            2*(N-1)*U*(a*D + ib + vb),  U = b*L
+  tw    owner           R*(m(D) + o(D))       B*P*D            (N-1)*b*X(D)
+        any other       0                     0                b*X(D)
+  cw    owner, chunk i  R*(m(w_i) + o(w_i))   B*P*w_i          (N-1)*b*X(w_i)
+        not owner of i  0                     0                b*X(w_i)      (summed over chunks)
+  rw    shard i         r_i*(m(D) + o(D))     B*P*D*r_i/R      2*(N-1)*b*u_rw + 4*(N-1)/N*B*a*D
+  twrw  member j        r_j*(m(D) + o(D))     B*P*D*r_j/R      (N+g-2)*b*X(D)
+        non-member      0                     0                g*b*X(D)
+  sptt  member j        r_j*(m(D) + o(D))     B*P*D*r_j/R      (T-1)*b*X(D) + 2*(g-1)*(B/g)*u
+                                                               + 4*(g-1)/g*B*a*D
+        non-member      0                     0                b*X(D)
 
 Backward elements (rows read and written by the sparse update) are
 min(ids landing on the shard, rows of the shard) * width; for dp every replica applies the
@@ -28,25 +33,58 @@ all-gathered update, min(B*P, R)*D. Per device, summed over tables:
 
   time = s*(fwd + backward_factor*bwd) / hbm_bandwidth + comm / interconnect_bandwidth
 
-Communication follows the collection's exchanges (`rec.embedding.sharding`): tw / cw / twrw move ids and pooled
-partials by all-to-all (every twrw member receives all of the table's ids and returns a
-full-width partial, summed at the consumer); rw all-gathers ids (ring: N-1 blocks of b*P ids
-out and in) and reduce-scatters the [B, D] partial sums (all-gather of their gradients
-backward); dp all-gathers each device's touched rows with their ids. U = min(b*P, R)
-assumes ids are deduplicated per device before that all-gather; the collection currently
-sends every id slot, which `CostParams(dp_unique_rows=False)` models (U = b*P). sptt (DMT's
-tower groups, T = N / g of them): every device sends its samples' ids of the table to its
-counterpart in the table's group (all-to-all over the towers), which all-gathers them in
-the group and reduce-scatters the [B / g, D] partial sums there (all-gather of their
-gradients backward); the tower module's compressed output goes back by one all-to-all per
-tower, not per table, and is left out here (experiments/dmt counts it). Lookups
-count only the ids that land on a shard, and local traffic is counted where it is cheap to
-get right (an owner does not send to itself). Activation buffers are not in the budget.
+Communication follows the collection's exchanges (`rec.embedding.sharding`): tw / cw / twrw
+move bags and pooled partials by all-to-all (every twrw member receives all of the table's
+bags and returns a full-width partial, summed at the consumer); rw all-gathers the bags
+(ring: N-1 blocks of b bags out and in) and reduce-scatters the [B, D] partial sums
+(all-gather of their gradients backward); dp all-gathers each device's id slots with their
+valid flags and gradient rows (`CostParams(dp_unique_rows=True)`: U = min(b*L, R), what a
+dp exchange that deduplicated rows before its all-gather would send). sptt (DMT's tower
+groups): every device sends its samples' bags of the table to its counterpart in the
+table's group (all-to-all over the towers), which all-gathers them in the group and
+reduce-scatters the [B, D] partial sums there (all-gather of their gradients backward); the
+pooled vectors go back by an all-to-all over the towers (per table here; with a tower
+module, its K outputs per tower: `CostParams.tower_outputs`, priced by `estimate_plan`).
+The all-to-all sends the float32 weights even when a batch has none (the collection makes
+ones, and XLA keeps them through the all-to-all), while rw's all-gather of those constant
+ones is folded away by XLA: u_rw counts weights only under `CostParams.id_weights`.
+Lookups count only the ids that land on a shard, and local traffic is counted where it is
+cheap to get right (an owner does not send to itself). Activation buffers are not in the
+budget.
+
+The layout (`estimate_plan`): a plan's per-device costs follow the collection's buffers.
+Tables that share an exchange (dp; a2a: tw, cw, twrw; rw; sptt), storage, dim and stored
+width form one group: one buffer per device, as long on every device as on its fullest one
+(a2a: the most rows any device holds; rw: the sum of ceil(R / N); sptt: the largest tower's
+sum of ceil(R / g); dp: the sum of R), and an all-to-all that gives every device S slots
+(a2a: the most shards any device holds; sptt: Fm, the largest tower's table count). Per
+device, summed over groups (F tables of the group; W its stored width):
+
+  memory       block(rows, W) + rows * o(W)   (block: the storage's state of that many rows,
+                                               a cache rounded to whole sets)
+  collectives  result bytes per device, what `core.hlo.collective_bytes` reads from the
+               compiled step (the forward and the backward's transposed collectives):
+    dp    all-gather(N)       N*b*F*L*(ib + vb + a*W)     (dp_unique_rows: b*L -> min(b*L, R))
+    a2a   all-to-all(N)       N*b*S*(u + 2*a*W)
+    rw    all-gather(N)       N*b*F*(u_rw + a*W)          reduce-scatter(N)  b*F*a*W
+    sptt  all-to-all(T)       T*b*Fm*u + 2*T*b*K*a*W      (K: tower_outputs, else Fm)
+          all-gather(g)       g*T*b*Fm*(u + a*W)          reduce-scatter(g)  T*b*Fm*a*W
+  comm         sum of collectives x WIRE_FACTOR (sent + received, own share excluded, ring
+               algorithms: all-to-all and all-gather 2(n-1)/n, reduce-scatter 2(n-1))
+
+so the layout's comm equals the per-table sums averaged over the devices when every device
+holds the same number of shards, and exceeds it by the padding otherwise. Every term was
+checked against the compiled train step (collectives from its HLO, memory from the state's
+per-device shards) by experiments/planner_check on 8 simulated devices; none is a fitted
+constant. The step's temporaries (XLA's temp buffers: received bags, gathered rows, per-id
+gradients) are not in the budget; the study reports them beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -58,6 +96,20 @@ from rec.embedding.planner.types import (CW, DP, RW, SPTT, TW, TWRW, TablePlacem
 
 STORAGE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2}
 
+# Sent + received bytes per device of a collective over n devices, per byte of its result
+# on one device (ring algorithms; own share excluded): an all-to-all's result is what a
+# device receives (its own block included), an all-gather's the gathered array, a
+# reduce-scatter's its shard, an all-reduce's the whole array.
+WIRE_FACTOR: dict[str, Callable[[int], float]] = {
+    "all-to-all": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: 2 * (n - 1) / n,
+    "reduce-scatter": lambda n: 2 * (n - 1),
+    "all-reduce": lambda n: 4 * (n - 1) / n,
+}
+
+# The collection's exchange of each kind (rec/embedding/sharding: the module's Exchange.name).
+EXCHANGE = {DP: "dp", TW: "a2a", CW: "a2a", TWRW: "a2a", RW: "rw", SPTT: "sptt"}
+
 
 def storage_bytes(table: TableConfig) -> float:
   """Bytes per element of the table's rows: STORAGE_BYTES, or for quantized rows with a
@@ -65,7 +117,34 @@ def storage_bytes(table: TableConfig) -> float:
   row's share of the cache and counters) over the dim."""
   if table.storage.kind in STORAGE_BYTES:
     return STORAGE_BYTES[table.storage.kind]
-  return storage_spec.make_storage(table.storage).bytes_per_row(table.dim) / table.dim
+  return row_bytes(table, table.dim) / table.dim
+
+
+def row_bytes(table: TableConfig, width: int) -> float:
+  """m(w): bytes of one stored row of `width` columns (a column chunk of a cw table is a row
+  of its own: int formats give it its own scale and bias)."""
+  if table.storage.kind in STORAGE_BYTES:
+    return STORAGE_BYTES[table.storage.kind] * width
+  return _storage(table.storage).bytes_per_row(width)
+
+
+@functools.lru_cache(maxsize=None)
+def _storage(spec: storage_spec.StorageSpec):
+  return storage_spec.make_storage(spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def block_bytes(spec: storage_spec.StorageSpec, rows: int, width: int) -> int:
+  """Bytes of one device's block of `rows` stored rows of `width` columns, as the storage
+  lays it out (a cache rounded up to whole sets): the shapes of its state, not an average."""
+  if spec.kind in STORAGE_BYTES:
+    return STORAGE_BYTES[spec.kind] * rows * width
+  import jax
+  import jax.numpy as jnp
+  st = _storage(spec)
+  shapes = jax.eval_shape(lambda: st.from_float(jnp.zeros((rows, width), jnp.float32), 1))
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(shapes)))
 
 
 OptStateBytes = Callable[[int], int] | int   # bytes per row of a shard of width w, or fixed
@@ -73,22 +152,42 @@ OptStateBytes = Callable[[int], int] | int   # bytes per row of a shard of width
 
 @dataclasses.dataclass(frozen=True)
 class CostParams:
-  """Throughput constants of the cost model (defaults: a generic accelerator)."""
+  """Constants of the cost model (defaults: a generic accelerator) and what the batches and
+  the model send besides (defaults: what the collection and XLA do, module docstring)."""
 
   hbm_bandwidth: float = 1.0e12          # bytes/s of embedding-row gathers and updates
   interconnect_bandwidth: float = 1.0e11  # bytes/s per device, sent + received together
   id_bytes: int = 4                       # int32 ids
   activation_bytes: int = 4               # fp32 pooled sums and their gradients
   backward_factor: float = 2.0            # sparse update reads and writes each touched row
-  dp_unique_rows: bool = True             # dp all-gathers deduplicated rows (False: all ids)
+  # dp all-gathers deduplicated rows (True) or every id slot (False: what dp.py does).
+  dp_unique_rows: bool = False
   # Memory moves whole transactions: a row access costs at least this many bytes, so
   # narrow column chunks are not free (a 16-byte chunk costs what a 64-byte row does).
   min_access_bytes: int = 64
+  weight_bytes: int = 4                   # float32 per-id weight sent with the ids
+  length_bytes: int = 4                   # int32 bag length sent with the ids
+  valid_bytes: int = 1                    # dp's all-gathered valid flag per id slot (pred)
+  id_weights: bool = False                # batches carry per-id weights (e.g. libFM values)
+  ids_per_bag: int | None = None          # L, the batch's padded bag; None: ceil(P)
+  tower_outputs: int | None = None        # sptt: vectors a tower module returns (DMT: K + 1)
 
   def __post_init__(self):
     for f in ("hbm_bandwidth", "interconnect_bandwidth"):
       if not getattr(self, f) > 0:
         raise ValueError(f"CostParams.{f}={getattr(self, f)}, expected > 0")
+    for f in ("ids_per_bag", "tower_outputs"):
+      v = getattr(self, f)
+      if v is not None and v < 1:
+        raise ValueError(f"CostParams.{f}={v}, expected None or >= 1")
+
+  def slots(self, table: TableConfig) -> int:
+    """L: id slots per bag that the exchanges send for `table`."""
+    return self.ids_per_bag or max(1, math.ceil(table.pooling_factor - 1e-9))
+
+  def bag_bytes(self, slots: int, weights: bool = True) -> float:
+    """u (weights=True, the all-to-all's bag) or u_rw (weights=id_weights: rw's)."""
+    return slots * (self.id_bytes + (self.weight_bytes if weights else 0)) + self.length_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +211,32 @@ class DeviceCosts:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayoutGroup:
+  """One buffer of the collection as the cost model sees it (module docstring, layout)."""
+
+  exchange: str                     # "dp" | "a2a" | "rw" | "sptt"
+  storage: str
+  dim: int
+  width: int
+  tables: tuple[str, ...]
+  rows_per_device: int              # every device's block (dp: the whole buffer)
+  slots: int                        # a2a: S; sptt: Fm; dp / rw: the group's tables
+  memory_bytes: int                 # per device: storage block + optimizer state
+  collectives: dict[tuple[str, int], float]   # (collective, devices) -> result bytes/device
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanEstimate:
-  """A plan's costs: per table (its share on each device) and per device (summed)."""
+  """A plan's costs: per table (its own share on each device, as the greedy planner adds
+  them up) and per device (the collection's layout: group buffers and exchanges padded to
+  the fullest device, `layout`, `collectives`)."""
 
   per_table: dict[str, DeviceCosts]
   per_device: DeviceCosts
+  layout: tuple[LayoutGroup, ...] = ()
+  # (collective, devices in its groups) -> result bytes per device, summed over groups:
+  # what core.hlo.collective_bytes reads from the compiled train step.
+  collectives: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
 
   @property
   def max_time_s(self) -> float:
@@ -137,9 +257,15 @@ def _opt_fn(optimizer_state_bytes_per_row: OptStateBytes) -> Callable[[int], int
 
 
 def table_bytes(table: TableConfig, optimizer_state_bytes_per_row: OptStateBytes = 4) -> int:
-  """Bytes of the whole table with its optimizer state: R * (D*s + o(D))."""
+  """Bytes of the whole table with its optimizer state: R * (m(D) + o(D))."""
   o = _opt_fn(optimizer_state_bytes_per_row)
-  return int(table.num_rows * (table.dim * storage_bytes(table) + int(o(table.dim))))
+  return int(table.num_rows * (row_bytes(table, table.dim) + int(o(table.dim))))
+
+
+def wire_bytes(collectives: Mapping[tuple[str, int], float]) -> float:
+  """Sent + received bytes per device of collectives given as (kind, devices) -> result
+  bytes per device (WIRE_FACTOR)."""
+  return float(sum(WIRE_FACTOR[k](n) * v for (k, n), v in collectives.items()))
 
 
 def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: int,
@@ -155,7 +281,10 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   b = B / N
   R, D, P = table.num_rows, table.dim, table.pooling_factor
   s, ib, a = storage_bytes(table), cp.id_bytes, cp.activation_bytes
-  X = lambda w: ib * P + 2 * a * w
+  L = cp.slots(table)
+  u, u_rw = cp.bag_bytes(L), cp.bag_bytes(L, cp.id_weights)
+  X = lambda w: u + 2 * a * w
+  m = lambda w: row_bytes(table, w) + int(o(w))
   # Elements a row access of width w costs, rounded up to the memory transaction size.
   E = lambda w: max(w, cp.min_access_bytes / s)
   devs = placement.devices
@@ -165,40 +294,40 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   fwd, bwd, comm = np.zeros(N), np.zeros(N), np.zeros(N)
   kind = placement.kind
   if kind == DP:
-    U = min(b * P, R) if cp.dp_unique_rows else b * P
-    mem[:] = int(R * (D * s + int(o(D))))
+    U = min(b * L, R) if cp.dp_unique_rows else b * L
+    mem[:] = int(R * m(D))
     fwd[:] = b * P * E(D)
     bwd[:] = min(B * P, R) * E(D)
-    comm[:] = 2 * (N - 1) * U * (a * D + ib)
+    comm[:] = 2 * (N - 1) * U * (a * D + ib + cp.valid_bytes)
   elif kind in (TW, CW):
     widths = (D,) if kind == TW else column_chunk_widths(D, len(devs))
     if kind == TW and len(devs) != 1:
       raise ValueError(f"table {table.name!r}: tw placement needs 1 device, got {devs}")
     for d, w in zip(devs, widths):
-      mem[d] += int(R * (w * s + int(o(w))))
+      mem[d] += int(R * m(w))
       fwd[d] += B * P * E(w)
       bwd[d] += min(B * P, R) * E(w)
-      comm += b * X(w)                      # every other device: send ids, get sums back
+      comm += b * X(w)                      # every other device: send bags, get sums back
       comm[d] += (N - 1) * b * X(w) - b * X(w)
   elif kind in (RW, TWRW, SPTT):
     g = len(devs)
     if kind == RW and sorted(devs) != list(range(N)):
       raise ValueError(f"table {table.name!r}: rw placement needs all {N} devices, got {devs}")
-    if kind == TWRW:
-      comm += g * b * X(D)                  # non-members: ids to and sums from g members
-    if kind == SPTT:
-      comm += b * ib * P                    # every device: its ids to its group counterpart
+    if kind in (TWRW, SPTT):
+      # non-members: bags to the group (twrw: to each of its g members, sptt: to the one
+      # counterpart) and the pooled sums back
+      comm += (g if kind == TWRW else 1) * b * X(D)
     for d, r in zip(devs, row_shard_sizes(R, g)):
-      mem[d] += int(r * (D * s + int(o(D))))
+      mem[d] += int(r * m(D))
       fwd[d] += B * P * E(D) * r / R
       bwd[d] += min(B * P * r / R, r) * E(D)
       if kind == RW:
-        comm[d] = 2 * (N - 1) * b * ib * P + 4 * (N - 1) / N * B * a * D
+        comm[d] = 2 * (N - 1) * b * u_rw + 4 * (N - 1) / N * B * a * D
       elif kind == TWRW:
         comm[d] = (N + g - 2) * b * X(D)
       else:
-        comm[d] += ((N // g - 1) * b * ib * P + 2 * (g - 1) * (B / g) * ib * P
-                    + 4 * (g - 1) / g * B * a * D)
+        comm[d] = ((N // g - 1) * b * X(D) + 2 * (g - 1) * (B / g) * u
+                   + 4 * (g - 1) / g * B * a * D)
   else:
     raise ValueError(f"table {table.name!r}: unknown sharding kind {kind!r}")
   time = s * (fwd + cp.backward_factor * bwd) / cp.hbm_bandwidth
@@ -206,14 +335,96 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   return DeviceCosts(mem, fwd + bwd, comm, time)
 
 
+def _width(table: TableConfig, placement: TablePlacement) -> int:
+  return -(-table.dim // len(placement.devices)) if placement.kind == CW else table.dim
+
+
+def layout(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig], num_devices: int,
+           batch_size: int, cost_params: CostParams | None = None,
+           optimizer_state_bytes_per_row: OptStateBytes = 4) -> tuple[LayoutGroup, ...]:
+  """The collection's groups of `plan` (rec/embedding/collection.py `_build_groups`): each
+  group's per-device buffer and the collectives of its exchange (module docstring)."""
+  cp = cost_params or CostParams()
+  o = _opt_fn(optimizer_state_bytes_per_row)
+  N, B = num_devices, batch_size
+  b, ib, a = B / N, cp.id_bytes, cp.activation_bytes
+  # One padded bag for the whole batch: ids [B, F, L].
+  L = max(cp.slots(t) for t in tables)
+  u, u_rw = cp.bag_bytes(L), cp.bag_bytes(L, cp.id_weights)
+  members: dict[tuple, list[TableConfig]] = {}
+  for t in tables:
+    p = plan[t.name]
+    key = (EXCHANGE[p.kind], t.storage, t.dim, _width(t, p))
+    members.setdefault(key, []).append(t)
+  out = []
+  for (ex, spec, dim, W), ts in members.items():
+    F = len(ts)
+    col: dict[tuple[str, int], float] = {}
+    if ex == "dp":
+      rows, slots = sum(t.num_rows for t in ts), F
+      U = sum(min(b * L, t.num_rows) if cp.dp_unique_rows else b * L for t in ts)
+      if N > 1:
+        col[("all-gather", N)] = N * U * (ib + cp.valid_bytes + a * W)
+    elif ex == "rw":
+      rows, slots = sum(-(-t.num_rows // N) for t in ts), F
+      if N > 1:
+        col[("all-gather", N)] = N * b * F * (u_rw + a * W)
+        col[("reduce-scatter", N)] = b * F * a * W
+    elif ex == "a2a":
+      rows_d, shards_d = np.zeros(N, np.int64), np.zeros(N, np.int64)
+      for t in ts:
+        p = plan[t.name]
+        if p.kind == TWRW:
+          for d, r in zip(p.devices, row_shard_sizes(t.num_rows, len(p.devices))):
+            rows_d[d] += r
+            shards_d[d] += 1
+        else:   # tw, and cw: every chunk holds every row
+          for d in p.devices:
+            rows_d[d] += t.num_rows
+            shards_d[d] += 1
+      rows, slots = max(1, int(rows_d.max())), max(1, int(shards_d.max()))
+      if N > 1:
+        col[("all-to-all", N)] = N * b * slots * (u + 2 * a * W)
+    else:   # sptt: towers on contiguous groups of g devices
+      g = len(plan[ts[0].name].devices)
+      T = N // g
+      towers: dict[int, list[TableConfig]] = {}
+      for t in ts:
+        towers.setdefault(plan[t.name].devices[0] // g, []).append(t)
+      rows = max(1, max(sum(-(-t.num_rows // g) for t in tt) for tt in towers.values()))
+      slots = max(len(tt) for tt in towers.values())
+      K = cp.tower_outputs or slots
+      if T > 1:
+        col[("all-to-all", T)] = T * b * slots * u + 2 * T * b * K * a * W
+      if g > 1:
+        col[("all-gather", g)] = g * T * b * slots * (u + a * W)
+        col[("reduce-scatter", g)] = T * b * slots * a * W
+    mem = block_bytes(spec, rows, W) + rows * int(o(W))
+    out.append(LayoutGroup(ex, str(spec), dim, W, tuple(t.name for t in ts), int(rows),
+                           int(slots), int(mem), col))
+  return tuple(out)
+
+
 def estimate_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig],
                   num_devices: int, batch_size: int, cost_params: CostParams | None = None,
                   optimizer_state_bytes_per_row: OptStateBytes = 4) -> PlanEstimate:
-  """Costs of every table of `plan` and their per-device sums."""
+  """Costs of every table of `plan` (its own share) and per device: memory and
+  communication of the collection's layout (`layout`), lookups summed over tables."""
   validate_plan(plan, tables, num_devices)
-  per_table = {t.name: placement_cost(t, plan[t.name], num_devices, batch_size, cost_params,
+  cp = cost_params or CostParams()
+  per_table = {t.name: placement_cost(t, plan[t.name], num_devices, batch_size, cp,
                                       optimizer_state_bytes_per_row) for t in tables}
   total = DeviceCosts.zeros(num_devices)
   for c in per_table.values():
     total = total + c
-  return PlanEstimate(per_table, total)
+  groups = layout(plan, tables, num_devices, batch_size, cp, optimizer_state_bytes_per_row)
+  collectives: dict[tuple[str, int], float] = {}
+  for grp in groups:
+    for k, v in grp.collectives.items():
+      collectives[k] = collectives.get(k, 0.0) + v
+  comm = np.full(num_devices, wire_bytes(collectives))
+  mem = np.full(num_devices, sum(grp.memory_bytes for grp in groups), np.int64)
+  time = (total.time_s - total.comm_bytes / cp.interconnect_bandwidth
+          + comm / cp.interconnect_bandwidth)
+  per_device = DeviceCosts(mem, total.lookup_elems, comm, time)
+  return PlanEstimate(per_table, per_device, groups, collectives)

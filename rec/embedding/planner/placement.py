@@ -8,15 +8,22 @@ have room; twrw on each group; rw) and the one that fits memory with the smalles
 is kept: the max balances, the mean charges total work so that a placement that leaves the
 max unchanged but spends bandwidth on every device still loses. Ties (relative 1e-9) go
 to the smaller sum of squared device times (the least-loaded devices), then to the kind
-order dp, tw, cw, twrw, rw, then to the lowest device indices. Tiny tables end up dp
-because exchanging their few touched rows is cheaper than any all-to-all. When nothing
-fits, the planner retries with the biggest 1, 2, 4, ... tables (then all) taking their
-least-memory placement first (time breaks ties); if even that fails, `PlanError` names the
-table and the bytes by which its tightest option is over budget.
+order dp, tw, cw, twrw, rw, then to the lowest device indices. dp all-gathers every id
+slot's gradient row (rec/embedding/sharding/dp.py), so it wins only where lookups dominate;
+with `CostParams(dp_unique_rows=True)` (an exchange of deduplicated rows) tiny tables end up
+dp. When nothing fits, the planner retries with the biggest 1, 2, 4, ... tables (then all)
+taking their least-memory placement first (time breaks ties); if even that fails,
+`PlanError` names the table and the bytes by which its tightest option is over budget.
+The greedy is myopic (spreading the first tables column-wise can end slower than one kind
+for all), so without overrides a uniform plan that fits and scores lower on the whole
+layout's estimate is returned instead.
 
 The greedy search enumerates every allowed placement of a table (`_Greedy.candidates`),
 prices it with the cost model (estimate.py) on top of the tables placed so far, and keeps
-the best that fits the per-device budget (the memory reservation).
+the best that fits the per-device budget (the memory reservation). The budget is checked
+against the collection's layout: tables of one exchange, storage, dim and width share a
+buffer that is as long on every device as on its fullest one, so a device holds, per such
+group, the group's largest per-device share (`estimate.layout`).
 """
 
 from __future__ import annotations
@@ -28,9 +35,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from rec.embedding.config import ShardingKind, TableConfig
-from rec.embedding.planner.estimate import (CostParams, DeviceCosts, OptStateBytes, _opt_fn,
-                                            estimate_plan, placement_cost, storage_bytes,
-                                            table_bytes)
+from rec.embedding.planner.estimate import (EXCHANGE, CostParams, DeviceCosts, OptStateBytes,
+                                            _opt_fn, _width, estimate_plan, placement_cost,
+                                            row_bytes, table_bytes)
 from rec.embedding.planner.formats import _fmt_bytes
 from rec.embedding.planner.types import (AUTO_KINDS, CW, DP, KIND_ORDER, RW, SPTT, TW, TWRW,
                                          Plan, PlanError, TablePlacement, _check_group_size,
@@ -48,6 +55,9 @@ class _Candidate:
   cost: DeviceCosts
   mem_after: np.ndarray
   time_after: np.ndarray
+  group: tuple              # the collection's buffer the table joins (exchange, storage, ...)
+  group_after: np.ndarray   # that buffer's bytes per device with the table
+  padded_after: int         # bytes per device of every buffer, each as long as its fullest
 
 
 def _pick_min(items: list, key: Callable[[Any], float]) -> list:
@@ -85,10 +95,16 @@ class _Greedy:
     self.cp, self.opt, self.cw_min_width = cost_params, opt, cw_min_width
     self.mem = np.zeros(num_devices, np.int64)
     self.time = np.zeros(num_devices)
+    self.groups: dict[tuple, np.ndarray] = {}   # buffer -> its tables' bytes per device
 
   def _make(self, table, kind, devices) -> _Candidate:
-    c = placement_cost(table, TablePlacement(kind, devices), self.N, self.B, self.cp, self.opt)
-    return _Candidate(kind, devices, c, self.mem + c.memory_bytes, self.time + c.time_s)
+    p = TablePlacement(kind, devices)
+    c = placement_cost(table, p, self.N, self.B, self.cp, self.opt)
+    key = (EXCHANGE[p.kind], table.storage, table.dim, _width(table, p))
+    after = self.groups.get(key, 0) + c.memory_bytes
+    padded = int(after.max()) + sum(int(v.max()) for k, v in self.groups.items() if k != key)
+    return _Candidate(kind, devices, c, self.mem + c.memory_bytes, self.time + c.time_s, key,
+                      after, padded)
 
   def candidates(self, table: TableConfig, kind: ShardingKind, search: bool) -> list[_Candidate]:
     N = self.N
@@ -101,12 +117,11 @@ class _Greedy:
       return [self._make(table, kind, tuple(range(j * g, (j + 1) * g))) for j in range(N // g)]
     out = []
     o = _opt_fn(self.opt)
-    s = storage_bytes(table)
     order = _device_order(self.time)
     for k in _cw_counts(table.dim, N, self.cw_min_width, search):
       devs: list[int] = []
       for w in column_chunk_widths(table.dim, k):   # widest chunk to the least-loaded device
-        need = table.num_rows * (w * s + int(o(w)))
+        need = table.num_rows * (row_bytes(table, w) + int(o(w)))
         free = [d for d in order if d not in devs]
         fits = [d for d in free if self.mem[d] + need <= self.budget]
         devs.append(fits[0] if fits else min(free, key=lambda d: (self.mem[d], d)))
@@ -118,24 +133,24 @@ class _Greedy:
     cands = [c for k in kinds for c in self.candidates(table, k, search)]
     if len(kinds) > 1:   # a one-chunk cw is tw; keep it only where cw is the only kind
       cands = [c for c in cands if c.kind != CW or len(c.devices) > 1]
-    fit = [c for c in cands if np.all(c.mem_after <= self.budget)]
+    fit = [c for c in cands if c.padded_after <= self.budget]
     if not fit:
       raise self._error(table, cands, why)
     if memory_first:
-      fit = _pick_min(fit, lambda c: float(c.mem_after.max()))
+      fit = _pick_min(fit, lambda c: float(c.padded_after))
     best = _pick_min(fit, lambda c: float(c.time_after.max() + c.time_after.mean()))
     best = _pick_min(best, lambda c: float(np.sum(c.time_after ** 2)))
     c = min(best, key=lambda c: (KIND_ORDER.index(c.kind), c.devices))
     self.mem, self.time = c.mem_after, c.time_after
+    self.groups[c.group] = c.group_after
     return TablePlacement(c.kind, c.devices)
 
   def _error(self, table, cands, why) -> PlanError:
     def over(c):
-      d = int(np.argmax(c.mem_after))
-      return float(c.mem_after[d]) - self.budget, d
+      return float(c.padded_after) - self.budget, int(np.argmax(c.mem_after))
     c = min(cands, key=lambda c: (over(c)[0], KIND_ORDER.index(c.kind), c.devices))
     excess, d = over(c)
-    need, used = int(c.cost.memory_bytes[d]), int(self.mem[d])
+    need, used = int(c.cost.memory_bytes[d]), c.padded_after - int(c.cost.memory_bytes[d])
     o = int(_opt_fn(self.opt)(table.dim))
     tried = ", ".join(dict.fromkeys(k.kind.value for k in cands))
     return PlanError(
@@ -205,8 +220,9 @@ def tower_plan(tables: Sequence[TableConfig], towers: Sequence[Sequence[int]], n
   if memory_budget_bytes is not None:
     est = estimate_plan(out, tables, num_devices, batch_size, cost_params,
                         optimizer_state_bytes_per_row)
-    d = int(np.argmax(est.per_device.memory_bytes))
-    need = int(est.per_device.memory_bytes[d])
+    need = est.max_memory_bytes    # every device's buffer is as long as the fullest tower's
+    own = sum(c.memory_bytes for c in est.per_table.values())
+    d = int(np.argmax(own))
     if need > memory_budget_bytes:
       k = d // g
       raise PlanError(
@@ -232,7 +248,10 @@ def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: i
   for the other tables (default: all five; twrw only when 1 < group_size < N). Tables of at
   most `replicate_below_bytes` (table_bytes) go dp without a search, unless overridden;
   by default the cost model alone decides (it picks dp for tables of a few rows).
-  `batch_size` is the global batch. Raises PlanError when a table fits nowhere.
+  `batch_size` is the global batch. Without overrides or replicate_below_bytes, a uniform
+  plan (`uniform_plan`) of an allowed kind that fits and whose estimate (max + mean device
+  time of the layout) is lower is returned instead of the greedy's. Raises PlanError when a
+  table fits nowhere.
   """
   _check_tables(tables)
   _check_positive(num_devices=num_devices, batch_size=batch_size,
@@ -271,8 +290,30 @@ def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: i
   j = 0
   while True:
     try:
-      return attempt(j)
+      best = attempt(j)
+      break
     except PlanError:
       if j >= len(order):
         raise
       j = min(len(order), max(1, 2 * j))
+  if forced or replicate_below_bytes:
+    return best
+  # The greedy is myopic (spreading the first tables column-wise can cost more than one
+  # kind for all): a uniform plan of an allowed kind that fits and scores lower wins.
+  def score(p: Plan) -> float:
+    t = estimate_plan(p, tables, num_devices, batch_size, cost_params,
+                      optimizer_state_bytes_per_row).per_device.time_s
+    return float(t.max() + t.mean())
+  best_score = score(best)
+  for k in allowed:
+    try:
+      u = uniform_plan(tables, k, num_devices, g, memory_budget_bytes=memory_budget_bytes,
+                       cost_params=cost_params,
+                       optimizer_state_bytes_per_row=optimizer_state_bytes_per_row,
+                       cw_min_width=cw_min_width)
+    except PlanError:
+      continue
+    su = score(u)
+    if su < best_score * (1 - _REL_TOL):
+      best, best_score = u, su
+  return best

@@ -4,7 +4,6 @@ table-wise factors from sensitivities, and the entry point end to end at a toy s
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from experiments.a2a_compression import study
 from rec.embedding import a2a_compression as ac
 from tests import cpu_env
 from tests.experiments.entry import REPO
+from tests import forkserver
 
 
 def test_h100_model_matches_hand_computation():
@@ -47,7 +47,7 @@ def test_table_factors_follow_sensitivity():
 def _run_8(args, timeout=1200):
   """`python -m experiments.a2a_compression *args` on 8 simulated CPU devices."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(8))
-  return subprocess.run([sys.executable, "-m", "experiments.a2a_compression", *args], cwd=REPO,
+  return forkserver.run([sys.executable, "-m", "experiments.a2a_compression", *args], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=timeout)
 
 

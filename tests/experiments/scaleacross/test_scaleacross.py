@@ -4,7 +4,6 @@ model's link terms, a tiny plan computed by hand, bad cluster files, the entry p
 import copy
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from experiments.scaleacross import model, search, study
 from llm import cost
 from llm.config import get_config
 from tests.experiments.entry import REPO, run_entry
+from tests import forkserver
 
 NV = {"gbps": 3600, "latency_us": 10, "efficiency": 0.8}
 NET = {"gbps": 400, "latency_us": 50.75, "efficiency": 0.5686}   # core.hardware's SendRecv fit
@@ -264,7 +264,7 @@ def test_entry_point_bad_file_is_one_error_line(tmp_path):
   d = good()
   del d["levels"][1]["link"]
   path = write(tmp_path, "broken.json", d)
-  out = subprocess.run([sys.executable, "-m", "experiments.scaleacross", f"--cluster={path}",
+  out = forkserver.run([sys.executable, "-m", "experiments.scaleacross", f"--cluster={path}",
                         f"--workdir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 2

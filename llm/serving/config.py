@@ -1,0 +1,60 @@
+"""The serving engine's settings, each defined once (`core.config.setting`), and
+`EngineConfig`, the typed config `experiments.serve` and `experiments.serve_bench` build
+from their flags (`core.config.define_flags(EngineConfig)` / `from_flags`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from core import config
+
+MAX_SLOTS = config.setting(
+    "max_slots", "integer", "Requests the serving engine decodes together: the rows of its "
+    "decode step (a fixed batch width; requests join and leave it at every step).", lower=1)
+BLOCK_SIZE = config.setting(
+    "block_size", "integer", "Token slots per page of the paged KV cache (the Pallas kernel "
+    "takes powers of two >= 16).", lower=1)
+NUM_BLOCKS = config.setting(
+    "num_blocks", "integer", "Pages in the KV cache pool, shared by all requests (default: "
+    "enough for --max_slots requests of --max_model_len tokens, and the padding page).",
+    lower=2, none_ok=True)
+MAX_MODEL_LEN = config.setting(
+    "max_model_len", "integer", "Most tokens (prompt + reply) of one request (default: the "
+    "model's max_seq_len).", lower=1, none_ok=True)
+PREFILL_CHUNK = config.setting(
+    "prefill_chunk", "integer", "Prompt tokens of one request prefilled per engine step "
+    "(chunked prefill, interleaved with the running requests' decode steps).", lower=1)
+PREFILL_ROWS = config.setting(
+    "prefill_rows", "integer", "Requests whose prompt chunks are prefilled together in one "
+    "engine step.", lower=1)
+PAGED_ATTENTION = config.setting(
+    "paged_attention", "enum", "Attention over the KV cache pages: xla (each row's pages "
+    "gathered, then the jnp reference), pallas (the kernel of kernels/paged_attention.py), "
+    "auto (pallas on a GPU, else xla).", choices=("auto", "xla", "pallas"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Shapes and limits of a serving engine (`llm.serving.engine.Engine`). Every jitted
+  shape follows from them: a decode step of [W, 1] tokens, W one of `batch_widths` (default:
+  powers of two up to max_slots, so a lightly loaded engine runs narrow steps) and a prefill
+  step of [prefill_rows, C], C one of `chunk_widths` (default: powers of two from 16 up to
+  prefill_chunk, so a short prompt is not padded to a whole chunk), each with block tables
+  of one of `table_widths` pages (default: powers of two from 4 up to a request's most
+  pages, so short requests gather few)."""
+
+  max_slots: int = MAX_SLOTS.field(8)
+  block_size: int = BLOCK_SIZE.field(16)
+  num_blocks: int | None = NUM_BLOCKS.field(None)
+  max_model_len: int | None = MAX_MODEL_LEN.field(None)
+  prefill_chunk: int = PREFILL_CHUNK.field(64)
+  prefill_rows: int = PREFILL_ROWS.field(1)
+  paged_attention: str = PAGED_ATTENTION.field("auto")
+  # Not flags: decode batch widths, prefill chunk widths and table widths (pages per row) the
+  # steps compile for (empty: powers of two), and whether each sampled token's logits come
+  # back to the host (tests, studies).
+  batch_widths: tuple[int, ...] = ()
+  chunk_widths: tuple[int, ...] = ()
+  table_widths: tuple[int, ...] = ()
+  record_logits: bool = False

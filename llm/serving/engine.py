@@ -1,0 +1,512 @@
+"""A serving engine: continuous batching over a paged KV cache (Orca, OSDI'22; vLLM, arXiv
+2309.06180), with chunked prefill interleaved with decoding (Sarathi, arXiv 2308.16369).
+
+    engine = Engine(model, EngineConfig(max_slots=8), tokenizer)
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, stop=("\\n\\n",)))
+    while engine.has_unfinished():
+      for out in engine.step():            # RequestOutput: new tokens and text, finished?
+        ...
+    engine.generate([prompt, ...], params)   # the same, for a list of prompts at once
+
+Requests join and leave the running batch at every step. A request holds a slot (a row of
+the decode step) and pages of the shared pool (`llm.serving.paged`): its block table grows a
+page at a time and its pages go back to the pool when it finishes. Each step:
+  1. admission: waiting requests take free slots (first come, first served) while the pool
+     has pages for their first chunk;
+  2. every request with one token left to feed (its last sampled token, or a one-token
+     remainder of a prompt) is a decode row, fed in one jitted step [W, 1], W the narrowest
+     of `EngineConfig.batch_widths` that holds them all (rows past them idle);
+     a request short of a page for it preempts the most recently admitted one, whose pages
+     are freed and which later recomputes its prompt and reply (vLLM's recompute);
+  3. up to `prefill_rows` requests still reading their prompt prefill their next
+     `prefill_chunk` tokens in one jitted step [R, C], C the narrowest of
+     `EngineConfig.chunk_widths` that holds them (a short prompt is not padded to a whole
+     chunk); the chunk that ends a prompt samples the first new token;
+  4. each row's token is checked against the request's stop ids, stop strings, max_tokens
+     and the context; finished requests free their slot and pages.
+Both steps have fixed shapes (idle rows write nothing and see nothing), so joining and
+leaving never recompiles; the decode step's batch width, the prefill chunk's width and the
+block tables' width take a few fixed values (`EngineConfig.batch_widths`, `chunk_widths`,
+`table_widths`), compiled once each (`warmup`). Sampling settings are per row (temperature, top_k, top_p,
+a seed): a request's token i draws with key fold_in(key(seed), i), whatever its batch.
+
+Numerics: a step runs the model's own blocks (`llm.model.Block`) with a `PagedLayer` as
+their cache, attending over the rows' gathered pages ("xla") or through the Pallas kernel,
+so greedy outputs equal `llm.generate.generate` run one request at a time, and logits agree
+to float32 rounding (another order of the attention's sums; XLA:CPU also runs products of
+one row and of many through different routines). A row's bits depend on the step's shapes only, not
+on the other rows, so a request gives the same bits alone or among others at the same batch
+width and table width (fix both to compare).
+
+Letters: B (or W) decode rows, R prefill rows, C prefill chunk, M pages per row, V vocab.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llm.generate import filtered_logits
+from llm.serving.config import EngineConfig
+from llm.serving.paged import (NULL_BLOCK, BlockPool, PagedCache, PagedLayer, blocks_for,
+                               choose_paged_impl, commit_pages, flat_slots)
+from llm.serving.text import ReplyText
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """One request's generation settings: greedy at temperature 0; stop_token_ids end the
+  reply with that token (kept in its ids, not in its text), stop strings end it before the
+  string."""
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+
+  def check(self, where: str = "SamplingParams") -> None:
+    if self.max_tokens < 1:
+      raise ValueError(f"{where}: max_tokens={self.max_tokens}; expected >= 1")
+    if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
+      raise ValueError(f"{where}: temperature={self.temperature}, top_k={self.top_k}, "
+                       f"top_p={self.top_p}; expected temperature >= 0, top_k >= 0 and "
+                       "0 < top_p <= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What one step did for one request: the tokens it added (and their text, safe to
+  stream), all of its reply so far, and whether it finished ("stop" | "length" | "abort")."""
+  request_id: str
+  new_token_ids: tuple[int, ...]
+  token_ids: tuple[int, ...]
+  text_delta: str
+  text: str
+  finished: bool
+  finish_reason: str | None
+  prompt_tokens: int
+  logits: tuple[np.ndarray, ...] = ()     # with EngineConfig.record_logits: one per new token
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+  id: str
+  prompt: list[int]
+  params: SamplingParams
+  reply: ReplyText | None
+  arrival: float
+  output: list[int] = dataclasses.field(default_factory=list)
+  blocks: list[int] = dataclasses.field(default_factory=list)
+  num_computed: int = 0           # tokens whose keys and values are in the pages
+  slot: int | None = None
+  finish_reason: str | None = None
+  logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+  preempted: int = 0
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def remaining(self) -> int:
+    """Tokens still to feed before the next sample (1: a decode row)."""
+    return len(self.prompt) + len(self.output) - self.num_computed
+
+
+def _sample_rows(logits_BV, temperature_B, top_k_B, top_p_B, seed_B, counter_B):
+  """Per-row sampling with per-row keys fold_in(key(seed), counter); greedy at temperature 0."""
+  greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  filt = filtered_logits(logits_BV, temperature_B, top_k_B, top_p_B)
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed_B, counter_B)
+  sampled = jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32)
+  return jnp.where(temperature_B > 0, sampled, greedy)
+
+
+def _step(graphdef, state, cache: PagedCache, tokens_BT, start_B, n_valid_B, tables_BM,
+          sampling, *, impl: str, sample: bool, with_logits: bool):
+  """Feeds n_valid_B[b] tokens of each row at positions start_B[b].., and samples one token
+  from each row's last fed token. Returns ((the call's keys and values per layer, their
+  slots), tokens [B], logits [B, V] or None); `commit_pages` writes the keys and values.
+  Rows with n_valid 0 change nothing."""
+  model = nnx.merge(graphdef, state)
+  cfg = model.cfg
+  t = tokens_BT.shape[1]
+  arange_T = jnp.arange(t, dtype=jnp.int32)
+  positions_BT = start_B[:, None] + arange_T
+  valid_BT = arange_T < n_valid_B[:, None]
+  slots_BT = flat_slots(tables_BM, positions_BT, valid_BT, cache.block_size, cache.num_blocks)
+  lengths_B = start_B + n_valid_B
+  x_BTD = model.embed_tokens(tokens_BT)
+  new_k, new_v = [], []
+  for i, block in enumerate(model.layers):
+    layer = PagedLayer(cache.k[i], cache.v[i], tables_BM, lengths_B, slots_BT, impl, cfg.dtype)
+    x_BTD, layer = block(x_BTD, positions_BT, None, kv=layer)
+    new_k.append(layer.new_k)
+    new_v.append(layer.new_v)
+  h_BTD = model.final_norm(x_BTD)
+  last_B = jnp.maximum(n_valid_B - 1, 0)
+  h_B1D = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
+  logits_BV = model.logits(h_B1D)[:, 0]
+  if sample:
+    tok_B = _sample_rows(logits_BV, *sampling)
+  else:
+    tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return (tuple(new_k), tuple(new_v), slots_BT), tok_B, (logits_BV if with_logits else None)
+
+
+# The step reads the pool only; `commit_pages` then writes it in place (llm/serving/paged.py:
+# XLA:CPU copied every pool when one program both read and updated them).
+engine_step = jax.jit(_step, static_argnames=("graphdef", "impl", "sample", "with_logits"))
+
+
+def run_step(graphdef, state, cache, *args, **kw):
+  """One step and its commit: (cache after it, tokens, logits or None)."""
+  (new_k, new_v, slots), tok, logits = engine_step(graphdef, state, cache, *args, **kw)
+  return commit_pages(cache, slots, new_k, new_v), tok, logits
+
+
+def _widths(given: Sequence[int], most: int, first: int, name: str, what: str
+            ) -> tuple[int, ...]:
+  """Sorted widths covering 1..most: `given`, or powers of two from `first` and `most`."""
+  if given:
+    widths = tuple(sorted(set(int(w) for w in given)))
+    if widths[-1] < most or widths[0] < 1:
+      raise ValueError(f"Engine: {name}={list(given)}; expected positive widths, the largest "
+                       f">= {most} ({what})")
+    return widths
+  widths, w = [], first
+  while w < most:
+    widths.append(w)
+    w *= 2
+  return tuple(widths) + (most,)
+
+
+class Engine:
+  """Continuous batching over a paged KV cache (module docstring). Not thread-safe: one
+  thread calls add_request / abort / step (`llm.serving.runner` runs it in one)."""
+
+  def __init__(self, model, config: EngineConfig = EngineConfig(), tokenizer=None):
+    cfg = model.cfg
+    if getattr(cfg, "context_parallel", "none") != "none":
+      raise ValueError(f"Engine: context_parallel={cfg.context_parallel!r}; the engine serves "
+                       "one device (context_parallel='none')")
+    if getattr(cfg, "sliding_window", None):
+      raise ValueError(f"Engine: sliding_window={cfg.sliding_window}; the paged cache keeps "
+                       "every position (no sliding-window attention yet)")
+    self.model, self.cfg, self.config, self.tokenizer = model, cfg, config, tokenizer
+    self.impl = choose_paged_impl(config.paged_attention)
+    if self.impl == "pallas" and (config.block_size < 16 or
+                                  config.block_size & (config.block_size - 1)):
+      raise ValueError(f"Engine: block_size={config.block_size} with the Pallas kernel; "
+                       "expected a power of two >= 16")
+    self.max_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+    if (config.max_model_len or 0) > cfg.max_seq_len:
+      raise ValueError(f"Engine: max_model_len={config.max_model_len} is beyond the model's "
+                       f"max_seq_len={cfg.max_seq_len}")
+    bs = config.block_size
+    self.max_pages = blocks_for(self.max_len, bs)
+    num_blocks = config.num_blocks or config.max_slots * self.max_pages + 1
+    if num_blocks - 1 < self.max_pages:
+      raise ValueError(f"Engine: num_blocks={num_blocks} pages of {bs} slots (one of them "
+                       f"padding) cannot hold one request of max_model_len={self.max_len} "
+                       f"tokens; expected >= {self.max_pages + 1}")
+    self.widths = _widths(config.table_widths, self.max_pages, 4, "table_widths",
+                          "pages of max_model_len")
+    self.batch_widths = _widths(config.batch_widths, config.max_slots, 1, "batch_widths",
+                                "max_slots")
+    self.chunk_widths = _widths(config.chunk_widths, config.prefill_chunk,
+                                min(16, config.prefill_chunk), "chunk_widths", "prefill_chunk")
+    self.pool = BlockPool(num_blocks)
+    self.cache = PagedCache.init(cfg, num_blocks, bs)
+    self.graphdef, self.state = nnx.split(model)
+    self.slots: list[_Request | None] = [None] * config.max_slots
+    self.waiting: collections.deque[_Request] = collections.deque()
+    self.running: list[_Request] = []          # in admission order
+    self.requests: dict[str, _Request] = {}
+    self._ids = itertools.count()
+    self.steps = 0
+    self.preemptions = 0
+    self.finished = 0
+
+  # --- requests
+
+  def check_request(self, prompt: Sequence[int], params: SamplingParams,
+                    where: str = "request") -> None:
+    """The errors add_request raises, before anything is queued (a server answers 400)."""
+    params.check(where)
+    if not prompt:
+      raise ValueError(f"{where}: the prompt is empty; expected at least one token")
+    bad = [t for t in prompt if not 0 <= int(t) < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"{where}: prompt token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+    if len(prompt) + params.max_tokens > self.max_len:
+      raise ValueError(
+          f"{where}: the prompt ({len(prompt)} tokens) plus max_tokens={params.max_tokens} "
+          f"makes {len(prompt) + params.max_tokens} tokens, beyond the engine's context of "
+          f"{self.max_len} (max_model_len); ask for at most "
+          f"{max(self.max_len - len(prompt), 0)} new tokens")
+    bad = [t for t in params.stop_token_ids if not 0 <= int(t) < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"{where}: stop_token_ids {bad} outside [0, {self.cfg.vocab_size})")
+    if params.stop and self.tokenizer is None:
+      raise ValueError(f"{where}: stop strings {list(params.stop)} need a tokenizer; this "
+                       "engine has none (give stop_token_ids)")
+
+  def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+                  request_id: str | None = None) -> str:
+    """Queues a request; returns its id. Raises ValueError naming what is wrong with it."""
+    rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+    if rid in self.requests:
+      raise ValueError(f"add_request: request id {rid!r} is already in use")
+    self.check_request(prompt, params, where=f"request {rid}")
+    reply = (ReplyText(self.tokenizer, params.stop, params.stop_token_ids)
+             if self.tokenizer is not None else None)
+    req = _Request(rid, [int(t) for t in prompt], params, reply, time.perf_counter())
+    self.requests[rid] = req
+    self.waiting.append(req)
+    return rid
+
+  def abort(self, request_id: str) -> RequestOutput | None:
+    """Ends a request now (finish_reason "abort"), freeing its slot and pages."""
+    req = self.requests.get(request_id)
+    if req is None:
+      return None
+    if req in self.waiting:
+      self.waiting.remove(req)
+    req.finish_reason = "abort"
+    self._release(req)
+    return self._output(req, (), "", [])
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self.waiting)
+
+  @property
+  def num_running(self) -> int:
+    return len(self.running)
+
+  # --- scheduling
+
+  def _release(self, req: _Request) -> None:
+    self.pool.free(req.blocks)
+    req.blocks = []
+    if req.slot is not None:
+      self.slots[req.slot] = None
+      req.slot = None
+    if req in self.running:
+      self.running.remove(req)
+    if req.finish_reason is not None and self.requests.pop(req.id, None) is not None:
+      self.finished += 1
+
+  def _preempt(self, req: _Request) -> None:
+    """Frees a running request's slot and pages; it waits at the front of the queue and
+    will recompute its prompt and reply (its sampled tokens are kept)."""
+    self._release(req)
+    req.num_computed = 0
+    req.preempted += 1
+    self.preemptions += 1
+    self.waiting.appendleft(req)
+
+  def _grow(self, req: _Request, n_tokens: int) -> bool:
+    """Pages for req's next n_tokens; False when the pool has too few."""
+    need = blocks_for(req.num_computed + n_tokens, self.config.block_size) - len(req.blocks)
+    if need <= 0:
+      return True
+    got = self.pool.allocate(need)
+    if got is None:
+      return False
+    req.blocks.extend(got)
+    return True
+
+  def _admit(self) -> None:
+    free = [i for i, r in enumerate(self.slots) if r is None]
+    # Keep a page per running request in hand, so admissions do not preempt at once.
+    while free and self.waiting:
+      req = self.waiting[0]
+      first = min(req.remaining, self.config.prefill_chunk)
+      need = blocks_for(first, self.config.block_size)
+      if self.pool.num_free < need + len(self.running):
+        break
+      self.waiting.popleft()
+      req.slot = free.pop(0)
+      self.slots[req.slot] = req
+      self.running.append(req)
+
+  def _schedule(self) -> tuple[list[_Request], list[_Request]]:
+    """(decode rows, prefill rows) of this step, their pages allocated."""
+    self._admit()
+    decode: list[_Request] = []
+    for req in list(self.running):
+      if req not in self.running or req.remaining != 1:
+        continue
+      while not self._grow(req, 1):
+        victim = self.running[-1]
+        self._preempt(victim)
+        if victim is req:
+          break
+        if victim in decode:
+          decode.remove(victim)
+      if req in self.running:
+        decode.append(req)
+    prefill: list[_Request] = []
+    for req in list(self.running):
+      if len(prefill) == self.config.prefill_rows:
+        break
+      if req.remaining <= 1:
+        continue
+      n = min(req.remaining, self.config.prefill_chunk)
+      while not self._grow(req, n):
+        # With decode rows running, pages come back as they finish; otherwise make room.
+        others = [r for r in self.running if r is not req and r not in decode
+                  and r not in prefill]
+        if decode or prefill or not others:
+          break
+        self._preempt(others[-1])
+      else:
+        prefill.append(req)
+    return decode, prefill
+
+  # --- the step
+
+  def _width(self, rows: Sequence[_Request], n_tokens: int) -> int:
+    need = max(blocks_for(r.num_computed + n_tokens, self.config.block_size) for r in rows)
+    return next(w for w in self.widths if w >= need)
+
+  def _run(self, rows: list[_Request | None], n_tokens: int):
+    """Dispatches one jitted step over `rows` (None: idle) feeding up to n_tokens each;
+    returns (device tokens [rows], device logits or None, [(row, n fed)])."""
+    b = len(rows)
+    active = [r for r in rows if r is not None]
+    m = self._width(active, n_tokens)
+    tokens = np.zeros((b, n_tokens), np.int32)
+    start = np.zeros((b,), np.int32)
+    n_valid = np.zeros((b,), np.int32)
+    tables = np.full((b, m), NULL_BLOCK, np.int32)
+    temp = np.zeros((b,), np.float32)
+    top_k = np.zeros((b,), np.int32)
+    top_p = np.ones((b,), np.float32)
+    seed = np.zeros((b,), np.uint32)
+    counter = np.zeros((b,), np.int32)
+    fed = []
+    for i, r in enumerate(rows):
+      if r is None:
+        continue
+      n = min(r.remaining, n_tokens)
+      toks = r.tokens[r.num_computed:r.num_computed + n]
+      tokens[i, :n] = toks
+      start[i], n_valid[i] = r.num_computed, n
+      tables[i, :len(r.blocks)] = r.blocks
+      p = r.params
+      temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+      seed[i], counter[i] = p.seed % 2 ** 32, len(r.output)
+      fed.append((i, r, n))
+    sample = bool(np.any(temp > 0))
+    self.cache, tok, logits = run_step(
+        self.graphdef, self.state, self.cache, tokens, start, n_valid, tables,
+        (temp, top_k, top_p, seed, counter), impl=self.impl, sample=sample,
+        with_logits=self.config.record_logits)
+    return tok, logits, fed
+
+  def step(self) -> list[RequestOutput]:
+    """One engine step (module docstring); returns an output for every request that got a
+    token or finished."""
+    decode, prefill = self._schedule()
+    launched = []
+    if decode:
+      width = next(w for w in self.batch_widths if w >= len(decode))
+      launched.append(self._run(decode + [None] * (width - len(decode)), 1))
+    if prefill:
+      rows = prefill + [None] * (self.config.prefill_rows - len(prefill))
+      n = max(min(r.remaining, self.config.prefill_chunk) for r in prefill)
+      launched.append(self._run(rows, next(c for c in self.chunk_widths if c >= n)))
+    outputs = []
+    for tok, logits, fed in launched:
+      tok = np.asarray(tok)
+      logits = None if logits is None else np.asarray(logits)
+      for i, req, n in fed:
+        req.num_computed += n
+        if req.remaining > 0:          # a prompt chunk that does not end the prompt
+          continue
+        new = int(tok[i])
+        req.output.append(new)
+        row_logits = [] if logits is None else [logits[i]]
+        req.logits.extend(row_logits)
+        outputs.append(self._after_token(req, new, row_logits))
+    self.steps += 1
+    return outputs
+
+  def _after_token(self, req: _Request, new: int, row_logits) -> RequestOutput:
+    p = req.params
+    if new in p.stop_token_ids:
+      req.finish_reason = "stop"
+    elif len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_len:
+      req.finish_reason = "length"
+    delta = ""
+    if req.reply is not None:
+      delta = req.reply.update(req.output, final=req.finish_reason is not None)
+      if req.reply.stopped:
+        req.finish_reason = "stop"
+    if req.finish_reason is not None:
+      self._release(req)
+    return self._output(req, (new,), delta, row_logits)
+
+  def _output(self, req: _Request, new: tuple[int, ...], delta: str, row_logits) -> RequestOutput:
+    return RequestOutput(req.id, new, tuple(req.output), delta,
+                         req.reply.text if req.reply is not None else "",
+                         req.finish_reason is not None, req.finish_reason, len(req.prompt),
+                         tuple(row_logits))
+
+  # --- conveniences
+
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[
+      SamplingParams] = SamplingParams()) -> list[RequestOutput]:
+    """Adds every prompt, steps until all finish; the final output of each, in order (with
+    EngineConfig.record_logits, `logits` holds all of its tokens' logits)."""
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final, logits = {}, {}
+    while self.has_unfinished():
+      for out in self.step():
+        logits.setdefault(out.request_id, []).extend(out.logits)
+        if out.finished:
+          final[out.request_id] = out
+    return [dataclasses.replace(final[i], logits=tuple(logits.get(i, ()))) for i in ids]
+
+  def warmup(self, sample: bool = False, widths: Sequence[int] | None = None) -> int:
+    """Compiles the decode steps (every batch width) and the prefill steps (every chunk
+    width) for every table width (or those given; greedy, and sampled too with `sample`) on
+    idle rows; returns the number of programs."""
+    n = 0
+    r = self.config.prefill_rows
+    for rows, t in [(b, 1) for b in self.batch_widths] + [(r, c) for c in self.chunk_widths]:
+      for m in self.widths if widths is None else widths:
+        for s in ((False, True) if sample else (False,)):
+          z = np.zeros((rows,), np.int32)
+          self.cache, tok, _ = run_step(
+              self.graphdef, self.state, self.cache, np.zeros((rows, t), np.int32), z, z,
+              np.zeros((rows, m), np.int32),
+              (np.zeros((rows,), np.float32), z, np.ones((rows,), np.float32),
+               np.zeros((rows,), np.uint32), z),
+              impl=self.impl, sample=s, with_logits=self.config.record_logits)
+          np.asarray(tok)
+          n += 1
+    return n
+
+  def stats(self) -> dict:
+    return {"running": len(self.running), "waiting": len(self.waiting),
+            "pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
+            "steps": self.steps, "preemptions": self.preemptions,
+            "finished": self.finished}

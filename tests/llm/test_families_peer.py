@@ -1,0 +1,232 @@
+"""Llama, Qwen2 / Qwen2.5 and Mistral against transformers itself (marker `peer`).
+
+experiments/peers/hf_families.py runs in the Python 3.11 peer environment (torch CPU +
+transformers; experiments/peers/README.md) and imports nothing from the project; arrays
+travel as .npz / .json files in tmp_path. Checked:
+  (a) checkpoints transformers writes (`save_pretrained` of random weights: Llama with
+      Llama 3 RoPE scaling, Qwen2 with q / k / v biases tied and untied, Qwen2 with
+      use_sliding_window in every layer, Mistral with a head_dim of its own and a sliding
+      window shorter than the sequences) read by our HF loader: logits of two 24-token
+      rows within 1e-4 of transformers' float32 forward, and greedy ids equal (ragged
+      prompts batched through `llm.generate` against transformers' generate, one prompt at
+      a time, through its own KV cache);
+  (b) our HF export (`llm.weights.save_hf` of each family's random model, and
+      `experiments.export --to=hf` of the transformers-written Mistral) loads in
+      transformers with the same logits and greedy ids; so do our Qwen2 and Llama GGUF
+      files through transformers' GGUF loader (skipped without gguf / accelerate there);
+  (c) `experiments.eval_lm --text` gives transformers' mean token loss on the same file and
+      weights within 1e-4 relative (Qwen2 and Mistral, windows of 16 tokens > the window).
+
+The peer Python: HF_PEER_PYTHON, else bin/python of the peer environment beside the checkout
+(../peer311, the other peer tests' default, or ../peer). Alone:
+  .venv/bin/python -m pytest -q -s -m peer tests/llm/test_families_peer.py
+(-s prints the max logit difference per family).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llm import checkpoints as C
+from llm import generate as G
+from llm import weights as W
+from llm.config import get_config
+from tests.experiments.entry import run_entry
+from tests.llm.test_families import family_weights
+from tests.llm.test_tokenizer import SENTENCES, train_bpe
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "experiments", "peers", "hf_families.py")
+
+
+def _peer_python() -> str:
+  if os.environ.get("HF_PEER_PYTHON"):
+    return os.environ["HF_PEER_PYTHON"]
+  for env in ("peer311", "peer"):
+    path = os.path.join(os.path.dirname(REPO), env, "bin", "python")
+    if os.path.exists(path):
+      return path
+  return os.path.join(os.path.dirname(REPO), "peer311", "bin", "python")
+
+
+PEER = _peer_python()
+pytestmark = [pytest.mark.peer,
+              pytest.mark.skipif(not os.path.exists(PEER),
+                                 reason=f"transformers peer environment absent ({PEER})")]
+
+V = 320          # the test tokenizer has 300 tokens
+_BASE = {"vocab_size": V, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+# transformers-written checkpoints: name -> (family, config kwargs).
+FAMILIES = {
+    "llama_rope_scaled": ("llama", {"rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                                    "rope_parameters": {"rope_type": "llama3",
+                                                        "rope_theta": 500000.0, "factor": 8.0,
+                                                        "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 16}}),
+    "qwen2_untied": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                               "tie_word_embeddings": False}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2_window": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": True,
+                               "max_window_layers": 0, "sliding_window": 5}),
+    "mistral_window": ("mistral", {"head_dim": 32, "sliding_window": 6,
+                                   "rope_parameters": {"rope_type": "default",
+                                                       "rope_theta": 1e6}}),
+}
+# Our random models exported with save_hf: name -> config.
+OURS = {"ours_qwen2": get_config("tiny_qwen2", vocab_size=V),
+        "ours_qwen2_window": get_config("tiny_qwen2", vocab_size=V, sliding_window=5,
+                                        tie_embeddings=False),
+        "ours_mistral": get_config("tiny_mistral", vocab_size=V, sliding_window=6),
+        "ours_llama": get_config("tiny_tied", vocab_size=V)}
+IDS = np.random.default_rng(0).integers(0, 300, (2, 24)).tolist()
+PROMPTS = [[5, 77, 123, 9, 250], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+N_NEW = 16
+SEQ_LEN = 16
+
+
+def run_peer(job: dict, d) -> dict[str, np.ndarray]:
+  job_path, out = os.path.join(d, "job.json"), os.path.join(d, "out.npz")
+  with open(job_path, "w") as f:
+    json.dump(job, f)
+  r = subprocess.run([PEER, SCRIPT, "--job", job_path, "--out", out], capture_output=True,
+                     text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return dict(np.load(out))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+  d = tmp_path_factory.mktemp("families")
+  tokenizer = train_bpe(str(d / "tok"), vocab_size=300)
+  text = str(d / "text.txt")
+  with open(text, "w") as f:
+    f.write(" ".join(SENTENCES * 3))
+  dirs = {name: str(d / name) for name in [*FAMILIES, *OURS]}
+  for name, cfg in OURS.items():
+    W.save_hf(dirs[name], cfg, family_weights(cfg, seed=7))
+  job = {"write": [{"name": n, "family": fam, "config": {**_BASE, **kw}, "dir": dirs[n],
+                    "seed": i, "copy": [tokenizer]}
+                   for i, (n, (fam, kw)) in enumerate(FAMILIES.items())],
+         "read": [{"name": n, "dir": dirs[n]} for n in OURS],
+         "ids": IDS, "prompts": PROMPTS, "new_tokens": N_NEW,
+         "eval": [{"name": n, "dir": dirs[n], "text": text, "seq_len": SEQ_LEN}
+                  for n in ("qwen2_tied", "mistral_window")]}
+  return {"dir": d, "dirs": dirs, "text": text, "peer": run_peer(job, str(d))}
+
+
+@nnx.jit
+def _logits(model, ids):
+  return model(ids)[0]
+
+
+def _ours(spec):
+  cfg, model = C.load_model(spec)
+  with jax.default_matmul_precision("float32"):
+    logits = np.asarray(_logits(model, jnp.asarray(IDS, jnp.int32)))
+    greedy = G.generate(model, PROMPTS, N_NEW)
+  return cfg, model, logits, greedy
+
+
+def _check(name, peer, logits, greedy):
+  diff = float(np.abs(logits - peer[f"{name}.logits"]).max())
+  print(f"\n{name}: max |logit diff| {diff:.2e} (logits up to "
+        f"{np.abs(logits).max():.1f}); greedy ids equal: "
+        f"{all(greedy[i] == peer[f'{name}.greedy_{i}'].tolist() for i in range(len(PROMPTS)))}")
+  assert diff <= 1e-4, (name, diff)
+  for i in range(len(PROMPTS)):
+    assert greedy[i] == peer[f"{name}.greedy_{i}"].tolist(), (name, i)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_transformers_checkpoints_read_by_our_loader(work, name):
+  cfg, model, logits, greedy = _ours(f"hf:{work['dirs'][name]}")
+  fam, kw = FAMILIES[name]
+  assert cfg.qkv_bias == (fam == "qwen2")
+  assert cfg.sliding_window == kw.get("sliding_window")
+  _check(name, work["peer"], logits, greedy)
+  if cfg.sliding_window is not None:
+    # The comparison can fail: the same weights without the window are far off.
+    full = nnx.eval_shape(lambda: type(model)(cfg.replace(sliding_window=None), nnx.Rngs(0)))
+    from llm import model as M
+    M.load_weights(full, M.weights_from_model(model))
+    far = np.abs(np.asarray(_logits(full, jnp.asarray(IDS, jnp.int32)))
+                 - work["peer"][f"{name}.logits"]).max()
+    assert far > 1e-2, far
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_our_export_loads_in_transformers(work, name):
+  cfg, _, logits, greedy = _ours(f"hf:{work['dirs'][name]}")
+  assert cfg == OURS[name].replace(max_seq_len=cfg.max_seq_len)
+  _check(name, work["peer"], logits, greedy)
+
+
+def test_export_entry_point_round_trip_loads_in_transformers(work, tmp_path):
+  """experiments.export reads the transformers-written Mistral through our loader and writes
+  it back (config, window, tokenizer); transformers' greedy ids on it are the original's."""
+  out = str(tmp_path / "exported")
+  _, summary = run_entry("experiments.export", [
+      f"--checkpoint=hf:{work['dirs']['mistral_window']}", "--to=hf", f"--out={out}"])
+  assert summary["to"] == "hf"
+  with open(os.path.join(out, "config.json")) as f:
+    hf = json.load(f)
+  assert (hf["architectures"], hf["sliding_window"], hf["head_dim"]) == (
+      ["MistralForCausalLM"], 6, 32)
+  peer = run_peer({"read": [{"name": "exported", "dir": out}], "ids": IDS,
+                   "prompts": PROMPTS, "new_tokens": N_NEW}, str(tmp_path))
+  orig = work["peer"]
+  np.testing.assert_allclose(peer["exported.logits"], orig["mistral_window.logits"],
+                             rtol=0, atol=1e-5)
+  for i in range(len(PROMPTS)):
+    assert peer[f"exported.greedy_{i}"].tolist() == orig[f"mistral_window.greedy_{i}"].tolist()
+
+
+def test_our_gguf_export_loads_in_transformers(tmp_path):
+  """`llm.gguf.save_gguf` of a Qwen2 (arch qwen2: biases, q / k rows as they are) and of a
+  Llama (arch llama: q / k rows permuted as llama.cpp's converter does), read by
+  transformers' own GGUF loader: the logits and greedy ids of our model. (transformers'
+  GGUF loader ignores rope_freqs.weight, so the Llama here has no RoPE scaling; it ignores
+  attention.sliding_window too, as llama.cpp does for these architectures.)"""
+  r = subprocess.run([PEER, "-c", "import gguf, accelerate"], capture_output=True, text=True)
+  if r.returncode:
+    pytest.skip(f"{PEER} lacks gguf / accelerate (transformers' GGUF loader needs both)")
+  from llm import gguf as GG
+  cfgs = {"gguf_qwen2": get_config("tiny_qwen2", vocab_size=V,
+                                   norm_eps=float(np.float32(1e-6))),
+          "gguf_llama": get_config("tiny", vocab_size=V, norm_eps=float(np.float32(1e-5)))}
+  ours, files = {}, []
+  for name, cfg in cfgs.items():
+    w = family_weights(cfg, seed=11)
+    path = str(tmp_path / f"{name}.gguf")
+    GG.save_gguf(path, cfg, w, "F32")
+    files.append({"name": name, "file": path})
+    ours[name] = _ours(f"gguf:{path}")
+  peer = run_peer({"gguf": files, "ids": IDS, "prompts": PROMPTS, "new_tokens": N_NEW},
+                  str(tmp_path))
+  for name, (cfg, _, logits, greedy) in ours.items():
+    assert cfg.qkv_bias == (name == "gguf_qwen2")
+    _check(name, peer, logits, greedy)
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "mistral_window"])
+def test_eval_lm_loss_equals_transformers(work, name):
+  _, summary = run_entry("experiments.eval_lm", [
+      f"--checkpoint=hf:{work['dirs'][name]}", f"--text={work['text']}",
+      f"--seq_len={SEQ_LEN}", "--batch_size=4",
+      f"--workdir={os.path.join(work['dir'], 'eval_' + name)}"])
+  peer_loss = float(work["peer"][f"{name}.loss"])
+  rel = abs(summary["loss"] - peer_loss) / peer_loss
+  print(f"\n{name}: eval_lm loss {summary['loss']:.6f}, transformers {peer_loss:.6f} "
+        f"(rel {rel:.1e}) over {summary['num_tokens']} tokens")
+  assert summary["num_tokens"] == int(work["peer"][f"{name}.tokens"])
+  assert rel <= 1e-4, (summary["loss"], peer_loss)
