@@ -522,17 +522,16 @@ def test_bench_runs_every_format_and_isolates_failures(monkeypatch):
   """The GPU benchmark's own logic on CPU at a toy size (kernels interpreted, the GPU
   check and the copy timing stubbed): every format and sweep config gives a row, and an
   implementation that raises is reported while the others still run."""
-  from experiments import bench_kernels_embedding as bench
+  from experiments.benchmarks import embedding_bag as bench
   from kernels import triton_int8_pool
-  monkeypatch.setattr(bench, "_require_gpu", lambda what: None)
-  monkeypatch.setattr(bench, "device_copy_bandwidth", lambda: 1e9)
+  monkeypatch.setattr(bench, "require_gpu", lambda what: None)
   monkeypatch.setattr(triton_int8_pool, "available", lambda: True)
 
   def broken(*args):
     raise RuntimeError("triton failed to compile\nsecond line")
   monkeypatch.setattr(triton_int8_pool, "int8_pool", broken)
   out = bench.bench_embedding_bag(num_rows=40, dim=8, batch=4, features=2, bag_len=3,
-                                  repeats=1, sweep=True)
+                                  repeats=1, sweep=True, copy_bytes_per_s=1e9)
   rows = {(r["dtype"], r["impl"]): r for r in out["results"]}
   for fmt in bench.FORMATS:
     assert rows[(fmt, "pallas")]["of_copy"] > 0 and rows[(fmt, "xla")]["of_copy"] > 0

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core import cli
 from llm import generate as G
 from llm import gguf as GG
 from llm import model as M
@@ -26,6 +25,7 @@ from llm import weights as W
 from llm.config import LlamaConfig, family, get_config
 from llm.speculative import DraftHead, TreeShape, speculative_generate
 from tests.llm.test_model import meta_rope_freqs, random_weights
+from tests.llm.test_reader_errors import _line
 
 QWEN2 = get_config("tiny_qwen2", vocab_size=32)        # biases, tied, RoPE base 1e6
 MISTRAL = get_config("tiny_mistral", vocab_size=32)    # window 8, untied
@@ -329,15 +329,6 @@ def test_configs_in_published_layouts():
 
 
 # --- one-line refusals
-
-def _line(fn) -> str:
-  with pytest.raises(Exception) as info:
-    fn()
-  assert cli.is_user_error(info.value), repr(info.value)
-  line = cli.error_line(info.value)
-  assert "\n" not in line
-  return line
-
 
 def test_refusals_are_one_line(tmp_path):
   assert _line(lambda: W.config_from_hf({**_QWEN25, "model_type": "gemma2",
