@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -81,15 +81,18 @@ class MetricWriter:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step)
 
-  def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
+  def write(self, step: int, split: str, scalars: dict[str, Any]) -> None:
+    """One record: numbers as floats (JSONL and TensorBoard); a dict or list value (a
+    breakdown such as NE by slice) goes to the JSONL record only."""
     if self._f is None:
       return
-    rec = {"step": step, "split": split, **{k: float(v) for k, v in scalars.items()}}
+    nums = {k: float(v) for k, v in scalars.items() if not isinstance(v, (dict, list))}
+    rec = {"step": step, "split": split, **{k: nums.get(k, v) for k, v in scalars.items()}}
     self._f.write(json.dumps(rec) + "\n")
     self._f.flush()
     if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(f"{split}/{k}", float(v), step)
+      for k, v in nums.items():
+        self._tb.add_scalar(f"{split}/{k}", v, step)
 
   def close(self) -> None:
     if self._f is not None:

@@ -4,6 +4,8 @@ r"""DLRM training throughput (examples/s), side by side with TorchRec + FBGEMM o
   python -m experiments.bench_dlrm --peer_python=$PEER_PYTHON       # + TorchRec, interleaved
   python -m experiments.bench_dlrm --model=dcnv2 --preset=mlperf --rows=100000 --batch_size=256
   python -m experiments.bench_dlrm --model=dcnv2 --preset=mlperf --show_plan   # plans only
+  python -m experiments.bench_dlrm --model=dcnv2 --preset=mlperf --show_plan \
+      --plan_storage=fp32 --host_memory_gb=256       # fp32 tables through the host tier
 
 --model=dcnv2 --preset=mlperf times the MLPerf Training DLRM-DCNv2 model
 (`rec.models.dcnv2.DCNv2Config.mlperf`) on synthetic data of its shapes: the reference's
@@ -18,6 +20,11 @@ the Pallas kernel, but the XLA path gathers them. --show_plan prints the planner
 at the full reference rows for 1 and 8 devices of 80 GB (70 GiB each for the tables, or
 --memory_budget_gb), without building anything; a timed run's planner budget is
 --memory_budget_gb, by default the device's memory (rec.configs.plan_budget).
+--plan_storage gives every table of those plans one storage (default: the preset's) and
+--host_memory_gb (GiB per device; default 256, a DGX H100's 2 TB over its 8 GPUs; 0: none) the host
+memory of the host tier, where the planner moves the tables the devices cannot hold
+(rec/embedding/host_tier.py): per table its storage, tier, device and host bytes, then the
+totals. A plan that fits neither is one `error:` line naming the table and the bytes.
 
 The Criteo Kaggle architecture (arXiv 1906.00091): 26 tables of 100,000 rows, dim 16,
 bottom 13-512-256-64-16, dot interaction, top 512-256-1; batch 2048; Zipf(1.05) one-hot
@@ -40,6 +47,7 @@ from absl import app, flags
 
 from core import cli
 from core import config
+from core import errors
 from core import results as results_lib
 from core import settings
 from experiments.benchmarks import rec as rec_bench
@@ -49,9 +57,14 @@ FLAGS = flags.FLAGS
 # --show_plan without --memory_budget_gb: what an 80 GB H100 of the MLPerf reference leaves
 # the tables (the plans are for 1 and 8 of its GPUs, not for this machine).
 MLPERF_GPU_GB = 70.0
+MLPERF_HOST_GB = 256.0   # a DGX H100's 2 TB of host memory over its 8 GPUs
+
 
 SHOW_PLAN = config.setting("show_plan", "bool", "Print the MLPerf preset's plans for 1 and 8 "
                            "devices, exit.")
+PLAN_STORAGE = config.setting(
+    "plan_storage", "string", "--show_plan: every table's storage (a --storage name, e.g. "
+    "fp32), or 'preset' (bf16 big tables).")
 
 
 def define_flags() -> None:
@@ -62,10 +75,10 @@ def define_flags() -> None:
       None, settings.BATCH_SIZE, settings.MESH, configs.MODEL, settings.PRESET,
       configs.MEMORY_BUDGET_GB, configs.SHARDING, rec_settings.ROWS, settings.STEPS,
       settings.REPEATS, settings.ROUNDS, settings.THREADS, settings.PEER_PYTHON,
-      settings.WORKDIR, SHOW_PLAN,
+      settings.WORKDIR, SHOW_PLAN, PLAN_STORAGE, configs.HOST_MEMORY_GB,
       batch_size=2048, mesh="-1", model="dlrm", preset="kaggle", memory_budget_gb=None,
       sharding="tw", rows=100_000, steps=30, repeats=3, rounds=3, threads=2, peer_python="",
-      workdir="runs/bench_dlrm", show_plan=False)
+      workdir="runs/bench_dlrm", show_plan=False, plan_storage="preset", host_memory_gb=None)
 
 
 def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: int, threads: int):
@@ -87,9 +100,26 @@ def main(argv):
     if not rec_bench.is_mlperf(FLAGS.model, FLAGS.preset):
       raise app.UsageError("--show_plan is for --model=dcnv2 --preset=mlperf")
     from rec import mlperf
+    from rec.embedding import planner
+    from rec.embedding.storage_spec import StorageSpec
     budget = MLPERF_GPU_GB if FLAGS.memory_budget_gb is None else FLAGS.memory_budget_gb
-    for n, text in mlperf.plans(memory_budget_gb=budget).items():
-      print(f"\n== MLPerf DCNv2 tables on {n} device(s), {budget:g} GiB each ==")
+    host = MLPERF_HOST_GB if FLAGS.host_memory_gb is None else FLAGS.host_memory_gb
+    storage = None
+    if FLAGS.plan_storage != "preset":
+      try:
+        storage = StorageSpec.parse(FLAGS.plan_storage, "--plan_storage")
+      except ValueError as e:
+        raise errors.UserError(str(e)) from None
+    try:
+      texts = mlperf.plans(
+          memory_budget_gb=budget, storage=storage, host_memory_gb=host or None,
+          budget_source="--memory_budget_gb" if FLAGS.memory_budget_gb else "an 80 GB H100",
+          host_source="--host_memory_gb" if FLAGS.host_memory_gb else "a DGX H100's 2 TB / 8")
+    except planner.PlanError as e:
+      raise errors.UserError(f"--show_plan: {e}") from None
+    for n, text in texts.items():
+      print(f"\n== MLPerf DCNv2 tables on {n} device(s), {budget:g} GiB each, host tier "
+            f"{host:g} GiB each ==")
       print(text)
     return
   if rec_bench.is_mlperf(FLAGS.model, FLAGS.preset) and FLAGS.peer_python:

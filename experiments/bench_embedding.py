@@ -17,14 +17,12 @@ medians per R, P and path.
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -165,7 +163,8 @@ def main(argv):
   from core import benchmark
   rows = [int(float(r)) for r in FLAGS.rows]
   pooling = [int(p) for p in FLAGS.pooling]
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  report = Report(FLAGS.workdir)
+  report.path()
   print(f"embedding step: dim {FLAGS.dim}, batch {FLAGS.batch_size}, Zipf({FLAGS.zipf_alpha}), "
         f"{FLAGS.steps} (sparse) / {FLAGS.naive_steps} (naive) steps x {FLAGS.repeats} repeats",
         flush=True)
@@ -184,10 +183,9 @@ def main(argv):
   out = {"config": {"rows": rows, "pooling": pooling, "dim": FLAGS.dim, "batch_size": FLAGS.batch_size,
                     "steps": FLAGS.steps, "naive_steps": FLAGS.naive_steps, "repeats": FLAGS.repeats, "zipf_alpha": FLAGS.zipf_alpha},
          "machine": benchmark.machine(), "results": results, "summary": summary}
-  results_lib.write_results(FLAGS.workdir, out)
-  plot(results, os.path.join(FLAGS.workdir, "bench_embedding.png"))
   medians = {f"R{r['rows']}_P{r['pooling']}_{r['path']}": round(r["median_ms"], 3) for r in results}
-  results_lib.print_summary({"median_ms": medians, "summary": summary})
+  report.finish(out, {"median_ms": medians, "summary": summary},
+                plots=[(plot, (results,), "bench_embedding.png")])
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from core import results as results_lib  # noqa: E402
 from core import settings  # noqa: E402
 from experiments.benchmarks import attention  # noqa: E402
 from experiments.benchmarks import embedding_bag  # noqa: E402
+from experiments.common.report import Report  # noqa: E402
 from llm import settings as lm_settings  # noqa: E402,F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
@@ -217,7 +218,8 @@ def main(argv):
   unknown = [k for k in FLAGS.kernels if k not in FAMILIES]
   if unknown:
     raise app.UsageError(f"--kernels: {unknown} unknown, expected some of {sorted(FAMILIES)}")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  report = Report(FLAGS.workdir)
+  report.path()
   cfg = bench_config()
   out = {"machine": benchmark.machine(), "flags": {
       k: getattr(cfg, k) for k in ("kernels", "seq_lens", "tokens", "heads", "kv_heads",
@@ -228,10 +230,9 @@ def main(argv):
     checks = {name: FAMILIES[name].check() for name in FLAGS.kernels}
     out["checks"] = checks
     ok = all(r["ok"] for c in checks.values() for r in c.values())
-    results_lib.write_results(FLAGS.workdir, out)
-    results_lib.print_summary({"interpret_check": "ok" if ok else "failed",
-                               "rel_err": {n: {d: r["rel_err"] for d, r in c.items()}
-                                           for n, c in checks.items()}})
+    report.finish(out, {"interpret_check": "ok" if ok else "failed",
+                        "rel_err": {n: {d: r["rel_err"] for d, r in c.items()}
+                                    for n, c in checks.items()}})
     sys.exit(0 if ok else 1)
 
   if jax.default_backend() != "gpu":
@@ -259,7 +260,7 @@ def main(argv):
     else:
       FAMILIES[name].table(results[name])
   out["results"] = results
-  results_lib.finish(FLAGS.workdir, out, summary)
+  report.finish(out, summary)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Letters: B batch, F features (tables), L ids per bag, R rows per table, D dim.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import flags
@@ -39,6 +38,7 @@ from core import cli
 from core import config
 from core import settings
 from experiments.benchmarks import embedding_bag as eb_bench
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -68,6 +68,7 @@ def main(argv):
   cli.quiet_library_logs()
   from core import benchmark
   from core import results as results_lib
+  report = Report(FLAGS.workdir)
   try:
     out = eb_bench.bench_embedding_bag(
         FLAGS.rows, FLAGS.dim, FLAGS.batch, FLAGS.features, FLAGS.bag_len, tuple(FLAGS.dtypes),
@@ -77,9 +78,8 @@ def main(argv):
     print(str(e), file=sys.stderr)
     results_lib.print_summary({"refused": str(e)})
     sys.exit(2)
-  print(eb_bench.format_table(out))
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  results_lib.finish(FLAGS.workdir, {**out, "machine": benchmark.machine()}, eb_bench.summary(out))
+  report.table(eb_bench.format_table(out))
+  report.finish({**out, "machine": benchmark.machine()}, eb_bench.summary(out))
 
 
 if __name__ == "__main__":

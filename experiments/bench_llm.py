@@ -7,6 +7,8 @@ and decode time against the memory-bandwidth floor.
       --prompt_len=1024 --new_tokens=64                                 # a GPU: ms/token vs floor
   python -m experiments.bench_llm --checkpoint=gguf:$GGUF --peer_python=$PEER/bin/python \
       --new_tokens=64                             # a real model (SmolLM2-135M) beside transformers
+  python -m experiments.bench_llm --checkpoint=gguf:$GGUF --peer_python=$PEER/bin/python \
+      --peers=transformers,llama_cpp --new_tokens=64      # and beside llama.cpp on the same file
 
 A ~100M-parameter config (`llama_100m`: dim 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
 vocab 32000) with random weights, fp32; or a real checkpoint (--checkpoint=llama2c: | hf: |
@@ -21,6 +23,15 @@ into `transformers.LlamaForCausalLM`. Timed per round, ours then the peer
   decode:  greedy steps with the KV cache, (new_tokens - 1) model calls.
 Both run greedy, so the generated ids must agree (a cross-check of the model and the
 loader against an independent implementation); the script reports how many rows match.
+--peers=llama_cpp (or transformers,llama_cpp): llama.cpp (llama-cpp-python,
+`experiments/peers/llama_cpp_gguf.py`, --threads threads, KV cache float16 as llama.cpp's
+default) runs the --checkpoint=gguf: file itself, in its own storage type (SmolLM2's Q4_1:
+llama.cpp's quantized kernels, while ours computes with the dequantized float32 weights unless
+--weights says otherwise; export the checkpoint with `experiments.export --gguf_type=F32` for
+the same weights on both sides), batch 1 only (its Python API decodes one sequence); it is
+timed in the same rounds, and its greedy ids compared like transformers'. On a machine shared
+with other jobs set OMP_WAIT_POLICY=PASSIVE (the peer inherits it): llama.cpp's OpenMP threads
+otherwise spin while they wait, which under load made its decode steps ~70x slower here.
 
 --weights=int8 | int4 | gguf quantizes our model's weights only (the peer keeps float
 weights). --dtype=bfloat16 stores weights and computes in bf16, KV cache included (the peer still
@@ -45,10 +56,11 @@ from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
+from core import errors
 from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.benchmarks.decode import decode_bytes_per_step  # noqa: F401
 from experiments.benchmarks.decode import time_decode as time_ours
+from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
@@ -56,6 +68,12 @@ FLAGS = flags.FLAGS
 
 COPY_MB = config.setting(
     "copy_mb", "integer", "Size of the copy that measures memory bandwidth (MiB).", lower=1)
+PEERS = config.setting(
+    "peers", "list", "With --peer_python: the peers timed beside ours, transformers and / or "
+    "llama_cpp (llama.cpp runs the --checkpoint=gguf: file itself; batch 1).")
+# peer name -> (script under experiments/peers/, the name its table row shows)
+PEER_SCRIPTS = {"transformers": ("hf_llama.py", "transformers"),
+                "llama_cpp": ("llama_cpp_gguf.py", "llama.cpp")}
 
 
 def define_flags() -> None:
@@ -64,7 +82,7 @@ def define_flags() -> None:
   config.define_flags(
       None, "preset", "checkpoint", "prompt", "batch", "prompt_len", "new_tokens", "repeats",
       "rounds", "threads", "peer_python", "workdir", "seed", "dtype", "weights", COPY_MB,
-      preset="llama_100m", checkpoint=None,
+      PEERS, peers=("transformers",), preset="llama_100m", checkpoint=None,
       prompt="Once upon a time, there was a little robot who", batch=1, prompt_len=128,
       new_tokens=32, repeats=3, rounds=2, threads=2, peer_python="", workdir="runs/bench_llm",
       seed=0, dtype="float32", weights="float32", copy_mb=1024)
@@ -87,8 +105,20 @@ def main(argv):
   from llm import weights as weights_lib
   from llm.config import get_config
 
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  hf_dir = os.path.join(FLAGS.workdir, "hf_model")
+  peers = tuple(FLAGS.peers) if FLAGS.peer_python else ()
+  for who in peers:
+    if who not in PEER_SCRIPTS:
+      raise errors.expected(f"--peers={','.join(FLAGS.peers)}", f"{who!r}",
+                            f"peers among {', '.join(PEER_SCRIPTS)}")
+  if "llama_cpp" in peers:
+    if not (FLAGS.checkpoint or "").startswith("gguf:"):
+      raise errors.expected("--peers=llama_cpp", f"--checkpoint={FLAGS.checkpoint}",
+                            "--checkpoint=gguf:FILE (llama.cpp runs a GGUF file)")
+    if FLAGS.batch != 1:
+      raise errors.expected("--peers=llama_cpp", f"--batch={FLAGS.batch}",
+                            "--batch=1 (llama.cpp's Python API decodes one sequence)")
+  report = Report(FLAGS.workdir)
+  hf_dir = report.path("hf_model")   # the workdir made
   rng = np.random.default_rng(FLAGS.seed)
   tok, peer_model = None, None
   if FLAGS.checkpoint:
@@ -104,7 +134,7 @@ def main(argv):
     cfg = get_config(FLAGS.preset)
     weights = model_lib.weights_from_model(model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
     name = FLAGS.preset
-  if peer_model is None and (FLAGS.peer_python or not FLAGS.checkpoint):
+  if peer_model is None and ("transformers" in peers or not FLAGS.checkpoint):
     weights_lib.save_hf(hf_dir, cfg, weights)
     peer_model = ["--model_dir", hf_dir]
   # bf16: the same weights, stored and computed in bf16 (load_weights casts to each param's
@@ -135,86 +165,102 @@ def main(argv):
         f"prompt {prompt_len} | {FLAGS.new_tokens} new tokens | {FLAGS.dtype} | weights "
         f"{FLAGS.weights}", flush=True)
 
+  peer_args = {"transformers": peer_model,
+               "llama_cpp": ["bench", "--gguf_file", path] if FLAGS.checkpoint else None}
   ours = {"prefill": [], "decode": []}
-  peer = {"prefill": [], "decode": []}
-  ours_ids = peer_ids = None
-  peer_impl = None
+  times = {p: {"prefill": [], "decode": []} for p in peers}
+  ours_ids, ids, impls = None, {}, {}
   for r in range(FLAGS.rounds):
     p, d, ours_ids = time_ours(model, prompts, FLAGS.new_tokens, FLAGS.repeats)
     ours["prefill"] += p
     ours["decode"] += d
     print(f"round {r}: ours prefill {np.median(p) * 1e3:.1f} ms, decode "
           f"{np.median(d) * 1e3 / (FLAGS.new_tokens - 1):.2f} ms/step", flush=True)
-    if FLAGS.peer_python:
+    for who in peers:
+      script = os.path.join(os.path.dirname(__file__), "peers", PEER_SCRIPTS[who][0])
       out = subprocess.run(
-          [FLAGS.peer_python, os.path.join(os.path.dirname(__file__), "peers", "hf_llama.py"),
-           *peer_model, "--prompt_ids_file", prompts_file, "--new_tokens",
-           str(FLAGS.new_tokens), "--repeats", str(FLAGS.repeats), "--threads", str(FLAGS.threads)],
-          capture_output=True, text=True)
+          [FLAGS.peer_python, script, *peer_args[who], "--prompt_ids_file", prompts_file,
+           "--new_tokens", str(FLAGS.new_tokens), "--repeats", str(FLAGS.repeats),
+           "--threads", str(FLAGS.threads)], capture_output=True, text=True)
       if out.returncode != 0:
-        raise RuntimeError(f"peer failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"peer {who} failed:\n{out.stderr[-3000:]}")
       res = json.loads(out.stdout.strip().splitlines()[-1])
-      peer["prefill"] += res["prefill_repeats_s"]
-      peer["decode"] += res["decode_repeats_s"]
-      peer_ids, peer_impl = res["generated_ids"], res["impl"]
-      print(f"round {r}: peer prefill {res['prefill_s'] * 1e3:.1f} ms, decode "
-            f"{res['decode_ms_per_step']:.2f} ms/step", flush=True)
+      times[who]["prefill"] += res["prefill_repeats_s"]
+      times[who]["decode"] += res["decode_repeats_s"]
+      ids[who], impls[who] = res["generated_ids"], res["impl"]
+      print(f"round {r}: {PEER_SCRIPTS[who][1]} prefill {res['prefill_s'] * 1e3:.1f} ms, "
+            f"decode {res['decode_ms_per_step']:.2f} ms/step", flush=True)
 
   n_pre = FLAGS.batch * prompt_len
   n_dec = FLAGS.batch * (FLAGS.new_tokens - 1)
 
   def rates(t):
-    if not t["prefill"]:
-      return None
     p, d = benchmark.median(t["prefill"]), benchmark.median(t["decode"])
     return {"prefill_tokens_per_s": n_pre / p, "decode_tokens_per_s": n_dec / d,
             "prefill_ms": p * 1e3, "decode_ms_per_step": d * 1e3 / (FLAGS.new_tokens - 1)}
 
-  o, q = rates(ours), rates(peer)
+  o = rates(ours)
   bandwidth = copy_bandwidth(FLAGS.copy_mb)
   kv_tokens = prompt_len + (FLAGS.new_tokens - 1) / 2       # filled, mean over steps
   w_bytes, kv_bytes = decode_bytes_per_step(model, FLAGS.batch, kv_tokens)
   floor_ms = (w_bytes + kv_bytes) / bandwidth * 1e3
   o["decode_floor_ms"] = floor_ms
   o["decode_over_floor"] = o["decode_ms_per_step"] / floor_ms
+  compared = {}
+  for who in peers:
+    q = rates(times[who])
+    compared[who] = {**q, "impl": impls[who],
+                     "prefill_speedup": o["prefill_tokens_per_s"] / q["prefill_tokens_per_s"],
+                     "decode_speedup": o["decode_tokens_per_s"] / q["decode_tokens_per_s"],
+                     "rows_with_identical_ids": sum(a == b for a, b in zip(ours_ids, ids[who])),
+                     "first_divergence": [
+                         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                         for a, b in zip(ours_ids, ids[who])]}
   summary = {"preset": None if FLAGS.checkpoint else FLAGS.preset,
              "checkpoint": FLAGS.checkpoint, "params": cfg.num_params(), "batch": FLAGS.batch,
              "prompt_len": prompt_len, "new_tokens": FLAGS.new_tokens,
-             "dtype": FLAGS.dtype, "weights": FLAGS.weights, "ours": o, "peer": q, "peer_impl": peer_impl,
+             "dtype": FLAGS.dtype, "weights": FLAGS.weights, "ours": o, "peers": compared,
              "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_step": w_bytes,
              "kv_bytes_per_step": kv_bytes, "device": jax.devices()[0].device_kind}
-  if q:
-    summary["prefill_speedup"] = o["prefill_tokens_per_s"] / q["prefill_tokens_per_s"]
-    summary["decode_speedup"] = o["decode_tokens_per_s"] / q["decode_tokens_per_s"]
-    summary["rows_with_identical_ids"] = sum(a == b for a, b in zip(ours_ids, peer_ids))
-    summary["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                   for a, b in zip(ours_ids, peer_ids)]
-  print(f"\n{'':12s}{'prefill tok/s':>16s}{'decode tok/s':>16s}{'decode ms/step':>16s}")
-  for who, r in (("ours (JAX)", o), ("transformers", q)):
-    if r:
-      print(f"{who:12s}{r['prefill_tokens_per_s']:16,.0f}{r['decode_tokens_per_s']:16,.1f}"
-            f"{r['decode_ms_per_step']:16.2f}")
+  # The first peer's numbers also under the keys a single-peer run has always written.
+  first = compared[peers[0]] if peers else None
+  summary["peer"] = first and {k: first[k] for k in ("prefill_tokens_per_s",
+                                                     "decode_tokens_per_s", "prefill_ms",
+                                                     "decode_ms_per_step")}
+  summary["peer_impl"] = first and first["impl"]
+  if first:
+    summary.update({k: first[k] for k in ("prefill_speedup", "decode_speedup",
+                                          "rows_with_identical_ids", "first_divergence")})
+  print(f"\n{'':14s}{'prefill tok/s':>16s}{'decode tok/s':>16s}{'decode ms/step':>16s}")
+  for who, r in (("ours (JAX)", o), *((PEER_SCRIPTS[w][1], compared[w]) for w in peers)):
+    print(f"{who:14s}{r['prefill_tokens_per_s']:16,.0f}{r['decode_tokens_per_s']:16,.1f}"
+          f"{r['decode_ms_per_step']:16.2f}")
   print(f"decode floor: ({w_bytes / 1e6:,.1f} MB weights + {kv_bytes / 1e6:,.1f} MB KV cache) / "
         f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth = {floor_ms:.3f} ms per step; ours "
         f"{o['decode_ms_per_step']:.3f} ms = {o['decode_over_floor']:.2f}x the floor "
         f"({summary['device']})")
-  if q:
-    print(f"ratio ours/peer: prefill {summary['prefill_speedup']:.2f}x, decode "
-          f"{summary['decode_speedup']:.2f}x; greedy ids identical in "
-          f"{summary['rows_with_identical_ids']}/{FLAGS.batch} rows")
-  results = {"summary": summary, "machine": benchmark.machine(), "ours_s": ours, "peer_s": peer,
-             "ours_ids": ours_ids, "peer_ids": peer_ids}
-  results_lib.write_results(FLAGS.workdir, results)
-  if q:
-    from core import plot as plot_lib
-    with plot_lib.figure(os.path.join(FLAGS.workdir, "bench_llm.png"), 1, 2,
-                         figsize=(8, 3.2), dpi=120) as (fig, axes):
-      for ax, key, title in ((axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
-                             (axes[1], "decode_tokens_per_s", "decode tokens/s")):
-        ax.bar(["ours (JAX)", "transformers"], [o[key], q[key]], color=["tab:blue", "tab:orange"])
-        ax.set_title(title)
-      fig.suptitle(f"Llama {name}, batch {FLAGS.batch}, prompt {prompt_len}, CPU")
-  results_lib.print_summary(summary)
+  for who in peers:
+    c = compared[who]
+    print(f"ratio ours/{PEER_SCRIPTS[who][1]}: prefill {c['prefill_speedup']:.2f}x, decode "
+          f"{c['decode_speedup']:.2f}x; greedy ids identical in "
+          f"{c['rows_with_identical_ids']}/{FLAGS.batch} rows ({c['impl']})")
+  results = {"summary": summary, "machine": benchmark.machine(), "ours_s": ours,
+             "peers_s": times, "ours_ids": ours_ids, "peer_ids": ids}
+  title = f"Llama {name}, batch {FLAGS.batch}, prompt {prompt_len}, CPU"
+  bars = {"ours (JAX)": o, **{PEER_SCRIPTS[w][1]: compared[w] for w in peers}}
+  report.finish(results, summary, plots=[(plot, (bars, title), "bench_llm.png")] if peers else [])
+
+
+def plot(bars: dict[str, dict], title: str, path: str) -> None:
+  """Prefill and decode tokens/s, ours beside each peer's ({name: rates})."""
+  from core import plot as plot_lib
+  colors = ["tab:blue", "tab:orange", "tab:green"]
+  with plot_lib.figure(path, 1, 2, figsize=(8, 3.2), dpi=120) as (fig, axes):
+    for ax, key, name in ((axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
+                          (axes[1], "decode_tokens_per_s", "decode tokens/s")):
+      ax.bar(list(bars), [r[key] for r in bars.values()], color=colors[:len(bars)])
+      ax.set_title(name)
+    fig.suptitle(title)
 
 
 if __name__ == "__main__":

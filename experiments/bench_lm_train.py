@@ -58,9 +58,9 @@ from absl import flags
 from core import cli
 from core import config
 from core import errors
-from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.benchmarks import lm_train
+from experiments.common.report import Report
 from llm import run_config  # noqa: F401  (train_lm's LoRA and --init settings by name)
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
@@ -117,7 +117,7 @@ def model_config():
                     **numerics)
 
 
-def compare(cfg, dump) -> None:
+def compare(cfg, dump, report: Report) -> None:
   """--compare: the fine-tuning variants side by side (table, plot, results.json)."""
   for flag in ("breakdown", "profile"):
     if FLAGS[flag].present and FLAGS[flag].value:
@@ -147,28 +147,28 @@ def compare(cfg, dump) -> None:
         f"{cfg.dtype} compute, mu {FLAGS.mu_dtype} | remat {res['remat']}{lora_text}")
   print(f"median of {FLAGS.repeats} interleaved repeats of {FLAGS.steps} steps each; XLA "
         "bytes per device, of the compiled step\n")
-  print(lm_train.comparison_table(res))
-  plot = lm_train.plot_comparison(res, os.path.join(FLAGS.workdir, "compare.png"))
-  print(f"\nplot: {plot}")
+  report.table(lm_train.comparison_table(res))
+  print(f"\nplot: {report.path('compare.png')}")
   summary = {"model": model, "seq_len": FLAGS.seq_len, "batch": FLAGS.batch,
              "device_kind": res["device_kind"],
              **{f"{v}_step_ms": round(r["step_ms"], 2) for v, r in res["variants"].items()},
              **{f"{v}_optimizer_state_bytes": r["optimizer_state_bytes"]
                 for v, r in res["variants"].items()},
              **{f"{v}_step_vs_full": round(q["step_ms"], 3) for v, q in res["ratios"].items()}}
-  results_lib.finish(FLAGS.workdir, res, summary)
+  report.finish(res, summary, plots=[(lm_train.plot_comparison, (res,), "compare.png")])
 
 
 def main(argv):
   del argv
   cli.quiet_library_logs()
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  report = Report(FLAGS.workdir)
+  report.path()
   dump = os.path.join(FLAGS.workdir, "xla_dump") if FLAGS.xla_dump else None
   import jax
 
   cfg = model_config()
   if FLAGS.compare:
-    return compare(cfg, dump)
+    return compare(cfg, dump, report)
   res = lm_train.run_benchmark(
       cfg, seq_len=FLAGS.seq_len, batch=FLAGS.batch, mesh_spec=FLAGS.mesh,
       mu_dtype=FLAGS.mu_dtype, loss_chunk=None if FLAGS.loss_chunk < 0 else FLAGS.loss_chunk,
@@ -204,11 +204,10 @@ def main(argv):
     print("\nbreakdown (each part jitted alone, median ms):")
     for name, ms in res["breakdown_ms"].items():
       print(f"  {name:32s}{ms:10.2f}{100 * ms / res['step_ms']:8.1f}% of the step")
-  results_lib.write_results(FLAGS.workdir, res)
   summary = {k: res[k] for k in ("preset", "seq_len", "batch", "mesh", "attention_impl",
                                  "attention_resolved", "remat", "step_ms", "tokens_per_s", "model_tflops_per_s",
                                  "mfu", "peak_tflops_per_device", "device_kind")}
-  results_lib.print_summary(summary)
+  report.finish(res, summary)
 
 
 if __name__ == "__main__":

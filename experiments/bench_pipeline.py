@@ -38,9 +38,9 @@ from absl import flags
 
 from core import cli
 from core import config
-from core import results as results_lib
 from core import settings
 from experiments.benchmarks import rec as rec_bench
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -73,9 +73,10 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from core import benchmark
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  report = Report(FLAGS.workdir)
+  report.path()
   if FLAGS.recd_repeats:
-    return recd_main()
+    return recd_main(report)
   rows = []
   for data in FLAGS.data:
     print(f"measuring {data} ...", flush=True)
@@ -88,30 +89,34 @@ def main(argv):
     print(f"{r['data']:24}{r['source_examples_per_sec']:>14,.0f}{r['step_examples_per_sec']:>14,.0f}"
           f"{r['end_to_end_examples_per_sec']:>14,.0f}{r['end_to_end_over_step']:>10.2f}")
   machine = benchmark.machine()
-  results_lib.write_results(FLAGS.workdir, {
+  results = {
       "rows": rows, "machine": machine,
       "config": {k: FLAGS[k].value for k in ("batch_size", "num_rows", "model", "preset", "mesh",
-                                             "steps", "source_batches", "gen_rows")}})
+                                             "steps", "source_batches", "gen_rows")}}
+  title = f"{FLAGS.model} {FLAGS.preset}, batch {FLAGS.batch_size}, {machine['device']}"
+  report.finish(results, {"device": machine["device"], "batch_size": FLAGS.batch_size,
+                          **{r["data"]: {k: _rounded(k, v) for k, v in r.items() if k != "data"}
+                             for r in rows}},
+                plots=[(plot_rates, (rows, title), "bench_pipeline.png")])
+
+
+def plot_rates(rows, title: str, path: str) -> None:
+  """Source, step and end-to-end examples/s per data source (nothing without matplotlib)."""
   try:
     from core import plot as plot_lib
     import numpy as np
-    with plot_lib.figure(os.path.join(FLAGS.workdir, "bench_pipeline.png"),
-                         figsize=(7, 3.5)) as (fig, ax):
+    with plot_lib.figure(path, figsize=(7, 3.5)) as (fig, ax):
       x = np.arange(len(rows))
       for i, (key, label) in enumerate((("source_examples_per_sec", "source alone"),
                                         ("step_examples_per_sec", "step alone"),
                                         ("end_to_end_examples_per_sec", "end to end"))):
         ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
       ax.set_xticks(x, [r["data"] for r in rows], fontsize=8)
-      ax.set(yscale="log", ylabel="examples / s",
-             title=f"{FLAGS.model} {FLAGS.preset}, batch {FLAGS.batch_size}, {machine['device']}")
+      ax.set(yscale="log", ylabel="examples / s", title=title)
       ax.legend(fontsize=8)
       ax.grid(alpha=0.3, axis="y")
   except ImportError:
     pass
-  results_lib.print_summary({"device": machine["device"], "batch_size": FLAGS.batch_size,
-                             **{r["data"]: {k: _rounded(k, v) for k, v in r.items() if k != "data"}
-                                for r in rows}})
 
 
 def _rounded(key, value):
@@ -128,7 +133,7 @@ def _rounded(key, value):
 PAPER_TRAIN_SPEEDUP = 2.48
 
 
-def recd_main():
+def recd_main(report: Report):
   from core import benchmark
   from core import errors
   try:
@@ -156,9 +161,19 @@ def recd_main():
                                         "user_bag", "recd_repeats")}
   out = {"recd_rows": rows, "machine": machine, "config": config,
          "paper_train_speedup_max": PAPER_TRAIN_SPEEDUP}
+  out["plot"] = report.path("recd_end_to_end.png")
+  report.finish(out, {
+      "device": machine["device"], "batch_size": FLAGS.batch_size,
+      **{f"x{r['repeats']:g}": {"step_x": round(r["step_speedup"], 3),
+                                "e2e_x": round(r["e2e_speedup"], 3),
+                                "dedup_e2e_ex_s": round(r["dedup_e2e_ex_s"])} for r in rows}},
+                plots=[(plot_recd, (rows, machine["device"]), "recd_end_to_end.png")])
+
+
+def plot_recd(rows, device: str, path: str) -> None:
+  """RecD's step and end-to-end speedups by mean session length, beside the paper's."""
   from core import plot as plot_lib
-  out["plot"] = os.path.join(FLAGS.workdir, "recd_end_to_end.png")
-  with plot_lib.figure(out["plot"], figsize=(6, 4)) as (fig, ax):
+  with plot_lib.figure(path, figsize=(6, 4)) as (fig, ax):
     x = [r["repeats"] for r in rows]
     ax.plot(x, [r["step_speedup"] for r in rows], "s-", label="train step alone")
     ax.plot(x, [r["e2e_speedup"] for r in rows], "o-", label="end to end (Grain workers)")
@@ -166,15 +181,10 @@ def recd_main():
                label=f"paper: up to {PAPER_TRAIN_SPEEDUP}x (training)")
     ax.axhline(1, color="k", lw=0.8)
     ax.set(xscale="log", xlabel="mean session length (samples per user-feature bag)",
-           ylabel="examples/s, dedup / plain", title=f"RecD, {machine['device']}")
+           ylabel="examples/s, dedup / plain", title=f"RecD, {device}")
     ax.set_xticks(x, [f"{v:g}" for v in x])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  results_lib.finish(FLAGS.workdir, out, {
-      "device": machine["device"], "batch_size": FLAGS.batch_size,
-      **{f"x{r['repeats']:g}": {"step_x": round(r["step_speedup"], 3),
-                                "e2e_x": round(r["e2e_speedup"], 3),
-                                "dedup_e2e_ex_s": round(r["dedup_e2e_ex_s"])} for r in rows}})
 
 
 if __name__ == "__main__":

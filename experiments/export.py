@@ -71,6 +71,7 @@ def gguf_vocab(spec: str, tok, where: str):
   from llm import checkpoints
   from llm import gguf
   from llm import tokenizer as tok_lib
+  from llm.gguf_vocab import vocab_from_llama2c
   source = getattr(tok, "source", "")
   if tok_lib.is_gguf(source):
     return gguf.read_vocab(source)
@@ -78,7 +79,7 @@ def gguf_vocab(spec: str, tok, where: str):
   if kind == "gguf":
     return checkpoints.gguf_checkpoint(path).vocab
   if isinstance(tok, tok_lib.Llama2cTokenizer):
-    return gguf.vocab_from_llama2c(tok)
+    return vocab_from_llama2c(tok)
   raise errors.expected(where, f"a {type(tok).__name__} tokenizer ({source})",
                         "a GGUF or llama2.c vocabulary to export with --to=gguf (export "
                         "--to=hf for a tokenizer.json)")

@@ -16,8 +16,11 @@ settings come from the checkpoint; data whose features or ids differ from those 
 was trained on (another --num_rows, another vocabulary --min_count, Avazu rows for a Criteo
 model) is refused with the difference named. Any device count and --mesh
 predict (default: the run's mesh where as many devices are here, else all of them on one
-axis); a checkpoint of another layout is resharded. Writes the CSV, `<output>.json` with
-the summary, and prints one JSON line last.
+axis); a checkpoint of another layout is resharded. Labeled rows also get calibration
+(mean prediction / mean label) and, with --group_by (default: the run's own), gAUC and NE by
+slice over that sparse feature's groups (`rec.metrics.group_metrics`; a feature the data
+lacks is one line naming it, before anything is written). Writes the CSV, `<output>.json`
+with the summary and the metrics, and prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ def define_flags() -> None:
   """The entry point's flags, defined when it runs as a script."""
   from core import config
   from core import settings  # noqa: F401  (the settings named below)
-  from rec import predict  # noqa: F401
+  from rec import predict  # noqa: F401  (--split, --output; --group_by: rec.configs)
   config.define_flags(None, "checkpoint", "data", "split", "days", "output", "mesh",
-                      data="", split="predict", output="", mesh="")
+                      "group_by", data="", split="predict", output="", mesh="", group_by="")
   flags.mark_flag_as_required("checkpoint")
   # 0 (the run's --eval_batch_size) sits below the shared --batch_size setting's bound.
   flags.DEFINE_integer("batch_size", 0, "Rows per batch (0: the run's --eval_batch_size).",
@@ -63,7 +66,7 @@ def main(argv):
   t0 = time.time()
   run = predict_lib.load_run(FLAGS.checkpoint, FLAGS.data or None, FLAGS.split,
                              days=FLAGS.days, batch_size=FLAGS.batch_size or None,
-                             mesh=FLAGS.mesh or None)
+                             mesh=FLAGS.mesh or None, group_by=FLAGS.group_by or None)
   split = run.split
   m = run.cfg.model
   print(f"checkpoint {FLAGS.checkpoint} (step {run.step}) | model {m.model} ({m.preset}) | "
@@ -86,12 +89,17 @@ def main(argv):
   summary = {"checkpoint": FLAGS.checkpoint, "step": run.step, "data": run.cfg.data.data,
              "split": FLAGS.split, "rows": rows, "labeled": split.labeled, "output": output,
              "wall_seconds": time.time() - t0,
-             **{k: metrics.get(k) for k in ("auc", "logloss", "ne", "accuracy") if metrics}}
+             **{k: metrics.get(k) for k in ("auc", "logloss", "ne", "accuracy", "calibration",
+                                            "gauc") if k in metrics}}
   results_lib.write_json({"summary": summary, "metrics": metrics},
                          os.path.splitext(output)[0] + ".json")
   if metrics:
     print(f"{FLAGS.split}: AUC {metrics['auc']:.4f} | log loss {metrics['logloss']:.4f} | "
-          f"NE {metrics['ne']:.4f} | {rows:,} rows", flush=True)
+          f"NE {metrics['ne']:.4f} | calibration {metrics['calibration']:.4f} | {rows:,} rows",
+          flush=True)
+  if "gauc" in metrics:
+    from rec import metrics as metrics_lib
+    print(metrics_lib.format_groups(metrics, run.cfg.data.group_by), flush=True)
   print(f"wrote {rows:,} predictions to {output}", flush=True)
   results_lib.print_summary(summary)
 

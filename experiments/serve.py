@@ -33,7 +33,7 @@ from core import config
 from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
-from llm.serving.config import EngineConfig
+from llm.serving.config import DRAFT, EngineConfig
 
 FLAGS = flags.FLAGS
 
@@ -54,8 +54,8 @@ DRAIN_S = config.setting(
 def define_flags() -> None:
   config.define_flags(EngineConfig)
   config.define_flags(
-      None, "checkpoint", "tokenizer", "dtype", "weights", HOST, PORT, MAX_QUEUE,
-      SERVED_MODEL_NAME, DRAIN_S, checkpoint=None, tokenizer=None, dtype="float32",
+      None, "checkpoint", "tokenizer", "dtype", "weights", DRAFT, HOST, PORT, MAX_QUEUE,
+      SERVED_MODEL_NAME, DRAIN_S, checkpoint=None, tokenizer=None, draft="", dtype="float32",
       weights="float32", host="127.0.0.1", port=None, max_queue=64, served_model_name=None,
       drain_s=30.0)
   flags.mark_flag_as_required("checkpoint")
@@ -74,7 +74,7 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from llm.checkpoints import find_tokenizer, load_config, load_model
-  from llm.serving.engine import Engine
+  from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
   from llm.serving import server as server_lib
   engine_config = config.from_flags(EngineConfig)
@@ -84,7 +84,7 @@ def main(argv):
     raise ValueError(f"--checkpoint={FLAGS.checkpoint}: no tokenizer beside it; the server "
                      "takes and returns text: pass --tokenizer=PATH")
   cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
-  engine = Engine(model, engine_config, tok)
+  engine = Engine(model, engine_config, tok, draft=load_draft(FLAGS.draft, model))
   name = FLAGS.served_model_name or model_name(FLAGS.checkpoint)
   t0 = time.time()
   programs = engine.warmup(widths=engine.widths[:1])

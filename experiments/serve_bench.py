@@ -5,12 +5,14 @@ goodput against the request rate, with a plot.
 
   G=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   python -m experiments.serve_bench --checkpoint=gguf:$G --dtype=bfloat16 \
-      --concurrency=1,8 --rounds=3 --rates=0.5,1,2,4 --num_requests=32 \
-      --prompt_lens=32,128 --output_lens=32,64 --max_slots=8 --max_model_len=256 \
-      --workdir=runs/serve_bench
-      # 2-core Intel Xeon shared with other jobs (load 5-7), jax 0.11.2, about 22 minutes:
-      # 8 clients at 3.42-5.00x one client's tokens/s (median 3.68x), saturating near
-      # 50 tokens/s at 4 requests/s
+      --concurrency=1,8 --rounds=3 --rates= --num_requests=16 --prompt_lens=32,128 \
+      --output_lens=32,64 --max_slots=8 --max_model_len=256 \
+      --compilation_cache_dir=runs/jax_compilation_cache --workdir=runs/serve_bench_mixed
+      # 2-core Intel Xeon shared with other jobs (load 5-7 while timed), jax 0.11.2, mixed
+      # batch: 8 clients at 3.28-4.73x one client's tokens/s (median 3.90x); 57 programs,
+      # 304 s to trace with the cache warm (26 min to compile it at load 9)
+  python -m experiments.serve_bench --checkpoint=gguf:$G --dtype=bfloat16 \
+      --speculative_tree=2:4:5 --draft=DRAFT_WORKDIR ...   # EAGLE rounds inside the batch
   python -m experiments.serve_bench --preset=tiny      # random weights of an llm.config preset
 
 The engine runs in process behind its runner (the queue and thread the HTTP server uses,
@@ -39,7 +41,7 @@ from core import errors
 from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
-from llm.serving.config import EngineConfig
+from llm.serving.config import DRAFT, EngineConfig
 
 FLAGS = flags.FLAGS
 
@@ -66,10 +68,12 @@ def define_flags() -> None:
   config.define_flags(EngineConfig)
   config.define_flags(
       None, "checkpoint", "preset", "dtype", "weights", RATES, CONCURRENCY, NUM_REQUESTS,
-      PROMPT_LENS, OUTPUT_LENS, SLO_TTFT_S, SLO_TPOT_S, "seed", "rounds", "workdir",
+      PROMPT_LENS, OUTPUT_LENS, SLO_TTFT_S, SLO_TPOT_S, DRAFT, "compilation_cache_dir", "seed",
+      "rounds", "workdir",
       checkpoint=None, preset="tiny", dtype="float32", weights="float32", rates=["1", "4"],
       concurrency=["1", "8"], num_requests=16, prompt_lens=["32", "128"],
-      output_lens=["32", "64"], slo_ttft_s=2.0, slo_tpot_s=0.2, seed=0, rounds=1,
+      output_lens=["32", "64"], slo_ttft_s=2.0, slo_tpot_s=0.2, draft="",
+      compilation_cache_dir="", seed=0, rounds=1,
       workdir="runs/serve_bench")
 
 
@@ -138,7 +142,7 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from experiments.benchmarks import serving as bench
-  from llm.serving.engine import Engine
+  from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
   rates = _numbers("rates", float, 1e-9, allow_inf=True)
   clients = [int(c) for c in _numbers("concurrency", int, 1)]
@@ -149,8 +153,15 @@ def main(argv):
   if not prompt_lens or not output_lens:
     raise errors.UserError("--prompt_lens and --output_lens need at least one length each")
   engine_config = config.from_flags(EngineConfig)
+  if FLAGS.compilation_cache_dir:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(FLAGS.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   model, vocab, low_id = load(FLAGS.checkpoint, FLAGS.preset, FLAGS.dtype, FLAGS.weights)
-  engine = Engine(model, engine_config)
+  if bool(FLAGS.draft) != bool(engine_config.speculative_tree):
+    raise errors.UserError(f"--draft={FLAGS.draft!r} and --speculative_tree="
+                           f"{engine_config.speculative_tree!r}: give both or neither")
+  engine = Engine(model, engine_config, draft=load_draft(FLAGS.draft, model))
   longest = max(prompt_lens) + max(output_lens)
   if longest > engine.max_len:
     raise errors.UserError(f"--prompt_lens / --output_lens: the longest request has {longest} "
@@ -172,11 +183,14 @@ def main(argv):
     seed = FLAGS.seed + (clients.index(x) if mode == "closed" else len(clients) + i)
     reqs = bench.make_requests(FLAGS.num_requests, vocab, prompt_lens, output_lens, seed,
                                low_id)
-    steps = engine.steps
+    steps, rounds, accepted = engine.steps, engine.spec_rounds, engine.spec_accepted
     recs = (bench.run_closed(runner, reqs, int(x)) if mode == "closed"
             else bench.run_poisson(runner, reqs, x, seed))
     point = {"mode": mode, ("concurrency" if mode == "closed" else "rate"): x, "round": rnd,
              "engine_steps": engine.steps - steps,
+             "accept_length": (1 + (engine.spec_accepted - accepted)
+                               / max(engine.spec_rounds - rounds, 1)
+                               if engine.shape is not None else None),
              **bench.summary(recs, FLAGS.slo_ttft_s, FLAGS.slo_tpot_s)}
     points.append(point)
     print(f"{mode:8s} {'clients' if mode == 'closed' else 'rate'}={x:<6g} r{rnd} "
@@ -184,7 +198,9 @@ def main(argv):
           f"TTFT p50 {1e3 * point['ttft_p50_s']:7.0f} p99 {1e3 * point['ttft_p99_s']:7.0f} ms  "
           f"TPOT p50 {1e3 * (point['tpot_p50_s'] or 0):6.1f} p99 "
           f"{1e3 * (point['tpot_p99_s'] or 0):6.1f} ms  goodput {point['goodput_req_s']:.2f} "
-          f"req/s ({100 * point['slo_attainment']:.0f}%)", flush=True)
+          f"req/s ({100 * point['slo_attainment']:.0f}%)"
+          + (f"  accept length {point['accept_length']:.2f}" if point['accept_length'] else ""),
+          flush=True)
   runner.shutdown(drain_s=0)
   closed = [p for p in points if p["mode"] == "closed"]
   speedup, per_round = None, []
@@ -205,7 +221,7 @@ def main(argv):
              "num_requests": FLAGS.num_requests, "slo_ttft_s": FLAGS.slo_ttft_s,
              "slo_tpot_s": FLAGS.slo_tpot_s, "points": points, "speedup": speedup,
              "speedup_per_round": per_round, "rounds": FLAGS.rounds,
-             "preemptions": engine.preemptions, "plot": png}
+             "preemptions": engine.preemptions, "draft": FLAGS.draft or None, "plot": png}
   summary = {"speedup": speedup, "points": len(points), "throughput_tok_s": {
       f"{p['mode']}:{p.get('concurrency', p.get('rate')):g}:r{p['round']}":
       round(p["throughput_tok_s"], 1) for p in points}}

@@ -15,10 +15,14 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --model=searched:runs/rankitect/best_random.json  # a found arch
   python -m experiments.train_rec --mesh=data:8 --sharding=tw --a2a_mode=abs \
       --a2a_error_bound=0.005 --a2a_grad_error_bound=0.001 --a2a_bits=8   # compressed exchange
+  python -m experiments.train_rec --data=avazu:DIR --group_by=site_id   # gAUC, NE by site
+  python -m experiments.train_rec --host_memory_gb=64   # tables the devices cannot hold: host
+  python -m experiments.train_rec --storage=fp32_cache:lfu:0.05@host   # every table on host
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
 workdir: a new runs/train_rec_<model>_<date-time> per run); the last stdout line is a JSON
-summary with model, steps, test_auc, test_logloss, test_ne, examples_per_sec, and the
+summary with model, steps, test_auc, test_logloss, test_ne, test_calibration (mean
+prediction / mean label; with --group_by also test_gauc), examples_per_sec, and the
 model's dense / embedding parameter counts and forward GFLOPs per example (XLA's count for
 the dense part). `--resume` checks the flags against those saved with the checkpoint; a
 non-finite loss or gradient norm stops the run (or, with --nonfinite=skip, skips the step).
@@ -28,15 +32,33 @@ step N; checkpoint N kept; continue with --resume` and status 143 / 130; besides
 --checkpoint_every, a checkpoint is written every --checkpoint_every_minutes (default 10).
 A checkpoint that cannot be written (disk full, file-size limit) ends the run in one line
 naming it, after results.json when training and evaluation finished. `--resume` may change
---mesh, the device count, --sharding, --sharding_overrides and --memory_budget_gb: a
-checkpoint of another embedding layout is resharded (one line says so: `resharded
-checkpoint 4: 8 devices tw -> 4 devices rw`).
+--mesh, the device count, --sharding, --sharding_overrides, --memory_budget_gb and
+--host_memory_gb: a checkpoint of another embedding layout is resharded (one line says so:
+`resharded checkpoint 4: 8 devices tw -> 4 devices rw`).
+
+The host tier (rec/embedding/host_tier.py): with --host_memory_gb=G (GiB per device) the
+auto planner moves the tables the device budget cannot hold, biggest and least looked-up
+first, to host memory (rows and optimizer state in pinned_host, the hot rows in a device
+cache: fp32 tables become fp32_cache:lfu:0.05@host and train bit for bit as fp32, a
+*_cache --storage keeps its cache and arithmetic; bf16 / intN tables become fp32_cache /
+intN_cache, which the cache changes); the plan's table shows each table's tier and the host
+bytes per device. --storage=KIND_cache...@host puts every table there.
+
+Evaluation reports AUC, log loss, NE, accuracy and calibration (mean prediction / mean
+label); --group_by=FEATURE (a sparse feature of the data: Avazu's site_id / app_id, a
+Criteo C1..C26, a session's user feature) adds gAUC (the impression-weighted mean of the
+per-group AUCs; groups of one label skipped and counted) and NE by slice (the biggest
+groups and the rest) over that feature's values: results.json's `eval` holds gauc,
+gauc_groups and ne_by_slice, metrics.jsonl the same per evaluation, TensorBoard
+eval/calibration and eval/gauc, and the end of the output a table of the slices.
+--group_by may change on --resume (it changes no training).
 
 The run's settings are one typed config (`TrainRecConfig`: the `rec.configs.RecRunConfig`
 and the train loop's `core.settings.LoopConfig`, plus --epochs and --data_workers); the
 workdir keeps them resolved as `config.py`, and `--config=<workdir>/config.py` replays the
 run (flags given on the command line win over the file, each such flag printed in one line
-and noted in the new config.py).
+and noted in the new config.py); it is written once the settings have built a run, so
+settings that do not (a --group_by the data lacks) leave an earlier config.py as it was.
 
 --a2a_mode=abs|rel compresses the embedding exchange (arXiv 2407.04272; the all-to-all of
 tw / cw / twrw tables and the reduce-scatter of rw ones, their gradients with
@@ -98,7 +120,8 @@ def from_flags(flag_values=None) -> TrainRecConfig:
 # Settings besides the loop's (steps, cadences, paths) that --resume may change: they
 # change neither the state nor the batches the run sees (the layout settings only where
 # the state lies: a checkpoint of another layout is resharded).
-RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines") + configs.LAYOUT_SETTINGS
+RESUME_CHANGEABLE = ("epochs", "eval_batch_size", "bad_lines",
+                     "group_by") + configs.LAYOUT_SETTINGS
 
 
 def default_workdir(model: str) -> str:
@@ -127,6 +150,7 @@ def main(argv):
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
+  from rec import metrics as metrics_lib
   from rec.embedding import planner as planner_lib
 
   cfg.validate()
@@ -139,8 +163,6 @@ def main(argv):
   workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
-    config.write_file(tcfg, os.path.join(workdir, CONFIG_FILE), overridden=overridden,
-                      command="python -m experiments.train_rec " + shlex.join(sys.argv[1:]))
   from rec.data import sources as sources_lib
   settings = configs.checkpoint_settings(
       cfg, mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES), epochs=tcfg.epochs)
@@ -154,6 +176,9 @@ def main(argv):
   except train_lib.RunSettingsError as e:
     sys.exit(f"train_rec: {e}")
   task, train_src, eval_src, plan, mesh = configs.build_run(cfg, data_workers=tcfg.data_workers)
+  if jax.process_index() == 0:   # settings that build: the workdir's config.py replays them
+    config.write_file(tcfg, os.path.join(workdir, CONFIG_FILE), overridden=overridden,
+                      command="python -m experiments.train_rec " + shlex.join(sys.argv[1:]))
   steps = configs.steps_for(tcfg.epochs, train_src) if tcfg.epochs else tcfg.loop.steps
   sources_lib.check_splits(eval_src)   # a bad eval line stops the run before step 0
   loop_cfg = dataclasses.replace(loop_cfg, steps=steps, overwrite=False, settings={
@@ -162,8 +187,12 @@ def main(argv):
   print(f"workdir {workdir} | mesh {dict(mesh.shape)} | model {m.model} ({m.preset}) | "
         f"data {cfg.data.data} | {steps} steps of {batch_size}", flush=True)
   budget, budget_source = configs.plan_budget(cfg)
+  cost = configs.plan_cost_params(train_src.spec)
+  tier = configs.host_tier(cfg)
   print(planner_lib.format_plan(plan, task.collection.tables, task.collection.num_devices,
-                                batch_size, budget, budget_source=budget_source), flush=True)
+                                batch_size, budget, cost, budget_source=budget_source,
+                                host_budget_bytes=tier and tier.host_budget_bytes,
+                                host_source=tier.source if tier else ""), flush=True)
   stats = configs.model_stats(task, train_src.spec)
   print(f"params: dense {stats['dense_params']:,} + embedding {stats['embedding_params']:,} = "
         f"{stats['dense_params'] + stats['embedding_params']:,} | forward "
@@ -191,6 +220,8 @@ def main(argv):
       "steps": out["step"], "finished": out["finished"], "batch_size": batch_size,
       "test_auc": ev.get("auc"), "test_logloss": ev.get("logloss"), "test_ne": ev.get("ne"),
       "test_accuracy": ev.get("accuracy"), "test_examples": ev.get("num_examples"),
+      "test_calibration": ev.get("calibration"),
+      **({"test_gauc": ev["gauc"]} if "gauc" in ev else {}),
       "examples_per_sec": out["examples_per_sec"], "wall_seconds": time.time() - t0,
       "bad_lines_skipped": getattr(train_src, "bad_line_count", 0),
       "nonfinite_steps_skipped": out["skipped_steps"], "workdir": workdir, **stats,
@@ -202,7 +233,7 @@ def main(argv):
                     "a2a_max_grad_error_over_bound": a2a["max_grad_error_over_bound"]})
   results = {"summary": summary, "config": cfg.flat_settings(), "steps_planned": steps,
              "plan": planner_lib.plan_summary(plan, task.collection.tables,
-                                              task.collection.num_devices, batch_size),
+                                              task.collection.num_devices, batch_size, cost),
              "embedding_groups": task.collection.describe(), "eval": ev}
   if a2a is not None:
     results["a2a_compression"] = a2a
@@ -210,7 +241,10 @@ def main(argv):
   plot_lib.plot_run(workdir)
   if ev:
     print(f"test AUC {ev['auc']:.4f} | logloss {ev['logloss']:.4f} | NE {ev['ne']:.4f} | "
-          f"{out['examples_per_sec']:,.0f} train examples/s", flush=True)
+          f"calibration {ev['calibration']:.4f} | {out['examples_per_sec']:,.0f} train "
+          "examples/s", flush=True)
+  if "gauc" in ev:
+    print(metrics_lib.format_groups(ev, cfg.data.group_by), flush=True)
   if write_failed is not None:
     raise write_failed
   results_lib.print_summary(summary)

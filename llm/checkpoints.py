@@ -176,8 +176,9 @@ def load_tokenizer(path: str, vocab_size: int | None = None):
   architecture's: only its tokenizer.ggml.* metadata is read)."""
   from llm import tokenizer as tok_lib
   if tok_lib.is_gguf(path):
-    from llm import gguf
-    return gguf.vocab_tokenizer(gguf.read_vocab(path), path, vocab_size)
+    from llm.gguf import read_vocab
+    from llm.gguf_vocab import vocab_tokenizer
+    return vocab_tokenizer(read_vocab(path), path, vocab_size)
   return tok_lib.load_tokenizer(path, vocab_size)
 
 

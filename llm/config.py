@@ -5,7 +5,10 @@ Presets follow the released configs: Llama 3.1 8B / 70B / 405B and Llama 3.2 1B 
 (tied embeddings, RoPE scaling factor 32). `head_dim` defaults to dim // n_heads.
 Two options cover the second family: `qkv_bias` (Qwen2: biases on the q / k / v
 projections, added before RoPE) and `sliding_window` (Mistral, arXiv 2310.06825: a token
-sees itself and the W - 1 positions before it, in every layer). `family(cfg)` names the
+sees itself and the W - 1 positions before it, in every layer, or in the layers
+`window_layers` lists: Qwen2's `max_window_layers` / `layer_types`). RoPE scaling is Llama
+3.1's (`RopeScaling`) or YaRN (`YarnScaling`, arXiv 2309.00071: Qwen2.5's long context).
+`family(cfg)` names the
 checkpoint architecture a config is written back as (HF `architectures`, GGUF
 `general.architecture`).
 Attention is two settings: `attention_impl`, the single-device implementation
@@ -17,6 +20,7 @@ whose blocks run attention_impl). Both are validated here, once.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from absl import logging
 
@@ -40,6 +44,48 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN RoPE scaling (arXiv 2309.00071; HF `rope_type: yarn`, transformers'
+  `_compute_yarn_parameters`): pair j's frequency blends the base one (rotations over
+  original_max_position above beta_fast) with it divided by `factor` (below beta_slow),
+  linearly between the two; cos / sin scaled by `attention_factor` (None: 0.1 ln(factor) + 1,
+  or the ratio of that with `mscale` and `mscale_all_dim` when both are set). `truncate`
+  rounds the blend's ends to whole pairs."""
+
+  factor: float
+  original_max_position: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+  rope_type: str = "yarn"   # tells config_from_dict which scaling a dict holds
+
+  def __post_init__(self):
+    if self.rope_type != "yarn":
+      raise ValueError(f"YarnScaling: rope_type={self.rope_type!r}, expected 'yarn'")
+    if not (self.factor >= 1 and self.original_max_position >= 1 and self.beta_fast > 0
+            and self.beta_slow > 0):
+      raise errors.expected("YarnScaling", f"factor={self.factor}, original_max_position="
+                            f"{self.original_max_position}, beta_fast={self.beta_fast}, "
+                            f"beta_slow={self.beta_slow}", "factor >= 1, original_max_position "
+                            ">= 1 and betas > 0")
+
+  def cos_sin_scale(self) -> float:
+    """The factor on cos and sin (so the attention logits get its square)."""
+    if self.attention_factor is not None:
+      return float(self.attention_factor)
+
+    def mscale(m=1.0):
+      return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
+    if self.mscale and self.mscale_all_dim:
+      return float(mscale(self.mscale) / mscale(self.mscale_all_dim))
+    return mscale()
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Sizes and numerics of a Llama decoder."""
 
@@ -52,7 +98,7 @@ class LlamaConfig:
   head_dim: int | None = None
   norm_eps: float = 1e-5
   rope_theta: float = 500000.0
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | YarnScaling | None = None
   tie_embeddings: bool = False
   max_seq_len: int = 8192
   dtype: str = "float32"          # compute dtype: "float32" | "bfloat16"
@@ -68,6 +114,9 @@ class LlamaConfig:
   # Mistral's sliding window: query position p sees keys at positions p - W < kv_pos <= p
   # in every layer (transformers' `kv_idx > q_idx - sliding_window`); None: full causal.
   sliding_window: int | None = None
+  # The layers the window applies to (sorted indices; Qwen2's layer_types), None: every
+  # layer. A tuple covering every layer is kept as None, so equal models compare equal.
+  window_layers: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -93,6 +142,7 @@ class LlamaConfig:
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise ValueError(f"LlamaConfig: {name}={getattr(self, name)!r}, expected 'float32' "
                          "or 'bfloat16'")
+    self._check_window_layers()
     w = self.sliding_window
     if w is not None:
       if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -106,6 +156,30 @@ class LlamaConfig:
         raise errors.expected("LlamaConfig", f"sliding_window={w} with context_parallel="
                               f"{self.context_parallel!r} (ring attention applies no window)",
                               "context_parallel='none' for a sliding-window model")
+
+  def _check_window_layers(self):
+    layers = self.window_layers
+    if layers is None:
+      return
+    if (isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__")
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)):
+      raise errors.expected("LlamaConfig", f"window_layers={layers!r}", "None or layer indices")
+    layers = tuple(layers)
+    if self.sliding_window is None:
+      raise errors.expected("LlamaConfig", f"window_layers={layers} with sliding_window=None",
+                            "a sliding_window for the listed layers, or window_layers=None")
+    if not layers or list(layers) != sorted(set(layers)) or not (
+        0 <= layers[0] and layers[-1] < self.n_layers):
+      raise errors.expected("LlamaConfig", f"window_layers={layers}", "increasing layer "
+                            f"indices in [0, {self.n_layers}) (sliding_window=None for none)")
+    object.__setattr__(self, "window_layers",
+                       None if len(layers) == self.n_layers else layers)
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of layer `layer` (None: full causal attention)."""
+    if self.window_layers is None or layer in self.window_layers:
+      return self.sliding_window
+    return None
 
   def replace(self, **kw) -> LlamaConfig:
     return dataclasses.replace(self, **kw)
@@ -173,7 +247,8 @@ PRESETS: dict[str, LlamaConfig] = {
 def family(cfg: LlamaConfig) -> str:
   """The checkpoint family `cfg` is written as: "qwen2" (q / k / v biases), "mistral" (a
   sliding window), else "llama". A Mistral without a window is Llama's arithmetic and is
-  written as Llama; a Qwen2 with a window in every layer stays Qwen2 (use_sliding_window)."""
+  written as Llama; a Qwen2 with a window in some or every layer stays Qwen2
+  (use_sliding_window)."""
   if cfg.qkv_bias:
     return "qwen2"
   return "mistral" if cfg.sliding_window is not None else "llama"
@@ -200,6 +275,7 @@ def config_from_dict(d: dict) -> LlamaConfig:
     logging.warning("model config: attention_impl=%r read as context_parallel=%r, "
                     "attention_impl='xla' (the ring's inner kernel it ran)", impl, impl[5:])
     d["attention_impl"], d["context_parallel"] = "xla", impl[5:]
-  if d.get("rope_scaling") is not None:
-    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  rs = d.get("rope_scaling")
+  if rs is not None:
+    d["rope_scaling"] = (YarnScaling if rs.get("rope_type") == "yarn" else RopeScaling)(**rs)
   return LlamaConfig(**d)

@@ -100,13 +100,14 @@ def _sample(logits, key, sampling):
   return sample_logits(logits, key) if sampling is None else sample_logits(logits, key, *sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "with_hidden"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "with_hidden", "rolling"))
 def prefill(graphdef, state, tokens_BT, lengths_B, key, sampling, *, max_len,
-            with_hidden=False):
-  """Writes the prompts into a fresh cache; samples each row's first new token. with_hidden:
-  also returns the final hidden states [B,T,D] of the prompt tokens."""
+            with_hidden=False, rolling=False):
+  """Writes the prompts into a fresh cache (`rolling`: a rolling one, `KVCache`); samples
+  each row's first new token. with_hidden: also returns the final hidden states [B,T,D] of
+  the prompt tokens."""
   model = nnx.merge(graphdef, state)
-  cache = model.init_cache(tokens_BT.shape[0], max_len)
+  cache = model.init_cache(tokens_BT.shape[0], max_len, rolling)
   h_BTD, cache = model.hidden(model.embed_tokens(tokens_BT), cache=cache, lengths_B=lengths_B,
                               fresh_cache=True)
   # Only the last real token of each row needs logits (a [B,T,V] tensor can be huge).
@@ -244,8 +245,10 @@ def generate(model: Llama, prompts: list[list[int]], max_new_tokens: int, *,
   """New tokens for each prompt: up to max_new_tokens, ending at (and including) the first
   stop token. Greedy when temperature == 0; sampling needs an explicit `rng` key. Prompt
   plus new tokens must fit in the model's cfg.max_seq_len.
-  `max_len` is the cache size in slots (default: longest prompt + max_new_tokens); giving a
-  fixed one lets calls with different prompt lengths share the compiled decode loop.
+  `max_len` is the cache size in slots (default: longest prompt + max_new_tokens; for a
+  model with a sliding window W in every layer, W slots when that is fewer: a rolling
+  cache, `KVCache`); giving a fixed one lets calls with different prompt lengths share the
+  compiled decode loop.
   `mesh`: run under `jax.set_mesh(mesh)`. With N > 1 context-parallel ranks (module
   docstring) prompts are padded to T, a multiple of 2N, and the cache holds C slots per rank:
   by default C = T/N + ceil((max_new_tokens - 1) / N); a given max_len must be N * C or more
@@ -287,6 +290,7 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, r
               with_hidden=False):
   t = max(len(p) for p in prompts)
   n = cp_ranks(model.cfg)
+  rolling = False
   if with_hidden:
     # Every new token is fed back (its hidden state is wanted): t + max_new_tokens slots.
     need = t + max_new_tokens
@@ -298,8 +302,11 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, r
   elif n == 1:
     # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 slots.
     need = t + max_new_tokens - 1
+    w = model.cfg.sliding_window
+    if max_len is None and w is not None and model.cfg.window_layers is None and need > w:
+      rolling, max_len = True, w      # decode steps (1 token) need S >= W only
     max_len = t + max_new_tokens if max_len is None else int(max_len)
-    if max_len < need:
+    if max_len < need and not rolling:
       raise ValueError(f"generate: max_len={max_len} slots, but the longest prompt ({t} "
                        f"tokens) plus {max_new_tokens} new tokens needs {need}")
   else:
@@ -317,7 +324,7 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, r
   sampling = sampling_settings(temperature, top_k, top_p)
   key = jax.random.key(0) if rng is None else rng
   first = prefill(graphdef, state, jnp.asarray(tokens_BT), jnp.asarray(lengths), key, sampling,
-                  max_len=max_len, with_hidden=with_hidden)
+                  max_len=max_len, with_hidden=with_hidden, rolling=rolling)
   tok_B, cache, key = first[:3]
   out = decode(graphdef, state, cache, tok_B, key, sampling, stop_array(stop),
                n_new=max_new_tokens, with_hidden=with_hidden)

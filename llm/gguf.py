@@ -7,8 +7,11 @@ Read with ggml's own `gguf` package (GGUFReader); everything else follows llama.
              attn_q / attn_k / attn_v biases); any other is refused naming it.
   config     from the `<arch>.*` metadata (sizes, rope.freq_base, rms epsilon as stored);
              a `rope_freqs.weight` tensor (Llama 3.1 / 3.2 RoPE scaling) is matched to the
-             llama3 rule; MoE, other RoPE scaling types and partial rotary are refused.
-             `<arch>.attention.sliding_window` is read as a window in every layer; llama.cpp's
+             llama3 rule; `rope.scaling.type` yarn (factor, original_context_length,
+             yarn_beta_fast / _slow) is YaRN; MoE, other RoPE scaling types and partial rotary
+             are refused.
+             `<arch>.attention.sliding_window` is read as a window in every layer, or in those
+             `attention.sliding_window_pattern` (one bool per layer) marks; llama.cpp's
              converter does not write it for Mistral (a Mistral GGUF then loads with full
              attention, which is what llama.cpp runs it with: equal to transformers' Mistral
              only up to sliding_window tokens) and llama.cpp ignores it for these
@@ -18,11 +21,9 @@ Read with ggml's own `gguf` package (GGUFReader); everything else follows llama.
              converter permutes the rows of attn_q / attn_k of "llama" files from transformers'
              half-split RoPE layout to Meta's interleaved one (its `permute`); loading permutes
              them back. "qwen2" files keep the half-split layout (llama.cpp's NEOX RoPE).
-  tokenizer  the embedded vocabulary through the `tokenizers` library: `gpt2` (byte-level BPE
-             from tokens + merges, pre-tokenized as `tokenizer.ggml.pre` says) and `llama`
-             (SentencePiece BPE from tokens + scores, merges ranked by score, byte fallback);
-             BOS / EOS and whether they are added as the file says (llama.cpp's defaults when
-             it is silent); `tokenizer.chat_template`.
+  tokenizer  the `tokenizer.ggml.*` metadata read into and written from a `GGUFVocab`;
+             `llm.gguf_vocab` turns it into a tokenizer (`gpt2` byte-level BPE or `llama`
+             SentencePiece) and a llama2.c vocabulary into it.
 Tensors are kept as stored (`StoredTensor`: type, raw blocks, row order) until asked for, so
 a weight-only quantized path can take Q8_0 / Q4_x blocks directly (`StoredTensor.rows`).
 
@@ -44,13 +45,15 @@ import dataclasses
 import errno
 import math
 import os
-import warnings
+import struct
+import sys
 from typing import Any
 
 import numpy as np
 
 from core import errors
-from llm.config import LlamaConfig, RopeScaling
+from llm.config import LlamaConfig, RopeScaling, YarnScaling
+from llm.gguf_vocab import GGUFVocab, vocab_tokenizer
 
 # general.architecture -> what it holds; the architectures read and written here.
 ARCHS = {"llama": "Llama, Mistral, SmolLM, TinyLlama, ...", "qwen2": "Qwen2 / Qwen2.5"}
@@ -71,9 +74,9 @@ _ARCH_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward
               "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
               "attention.key_length", "attention.value_length", "vocab_size",
               "rope.scaling.type", "expert_count", "expert_used_count",
-              "attention.sliding_window"}
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+              "attention.sliding_window", "attention.sliding_window_pattern",
+              "rope.scaling.factor", "rope.scaling.original_context_length",
+              "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"}
 
 
 def _gguf():
@@ -107,6 +110,49 @@ def _reader(path: str):
                          f"needs {need - int(offset)} bytes, the file has {len(self.data)}; the "
                          "metadata ends early, the file is truncated or not GGUF")
       return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+      # The package reads an array one element at a time through `_get` (about 20 us each:
+      # seconds for a 49152-token vocabulary and its merges). Arrays of strings or scalars are
+      # read here in one pass into the same parts (per element: the string's length and
+      # bytes, or the scalar), the same data indices and types, so every reader of the fields
+      # sees what the package would give; other fields, and files not in this machine's byte
+      # order, take the package's path.
+      value_type = gguf.GGUFValueType
+      if raw_type != value_type.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+        return super()._get_field_parts(orig_offs, raw_type)
+      raw_itype = self._get(orig_offs, np.uint32)
+      alen = self._get(orig_offs + 4, np.uint64)
+      try:
+        sub = value_type(int(raw_itype[0]))
+      except ValueError:
+        return super()._get_field_parts(orig_offs, raw_type)   # the package's own error
+      n, offs = int(alen[0]), orig_offs + 12
+      parts, idxs = [raw_itype, alen], []
+      if sub == value_type.STRING:
+        data = self.data.view(np.ndarray)   # slices of a plain array: memmap's cost less
+        size, view = len(data), memoryview(data)
+        for _ in range(n):
+          if offs + 8 > size:
+            self._get(offs, np.uint64)                        # raises the truncation error
+          (length,) = struct.unpack_from("<Q", view, offs)
+          if offs + 8 + length > size:
+            self._get(offs + 8, np.uint8, length)             # raises the truncation error
+          parts.append(data[offs:offs + 8].view(np.uint64))
+          parts.append(data[offs + 8:offs + 8 + length])
+          idxs.append(len(parts) - 1)
+          offs += 8 + length
+      else:
+        nptype = self.gguf_scalar_to_np.get(sub)
+        if nptype is None:                                    # nested arrays
+          return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(offs, nptype, n).view(np.ndarray)
+        for i in range(n):
+          parts.append(values[i:i + 1])
+          idxs.append(len(parts) - 1)
+        offs += int(values.nbytes)
+      types = [value_type.ARRAY] + ([sub] if n else [])
+      return offs - orig_offs, parts, idxs, types
 
     def _build_tensors(self, start_offs, fields):
       size = len(self.data)
@@ -216,26 +262,6 @@ class StoredTensor:
     return np.asarray(w, np.float32).reshape(self.shape)
 
 
-@dataclasses.dataclass
-class GGUFVocab:
-  """The `tokenizer.ggml.*` metadata of a GGUF file (what `save_gguf` writes back)."""
-
-  model: str                       # "gpt2" (byte-level BPE) | "llama" (SentencePiece)
-  tokens: list[str]
-  token_types: list[int]
-  scores: list[float] | None = None
-  merges: list[str] | None = None
-  pre: str | None = None
-  bos_id: int | None = None
-  eos_id: int | None = None
-  unk_id: int | None = None
-  eot_id: int | None = None
-  add_bos: bool | None = None
-  add_eos: bool | None = None
-  add_space_prefix: bool | None = None
-  chat_template: str | None = None
-
-
 def _supported_archs() -> str:
   return ", ".join(f"{a!r} ({what})" for a, what in ARCHS.items())
 
@@ -290,9 +316,9 @@ class GGUFCheckpoint:
       raise ValueError(f"{path}: {arch}.expert_count={experts}: a mixture of experts (Mixtral "
                        "style); the Llama model here is dense")
     scaling = _field(r, f"{arch}.rope.scaling.type", kind="str")
-    if scaling not in (None, "none"):
-      raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r}; only plain RoPE and "
-                       "Llama 3's rope_freqs.weight factors are supported")
+    if scaling not in (None, "none", "yarn"):
+      raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r}; supported: none, yarn "
+                       "and Llama 3's rope_freqs.weight factors")
     dim, n_heads = need("embedding_length"), need("attention.head_count")
     kv = _field(r, f"{arch}.attention.head_count_kv", n_heads)
     if isinstance(kv, list):
@@ -327,6 +353,7 @@ class GGUFCheckpoint:
       raise ValueError(f"{path}: token_embd.weight has shape {embed.shape.tolist()} and there "
                        f"is no {arch}.vocab_size; expected a 2-d embedding")
     window = opt("attention.sliding_window", None)
+    pattern = _field(r, f"{arch}.attention.sliding_window_pattern")
     ctx = opt("context_length", 2048)
     n_layers = need("block_count")
     # Before a name is listed per layer: the blocks the tensors hold bound block_count.
@@ -338,8 +365,18 @@ class GGUFCheckpoint:
                       n_kv_heads=kv, ffn_dim=need("feed_forward_length"), head_dim=head_dim,
                       norm_eps=eps, rope_theta=theta,
                       tie_embeddings="output.weight" not in stored, max_seq_len=ctx,
-                      qkv_bias=arch == "qwen2", sliding_window=window)
+                      qkv_bias=arch == "qwen2", sliding_window=window,
+                      window_layers=_window_layers(path, arch, pattern, window, n_layers))
+    if scaling == "yarn":
+      cfg = cfg.replace(rope_scaling=YarnScaling(
+          factor=float(need("rope.scaling.factor", "number")),
+          original_max_position=need("rope.scaling.original_context_length"),
+          beta_fast=float(opt("rope.scaling.yarn_beta_fast", 32.0, "number")),
+          beta_slow=float(opt("rope.scaling.yarn_beta_slow", 1.0, "number"))))
     freqs = stored.get("rope_freqs.weight")
+    if freqs is not None and scaling == "yarn":
+      raise ValueError(f"{path}: both {arch}.rope.scaling.type='yarn' and a rope_freqs.weight "
+                       "tensor; expected one RoPE scaling")
     if freqs is not None:
       cfg = cfg.replace(rope_scaling=self._rope_scaling(cfg, freqs))
     return cfg
@@ -419,6 +456,26 @@ class GGUFCheckpoint:
     return vocab_tokenizer(self.vocab, self.path, self.config.vocab_size)
 
 
+def _window_layers(path, arch, pattern, window, n_layers) -> tuple[int, ...] | None:
+  """The layers `<arch>.attention.sliding_window_pattern` marks true (llama.cpp's per-layer
+  form: one bool per layer); None when absent."""
+  if pattern is None:
+    return None
+  key = f"{arch}.attention.sliding_window_pattern"
+  if not (isinstance(pattern, list) and len(pattern) == n_layers
+          and all(isinstance(x, bool) for x in pattern)) or window is None:
+    shown = repr(pattern) if len(repr(pattern)) <= 60 else repr(pattern)[:57] + "..."
+    raise errors.expected(path, f"metadata {key}={shown}" + (
+        f" without {arch}.attention.sliding_window" if window is None else ""),
+        f"{n_layers} bools (block_count), true where the sliding window applies, with "
+        "attention.sliding_window set")
+  layers = tuple(i for i, on in enumerate(pattern) if on)
+  if not layers:
+    raise errors.expected(path, f"metadata {key} all false", "no attention.sliding_window "
+                          "for a model without windowed layers")
+  return layers
+
+
 def _gguf_names(cfg: LlamaConfig) -> dict[str, str]:
   """GGUF tensor name -> contract name for `cfg` (lm_head listed even when tied)."""
   names = dict(_GLOBAL)
@@ -446,7 +503,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer
+# Vocabulary metadata
 
 
 def _vocab(r) -> GGUFVocab | None:
@@ -467,158 +524,6 @@ def _vocab(r) -> GGUFVocab | None:
       chat_template=_field(r, "tokenizer.chat_template", kind="str"))
 
 
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by `tokenizer.ggml.pre`. GPT-2's is the
-# one `tokenizers`' ByteLevel pre-tokenizer applies itself.
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
-                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_GPT2 = ("default", "gpt-2")
-_PRE_DIGITS_GPT2 = ("smollm", "starcoder", "refact")   # each digit alone, then GPT-2's regex
-_PRE_LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
-SUPPORTED_PRE = _PRE_GPT2 + _PRE_DIGITS_GPT2 + _PRE_LLAMA3
-
-
-def _bpe_tokenizer(v: GGUFVocab, where: str):
-  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-  pre = v.pre
-  if pre is None:
-    warnings.warn(f"{where}: no tokenizer.ggml.pre; using GPT-2's pre-tokenizer as llama.cpp "
-                  "does (it warns that generation quality may suffer)")
-    pre = "default"
-  if pre not in SUPPORTED_PRE:
-    raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r}; supported pre-tokenizers: "
-                     f"{', '.join(SUPPORTED_PRE)}")
-  if not v.merges:
-    raise ValueError(f"{where}: a gpt2 (BPE) vocabulary without tokenizer.ggml.merges")
-  merges = []
-  for m in v.merges:
-    cut = m.find(" ", 1)   # llama.cpp splits at the first space after the first character
-    if cut < 0:
-      raise ValueError(f"{where}: tokenizer.ggml.merges entry {m!r} is not 'left right'")
-    merges.append((m[:cut], m[cut + 1:]))
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(v.tokens)}, merges=merges,
-                             fuse_unk=False, byte_fallback=False,
-                             ignore_merges=pre in _PRE_LLAMA3))
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _PRE_LLAMA3)
-  if pre in _PRE_GPT2:
-    tok.pre_tokenizer = byte_level
-  elif pre in _PRE_DIGITS_GPT2:
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 byte_level])
-  else:
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"), byte_level])
-  tok.decoder = decoders.ByteLevel()
-  return tok, pre
-
-
-def _spm_tokenizer(v: GGUFVocab, where: str):
-  """SentencePiece BPE as transformers' LlamaConverter builds it: merges of normal pieces
-  ranked by the merged piece's score, byte fallback, "▁" for spaces and a leading one."""
-  from tokenizers import Tokenizer, decoders, models, normalizers
-  if v.scores is None or len(v.scores) != len(v.tokens):
-    raise ValueError(f"{where}: a llama (SentencePiece) vocabulary needs one score per token "
-                     f"(tokenizer.ggml.scores has {0 if v.scores is None else len(v.scores)}, "
-                     f"tokens {len(v.tokens)})")
-  types = v.token_types or [_NORMAL] * len(v.tokens)
-  ids = {}
-  for i, t in enumerate(v.tokens):
-    ids.setdefault(t, i)
-  normal = {t: i for t, i in ids.items() if types[i] == _NORMAL}
-  merges = []
-  for piece, i in normal.items():
-    for cut in range(1, len(piece)):
-      a, b = piece[:cut], piece[cut:]
-      if a in normal and b in normal:
-        merges.append((-v.scores[i], i, a, b))
-  merges = [(a, b) for *_, a, b in sorted(merges)]
-  unk = v.tokens[v.unk_id] if v.unk_id is not None else None
-  tok = Tokenizer(models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True,
-                             byte_fallback=True))
-  steps = [normalizers.Replace(" ", "▁")]
-  if v.add_space_prefix is None or v.add_space_prefix:   # llama.cpp's default for llama vocabs
-    steps.insert(0, normalizers.Prepend("▁"))
-  tok.normalizer = normalizers.Sequence(steps)
-  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-  return tok
-
-
-def vocab_tokenizer(v: GGUFVocab | None, where: str, vocab_size: int | None = None):
-  """`llm.tokenizer.HFTokenizer` for a GGUF vocabulary (None: the file has none)."""
-  from tokenizers import AddedToken
-
-  from llm.tokenizer import HFTokenizer
-  if v is None:
-    raise ValueError(f"{where}: no tokenizer.ggml.model: the file carries no vocabulary; pass "
-                     "--tokenizer")
-  if vocab_size is not None and len(v.tokens) > vocab_size:
-    raise ValueError(f"{where}: {len(v.tokens)} tokens in tokenizer.ggml.tokens, more than the "
-                     f"model's vocabulary of {vocab_size}")
-  if v.token_types and len(v.token_types) != len(v.tokens):
-    raise ValueError(f"{where}: {len(v.token_types)} token types for {len(v.tokens)} tokens")
-  for name, i in (("unknown_token_id", v.unk_id), ("eot_token_id", v.eot_id)):
-    if i is not None and not 0 <= i < len(v.tokens):
-      raise ValueError(f"{where}: tokenizer.ggml.{name}={i} outside the {len(v.tokens)} tokens")
-  try:
-    if v.model == "gpt2":
-      tok, pre = _bpe_tokenizer(v, where)
-      default_bos = pre in _PRE_LLAMA3             # llama.cpp: llama3-family BPE adds BOS
-    elif v.model == "llama":
-      tok, default_bos = _spm_tokenizer(v, where), True
-    else:
-      raise ValueError(f"{where}: tokenizer.ggml.model={v.model!r}; supported: 'gpt2' "
-                       "(byte-level BPE) and 'llama' (SentencePiece)")
-  except ValueError:
-    raise
-  except Exception as e:   # the tokenizers library raises a bare Exception naming no file
-    raise ValueError(f"{where}: the tokenizer.ggml.* vocabulary does not build a tokenizer "
-                     f"({e})") from None
-  types = v.token_types or [_NORMAL] * len(v.tokens)
-  special = [AddedToken(t, special=True, normalized=False)
-             for t, k in zip(v.tokens, types) if k in (_CONTROL, _UNKNOWN)]
-  user = [AddedToken(t, special=False, normalized=False)
-          for t, k in zip(v.tokens, types) if k == _USER_DEFINED]
-  tok.add_special_tokens(special)
-  tok.add_tokens(user)
-  bos = v.bos_id if v.bos_id is not None else (1 if v.model == "llama" else None)
-  eos = v.eos_id if v.eos_id is not None else (2 if v.model == "llama" else None)
-  add_bos = default_bos if v.add_bos is None else v.add_bos
-  add_eos = bool(v.add_eos)
-  for name, i, on in (("bos", bos, add_bos), ("eos", eos, add_eos)):
-    if i is not None and not 0 <= i < len(v.tokens):
-      raise ValueError(f"{where}: tokenizer.ggml.{name}_token_id={i} outside the "
-                       f"{len(v.tokens)} tokens")
-    if on and i is None:
-      raise ValueError(f"{where}: tokenizer.ggml.add_{name}_token is true but there is no "
-                       f"tokenizer.ggml.{name}_token_id")
-  stop = tuple(dict.fromkeys(i for i in (eos, v.eot_id) if i is not None))
-  return HFTokenizer.from_tokenizers(tok, where, bos_id=bos, eos_id=eos, stop_ids=stop,
-                                     add_bos=add_bos, add_eos=add_eos,
-                                     chat_template=v.chat_template)
-
-
-def vocab_from_llama2c(tok) -> GGUFVocab:
-  """A llama2.c tokenizer.bin vocabulary as GGUF `llama` (SentencePiece) metadata."""
-  tokens, types = [], []
-  for i, p in enumerate(tok.pieces):
-    if i in tok.byte_of:
-      tokens.append(p.decode("ascii"))
-      types.append(_BYTE)
-    elif i in (tok.bos_id, tok.eos_id):
-      tokens.append("<s>" if i == tok.bos_id else "</s>")
-      types.append(_CONTROL)
-    elif p == b"<unk>":
-      tokens.append("<unk>")
-      types.append(_UNKNOWN)
-    else:
-      tokens.append(p.decode("utf-8", errors="replace").replace(" ", "▁"))
-      types.append(_NORMAL)
-  unk = next((i for i, k in enumerate(types) if k == _UNKNOWN), None)
-  return GGUFVocab(model="llama", tokens=tokens, token_types=types, scores=list(tok.scores),
-                   bos_id=tok.bos_id, eos_id=tok.eos_id, unk_id=unk, add_bos=True,
-                   add_eos=False, add_space_prefix=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing
 
@@ -630,10 +535,13 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
   Mistral too, as llama.cpp's converter writes it): matrices in `qtype` (F32, F16 or Q8_0;
   a Q8_0 matrix whose rows are not whole 32-blocks is stored F16, as llama.cpp's converter
   does), norms and biases in F32, "llama" q / k rows permuted to llama.cpp's interleaved
-  RoPE layout, Llama 3 RoPE scaling as rope_freqs.weight, a sliding window as
-  `<arch>.attention.sliding_window` (read back here; llama.cpp ignores it for these
+  RoPE layout, Llama 3 RoPE scaling as rope_freqs.weight, YaRN as rope.scaling.*, a sliding
+  window as `<arch>.attention.sliding_window` (its layers, when not all, as
+  attention.sliding_window_pattern; read back here; llama.cpp ignores both for these
   architectures and runs full attention). `vocab` (GGUFCheckpoint.vocab,
-  `vocab_from_llama2c`) is written as tokenizer.ggml.*; llama.cpp needs one to run the file."""
+  `llm.gguf_vocab.vocab_from_llama2c`) is written as tokenizer.ggml.*, padded to the
+  embedding's rows with unused `[PAD<id>]` tokens where it has fewer (llama.cpp needs one to
+  run the file, and one token per row)."""
   gguf = _gguf()
   from llm.config import family
   from llm.weights import _from_contract, _hf_names, check_weights, half_to_interleaved
@@ -660,12 +568,16 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
   w.add_layer_norm_rms_eps(cfg.norm_eps)
   if cfg.sliding_window is not None:
     w.add_sliding_window(cfg.sliding_window)
+    if cfg.window_layers is not None:
+      w.add_sliding_window_pattern([i in cfg.window_layers for i in range(cfg.n_layers)])
+  if isinstance(cfg.rope_scaling, YarnScaling):
+    _add_yarn(w, cfg.rope_scaling, path)
   w.add_vocab_size(cfg.vocab_size)
   w.add_file_type(int(file_type))
   w.add_quantization_version(gguf.GGML_QUANT_VERSION)
   if vocab is not None:
-    _add_vocab(w, vocab)
-  if cfg.rope_scaling is not None:
+    _add_vocab(w, _padded_vocab(vocab, cfg.vocab_size, path))
+  if isinstance(cfg.rope_scaling, RopeScaling):
     from llm.model import rope_frequencies
     base = rope_frequencies(cfg.head_dim, cfg.rope_theta, None)
     scaled = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -690,6 +602,37 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
   w.write_tensors_to_file()
   w.close()
   return path
+
+
+def _add_yarn(w, s: YarnScaling, path: str) -> None:
+  """YaRN as llama.cpp's converter writes it; settings GGUF has no key for are refused."""
+  if s.attention_factor is not None or s.mscale or s.mscale_all_dim or not s.truncate:
+    raise errors.expected(f"save_gguf({path})", f"{s}", "YaRN with the default attention "
+                          "factor and truncate=True (GGUF keys: factor, original context, betas)")
+  gguf = _gguf()
+  w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+  w.add_rope_scaling_factor(s.factor)
+  w.add_rope_scaling_orig_ctx_len(s.original_max_position)
+  w.add_rope_scaling_yarn_beta_fast(s.beta_fast)
+  w.add_rope_scaling_yarn_beta_slow(s.beta_slow)
+
+
+def _padded_vocab(v: GGUFVocab, vocab_size: int, path: str) -> GGUFVocab:
+  """`v` with one token per embedding row: llama.cpp sizes token_embd / output by the token
+  list and refuses a file whose tensors have more rows. Missing ids become `[PAD<id>]`, unused
+  (score -1000 for SentencePiece), as llama.cpp's converter pads Qwen2's embeddings."""
+  n = len(v.tokens)
+  if n > vocab_size:
+    raise ValueError(f"save_gguf({path}): {n} vocabulary tokens, more than the model's "
+                     f"{vocab_size} embedding rows")
+  if n == vocab_size:
+    return v
+  pad = range(n, vocab_size)
+  types = list(v.token_types) if v.token_types else [1] * n   # 1: normal
+  return dataclasses.replace(
+      v, tokens=list(v.tokens) + [f"[PAD{i}]" for i in pad],
+      token_types=types + [5] * len(pad),                       # 5: unused
+      scores=None if v.scores is None else list(v.scores) + [-1000.0] * len(pad))
 
 
 def _add_vocab(w, v: GGUFVocab) -> None:

@@ -29,10 +29,15 @@ e.g. to take logits at a few positions only.
 
 Qwen2 and Mistral are options of this model (`llm.config`): `cfg.qkv_bias` adds
 layers[i].attn.bq [H,K], .bk/.bv [G,K] to q / k / v before RoPE; `cfg.sliding_window` W
-narrows every layer's attention to keys at positions > q_pos - W (`sliding_window_mask`,
-passed as the explicit `mask` of `llm.attention`, so the jnp implementations apply it in
-training, prefill and decode over the cache alike; the config refuses the kernels and ring
-attention with a window). The cache still keeps every token (no rolling buffer).
+narrows the attention of every layer (or of the layers `cfg.window_layers` lists) to keys
+at positions > q_pos - W (`sliding_window_mask`, passed as the explicit `mask` of
+`llm.attention`, so the jnp implementations apply it in training, prefill and decode over
+the cache alike; the config refuses the kernels and ring attention with a window). YaRN
+RoPE scaling multiplies cos and sin by its attention factor. The cache keeps every token,
+or, made with `rolling=True` for a window in every layer, its last S tokens in slots
+reused in turn (Mistral's rolling buffer: slot = token index mod S; a prefill attends
+within the call and writes its last S tokens; later calls of T tokens need S >= W + T - 1,
+so that no key a query sees is overwritten by the same call).
 
 Context parallelism (arXiv 2411.01783): with cfg.context_parallel "pass_kv" | "pass_q" |
 "auto" and a `jax.set_mesh` mesh with a `cp` axis of N > 1 ranks, the same calls run context
@@ -75,9 +80,11 @@ from core.mesh import LLM_RULES, Rules, logical_to_spec, mesh_axes
 from llm.attention import attention, layout
 from llm.config import LlamaConfig
 # CPU_MIN_ROWS, einsum, sum_last and rope_frequencies are also this module's names.
-from llm.numerics import CPU_MIN_ROWS, apply_rope, einsum, rope_frequencies, sum_last
+from llm.numerics import (CPU_MIN_ROWS, apply_rope, einsum, rope_frequencies, rope_scale,
+                          sum_last)
 from llm.lora import LoraWeight
 from llm.quantized import QuantizedParam
+from llm.remat import remat_policy
 
 # Position of an empty cache slot: above any real position, so `kv_pos <= q_pos` hides it.
 SENTINEL_POS = 2 ** 30
@@ -185,21 +192,31 @@ def cp_ranks(cfg: LlamaConfig) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Per-layer keys/values in slots; each slot tagged with its token position."""
+  """Per-layer keys/values in slots; each slot tagged with its token position. A rolling
+  cache (Mistral's rolling buffer, arXiv 2310.06825) puts a row's i-th token in slot i mod S,
+  keeping its last S tokens: for a model whose every layer has a sliding window W <= S."""
 
   k: tuple[jax.Array, ...]   # per layer [B,S,G,K]
   v: tuple[jax.Array, ...]   # per layer [B,S,G,K]
   pos: jax.Array             # [B,S] int32, SENTINEL_POS for an empty slot
   length: jax.Array          # [B] int32: tokens per row (without CP, also its next slot)
+  rolling: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
-  def init(cls, cfg: LlamaConfig, batch: int, max_len: int) -> KVCache:
+  def init(cls, cfg: LlamaConfig, batch: int, max_len: int, rolling: bool = False) -> KVCache:
     """Empty cache; under context parallelism its slots are split over cp (see the module
-    docstring), so max_len must be a multiple of the cp ranks."""
+    docstring), so max_len must be a multiple of the cp ranks. `rolling`: max_len slots
+    reused in turn, for a window in every layer of at most max_len, without CP."""
     cp = _context_parallel(cfg)
     if cp is not None and max_len % cp.n:
       raise ValueError(f"KVCache.init: max_len={max_len} slots is not a multiple of the "
                        f"{cp.n} ranks of mesh axis {cp.axis!r}")
+    if rolling and (cfg.sliding_window is None or cfg.window_layers is not None
+                    or max_len < cfg.sliding_window or cp is not None):
+      raise ValueError(f"KVCache.init: rolling=True with sliding_window={cfg.sliding_window}, "
+                       f"window_layers={cfg.window_layers}, max_len={max_len}"
+                       f"{'' if cp is None else f', {cp.n} context-parallel ranks'}; a rolling "
+                       "cache needs a window in every layer of at most max_len slots, no CP")
     names, pos_names = ((CACHE_NAMES, CACHE_POS_NAMES) if cp is None
                         else (CP_CACHE_NAMES, CP_CACHE_POS_NAMES))
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
@@ -207,7 +224,7 @@ class KVCache:
     return cls(k=tuple(zeros() for _ in range(cfg.n_layers)),
                v=tuple(zeros() for _ in range(cfg.n_layers)),
                pos=constrain(jnp.full((batch, max_len), SENTINEL_POS, jnp.int32), pos_names),
-               length=jnp.zeros((batch,), jnp.int32))
+               length=jnp.zeros((batch,), jnp.int32), rolling=rolling)
 
   @property
   def max_len(self) -> int:
@@ -231,35 +248,6 @@ def _write_cache(buf_BS, slots_BT, new_BT, cp: _CP | None):
   spec = _spec(buf_BS.shape, names, LLM_RULES, cp.mesh)
   out = ring.write_slots(buf_BS, slots_BT, new_BT, mesh=cp.mesh, spec=spec, axis=cp.axis)
   return constrain(out, names)
-
-
-# --- remat
-
-# Residuals the attention kernels name (llm/attention/cudnn.py): saving them keeps a
-# rematerialized block from running the attention forward again in its backward pass.
-ATTENTION_RESIDUALS = ("attention_out", "attention_stats")
-
-
-def remat_policy(name: str):
-  """jax.checkpoint policy of LlamaConfig.remat_policy (used when cfg.remat):
-    "full"       save nothing: every block is recomputed in the backward (least memory);
-    "dots"       save matmul outputs without batch dims (q/k/v/o projections, the MLP) and
-                 the attention kernel's outputs; recompute the cheap elementwise parts
-                 (RMSNorm, RoPE, SwiGLU's gate), as MaxText's default policies do;
-    "attention"  save only the attention kernel's outputs; recompute the matmuls.
-  """
-  cp = jax.checkpoint_policies
-  names = cp.save_only_these_names(*ATTENTION_RESIDUALS)
-  if name == "full":
-    return None
-  if name == "dots":
-    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, names)
-  if name == "attention":
-    return names
-  raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
-
-
-REMAT_POLICIES = ("full", "dots", "attention")
 
 
 # --- layers
@@ -331,8 +319,9 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE, optionally reading/writing a KV cache."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0):
     self.cfg = cfg
+    self.window = cfg.layer_window(layer)    # this layer's sliding window (None: full)
     d, h, g, k, pd = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
     self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), d ** -0.5, pd)
     self.wk = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), d ** -0.5, pd)
@@ -367,8 +356,9 @@ class Attention(nnx.Module):
     if rope_pos_BT is None:
       b, t = x_BTD.shape[:2]
       rope_pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    q_BTHK = apply_rope(q_BTHK, rope_pos_BT, inv_freq)
-    k_BTGK = apply_rope(k_BTGK, rope_pos_BT, inv_freq)
+    scale = rope_scale(cfg.rope_scaling)
+    q_BTHK = apply_rope(q_BTHK, rope_pos_BT, inv_freq, scale)
+    k_BTGK = apply_rope(k_BTGK, rope_pos_BT, inv_freq, scale)
     cp = _context_parallel(cfg)
     if hasattr(kv, "write_and_attend"):   # a paged KV cache (llm/serving/paged.py)
       out_BTHK, kv = kv.write_and_attend(q_BTHK, k_BTGK, v_BTGK, rope_pos_BT)
@@ -388,7 +378,7 @@ class Attention(nnx.Module):
         kv_pos, seg = positions_BT, call_seg_BT
     kw = dict(causal=True, q_positions=positions_BT, kv_positions=kv_pos, q_segment_ids=seg,
               kv_segment_ids=seg)
-    window_BTS = sliding_window_mask(positions_BT, kv_pos, cfg.sliding_window,
+    window_BTS = sliding_window_mask(positions_BT, kv_pos, self.window,
                                      x_BTD.shape[0], x_BTD.shape[1], k_all.shape[1])
     if window_BTS is not None:   # LlamaConfig allows a window only on the jnp paths, no CP
       mask_BTS = window_BTS if mask_BTS is None else mask_BTS.astype(bool) & window_BTS
@@ -435,9 +425,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0):
     self.attn_norm = RMSNorm(cfg)
-    self.attn = Attention(cfg, rngs)
+    self.attn = Attention(cfg, rngs, layer)
     self.mlp_norm = RMSNorm(cfg)
     self.mlp = MLP(cfg, rngs)
 
@@ -458,13 +448,13 @@ class Llama(nnx.Module):
     # Embedding rows and output columns ~ N(0, 1/D): unit-scale logits after the final norm,
     # tied or not.
     self.embed = _param(rngs, (v, d), ("vocab", "embed"), d ** -0.5, pd)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), d ** -0.5, pd)
 
-  def init_cache(self, batch: int, max_len: int) -> KVCache:
-    return KVCache.init(self.cfg, batch, max_len)
+  def init_cache(self, batch: int, max_len: int, rolling: bool = False) -> KVCache:
+    return KVCache.init(self.cfg, batch, max_len, rolling)
 
   def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
                cache: KVCache | None = None, lengths_B=None, mask_BTS=None, slots_BT=None):
@@ -565,7 +555,7 @@ class Llama(nnx.Module):
     h_BTD = unbalance(h_BTD)
     if cache is not None:
       cache = KVCache(k=tuple(new_k), v=tuple(new_v), pos=kv_pos_BS,
-                      length=cache.length + n_new_B)
+                      length=cache.length + n_new_B, rolling=cache.rolling)
     if taps:
       return h_BTD, cache, unbalance(jnp.concatenate([tapped[i] for i in taps], axis=-1))
     return h_BTD, cache
@@ -585,7 +575,18 @@ class Llama(nnx.Module):
       positions_BT = cache.length[:, None] + arange_T
     positions_BT = perm(jnp.asarray(positions_BT, jnp.int32))
     valid_BT = perm(arange_T < n_new_B[:, None])
-    if cp is None:
+    if cache.rolling:
+      # Token i of a row goes to slot i mod S; of a call longer than S, only its last S
+      # tokens are written (no two writes to one slot); padding goes to slot S (dropped).
+      s, w = cache.max_len, self.cfg.sliding_window
+      if given_slots_BT is not None or cp is not None or (not fresh_cache and t > s - w + 1):
+        raise ValueError(f"Llama.hidden: a rolling cache of {s} slots (window {w}) takes "
+                         f"prefills (fresh_cache) and calls of up to {s - w + 1} tokens, no "
+                         f"given slots, no context parallelism; got {t} tokens"
+                         f"{', slots_BT' if given_slots_BT is not None else ''}")
+      keep_BT = valid_BT & (arange_T >= n_new_B[:, None] - s)
+      slots_BT = jnp.where(keep_BT, (cache.length[:, None] + arange_T) % s, s)
+    elif cp is None:
       # Padding goes to slot S, out of range, which the scatter drops.
       default_BT = (cache.length[:, None] + arange_T if given_slots_BT is None
                     else jnp.asarray(given_slots_BT, jnp.int32))

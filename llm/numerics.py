@@ -1,7 +1,8 @@
 """RoPE and the products and sums of the Llama layers, in arithmetic whose bits per row do not
 depend on how many rows are computed together.
 
-`rope_frequencies` (Llama 3.1 scaling) and `apply_rope` (half-split pairs j, j + K/2);
+`rope_frequencies` (Llama 3.1 or YaRN scaling), `rope_scale` (YaRN's factor on cos / sin) and
+`apply_rope` (half-split pairs j, j + K/2);
 `einsum` (on CPU, 16-bit products of one or two rows run with the rows repeated to
 CPU_MIN_ROWS) and `sum_last` (a sum over the last axis in one fixed order of adds): a decode
 step, a prefill and a speculative verification give each row the same bits.
@@ -17,14 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm.config import RopeScaling
+from llm.config import RopeScaling, YarnScaling
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """Inverse frequencies [K/2] (float32), with Llama 3.1 scaling when `scaling` is set:
-  long wavelengths are divided by `factor`, short ones kept, and the band between
-  original_max_position / high_freq_factor and / low_freq_factor interpolated smoothly."""
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | YarnScaling | None) -> np.ndarray:
+  """Inverse frequencies [K/2] (float32). Llama 3.1 scaling (`RopeScaling`): long
+  wavelengths are divided by `factor`, short ones kept, and the band between
+  original_max_position / high_freq_factor and / low_freq_factor interpolated smoothly.
+  YaRN (`YarnScaling`): `_yarn_frequencies`."""
   inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if isinstance(scaling, YarnScaling):
+    return _yarn_frequencies(inv, head_dim, theta, scaling).astype(np.float32)
   if scaling is not None:
     s = scaling
     low_wavelen = s.original_max_position / s.low_freq_factor
@@ -39,10 +44,40 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
   return inv.astype(np.float32)
 
 
-def apply_rope(x_BTNK: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates (x[j], x[j + K/2]) by position * inv_freq[j] (half-split convention), in fp32."""
+def _yarn_frequencies(inv: np.ndarray, head_dim: int, theta: float,
+                      s: YarnScaling) -> np.ndarray:
+  """YaRN as transformers' `_compute_yarn_parameters` (and llama.cpp's rope_yarn): pair j
+  keeps its frequency (extrapolation) below the correction range's low end, takes it / factor
+  (interpolation) above its high end, and a linear blend between. The range: the pairs
+  that turn beta_fast and beta_slow times over original_max_position, floored / ceiled when
+  `truncate`, clipped to [0, K - 1]."""
+  def dim_of(rotations):
+    return (head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(theta)))
+
+  low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001          # as transformers: no division by zero
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+  return inv / s.factor * ramp + inv * (1 - ramp)
+
+
+def rope_scale(scaling: RopeScaling | YarnScaling | None) -> float:
+  """The factor on cos and sin: YaRN's attention factor, else 1."""
+  return scaling.cos_sin_scale() if isinstance(scaling, YarnScaling) else 1.0
+
+
+def apply_rope(x_BTNK: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray,
+               scale: float = 1.0) -> jax.Array:
+  """Rotates (x[j], x[j + K/2]) by position * inv_freq[j] (half-split convention), in fp32,
+  cos and sin multiplied by `scale` (YaRN's attention factor; `rope_scale`)."""
   angles_BTk = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   cos, sin = jnp.cos(angles_BTk)[:, :, None], jnp.sin(angles_BTk)[:, :, None]
+  if scale != 1.0:
+    cos, sin = cos * np.float32(scale), sin * np.float32(scale)
   x1, x2 = jnp.split(x_BTNK.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTNK.dtype)

@@ -10,7 +10,7 @@ vocab_size, add_bos / add_eos, chat_template):
                        BOS / EOS come from tokenizer_config.json, config.json and
                        generation_config.json beside it, the chat template from
                        chat_template.jinja or tokenizer_config.json. GGUF files build one from
-                       their embedded vocabulary (`llm.gguf`).
+                       their embedded vocabulary (`llm.gguf_vocab`).
   Llama2cTokenizer     llama2.c's `tokenizer.bin` (a SentencePiece BPE vocabulary exported by
                        llama2.c's tokenizer.py), encoded as llama2.c's run.c does.
 
@@ -170,7 +170,8 @@ class HFTokenizer:
   def from_tokenizers(cls, tok, source: str, *, bos_id: int | None, eos_id: int | None,
                       stop_ids: tuple[int, ...], add_bos: bool, add_eos: bool,
                       chat_template: str | None) -> HFTokenizer:
-    """Wraps a `tokenizers.Tokenizer` built elsewhere (a GGUF's vocabulary, `llm.gguf`)."""
+    """Wraps a `tokenizers.Tokenizer` built elsewhere (a GGUF's vocabulary,
+    `llm.gguf_vocab`)."""
     self = cls.__new__(cls)
     self._tok, self.source = tok, source
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -478,7 +479,7 @@ def is_gguf(path: str) -> bool:
 def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
   """A directory holding tokenizer.json (a HF model directory), a `*.json` file (HF), or
   any other file (llama2.c tokenizer.bin, checked against `vocab_size` when given). A GGUF
-  file's vocabulary is read by `llm.checkpoints.load_tokenizer` (which `llm.gguf` builds
+  file's vocabulary is read by `llm.checkpoints.load_tokenizer` (which `llm.gguf_vocab` builds
   with this module's HFTokenizer)."""
   if is_gguf(path):
     raise errors.expected(path, "a GGUF file", "a tokenizer.json, a directory holding one or "

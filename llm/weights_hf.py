@@ -6,11 +6,11 @@ understood, or an error naming it) and the tensors of model.safetensors, of a sh
 index's files or of any *.safetensors, one at a time, into the contract dict
 (`llm.weights_layout`); `save_hf` writes one, sharded by size, as the architecture
 `llm.config.family` names. model_type "llama" (LlamaForCausalLM), "qwen2"
-(Qwen2ForCausalLM: q / k / v biases, `use_sliding_window` honored when it covers every
-layer or none) and "mistral" (MistralForCausalLM: `sliding_window`) are read; any other
-model_type is refused naming it. A file whose size disagrees
-with its header (a truncated download), a NaN or Inf, an unexpected or missing tensor and a
-JSON error are errors naming the file and the tensor or key.
+(Qwen2ForCausalLM: q / k / v biases, `use_sliding_window` in the layers `layer_types` or
+`max_window_layers` give) and "mistral" (MistralForCausalLM: `sliding_window`) are read, with
+RoPE default, llama3 or yarn; any other model_type or rope type is refused naming it. A file
+whose size disagrees with its header (a truncated download), a NaN or Inf, an unexpected or
+missing tensor and a JSON error are errors naming the file and the tensor or key.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import re
 import numpy as np
 
 from core import errors
-from llm.config import LlamaConfig, RopeScaling, family
+from llm.config import LlamaConfig, RopeScaling, YarnScaling, family
 from llm.weights_layout import (DTYPES, Weights, check_finite, check_weights, in_out, out_in,
                                 param_shapes)
 
@@ -142,12 +142,17 @@ def _harmless_key(key: str) -> bool:
           or key.endswith("_token_id") or key.endswith("_token_ids"))
 
 
+# Keys each rope type needs, and those it may have besides (transformers' validation).
 _ROPE_KEYS = {"default": frozenset(),
               "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings"})}
+                                   "original_max_position_embeddings"}),
+              "yarn": frozenset({"factor"})}
+_ROPE_OPTIONAL = {"yarn": frozenset({"original_max_position_embeddings", "beta_fast",
+                                     "beta_slow", "attention_factor", "mscale",
+                                     "mscale_all_dim", "truncate"})}
 
 
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | YarnScaling | None]:
   """(theta, scaling) from either layout: transformers 4.x's top-level `rope_theta` and
   `rope_scaling`, or transformers 5's `rope_parameters` (theta and type nested)."""
   params = hf.get("rope_parameters")
@@ -183,7 +188,8 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
                       ("partial_rotary_factor", hf.get("partial_rotary_factor"))):
     if value is not None and _number(value, name, where) != 1.0:
       raise ValueError(f"{where}: {name}={value}; only full rotary dims (1.0) are supported")
-  known = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+  known = (_ROPE_KEYS[kind] | _ROPE_OPTIONAL.get(kind, frozenset())
+           | {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
   unknown = sorted(set(rope) - known)
   if unknown:
     raise ValueError(f"{where}: {source} keys {unknown} are not understood for rope type "
@@ -194,6 +200,8 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
   if kind == "default":
     return float(theta), None
   num = lambda key: _number(rope[key], f"{source}.{key}", where)  # noqa: E731
+  if kind == "yarn":
+    return float(theta), _yarn_from_hf(hf, rope, source, where)
   scaling = RopeScaling(factor=num("factor"), low_freq_factor=num("low_freq_factor"),
                         high_freq_factor=num("high_freq_factor"),
                         original_max_position=_count(rope["original_max_position_embeddings"],
@@ -206,6 +214,50 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
   return float(theta), scaling
 
 
+def _yarn_from_hf(hf: dict, rope: dict, source: str, where: str) -> YarnScaling:
+  """YaRN's settings as transformers reads them: original_max_position_embeddings defaulting
+  to max_position_embeddings, beta_fast / beta_slow to 32 / 1 when absent or 0."""
+  def opt(key, default=None):
+    v = rope.get(key)
+    return default if v is None else _number(v, f"{source}.{key}", where)
+
+  orig = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+  if orig is None:
+    raise errors.expected(where, f"{source} of rope type 'yarn' without "
+                          "original_max_position_embeddings or max_position_embeddings",
+                          "the pretraining context length in one of them")
+  truncate = rope.get("truncate", True)
+  if not isinstance(truncate, bool):
+    raise errors.expected(where, f"{source}.truncate={truncate!r}", "true or false")
+  factor = _number(rope["factor"], f"{source}.factor", where)
+  if not factor >= 1:
+    raise errors.expected(where, f"{source}.factor={factor}", "a YaRN factor >= 1")
+  return YarnScaling(factor=factor, original_max_position=_count(
+      orig, f"{source}.original_max_position_embeddings", where),
+      beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
+      attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+      mscale_all_dim=opt("mscale_all_dim"), truncate=truncate)
+
+
+def _rope_to_hf(rs: RopeScaling | YarnScaling | None) -> dict | None:
+  """config.json's rope_scaling of `rs` (4.x layout, which transformers 5 reads too)."""
+  if rs is None:
+    return None
+  if isinstance(rs, YarnScaling):
+    out = {"rope_type": "yarn", "factor": rs.factor,
+           "original_max_position_embeddings": rs.original_max_position,
+           "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow}
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+      if getattr(rs, key) is not None:
+        out[key] = getattr(rs, key)
+    if not rs.truncate:
+      out["truncate"] = False
+    return out
+  return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+          "high_freq_factor": rs.high_freq_factor,
+          "original_max_position_embeddings": rs.original_max_position}
+
+
 def _supported() -> str:
   return ", ".join(f"{t!r} ({a})" for t, a in ARCHITECTURES.items())
 
@@ -214,8 +266,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
   """LlamaConfig from a HF `config.json` dict of a Llama, Qwen2 or Mistral as transformers
   4.x or 5 writes it (runtime fields keep their defaults). A key that would change the
   arithmetic and is not understood (another model_type, a rope type other than default /
-  llama3, a missing rope_theta, biases other than Qwen2's, another activation, a window in
-  some layers only, an unknown key) is an error, never a silent default."""
+  llama3 / yarn, a missing rope_theta, biases other than Qwen2's, another activation, an
+  unknown key) is an error, never a silent default."""
   if not isinstance(hf, dict):
     raise errors.expected(where, f"a JSON {_json_kind(hf)}", "a JSON object of a model's "
                           "settings (transformers' config.json)")
@@ -276,26 +328,28 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
   if not eps > 0:
     raise errors.expected(where, f"rms_norm_eps={eps!r}", "a number > 0")
   n_layers = count("num_hidden_layers")
+  window, window_layers = _window_from_hf(hf, model_type, n_layers, where)
   return LlamaConfig(
       vocab_size=count("vocab_size"), dim=dim, n_layers=n_layers,
       n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=count("intermediate_size"),
       head_dim=head_dim, norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
       tie_embeddings=tie, max_seq_len=count("max_position_embeddings", 2048),
       qkv_bias=model_type == "qwen2",
-      sliding_window=_window_from_hf(hf, model_type, n_layers, where))
+      sliding_window=window, window_layers=window_layers)
 
 
-def _window_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> int | None:
-  """The sliding window of every layer (None: full attention). Mistral: `sliding_window`
-  (null or absent: none). Qwen2 as transformers 5 reads it: `use_sliding_window` off means
-  none whatever `sliding_window` says; on, the layers `layer_types` marks
-  "sliding_attention" (without layer_types: those from `max_window_layers` on, default 28)
-  take the window, which must then be every layer or none."""
+def _window_from_hf(hf: dict, model_type: str, n_layers: int, where: str
+                    ) -> tuple[int | None, tuple[int, ...] | None]:
+  """(sliding window, the layers it applies to: None for every layer). Mistral:
+  `sliding_window` in every layer (null or absent: none). Qwen2 as transformers 5 reads it:
+  `use_sliding_window` off means none whatever `sliding_window` says; on, the layers
+  `layer_types` marks "sliding_attention" (without layer_types: those from
+  `max_window_layers` on, default 28) take the window."""
   if model_type == "llama":
-    return None
+    return None, None
   w = hf.get("sliding_window")
   if model_type == "mistral":
-    return None if w is None else _count(w, "sliding_window", where)
+    return (None if w is None else _count(w, "sliding_window", where)), None
   use = hf.get("use_sliding_window", False)
   if not isinstance(use, bool):
     raise errors.expected(where, f"use_sliding_window={use!r}", "true or false")
@@ -308,25 +362,18 @@ def _window_from_hf(hf: dict, model_type: str, n_layers: int, where: str) -> int
       raise errors.expected(where, f"layer_types={shown}", f"a list of {n_layers} entries "
                             "(num_hidden_layers), each 'full_attention' or 'sliding_attention'")
   if not use or w is None:
-    return None
+    return None, None
   w = _count(w, "sliding_window", where)
   if types is not None:
     windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    source = "layer_types"
   else:
     first = hf.get("max_window_layers", 28)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
       raise errors.expected(where, f"max_window_layers={first!r}", "an integer >= 0")
     windowed = list(range(first, n_layers))
-    source = f"max_window_layers={first}"
   if not windowed:
-    return None
-  if len(windowed) < n_layers:
-    raise errors.expected(where, f"use_sliding_window=true with the window in layers "
-                          f"{windowed[:8]}{'...' if len(windowed) > 8 else ''} of {n_layers} "
-                          f"only ({source})", "the window in every layer or in none (a "
-                          "per-layer window is not supported)")
-  return w
+    return None, None
+  return w, (None if len(windowed) == n_layers else tuple(windowed))
 
 
 def _json_kind(v) -> str:
@@ -359,19 +406,25 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
   """A transformers-loadable `config.json` dict for `cfg` as the architecture
   `llm.config.family` names (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM), in
   the 4.x layout (top-level rope_theta / rope_scaling), which transformers 4.x and 5 both
-  read; a Qwen2 window is written for every layer (max_window_layers 0 and layer_types)."""
-  rs = cfg.rope_scaling
+  read. A Qwen2 window is written as layer_types (transformers 5) and max_window_layers, its
+  first layer (transformers 4.x windows every layer from it on: the same layers when they
+  are the last ones, as Qwen2's own configs have them); only Qwen2 writes a window in some
+  layers."""
   kind = family(cfg)
+  if cfg.window_layers is not None and kind != "qwen2":
+    raise errors.expected("config_to_hf", f"window_layers={cfg.window_layers} on a {kind} "
+                          "config (no qkv_bias)", "a window in every layer (Mistral) or a "
+                          "Qwen2 config (qkv_bias=True), whose layer_types say it per layer")
   if kind == "llama":
     extra = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
   elif kind == "mistral":
     extra = {"sliding_window": cfg.sliding_window}
   else:
-    windowed = cfg.sliding_window is not None
-    extra = {"use_sliding_window": windowed, "sliding_window": cfg.sliding_window,
-             "max_window_layers": 0 if windowed else cfg.n_layers,
-             "layer_types": [("sliding_attention" if windowed else "full_attention")]
-                            * cfg.n_layers}
+    windowed = [i for i in range(cfg.n_layers) if cfg.layer_window(i) is not None]
+    extra = {"use_sliding_window": bool(windowed), "sliding_window": cfg.sliding_window,
+             "max_window_layers": windowed[0] if windowed else cfg.n_layers,
+             "layer_types": ["sliding_attention" if i in windowed else "full_attention"
+                             for i in range(cfg.n_layers)]}
   return {
       "architectures": [ARCHITECTURES[kind]], "model_type": kind, "hidden_act": "silu",
       **extra, "attention_dropout": 0.0, "use_cache": True, "initializer_range": 0.02,
@@ -379,10 +432,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
       "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-      "rope_scaling": None if rs is None else {
-          "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-          "high_freq_factor": rs.high_freq_factor,
-          "original_max_position_embeddings": rs.original_max_position},
+      "rope_scaling": _rope_to_hf(cfg.rope_scaling),
       "tie_word_embeddings": cfg.tie_embeddings,
       "max_position_embeddings": cfg.max_seq_len, "torch_dtype": dtype,
   }

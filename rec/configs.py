@@ -4,9 +4,9 @@
   RecRunConfig
     model      RecModelConfig   model, preset, embedding_dim, dtype, fp8_layers, fp8_recipe
     data       RecDataConfig    data, num_rows, bad_lines, days, csv_label, csv_dense,
-                                csv_categorical, eval_batches
+                                csv_categorical, eval_batches, group_by
     embedding  EmbeddingConfig  storage (a StorageSpec), sharding, sharding_overrides,
-                                memory_budget_gb,
+                                memory_budget_gb, host_memory_gb,
                  dedup  DedupConfig  dedup_features, dedup_capacity
                  a2a    A2AConfig    a2a_mode, a2a_error_bound, a2a_grad_error_bound,
                                      a2a_bits, a2a_table_factors, a2a_schedule
@@ -40,6 +40,7 @@ from core import memory as memory_lib
 from core import mesh as mesh_lib
 from core import settings as core_settings
 from core import train as train_loop
+from rec import metrics as metrics_lib
 from rec.data import dedup as dedup_lib
 from rec.data import sources as sources_lib
 from rec.data import workers as workers_lib
@@ -60,7 +61,8 @@ SHARDINGS = ("auto", "dp", "tw", "rw", "cw", "twrw")
 # Settings that only decide where the state lies (devices, mesh, the embedding plan): a
 # checkpoint written under others is resharded on restore (RecTask.restore_checkpoint), so
 # a resume or a prediction may change them.
-LAYOUT_SETTINGS = ("mesh", "sharding", "sharding_overrides", "memory_budget_gb")
+LAYOUT_SETTINGS = ("mesh", "sharding", "sharding_overrides", "memory_budget_gb",
+                   "host_memory_gb")
 
 # Settings of a rec run (those shared with the LM entry points are in core.settings).
 MODEL = config.setting(
@@ -87,6 +89,13 @@ CSV_DENSE = config.setting("csv_dense", "string", "--data=csv:DIR: dense columns
                            "empty = inferred (numeric I<n> columns), none = no dense.")
 CSV_CATEGORICAL = config.setting("csv_categorical", "string", "--data=csv:DIR: categorical "
                                  "columns, e.g. C1,C2; empty = every other column but id.")
+GROUP_BY = config.setting(
+    "group_by", "string", "Evaluation by group: a sparse feature whose value groups the eval "
+    "examples (e.g. site_id or app_id for --data=avazu:DIR, C1..C26 for Criteo, a user "
+    "feature for sessions); adds gAUC (impression-weighted AUC per group) and NE by slice "
+    f"(the {metrics_lib.TOP_SLICES} biggest groups and the rest) to the eval metrics. Groups "
+    "are the feature's hashed rows (its whole bag for multi-id features). Empty: none "
+    "(experiments.predict: the run's own).")
 EVAL_BATCH_SIZE = config.setting("eval_batch_size", "integer", "Global eval batch size.",
                                  lower=1)
 DENSE_OPTIMIZER = config.setting("dense_optimizer", "enum", "Optax optimizer of the dense "
@@ -104,6 +113,12 @@ MEMORY_BUDGET_GB = config.setting(
     "(default: the device's memory: a GPU's bytes_limit less "
     f"{memory_lib.GPU_HEADROOM:.0%}, or the available RAM divided over the CPU devices).",
     none_ok=True)
+HOST_MEMORY_GB = config.setting(
+    "host_memory_gb", "float", "Host memory per device (GiB) for the embedding host tier "
+    "(rec/embedding/host_tier.py): with --sharding=auto, tables the device budget cannot hold "
+    "keep their rows and optimizer state in pinned host memory and their hot rows in a device "
+    "cache (LFU, 5% of the rows; a *_cache --storage keeps its own cache), biggest and least "
+    "looked-up first. 0: no tier.", lower=0, none_ok=True)
 
 
 def _parse_storage(text: str) -> StorageSpec:
@@ -119,7 +134,11 @@ STORAGE = config.setting(
     "suffix for a *_cache kind (such as int8_cache:lru). Kinds: "
     f"{' | '.join(storage_spec_lib.kinds())}. bf16 rounds updates to nearest, bf16_sr "
     "stochastically; intN are FBGEMM row-wise rows updated with stochastic rounding; *_cache "
-    "adds an fp32 cache of the hot rows (arXiv 2010.11305).", parse=_parse_storage, format=str)
+    "adds an fp32 cache of the hot rows (arXiv 2010.11305), fp32_cache keeps float32 rows "
+    "behind it; a *_cache kind ending in @host (fp32_cache:lfu:0.05@host) keeps every table's "
+    "rows and optimizer state in host memory, the cache on the device (the host tier; "
+    "--host_memory_gb moves only the tables that do not fit).", parse=_parse_storage,
+    format=str)
 CACHE_POLICY = config.setting(
     "cache_policy", "enum", "--storage=*_cache given without its :policy: which rows the "
     "cache keeps, the most frequently or the most recently used.", choices=("lfu", "lru"))
@@ -179,6 +198,7 @@ class RecDataConfig:
   csv_dense: str = CSV_DENSE.field("")
   csv_categorical: str = CSV_CATEGORICAL.field("")
   eval_batches: int = core_settings.EVAL_BATCHES.field(8)
+  group_by: str = GROUP_BY.field("")                # a sparse feature's name; "": no groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +226,7 @@ class EmbeddingConfig:
   sharding: str = SHARDING.field("auto")
   sharding_overrides: str = SHARDING_OVERRIDES.field("")
   memory_budget_gb: float | None = MEMORY_BUDGET_GB.field(None)   # None: the device's
+  host_memory_gb: float | None = HOST_MEMORY_GB.field(0.0)        # 0 (or None): no host tier
   dedup: DedupConfig = config.section(DedupConfig)
   a2a: A2AConfig = config.section(A2AConfig)
 
@@ -234,19 +255,21 @@ class RecRunConfig:
 
   def run_settings(self) -> dict[str, Any]:
     """The config as a run's saved settings (`core.train.TrainConfig.settings`): every leaf
-    by flat name, the storage as its flags' strings and numbers (storage, cache_policy,
-    cache_fraction; cache_ways only when not the default), `embedding_dim` as the dim the
-    model gets, so the default 0 (the preset's) and the preset's dim given explicitly are
-    the same setting."""
+    by flat name, the storage as its flags' strings and numbers (storage: the kind, with
+    @host on the host tier; cache_policy, cache_fraction; cache_ways only when not the
+    default), `embedding_dim` as the dim the model gets, so the default 0 (the preset's)
+    and the preset's dim given explicitly are the same setting."""
     return normalize_settings(self.flat_settings())
 
   def flat_settings(self) -> dict[str, Any]:
     """Every setting by flat name as JSON-able strings and numbers (a study's run record,
-    results.json's "config"): the storage as its flags' storage, cache_policy and
-    cache_fraction (cache_ways only when not the default)."""
+    results.json's "config"): the storage as its flags' storage (the kind, `KIND@host` on
+    the host tier), cache_policy and cache_fraction (cache_ways only when not the default);
+    `make_run` reads them back into the same spec."""
     out = config.flat(self)
     spec = out.pop("storage")
-    out.update(storage=spec.kind, cache_policy=spec.cache_policy or _CACHE_FLAG_DEFAULTS[0],
+    out.update(storage=f"{spec.kind}@host" if spec.host else spec.kind,
+               cache_policy=spec.cache_policy or _CACHE_FLAG_DEFAULTS[0],
                cache_fraction=spec.cache_fraction if spec.cached else _CACHE_FLAG_DEFAULTS[1])
     if spec.cached and spec.cache_ways != rowwise_storage.DEFAULT_WAYS:
       out["cache_ways"] = spec.cache_ways
@@ -273,6 +296,10 @@ class RecRunConfig:
     if e.memory_budget_gb is not None and not (math.isfinite(e.memory_budget_gb)
                                                and e.memory_budget_gb > 0):
       raise ValueError(f"--memory_budget_gb={e.memory_budget_gb}: expected a number > 0")
+    if e.host_memory_gb is not None and not (math.isfinite(e.host_memory_gb)
+                                             and e.host_memory_gb >= 0):
+      raise ValueError(f"--host_memory_gb={e.host_memory_gb}: expected a number >= 0 (0: no "
+                       "host tier)")
     if self.model.fp8_recipe not in fp8_lib.RECIPES:
       raise ValueError(f"--fp8_recipe={self.model.fp8_recipe!r}: expected one of "
                        f"{list(fp8_lib.RECIPES)}")
@@ -321,6 +348,8 @@ class RecRunConfig:
 
 
 A2A_FIELDS = tuple(n for n in config.leaves(A2AConfig))
+# Settings that runs saved by earlier versions lack; such a run had their defaults.
+LATER_FIELDS = A2A_FIELDS + ("group_by", "host_memory_gb")
 _LEAVES = config.leaves(RecRunConfig)
 _FIELD_DEFAULTS = {n: leaf.default for n, leaf in _LEAVES.items()}
 _CACHE_FLAGS = ("cache_policy", "cache_fraction")
@@ -347,7 +376,7 @@ def _with_cache(spec: StorageSpec, cache_policy: str | None = None,
     return spec
   return StorageSpec(spec.kind, policy or spec.cache_policy,
                      float(fraction) if fraction is not None else spec.cache_fraction,
-                     ways or spec.cache_ways)
+                     ways or spec.cache_ways, spec.tier)
 
 
 def _fold(cfg: RecRunConfig, cache: dict[str, Any]) -> RecRunConfig:
@@ -437,11 +466,12 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
   """Run settings with `embedding_dim` 0 (the preset's) as the preset's dim, for settings
   saved before `RecRunConfig.run_settings` stored the effective dim and for the comparison
   on resume (`core.train.TrainConfig.normalize_settings`). Unknown presets stay as given.
-  Rec settings without some a2a fields get their defaults (a run saved without a2a_mode
-  sent float32, one without a2a_schedule used a constant bound), so a resume that turns
-  either on is refused naming them."""
-  if "model" in settings and any(n not in settings for n in A2A_FIELDS):
-    settings = {**{n: _FIELD_DEFAULTS[n] for n in A2A_FIELDS}, **settings}
+  Rec settings without some a2a fields, group_by or host_memory_gb get their defaults (a
+  run saved without a2a_mode sent float32, one without a2a_schedule used a constant bound,
+  one without group_by evaluated without groups, one without host_memory_gb had no host
+  tier), so a resume that turns an a2a setting on is refused naming it."""
+  if "model" in settings and any(n not in settings for n in LATER_FIELDS):
+    settings = {**{n: _FIELD_DEFAULTS[n] for n in LATER_FIELDS}, **settings}
   if settings.get("embedding_dim") != 0 or "model" not in settings:
     return settings
   try:
@@ -482,11 +512,38 @@ def plan_budget(cfg: RecRunConfig) -> tuple[int, str]:
   return got
 
 
+def plan_cost_params(spec) -> planner_lib.CostParams:
+  """The planner's cost constants with what the data's batches carry: `spec`'s padded bag
+  (`DataSpec.max_ids_per_bag`, the id slots every exchange sends per bag)."""
+  return planner_lib.CostParams(ids_per_bag=int(spec.max_ids_per_bag))
+
+
+def host_tier(cfg: RecRunConfig) -> planner_lib.HostTier | None:
+  """The planner's host tier of --host_memory_gb (GiB of host memory per device; None
+  when 0 or unset)."""
+  gb = cfg.embedding.host_memory_gb
+  if not gb:
+    return None
+  return planner_lib.HostTier(max(1, int(gb * 2**30)), source="--host_memory_gb")
+
+
 def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
-              optimizer: opt_lib.SparseOptimizer) -> planner_lib.Plan:
+              optimizer: opt_lib.SparseOptimizer,
+              cost_params: planner_lib.CostParams | None = None) -> planner_lib.Plan:
+  """The embedding plan of --sharding (auto: the planner under `plan_budget`, priced with
+  `cost_params`, e.g. `plan_cost_params(spec)`; None: bags of ceil(pooling factor) ids),
+  with --sharding_overrides; with --host_memory_gb the auto planner moves the tables the
+  budget cannot hold to the host tier (`host_tier`; their placements carry the storage)."""
   e = cfg.embedding
   overrides = planner_lib.parse_overrides(e.sharding_overrides) if e.sharding_overrides else {}
   planner_lib.validate_overrides(overrides, tables)
+  tier = host_tier(cfg)
+  if tier is not None and e.sharding != "auto":
+    raise ValueError(
+        f"--host_memory_gb={e.host_memory_gb:g} with --sharding={e.sharding}: the planner "
+        "chooses the tables of the host tier; expected --sharding=auto, or every table on the "
+        "tier by --storage=KIND_cache...@host (e.g. fp32_cache:lfu:0.05@host) and "
+        "--host_memory_gb=0")
   if e.sharding == "auto":
     # A row-wise optimizer keeps one accumulator per row per column chunk under cw (as
     # TorchRec does), which changes the update; auto plans keep it exact by leaving cw out.
@@ -496,7 +553,8 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
     return planner_lib.plan(
         tables, num_devices, memory_budget_bytes=plan_budget(cfg)[0],
         batch_size=cfg.train.batch_size, overrides=overrides, kinds=kinds,
-        optimizer_state_bytes_per_row=optimizer.state_bytes_per_row)
+        cost_params=cost_params, optimizer_state_bytes_per_row=optimizer.state_bytes_per_row,
+        host_tier=tier)
   try:
     kind = ShardingKind(e.sharding)
   except ValueError:
@@ -528,6 +586,18 @@ def check_exchange(cfg: RecRunConfig, plan: planner_lib.Plan, num_devices: int) 
 COMPRESSED_KINDS = ("tw", "cw", "twrw", "rw")
 
 
+def group_feature(group_by: str, spec, data: str) -> int | None:
+  """The index of --group_by's sparse feature in `spec` (None when empty); a name the data
+  does not have is a UserError naming the flag, the value and the features there are."""
+  if not group_by:
+    return None
+  names = list(spec.sparse_features)
+  if group_by not in names:
+    raise errors.expected(f"--group_by={group_by!r}", f"not a sparse feature of --data={data}",
+                          f"one of {', '.join(names)} (or empty: no groups)")
+  return names.index(group_by)
+
+
 def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=None,
               data_workers: int = 0):
   """Returns (task, train source, eval source, plan, mesh). `sources`: (train, eval) sources
@@ -536,7 +606,10 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   factors or schedule) instead of cfg's --a2a_* settings (`RecRunConfig.a2a_spec`; None and
   --a2a_mode=none: float32); a plan with no exchange to compress is an error.
   `data_workers` > 0: train batches are drawn in that many Grain worker processes
-  (`rec.data.workers.WorkerSource`), which also run RecD's dedup (--dedup_features)."""
+  (`rec.data.workers.WorkerSource`), which also run RecD's dedup (--dedup_features).
+  The auto planner prices the train source's padded bags (`plan_cost_params`); --group_by
+  names a sparse feature of the eval source (`group_feature`), whose bags the task's eval
+  step hands to its evaluator (gAUC, NE by slice)."""
   cfg.validate()
   t, d, e = cfg.train, cfg.data, cfg.embedding
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
@@ -553,11 +626,12 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
         csv_label=d.csv_label, csv_dense=d.csv_dense, csv_categorical=d.csv_categorical,
         mesh=mesh, days=d.days or None, **dict(zip(
             ("shard_index", "num_shards"), mesh_lib.process_batch_share(mesh, mesh_lib.REC_RULES))))
+  group = group_feature(d.group_by, eval_src.spec, d.data)
   model_fn, tables, init_scale = build_model_fn(cfg, train_src.spec)
   if e.storage != StorageSpec("fp32"):
     tables = [dataclasses.replace(tb, storage=e.storage) for tb in tables]
   sparse_opt = opt_lib.get_sparse_optimizer(t.sparse_optimizer, t.embedding_learning_rate)
-  plan = make_plan(cfg, tables, n, sparse_opt)
+  plan = make_plan(cfg, tables, n, sparse_opt, plan_cost_params(train_src.spec))
   if a2a_compression is not None and e.a2a.a2a_mode != "none":
     raise ValueError(f"build_run: a2a_compression={a2a_compression} and --a2a_mode="
                      f"{e.a2a.a2a_mode}; expected one of the two")
@@ -573,7 +647,7 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   # amax histories ride their gradients
   if cfg.model.fp8_layers and cfg.model.fp8_recipe == "delayed":
     dense_tx = fp8_lib.with_fp8_history(dense_tx)
-  task = RecTask(model_fn, coll, dense_tx, mesh)
+  task = RecTask(model_fn, coll, dense_tx, mesh, group_feature=group)
   if data_workers:
     dd = coll.dedup and dedup_lib.DedupTransform(coll.dedup_features, coll.dedup.capacity,
                                                  task.dedup_shards(), coll.dedup.on_overflow)

@@ -1,4 +1,5 @@
-"""Host-side (numpy) evaluation metrics for click-through-rate models: exact AUC, log loss, NE.
+"""Evaluation metrics for click-through-rate models: exact AUC, log loss, NE, calibration,
+and by a grouping column per-group AUC (gAUC) and NE by slice.
 
 Everything here is mergeable: evaluate batches (or hosts) separately, merge the
 accumulators, and read the same numbers a single pass over all examples would give.
@@ -8,7 +9,15 @@ accumulator from the concatenation.
 
 NE (normalized entropy) is the log loss divided by the entropy of the label base rate
 (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook", 2014): a model
-that always predicts the base rate has NE exactly 1, lower is better.
+that always predicts the base rate has NE exactly 1, lower is better. Calibration is the
+mean predicted probability over the mean label (sum of probabilities / positives): 1 for a
+model whose predictions add up to the clicks, above 1 when it over-predicts.
+
+Grouped (`group_metrics`, the production teams' view: a user, a session, a site): gAUC is
+the impression-weighted mean of the per-group AUCs, over the groups that hold both labels
+(a group of one class has no AUC: it is skipped and counted); NE by slice is NE,
+calibration and AUC of each of the `top_k` groups with the most impressions and of all the
+others together.
 """
 
 from __future__ import annotations
@@ -129,10 +138,12 @@ class AUCAccumulator:
 
 
 class RecMetrics:
-  """AUC, log loss, normalized entropy, accuracy and base rate over masked batches.
+  """AUC, log loss, normalized entropy, accuracy, base rate and calibration over masked
+  batches.
 
   Log loss is computed from logits in float64 as softplus(x) - y * x, which is stable for
-  any logit (no clipping needed). Accuracy thresholds the probability at 0.5, counting
+  any logit (no clipping needed); calibration is sum(sigmoid(x)) / positives (nan without
+  positives). Accuracy thresholds the probability at 0.5, counting
   logit > 0 as a positive prediction. NE = logloss / H(p), p the base rate of the same
   examples; NE is nan when p is 0 or 1 (H(p) = 0). Sums are float64 so merge order
   changes results only at the 1e-15 relative level; AUC is exact.
@@ -140,6 +151,7 @@ class RecMetrics:
 
   def __init__(self):
     self.sum_logloss = 0.0
+    self.sum_prob = 0.0
     self.num_positive = 0
     self.num_correct = 0
     self.num_examples = 0
@@ -158,8 +170,8 @@ class RecMetrics:
     is_pos = _check_labels(labels, "RecMetrics.update")
     y = is_pos.astype(np.float64)
     # softplus(x) - y x = max(x, 0) - y x + log1p(exp(-|x|)).
-    losses = np.maximum(logits, 0.0) - y * logits + np.log1p(np.exp(-np.abs(logits)))
-    self.sum_logloss += float(np.sum(losses))
+    self.sum_logloss += float(np.sum(_logloss(logits, y)))
+    self.sum_prob += float(np.sum(_sigmoid(logits)))
     self.num_positive += int(is_pos.sum())
     self.num_correct += int(np.sum((logits > 0) == is_pos))
     self.num_examples += int(logits.shape[0])
@@ -169,6 +181,7 @@ class RecMetrics:
     """Returns a NEW RecMetrics holding both; neither input is modified."""
     out = RecMetrics()
     out.sum_logloss = self.sum_logloss + other.sum_logloss
+    out.sum_prob = self.sum_prob + other.sum_prob
     out.num_positive = self.num_positive + other.num_positive
     out.num_correct = self.num_correct + other.num_correct
     out.num_examples = self.num_examples + other.num_examples
@@ -179,55 +192,231 @@ class RecMetrics:
     """State as arrays: scalars as shape-[1] arrays plus the AUC arrays (prefixed auc_)."""
     out = {
         "sum_logloss": np.array([self.sum_logloss], np.float64),
+        "sum_prob": np.array([self.sum_prob], np.float64),
         "counts": np.array([self.num_positive, self.num_correct, self.num_examples], np.int64),
     }
     out.update({f"auc_{k}": v for k, v in self.auc.to_arrays().items()})
     return out
 
   @classmethod
-  def from_arrays(cls, sum_logloss, counts, auc_scores, auc_pos, auc_neg) -> RecMetrics:
+  def from_arrays(cls, sum_logloss, sum_prob, counts, auc_scores, auc_pos,
+                  auc_neg) -> RecMetrics:
     """Rebuilds from `to_arrays()` output; several hosts' arrays may be concatenated
-    (sum_logloss [H], counts [H * 3] or [H, 3])."""
+    (sum_logloss and sum_prob [H], counts [H * 3] or [H, 3])."""
     out = cls()
     out.sum_logloss = float(np.sum(np.asarray(sum_logloss, np.float64)))
+    out.sum_prob = float(np.sum(np.asarray(sum_prob, np.float64)))
     counts = np.asarray(counts, np.int64).reshape(-1, 3).sum(axis=0)
     out.num_positive, out.num_correct, out.num_examples = (int(c) for c in counts)
     out.auc = AUCAccumulator.from_arrays(auc_scores, auc_pos, auc_neg)
     return out
 
   def result(self) -> dict[str, float]:
-    """{auc, logloss, ne, accuracy, num_examples, base_rate}; rates are nan when empty."""
+    """{auc, logloss, ne, accuracy, num_examples, base_rate, calibration}; rates are nan
+    when empty."""
     n = self.num_examples
     if n == 0:
-      nan = float("nan")
-      return {"auc": nan, "logloss": nan, "ne": nan, "accuracy": nan, "num_examples": 0,
-              "base_rate": nan}
-    p = self.num_positive / n
+      return _empty_result()
     logloss = self.sum_logloss / n
-    entropy = 0.0 if p in (0.0, 1.0) else -(p * math.log(p) + (1 - p) * math.log1p(-p))
     return {
         "auc": self.auc.result(),
         "logloss": logloss,
-        "ne": logloss / entropy if entropy > 0 else float("nan"),
+        "ne": _ne(self.sum_logloss, self.num_positive, n),
         "accuracy": self.num_correct / n,
         "num_examples": n,
-        "base_rate": p,
+        "base_rate": self.num_positive / n,
+        "calibration": _calibration(self.sum_prob, self.num_positive),
     }
+
+
+def _logloss(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """softplus(x) - y x = max(x, 0) - y x + log1p(exp(-|x|)), per example, float64."""
+  return np.maximum(x, 0.0) - y * x + np.log1p(np.exp(-np.abs(x)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+  return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _entropy(p: float) -> float:
+  return 0.0 if p in (0.0, 1.0) else -(p * math.log(p) + (1 - p) * math.log1p(-p))
+
+
+def _ne(sum_logloss: float, num_positive: int, n: int) -> float:
+  """Log loss over the entropy of the base rate; nan when n is 0 or every label is one."""
+  entropy = _entropy(num_positive / n) if n else 0.0
+  return sum_logloss / n / entropy if entropy > 0 else float("nan")
+
+
+def _calibration(sum_prob: float, num_positive: int) -> float:
+  """Mean prediction / mean label = sum of probabilities / positives; nan without positives."""
+  return sum_prob / num_positive if num_positive else float("nan")
+
+
+def _empty_result() -> dict[str, float]:
+  nan = float("nan")
+  return {"auc": nan, "logloss": nan, "ne": nan, "accuracy": nan, "num_examples": 0,
+          "base_rate": nan, "calibration": nan}
+
+
+# --- by group ------------------------------------------------------------------------------
+#
+# One pass of sorts over the whole eval set on the host: examples sorted by (group, score),
+# runs of equal (group, score) counted, and each group's Mann-Whitney 2U summed over its runs
+# with np.add.reduceat (exact int64): no Python loop over groups or examples.
+
+TOP_SLICES = 10   # groups reported one by one in ne_by_slice (the others as one "other")
+
+
+def group_index(groups) -> tuple[np.ndarray, np.ndarray]:
+  """(index of each example's group [N] int64, the groups' keys in ascending order [G] or
+  [G, L]): `groups` [N] (ids) or [N, L] (a bag of ids per example, compared whole)."""
+  g = np.asarray(groups)
+  if g.ndim == 2 and g.shape[1] == 1:
+    g = g[:, 0]
+  if g.ndim == 1:
+    keys, inverse = np.unique(g, return_inverse=True)
+  elif g.ndim == 2:
+    keys, inverse = np.unique(g, axis=0, return_inverse=True)
+  else:
+    raise ValueError(f"group_index: groups of shape {g.shape}; expected [N] or [N, L]")
+  return inverse.reshape(-1).astype(np.int64), keys
+
+
+def group_aucs(scores, labels, groups, num_groups: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per-group AUC (ties 1/2, as `AUCAccumulator`): (auc [G] float64, nan for a group
+  without both labels; positives [G] int64; negatives [G] int64). groups: [N] int indices
+  in [0, G) (`group_index`); G = num_groups or max + 1."""
+  x = np.asarray(scores, np.float64).reshape(-1) + 0.0      # -0 -> +0: ties as everywhere
+  is_pos = _check_labels(np.asarray(labels).reshape(-1), "group_aucs")
+  g = np.asarray(groups, np.int64).reshape(-1)
+  if not x.shape == is_pos.shape == g.shape:
+    raise ValueError(f"group_aucs: scores {x.shape}, labels {is_pos.shape}, groups {g.shape}; "
+                     "expected one of each per example")
+  if np.any(np.isnan(x)):
+    raise ValueError(f"group_aucs: NaN score at index {int(np.argmax(np.isnan(x)))}, "
+                     "expected finite scores")
+  G = int(num_groups if num_groups is not None else (g.max() + 1 if g.size else 0))
+  pos, neg = np.zeros(G, np.int64), np.zeros(G, np.int64)
+  auc = np.full(G, np.nan)
+  if g.size == 0:
+    return auc, pos, neg
+  order = np.lexsort((x, g))
+  x, g, y = x[order], g[order], is_pos[order].astype(np.int64)
+  n = x.size
+  run = np.ones(n, bool)                                     # a new (group, score) run
+  run[1:] = (g[1:] != g[:-1]) | (x[1:] != x[:-1])
+  starts = np.flatnonzero(run)
+  run_pos = np.add.reduceat(y, starts)
+  run_neg = np.diff(np.append(starts, n)) - run_pos
+  run_g = g[starts]
+  first = np.ones(starts.size, bool)                         # a run that starts its group
+  first[1:] = run_g[1:] != run_g[:-1]
+  heads = np.flatnonzero(first)
+  below = np.cumsum(run_neg) - run_neg                       # negatives before the run ...
+  below -= np.repeat(below[heads], np.diff(np.append(heads, starts.size)))  # ... in its group
+  two_u = np.add.reduceat(run_pos * (2 * below + run_neg), heads)
+  gids = run_g[heads]
+  pos[gids] = np.add.reduceat(run_pos, heads)
+  neg[gids] = np.add.reduceat(run_neg, heads)
+  both = (pos[gids] > 0) & (neg[gids] > 0)
+  auc[gids[both]] = two_u[both] / (2.0 * pos[gids[both]] * neg[gids[both]])
+  return auc, pos, neg
+
+
+def _group_label(key) -> int | list[int]:
+  key = np.asarray(key)
+  return int(key) if key.ndim == 0 else [int(k) for k in key]
+
+
+def group_metrics(logits, labels, groups, mask=None, top_k: int = TOP_SLICES
+                  ) -> dict[str, object]:
+  """gAUC and NE by slice of the examples (mask > 0) grouped by `groups` ([N] ids or
+  [N, L] bags, `group_index`):
+
+    gauc         sum_g n_g AUC_g / sum_g n_g over the groups with both labels (n_g:
+                 impressions); nan when no group has both
+    gauc_groups  {counted, skipped (groups of one label), counted_impressions}
+    ne_by_slice  [{group, impressions, positives, ne, logloss, calibration, auc}]: the
+                 `top_k` groups by impressions (most first, ties by key), then "other"
+                 (every other group, when there is one; its `groups` says how many)
+
+  `group` is the group's key: an id, or a bag's ids (padding slots as given)."""
+  x = np.asarray(logits, np.float64).reshape(-1)
+  y = np.asarray(labels).reshape(-1)
+  g = np.asarray(groups)
+  g = g.reshape(x.shape[0], -1) if g.ndim > 1 else g.reshape(-1)
+  sel = _select(mask, x.shape[0])
+  if sel is not None:
+    x, y, g = x[sel], y[sel], g[sel]
+  gidx, keys = group_index(g)
+  G = keys.shape[0]
+  auc, pos, neg = group_aucs(x, y, gidx, G)
+  n_g = pos + neg
+  counted = ~np.isnan(auc)
+  weight = int(n_g[counted].sum())
+  gauc = float(np.sum(n_g[counted] * auc[counted]) / weight) if weight else float("nan")
+  # slices: the top_k groups by impressions (ties: the smaller key first), then the rest
+  by_size = np.argsort(-n_g, kind="stable")[:top_k]
+  slice_of = np.full(G, by_size.size, np.int64)
+  slice_of[by_size] = np.arange(by_size.size)
+  S = by_size.size + (G > by_size.size)
+  s_idx = slice_of[gidx]
+  y01 = _check_labels(y, "group_metrics").astype(np.float64)
+  s_auc, s_pos, s_neg = group_aucs(x, y01, s_idx, S)
+  s_loss = np.bincount(s_idx, _logloss(x, y01), minlength=S)
+  s_prob = np.bincount(s_idx, _sigmoid(x), minlength=S)
+  slices = []
+  for s in range(S):
+    n, p = int(s_pos[s] + s_neg[s]), int(s_pos[s])
+    row: dict[str, object] = {"group": _group_label(keys[by_size[s]]) if s < by_size.size
+                              else "other"}
+    if s == by_size.size:
+      row["groups"] = int(G - by_size.size)
+    row.update(impressions=n, positives=p, ne=_ne(float(s_loss[s]), p, n),
+               logloss=float(s_loss[s]) / n, calibration=_calibration(float(s_prob[s]), p),
+               auc=float(s_auc[s]))
+    slices.append(row)
+  return {"gauc": gauc,
+          "gauc_groups": {"counted": int(counted.sum()), "skipped": int(G - counted.sum()),
+                          "counted_impressions": weight},
+          "ne_by_slice": slices}
+
+
+def format_groups(result: dict, name: str = "group") -> str:
+  """`group_metrics`' numbers (within `result`) as lines: gAUC and its groups, then one row
+  per slice; `name` is the grouping column's."""
+  c = result["gauc_groups"]
+  lines = [f"gAUC {result['gauc']:.4f} over {c['counted']:,} {name} groups with both labels "
+           f"({c['counted_impressions']:,} impressions; {c['skipped']:,} groups of one label "
+           "skipped)"]
+  label = lambda r: (f"other ({r['groups']:,} groups)" if r["group"] == "other" else
+                     f"row {r['group']}" if isinstance(r["group"], int) else
+                     "rows " + " ".join(str(i) for i in r["group"] if i >= 0))
+  rows = [(label(r), r) for r in result["ne_by_slice"]]
+  w = max([len(name) + 6] + [len(t) for t, _ in rows])
+  lines.append(f"{name + ' slice':<{w}} {'impressions':>11} {'positives':>9} {'NE':>7} "
+               f"{'calibration':>11} {'AUC':>7}")
+  lines += [f"{t:<{w}} {r['impressions']:>11,} {r['positives']:>9,} {r['ne']:>7.4f} "
+            f"{r['calibration']:>11.4f} {r['auc']:>7.4f}" for t, r in rows]
+  return "\n".join(lines)
 
 
 # --- on device -----------------------------------------------------------------------------
 #
 # The same metrics computed where the logits are, in one jitted pass over the whole eval
 # set: no per-batch transfer, and one sort instead of a host-side merge per batch (which
-# grows with every batch). Counts are exact integers; the two sums that need more than
-# int32 / float32 (the AUC's 2U and the log loss) are reduced on device in chunks small
-# enough to be exact (2U) or accurate to float32 rounding of a chunk (log loss), and the
-# chunk sums are added on the host in Python ints / float64.
+# grows with every batch). Counts are exact integers; the sums that need more than
+# int32 / float32 (the AUC's 2U, the log loss and the probabilities) are reduced on device
+# in chunks small enough to be exact (2U) or accurate to float32 rounding of a chunk (log
+# loss, probabilities), and the chunk sums are added on the host in Python ints / float64.
 
 _CHUNK = 1 << 15   # 2U parts: 16-bit halves of values < 2^32, 2^15 of them fit in uint32
 
 
 def _device_parts(logits, labels, mask):
+  import jax
   import jax.numpy as jnp
   x = jnp.asarray(logits, jnp.float32).reshape(-1) + 0.0   # -0 -> +0: ties as on the host
   y = jnp.asarray(labels).reshape(-1)
@@ -248,28 +437,39 @@ def _device_parts(logits, labels, mask):
   two_u = jnp.pad(two_u, (0, pad)).reshape(-1, _CHUNK)
   u_lo = jnp.sum(two_u & 0xFFFF, axis=1, dtype=jnp.uint32)
   u_hi = jnp.sum(two_u >> 16, axis=1, dtype=jnp.uint32)
-  # log loss softplus(x) - y x, summed in float32 chunks of 4096
+  # log loss softplus(x) - y x and probabilities sigmoid(x), summed in float32 chunks
   yf = pos.astype(jnp.float32)
   loss = jnp.maximum(x, 0.0) - yf * x + jnp.log1p(jnp.exp(-jnp.abs(x)))
   loss = jnp.where(real, loss, 0.0)
+  prob = jnp.where(real, jax.nn.sigmoid(x), 0.0)
   pad = (-loss.shape[0]) % 4096
-  loss_sums = jnp.pad(loss, (0, pad)).reshape(-1, 4096).sum(axis=1)
+  chunks = lambda v: jnp.pad(v, (0, pad)).reshape(-1, 4096).sum(axis=1)
   counts = jnp.stack([jnp.sum(real), jnp.sum(pos), jnp.sum(neg),
                       jnp.sum(real & ((x > 0) == pos)), bad_label, nonfinite]).astype(jnp.int32)
-  return counts, u_lo, u_hi, loss_sums
+  return counts, u_lo, u_hi, chunks(loss), chunks(prob)
 
 
 _device_parts_jit = None
+
+
+def replicated(x):
+  """`x` whole on every device of its mesh (the sort wants every score in one place, a few
+  bytes per example; a multi-process array so becomes readable by every process)."""
+  import jax
+  sh = getattr(x, "sharding", None)
+  if isinstance(sh, jax.sharding.NamedSharding) and not sh.is_fully_replicated:
+    return jax.device_put(x, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
+  return x
 
 
 def device_metrics(logits, labels, mask=None) -> dict[str, float]:
   """`RecMetrics.result()` of the examples (mask > 0), computed on the logits' devices.
 
   logits, labels, mask: arrays of any layout with one entry per example (device arrays,
-  sharded or not, or numpy). AUC is exact (ties 1/2), as `AUCAccumulator`; log loss is the
-  float32 per-example value summed in float64 across 4096-example chunks. Raises a
-  ValueError for a label other than 0 / 1 or a non-finite logit among the real examples.
-  At most 2^31 - 1 examples.
+  sharded or not, or numpy). AUC is exact (ties 1/2), as `AUCAccumulator`; log loss and
+  the probabilities of calibration are float32 per-example values summed in float64 across
+  4096-example chunks. Raises a ValueError for a label other than 0 / 1 or a non-finite
+  logit among the real examples. At most 2^31 - 1 examples.
   """
   import jax
   import jax.numpy as jnp
@@ -279,14 +479,9 @@ def device_metrics(logits, labels, mask=None) -> dict[str, float]:
   if mask is None:
     mask = jnp.ones(jnp.shape(logits), jnp.float32)
 
-  def replicated(x):   # the sort wants every score in one place (a few bytes per example)
-    sh = getattr(x, "sharding", None)
-    if isinstance(sh, jax.sharding.NamedSharding) and not sh.is_fully_replicated:
-      return jax.device_put(x, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
-    return x
-
   logits, labels, mask = replicated(logits), replicated(labels), replicated(mask)
-  counts, u_lo, u_hi, loss_sums = jax.device_get(_device_parts_jit(logits, labels, mask))
+  counts, u_lo, u_hi, loss_sums, prob_sums = jax.device_get(
+      _device_parts_jit(logits, labels, mask))
   n, n_pos, n_neg, n_correct, bad_label, nonfinite = (int(c) for c in counts)
   if bad_label:
     raise ValueError(f"device_metrics: {bad_label} labels are not 0 or 1")
@@ -294,14 +489,11 @@ def device_metrics(logits, labels, mask=None) -> dict[str, float]:
     raise ValueError(f"device_metrics: {nonfinite} logits are NaN or infinite, expected finite "
                      "scores")
   if n == 0:
-    nan = float("nan")
-    return {"auc": nan, "logloss": nan, "ne": nan, "accuracy": nan, "num_examples": 0,
-            "base_rate": nan}
+    return _empty_result()
   two_u = int(np.asarray(u_hi, np.int64).sum()) * 65536 + int(np.asarray(u_lo, np.int64).sum())
   auc = two_u / (2 * n_pos * n_neg) if n_pos and n_neg else float("nan")
-  p = n_pos / n
-  logloss = float(np.sum(np.asarray(loss_sums, np.float64))) / n
-  entropy = 0.0 if p in (0.0, 1.0) else -(p * math.log(p) + (1 - p) * math.log1p(-p))
-  return {"auc": auc, "logloss": logloss,
-          "ne": logloss / entropy if entropy > 0 else float("nan"),
-          "accuracy": n_correct / n, "num_examples": n, "base_rate": p}
+  sum_logloss = float(np.sum(np.asarray(loss_sums, np.float64)))
+  sum_prob = float(np.sum(np.asarray(prob_sums, np.float64)))
+  return {"auc": auc, "logloss": sum_logloss / n, "ne": _ne(sum_logloss, n_pos, n),
+          "accuracy": n_correct / n, "num_examples": n, "base_rate": n_pos / n,
+          "calibration": _calibration(sum_prob, n_pos)}

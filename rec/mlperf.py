@@ -5,12 +5,14 @@ docstring lists the reference's sizes). Here: the run settings of the MLCommons 
 (`run_config`: Adagrad at lr 0.005 for the dense part, row-wise Adagrad at the same rate
 for the tables), a synthetic source with its 26 table sizes (optionally capped) and bag
 sizes (`build_run`, the steps of `rec.configs.build_run` with that source), and the
-planner's plans at full size (`plans`). `experiments.bench_dlrm --model=dcnv2
+planner's plans at full size (`plans`; with `host_memory_gb`, tables the device cannot hold
+go to the host tier, rec/embedding/host_tier.py). `experiments.bench_dlrm --model=dcnv2
 --preset=mlperf` times it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from core import mesh as mesh_lib
@@ -19,6 +21,7 @@ from rec.data import synthetic
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
+from rec.embedding.storage_spec import StorageSpec
 from rec.models import dcnv2
 from rec.train_lib import RecTask, make_dense_optimizer
 
@@ -59,17 +62,44 @@ def build_run(cfg: configs.RecRunConfig, max_rows: int | None = None, devices=No
   return task, src, plan
 
 
-def plans(num_devices: Sequence[int] = (1, 8), memory_budget_gb: float = 70.0,
-          batch_size: int = GLOBAL_BATCH) -> dict[int, str]:
-  """The planner's plan (as text) of the full-size tables for each device count: bf16 big
-  tables, row-wise Adagrad state, `memory_budget_gb` GiB per device."""
+def full_size_plan(num_devices: int, memory_budget_gb: float = 70.0,
+                   batch_size: int = GLOBAL_BATCH, storage: StorageSpec | None = None,
+                   host_tier: planner_lib.HostTier | None = None):
+  """(plan, tables, optimizer) of the full-size tables on `num_devices` devices: row-wise
+  Adagrad state, `memory_budget_gb` GiB per device, every table stored as `storage` (None:
+  the preset's, bf16 big tables); `host_tier` lets the planner move the tables the devices
+  cannot hold to host memory. A plan that fits nowhere raises planner.PlanError (one line
+  naming the table and the bytes)."""
   tables = dcnv2.DCNv2Config.mlperf().tables()
+  if storage is not None:
+    tables = [dataclasses.replace(t, storage=storage) for t in tables]
   opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", LEARNING_RATE)
-  cfg = run_config(batch_size, memory_budget_gb=memory_budget_gb)
+  if host_tier is None:
+    cfg = run_config(batch_size, memory_budget_gb=memory_budget_gb)
+    return configs.make_plan(cfg, tables, num_devices, opt), tables, opt
+  # make_plan's auto plan (no cw under row-wise Adagrad), with the host tier
+  kinds = tuple(k for k in planner_lib.AUTO_KINDS if k != planner_lib.CW)
+  plan = planner_lib.plan(tables, num_devices, int(memory_budget_gb * 2**30), batch_size,
+                          kinds=kinds, optimizer_state_bytes_per_row=opt.state_bytes_per_row,
+                          host_tier=host_tier)
+  return plan, tables, opt
+
+
+def plans(num_devices: Sequence[int] = (1, 8), memory_budget_gb: float = 70.0,
+          batch_size: int = GLOBAL_BATCH, storage: StorageSpec | None = None,
+          host_memory_gb: float | None = None, budget_source: str = "",
+          host_source: str = "") -> dict[int, str]:
+  """The planner's plan (as text) of the full-size tables for each device count
+  (`full_size_plan`); `host_memory_gb` GiB of host memory per device for the host tier
+  (None: no host tier)."""
+  tier = None if host_memory_gb is None else planner_lib.HostTier(
+      int(host_memory_gb * 2**30), source=host_source)
   out = {}
   for n in num_devices:
-    plan = configs.make_plan(cfg, tables, n, opt)
-    out[n] = planner_lib.format_plan(plan, tables, n, batch_size,
-                                     int(memory_budget_gb * 2**30),
-                                     optimizer_state_bytes_per_row=opt.state_bytes_per_row)
+    plan, tables, opt = full_size_plan(n, memory_budget_gb, batch_size, storage, tier)
+    out[n] = planner_lib.format_plan(
+        plan, tables, n, batch_size, int(memory_budget_gb * 2**30),
+        optimizer_state_bytes_per_row=opt.state_bytes_per_row, budget_source=budget_source,
+        host_budget_bytes=None if tier is None else tier.host_budget_bytes,
+        host_source=host_source)
   return out

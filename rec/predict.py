@@ -3,6 +3,9 @@
     run = load_run("runs/dlrm_criteo", data="criteo:DIR", split="predict")
     for ids, probs, labels in predictions(run):   # in file order, padding dropped
       ...
+    ev = run.task.new_evaluator()                   # metrics in the same pass (labeled rows;
+    for _ in predictions(run, ev): ...              # with --group_by: gAUC, NE by slice)
+    ev.result()
 
 `load_run` reads the settings saved with the workdir's latest checkpoint (the train_rec
 flags, the features the model was built for, the criteo_bin conversion it saw), checks the
@@ -120,11 +123,13 @@ def check_features(settings: dict, spec, where: str, workdir: str) -> None:
 
 def load_run(workdir: str, data: str | None = None, split: str = "test", *,
              days: str | None = None, batch_size: int | None = None,
-             mesh: str | None = None, devices=None) -> LoadedRun:
+             mesh: str | None = None, devices=None, group_by: str | None = None) -> LoadedRun:
   """The run trained in `workdir`, rebuilt on `split` of `data` (default: the run's own
   data) with its latest checkpoint restored; see the module docstring. `mesh` (default:
   the run's where `devices`, default all, are as many, else every device on one axis) and
-  `devices` may differ from the run's: its checkpoint is resharded."""
+  `devices` may differ from the run's: its checkpoint is resharded. `group_by` (default:
+  the run's --group_by): the sparse feature whose groups the task's evaluator reports
+  (gAUC, NE by slice); a feature the split lacks is a UserError naming it."""
   step, settings = saved_settings(workdir)
   fields = set(configs.RUN_FIELDS) | {"cache_ways"}
   cfg = configs.make_run(**{k: v for k, v in settings.items() if k in fields})
@@ -151,6 +156,8 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
     over["mesh"] = "-1"
   b = batch_size or cfg.train.eval_batch_size
   over.update(batch_size=b, eval_batch_size=b)
+  if group_by:
+    over["group_by"] = group_by
   cfg = configs.replace_run(cfg, **over)
   d = cfg.data
   check_conversion(settings, d.data, workdir)

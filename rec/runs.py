@@ -64,7 +64,7 @@ class TrainedRun:
   train_src: Any
   eval_src: Any
   state: dict[str, Any]           # step, params (pure dict), opt, emb (collection layout)
-  eval: dict[str, float]          # the eval metrics at the end (rec.metrics)
+  eval: dict[str, Any]            # the eval metrics at the end (rec.metrics; grouped: dicts)
   steps: int
   seed: int
   workdir: str
@@ -104,7 +104,8 @@ def train_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int | None = No
   if not keep_checkpoints:
     shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
   return TrainedRun(cfg, task, train_src, eval_src, out["state"],
-                    {k: float(v) if np.ndim(v) == 0 else v for k, v in out["eval"].items()},
+                    {k: v if isinstance(v, (dict, list)) or np.ndim(v) else float(v)
+                     for k, v in out["eval"].items()},
                     n_steps, int(seed), workdir, wall, out["train_seconds"],
                     out["examples_per_sec"])
 
@@ -135,10 +136,11 @@ def finished_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int,
     raise UserError(f"{path}: {e}; expected a run record written by rec.runs (delete it to "
                     "train the run again)") from e
   asked = _settings(cfg, steps, seed)
-  # A record without some a2a fields ran with their defaults (float32, one bound throughout).
-  a2a = {n: v for n, v in _settings(configs.make_run(), 0, 0)["config"].items()
-         if n in configs.A2A_FIELDS}
-  recorded["config"] = {**a2a, **recorded["config"]}
+  # A record without some a2a fields or group_by ran with their defaults (float32, one
+  # bound throughout; no groups).
+  later = {n: v for n, v in _settings(configs.make_run(), 0, 0)["config"].items()
+           if n in configs.LATER_FIELDS}
+  recorded["config"] = {**later, **recorded["config"]}
   flat = lambda d: {**{f"config.{k}": v for k, v in d["config"].items()},
                     "steps": d["steps"], "seed": d["seed"]}
   a, r = flat(asked), flat(recorded)

@@ -17,6 +17,11 @@ within the collection's output distribution, and the model's `head` takes their 
 External distillation (ExFM, arXiv 2502.17494; `distill`, a `rec.distill.DistillSpec`): the
 model is a `rec.distill.ExFMStudent` and the loss adds its auxiliary head / student adapter
 terms on the batch's teacher column; eval and serving read the serving head only.
+
+Evaluation (`RecEvaluator`): AUC, log loss, NE, accuracy and calibration; with
+`group_feature` (a sparse feature's index, `--group_by`) the eval step also hands back each
+example's bag of that feature, and the evaluator adds gAUC and NE by slice over those
+groups (`rec.metrics.group_metrics`). Training never reads it.
 """
 
 from __future__ import annotations
@@ -44,26 +49,38 @@ from rec.embedding.collection import EmbeddingCollection
 
 
 class RecEvaluator:
-  """AUC, log loss, NE and accuracy over eval batches (padding masked out), on device.
+  """AUC, log loss, NE, accuracy and calibration over eval batches (padding masked out), on
+  device; with `grouped`, gAUC and NE by slice of the batches' group ids too.
 
   Keeps each batch's logits, labels and mask where the eval step left them (no per-batch
   transfer) and computes the metrics over all of them in one jitted pass at `result()`
   (`metrics.device_metrics`: exact AUC by one sort); only a few numbers reach the host.
+  Grouped, the logits, labels, mask and group ids come to the host once at `result()` for
+  `metrics.group_metrics` (a few sorts over the eval set; adds gauc, gauc_groups,
+  ne_by_slice).
   """
 
-  def __init__(self):
+  def __init__(self, grouped: bool = False):
+    self.grouped = grouped
     self.outputs: list[dict[str, jax.Array]] = []
 
   def update(self, outputs: dict[str, jax.Array], host: SparseBatch) -> None:
     del host
     self.outputs.append(outputs)
 
-  def result(self) -> dict[str, float]:
+  def result(self) -> dict[str, Any]:
     if not self.outputs:
       return metrics_lib.RecMetrics().result()
-    cat = {k: jnp.concatenate([o[k].reshape(-1) for o in self.outputs]) for k in self.outputs[0]}
+    cat = {k: jnp.concatenate([o[k].reshape(o[k].shape[0], -1) if k == "group" else
+                               o[k].reshape(-1) for o in self.outputs])
+           for k in self.outputs[0]}
     self.outputs = []
-    return metrics_lib.device_metrics(cat["logits"], cat["labels"], cat["mask"])
+    out: dict[str, Any] = metrics_lib.device_metrics(cat["logits"], cat["labels"], cat["mask"])
+    if self.grouped:
+      host = {k: np.asarray(jax.device_get(metrics_lib.replicated(v))) for k, v in cat.items()}
+      out.update(metrics_lib.group_metrics(host["logits"], host["labels"], host["group"],
+                                           host["mask"]))
+    return out
 
 
 def make_dense_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
@@ -82,8 +99,10 @@ class RecTask:
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], collection: EmbeddingCollection,
                dense_tx: optax.GradientTransformation, mesh: Mesh,
                rules: mesh_lib.Rules = mesh_lib.REC_RULES,
-               distill: distill_lib.DistillSpec | None = None):
+               distill: distill_lib.DistillSpec | None = None,
+               group_feature: int | None = None):
     self.model_fn = model_fn
+    self.group_feature = group_feature
     self.distill = distill
     self.collection = collection
     self.dense_tx = dense_tx
@@ -279,10 +298,16 @@ class RecTask:
     return new, metrics
 
   def eval_step(self, state, batch: SparseBatch) -> dict[str, jax.Array]:
-    """{logits, labels, mask} [B], left on device for `RecEvaluator`."""
+    """{logits, labels, mask} [B], left on device for `RecEvaluator`; with `group_feature`
+    also `group` [B, L]: that feature's bag, its padding slots -1."""
     lookup = self.gather(state["emb"], batch)
-    return {"logits": self.forward(state["params"], batch.dense, lookup, step=state["step"]),
-            "labels": batch.labels, "mask": batch.mask}
+    out = {"logits": self.forward(state["params"], batch.dense, lookup, step=state["step"]),
+           "labels": batch.labels, "mask": batch.mask}
+    if self.group_feature is not None:
+      ids_BL = batch.ids[:, self.group_feature, :]
+      live = jnp.arange(ids_BL.shape[1])[None, :] < batch.lengths[:, self.group_feature, None]
+      out["group"] = jnp.where(live, ids_BL, -1)
+    return out
 
   def new_evaluator(self) -> RecEvaluator:
-    return RecEvaluator()
+    return RecEvaluator(grouped=self.group_feature is not None)

@@ -5,15 +5,33 @@ jax is imported anywhere; `devices(n)`.
 sharded-vs-single comparison); with fewer it skips with a reason naming both counts and the
 platform, so a one-GPU machine (`JAX_PLATFORMS=cuda`) or a run with
 `XLA_FLAGS=--xla_force_host_platform_device_count=1` skips those tests instead of failing.
+
+A persistent compilation cache is shared by all processes of one pytest run (the xdist
+workers and the entry points the tests start inherit its directory through
+JAX_COMPILATION_CACHE_DIR): tests build fresh models and tasks, so equal programs are
+compiled again and again under new Python closures, and the cache hands XLA's executable back
+by the program's fingerprint instead. Executables are the same bytes either way, so no
+result changes; the directory is a temporary one removed when the run ends. A run that sets
+JAX_COMPILATION_CACHE_DIR itself keeps its setting (empty: no cache).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "XLA_FLAGS" not in os.environ:
   from tests import cpu_env  # noqa: E402  (before jax)
   os.environ["XLA_FLAGS"] = (cpu_env.xla_flags(8) if os.environ["JAX_PLATFORMS"] == "cpu"
                              else "--xla_force_host_platform_device_count=8")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="metasys-tests-jax-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)   # the process that made it
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

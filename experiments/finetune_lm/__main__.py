@@ -28,7 +28,7 @@ from absl import flags
 from core import cli
 from core import config
 from core import errors
-from core import results as results_lib
+from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
 TRAIN_EXAMPLES = config.setting("train_examples", "integer", "Generated training examples.",
@@ -43,17 +43,19 @@ REPLY_TOKENS = config.setting("reply_tokens", "integer", "Greedy tokens generate
                               "held-out request.", lower=1)
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting but
+  --workdir may come from a --config file (configs/ beside this file), --init too."""
   from core import settings  # noqa: F401  (the settings named below)
   from llm import run_config  # noqa: F401
   from llm import settings as lm_settings  # noqa: F401
   config.define_flags(
       None, "init", TRAIN_EXAMPLES, HELD_OUT, METHODS, "steps", "seq_len", "batch_size",
-      "learning_rate", LORA_LEARNING_RATE, "lora_rank", REPLY_TOKENS, "seed", "workdir",
-      init=None, train_examples=2000, held_out=100, methods=("full", "lora"), steps=40,
-      seq_len=128, batch_size=8, learning_rate=1e-4, lora_learning_rate=2e-3, lora_rank=16,
-      reply_tokens=32, seed=0, workdir="runs/finetune_lm")
-  flags.mark_flag_as_required("init")
+      "learning_rate", LORA_LEARNING_RATE, "lora_rank", REPLY_TOKENS, "seed", in_config=True,
+      flag_values=flag_values, init=None, train_examples=2000, held_out=100,
+      methods=("full", "lora"), steps=40, seq_len=128, batch_size=8, learning_rate=1e-4,
+      lora_learning_rate=2e-3, lora_rank=16, reply_tokens=32, seed=0)
+  config.define_flags(None, "workdir", flag_values=flag_values, workdir="runs/finetune_lm")
 
 
 def exact_match(spec: str, examples, reply_tokens: int) -> tuple[float, list[str]]:
@@ -125,9 +127,9 @@ _CHILD = ("import ctypes, os, runpy, signal, sys\n"
           "runpy.run_module('experiments.train_lm', run_name='__main__', alter_sys=True)\n")
 
 
-def plot(workdir: str, results: dict) -> str:
+def plot(results: dict, path: str) -> None:
+  """Train and eval loss curves per run, and held-out exact match before and after."""
   from core import plot as plot_lib
-  path = os.path.join(workdir, "finetune.png")
   with plot_lib.figure(path, 1, 2, figsize=(11, 4), tight=False,
                        bbox_inches="tight") as (fig, (a, b)):
     for mode, r in results["runs"].items():
@@ -147,24 +149,25 @@ def plot(workdir: str, results: dict) -> str:
     b.set_ylabel(f"held-out exact match ({results['held_out']} examples)")
     fig.suptitle(f"{FLAGS.init}: {FLAGS.steps} steps x {FLAGS.batch_size} rows of "
                  f"{FLAGS.seq_len} tokens")
-  return path
 
 
 def main(argv):
   del argv
   from experiments.finetune_lm import tasks
+  if FLAGS.init is None:   # required, but a --config file may give it
+    raise errors.expected("--init", "not given", "the checkpoint to fine-tune, e.g. "
+                          "gguf:FILE or hf:DIR (or a --config file that sets init)")
   bad = [m for m in FLAGS.methods if m not in ("full", "lora")]
   if bad:
     raise errors.expected(f"--methods={','.join(FLAGS.methods)}", f"{bad[0]!r}", "full and / or lora")
   if "lora" in FLAGS.methods and FLAGS.lora_rank < 1:
     raise errors.expected(f"--lora_rank={FLAGS.lora_rank}", "no adapters for --methods=lora",
                           "a rank >= 1")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  report = Report(FLAGS.workdir)
   train = tasks.make_examples(FLAGS.train_examples, FLAGS.seed, "train")
   held = tasks.make_examples(FLAGS.held_out, FLAGS.seed, "held_out")
-  train_file = tasks.write_chat_file(os.path.join(FLAGS.workdir, "train.jsonl"), train)
-  tasks.write_chat_file(os.path.join(FLAGS.workdir, "held_out.jsonl"), held)
-  t0 = time.time()
+  train_file = tasks.write_chat_file(report.path("train.jsonl"), train)
+  tasks.write_chat_file(report.path("held_out.jsonl"), held)
   before, replies = exact_match(FLAGS.init, held, FLAGS.reply_tokens)
   print(f"base model: held-out exact match {before:.3f} (e.g. {replies[0]!r} for "
         f"{held[0]['answer']!r})", flush=True)
@@ -182,13 +185,10 @@ def main(argv):
         "eval_loss": run["summary"].get("eval_loss"), "curves": curves(wd),
         "learning_rate": FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate,
         "lora_rank": FLAGS.lora_rank if mode == "lora" else None}
-  results["wall_seconds"] = time.time() - t0
-  plot(FLAGS.workdir, results)
   summary = {"exact_match_before": before, **{f"exact_match_{m}": r["exact_match"]
                                               for m, r in results["runs"].items()},
-             "steps": FLAGS.steps, "seq_len": FLAGS.seq_len, "batch_size": FLAGS.batch_size,
-             "wall_seconds": results["wall_seconds"]}
-  results_lib.finish(FLAGS.workdir, results, summary)
+             "steps": FLAGS.steps, "seq_len": FLAGS.seq_len, "batch_size": FLAGS.batch_size}
+  report.finish(results, summary, wall="wall_seconds", plots=[(plot, (results,), "finetune.png")])
 
 
 if __name__ == "__main__":

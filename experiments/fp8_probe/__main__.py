@@ -56,21 +56,24 @@ from experiments.common.report import Report
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting but
+  --workdir may come from a --config file (configs/ beside this file)."""
   from core import settings  # noqa: F401  (the settings named below)
   from experiments.fp8_probe import probe  # noqa: F401
   from rec import configs
   from rec import settings as rec_settings  # noqa: F401
   configs.define_run_flags("data", "dense_optimizer", "learning_rate",
-      "embedding_learning_rate", "mesh", batch_size=512, eval_batch_size=2048, eval_batches=4,
-      embedding_dim=16, num_rows=20_000)
+      "embedding_learning_rate", "mesh", flag_values=flag_values, batch_size=512,
+      eval_batch_size=2048, eval_batches=4, embedding_dim=16, num_rows=20_000)
   config.define_flags(
       None, "models", "seeds", "data_seed", "steps", "epochs", "variants", "probe_recipes",
       "probe_batches", "max_logloss_increase", "timing_steps", "timing_repeats", "log_every",
-      "workdir", models=["dlrm", "dcnv2:small"], seeds=["0"], data_seed=0, steps=300,
-      variants=["fp32", "bf16", "fp8_tensor", "fp8_row", "fp8_delayed"],
+      in_config=True, flag_values=flag_values, models=["dlrm", "dcnv2:small"], seeds=["0"],
+      data_seed=0, steps=300, variants=["fp32", "bf16", "fp8_tensor", "fp8_row", "fp8_delayed"],
       probe_recipes=["tensor", "row"], probe_batches=8, max_logloss_increase=1e-3,
-      timing_steps=5, timing_repeats=3, log_every=100, workdir="runs/fp8_probe")
+      timing_steps=5, timing_repeats=3, log_every=100)
+  config.define_flags(None, "workdir", flag_values=flag_values, workdir="runs/fp8_probe")
 
 
 def main(argv):

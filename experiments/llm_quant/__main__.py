@@ -47,18 +47,21 @@ WINDOW = config.setting(
     "window", "integer", "Perplexity window in tokens (capped at max_seq_len).", lower=2)
 
 
-def define_flags() -> None:
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting but
+  --workdir may come from a --config file (configs/ beside this file), --checkpoint too."""
   config.define_flags(
       None, "checkpoint", MODES_SETTING, "text", "tokenizer", WINDOW, "prompt_len",
-      lm_settings.NEW_TOKENS.narrowed(lower=2), "repeats", "rounds", "dtype", "workdir",
-      checkpoint=None, modes=None, text=None,
+      lm_settings.NEW_TOKENS.narrowed(lower=2), "repeats", "rounds", "dtype", in_config=True,
+      flag_values=flag_values, checkpoint=None, modes=None, text=None,
       tokenizer=None, window=512, prompt_len=32, new_tokens=32, repeats=3, rounds=3,
-      dtype="float32", workdir="runs/llm_quant")
-  flags.mark_flag_as_required("checkpoint")
+      dtype="float32")
+  config.define_flags(None, "workdir", flag_values=flag_values, workdir="runs/llm_quant")
   flags.register_validator(
       "modes", lambda v: v is None or (v and all(m in MODES for m in v)
                                        and len(set(v)) == len(v)),
-      message=f"expected distinct names of {', '.join(MODES)}")
+      message=f"expected distinct names of {', '.join(MODES)}",
+      flag_values=flags.FLAGS if flag_values is None else flag_values)
 
 
 def main(argv):
@@ -66,6 +69,9 @@ def main(argv):
   cli.quiet_library_logs()
   from experiments.llm_quant import study
   from llm import checkpoints
+  if FLAGS.checkpoint is None:   # required, but a --config file may give it
+    raise errors.expected("--checkpoint", "not given", "llama2c:PATH, hf:DIR or gguf:FILE "
+                          "(or a --config file that sets checkpoint)")
   kind, _ = checkpoints.parse_spec(FLAGS.checkpoint)
   if kind == "workdir":
     raise errors.expected(f"--checkpoint={FLAGS.checkpoint}", "a train_lm workdir",

@@ -1,5 +1,6 @@
 """transformers' own Llama, Qwen2 and Mistral: random-weight checkpoints, logits, greedy ids and
-the mean token loss of a text (the peer of tests/llm/test_families_peer.py).
+the mean token loss of a text; Qwen2's tokenizer on a given vocabulary (the peer of
+tests/llm/test_families_peer.py).
 
 Runs in the Python 3.11 peer environment (torch CPU + transformers; experiments/peers/
 README.md) and imports nothing from the project. Every array goes through files: one job
@@ -15,9 +16,13 @@ job.json: {"write": [{"name", "family": "llama" | "qwen2" | "mistral", "config":
            "gguf": [{"name", "file"}],            # load a GGUF file (needs gguf, accelerate)
            "ids": [[...]],                        # logits of these rows (equal lengths)
            "prompts": [[...], ...], "new_tokens": N,   # greedy ids, one prompt at a time
-           "eval": [{"name", "dir", "text", "seq_len"}]}   # mean token loss of a text file
+           "eval": [{"name", "dir", "text", "seq_len"}],   # mean token loss of a text file
+           "qwen2_tokenizer": [{"name", "tokenizer_json", "dir", "texts"}]}
+             # transformers' Qwen2Tokenizer from the vocab and merges of a byte-level BPE
+             # tokenizer.json: saved to dir (save_pretrained), the texts' ids
 out.npz: <name>.logits [B,T,V] float32, <name>.greedy_<i> [N] for prompt i, <name>.loss and
-<name>.tokens (the eval's mean loss and the number of targets).
+<name>.tokens (the eval's mean loss and the number of targets), <name>.ids_<i> the ids of
+text i (no special tokens added).
 
 Random weights: transformers' own initialization (normal, std 0.02) gives near-uniform
 logits whose greedy ids hang on ties; each tensor is drawn again (seeded): norm scales
@@ -121,6 +126,15 @@ def main():
     for e in job.get("eval", []):
       loss, n = mean_loss(load(e["dir"]), e["dir"], e["text"], e["seq_len"])
       out[f"{e['name']}.loss"], out[f"{e['name']}.tokens"] = np.float64(loss), np.int64(n)
+  for t in job.get("qwen2_tokenizer", []):
+    with open(t["tokenizer_json"], encoding="utf-8") as f:
+      bpe = json.load(f)["model"]
+    merges = [tuple(m.split(" ", 1) if isinstance(m, str) else m) for m in bpe["merges"]]
+    tok = transformers.Qwen2Tokenizer(vocab=bpe["vocab"], merges=merges)
+    tok.save_pretrained(t["dir"])
+    for i, text in enumerate(t["texts"]):
+      ids = tok(text, add_special_tokens=False)["input_ids"]
+      out[f"{t['name']}.ids_{i}"] = np.asarray(ids, np.int64)
   np.savez(args.out, **out)
   print(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
                     "arrays": len(out)}))

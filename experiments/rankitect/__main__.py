@@ -54,6 +54,7 @@ from core import cli
 from core import config
 from core import results as results_lib
 from core import settings
+from experiments.common.report import Report
 from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
@@ -82,19 +83,24 @@ SEARCH_SEED = config.setting(
     "the candidates' initial weights (--seed); default: --seed.", lower=0, none_ok=True)
 
 
-def define_flags() -> None:
-  """The entry point's flags, defined when it runs as a script."""
+def define_flags(flag_values=None) -> None:
+  """The entry point's flags, defined when it runs as a script (`flag_values`: where,
+  default absl's FLAGS); every setting but --workdir / --compilation_cache_dir may come from
+  a --config file (configs/ beside this file)."""
   from rec import configs
   config.define_flags(
       None, METHOD, rec_settings.TRIALS, settings.STEPS, SUPERNET_STEPS, CANDIDATES, RETRAIN,
-      DNAS_COST_WEIGHTS, LAYERS, WIDTH, BASELINES, settings.WORKDIR, SHARED_PROGRAM,
-      SEARCH_SEED, settings.COMPILATION_CACHE_DIR,
+      DNAS_COST_WEIGHTS, LAYERS, WIDTH, BASELINES, SHARED_PROGRAM, SEARCH_SEED,
+      in_config=True, flag_values=flag_values,
       method="random", trials=20, steps=300, supernet_steps=1500, candidates=60, retrain=3,
-      dnas_cost_weights=["0.3"], layers=2, width=8, baselines=True, workdir="runs/rankitect",
-      shared_program=True, search_seed=None,
-      compilation_cache_dir="runs/jax_compilation_cache")
+      dnas_cost_weights=["0.3"], layers=2, width=8, baselines=True, shared_program=True,
+      search_seed=None)
+  config.define_flags(None, settings.WORKDIR, settings.COMPILATION_CACHE_DIR,
+                      flag_values=flag_values, workdir="runs/rankitect",
+                      compilation_cache_dir="runs/jax_compilation_cache")
   configs.define_run_flags(
-      "eval_batch_size", "sparse_optimizer", "seed", dense_optimizer="adam",
+      "eval_batch_size", "sparse_optimizer", "seed", flag_values=flag_values,
+      dense_optimizer="adam",
       data="synthetic_deep", num_rows=20, batch_size=256, eval_batches=4, embedding_dim=16,
       learning_rate=1e-3, embedding_learning_rate=0.1)
 
@@ -107,6 +113,7 @@ def main(argv):
   from experiments.rankitect import study as study_lib
   from experiments.rankitect.space import Space
 
+  report = Report(FLAGS.workdir)
   try:
     weights = [float(w) for w in FLAGS.dnas_cost_weights]
   except ValueError:
@@ -161,22 +168,21 @@ def main(argv):
 
   costs = {m: study_lib.cost_of(m, rows, supernet_cost(m))
            for m in sorted({r["method"] for r in rows})}
-  print(study_lib.table(rows))
+  report.table(study_lib.table(rows))
   for m, c in costs.items():
     print(f"search cost {m}: {c['candidates_trained']} trained ({c['train_wall_s']:.0f}s), "
           f"supernet {c['supernet_steps']} steps ({c['supernet_wall_s']:.0f}s), "
           f"{c['candidates_evaluated_inherited']} scored with inherited weights")
-  png = study_lib.plot(rows, os.path.join(FLAGS.workdir, "rankitect.png"))
   fronts = {m: [r["label"] for r in study_lib.pareto([r for r in rows if r["method"] == m])]
             for m in costs}
-  results_lib.write_results(FLAGS.workdir, {
+  results = {
       "method": FLAGS.method, "space": {"layers": space.num_layers, "width": space.width,
                                         "embedding_dim": space.embedding_dim,
                                         "candidates": list(space.names)},
       "data": base.data.data, "seed": base.seed, "search_seed": st.search_seed,
       "steps": FLAGS.steps, "rows": rows, "cost": costs, "pareto": fronts,
-      "best": best, "best_file": best_path, "plot": png,
-      **{k: v for k, v in extra.items() if k in ("scored", "alpha")}})
+      "best": best, "best_file": best_path, "plot": report.path("rankitect.png"),
+      **{k: v for k, v in extra.items() if k in ("scored", "alpha")}}
   summary = {"method": FLAGS.method, "search_seed": st.search_seed,
              "best": best["label"], "best_ne": best["ne"],
              "best_mflops": best["mflops"], "best_file": best_path,
@@ -186,7 +192,7 @@ def main(argv):
   if hand:
     summary["best_hand_designed"] = min(hand, key=lambda r: r["ne"])["label"]
     summary["best_hand_designed_ne"] = min(r["ne"] for r in hand)
-  print(json.dumps(summary))
+  report.finish(results, summary, plots=[(study_lib.plot, (rows,), "rankitect.png")])
 
 
 if __name__ == "__main__":

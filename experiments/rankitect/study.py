@@ -115,7 +115,7 @@ class Study:
       saved = json.load(f)
     saved.setdefault("search_seed", saved.get("run.seed"))   # absent: the default, run.seed
     default = json.loads(json.dumps(configs.make_run().run_settings()))
-    for n in configs.A2A_FIELDS:   # absent: the default (float32, one bound throughout)
+    for n in configs.LATER_FIELDS:   # absent: the default (float32, one bound; no groups)
       saved.setdefault(f"run.{n}", default[n])
     diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
     if diff:

@@ -32,6 +32,17 @@ PAGED_ATTENTION = config.setting(
     "paged_attention", "enum", "Attention over the KV cache pages: xla (each row's pages "
     "gathered, then the jnp reference), pallas (the kernel of kernels/paged_attention.py), "
     "auto (pallas on a GPU, else xla).", choices=("auto", "xla", "pallas"))
+MIXED_BATCH = config.setting(
+    "mixed_batch", "bool", "Run a step's decode rows and its prefill chunk as one forward pass "
+    "(one read of the weights; vLLM / Sarathi's mixed batch) instead of two.")
+SPECULATIVE_TREE = config.setting(
+    "speculative_tree", "string", "EAGLE draft-tree shape TOP_K:DEPTH:BUDGET (or chain:D) of "
+    "a speculative engine: each running request drafts its tree with the draft head and the "
+    "batch verifies all trees in one pass (greedy requests only); empty: plain decoding.")
+DRAFT = config.setting(
+    "draft", "string", "EAGLE draft head of a speculative engine (--speculative_tree): a "
+    "draft-head training run's workdir (experiments.spec_decode's <workdir>/draft), or "
+    "'random' for an untrained head (nothing accepted: the rounds' cost alone).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +53,9 @@ class EngineConfig:
   step of [prefill_rows, C], C one of `chunk_widths` (default: powers of two from 16 up to
   prefill_chunk, so a short prompt is not padded to a whole chunk), each with block tables
   of one of `table_widths` pages (default: powers of two from 4 up to a request's most
-  pages, so short requests gather few)."""
+  pages, so short requests gather few); with `mixed_batch`, a step of decode rows and a
+  prefill chunk is one program per (W, C, table width). `speculative_tree`: decode rows run
+  EAGLE rounds of that tree shape (the engine then needs a draft head)."""
 
   max_slots: int = MAX_SLOTS.field(8)
   block_size: int = BLOCK_SIZE.field(16)
@@ -51,6 +64,8 @@ class EngineConfig:
   prefill_chunk: int = PREFILL_CHUNK.field(64)
   prefill_rows: int = PREFILL_ROWS.field(1)
   paged_attention: str = PAGED_ATTENTION.field("auto")
+  mixed_batch: bool = MIXED_BATCH.field(True)
+  speculative_tree: str = SPECULATIVE_TREE.field("")
   # Not flags: decode batch widths, prefill chunk widths and table widths (pages per row) the
   # steps compile for (empty: powers of two), and whether each sampled token's logits come
   # back to the host (tests, studies).

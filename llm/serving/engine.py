@@ -24,21 +24,44 @@ page at a time and its pages go back to the pool when it finishes. Each step:
      chunk); the chunk that ends a prompt samples the first new token;
   4. each row's token is checked against the request's stop ids, stop strings, max_tokens
      and the context; finished requests free their slot and pages.
-Both steps have fixed shapes (idle rows write nothing and see nothing), so joining and
+With `EngineConfig.mixed_batch` (the default) a step with both runs them as one forward
+pass (vLLM / Sarathi's mixed batch): the decode rows' and the chunk's tokens go through
+the weights together, flattened to [1, W + R*C], each group attending over its own pages
+(`paged.PagedGroups`), so the weights are read once per step, not twice.
+Every step has fixed shapes (idle rows write nothing and see nothing), so joining and
 leaving never recompiles; the decode step's batch width, the prefill chunk's width and the
 block tables' width take a few fixed values (`EngineConfig.batch_widths`, `chunk_widths`,
-`table_widths`), compiled once each (`warmup`). Sampling settings are per row (temperature, top_k, top_p,
-a seed): a request's token i draws with key fold_in(key(seed), i), whatever its batch.
+`table_widths`), compiled once each, and each pair of a batch and a chunk width once more as
+a mixed step (`programs`, `warmup`).
+
+Speculative mode (`EngineConfig.speculative_tree`, a draft head given as `draft=`: EAGLE,
+arXiv 2401.15077 / 2406.16858, `llm.speculative`): the decode rows run a round instead of a
+step (`llm.serving.programs.spec_step`): each running request drafts its own tree from its last token with the
+head (whose KV cache is one dense row per slot, `[max_slots, max_model_len + scratch]`),
+the batch verifies every tree in one target pass over the paged cache (each node attends to
+its row's cached pages and, among the tree's own keys, to its ancestors), the longest path
+the target's argmax agrees with is accepted with a bonus token, only the accepted nodes'
+keys and values are written (to slots start .. start + a: rejected nodes never reach the
+pool), and the head reads the a + 1 new pairs. Prompt chunks run as plain prefill steps
+that also feed the head the chunk's pairs (`llm.serving.programs`). Greedy requests only (a
+sampled one is refused); the rows equal plain greedy decoding.
+
+Sampling settings are per row (temperature, top_k, top_p, a seed): a request's token i draws
+with key fold_in(key(seed), i), whatever its batch.
 
 Numerics: a step runs the model's own blocks (`llm.model.Block`) with a `PagedLayer` as
 their cache, attending over the rows' gathered pages ("xla") or through the Pallas kernel,
 so greedy outputs equal `llm.generate.generate` run one request at a time, and logits agree
 to float32 rounding (another order of the attention's sums; XLA:CPU also runs products of
-one row and of many through different routines). A row's bits depend on the step's shapes only, not
-on the other rows, so a request gives the same bits alone or among others at the same batch
-width and table width (fix both to compare).
+one row and of many through different routines). A row's bits depend on the step's shapes
+only, not on the other rows' values, so a request gives the same bits alone or among others
+at the same batch width and table width (fix both to compare); in a mixed step the shapes
+include the chunk riding along, and XLA:CPU's products over more rows may group a sum
+otherwise (float32 at the model's widths; the tiny test model's bits stay equal, and the LM
+head runs group by group for that reason).
 
-Letters: B (or W) decode rows, R prefill rows, C prefill chunk, M pages per row, V vocab.
+Letters: B (or W) decode rows, R prefill rows, C prefill chunk, M pages per row, V vocab,
+N tree nodes, J = depth + 1 path slots, S engine slots (max_slots), D model dim.
 """
 
 from __future__ import annotations
@@ -49,16 +72,19 @@ import itertools
 import time
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llm.generate import filtered_logits
 from llm.serving.config import EngineConfig
-from llm.serving.paged import (NULL_BLOCK, BlockPool, PagedCache, PagedLayer, blocks_for,
-                               choose_paged_impl, commit_pages, flat_slots)
+from llm.serving.paged import (NULL_BLOCK, BlockPool, PagedCache, blocks_for,
+                               choose_paged_impl, commit_pages)
+from llm.serving.programs import load_draft, run_step, spec_step
 from llm.serving.text import ReplyText
+from llm.speculative import decode as spec_decode
+from llm.speculative.tree import TreeShape
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "load_draft"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,58 +149,6 @@ class _Request:
     return len(self.prompt) + len(self.output) - self.num_computed
 
 
-def _sample_rows(logits_BV, temperature_B, top_k_B, top_p_B, seed_B, counter_B):
-  """Per-row sampling with per-row keys fold_in(key(seed), counter); greedy at temperature 0."""
-  greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  filt = filtered_logits(logits_BV, temperature_B, top_k_B, top_p_B)
-  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed_B, counter_B)
-  sampled = jax.vmap(jax.random.categorical)(keys, filt).astype(jnp.int32)
-  return jnp.where(temperature_B > 0, sampled, greedy)
-
-
-def _step(graphdef, state, cache: PagedCache, tokens_BT, start_B, n_valid_B, tables_BM,
-          sampling, *, impl: str, sample: bool, with_logits: bool):
-  """Feeds n_valid_B[b] tokens of each row at positions start_B[b].., and samples one token
-  from each row's last fed token. Returns ((the call's keys and values per layer, their
-  slots), tokens [B], logits [B, V] or None); `commit_pages` writes the keys and values.
-  Rows with n_valid 0 change nothing."""
-  model = nnx.merge(graphdef, state)
-  cfg = model.cfg
-  t = tokens_BT.shape[1]
-  arange_T = jnp.arange(t, dtype=jnp.int32)
-  positions_BT = start_B[:, None] + arange_T
-  valid_BT = arange_T < n_valid_B[:, None]
-  slots_BT = flat_slots(tables_BM, positions_BT, valid_BT, cache.block_size, cache.num_blocks)
-  lengths_B = start_B + n_valid_B
-  x_BTD = model.embed_tokens(tokens_BT)
-  new_k, new_v = [], []
-  for i, block in enumerate(model.layers):
-    layer = PagedLayer(cache.k[i], cache.v[i], tables_BM, lengths_B, slots_BT, impl, cfg.dtype)
-    x_BTD, layer = block(x_BTD, positions_BT, None, kv=layer)
-    new_k.append(layer.new_k)
-    new_v.append(layer.new_v)
-  h_BTD = model.final_norm(x_BTD)
-  last_B = jnp.maximum(n_valid_B - 1, 0)
-  h_B1D = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
-  logits_BV = model.logits(h_B1D)[:, 0]
-  if sample:
-    tok_B = _sample_rows(logits_BV, *sampling)
-  else:
-    tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  return (tuple(new_k), tuple(new_v), slots_BT), tok_B, (logits_BV if with_logits else None)
-
-
-# The step reads the pool only; `commit_pages` then writes it in place (llm/serving/paged.py:
-# XLA:CPU copied every pool when one program both read and updated them).
-engine_step = jax.jit(_step, static_argnames=("graphdef", "impl", "sample", "with_logits"))
-
-
-def run_step(graphdef, state, cache, *args, **kw):
-  """One step and its commit: (cache after it, tokens, logits or None)."""
-  (new_k, new_v, slots), tok, logits = engine_step(graphdef, state, cache, *args, **kw)
-  return commit_pages(cache, slots, new_k, new_v), tok, logits
-
-
 def _widths(given: Sequence[int], most: int, first: int, name: str, what: str
             ) -> tuple[int, ...]:
   """Sorted widths covering 1..most: `given`, or powers of two from `first` and `most`."""
@@ -195,7 +169,8 @@ class Engine:
   """Continuous batching over a paged KV cache (module docstring). Not thread-safe: one
   thread calls add_request / abort / step (`llm.serving.runner` runs it in one)."""
 
-  def __init__(self, model, config: EngineConfig = EngineConfig(), tokenizer=None):
+  def __init__(self, model, config: EngineConfig = EngineConfig(), tokenizer=None, draft=None,
+               draft_vocab=None):
     cfg = model.cfg
     if getattr(cfg, "context_parallel", "none") != "none":
       raise ValueError(f"Engine: context_parallel={cfg.context_parallel!r}; the engine serves "
@@ -237,6 +212,32 @@ class Engine:
     self.steps = 0
     self.preemptions = 0
     self.finished = 0
+    self.spec_rounds = 0
+    self.spec_accepted = 0
+    self.shape = self._speculative(draft, draft_vocab)
+
+  def _speculative(self, draft, draft_vocab) -> TreeShape | None:
+    """The tree shape of a speculative engine (its draft state set up), else None."""
+    spec = self.config.speculative_tree
+    if not spec:
+      if draft is not None:
+        raise ValueError("Engine: a draft head without speculative_tree; give the tree "
+                         "shape (e.g. speculative_tree='2:4:5')")
+      return None
+    shape = TreeShape.parse(spec)
+    if draft is None:
+      raise ValueError(f"Engine: speculative_tree={spec!r} needs a draft head (draft=)")
+    if draft.cfg.dim != self.cfg.dim or draft.cfg.vocab_size != self.cfg.vocab_size:
+      raise ValueError(f"Engine: draft head for dim {draft.cfg.dim}, vocab "
+                       f"{draft.cfg.vocab_size}; the model has dim {self.cfg.dim}, vocab "
+                       f"{self.cfg.vocab_size}")
+    # The draft's scratch slots past a row's start (its tree, then the catch-up's pairs).
+    scratch = max((shape.depth - 1) * shape.top_k, shape.depth + 1)
+    self.dgraph, self.dstate = nnx.split(draft)
+    self.dcache = draft.init_cache(self.config.max_slots, self.max_len + scratch)
+    self.h_root = jnp.zeros((self.config.max_slots, self.cfg.dim), draft.cfg.dtype)
+    self.head = spec_decode.vocab_head(self.model, draft_vocab, draft.cfg.dtype)
+    return shape
 
   # --- requests
 
@@ -258,6 +259,9 @@ class Engine:
     bad = [t for t in params.stop_token_ids if not 0 <= int(t) < self.cfg.vocab_size]
     if bad:
       raise ValueError(f"{where}: stop_token_ids {bad} outside [0, {self.cfg.vocab_size})")
+    if self.shape is not None and params.temperature > 0:
+      raise ValueError(f"{where}: temperature={params.temperature} on a speculative engine "
+                       "(speculative_tree); it verifies greedy requests only (temperature 0)")
     if params.stop and self.tokenizer is None:
       raise ValueError(f"{where}: stop strings {list(params.stop)} need a tokenizer; this "
                        "engine has none (give stop_token_ids)")
@@ -331,6 +335,16 @@ class Engine:
     req.blocks.extend(got)
     return True
 
+  def _is_decode(self, req: _Request) -> bool:
+    """A decode row: one token left to feed (and, speculative, the draft has read the rest)."""
+    return req.remaining == 1 and (self.shape is None or req.num_computed > 0)
+
+  def _decode_tokens(self, req: _Request) -> int:
+    """Slots a decode row may write this step: 1, or a tree's accepted path."""
+    if self.shape is None:
+      return 1
+    return max(1, min(self.shape.depth + 1, self.max_len - req.num_computed))
+
   def _admit(self) -> None:
     free = [i for i, r in enumerate(self.slots) if r is None]
     # Keep a page per running request in hand, so admissions do not preempt at once.
@@ -350,9 +364,9 @@ class Engine:
     self._admit()
     decode: list[_Request] = []
     for req in list(self.running):
-      if req not in self.running or req.remaining != 1:
+      if req not in self.running or not self._is_decode(req):
         continue
-      while not self._grow(req, 1):
+      while not self._grow(req, self._decode_tokens(req)):
         victim = self.running[-1]
         self._preempt(victim)
         if victim is req:
@@ -365,7 +379,7 @@ class Engine:
     for req in list(self.running):
       if len(prefill) == self.config.prefill_rows:
         break
-      if req.remaining <= 1:
+      if req.remaining < 1 or self._is_decode(req):
         continue
       n = min(req.remaining, self.config.prefill_chunk)
       while not self._grow(req, n):
@@ -382,57 +396,119 @@ class Engine:
   # --- the step
 
   def _width(self, rows: Sequence[_Request], n_tokens: int) -> int:
-    need = max(blocks_for(r.num_computed + n_tokens, self.config.block_size) for r in rows)
+    need = max(blocks_for(min(r.num_computed + n_tokens, self.max_len), self.config.block_size)
+               for r in rows)
     return next(w for w in self.widths if w >= need)
 
-  def _run(self, rows: list[_Request | None], n_tokens: int):
-    """Dispatches one jitted step over `rows` (None: idle) feeding up to n_tokens each;
-    returns (device tokens [rows], device logits or None, [(row, n fed)])."""
-    b = len(rows)
+  def _run(self, groups: list[tuple[list[_Request | None], int]]):
+    """Dispatches one jitted step over `groups` of rows (None: idle), each feeding up to
+    n_tokens per row (one group: a decode or prefill step; two: a mixed batch); returns
+    (device tokens [rows], device logits or None, [(row, request, n fed)])."""
+    m = max(self._width([r for r in rows if r is not None], n) for rows, n in groups
+            if any(r is not None for r in rows))
+    arrays, fed, at = [], [], 0
+    sampling = [[], [], [], [], []]
+    for rows, n_tokens in groups:
+      b = len(rows)
+      tokens = np.zeros((b, n_tokens), np.int32)
+      start = np.zeros((b,), np.int32)
+      n_valid = np.zeros((b,), np.int32)
+      tables = np.full((b, m), NULL_BLOCK, np.int32)
+      temp = np.zeros((b,), np.float32)
+      top_k = np.zeros((b,), np.int32)
+      top_p = np.ones((b,), np.float32)
+      seed = np.zeros((b,), np.uint32)
+      counter = np.zeros((b,), np.int32)
+      for i, r in enumerate(rows):
+        if r is None:
+          continue
+        n = min(r.remaining, n_tokens)
+        tokens[i, :n] = r.tokens[r.num_computed:r.num_computed + n]
+        start[i], n_valid[i] = r.num_computed, n
+        tables[i, :len(r.blocks)] = r.blocks
+        p = r.params
+        temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        seed[i], counter[i] = p.seed % 2 ** 32, len(r.output)
+        fed.append((at + i, r, n))
+      arrays.append((tokens, start, n_valid, tables))
+      for dst, x in zip(sampling, (temp, top_k, top_p, seed, counter)):
+        dst.append(x)
+      at += b
+    sampling = tuple(np.concatenate(x) for x in sampling)
+    draft = None
+    if self.shape is not None:
+      rows, n_tokens = groups[-1]
+      slot = np.full((len(rows),), self.config.max_slots, np.int32)
+      nxt = np.full((len(rows),), -1, np.int32)
+      for i, r in enumerate(rows):
+        if r is not None:
+          slot[i] = r.slot
+          end = r.num_computed + min(r.remaining, n_tokens)
+          if end < len(r.tokens):
+            nxt[i] = r.tokens[end]
+      draft = (self.dgraph, self.dstate, self.dcache, self.h_root, slot, nxt)
+    self.cache, tok, logits, new_draft = run_step(
+        self.graphdef, self.state, self.cache, tuple(arrays), sampling, draft, impl=self.impl,
+        sample=bool(np.any(sampling[0] > 0)), with_logits=self.config.record_logits)
+    if new_draft is not None:
+      self.dcache, self.h_root = new_draft
+    return tok, logits, fed
+
+  def _run_spec(self, rows: list[_Request | None]):
+    """One speculative round over `rows` (None: idle); returns (device new tokens [W, J],
+    device accepted [W], device logits or None, [(row, request)])."""
+    w, bs = len(rows), self.config.block_size
     active = [r for r in rows if r is not None]
-    m = self._width(active, n_tokens)
-    tokens = np.zeros((b, n_tokens), np.int32)
-    start = np.zeros((b,), np.int32)
-    n_valid = np.zeros((b,), np.int32)
-    tables = np.full((b, m), NULL_BLOCK, np.int32)
-    temp = np.zeros((b,), np.float32)
-    top_k = np.zeros((b,), np.int32)
-    top_p = np.ones((b,), np.float32)
-    seed = np.zeros((b,), np.uint32)
-    counter = np.zeros((b,), np.int32)
+    m = self._width(active, self.shape.depth + 1)
+    slot = np.full((w,), self.config.max_slots, np.int32)
+    root = np.zeros((w,), np.int32)
+    start = np.zeros((w,), np.int32)
+    limit = np.zeros((w,), np.int32)
+    tables = np.full((w, m), NULL_BLOCK, np.int32)
     fed = []
     for i, r in enumerate(rows):
       if r is None:
         continue
-      n = min(r.remaining, n_tokens)
-      toks = r.tokens[r.num_computed:r.num_computed + n]
-      tokens[i, :n] = toks
-      start[i], n_valid[i] = r.num_computed, n
+      slot[i], root[i], start[i] = r.slot, r.tokens[r.num_computed], r.num_computed
+      limit[i] = len(r.blocks) * bs
       tables[i, :len(r.blocks)] = r.blocks
-      p = r.params
-      temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-      seed[i], counter[i] = p.seed % 2 ** 32, len(r.output)
-      fed.append((i, r, n))
-    sample = bool(np.any(temp > 0))
-    self.cache, tok, logits = run_step(
-        self.graphdef, self.state, self.cache, tokens, start, n_valid, tables,
-        (temp, top_k, top_p, seed, counter), impl=self.impl, sample=sample,
-        with_logits=self.config.record_logits)
-    return tok, logits, fed
+      fed.append((i, r))
+    (new_k, new_v, slots), new, acc, logits, (self.dcache, self.h_root) = spec_step(
+        self.graphdef, self.state, self.dgraph, self.dstate, self.cache, self.dcache,
+        self.h_root, slot, root, start, limit, tables, self.head, impl=self.impl,
+        shape=self.shape, with_logits=self.config.record_logits)
+    self.cache = commit_pages(self.cache, slots, new_k, new_v)
+    return new, acc, logits, fed
 
   def step(self) -> list[RequestOutput]:
-    """One engine step (module docstring); returns an output for every request that got a
-    token or finished."""
+    """One engine step (module docstring); returns an output for every request that got
+    tokens or finished."""
     decode, prefill = self._schedule()
-    launched = []
+    outputs = []
+    if decode and self.shape is not None:
+      width = next(w for w in self.batch_widths if w >= len(decode))
+      new, acc, logits, fed = self._run_spec(decode + [None] * (width - len(decode)))
+      new, acc = np.asarray(new), np.asarray(acc)
+      logits = None if logits is None else np.asarray(logits)
+      for i, req in fed:
+        a = int(acc[i])
+        req.num_computed += a + 1
+        self.spec_rounds += 1
+        self.spec_accepted += a
+        outputs.append(self._after_tokens(
+            req, [int(t) for t in new[i, :a + 1]],
+            [None] * (a + 1) if logits is None else list(logits[i, :a + 1])))
+      decode = []
+    groups = []
     if decode:
       width = next(w for w in self.batch_widths if w >= len(decode))
-      launched.append(self._run(decode + [None] * (width - len(decode)), 1))
+      groups.append((decode + [None] * (width - len(decode)), 1))
     if prefill:
       rows = prefill + [None] * (self.config.prefill_rows - len(prefill))
       n = max(min(r.remaining, self.config.prefill_chunk) for r in prefill)
-      launched.append(self._run(rows, next(c for c in self.chunk_widths if c >= n)))
-    outputs = []
+      groups.append((rows, next(c for c in self.chunk_widths if c >= n)))
+    launched = ([self._run(groups)] if groups and (self.config.mixed_batch or len(groups) < 2)
+                else [self._run([g]) for g in groups])
     for tok, logits, fed in launched:
       tok = np.asarray(tok)
       logits = None if logits is None else np.asarray(logits)
@@ -440,28 +516,34 @@ class Engine:
         req.num_computed += n
         if req.remaining > 0:          # a prompt chunk that does not end the prompt
           continue
-        new = int(tok[i])
-        req.output.append(new)
-        row_logits = [] if logits is None else [logits[i]]
-        req.logits.extend(row_logits)
-        outputs.append(self._after_token(req, new, row_logits))
+        outputs.append(self._after_tokens(req, [int(tok[i])],
+                                          [None if logits is None else logits[i]]))
     self.steps += 1
     return outputs
 
-  def _after_token(self, req: _Request, new: int, row_logits) -> RequestOutput:
+  def _after_tokens(self, req: _Request, new: list[int], new_logits: list) -> RequestOutput:
+    """Appends new tokens to a request's reply up to the first that finishes it."""
     p = req.params
-    if new in p.stop_token_ids:
-      req.finish_reason = "stop"
-    elif len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_len:
-      req.finish_reason = "length"
-    delta = ""
-    if req.reply is not None:
-      delta = req.reply.update(req.output, final=req.finish_reason is not None)
-      if req.reply.stopped:
+    kept, delta, row_logits = [], "", []
+    for tok, lg in zip(new, new_logits):
+      req.output.append(tok)
+      kept.append(tok)
+      if lg is not None:
+        req.logits.append(lg)
+        row_logits.append(lg)
+      if tok in p.stop_token_ids:
         req.finish_reason = "stop"
+      elif len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_len:
+        req.finish_reason = "length"
+      if req.reply is not None:
+        delta += req.reply.update(req.output, final=req.finish_reason is not None)
+        if req.reply.stopped:
+          req.finish_reason = "stop"
+      if req.finish_reason is not None:
+        break
     if req.finish_reason is not None:
       self._release(req)
-    return self._output(req, (new,), delta, row_logits)
+    return self._output(req, tuple(kept), delta, row_logits)
 
   def _output(self, req: _Request, new: tuple[int, ...], delta: str, row_logits) -> RequestOutput:
     return RequestOutput(req.id, new, tuple(req.output), delta,
@@ -485,22 +567,53 @@ class Engine:
           final[out.request_id] = out
     return [dataclasses.replace(final[i], logits=tuple(logits.get(i, ()))) for i in ids]
 
-  def warmup(self, sample: bool = False, widths: Sequence[int] | None = None) -> int:
-    """Compiles the decode steps (every batch width) and the prefill steps (every chunk
-    width) for every table width (or those given; greedy, and sampled too with `sample`) on
-    idle rows; returns the number of programs."""
-    n = 0
+  def programs(self) -> list[tuple[tuple[tuple[int, int], ...], str]]:
+    """The step shapes the engine runs: ((rows, tokens) per group, kind), kind "step"
+    (decode, prefill or a mixed batch of decode rows and a prefill chunk) or "spec" (a
+    speculative round: rows only)."""
     r = self.config.prefill_rows
-    for rows, t in [(b, 1) for b in self.batch_widths] + [(r, c) for c in self.chunk_widths]:
+    prefill = [((r, c),) for c in self.chunk_widths]
+    if self.shape is not None:
+      return [(((b, 1),), "spec") for b in self.batch_widths] + [(g, "step") for g in prefill]
+    decode = [((b, 1),) for b in self.batch_widths]
+    mixed = ([((b, 1), (r, c)) for b in self.batch_widths for c in self.chunk_widths]
+             if self.config.mixed_batch else [])
+    return [(g, "step") for g in decode + prefill + mixed]
+
+  def warmup(self, sample: bool = False, widths: Sequence[int] | None = None) -> int:
+    """Compiles every step shape (`programs`) for every table width (or those given; greedy,
+    and sampled too with `sample`) on idle rows; returns the number of programs."""
+    n = 0
+    idle = self.config.max_slots
+    for groups, kind in self.programs():
       for m in self.widths if widths is None else widths:
+        rows = sum(b for b, _ in groups)
+        if kind == "spec":
+          z = np.zeros((rows,), np.int32)
+          (new_k, new_v, slots), new, *_, (self.dcache, self.h_root) = spec_step(
+              self.graphdef, self.state, self.dgraph, self.dstate, self.cache, self.dcache,
+              self.h_root, z + idle, z, z, z, np.zeros((rows, m), np.int32), self.head,
+              impl=self.impl, shape=self.shape, with_logits=self.config.record_logits)
+          self.cache = commit_pages(self.cache, slots, new_k, new_v)
+          np.asarray(new)
+          n += 1
+          continue
         for s in ((False, True) if sample else (False,)):
           z = np.zeros((rows,), np.int32)
-          self.cache, tok, _ = run_step(
-              self.graphdef, self.state, self.cache, np.zeros((rows, t), np.int32), z, z,
-              np.zeros((rows, m), np.int32),
+          arrays = tuple((np.zeros((b, t), np.int32), np.zeros((b,), np.int32),
+                          np.zeros((b,), np.int32), np.zeros((b, m), np.int32))
+                         for b, t in groups)
+          b = groups[-1][0]
+          draft = (None if self.shape is None else
+                   (self.dgraph, self.dstate, self.dcache, self.h_root,
+                    np.full((b,), idle, np.int32), np.full((b,), -1, np.int32)))
+          self.cache, tok, _, new_draft = run_step(
+              self.graphdef, self.state, self.cache, arrays,
               (np.zeros((rows,), np.float32), z, np.ones((rows,), np.float32),
-               np.zeros((rows,), np.uint32), z),
+               np.zeros((rows,), np.uint32), z), draft,
               impl=self.impl, sample=s, with_logits=self.config.record_logits)
+          if new_draft is not None:
+            self.dcache, self.h_root = new_draft
           np.asarray(tok)
           n += 1
     return n
@@ -509,4 +622,5 @@ class Engine:
     return {"running": len(self.running), "waiting": len(self.waiting),
             "pages_used": self.pool.num_used, "pages_free": self.pool.num_free,
             "steps": self.steps, "preemptions": self.preemptions,
-            "finished": self.finished}
+            "finished": self.finished, "spec_rounds": self.spec_rounds,
+            "spec_accepted": self.spec_accepted}

@@ -30,6 +30,12 @@ place. Attention:
             `llm.attention.merge_partials`) with the call's tokens attending among
             themselves (the jnp reference: T x T keys);
   "auto"    "pallas" on a GPU, else "xla".
+A call whose own tokens are a draft tree (`own_mask_BTT`: which of the call's keys each query
+sees; `llm.serving.engine`'s speculative rounds) attends over the cached slots (the view or
+the kernel, up to the row's start) and, separately, over the call's keys under that mask,
+merged by log-sum-exp: tree nodes share positions, so they cannot be written into a view
+by position. `PagedGroups` runs several groups of rows (decode rows and a prefill chunk) as
+one call: the model sees their tokens flattened, each group attends as its own layer.
 
 Letters: B rows, T tokens per row in this call, M pages per row (table width), N pages in the
 pool, P slots per page, G key/value heads, K head dim, L layers.
@@ -163,6 +169,7 @@ class PagedLayer:
   slots_BT: jax.Array
   impl: str                  # "xla" | "pallas" (after choose_paged_impl)
   dtype: jnp.dtype           # the compute dtype
+  own_mask_BTT: jax.Array | None = None   # which of the call's keys each query sees (a tree)
   new_k: jax.Array | None = None
   new_v: jax.Array | None = None
 
@@ -175,24 +182,62 @@ class PagedLayer:
     cache_dtype = self.k_pages.dtype
     k_BTGK, v_BTGK = k_BTGK.astype(cache_dtype), v_BTGK.astype(cache_dtype)
     layer = dataclasses.replace(self, new_k=k_BTGK, new_v=v_BTGK)
-    if self.impl == "pallas":
+    if self.impl == "pallas" or self.own_mask_BTT is not None:
       start_B = self.lengths_B - jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
-      out_old, lse_old = paged_attention(
-          q_BTHK, self.k_pages.astype(self.dtype), self.v_pages.astype(self.dtype),
-          self.tables_BM, start_B, positions_BT)
+      if self.impl == "pallas":
+        out_old, lse_old = paged_attention(
+            q_BTHK, self.k_pages.astype(self.dtype), self.v_pages.astype(self.dtype),
+            self.tables_BM, start_B, positions_BT)
+      else:
+        out_old, lse_old = attention_over_view(
+            q_BTHK, gather_pages(self.k_pages, self.tables_BM).astype(self.dtype),
+            gather_pages(self.v_pages, self.tables_BM).astype(self.dtype), start_B,
+            positions_BT)
       seg_BT = valid_BT.astype(jnp.int32)
+      mask = None
+      if self.own_mask_BTT is not None:
+        mask = self.own_mask_BTT & valid_BT[:, :, None] & valid_BT[:, None, :]
       out_new, lse_new = attention(q_BTHK, k_BTGK.astype(self.dtype), v_BTGK.astype(self.dtype),
                                    impl="xla", causal=True, q_positions=positions_BT,
                                    kv_positions=positions_BT, q_segment_ids=seg_BT,
-                                   kv_segment_ids=seg_BT)
+                                   kv_segment_ids=seg_BT, mask=mask)
       out, _ = merge_partials([out_old, out_new], [lse_old, lse_new])
-      return out, layer
+      return out.astype(q_BTHK.dtype), layer
     k_GBSK = _write_view(gather_pages(self.k_pages, self.tables_BM), positions_BT, valid_BT,
                          k_BTGK).astype(self.dtype)
     v_GBSK = _write_view(gather_pages(self.v_pages, self.tables_BM), positions_BT, valid_BT,
                          v_BTGK).astype(self.dtype)
     out, _ = attention_over_view(q_BTHK, k_GBSK, v_GBSK, self.lengths_B, positions_BT)
     return out, layer
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedGroups:
+  """Several groups of rows in one forward pass (a mixed batch: decode rows [W, 1] and a
+  prefill chunk [R, C]): the model runs on their tokens flattened to [1, sum B_g * T_g], so
+  the weights are read once for all of them, and each group attends as its own
+  `PagedLayer`. new_k / new_v: the call's keys / values, flattened like the tokens."""
+
+  groups: tuple[PagedLayer, ...]
+  new_k: jax.Array | None = None
+  new_v: jax.Array | None = None
+
+  def write_and_attend(self, q_1NHK, k_1NGK, v_1NGK, positions_1N):
+    outs, layers, at = [], [], 0
+    for layer in self.groups:
+      b, t = layer.slots_BT.shape
+      cut = lambda x: x[0, at:at + b * t].reshape(b, t, *x.shape[2:])  # noqa: E731
+      out, layer = layer.write_and_attend(cut(q_1NHK), cut(k_1NGK), cut(v_1NGK),
+                                          cut(positions_1N))
+      outs.append(out.reshape(1, b * t, *out.shape[2:]))
+      layers.append(layer)
+      at += b * t
+
+    def flat(xs):
+      return jnp.concatenate([x.reshape(1, -1, *x.shape[2:]) for x in xs], axis=1)
+    return flat(outs), dataclasses.replace(
+        self, groups=tuple(layers), new_k=flat([x.new_k for x in layers]),
+        new_v=flat([x.new_v for x in layers]))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

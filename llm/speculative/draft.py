@@ -42,12 +42,15 @@ from llm.model import KVCache
 
 
 def draft_config(target_cfg: LlamaConfig, dtype="float32") -> LlamaConfig:
-  """The head's block config: the target's sizes, one layer, no remat, its weights and
-  arithmetic in `dtype`. Heads train in float32 whatever the target's dtype; `cast_head`
-  gives a trained head another dtype for decoding (a bfloat16 target's head decodes faster
-  in bfloat16 on XLA:CPU: its calls run 2-5 rows, and bfloat16 products cost about the
-  same for 2 to 8 rows where float32 ones grow with them, BENCHMARKS.md)."""
-  return target_cfg.replace(n_layers=1, remat=False, dtype=jnp.dtype(dtype).name,
+  """The head's block config: the target's sizes, one layer (with the sliding window of the
+  target's last layer, if any), no remat, its weights and arithmetic in `dtype`. Heads
+  train in float32 whatever the target's dtype; `cast_head` gives a trained head another
+  dtype for decoding (a bfloat16 target's head decodes faster in bfloat16 on XLA:CPU: its
+  calls run 2-5 rows, and bfloat16 products cost about the same for 2 to 8 rows where
+  float32 ones grow with them, BENCHMARKS.md)."""
+  window = target_cfg.layer_window(target_cfg.n_layers - 1)
+  return target_cfg.replace(n_layers=1, sliding_window=window, window_layers=None,
+                            remat=False, dtype=jnp.dtype(dtype).name,
                             param_dtype=jnp.dtype(dtype).name, cache_dtype=None)
 
 

@@ -73,13 +73,14 @@ from core import mesh as mesh_lib
 from rec.data.batch import DedupIds
 from rec.data.dedup import DedupSpec
 from rec.embedding import a2a_compression as a2a_lib
+from rec.embedding import host_tier
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import reshard
 from rec.embedding import sharding
 from rec.embedding import storage as storage_lib
 from rec.embedding import storage_spec
 from rec.embedding.config import TableConfig
-from rec.embedding.planner import Plan
+from rec.embedding.planner import Plan, planned_tables
 from rec.embedding.sharding import base, compressed, recd, sptt
 
 
@@ -114,7 +115,7 @@ class EmbeddingCollection:
       raise ValueError(f"lookup_impl={lookup_impl!r}: expected 'xla' or 'pallas'")
     self.lookup_impl = lookup_impl
     self.storage_seed = storage_seed    # seeds stochastic rounding (bf16_sr, int8 / int4)
-    self.tables = list(tables)
+    self.tables = planned_tables(plan, tables)    # a placement's storage (host tier) wins
     names = [t.name for t in self.tables]
     if len(set(names)) != len(names):
       raise ValueError(f"duplicate table names in {names}")
@@ -215,7 +216,11 @@ class EmbeddingCollection:
       out = {}
       for name, ex in self.exchanges.items():
         s = NamedSharding(self.mesh, ex.spec())
-        out[name] = jax.tree.map(lambda _: s, self._host_template(ex, rows_per_block=1))
+        host = self.storage(ex.g).host_keys   # the host tier: these and the optimizer state
+        h = host_tier.host_sharding(s) if host else s
+        tmpl = self._host_template(ex, rows_per_block=1)
+        out[name] = {"table": {k: h if k in host else s for k in tmpl["table"]},
+                     "opt": jax.tree.map(lambda _: h, tmpl["opt"])}
       self._state_shardings = out
     return dict(self._state_shardings)
 

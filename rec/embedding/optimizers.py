@@ -34,6 +34,7 @@ from typing import Callable, ClassVar, Union
 import jax
 import jax.numpy as jnp
 
+from rec.embedding import host_tier
 from rec.embedding.storage import RowStorage, StorageState
 
 LearningRate = Union[float, Callable[[jax.Array], jax.Array]]
@@ -93,10 +94,15 @@ def dedup_ids(idx_M: jax.Array, valid_M: jax.Array, num_rows: int) -> tuple[jax.
 def _gather_state(state: jax.Array, idx_U: jax.Array) -> jax.Array:
   # Sentinel slots read the clamped last row; whatever the rule makes of them is dropped
   # on scatter (clamping skips the per-element bounds select a zero fill would cost).
-  return state.at[jnp.clip(idx_U, 0, state.shape[0] - 1)].get(mode="promise_in_bounds")
+  idx_U = jnp.clip(idx_U, 0, state.shape[0] - 1)
+  if host_tier.is_host(state):   # the host tier's optimizer state: read on the host
+    return host_tier.take(state, idx_U)
+  return state.at[idx_U].get(mode="promise_in_bounds")
 
 
 def _scatter_state(state: jax.Array, idx_U: jax.Array, new: jax.Array) -> jax.Array:
+  if host_tier.is_host(state):
+    return host_tier.put(state, idx_U, new)
   return state.at[idx_U].set(new.astype(state.dtype), mode="drop", indices_are_sorted=True)
 
 

@@ -14,9 +14,12 @@ A `Chunk` is one column chunk of a table in unsharded row order: its storage's p
 arrays (`RowStorage.to_rows`: rows, or codes + scale + bias + a cache's residency and
 counters) and the sparse optimizer's per-row state. Tables keep their chunks where the new
 plan chunks them alike (every kind but cw has one chunk, the whole row; cw with the same
-chunk count keeps its chunks): then rows and state move bit for bit, and a cache keeps
-every row it held when its new sets have room (a new block's cache may be smaller or its
-sets other; rows without room are written back quantized, as an eviction does). A chunk
+chunk count keeps its chunks) in the same storage (its tier aside: a table moved to or from
+the host tier, `...@host`, keeps its arrays): then rows and state move bit for bit, and a
+cache keeps every row it held when its new sets have room (a new block's cache may be
+smaller or its sets other; rows without room are written back quantized, as an eviction
+does). A table moved between fp32 and the host tier's fp32_cache goes through its float32
+values, exact (its cache starts empty). A chunk
 the new plan cuts otherwise (cw over another chunk count), or a table given another
 storage, goes through float32 values: float rows exact, quantized rows requantized (round
 to nearest); per-element optimizer state (Adagrad, Adam) is concatenated and cut exactly;
@@ -152,6 +155,15 @@ def _storage(spec: str) -> storage_lib.RowStorage:
   return storage_spec.make_storage(storage_spec.StorageSpec.parse(spec))
 
 
+def _same_rows(a: str, b: str) -> bool:
+  """Whether storages `a` and `b` (specs' text) keep the same per-row arrays: the same spec
+  but for its tier (the host tier holds the arrays in host memory, in the same form)."""
+  if a == b:
+    return True
+  sa, sb = (storage_spec.StorageSpec.parse(x) for x in (a, b))
+  return dataclasses.replace(sa, tier="device") == dataclasses.replace(sb, tier="device")
+
+
 def to_logical(layout: Layout, state: Mapping[str, Any]) -> Logical:
   """Each table's chunks in unsharded row order from a collection state (host arrays) laid
   out as `layout` says."""
@@ -240,8 +252,8 @@ def from_logical(layout: Layout, logical: Logical,
       cols = (s.col_start, s.col_end)
       have = logical[s.table]
       ch = have.get(cols)
-      exact = (ch is not None and ch.width == g.width and ch.storage == g.storage and
-               set(ch.table) == set(rows) and set(ch.opt) == set(opt))
+      exact = (ch is not None and ch.width == g.width and _same_rows(ch.storage, g.storage)
+               and set(ch.table) == set(rows) and set(ch.opt) == set(opt))
       if not exact:
         ch = made.get((s.table, cols))
         if ch is None:

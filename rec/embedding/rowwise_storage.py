@@ -1,6 +1,13 @@
 """FBGEMM row-wise quantized embedding rows with an fp32 cache of the hot rows (arXiv
 2010.11305): the storages `int8`, `int4`, `int2` and `int8_cache`, `int4_cache`,
-`int2_cache` of `rec/embedding/storage_spec.py`.
+`int2_cache` of `rec/embedding/storage_spec.py`; `fp32_cache` keeps float32 rows behind the
+same cache (bits=32: nothing is quantized, so it trains exactly as `fp32` does).
+
+Host tier (`host=True`, a spec's `@host`): the rows (codes, scale, bias, or float32 rows)
+live in host memory and only the cache, its tags and the LFU counters on the device
+(`rec/embedding/host_tier.py`); every read and write of the rows goes through
+`host_tier.take` / `put`, so the arithmetic, the admissions and the evictions are those of
+the same storage without the tier, bit for bit.
 
 Every row is stored in FBGEMM's row-wise integer format (`core.quant.rowwise`: int8 codes
 with float32 scale and bias, or int4 / int2 codes packed low bits first with float16 scale
@@ -20,6 +27,7 @@ training is exactly fp32 training.
 State (all plain arrays; the counters are part of the memory, `storage.state_bytes`, and
 `RowStorage.component_bytes` counts them by component):
   q [R, P] uint8, scale [R], bias [R]      the quantized rows (float32 for int8, float16 N-bit)
+  rows [R, D] float32                      instead of q, scale, bias for bits=32
   cache_rows [C, D] float32, cache_tags [C] int32 (the row in each slot, -1 empty)
   counts [R] int32 (LFU: looked-up ids of each row, all rows, as FBGEMM's lfu_state)
   cache_last [C] int32 (LRU: 1 + the step of the slot's last access, 0 never)
@@ -61,11 +69,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from core import quant
+from rec.embedding import host_tier
 from rec.embedding import storage as storage_lib
 from rec.embedding.storage import StorageState
 
 POLICIES = ("lfu", "lru")
-DEFAULT_FRACTION = {8: 0.05, 4: 0.01, 2: 0.01}   # the paper's int8 + 5%, int4 + 1%
+DEFAULT_FRACTION = {32: 0.05, 8: 0.05, 4: 0.01, 2: 0.01}   # the paper's int8 + 5%, int4 + 1%
 DEFAULT_WAYS = 16
 
 
@@ -117,23 +126,29 @@ def cache_geometry(num_rows: int, fraction: float, ways: int) -> tuple[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class CachedQuantizedStorage(storage_lib.RowStorage):
-  """Row-wise int8 / int4 / int2 rows plus an fp32 LFU or LRU cache of `fraction` of them."""
+  """Row-wise int8 / int4 / int2 rows (or float32, bits=32) plus an fp32 LFU or LRU cache
+of `fraction` of them; `host`: the rows in host memory (module docstring)."""
 
   bits: int = 8
   policy: str = "lfu"
   fraction: float = 0.05          # 0: no cache (int8 / int4 / int2)
   ways: int = DEFAULT_WAYS
   seed: int = 0
+  host: bool = False
   components: ClassVar[dict[str, str]] = {
-      "q": "values", "scale": "scales_biases", "bias": "scales_biases", "cache_rows": "cache",
-      "cache_tags": "tags", "counts": "counters", "cache_last": "counters"}
+      "q": "values", "scale": "scales_biases", "bias": "scales_biases", "rows": "values",
+      "cache_rows": "cache", "cache_tags": "tags", "counts": "counters",
+      "cache_last": "counters"}
 
   def __post_init__(self):
-    if self.bits not in (8, 4, 2):
-      raise ValueError(f"CachedQuantizedStorage: bits={self.bits}, expected 8, 4 or 2")
+    if self.bits not in (32, 8, 4, 2):
+      raise ValueError(f"CachedQuantizedStorage: bits={self.bits}, expected 32, 8, 4 or 2")
     if self.fraction != 0:    # 0: no cache, the other settings unused
       check_cache(self.policy, self.fraction, self.ways,
                   lambda f, v: f"CachedQuantizedStorage: {f.removeprefix('cache_')}={v!r}")
+    if (self.host or self.bits == 32) and self.fraction == 0:
+      raise ValueError(f"CachedQuantizedStorage: bits={self.bits}, host={self.host} without "
+                       "a cache (fraction 0); float32 rows and the host tier need the cache")
 
   # ------------------------------------------------------------------ configuration
 
@@ -146,17 +161,34 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     return self.cached and self.policy == "lfu"
 
   def _per(self) -> int:
-    return 8 // self.bits
+    return max(1, 8 // self.bits)
+
+  @property
+  def backing_keys(self) -> tuple[str, ...]:
+    """The state keys of every row's stored values (the cache aside)."""
+    return ("rows",) if self.bits == 32 else ("q", "scale", "bias")
+
+  @property
+  def host_keys(self) -> tuple[str, ...]:   # type: ignore[override]
+    return self.backing_keys if self.host else ()
+
+  def row_bytes_split(self, dim: int) -> tuple[float, float]:
+    """(bytes of a row's stored values, its average share of the cache and counters)."""
+    if self.bits == 32:
+      rows = 4 * dim
+    else:
+      rows = quant.packed_width(dim, self.bits) + (8 if self.bits == 8 else 4)
+    cache = 0.0
+    if self.cached:
+      cache += self.fraction * (4 * dim + 4 + (4 if self.policy == "lru" else 0))
+      cache += 4 if self.policy == "lfu" else 0
+    return rows, cache
 
   def bytes_per_row(self, dim: int) -> float:
-    """Codes + scale and bias, plus per row the average share of the cache (row, tag, LRU
-    time; the cache rounds up to whole sets, see `state_bytes` for a state's exact size)
-    and the LFU counter."""
-    b = quant.packed_width(dim, self.bits) + (8 if self.bits == 8 else 4)
-    if self.cached:
-      b += self.fraction * (4 * dim + 4 + (4 if self.policy == "lru" else 0))
-      b += 4 if self.policy == "lfu" else 0
-    return b
+    """Codes + scale and bias (or float32 values), plus per row the average share of the
+    cache (row, tag, LRU time; the cache rounds up to whole sets, see `state_bytes` for a
+    state's exact size) and the LFU counter; host and device memory together."""
+    return sum(self.row_bytes_split(dim))
 
   # ------------------------------------------------------------------ state
 
@@ -182,8 +214,11 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
 
   def _from_block(self, rows_RD):
     r_, _ = rows_RD.shape
-    qr = quant.quantize_rowwise(rows_RD, self.bits)
-    st = {"q": qr.q, "scale": qr.scale, "bias": qr.bias}
+    if self.bits == 32:
+      st = {"rows": rows_RD}
+    else:
+      qr = quant.quantize_rowwise(rows_RD, self.bits)
+      st = {"q": qr.q, "scale": qr.scale, "bias": qr.bias}
     if self.cached:
       s, a = cache_geometry(r_, self.fraction, self.ways)
       tags = np.full(s * a, -1, np.int32)
@@ -199,12 +234,13 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     return st
 
   def to_float(self, state: StorageState, shards: int = 1) -> jax.Array:
+    state = host_tier.fetch(state)
     blocks = {k: v.reshape((shards, -1) + v.shape[1:]) for k, v in state.items()}
     out = jax.vmap(self._block_to_float)(blocks)
     return out.reshape(-1, out.shape[-1])
 
   def _block_to_float(self, st):
-    r_ = st["q"].shape[0]
+    r_ = self.num_rows(st)
     rows = self._dequant(st, jnp.arange(r_))
     if self.cached:
       tags = st["cache_tags"]
@@ -214,14 +250,14 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
   # ------------------------------------------------------------------ resharding
 
   def to_rows(self, state: StorageState, shards: int = 1) -> dict[str, np.ndarray]:
-    """Per row: codes, scale, bias; with a cache also `cached` (bool), `cache_rows` (its
+    """Per row: codes, scale, bias (bits=32: rows); with a cache also `cached` (bool), `cache_rows` (its
     float32 values where cached, else 0) and the policy's score (`counts` LFU, `last` LRU:
     the slot's last access, 0 where not cached)."""
     st = {k: np.asarray(jax.device_get(v)) for k, v in state.items()}
-    out = {k: st[k] for k in ("q", "scale", "bias")}
+    out = {k: st[k] for k in self.backing_keys}
     if not self.cached:
       return out
-    n, d = st["q"].shape[0], st["cache_rows"].shape[1]
+    n, d = st[self.backing_keys[0]].shape[0], st["cache_rows"].shape[1]
     tags = st["cache_tags"].reshape(shards, -1)
     live = tags >= 0
     row = (tags + (np.arange(shards) * (n // shards))[:, None])[live]
@@ -244,7 +280,7 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     the policy's score (then lower row) stay, at ways in that order; the others are
     written back quantized as an eviction would (stochastic rounding at `step`). With the
     same blocks and geometry every cached row stays (the ways may differ)."""
-    st = {k: np.array(rows[k]) for k in ("q", "scale", "bias")}
+    st = {k: np.array(rows[k]) for k in self.backing_keys}
     if not self.cached:
       return st
     n, d = rows["cache_rows"].shape
@@ -272,7 +308,9 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
       last[slot] = rows["last"][g[keep]]
       st["cache_last"] = last
     out = g[~keep]
-    if len(out):    # no room in the new cache: back to the codes, as an eviction writes
+    if len(out) and self.bits == 32:
+      st["rows"][out] = rows["cache_rows"][out]
+    elif len(out):    # no room in the new cache: back to the codes, as an eviction writes
       qr = _evict_codes(self, jnp.asarray(_pad_rows(rows["cache_rows"][out])), jnp.int32(step))
       for k, v in (("q", qr.q), ("scale", qr.scale), ("bias", qr.bias)):
         st[k][out] = np.asarray(v)[:len(out)].astype(st[k].dtype)
@@ -287,11 +325,14 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     return out
 
   def rows_to_float(self, rows: dict[str, np.ndarray]) -> np.ndarray:
-    n = rows["q"].shape[0]
-    pad = lambda a: jnp.asarray(_pad_rows(np.asarray(a)))
-    qr = quant.RowwiseQuantized(pad(rows["q"]), pad(rows["scale"]), pad(rows["bias"]),
-                                bits=self.bits, dim=rows["q"].shape[1] * self._per())
-    out = np.array(quant.dequantize_rowwise(qr), np.float32)[:n]
+    if self.bits == 32:
+      out = np.array(rows["rows"], np.float32)
+    else:
+      n = rows["q"].shape[0]
+      pad = lambda a: jnp.asarray(_pad_rows(np.asarray(a)))
+      qr = quant.RowwiseQuantized(pad(rows["q"]), pad(rows["scale"]), pad(rows["bias"]),
+                                  bits=self.bits, dim=rows["q"].shape[1] * self._per())
+      out = np.array(quant.dequantize_rowwise(qr), np.float32)[:n]
     if self.cached:
       out[rows["cached"]] = rows["cache_rows"][rows["cached"]]
     return out
@@ -300,9 +341,12 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     values = np.asarray(values_RD, np.float32)
     n = values.shape[0]
     self._check_width(values.shape[1], "from_float")
-    qr = quant.quantize_rowwise(jnp.asarray(_pad_rows(values)), self.bits)
-    out = {k: np.asarray(v)[:n] for k, v in (("q", qr.q), ("scale", qr.scale),
-                                             ("bias", qr.bias))}
+    if self.bits == 32:
+      out = {"rows": values.copy()}
+    else:
+      qr = quant.quantize_rowwise(jnp.asarray(_pad_rows(values)), self.bits)
+      out = {k: np.asarray(v)[:n] for k, v in (("q", qr.q), ("scale", qr.scale),
+                                               ("bias", qr.bias))}
     if not self.cached:
       return out
     n = values.shape[0]
@@ -316,16 +360,19 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     return out
 
   def num_rows(self, state: StorageState) -> int:
-    return state["q"].shape[0]
+    return state[self.backing_keys[0]].shape[0]
 
   def dim(self, state: StorageState) -> int:
-    return state["q"].shape[1] * self._per()
+    return state[self.backing_keys[0]].shape[1] * self._per()
 
   # ------------------------------------------------------------------ lookups
 
   def _dequant(self, st, r_M):
-    """float32 rows [M, D] of the quantized rows `r_M` (in range), FBGEMM's dequantization."""
-    take = lambda a: a.at[r_M].get(mode="promise_in_bounds")
+    """float32 rows [M, D] of the stored rows `r_M` (in range), FBGEMM's dequantization;
+    read from host memory under the host tier."""
+    take = lambda a: host_tier.take(a, r_M)
+    if self.bits == 32:
+      return take(st["rows"])
     qr = quant.RowwiseQuantized(take(st["q"]), take(st["scale"]), take(st["bias"]),
                                 bits=self.bits, dim=self.dim(st))
     return quant.dequantize_rowwise(qr)
@@ -333,7 +380,7 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
   def _find(self, st, r_M):
     """(hit [M], slot [M]) of rows `r_M` (in range) in the cache."""
     c = st["cache_tags"].shape[0]
-    s, a = cache_geometry(st["q"].shape[0], self.fraction, self.ways)
+    s, a = cache_geometry(self.num_rows(st), self.fraction, self.ways)
     assert s * a == c, (s, a, c)
     set_M = r_M % s
     ways_MA = st["cache_tags"].reshape(s, a).at[set_M].get(mode="promise_in_bounds")
@@ -341,7 +388,7 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     return jnp.any(eq_MA, axis=1), set_M * a + jnp.argmax(eq_MA, axis=1).astype(jnp.int32)
 
   def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
-    r_ = state["q"].shape[0]
+    r_ = self.num_rows(state)
     flat = idx.reshape(-1)
     r_M = jnp.clip(flat, 0, r_ - 1)
     out = self._dequant(state, r_M)
@@ -355,11 +402,13 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
 
   def cache_slots(self, state: StorageState, idx: jax.Array) -> jax.Array:
     """The cache slot of each row `idx` (in range), -1 where it is not cached."""
-    r_M = jnp.clip(idx.reshape(-1), 0, state["q"].shape[0] - 1)
+    r_M = jnp.clip(idx.reshape(-1), 0, self.num_rows(state) - 1)
     hit, slot = self._find(state, r_M)
     return jnp.where(hit, slot, -1).reshape(idx.shape)
 
   def pallas_pool(self, state: StorageState, idx: jax.Array, coef: jax.Array) -> jax.Array:
+    if self.host or self.bits == 32:   # the kernel reads neither host memory nor fp32 + cache
+      return jnp.einsum("...l,...lw->...w", coef, self.gather(state, idx, clip=True))
     from kernels import embedding_bag   # dequantizes in the kernel, reads cached rows in fp32
     table = quant.RowwiseQuantized(state["q"], state["scale"], state["bias"], bits=self.bits,
                                    dim=self.dim(state))
@@ -375,15 +424,18 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     return quantize_rowwise_stochastic(x_UD, self.bits, u24)
 
   def _write_quantized(self, st, target_U, x_UD, old_UD, step, salt):
-    """Rows `x_UD` quantized (stochastic rounding) into rows `target_U` (R: dropped)."""
-    qr = self._quantize_sr(x_UD, old_UD, step, salt)
-    put = lambda a, v: a.at[target_U].set(v.astype(a.dtype), mode="drop")
+    """Rows `x_UD` quantized (stochastic rounding) into rows `target_U` (R: dropped);
+    bits=32 writes them as they are. `old_UD()` gives the rows' previous values."""
+    put = lambda a, v: host_tier.put(a, target_U, v)
+    if self.bits == 32:
+      return {**st, "rows": put(st["rows"], x_UD)}
+    qr = self._quantize_sr(x_UD, old_UD(), step, salt)
     return {**st, "q": put(st["q"], qr.q), "scale": put(st["scale"], qr.scale),
             "bias": put(st["bias"], qr.bias)}
 
   def scatter(self, state: StorageState, idx: jax.Array, rows_UD: jax.Array, *,
               indices_are_sorted: bool = False, step: jax.Array | None = None) -> StorageState:
-    r_, d = state["q"].shape[0], self.dim(state)
+    r_, d = self.num_rows(state), self.dim(state)
     if rows_UD.shape != (*idx.shape, d):
       raise ValueError(
           f"{type(self).__name__}.scatter: rows shape {rows_UD.shape}, expected "
@@ -392,7 +444,7 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     rows = jnp.asarray(rows_UD, jnp.float32).reshape(-1, d)
     valid = (flat >= 0) & (flat < r_)
     r_U = jnp.clip(flat, 0, r_ - 1)
-    old = self.gather(state, r_U, clip=True)      # the previous values seed the rounding
+    old = lambda st=state: self.gather(st, r_U, clip=True)   # they seed the rounding
     hit = jnp.zeros_like(valid)
     if self.cached:
       hit, slot = self._find(state, r_U)
@@ -408,7 +460,7 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     if not self.cached:
       return state
     st = dict(state)
-    r_ = st["q"].shape[0]
+    r_ = self.num_rows(st)
     c = st["cache_tags"].shape[0]
     s, a = cache_geometry(r_, self.fraction, self.ways)
     u = uniq_U.shape[0]
@@ -491,7 +543,7 @@ class CachedQuantizedStorage(storage_lib.RowStorage):
     leave_tag = jnp.where(admit, tags[slot_n], -1)
     leave_rows = st["cache_rows"][slot_n]
     st = self._write_quantized(st, jnp.where(leave_tag >= 0, leave_tag, r_), leave_rows,
-                               leave_rows, step, _SALT_EVICT)
+                               lambda: leave_rows, step, _SALT_EVICT)
     # Admitted rows were not cached, so their codes are current (and none was written back).
     incoming = self._dequant(st, new_row)
     put = jnp.where(admit, new_slot, c)

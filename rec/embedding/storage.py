@@ -13,6 +13,8 @@ caller owns, donates and checkpoints. Formats (named by a `storage_spec.StorageS
   - "int8", "int4", "int8_cache[:lfu|lru[:fraction[:ways]]]", "int4_cache[...]":
     FBGEMM row-wise codes with an fp32 cache of hot rows (arXiv 2010.11305), in
     `rec/embedding/rowwise_storage.py`.
+Host tier: `host_keys` names the state arrays that live in host memory (the rows of a
+`..._cache...@host` storage; `rec/embedding/host_tier.py`), with the table's optimizer state.
 Memory: `state_bytes` counts every array of a state; `RowStorage.component_bytes` splits it
 by what the arrays hold (COMPONENTS: values, scales and biases, cache rows, cache tags,
 counters).
@@ -114,6 +116,12 @@ class RowStorage(abc.ABC):
     return state
 
   counts_accesses: ClassVar[bool] = False   # prepare_update needs counts_U
+
+  @property
+  def host_keys(self) -> tuple[str, ...]:
+    """State keys placed in host memory (the host tier, rec/embedding/host_tier.py); a
+    storage with any also keeps its table's optimizer state there."""
+    return ()
 
   def pallas_pool(self, state: StorageState, idx: jax.Array, coef: jax.Array) -> jax.Array:
     """Bag sums [..., D] of rows `idx` [..., L] (in range) weighted by `coef` [..., L],

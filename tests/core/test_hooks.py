@@ -1,6 +1,7 @@
 """The train loop's hooks (core.hooks) and the shared dense update (core.update), on a toy
 least-squares task: a caller's hook runs at its steps and sees the state of that step; the
-non-finite guard skips a poisoned step and the loop counts it."""
+non-finite guard skips a poisoned step and the loop counts it; the metric writer keeps a
+breakdown (NE by slice) in metrics.jsonl and only numbers in TensorBoard."""
 
 from __future__ import annotations
 
@@ -114,3 +115,36 @@ def test_dense_update_skips_a_nonfinite_step_and_the_loop_counts_it(tmp_path):
   assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
   np.testing.assert_array_equal(np.asarray(new["params"]["w"]), np.zeros(3))
   assert int(new["step"]) == 1
+
+
+def _tb_scalars(logdir):
+  """{tag: [value, ...]} of the TensorBoard event files under `logdir` (TFRecord framing:
+  length u64, its crc u32, the Event proto, its crc u32)."""
+  import glob
+  import struct
+  from tensorboardX.proto import event_pb2
+  out: dict[str, list[float]] = {}
+  for path in glob.glob(f"{logdir}/events.out.tfevents.*"):
+    data = open(path, "rb").read()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      for v in ev.summary.value:
+        out.setdefault(v.tag, []).append(v.simple_value)
+      i += 12 + n + 4
+  return out
+
+
+def test_metric_writer_keeps_breakdowns_in_jsonl_and_numbers_in_tensorboard(tmp_path):
+  import json
+  w = hooks_lib.MetricWriter(str(tmp_path), None)
+  slices = [{"group": 7, "impressions": 3, "ne": 0.9}, {"group": "other", "ne": float("nan")}]
+  w.write(4, "eval", {"auc": np.float32(0.75), "calibration": 1.25, "gauc": 0.5,
+                      "gauc_groups": {"counted": 2, "skipped": 1}, "ne_by_slice": slices})
+  w.close()
+  rec = json.loads(open(tmp_path / "metrics.jsonl").read())
+  assert rec["auc"] == 0.75 and rec["gauc_groups"] == {"counted": 2, "skipped": 1}
+  assert rec["ne_by_slice"][0] == slices[0] and rec["step"] == 4
+  assert _tb_scalars(tmp_path / "tb") == {"eval/auc": [0.75], "eval/calibration": [1.25],
+                                          "eval/gauc": [0.5]}

@@ -8,6 +8,7 @@ import pytest
 
 from llm import chat
 from llm import gguf as G
+from llm import gguf_vocab as GV
 from llm import tokenizer as T
 from llm import weights as W
 from llm.config import LlamaConfig
@@ -93,7 +94,7 @@ def test_generate_from_gguf(tmp_path):
                     ffn_dim=64, rope_theta=10000.0, norm_eps=float(np.float32(1e-5)),
                     max_seq_len=32)
   path = G.save_gguf(str(tmp_path / "m.gguf"), cfg, _tiny_weights(cfg, seed=4), qtype="Q8_0",
-                     vocab=G.vocab_from_llama2c(src))
+                     vocab=GV.vocab_from_llama2c(src))
   out = json.loads(_run("experiments.generate", [f"--checkpoint=gguf:{path}", "--prompt=abc ab",
                                                  "--max_new_tokens=6"])[-1])
   prompt = src.encode("abc ab", bos=True)

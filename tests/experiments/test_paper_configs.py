@@ -26,8 +26,10 @@ FIELDS = ("Command", "Same as", "Hardware", "Time", "Prints")
 def _build(study: str, mod, fv):
   """What the study's main builds from its flags before it runs anything."""
   from rec import configs
-  if study in ("compare_rec", "mp_embedding", "wukong_scaling"):
+  if study in ("compare_rec", "mp_embedding", "wukong_scaling", "fp8_probe"):
     return configs.run_from_flags(fv, seed=fv.data_seed)
+  if study == "rankitect":
+    return configs.run_from_flags(fv, model="dlrm")
   if study == "a2a_compression":
     return configs.run_from_flags(fv, **mod.STUDY)
   if study == "spec_decode":
@@ -83,7 +85,7 @@ def test_every_study_with_a_paper_table_has_rows():
   studies = {p.split(os.sep)[1] for p in ROWS}
   assert {"cp_model", "wlb_packing", "spec_decode", "scaleacross", "dmt", "recd", "pvf",
           "a2a_compression", "mp_embedding", "compare_rec", "wukong_scaling",
-          "exfm"} <= studies
+          "exfm", "rankitect", "fp8_probe", "llm_quant", "finetune_lm"} <= studies
 
 
 @pytest.mark.parametrize("path", ROWS)

@@ -1,11 +1,13 @@
 """experiments.train_rec end to end: flags -> training -> results.json and the JSON last line;
-workdirs, resume checks, diverging runs and the flags' help."""
+workdirs, resume checks, diverging runs, a --group_by the data lacks, and the flags' help."""
 
+import csv
 import json
 import os
 import re
 import sys
 
+import numpy as np
 import pytest
 from tests import cpu_env
 from tests import forkserver
@@ -142,6 +144,20 @@ def test_diverging_run_stops(tmp_path):
   assert "--learning_rate=-0.05: expected a finite learning rate > 0" in out.stderr
 
 
+def test_group_by_column_that_does_not_exist_is_one_line(tmp_path):
+  """A --group_by the data lacks: status 2, one line naming the flag, the value and the
+  features there are, and the workdir's config.py left as it was."""
+  (tmp_path / "config.py").write_text("# an earlier run's settings\n")
+  out = _fail(SMALL + ["--group_by=site_id", "--steps=2", f"--workdir={tmp_path}"])
+  err = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+  names = ", ".join(f"C{i}" for i in range(1, 27))
+  assert err[0] == (f"error: --group_by='site_id': not a sparse feature of --data=synthetic; "
+                    f"expected one of {names} (or empty: no groups)")
+  assert (tmp_path / "config.py").read_text() == "# an earlier run's settings\n"
+  assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results.json").exists()
+
+
 @pytest.mark.slow   # 112 steps; a real-data epoch learning: compare_rec's criteo sample test
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
                     reason="Criteo sample not found (set REC_DATA_DIR)")
@@ -157,13 +173,65 @@ def test_criteo_sample_epoch(tmp_path):
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "avazu_sample")),
                     reason="Avazu sample not found (set REC_DATA_DIR)")
 def test_avazu_logreg_has_no_dense_features(tmp_path):
-  # Avazu has no dense features: no bottom MLP / no dense weight, and checkpoints still save.
-  lines = _run(["--model=logreg", f"--data=avazu:{os.path.join(DATA, 'avazu_sample')}",
-                "--num_rows=1000", "--batch_size=256", "--eval_batch_size=256", "--epochs=1",
-                f"--workdir={tmp_path}"])
+  """Avazu has no dense features: no bottom MLP / no dense weight, and checkpoints still
+  save. Grouped by site (--group_by=site_id): results.json's eval holds calibration, gauc,
+  gauc_groups and ne_by_slice; predict on the labeled valid split reports them too, its gAUC
+  that of scikit-learn's roc_auc_score per site over the CSV's probabilities; a feature the
+  data lacks is refused before the run is built."""
+  avazu = os.path.join(DATA, "avazu_sample")
+  lines = _run(["--model=logreg", f"--data=avazu:{avazu}", "--num_rows=100000",
+                "--batch_size=256", "--eval_batch_size=256", "--epochs=1",
+                "--group_by=site_id", f"--workdir={tmp_path}"])
   summary = json.loads(lines[-1])
   assert summary["steps"] == 8087 // 256 and summary["test_examples"] == 480 + 432
   assert os.listdir(tmp_path / "checkpoints")
+  ev = json.load(open(tmp_path / "results.json"))["eval"]
+  assert summary["test_gauc"] == ev["gauc"] and summary["test_calibration"] == ev["calibration"]
+  sites = {f: [line.split(",")[5] for line in open(os.path.join(avazu, f)).read().splitlines()]
+           for f in ("dev.csv", "test.csv")}
+  groups = ev["gauc_groups"]   # 100,000 rows: no two of the 117 sites share one
+  assert groups["counted"] + groups["skipped"] == len(set(sites["dev.csv"] + sites["test.csv"]))
+  assert len(ev["ne_by_slice"]) == 11 and ev["ne_by_slice"][-1]["group"] == "other"
+  assert sum(s["impressions"] for s in ev["ne_by_slice"]) == ev["num_examples"]
+  last = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
+  assert last["split"] == "eval" and last["gauc"] == ev["gauc"]
+  assert any(l.startswith("gAUC ") for l in lines)
+
+  out = forkserver.run([sys.executable, "-m", "experiments.predict", f"--checkpoint={tmp_path}",
+                        "--split=valid"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.load(open(tmp_path / "predictions_valid.json"))
+  rows = list(csv.reader(open(tmp_path / "predictions_valid.csv")))[1:]
+  probs = np.array([float(r[1]) for r in rows])
+  labels = np.array([int(r[2]) for r in rows])
+  gauc, counted, skipped = _site_gauc(probs, labels, np.array(sites["dev.csv"]))
+  m = got["metrics"]
+  assert m["gauc_groups"]["counted"] == counted and m["gauc_groups"]["skipped"] == skipped
+  assert m["gauc"] == pytest.approx(gauc, abs=1e-3)   # the CSV's probabilities have 6 digits
+  assert got["summary"]["gauc"] == m["gauc"]
+  assert m["calibration"] == pytest.approx(probs.sum() / labels.sum(), rel=1e-4)
+  from core.errors import UserError
+  from rec import predict as predict_lib
+  with pytest.raises(UserError, match=r"^--group_by='site': not a sparse feature of "
+                                      r"--data=avazu:.*; expected one of hour_of_day, "):
+    predict_lib.load_run(str(tmp_path), split="valid", group_by="site")
+
+
+def _site_gauc(probs, labels, sites) -> tuple[float, int, int]:
+  """(gAUC, groups with both labels, groups of one label), scikit-learn's roc_auc_score on
+  each site's rows."""
+  from sklearn.metrics import roc_auc_score
+  weighted = total = counted = skipped = 0
+  for site in np.unique(sites):
+    sel = sites == site
+    if len(np.unique(labels[sel])) < 2:
+      skipped += 1
+      continue
+    counted += 1
+    weighted += sel.sum() * roc_auc_score(labels[sel], probs[sel])
+    total += sel.sum()
+  return weighted / total, counted, skipped
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_raw")),

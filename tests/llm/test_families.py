@@ -22,7 +22,7 @@ from llm import generate as G
 from llm import gguf as GG
 from llm import model as M
 from llm import weights as W
-from llm.config import LlamaConfig, family, get_config
+from llm.config import LlamaConfig, YarnScaling, family, get_config
 from llm.speculative import DraftHead, TreeShape, speculative_generate
 from tests.llm.test_model import meta_rope_freqs, random_weights
 from tests.llm.test_reader_errors import _line
@@ -32,6 +32,11 @@ MISTRAL = get_config("tiny_mistral", vocab_size=32)    # window 8, untied
 # Both options at once (Qwen2 with use_sliding_window in every layer), window 4: the cache
 # and speculative tests cover the bias and the window in one compiled program each.
 BOTH = QWEN2.replace(sliding_window=4, tie_embeddings=False)
+# Qwen2 with its window in layer 1 only (max_window_layers=1) and YaRN (factor 4 over an
+# original context of 64: pair 0 kept, pairs 1-2 blended, 3-7 divided by 4).
+YARN = YarnScaling(factor=4.0, original_max_position=64)
+PER_LAYER = QWEN2.replace(sliding_window=3, window_layers=(1,), rope_theta=10000.0,
+                          rope_scaling=YARN, tie_embeddings=False)
 
 
 def family_weights(cfg, seed=0) -> dict[str, np.ndarray]:
@@ -51,31 +56,60 @@ def make(cfg, seed=0):
   return model, w
 
 
-def np_forward(w, cfg, tokens, positions, segment_ids, window=None):
+def yarn_freqs(head_dim, theta, s: YarnScaling):
+  """YaRN's frequencies and cos / sin factor pair by pair, as transformers'
+  `_compute_yarn_parameters` defines them (a ramp over pair indices between the pairs that
+  turn beta_fast and beta_slow times over the original context)."""
+  def pair_of(turns):
+    return head_dim * math.log(s.original_max_position / (turns * 2 * math.pi)) / (
+        2 * math.log(theta))
+
+  low = max(math.floor(pair_of(s.beta_fast)), 0)
+  high = min(math.ceil(pair_of(s.beta_slow)), head_dim - 1)
+  out = []
+  for j in range(head_dim // 2):
+    base = 1.0 / theta ** (2 * j / head_dim)
+    ramp = min(max((j - low) / max(high - low, 1e-3), 0.0), 1.0)   # 0: kept, 1: / factor
+    out.append(base * (1 - ramp) + base / s.factor * ramp)
+  return np.asarray(out), 0.1 * math.log(s.factor) + 1.0
+
+
+def np_forward(w, cfg, tokens, positions, segment_ids, window=None, windows=None):
   """float64 decoder in transformers' formulation (rotate_half, repeat_kv), q / k / v biases
   before RoPE; query t sees key s iff same segment, pos_s <= pos_t and, with a window,
   pos_t - pos_s < window (transformers' `kv_idx > q_idx - sliding_window`), the mask built
-  pair by pair."""
+  pair by pair; `windows`: one window (or None) per layer instead. YaRN: `yarn_freqs`, cos
+  and sin times its factor."""
   b, t = tokens.shape
   f64 = lambda key: np.asarray(w[key], np.float64)  # noqa: E731
   rms = lambda x, s: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * s  # noqa
-  ang = positions[..., None] * meta_rope_freqs(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-  cos = np.concatenate([np.cos(ang)] * 2, -1)[:, :, None]
-  sin = np.concatenate([np.sin(ang)] * 2, -1)[:, :, None]
+  scale = 1.0
+  if isinstance(cfg.rope_scaling, YarnScaling):
+    freqs, scale = yarn_freqs(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+  else:
+    freqs = meta_rope_freqs(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+  ang = positions[..., None] * freqs
+  cos = scale * np.concatenate([np.cos(ang)] * 2, -1)[:, :, None]
+  sin = scale * np.concatenate([np.sin(ang)] * 2, -1)[:, :, None]
 
   def rope(x):
     half = x.shape[-1] // 2
     return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
 
-  mask = np.zeros((b, t, t), bool)
-  for r in range(b):
-    for i in range(t):
-      for j in range(t):
-        seen = segment_ids[r, j] == segment_ids[r, i] and positions[r, j] <= positions[r, i]
-        mask[r, i, j] = seen and (window is None or positions[r, i] - positions[r, j] < window)
+  def mask_of(window):
+    mask = np.zeros((b, t, t), bool)
+    for r in range(b):
+      for i in range(t):
+        for j in range(t):
+          seen = segment_ids[r, j] == segment_ids[r, i] and positions[r, j] <= positions[r, i]
+          mask[r, i, j] = seen and (window is None or positions[r, i] - positions[r, j] < window)
+    return mask
+
+  windows = [window] * cfg.n_layers if windows is None else windows
   rep = cfg.n_heads // cfg.n_kv_heads
   x = f64("embed")[tokens]
   for i in range(cfg.n_layers):
+    mask = mask_of(windows[i])
     p = f"layers.{i}."
     bias = lambda n: f64(p + n) if cfg.qkv_bias else 0.0  # noqa: E731
     h = rms(x, f64(p + "attn_norm"))
@@ -135,6 +169,29 @@ def test_forward_matches_numpy_reference(cfg):
     plain = cfg.replace(qkv_bias=False)
     no_bias = {k: v for k, v in w.items() if k.rsplit(".", 1)[-1] not in ("bq", "bk", "bv")}
     assert np.abs(np_forward(no_bias, plain, tokens, pos, seg) - want).max() > 1e-2
+
+
+def test_per_layer_window_and_yarn_match_numpy_reference():
+  """PER_LAYER: a window of 3 in layer 1 only and YaRN RoPE, against the float64 reference
+  with the window per layer and YaRN's frequencies and factor pair by pair; both settings
+  bite (the window in both layers, or plain RoPE, give other logits)."""
+  model, w = make(PER_LAYER)
+  tokens = _tokens(PER_LAYER, 2, 10)
+  seg = np.ones((2, 10), np.int32)
+  pos = np.array([list(range(10)), list(range(60, 70))])
+  with jax.default_matmul_precision("float32"):
+    got = np.asarray(_forward(model, jnp.asarray(tokens), jnp.asarray(pos, jnp.int32),
+                              jnp.asarray(seg)))
+  want = np_forward(w, PER_LAYER, tokens, pos, seg, windows=[None, 3])
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  both = np_forward(w, PER_LAYER, tokens, pos, seg, windows=[3, 3])
+  assert np.abs(both[:, 3:] - want[:, 3:]).max() > 1e-2
+  plain = np_forward(w, PER_LAYER.replace(rope_scaling=None), tokens, pos, seg,
+                     windows=[None, 3])
+  assert np.abs(plain - want).max() > 1e-2
+  freqs, scale = yarn_freqs(16, 10000.0, YARN)
+  np.testing.assert_allclose(M.rope_frequencies(16, 10000.0, YARN), freqs, rtol=1e-6)
+  assert scale == YARN.cos_sin_scale() and 0 < freqs[1] / freqs[0] < 1
 
 
 def test_sliding_window_mask_is_the_rule():
@@ -201,6 +258,41 @@ def test_generate_and_eagle_greedy_equal_the_full_forward_argmax():
   assert out.tokens == plain
 
 
+def test_rolling_cache_equals_the_full_cache():
+  """Mistral's rolling buffer: window 4, 5 slots, a prefill of 7 tokens, then calls of 2
+  and 1 tokens to 16 (each wrapping around the slots): every call's logits equal the full
+  forward's (1e-5); the cache holds its 5 slots only, the last tokens' positions. A call of
+  3 tokens (S < W + T - 1) is refused. (`generate` takes a rolling cache of W slots by
+  default for a window in every layer: test_generate_and_eagle_greedy_... goes through it.)"""
+  cfg = MISTRAL.replace(sliding_window=4, n_layers=1)
+  model, _ = make(cfg)
+  tokens = _tokens(cfg, 2, 16)
+  pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+  full = np.asarray(_forward(model, jnp.asarray(tokens), pos, jnp.ones((2, 16), jnp.int32)))
+  logits, cache = _rolling(model, jnp.asarray(tokens), 5, (0, 7, 9, 11, 12, 14, 16))
+  np.testing.assert_allclose(np.asarray(logits), full, rtol=1e-5, atol=1e-5)
+  assert cache.k[0].shape[1] == 5 and cache.rolling
+  np.testing.assert_array_equal(np.sort(cache.pos, axis=1), np.tile(np.arange(11, 16), (2, 1)))
+  with pytest.raises(ValueError, match="a rolling cache of 5 slots \\(window 4\\) takes "
+                     "prefills \\(fresh_cache\\) and calls of up to 2 tokens"):
+    _rolling(model, jnp.asarray(tokens), 5, (0, 7, 10))
+  assert "rolling=True with sliding_window=3, window_layers=(1,)" in _line(
+      lambda: M.KVCache.init(PER_LAYER, 1, 8, rolling=True))
+
+
+@nnx.jit(static_argnames=("slots", "cuts"))
+def _rolling(model, tokens, slots, cuts):
+  """The logits of tokens[:, cuts[i]:cuts[i + 1]] call by call through a rolling cache of
+  `slots` slots, the first call a prefill; and the cache."""
+  cache = model.init_cache(tokens.shape[0], slots, rolling=True)
+  out = []
+  for a, b in zip(cuts, cuts[1:]):
+    h_BTD, cache = model.hidden(model.embed_tokens(tokens[:, a:b]), cache=cache,
+                                fresh_cache=a == 0)
+    out.append(model.logits(h_BTD))
+  return jnp.concatenate(out, axis=1), cache
+
+
 # --- files
 
 def _round_trip_hf(tmp_path, cfg):
@@ -226,6 +318,12 @@ def test_hf_round_trip_writes_each_family(tmp_path):
   hf = _round_trip_hf(tmp_path, BOTH)
   assert (hf["use_sliding_window"], hf["sliding_window"], hf["max_window_layers"],
           hf["layer_types"]) == (True, 4, 0, ["sliding_attention"] * 2)
+  hf = _round_trip_hf(tmp_path, PER_LAYER)
+  assert (hf["use_sliding_window"], hf["sliding_window"], hf["max_window_layers"],
+          hf["layer_types"], hf["rope_scaling"]) == (
+              True, 3, 1, ["full_attention", "sliding_attention"],
+              {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+               "beta_fast": 32.0, "beta_slow": 1.0})
   hf = _round_trip_hf(tmp_path, MISTRAL)
   assert (hf["architectures"], hf["sliding_window"]) == (["MistralForCausalLM"], 8)
   assert "use_sliding_window" not in hf and "attention_bias" not in hf
@@ -233,11 +331,14 @@ def test_hf_round_trip_writes_each_family(tmp_path):
   assert hf["model_type"] == "llama"      # a Mistral without a window is Llama's arithmetic
 
 
-def _write_llamacpp_qwen2(path, cfg, w):
+def _write_llamacpp_qwen2(path, cfg, w, extra=None):
   """A GGUF as llama.cpp's Qwen2 converter lays it out: arch qwen2, HF rows as they are (no
-  q / k permutation: NEOX RoPE), blk.N.attn_q.bias etc., no output.weight when tied."""
+  q / k permutation: NEOX RoPE), blk.N.attn_q.bias etc., no output.weight when tied;
+  `extra(writer)` adds metadata."""
   gguf = pytest.importorskip("gguf")
   out = gguf.GGUFWriter(path, "qwen2")
+  if extra is not None:
+    extra(out)
   for key, value in {"context_length": cfg.max_seq_len, "embedding_length": cfg.dim,
                      "block_count": cfg.n_layers, "feed_forward_length": cfg.ffn_dim,
                      "attention.head_count": cfg.n_heads,
@@ -275,7 +376,7 @@ def test_gguf_reads_llamacpp_qwen2_and_round_trips_each_family(tmp_path):
   assert set(got) == set(w)
   for k in w:
     np.testing.assert_array_equal(got[k], w[k])
-  for c in (cfg, BOTH.replace(norm_eps=cfg.norm_eps),
+  for c in (cfg, BOTH.replace(norm_eps=cfg.norm_eps), PER_LAYER.replace(norm_eps=cfg.norm_eps),
             MISTRAL.replace(norm_eps=float(np.float32(1e-5)))):
     w = family_weights(c)
     path = str(tmp_path / f"{family(c)}_{c.sliding_window}.gguf")
@@ -326,6 +427,27 @@ def test_configs_in_published_layouts():
                            "max_window_layers": 0}).sliding_window == 32768
   assert W.config_from_hf({**_QWEN25, "use_sliding_window": True,
                            "max_window_layers": 24}).sliding_window is None
+  # The window in some layers: those from max_window_layers on, or as layer_types says.
+  some = W.config_from_hf({**_QWEN25, "use_sliding_window": True})
+  assert (some.sliding_window, some.window_layers, some.layer_window(20)) == (
+      32768, (21, 22, 23), None)
+  assert W.config_from_hf({**q5, "layer_types": ["full_attention", "sliding_attention"] * 12}
+                          ).window_layers == tuple(range(1, 24, 2))
+  assert W.config_from_hf(W.config_to_hf(some)) == some
+  # Qwen2.5's long-context setting (its model card: add it to config.json): YaRN, factor 4.
+  y = W.config_from_hf({**_QWEN25, "rope_scaling": {
+      "factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}})
+  assert y.rope_scaling == YarnScaling(factor=4.0, original_max_position=32768)
+  assert y.rope_scaling.cos_sin_scale() == pytest.approx(1 + 0.1 * math.log(4))
+  assert W.config_from_hf(W.config_to_hf(y)) == y
+  # transformers 5's layout, optional keys, and original_max_position_embeddings defaulting to
+  # max_position_embeddings as transformers' standardize_rope_params does.
+  y5 = W.config_from_hf({**q5, "rope_parameters": {
+      "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0, "beta_fast": 16,
+      "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False}})
+  assert y5.rope_scaling == YarnScaling(factor=2.0, original_max_position=32768,
+                                        beta_fast=16.0, mscale=0.707, mscale_all_dim=1.0,
+                                        truncate=False)
 
 
 # --- one-line refusals
@@ -341,11 +463,34 @@ def test_refusals_are_one_line(tmp_path):
   assert _line(lambda: W.config_from_hf(missing, "q/config.json")) == (
       "error: q/config.json: missing key 'intermediate_size'; expected it in a 'qwen2' "
       "config.json (Qwen2ForCausalLM)")
-  some = {**_QWEN25, "use_sliding_window": True}      # layers 21..23 of 24 only
-  assert _line(lambda: W.config_from_hf(some, "q/config.json")) == (
-      "error: q/config.json: use_sliding_window=true with the window in layers [21, 22, 23] of "
-      "24 only (max_window_layers=21); expected the window in every layer or in none (a "
-      "per-layer window is not supported)")
+  assert _line(lambda: W.config_from_hf({**_QWEN25, "rope_scaling": {
+      "type": "longrope", "factor": 4.0}}, "q/config.json")) == (
+      "error: q/config.json: rope_scaling rope type 'longrope'; expected one of ['default', "
+      "'llama3', 'yarn'] (others change the RoPE frequencies)")
+  assert _line(lambda: W.config_from_hf({**_QWEN25, "rope_scaling": {
+      "type": "yarn", "factor": 4.0, "extrapolation": 1}}, "q/config.json")) == (
+      "error: q/config.json: rope_scaling keys ['extrapolation'] are not understood for rope "
+      "type 'yarn' (expected only ['attention_factor', 'beta_fast', 'beta_slow', 'factor', "
+      "'mscale', 'mscale_all_dim', 'original_max_position_embeddings', 'partial_rotary_factor', "
+      "'rope_theta', 'rope_type', 'truncate', 'type'])")
+  assert _line(lambda: W.config_from_hf({**_QWEN25, "rope_scaling": {
+      "type": "yarn", "factor": 0.5}}, "q/config.json")) == (
+      "error: q/config.json: rope_scaling.factor=0.5; expected a YaRN factor >= 1")
+  assert _line(lambda: W.config_from_hf({**_QWEN25, "layer_types": ["sliding"] * 24},
+                                        "q/config.json")) == (
+      "error: q/config.json: layer_types=['sliding', 'sliding', 'sliding', 'sliding', 'sliding', "
+      "'sliding', 'sliding',...; expected a list of 24 entries (num_hidden_layers), each "
+      "'full_attention' or 'sliding_attention'")
+  assert _line(lambda: W.config_to_hf(MISTRAL.replace(window_layers=(0,)))) == (
+      "error: config_to_hf: window_layers=(0,) on a mistral config (no qkv_bias); expected a "
+      "window in every layer (Mistral) or a Qwen2 config (qkv_bias=True), whose layer_types "
+      "say it per layer")
+  assert _line(lambda: QWEN2.replace(window_layers=(1,))) == (
+      "error: LlamaConfig: window_layers=(1,) with sliding_window=None; expected a "
+      "sliding_window for the listed layers, or window_layers=None")
+  assert _line(lambda: MISTRAL.replace(window_layers=(1, 0))) == (
+      "error: LlamaConfig: window_layers=(1, 0); expected increasing layer indices in [0, 2) "
+      "(sliding_window=None for none)")
   assert "keys ['sliding_window'] are not understood by this llama loader" in _line(
       lambda: W.config_from_hf({**_MISTRAL7B, "model_type": "llama"}, "l/config.json"))
   for impl in ("cudnn", "pallas"):
@@ -367,6 +512,35 @@ def test_refusals_are_one_line(tmp_path):
       f"error: {path}: general.architecture='gemma2', an architecture this loader does not "
       "read; expected one of 'llama' (Llama, Mistral, SmolLM, TinyLlama, ...), 'qwen2' "
       "(Qwen2 / Qwen2.5)")
+  # A llama.cpp Qwen2 file with YaRN as its converter writes it reads as our YaRN; settings
+  # with no counterpart are refused by key.
+  cfg = QWEN2.replace(norm_eps=float(np.float32(1e-6)))
+  w = family_weights(cfg)
+
+  def qwen2_file(name, extra):
+    _write_llamacpp_qwen2(str(tmp_path / name), cfg, w, extra)
+    return str(tmp_path / name)
+
+  def yarn(out, kind="yarn"):
+    out.add_string("qwen2.rope.scaling.type", kind)
+    out.add_float32("qwen2.rope.scaling.factor", 4.0)
+    out.add_uint32("qwen2.rope.scaling.original_context_length", 64)
+
+  assert GG.read_gguf(qwen2_file("y.gguf", yarn)).config.rope_scaling == YARN
+  path = qwen2_file("lin.gguf", lambda out: yarn(out, "linear"))
+  assert _line(lambda: GG.read_gguf(path)) == (
+      f"error: {path}: qwen2.rope.scaling.type='linear'; supported: none, yarn and Llama 3's "
+      "rope_freqs.weight factors")
+  path = qwen2_file("attn.gguf", lambda out: (yarn(out), out.add_float32(
+      "qwen2.rope.scaling.attn_factor", 0.5)))
+  assert _line(lambda: GG.read_gguf(path)) == (
+      f"error: {path}: metadata keys ['qwen2.rope.scaling.attn_factor'] are not understood by "
+      "this loader and may change the model's arithmetic")
+  path = qwen2_file("p.gguf", lambda out: (out.add_uint32("qwen2.attention.sliding_window", 4),
+                                          out.add_sliding_window_pattern(2)))
+  assert _line(lambda: GG.read_gguf(path)) == (
+      f"error: {path}: metadata qwen2.attention.sliding_window_pattern=2; expected 2 bools "
+      "(block_count), true where the sliding window applies, with attention.sliding_window set")
   assert "run.c's Llama has no biases and no window" in _line(
       lambda: W.save_llama2c(str(tmp_path / "x.bin"), QWEN2.replace(rope_theta=10000.0,
                                                                      norm_eps=1e-5),

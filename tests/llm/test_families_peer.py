@@ -5,17 +5,24 @@ transformers; experiments/peers/README.md) and imports nothing from the project;
 travel as .npz / .json files in tmp_path. Checked:
   (a) checkpoints transformers writes (`save_pretrained` of random weights: Llama with
       Llama 3 RoPE scaling, Qwen2 with q / k / v biases tied and untied, Qwen2 with
-      use_sliding_window in every layer, Mistral with a head_dim of its own and a sliding
-      window shorter than the sequences) read by our HF loader: logits of two 24-token
-      rows within 1e-4 of transformers' float32 forward, and greedy ids equal (ragged
-      prompts batched through `llm.generate` against transformers' generate, one prompt at
-      a time, through its own KV cache);
+      use_sliding_window in every layer, in the layers from max_window_layers on, and in
+      those layer_types marks, Qwen2 with YaRN RoPE scaling (defaults, and betas, mscale and
+      mscale_all_dim set), Mistral with a head_dim of its own and a sliding window shorter
+      than the sequences) read by our HF loader: logits of two 24-token rows within 1e-4
+      of transformers' float32 forward, and greedy ids equal (ragged prompts batched
+      through `llm.generate`, whose cache is a rolling one of the window's size for a
+      window in every layer, against transformers' generate, one prompt at a time, through
+      its own KV cache);
   (b) our HF export (`llm.weights.save_hf` of each family's random model, and
       `experiments.export --to=hf` of the transformers-written Mistral) loads in
       transformers with the same logits and greedy ids; so do our Qwen2 and Llama GGUF
       files through transformers' GGUF loader (skipped without gguf / accelerate there);
   (c) `experiments.eval_lm --text` gives transformers' mean token loss on the same file and
-      weights within 1e-4 relative (Qwen2 and Mistral, windows of 16 tokens > the window).
+      weights within 1e-4 relative (Qwen2 and Mistral, windows of 16 tokens > the window);
+  (d) transformers' Qwen2Tokenizer built from a small byte-level BPE's vocab and merges:
+      our loader of the tokenizer.json it saves and our GGUF vocabulary of it
+      (tokenizer.ggml.pre "qwen2") give its ids on texts with digits, contractions,
+      newlines, non-NFC and non-Latin characters.
 
 The peer Python: HF_PEER_PYTHON, else bin/python of the peer environment beside the checkout
 (../peer311, the other peer tests' default, or ../peer). Alone:
@@ -37,8 +44,11 @@ from flax import nnx
 
 from llm import checkpoints as C
 from llm import generate as G
+from llm import gguf_vocab as GV
+from llm import model as M
+from llm import tokenizer as T
 from llm import weights as W
-from llm.config import get_config
+from llm.config import YarnScaling, get_config
 from tests.experiments.entry import run_entry
 from tests.llm.test_families import family_weights
 from tests.llm.test_tokenizer import SENTENCES, train_bpe
@@ -78,6 +88,18 @@ FAMILIES = {
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2_window": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": True,
                                "max_window_layers": 0, "sliding_window": 5}),
+    "qwen2_window_from_layer1": ("qwen2", {"tie_word_embeddings": False,
+                                           "use_sliding_window": True, "max_window_layers": 1,
+                                           "sliding_window": 5}),
+    "qwen2_yarn": ("qwen2", {"tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    "qwen2_layer_types_yarn": ("qwen2", {
+        "use_sliding_window": True, "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                            "original_max_position_embeddings": 32, "beta_fast": 8.0,
+                            "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 0.5}}),
     "mistral_window": ("mistral", {"head_dim": 32, "sliding_window": 6,
                                    "rope_parameters": {"rope_type": "default",
                                                        "rope_theta": 1e6}}),
@@ -86,12 +108,21 @@ FAMILIES = {
 OURS = {"ours_qwen2": get_config("tiny_qwen2", vocab_size=V),
         "ours_qwen2_window": get_config("tiny_qwen2", vocab_size=V, sliding_window=5,
                                         tie_embeddings=False),
+        "ours_qwen2_layer1_yarn": get_config(
+            "tiny_qwen2", vocab_size=V, sliding_window=5, window_layers=(1,),
+            rope_theta=10000.0, rope_scaling=YarnScaling(factor=4.0, original_max_position=16)),
         "ours_mistral": get_config("tiny_mistral", vocab_size=V, sliding_window=6),
         "ours_llama": get_config("tiny_tied", vocab_size=V)}
 IDS = np.random.default_rng(0).integers(0, 300, (2, 24)).tolist()
 PROMPTS = [[5, 77, 123, 9, 250], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 N_NEW = 16
 SEQ_LEN = 16
+# Texts for the Qwen2 tokenizer: digits one by one, contractions in either case, newlines,
+# NFD (composed by NFC first), non-Latin letters, runs of spaces.
+TOKENIZER_TEXTS = ["Once upon a time, in 1999, there was a little girl named Lily.",
+                   "She'll say: \"DON'T worry, we've 3.14159 reasons!\"\n\n  Indented\tline",
+                   "cafe\u0301 na\u00efve \u65e5\u672c\u8a9e \u0645\u0631\u062d\u0628\u0627 "
+                   "\U0001f999  x", "   ", "<|endoftext|>"]
 
 
 def run_peer(job: dict, d) -> dict[str, np.ndarray]:
@@ -120,8 +151,11 @@ def work(tmp_path_factory):
          "read": [{"name": n, "dir": dirs[n]} for n in OURS],
          "ids": IDS, "prompts": PROMPTS, "new_tokens": N_NEW,
          "eval": [{"name": n, "dir": dirs[n], "text": text, "seq_len": SEQ_LEN}
-                  for n in ("qwen2_tied", "mistral_window")]}
-  return {"dir": d, "dirs": dirs, "text": text, "peer": run_peer(job, str(d))}
+                  for n in ("qwen2_tied", "mistral_window")],
+         "qwen2_tokenizer": [{"name": "qwen2_tok", "tokenizer_json": tokenizer,
+                              "dir": str(d / "qwen2_tok"), "texts": TOKENIZER_TEXTS}]}
+  return {"dir": d, "dirs": dirs, "text": text, "peer": run_peer(job, str(d)),
+          "qwen2_tok": str(d / "qwen2_tok")}
 
 
 @nnx.jit
@@ -153,15 +187,25 @@ def test_transformers_checkpoints_read_by_our_loader(work, name):
   fam, kw = FAMILIES[name]
   assert cfg.qkv_bias == (fam == "qwen2")
   assert cfg.sliding_window == kw.get("sliding_window")
+  assert cfg.window_layers == {"qwen2_window_from_layer1": (1,),
+                               "qwen2_layer_types_yarn": (0,)}.get(name)
+  assert isinstance(cfg.rope_scaling, YarnScaling) == ("yarn" in name)
   _check(name, work["peer"], logits, greedy)
+  if "yarn" in name:
+    # The comparison can fail: the same weights with plain RoPE are far off.
+    _far(model, cfg.replace(rope_scaling=None), work["peer"][f"{name}.logits"])
   if cfg.sliding_window is not None:
     # The comparison can fail: the same weights without the window are far off.
-    full = nnx.eval_shape(lambda: type(model)(cfg.replace(sliding_window=None), nnx.Rngs(0)))
-    from llm import model as M
-    M.load_weights(full, M.weights_from_model(model))
-    far = np.abs(np.asarray(_logits(full, jnp.asarray(IDS, jnp.int32)))
-                 - work["peer"][f"{name}.logits"]).max()
-    assert far > 1e-2, far
+    _far(model, cfg.replace(sliding_window=None, window_layers=None),
+         work["peer"][f"{name}.logits"])
+
+
+def _far(model, cfg, peer_logits):
+  """`model`'s weights under `cfg` give logits more than 1e-2 from transformers'."""
+  other = nnx.eval_shape(lambda: M.Llama(cfg, nnx.Rngs(0)))
+  M.load_weights(other, M.weights_from_model(model))
+  far = np.abs(np.asarray(_logits(other, jnp.asarray(IDS, jnp.int32))) - peer_logits).max()
+  assert far > 1e-2, far
 
 
 @pytest.mark.parametrize("name", list(OURS))
@@ -230,3 +274,19 @@ def test_eval_lm_loss_equals_transformers(work, name):
         f"(rel {rel:.1e}) over {summary['num_tokens']} tokens")
   assert summary["num_tokens"] == int(work["peer"][f"{name}.tokens"])
   assert rel <= 1e-4, (summary["loss"], peer_loss)
+
+
+def test_qwen2_tokenizer_equals_transformers(work, tmp_path):
+  """transformers' Qwen2Tokenizer (NFC, Qwen2's regex, byte-level BPE) on our trained
+  vocabulary: the tokenizer.json it saved, read by `llm.tokenizer`, and the same vocabulary
+  as GGUF metadata with tokenizer.ggml.pre "qwen2", read by `llm.gguf_vocab`, give its ids."""
+  from tests.llm.test_gguf import _bpe_vocab
+  hf = T.load_tokenizer(work["qwen2_tok"])
+  v = _bpe_vocab(os.path.join(work["qwen2_tok"], "tokenizer.json"), "qwen2")
+  gguf_tok = GV.vocab_tokenizer(v, "qwen2_tok.gguf")
+  for i, text in enumerate(TOKENIZER_TEXTS):
+    want = work["peer"][f"qwen2_tok.ids_{i}"].tolist()
+    assert hf.encode(text) == want, text
+    assert gguf_tok.encode(text) == want, text
+  digits = work["peer"]["qwen2_tok.ids_0"].tolist()
+  assert [hf.decode([i]) for i in digits].count("9") == 3     # "1999": one token per digit

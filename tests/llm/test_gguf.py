@@ -1,4 +1,4 @@
-"""llm.gguf on small GGUF files written here with ggml's own `gguf.GGUFWriter`.
+"""llm.gguf and llm.gguf_vocab on small GGUF files written here with ggml's own `gguf.GGUFWriter`.
 
 Weights: every supported type, the expected values from the gguf package's own
 `gguf.quants.dequantize`, and q / k rows written the way llama.cpp's converter writes them
@@ -9,8 +9,10 @@ SentencePiece vocabularies against llama2.c's run.c rules (`llm.tokenizer.Llama2
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import unicodedata
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import pytest
 gguf = pytest.importorskip("gguf")   # a main dependency; the reason names it where absent
 
 from llm import gguf as G  # noqa: E402
+from llm import gguf_vocab as GV  # noqa: E402
 from llm import weights as W  # noqa: E402
 from llm.config import LlamaConfig, RopeScaling  # noqa: E402
 from llm.tokenizer import Llama2cTokenizer, load_tokenizer, write_llama2c_tokenizer  # noqa: E402
@@ -249,7 +252,10 @@ def test_errors_name_file_tensor_and_key(tmp_path):
   for meta, match in (({"llama.expert_count": 8}, "llama.expert_count=8: a mixture of experts"),
                       ({"llama.attn_logit_softcapping": 4096},
                        r"metadata keys \['llama.attn_logit_softcapping'\] are not understood"),
-                      ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type='yarn'")):
+                      ({"llama.rope.scaling.type": "longrope"},
+                       "llama.rope.scaling.type='longrope'; supported: none, yarn"),
+                      ({"llama.rope.scaling.type": "yarn"},
+                       "missing metadata key llama.'rope.scaling.factor'")):
     write(path, CFG, hf, meta=meta)
     with pytest.raises(ValueError, match=f"{path}: {match}"):
       G.read_gguf(path)
@@ -305,7 +311,7 @@ def _bpe_vocab(tok_json_path, pre):
     tokens[i] = t
   merges = [m if isinstance(m, str) else " ".join(m) for m in d["model"]["merges"]]
   types = [3 if t in specials else 1 for t in tokens]
-  return G.GGUFVocab(model="gpt2", tokens=tokens, token_types=types, merges=merges, pre=pre,
+  return GV.GGUFVocab(model="gpt2", tokens=tokens, token_types=types, merges=merges, pre=pre,
                      bos_id=specials.get("<s>"), eos_id=specials.get("</s>"))
 
 
@@ -313,40 +319,57 @@ def _bpe_vocab(tok_json_path, pre):
     ("gpt-2", None),
     ("smollm", "digits"),
     ("llama-bpe", "llama3"),
+    ("qwen2", "qwen2"),
 ])
 def test_gpt2_vocab_encodes_as_the_original(tmp_path, pre, pretok):
-  from tokenizers import Regex, pre_tokenizers
+  """A byte-level BPE written as GGUF gpt2 metadata encodes as the tokenizer.json it came from
+  with the pre-tokenizer `tokenizer.ggml.pre` names (Qwen2's: transformers' Qwen2Tokenizer
+  layout, NFC then its regex; `nfd` is a decomposed é, which NFC composes)."""
+  from tokenizers import Regex, normalizers, pre_tokenizers
   from tokenizers import Tokenizer as HFTok
   path = train_bpe(str(tmp_path / "t"))
   ref = HFTok.from_file(path)
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pretok != "llama3")
+  regex = {"llama3": GV._LLAMA3_REGEX, "qwen2": GV._QWEN2_REGEX}.get(pretok)
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None)
   if pretok == "digits":
     ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  byte_level])
-  elif pretok == "llama3":   # Llama 3's tokenizer.json
+  elif regex is not None:   # Llama 3's / Qwen2's tokenizer.json
     ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(
-        Regex(G._LLAMA3_REGEX), behavior="isolated"), byte_level])
+        Regex(regex), behavior="isolated"), byte_level])
+  if pretok == "qwen2":
+    ref.normalizer = normalizers.NFC()
   v = _write_vocab_only(str(tmp_path / "v.gguf"), CFG, _bpe_vocab(path, pre))
-  tok = G.vocab_tokenizer(v, "v.gguf")
-  for text in TEXTS:
+  tok = GV.vocab_tokenizer(v, "v.gguf")
+  nfd = "cafe\u0301 1999"
+  for text in TEXTS + [nfd]:
     want = ref.encode(text, add_special_tokens=False).ids
     if pretok == "llama3":   # ignore_merges: a pre-token in the vocabulary is one token
       assert tok.encode(text) == tok.tokenizers.encode(text, add_special_tokens=False).ids
     else:
       assert tok.encode(text) == want, text
-    assert tok.decode(tok.encode(text)) == text.replace("<s>", "").replace("</s>", "")
+    back = text.replace("<s>", "").replace("</s>", "")
+    assert tok.decode(tok.encode(text)) == (unicodedata.normalize("NFC", back)
+                                            if pretok == "qwen2" else back)
   assert "<s>" not in tok.decode(tok.encode("<s>x"), skip_special=True)
   assert tok.encode("<s>x")[0] == tok.bos_id == 1     # specials in text become their ids
   assert tok.add_bos == (pre == "llama-bpe") and not tok.add_eos   # llama.cpp's defaults
+  if pretok in ("llama3", "qwen2"):
+    # The two regexes differ on digits (Qwen2: one each; Llama 3: up to three together).
+    other = GV.vocab_tokenizer(dataclasses.replace(v, pre="qwen2" if pretok == "llama3"
+                                                   else "llama-bpe"), "v.gguf")
+    split = lambda t: [p for p, _ in t.tokenizers.pre_tokenizer.pre_tokenize_str("in 1999")]  # noqa
+    qwen2, llama3 = (split(tok), split(other))[::1 if pretok == "qwen2" else -1]
+    assert (qwen2, llama3) == (["in", "Ġ", "1", "9", "9", "9"], ["in", "Ġ", "199", "9"])
   v.add_bos = True
-  assert G.vocab_tokenizer(v, "v.gguf").add_bos
-  v.pre = "qwen2"
-  with pytest.raises(ValueError, match="v.gguf: tokenizer.ggml.pre='qwen2'; supported "
-                     "pre-tokenizers: default, gpt-2, smollm"):
-    G.vocab_tokenizer(v, "v.gguf")
+  assert GV.vocab_tokenizer(v, "v.gguf").add_bos
+  v.pre = "deepseek-coder"
+  with pytest.raises(ValueError, match="v.gguf: tokenizer.ggml.pre='deepseek-coder'; supported "
+                     "pre-tokenizers: default, gpt-2, smollm, .*, qwen2, deepseek-r1-qwen"):
+    GV.vocab_tokenizer(v, "v.gguf")
   v.pre, v.model = "gpt-2", "bert"
   with pytest.raises(ValueError, match="tokenizer.ggml.model='bert'; supported: 'gpt2'"):
-    G.vocab_tokenizer(v, "v.gguf")
+    GV.vocab_tokenizer(v, "v.gguf")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -360,8 +383,8 @@ def test_llama_vocab_encodes_as_run_c(tmp_path, seed):
   write_llama2c_tokenizer(bin_path, *_bin_pieces({p.replace("▁", " "): s
                                                   for p, s in vocab.items()}))
   ref = Llama2cTokenizer(bin_path)
-  v = _write_vocab_only(str(tmp_path / "v.gguf"), CFG, G.vocab_from_llama2c(ref))
-  tok = G.vocab_tokenizer(v, "v.gguf")
+  v = _write_vocab_only(str(tmp_path / "v.gguf"), CFG, GV.vocab_from_llama2c(ref))
+  tok = GV.vocab_tokenizer(v, "v.gguf")
   assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, True, False)
   for _ in range(200):
     text = "".join(rng.choice(alphabet + "xyz€\n") for _ in range(rng.randint(1, 50)))
@@ -385,7 +408,7 @@ def test_save_gguf_round_trip(tmp_path, qtype, tied):
   write_llama2c_tokenizer(bin_path, *_bin_pieces({" ": -1.0, "a": -2.0, "b": -3.0, " a": -4.0,
                                                         "ab": -5.0}))
   src_tok = Llama2cTokenizer(bin_path)
-  G.save_gguf(path, cfg, contract, qtype=qtype, vocab=G.vocab_from_llama2c(src_tok))
+  G.save_gguf(path, cfg, contract, qtype=qtype, vocab=GV.vocab_from_llama2c(src_tok))
   ckpt = G.read_gguf(path)
   assert ckpt.config == cfg
   r = gguf.GGUFReader(path)   # what llama.cpp sees: its names, types, interleaved q / k rows

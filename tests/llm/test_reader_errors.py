@@ -131,9 +131,10 @@ def test_bad_config_json_names_file_and_key(tmp_path, text, found, want):
 
 def test_a_gguf_as_tokenizer_uses_its_vocabulary(tmp_path):
   from llm import gguf as G
+  from llm.gguf_vocab import vocab_tokenizer
   from tests.llm.test_reader_fuzz import _vocab
   path = G.save_gguf(str(tmp_path / "m.gguf"), CFG, _weights(CFG), qtype="F32", vocab=_vocab())
-  want = G.vocab_tokenizer(G.read_gguf(path).vocab, path, CFG.vocab_size)
+  want = vocab_tokenizer(G.read_gguf(path).vocab, path, CFG.vocab_size)
   for p in (path, str(tmp_path / "copy.bin")):   # by its magic, whatever its name
     if p != path:
       with open(path, "rb") as src, open(p, "wb") as dst:

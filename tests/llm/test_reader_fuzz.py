@@ -34,6 +34,7 @@ from llm.config import LlamaConfig
 
 gguf = pytest.importorskip("gguf")
 from llm import gguf as G  # noqa: E402
+from llm import gguf_vocab as GV  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "80"))
 FUZZ = settings(derandomize=True, deadline=None, max_examples=EXAMPLES, database=None,
@@ -54,7 +55,7 @@ def _vocab():
   """A 12-token SentencePiece vocabulary (GGUF `llama` model)."""
   tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "c", "▁a", "ab", "bc", "abc", "▁ab"]
   types = [2, 3, 3] + [1] * 9
-  return G.GGUFVocab(model="llama", tokens=tokens, token_types=types,
+  return GV.GGUFVocab(model="llama", tokens=tokens, token_types=types,
                      scores=[0.0, 0.0, 0.0] + [-float(i) for i in range(9)], bos_id=1, eos_id=2,
                      unk_id=0, add_bos=True, add_eos=False, add_space_prefix=True)
 
@@ -154,7 +155,7 @@ def _write(tmp_path, name, data: bytes) -> str:
 def _read_gguf(path):
   ckpt = G.read_gguf(path)
   w = ckpt.weights()
-  tok = G.vocab_tokenizer(ckpt.vocab, path, ckpt.config.vocab_size)
+  tok = GV.vocab_tokenizer(ckpt.vocab, path, ckpt.config.vocab_size)
   return ckpt.config, w, tok.encode("ab a", bos=tok.add_bos)
 
 

@@ -371,8 +371,8 @@ def test_config_from_hf_defaults_and_errors():
     W.config_from_hf({k: v for k, v in base.items() if k != "hidden_size"}, "x/config.json")
   with pytest.raises(ValueError, match="x/config.json: missing key 'rms_norm_eps'"):
     W.config_from_hf({k: v for k, v in base.items() if k != "rms_norm_eps"}, "x/config.json")
-  with pytest.raises(ValueError, match="rope type 'yarn'"):
-    W.config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+  with pytest.raises(ValueError, match="rope type 'longrope'"):
+    W.config_from_hf({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
   with pytest.raises(ValueError, match="model_type='gemma'"):
     W.config_from_hf({**base, "model_type": "gemma"})
 
@@ -438,8 +438,11 @@ def _edit(name, fn):
 @pytest.mark.parametrize("name,edit,match", [
     (_TF5_1B, lambda h: h["rope_parameters"].pop("rope_theta"), "no rope_theta"),
     (_TF4_1B, lambda h: h.pop("rope_theta"), "no rope_theta"),
+    (_TF5_1B, lambda h: h["rope_parameters"].update(rope_type="longrope"),
+     "rope_parameters rope type 'longrope'"),
     (_TF5_1B, lambda h: h["rope_parameters"].update(rope_type="yarn"),
-     "rope_parameters rope type 'yarn'"),
+     r"rope_parameters keys \['high_freq_factor', 'low_freq_factor'\] are not understood for "
+     "rope type 'yarn'"),
     (_TF4_1B, lambda h: h.update(rope_scaling={"type": "dynamic", "factor": 2.0}),
      "rope_scaling rope type 'dynamic'"),
     (_TF5_1B, lambda h: h["rope_parameters"].pop("low_freq_factor"),

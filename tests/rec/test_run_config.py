@@ -2,10 +2,12 @@
 flat names in and out (`make_run`, `replace_run`, `run_settings`), --storage with the whole
 grammar reaching the collection as the object, --config replaying a run's written
 config.py to the same resolved config, a flag winning over the file (noted in config.py),
-and a mistyped field of the file refused in one line naming file and field."""
+a mistyped field of the file refused in one line naming file and field, the auto planner
+priced with the data's padded bags, and --group_by checked against the data's features."""
 
 import os
 import sys
+import types
 
 import pytest
 from absl import flags
@@ -108,3 +110,74 @@ def test_train_rec_writes_config_py_that_replays_the_run(tmp_path):
   assert got == {**want, "learning_rate": 0.1}
   assert "# --learning_rate on the command line" in open(
       os.path.join(second, train_rec.CONFIG_FILE)).read()
+
+
+def test_auto_plan_prices_the_datas_padded_bags(monkeypatch):
+  """build_run hands the planner the train source's padded bag (`DataSpec.max_ids_per_bag`):
+  the per-step bytes of the plan grow with the bag length."""
+  from rec.embedding import planner
+  seen = []
+  real = planner.plan
+  monkeypatch.setattr(configs.planner_lib, "plan",
+                      lambda *a, **k: seen.append(k["cost_params"]) or real(*a, **k))
+  comm = {}
+  for L in (1, 4):
+    data = "synthetic" + (f":multi_hot={'-'.join([str(L)] * 26)}" if L > 1 else "")
+    cfg = configs.make_run(data=data, model="dlrm", preset="small", num_rows=100,
+                           batch_size=64, eval_batch_size=64, sharding="auto",
+                           memory_budget_gb=1.0)
+    task, train_src, _, plan, _ = configs.build_run(cfg)
+    assert seen[-1].ids_per_bag == train_src.spec.max_ids_per_bag == L
+    coll = task.collection
+    est = planner.estimate_plan(plan, coll.tables, coll.num_devices, 64,
+                                configs.plan_cost_params(train_src.spec))
+    comm[L] = float(est.per_device.comm_bytes.sum())
+  assert comm[4] > comm[1] > 0
+
+
+def test_group_by_names_a_sparse_feature_or_is_one_line():
+  spec = types.SimpleNamespace(sparse_features=("C1", "site_id", "app_id"))
+  assert configs.group_feature("", spec, "x") is None
+  assert configs.group_feature("app_id", spec, "x") == 2
+  with pytest.raises(errors.UserError) as e:
+    configs.group_feature("site", spec, "avazu:D")
+  assert str(e.value) == ("--group_by='site': not a sparse feature of --data=avazu:D; expected "
+                          "one of C1, site_id, app_id (or empty: no groups)")
+  # a run saved before the setting existed evaluated without groups
+  assert configs.normalize_settings({"model": "logreg", "embedding_dim": 1})["group_by"] == ""
+
+
+def test_host_tier_settings_plan_and_saved_storage():
+  """--storage's @host survives the cache flags and the saved settings (an older run's,
+  without it or --host_memory_gb, reads as the device tier and no host tier); with
+  --host_memory_gb the auto plan moves the table the device budget cannot hold to the host
+  tier, and a fixed --sharding with it is refused in one line."""
+  from rec.embedding import optimizers as opt_lib
+  from rec.embedding.config import TableConfig
+  spec = train_rec.from_flags(_flags(["--storage=fp32_cache@host", "--cache_policy=lru"])
+                              ).run.embedding.storage
+  assert spec == StorageSpec("fp32_cache", "lru", 0.05, tier="host")
+  saved = configs.make_run(storage="int8_cache:lfu:0.1:4@host").run_settings()
+  assert (saved["storage"], saved["cache_fraction"], saved["cache_ways"]) == (
+      "int8_cache@host", 0.1, 4)
+  fields = set(configs.RUN_FIELDS) | {"cache_ways"}
+  assert str(configs.make_run(**{k: v for k, v in saved.items() if k in fields}
+                              ).embedding.storage) == "int8_cache:lfu:0.1:4@host"
+  old = {k: v for k, v in configs.make_run(storage="int8_cache").run_settings().items()
+         if k != "host_memory_gb"}
+  assert old["storage"] == "int8_cache"
+  assert configs.normalize_settings(old)["host_memory_gb"] == 0.0
+  assert "host_memory_gb" in configs.LAYOUT_SETTINGS   # a resume may move tables
+
+  tables = [TableConfig("big", 100_000, 64, pooling_factor=2.0),
+            TableConfig("hot", 100_000, 64, pooling_factor=8.0),
+            TableConfig("small", 1000, 64)]
+  opt = opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.1)
+  cfg = configs.make_run(batch_size=1024, memory_budget_gb=40e6 / 2**30, host_memory_gb=1)
+  plan = configs.make_plan(cfg, tables, 1, opt)
+  assert {n: str(p.storage) for n, p in plan.items() if p.storage} == {
+      "big": "fp32_cache:lfu:0.05@host"}
+  assert configs.host_tier(configs.replace_run(cfg, host_memory_gb=0)) is None
+  with pytest.raises(ValueError, match=r"^--host_memory_gb=1 with --sharding=tw: the planner "
+                     r"chooses the tables of the host tier; expected --sharding=auto"):
+    configs.make_plan(configs.replace_run(cfg, sharding="tw"), tables, 1, opt)

@@ -11,7 +11,8 @@ exists. TorchRec's planner parts, one module each:
   estimate.py   the cost model (estimator and storage reservation): placement_cost (one
                 table), layout / estimate_plan (the collection's buffers and collectives),
                 table_bytes, storage_bytes, row_bytes, block_bytes, wire_bytes, CostParams
-  placement.py  enumeration and placement: the greedy `plan`, uniform_plan, tower_plan
+  placement.py  enumeration and placement: the greedy `plan` (with `HostTier`: tables the
+                device cannot hold in host memory), uniform_plan, tower_plan
   formats.py    format_plan (a human table), plan_summary (results.json)
 
 Every name is re-exported here: `from rec.embedding import planner; planner.plan(...)`.
@@ -19,23 +20,27 @@ Every name is re-exported here: `from rec.embedding import planner; planner.plan
 
 from rec.embedding.planner.estimate import (STORAGE_BYTES, WIRE_FACTOR, CostParams,
                                             DeviceCosts, LayoutGroup, OptStateBytes,
-                                            PlanEstimate, block_bytes, estimate_plan, layout,
-                                            placement_cost, row_bytes, storage_bytes,
-                                            table_bytes, wire_bytes)
+                                            PlanEstimate, block_bytes, block_bytes_split,
+                                            estimate_plan, layout, placement_cost, row_bytes,
+                                            row_bytes_split, storage_bytes, table_bytes,
+                                            wire_bytes)
 from rec.embedding.planner.formats import _fmt_bytes, format_plan, plan_summary
-from rec.embedding.planner.placement import CW_MIN_WIDTH, plan, tower_plan, uniform_plan
+from rec.embedding.planner.placement import (CW_MIN_WIDTH, HostTier, plan, tower_plan,
+                                             uniform_plan)
 from rec.embedding.planner.types import (AUTO_KINDS, CW, DP, KIND_ORDER, RW, SPTT, TW, TWRW,
                                          Plan, PlanError, TablePlacement, as_kind,
                                          column_chunk_widths, default_group_size,
-                                         parse_overrides, row_shard_sizes, validate_overrides,
-                                         validate_plan)
+                                         parse_overrides, planned_tables, row_shard_sizes,
+                                         validate_overrides, validate_plan)
 
 __all__ = [
-    "AUTO_KINDS", "CW", "CW_MIN_WIDTH", "CostParams", "DP", "DeviceCosts", "KIND_ORDER",
+    "AUTO_KINDS", "CW", "CW_MIN_WIDTH", "CostParams", "DP", "DeviceCosts", "HostTier",
+    "KIND_ORDER",
     "LayoutGroup", "OptStateBytes", "Plan", "PlanError", "PlanEstimate", "RW", "SPTT",
-    "STORAGE_BYTES", "TW", "TWRW", "TablePlacement", "WIRE_FACTOR", "as_kind", "block_bytes",
+    "STORAGE_BYTES", "TW", "TWRW", "TablePlacement", "WIRE_FACTOR", "as_kind", "block_bytes", "block_bytes_split",
     "column_chunk_widths", "default_group_size", "estimate_plan", "format_plan", "layout",
-    "parse_overrides", "placement_cost", "plan", "plan_summary", "row_bytes",
+    "parse_overrides", "placement_cost", "plan", "plan_summary", "planned_tables", "row_bytes",
+    "row_bytes_split",
     "row_shard_sizes", "storage_bytes", "table_bytes", "tower_plan", "uniform_plan",
     "validate_overrides", "validate_plan", "wire_bytes",
 ]

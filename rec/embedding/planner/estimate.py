@@ -78,6 +78,11 @@ checked against the compiled train step (collectives from its HLO, memory from t
 per-device shards) by experiments/planner_check on 8 simulated devices; none is a fitted
 constant. The step's temporaries (XLA's temp buffers: received bags, gathered rows, per-id
 gradients) are not in the budget; the study reports them beside it.
+
+Host tier (a `..._cache...@host` storage, rec/embedding/host_tier.py): a table's rows and its
+optimizer state are host memory; only the cache, its tags and counters count against the
+device. `DeviceCosts.host_bytes` and `LayoutGroup.host_bytes` carry the host part
+(`row_bytes_split`, `block_bytes_split`); `memory_bytes` is device memory throughout.
 """
 
 from __future__ import annotations
@@ -92,7 +97,8 @@ import numpy as np
 from rec.embedding import storage_spec
 from rec.embedding.config import TableConfig
 from rec.embedding.planner.types import (CW, DP, RW, SPTT, TW, TWRW, TablePlacement,
-                                         column_chunk_widths, row_shard_sizes, validate_plan)
+                                         column_chunk_widths, planned_tables, row_shard_sizes,
+                                         validate_plan)
 
 STORAGE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2}
 
@@ -128,6 +134,16 @@ def row_bytes(table: TableConfig, width: int) -> float:
   return _storage(table.storage).bytes_per_row(width)
 
 
+def row_bytes_split(table: TableConfig, width: int) -> tuple[float, float]:
+  """(device, host) bytes of one stored row of `width` columns: the host tier keeps the
+  row's values in host memory and its share of the cache on the device."""
+  spec = table.storage
+  if spec.kind in STORAGE_BYTES:
+    return STORAGE_BYTES[spec.kind] * width, 0.0
+  rows, cache = _storage(spec).row_bytes_split(width)
+  return (cache, rows) if spec.host else (rows + cache, 0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _storage(spec: storage_spec.StorageSpec):
   return storage_spec.make_storage(spec)
@@ -137,14 +153,22 @@ def _storage(spec: storage_spec.StorageSpec):
 def block_bytes(spec: storage_spec.StorageSpec, rows: int, width: int) -> int:
   """Bytes of one device's block of `rows` stored rows of `width` columns, as the storage
   lays it out (a cache rounded up to whole sets): the shapes of its state, not an average."""
+  return sum(block_bytes_split(spec, rows, width))
+
+
+@functools.lru_cache(maxsize=1024)
+def block_bytes_split(spec: storage_spec.StorageSpec, rows: int, width: int) -> tuple[int, int]:
+  """`block_bytes` as (device, host) bytes: the host tier's arrays in host memory."""
   if spec.kind in STORAGE_BYTES:
-    return STORAGE_BYTES[spec.kind] * rows * width
+    return STORAGE_BYTES[spec.kind] * rows * width, 0
   import jax
   import jax.numpy as jnp
   st = _storage(spec)
   shapes = jax.eval_shape(lambda: st.from_float(jnp.zeros((rows, width), jnp.float32), 1))
-  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(shapes)))
+  out = [0, 0]
+  for k, x in shapes.items():
+    out[k in st.host_keys] += math.prod(x.shape) * np.dtype(x.dtype).itemsize
+  return out[0], out[1]
 
 
 OptStateBytes = Callable[[int], int] | int   # bytes per row of a shard of width w, or fixed
@@ -194,10 +218,15 @@ class CostParams:
 class DeviceCosts:
   """Per-device estimates, each an array of length N (one table, or a sum over tables)."""
 
-  memory_bytes: np.ndarray   # int64
+  memory_bytes: np.ndarray   # int64, device memory
   lookup_elems: np.ndarray   # float64: forward gathered + backward updated elements
   comm_bytes: np.ndarray     # float64: bytes sent + received
   time_s: np.ndarray         # float64
+  host_bytes: np.ndarray | None = None   # int64, host memory (the host tier); None: zeros
+
+  def __post_init__(self):
+    if self.host_bytes is None:
+      object.__setattr__(self, "host_bytes", np.zeros(len(self.memory_bytes), np.int64))
 
   @staticmethod
   def zeros(num_devices: int) -> DeviceCosts:
@@ -207,7 +236,8 @@ class DeviceCosts:
   def __add__(self, other: DeviceCosts) -> DeviceCosts:
     return DeviceCosts(self.memory_bytes + other.memory_bytes,
                        self.lookup_elems + other.lookup_elems,
-                       self.comm_bytes + other.comm_bytes, self.time_s + other.time_s)
+                       self.comm_bytes + other.comm_bytes, self.time_s + other.time_s,
+                       self.host_bytes + other.host_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +253,7 @@ class LayoutGroup:
   slots: int                        # a2a: S; sptt: Fm; dp / rw: the group's tables
   memory_bytes: int                 # per device: storage block + optimizer state
   collectives: dict[tuple[str, int], float]   # (collective, devices) -> result bytes/device
+  host_bytes: int = 0               # per device, in host memory (the host tier)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +277,10 @@ class PlanEstimate:
   def max_memory_bytes(self) -> int:
     return int(self.per_device.memory_bytes.max())
 
+  @property
+  def max_host_bytes(self) -> int:
+    return int(self.per_device.host_bytes.max())
+
 
 def _opt_fn(optimizer_state_bytes_per_row: OptStateBytes) -> Callable[[int], int]:
   if callable(optimizer_state_bytes_per_row):
@@ -257,7 +292,7 @@ def _opt_fn(optimizer_state_bytes_per_row: OptStateBytes) -> Callable[[int], int
 
 
 def table_bytes(table: TableConfig, optimizer_state_bytes_per_row: OptStateBytes = 4) -> int:
-  """Bytes of the whole table with its optimizer state: R * (m(D) + o(D))."""
+  """Bytes of the whole table with its optimizer state: R * (m(D) + o(D)), host and device."""
   o = _opt_fn(optimizer_state_bytes_per_row)
   return int(table.num_rows * (row_bytes(table, table.dim) + int(o(table.dim))))
 
@@ -277,6 +312,8 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   """
   cp = cost_params or CostParams()
   o = _opt_fn(optimizer_state_bytes_per_row)
+  if placement.storage is not None and placement.storage != table.storage:
+    table = dataclasses.replace(table, storage=placement.storage)
   N, B = num_devices, batch_size
   b = B / N
   R, D, P = table.num_rows, table.dim, table.pooling_factor
@@ -284,18 +321,21 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
   L = cp.slots(table)
   u, u_rw = cp.bag_bytes(L), cp.bag_bytes(L, cp.id_weights)
   X = lambda w: u + 2 * a * w
-  m = lambda w: row_bytes(table, w) + int(o(w))
+  host = table.storage.host    # the host tier: rows and optimizer state in host memory
+  m = lambda w: row_bytes_split(table, w)[0] + (0 if host else int(o(w)))
+  mh = lambda w: row_bytes_split(table, w)[1] + (int(o(w)) if host else 0)
   # Elements a row access of width w costs, rounded up to the memory transaction size.
   E = lambda w: max(w, cp.min_access_bytes / s)
   devs = placement.devices
   if any(not 0 <= d < N for d in devs):
     raise ValueError(f"table {table.name!r}: devices {devs} outside 0..{N - 1}")
-  mem = np.zeros(N, np.int64)
+  mem, hmem = np.zeros(N, np.int64), np.zeros(N, np.int64)
   fwd, bwd, comm = np.zeros(N), np.zeros(N), np.zeros(N)
   kind = placement.kind
   if kind == DP:
     U = min(b * L, R) if cp.dp_unique_rows else b * L
     mem[:] = int(R * m(D))
+    hmem[:] = int(R * mh(D))
     fwd[:] = b * P * E(D)
     bwd[:] = min(B * P, R) * E(D)
     comm[:] = 2 * (N - 1) * U * (a * D + ib + cp.valid_bytes)
@@ -305,6 +345,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
       raise ValueError(f"table {table.name!r}: tw placement needs 1 device, got {devs}")
     for d, w in zip(devs, widths):
       mem[d] += int(R * m(w))
+      hmem[d] += int(R * mh(w))
       fwd[d] += B * P * E(w)
       bwd[d] += min(B * P, R) * E(w)
       comm += b * X(w)                      # every other device: send bags, get sums back
@@ -319,6 +360,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
       comm += (g if kind == TWRW else 1) * b * X(D)
     for d, r in zip(devs, row_shard_sizes(R, g)):
       mem[d] += int(r * m(D))
+      hmem[d] += int(r * mh(D))
       fwd[d] += B * P * E(D) * r / R
       bwd[d] += min(B * P * r / R, r) * E(D)
       if kind == RW:
@@ -332,7 +374,7 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
     raise ValueError(f"table {table.name!r}: unknown sharding kind {kind!r}")
   time = s * (fwd + cp.backward_factor * bwd) / cp.hbm_bandwidth
   time = time + comm / cp.interconnect_bandwidth
-  return DeviceCosts(mem, fwd + bwd, comm, time)
+  return DeviceCosts(mem, fwd + bwd, comm, time, hmem)
 
 
 def _width(table: TableConfig, placement: TablePlacement) -> int:
@@ -346,6 +388,7 @@ def layout(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig], nu
   group's per-device buffer and the collectives of its exchange (module docstring)."""
   cp = cost_params or CostParams()
   o = _opt_fn(optimizer_state_bytes_per_row)
+  tables = planned_tables(plan, tables)
   N, B = num_devices, batch_size
   b, ib, a = B / N, cp.id_bytes, cp.activation_bytes
   # One padded bag for the whole batch: ids [B, F, L].
@@ -399,9 +442,11 @@ def layout(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig], nu
       if g > 1:
         col[("all-gather", g)] = g * T * b * slots * (u + a * W)
         col[("reduce-scatter", g)] = T * b * slots * a * W
-    mem = block_bytes(spec, rows, W) + rows * int(o(W))
+    dev, host = block_bytes_split(spec, rows, W)
+    opt = rows * int(o(W))      # with the rows: in host memory under the host tier
+    mem, host = (dev, host + opt) if spec.host else (dev + opt, host)
     out.append(LayoutGroup(ex, str(spec), dim, W, tuple(t.name for t in ts), int(rows),
-                           int(slots), int(mem), col))
+                           int(slots), int(mem), col, int(host)))
   return tuple(out)
 
 
@@ -412,6 +457,7 @@ def estimate_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConf
   communication of the collection's layout (`layout`), lookups summed over tables."""
   validate_plan(plan, tables, num_devices)
   cp = cost_params or CostParams()
+  tables = planned_tables(plan, tables)
   per_table = {t.name: placement_cost(t, plan[t.name], num_devices, batch_size, cp,
                                       optimizer_state_bytes_per_row) for t in tables}
   total = DeviceCosts.zeros(num_devices)
@@ -424,7 +470,8 @@ def estimate_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConf
       collectives[k] = collectives.get(k, 0.0) + v
   comm = np.full(num_devices, wire_bytes(collectives))
   mem = np.full(num_devices, sum(grp.memory_bytes for grp in groups), np.int64)
+  host = np.full(num_devices, sum(grp.host_bytes for grp in groups), np.int64)
   time = (total.time_s - total.comm_bytes / cp.interconnect_bandwidth
           + comm / cp.interconnect_bandwidth)
-  per_device = DeviceCosts(mem, total.lookup_elems, comm, time)
+  per_device = DeviceCosts(mem, total.lookup_elems, comm, time, host)
   return PlanEstimate(per_table, per_device, groups, collectives)

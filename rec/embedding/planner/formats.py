@@ -11,7 +11,7 @@ import numpy as np
 
 from rec.embedding.config import TableConfig
 from rec.embedding.planner.estimate import CostParams, OptStateBytes, estimate_plan
-from rec.embedding.planner.types import KIND_ORDER, TablePlacement
+from rec.embedding.planner.types import KIND_ORDER, TablePlacement, planned_tables
 
 
 def _fmt_bytes(n: float) -> str:
@@ -41,31 +41,46 @@ def _table_text(header: Sequence[str], rows: list[Sequence[str]], right: set[int
 def format_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig],
                 num_devices: int, batch_size: int, memory_budget_bytes: int | None = None,
                 cost_params: CostParams | None = None,
-                optimizer_state_bytes_per_row: OptStateBytes = 4, budget_source: str = "") -> str:
-  """A human table: one row per table, then one per device (memory, load, comm, time);
-  the last line names the budget and `budget_source` (where its number comes from)."""
+                optimizer_state_bytes_per_row: OptStateBytes = 4, budget_source: str = "",
+                host_budget_bytes: int | None = None, host_source: str = "") -> str:
+  """A human table: one row per table (storage, tier, device and host bytes on its fullest
+  device), then one per device (memory, host memory, load, comm, time); with a host-tier
+  table or `host_budget_bytes`, a line of host and device totals; the last line names the
+  budget and `budget_source` (where its number comes from)."""
   est = estimate_plan(plan, tables, num_devices, batch_size, cost_params,
                       optimizer_state_bytes_per_row)
   rows = []
-  for t in tables:
+  for t in planned_tables(plan, tables):
     p, c = plan[t.name], est.per_table[t.name]
-    rows.append([t.name, f"{t.num_rows:,}", t.dim, t.storage, p.kind.value,
+    rows.append([t.name, f"{t.num_rows:,}", t.dim, t.storage, t.storage.tier, p.kind.value,
                  _fmt_devices(p.devices), _fmt_bytes(int(c.memory_bytes.max())),
-                 f"{c.time_s.max() * 1e6:.1f}"])
-  lines = _table_text(["table", "rows", "dim", "dtype", "kind", "devices", "mem/device",
-                       "max us"], rows, right={1, 2, 6, 7})
+                 _fmt_bytes(int(c.host_bytes.max())), f"{c.time_s.max() * 1e6:.1f}"])
+  lines = _table_text(["table", "rows", "dim", "storage", "tier", "kind", "devices",
+                       "device mem", "host mem", "max us"], rows, right={1, 2, 7, 8, 9})
   dev = est.per_device
   budget = memory_budget_bytes
+
+  def used(n, of):
+    return f"{_fmt_bytes(n)} / {_fmt_bytes(of)} ({100 * n / of:.0f}%)" if of else _fmt_bytes(n)
+
   drows = []
   for d in range(num_devices):
-    mem = int(dev.memory_bytes[d])
-    used = f"{_fmt_bytes(mem)} / {_fmt_bytes(budget)} ({100 * mem / budget:.0f}%)" if budget \
-        else _fmt_bytes(mem)
-    drows.append([d, used, f"{dev.lookup_elems[d]:.3g}", _fmt_bytes(dev.comm_bytes[d]),
+    drows.append([d, used(int(dev.memory_bytes[d]), budget),
+                  used(int(dev.host_bytes[d]), host_budget_bytes),
+                  f"{dev.lookup_elems[d]:.3g}", _fmt_bytes(dev.comm_bytes[d]),
                   f"{dev.time_s[d] * 1e6:.1f}"])
   lines += [""] + _table_text(["device", "memory / budget" if budget else "memory",
-                               "lookup elems", "comm", "est us"], drows, right={0, 2, 3, 4})
+                               "host / budget" if host_budget_bytes else "host",
+                               "lookup elems", "comm", "est us"], drows, right={0, 3, 4, 5})
   slow = int(np.argmax(dev.time_s))
+  on_host = sum(p.storage is not None and p.storage.host for p in plan.values())
+  if on_host or host_budget_bytes:
+    lines.append(f"host tier: {on_host} tables, max host memory {_fmt_bytes(est.max_host_bytes)}"
+                 + (f" of {_fmt_bytes(host_budget_bytes)} per device" if host_budget_bytes
+                    else "")
+                 + (f" ({host_source})" if host_budget_bytes and host_source else "")
+                 + f"; total device memory {_fmt_bytes(int(dev.memory_bytes.sum()))}, host "
+                 f"memory {_fmt_bytes(int(dev.host_bytes.sum()))}")
   lines.append(f"{len(tables)} tables on {num_devices} devices, global batch {batch_size}: "
                f"slowest device {slow} at {est.max_time_s * 1e6:.1f} us/step (estimated), "
                f"max memory {_fmt_bytes(est.max_memory_bytes)}"
@@ -81,7 +96,9 @@ def plan_summary(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfi
   """JSON-able summary for results.json; with tables, N and batch it adds the estimates."""
   counts = {k.value: sum(p.kind == k for p in plan.values()) for k in KIND_ORDER}
   out: dict[str, Any] = {
-      "tables": {n: {"kind": p.kind.value, "devices": list(p.devices)} for n, p in plan.items()},
+      "tables": {n: {"kind": p.kind.value, "devices": list(p.devices),
+                     **({"storage": str(p.storage)} if p.storage is not None else {})}
+                 for n, p in plan.items()},
       "kinds": {k: v for k, v in counts.items() if v},
   }
   if tables is not None and num_devices is not None and batch_size is not None:
@@ -93,6 +110,7 @@ def plan_summary(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfi
         "max_time_s": est.max_time_s, "max_memory_bytes": est.max_memory_bytes,
         "device_time_s": [float(x) for x in dev.time_s],
         "device_memory_bytes": [int(x) for x in dev.memory_bytes],
+        "device_host_bytes": [int(x) for x in dev.host_bytes],
         "device_comm_bytes": [float(x) for x in dev.comm_bytes],
     }
   return out

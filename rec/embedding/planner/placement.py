@@ -18,6 +18,13 @@ The greedy is myopic (spreading the first tables column-wise can end slower than
 for all), so without overrides a uniform plan that fits and scores lower on the whole
 layout's estimate is returned instead.
 
+Host tier (`plan(..., host_tier=HostTier(...))`): when the tables do not fit the device
+budget, the biggest tables whose storage has a cached form move, one at a time, to the host
+tier (`StorageSpec.on_host`: their rows and optimizer state in host memory, a device cache
+of `cache_fraction` of their rows; the placement's `storage`) and the plan is made again,
+until it fits. Then every device's host share must fit `host_budget_bytes`; otherwise, or
+when no table is left to move, one PlanError line names the table and the bytes.
+
 The greedy search enumerates every allowed placement of a table (`_Greedy.candidates`),
 prices it with the cost model (estimate.py) on top of the tables placed so far, and keeps
 the best that fits the per-device budget (the memory reservation). The budget is checked
@@ -35,6 +42,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from rec.embedding.config import ShardingKind, TableConfig
+from rec.embedding.storage_spec import StorageSpec
 from rec.embedding.planner.estimate import (EXCHANGE, CostParams, DeviceCosts, OptStateBytes,
                                             _opt_fn, _width, estimate_plan, placement_cost,
                                             row_bytes, table_bytes)
@@ -46,6 +54,27 @@ from rec.embedding.planner.types import (AUTO_KINDS, CW, DP, KIND_ORDER, RW, SPT
 
 CW_MIN_WIDTH = 4     # narrowest column chunk the planner makes (16-byte fp32 rows)
 _REL_TOL = 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+  """Lets `plan` move tables that the device budget cannot hold to the host tier."""
+
+  host_budget_bytes: int                 # host memory per device for rows + optimizer state
+  cache_fraction: float = 0.05           # each moved table's device cache (share of rows)
+  cache_policy: str = "lfu"
+  source: str = ""                       # where host_budget_bytes comes from (messages)
+
+  def __post_init__(self):
+    if not self.host_budget_bytes > 0:
+      raise ValueError(f"HostTier: host_budget_bytes={self.host_budget_bytes}, expected > 0")
+    StorageSpec("fp32_cache", self.cache_policy, self.cache_fraction)   # checks both
+
+  def storage(self, spec: StorageSpec) -> StorageSpec:
+    """`spec` on the host tier with this tier's cache (a cached spec keeps its own)."""
+    if spec.cached:
+      return spec.on_host()
+    return dataclasses.replace(spec.on_host(self.cache_fraction), cache_policy=self.cache_policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +268,8 @@ def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: i
          group_size: int | None = None, cost_params: CostParams | None = None,
          optimizer_state_bytes_per_row: OptStateBytes = 4, *,
          kinds: Iterable[ShardingKind | str] | None = None,
-         replicate_below_bytes: int = 0, cw_min_width: int = CW_MIN_WIDTH) -> Plan:
+         replicate_below_bytes: int = 0, cw_min_width: int = CW_MIN_WIDTH,
+         host_tier: HostTier | None = None) -> Plan:
   """A kind and devices per table that fit `memory_budget_bytes` on every device.
 
   Greedy over tables (overridden first, then biggest first) minimizing the projected
@@ -251,8 +281,14 @@ def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: i
   `batch_size` is the global batch. Without overrides or replicate_below_bytes, a uniform
   plan (`uniform_plan`) of an allowed kind that fits and whose estimate (max + mean device
   time of the layout) is lower is returned instead of the greedy's. Raises PlanError when a
-  table fits nowhere.
+  table fits nowhere. `host_tier`: tables move to host memory until the plan fits (module
+  docstring); their placements carry the storage.
   """
+  if host_tier is not None:
+    return _plan_with_host_tier(tables, num_devices, memory_budget_bytes, batch_size,
+                                overrides, group_size, cost_params,
+                                optimizer_state_bytes_per_row, kinds, replicate_below_bytes,
+                                cw_min_width, host_tier)
   _check_tables(tables)
   _check_positive(num_devices=num_devices, batch_size=batch_size,
                   memory_budget_bytes=memory_budget_bytes)
@@ -317,3 +353,57 @@ def plan(tables: Sequence[TableConfig], num_devices: int, memory_budget_bytes: i
     if su < best_score * (1 - _REL_TOL):
       best, best_score = u, su
   return best
+
+
+def _plan_with_host_tier(tables, num_devices, budget, batch_size, overrides, group_size,
+                         cost_params, opt, kinds, replicate_below_bytes, cw_min_width,
+                         tier: HostTier) -> Plan:
+  """`plan` with the biggest tables moved to the host tier until it fits (module docstring)."""
+  _check_tables(tables)
+  now = list(tables)
+  # Biggest first; of equal size the least looked-up (lowest pooling factor) first.
+  idx = {t.name: i for i, t in enumerate(tables)}
+  movable = [t.name for t in sorted(tables, key=lambda t: (-table_bytes(t, opt),
+                                                           t.pooling_factor, idx[t.name]))
+             if not t.storage.host and _host_form(t.storage) is not None]
+  moved: list[str] = []
+  while True:
+    try:
+      out = plan(now, num_devices, budget, batch_size, overrides, group_size, cost_params, opt,
+                 kinds=kinds, replicate_below_bytes=replicate_below_bytes,
+                 cw_min_width=cw_min_width)
+      break
+    except PlanError as e:
+      if not movable:
+        names = ", ".join(moved[:4]) + (", ..." if len(moved) > 4 else "")
+        on = f" with {len(moved)} tables on the host tier ({names})" if moved \
+            else " (no table has a host-tier form)"
+        raise PlanError(f"{e}{on}") from None
+      name = movable.pop(0)
+      moved.append(name)
+      now = [dataclasses.replace(t, storage=tier.storage(t.storage)) if t.name == name else t
+             for t in now]
+  out = {t.name: (dataclasses.replace(out[t.name], storage=t.storage) if t.name in moved
+                  else out[t.name]) for t in now}
+  est = estimate_plan(out, tables, num_devices, batch_size, cost_params, opt)
+  host = est.per_device.host_bytes
+  if host.max() > tier.host_budget_bytes:
+    d = int(np.argmax(host))
+    name = max(moved, key=lambda n: (int(est.per_table[n].host_bytes[d]), n))
+    need = int(est.per_table[name].host_bytes[d])
+    t = next(t for t in now if t.name == name)
+    raise PlanError(
+        f"table {name!r} ({t.num_rows:,} x {t.dim} {t.storage}) needs {_fmt_bytes(need)} "
+        f"({need:,} bytes) of host memory on device {d} even with the host tier; device "
+        f"{d}'s host tables need {_fmt_bytes(int(host[d]))} in all, host budget "
+        f"{_fmt_bytes(tier.host_budget_bytes)} ({int(tier.host_budget_bytes):,} bytes"
+        + (f", {tier.source}" if tier.source else "") + f") per device: over by "
+        f"{_fmt_bytes(int(host[d]) - tier.host_budget_bytes)}")
+  return out
+
+
+def _host_form(spec: StorageSpec) -> StorageSpec | None:
+  try:
+    return spec.on_host()
+  except ValueError:
+    return None

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from rec.embedding.config import ShardingKind, TableConfig
+from rec.embedding.storage_spec import StorageSpec
 
 DP = ShardingKind.DATA_PARALLEL
 TW = ShardingKind.TABLE_WISE
@@ -39,10 +40,13 @@ class TablePlacement:
   cw: one device per column chunk (chunk i on devices[i]; chunks are ceil(dim / k) wide
   for k = len(devices), the last may be narrower); twrw: a contiguous block of
   `group_size` devices holding row shards of the table (shard i on devices[i]).
+  `storage`: the planner's storage for the table when it differs from the table's own (the
+  host tier, `plan(..., host_tier=)`); None: the table's.
   """
 
   kind: ShardingKind
   devices: tuple[int, ...]
+  storage: StorageSpec | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "kind", as_kind(self.kind))
@@ -54,6 +58,17 @@ class TablePlacement:
 
 
 Plan = dict[str, TablePlacement]   # keyed by table name, in table order
+
+
+def planned_tables(plan: Mapping[str, TablePlacement],
+                   tables: Sequence[TableConfig]) -> list[TableConfig]:
+  """`tables` with the storage their placements give (the host tier), else their own."""
+  out = []
+  for t in tables:
+    p = plan.get(t.name)
+    s = None if p is None else p.storage
+    out.append(t if s is None or s == t.storage else dataclasses.replace(t, storage=s))
+  return out
 
 
 def as_kind(value: ShardingKind | str, where: str = "") -> ShardingKind:

@@ -297,13 +297,15 @@ def test_search_seed_draws_the_proposals_apart_from_the_data(tmp_path, method):
 
 
 def test_a_workdir_saved_without_the_a2a_settings_resumes(tmp_path):
-  """settings.json written before the a2a run settings existed (float32, one bound) is the
-  same search as today's defaults."""
+  """settings.json written before the a2a run settings and group_by existed (float32, one
+  bound, no groups) is the same search as today's defaults."""
   base = configs.make_run(data="synthetic_deep")
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)
   path = tmp_path / "settings.json"
   saved = json.loads(path.read_text())
-  path.write_text(json.dumps({k: v for k, v in saved.items() if not k.startswith("run.a2a_")}))
+  assert "run.group_by" in saved
+  path.write_text(json.dumps({k: v for k, v in saved.items()
+                              if not k.startswith("run.a2a_") and k != "run.group_by"}))
   study_lib.Study(str(tmp_path), SPACE, base, steps=3)
   with pytest.raises(ValueError, match=r"run.a2a_schedule: 'constant' -> 'step:1:2:3'"):
     study_lib.Study(str(tmp_path), SPACE, configs.replace_run(base, a2a_schedule="step:1:2:3"),

@@ -16,7 +16,7 @@ from flax import nnx
 
 from llm import generate as G
 from llm.config import get_config
-from llm.serving import engine as E
+from llm.serving import programs as P
 from llm.serving.config import EngineConfig
 from llm.serving.engine import Engine, SamplingParams
 from llm.tokenizer import ByteTokenizer
@@ -126,12 +126,12 @@ def test_preemption_recomputes_and_frees_every_page(tiny):
 def test_no_recompile_as_requests_join_and_leave(tiny):
   engine = Engine(tiny, CONFIG)
   engine.generate(PROMPTS[:3], SamplingParams(max_tokens=3))
-  before = E.engine_step._cache_size()
+  before = P.engine_step._cache_size()
   engine.add_request(PROMPTS[4], SamplingParams(max_tokens=5))
   engine.step()
   engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))
   _drain(engine)
-  assert E.engine_step._cache_size() == before
+  assert P.engine_step._cache_size() == before
 
 
 def test_stop_ids_stop_strings_and_max_tokens(tiny, reference):

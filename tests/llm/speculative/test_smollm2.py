@@ -4,9 +4,10 @@ draft head and with one trained for a few steps on the model's own chat replies,
 reduced draft vocabularies, chain and tree shapes, a batch of chat prompts of different
 lengths, stopping at the end-of-turn token.
 
-Marked `models` (in the default suite); skips, saying so, where the GGUF is absent
+Marked `models` and `slow` (the default suite's real-model speculative check is
+tests/llm/test_smollm2.py's bfloat16 one); skips, saying so, where the GGUF is absent
 (tests/real_models.py says where it is looked for).
-  python -m pytest -m models tests/llm/speculative/test_smollm2.py
+  python -m pytest -m "models and slow" tests/llm/speculative/test_smollm2.py
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def trained(smollm2, tmp_path_factory):
   return draft, vocab, out
 
 
+@pytest.mark.slow   # an untrained head on SmolLM2 (bfloat16, a tree, a reduced draft
+# vocabulary): tests/llm/test_smollm2.py test_bf16_speculative_greedy_ids_equal_plain_decoding;
+# batches of chat prompts with stop tokens on tiny models: test_decode.py
 def test_untrained_head_is_lossless(smollm2, greedy):
   target, prompts, stop = smollm2
   draft = DraftHead(target.cfg, nnx.Rngs(0))   # a tree (the trained head's test: a chain)

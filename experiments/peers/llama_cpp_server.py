@@ -1,0 +1,63 @@
+"""llama.cpp's OpenAI-compatible HTTP server (llama-cpp-python's `llama_cpp.server`) on one GGUF
+file, set up for a side-by-side serving benchmark.
+
+Runs in the Python 3.11 peer environment (`pip install "llama-cpp-python[server]"`;
+experiments/peers/README.md) and imports nothing from the project. The same as
+  python -m llama_cpp.server --model FILE --n_threads 2 --n_threads_batch 2 --host 127.0.0.1 \
+      --port 8001 --n_ctx 2048 --interrupt_requests False --disable_ping_events True
+with the two settings a benchmark needs spelled out: `interrupt_requests` off (its default, on,
+ends a streaming completion early, with `data: [DONE]`, as soon as another request arrives) and
+no SSE ping comments; and, unless --extra_bufts, llama.cpp's extra weight buffers off (AMX and
+repacked layouts: on the VM here a -DGGML_NATIVE=ON build faults with SIGILL in the AMX kernels
+on the first quantized product; llama_cpp_gguf.py says more). One model, one sequence at a
+time: concurrent requests queue behind a lock (no batching across requests).
+
+  python llama_cpp_server.py --gguf_file M.gguf --port 8001 [--threads 2] [--n_ctx 2048]
+
+Serves POST /v1/completions, /v1/chat/completions, GET /v1/models; the `model` field of a
+request may be omitted or be --model_alias (default: the file's base name). Prints one JSON line
+(url, model) to stdout when the model is loaded, then serves until SIGINT / SIGTERM.
+"""
+
+import argparse
+import json
+import os
+
+import uvicorn
+from llama_cpp.server.app import create_app
+from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--gguf_file", required=True)
+  ap.add_argument("--host", default="127.0.0.1")
+  ap.add_argument("--port", type=int, default=8001)
+  ap.add_argument("--threads", type=int, default=2)
+  ap.add_argument("--n_ctx", type=int, default=2048)
+  ap.add_argument("--model_alias", default=None)
+  ap.add_argument("--extra_bufts", action="store_true",
+                  help="keep llama.cpp's extra weight buffers (AMX, repacked layouts)")
+  args = ap.parse_args()
+  if not args.extra_bufts:
+    import llama_cpp.llama_cpp as low
+    default = low.llama_model_default_params
+
+    def params():
+      p = default()
+      p.use_extra_bufts = False
+      return p
+
+    low.llama_model_default_params = params
+  alias = args.model_alias or os.path.basename(args.gguf_file)
+  server = ServerSettings(host=args.host, port=args.port, interrupt_requests=False,
+                          disable_ping_events=True)
+  model = ModelSettings(model=args.gguf_file, model_alias=alias, n_threads=args.threads,
+                        n_threads_batch=args.threads, n_ctx=args.n_ctx, verbose=False)
+  app = create_app(server_settings=server, model_settings=[model])
+  print(json.dumps({"url": f"http://{args.host}:{args.port}/v1", "model": alias}), flush=True)
+  uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+  main()
