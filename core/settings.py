@@ -139,3 +139,15 @@ def loop_config(loop: LoopConfig, flag_values=None, **kw: Any):
   run = {"workdir": fv.workdir, "resume": fv.resume, "resume_allow": tuple(fv.resume_allow),
          "overwrite": fv.overwrite}
   return train.TrainConfig(**{**dataclasses.asdict(loop), **run, **kw})
+
+
+def use_compilation_cache(path: str, min_compile_time_s: float = 1.0) -> None:
+  """--compilation_cache_dir: JAX's persistent compilation cache in `path` for this process
+  ('' leaves it off), keeping programs that took at least `min_compile_time_s` to compile."""
+  if not path:
+    return
+  import os
+
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)

@@ -39,7 +39,7 @@ from core import cli
 from core import config
 from core import errors
 from core import results as results_lib
-from core import settings  # noqa: F401  (the shared settings by name)
+from core import settings  # the shared settings by name
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 from llm.serving.config import DRAFT, EngineConfig
 
@@ -153,10 +153,7 @@ def main(argv):
   if not prompt_lens or not output_lens:
     raise errors.UserError("--prompt_lens and --output_lens need at least one length each")
   engine_config = config.from_flags(EngineConfig)
-  if FLAGS.compilation_cache_dir:
-    import jax
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(FLAGS.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  settings.use_compilation_cache(FLAGS.compilation_cache_dir)
   model, vocab, low_id = load(FLAGS.checkpoint, FLAGS.preset, FLAGS.dtype, FLAGS.weights)
   if bool(FLAGS.draft) != bool(engine_config.speculative_tree):
     raise errors.UserError(f"--draft={FLAGS.draft!r} and --speculative_tree="

@@ -85,7 +85,7 @@ from core import cli  # noqa: E402
 from core import config  # noqa: E402
 from core import errors  # noqa: E402
 from core import results as results_lib  # noqa: E402
-from core import settings as _settings  # noqa: E402,F401  (the shared settings by name)
+from core import settings as _settings  # noqa: E402  (the shared settings by name)
 
 FLAGS = flags.FLAGS
 DRY_RUN_BUDGET_S = 3600.0
@@ -211,9 +211,7 @@ def main(argv):
     sys.exit(2)
   cache = FLAGS.compilation_cache_dir if (not FLAGS.dry_run
                                           or FLAGS["compilation_cache_dir"].present) else ""
-  if cache:
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  _settings.use_compilation_cache(cache)
   over = dict(lm_impls=tuple(FLAGS.lm_impls), lm_remats=tuple(FLAGS.lm_remats),
               eb_formats=tuple(FLAGS.bag_formats), rp_data=tuple(FLAGS.pipeline_data),
               fp8_layers=fp8_layers(), fp8_recipe=FLAGS.fp8_recipe)

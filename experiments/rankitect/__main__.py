@@ -123,10 +123,7 @@ def main(argv):
     raise ValueError(f"--dnas_cost_weights={weights}: expected one or more numbers >= 0")
   if FLAGS.embedding_dim < 1:
     raise ValueError(f"--embedding_dim={FLAGS.embedding_dim}: expected >= 1 (the space's dim)")
-  if FLAGS.compilation_cache_dir:
-    import jax
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(FLAGS.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  settings.use_compilation_cache(FLAGS.compilation_cache_dir, min_compile_time_s=0.5)
   space = Space(num_layers=FLAGS.layers, width=FLAGS.width, embedding_dim=FLAGS.embedding_dim)
   # Settings without a flag here keep RecRunConfig's defaults; each candidate sets `model`.
   base = configs.run_from_flags(model="dlrm")

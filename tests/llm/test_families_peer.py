@@ -50,6 +50,7 @@ from llm import tokenizer as T
 from llm import weights as W
 from llm.config import YarnScaling, get_config
 from tests.experiments.entry import run_entry
+from tests.peer_env import peer_python
 from tests.llm.test_families import family_weights
 from tests.llm.test_tokenizer import SENTENCES, train_bpe
 
@@ -57,17 +58,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "experiments", "peers", "hf_families.py")
 
 
-def _peer_python() -> str:
-  if os.environ.get("HF_PEER_PYTHON"):
-    return os.environ["HF_PEER_PYTHON"]
-  for env in ("peer311", "peer"):
-    path = os.path.join(os.path.dirname(REPO), env, "bin", "python")
-    if os.path.exists(path):
-      return path
-  return os.path.join(os.path.dirname(REPO), "peer311", "bin", "python")
-
-
-PEER = _peer_python()
+PEER = peer_python("HF_PEER_PYTHON")
 pytestmark = [pytest.mark.peer,
               pytest.mark.skipif(not os.path.exists(PEER),
                                  reason=f"transformers peer environment absent ({PEER})")]

@@ -68,6 +68,7 @@ from llm import model as M
 from llm.config import RopeScaling, get_config
 from llm.tokenizer import Llama2cTokenizer, write_llama2c_tokenizer
 from tests.experiments.entry import run_entry
+from tests.peer_env import peer_python
 from tests.llm.test_families import family_weights
 from tests.llm.test_gguf import _bpe_vocab
 from tests.llm.test_tokenizer import _bin_pieces, _random_vocab, train_bpe
@@ -78,17 +79,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
 SCRIPT = os.path.join(REPO, "experiments", "peers", "llama_cpp_gguf.py")
 
 
-def _peer_python() -> str:
-  if os.environ.get("LLAMA_CPP_PEER_PYTHON"):
-    return os.environ["LLAMA_CPP_PEER_PYTHON"]
-  for env in ("peer311", "peer"):
-    path = os.path.join(os.path.dirname(REPO), env, "bin", "python")
-    if os.path.exists(path):
-      return path
-  return os.path.join(os.path.dirname(REPO), "peer311", "bin", "python")
-
-
-PEER = _peer_python()
+PEER = peer_python("LLAMA_CPP_PEER_PYTHON")
 pytestmark = [pytest.mark.peer,
               pytest.mark.skipif(not os.path.exists(PEER),
                                  reason=f"llama.cpp peer environment absent ({PEER})")]
