@@ -6,6 +6,7 @@ r"""DLRM training throughput (examples/s), side by side with TorchRec + FBGEMM o
   python -m experiments.bench_dlrm --model=dcnv2 --preset=mlperf --show_plan   # plans only
   python -m experiments.bench_dlrm --model=dcnv2 --preset=mlperf --show_plan \
       --plan_storage=fp32 --host_memory_gb=256       # fp32 tables through the host tier
+  python -m experiments.bench_dlrm --compare_host_prefetch=fp32_cache:lru:0.05@host
 
 --model=dcnv2 --preset=mlperf times the MLPerf Training DLRM-DCNv2 model
 (`rec.models.dcnv2.DCNv2Config.mlperf`) on synthetic data of its shapes: the reference's
@@ -26,6 +27,10 @@ memory of the host tier, where the planner moves the tables the devices cannot h
 (rec/embedding/host_tier.py): per table its storage, tier, device and host bytes, then the
 totals. A plan that fits neither is one `error:` line naming the table and the bytes.
 
+--compare_host_prefetch=STORAGE puts every table on the host tier in STORAGE (a
+`*_cache...@host` --storage) and times the train step without and with --host_prefetch in
+alternating rounds over one pool (`experiments.benchmarks.rec.host_prefetch_rates`): seconds
+per step (medians) and the ids per step the lookups read from host memory.
 The Criteo Kaggle architecture (arXiv 1906.00091): 26 tables of 100,000 rows, dim 16,
 bottom 13-512-256-64-16, dot interaction, top 512-256-1; batch 2048; Zipf(1.05) one-hot
 ids; row-wise Adagrad on embeddings, Adagrad on the dense part, both lr 0.1. Timed: the
@@ -65,6 +70,9 @@ SHOW_PLAN = config.setting("show_plan", "bool", "Print the MLPerf preset's plans
 PLAN_STORAGE = config.setting(
     "plan_storage", "string", "--show_plan: every table's storage (a --storage name, e.g. "
     "fp32), or 'preset' (bf16 big tables).")
+COMPARE_HOST_PREFETCH = config.setting(
+    "compare_host_prefetch", "string", "A *_cache...@host storage: time the step with every "
+    "table there, without and with --host_prefetch, side by side (not with --peer_python).")
 
 
 def define_flags() -> None:
@@ -75,10 +83,11 @@ def define_flags() -> None:
       None, settings.BATCH_SIZE, settings.MESH, configs.MODEL, settings.PRESET,
       configs.MEMORY_BUDGET_GB, configs.SHARDING, rec_settings.ROWS, settings.STEPS,
       settings.REPEATS, settings.ROUNDS, settings.THREADS, settings.PEER_PYTHON,
-      settings.WORKDIR, SHOW_PLAN, PLAN_STORAGE, configs.HOST_MEMORY_GB,
+      settings.WORKDIR, SHOW_PLAN, PLAN_STORAGE, configs.HOST_MEMORY_GB, COMPARE_HOST_PREFETCH,
       batch_size=2048, mesh="-1", model="dlrm", preset="kaggle", memory_budget_gb=None,
       sharding="tw", rows=100_000, steps=30, repeats=3, rounds=3, threads=2, peer_python="",
-      workdir="runs/bench_dlrm", show_plan=False, plan_storage="preset", host_memory_gb=None)
+      workdir="runs/bench_dlrm", show_plan=False, plan_storage="preset", host_memory_gb=None,
+      compare_host_prefetch="")
 
 
 def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: int, threads: int):
@@ -89,6 +98,38 @@ def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: 
   if out.returncode:
     raise RuntimeError(f"peer run failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare_host_prefetch(storage: str) -> None:
+  """--compare_host_prefetch: the step without and with --host_prefetch, side by side."""
+  from core import benchmark
+  from rec.embedding.storage_spec import StorageSpec
+  try:
+    spec = StorageSpec.parse(storage, "--compare_host_prefetch")
+  except ValueError as e:
+    raise errors.UserError(str(e)) from None
+  if spec.tier != "host":
+    raise errors.UserError(f"--compare_host_prefetch={storage}: not on the host tier; expected "
+                           "a *_cache...@host storage, e.g. fp32_cache:lru:0.05@host")
+  if FLAGS.peer_python:
+    raise app.UsageError("--compare_host_prefetch times ours only; drop --peer_python")
+  out = rec_bench.host_prefetch_rates(FLAGS.batch_size, FLAGS.rows, FLAGS.mesh, FLAGS.sharding,
+                                      storage, FLAGS.steps, FLAGS.repeats, FLAGS.rounds,
+                                      FLAGS.model, FLAGS.preset)
+  for name in ("plain", "prefetch"):
+    r = out[name]
+    print(f"{name:9} {r['seconds_per_step_median'] * 1e3:8.1f} ms/step  host-read ids per "
+          f"step {r['host_ids_per_step']:,.0f} of {r['ids_per_step']:,.0f}")
+  summary = {"storage": storage, "model": FLAGS.model, "preset": FLAGS.preset,
+             "batch_size": FLAGS.batch_size, "rows": FLAGS.rows,
+             "plain_over_prefetch": out["plain_over_prefetch"],
+             **{f"{k}_ms_per_step": 1e3 * out[k]["seconds_per_step_median"]
+                for k in ("plain", "prefetch")},
+             **{f"{k}_host_ids_per_step": out[k]["host_ids_per_step"]
+                for k in ("plain", "prefetch")}}
+  results_lib.write_results(FLAGS.workdir, {"summary": summary, "host_prefetch": out,
+                                            "machine": benchmark.machine()})
+  results_lib.print_summary(summary)
 
 
 def main(argv):
@@ -125,6 +166,8 @@ def main(argv):
   if rec_bench.is_mlperf(FLAGS.model, FLAGS.preset) and FLAGS.peer_python:
     raise app.UsageError("--peer_python runs the TorchRec DLRM Kaggle peer only")
   os.makedirs(FLAGS.workdir, exist_ok=True)
+  if FLAGS.compare_host_prefetch:
+    return compare_host_prefetch(FLAGS.compare_host_prefetch)
   B = FLAGS.batch_size
   step, state, pool, ndev = rec_bench.build_step(B, FLAGS.rows, FLAGS.mesh, FLAGS.sharding,
                                                  FLAGS.model, FLAGS.preset,

@@ -19,7 +19,9 @@ template), both streaming with "stream": true; /v1/models; /health. At most --ma
 requests wait for a slot; more get HTTP 429. SIGTERM (or Ctrl-C) stops taking requests,
 lets in-flight ones finish for up to --drain_s seconds (cancelling the rest), and exits 0
 after printing a one-line JSON summary. --port unset: a free port; the line
-"listening on http://HOST:PORT" is printed once the socket is bound.
+"listening on http://HOST:PORT" is printed once the socket is bound. --warmup_tables=all
+compiles every program before the port opens (else wider block tables compile on first
+use); --compilation_cache_dir keeps them across runs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from absl import flags
 from core import cli
 from core import config
 from core import results as results_lib
-from core import settings  # noqa: F401  (the shared settings by name)
+from core import settings  # the shared settings by name
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 from llm.serving.config import DRAFT, EngineConfig
 
@@ -46,6 +48,11 @@ MAX_QUEUE = config.setting(
 SERVED_MODEL_NAME = config.setting(
     "served_model_name", "string", "The model's name in requests and /v1/models (default: "
     "the checkpoint's file or directory name).", none_ok=True)
+WARMUP_TABLES = config.setting(
+    "warmup_tables", "enum", "Programs compiled before the port opens: first (every step "
+    "shape at the narrowest block-table width; wider tables compile on first use) or all "
+    "(every width: no request waits on a compile; serve_bench's setting).",
+    choices=("first", "all"))
 DRAIN_S = config.setting(
     "drain_s", "float", "On SIGTERM, seconds in-flight requests may take to finish before "
     "they are cancelled.", lower=0)
@@ -55,9 +62,10 @@ def define_flags() -> None:
   config.define_flags(EngineConfig)
   config.define_flags(
       None, "checkpoint", "tokenizer", "dtype", "weights", DRAFT, HOST, PORT, MAX_QUEUE,
-      SERVED_MODEL_NAME, DRAIN_S, checkpoint=None, tokenizer=None, draft="", dtype="float32",
-      weights="float32", host="127.0.0.1", port=None, max_queue=64, served_model_name=None,
-      drain_s=30.0)
+      SERVED_MODEL_NAME, DRAIN_S, WARMUP_TABLES, "compilation_cache_dir", checkpoint=None,
+      tokenizer=None, draft="", dtype="float32", weights="float32", host="127.0.0.1",
+      port=None, max_queue=64, served_model_name=None, drain_s=30.0,
+      warmup_tables="first", compilation_cache_dir="")
   flags.mark_flag_as_required("checkpoint")
 
 
@@ -78,6 +86,7 @@ def main(argv):
   from llm.serving.runner import EngineRunner
   from llm.serving import server as server_lib
   engine_config = config.from_flags(EngineConfig)
+  settings.use_compilation_cache(FLAGS.compilation_cache_dir)
   cfg = load_config(FLAGS.checkpoint)
   tok = find_tokenizer(FLAGS.checkpoint, FLAGS.tokenizer, cfg.vocab_size)
   if tok is None:
@@ -87,7 +96,7 @@ def main(argv):
   engine = Engine(model, engine_config, tok, draft=load_draft(FLAGS.draft, model))
   name = FLAGS.served_model_name or model_name(FLAGS.checkpoint)
   t0 = time.time()
-  programs = engine.warmup(widths=engine.widths[:1])
+  programs = engine.warmup(widths=None if FLAGS.warmup_tables == "all" else engine.widths[:1])
   print(f"engine: {engine_config.max_slots} slots, {engine.pool.num_blocks} pages of "
         f"{engine_config.block_size} tokens ({engine.cache.nbytes() / 2 ** 20:.0f} MiB), "
         f"context {engine.max_len}, paged attention {engine.impl}; {programs} programs "

@@ -18,6 +18,7 @@ DHEN (2203.11014), Wukong (2403.02545) or logistic regression.
   python -m experiments.train_rec --data=avazu:DIR --group_by=site_id   # gAUC, NE by site
   python -m experiments.train_rec --host_memory_gb=64   # tables the devices cannot hold: host
   python -m experiments.train_rec --storage=fp32_cache:lfu:0.05@host   # every table on host
+  python -m experiments.train_rec --storage=fp32_cache:lru:0.05@host --host_prefetch   # + lookahead
 
 Writes `<workdir>/results.json`, metrics.jsonl, TensorBoard events and checkpoints (default
 workdir: a new runs/train_rec_<model>_<date-time> per run); the last stdout line is a JSON
@@ -42,7 +43,10 @@ first, to host memory (rows and optimizer state in pinned_host, the hot rows in 
 cache: fp32 tables become fp32_cache:lfu:0.05@host and train bit for bit as fp32, a
 *_cache --storage keeps its cache and arithmetic; bf16 / intN tables become fp32_cache /
 intN_cache, which the cache changes); the plan's table shows each table's tier and the host
-bytes per device. --storage=KIND_cache...@host puts every table there.
+bytes per device. --storage=KIND_cache...@host puts every table there. --host_prefetch
+ends each train step by bringing the rows of the next batch into those tables' device caches
+(evicting by the cache policy), so the next step's lookups read no host memory where the
+rows fit; fp32_cache trains bit for bit as without it; refused without a table on the tier.
 
 Evaluation reports AUC, log loss, NE, accuracy and calibration (mean prediction / mean
 label); --group_by=FEATURE (a sparse feature of the data: Avazu's site_id / app_id, a

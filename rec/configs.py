@@ -6,7 +6,7 @@
     data       RecDataConfig    data, num_rows, bad_lines, days, csv_label, csv_dense,
                                 csv_categorical, eval_batches, group_by
     embedding  EmbeddingConfig  storage (a StorageSpec), sharding, sharding_overrides,
-                                memory_budget_gb, host_memory_gb,
+                                memory_budget_gb, host_memory_gb, host_prefetch,
                  dedup  DedupConfig  dedup_features, dedup_capacity
                  a2a    A2AConfig    a2a_mode, a2a_error_bound, a2a_grad_error_bound,
                                      a2a_bits, a2a_table_factors, a2a_schedule
@@ -42,10 +42,12 @@ from core import settings as core_settings
 from core import train as train_loop
 from rec import metrics as metrics_lib
 from rec.data import dedup as dedup_lib
+from rec.data import lookahead as lookahead_lib
 from rec.data import sources as sources_lib
 from rec.data import workers as workers_lib
 from rec.data.dedup import DedupSpec
 from rec.embedding import a2a_compression as a2a_lib
+from rec.embedding import host_tier as host_tier_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding import rowwise_storage
@@ -119,6 +121,14 @@ HOST_MEMORY_GB = config.setting(
     "keep their rows and optimizer state in pinned host memory and their hot rows in a device "
     "cache (LFU, 5% of the rows; a *_cache --storage keeps its own cache), biggest and least "
     "looked-up first. 0: no tier.", lower=0, none_ok=True)
+
+HOST_PREFETCH = config.setting(
+    "host_prefetch", "bool", "The host tier's lookahead: each train step ends by bringing the "
+    "rows the next batch reads into the device caches of the tables on the host tier "
+    "(*_cache...@host, or moved there by --host_memory_gb), evicting by the cache policy, so "
+    "the next step's lookups read no host memory where the rows fit (FBGEMM's TBE prefetch). "
+    "fp32_cache trains as without it, bit for bit; int8 / int4 caches round other rows. "
+    "Needs a table on the host tier.")
 
 
 def _parse_storage(text: str) -> StorageSpec:
@@ -227,6 +237,7 @@ class EmbeddingConfig:
   sharding_overrides: str = SHARDING_OVERRIDES.field("")
   memory_budget_gb: float | None = MEMORY_BUDGET_GB.field(None)   # None: the device's
   host_memory_gb: float | None = HOST_MEMORY_GB.field(0.0)        # 0 (or None): no host tier
+  host_prefetch: bool = HOST_PREFETCH.field(False)
   dedup: DedupConfig = config.section(DedupConfig)
   a2a: A2AConfig = config.section(A2AConfig)
 
@@ -349,7 +360,7 @@ class RecRunConfig:
 
 A2A_FIELDS = tuple(n for n in config.leaves(A2AConfig))
 # Settings that runs saved by earlier versions lack; such a run had their defaults.
-LATER_FIELDS = A2A_FIELDS + ("group_by", "host_memory_gb")
+LATER_FIELDS = A2A_FIELDS + ("group_by", "host_memory_gb", "host_prefetch")
 _LEAVES = config.leaves(RecRunConfig)
 _FIELD_DEFAULTS = {n: leaf.default for n, leaf in _LEAVES.items()}
 _CACHE_FLAGS = ("cache_policy", "cache_fraction")
@@ -469,7 +480,8 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
   Rec settings without some a2a fields, group_by or host_memory_gb get their defaults (a
   run saved without a2a_mode sent float32, one without a2a_schedule used a constant bound,
   one without group_by evaluated without groups, one without host_memory_gb had no host
-  tier), so a resume that turns an a2a setting on is refused naming it."""
+  tier, one without host_prefetch no lookahead), so a resume that turns an a2a setting on
+  is refused naming it."""
   if "model" in settings and any(n not in settings for n in LATER_FIELDS):
     settings = {**{n: _FIELD_DEFAULTS[n] for n in LATER_FIELDS}, **settings}
   if settings.get("embedding_dim") != 0 or "model" not in settings:
@@ -609,7 +621,9 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   (`rec.data.workers.WorkerSource`), which also run RecD's dedup (--dedup_features).
   The auto planner prices the train source's padded bags (`plan_cost_params`); --group_by
   names a sparse feature of the eval source (`group_feature`), whose bags the task's eval
-  step hands to its evaluator (gAUC, NE by slice)."""
+  step hands to its evaluator (gAUC, NE by slice). --host_prefetch: the train source's
+  batches carry the next batch's ids (`rec.data.lookahead.LookaheadSource`) and the task
+  prefetches their rows (a table must be on the host tier)."""
   cfg.validate()
   t, d, e = cfg.train, cfg.data, cfg.embedding
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
@@ -643,15 +657,20 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
                              storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables),
                              a2a_compression=a2a_compression,
                              bag_sizes=getattr(train_src, "bag_sizes", None))
+  if e.host_prefetch:
+    host_tier_lib.check_prefetch(coll)
   dense_tx = make_dense_optimizer(t.dense_optimizer, t.learning_rate)
   # amax histories ride their gradients
   if cfg.model.fp8_layers and cfg.model.fp8_recipe == "delayed":
     dense_tx = fp8_lib.with_fp8_history(dense_tx)
-  task = RecTask(model_fn, coll, dense_tx, mesh, group_feature=group)
+  task = RecTask(model_fn, coll, dense_tx, mesh, group_feature=group,
+                 host_prefetch=e.host_prefetch)
   if data_workers:
     dd = coll.dedup and dedup_lib.DedupTransform(coll.dedup_features, coll.dedup.capacity,
                                                  task.dedup_shards(), coll.dedup.on_overflow)
     train_src = workers_lib.WorkerSource(train_src, dd or None, data_workers)
+  if e.host_prefetch:   # each batch carries the next one's ids
+    train_src = lookahead_lib.LookaheadSource(train_src)
   return task, train_src, eval_src, plan, mesh
 
 

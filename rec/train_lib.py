@@ -14,6 +14,12 @@ pipeline did already), and the lookups run on those. DMT's SPTT (arXiv 2403.0087
 placed "sptt"): the model's tower modules (`tower_transform`) run inside the tower groups,
 within the collection's output distribution, and the model's `head` takes their outputs.
 
+Host tier lookahead (`host_prefetch`, `--host_prefetch`): each train batch carries the
+next batch's ids (`rec.data.lookahead.LookaheadSource`), and the step ends by admitting
+their rows to the host-tier tables' device caches, so the next step's lookups read no host
+memory where they fit (FBGEMM's TBE prefetch, TorchRec's prefetch pipeline); the state a
+checkpoint holds is the state after that admission, so a resume continues exactly.
+
 External distillation (ExFM, arXiv 2502.17494; `distill`, a `rec.distill.DistillSpec`): the
 model is a `rec.distill.ExFMStudent` and the loss adds its auxiliary head / student adapter
 terms on the batch's teacher column; eval and serving read the serving head only.
@@ -100,7 +106,11 @@ class RecTask:
                dense_tx: optax.GradientTransformation, mesh: Mesh,
                rules: mesh_lib.Rules = mesh_lib.REC_RULES,
                distill: distill_lib.DistillSpec | None = None,
-               group_feature: int | None = None):
+               group_feature: int | None = None, host_prefetch: bool = False):
+    if host_prefetch and not collection.host_groups():
+      raise ValueError("RecTask(host_prefetch=True): no table of the collection is on the "
+                       "host tier; expected a *_cache...@host storage for some table")
+    self.host_prefetch = host_prefetch
     self.model_fn = model_fn
     self.group_feature = group_feature
     self.distill = distill
@@ -282,7 +292,9 @@ class RecTask:
     the embedding bag-sum gradients). skip_nonfinite: when either is NaN or inf the step
     changes nothing but the step count (dense state kept by a select; every id of the batch
     marked invalid, so the sparse update touches no row) and reports `skipped` 1
-    (`core.update.dense_update`)."""
+    (`core.update.dense_update`). `host_prefetch`: after the update, the rows of the next
+    batch (`batch.lookahead`) are admitted to the host tier's device caches
+    (`EmbeddingCollection.prefetch`), so the next step's lookups find them there."""
     loss, _, lookup, g_params, g_partial, terms = self.loss_and_grads(state, batch)
     dense = update_lib.dense_update(
         self.dense_tx, state["params"], state["opt"], g_params, loss,
@@ -294,6 +306,13 @@ class RecTask:
       lookup = dataclasses.replace(lookup, valid={k: v & dense.ok
                                                   for k, v in lookup.valid.items()})
     emb = self.collection.apply_gradients(state["emb"], lookup, g_partial, state["step"])
+    if self.host_prefetch:   # the next step's rows into the host tier's device caches
+      if batch.lookahead is None:
+        raise ValueError("RecTask(host_prefetch=True): the batch carries no lookahead (the "
+                         "next batch's ids); expected batches of rec.data.lookahead."
+                         "LookaheadSource")
+      emb = self.collection.prefetch(emb, batch.lookahead.ids, batch.lookahead.lengths,
+                                     state["step"] + 1)
     new = {"step": state["step"] + 1, "params": dense.params, "opt": dense.opt, "emb": emb}
     return new, metrics
 

@@ -5,7 +5,9 @@ times) and the train loop end to end against it (experiments.bench_pipeline).
 DLRM-DCNv2 run, `rec.mlperf`), its donated jitted step and a pool of 8 device batches
 generated before timing; `time_step` times it. `pipeline_rates` measures one --data source:
 the source alone, the step alone and `core.train.train` end to end (`rec.throughput`);
-`recd_rates` the same step and end-to-end rates plain against RecD's dedup on session data.
+`recd_rates` the same step and end-to-end rates plain against RecD's dedup on session data;
+`host_prefetch_rates` the step with every table on the host tier, without and with the
+next batch's rows prefetched into the device caches (--host_prefetch).
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def build_step(batch_size: int, rows: int, mesh: str, sharding: str, model: str 
   """
   import jax
 
+  task, train_src = build_task(batch_size, rows, mesh, sharding, model, preset,
+                               memory_budget_gb, **overrides)
+  hosts = [train_src.batch(k) for k in range(8)]
+  if task.host_prefetch:   # the pool's batches in a cycle: batch k looks at batch k + 1
+    from rec.data.lookahead import with_lookahead
+    hosts = [with_lookahead(b, hosts[(k + 1) % len(hosts)]) for k, b in enumerate(hosts)]
+  pool = [task.device_batch(b) for b in hosts]
+  state = task.init_state(0)
+  step = jax.jit(task.train_step, donate_argnums=0)
+  return step, state, pool, task.mesh.size
+
+
+def build_task(batch_size: int, rows: int, mesh: str, sharding: str, model: str = "dlrm",
+               preset: str = "kaggle", memory_budget_gb: float | None = None, **overrides):
+  """(task, train source) of `build_step`."""
   from rec import configs, mlperf
 
   if is_mlperf(model, preset):
@@ -41,10 +58,7 @@ def build_step(batch_size: int, rows: int, mesh: str, sharding: str, model: str 
               embedding_learning_rate=0.1, sharding=sharding, memory_budget_gb=memory_budget_gb)
     cfg = configs.make_run(**{**kw, **overrides})
     task, train_src, _, _, _ = configs.build_run(cfg)
-  pool = [task.device_batch(train_src.batch(k)) for k in range(8)]
-  state = task.init_state(0)
-  step = jax.jit(task.train_step, donate_argnums=0)
-  return step, state, pool, task.mesh.size
+  return task, train_src
 
 
 def time_step(step, state, pool, steps: int, repeats: int, warmup: int = 5):
@@ -60,6 +74,49 @@ def time_step(step, state, pool, steps: int, repeats: int, warmup: int = 5):
     return s
 
   return benchmark.time_steps(one, state, steps, repeats, warmup)
+
+
+def host_prefetch_rates(batch_size: int = 2048, rows: int = 100_000, mesh: str = "-1",
+                        sharding: str = "tw", storage: str = "fp32_cache:lru:0.05@host",
+                        steps: int = 20, repeats: int = 3, rounds: int = 3,
+                        model: str = "dlrm", preset: str = "kaggle") -> dict[str, Any]:
+  """The train step of `model` with every table on the host tier (`storage`), without and
+  with --host_prefetch, side by side: rounds alternate the two over the same pool of 8
+  batches (with prefetch each carries the next one's ids, in a cycle). Returns per setting
+  the median seconds per step over every repeat, and the ids per step read from host
+  memory in the lookups (`EmbeddingCollection.cache_misses` before each step of one pass
+  over the pool, after the timing)."""
+  import jax
+  import numpy as np
+
+  from core import benchmark
+
+  built = {on: build_step(batch_size, rows, mesh, sharding, model, preset, storage=storage,
+                          host_prefetch=on) for on in (False, True)}
+  times: dict[bool, list[float]] = {False: [], True: []}
+  states = {on: b[1] for on, b in built.items()}
+  for _ in range(rounds):
+    for on, (step, _, pool, _) in built.items():
+      per_step, states[on] = time_step(step, states[on], pool, steps, repeats)
+      times[on] += list(per_step)
+  out: dict[str, Any] = {}
+  coll = build_task(batch_size, rows, mesh, sharding, model, preset, storage=storage)[0].collection
+  misses_fn = jax.jit(coll.cache_misses)
+  for on, (step, _, pool, ndev) in built.items():
+    state, misses = states[on], []
+    for b in pool:
+      misses.append(int(sum(np.sum(v) for v in misses_fn(state["emb"], b.ids,
+                                                         b.lengths).values())))
+      state, _ = step(state, b)
+    states[on] = state
+    ids = sum(int(np.sum(np.asarray(b.lengths))) for b in pool) / len(pool)
+    out["prefetch" if on else "plain"] = {
+        "seconds_per_step_median": benchmark.median(times[on]), "seconds_per_step_all":
+        times[on], "host_ids_per_step": float(np.mean(misses)), "ids_per_step": ids,
+        "devices": ndev}
+  out["plain_over_prefetch"] = (out["plain"]["seconds_per_step_median"]
+                                / out["prefetch"]["seconds_per_step_median"])
+  return out
 
 
 def pipeline_rates(data: str, batch_size: int, num_rows: int, model: str, preset: str,

@@ -16,6 +16,7 @@ decode step took 2.2 s instead of 29 ms here (1 thread: 28 ms).
 
   python llama_cpp_gguf.py check --gguf_file M.gguf --prompt_ids_file p.json --new_tokens 16 \
       --texts_file texts.json
+  python llama_cpp_gguf.py check ... --teacher_forced_ids_file t.json --scores_out scores.npz
   python llama_cpp_gguf.py bench --gguf_file M.gguf --prompt_ids_file p.json --new_tokens 64
 
 check (logits_all): for every prompt of --prompt_ids_file (JSON [[ids...], ...]) the logits of
@@ -24,7 +25,10 @@ as its greedy sampler picks; each prompt from an empty cache); for every text of
 (JSON [str, ...]) llama.cpp's tokens without and with the vocabulary's own specials
 (`tokenize(..., add_bos=False | True, special=True)`: control tokens written in the text become
 their ids) and llama.cpp's `llama_detokenize` of the first (control tokens left out, as a
-decode that skips specials; a SentencePiece vocabulary's leading space removed).
+decode that skips specials; a SentencePiece vocabulary's leading space removed); for every
+sequence of --teacher_forced_ids_file (JSON [[ids...], ...]) the logits at every position,
+evaluated at once into an empty cache, written to --scores_out (.npz, one float32 [T, V] array
+per sequence, keys "0", "1", ...).
 bench (batch 1 only: this API decodes one sequence): per repeat, the prompt evaluated at once
 into a fresh cache, then greedy single-token steps, new_tokens - 1 of them; medians over
 --repeats after one warm-up run; the output keys of hf_llama.py (prefill_repeats_s,
@@ -110,13 +114,26 @@ def check(args, prompts) -> dict:
   if args.texts_file:
     with open(args.texts_file) as f:
       texts = json.load(f)
-  n_ctx = max([len(p) + args.new_tokens for p in prompts] + [64])
+  forced = []
+  if args.teacher_forced_ids_file:
+    if not args.scores_out:
+      sys.exit("--teacher_forced_ids_file needs --scores_out (the .npz the logits go to)")
+    with open(args.teacher_forced_ids_file) as f:
+      forced = json.load(f)
+  n_ctx = max([len(p) + args.new_tokens for p in prompts] + [len(s) for s in forced] + [64])
   llm = load(args.gguf_file, args.threads, n_ctx, True, args.kv_type)
   logits, ids = [], []
   for p in prompts:
     first, new, _, _ = greedy(llm, p, args.new_tokens)
     logits.append(first.tolist())
     ids.append(new)
+  scores = {}
+  for i, seq in enumerate(forced):
+    llm.reset()
+    llm.eval(seq)
+    scores[str(i)] = np.array(llm.scores[:len(seq)], np.float32)
+  if forced:
+    np.savez(args.scores_out, **scores)
   tokens, with_specials, detok = [], [], []
   for t in texts:
     b = t.encode("utf-8")
@@ -158,6 +175,9 @@ def main():
   ap.add_argument("--prompt_ids_file", required=True, help="JSON [[ids...], ...]")
   ap.add_argument("--new_tokens", type=int, default=16)
   ap.add_argument("--texts_file", help="check: JSON [text, ...] to tokenize")
+  ap.add_argument("--teacher_forced_ids_file",
+                  help="check: JSON [[ids...], ...] whose logits at every position to write")
+  ap.add_argument("--scores_out", help="check: .npz for --teacher_forced_ids_file's logits")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--threads", type=int, default=2)
   ap.add_argument("--kv_type", choices=tuple(KV_TYPES), default="f16")

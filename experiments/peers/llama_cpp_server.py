@@ -14,7 +14,9 @@ time: concurrent requests queue behind a lock (no batching across requests).
 
   python llama_cpp_server.py --gguf_file M.gguf --port 8001 [--threads 2] [--n_ctx 2048]
 
-Serves POST /v1/completions, /v1/chat/completions, GET /v1/models; the `model` field of a
+`python -m experiments.serve_bench --targets=...,llama_cpp` runs it beside our server (its
+request fields: experiments/peers/README.md). Serves POST /v1/completions,
+/v1/chat/completions, POST /extras/tokenize, GET /v1/models; the `model` field of a
 request may be omitted or be --model_alias (default: the file's base name). Prints one JSON line
 (url, model) to stdout when the model is loaded, then serves until SIGINT / SIGTERM.
 """

@@ -39,6 +39,23 @@ SPECULATIVE_TREE = config.setting(
     "speculative_tree", "string", "EAGLE draft-tree shape TOP_K:DEPTH:BUDGET (or chain:D) of "
     "a speculative engine: each running request drafts its tree with the draft head and the "
     "batch verifies all trees in one pass (greedy requests only); empty: plain decoding.")
+
+
+def _widths_text(text: str) -> tuple[int, ...]:
+  try:
+    widths = tuple(int(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    raise ValueError("not a comma-separated list of integers") from None
+  if any(w < 1 for w in widths):
+    raise ValueError("widths must be >= 1")
+  return widths
+
+
+CHUNK_WIDTHS = config.setting(
+    "chunk_widths", "string", "Prefill chunk widths (tokens) the steps compile for, "
+    "comma-separated, the largest >= --prefill_chunk; a chunk runs in the narrowest that holds "
+    "it (empty: powers of two from 16 up to --prefill_chunk).", parse=_widths_text,
+    format=lambda widths: ",".join(str(w) for w in widths))
 DRAFT = config.setting(
     "draft", "string", "EAGLE draft head of a speculative engine (--speculative_tree): a "
     "draft-head training run's workdir (experiments.spec_decode's <workdir>/draft), or "
@@ -66,10 +83,10 @@ class EngineConfig:
   paged_attention: str = PAGED_ATTENTION.field("auto")
   mixed_batch: bool = MIXED_BATCH.field(True)
   speculative_tree: str = SPECULATIVE_TREE.field("")
-  # Not flags: decode batch widths, prefill chunk widths and table widths (pages per row) the
-  # steps compile for (empty: powers of two), and whether each sampled token's logits come
-  # back to the host (tests, studies).
+  chunk_widths: tuple[int, ...] = CHUNK_WIDTHS.field(())
+  # Not flags: decode batch widths and table widths (pages per row) the steps compile for
+  # (empty: powers of two), and whether each sampled token's logits come back to the host
+  # (tests, studies).
   batch_widths: tuple[int, ...] = ()
-  chunk_widths: tuple[int, ...] = ()
   table_widths: tuple[int, ...] = ()
   record_logits: bool = False

@@ -10,7 +10,9 @@ POST /v1/chat/completions (messages through the checkpoint's chat template,
 /v1/models; GET /health (200 while taking requests, 503 while shutting down or after an
 engine failure). Sampling fields: max_tokens (completions default 16, as OpenAI's; chat
 default: the rest of the context; max_completion_tokens too), temperature (default 1),
-top_p, top_k (an extension, as vLLM's), seed, stop (a string or a list of them).
+top_p, top_k (an extension, as vLLM's), seed, stop (a string or a list of them), ignore_eos
+(an extension, as vLLM's: true generates past the end-of-text / end-of-turn tokens, to
+max_tokens exactly unless a stop string ends it; for load benchmarks).
 
 Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`, never a
 traceback: 400 for a malformed body or a bad field (unsupported ones such as n > 1 or
@@ -35,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llm import chat as chat_lib
@@ -79,6 +81,7 @@ class _Sampling(BaseModel):
   frequency_penalty: float = 0.0
   logit_bias: dict[str, float] | None = None
   user: str | None = None
+  ignore_eos: StrictBool = False
 
 
 class CompletionRequest(_Sampling):
@@ -236,7 +239,7 @@ class Server:
     _unsupported(req)
     prompts = self._prompts(req.prompt)
     params = [self._params(req, len(p), req.max_tokens if req.max_tokens is not None else 16,
-                           self.tok.stop_ids) for p in prompts]
+                           () if req.ignore_eos else self.tok.stop_ids) for p in prompts]
     rid = "cmpl-" + secrets.token_hex(12)
     streams = await self._start_all(zip(prompts, params))
     base = {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -260,7 +263,8 @@ class Server:
     prompt = self._chat_prompt(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else (
         req.max_tokens)
-    params = self._params(req, len(prompt), max_tokens, self.chat_stop_ids())
+    params = self._params(req, len(prompt), max_tokens,
+                          () if req.ignore_eos else self.chat_stop_ids())
     rid = "chatcmpl-" + secrets.token_hex(12)
     streams = await self._start_all([(prompt, params)])
     base = {"id": rid, "created": int(time.time()), "model": self.model_name}

@@ -47,6 +47,17 @@ jax.tree_util.register_dataclass(DedupIds, data_fields=["ids", "lengths", "weigh
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Lookahead:
+  """The next batch's ids [B, F, L] and lengths [B, F] (its bags, nothing else), carried by
+  a batch so that its train step can bring the next step's rows into the host tier's device
+  caches (`rec/data/lookahead.py`, `EmbeddingCollection.prefetch`)."""
+
+  ids: np.ndarray
+  lengths: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SparseBatch:
   """Dense features, multi-hot sparse ids with per-bag lengths, labels and an example mask.
 
@@ -62,6 +73,8 @@ class SparseBatch:
              (the plain columns stay as they are, so dropping it gives the plain batch)
   - teacher: [B] float32 or None: an external teacher's logit per example, a label-like
              column the data augmentation step writes (ExFM, arXiv 2502.17494; rec/distill.py)
+  - lookahead: Lookahead or None: the next batch's ids and lengths (`--host_prefetch`,
+             rec/data/lookahead.py)
   """
 
   dense: np.ndarray
@@ -72,6 +85,7 @@ class SparseBatch:
   weights: np.ndarray | None = None
   dedup: DedupIds | None = None
   teacher: np.ndarray | None = None
+  lookahead: Lookahead | None = None
 
   @property
   def batch_size(self) -> int:

@@ -48,6 +48,11 @@ sharding/compressed.py): the a2a all-to-all and the rw reduce-scatter of pooled 
 and their gradients, are sent as error-bounded fixed-rate payloads. `pool(..., step=)` sets
 the iteration-wise bound.
 
+Host tier lookahead (`prefetch`): the rows a later batch will read are admitted to the
+host-tier groups' device caches ahead of its step (each device's own rows, after the ids'
+exchange), so that step's lookups find them cached and read no host memory
+(`cache_misses` counts the ones that would).
+
 Resharding (rec/embedding/reshard.py): `layout()` says where every table's rows are in the
 state (saved with checkpoints); `from_layout(saved_layout, host_state, step)` restores a
 state written under any other plan, mesh or device count through the tables' unsharded
@@ -455,6 +460,54 @@ class EmbeddingCollection:
                             lookup.coef[name], partial_grads[name], step, self.storage(ex.g),
                             self.optimizer)
             for name, ex in self.exchanges.items()}
+
+  def host_groups(self) -> list[str]:
+    """The groups on the host tier (rows in host memory, hot rows in device caches)."""
+    return [n for n, g in self.groups.items() if self.storage(g).host_keys]
+
+  def prefetch(self, state: dict[str, Any], ids: jax.Array, lengths: jax.Array,
+               step: jax.Array) -> dict[str, Any]:
+    """The state with the rows that a batch's ids [B, F, L] (`lengths` [B, F]) will read
+    admitted, where they fit, to the device caches of the host-tier groups (`host_groups`):
+    the lookahead that lets step `step`, which reads that batch, find its rows cached and
+    leave host memory alone in its lookups (FBGEMM's TBE prefetch). Each group runs its
+    exchange's id phase (ids only) and every device admits into its own cache
+    (`CachedQuantizedStorage.prefetch`: the policy's ranking, nothing of step `step`'s
+    accesses recorded twice). RecD groups take the samples' bags (the same rows as their
+    distinct bags). Other groups are returned as they are."""
+    ids, lengths, weights = self._prepare_ids(ids, lengths, None)
+    out = dict(state)
+    for name in self.host_groups():
+      ex = self._exchange(name)
+      gi, gl, _, _ = ex.inputs(ids, lengths, weights)
+      out[name] = {**state[name], "table": ex.prefetch(self.storage(ex.g), state[name]["table"],
+                                                      gi, gl, step)}
+    return out
+
+  def cache_misses(self, state: dict[str, Any], ids: jax.Array, lengths: jax.Array
+                   ) -> dict[str, jax.Array]:
+    """Per host-tier group, [devices] int32: the ids of a batch (not padding) whose rows
+    each device would read from host memory rather than its cache (0 everywhere: the
+    batch's lookups leave host memory alone). For tests and benchmarks."""
+    ids, lengths, weights = self._prepare_ids(ids, lengths, None)
+    out = {}
+    for name in self.host_groups():
+      ex = self._exchange(name)
+      gi, gl, _, _ = ex.inputs(ids, lengths, weights)
+      storage, bspec = self.storage(ex.g), jax.sharding.PartitionSpec(self.axes)
+      maps = {k: v for k, v in ex.g.maps.items() if k in ex.MAP_KEYS}
+
+      def local(tbl, i, l, m, ex=ex, storage=storage):
+        index, valid = ex.local_ids(i, l, m)
+        miss = valid & (storage.cache_slots(tbl, index) < 0)
+        return jnp.sum(miss, dtype=jnp.int32)[None]
+
+      sspec = jax.tree.map(lambda _, ex=ex: ex.spec(), state[name]["table"])
+      out[name] = jax.shard_map(
+          local, mesh=self.mesh, in_specs=(sspec, bspec, bspec, {k: ex.spec() for k in maps}),
+          out_specs=bspec, check_vma=False)(state[name]["table"], gi, gl,
+                                            {k: jnp.asarray(v) for k, v in maps.items()})
+    return out
 
   def dense_gradients(self, lookup: Lookup, partial_grads: dict[str, jax.Array]) -> dict[str, np.ndarray]:
     """Full per-table gradients [rows, dim] (host numpy) from the bag-sum gradients; for

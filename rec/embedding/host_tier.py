@@ -15,7 +15,11 @@ Access: inside the step every read and write of a host array goes through `take`
 runs on the host (`compute_on("device_host")`), and only the rows gathered come back to
 the device. Nothing else of a host array moves. `take` / `put` look at the array's memory
 space, so the same storage code indexes device arrays directly (a host-tier state fetched
-to the device, e.g. by `jax.device_get`, is read as it is).
+to the device, e.g. by `jax.device_get`, is read as it is). The storage calls them inside a
+`lax.cond` that skips them when every row is in the device cache, and
+`EmbeddingCollection.prefetch` (`--host_prefetch`) admits a step's rows to the cache one
+step ahead, so that on a hit the step moves no rows of a host array (the optimizer state of
+the rows it updates still goes through take / put).
 
 Letters: U rows read or written.
 """
@@ -72,6 +76,17 @@ def put(a: jax.Array, idx_U: jax.Array, v: jax.Array) -> jax.Array:
   if not is_host(a):
     return a.at[idx_U].set(v, mode="drop")
   return _host_put(a, jax.device_put(idx_U, _HOST), jax.device_put(v, _HOST))
+
+
+def check_prefetch(coll) -> None:
+  """--host_prefetch needs a table of the collection `coll` on the host tier; else a
+  ValueError of one line."""
+  if not coll.host_groups():
+    storages = sorted({str(g.storage) for g in coll.groups.values()})
+    raise ValueError(
+        f"--host_prefetch: no embedding table is on the host tier (storages {storages}); "
+        "expected --storage=KIND_cache...@host (e.g. fp32_cache:lru:0.05@host), or "
+        "--host_memory_gb with a device budget that moves a table there")
 
 
 def fetch(state: dict[str, Any]) -> dict[str, Any]:

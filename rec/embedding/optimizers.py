@@ -192,8 +192,9 @@ class SparseOptimizer:
     # values it read dequantized; a touched row that an LFU cache evicts in this step
     # reads its written-back (rounded) values, which a caller's rows_UD would not have.
     table_state = storage.prepare_update(table_state, uniq_U, counts_U, step)
-    if rows_UD is None:  # sentinel slots read a clamped row; their results are dropped
-      rows_UD = storage.gather(table_state, uniq_U, clip=True)
+    if rows_UD is None:  # sentinel slots read a clamped row (or zeros); results dropped
+      rows_UD = storage.gather(table_state, uniq_U, clip=True,
+                               live=uniq_U < storage.num_rows(table_state))
     state_rows = {k: _gather_state(v, uniq_U) for k, v in opt_state.items()}
     new_rows_UD, new_state_rows = self.update_rows(rows_UD, grads_UD.astype(jnp.float32),
                                                    state_rows, step)

@@ -7,7 +7,20 @@ Host tier (`host=True`, a spec's `@host`): the rows (codes, scale, bias, or floa
 live in host memory and only the cache, its tags and the LFU counters on the device
 (`rec/embedding/host_tier.py`); every read and write of the rows goes through
 `host_tier.take` / `put`, so the arithmetic, the admissions and the evictions are those of
-the same storage without the tier, bit for bit.
+the same storage without the tier, bit for bit. A lookup reads host memory only when some
+row it uses (`gather`'s `live`) misses the cache, an update writes it only when some row
+it changes is not cached, an admission only when a row is admitted (each a `lax.cond`; a
+padding id whose row is not cached then reads zeros, which its zero coefficient makes no
+difference to).
+
+Prefetch (`prefetch`, the lookahead of `--host_prefetch`): before step t + 1, the rows its
+lookups will read are admitted with `prepare_update`'s ranking, eviction and write-back,
+scored as step t + 1's `prepare_update` will score them (LFU: count plus the step's
+looked-up ids; LRU: t + 2), with the cached rows the step reads never evicted. Nothing of
+step t + 1's accesses is recorded twice: LFU counts are left to that step, LRU times are
+set only for the admitted rows, to the t + 2 that step sets again. Rows that do not fit
+stay misses for step t + 1's own admission. fp32_cache trains bit for bit as without it;
+the int formats then hold other rows in float32, so they round otherwise.
 
 Every row is stored in FBGEMM's row-wise integer format (`core.quant.rowwise`: int8 codes
 with float32 scale and bias, or int4 / int2 codes packed low bits first with float16 scale
@@ -387,15 +400,22 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     eq_MA = ways_MA == r_M[:, None]
     return jnp.any(eq_MA, axis=1), set_M * a + jnp.argmax(eq_MA, axis=1).astype(jnp.int32)
 
-  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
+  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False,
+             live: jax.Array | None = None) -> jax.Array:
     r_ = self.num_rows(state)
     flat = idx.reshape(-1)
     r_M = jnp.clip(flat, 0, r_ - 1)
-    out = self._dequant(state, r_M)
-    if self.cached:
+    if not self.cached:
+      out = self._dequant(state, r_M)
+    else:
       hit, slot = self._find(state, r_M)
       cached = state["cache_rows"].at[slot].get(mode="promise_in_bounds")
-      out = jnp.where(hit[:, None], cached, out)
+      read = lambda: jnp.where(hit[:, None], cached, self._dequant(state, r_M))
+      if self.host:   # host memory is read only when a live row misses the cache
+        used = hit if live is None else hit | ~live.reshape(-1)
+        out = jax.lax.cond(jnp.all(used), lambda: jnp.where(hit[:, None], cached, 0.0), read)
+      else:
+        out = read()
     if not clip:
       out = jnp.where(((flat >= 0) & (flat < r_))[:, None], out, 0.0)
     return out.reshape(*idx.shape, out.shape[-1])
@@ -452,8 +472,15 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
       c = state["cache_tags"].shape[0]
       state = {**state, "cache_rows": state["cache_rows"].at[jnp.where(hit, slot, c)].set(
           rows, mode="drop")}
-    return self._write_quantized(state, jnp.where(valid & ~hit, flat, r_), rows, old, step,
-                                 _SALT_UPDATE)
+    target = jnp.where(valid & ~hit, flat, r_)
+    if not self.host:
+      return self._write_quantized(state, target, rows, old, step, _SALT_UPDATE)
+    # Host memory is written (and, for codes, read) only when some row is not cached.
+    back = jax.lax.cond(
+        jnp.any(valid & ~hit),
+        lambda b: self._write_quantized(b, target, rows, old, step, _SALT_UPDATE),
+        lambda b: b, {k: state[k] for k in self.backing_keys})
+    return {**state, **back}
 
   def prepare_update(self, state: StorageState, uniq_U: jax.Array, counts_U: jax.Array | None,
                      step: jax.Array) -> StorageState:
@@ -462,7 +489,6 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     st = dict(state)
     r_ = self.num_rows(st)
     c = st["cache_tags"].shape[0]
-    s, a = cache_geometry(r_, self.fraction, self.ways)
     u = uniq_U.shape[0]
     valid = (uniq_U >= 0) & (uniq_U < r_)
     r_U = jnp.where(valid, uniq_U, 0)
@@ -481,7 +507,50 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     else:
       res_score = jnp.where(tags >= 0, st["cache_last"], -1)
       cand_score = jnp.broadcast_to(step1, (u,))
-    miss = valid & ~hit
+    return self._admit(st, r_U, valid & ~hit, cand_score, res_score, step, step1)
+
+  def prefetch(self, state: StorageState, uniq_U: jax.Array, counts_U: jax.Array | None,
+               step: jax.Array) -> StorageState:
+    """Admits the rows `uniq_U` that step `step` will look up (the lookahead of the step
+    before it) with `prepare_update`'s admission and eviction, ranked by the scores that
+    step's `prepare_update` will see (LFU: the row's count plus `counts_U`; LRU: step + 1).
+    Nothing of that step's accesses is recorded here, so nothing counts twice: LFU counts
+    stay; LRU times change only for the admitted rows, to step + 1, the time that step
+    gives them again. The cached rows that step reads are never evicted; rows that do not
+    fit (a full set of them, LFU scores too low) stay where they are, for that step's
+    `prepare_update` to admit as before."""
+    if not self.cached:
+      return state
+    st = dict(state)
+    r_ = self.num_rows(st)
+    c = st["cache_tags"].shape[0]
+    u = uniq_U.shape[0]
+    valid = (uniq_U >= 0) & (uniq_U < r_)
+    r_U = jnp.where(valid, uniq_U, 0)
+    step1 = (jnp.asarray(step, jnp.int32) + 1)
+    hit, slot = self._find(st, r_U)
+    hit = hit & valid
+    needed = jnp.zeros((c,), bool).at[jnp.where(hit, slot, c)].set(True, mode="drop")
+    tags = st["cache_tags"]
+    if self.policy == "lfu":
+      add = jnp.ones((u,), jnp.int32) if counts_U is None else counts_U.astype(jnp.int32)
+      res_score = jnp.where(tags >= 0, st["counts"][jnp.maximum(tags, 0)], -1)
+      cand_score = st["counts"][r_U] + add
+    else:
+      res_score = jnp.where(tags >= 0, st["cache_last"], -1)
+      cand_score = jnp.broadcast_to(step1, (u,))
+    res_score = jnp.where(needed, jnp.iinfo(jnp.int32).max, res_score)
+    return self._admit(st, r_U, valid & ~hit, cand_score, res_score, step, step1)
+
+  def _admit(self, st, r_U, miss, cand_score, res_score, step, step1):
+    """In every set a candidate (`miss`: rows `r_U` not cached) maps to, the A best of its
+    residents (scores `res_score` [C]) and candidates (`cand_score` [U]) stay (module
+    docstring); each admitted row takes a dropped resident's slot, written back first."""
+    r_ = self.num_rows(st)
+    c = st["cache_tags"].shape[0]
+    s, a = cache_geometry(r_, self.fraction, self.ways)
+    u = r_U.shape[0]
+    tags = st["cache_tags"]
 
     # Candidates sorted by (set, -score, row): a set keeps at most A of them, so its A best
     # candidates decide it, and G = min(U, S) groups of A candidates cover every set.
@@ -542,10 +611,21 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     # Evict: write the leaving rows back quantized, then load the admitted rows.
     leave_tag = jnp.where(admit, tags[slot_n], -1)
     leave_rows = st["cache_rows"][slot_n]
-    st = self._write_quantized(st, jnp.where(leave_tag >= 0, leave_tag, r_), leave_rows,
-                               lambda: leave_rows, step, _SALT_EVICT)
-    # Admitted rows were not cached, so their codes are current (and none was written back).
-    incoming = self._dequant(st, new_row)
+
+    def move(back):
+      back = self._write_quantized(back, jnp.where(leave_tag >= 0, leave_tag, r_), leave_rows,
+                                   lambda: leave_rows, step, _SALT_EVICT)
+      # Admitted rows were not cached, so their codes are current (none was written back).
+      return back, self._dequant(back, new_row)
+
+    back = {k: st[k] for k in self.backing_keys}
+    if self.host:   # host memory is touched only when some row is admitted
+      back, incoming = jax.lax.cond(
+          jnp.any(admit), move,
+          lambda b: (b, jnp.zeros((n_out, st["cache_rows"].shape[1]), jnp.float32)), back)
+    else:
+      back, incoming = move(back)
+    st.update(back)
     put = jnp.where(admit, new_slot, c)
     st["cache_rows"] = st["cache_rows"].at[put].set(incoming, mode="drop")
     st["cache_tags"] = tags.at[put].set(new_row, mode="drop")

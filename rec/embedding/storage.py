@@ -27,7 +27,9 @@ whose state is only per-row arrays ignore `shards`.
 
 The update protocol (`SparseOptimizer.apply_unique`): `prepare_update(state, uniq, counts,
 step)` (cache admission and eviction; a no-op for plain formats), `gather`, the optimizer
-rule, `scatter(..., step=step)`.
+rule, `scatter(..., step=step)`. `prefetch(state, uniq, counts, step)` admits a later
+step's rows into a cache ahead of that step (the host tier's lookahead; a no-op without a
+cache).
 
 Stochastic rounding is deterministic: the random bits of a row come from a hash of (seed,
 step, the row's previous stored value, column) (`sr_bits`), never from a key carried in the
@@ -88,12 +90,17 @@ class RowStorage(abc.ABC):
     return self.gather(state, jnp.arange(self.num_rows(state)))
 
   @abc.abstractmethod
-  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
+  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False,
+             live: jax.Array | None = None) -> jax.Array:
     """Rows at `idx` (any shape) as float32 `[*idx.shape, D]`; out-of-range ids give zeros.
 
     clip=True clamps ids into [0, N) instead (so an out-of-range id reads a real row):
     for callers whose out-of-range ids are padding they mask themselves. It skips the
     per-element bounds select, which on CPU costs as much as the gather.
+    `live` (bool, idx's shape; None: every position): the positions whose rows the caller
+    uses; at the others a storage may return zeros instead of the row (the host tier then
+    skips its host read when every live row is in the device cache). Callers multiply
+    those rows by 0 or drop them.
     """
 
   @abc.abstractmethod
@@ -112,6 +119,14 @@ class RowStorage(abc.ABC):
     """Called once per optimizer step before the touched rows are gathered: `uniq_U` are the
     distinct touched ids (padding slots hold N), `counts_U` how many looked-up ids each
     stands for. Formats with a cache admit and evict rows here; others return `state`."""
+    del uniq_U, counts_U, step
+    return state
+
+  def prefetch(self, state: StorageState, uniq_U: jax.Array, counts_U: jax.Array | None,
+               step: jax.Array) -> StorageState:
+    """Brings the rows `uniq_U` (distinct, padding slots N) that step `step`'s lookups will
+    read into a cache before that step (`counts_U`: looked-up ids per row, as
+    `prepare_update` gets them); best effort. Formats without a cache return `state`."""
     del uniq_U, counts_U, step
     return state
 
@@ -263,7 +278,9 @@ class _DenseRowStorage(RowStorage):
   def to_float(self, state: StorageState, shards: int = 1) -> jax.Array:
     return state["rows"].astype(jnp.float32)
 
-  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False) -> jax.Array:
+  def gather(self, state: StorageState, idx: jax.Array, *, clip: bool = False,
+             live: jax.Array | None = None) -> jax.Array:
+    del live   # every row is read where it lies
     rows = state["rows"]
     n = rows.shape[0]
     if clip:

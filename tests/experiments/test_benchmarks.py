@@ -32,6 +32,15 @@ def test_bench_dlrm_toy(tmp_path):
   assert out["ours_examples_per_sec_median"] > 0 and "torchrec_examples_per_sec_median" not in out
 
 
+@pytest.mark.slow   # the prefetch itself: tests/rec/test_host_prefetch.py
+def test_bench_dlrm_compare_host_prefetch_toy(tmp_path):
+  out = _run("experiments.bench_dlrm", ["--compare_host_prefetch=fp32_cache:lru:0.05@host",
+                                        "--batch_size=128", "--rows=1000", "--steps=2",
+                                        "--repeats=1", "--rounds=1", f"--workdir={tmp_path}"])
+  assert out["plain_ms_per_step"] > 0 and out["prefetch_ms_per_step"] > 0
+  assert out["prefetch_host_ids_per_step"] < out["plain_host_ids_per_step"]
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
                     reason="Criteo sample not found (set REC_DATA_DIR)")
 def test_criteo_baselines_toy(tmp_path):

@@ -152,6 +152,21 @@ def test_completion_equals_the_librarys_greedy_generation(served):
   assert out.choices[0].finish_reason == ("stop" if want[-1] in tok.stop_ids else "length")
 
 
+def test_serve_bench_http_driver_with_ignore_eos(served):
+  """experiments.serve_bench's HTTP driver on this server: text prompts, ignore_eos, exactly
+  max_tokens each, counted by the streamed usage; ignore_eos must be a boolean."""
+  from experiments.benchmarks import serving as S
+  _, client, tok, _ = served
+  runner = S.HTTPRunner(client.base_url.scheme + "://" + client.base_url.host + ":"
+                        + str(client.base_url.port), "tiny", tok.decode, {"ignore_eos": True})
+  reqs = [(tok.encode("the park"), 30), (tok.encode("a"), 12)]
+  recs = S.run_closed(runner, reqs, 2)
+  assert all(r.error is None and r.tokens == r.max_tokens for r in recs), recs
+  assert all(r.events <= r.tokens and r.first <= r.last for r in recs)
+  with pytest.raises(RuntimeError, match="HTTP 400.*ignore_eos"):
+    runner.post("/v1/completions", {"model": "tiny", "prompt": "a", "ignore_eos": "maybe"})
+
+
 def test_errors_in_openai_form(served):
   _, client, _, _ = served
   with pytest.raises(openai.BadRequestError, match="beyond the model's context of 48"):

@@ -1,13 +1,19 @@
 """experiments.serve_bench: the load statistics on hand-made request records (TTFT, TPOT,
-throughput, goodput against the SLOs), the request mixes, and (slow) a whole run on a tiny
-random model."""
+throughput, goodput against the SLOs), the request mixes, the prefill chunk widths of a mix,
+the HTTP driver on a fake SSE server streaming as ours and as llama.cpp's do (token counts,
+a short reply counted as failed), a server child's start, CPU pinning and stop, and (slow) a
+whole run on a tiny random model. The driver against our own server: tests/experiments/
+test_serve.py; against llama.cpp's: tests/experiments/peers/test_serve_bench_llama_cpp.py."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -42,6 +48,128 @@ def test_request_mixes_are_seeded_and_drawn_from_the_lists():
   assert min(min(p) for p, _ in a) >= 10 and max(max(p) for p, _ in a) < 100
 
 
+def test_mix_chunk_widths_are_the_buckets_its_chunks_fall_in():
+  from experiments import serve_bench as B
+  assert B.mix_chunk_widths([32, 128], 64) == (32, 64)
+  assert B.mix_chunk_widths([20], 64) == (32, 64)          # one chunk of 20 -> 32
+  assert B.mix_chunk_widths([100, 192], 64) == (64,)       # 64 + 36 -> 64; 3 x 64
+  assert B.mix_chunk_widths([200], 64) == (16, 64)
+  assert B.mix_chunk_widths([5, 20], 16) == (16,)
+
+
+def test_engine_flags_for_the_server_child():
+  from experiments import serve_bench as B
+  from llm.serving.config import EngineConfig
+  got = B.engine_flags(EngineConfig(max_model_len=256, chunk_widths=(32, 64)))
+  assert "--chunk_widths=32,64" in got and "--max_model_len=256" in got
+  assert "--mixed_batch=true" in got and not any(f.startswith("--num_blocks") for f in got)
+
+
+class _FakeSSE(http.server.BaseHTTPRequestHandler):
+  """POST /v1/completions streaming as `model` says: ours (text per token, the last token in
+  the finishing event, then usage), llama (one event per token, empty text included, then
+  an empty finishing event), short (stops after 2 tokens)."""
+  bodies: list = []
+
+  def log_message(self, *args):
+    pass
+
+  def do_GET(self):
+    self._send(200, json.dumps({"data": [{"id": "fake"}]}).encode(), "application/json")
+
+  def do_POST(self):
+    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    _FakeSSE.bodies.append(body)
+    n, style = body["max_tokens"], body["model"]
+    self.send_response(200)
+    self.send_header("Content-Type", "text/event-stream")
+    self.end_headers()
+
+    def event(obj):
+      self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+      self.wfile.flush()
+      time.sleep(0.002)
+
+    if style == "ours":
+      for i in range(n - 1):
+        event({"choices": [{"text": f" t{i}", "finish_reason": None}]})
+      event({"choices": [{"text": " end", "finish_reason": "length"}]})
+      event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                      "completion_tokens": n}})
+    else:
+      for i in range(2 if style == "short" else n):
+        event({"choices": [{"text": "" if i == 1 else f" t{i}", "finish_reason": None}]})
+      event({"choices": [{"text": "", "finish_reason": "stop" if style == "short"
+                          else "length"}]})
+    self.wfile.write(b"data: [DONE]\n\n")
+
+  def _send(self, code, data, kind):
+    self.send_response(code)
+    self.send_header("Content-Type", kind)
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+
+@pytest.fixture
+def fake_server():
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeSSE)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  _FakeSSE.bodies = []
+  yield f"http://127.0.0.1:{server.server_address[1]}"
+  server.shutdown()
+
+
+def test_http_runner_counts_the_tokens_of_both_streaming_styles(fake_server):
+  reqs = S.make_requests(6, 50, (3, 5), (4, 7), seed=0)
+  for style in ("ours", "llama"):
+    runner = S.HTTPRunner(fake_server, style, body={"ignore_eos": True})
+    recs = S.run_closed(runner, reqs, 3)
+    assert sorted(r.max_tokens for r in recs) == sorted(n for _, n in reqs)
+    assert all(r.error is None and r.tokens == r.max_tokens == r.events for r in recs), recs
+    assert all(r.submitted < r.first <= r.last for r in recs)
+    out = S.summary(recs, 1.0, 1.0)
+    assert out["failed"] == 0 and out["events_per_token"] == 1.0
+  sent = _FakeSSE.bodies[0]
+  assert sent["stream"] and sent["temperature"] == 0.0 and sent["ignore_eos"] is True
+  assert sorted(len(b["prompt"]) for b in _FakeSSE.bodies[:6]) == sorted(len(p) for p, _ in reqs)
+  # Text prompts, and a reply shorter than max_tokens counted as failed.
+  runner = S.HTTPRunner(fake_server, "short", to_text=lambda ids: " ".join(map(str, ids)))
+  recs = S.run_poisson(runner, reqs[:2], float("inf"))
+  assert all(r.error.startswith("2 output tokens (finish_reason 'stop'); expected exactly")
+             for r in recs)
+  assert isinstance(_FakeSSE.bodies[-1]["prompt"], str)
+  assert S.summary(recs, 1.0, 1.0)["failed"] == 2
+
+
+def test_server_child_answers_on_its_cpus_and_is_stopped(tmp_path):
+  port = S.free_port()
+  code = ("import http.server, json, signal, sys\n"
+          "signal.signal(signal.SIGTERM, signal.SIG_IGN) if sys.argv[2] == 'stubborn' else 0\n"
+          "class H(http.server.BaseHTTPRequestHandler):\n"
+          "  def do_GET(self):\n"
+          "    d = json.dumps({'data': [{'id': 'm'}]}).encode()\n"
+          "    self.send_response(200); self.send_header('Content-Length', str(len(d)))\n"
+          "    self.end_headers(); self.wfile.write(d)\n"
+          "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+  cpu = sorted(os.sched_getaffinity(0))[0]
+  with S.Server([sys.executable, "-c", code, str(port), "plain"], port, "fake",
+                str(tmp_path / "a.log"), cpus=[cpu]) as server:
+    assert server.wait_ready(30)["data"][0]["id"] == "m"
+    assert os.sched_getaffinity(server.proc.pid) == {cpu}
+  assert server.proc.returncode == -15
+  port = S.free_port()
+  server = S.Server([sys.executable, "-c", code, str(port), "stubborn"], port, "fake",
+                    str(tmp_path / "b.log"))
+  server.wait_ready(30)
+  assert server.stop(grace_s=0.5) == -9
+  server = S.Server([sys.executable, "-c", "import sys; print('no model'); sys.exit(3)"],
+                    S.free_port(), "fake", str(tmp_path / "c.log"))
+  with pytest.raises(RuntimeError, match="exited with 3 before answering.*no model"):
+    server.wait_ready(30)
+  server.stop()
+
+
 @pytest.mark.slow   # a 30 s run; the statistics are tested above, the engine in tests/llm/serving
 def test_a_whole_run_on_a_tiny_model(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
@@ -57,3 +185,29 @@ def test_a_whole_run_on_a_tiny_model(tmp_path):
   assert summary["speedup"] == results["speedup"] > 0 and len(results["points"]) == 3
   assert all(p["failed"] == 0 and p["output_tokens"] > 0 for p in results["points"])
   assert os.path.exists(tmp_path / "serve_bench.png")
+
+
+@pytest.mark.slow   # two engines compile (in process and the server child): 8-30 s
+def test_engine_and_our_server_side_by_side(tmp_path):
+  from tests.experiments.test_serve import make_checkpoint
+  d = str(tmp_path / "hf")
+  os.makedirs(d)
+  make_checkpoint(d)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", f"--checkpoint=hf:{d}",
+       "--targets=engine,ours_http", "--threads=1", "--num_requests=3", "--concurrency=1,2",
+       "--rates=", "--prompt_lens=5,12", "--output_lens=3,6", "--max_slots=2",
+       "--max_model_len=32", "--block_size=8", "--prefill_chunk=16",
+       f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=900)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = json.load(open(tmp_path / "run" / "results.json"))
+  assert [(p["target"], p["concurrency"]) for p in results["points"]] == [
+      ("engine", 1), ("engine", 2), ("ours_http", 1), ("ours_http", 2)]
+  assert all(p["failed"] == 0 and p["output_tokens"] > 0 for p in results["points"])
+  assert results["engine"]["chunk_widths"] == "16"
+  server = results["servers"]["ours_http"]
+  assert server["exit_code"] == 0 and "--warmup_tables=all" in server["cmd"]
+  assert "--chunk_widths=16" in server["cmd"] and "programs compiled" in server["engine"]
+  assert results["ratios_to_llama_cpp"] == {}

@@ -88,7 +88,9 @@ class AllToAllExchange(base.Exchange):
       onehot[j_feat >= 0, j_feat[j_feat >= 0]] = 1.0
       g.maps.update(place=place.reshape(-1), combine=onehot)
 
-  def local_gather(self, storage, tbl, ids, lengths, w, maps):
+  def _receive(self, ids, lengths, w=None):
+    """This device's batch block -> the ids, lengths and (given `w`) weights of its slots
+    from every source, [N_src, B_l, S, ...], by all-to-all."""
     ax = self.dev.axes
     feat_all = jnp.asarray(self.g.maps["feat"])                 # [N, S] (all devices)
     live_slot = feat_all >= 0
@@ -96,18 +98,30 @@ class AllToAllExchange(base.Exchange):
     # Send buffers [N_dest, B_l, S, L]: for each destination, the ids of its slots.
     send_ids = jnp.transpose(ids[:, fsel], (1, 0, 2, 3))
     send_len = jnp.transpose(jnp.where(live_slot[None], lengths[:, fsel], 0), (1, 0, 2))
-    send_w = jnp.transpose(w[:, fsel], (1, 0, 2, 3))
     r_ids = base.all_to_all0(send_ids, ax)           # [N_src, B_l, S, L]
     r_len = base.all_to_all0(send_len, ax)
-    r_w = base.all_to_all0(send_w, ax)
+    r_w = None if w is None else base.all_to_all0(jnp.transpose(w[:, fsel], (1, 0, 2, 3)), ax)
+    return r_ids, r_len, r_w
+
+  @staticmethod
+  def _index(r_ids, r_len, maps):
+    """(index, valid) [N_src, B_l, S, L]: the local rows of the received ids."""
     start, end, off = maps["start"][0], maps["end"][0], maps["offset"][0]   # [S]
-    mean_s = maps["mean"][0]
     L = r_ids.shape[-1]
     live = jnp.arange(L) < r_len[..., None]
     valid = live & (r_ids >= start[:, None]) & (r_ids < end[:, None])
-    index = jnp.where(valid, r_ids - start[:, None] + off[:, None], 0)
+    return jnp.where(valid, r_ids - start[:, None] + off[:, None], 0), valid
+
+  def local_ids(self, ids, lengths, maps):
+    r_ids, r_len, _ = self._receive(ids, lengths)
+    return self._index(r_ids, r_len, maps)
+
+  def local_gather(self, storage, tbl, ids, lengths, w, maps):
+    r_ids, r_len, r_w = self._receive(ids, lengths, w)
+    index, valid = self._index(r_ids, r_len, maps)
+    mean_s = maps["mean"][0]
     coef = base.pool_coef(valid, r_w, r_len, mean_s[None, None, :])
-    partial = self.dev.bag_pool(storage, tbl, index, coef)               # [N_src, B_l, S, W]
+    partial = self.dev.bag_pool(storage, tbl, index, coef, valid)        # [N_src, B_l, S, W]
     n, b = index.shape[:2]
     flat = lambda x: x.reshape((n * b,) + x.shape[2:])
     return flat(partial), flat(coef), flat(index), flat(valid)

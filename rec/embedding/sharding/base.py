@@ -15,6 +15,9 @@ An exchange instance serves one group:
                          (`local_pool`, its collectives through a `Send`)
   update                 the sparse optimizer step on the rows each device touched
                          (`update_rows`: the ids and gradients a device's buffer applies)
+  prefetch               a later batch's rows into each device's cache (the host tier's
+                         lookahead): `local_ids`, gather's id phase without the rows,
+                         `prefetch_ids` (dp: every replica's), `storage.prefetch`
 
 Wrappers around an exchange (`recd.Deduplicated`, `compressed.Compressed`) change what its
 gather reads or how its pool sends, for every kind that uses it.
@@ -118,11 +121,12 @@ class Devices:
   lookup_impl: str = "xla"      # "xla" | "pallas" (kernels/embedding_bag.py)
   towers: Any = None            # sptt.Towers, or None without sptt tables
 
-  def bag_pool(self, storage, tbl, index, coef):
-    """Bag sums [..., W] of local rows `index` [..., L] (in range; padding has coef 0)."""
-    if self.lookup_impl == "pallas":   # the kernel reads the storage's own format
-      return storage.pallas_pool(tbl, index, coef)
-    return bag_sum(coef, storage.gather(tbl, index, clip=True))
+  def bag_pool(self, storage, tbl, index, coef, valid=None):
+    """Bag sums [..., W] of local rows `index` [..., L] (in range; padding has coef 0;
+    `valid`: the ids that are not padding, whose rows the storage must read)."""
+    if self.lookup_impl == "pallas" and not storage.host_keys:   # the kernel reads the
+      return storage.pallas_pool(tbl, index, coef)                 # storage's own format
+    return bag_sum(coef, storage.gather(tbl, index, clip=True, live=valid))
 
 
 class Send:
@@ -187,6 +191,16 @@ class Exchange:
     """This device's partial sums -> emb [B_l, F, D] of its own samples."""
     raise NotImplementedError
 
+  def local_ids(self, ids, lengths, maps):
+    """The id phase of `local_gather` alone: this device's batch block ids [B_l, F, L] ->
+    (index, valid) of the local rows its buffer reads for them (the ids' exchange, no row
+    read)."""
+    raise NotImplementedError
+
+  def prefetch_ids(self, index, valid):
+    """The (local rows, valid) [M] of a lookahead that this device's cache admits."""
+    return index, valid
+
   def update_rows(self, index, valid, grads):
     """The (local rows, valid, gradient rows) this device's buffer applies."""
     return index, valid, grads
@@ -228,6 +242,30 @@ class Exchange:
     f = jax.shard_map(lambda x: self.local_pool(x, PLAIN), mesh=self.dev.mesh,
                       in_specs=bspec, out_specs=bspec, check_vma=False)
     return f(partial)
+
+  def prefetch(self, storage, tbl, ids, lengths, step):
+    """The group's table state with the rows that ids [B, F_g, L] (lengths [B, F_g]) will
+    read admitted to each device's cache (`storage.prefetch` on every device's block, after
+    the ids' exchange; `step`: the step that reads them)."""
+    from rec.embedding import optimizers   # optimizers import storage only
+    bspec = P(self.dev.axes)
+    maps = {k: v for k, v in self.g.maps.items() if k in self.MAP_KEYS}
+    sspec = jax.tree.map(lambda _: self.spec(), tbl)
+
+    def local(tbl, ids, lengths, maps, step):
+      index, valid = self.local_ids(ids, lengths, maps)
+      index, valid = self.prefetch_ids(index.reshape(-1), valid.reshape(-1))
+      m = index.shape[0]
+      uniq_M, seg_M = optimizers.dedup_ids(index, valid, storage.num_rows(tbl))
+      counts_M = (jax.ops.segment_sum(jnp.ones((m,), jnp.int32), seg_M, num_segments=m)
+                  if storage.counts_accesses else None)
+      return storage.prefetch(tbl, uniq_M, counts_M, step)
+
+    f = jax.shard_map(local, mesh=self.dev.mesh,
+                      in_specs=(sspec, bspec, bspec, {k: self.spec() for k in maps}, P()),
+                      out_specs=sspec, check_vma=False)
+    return f(tbl, ids, lengths, {k: jnp.asarray(v) for k, v in maps.items()},
+             jnp.asarray(step, jnp.int32))
 
   def update(self, state, index, valid, coef, pgrad, step, storage, optimizer):
     """Sparse optimizer step on the rows each device's lookup touched, from the gradients

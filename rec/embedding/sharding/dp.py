@@ -30,15 +30,24 @@ class DataParallelExchange(base.Exchange):
     g.offsets, g.rows_per_device = offs, acc
     g.maps["offset"] = np.asarray(offs, np.int32)                     # [F]
 
-  def local_gather(self, storage, tbl, ids, lengths, w, maps):
+  def local_ids(self, ids, lengths, maps):
     L = ids.shape[-1]
     live = jnp.arange(L) < lengths[..., None]                  # [B_l, F, L]
-    index = jnp.where(live, ids + maps["offset"][None, :, None], 0)
+    return jnp.where(live, ids + maps["offset"][None, :, None], 0), live
+
+  def local_gather(self, storage, tbl, ids, lengths, w, maps):
+    index, live = self.local_ids(ids, lengths, maps)
     coef = base.pool_coef(live, w, lengths, jnp.asarray(self.mean())[None, :])
-    return self.dev.bag_pool(storage, tbl, index, coef), coef, index, live
+    return self.dev.bag_pool(storage, tbl, index, coef, live), coef, index, live
 
   def local_pool(self, partial, send=base.PLAIN):
     return partial
+
+  def prefetch_ids(self, index, valid):
+    """Replicas admit the same rows: everyone's."""
+    ax = self.dev.axes
+    return (jax.lax.all_gather(index, ax, axis=0, tiled=True),
+            jax.lax.all_gather(valid, ax, axis=0, tiled=True))
 
   def update_rows(self, index, valid, grads):
     """Replicas apply the same update from everyone's ids."""

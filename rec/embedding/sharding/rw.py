@@ -25,13 +25,25 @@ def rowwise_gather(dev: base.Devices, storage, tbl, ids, lengths, w, maps, mean,
     ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)     # [B_g, F, L]
     lengths = jax.lax.all_gather(lengths, axes, axis=0, tiled=True)
     w = jax.lax.all_gather(w, axes, axis=0, tiled=True)
+  index, valid = _rowwise_index(ids, lengths, maps)
+  coef = base.pool_coef(valid, w, lengths, mean)
+  return dev.bag_pool(storage, tbl, index, coef, valid), coef, index, valid
+
+
+def rowwise_ids(ids, lengths, maps, axes):
+  """`rowwise_gather`'s id phase alone: (index, valid) of the local rows read."""
+  if axes:
+    ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)
+    lengths = jax.lax.all_gather(lengths, axes, axis=0, tiled=True)
+  return _rowwise_index(ids, lengths, maps)
+
+
+def _rowwise_index(ids, lengths, maps):
   start, end, off = maps["start"][0], maps["end"][0], maps["offset"][0]   # [F]
   L = ids.shape[-1]
   live = jnp.arange(L) < lengths[..., None]
   valid = live & (ids >= start[None, :, None]) & (ids < end[None, :, None])
-  index = jnp.where(valid, ids - start[None, :, None] + off[None, :, None], 0)
-  coef = base.pool_coef(valid, w, lengths, mean)
-  return dev.bag_pool(storage, tbl, index, coef), coef, index, valid
+  return jnp.where(valid, ids - start[None, :, None] + off[None, :, None], 0), valid
 
 
 class RowWiseExchange(base.Exchange):
@@ -63,6 +75,9 @@ class RowWiseExchange(base.Exchange):
   def local_gather(self, storage, tbl, ids, lengths, w, maps):
     return rowwise_gather(self.dev, storage, tbl, ids, lengths, w, maps,
                           jnp.asarray(self.mean())[None, :], self.dev.axes)
+
+  def local_ids(self, ids, lengths, maps):
+    return rowwise_ids(ids, lengths, maps, self.dev.axes)
 
   def local_pool(self, partial, send=base.PLAIN):                   # [B_g, F, W]
     return send.reduce_scatter(partial, self.dev.axes)

