@@ -248,8 +248,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
+# A server child's first step: on Linux it asks for SIGTERM when the benchmark's process
+# dies (PR_SET_PDEATHSIG, kept across exec), so no server outlives a killed run; then its CPUs,
+# then the server's own command in place of this one.
+_CHILD = ("import ctypes, os, signal, sys\n"
+          "if sys.platform.startswith('linux'):\n"
+          "  ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, int(signal.SIGTERM))\n"
+          "  if os.getppid() != {parent}:\n"
+          "    sys.exit('serve_bench ended before its server started')\n"
+          "{pin}os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+
 class Server:
-  """A server child process: started with `cmd` (on `cpus` when given), its output to
+  """A server child process: started with `cmd` (on `cpus` when given; SIGTERM when this
+  process dies, `_CHILD`), its output to
   `log`; `wait_ready` polls GET /v1/models until it answers (or the child exits), `stop`
   sends SIGTERM and, after `grace_s`, SIGKILL. A context manager (stops on any exit)."""
 
@@ -258,11 +270,11 @@ class Server:
                host: str = "127.0.0.1", cwd: str | None = None):
     self.cmd, self.name, self.log, self.url = list(cmd), name, log, f"http://{host}:{port}"
     self.runner = HTTPRunner(self.url, timeout_s=10)
-    pin = ([sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, "
-            f"{sorted(set(cpus))}); os.execvp(sys.argv[1], sys.argv[1:])"] if cpus else [])
+    pin = f"os.sched_setaffinity(0, {sorted(set(cpus))})\n" if cpus else ""
     self._log = open(log, "w")
-    self.proc = subprocess.Popen([*pin, *self.cmd], stdout=self._log,
-                                 stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    self.proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(parent=os.getpid(),
+                                                                      pin=pin), *self.cmd],
+                                 stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
   def wait_ready(self, timeout_s: float) -> dict:
     """GET /v1/models once it answers; raises if the child exits or `timeout_s` passes."""

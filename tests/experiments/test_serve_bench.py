@@ -170,6 +170,35 @@ def test_server_child_answers_on_its_cpus_and_is_stopped(tmp_path):
   server.stop()
 
 
+def test_a_killed_benchmark_takes_its_server_child_along(tmp_path):
+  """kill -9 of the process that started a Server: the child gets SIGTERM (parent-death
+  signal) and is gone within 10 s."""
+  parent = subprocess.Popen([sys.executable, "-c", (
+      "import sys, time\n"
+      "from experiments.benchmarks import serving as S\n"
+      "s = S.Server([sys.executable, '-c', 'import time; time.sleep(600)'], S.free_port(), "
+      f"'sleeper', {str(tmp_path / 'child.log')!r})\n"
+      "print(s.proc.pid, flush=True)\n"
+      "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, cwd=REPO,
+      env=dict(os.environ, PYTHONPATH=REPO))
+  child = int(parent.stdout.readline())
+  time.sleep(0.5)   # the child has set its parent-death signal and exec'd
+  parent.kill()
+  parent.wait()
+  deadline = time.time() + 10
+  while time.time() < deadline and _alive(child):
+    time.sleep(0.1)
+  assert not _alive(child), f"server child {child} outlived its killed parent"
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(")")[-1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
 @pytest.mark.slow   # a 30 s run; the statistics are tested above, the engine in tests/llm/serving
 def test_a_whole_run_on_a_tiny_model(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
