@@ -158,8 +158,8 @@ def peer_python(flag: str) -> str:
   """--peer_python, or bin/python of ../peer311 or ../peer beside the checkout."""
   if flag:
     return flag
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  tried = [os.path.join(root, env, "bin", "python") for env in ("peer311", "peer")]
+  from experiments import peers
+  tried = peers.environments()
   for path in tried:
     if os.path.exists(path):
       return path
@@ -196,6 +196,7 @@ def plot(points, path):
   for row, (mode, key) in zip(axes, rows):
     label = ("concurrent requests (closed loop)" if mode == "closed"
              else "request rate (req/s)")
+    ax2 = None   # the goodput axis of the Poisson row
     for t, target in enumerate(targets):
       mine = [p for p in points if p["mode"] == mode and p["target"] == target
               and not math.isinf(p[key])]
@@ -211,7 +212,7 @@ def plot(points, path):
       row[0].plot([p[key] for p in mine], [p["throughput_tok_s"] for p in mine], ".",
                   color=f"C{t}", alpha=0.4)
       if mode == "poisson":
-        ax2 = row[0].twinx() if t == 0 else ax2
+        ax2 = row[0].twinx() if ax2 is None else ax2
         ax2.plot(xs, med("goodput_req_s"), "^--", color=f"C{t}")
         ax2.set_ylabel("goodput (req/s), dashed")
       for ax, metric in ((row[1], "ttft"), (row[2], "tpot")):

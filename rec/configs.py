@@ -47,7 +47,6 @@ from rec.data import sources as sources_lib
 from rec.data import workers as workers_lib
 from rec.data.dedup import DedupSpec
 from rec.embedding import a2a_compression as a2a_lib
-from rec.embedding import host_tier as host_tier_lib
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding import rowwise_storage
@@ -623,7 +622,7 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
   names a sparse feature of the eval source (`group_feature`), whose bags the task's eval
   step hands to its evaluator (gAUC, NE by slice). --host_prefetch: the train source's
   batches carry the next batch's ids (`rec.data.lookahead.LookaheadSource`) and the task
-  prefetches their rows (a table must be on the host tier)."""
+  prefetches their rows (RecTask refuses it without a table on the host tier)."""
   cfg.validate()
   t, d, e = cfg.train, cfg.data, cfg.embedding
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
@@ -657,8 +656,6 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
                              storage_seed=cfg.seed, dedup=cfg.dedup_spec(tables),
                              a2a_compression=a2a_compression,
                              bag_sizes=getattr(train_src, "bag_sizes", None))
-  if e.host_prefetch:
-    host_tier_lib.check_prefetch(coll)
   dense_tx = make_dense_optimizer(t.dense_optimizer, t.learning_rate)
   # amax histories ride their gradients
   if cfg.model.fp8_layers and cfg.model.fp8_recipe == "delayed":

@@ -50,7 +50,7 @@ from rec import distill as distill_lib
 from rec import metrics as metrics_lib
 from rec.data import dedup as dedup_lib
 from rec.data.batch import SparseBatch
-from rec.embedding import reshard
+from rec.embedding import host_tier, reshard
 from rec.embedding.collection import EmbeddingCollection
 
 
@@ -107,9 +107,8 @@ class RecTask:
                rules: mesh_lib.Rules = mesh_lib.REC_RULES,
                distill: distill_lib.DistillSpec | None = None,
                group_feature: int | None = None, host_prefetch: bool = False):
-    if host_prefetch and not collection.host_groups():
-      raise ValueError("RecTask(host_prefetch=True): no table of the collection is on the "
-                       "host tier; expected a *_cache...@host storage for some table")
+    if host_prefetch:
+      host_tier.check_prefetch(collection)
     self.host_prefetch = host_prefetch
     self.model_fn = model_fn
     self.group_feature = group_feature

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import peers
 
 
 def peer_python(variable: str) -> str:
@@ -13,8 +13,5 @@ def peer_python(variable: str) -> str:
   first that exists; ../peer311 when neither does, for the skip reason)."""
   if os.environ.get(variable):
     return os.environ[variable]
-  for env in ("peer311", "peer"):
-    path = os.path.join(os.path.dirname(REPO), env, "bin", "python")
-    if os.path.exists(path):
-      return path
-  return os.path.join(os.path.dirname(REPO), "peer311", "bin", "python")
+  tried = peers.environments()
+  return next((path for path in tried if os.path.exists(path)), tried[0])

@@ -29,10 +29,14 @@ def build_step(batch_size: int, rows: int, mesh: str, sharding: str, model: str 
   table; --model=dcnv2 --preset=mlperf: `rec.mlperf`'s run with tables capped at `rows`
   (0: the reference's 204M rows). overrides: RecRunConfig fields (dtype, fp8_layers, ...).
   """
+  return step_of(*build_task(batch_size, rows, mesh, sharding, model, preset,
+                             memory_budget_gb, **overrides))
+
+
+def step_of(task, train_src):
+  """`build_step`'s (step, state, pool, devices) of a built task and its train source."""
   import jax
 
-  task, train_src = build_task(batch_size, rows, mesh, sharding, model, preset,
-                               memory_budget_gb, **overrides)
   hosts = [train_src.batch(k) for k in range(8)]
   if task.host_prefetch:   # the pool's batches in a cycle: batch k looks at batch k + 1
     from rec.data.lookahead import with_lookahead
@@ -91,8 +95,9 @@ def host_prefetch_rates(batch_size: int = 2048, rows: int = 100_000, mesh: str =
 
   from core import benchmark
 
-  built = {on: build_step(batch_size, rows, mesh, sharding, model, preset, storage=storage,
-                          host_prefetch=on) for on in (False, True)}
+  tasks = {on: build_task(batch_size, rows, mesh, sharding, model, preset, storage=storage,
+                         host_prefetch=on) for on in (False, True)}
+  built = {on: step_of(*t) for on, t in tasks.items()}
   times: dict[bool, list[float]] = {False: [], True: []}
   states = {on: b[1] for on, b in built.items()}
   for _ in range(rounds):
@@ -100,8 +105,7 @@ def host_prefetch_rates(batch_size: int = 2048, rows: int = 100_000, mesh: str =
       per_step, states[on] = time_step(step, states[on], pool, steps, repeats)
       times[on] += list(per_step)
   out: dict[str, Any] = {}
-  coll = build_task(batch_size, rows, mesh, sharding, model, preset, storage=storage)[0].collection
-  misses_fn = jax.jit(coll.cache_misses)
+  misses_fn = jax.jit(tasks[False][0].collection.cache_misses)
   for on, (step, _, pool, ndev) in built.items():
     state, misses = states[on], []
     for b in pool:

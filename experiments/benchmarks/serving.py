@@ -173,27 +173,24 @@ class HTTPRunner:
     return body
 
   def get(self, path: str) -> dict:
-    conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-    try:
-      conn.request("GET", path)
-      resp = conn.getresponse()
-      text = resp.read().decode("utf-8", "replace")
-      if resp.status != 200:
-        raise RuntimeError(f"GET http://{self.host}:{self.port}{path}: HTTP {resp.status}: "
-                           f"{text[:300]}")
-      return json.loads(text)
-    finally:
-      conn.close()
+    return self._json("GET", path)
 
   def post(self, path: str, body: dict) -> dict:
+    return self._json("POST", path, body)
+
+  def _json(self, method: str, path: str, body: dict | None = None) -> dict:
+    """The JSON answer to one request; an HTTP status other than 200 raises, naming it."""
     conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
     try:
-      conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+      if body is None:
+        conn.request(method, path)
+      else:
+        conn.request(method, path, json.dumps(body), {"Content-Type": "application/json"})
       resp = conn.getresponse()
       text = resp.read().decode("utf-8", "replace")
       if resp.status != 200:
-        raise RuntimeError(f"POST http://{self.host}:{self.port}{path}: HTTP {resp.status}: "
-                           f"{text[:300]}")
+        raise RuntimeError(f"{method} http://{self.host}:{self.port}{path}: HTTP "
+                           f"{resp.status}: {text[:300]}")
       return json.loads(text)
     finally:
       conn.close()

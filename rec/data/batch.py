@@ -7,7 +7,7 @@ bags (C_l per batch shard), F_d deduplicated features.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import jax
 import numpy as np
@@ -131,3 +131,22 @@ class BatchSource(Protocol):
   def num_batches(self) -> int | None: ...
 
   def batches(self, start: int = 0) -> Iterator[SparseBatch]: ...
+
+
+class WrappedSource:
+  """A source around the BatchSource `src` (rec.data.workers.WorkerSource,
+  rec.data.lookahead.LookaheadSource): its spec, batch size, batch count and any other
+  attribute (bag_sizes, describe, ...) are `src`'s; a subclass makes the batches."""
+
+  def __init__(self, src):
+    self.src = src
+    self.spec, self.batch_size = src.spec, src.batch_size
+
+  def __getattr__(self, name: str) -> Any:
+    if name == "src":   # not set yet (unpickling): no recursion into __getattr__
+      raise AttributeError(name)
+    return getattr(self.src, name)
+
+  @property
+  def num_batches(self) -> int | None:
+    return self.src.num_batches

@@ -12,11 +12,11 @@ A resumed run's `batches(start)` attaches the same lookahead as the uninterrupte
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 
-from rec.data.batch import Lookahead, SparseBatch
+from rec.data.batch import Lookahead, SparseBatch, WrappedSource
 
 
 def with_lookahead(batch: SparseBatch, following: SparseBatch | None) -> SparseBatch:
@@ -29,21 +29,8 @@ def with_lookahead(batch: SparseBatch, following: SparseBatch | None) -> SparseB
   return dataclasses.replace(batch, lookahead=ahead)
 
 
-class LookaheadSource:
+class LookaheadSource(WrappedSource):
   """`src`'s batches, each carrying the next one's ids and lengths (module docstring)."""
-
-  def __init__(self, src):
-    self.src = src
-    self.spec, self.batch_size = src.spec, src.batch_size
-
-  def __getattr__(self, name: str) -> Any:   # bag_sizes, describe, ... of the wrapped source
-    if name == "src":
-      raise AttributeError(name)
-    return getattr(self.src, name)
-
-  @property
-  def num_batches(self) -> int | None:
-    return self.src.num_batches
 
   def batch(self, k: int) -> SparseBatch:
     """Batch `k` with batch k + 1's ids (a random-access source's; two draws)."""

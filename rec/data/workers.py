@@ -29,9 +29,9 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-from rec.data.batch import SparseBatch
+from rec.data.batch import SparseBatch, WrappedSource
 
 DEFAULT_PREFETCH = 2   # finished batches buffered per worker
 
@@ -89,7 +89,7 @@ class _Draw:
     return b if self.transform is None else self.transform(b)
 
 
-class WorkerSource:
+class WorkerSource(WrappedSource):
   """`src`'s batches, each passed through `transform`, made in Grain worker processes."""
 
   def __init__(self, src, transform: Callable[[SparseBatch], SparseBatch] | None = None,
@@ -101,19 +101,10 @@ class WorkerSource:
     if num_workers < 0 or prefetch < 1:
       raise ValueError(f"{flag}={num_workers}: expected >= 0 worker processes (0: the map "
                        f"runs in this process), prefetch {prefetch} >= 1")
-    self.src, self.transform = src, transform
+    super().__init__(src)
+    self.transform = transform
     self.num_workers, self.prefetch = int(num_workers), int(prefetch)
-    self.spec, self.batch_size = src.spec, src.batch_size
     self._draw = _Draw(src, transform)
-
-  def __getattr__(self, name: str) -> Any:   # bag_sizes, describe, ... of the wrapped source
-    if name == "src":
-      raise AttributeError(name)
-    return getattr(self.src, name)
-
-  @property
-  def num_batches(self) -> int | None:
-    return self.src.num_batches
 
   def batch(self, k: int) -> SparseBatch:
     return self._draw(k)

@@ -494,19 +494,14 @@ class EmbeddingCollection:
     for name in self.host_groups():
       ex = self._exchange(name)
       gi, gl, _, _ = ex.inputs(ids, lengths, weights)
-      storage, bspec = self.storage(ex.g), jax.sharding.PartitionSpec(self.axes)
-      maps = {k: v for k, v in ex.g.maps.items() if k in ex.MAP_KEYS}
+      storage = self.storage(ex.g)
 
-      def local(tbl, i, l, m, ex=ex, storage=storage):
-        index, valid = ex.local_ids(i, l, m)
+      def misses(tbl, index, valid, storage=storage):
         miss = valid & (storage.cache_slots(tbl, index) < 0)
         return jnp.sum(miss, dtype=jnp.int32)[None]
 
-      sspec = jax.tree.map(lambda _, ex=ex: ex.spec(), state[name]["table"])
-      out[name] = jax.shard_map(
-          local, mesh=self.mesh, in_specs=(sspec, bspec, bspec, {k: ex.spec() for k in maps}),
-          out_specs=bspec, check_vma=False)(state[name]["table"], gi, gl,
-                                            {k: jnp.asarray(v) for k, v in maps.items()})
+      out[name] = ex.on_local_ids(misses, state[name]["table"], gi, gl,
+                                  out_specs=jax.sharding.PartitionSpec(ex.dev.axes))
     return out
 
   def dense_gradients(self, lookup: Lookup, partial_grads: dict[str, jax.Array]) -> dict[str, np.ndarray]:

@@ -487,26 +487,14 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     if not self.cached:
       return state
     st = dict(state)
-    r_ = self.num_rows(st)
-    c = st["cache_tags"].shape[0]
-    u = uniq_U.shape[0]
-    valid = (uniq_U >= 0) & (uniq_U < r_)
-    r_U = jnp.where(valid, uniq_U, 0)
-    step1 = (jnp.asarray(step, jnp.int32) + 1)
+    r_U, valid, hit, slot, step1 = self._lookup(st, uniq_U, step)
     if self.policy == "lfu":
-      add = jnp.ones((u,), jnp.int32) if counts_U is None else counts_U.astype(jnp.int32)
-      st["counts"] = st["counts"].at[jnp.where(valid, uniq_U, r_)].add(add, mode="drop")
-    hit, slot = self._find(st, r_U)
-    hit = hit & valid
+      st["counts"] = st["counts"].at[jnp.where(valid, uniq_U, self.num_rows(st))].add(
+          _access_counts(counts_U, r_U), mode="drop")
     if self.policy == "lru":
+      c = st["cache_tags"].shape[0]
       st["cache_last"] = st["cache_last"].at[jnp.where(hit, slot, c)].set(step1, mode="drop")
-    tags = st["cache_tags"]
-    if self.policy == "lfu":
-      res_score = jnp.where(tags >= 0, st["counts"][jnp.maximum(tags, 0)], -1)
-      cand_score = st["counts"][r_U]
-    else:
-      res_score = jnp.where(tags >= 0, st["cache_last"], -1)
-      cand_score = jnp.broadcast_to(step1, (u,))
+    res_score, cand_score = self._scores(st, r_U, step1)
     return self._admit(st, r_U, valid & ~hit, cand_score, res_score, step, step1)
 
   def prefetch(self, state: StorageState, uniq_U: jax.Array, counts_U: jax.Array | None,
@@ -522,25 +510,33 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     if not self.cached:
       return state
     st = dict(state)
-    r_ = self.num_rows(st)
+    r_U, valid, hit, slot, step1 = self._lookup(st, uniq_U, step)
     c = st["cache_tags"].shape[0]
-    u = uniq_U.shape[0]
-    valid = (uniq_U >= 0) & (uniq_U < r_)
-    r_U = jnp.where(valid, uniq_U, 0)
-    step1 = (jnp.asarray(step, jnp.int32) + 1)
-    hit, slot = self._find(st, r_U)
-    hit = hit & valid
     needed = jnp.zeros((c,), bool).at[jnp.where(hit, slot, c)].set(True, mode="drop")
-    tags = st["cache_tags"]
-    if self.policy == "lfu":
-      add = jnp.ones((u,), jnp.int32) if counts_U is None else counts_U.astype(jnp.int32)
-      res_score = jnp.where(tags >= 0, st["counts"][jnp.maximum(tags, 0)], -1)
-      cand_score = st["counts"][r_U] + add
-    else:
-      res_score = jnp.where(tags >= 0, st["cache_last"], -1)
-      cand_score = jnp.broadcast_to(step1, (u,))
+    res_score, cand_score = self._scores(
+        st, r_U, step1, _access_counts(counts_U, r_U) if self.policy == "lfu" else None)
     res_score = jnp.where(needed, jnp.iinfo(jnp.int32).max, res_score)
     return self._admit(st, r_U, valid & ~hit, cand_score, res_score, step, step1)
+
+  def _lookup(self, st, uniq_U, step):
+    """(rows r_U with padding at 0, valid, hit, slot, step + 1) of the distinct rows
+    `uniq_U` (padding slots N) against the cache."""
+    valid = (uniq_U >= 0) & (uniq_U < self.num_rows(st))
+    r_U = jnp.where(valid, uniq_U, 0)
+    hit, slot = self._find(st, r_U)
+    return r_U, valid, hit & valid, slot, jnp.asarray(step, jnp.int32) + 1
+
+  def _scores(self, st, r_U, step1, extra_counts_U=None):
+    """(residents' scores [C], candidates' scores [U]) of the policy: LFU the counts
+    (candidates' plus `extra_counts_U`), LRU the last access (candidates: step1); empty
+    slots -1."""
+    tags = st["cache_tags"]
+    if self.policy == "lfu":
+      cand = st["counts"][r_U]
+      return (jnp.where(tags >= 0, st["counts"][jnp.maximum(tags, 0)], -1),
+              cand if extra_counts_U is None else cand + extra_counts_U)
+    return (jnp.where(tags >= 0, st["cache_last"], -1),
+            jnp.broadcast_to(step1, r_U.shape))
 
   def _admit(self, st, r_U, miss, cand_score, res_score, step, step1):
     """In every set a candidate (`miss`: rows `r_U` not cached) maps to, the A best of its
@@ -633,6 +629,12 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
       st["cache_last"] = st["cache_last"].at[put].set(step1, mode="drop")
     return st
 
+
+
+def _access_counts(counts_U, r_U) -> jax.Array:
+  """Looked-up ids per row [U] int32 (None: one each)."""
+  return (jnp.ones(r_U.shape, jnp.int32) if counts_U is None
+          else counts_U.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)

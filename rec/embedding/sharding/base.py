@@ -243,17 +243,32 @@ class Exchange:
                       in_specs=bspec, out_specs=bspec, check_vma=False)
     return f(partial)
 
+  def on_local_ids(self, fn, tbl, ids, lengths, *args, out_specs=None):
+    """fn(table block, index, valid, *args) on every device under shard_map, `index` /
+    `valid` the local rows that ids [B, F_g, L] (lengths [B, F_g]) read there (`local_ids`:
+    the ids' exchange, no row read); `args` replicated; `out_specs` None: the table's
+    (fn returns the block)."""
+    bspec = P(self.dev.axes)
+    maps = {k: v for k, v in self.g.maps.items() if k in self.MAP_KEYS}
+    sspec = jax.tree.map(lambda _: self.spec(), tbl)
+
+    def local(tbl, ids, lengths, maps, *args):
+      index, valid = self.local_ids(ids, lengths, maps)
+      return fn(tbl, index, valid, *args)
+
+    f = jax.shard_map(
+        local, mesh=self.dev.mesh,
+        in_specs=(sspec, bspec, bspec, {k: self.spec() for k in maps}) + (P(),) * len(args),
+        out_specs=sspec if out_specs is None else out_specs, check_vma=False)
+    return f(tbl, ids, lengths, {k: jnp.asarray(v) for k, v in maps.items()}, *args)
+
   def prefetch(self, storage, tbl, ids, lengths, step):
     """The group's table state with the rows that ids [B, F_g, L] (lengths [B, F_g]) will
     read admitted to each device's cache (`storage.prefetch` on every device's block, after
     the ids' exchange; `step`: the step that reads them)."""
     from rec.embedding import optimizers   # optimizers import storage only
-    bspec = P(self.dev.axes)
-    maps = {k: v for k, v in self.g.maps.items() if k in self.MAP_KEYS}
-    sspec = jax.tree.map(lambda _: self.spec(), tbl)
 
-    def local(tbl, ids, lengths, maps, step):
-      index, valid = self.local_ids(ids, lengths, maps)
+    def admit(tbl, index, valid, step):
       index, valid = self.prefetch_ids(index.reshape(-1), valid.reshape(-1))
       m = index.shape[0]
       uniq_M, seg_M = optimizers.dedup_ids(index, valid, storage.num_rows(tbl))
@@ -261,11 +276,7 @@ class Exchange:
                   if storage.counts_accesses else None)
       return storage.prefetch(tbl, uniq_M, counts_M, step)
 
-    f = jax.shard_map(local, mesh=self.dev.mesh,
-                      in_specs=(sspec, bspec, bspec, {k: self.spec() for k in maps}, P()),
-                      out_specs=sspec, check_vma=False)
-    return f(tbl, ids, lengths, {k: jnp.asarray(v) for k, v in maps.items()},
-             jnp.asarray(step, jnp.int32))
+    return self.on_local_ids(admit, tbl, ids, lengths, jnp.asarray(step, jnp.int32))
 
   def update(self, state, index, valid, coef, pgrad, step, storage, optimizer):
     """Sparse optimizer step on the rows each device's lookup touched, from the gradients
