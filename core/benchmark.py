@@ -1,5 +1,7 @@
 """Timing helpers for benchmark scripts: warm up, repeat, take medians; the device's copy
-bandwidth and its dense peak FLOP/s (the ceilings figures are compared with)."""
+bandwidth and its dense peak FLOP/s (the ceilings figures are compared with); `CompileClock`,
+the compile time and XLA compiles inside a block (a timed section that compiled measured
+the compiler too)."""
 
 from __future__ import annotations
 
@@ -105,3 +107,33 @@ def machine() -> dict[str, Any]:
   return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
           "backend": dev.platform, "device": getattr(dev, "device_kind", str(dev)),
           "num_devices": jax.device_count(), "python": platform.python_version()}
+
+
+# jax.monitoring events whose durations count as compile time: tracing, lowering to MLIR,
+# and XLA's backend compile (Pallas / Mosaic GPU kernels compile inside the last).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration", BACKEND_COMPILE_EVENT)
+
+
+class CompileClock:
+  """Inside `with CompileClock() as clock:` (this process, every thread): `seconds`, the
+  compile events' durations summed, and `backend_compiles`, how many programs XLA
+  compiled (a jax.monitoring listener; a persistent-cache hit compiles nothing)."""
+
+  def __init__(self):
+    self.seconds = 0.0
+    self.backend_compiles = 0
+
+  def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
+    del kwargs
+    if event in COMPILE_EVENTS:
+      self.seconds += duration_secs
+      self.backend_compiles += event == BACKEND_COMPILE_EVENT
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self)

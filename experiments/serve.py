@@ -19,9 +19,12 @@ template), both streaming with "stream": true; /v1/models; /health. At most --ma
 requests wait for a slot; more get HTTP 429. SIGTERM (or Ctrl-C) stops taking requests,
 lets in-flight ones finish for up to --drain_s seconds (cancelling the rest), and exits 0
 after printing a one-line JSON summary. --port unset: a free port; the line
-"listening on http://HOST:PORT" is printed once the socket is bound. --warmup_tables=all
+"listening on http://HOST:PORT" is printed once the socket listens. --warmup_tables=all
 compiles every program before the port opens (else wider block tables compile on first
-use); --compilation_cache_dir keeps them across runs.
+use); --compilation_cache_dir keeps them across runs. EAGLE rounds inside the batch:
+--speculative_tree=2:4:5 --draft=RUN/draft (a draft head distilled by experiments.
+spec_decode; --decode_vocab=N drafts from its N most frequent tokens); long prompts
+prefilled context parallel: --cp_prefill_min=N --mesh=cp:K (ring attention over K devices).
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ DRAIN_S = config.setting(
 def define_flags() -> None:
   config.define_flags(EngineConfig)
   config.define_flags(
-      None, "checkpoint", "tokenizer", "dtype", "weights", DRAFT, HOST, PORT, MAX_QUEUE,
-      SERVED_MODEL_NAME, DRAIN_S, WARMUP_TABLES, "compilation_cache_dir", checkpoint=None,
-      tokenizer=None, draft="", dtype="float32", weights="float32", host="127.0.0.1",
-      port=None, max_queue=64, served_model_name=None, drain_s=30.0,
-      warmup_tables="first", compilation_cache_dir="")
+      None, "checkpoint", "tokenizer", "dtype", "weights", DRAFT, "decode_vocab", HOST, PORT,
+      MAX_QUEUE, SERVED_MODEL_NAME, DRAIN_S, WARMUP_TABLES, "compilation_cache_dir", "mesh",
+      checkpoint=None, tokenizer=None, draft="", decode_vocab=0, dtype="float32",
+      weights="float32", host="127.0.0.1", port=None, max_queue=64, served_model_name=None,
+      drain_s=30.0, warmup_tables="first", compilation_cache_dir="",
+      mesh="")   # mesh '': none; a cp axis for --cp_prefill_min
   flags.mark_flag_as_required("checkpoint")
 
 
@@ -82,6 +86,7 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from llm.checkpoints import find_tokenizer, load_config, load_model
+  from llm.serving.cp_prefill import mesh_for
   from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
   from llm.serving import server as server_lib
@@ -93,7 +98,9 @@ def main(argv):
     raise ValueError(f"--checkpoint={FLAGS.checkpoint}: no tokenizer beside it; the server "
                      "takes and returns text: pass --tokenizer=PATH")
   cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
-  engine = Engine(model, engine_config, tok, draft=load_draft(FLAGS.draft, model))
+  draft, vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
+  engine = Engine(model, engine_config, tok, draft=draft, draft_vocab=vocab,
+                  mesh=mesh_for(FLAGS.mesh))
   name = FLAGS.served_model_name or model_name(FLAGS.checkpoint)
   t0 = time.time()
   programs = engine.warmup(widths=None if FLAGS.warmup_tables == "all" else engine.widths[:1])

@@ -104,11 +104,11 @@ def define_flags() -> None:
   config.define_flags(EngineConfig)
   config.define_flags(
       None, "checkpoint", "preset", "dtype", "weights", RATES, CONCURRENCY, NUM_REQUESTS,
-      PROMPT_LENS, OUTPUT_LENS, SLO_TTFT_S, SLO_TPOT_S, DRAFT, "compilation_cache_dir", "seed",
+      PROMPT_LENS, OUTPUT_LENS, SLO_TTFT_S, SLO_TPOT_S, DRAFT, "decode_vocab", "mesh", "compilation_cache_dir", "seed",
       "rounds", "workdir", TARGETS, "threads", "peer_python", SERVER_TIMEOUT_S,
       checkpoint=None, preset="tiny", dtype="float32", weights="float32", rates=["1", "4"],
       concurrency=["1", "8"], num_requests=16, prompt_lens=["32", "128"],
-      output_lens=["32", "64"], slo_ttft_s=2.0, slo_tpot_s=0.2, draft="",
+      output_lens=["32", "64"], slo_ttft_s=2.0, slo_tpot_s=0.2, draft="", decode_vocab=0, mesh="",
       compilation_cache_dir="", seed=0, rounds=1, targets=["engine"], threads=2,
       peer_python="", server_timeout_s=3600.0, workdir="runs/serve_bench")
 
@@ -260,7 +260,8 @@ def _start_servers(targets, engine_config, tok, bias, n_ctx, cpus, servers):
              f"--dtype={FLAGS.dtype}", f"--weights={FLAGS.weights}", f"--port={port}",
              "--served_model_name=serve_bench", "--warmup_tables=all", "--drain_s=0",
              f"--max_queue={10 ** 6}", f"--compilation_cache_dir={FLAGS.compilation_cache_dir}",
-             f"--draft={FLAGS.draft}", *engine_flags(engine_config)]
+             f"--draft={FLAGS.draft}", f"--decode_vocab={FLAGS.decode_vocab}",
+             f"--mesh={FLAGS.mesh}", *engine_flags(engine_config)]
       env = dict(os.environ)
       body = {"ignore_eos": True}
     else:
@@ -290,6 +291,7 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from experiments.benchmarks import serving as bench
+  from llm.serving.cp_prefill import mesh_for
   from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
   rates = _numbers("rates", float, 1e-9, allow_inf=True)
@@ -327,7 +329,9 @@ def main(argv):
   if bool(FLAGS.draft) != bool(engine_config.speculative_tree):
     raise errors.UserError(f"--draft={FLAGS.draft!r} and --speculative_tree="
                            f"{engine_config.speculative_tree!r}: give both or neither")
-  engine = Engine(model, engine_config, draft=load_draft(FLAGS.draft, model))
+  draft, vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
+  engine = Engine(model, engine_config, draft=draft, draft_vocab=vocab,
+                  mesh=mesh_for(FLAGS.mesh))
   longest = max(prompt_lens) + max(output_lens)
   if longest > engine.max_len:
     raise errors.UserError(f"--prompt_lens / --output_lens: the longest request has {longest} "
@@ -393,7 +397,8 @@ def main(argv):
              "slo_tpot_s": FLAGS.slo_tpot_s, "points": points, "speedup": first["speedup"],
              "speedup_per_round": first["speedup_per_round"], "per_target": summary_targets,
              "ratios_to_llama_cpp": ratios, "rounds": FLAGS.rounds,
-             "preemptions": engine.preemptions, "draft": FLAGS.draft or None, "plot": png}
+             "preemptions": engine.preemptions, "draft": FLAGS.draft or None,
+             "decode_vocab": FLAGS.decode_vocab, "plot": png}
   summary = {"speedup": first["speedup"], "points": len(points),
              "speedups": {t: v["speedup"] for t, v in summary_targets.items()},
              "ratios_to_llama_cpp": ratios, "throughput_tok_s": {

@@ -68,5 +68,11 @@ DRAFT_VOCAB = config.setting(
     "draft_vocab", "integer", "Tokens the draft proposes from: the most frequent in the "
     "training sequences (EAGLE-3's reduced draft vocabulary; 0: the whole vocabulary). The "
     "target still scores every token.", lower=0)
+DECODE_VOCAB = config.setting(
+    "decode_vocab", "integer", "Tokens the draft proposes from while decoding: the most frequent "
+    "of its training sequences, at most the draft vocabulary it trained on (0: that one, or the "
+    "whole vocabulary for a head trained without one). A trained head's output rows are the "
+    "target's, so fewer can be kept without retraining (FR-Spec, arXiv 2502.14856); a "
+    "decoding setting, not one of the trained head.", lower=0)
 TREES = config.setting("trees", "list", "Draft tree shapes TOP_K:DEPTH:BUDGET (or "
                        "chain:DEPTH).")

@@ -25,8 +25,11 @@ as failed: llama.cpp stops once it has generated max_tokens, so there the events
 tokens when none fails. `Server` runs a server as a child process (on chosen CPUs), waits
 for GET /v1/models to answer, and stops it (SIGTERM, then SIGKILL).
 
-Output lengths are exact: requests carry no stop ids (the usual "ignore EOS" of serving
-benchmarks), so a rate's work is the same whatever the model says. Goodput (DistServe,
+Output lengths are exact for `make_requests`' requests: they carry no stop ids (the usual
+"ignore EOS" of serving benchmarks), so a rate's work is the same whatever the model says. A
+request given as (prompt ids, SamplingParams) with stop ids or strings ends at them instead
+(at most max_tokens; the in-process runner then records the reply's ids, `Record.ids`, so
+two engines' replies can be compared: experiments/spec_decode/serving.py). Goodput (DistServe,
 arXiv 2401.09670): requests per second that met both SLOs (TTFT and TPOT).
 """
 
@@ -61,6 +64,9 @@ class Record:
   finish_reason: str | None = None
   error: str | None = None
   events: int = 0                   # outputs (SSE events) that carried tokens
+  ids: list = dataclasses.field(default_factory=list)   # the reply's ids (in process)
+  index: int = 0                    # the request's place in the list the driver was given
+  exact: bool = True                # no stop ids / strings: exactly max_tokens expected
 
   @property
   def ttft(self) -> float:
@@ -106,8 +112,16 @@ def word_tokens(tok, low_id: int = 0, limit: int = 4096) -> list[int]:
   return out
 
 
-def _submit(runner, prompt, max_tokens, done: threading.Semaphore) -> Record:
-  rec = Record(len(prompt), max_tokens)
+def _submit(runner, prompt, params, done: threading.Semaphore, index: int = 0) -> Record:
+  """Submits one request (`params`: its max_tokens, or its SamplingParams) and returns its
+  Record, stamped as the outputs arrive; `done` is released when it finished or failed. A
+  request without stop ids or strings must produce exactly max_tokens tokens; one with
+  them, at most max_tokens, ending at a stop ("stop") or at the limit ("length")."""
+  if not isinstance(params, SamplingParams):
+    params = SamplingParams(max_tokens=int(params))
+  max_tokens = params.max_tokens
+  rec = Record(len(prompt), max_tokens, index=index,
+               exact=not (params.stop_token_ids or params.stop))
 
   def on_output(out):
     now = time.perf_counter()
@@ -120,21 +134,27 @@ def _submit(runner, prompt, max_tokens, done: threading.Semaphore) -> Record:
       rec.last = now
       rec.tokens += len(out.new_token_ids)
       rec.events += 1
+      rec.ids.extend(int(t) for t in out.new_token_ids)
     if out.finished:
       rec.finish_reason = out.finish_reason
       if getattr(out, "completion_tokens", None) is not None:
         rec.tokens = out.completion_tokens
       served_prompt = getattr(out, "prompt_tokens", None)
-      if rec.error is None and (rec.tokens != max_tokens or out.finish_reason != "length"):
+      if rec.error is None and rec.exact and (rec.tokens != max_tokens
+                                              or out.finish_reason != "length"):
         rec.error = (f"{rec.tokens} output tokens (finish_reason {out.finish_reason!r}); "
                      f"expected exactly max_tokens={max_tokens} (finish_reason 'length')")
+      elif rec.error is None and not rec.exact and (rec.tokens > max_tokens or
+                                                    out.finish_reason not in ("stop", "length")):
+        rec.error = (f"{rec.tokens} output tokens (finish_reason {out.finish_reason!r}); "
+                     f"expected at most max_tokens={max_tokens}, ending 'stop' or 'length'")
       elif rec.error is None and served_prompt not in (None, len(prompt), len(prompt) + 1):
         rec.error = (f"the server read a prompt of {served_prompt} tokens; expected the "
                      f"{len(prompt)} it was made of (+1 for a BOS)")
       done.release()
 
   rec.submitted = time.perf_counter()
-  runner.submit(prompt, SamplingParams(max_tokens=max_tokens), on_output=on_output)
+  runner.submit(prompt, params, on_output=on_output)
   return rec
 
 
@@ -165,9 +185,14 @@ class HTTPRunner:
     self.body = {"temperature": 0.0, **(body or {})}
 
   def request_body(self, prompt: Sequence[int], params: SamplingParams) -> dict:
+    if params.stop_token_ids:
+      raise ValueError(f"HTTPRunner: stop_token_ids={params.stop_token_ids}; an OpenAI "
+                       "completion request takes stop strings only (SamplingParams.stop)")
     body = {"prompt": self.to_text(prompt) if self.to_text else [int(t) for t in prompt],
             "max_tokens": int(params.max_tokens), "stream": True,
             "stream_options": {"include_usage": True}, **self.body}
+    if params.stop:
+      body["stop"] = list(params.stop)
     if self.model is not None:
       body["model"] = self.model
     return body
@@ -315,7 +340,8 @@ class Server:
 
 def run_poisson(runner, requests, rate: float, seed: int = 0) -> list[Record]:
   """Open loop: request i is submitted at the i-th arrival of a Poisson process of `rate`
-  per second (all at once for rate inf); returns when all finished."""
+  per second (all at once for rate inf); returns when all finished. `requests`: (prompt
+  ids, max_tokens or SamplingParams) pairs."""
   rng = np.random.default_rng(seed + 1)
   gaps = (np.zeros(len(requests)) if np.isinf(rate)
           else rng.exponential(1.0 / rate, len(requests)))
@@ -323,12 +349,12 @@ def run_poisson(runner, requests, rate: float, seed: int = 0) -> list[Record]:
   recs = []
   t0 = time.perf_counter()
   at = 0.0
-  for (prompt, max_tokens), gap in zip(requests, gaps):
+  for i, ((prompt, params), gap) in enumerate(zip(requests, gaps)):
     at += gap
     wait = t0 + at - time.perf_counter()
     if wait > 0:
       time.sleep(wait)
-    recs.append(_submit(runner, prompt, max_tokens, done))
+    recs.append(_submit(runner, prompt, params, done, i))
   for _ in recs:
     done.acquire()
   return recs
@@ -338,7 +364,7 @@ def run_closed(runner, requests, concurrency: int) -> list[Record]:
   """Closed loop: `concurrency` clients, each submitting its next request as soon as its
   previous one finished, until all requests are done."""
   lock = threading.Lock()
-  todo = list(requests)
+  todo = list(enumerate(requests))
   recs: list[Record] = []
 
   def client():
@@ -346,9 +372,9 @@ def run_closed(runner, requests, concurrency: int) -> list[Record]:
       with lock:
         if not todo:
           return
-        prompt, max_tokens = todo.pop(0)
+        i, (prompt, params) = todo.pop(0)
       done = threading.Semaphore(0)
-      rec = _submit(runner, prompt, max_tokens, done)
+      rec = _submit(runner, prompt, params, done, i)
       with lock:
         recs.append(rec)
       done.acquire()

@@ -30,11 +30,8 @@ from experiments.benchmarks.attention import error_text
 # no target), and the reasons for no figure: failed, oom, skipped (time budget),
 # unmeasured (what the figure needs has no number).
 STATUSES = ("met", "missed", "info", "failed", "oom", "skipped", "unmeasured", "partial")
-# jax.monitoring events whose durations count as compile time: tracing, lowering to MLIR,
-# and XLA's backend compile (Pallas / Mosaic GPU kernels compile inside the last).
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
+# The compile events a part's compile time sums (core.benchmark).
+COMPILE_EVENTS = benchmark.COMPILE_EVENTS
 
 
 @dataclasses.dataclass
@@ -132,27 +129,6 @@ class Part:
   what: str            # one line for --help and the report
 
 
-class _CompileClock:
-  """Sums the compile events' durations while a part runs (jax.monitoring listener)."""
-
-  def __init__(self):
-    self.seconds = 0.0
-
-  def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
-    del kwargs
-    if event in COMPILE_EVENTS:
-      self.seconds += duration_secs
-
-  def __enter__(self):
-    import jax
-    jax.monitoring.register_event_duration_secs_listener(self)
-    return self
-
-  def __exit__(self, *exc):
-    import jax
-    jax.monitoring.unregister_event_duration_listener(self)
-
-
 def _release() -> None:
   """Drops what a part left behind: its arrays are unreferenced once it returns (a failure
   keeps only the error's text), so collecting and clearing jit caches frees their memory."""
@@ -170,7 +146,7 @@ def run_part(part: Part, ctx: Context, budget_s: float) -> dict[str, Any]:
   t0, cpu0 = time.monotonic(), time.process_time()
   record: dict[str, Any] = {"budget_s": round(budget_s, 1)}
   ctx.log(f"== {part.name}: {part.what} (budget {budget_s:.0f} s)")
-  with _CompileClock() as clock:
+  with benchmark.CompileClock() as clock:
     try:
       out = part.fn(ctx)
       record.update(status="ok", targets=out.get("targets", []), details=out.get("details", {}))

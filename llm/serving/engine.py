@@ -46,6 +46,15 @@ pool), and the head reads the a + 1 new pairs. Prompt chunks run as plain prefil
 that also feed the head the chunk's pairs (`llm.serving.programs`). Greedy requests only (a
 sampled one is refused); the rows equal plain greedy decoding.
 
+Context-parallel prefill (`EngineConfig.cp_prefill_min` > 0, a mesh with a `cp` axis of
+N > 1 devices given as `mesh=`; `llm.serving.cp_prefill`): a request whose prompt still to
+prefill (none of it yet) has at least cp_prefill_min tokens takes pages for all of it at
+admission and is prefilled in one step through the model's ring attention (arXiv
+2411.01783; the model's cfg.context_parallel variant, "pass_kv" when it has none) into a
+dense cache, whose keys and values go to its pages; its first token is sampled as a
+chunk's would be, and it goes on as a decode row (at most one such prefill per step, beside
+the step's decode rows and chunk). Not with speculative_tree.
+
 Sampling settings are per row (temperature, top_k, top_p, a seed): a request's token i draws
 with key fold_in(key(seed), i), whatever its batch.
 
@@ -68,14 +77,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
+from llm.serving import cp_prefill
 from llm.serving.config import EngineConfig
 from llm.serving.paged import (NULL_BLOCK, BlockPool, PagedCache, blocks_for,
                                choose_paged_impl, commit_pages)
@@ -170,11 +183,12 @@ class Engine:
   thread calls add_request / abort / step (`llm.serving.runner` runs it in one)."""
 
   def __init__(self, model, config: EngineConfig = EngineConfig(), tokenizer=None, draft=None,
-               draft_vocab=None):
+               draft_vocab=None, mesh=None):
     cfg = model.cfg
-    if getattr(cfg, "context_parallel", "none") != "none":
+    if getattr(cfg, "context_parallel", "none") != "none" and not config.cp_prefill_min:
       raise ValueError(f"Engine: context_parallel={cfg.context_parallel!r}; the engine serves "
-                       "one device (context_parallel='none')")
+                       "one device (context_parallel='none'), or takes the variant for its "
+                       "context-parallel prefill (cp_prefill_min > 0 and mesh=)")
     if getattr(cfg, "sliding_window", None):
       raise ValueError(f"Engine: sliding_window={cfg.sliding_window}; the paged cache keeps "
                        "every position (no sliding-window attention yet)")
@@ -195,6 +209,8 @@ class Engine:
       raise ValueError(f"Engine: num_blocks={num_blocks} pages of {bs} slots (one of them "
                        f"padding) cannot hold one request of max_model_len={self.max_len} "
                        f"tokens; expected >= {self.max_pages + 1}")
+    self.cp = cp_prefill.make(model, config, mesh, max_len=self.max_len,
+                              max_pages=self.max_pages)
     self.widths = _widths(config.table_widths, self.max_pages, 4, "table_widths",
                           "pages of max_model_len")
     self.batch_widths = _widths(config.batch_widths, config.max_slots, 1, "batch_widths",
@@ -202,8 +218,16 @@ class Engine:
     self.chunk_widths = _widths(config.chunk_widths, config.prefill_chunk,
                                 min(16, config.prefill_chunk), "chunk_widths", "prefill_chunk")
     self.pool = BlockPool(num_blocks)
-    self.cache = PagedCache.init(cfg, num_blocks, bs)
     self.graphdef, self.state = nnx.split(model)
+    # Every array the steps take is committed to one device (the weights'): a step's outputs
+    # (the caches it returns) then have its inputs' placement, so a later call never meets a
+    # new one and recompiles (a checkpoint's weights come committed to a mesh, fresh caches
+    # uncommitted: the first call's placement would differ from every later one's).
+    one = SingleDeviceSharding(next(iter(jax.tree.leaves(self.state)[0].devices())))
+    self.put = functools.partial(jax.tree.map, lambda a: jax.device_put(a, one)
+                                 if isinstance(a, jax.Array) else a)
+    self.state = self.put(self.state)
+    self.cache = self.put(PagedCache.init(cfg, num_blocks, bs))
     self.slots: list[_Request | None] = [None] * config.max_slots
     self.waiting: collections.deque[_Request] = collections.deque()
     self.running: list[_Request] = []          # in admission order
@@ -234,8 +258,9 @@ class Engine:
     # The draft's scratch slots past a row's start (its tree, then the catch-up's pairs).
     scratch = max((shape.depth - 1) * shape.top_k, shape.depth + 1)
     self.dgraph, self.dstate = nnx.split(draft)
-    self.dcache = draft.init_cache(self.config.max_slots, self.max_len + scratch)
-    self.h_root = jnp.zeros((self.config.max_slots, self.cfg.dim), draft.cfg.dtype)
+    self.dstate = self.put(self.dstate)
+    self.dcache = self.put(draft.init_cache(self.config.max_slots, self.max_len + scratch))
+    self.h_root = self.put(jnp.zeros((self.config.max_slots, self.cfg.dim), draft.cfg.dtype))
     self.head = spec_decode.vocab_head(self.model, draft_vocab, draft.cfg.dtype)
     return shape
 
@@ -345,12 +370,18 @@ class Engine:
       return 1
     return max(1, min(self.shape.depth + 1, self.max_len - req.num_computed))
 
+  def _is_cp(self, req: _Request) -> bool:
+    """Prefilled whole through the context-parallel path (none of it computed yet)."""
+    return (self.cp is not None and req.num_computed == 0 and not self._is_decode(req)
+            and req.remaining >= self.config.cp_prefill_min)
+
   def _admit(self) -> None:
     free = [i for i, r in enumerate(self.slots) if r is None]
     # Keep a page per running request in hand, so admissions do not preempt at once.
     while free and self.waiting:
       req = self.waiting[0]
-      first = min(req.remaining, self.config.prefill_chunk)
+      first = req.remaining if self._is_cp(req) else min(req.remaining,
+                                                         self.config.prefill_chunk)
       need = blocks_for(first, self.config.block_size)
       if self.pool.num_free < need + len(self.running):
         break
@@ -359,8 +390,21 @@ class Engine:
       self.slots[req.slot] = req
       self.running.append(req)
 
-  def _schedule(self) -> tuple[list[_Request], list[_Request]]:
-    """(decode rows, prefill rows) of this step, their pages allocated."""
+  def _pick_cp(self, decode: list[_Request]) -> _Request | None:
+    """The request prefilled through the context-parallel path this step (the first
+    admitted), its pages allocated; None when there is none or the pool is short."""
+    for req in [r for r in self.running if self._is_cp(r)]:
+      while not self._grow(req, req.remaining):
+        others = [r for r in self.running if r is not req and r not in decode]
+        if decode or not others:
+          return None
+        self._preempt(others[-1])
+      return req
+    return None
+
+  def _schedule(self) -> tuple[list[_Request], list[_Request], _Request | None]:
+    """(decode rows, prefill rows, the context-parallel prefill or None) of this step,
+    their pages allocated."""
     self._admit()
     decode: list[_Request] = []
     for req in list(self.running):
@@ -375,23 +419,24 @@ class Engine:
           decode.remove(victim)
       if req in self.running:
         decode.append(req)
+    cp = self._pick_cp(decode)
     prefill: list[_Request] = []
     for req in list(self.running):
       if len(prefill) == self.config.prefill_rows:
         break
-      if req.remaining < 1 or self._is_decode(req):
+      if req.remaining < 1 or self._is_decode(req) or self._is_cp(req):
         continue
       n = min(req.remaining, self.config.prefill_chunk)
       while not self._grow(req, n):
         # With decode rows running, pages come back as they finish; otherwise make room.
         others = [r for r in self.running if r is not req and r not in decode
-                  and r not in prefill]
-        if decode or prefill or not others:
+                  and r not in prefill and r is not cp]
+        if decode or prefill or cp is not None or not others:
           break
         self._preempt(others[-1])
       else:
         prefill.append(req)
-    return decode, prefill
+    return decode, prefill, cp
 
   # --- the step
 
@@ -483,8 +528,11 @@ class Engine:
   def step(self) -> list[RequestOutput]:
     """One engine step (module docstring); returns an output for every request that got
     tokens or finished."""
-    decode, prefill = self._schedule()
+    decode, prefill, cp = self._schedule()
     outputs = []
+    if cp is not None:      # dispatched first; its token is read after the step's
+      self.cache, cp_tok, cp_logits = self.cp.run(self.cache, cp.tokens, cp.blocks, cp.params,
+                                                  len(cp.output))
     if decode and self.shape is not None:
       width = next(w for w in self.batch_widths if w >= len(decode))
       new, acc, logits, fed = self._run_spec(decode + [None] * (width - len(decode)))
@@ -518,6 +566,10 @@ class Engine:
           continue
         outputs.append(self._after_tokens(req, [int(tok[i])],
                                           [None if logits is None else logits[i]]))
+    if cp is not None:
+      cp.num_computed += cp.remaining
+      outputs.append(self._after_tokens(cp, [int(np.asarray(cp_tok)[0])], [
+          None if cp_logits is None else np.asarray(cp_logits)[0]]))
     self.steps += 1
     return outputs
 
@@ -569,8 +621,9 @@ class Engine:
 
   def programs(self) -> list[tuple[tuple[tuple[int, int], ...], str]]:
     """The step shapes the engine runs: ((rows, tokens) per group, kind), kind "step"
-    (decode, prefill or a mixed batch of decode rows and a prefill chunk) or "spec" (a
-    speculative round: rows only)."""
+    (decode, prefill or a mixed batch of decode rows and a prefill chunk), "spec" (a
+    speculative round: rows only) or "cp" (a context-parallel prefill of one padded
+    prompt)."""
     r = self.config.prefill_rows
     prefill = [((r, c),) for c in self.chunk_widths]
     if self.shape is not None:
@@ -578,15 +631,19 @@ class Engine:
     decode = [((b, 1),) for b in self.batch_widths]
     mixed = ([((b, 1), (r, c)) for b in self.batch_widths for c in self.chunk_widths]
              if self.config.mixed_batch else [])
-    return [(g, "step") for g in decode + prefill + mixed]
+    cp = [] if self.cp is None else [(((1, t),), "cp") for t in self.cp.widths]
+    return [(g, "step") for g in decode + prefill + mixed] + cp
 
   def warmup(self, sample: bool = False, widths: Sequence[int] | None = None) -> int:
     """Compiles every step shape (`programs`) for every table width (or those given; greedy,
-    and sampled too with `sample`) on idle rows; returns the number of programs."""
+    and sampled too with `sample`) on idle rows, and every context-parallel prefill width;
+    returns the number of programs."""
     n = 0
+    if self.cp is not None:
+      self.cache, n = self.cp.warmup(self.cache, sample)
     idle = self.config.max_slots
     for groups, kind in self.programs():
-      for m in self.widths if widths is None else widths:
+      for m in (self.widths if widths is None else widths) if kind != "cp" else ():
         rows = sum(b for b, _ in groups)
         if kind == "spec":
           z = np.zeros((rows,), np.int32)

@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from llm.generate import filtered_logits
@@ -246,15 +247,22 @@ def run_step(graphdef, state, cache, groups, sampling, draft=None, **kw):
   return commit_pages(cache, slots, new_k, new_v), tok, logits, new_draft
 
 
-def load_draft(spec: str, target):
-  """The draft head a --draft setting names for `target`, in its compute dtype: "" (None),
-  "random" (untrained) or a draft-head training run's workdir."""
+def load_draft(spec: str, target, decode_vocab: int = 0):
+  """(draft head, draft vocabulary ids or None) of a --draft setting for `target`, the head in
+  the target's compute dtype: "" (None, None), "random" (an untrained head over the whole
+  vocabulary, or the first `decode_vocab` ids) or a draft-head training run's workdir (its
+  head, and the `decode_vocab` most frequent tokens of its training sequences: 0, the draft
+  vocabulary it trained with; `llm.speculative.distill.load_draft_vocab`)."""
   if not spec:
-    return None
+    if decode_vocab:
+      raise ValueError(f"decode_vocab={decode_vocab} without a draft head (draft='')")
+    return None, None
   from llm.speculative import DraftHead, cast_head
   if spec == "random":
     head = DraftHead(target.cfg, nnx.Rngs(0))
+    vocab = np.arange(decode_vocab, dtype=np.int32) if decode_vocab else None
   else:
-    from llm.speculative.distill import load_draft as load
+    from llm.speculative.distill import load_draft as load, load_draft_vocab
     head = load(spec, target.cfg)
-  return cast_head(head, target.cfg.dtype)
+    vocab = load_draft_vocab(spec, target.cfg.vocab_size, decode_vocab)
+  return cast_head(head, target.cfg.dtype), vocab

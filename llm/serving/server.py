@@ -453,7 +453,7 @@ def make_app(runner: EngineRunner, tokenizer, model_name: str) -> FastAPI:
 def serve(app: FastAPI, runner: EngineRunner, host: str, port: int, drain_s: float = 30.0,
           on_listen=None) -> None:
   """Runs `app` with uvicorn on host:port (0: a free port) until SIGTERM / SIGINT
-  (module docstring). on_listen(port) is called once the socket is bound."""
+  (module docstring). on_listen(port) is called once the socket is listening."""
   import socket
 
   import uvicorn
@@ -462,6 +462,9 @@ def serve(app: FastAPI, runner: EngineRunner, host: str, port: int, drain_s: flo
   sock = socket.socket(family, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
+  # Listening before on_listen says so: a client that connects before uvicorn's loop runs
+  # waits in the backlog instead of being refused.
+  sock.listen(2048)
   config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain_s,
                           access_log=False)
 

@@ -5,7 +5,8 @@
 `cached_features`), so a killed run continues where it stopped; the head is trained as a
 `DistillTask` (`llm.speculative.distill_task`: the loss, the draft vocabulary, unrolled
 steps, taps) by the train loop, which checkpoints and resumes by itself (`loop_config`);
-`load_draft` reads a run's head back. `DistillConfig` holds a run's settings.
+`load_draft` reads a run's head back, `load_draft_vocab` its draft vocabulary. `DistillConfig`
+holds a run's settings.
 
 The names of the data and task modules are this module's too (`distill.DistillTask`,
 `distill.SequenceSource`, `distill.distill_losses`, ...).
@@ -36,7 +37,7 @@ from llm.train_lib import OptimConfig, make_optimizer
 
 __all__ = ["DistillConfig", "DistillEvaluator", "DistillTask", "SeqBatch", "SequenceSource",
            "cached_features", "cached_sequences", "distill_losses", "draft_vocab",
-           "generate_sequences", "load_draft", "loop_config", "smooth_l1",
+           "generate_sequences", "load_draft", "load_draft_vocab", "loop_config", "smooth_l1",
            "split_target_features", "target_features", "train_draft", "unrolled_mask",
            "unrolled_predictions"]
 
@@ -67,6 +68,44 @@ def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
   finally:
     ckpt.close()
   return nnx.merge(graphdef, state["params"])
+
+
+def load_draft_vocab(workdir: str, vocab_size: int, size: int = 0) -> np.ndarray | None:
+  """The draft vocabulary of a DistillTask run in `workdir`: the `size` most frequent tokens
+  of its training sequences (`<workdir>/sequences.npz`, the held-out ones left out, as
+  `train_draft` counts them), `size` 0 meaning the run's own `draft_vocab`. A head's output
+  rows are the target's, so decoding may keep fewer than it trained on (FR-Spec, arXiv
+  2502.14856). None for a run without one and size 0 (the whole vocabulary)."""
+  import json
+  import os
+  from core import checkpoint as ckpt_lib
+  ckpt = ckpt_lib.Checkpointer(workdir)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise FileNotFoundError(errno.ENOENT, "no draft-head checkpoint to read the run's "
+                              "settings from", f"{workdir}/checkpoints")
+    settings = (ckpt.restore_meta(step) or {}).get("settings", {})
+  finally:
+    ckpt.close()
+  trained = int(settings.get("distill.draft_vocab") or 0)
+  if size < 0 or (trained and size > trained) or size > vocab_size:
+    raise ValueError(f"load_draft_vocab({workdir!r}): size={size}; expected 0 (the run's own: "
+                     f"{trained or 'the whole vocabulary'}) up to "
+                     f"{trained or vocab_size} tokens")
+  if not (size or trained):
+    return None
+  path = os.path.join(workdir, "sequences.npz")
+  if not os.path.exists(path):
+    raise FileNotFoundError(errno.ENOENT, "the draft-head run's training sequences (its draft "
+                            "vocabulary is counted from them) are missing", path)
+  with np.load(path) as f:
+    made = json.loads(str(f["key"]))["num"]
+    if int(f["done"]) < made:
+      raise ValueError(f"{path}: {int(f['done'])} of {made} sequences made; the run that "
+                       "trained the head had them all")
+    n_train = made - int(settings["distill.eval_sequences"])
+    return draft_vocab(f["tokens"][:n_train], f["mask"][:n_train], size or trained, vocab_size)
 
 
 # DistillConfig fields that are the loop's (free to change on resume, as core.train's own).

