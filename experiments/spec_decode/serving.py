@@ -21,7 +21,8 @@ windows, the first --prompt_len tokens of its held-out sequences). Each request 
 turn or at --max_new_tokens; both engines produce the same replies (greedy), so each point
 is the same work. The client counts and the two engines take turns --rounds times (a machine
 whose speed drifts slows both alike). Every program both engines use is compiled before
-timing. Writes results.json and spec_serving.png to --workdir (throughput, speedup with the
+timing (--chunk_widths unset: the prefill chunk widths these prompts need), and the programs
+XLA compiles while a point runs are counted (0 expected). Writes results.json and spec_serving.png to --workdir (throughput, speedup with the
 paper's range, accept length against concurrency); the last stdout line is a JSON summary.
 
 The paper (its abstract): Llama 4 Maverick at about 4 ms per token at batch 1 on 8 H100s,
@@ -47,7 +48,7 @@ from core import config
 from core import errors
 from core import results as results_lib
 from core import settings  # the shared settings by name
-from experiments.serve_bench import CONCURRENCY, NUM_REQUESTS
+from experiments.serve_bench import CONCURRENCY, NUM_REQUESTS, mix_chunk_widths
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 from llm.serving.config import DRAFT, EngineConfig
 
@@ -236,6 +237,9 @@ def main(argv):
   longest = max(len(p) for p in prompts) + FLAGS.max_new_tokens
   if cfg.max_model_len is None:
     cfg = dataclasses.replace(cfg, max_model_len=-(-longest // cfg.block_size) * cfg.block_size)
+  if not cfg.chunk_widths:      # the chunk widths these prompts need, as serve_bench's
+    cfg = dataclasses.replace(cfg, chunk_widths=mix_chunk_widths(
+        sorted({len(p) for p in prompts}), cfg.prefill_chunk))
   draft, vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
   engines = {"plain": Engine(model, dataclasses.replace(cfg, speculative_tree="")),
              "eagle": Engine(model, cfg, draft=draft, draft_vocab=vocab)}
