@@ -17,13 +17,14 @@ is the one it was distilled from (its settings; --checkpoint overrides, the same
 another file), the requests are its held-out chat requests (the last eval_sequences prompts
 its sequences were generated from, read back from <draft>/sequences.npz, with the stop ids
 they ended at), so the head never trained on them (for a run that sampled from BOS or text
-windows, the first --prompt_len tokens of its held-out sequences). Each request stops at the chat's end of
-turn or at --max_new_tokens; both engines produce the same replies (greedy), so each point
-is the same work. The client counts and the two engines take turns --rounds times (a machine
-whose speed drifts slows both alike). Every program both engines use is compiled before
-timing (--chunk_widths unset: the prefill chunk widths these prompts need), and the programs
-XLA compiles while a point runs are counted (0 expected). Writes results.json and spec_serving.png to --workdir (throughput, speedup with the
-paper's range, accept length against concurrency); the last stdout line is a JSON summary.
+windows, the first --prompt_len tokens of its held-out sequences). Each request stops at the
+chat's end of turn or at --max_new_tokens; both engines produce the same replies (greedy),
+so each point is the same work. The client counts and the two engines take turns --rounds
+times (a machine whose speed drifts slows both alike). Every program both engines use is
+compiled before timing (--chunk_widths unset: the prefill chunk widths these prompts need),
+and the programs XLA compiles while a point runs are counted (0 expected). Writes
+results.json and spec_serving.png to --workdir (throughput, speedup with the paper's range,
+accept length against concurrency); the last stdout line is a JSON summary.
 
 The paper (its abstract): Llama 4 Maverick at about 4 ms per token at batch 1 on 8 H100s,
 and EAGLE speedups of 1.4x-2.0x at large batch sizes in production; this study measures the
