@@ -330,8 +330,8 @@ def main(argv):
   if bool(FLAGS.draft) != bool(engine_config.speculative_tree):
     raise errors.UserError(f"--draft={FLAGS.draft!r} and --speculative_tree="
                            f"{engine_config.speculative_tree!r}: give both or neither")
-  draft, vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
-  engine = Engine(model, engine_config, draft=draft, draft_vocab=vocab,
+  draft, draft_vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
+  engine = Engine(model, engine_config, draft=draft, draft_vocab=draft_vocab,
                   mesh=mesh_for(FLAGS.mesh))
   longest = max(prompt_lens) + max(output_lens)
   if longest > engine.max_len:

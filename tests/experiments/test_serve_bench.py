@@ -20,6 +20,7 @@ import pytest
 
 from experiments.benchmarks import serving as S
 from tests import cpu_env
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -199,10 +200,11 @@ def _alive(pid: int) -> bool:
     return False
 
 
-@pytest.mark.slow   # a 30 s run; the statistics are tested above, the engine in tests/llm/serving
 def test_a_whole_run_on_a_tiny_model(tmp_path):
+  """The entry point end to end (6-15 s): closed-loop and Poisson points, results.json, plot;
+  the statistics are tested above, the engine in tests/llm/serving."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
-  out = subprocess.run(
+  out = forkserver.run(
       [sys.executable, "-m", "experiments.serve_bench", "--preset=tiny", "--num_requests=4",
        "--concurrency=1,4", "--rates=50", "--prompt_lens=5,20", "--output_lens=3,9",
        "--max_slots=4", "--max_model_len=32", "--block_size=8", "--prefill_chunk=16",

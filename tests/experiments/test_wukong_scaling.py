@@ -239,7 +239,17 @@ def test_experiment_end_to_end(tmp_path):
     for p in pts:
       assert f["a"] * p["gflops"] ** f["b"] == pytest.approx(p["gap"], rel=1e-6)
       assert p["gap"] == pytest.approx(rows[p["preset"]]["ne_mean"] - res["reference"]["ne"])
-  assert summary["findings"] == res["findings"] and len(res["findings"]) == 5
+  # Per architecture, the range and fit; the exponents; per 4x compute beside the paper;
+  # matched compute; the best overall against the floor.
+  assert summary["findings"] == res["findings"] and len(res["findings"]) == 6
+  quad = res["per_quadrupling"]["archs"]
+  for arch in ("dlrm", "wukong"):
+    lo, hi = sorted((r for r in res["rows"] if r["model"] == arch),
+                    key=lambda r: r["gflops_per_example"])
+    c = (np.log(hi["ne_mean"] / lo["ne_mean"])
+         / np.log(hi["gflops_per_example"] / lo["gflops_per_example"]))
+    assert quad[arch]["rel_per_4x"] == pytest.approx(4.0 ** c - 1, rel=1e-6)
+    assert f"{arch} {100 * quad[arch]['rel_per_4x']:+.2f}%" in res["findings"][3]
   assert any(l.startswith("  dlrm ") and "b=" in l for l in lines)
   assert sum(l.startswith(("dlrm:w", "wukong:l")) for l in lines) == 4
   assert (tmp_path / "wukong_scaling.png").stat().st_size > 10_000
