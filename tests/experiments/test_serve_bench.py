@@ -200,22 +200,31 @@ def _alive(pid: int) -> bool:
     return False
 
 
-def test_a_whole_run_on_a_tiny_model(tmp_path):
-  """The entry point end to end (6-15 s): closed-loop and Poisson points, results.json, plot;
-  the statistics are tested above, the engine in tests/llm/serving."""
+@pytest.mark.parametrize("draft", [[], ["--draft=random", "--speculative_tree=2:2:3",
+                                         "--decode_vocab=64"]], ids=["plain", "eagle"])
+def test_a_whole_run_on_a_tiny_model(tmp_path, draft):
+  """The entry point end to end (6-15 s each): closed-loop and Poisson points, results.json,
+  plot; plain, and with an untrained draft head over a decode vocabulary. The statistics
+  are tested above, the engine in tests/llm/serving."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
   out = forkserver.run(
       [sys.executable, "-m", "experiments.serve_bench", "--preset=tiny", "--num_requests=4",
        "--concurrency=1,4", "--rates=50", "--prompt_lens=5,20", "--output_lens=3,9",
-       "--max_slots=4", "--max_model_len=32", "--block_size=8", "--prefill_chunk=16",
+       "--max_slots=4", "--max_model_len=32", "--block_size=8", "--prefill_chunk=16", *draft,
        f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
       timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   summary = json.loads(out.stdout.strip().splitlines()[-1])
   results = json.load(open(tmp_path / "results.json"))
   assert summary["speedup"] == results["speedup"] > 0 and len(results["points"]) == 3
-  assert all(p["failed"] == 0 and p["output_tokens"] > 0 for p in results["points"])
+  # Every point serves the same four requests to their full lengths (random weights without
+  # a tokenizer have no stop ids); the preset's vocabulary is 256 ids from 0.
+  want = sum(n for _, n in S.make_requests(4, 256, [5, 20], [3, 9], 0))
+  assert all(p["failed"] == 0 and p["output_tokens"] == want for p in results["points"])
   assert os.path.exists(tmp_path / "serve_bench.png")
+  assert (results["draft"], results["decode_vocab"]) == (("random", 64) if draft else (None, 0))
+  if draft:
+    assert all(p["accept_length"] >= 1 for p in results["points"])
 
 
 @pytest.mark.slow   # two engines compile (in process and the server child): 8-30 s

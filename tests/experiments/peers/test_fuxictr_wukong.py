@@ -5,7 +5,7 @@ PyTorch environment outside the project; this test writes our weights and an inp
 there and compares, per layer, the optimized FM, FMB, LCB and layer outputs and the logits.
 Skipped unless that environment exists: FUXICTR_PEER_PYTHON (default: bin/python of the
 Python 3.11 peer environment, experiments/peers/README.md, with torch and fuxictr, at
-../peer311 beside the checkout) and FUXICTR_WUKONG_SRC (FuxiCTR's
+../peer311 or ../peer beside the checkout) and FUXICTR_WUKONG_SRC (FuxiCTR's
 model_zoo/WuKong/src/WuKong.py; default: fuxictr_model_zoo/WuKong.py in that environment).
 """
 
@@ -20,10 +20,11 @@ import pytest
 from flax import nnx
 
 from rec.models.wukong import Wukong, WukongConfig
+from tests.peer_env import peer_python
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-PEER_ENV = os.path.join(os.path.dirname(REPO), "peer311")   # the Python 3.11 peer environment
-PEER = os.environ.get("FUXICTR_PEER_PYTHON", os.path.join(PEER_ENV, "bin", "python"))
+PEER = peer_python("FUXICTR_PEER_PYTHON")   # the Python 3.11 peer environment's interpreter
+PEER_ENV = os.path.dirname(os.path.dirname(PEER))
 SRC = os.environ.get("FUXICTR_WUKONG_SRC",
                      os.path.join(PEER_ENV, "fuxictr_model_zoo", "WuKong.py"))
 SCRIPT = os.path.join(REPO, "experiments", "peers", "fuxictr_wukong.py")
