@@ -38,6 +38,7 @@ from jax._src import xla_bridge  # noqa: E402
 
 from kernels import flash_attention_mgpu as fam  # noqa: E402
 from kernels.flash_attention_reference import flash_attention_reference  # noqa: E402
+from tests.kernels import attention_cases as cases  # noqa: E402
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 # Normalized max error (max |a - b| / max |b|): a few units in the last place of the output
@@ -99,65 +100,22 @@ _SLOW = _SlowWarpgroups()
 _SLOW.install()
 
 
-def _inputs(case, seed=0):
-  """q, k, v and the keyword arguments of one case (B, T, S, H, G, K, causal, dtype, masks)."""
-  b, t, s, h, g, kd, causal, dtype, masks = case
-  rng = np.random.default_rng(seed)
-  q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
-             for shape in ((b, t, h, kd), (b, s, g, kd), (b, s, g, kd)))
-  kw = dict(causal=causal)
-  if "seg" in masks:   # packed documents: sorted ids, a few per row
-    kw["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1), jnp.int32)
-    kw["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32)
-  if "perm" in masks:  # arbitrary order, as after a load-balancing shuffle
-    kw["q_positions"] = jnp.asarray(np.stack([rng.permutation(t) for _ in range(b)]), jnp.int32)
-    kw["kv_positions"] = jnp.asarray(np.stack([rng.permutation(s) for _ in range(b)]), jnp.int32)
-  elif "pos" in masks:  # a ring step: this query chunk sits after part of the key chunk
-    kw["q_positions"] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + s // 2, (b, t))
-    kw["kv_positions"] = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  return q, k, v, kw
-
-
-def _case_id(c):
-  b, t, s, h, g, k, causal, dtype, masks = c
-  return (f"B{b}T{t}S{s}H{h}G{g}K{k}-{'causal' if causal else 'full'}-"
-          f"{jnp.dtype(dtype).name}{'-' + masks if masks else ''}")
-
-
-def _rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-6))
-
-
-def _vjp_outputs(fn, q, k, v, kw):
-  """(out, lse) and the grads of sum(out * w) + sum(lse * u) (the lse term where finite)."""
-  (o, l), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
-  w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape).astype(o.dtype)
-  u = jnp.where(jnp.isfinite(l), jnp.sin(jnp.arange(l.size, dtype=jnp.float32)).reshape(l.shape),
-                0.0)
-  return o, l, vjp((w, u))
-
-
-def _out_lse_grads(fn, q, k, v, kw):
-  return jax.jit(lambda q, k, v: _vjp_outputs(fn, q, k, v, kw))(q, k, v)
-
-
 def _check_against_reference(kernel, case, seed=0, results=None):
   """kernel's out, lse, dq, dk, dv (or `results`, computed before) vs the reference."""
-  q, k, v, kw = _inputs(case, seed)
+  q, k, v, kw = cases.inputs(case, seed)
   dtype = case[7]
-  o, l, grads = results if results is not None else _out_lse_grads(kernel, q, k, v, kw)
-  o_ref, l_ref, grads_ref = _out_lse_grads(flash_attention_reference, q, k, v, kw)
+  o, l, grads = results if results is not None else cases.out_lse_grads(kernel, q, k, v, kw)
+  o_ref, l_ref, grads_ref = cases.out_lse_grads(flash_attention_reference, q, k, v, kw)
   assert o.shape == q.shape and o.dtype == q.dtype
   assert l.shape == q.shape[:3] and l.dtype == jnp.float32
   np.testing.assert_array_equal(np.isfinite(l), np.isfinite(l_ref))
-  assert _rel_err(o, o_ref) < OUT_TOL[dtype]
+  assert cases.rel_err(o, o_ref) < OUT_TOL[dtype]
   fin = np.isfinite(np.asarray(l_ref))
-  assert _rel_err(np.asarray(l)[fin], np.asarray(l_ref)[fin]) < LSE_TOL[dtype]
+  assert cases.rel_err(np.asarray(l)[fin], np.asarray(l_ref)[fin]) < LSE_TOL[dtype]
   for name, g, g_ref in zip("qkv", grads, grads_ref):
     assert g.shape == g_ref.shape and g.dtype == g_ref.dtype, name
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name
-    err = _rel_err(g, g_ref)
+    err = cases.rel_err(g, g_ref)
     assert err < GRAD_TOL[dtype], f"d{name}: relative error {err:.2e}"
 
 
@@ -190,16 +148,16 @@ class MgpuCases:
     assert empty[:4].all() and empty[64:76].all() and empty[104:].all() and empty.sum() == 40
     kw = dict(causal=True, q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg),
               q_positions=jnp.asarray(q_pos))
-    o, l, (dq, dk, dv) = _out_lse_grads(self._kernel, q, k, v, kw)
+    o, l, (dq, dk, dv) = cases.out_lse_grads(self._kernel, q, k, v, kw)
     np.testing.assert_array_equal(np.isneginf(np.asarray(l[0])), np.stack([empty] * h, 1))
     assert np.all(np.asarray(o, np.float32)[0, empty] == 0.0)
     for grad in (dq, dk, dv):
       assert np.all(np.isfinite(np.asarray(grad, np.float32)))
     assert np.all(np.asarray(dq, np.float32)[0, empty] == 0.0)
-    o_ref, _, grads_ref = _out_lse_grads(flash_attention_reference, q, k, v, kw)
-    assert _rel_err(o, o_ref) < OUT_TOL[BF16]
+    o_ref, _, grads_ref = cases.out_lse_grads(flash_attention_reference, q, k, v, kw)
+    assert cases.rel_err(o, o_ref) < OUT_TOL[BF16]
     for grad, grad_ref in zip((dq, dk, dv), grads_ref):
-      assert _rel_err(grad, grad_ref) < GRAD_TOL[BF16]
+      assert cases.rel_err(grad, grad_ref) < GRAD_TOL[BF16]
 
   @pytest.mark.parametrize("bwd", ["split", "fused"])
   def test_both_backwards_at_head_dim_128(self, bwd):
@@ -253,12 +211,12 @@ class TestMgpuInterpret(MgpuCases):
   def _kernel(self, q, k, v, **kw):
     return fam.flash_attention_mgpu(q, k, v, interpret=self.params, **kw)
 
-  @pytest.mark.parametrize("case", INTERPRET_CASES, ids=_case_id)
+  @pytest.mark.parametrize("case", INTERPRET_CASES, ids=cases.case_id)
   def test_matches_reference(self, case):
     _check_against_reference(self._kernel, case)
 
   @pytest.mark.slow
-  @pytest.mark.parametrize("case", INTERPRET_CASES_SLOW, ids=_case_id)
+  @pytest.mark.parametrize("case", INTERPRET_CASES_SLOW, ids=cases.case_id)
   def test_matches_reference_more(self, case):
     _check_against_reference(self._kernel, case)
 
@@ -267,21 +225,21 @@ class TestMgpuInterpret(MgpuCases):
     stores dk into its half of the K tile while warpgroup 1's last dS K product reads that
     tile: without the barrier before that store, dq is wrong (relative error 0.5 - 0.8)."""
     case = (1, 128, 128, 2, 2, 128, False, BF16, "")
-    q, k, v, kw = _inputs(case)
+    q, k, v, kw = cases.inputs(case)
     fn = lambda q, k, v, **kw: self._kernel(q, k, v, bwd="fused", **kw)
-    results = _SLOW.run({1: 0.05}, lambda: _out_lse_grads(fn, q, k, v, kw))
+    results = _SLOW.run({1: 0.05}, lambda: cases.out_lse_grads(fn, q, k, v, kw))
     _check_against_reference(fn, case, results=results)
 
   @pytest.mark.slow
   @pytest.mark.parametrize("bwd", ["fused", "split"])
-  @pytest.mark.parametrize("case", STRESS_CASES, ids=_case_id)
+  @pytest.mark.parametrize("case", STRESS_CASES, ids=cases.case_id)
   def test_backward_is_bitwise_deterministic(self, case, bwd):
     """The same inputs, run again and again, some runs with one warpgroup lagging (either
     compute warpgroup's wgmmas, or the memory warpgroup's TMA loads): out, lse, dq, dk, dv
     bitwise equal every time (and close to the reference)."""
-    q, k, v, kw = _inputs(case)
+    q, k, v, kw = cases.inputs(case)
     fn = lambda q, k, v, **kw: self._kernel(q, k, v, bwd=bwd, **kw)
-    run = lambda: _out_lse_grads(fn, q, k, v, kw)
+    run = lambda: cases.out_lse_grads(fn, q, k, v, kw)
     first = run()
     _check_against_reference(fn, case, results=first)
     want = _bits(first)
@@ -387,9 +345,9 @@ class TestMgpuLowering:
       (BF16, 128, True, "seg+pos", "fused"), (BF16, 128, True, "", "split"),
       (BF16, 64, True, "seg+pos", "split"), (F16, 64, False, "seg", "split")])
   def test_lowers_for_h100(self, dtype, kd, causal, masks, bwd):
-    q, k, v, kw = _inputs((1, 1000, 1024, 4, 2, kd, causal, dtype, masks))
+    q, k, v, kw = cases.inputs((1, 1000, 1024, 4, 2, kd, causal, dtype, masks))
     fn = lambda q, k, v, **kw: fam.flash_attention_mgpu(q, k, v, interpret=False, bwd=bwd, **kw)
-    hlo = _lower_for_h100(lambda q, k, v: _vjp_outputs(fn, q, k, v, kw), q, k, v)
+    hlo = _lower_for_h100(lambda q, k, v: cases.vjp_outputs(fn, q, k, v, kw), q, k, v)
     # forward + (dq and dk/dv, or the fused backward)
     assert hlo.count("stablehlo.custom_call @mosaic_gpu") == (3 if bwd == "split" else 2)
 
@@ -429,11 +387,11 @@ class TestMgpuGpu(MgpuCases):
     return fam.flash_attention_mgpu(q, k, v, interpret=False, **kw)
 
   @pytest.mark.parametrize("case", INTERPRET_CASES + INTERPRET_CASES_SLOW + GPU_CASES,
-                           ids=_case_id)
+                           ids=cases.case_id)
   def test_matches_reference(self, case):
     _check_against_reference(self._kernel, case)
 
-  @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[5] == 128], ids=_case_id)
+  @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[5] == 128], ids=cases.case_id)
   def test_split_backward_at_head_dim_128(self, case):
     _check_against_reference(lambda q, k, v, **kw: self._kernel(q, k, v, bwd="split", **kw),
                              case)
@@ -444,13 +402,13 @@ class TestMgpuGpu(MgpuCases):
     fused dq adds the CTAs' partials by TMA reduce-add in whatever order they land, so it
     is equal up to fp32 rounding order only."""
     case = (2, 2048, 2048, 8, 2, 128, True, BF16, "seg+pos")
-    q, k, v, kw = _inputs(case)
+    q, k, v, kw = cases.inputs(case)
     fn = lambda q, k, v, **kw: self._kernel(q, k, v, bwd=bwd, **kw)
-    runs = [_bits(_out_lse_grads(fn, q, k, v, kw)) for _ in range(10)]
+    runs = [_bits(cases.out_lse_grads(fn, q, k, v, kw)) for _ in range(10)]
     for got in runs[1:]:
       for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, runs[0]):
         if name == "dq" and bwd == "fused":
-          assert _rel_err(a, b) < 2 ** -7, name
+          assert cases.rel_err(a, b) < 2 ** -7, name
         else:
           np.testing.assert_array_equal(a, b, err_msg=name)
 

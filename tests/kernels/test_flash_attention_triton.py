@@ -17,6 +17,7 @@ import pytest
 from kernels.flash_attention_reference import flash_attention_reference
 from kernels.flash_attention_triton import flash_attention_triton as flash_attention
 from llm.attention import attention, get_attention
+from tests.kernels import attention_cases as cases
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # Normalized max error (max |a - b| / max |b|) allowed, by input dtype: a few units in the
@@ -25,61 +26,19 @@ OUT_TOL = {F32: 2e-5, BF16: 2e-2, F16: 3e-3}
 LSE_TOL = {F32: 2e-5, BF16: 1e-3, F16: 1e-3}
 GRAD_TOL = {F32: 5e-5, BF16: 3e-2, F16: 5e-3}
 
-# (B, T, S, H, G, K, causal, dtype, masks): masks in {"", "seg", "pos", "seg+pos"}.
+# (B, T, S, H, G, K, causal, dtype, masks): tests/kernels/attention_cases.py.
 CASES = [
     (1, 40, 40, 4, 2, 32, True, F32, ""),           # T, S not block multiples; GQA
     (2, 64, 40, 2, 1, 16, False, F32, ""),          # T != S, multi-query
     (1, 40, 64, 2, 2, 64, True, F32, ""),           # head dim 64; more keys than queries
     (1, 64, 24, 4, 2, 16, True, F32, ""),           # more queries than keys
-    (1, 40, 48, 4, 2, 16, True, F32, "seg+pos"),    # packed segments, permuted positions
+    (1, 40, 48, 4, 2, 16, True, F32, "seg+perm"),   # packed segments, permuted positions
     (2, 32, 32, 2, 1, 16, True, F32, "pos"),        # ring-style offset positions
     (1, 64, 64, 4, 2, 32, True, BF16, ""),
     (1, 40, 40, 2, 1, 16, False, BF16, "seg"),
-    (1, 48, 40, 4, 2, 32, True, F16, "seg+pos"),
+    (1, 48, 40, 4, 2, 32, True, F16, "seg+perm"),
 ]
 
-
-def _case_id(c):
-  b, t, s, h, g, k, causal, dtype, masks = c
-  return (f"B{b}T{t}S{s}H{h}G{g}K{k}-{'causal' if causal else 'full'}-"
-          f"{jnp.dtype(dtype).name}{'-' + masks if masks else ''}")
-
-
-def _inputs(case, seed=0):
-  b, t, s, h, g, kd, causal, dtype, masks = case
-  rng = np.random.default_rng(seed)
-  q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
-             for shape in ((b, t, h, kd), (b, s, g, kd), (b, s, g, kd)))
-  kw = dict(causal=causal)
-  if "seg" in masks:   # packed documents: sorted ids, a few per row
-    kw["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1), jnp.int32)
-    kw["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32)
-  if "pos" in masks and "seg" in masks:   # arbitrary order, as after a load-balancing shuffle
-    kw["q_positions"] = jnp.asarray(np.stack([rng.permutation(t) for _ in range(b)]), jnp.int32)
-    kw["kv_positions"] = jnp.asarray(np.stack([rng.permutation(s) for _ in range(b)]), jnp.int32)
-  elif "pos" in masks:  # a ring step: this query chunk sits after part of the key chunk
-    kw["q_positions"] = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + s // 2, (b, t))
-    kw["kv_positions"] = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  return q, k, v, kw
-
-
-def _rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-6))
-
-
-def _vjp_outputs(fn, q, k, v, kw):
-  """(out, lse) and the grads of sum(out * w) + sum(lse * u) (the lse term where finite)."""
-  (o, l), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
-  w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape).astype(o.dtype)
-  u = jnp.where(jnp.isfinite(l), jnp.sin(jnp.arange(l.size, dtype=jnp.float32)).reshape(l.shape),
-                0.0)
-  return o, l, vjp((w, u))
-
-
-def _out_lse_grads(fn, q, k, v, kw):
-  """_vjp_outputs in one jit (one compile per case keeps interpret mode fast)."""
-  return jax.jit(lambda q, k, v: _vjp_outputs(fn, q, k, v, kw))(q, k, v)
 
 
 class _FlashAttentionCases:
@@ -90,22 +49,22 @@ class _FlashAttentionCases:
   def _kernel(self, q, k, v, **kw):
     return flash_attention(q, k, v, interpret=self.interpret, **self.blocks, **kw)
 
-  @pytest.mark.parametrize("case", CASES, ids=_case_id)
+  @pytest.mark.parametrize("case", CASES, ids=cases.case_id)
   def test_matches_reference(self, case):
-    q, k, v, kw = _inputs(case)
+    q, k, v, kw = cases.inputs(case)
     dtype = case[7]
-    o, l, grads = _out_lse_grads(self._kernel, q, k, v, kw)
-    o_ref, l_ref, grads_ref = _out_lse_grads(flash_attention_reference, q, k, v, kw)
+    o, l, grads = cases.out_lse_grads(self._kernel, q, k, v, kw)
+    o_ref, l_ref, grads_ref = cases.out_lse_grads(flash_attention_reference, q, k, v, kw)
     assert o.shape == q.shape and o.dtype == q.dtype and l.shape == q.shape[:3]
     assert l.dtype == jnp.float32
     np.testing.assert_array_equal(np.isfinite(l), np.isfinite(l_ref))
-    assert _rel_err(o, o_ref) < OUT_TOL[dtype]
+    assert cases.rel_err(o, o_ref) < OUT_TOL[dtype]
     fin = np.isfinite(np.asarray(l_ref))
-    assert _rel_err(np.asarray(l)[fin], np.asarray(l_ref)[fin]) < LSE_TOL[dtype]
+    assert cases.rel_err(np.asarray(l)[fin], np.asarray(l_ref)[fin]) < LSE_TOL[dtype]
     for name, g, g_ref in zip("qkv", grads, grads_ref):
       assert g.shape == g_ref.shape and g.dtype == g_ref.dtype, name
       assert np.all(np.isfinite(np.asarray(g, np.float32))), name
-      err = _rel_err(g, g_ref)
+      err = cases.rel_err(g, g_ref)
       assert err < GRAD_TOL[dtype], f"d{name}: relative error {err:.2e}"
 
   def test_fully_masked_rows(self):
@@ -125,28 +84,28 @@ class _FlashAttentionCases:
     assert empty[:4].all() and empty[20:28].all() and empty[32:].all() and empty.sum() == 20
     kw = dict(causal=True, q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg),
               q_positions=jnp.asarray(q_pos))
-    o, l, (dq, dk, dv) = _out_lse_grads(self._kernel, q, k, v, kw)
+    o, l, (dq, dk, dv) = cases.out_lse_grads(self._kernel, q, k, v, kw)
     np.testing.assert_array_equal(np.isneginf(np.asarray(l[0])), np.stack([empty] * h, 1))
     assert np.all(np.asarray(o)[0, empty] == 0.0)
     assert not np.any(np.isnan(np.asarray(l)))
     for grad in (dq, dk, dv):
       assert np.all(np.isfinite(np.asarray(grad)))
     assert np.all(np.asarray(dq)[0, empty] == 0.0)
-    o_ref, _, grads_ref = _out_lse_grads(flash_attention_reference, q, k, v, kw)
-    assert _rel_err(o, o_ref) < OUT_TOL[F32]
+    o_ref, _, grads_ref = cases.out_lse_grads(flash_attention_reference, q, k, v, kw)
+    assert cases.rel_err(o, o_ref) < OUT_TOL[F32]
     for grad, grad_ref in zip((dq, dk, dv), grads_ref):
-      assert _rel_err(grad, grad_ref) < GRAD_TOL[F32]
+      assert cases.rel_err(grad, grad_ref) < GRAD_TOL[F32]
 
   def test_uneven_tiles(self):
     """Forward tiles 32 x 16, backward 16 x 16, padded T and S: same numbers."""
-    q, k, v, kw = _inputs((1, 40, 56, 4, 2, 16, True, F32, ""), seed=2)
+    q, k, v, kw = cases.inputs((1, 40, 56, 4, 2, 16, True, F32, ""), seed=2)
     fn = lambda q, k, v, **kw: flash_attention(q, k, v, interpret=self.interpret, block_q=32,
                                                block_k=16, block_q_bwd=16, **kw)
-    o, l, grads = _out_lse_grads(fn, q, k, v, kw)
-    o_ref, l_ref, grads_ref = _out_lse_grads(flash_attention_reference, q, k, v, kw)
-    assert _rel_err(o, o_ref) < OUT_TOL[F32] and _rel_err(l, l_ref) < LSE_TOL[F32]
+    o, l, grads = cases.out_lse_grads(fn, q, k, v, kw)
+    o_ref, l_ref, grads_ref = cases.out_lse_grads(flash_attention_reference, q, k, v, kw)
+    assert cases.rel_err(o, o_ref) < OUT_TOL[F32] and cases.rel_err(l, l_ref) < LSE_TOL[F32]
     for grad, grad_ref in zip(grads, grads_ref):
-      assert _rel_err(grad, grad_ref) < GRAD_TOL[F32]
+      assert cases.rel_err(grad, grad_ref) < GRAD_TOL[F32]
 
 
 class TestFlashAttentionInterpret(_FlashAttentionCases):
@@ -154,21 +113,21 @@ class TestFlashAttentionInterpret(_FlashAttentionCases):
   interpret = True
 
   def test_registered_as_pallas_triton(self):
-    q, k, v, kw = _inputs((1, 16, 16, 2, 1, 16, True, F32, ""))
+    q, k, v, kw = cases.inputs((1, 16, 16, 2, 1, 16, True, F32, ""))
     assert get_attention("pallas_triton") is flash_attention
     o, l = attention(q, k, v, impl="pallas_triton", **kw)
     o_ref, l_ref = attention(q, k, v, impl="xla", **kw)
-    assert _rel_err(o, o_ref) < OUT_TOL[F32] and _rel_err(l, l_ref) < LSE_TOL[F32]
+    assert cases.rel_err(o, o_ref) < OUT_TOL[F32] and cases.rel_err(l, l_ref) < LSE_TOL[F32]
 
   @pytest.mark.parametrize("device_kind,dtype,masks", [
-      ("NVIDIA H100 80GB HBM3", BF16, ""), ("NVIDIA H200", F32, "seg+pos")])
+      ("NVIDIA H100 80GB HBM3", BF16, ""), ("NVIDIA H200", F32, "seg+perm")])
   def test_lowers_to_triton_for_hopper(self, device_kind, dtype, masks):
     """AOT-lower forward + backward for a Hopper GPU from this CPU: every kernel body must
     lower to Triton IR (Triton's own passes and ptxas run only on a GPU machine)."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    q, k, v, kw = _inputs((1, 200, 136, 4, 2, 128, True, dtype, masks))
+    q, k, v, kw = cases.inputs((1, 200, 136, 4, 2, 128, True, dtype, masks))
     fn = lambda q, k, v, **kw: flash_attention(q, k, v, interpret=False, **kw)
-    run = jax.jit(lambda q, k, v: _vjp_outputs(fn, q, k, v, kw))
+    run = jax.jit(lambda q, k, v: cases.vjp_outputs(fn, q, k, v, kw))
     device = AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
     with use_abstract_mesh(mesh), pytest.warns(DeprecationWarning, match="Triton backend"):
@@ -176,7 +135,7 @@ class TestFlashAttentionInterpret(_FlashAttentionCases):
     assert hlo.count("__gpu$xla.gpu.triton") == 3      # forward, dk/dv, dq
 
   def test_rejects_bad_block(self):
-    q, k, v, _ = _inputs((1, 16, 16, 2, 1, 16, True, F32, ""))
+    q, k, v, _ = cases.inputs((1, 16, 16, 2, 1, 16, True, F32, ""))
     with pytest.raises(ValueError, match="block_q=24"):
       flash_attention(q, k, v, block_q=24, interpret=True)
 
@@ -195,10 +154,10 @@ class TestFlashAttentionGpu(_FlashAttentionCases):
   @pytest.mark.parametrize("causal", [True, False])
   def test_large_bf16_head128(self, causal):
     case = (2, 1024, 1024, 8, 2, 128, causal, BF16, "")
-    q, k, v, kw = _inputs(case)
-    o, l, grads = _out_lse_grads(
+    q, k, v, kw = cases.inputs(case)
+    o, l, grads = cases.out_lse_grads(
         lambda *a, **kw: flash_attention(*a, interpret=False, **kw), q, k, v, kw)
-    o_ref, l_ref, grads_ref = _out_lse_grads(flash_attention_reference, q, k, v, kw)
-    assert _rel_err(o, o_ref) < OUT_TOL[BF16] and _rel_err(l, l_ref) < LSE_TOL[BF16]
+    o_ref, l_ref, grads_ref = cases.out_lse_grads(flash_attention_reference, q, k, v, kw)
+    assert cases.rel_err(o, o_ref) < OUT_TOL[BF16] and cases.rel_err(l, l_ref) < LSE_TOL[BF16]
     for grad, grad_ref in zip(grads, grads_ref):
-      assert _rel_err(grad, grad_ref) < GRAD_TOL[BF16]
+      assert cases.rel_err(grad, grad_ref) < GRAD_TOL[BF16]

@@ -17,6 +17,7 @@ import pytest
 
 from kernels.flash_attention_reference import flash_attention_reference
 from kernels.paged_attention import paged_attention, paged_attention_reference
+from tests.kernels.attention_cases import rel_err
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOL = {F32: 2e-5, BF16: 2e-2}
@@ -49,11 +50,6 @@ def _inputs(case, seed=0):
   q_pos = np.maximum(lengths[:, None] - t + np.arange(t)[None, :], 0).astype(np.int32)
   q_pos[-1] = np.arange(t)            # the empty row's queries: positions with no key written
   return q, k_pages, v_pages, tables, jnp.asarray(lengths), jnp.asarray(q_pos)
-
-
-def _rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-6))
 
 
 def test_reference_equals_attention_over_a_contiguous_cache():
@@ -94,10 +90,10 @@ class _PagedAttentionCases:
     out_ref, lse_ref = paged_attention_reference(*args)
     dtype = case[-1]
     assert out.shape == out_ref.shape and out.dtype == out_ref.dtype
-    assert _rel_err(out, out_ref) < TOL[dtype]
+    assert rel_err(out, out_ref) < TOL[dtype]
     assert np.all(np.isneginf(np.asarray(lse[-1])))       # the empty row sees no key
     assert np.all(np.asarray(out[-1]) == 0)
-    assert _rel_err(lse[:-1], lse_ref[:-1]) < TOL[dtype]
+    assert rel_err(lse[:-1], lse_ref[:-1]) < TOL[dtype]
 
 
 class TestPagedAttentionInterpret(_PagedAttentionCases):
