@@ -184,8 +184,10 @@ def test_other_table_sizes_are_refused_in_one_line(data, rw8, tmp_path):
 def test_every_kind_resumes_on_4_2x4_and_1_and_predicts_on_1(kind, opt, data, tmp_path, capsys):
   """DLRM small (embedding dim 16: cw cuts 4 chunks on 8 and 4 devices, 1 on one)."""
   full, task = train(data, str(tmp_path / "full"), "data:8", 8, kind, opt=opt, model="dlrm")
-  np.testing.assert_array_equal(predictions(str(tmp_path / "full"), 1),
-                                predictions(str(tmp_path / "full"), 8))
+  # The same weights on 1 and on 8 devices: the MLPs' products over 128 rows and over 16 may
+  # group their sums otherwise (jax 0.12's XLA:CPU does, by a unit in the last place).
+  np.testing.assert_allclose(predictions(str(tmp_path / "full"), 1),
+                             predictions(str(tmp_path / "full"), 8), rtol=1e-5)
   for mesh, n in (("data:2,model:4", 8), ("data:4", 4), ("data:1", 1)):
     capsys.readouterr()
     wd = from_step(str(tmp_path / "full"), str(tmp_path / f"r_{mesh}"))
