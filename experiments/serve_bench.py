@@ -109,8 +109,7 @@ def define_flags() -> None:
       SERVER_TIMEOUT_S, checkpoint=None, preset="tiny", dtype="float32", weights="float32",
       rates=["1", "4"], concurrency=["1", "8"], num_requests=16, prompt_lens=["32", "128"],
       output_lens=["32", "64"], slo_ttft_s=2.0, slo_tpot_s=0.2, draft="", decode_vocab=0,
-      mesh="",
-      compilation_cache_dir="", seed=0, rounds=1, targets=["engine"], threads=2,
+      mesh="", compilation_cache_dir="", seed=0, rounds=1, targets=["engine"], threads=2,
       peer_python="", server_timeout_s=3600.0, workdir="runs/serve_bench")
 
 
