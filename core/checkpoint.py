@@ -65,7 +65,8 @@ def write_error(directory: str, step: int, e: BaseException) -> CheckpointWriteE
     code = int(m.group(1))
     f = _TS_FILE.search(text)
     path = f.group(1) if f else None
-  what = os.strerror(code) if code else (getattr(e, "strerror", None) or text.splitlines()[0])
+  what = os.strerror(code) if code else (getattr(e, "strerror", None) or
+                                         (text.splitlines() or [type(e).__name__])[0])
   name = errno.errorcode.get(code, "")
   return CheckpointWriteError(
       f"checkpoint {directory}/{step}: writing {path or directory} failed: {what}"
@@ -181,6 +182,8 @@ class Checkpointer:
         json.dump(meta, f)
       os.replace(tmp, path)
     except OSError as e:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
       raise write_error(self.directory, step, e) from None
 
   def restore_meta(self, step: int) -> dict[str, Any]:

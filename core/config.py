@@ -93,8 +93,7 @@ class Setting:
     if (self.kind == "enum") != (self.choices is not None):
       raise ValueError(f"Setting {self.name!r}: choices go with kind='enum' (and only there)")
 
-  def field(self, default: Any = _MISSING, *, choices: Sequence[str] | None = None,
-            default_factory: Callable[[], Any] | None = None) -> Any:
+  def field(self, default: Any = _MISSING, *, choices: Sequence[str] | None = None) -> Any:
     """A dataclass field holding this setting, with the config's default; `choices` narrows
     an enum's choices for this config (a subset of the setting's)."""
     if choices is not None:
@@ -103,8 +102,6 @@ class Setting:
         raise ValueError(f"Setting {self.name!r}: choices {list(choices)} are not a subset "
                          f"of {self.choices}")
     meta = {"setting": self, "choices": tuple(choices) if choices is not None else self.choices}
-    if default_factory is not None:
-      return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
   def narrowed(self, lower: float | None = None, upper: float | None = None) -> "Setting":
@@ -173,7 +170,7 @@ class Setting:
         except ValueError as e:
           raise bad(str(e)) from None
       return value
-    kind_of = f"a {type(value).__name__}"
+    kind_of = _a(type(value).__name__)
     if self.kind in ("string", "enum"):
       if not isinstance(value, str):
         raise bad(kind_of)
@@ -321,6 +318,11 @@ def _assemble(cls: type, prefix: tuple[str, ...], values: Mapping[str, Any]) -> 
     elif f.name in values:
       kw[f.name] = values[f.name]
   return cls(**kw)
+
+
+def _a(noun: str) -> str:
+  """'a str', 'an int': a type's name with its article, for the messages."""
+  return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _where(where: str, name: str, value: Any) -> str:
@@ -508,11 +510,12 @@ def read_file(cls: type | None, path: str,
     got = module["get_config"]()
   if dataclasses.is_dataclass(got) and not isinstance(got, type):
     if cls is None or type(got) is not cls:
-      want = "a dict of settings" if cls is None else f"a {cls.__name__} or a dict of its settings"
-      raise errors.expected(path, f"get_config() returns a {type(got).__name__}", want)
+      want = ("a dict of settings" if cls is None else
+              f"{_a(cls.__name__)} or a dict of its settings")
+      raise errors.expected(path, f"get_config() returns {_a(type(got).__name__)}", want)
     got = flat(got)
   if not isinstance(got, Mapping):
-    raise errors.expected(path, f"a {type(got).__name__}", "a dict of settings by name")
+    raise errors.expected(path, _a(type(got).__name__), "a dict of settings by name")
   table = leaves(cls) if cls is not None else {}
   out = {}
   for name, value in got.items():

@@ -143,18 +143,22 @@ class FaultModel:
   @classmethod
   def parse(cls, text: str) -> FaultModel:
     """"single" | "single:<bit>" | "multi:<k>" | "burst:<k>" | "burst:<k>:<start bit>"."""
-    parts = text.split(":")
+    kind, *args = text.split(":")
     try:
-      if parts[0] == "single" and len(parts) <= 2:
-        return cls("single", int(parts[1]) if len(parts) == 2 else None)
-      if parts[0] == "multi" and len(parts) == 2:
-        return cls("multi", None, int(parts[1]))
-      if parts[0] == "burst" and len(parts) in (2, 3):
-        return cls("burst", int(parts[2]) if len(parts) == 3 else None, int(parts[1]))
+      nums = [int(a) for a in args]
     except ValueError:
-      pass
-    raise ValueError(f"fault model {text!r}: expected single, single:<bit>, multi:<k>, "
-                     "burst:<k> or burst:<k>:<start bit>")
+      nums = None
+    if nums is None or len(nums) not in {"single": (0, 1), "multi": (1,),
+                                         "burst": (1, 2)}.get(kind, ()):
+      raise ValueError(f"fault model {text!r}: expected single, single:<bit>, multi:<k>, "
+                       "burst:<k> or burst:<k>:<start bit>")
+    if kind != "single" and nums[0] < 1:
+      raise ValueError(f"fault model {text!r}: k={nums[0]}; expected k >= 1 bits")
+    if kind == "single":
+      return cls("single", nums[0] if nums else None)
+    if kind == "multi":
+      return cls("multi", None, nums[0])
+    return cls("burst", nums[1] if len(nums) == 2 else None, nums[0])
 
   @property
   def label(self) -> str:
@@ -212,18 +216,21 @@ def top1_criterion() -> Callable[[jax.Array, jax.Array], jax.Array]:
 
 
 def make_criterion(text: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """"threshold[:t]" (default 0.5) | "tol:<x>" | "top1"."""
+  """"threshold[:t]" (default 0.5) | "tol:<x>" (x >= 0) | "top1". A NaN t or x, under
+  which every comparison is false, is refused."""
   name, _, arg = text.partition(":")
   try:
-    if name == "threshold":
-      return threshold_criterion(float(arg) if arg else 0.5)
-    if name == "tol" and arg:
-      return tolerance_criterion(float(arg))
-    if name == "top1" and not arg:
-      return top1_criterion()
+    value = float(arg) if arg else None
   except ValueError:
-    pass
-  raise ValueError(f"criterion {text!r}: expected threshold[:t], tol:<x> or top1")
+    value = math.nan
+  if name == "threshold" and not (value is not None and math.isnan(value)):
+    return threshold_criterion(0.5 if value is None else value)
+  if name == "tol" and value is not None and value >= 0:
+    return tolerance_criterion(value)
+  if name == "top1" and not arg:
+    return top1_criterion()
+  raise ValueError(f"criterion {text!r}: expected threshold[:t], tol:<x> with x >= 0, or "
+                   "top1")
 
 
 # ------------------------------------------------------------------ estimation

@@ -650,6 +650,10 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
   if not cfg.checkpoint_every_minutes >= 0:
     raise ValueError(f"--checkpoint_every_minutes={cfg.checkpoint_every_minutes}: expected "
                      ">= 0 (0: no time-based checkpoints)")
+  if cfg.nonfinite == "skip" and (
+      "skip_nonfinite" not in inspect.signature(task.train_step).parameters):
+    raise ValueError(f"--nonfinite=skip: {type(task).__name__}.train_step takes no "
+                     "skip_nonfinite argument; use --nonfinite=stop")
   with workdir_lib.held(cfg.workdir), _StopSignals() as signals:
     return _train(task, train_batches, eval_batches, cfg, signals, hooks)
 
@@ -662,12 +666,10 @@ def _train(task: Task, train_batches: Callable[[int], Iterator[Any]],
   os.makedirs(cfg.workdir, exist_ok=True)
   latest = check_resume(cfg)
   train_step = task.train_step
-  if cfg.nonfinite == "skip":
-    if "skip_nonfinite" not in inspect.signature(task.train_step).parameters:
-      raise ValueError(f"--nonfinite=skip: {type(task).__name__}.train_step takes no "
-                       "skip_nonfinite argument; use --nonfinite=stop")
+  if cfg.nonfinite == "skip":   # (`train` checked that the task's step takes it)
     train_step = functools.partial(task.train_step, skip_nonfinite=True)
   run = Run(task, cfg, eval_batches, signals)
+  batches = None
   try:
     run.restore(latest)
     step_fn = jax.jit(train_step, donate_argnums=0)
@@ -685,5 +687,9 @@ def _train(task: Task, train_batches: Callable[[int], Iterator[Any]],
       run.resume_clock()
     run.finish()
   finally:
+    if batches is not None:
+      # Now, not when the generator is collected: a raised error's traceback holds it, and
+      # with it the prefetch thread and the source (a loader's worker processes).
+      batches.close()
     run.close()
   return run.summary()

@@ -147,9 +147,12 @@ def claim(workdir: str) -> None:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-      if e.errno not in (errno.EAGAIN, errno.EACCES):
+      if e.errno not in (errno.EAGAIN, errno.EACCES):   # e.g. ENOLCK: no locks on this mount
         os.close(fd)
-        raise _path_error(workdir, e) from None
+        raise errors.expected(f"--workdir={workdir}",
+                              f"{path}: flock: {e.strerror or type(e).__name__}",
+                              "a file system with file locks (flock), or another --workdir"
+                              ) from None
       info = _read(fd)
       os.close(fd)
       who = describe(info) if info else "another process"

@@ -194,3 +194,106 @@ def test_a_config_file_sets_the_loose_settings_declared_in_config(tmp_path):
   fv(["prog", f"--config={row}"])
   config.apply_file(fv)
   assert (fv.steps, fv.repeats) == (8, None)
+
+
+def test_settings_defined_wrong_are_refused():
+  with pytest.raises(ValueError, match=r"^Setting 'x': kind='number'; expected one of \('string', "):
+    config.Setting("x", "number", "X.")
+  for kw in (dict(kind="enum"), dict(kind="string", choices=("a",))):
+    with pytest.raises(ValueError, match=r"^Setting 'x': choices go with kind='enum' \(and only there\)$"):
+      config.Setting("x", help="X.", **kw)
+  with pytest.raises(ValueError, match=r"^Setting 'test_config_mode': choices \['a', 'd'\] are "
+                                       r"not a subset of \('a', 'b', 'c'\)$"):
+    MODE.field("a", choices=("a", "d"))
+  with pytest.raises(ValueError, match=r"^Setting 'seed': choices \['1'\] are not a subset of None$"):
+    settings.SEED.field(0, choices=("1",))
+  with pytest.raises(KeyError, match=r"no setting --stepz is defined \(known: \[.*'steps'"):
+    config.get("stepz")
+
+
+@dataclasses.dataclass(frozen=True)
+class Twice:
+  loop: settings.LoopConfig = config.section(settings.LoopConfig)
+  steps: int = settings.STEPS.field(5)
+
+
+def test_a_flat_name_twice_and_flags_that_are_not_there():
+  with pytest.raises(ValueError, match=r"^Twice: setting 'steps' at steps and loop.steps; flat "
+                                       "names must be unique$"):
+    config.leaves(Twice)
+  with pytest.raises(ValueError, match=r"^define_flags\(Run2\): \['stepz'\] are not its settings "
+                                       r"\(expected some of \['steps', "):
+    config.define_flags(Run2, only=("stepz",), flag_values=flags.FlagValues())
+  with pytest.raises(ValueError, match=r"^define_flags: defaults for \['steps'\], which are not "
+                                       "defined here$"):
+    config.define_flags(None, "repeats", repeats=3, steps=4, flag_values=flags.FlagValues())
+
+
+SWITCH = config.setting("test_config_switch", "bool", "A switch.")
+NAMES = config.setting("test_config_names", "list", "Names.")
+RATE = config.setting("test_config_rate", "float", "A rate.", lower=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kinds:
+  test_config_switch: bool = SWITCH.field(False)
+  test_config_names: tuple = NAMES.field(("a",))
+  test_config_rate: float = RATE.field(1.0)
+  steps: int = settings.STEPS.field(3)
+  dtype: str = settings.DTYPE.field("float32")
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(steps=None), "--steps=None: unset; expected an integer >= 1"),
+    (dict(steps=2.5), "--steps=2.5: not an integer; expected an integer >= 1"),
+    (dict(steps=True), "--steps=True: a bool; expected an integer >= 1"),
+    (dict(dtype=16), "--dtype=16: an int; expected one of ['float32', 'bfloat16']"),
+    (dict(test_config_switch="yes"), "--test_config_switch='yes': a str; expected true or false"),
+    (dict(test_config_names=["a", 1]),
+     "--test_config_names=['a', 1]: a list; expected a list of strings"),
+    (dict(test_config_names=3), "--test_config_names=3: an int; expected a list of strings"),
+    (dict(test_config_rate=float("inf")),
+     "--test_config_rate=inf: not a finite number; expected a number >= 0"),
+    (dict(test_config_rate=float("nan")),
+     "--test_config_rate=nan: not a finite number; expected a number >= 0"),
+    (dict(test_config_rate=-1), "--test_config_rate=-1.0: out of range; expected a number >= 0"),
+])
+def test_a_value_of_the_wrong_kind_is_one_line(values, message):
+  with pytest.raises(errors.UserError) as e:
+    config.build(Kinds, **values)
+  assert str(e.value) == message
+
+
+def test_values_of_each_kind_are_converted():
+  run = config.build(Kinds, test_config_switch=True, test_config_names="x, y,", steps=4.0,
+                     test_config_rate=2)
+  assert run == Kinds(True, ("x", "y"), 2.0, 4, "float32") and isinstance(run.steps, int)
+  several = SWITCH.several()
+  assert several.check("true,False", "--test_config_switch") == (True, False)
+  with pytest.raises(errors.UserError) as e:
+    several.check("true,yes", "--test_config_switch")
+  assert str(e.value) == "--test_config_switch='yes': not true or false; expected true or false"
+
+
+def test_config_files_that_are_not_there_or_return_a_config(tmp_path):
+  missing = tmp_path / "nope.py"
+  with pytest.raises(errors.UserError) as e:
+    config.from_flags(Run2, _parsed(f"--config={missing}"))
+  assert str(e.value) == f"--config={missing}: no such file; expected a Python or JSON config file"
+  # get_config() may return the config itself
+  row = tmp_path / "row.py"
+  row.write_text("from tests.core.test_config import Run2\n"
+                 "def get_config():\n  return Run2(seed=7)\n")
+  assert config.read_file(Run2, str(row)) == config.flat(Run2(seed=7))
+  assert config.from_flags(Run2, _parsed(f"--config={row}", "--steps=3")) == config.build(
+      Run2, seed=7, steps=3)
+  for cls, want in ((Kinds, "a Kinds or a dict of its settings"), (None, "a dict of settings")):
+    with pytest.raises(errors.UserError) as e:
+      config.read_file(cls, str(row))
+    assert str(e.value) == f"{row}: get_config() returns a Run2; expected {want}"
+  row.write_text("from tests.core.test_config import Inner2\n"
+                 "def get_config():\n  return Inner2()\n")
+  with pytest.raises(errors.UserError) as e:
+    config.read_file(Run2, str(row))
+  assert str(e.value) == (f"{row}: get_config() returns an Inner2; expected a Run2 or a dict of "
+                          "its settings")

@@ -170,3 +170,73 @@ def test_wilson_is_the_score_test_inversion(k, n):
   roots = np.sort(np.roots([1 + z * z / n, -(2 * ph + z * z / n), ph * ph]).real)
   lo, hi = faults.wilson(k, n)
   np.testing.assert_allclose([lo, hi], np.clip(roots, 0, 1), atol=1e-12)
+
+
+# ------------------------------------------------------------------ settings and their errors
+
+def test_fault_model_texts_and_their_errors():
+  assert [faults.FaultModel.parse(t) for t in ("single", "single:3", "multi:2", "burst:4")] == [
+      faults.FaultModel("single"), faults.FaultModel("single", 3),
+      faults.FaultModel("multi", bits=2), faults.FaultModel("burst", bits=4)]
+  for m in (faults.FaultModel("single"), faults.FaultModel("single", 3),
+            faults.FaultModel("multi", bits=2), faults.FaultModel("burst", bits=4),
+            faults.FaultModel("burst", 5, 2)):
+    assert faults.FaultModel.parse(m.label) == m   # a label is its text
+  forms = "expected single, single:<bit>, multi:<k>, burst:<k> or burst:<k>:<start bit>"
+  for text in ("single:x", "single:1:2", "multi", "burst", "burst:1:2:3", "double:2", ""):
+    with pytest.raises(ValueError) as e:
+      faults.FaultModel.parse(text)
+    assert str(e.value) == f"fault model {text!r}: {forms}"
+  for text in ("multi:0", "burst:-1:4"):   # the form is right, k is not
+    with pytest.raises(ValueError) as e:
+      faults.FaultModel.parse(text)
+    assert str(e.value) == f"fault model {text!r}: k={text.split(':')[1]}; expected k >= 1 bits"
+  with pytest.raises(ValueError, match=r"^FaultModel.kind='flip': expected single, multi or burst$"):
+    faults.FaultModel("flip")
+  with pytest.raises(ValueError, match=r"^FaultModel.bits=0: expected >= 1$"):
+    faults.FaultModel("burst", bits=0)
+  with pytest.raises(ValueError, match=r"^FaultModel: kind=multi picks its bits at random; got bit=3$"):
+    faults.FaultModel("multi", 3, 2)
+  with pytest.raises(ValueError, match=r"^fault multi:9: does not fit a 8-bit value$"):
+    faults.FaultModel("multi", bits=9).check(8)
+  with pytest.raises(ValueError, match=r"^fault single:-1: does not fit a 32-bit value$"):
+    faults.FaultModel("single", -1).check(32)
+
+
+def test_criteria_from_text():
+  ref = jnp.asarray([0.2, 0.6, 0.2, 0.6])
+  out = jnp.asarray([0.4, 0.55, np.nan, 0.7])
+  np.testing.assert_array_equal(faults.make_criterion("threshold")(ref, out), [0, 0, 1, 0])
+  np.testing.assert_array_equal(faults.make_criterion("threshold:0.3")(ref, out), [1, 0, 1, 0])
+  np.testing.assert_array_equal(faults.make_criterion("tol:0.1")(ref, out), [1, 0, 1, 0])
+  np.testing.assert_array_equal(faults.make_criterion("tol:0")(ref, out), [1, 1, 1, 1])
+  logits = jnp.asarray([[0.0, 1.0], [2.0, 1.0]])
+  np.testing.assert_array_equal(
+      faults.make_criterion("top1")(logits, jnp.asarray([[1.0, 0.0], [2.0, np.inf]])), [1, 1])
+  # NaN bounds would make every comparison false: no change ever counted, or every one
+  for text in ("threshold:nan", "threshold:x", "tol", "tol:", "tol:-0.1", "tol:nan", "top1:3",
+               "exact"):
+    with pytest.raises(ValueError) as e:
+      faults.make_criterion(text)
+    assert str(e.value) == (f"criterion {text!r}: expected threshold[:t], tol:<x> with x >= 0, "
+                            "or top1")
+
+
+def test_bad_formats_and_sizes_are_refused_before_any_trial():
+  with pytest.raises(ValueError, match=r"^format 'fp16': expected one of \('fp32', 'bf16', 'int8'\)$"):
+    faults.bit_width("fp16")
+  with pytest.raises(ValueError, match=r"^format 'fp16': expected one of"):
+    faults.encode(jnp.ones(3), "fp16")
+  with pytest.raises(ValueError, match=r"^flip_bits: dtype complex64 of 8 bytes; expected 1, 2 or 4$"):
+    faults.flip_bits(jnp.ones(2, jnp.complex64), jnp.uint32(1))
+  assert faults.wilson(0, 0) == (0.0, 1.0)   # no trials: nothing known
+
+  def never(*a):
+    raise AssertionError("a trial ran")
+  crit = faults.tolerance_criterion(0.0)
+  with pytest.raises(ValueError, match=r"^estimate: size=0, num_examples=4, trials=10; expected >= 1 each$"):
+    faults.estimate(never, {}, 0, 4, 32, faults.FaultModel(), crit, 10, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"^estimate: size=2147483648 values; int32 element indices need < 2\*\*31$"):
+    faults.estimate(never, {}, 2**31, 4, 32, faults.FaultModel(), crit, 10, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"^exhaustive: 2147483648 faults; expected < 2\*\*31 \(use estimate\)$"):
+    faults.exhaustive(never, {}, 2**20, 2**6, 32, crit)

@@ -2,10 +2,13 @@
 settings checked on resume, optimizer settings validated, non-finite steps stopped or skipped."""
 
 import dataclasses
+import errno
 import functools
 import json
 import os
 import re
+import signal
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -372,3 +375,208 @@ def test_steps_in_flight_are_bounded(tmp_path, monkeypatch, max_in_flight):
   with pytest.raises(ValueError, match="max_in_flight=-1"):
     train_lib.train(task, train_src.batches, None,
                     dataclasses.replace(loop, max_in_flight=-1))
+
+
+# --- the loop's own paths, on a task of two numbers (compiles in a moment)
+
+
+class _Counter:
+  """Each step adds batch k's [k, k] to `w` (loss = sum(w), finite); a batch whose `aux` is
+  inf puts it in the state's `aux`, which no loss or gradient norm shows. Its evaluation:
+  the sum of w . x over the eval batches."""
+
+  def init_state(self, seed):
+    return {"w": jnp.zeros(2), "aux": jnp.zeros(())}
+
+  def train_step(self, state, batch):
+    w = state["w"] + batch["x"]
+    return ({"w": w, "aux": state["aux"] + batch["aux"]},
+            {"loss": jnp.sum(w), "grad_norm": jnp.float32(1.0)})
+
+  def eval_step(self, state, batch):
+    return jnp.sum(state["w"] * batch["x"])
+
+  def device_batch(self, host):
+    return jax.tree.map(jnp.asarray, host)
+
+  def new_evaluator(self):
+    class Sum:
+      total = 0.0
+
+      def update(self, out, host):
+        self.total += float(out)
+
+      def result(self):
+        return {"sum": self.total}
+    return Sum()
+
+  def examples_in(self, host):
+    return 1
+
+
+def _counter_batches(bad=()):
+  def batches(start):
+    k = start
+    while True:
+      yield {"x": np.full(2, k, np.float32), "aux": np.float32(np.inf if k in bad else 0.0)}
+      k += 1
+  return batches
+
+
+def _loop(workdir, **kw):
+  return train_lib.TrainConfig(**{**dict(workdir=str(workdir), steps=6, log_every=3,
+                                         tensorboard=False), **kw})
+
+
+def test_settings_the_loop_refuses_before_touching_the_workdir(tmp_path):
+  w = tmp_path / "w"
+  for kw, want in [
+      (dict(nonfinite="maybe"), "--nonfinite='maybe': expected 'stop' or 'skip'"),
+      (dict(checkpoint_every_minutes=-1.0),
+       "--checkpoint_every_minutes=-1.0: expected >= 0 (0: no time-based checkpoints)"),
+      (dict(checkpoint_every_minutes=float("nan")),
+       "--checkpoint_every_minutes=nan: expected >= 0 (0: no time-based checkpoints)"),
+      (dict(nonfinite="skip"), "--nonfinite=skip: _Counter.train_step takes no skip_nonfinite "
+                               "argument; use --nonfinite=stop")]:
+    with pytest.raises(ValueError) as e:
+      train_lib.train(_Counter(), _counter_batches(), None, _loop(w, **kw))
+    assert str(e.value) == want
+  assert not w.exists()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resume_without_a_checkpoint_starts_at_zero(tmp_path, capsys, prefetch):
+  # a first run that never finished its first checkpoint: orbax's temporary directory only
+  os.makedirs(tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1")
+  assert train_lib.check_resume(_loop(tmp_path)) is None   # nothing to resume or refuse
+  out = train_lib.train(_Counter(), _counter_batches(), None,
+                        _loop(tmp_path, resume=True, prefetch=prefetch))
+  assert (f"--resume: no checkpoint under {tmp_path}/checkpoints; starting from step 0"
+          in capsys.readouterr().out.splitlines())
+  np.testing.assert_array_equal(out["state"]["w"], [15.0, 15.0])   # batches 0..5, in order
+  assert out["step"] == 6 and out["finished"]
+  assert list(train_lib._prefetch(iter(range(3)), lambda x: 10 * x, prefetch)) == [
+      (0, 0), (1, 10), (2, 20)]   # a source that ends, ends the batches
+
+
+def test_a_state_gone_non_finite_is_never_checkpointed(tmp_path):
+  with pytest.raises(train_lib.NonFiniteError) as e:
+    train_lib.train(_Counter(), _counter_batches(bad={2}), None,
+                    _loop(tmp_path, checkpoint_every=2))
+  assert str(e.value) == (
+      "training stopped: the state after step 4 holds non-finite values (first: ['aux']) "
+      "although the losses and gradient norms checked so far were finite. No checkpoint of "
+      f"the state after it was written; the last good checkpoint is {tmp_path}/checkpoints/2 "
+      "(step 2); continue from it with --resume. What to try: lower the learning rate; look "
+      "for bad values in batch 3 (the batch of step 4); or --nonfinite=skip to skip such steps "
+      "and count them (changing a setting on resume needs --resume_allow=NAME).")
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+  assert ckpt.all_steps() == [2]
+  ckpt.close()
+
+
+def _checkpoint(workdir, step, meta, state=None):
+  ckpt = ckpt_lib.Checkpointer(str(workdir))
+  ckpt.save(step, state or _Counter().init_state(0), {"step": step, **meta})
+  ckpt.close()
+
+
+def test_resume_checks_of_checkpoints_with_less_recorded(tmp_path, caplog):
+  # written by an older version: no planned steps, no settings
+  _checkpoint(tmp_path / "old", 3, {})
+  with pytest.raises(train_lib.RunSettingsError) as e:
+    train_lib.check_resume(_loop(tmp_path / "old"))
+  assert str(e.value).startswith(f"workdir '{tmp_path}/old' already holds a checkpoint at "
+                                 "step 3; pass --resume to continue that run")
+  with caplog.at_level("WARNING"):
+    assert train_lib.check_resume(_loop(tmp_path / "old", resume=True)) == 3
+  assert (f"{tmp_path}/old/checkpoints/3 holds no run settings (written by an older version): "
+          "resuming without checking them") in caplog.text
+  # settings recorded, but not one the run has now
+  saved = train_lib.run_settings(_loop(tmp_path / "new", settings={"lr": 0.1}))
+  _checkpoint(tmp_path / "new", 3, {"steps": 6, "settings": saved})
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    assert train_lib.check_resume(_loop(tmp_path / "new", resume=True,
+                                        settings={"lr": 0.1, "dropout": 0.2})) == 3
+  assert (f"settings ['dropout'] are not recorded in {tmp_path}/new/checkpoints/3 (written by "
+          "an older version); not checked") in caplog.text
+  # a deliberate change of a setting no run has
+  with pytest.raises(train_lib.RunSettingsError) as e:
+    train_lib.check_resume(_loop(tmp_path / "new", resume=True, settings={"lr": 0.1},
+                                 resume_allow=("lr", "l_r")))
+  assert str(e.value) == ("--resume_allow names unknown settings ['l_r']; the run's settings "
+                          f"are {sorted(saved)}")
+
+
+def test_a_second_signal_stops_at_once():
+  before = {s: signal.getsignal(s) for s in train_lib._StopSignals.SIGNALS}
+  with pytest.raises(KeyboardInterrupt):
+    with train_lib._StopSignals() as signals:
+      signal.raise_signal(signal.SIGTERM)
+      assert signals.signum == signal.SIGTERM   # the first is noted only
+      signal.raise_signal(signal.SIGINT)
+  assert {s: signal.getsignal(s) for s in before} == before
+
+
+def _eval_with_sigterm(n_batches=3):
+  def batches():
+    for k in range(n_batches):
+      if k == 1:
+        signal.raise_signal(signal.SIGTERM)   # noted; the eval stops before this batch
+      yield {"x": np.ones(2, np.float32), "aux": np.float32(0.0)}
+  return batches
+
+
+def test_a_stop_during_a_periodic_eval_saves_that_step(tmp_path):
+  with pytest.raises(train_lib.Interrupted) as e:
+    train_lib.train(_Counter(), _counter_batches(), _eval_with_sigterm(),
+                    _loop(tmp_path, eval_every=2, checkpoint_every=4))
+  assert str(e.value) == "stopped at step 2; checkpoint 2 kept; continue with --resume"
+  assert e.value.exit_status == 143
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+  assert ckpt.all_steps() == [2] and ckpt.restore_meta(2)["eval_step"] is None
+  ckpt.close()
+
+
+def test_a_stop_during_the_final_eval_after_a_failed_final_write(tmp_path, monkeypatch):
+  # "checkpoint 6 kept" would be false: the write's own error is what the run ends with
+  real_save = ckpt_lib.Checkpointer.save
+
+  def save(self, step, state, meta):
+    if step == 6:
+      raise ckpt_lib.write_error(self.directory, step,
+                                 OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    return real_save(self, step, state, meta)
+  monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
+  with pytest.raises(ckpt_lib.CheckpointWriteError) as e:
+    train_lib.train(_Counter(), _counter_batches(), _eval_with_sigterm(),
+                    _loop(tmp_path, checkpoint_every=3))
+  assert str(e.value).startswith(f"checkpoint {tmp_path}/checkpoints/6: writing "
+                                 f"{tmp_path}/checkpoints failed: No space left on device")
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+  assert ckpt.all_steps() == [3]
+  ckpt.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failed_run_closes_its_batch_source(tmp_path, prefetch):
+  # the error's traceback outlives `train` (here in pytest.raises): the source and the
+  # prefetch thread must not live on with it
+  closed = []
+
+  def batches(start):
+    k = start
+    try:
+      while True:
+        yield {"x": np.full(2, k, np.float32), "aux": np.float32(np.inf if k == 2 else 0.0)}
+        k += 1
+    finally:
+      closed.append(k)
+  threads = threading.active_count()
+  with pytest.raises(train_lib.NonFiniteError) as e:
+    train_lib.train(_Counter(), batches, None,
+                    _loop(tmp_path, checkpoint_every=2, prefetch=prefetch))
+  assert "holds non-finite values" in str(e.value)
+  assert len(closed) == 1 and closed[0] >= 3   # batches 0..3 taken, maybe more prefetched
+  assert threading.active_count() == threads

@@ -211,3 +211,110 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   assert out.stderr.strip().splitlines()[-1] == (
       f"error: --workdir={f}: {f}: File exists; expected a directory this run can create "
       "and write")
+
+
+def test_a_live_process_named_by_an_unshared_lock_is_refused(tmp_path, monkeypatch):
+  # the flock was granted, yet the file names a live process of this host: a file system
+  # whose locks do not reach here (or another user's process, which os.kill may not signal)
+  parent = os.getppid()
+  path = tmp_path / workdir_lib.LOCK_NAME
+  path.write_text(json.dumps({"host": socket.gethostname(), "pid": parent,
+                              "proc_start": workdir_lib._proc_start(parent),
+                              "started": "2026-01-01 00:00:00 UTC"}))
+  want = (f"--workdir={tmp_path}: locked by the live process of pid {parent} on host "
+          f"{socket.gethostname()} since 2026-01-01 00:00:00 UTC (this file system does not "
+          "share its lock); expected one run per workdir")
+  with pytest.raises(UserError) as e:
+    workdir_lib.claim(str(tmp_path))
+  assert str(e.value) == want
+
+  def not_permitted(pid, sig):
+    raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+  monkeypatch.setattr(os, "kill", not_permitted)
+  with pytest.raises(UserError) as e:
+    workdir_lib.claim(str(tmp_path))
+  assert str(e.value) == want and not workdir_lib.holds(str(tmp_path))
+  assert workdir_lib._proc_start(2**22 + 1) is None   # above any pid: no /proc entry
+
+
+def test_a_lock_file_it_cannot_read_is_not_taken_over(tmp_path, capsys):
+  path = tmp_path / workdir_lib.LOCK_NAME
+  path.write_text('{"host": "node-3", "pi')   # cut short
+  with pytest.raises(UserError) as e:
+    workdir_lib.claim(str(tmp_path))
+  assert str(e.value) == (f'--workdir={tmp_path}: locked by the run of pid ? on host ? since '
+                          f'{{"host": "node-3", "pi; expected one run per workdir; if that run '
+                          f'has ended, delete {path}')
+  # this host, a pid that is no number: no process of this host holds it
+  path.write_text(json.dumps({"host": socket.gethostname(), "pid": "123", "started": "x"}))
+  workdir_lib.claim(str(tmp_path))
+  workdir_lib.release(str(tmp_path))
+  assert capsys.readouterr().out == (f"{tmp_path}: taking over the lock of pid 123 on host "
+                                     f"{socket.gethostname()} since x, a process that is gone\n")
+
+
+def _open_fds():
+  return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_mount_without_locks_and_a_failed_write_are_one_line(tmp_path, monkeypatch):
+  import fcntl
+  fds = _open_fds()
+  real_flock = fcntl.flock
+
+  def no_locks(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+  monkeypatch.setattr(fcntl, "flock", no_locks)
+  with pytest.raises(UserError) as e:
+    workdir_lib.claim(str(tmp_path))
+  assert str(e.value) == (f"--workdir={tmp_path}: {tmp_path}/run.lock: flock: No locks "
+                          "available; expected a file system with file locks (flock), or "
+                          "another --workdir")
+  monkeypatch.setattr(fcntl, "flock", real_flock)
+
+  def full(fd):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(os, "fsync", full)
+  with pytest.raises(UserError) as e:
+    workdir_lib.claim(str(tmp_path))
+  assert str(e.value) == (f"--workdir={tmp_path}: {tmp_path}: No space left on device; "
+                          "expected a directory this run can create and write")
+  assert not workdir_lib.holds(str(tmp_path)) and _open_fds() == fds   # nothing held open
+  monkeypatch.undo()
+  workdir_lib.claim(str(tmp_path))   # the file it left is free
+  workdir_lib.release(str(tmp_path))
+
+
+def test_a_lock_file_removed_before_its_flock_is_opened_again(tmp_path, monkeypatch):
+  # its holder released it between this process's open and flock: the flock is on a file no
+  # longer at the path, so the claim starts over on the new file
+  fds = _open_fds()
+  lock = str(tmp_path / workdir_lib.LOCK_NAME)
+  real_stat, calls = os.stat, []
+
+  def stat(path, *a, **k):
+    if str(path) == lock:
+      calls.append(path)
+      if len(calls) == 1:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    return real_stat(path, *a, **k)
+  monkeypatch.setattr(os, "stat", stat)
+  workdir_lib.claim(str(tmp_path))
+  try:
+    assert len(calls) == 2 and _lock(tmp_path)["pid"] == os.getpid()
+    assert _open_fds() == fds + 1   # the first descriptor closed, the held one open
+  finally:
+    workdir_lib.release(str(tmp_path))
+  assert _open_fds() == fds
+
+
+def test_a_forked_child_at_exit_leaves_its_parents_lock(tmp_path, monkeypatch):
+  workdir_lib.claim(str(tmp_path))
+  try:
+    monkeypatch.setattr(workdir_lib, "_owner", os.getpid() + 1)   # as in a forked child
+    workdir_lib._release_all()
+    assert workdir_lib.holds(str(tmp_path)) and os.path.exists(tmp_path / workdir_lib.LOCK_NAME)
+  finally:
+    monkeypatch.undo()
+    workdir_lib.release(str(tmp_path))
+  assert not os.path.exists(tmp_path / workdir_lib.LOCK_NAME)
