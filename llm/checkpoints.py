@@ -118,8 +118,9 @@ def load_model(spec: str, dtype: str = "float32", weights: str = "float32"):
   if kind == "workdir" and weights != "float32":
     from llm import quantized
     quantized.check_mode(weights, kind)
-    cfg, model = load_model(spec, dtype)
+    cfg, model = load_model(spec)   # quantized from the float32 checkpoint, as other kinds
     flat = model_lib.weights_from_model(model)
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
     model_lib.load_weights(model, quantized.quantize(cfg, weights, weights=flat)[0])
     return cfg, model
@@ -148,18 +149,15 @@ def load_pretrained(spec: str, weights: str = "float32", tokenizer: str | None =
   from llm import quantized
   kind, _ = parse_spec(spec)
   if kind == "workdir":
+    quantized.check_mode(weights, kind)   # before the checkpoint is read
     cfg, model = load_model(spec)
     flat = model_lib.weights_from_model(model)
     if weights != "float32":
-      quantized.check_mode(weights, None, flag="--weights")
       flat = quantized.quantize(cfg, weights, weights=flat)[0]
   else:
     cfg, flat = load_weights(spec, weights)
-  tok = find_tokenizer(spec, tokenizer, cfg.vocab_size)
-  if tok is not None and tok.vocab_size > cfg.vocab_size:
-    raise ValueError(f"{tokenizer or tok.source}: vocabulary of {tok.vocab_size}; expected at "
-                     f"most the checkpoint's {cfg.vocab_size} ({spec})")
-  return cfg, flat, tok
+  # find_tokenizer's loaders refuse a vocabulary larger than cfg.vocab_size
+  return cfg, flat, find_tokenizer(spec, tokenizer, cfg.vocab_size)
 
 
 def check_params_finite(params, where: str) -> None:

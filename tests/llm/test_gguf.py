@@ -84,16 +84,17 @@ def write(path, cfg, hf, qtype="F32", arch="llama", meta=None, skip=(), extra=No
   `qtype` (K-quants: random blocks), norms F32. Returns {HF name: expected float32 [out, in]}."""
   rng = rng or np.random.default_rng(1)
   w = gguf.GGUFWriter(path, arch)
-  for key, value in {"context_length": cfg.max_seq_len, "embedding_length": cfg.dim,
-                     "block_count": cfg.n_layers, "feed_forward_length": cfg.ffn_dim,
-                     "attention.head_count": cfg.n_heads,
-                     "attention.head_count_kv": cfg.n_kv_heads,
-                     "rope.dimension_count": cfg.head_dim}.items():
-    w.add_uint32(f"{arch}.{key}", value)
-  w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
-  w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.norm_eps)
-  for key, value in (meta or {}).items():
-    (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
+  base = {f"{arch}.{key}": value for key, value in {
+      "context_length": cfg.max_seq_len, "embedding_length": cfg.dim,
+      "block_count": cfg.n_layers, "feed_forward_length": cfg.ffn_dim,
+      "attention.head_count": cfg.n_heads, "attention.head_count_kv": cfg.n_kv_heads,
+      "rope.dimension_count": cfg.head_dim, "rope.freq_base": float(cfg.rope_theta),
+      "attention.layer_norm_rms_epsilon": float(cfg.norm_eps)}.items()}
+  for key, value in {**base, **(meta or {})}.items():   # `meta` replaces a key or adds one
+    add = (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int)
+           else w.add_float32 if isinstance(value, float)
+           else w.add_array if isinstance(value, list) else w.add_string)
+    add(key, value)
   expected = {}
   for name, a in hf.items():
     g = _gguf_name(name)
@@ -281,6 +282,69 @@ def test_errors_name_file_tensor_and_key(tmp_path):
     G.read_gguf(str(tmp_path / "absent.gguf"))
 
 
+@pytest.mark.parametrize("meta,extra,match", [
+    ({"llama.attention.head_count_kv": [2, 1]}, None,
+     r"llama.attention.head_count_kv varies by layer \(\[2, 1\]\); expected one value"),
+    ({"llama.attention.head_count_kv": 3}, None, "metadata llama.attention.head_count_kv=3; "
+     "expected an integer >= 1 that divides head_count=4"),
+    ({"llama.attention.key_length": 63}, None, r"head dim 63 \(embedding_length=256, "
+     r"head_count=4, key_length\); expected an even number >= 2"),
+    ({"llama.attention.value_length": 32}, None, "key_length=64, value_length=32, "
+     r"rope.dimension_count=64; expected all equal"),
+    ({"llama.rope.freq_base": 1.0}, None, "metadata llama.rope.freq_base=1.0, llama.attention."
+     "layer_norm_rms_epsilon=.*; expected a RoPE base > 1 and an epsilon > 0"),
+    ({"split.count": 2}, None, "split.count=2: one file of a split GGUF; merge the parts"),
+    ({"llama.attention.sliding_window": 4, "llama.attention.sliding_window_pattern": [False]},
+     None, "metadata llama.attention.sliding_window_pattern all false; expected no "
+     "attention.sliding_window"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.original_context_length": 64}, {"rope_freqs.weight": np.ones(32,
+                                                                                 np.float32)},
+     "both llama.rope.scaling.type='yarn' and a rope_freqs.weight tensor; expected one"),
+    (None, {"rope_freqs.weight": np.ones(16, np.float32)},
+     "rope_freqs.weight has 16 entries, expected head_dim / 2 = 32"),
+    (None, {"rope_freqs.weight": np.ones(32, np.float64)},
+     "tensor 'rope_freqs.weight' is stored as F64; supported types: F32, F16"),
+])
+def test_config_metadata_errors_name_the_key(tmp_path, meta, extra, match):
+  path = str(tmp_path / "m.gguf")
+  write(path, CFG, _hf_weights(CFG), meta=meta, extra=extra)
+  with pytest.raises(ValueError, match=f"^{path}: {match}"):
+    G.read_gguf(path)
+
+
+def test_per_layer_metadata_and_a_flat_embedding(tmp_path):
+  path = str(tmp_path / "m.gguf")
+  hf = _hf_weights(CFG)
+  write(path, CFG, hf, meta={"llama.attention.head_count_kv": [2]})   # one value per layer
+  assert G.read_gguf(path).config == CFG
+  flat = hf["model.embed_tokens.weight"].reshape(-1)
+  write(path, CFG, hf, skip=("token_embd.weight",), extra={"token_embd.weight": flat})
+  with pytest.raises(ValueError, match=rf"{path}: token_embd.weight has shape \[24576\] and "
+                     "there is no llama.vocab_size; expected a 2-d embedding"):
+    G.read_gguf(path)
+
+
+def test_one_pass_arrays_equal_the_packages_reader(tmp_path):
+  """The reader's one-pass array parsing gives the fields gguf.GGUFReader gives, and arrays
+  it does not parse itself (nested) take the package's path."""
+  path = str(tmp_path / "m.gguf")
+  write(path, CFG, _hf_weights(CFG), meta={
+      "general.tags": ["a", "bc", ""], "general.ints": [3, 1, 4], "general.floats": [0.5, 2.0],
+      "general.bools": [True, False], "general.nested": [[1, 2], [3]]})
+  ours, theirs = G._reader(path), gguf.GGUFReader(path)
+  assert list(ours.fields) == list(theirs.fields)
+  for key, f in theirs.fields.items():
+    g = ours.fields[key]
+    assert g.types == f.types and g.data == f.data and g.offset == f.offset, key
+    assert len(g.parts) == len(f.parts), key
+    for a, b in zip(g.parts, f.parts):
+      np.testing.assert_array_equal(a, b)
+    assert g.contents() == f.contents(), key
+  assert ours.fields["general.tags"].contents() == ["a", "bc", ""]
+  assert ours.fields["general.floats"].contents() == [0.5, 2.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizers
 
@@ -432,6 +496,44 @@ def test_save_gguf_refuses(tmp_path):
     G.save_gguf(str(tmp_path / "x.gguf"), CFG, {}, qtype="Q4_1")
   with pytest.raises(ValueError, match="missing parameters"):
     G.save_gguf(str(tmp_path / "x.gguf"), CFG, {"embed": np.zeros((96, 256))})
+
+
+def test_save_gguf_head_dim_padding_and_chat_template(tmp_path):
+  """A head dim other than dim / heads is written as key / value length; a vocabulary shorter
+  than the embedding is padded with unused [PAD<id>] tokens (llama.cpp needs one token per
+  row); the chat template travels; YaRN settings GGUF cannot hold are refused."""
+  from llm.config import YarnScaling
+  cfg = CFG.replace(head_dim=32, vocab_size=270, n_layers=2)
+  hf = _hf_weights(cfg, seed=2)
+  w = {c: W._to_contract(cfg, c, hf[n]) for n, c in W._hf_names(cfg).items()}
+  bin_path = str(tmp_path / "tok.bin")
+  write_llama2c_tokenizer(bin_path, *_bin_pieces({" ": -1.0, "a": -2.0, "b": -3.0}))
+  vocab = dataclasses.replace(GV.vocab_from_llama2c(Llama2cTokenizer(bin_path)),
+                              chat_template="{{ messages[0]['content'] }}")
+  n = len(vocab.tokens)
+  assert n < 270
+  path = G.save_gguf(str(tmp_path / "m.gguf"), cfg, w, qtype="F32", vocab=vocab)
+  ckpt = G.read_gguf(path)
+  assert ckpt.config == cfg
+  r = gguf.GGUFReader(path)
+  assert r.fields["llama.attention.key_length"].contents() == 32
+  assert r.fields["llama.attention.value_length"].contents() == 32
+  v = ckpt.vocab
+  assert v.tokens[:n] == vocab.tokens and v.tokens[n:] == [f"[PAD{i}]" for i in range(n, 270)]
+  assert list(v.token_types[n:]) == [5] * (270 - n) and list(v.scores[n:]) == [-1000.0] * (270 - n)
+  assert ckpt.tokenizer().chat_template == "{{ messages[0]['content'] }}"
+  got = ckpt.weights()
+  for k in w:
+    np.testing.assert_array_equal(got[k], w[k])
+  with pytest.raises(ValueError, match=r"save_gguf\(.*x.gguf\): 270 vocabulary tokens, more "
+                     "than the model's 100 embedding rows"):
+    G.save_gguf(str(tmp_path / "x.gguf"), cfg.replace(vocab_size=100),
+                {**w, "embed": w["embed"][:100], "lm_head": w["lm_head"][:, :100]}, "F32",
+                vocab=v)
+  yarn = cfg.replace(rope_scaling=YarnScaling(4.0, 64, attention_factor=1.2))
+  with pytest.raises(ValueError, match=r"save_gguf\(.*x.gguf\): YarnScaling\(factor=4.0.*; "
+                     "expected YaRN with the default attention factor and truncate=True"):
+    G.save_gguf(str(tmp_path / "x.gguf"), yarn, w, "F32")
 
 
 def test_hf_tokenizer_dir_still_loads(tmp_path):

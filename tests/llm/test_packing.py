@@ -565,3 +565,54 @@ def test_packed_source_metrics_and_arguments():
     _source("wlb", "document", cp=1)
   with pytest.raises(ValueError, match="has .* tokens; expected 1..seq_len=64"):
     _source("wlb", "sequence", seq_len=64, cp=1).lengths_of([0])
+
+
+def test_a_host_shard_is_its_rows_of_the_global_batch():
+  """num_shards > 1 (one process of many): shard k yields rows [k B/n, (k+1) B/n) of the batch
+  a single process builds, laid out as there; unmeasured batches' layouts are not kept
+  without bound (a prefetching loader)."""
+  import itertools
+  whole = list(itertools.islice(_source("wlb", "document").batches(0), 3))
+  for k in range(2):
+    part = list(itertools.islice(_source("wlb", "document", shard_index=k,
+                                         num_shards=2).batches(0), 3))
+    for w, p in zip(whole, part):
+      for f in ("inputs", "targets", "mask", "positions", "segment_ids"):
+        np.testing.assert_array_equal(getattr(p, f), getattr(w, f)[2 * k:2 * k + 2])
+  with pytest.raises(ValueError, match="shard 2 of 2 with batch_size=4: expected 0 <= shard"):
+    _source("wlb", "document", shard_index=2, num_shards=2)
+  with pytest.raises(ValueError, match="shard 0 of 3 with batch_size=4"):
+    _source("wlb", "document", num_shards=3)
+  from llm.packing import source
+  with pytest.raises(ValueError, match="PackingSpec: layout='doc', expected one of"):
+    source.PackingSpec(layout="doc")
+  with pytest.raises(ValueError, match="PackingSpec: fixed_window=0, expected >= 1"):
+    source.PackingSpec(fixed_window=0)
+  with pytest.raises(ValueError, match=r"PackingSpec: wlb_queues=4, expected 0..3 \(one per"):
+    source.PackingSpec(wlb_queues=4)
+  with pytest.raises(ValueError, match=r"outlier_fractions=\(0.5, 0\), expected fractions"):
+    source.PackingSpec(outlier_fractions=(0.5, 0), wlb_queues=1)
+  with pytest.raises(ValueError, match="PackedSource: 100 tokens to cut documents from, fewer "
+                     "than seq_len \\+ 1 = 129"):
+    source.PackedSource(np.arange(100), None, source.PackingSpec(), seq_len=128, batch_size=4,
+                        cost=COST)
+  with pytest.raises(ValueError, match="seq_len=128 over cp=3 ranks; expected a multiple"):
+    source.PackedSource(np.arange(1000), None, source.PackingSpec(), seq_len=128,
+                        batch_size=4, cp=3, cost=COST)
+  src = _source("original", "sequence", cp=1)
+  kept = list(itertools.islice(src.batches(0), 70))
+  assert len(src._layouts) == 64 and id(kept[-1]) in src._layouts
+  assert src.step_metrics(kept[-1])["pack_layout_document"] == 0.0
+
+
+@pytest.mark.parametrize("doc_context,cp_tile,tile", [(1024, 0, 16), (0, 0, 128), (1024, 40, 40)])
+def test_from_run_scales_the_tile_model_like_the_documents(doc_context, cp_tile, tile):
+  from core import config
+  from llm.packing import source
+  from llm.run_config import LMRunConfig
+  run = config.build(LMRunConfig, text="t.txt", packing="wlb", cp_sharding="adaptive",
+                     seq_len=128, batch_size=4, doc_context=doc_context, cp_tile=cp_tile)
+  src = source.from_run(run, np.arange(1000), 4, n_layers=2, cost=COST)
+  assert src.tile_model == S.TileModel(tile, tile)
+  assert (src.spec.packing, src.spec.layout, src.seq_len, src.cp) == ("wlb", "adaptive", 128, 4)
+  assert src.dist.context == (doc_context or 128)

@@ -116,6 +116,27 @@ def test_hf_dir_with_a_deleted_shard(tmp_path):
                                       "original_max_position_embeddings": 8192}},
      "rope_scaling.factor='8'", "a number"),
     ("\xff\xfe{}", "config.json: byte 0 (0xFF) is not UTF-8", "a UTF-8 JSON file"),
+    ("[" * 100000 + "]" * 100000, "config.json: JSON nested too deeply", "a JSON file"),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "config.json: both rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0} and "
+     "rope_scaling={'rope_type': 'linear', 'factor': 2.0}", "one of them"),
+    (lambda c: {**{k: v for k, v in c.items() if k != "max_position_embeddings"},
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "config.json: rope_scaling of rope type 'yarn' without original_max_position_embeddings or "
+     "max_position_embeddings", "the pretraining context length"),
+    (lambda c: {**c, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}},
+     "config.json: rope_scaling.truncate='yes'", "true or false"),
+    (lambda c: {**{k: v for k, v in c.items() if k != "head_dim"}, "hidden_size": 17},
+     "config.json: hidden_size=17, num_attention_heads=2 and no head_dim",
+     "hidden_size a multiple of num_attention_heads"),
+    (lambda c: {**c, "head_dim": 7}, "config.json: head_dim=7", "an even head size"),
+    (lambda c: {**c, "rms_norm_eps": 0}, "config.json: rms_norm_eps=0", "a number > 0"),
+    (lambda c: {**c, "rms_norm_eps": 10**400}, "config.json: rms_norm_eps=1000000", "a number"),
+    (lambda c: {**c, "model_type": "qwen2", "use_sliding_window": "yes"},
+     "config.json: use_sliding_window='yes'", "true or false"),
+    (lambda c: {**c, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4,
+                "max_window_layers": -1}, "config.json: max_window_layers=-1", "an integer >= 0"),
 ])
 def test_bad_config_json_names_file_and_key(tmp_path, text, found, want):
   d = str(tmp_path / "hf")
@@ -200,3 +221,52 @@ def test_gguf_counts_past_the_file_are_refused_at_once(tmp_path):
     t0 = time.time()
     line = _line(lambda: G.read_gguf(bad))
     assert match in line and time.time() - t0 < 10, line
+
+
+def test_bad_safetensors_files_and_index_are_one_line(tmp_path):
+  d = str(tmp_path / "hf")
+  w = _weights(CFG)
+  single = os.path.join(d, "model.safetensors")
+
+  def header(fn):
+    """Rewrites model.safetensors' JSON header with fn(header), the tensor bytes kept; returns
+    the new header's length."""
+    data = open(single, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    h = json.dumps(fn(json.loads(data[8:8 + n]))).encode()
+    open(single, "wb").write(len(h).to_bytes(8, "little") + h + data[8 + n:])
+    return len(h)
+
+  W.save_hf(d, CFG, w)
+  n = header(lambda h: {**h, "model.norm.weight": {"dtype": "F32", "shape": [16]}})
+  assert _line(lambda: W.load_hf(d)) == (
+      f"error: {single}: the {n}-byte safetensors header is not a valid tensor table "
+      "(KeyError: 'data_offsets')")
+  W.save_hf(d, CFG, w)
+  header(lambda h: {**h, "model.norm.weight": {**h["model.norm.weight"], "dtype": "X9"}})
+  assert _line(lambda: W.load_hf(d)).startswith(f"error: {single}: cannot read as safetensors:")
+  W.save_hf(d, CFG, w)
+  os.rename(single, os.path.join(d, "a.safetensors"))
+  W.save_hf(str(tmp_path / "other"), CFG, w)
+  os.rename(str(tmp_path / "other" / "model.safetensors"), os.path.join(d, "b.safetensors"))
+  assert _line(lambda: W.load_hf(d)) == (
+      f"error: {d}: tensor 'lm_head.weight' is in both {d}/a.safetensors and {d}/b.safetensors")
+  for name in ("a", "b"):
+    os.remove(os.path.join(d, f"{name}.safetensors"))
+  assert _line(lambda: W.load_hf(d)) == (
+      f"error: {d}: no model.safetensors.index.json, model.safetensors or *.safetensors files")
+  index = os.path.join(d, "model.safetensors.index.json")
+  for text, line in (("[]", f"error: {index}: no 'weight_map' object"),
+                     ('{"weight_map": {"lm_head.weight": 3}}',
+                      f"error: {index}: weight_map['lm_head.weight']=3; expected a safetensors "
+                      "file name")):
+    open(index, "w").write(text)
+    assert _line(lambda: W.load_hf(d)) == line
+  os.remove(index)
+  W.save_hf(d, CFG, w)
+  with pytest.raises(ValueError, match=r"load_hf: dtype='float64', expected None or one of "
+                     r"\['bfloat16', 'float16', 'float32'\]"):
+    W.load_hf(d, "float64")
+  with pytest.raises(ValueError, match=r"save_hf: dtype='int8', expected one of \['bfloat16'"):
+    W.save_hf(d, CFG, w, dtype="int8")
+

@@ -126,3 +126,71 @@ def test_preset_config_is_the_preset_at_the_runs_numerics():
   assert run.preset_config() == want
   assert run.preset_config(attention_impl="auto") == want.replace(attention_impl="auto")
   assert run.llama_config(256) == want.replace(vocab_size=256, max_seq_len=64)
+
+
+# --- llm.config: the model config a run builds and a workdir's model_config.json holds
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(dim=30), "LlamaConfig: dim=30 not divisible by n_heads=4"),
+    (dict(n_kv_heads=3), "LlamaConfig: n_heads=4 not a multiple of n_kv_heads=3"),
+    (dict(head_dim=15), "LlamaConfig: head_dim=15 must be even for RoPE"),
+    (dict(context_parallel="ring"), "LlamaConfig: context_parallel='ring', expected one of "
+     r"\('none', 'pass_kv', 'pass_q', 'auto'\)"),
+    (dict(remat_policy="some"), "LlamaConfig: remat_policy='some', expected 'full', 'dots' or "
+     "'attention'"),
+    (dict(cache_dtype="float16"), "LlamaConfig: cache_dtype='float16', expected None, "
+     "'float32' or 'bfloat16'"),
+    (dict(param_dtype="float16"), "LlamaConfig: param_dtype='float16', expected 'float32' or "
+     "'bfloat16'"),
+    (dict(sliding_window=0), "LlamaConfig: sliding_window=0; expected None or an integer >= 1"),
+    (dict(sliding_window=4, window_layers="01"), "LlamaConfig: window_layers='01'; expected None "
+     "or layer indices"),
+    (dict(sliding_window=4, window_layers=(1, 0)), r"LlamaConfig: window_layers=\(1, 0\); "
+     r"expected increasing layer indices in \[0, 2\)"),
+    (dict(window_layers=(1,)),
+     r"window_layers=\(1,\) with sliding_window=None"),
+])
+def test_llama_config_refusals_name_the_field(kw, message):
+  from llm.config import LlamaConfig
+  base = dict(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+  with pytest.raises(ValueError, match=message):
+    LlamaConfig(**{**base, **kw})
+
+
+def test_yarn_scaling_checks_and_attention_factor():
+  import math
+
+  from llm.config import YarnScaling, get_config
+  with pytest.raises(ValueError, match="YarnScaling: rope_type='llama3', expected 'yarn'"):
+    YarnScaling(factor=4.0, original_max_position=64, rope_type="llama3")
+  with pytest.raises(ValueError, match=r"YarnScaling: factor=0.5, original_max_position=64, "
+                     "beta_fast=32.0, beta_slow=1.0; expected factor >= 1"):
+    YarnScaling(factor=0.5, original_max_position=64)
+  # transformers' _compute_yarn_parameters: 0.1 ln(factor) + 1, the mscale ratio, or as given
+  assert YarnScaling(4.0, 64).cos_sin_scale() == 0.1 * math.log(4.0) + 1
+  assert YarnScaling(4.0, 64, attention_factor=1.5).cos_sin_scale() == 1.5
+  assert YarnScaling(4.0, 64, mscale=1.0, mscale_all_dim=0.5).cos_sin_scale() == pytest.approx(
+      (0.1 * math.log(4.0) + 1) / (0.05 * math.log(4.0) + 1), rel=1e-15)
+  assert YarnScaling(1.0, 64).cos_sin_scale() == 1.0
+  with pytest.raises(ValueError, match=r"Llama preset 'tiny2': expected one of \['byte_small'"):
+    get_config("tiny2")
+
+
+def test_model_config_json_round_trips(caplog):
+  """What train_lm writes as model_config.json reads back equal (RoPE scalings of both kinds,
+  window layers as a JSON list); an old file naming the ring as attention_impl is read as
+  context_parallel with a warning."""
+  import json
+
+  from llm.config import YarnScaling, config_from_dict, config_to_dict, get_config
+  for cfg in (get_config("tiny_tied"), get_config("llama3_8b"),
+              get_config("tiny_qwen2", sliding_window=8, window_layers=(1,),
+                             rope_scaling=YarnScaling(4.0, 64, beta_fast=16.0, truncate=False))):
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+  old = {**config_to_dict(get_config("tiny")), "attention_impl": "ring_pass_q"}
+  del old["context_parallel"]
+  with caplog.at_level("WARNING"):
+    cfg = config_from_dict(old)
+  assert (cfg.attention_impl, cfg.context_parallel) == ("xla", "pass_q")
+  assert "attention_impl='ring_pass_q' read as context_parallel='pass_q'" in caplog.text

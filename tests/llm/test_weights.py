@@ -360,6 +360,22 @@ def test_config_round_trip(name):
     assert hf["tie_word_embeddings"] is True
 
 
+def test_yarn_settings_round_trip_through_config_json():
+  from llm.config import YarnScaling
+  for yarn in (YarnScaling(4.0, 64, attention_factor=1.2, truncate=False),
+               YarnScaling(4.0, 64, beta_fast=16.0, mscale=1.0, mscale_all_dim=0.5)):
+    cfg = get_config("tiny_qwen2", rope_scaling=yarn)
+    hf = W.config_to_hf(cfg)
+    assert W.config_from_hf(json.loads(json.dumps(hf))) == cfg
+    want = {k: v for k, v in (("attention_factor", yarn.attention_factor),
+                              ("mscale", yarn.mscale), ("mscale_all_dim", yarn.mscale_all_dim))
+            if v is not None}
+    assert hf["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 64,
+                                  "beta_fast": yarn.beta_fast, "beta_slow": 1.0, **want,
+                                  **({} if yarn.truncate else {"truncate": False})}
+
+
 def test_config_from_hf_defaults_and_errors():
   base = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
           "num_attention_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
@@ -683,6 +699,69 @@ def test_load_checkpoint_dispatch(tmp_path):
       W.load_checkpoint(bad)
   with pytest.raises(ValueError, match="train loop"):
     W.load_checkpoint(f"workdir:{tmp_path}")
+
+
+def _workdir(wd, cfg, w):
+  """A train_lm workdir (model_config.json, one checkpoint) whose params are `w`."""
+  import jax
+
+  from core import checkpoint as ckpt_lib
+  from core import mesh as mesh_lib
+  from llm import train_lib
+  from llm.config import config_to_dict
+  os.makedirs(wd)
+  with open(os.path.join(wd, "model_config.json"), "w") as fh:
+    json.dump(config_to_dict(cfg), fh)
+  task = train_lib.LMTask(cfg, train_lib.OptimConfig(),
+                          mesh_lib.make_mesh("data:1", devices=jax.devices()[:1]), init_weights=w)
+  ckpt = ckpt_lib.Checkpointer(wd)
+  ckpt.save(0, task.init_state(0), {})
+  ckpt.close()
+  return f"workdir:{wd}"
+
+
+def _leaves(model):
+  import jax
+  from flax import nnx
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))]
+
+
+def test_a_workdir_loads_as_the_hf_dir_of_its_weights(tmp_path):
+  """load_model / load_pretrained of a train_lm workdir: the model (float32, or int8 under a
+  bfloat16 dtype: quantized from the float32 checkpoint, as any other kind) and the flat
+  weights an hf: directory of the same weights gives."""
+  import jax
+
+  from llm import checkpoints as C
+  cfg = _CFG_TIED
+  w = _random_weights(cfg)
+  spec = _workdir(str(tmp_path / "run"), cfg, w)
+  hf = "hf:" + W.save_hf(str(tmp_path / "hf"), cfg, w)
+  for dtype, weights in (("float32", "float32"), ("bfloat16", "int8")):
+    (c1, m1), (c2, m2) = C.load_model(spec, dtype, weights), C.load_model(hf, dtype, weights)
+    assert c1 == c2 and c1.dtype == dtype
+    for a, b in zip(_leaves(m1), _leaves(m2), strict=True):
+      np.testing.assert_array_equal(a, b)
+  c1, flat1, _ = C.load_pretrained(spec, "int4")
+  c2, flat2, _ = C.load_pretrained(hf, "int4")
+  assert c1 == c2 and set(flat1) == set(flat2) == set(w)
+  for n in w:
+    for a, b in zip(jax.tree.leaves(flat1[n]), jax.tree.leaves(flat2[n]), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  from tests.llm.test_tokenizer import train_bpe
+  big = train_bpe(str(tmp_path / "tok"))
+  with pytest.raises(ValueError, match=r"tokenizer.json: \d+ tokens, more than the model's "
+                     "vocabulary of 48"):
+    C.load_pretrained(hf, tokenizer=big)
+  assert C.absolute_spec(None) is None and C.absolute_spec("") is None
+  with pytest.raises(ValueError, match="workdir checkpoints are restored by the train loop"):
+    C.load_weights(spec)
+  gguf_mode = ("--weights=gguf takes the blocks a GGUF file stores; the checkpoint is workdir: "
+               "use --weights=int8 or int4")
+  with pytest.raises(ValueError, match=gguf_mode):
+    C.load_model(spec, "float32", "gguf")
+  with pytest.raises(ValueError, match=gguf_mode):
+    C.load_pretrained(spec, "gguf")
 
 
 # ---------------------------------------------------------------------------------------------
