@@ -323,10 +323,6 @@ class Engine:
   def num_waiting(self) -> int:
     return len(self.waiting)
 
-  @property
-  def num_running(self) -> int:
-    return len(self.running)
-
   # --- scheduling
 
   def _release(self, req: _Request) -> None:
@@ -411,12 +407,11 @@ class Engine:
       if req not in self.running or not self._is_decode(req):
         continue
       while not self._grow(req, self._decode_tokens(req)):
+        # The latest admitted; never one of `decode` (those come before req in running).
         victim = self.running[-1]
         self._preempt(victim)
         if victim is req:
           break
-        if victim in decode:
-          decode.remove(victim)
       if req in self.running:
         decode.append(req)
     cp = self._pick_cp(decode)
@@ -424,7 +419,9 @@ class Engine:
     for req in list(self.running):
       if len(prefill) == self.config.prefill_rows:
         break
-      if req.remaining < 1 or self._is_decode(req) or self._is_cp(req):
+      # (req may have been preempted in this loop to make room for an earlier one.)
+      if (req not in self.running or req.remaining < 1 or self._is_decode(req)
+          or self._is_cp(req)):
         continue
       n = min(req.remaining, self.config.prefill_chunk)
       while not self._grow(req, n):

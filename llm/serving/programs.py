@@ -169,7 +169,7 @@ def _draft_pairs(target, draft, h_BTD, taps_BTK, tokens_BT, start_B, n_valid_B, 
 
 def _spec_step(graphdef, state, dgraph, dstate, cache: PagedCache, dcache: KVCache, h_root_SD,
                slot_W, root_W, start_W, limit_W, tables_WM, head, *, impl: str,
-               shape: TreeShape, with_logits: bool):
+               shape: tree_lib.TreeShape, with_logits: bool):
   """One EAGLE round for W rows (greedy; `llm.speculative.decode`'s round over the paged
   cache): each row drafts its tree from its root (the last sampled token, at position
   start_W, not yet in the cache) with the draft head's cache rows slot_W (S: an idle row),

@@ -14,7 +14,8 @@ bounded: at most `max_queue` requests may wait for a slot (submitted, not yet ad
 one more raises `QueueFull` (a server answers 429). `close` stops taking requests
 (`Closed`); `shutdown` also lets the in-flight ones finish for up to `drain_s` seconds,
 aborts the rest (finish_reason "abort") and ends the thread. An exception inside a step ends every
-in-flight request with finish_reason "error" and the runner refuses new ones (`failed`).
+in-flight request (its handle raises RuntimeError "the engine failed: ...") and the runner
+refuses new ones (`failed`; `Closed`).
 """
 
 from __future__ import annotations
@@ -129,10 +130,6 @@ class EngineRunner:
   def accepting(self) -> bool:
     return not self._closed and self.failed is None
 
-  def check(self, prompt: Sequence[int], params: SamplingParams, where: str = "request") -> None:
-    """The engine's request checks (ValueError), for a caller that answers before queuing."""
-    self.engine.check_request(prompt, params, where)
-
   def _submit(self, prompt, params, deliver, request_id=None) -> str:
     prompt = [int(t) for t in prompt]
     self.engine.check_request(prompt, params)      # pure: safe off the engine thread
@@ -151,7 +148,9 @@ class EngineRunner:
       self._inbox_adds += 1
       pending = _Pending(rid, prompt, params, deliver, time.perf_counter())
       self._live[rid] = pending
-    self._inbox.put(("add", pending))
+      # Queued under the lock: once `close` returns, every accepted request is in the inbox
+      # ahead of shutdown's wake-up, so the thread adds it before it may stop.
+      self._inbox.put(("add", pending))
     return rid
 
   def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
@@ -214,8 +213,6 @@ class EngineRunner:
     if kind == "add":
       with self._lock:
         self._inbox_adds -= 1
-        if item.request_id not in self._live:      # cancelled before it was added
-          return
       try:
         eng.add_request(item.prompt, item.params, item.request_id)
       except ValueError as e:
@@ -244,7 +241,9 @@ class EngineRunner:
     while True:
       self._drain_inbox(block=not eng.has_unfinished())
       deadline = self._drain_deadline
-      if deadline is not None and (not eng.has_unfinished() or time.perf_counter() > deadline):
+      if deadline is not None and ((not eng.has_unfinished() and not self._inbox_adds)
+                                   or time.perf_counter() > deadline):
+        self._drain_inbox(block=False)      # accepted before `close`: added, then aborted
         for rid in list(eng.requests):
           out = eng.abort(rid)
           if out is not None:

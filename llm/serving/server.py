@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llm import chat as chat_lib
@@ -74,7 +74,7 @@ class _Sampling(BaseModel):
   seed: int | None = None
   stop: str | list[str] | None = None
   n: int = 1
-  stream: bool = False
+  stream: StrictBool = False
   stream_options: dict[str, Any] | None = None
   logprobs: Any = None
   presence_penalty: float = 0.0
@@ -85,7 +85,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-  prompt: str | list[str] | list[int] | list[list[int]]
+  prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
   echo: bool = False
   best_of: int | None = None
   suffix: str | None = None
@@ -138,7 +138,8 @@ class Server:
                      code="model_not_found")
 
   def _params(self, req: _Sampling, prompt_len: int, max_tokens: int | None,
-              stop_ids) -> SamplingParams:
+              stop_ids, field: str = "max_tokens") -> SamplingParams:
+    """`field`: the request's name for max_tokens (chat: max_completion_tokens too)."""
     left = self.max_len - prompt_len
     if left < 1:
       raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room in the "
@@ -147,16 +148,17 @@ class Server:
     if max_tokens is None:
       max_tokens = left
     if max_tokens < 1:
-      raise APIError(400, f"max_tokens={max_tokens}; expected >= 1", param="max_tokens")
+      raise APIError(400, f"{field}={max_tokens}; expected >= 1", param=field)
     if max_tokens > left:
-      raise APIError(400, f"max_tokens={max_tokens} with a prompt of {prompt_len} tokens "
+      raise APIError(400, f"{field}={max_tokens} with a prompt of {prompt_len} tokens "
                      f"makes {prompt_len + max_tokens}, beyond the model's context of "
-                     f"{self.max_len} tokens; ask for at most {left}", param="max_tokens",
+                     f"{self.max_len} tokens; ask for at most {left}", param=field,
                      code="context_length_exceeded")
-    if req.temperature < 0 or req.top_k < 0 or not 0 < req.top_p <= 1:
-      raise APIError(400, f"temperature={req.temperature}, top_k={req.top_k}, top_p="
-                     f"{req.top_p}; expected temperature >= 0, top_k >= 0 and "
-                     "0 < top_p <= 1", param="temperature")
+    for name, value, ok, want in (("temperature", req.temperature, req.temperature >= 0, ">= 0"),
+                                  ("top_p", req.top_p, 0 < req.top_p <= 1, "in (0, 1]"),
+                                  ("top_k", req.top_k, req.top_k >= 0, ">= 0 (0: off)")):
+      if not ok:
+        raise APIError(400, f"{name}={value}; expected {want}", param=name)
     stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
     if len(stop) > 4 or any(not s for s in stop):
       raise APIError(400, f"stop={req.stop!r}; expected up to 4 non-empty strings",
@@ -175,6 +177,9 @@ class Server:
       prompts = [prompt]
     else:
       prompts = list(prompt)
+    if not prompts:
+      raise APIError(400, "prompt=[]: no prompt; expected a string, token ids or a list of "
+                     "either", param="prompt")
     out = []
     for p in prompts:
       ids = (self.tok.encode(p, bos=self.tok.add_bos, eos=self.tok.add_eos)
@@ -261,10 +266,9 @@ class Server:
     self._check_model(req.model)
     _unsupported(req)
     prompt = self._chat_prompt(req.messages)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else (
-        req.max_tokens)
-    params = self._params(req, len(prompt), max_tokens,
-                          () if req.ignore_eos else self.chat_stop_ids())
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params = self._params(req, len(prompt), getattr(req, field),
+                          () if req.ignore_eos else self.chat_stop_ids(), field)
     rid = "chatcmpl-" + secrets.token_hex(12)
     streams = await self._start_all([(prompt, params)])
     base = {"id": rid, "created": int(time.time()), "model": self.model_name}
@@ -311,6 +315,17 @@ class Server:
           await s.aclose()
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+# Fields whose type is a union: pydantic reports one error per member type.
+_UNIONS = {"prompt": "a string, a list of strings, a list of token ids (integers) or a list of "
+                     "lists of token ids",
+           "stop": "a string or a list of strings"}
+
+
+def _short(value, n: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= n else text[:n] + "..."
 
 
 def _include_usage(req: _Sampling) -> bool:
@@ -397,12 +412,22 @@ def make_app(runner: EngineRunner, tokenizer, model_name: str) -> FastAPI:
       err = errs[0]
       msg = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
       return _error_response(APIError(400, msg))
-    parts = []
-    for err in errs[:3]:
-      loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-      parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    param = ".".join(str(x) for x in errs[0].get("loc", ()) if x != "body") or None
-    return _error_response(APIError(400, "; ".join(parts), param=param))
+    parts, params = [], []
+    for err in errs:
+      loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+      if loc and loc[0] in _UNIONS and err.get("type") != "missing":  # one per member type
+        if loc[0] in params:
+          continue
+        params.append(loc[0])
+        parts.append(f"{loc[0]}={_short(err.get('input'))}: expected {_UNIONS[loc[0]]}")
+      else:
+        got = ("" if err.get("type") == "missing" or "input" not in err
+               else f" (got {_short(err['input'])})")
+        params.append(".".join(loc) or None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}{got}")
+      if len(parts) == 3:
+        break
+    return _error_response(APIError(400, "; ".join(parts), param=params[0]))
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request: Request, e: StarletteHTTPException):

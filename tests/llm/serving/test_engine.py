@@ -1,12 +1,15 @@
 """The serving engine: continuous batching over a paged KV cache against `llm.generate` one
 request at a time (tokens equal, logits within 1e-5 of a full forward pass), bit-equal rows
 alone or among others at one batch width, requests arriving at different steps, pages all
-freed, preemption, stop strings / stop ids / max_tokens, per-request sampling seeds, no
-recompiles as requests join and leave, and the request checks."""
+freed, preemption (of others, of itself, for a prompt chunk), stop strings / stop ids /
+max_tokens, per-request sampling seeds, no recompiles as requests join and leave, and the
+request and config checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +19,9 @@ from flax import nnx
 
 from llm import generate as G
 from llm.config import get_config
+from core.errors import UserError
 from llm.serving import programs as P
-from llm.serving.config import EngineConfig
+from llm.serving.config import CHUNK_WIDTHS, EngineConfig
 from llm.serving.engine import Engine, SamplingParams
 from llm.tokenizer import ByteTokenizer
 from tests.llm.test_model import make_model
@@ -187,7 +191,73 @@ def test_request_errors(tiny):
     engine.add_request([1], SamplingParams(stop=("x",)))
   with pytest.raises(ValueError, match="cannot hold one request of max_model_len=48"):
     Engine(tiny, EngineConfig(**{**CONFIG.__dict__, "num_blocks": 6}))
+  with pytest.raises(ValueError, match=r"request req-\d+: max_tokens=0; expected >= 1"):
+    engine.add_request([1], SamplingParams(max_tokens=0))
+  with pytest.raises(ValueError, match=r"stop_token_ids \[300, -1\] outside \[0, 256\)"):
+    engine.add_request([1], SamplingParams(stop_token_ids=(3, 300, -1)))
+  engine.add_request([1], SamplingParams(), request_id="a")
+  with pytest.raises(ValueError, match="request id 'a' is already in use"):
+    engine.add_request([2], SamplingParams(), request_id="a")
+  assert engine.abort("a").finish_reason == "abort"
+  assert engine.abort("a") is None and engine.abort("nobody") is None
   assert not engine.has_unfinished()
+
+
+def test_config_errors_name_the_setting(tiny):
+  def refused(match, model=tiny, **kw):
+    with pytest.raises(ValueError, match=match):
+      Engine(model, dataclasses.replace(CONFIG, **kw.pop("config", {})), **kw)
+
+  # Checked before any array is made: a stand-in with the model's config is enough.
+  windowed = types.SimpleNamespace(cfg=dataclasses.replace(TINY, sliding_window=8))
+  refused(r"sliding_window=8; the paged cache keeps every position", windowed)
+  refused(r"block_size=8 with the Pallas kernel; expected a power of two >= 16",
+          config=dict(paged_attention="pallas"))
+  refused(r"max_model_len=4096 is beyond the model's max_seq_len=%d" % TINY.max_seq_len,
+          config=dict(max_model_len=4096))
+  refused(r"chunk_widths=\[8\]; expected positive widths, the largest >= 16 \(prefill_chunk\)",
+          config=dict(chunk_widths=(8,)))
+  refused(r"table_widths=\[6, 0\]; expected positive widths", config=dict(table_widths=(6, 0)))
+  draft = types.SimpleNamespace(cfg=types.SimpleNamespace(dim=TINY.dim + 1,
+                                                          vocab_size=TINY.vocab_size))
+  refused(r"draft head for dim %d, vocab %d; the model has dim %d" % (
+      TINY.dim + 1, TINY.vocab_size, TINY.dim), config=dict(speculative_tree="chain:2"),
+          draft=draft)
+  # --chunk_widths as a flag's text.
+  assert CHUNK_WIDTHS.check("16, 32,", "--chunk_widths") == (16, 32)
+  with pytest.raises(UserError, match=r"--chunk_widths='16,x': not a comma-separated list of "
+                                      "integers; expected prefill chunk widths"):
+    CHUNK_WIDTHS.check("16,x", "--chunk_widths")
+  with pytest.raises(UserError, match=r"--chunk_widths='16,0': widths must be >= 1"):
+    CHUNK_WIDTHS.check("16,0", "--chunk_widths")
+
+
+def test_a_request_preempted_for_a_prompt_chunk_is_not_prefilled_while_waiting(tiny, reference):
+  # Two prompt rows, 6 pages: the first long prompt's last chunk preempts the latest admitted
+  # requests; the loop over the step's prefill rows must not then prefill one of them (once it
+  # did: the 5-token prompt was prefilled while waiting, finished, and ran again to 2 tokens).
+  config = dataclasses.replace(CONFIG, max_slots=3, batch_widths=(3,), num_blocks=7,
+                               prefill_rows=2, record_logits=False)
+  engine = Engine(tiny, config)
+  ids = [engine.add_request(PROMPTS[i], SamplingParams(max_tokens=n))
+         for i, n in ((2, NEW), (5, NEW), (0, 1))]
+  outs = _drain(engine)
+  assert engine.preemptions > 0
+  for rid, i, n in zip(ids, (2, 5, 0), (NEW, NEW, 1)):
+    assert [o.finished for o in outs[rid]].count(True) == 1 and outs[rid][-1].finished
+    assert list(outs[rid][-1].token_ids) == reference[i][:n]
+  assert engine.pool.num_used == 0 and not engine.waiting and engine.finished == 3
+
+
+def test_a_decode_row_short_of_a_page_preempts_itself_when_it_is_the_latest(tiny, reference):
+  # 6 pages: the one-token prompt's reply and the 37-token prompt (admitted after it) both
+  # decode; the latter, the latest admitted, finds no page for its next token and gives its
+  # own back, then recomputes once the first has finished.
+  engine = Engine(tiny, dataclasses.replace(CONFIG, num_blocks=7, record_logits=False))
+  out = engine.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=11))
+  assert engine.preemptions == 1
+  assert [list(o.token_ids[:NEW]) for o in out] == [reference[1], reference[2]]
+  assert [len(o.token_ids) for o in out] == [11, 11] and engine.pool.num_used == 0
 
 
 def test_abort_frees_the_request(tiny):
