@@ -436,12 +436,13 @@ def run_from_flags(flag_values=None, **overrides: Any) -> RecRunConfig:
   last wins, its default, its flag's default, the --config file, the command line, then
   `overrides` (`make_run`'s names: the values the entry point fixes). A setting without a
   flag keeps the config's default. --cache_policy / --cache_fraction fold into the storage
-  (`fold_cache_flags`)."""
+  (`fold_cache_flags`) unless `overrides` fixes the storage; cache settings in `overrides`
+  fold in after them."""
   cache = {n: overrides.pop(n) for n in (*_CACHE_FLAGS, "cache_ways") if n in overrides}
   cfg = config.from_flags(RecRunConfig, flag_values, **overrides)
-  if cache:
-    return _fold(cfg, cache)
-  return cfg if "storage" in overrides else fold_cache_flags(cfg, flag_values)
+  if "storage" not in overrides:
+    cfg = fold_cache_flags(cfg, flag_values)
+  return _fold(cfg, cache)
 
 
 def fold_cache_flags(cfg: RecRunConfig, flag_values=None) -> RecRunConfig:
@@ -566,12 +567,9 @@ def make_plan(cfg: RecRunConfig, tables: list[TableConfig], num_devices: int,
         batch_size=cfg.train.batch_size, overrides=overrides, kinds=kinds,
         cost_params=cost_params, optimizer_state_bytes_per_row=optimizer.state_bytes_per_row,
         host_tier=tier)
-  try:
-    kind = ShardingKind(e.sharding)
-  except ValueError:
-    raise ValueError(f"--sharding={e.sharding!r}: expected auto or one of "
-                     f"{[k.value for k in ShardingKind]}") from None
-  plan = planner_lib.uniform_plan(tables, kind, num_devices)
+  if e.sharding not in SHARDINGS:   # a config built field by field (make_run checks it)
+    raise ValueError(f"--sharding={e.sharding!r}: expected one of {list(SHARDINGS)}")
+  plan = planner_lib.uniform_plan(tables, ShardingKind(e.sharding), num_devices)
   if overrides:
     for name, k in overrides.items():
       one = [t for t in tables if t.name == name]

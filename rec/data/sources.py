@@ -193,7 +193,7 @@ def layout(data: str, days: str | Sequence[int] | None = None) -> stream.Layout:
   """The splits of a criteo:DIR or avazu:DIR form (printed by make_sources)."""
   kind, d = _split_data(data)
   if kind == "criteo":
-    return criteo.criteo_layout(d, days, flag=f"--data=criteo:DIR")
+    return criteo.criteo_layout(d, days, flag="--data=criteo:DIR")
   if days:
     raise UserError(f"--days={days}: given with --data={data}; expected --days only with "
                     "Criteo Terabyte's day_N files (--data=criteo:DIR)")

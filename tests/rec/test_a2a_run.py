@@ -5,7 +5,8 @@ refusal of a sharding with no exchange, the resume rule over them, a train_rec r
 schedule and table factors set the bound at the steps and tables they say, and (slow) a
 train_rec run on 8 devices against the float32 one: step 1's loss within the first-order
 bound of the arithmetic, bit-identical losses when every exchange falls back to float32,
-and `rec.embedding.a2a_report`'s bytes and errors against the layout and the bounds."""
+and `rec.embedding.a2a_report`'s bytes and errors against the layout and the bounds (also,
+fast, on a tiny two-device task at its initial state, with the line train_rec prints)."""
 
 import json
 import os
@@ -308,3 +309,50 @@ def test_schedule_and_table_factors_set_the_bound_of_each_step_and_table(tmp_pat
     else:
       ratio = err / (1e-3 * factor)
       assert np.all((ratio > 0.5) & (ratio <= 1.0 + 1e-6)), (step, dict(zip(names, ratio)))
+
+
+@pytest.mark.devices(2)
+def test_a2a_report_of_a_tiny_two_device_task():
+  """train_rec's --a2a report at the initial state of a two-device tw run (no training): the
+  payload bytes of the layout's rows (forward + backward), each table's bound its flagged
+  bound x table factor x the schedule's factor at step 0, errors within and near it, and the
+  one line that prints them."""
+  cfg = configs.make_run(preset="small", num_rows=100, batch_size=16, eval_batch_size=16,
+                         eval_batches=1, sharding="tw", mesh="data:2", a2a_mode="abs",
+                         a2a_error_bound=1e-3, a2a_grad_error_bound=1e-4,
+                         a2a_table_factors="C1=4", a2a_schedule="linear:2:1:10")
+  task, src, _, plan, _ = configs.build_run(cfg, devices=jax.devices()[:2])
+  state = task.init_state(0)
+  batch = next(iter(src.batches(0)))
+  with pytest.raises(ValueError, match=r"^a2a_report: no batches$"):
+    a2a_report.a2a_report(task, state, [])
+  with pytest.raises(ValueError, match=r"^a2a_report: the task's collection has no "
+                     r"a2a_compression$"):
+    a2a_report.a2a_report(a2a_report._float32_task(task), state, [batch])
+  rep = a2a_report.a2a_report(task, state, [batch])
+  D = task.collection.tables[0].dim
+  S = max(sum(1 for p in plan.values() if p.devices == (d,)) for d in range(2))
+  rows = 2 * (16 // 2) * S                       # N devices x local batch x tables per device
+  assert rep["bytes"]["payload"] == 2 * rows * ac.payload_bytes(D, 8)
+  assert rep["bytes"]["float32"] >= 2 * rows * D * 4
+  assert (rep["step"], rep["batches"]) == (0, 1)
+  factor = lambda name: 4.0 if name == "C1" else 1.0
+  for name, t in rep["tables"].items():
+    assert (t["kind"], t["partials"]) == ("tw", 1)
+    assert t["bound"] == pytest.approx(1e-3 * factor(name) * 2.0, rel=1e-12), name
+    assert 0.5 < t["error_over_bound"] <= 1 + 1e-6, (name, t)
+  for g in rep["groups"].values():
+    assert g["grad_bound"] == pytest.approx(1e-4 * 2.0 * max(map(factor, g["tables"])))
+    assert 0 < g["error_over_bound"] <= 1 + 1e-6, g
+  worst = max(t["error_over_bound"] for t in rep["tables"].values())
+  assert rep["max_error_over_bound"] == worst
+  assert a2a_report.format_a2a_report(rep) == (
+      f"a2a compression (abs 0.001, 8 bits): {rep['bytes']['payload']:,} payload bytes per "
+      f"device per step (the step uncompressed: {rep['bytes']['float32']:,} float32 bytes of "
+      f"exchanges); pooled error <= {worst:.3f} x its bound, gradient error <= "
+      f"{rep['max_grad_error_over_bound']:.3f} x its bound (step 0, 1 batch)")
+  exact = dict(rep, setting=dict(rep["setting"], grad_bound=None), max_error_over_bound=0.0,
+               batches=2)
+  assert a2a_report.format_a2a_report(exact).endswith(
+      "pooled error <= 0.000 x its bound (exact: the exchanges fell back to float32), "
+      "gradients sent in float32 (step 0, 2 batches)")

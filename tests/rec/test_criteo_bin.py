@@ -350,3 +350,105 @@ def test_a_pool_worker_that_starts_after_its_parent_died_ends():
   assert gone.returncode == 1 and gone.stdout == "", gone
   alive = run("os.getppid()")
   assert alive.returncode == 0 and alive.stdout == "alive\n", alive
+
+
+CONVERT = sys.modules["rec.data.criteo_bin.convert"]
+
+
+class _InProcessPool:
+  """`convert`'s worker pool run in this process (monkeypatched module settings reach it)."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+  imap_unordered = staticmethod(map)
+
+
+def test_bad_settings_are_refused_before_anything_is_read(tmp_path):
+  for kw, msg in ((dict(ids="dict"), "--ids='dict'; expected 'hash' or 'vocab'"),
+                  (dict(bad_lines="drop"), "--bad_lines='drop'; expected one of "),
+                  (dict(ids="vocab", min_count=0), "--min_count=0; expected >= 1")):
+    with pytest.raises(UserError) as e:
+      convert(tmp_path / "absent", tmp_path / "bin", **kw)
+    assert str(e.value).startswith(msg)
+  assert not (tmp_path / "bin").exists()
+
+
+def test_gz_line_ranges_read_in_many_chunks_and_units_of_many_shards(tmp_path, monkeypatch):
+  """Day 23's test half starts mid-stream: its .gz unit skips whole chunks of lines before
+  it; a unit with more rows than a shard holds is written as several shards. Both equal the
+  text reader, and a bad line there is named by its line in the decompressed file."""
+  import functools
+  import gzip
+  tera = tmp_path / "tera"
+  tera.mkdir()
+  (tera / "day_0").write_text("".join(line(i) for i in range(90)))
+  lines23 = [line(5000 + i) for i in range(301)]
+  with gzip.open(tera / "day_23.gz", "wt") as f:
+    f.write("".join(lines23))
+  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  monkeypatch.setattr(CONVERT, "ROWS_PER_SHARD", 40)
+  monkeypatch.setattr(CONVERT, "_unit_lines",
+                      functools.partial(CONVERT._unit_lines, chunk_bytes=1500))
+  m = convert(tera, tmp_path / "bin", days="0,23")
+  lay = criteo.criteo_layout(str(tera), "0,23")
+  assert {s: v["rows"] for s, v in m["splits"].items()} == {"train": 90, "valid": 151,
+                                                            "test": 150}
+  assert all(len(m["splits"][s]["shards"]) >= 2 for s in m["splits"])
+  for split in m["splits"]:
+    ours = all_rows(list(criteo_bin.CriteoBinSource(str(tmp_path / "bin"), split, 16,
+                                                    shuffle=False, repeat=False).batches()))
+    ref = all_rows(list(criteo.CriteoSource(lay.splits[split], 16, ROWS, drop_remainder=False,
+                                            repeat=False).batches()))
+    for x, y in zip(ours, ref):
+      np.testing.assert_array_equal(x, y, err_msg=split)
+  lines23[260] = lines23[260].replace("\t", "\tx", 1)    # line 261 of day_23, in the test half
+  with gzip.open(tera / "day_23.gz", "wt") as f:
+    f.write("".join(lines23))
+  with pytest.raises(UserError, match=rf"^{tera}/day_23\.gz:261: field I1 = 'x5260'; expected "
+                     "an integer"):
+    convert(tera, tmp_path / "bad", days="0,23")
+
+
+def test_units_cover_the_file_and_start_at_lines(tmp_path):
+  """Cuts fall after a newline, every byte in exactly one unit, none empty; a long last line
+  ends the cuts early."""
+  src = tmp_path / "src"
+  src.mkdir()
+  text = "".join(line(i) for i in range(60)) + line(60).rstrip("\n") * 30 + "\n"
+  (src / "train.txt").write_text(text)
+  (src / "valid.txt").write_text(line(1))
+  (src / "test.txt").write_text(line(2))
+  data = text.encode()
+  lay = criteo_bin.source_layout(str(src))
+  for unit_bytes in (500, 1000, 2999, 4000, len(data)):
+    units = [u for u in criteo_bin.plan_units(lay, unit_bytes) if u.split == "train"]
+    assert units[0].start == 0 and units[-1].end == len(data)
+    assert all(a.end == b.start for a, b in zip(units, units[1:]))
+    assert all(u.end > u.start and (u.start == 0 or data[u.start - 1:u.start] == b"\n")
+               for u in units)
+    assert all(u.end - u.start <= unit_bytes + len(line(59)) for u in units[:-1])
+
+
+def test_a_finished_vocabulary_conversion_reruns_as_is_and_a_corrupt_manifest(tmp_path, capfd,
+                                                                              monkeypatch):
+  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  src = kaggle_dir(tmp_path, n_train=400)
+  dst = tmp_path / "bin"
+  m = convert(src, dst, ids="vocab", min_count=2)
+  capfd.readouterr()
+  assert convert(src, dst, ids="vocab", min_count=2) == m
+  assert "units already converted with these settings (kept), 0 to do" in capfd.readouterr().out
+  (dst / "manifest.json").write_text('{"fingerprint": "0')
+  with pytest.raises(UserError) as e:
+    convert(src, dst, ids="vocab", min_count=2)
+  assert str(e.value) == (f"{dst}/manifest.json: unreadable (Unterminated string starting at: "
+                          "line 1 column 17 (char 16)); expected the manifest of a finished "
+                          "conversion: --overwrite to replace it, or another --dst")
+  (dst / "manifest.json").write_text('{"fingerprint": "0"}')
+  with pytest.raises(UserError, match=r"manifest\.json: a finished conversion of other inputs "
+                     r"or settings \(another format version\); expected"):
+    convert(src, dst, ids="vocab", min_count=2)

@@ -5,10 +5,12 @@ config.py to the same resolved config, a flag winning over the file (noted in co
 a mistyped field of the file refused in one line naming file and field, the auto planner
 priced with the data's padded bags, and --group_by checked against the data's features."""
 
+import dataclasses
 import os
 import sys
 import types
 
+import jax
 import pytest
 from absl import flags
 
@@ -181,3 +183,80 @@ def test_host_tier_settings_plan_and_saved_storage():
   with pytest.raises(ValueError, match=r"^--host_memory_gb=1 with --sharding=tw: the planner "
                      r"chooses the tables of the host tier; expected --sharding=auto"):
     configs.make_plan(configs.replace_run(cfg, sharding="tw"), tables, 1, opt)
+
+
+def _built(cfg, section=None, **fields):
+  """`cfg` with fields replaced without make_run's checks (a config built field by field)."""
+  if section is None:
+    return dataclasses.replace(cfg, **fields)
+  sub = dataclasses.replace(getattr(cfg, section), **fields)
+  return dataclasses.replace(cfg, **{section: sub})
+
+
+@pytest.mark.parametrize("section, fields, msg", [
+    ("embedding", dict(memory_budget_gb=0.0), "--memory_budget_gb=0.0: expected a number > 0"),
+    ("embedding", dict(memory_budget_gb=float("inf")),
+     "--memory_budget_gb=inf: expected a number > 0"),
+    ("embedding", dict(host_memory_gb=float("nan")),
+     "--host_memory_gb=nan: expected a number >= 0 (0: no host tier)"),
+    ("embedding", dict(storage="int8"), "--storage='int8': expected a StorageSpec (make_run and "
+                                        "StorageSpec.parse read a storage name)"),
+])
+def test_a_config_built_field_by_field_is_validated_naming_the_flag(section, fields, msg):
+  cfg = _built(configs.make_run(), section, **fields)
+  with pytest.raises(ValueError) as e:
+    cfg.validate()
+  assert str(e.value) == msg
+
+
+def test_a2a_mode_built_field_by_field_names_the_modes():
+  e = configs.make_run().embedding
+  cfg = _built(configs.make_run(), "embedding", a2a=dataclasses.replace(e.a2a, a2a_mode="lossy"))
+  with pytest.raises(ValueError) as err:
+    cfg.validate()
+  assert str(err.value) == "--a2a_mode='lossy': expected none or one of ['abs', 'rel']"
+
+
+def test_fixed_sharding_with_overrides_and_an_unknown_sharding():
+  """--sharding=tw with --sharding_overrides=C2=rw: C2 row-wise over every device, the others
+  table-wise as the uniform plan places them; a sharding the flag does not take is refused
+  naming its choices."""
+  from rec.embedding import optimizers as opt_lib
+  from rec.embedding import planner
+  from rec.embedding.config import ShardingKind, TableConfig
+  tables = [TableConfig(f"C{i}", 100, 8) for i in (1, 2, 3)]
+  opt = opt_lib.get_sparse_optimizer("sgd", 0.1)
+  cfg = configs.make_run(sharding="tw", sharding_overrides="C2=rw")
+  plan = configs.make_plan(cfg, tables, 4, opt)
+  uniform = planner.uniform_plan(tables, ShardingKind.TABLE_WISE, 4)
+  assert {n: (ShardingKind(p.kind).value, p.devices) for n, p in plan.items()} == {
+      "C1": ("tw", uniform["C1"].devices), "C2": ("rw", (0, 1, 2, 3)),
+      "C3": ("tw", uniform["C3"].devices)}
+  with pytest.raises(ValueError, match=r"C9"):
+    configs.make_plan(configs.replace_run(cfg, sharding_overrides="C9=rw"), tables, 4, opt)
+  for bad in ("bogus", "sptt"):
+    with pytest.raises(ValueError) as e:
+      configs.make_plan(_built(cfg, "embedding", sharding=bad), tables, 4, opt)
+    assert str(e.value) == (f"--sharding={bad!r}: expected one of ['auto', 'dp', 'tw', 'rw', "
+                            "'cw', 'twrw']")
+
+
+@pytest.mark.devices(8)
+def test_batch_sizes_the_mesh_does_not_divide_are_refused():
+  for over, msg in ((dict(batch_size=12), "--batch_size=12 is not divisible by the 8 devices "
+                                          "of --mesh='-1'"),
+                    (dict(eval_batch_size=20), "--eval_batch_size=20 is not divisible by the 8 "
+                                               "devices of --mesh='-1'")):
+    with pytest.raises(ValueError) as e:
+      configs.build_run(configs.make_run(num_rows=50, **{**dict(batch_size=16,
+                                                                eval_batch_size=16), **over}), devices=jax.devices()[:8])
+    assert str(e.value) == msg
+
+
+def test_epochs_need_a_finite_data_set():
+  src = types.SimpleNamespace(num_batches=None)
+  with pytest.raises(ValueError, match=r"^--epochs needs a finite data set; synthetic data is "
+                     r"infinite: use --steps$"):
+    configs.steps_for(1.0, src)
+  assert configs.steps_for(2.5, types.SimpleNamespace(num_batches=3)) == 7
+  assert configs.steps_for(0.01, types.SimpleNamespace(num_batches=3)) == 1

@@ -82,3 +82,21 @@ def test_resume_with_the_preset_dim_given(tmp_path):
                      r"32 \(now\)"):
     _resume(str(tmp_path / "d"), default.flat_settings(),
             configs.make_run(embedding_dim=32))
+
+
+def test_cache_settings_an_entry_point_fixes_keep_the_flags_given():
+  """`run_from_flags(cache_fraction=...)`: the entry point's value folds in after the command
+  line's --storage / --cache_policy (neither dropped); fixing the storage too leaves the flags'
+  cache settings out."""
+  from rec.embedding.storage_spec import StorageSpec
+  fv = _flag_values("storage", "cache_policy", "cache_fraction")
+  fv(["prog", "--storage=int8_cache", "--cache_policy=lru"])
+  assert configs.run_from_flags(fv).embedding.storage == StorageSpec("int8_cache", "lru", 0.05)
+  assert configs.run_from_flags(fv, cache_fraction=0.2).embedding.storage == StorageSpec(
+      "int8_cache", "lru", 0.2)
+  assert configs.run_from_flags(fv, storage="int4_cache", cache_fraction=0.01
+                                ).embedding.storage == StorageSpec("int4_cache", None, 0.01)
+  fv = _flag_values("storage", "cache_policy", "cache_fraction")
+  fv(["prog", "--storage=int8_cache:lfu:0.1"])
+  assert configs.run_from_flags(fv, cache_policy="lru").embedding.storage == StorageSpec(
+      "int8_cache", "lru", 0.1)

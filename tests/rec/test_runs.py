@@ -18,6 +18,7 @@ def test_parse_models_and_presets():
   assert specs == [runs.ModelSpec("dlrm", "kaggle"), runs.ModelSpec("wukong", "l3_n16"),
                    runs.ModelSpec("dhen", "dhen_2l")]
   assert runs.parse_presets(["a=b", "c=d"]) == {"a": "b", "c": "d"}
+  assert runs.parse_models(["wukong"], {"wukong": "l2_n8"}) == [runs.ModelSpec("wukong", "l2_n8")]
   with pytest.raises(ValueError, match=r"--presets item 'wukong': expected model=preset"):
     runs.parse_presets("wukong")
   with pytest.raises(ValueError, match=r"--presets names \['dcnv2'\], which are not in"):
@@ -86,9 +87,12 @@ def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_pat
   assert "seed 0: finished earlier" in out and "seed 1: 2 steps of 16" in out
   assert again["runs"][0] == first["runs"][0]
   assert again["runs"][1]["seed"] == 1 and again["num_seeds"] == 2
-  # Without reuse_finished the run trains again (and replaces its record).
-  assert "seed 0: 2 steps" in (runs.train_seeds(cfg, [0], prefix, steps=2, built=built),
+  # Without reuse_finished the run trains again (and replaces its record); `keep` sees it.
+  kept = []
+  assert "seed 0: 2 steps" in (runs.train_seeds(cfg, [0], prefix, steps=2, built=built,
+                                                keep=kept.append),
                                capsys.readouterr().out)[1]
+  assert [(r.seed, int(r.state["step"]), r.workdir) for r in kept] == [(0, 2, prefix + "_s0")]
   other = configs.replace_run(cfg, learning_rate=cfg.train.learning_rate * 2)
   with pytest.raises(UserError, match=r"r_s0/run.json: this run finished with other settings "
                      r"\(config.learning_rate: .* -> .*\)"):
@@ -96,3 +100,61 @@ def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_pat
   with pytest.raises(UserError, match=r"steps: 2 -> 3"):
     runs.finished_run(cfg, prefix + "_s0", steps=3, seed=0)
   assert runs.finished_run(cfg, prefix + "_s9", steps=2, seed=9) is None
+
+
+def test_a_run_record_that_does_not_read_is_one_line(tmp_path):
+  """A run.json cut short or missing a field stops naming the file, what is wrong and what
+  to do; bad budgets and seed lists stop before anything is built."""
+  cfg = configs.make_run(num_rows=50, batch_size=16, eval_batch_size=16, eval_batches=1)
+  path = tmp_path / runs.RUN_RECORD
+  path.write_text('{"config": {}, "steps": 2')
+  with pytest.raises(UserError) as e:
+    runs.finished_run(cfg, str(tmp_path), steps=2, seed=0)
+  assert str(e.value).startswith(f"{path}: Expecting ") and str(e.value).endswith(
+      "; expected a run record written by rec.runs (delete it to train the run again)")
+  path.write_text('{"config": {}, "steps": 2, "seed": 0}')
+  with pytest.raises(UserError, match=rf"^{path}: 'result'; expected a run record written by "
+                     r"rec.runs \(delete it"):
+    runs.finished_run(cfg, str(tmp_path), steps=2, seed=0)
+  with pytest.raises(ValueError, match=r"^train_seeds: no seeds$"):
+    runs.train_seeds(cfg, [], str(tmp_path / "r"), steps=1)
+  with pytest.raises(ValueError, match=r"^train_seeds: reuse_finished=True with keep: a reused "
+                     r"run has no state$"):
+    runs.train_seeds(cfg, [0], str(tmp_path / "r"), steps=1, keep=print, reuse_finished=True)
+  spec = [runs.ModelSpec("logreg")]
+  with pytest.raises(ValueError, match=r"^train_models: no models to train$"):
+    runs.train_models(cfg, [], steps=1, workdir=str(tmp_path))
+  with pytest.raises(ValueError, match=r"^train_models: no seeds$"):
+    runs.train_models(cfg, spec, seeds=(), steps=1, workdir=str(tmp_path))
+  with pytest.raises(ValueError, match=r"^train_models: steps=1, epochs=1.0; give exactly one$"):
+    runs.train_models(cfg, spec, steps=1, epochs=1.0, workdir=str(tmp_path))
+  assert not (tmp_path / "runs").exists()
+
+
+def _auc(scores, labels):
+  """Mann-Whitney AUC by all pairs (ties count one half)."""
+  pos, neg = scores[labels == 1], scores[labels == 0]
+  d = pos[:, None] - neg[None, :]
+  return float(np.mean((d > 0) + 0.5 * (d == 0)))
+
+
+def test_train_models_adds_the_true_logits_on_the_same_eval_examples(tmp_path):
+  """On synthetic data the results carry the metrics of the planted logits over exactly the
+  eval examples the models are scored on (the Bayes line of the table); file data: none."""
+  base = configs.make_run(num_rows=50, batch_size=16, eval_batch_size=32, eval_batches=2,
+                          seed=4)
+  res = runs.train_models(base, [runs.ModelSpec("logreg")], steps=1, workdir=str(tmp_path))
+  ref, row = res["reference"], res["rows"][0]
+  assert ref["num_examples"] == row["runs"][0]["eval_examples"] == 64
+  _, eval_src = configs.build_run(base)[1:3]
+  batches = list(eval_src.batches(0))
+  logits = np.concatenate([eval_src.true_logits(b) for b in batches])
+  labels = np.concatenate([b.labels for b in batches])
+  assert ref["auc"] == pytest.approx(_auc(logits, labels), abs=1e-12)
+  assert ref["logloss"] == pytest.approx(
+      np.mean(np.logaddexp(0, logits) - labels * logits), rel=1e-12)
+  table = runs.format_runs(res).splitlines()
+  assert table[3].split() == ["true", "logits", "(Bayes)", f"{ref['auc']:.4f}",
+                              f"{ref['logloss']:.4f}", f"{ref['ne']:.4f}"]
+  assert table[2].startswith("logreg:kaggle ")
+  assert runs.reference_metrics(object()) is None   # no planted logits: file data

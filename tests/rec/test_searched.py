@@ -199,3 +199,110 @@ def test_file_that_is_not_an_architecture_json_is_one_line(tmp_path, data, needl
     configs.model_config(configs.make_run(model=f"searched:{path}"), spec())
   assert cli.is_user_error(e.value) and "\n" not in str(e.value)
   assert str(e.value).startswith(f"{path}{needle}"), str(e.value)
+
+
+def _np_mlp(mlp, x, activate_last):
+  layers = list(mlp.layers)
+  for i, layer in enumerate(layers):
+    x = x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
+    if i < len(layers) - 1 or activate_last:
+      x = np.maximum(x, 0)
+  return x
+
+
+def test_identity_and_mlp_blocks_and_the_fm_head_against_numpy():
+  """X_1 = concat(identity(X_0), MLP embeddings of X_0) with no residual or norm; head the FM
+  sum over pairs and X_1 flattened; top a linear logit: against the same sums in numpy."""
+  arch = {"embedding_dim": D, "top_mlp": [1], "layers": [
+      {"blocks": [{"type": "identity"}, {"type": "mlp", "num_out": 2, "sizes": [8]}],
+       "residual": False, "norm": False}], "head": ["fm", "flatten"]}
+  model = build(arch, num_dense=0)
+  assert model.config.stack_sizes() == [(NS, NS + 2)] and model.body_dim == 1 + (NS + 2) * D
+  _, emb = inputs()
+  x = emb.astype(np.float64)
+  m = _np_mlp(model.layers[0].blocks[1].inner.mlp, x.reshape(B, -1), False).reshape(B, 2, D)
+  x1 = np.concatenate([x, m], axis=1)
+  fm = sum(np.sum(x1[:, f] * x1[:, g], axis=-1)
+           for f in range(NS + 2) for g in range(f + 1, NS + 2))
+  h = np.concatenate([fm[:, None], x1.reshape(B, -1)], axis=1)
+  want = _np_mlp(model.top_mlp, h, False)[:, 0]
+  np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, e: m.body(None, e))(model, emb)), h,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(run(model, None, emb)), want, rtol=1e-5, atol=1e-5)
+
+
+BASE = {"embedding_dim": D, "top_mlp": [1], "bottom_mlp": [D]}
+
+
+@pytest.mark.parametrize("arch, msg", [
+    (dict(BASE, bottom_mlp=8), "bottom_mlp: 8; expected a list of layer widths"),
+    (dict(BASE, embedding_dim=0), "embedding_dim: 0; expected an integer >= 1"),
+    (dict(BASE, bottom_relu_last=1), "bottom_relu_last: 1; expected true or false"),
+    (dict(BASE, layers={"blocks": []}), "layers: {'blocks': []}; expected a list of layers"),
+    (dict(BASE, layers=[3]), "layers[0]: 3; expected an object"),
+    (dict(BASE, layers=[{"blocks": {"type": "lcb"}}]),
+     "layers[0].blocks: {'type': 'lcb'}; expected a list"),
+    (dict(BASE, layers=[{"blocks": [], "norm": "yes"}]),
+     "layers[0].norm: 'yes'; expected true or false"),
+    (dict(BASE, layers=[{"blocks": [{"type": "fmb", "num_out": 2}]}]),
+     "layers[0].blocks[0]: block 'fmb' needs \"rank\" >= 1 (FM projection)"),
+    (dict(BASE, flat={"type": "mlp"}), "flat: {'type': 'mlp'}; expected a list of blocks"),
+    (dict(BASE, flat=[{"type": "mlp"}]), "flat[0]: flat block 'mlp' needs non-empty \"sizes\""),
+    (dict(BASE, head="flatten"),
+     "head: 'flatten'; expected a list from ['dense', 'flatten', 'dot', 'fm']"),
+    (dict(BASE, head=[]), "architecture: SearchedConfig: head=[]; expected a non-empty list "
+                          "from ('dense', 'flatten', 'dot', 'fm')"),
+    (dict(BASE, bottom_mlp=[12]), "architecture: SearchedConfig: dense_in_stack with a dense "
+                                  "vector of 12 values (bottom_mlp=[12]); expected a multiple "
+                                  "of embedding_dim=8"),
+    (dict(BASE, layers=[{"blocks": [{"type": "lcb", "num_out": 2}], "combine": "max"}]),
+     "architecture: SearchedConfig: layers[0].combine='max'; expected one of ('concat', 'sum')"),
+    (dict(BASE, layers=[{"blocks": [], "residual": False}]),
+     "architecture: SearchedConfig: layers[0] has no blocks and no residual; expected at least "
+     "one"),
+    (dict(BASE, layers=[{"blocks": [{"type": "lcb", "num_out": 2}, {"type": "lcb", "num_out": 3}],
+                         "combine": "sum"}]),
+     "architecture: SearchedConfig: layers[0] sums blocks of [2, 3] embeddings; expected equal "
+     "num_out (or combine \"concat\")"),
+    (dict(BASE, layers=[{"blocks": [{"type": "lcb", "num_out": 1}]},
+                        {"blocks": [{"type": "dot", "num_out": 2}]}]),
+     "architecture: SearchedConfig: layers[1].blocks[0] 'dot' on 1 embedding; expected >= 2"),
+    (dict(BASE, layers=[{"blocks": [{"type": "lcb", "num_out": 1}]}], head=["dot"]),
+     "architecture: SearchedConfig: head 'dot' on 1 embedding; pairwise products need >= 2"),
+])
+def test_bad_architectures_name_the_file_and_the_key(arch, msg):
+  with pytest.raises(UserError) as e:
+    searched.SearchedConfig.from_arch(arch, ND, NS, 10, where="a.json")
+  assert str(e.value) == f"a.json: {msg}"
+
+
+def test_data_without_sparse_features_and_a_missing_file():
+  with pytest.raises(UserError) as e:
+    searched.SearchedConfig.from_arch(BASE, ND, 0, (), where="a.json")
+  assert str(e.value) == ("a.json: architecture: SearchedConfig: num_sparse=0, num_dense=4, "
+                          "embedding_dim=8; expected >= 1, >= 0, >= 1")
+  with pytest.raises(ValueError, match=r"^SearchedConfig: bottom_mlp=\(8,\) with num_dense=0; "
+                     r"expected \[\]$"):
+    searched.SearchedConfig(num_dense=0, num_sparse=NS, embedding_dim=D, rows_per_feature=10,
+                            bottom_mlp=(8,))
+  with pytest.raises(UserError) as e:
+    configs.model_config(configs.make_run(model="searched:/no/such/arch.json"), spec())
+  assert str(e.value) == ("--model=searched:/no/such/arch.json: no such file; expected an "
+                          "architecture JSON file (rec/models/searched.py)")
+  cfg = searched.SearchedConfig.from_arch(BASE, ND, 2, (10, 20), feature_names=("u", "v"))
+  assert [(t.name, t.num_rows, t.dim) for t in cfg.tables()] == [("u", 10, D), ("v", 20, D)]
+
+
+def test_hand_designed_configs_outside_the_space_are_refused():
+  with pytest.raises(ValueError, match=r"^dlrm_arch: self_interaction=True has no point"):
+    searched.dlrm_arch(types.SimpleNamespace(self_interaction=True))
+  with pytest.raises(ValueError, match=r"^dcnv2_arch: structure='parallel'; the searched space "
+                     r"has the stacked DCN-v2 only$"):
+    searched.dcnv2_arch(types.SimpleNamespace(structure="parallel"))
+  with pytest.raises(ValueError, match=r"^dhen_arch: ensemble='max'; expected one of "
+                     r"\('concat', 'sum'\)$"):
+    searched.dhen_arch(types.SimpleNamespace(ensemble="max", layers=()))
+  with pytest.raises(ValueError, match=r"^dhen_arch: layer 1 interaction 'fm'; expected one of "
+                     r"\['dcn', 'dot', 'linear', 'self_attention'\]$"):
+    searched.dhen_arch(types.SimpleNamespace(ensemble="sum", layers=(("dot",), ("fm",)),
+                                             width=2))

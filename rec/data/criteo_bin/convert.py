@@ -476,11 +476,15 @@ def _check_previous(dst: str, settings: dict, fingerprint: str, overwrite: bool)
   try:
     with open(path) as f:
       old = json.load(f)
-  except (OSError, ValueError):
-    old = {}
+  except (OSError, ValueError) as e:
+    raise UserError(f"{path}: unreadable ({e}); expected the manifest of a finished conversion: "
+                    "--overwrite to replace it, or another --dst") from None
+  old = old if isinstance(old, dict) else {}
   if old.get("fingerprint") == fingerprint:
     return
-  diff = _settings_diff(old.get("settings", {}), settings) or "another format version"
+  recorded = old.get("settings")
+  diff = (_settings_diff(recorded, settings) if isinstance(recorded, dict) else "") or (
+      "another format version")
   raise UserError(f"{path}: a finished conversion of other inputs or settings ({diff}); "
                   "expected the same --src and settings to resume it, --overwrite to replace "
                   "it, or another --dst")
