@@ -82,11 +82,27 @@ def define_flags(flag_values=None) -> None:
   config.define_flags(None, settings.WORKDIR, flag_values=flag_values, workdir="runs/pvf")
 
 
-def _dlrm(t_key):
+def _fault_settings():
+  """(criterion, DLRM fault models, Llama fault models) from their flags, and --formats
+  checked: refused before any training, each error naming its flag."""
+  from core import faults
+
+  def parse(flag, parse_one, values):
+    try:
+      return [parse_one(v) for v in values]
+    except ValueError as e:
+      raise ValueError(f"--{flag}: {e}") from None
+
+  parse("formats", faults.bit_width, FLAGS.formats)
+  crit, = parse("criterion", faults.make_criterion, [FLAGS.criterion])
+  return (crit, parse("faults", faults.FaultModel.parse, FLAGS.faults),
+          parse("llama_faults", faults.FaultModel.parse, FLAGS.llama_faults))
+
+
+def _dlrm(t_key, crit, fault_list):
   import jax
 
   from core import checkpoint as ckpt_lib
-  from core import faults
   from experiments.pvf import dlrm as pvf
   from experiments.pvf import study
   from rec import configs, runs
@@ -98,7 +114,11 @@ def _dlrm(t_key):
     task, train_src, eval_src, _, _ = configs.build_run(cfg)
     ckpt = ckpt_lib.Checkpointer(FLAGS.dlrm_run)
     try:
-      state, _ = ckpt.restore(ckpt.latest_step(), ckpt_lib.abstract_like(task.init_state(0)))
+      step = ckpt.latest_step()
+      if step is None:
+        raise ValueError(f"--dlrm_run={FLAGS.dlrm_run}: no checkpoint there; expected the "
+                         "workdir of a train_rec run of the same --preset / --num_rows")
+      state, _ = ckpt.restore(step, ckpt_lib.abstract_like(task.init_state(0)))
     finally:
       ckpt.close()
     mcfg = configs.model_config(cfg, train_src.spec)
@@ -112,9 +132,7 @@ def _dlrm(t_key):
   tables = task.collection.to_tables(state["emb"])
   target = pvf.dlrm_target(mcfg, state["params"], tables, [next(iter(eval_src.batches(0)))],
                            max_examples=FLAGS.examples)
-  crit = faults.make_criterion(FLAGS.criterion)
   rows = []
-  fault_list = [faults.FaultModel.parse(f) for f in FLAGS.faults]
   for i, fmt in enumerate(FLAGS.formats):
     print(f"== DLRM {FLAGS.preset}: {fmt} {','.join(FLAGS.faults)}, {FLAGS.trials} trials "
           "per group and fault model", flush=True)
@@ -144,11 +162,10 @@ def _by_fault(rows):
   return sorted(rows, key=lambda r: key[r["fmt"], r["fault"]])
 
 
-def _llama(t_key):
+def _llama(t_key, fault_list):
   import jax
   from flax import nnx
 
-  from core import faults
   from experiments.pvf import llama as llm_pvf
   from llm import weights as weights_lib
   from llm.config import PRESETS
@@ -166,7 +183,6 @@ def _llama(t_key):
   tokens = llm_pvf.sample_sequences(model, FLAGS.llama_seqs, FLAGS.llama_len,
                                     jax.random.fold_in(t_key, 7))
   rows = []
-  fault_list = [faults.FaultModel.parse(f) for f in FLAGS.llama_faults]
   for i, fmt in enumerate(FLAGS.formats):
     print(f"== {label}: {fmt} {','.join(FLAGS.llama_faults)}, {FLAGS.llama_trials} trials "
           "per group and fault model", flush=True)
@@ -186,13 +202,14 @@ def main(argv):
 
   from experiments.pvf import study
 
+  crit, dlrm_faults, llama_faults = _fault_settings()
   report = Report(FLAGS.workdir)
   key = jax.random.key(FLAGS.seed)
   out = {"platform": jax.default_backend(), "formats": FLAGS.formats, "faults": FLAGS.faults,
          "llama_faults": FLAGS.llama_faults, "trials": FLAGS.trials,
-         "llama_trials": FLAGS.llama_trials, "paper": study.PAPER_NOTE, "models": [_dlrm(key)]}
+         "llama_trials": FLAGS.llama_trials, "paper": study.PAPER_NOTE, "models": [_dlrm(key, crit, dlrm_faults)]}
   if FLAGS.llama:
-    out["models"].append(_llama(key))
+    out["models"].append(_llama(key, llama_faults))
   for m in out["models"]:
     worst = max(r["ci_high"] - r["ci_low"] for r in m["rows"]) / 2
     print(f"== {m['label']}: PVF per group ({m['criterion']}); widest 95% Wilson half-width "

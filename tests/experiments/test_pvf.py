@@ -318,3 +318,58 @@ def test_study_fields_and_paper_ordering():
   assert [(c["claim"], c["verdict"]) for c in checks] == [
       ("top_mlp > bottom_mlp", "disagrees"), ("top_mlp > emb", "agrees"),
       ("top_mlp > emb_read", "not resolved")]
+
+
+def _pvf_main(tmp_path, *args):
+  import os
+  import sys
+
+  from tests import cpu_env, forkserver
+  from tests.experiments.entry import REPO
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
+  return forkserver.run([sys.executable, "-m", "experiments.pvf", f"--workdir={tmp_path}",
+                         "--llama=", *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--faults=single,burst:0"], "--faults: fault model 'burst:0': k=0; expected k >= 1"),
+    (["--llama_faults=twice"], "--llama_faults: fault model 'twice': expected single"),
+    (["--criterion=tol:-1"], "--criterion: criterion 'tol:-1': expected threshold"),
+    (["--formats=fp32,fp16"], "--formats: format 'fp16': expected one of"),
+    (["--dlrm_run={empty}"], "--dlrm_run={empty}: no checkpoint there"),
+])
+def test_entry_point_refuses_bad_settings_before_training(tmp_path, flags, error):
+  """A typo in a fault model, the criterion or a format, or a --dlrm_run without a
+  checkpoint, is one line naming the flag, before any DLRM step."""
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  out = _pvf_main(tmp_path / "w", *[f.format(empty=empty) for f in flags])
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1].startswith("error: " + error.format(empty=empty))
+  assert "steps of" not in out.stdout
+
+
+def test_entry_point_tiny_run(tmp_path):
+  """The whole study on a 3-step DLRM: one row per (format, fault model, group) with
+  --trials trials, bit fields on the single-bit rows, and the paper's ordering checks."""
+  import json
+  out = _pvf_main(tmp_path, "--steps=3", "--batch_size=64", "--num_rows=1000",
+                  "--trials=16", "--examples=64", "--formats=fp32,int8",
+                  "--faults=single,burst:2")
+  assert out.returncode == 0, out.stderr[-3000:]
+  res = json.loads((tmp_path / "results.json").read_text())
+  (m,) = res["models"]
+  groups = ["emb", "emb_read", "bottom_mlp", "bottom_mlp.0", "bottom_mlp.1", "interaction",
+            "top_mlp", "top_mlp.0", "top_mlp.1"]
+  assert [(r["fmt"], r["fault"], r["group"]) for r in m["rows"]] == [
+      (f, k, g) for f in ("fp32", "int8") for k in ("single", "burst:2") for g in groups]
+  for r in m["rows"]:
+    assert r["trials"] == 16 and r["pvf"] == r["changed"] / 16
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx(faults.wilson(r["changed"], 16))
+    if r["fault"] == "single":
+      assert sum(f["trials"] for f in r["by_field"].values()) == 16
+      assert sum(f["changed"] for f in r["by_field"].values()) == r["changed"]
+  assert {(c["fmt"], c["fault"]) for c in m["checks"]} == {
+      (f, k) for f in ("fp32", "int8") for k in ("single", "burst:2")}
+  assert (tmp_path / "pvf.png").stat().st_size > 0
