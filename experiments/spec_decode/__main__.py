@@ -219,7 +219,7 @@ def define_flags(flag_values=None) -> None:
 def check_flags(f) -> None:
   """What single flags cannot say: the sizes that must agree (each error names its flags)."""
   if f.gen_temperature == 0 and not f.chat_prompts:
-    raise ValueError(f"--gen_temperature=0 (greedy) needs --chat_prompts: greedy sequences "
+    raise ValueError("--gen_temperature=0 (greedy) needs --chat_prompts: greedy sequences "
                      "from the same prompt are the same sequence")
   if f.eval_sequences >= f.num_sequences:
     raise ValueError(f"--eval_sequences={f.eval_sequences}: expected fewer than "

@@ -186,7 +186,6 @@ def _stats_layout(call, lse_BTH):
 
 def _emulated_fwd(call, q, k, v, lens):
   b, t, h, kd = q.shape
-  g = k.shape[2]
   logits, _ = _emulated_logits(call, q, k, lens)
   lse = jax.nn.logsumexp(logits, axis=-1)                       # [B,G,R,T], -inf: no key
   p = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
@@ -197,7 +196,7 @@ def _emulated_fwd(call, q, k, v, lens):
 
 def _emulated_bwd(call, q, k, v, lens, stats, out, dout):
   b, t, h, kd = q.shape
-  s, g = k.shape[1], k.shape[2]
+  g = k.shape[2]
   f32 = lambda x: x.astype(jnp.float32)
   logits, _ = _emulated_logits(call, q, k, lens)
   lse_BTH = _lse_from_stats(call, stats, b, t, h)
