@@ -41,9 +41,17 @@ def define_flags() -> None:
 def main(argv):
   del argv
   cli.quiet_library_logs()
+  from core import errors
   from core import train as train_lib
-  from rec import configs
+  from rec import configs, runs
 
+  # Every model checked now, not after the models before it have trained.
+  for model in FLAGS.models:
+    try:
+      configs.model_config(configs.make_run(model=model, num_rows=FLAGS.num_rows),
+                           runs.CRITEO_SHAPED)
+    except ValueError as e:
+      raise errors.UserError(f"--models={','.join(FLAGS.models)}: {model}: {e}") from None
   rows = []
   for model in FLAGS.models:
     for ep in FLAGS.epochs:

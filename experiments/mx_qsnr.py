@@ -96,16 +96,44 @@ def define_flags() -> None:
       block_sizes=["8", "16", "32", "64", "128", "256", "1024"])
 
 
+def _settings() -> list[int]:
+  """--samples, --formats, --sweep_formats and --block_sizes checked (the block sizes as
+  ints): refused before any sample is drawn or quantized, each error naming its flag."""
+  from core import errors
+  from core.quant import mx
+  if FLAGS.samples % qsnr.ROW:
+    raise errors.expected(f"--samples={FLAGS.samples}", "not a multiple of the row",
+                          f"a positive multiple of {qsnr.ROW}")
+  bad = [f for f in FLAGS.formats if f not in qsnr.QUANTIZERS]
+  if bad:
+    raise errors.expected(f"--formats={','.join(FLAGS.formats)}", f"unknown {bad}",
+                          f"some of {','.join(sorted(qsnr.QUANTIZERS))}")
+  known = sorted(mx.MX_FORMATS) + sorted(mx.BDR_FORMATS)
+  bad = [f for f in FLAGS.sweep_formats if f not in known]
+  if bad:
+    raise errors.expected(f"--sweep_formats={','.join(FLAGS.sweep_formats)}",
+                          f"unknown {bad}", f"MX or BDR formats, some of {','.join(known)}")
+  try:
+    blocks = [int(b) for b in FLAGS.block_sizes]
+  except ValueError:
+    blocks = []
+  if not blocks or any(b < 1 or qsnr.ROW % b for b in blocks):
+    raise errors.expected(f"--block_sizes={','.join(FLAGS.block_sizes)}",
+                          "not block sizes of the row",
+                          f"integers dividing {qsnr.ROW} (powers of two up to {qsnr.ROW})")
+  return blocks
+
+
 def main(argv) -> None:
   del argv
   t0 = time.perf_counter()
+  blocks = _settings()
   x = qsnr.gaussian_samples(FLAGS.samples, FLAGS.seed)
   say = lambda s: print(f"  {s}", flush=True)
   print(f"QSNR on {x.size:,} N(0, 1) samples (seed {FLAGS.seed})", flush=True)
   table = qsnr.qsnr_table(x, FLAGS.formats or None, progress=say)
   print("block-size sweep", flush=True)
-  sweep = qsnr.block_sweep(x, FLAGS.sweep_formats, [int(b) for b in FLAGS.block_sizes],
-                           progress=say)
+  sweep = qsnr.block_sweep(x, FLAGS.sweep_formats, blocks, progress=say)
   print()
   print(qsnr.format_table(table))
   print()

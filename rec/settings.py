@@ -22,7 +22,8 @@ ZIPF_ALPHA = config.setting("zipf_alpha", "float", "Zipf exponent of the generat
 MODELS = config.setting("models", "list", "Models to compare: names, or model:preset (e.g. "
                         "wukong:l3_n16, dcnv2:small).")
 SEEDS = config.setting("seeds", "list", "Parameter-init seeds: one run per seed (and model, "
-                       "format or variant); quality is the mean over seeds.")
+                       "format or variant); quality is the mean over seeds.",
+                       item=config.Setting("seed", "integer", "A parameter-init seed.", lower=0))
 DATA_SEED = config.setting("data_seed", "integer", "Seed of the synthetic data (its hidden "
                            "model and batch stream, stochastic rounding), apart from the "
                            "parameter-init --seeds.", lower=0)

@@ -51,13 +51,16 @@ from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
 
-TOWERS = config.setting("towers", "list", "Tower counts T to train.")
+# One tower per host of the 26 features: a count between 1 and 26.
+_COUNT = config.Setting("count", "integer", "A tower or host count.", lower=1, upper=26)
+TOWERS = config.setting("towers", "list", "Tower counts T to train (1..26).", item=_COUNT)
 TOWER_K = config.setting("tower_k", "integer", "Compressed vectors per tower (+ 1 local-dot "
                          "vector).", lower=1)
 TEACHER = config.setting("teacher", "enum", "Synthetic label model.", choices=("linear", "deep"))
 COMM_BATCH = config.setting("comm_batch", "integer", "Global batch for the all-to-all volume.",
                             lower=1)
-H100_HOSTS = config.setting("h100_hosts", "list", "Host counts of the H100 step model.")
+H100_HOSTS = config.setting("h100_hosts", "list", "Host counts of the H100 step model "
+                            "(1..26).", item=_COUNT)
 H100_LOCAL_BATCH = config.setting("h100_local_batch", "integer", "Examples per GPU in the "
                                   "H100 step model.", lower=1)
 H100_DIM = config.setting("h100_dim", "integer", "Embedding dim in the H100 step model.",
@@ -86,14 +89,12 @@ def main(argv):
   from experiments.dmt import study
 
   report = Report(FLAGS.workdir)
-  try:
-    hosts = [int(h) for h in FLAGS.h100_hosts]
-  except ValueError:
-    hosts = []
-  if not hosts or any(not 1 <= h <= 26 for h in hosts):
-    from core import errors
-    raise errors.UserError(f"--h100_hosts={','.join(FLAGS.h100_hosts)}: expected host counts "
-                           "in 1..26 (one tower per host of the 26 features)")
+  hosts = [int(h) for h in FLAGS.h100_hosts]    # (each checked while parsing: 1..26)
+  towers = [int(t) for t in FLAGS.towers]
+  for flag, counts in (("h100_hosts", hosts), ("towers", towers or FLAGS.h100_only)):
+    if not counts:
+      from core import errors
+      raise errors.UserError(f"--{flag}=: no counts; expected at least one")
   units = study.measured_units()
   h100 = study.h100_table(units, hosts, FLAGS.h100_local_batch, FLAGS.h100_dim,
                           FLAGS.tower_k, seed=FLAGS.seed)
@@ -111,7 +112,7 @@ def main(argv):
   if FLAGS.h100_only:
     report.finish({"h100": h100_out}, h100_summary, wall="wall_seconds")
     return
-  out = study.run([int(t) for t in FLAGS.towers], FLAGS.tower_k, FLAGS.steps, FLAGS.batch_size,
+  out = study.run(towers, FLAGS.tower_k, FLAGS.steps, FLAGS.batch_size,
                   FLAGS.eval_batches, FLAGS.num_rows, FLAGS.dim, FLAGS.teacher,
                   FLAGS.comm_batch, FLAGS.seed, FLAGS.workdir,
                   log=lambda s: print(s, flush=True))

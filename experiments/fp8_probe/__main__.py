@@ -51,9 +51,11 @@ from absl import flags
 
 from core import cli
 from core import config
+from core import errors
 from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
+PROBE_RECIPES = ("tensor", "row")   # fp8.RECIPES but delayed (it needs an amax history)
 
 
 def define_flags(flag_values=None) -> None:
@@ -92,10 +94,24 @@ def main(argv):
   if unknown:
     raise ValueError(f"--variants: {unknown} unknown, expected some of "
                      f"{list(fp8_probe.VARIANTS)}")
+  # Checked now, not after a reference model has trained: the probe's scalings (current
+  # scaling only) and every model's preset.
+  bad = [r for r in FLAGS.probe_recipes if r not in PROBE_RECIPES]
+  if bad:
+    raise errors.expected(f"--probe_recipes={','.join(FLAGS.probe_recipes)}",
+                          f"unknown {bad}", f"some of {','.join(PROBE_RECIPES)} (the probe "
+                          "loads the fp32 state as it is: current scaling only)")
+  specs = runs.parse_models(FLAGS.models)
+  for spec in specs:
+    try:
+      configs.model_config(configs.replace_run(base, model=spec.model, preset=spec.preset),
+                           runs.CRITEO_SHAPED)
+    except ValueError as e:
+      raise errors.UserError(f"--models={','.join(FLAGS.models)}: {spec.label}: {e}") from None
   out = {"data": FLAGS.data, "seeds": seeds, **budget, "batch_size": FLAGS.batch_size,
          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
          "models": []}
-  for spec in runs.parse_models(FLAGS.models):
+  for spec in specs:
     cfg = configs.replace_run(base, model=spec.model, preset=spec.preset)
     wd = os.path.join(FLAGS.workdir, f"{spec.model}_{spec.preset}")
     print(f"== {spec.label}: fp32 reference run", flush=True)

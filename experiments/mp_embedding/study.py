@@ -38,7 +38,8 @@ from rec.embedding.storage_spec import StorageSpec
 
 METRICS = ("auc", "logloss")
 MEMORY_DIMS = config.setting("memory_dims", "list", "Embedding dims of the per-dim memory "
-                             "table.")
+                             "table.", item=config.Setting("memory_dim", "integer",
+                                                           "An embedding dim.", lower=1))
 DEFAULT_FORMATS = ("fp32", "int8_cache:lfu:0.05", "int8_cache:lru:0.05", "int4_cache:lfu:0.01",
                    "int4_cache:lru:0.01")
 

@@ -33,3 +33,13 @@ def run_entry(module: str, args, timeout: int = 600):
                        capture_output=True, text=True, timeout=timeout)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_refused(module: str, args, timeout: int = 120):
+  """Runs `python -m module *args` as `run_entry` does, expecting a refusal: asserts a
+  nonzero exit and returns the CompletedProcess (its last stderr line is the error)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
+  out = forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+  assert out.returncode != 0, out.stdout[-3000:]
+  return out

@@ -8,6 +8,7 @@ import pytest
 
 from tests.experiments.entry import DATA
 from tests.experiments.entry import REPO
+from tests.experiments.entry import run_refused
 from tests.experiments.entry import run_entry
 from tests import forkserver
 
@@ -49,6 +50,15 @@ def test_criteo_baselines_toy(tmp_path):
       "--num_rows=1000", "--batch_size=512", f"--workdir={tmp_path}"])
   assert [r["model"] for r in out["results"]] == ["logreg", "dlrm"]
   assert all(r["eval_examples"] == 800 and 0.5 < r["auc"] < 1 for r in out["results"])
+
+
+def test_criteo_baselines_refuses_unknown_model_before_training(tmp_path):
+  """A typo in --models is one line naming the flag before any model trains (formerly
+  after the models before it, as --model)."""
+  out = run_refused("experiments.criteo_baselines", [
+      f"--data=criteo:{tmp_path}", "--models=logreg,dlrn", f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1].startswith("error: --models=logreg,dlrn: dlrn: ")
+  assert "epoch(s)" not in out.stdout
 
 
 @pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time

@@ -88,6 +88,10 @@ BAD = {
     "experiments.cp_prefill": [
         "--batch=0", "--repeats=0", "--seq_len=0", "--cached_len=-2", "--peak_tflops=0",
         "--bandwidth_gbps=0", "--tol=-1"],
+    "experiments.mp_embedding.__main__": ["--seeds=0,x", "--seeds=-1", "--memory_dims=16,0",
+                                          "--memory_dims=abc"],
+    "experiments.compare_rec.__main__": ["--seeds=0,1.5"],
+    "experiments.dmt.__main__": ["--towers=2,40", "--h100_hosts=x"],
 }
 
 # Each module's flags are defined (with those `cli.run` adds to every entry point), its

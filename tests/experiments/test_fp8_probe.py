@@ -14,7 +14,7 @@ from flax import nnx
 from experiments.fp8_probe import probe as fp8_probe
 from rec import configs
 from rec.models import dlrm
-from tests.experiments.entry import run_entry
+from tests.experiments.entry import run_entry, run_refused
 
 
 @pytest.mark.slow
@@ -67,3 +67,16 @@ def test_probe_on_a_small_model():
   assert "bottom_mlp.0" in fp8_probe.format_probe(rep)
   with pytest.raises(ValueError, match="recipe='delayed' needs a trained amax history"):
     fp8_probe.probe(trained, "delayed", inputs=inputs)
+
+
+@pytest.mark.parametrize("flag, error", [
+    ("--probe_recipes=tensor,rwo", "--probe_recipes=tensor,rwo: unknown ['rwo']"),
+    ("--probe_recipes=delayed", "--probe_recipes=delayed: unknown ['delayed']"),
+    ("--models=dlrm:small,dcnv2:huge", "--models=dlrm:small,dcnv2:huge: dcnv2:huge: "),
+])
+def test_entry_point_refuses_bad_settings_before_training(tmp_path, flag, error):
+  """A bad probe scaling or model preset is one line naming the flag before the first
+  reference model trains (formerly after it, naming no flag or --preset)."""
+  out = run_refused("experiments.fp8_probe", [f"--workdir={tmp_path}", "--steps=2", flag])
+  assert out.stderr.strip().splitlines()[-1].startswith("error: " + error)
+  assert "reference run" not in out.stdout

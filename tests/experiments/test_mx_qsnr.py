@@ -3,7 +3,9 @@
 import json
 import os
 
-from tests.experiments.entry import run_entry
+import pytest
+
+from tests.experiments.entry import run_entry, run_refused
 
 
 def test_runs_end_to_end(tmp_path):
@@ -18,3 +20,18 @@ def test_runs_end_to_end(tmp_path):
   assert len(res["table"]) == 3 and len(res["sweep"]) == 4
   assert os.path.getsize(tmp_path / "qsnr.png") > 10_000
   assert "format / block" in stdout and "issue dB" in stdout
+
+
+@pytest.mark.parametrize("flag, error", [
+    ("--samples=5000", "--samples=5000: not a multiple"),
+    ("--formats=mxint8,mxint9", "--formats=mxint8,mxint9: unknown ['mxint9']"),
+    ("--sweep_formats=mxfp4,bf16", "--sweep_formats=mxfp4,bf16: unknown ['bf16']"),
+    ("--block_sizes=16,3x", "--block_sizes=16,3x: not block sizes"),
+    ("--block_sizes=16,48", "--block_sizes=16,48: not block sizes"),
+])
+def test_refuses_bad_settings_before_sampling(tmp_path, flag, error):
+  """A typo in a format or block size is one line naming the flag, before any QSNR is
+  measured (formerly the block sizes and sweep formats failed after the whole table)."""
+  out = run_refused("experiments.mx_qsnr", [f"--workdir={tmp_path}", flag])
+  assert out.stderr.strip().splitlines()[-1].startswith("error: " + error)
+  assert "QSNR on" not in out.stdout

@@ -14,7 +14,7 @@ from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.models.dmt import DMTConfig, DMTModel
-from tests.experiments.entry import run_entry
+from tests.experiments.entry import run_entry, run_refused
 
 N, T, G = 8, 2, 4
 B, L, D, K = 16, 2, 4, 2
@@ -127,3 +127,18 @@ def test_study_runs_end_to_end(tmp_path):
   v = study.comm_volume(65536, 26, 16, 2, 2)
   assert out["DMT T=2 (random)"]["a2a_reduction"] == round(v["global_reduction"], 2)
   assert (tmp_path / "results.json").exists() and (tmp_path / "dmt.png").exists()
+
+
+@pytest.mark.parametrize("flag, error", [
+    ("--towers=2,x", "flag --towers=['2', 'x']: 'x': not a number; expected an integer >= 1 "
+                     "and <= 26"),
+    ("--towers=2,40", "flag --towers=['2', '40']: 40: out of range; expected an integer >= 1 "
+                      "and <= 26"),
+    ("--h100_hosts=0", "flag --h100_hosts=['0']: 0: out of range"),
+    ("--towers=", "error: --towers=: no counts; expected at least one")])
+def test_entry_point_refuses_bad_counts_before_work(tmp_path, flag, error):
+  """A bad tower or host count names its flag before the H100 model's compiles and any
+  training (a count of 40 used to fail in partition() after the flat DLRM trained)."""
+  out = run_refused("experiments.dmt", [flag, f"--workdir={tmp_path}"])
+  assert error in out.stderr
+  assert "H100 step model" not in out.stdout and "flat DLRM" not in out.stdout
