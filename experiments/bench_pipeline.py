@@ -78,6 +78,10 @@ def main(argv):
   if FLAGS.recd_repeats:
     return recd_main(report)
   rows = []
+  from rec.data import sources
+  for data in FLAGS.data:   # every form checked before the first is measured
+    if data != "criteo_bin:gen":   # (generated when its turn comes)
+      sources.check_form(data)
   for data in FLAGS.data:
     print(f"measuring {data} ...", flush=True)
     r = rec_bench.pipeline_rates(data, FLAGS.batch_size, FLAGS.num_rows, FLAGS.model,

@@ -82,10 +82,18 @@ def main(argv):
   variants = {"fixed": fixed, "adaptive": "adaptive"}
   log = report.log
   res = {}
-  for data in FLAGS.datasets:
+  from rec.data import sources
+  datasets = []
+  for data in FLAGS.datasets:   # every form checked before the first trains
     if data.startswith("criteo:") and not os.path.isdir(data.split(":", 1)[1]):
       log(f"skip {data}: directory absent")
       continue
+    try:
+      sources.check_form(data)
+    except ValueError as e:
+      raise ValueError(str(e).replace("--data=", "--datasets entry ", 1)) from None
+    datasets.append(data)
+  for data in datasets:
     cfg = configs.replace_run(flagged.without_a2a(), data=data,
                               eval_batch_size=flagged.train.batch_size)
     res[data] = study.run_dataset(cfg, FLAGS.steps, FLAGS.probe_batches, variants,

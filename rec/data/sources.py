@@ -175,6 +175,14 @@ def _split_data(data: str) -> tuple[str, str]:
   return kind, d
 
 
+def check_form(data: str) -> None:
+  """A UserError naming `data` unless it is one of FORMS (a synthetic form with valid
+  options, or a file form whose directory exists): for an entry point that runs several
+  --data values and should refuse a bad later one before measuring the first."""
+  if synthetic_options(data) is None:
+    _split_data(data)
+
+
 def _check_num_rows(num_rows, minimum: int = 2) -> None:
   """--num_rows within what the form (`minimum`: 2 for files, whose row 0 is the missing
   value) and the embedding tables take, checked here so that the error names the flag

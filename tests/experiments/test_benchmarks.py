@@ -75,3 +75,12 @@ def test_bench_kernels_refuses_without_gpu(tmp_path):
                         f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True)
   assert out.returncode == 2 and "need a GPU" in out.stderr
   assert "refused" in json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_pipeline_checks_every_form_before_measuring(tmp_path):
+  """A bad later --data form is one line before the first form is measured."""
+  out = run_refused("experiments.bench_pipeline", [
+      "--data=synthetic:gen=host,criteo:/absent", f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: --data='criteo:/absent': '/absent' is not a directory")
+  assert "measuring" not in out.stdout

@@ -76,3 +76,17 @@ def test_bad_flags_name_them(tmp_path, args, msg):
   out = _run_8(["--datasets=synthetic", f"--workdir={tmp_path}", *args], timeout=300)
   last = out.stderr.strip().splitlines()[-1]
   assert out.returncode == 2 and last.startswith("error: ") and msg in last, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("datasets, error", [
+    ("synthetic,synthetic:bad=1", "error: --datasets entry 'synthetic:bad=1': option 'bad=1'"),
+    ("synthetic,criteo:/absent,avazu:/absent",
+     "error: --datasets entry 'avazu:/absent': '/absent' is not a directory")])
+def test_entry_point_checks_every_dataset_before_training(tmp_path, datasets, error):
+  """A bad later --datasets entry is one line before the first dataset trains (a missing
+  criteo:DIR is skipped, as the study's default names the sample that may be absent)."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.a2a_compression", [f"--datasets={datasets}",
+                                                    f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1].startswith(error)
+  assert "synthetic" not in os.listdir(tmp_path)   # no run of the first dataset
