@@ -144,8 +144,11 @@ def test_a_refusal_inside_the_engine_reaches_its_caller(tiny):
   refused at once."""
   engine = Engine(tiny, CONFIG)
   engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="x")
-  runner = EngineRunner(engine).start()
+  runner = EngineRunner(engine)
+  # Submitted before the thread starts, so its add comes before the engine's first step (a
+  # started thread might finish the engine's "x" first, and the id would be free again).
   h = runner.submit([3], SamplingParams(max_tokens=2), request_id="x")
+  runner.start()
   with pytest.raises(ValueError, match="request id 'x' is already in use"):
     h.result()
   runner.shutdown(drain_s=60)
