@@ -207,7 +207,8 @@ def main(argv):
   key = jax.random.key(FLAGS.seed)
   out = {"platform": jax.default_backend(), "formats": FLAGS.formats, "faults": FLAGS.faults,
          "llama_faults": FLAGS.llama_faults, "trials": FLAGS.trials,
-         "llama_trials": FLAGS.llama_trials, "paper": study.PAPER_NOTE, "models": [_dlrm(key, crit, dlrm_faults)]}
+         "llama_trials": FLAGS.llama_trials, "paper": study.PAPER_NOTE,
+         "models": [_dlrm(key, crit, dlrm_faults)]}
   if FLAGS.llama:
     out["models"].append(_llama(key, llama_faults))
   for m in out["models"]:

@@ -96,13 +96,17 @@ def test_build_replace_and_one_line_errors():
   run = config.build(Run2, steps=3, test_config_spec="z:2")
   assert run.inner.test_config_spec == ("z", 2)
   assert config.replace(run, seed=4).seed == 4 and config.replace(run, seed=4).loop.steps == 3
-  with pytest.raises(errors.UserError, match=r"^--steps=0: out of range; expected an integer >= 1$"):
+  with pytest.raises(errors.UserError, match=r"^--steps=0: out of range; expected an integer >= "
+                                             r"1$"):
     config.build(Run2, steps=0)
-  with pytest.raises(errors.UserError, match=r"--stepz: not a setting of Run2 \(did you mean 'steps'\?\)"):
+  with pytest.raises(errors.UserError, match=r"--stepz: not a setting of Run2 \(did you mean "
+                                             r"'steps'\?\)"):
     config.build(Run2, stepz=1)
-  with pytest.raises(errors.UserError, match=r"--test_config_spec='nope': expected KIND:N; expected a kind and a count, kind:n"):
+  with pytest.raises(errors.UserError, match=r"--test_config_spec='nope': expected KIND:N; "
+                                             r"expected a kind and a count, kind:n"):
     config.build(Run2, test_config_spec="nope")
-  with pytest.raises(errors.UserError, match=r"--test_config_mode='c': not a choice; expected one of \['a', 'b'\]"):
+  with pytest.raises(errors.UserError, match=r"--test_config_mode='c': not a choice; expected one "
+                                             r"of \['a', 'b'\]"):
     config.build(Run2, test_config_mode="c")
 
 
@@ -197,15 +201,18 @@ def test_a_config_file_sets_the_loose_settings_declared_in_config(tmp_path):
 
 
 def test_settings_defined_wrong_are_refused():
-  with pytest.raises(ValueError, match=r"^Setting 'x': kind='number'; expected one of \('string', "):
+  with pytest.raises(ValueError, match=r"^Setting 'x': kind='number'; expected one of \('string', "
+                                       r""):
     config.Setting("x", "number", "X.")
   for kw in (dict(kind="enum"), dict(kind="string", choices=("a",))):
-    with pytest.raises(ValueError, match=r"^Setting 'x': choices go with kind='enum' \(and only there\)$"):
+    with pytest.raises(ValueError, match=r"^Setting 'x': choices go with kind='enum' \(and only "
+                                         r"there\)$"):
       config.Setting("x", help="X.", **kw)
   with pytest.raises(ValueError, match=r"^Setting 'test_config_mode': choices \['a', 'd'\] are "
                                        r"not a subset of \('a', 'b', 'c'\)$"):
     MODE.field("a", choices=("a", "d"))
-  with pytest.raises(ValueError, match=r"^Setting 'seed': choices \['1'\] are not a subset of None$"):
+  with pytest.raises(ValueError, match=r"^Setting 'seed': choices \['1'\] are not a subset of "
+                                       r"None$"):
     settings.SEED.field(0, choices=("1",))
   with pytest.raises(KeyError, match=r"no setting --stepz is defined \(known: \[.*'steps'"):
     config.get("stepz")

@@ -191,11 +191,13 @@ def test_fault_model_texts_and_their_errors():
     with pytest.raises(ValueError) as e:
       faults.FaultModel.parse(text)
     assert str(e.value) == f"fault model {text!r}: k={text.split(':')[1]}; expected k >= 1 bits"
-  with pytest.raises(ValueError, match=r"^FaultModel.kind='flip': expected single, multi or burst$"):
+  with pytest.raises(ValueError, match=r"^FaultModel.kind='flip': expected single, multi or "
+                                       r"burst$"):
     faults.FaultModel("flip")
   with pytest.raises(ValueError, match=r"^FaultModel.bits=0: expected >= 1$"):
     faults.FaultModel("burst", bits=0)
-  with pytest.raises(ValueError, match=r"^FaultModel: kind=multi picks its bits at random; got bit=3$"):
+  with pytest.raises(ValueError, match=r"^FaultModel: kind=multi picks its bits at random; got "
+                                       r"bit=3$"):
     faults.FaultModel("multi", 3, 2)
   with pytest.raises(ValueError, match=r"^fault multi:9: does not fit a 8-bit value$"):
     faults.FaultModel("multi", bits=9).check(8)
@@ -223,20 +225,25 @@ def test_criteria_from_text():
 
 
 def test_bad_formats_and_sizes_are_refused_before_any_trial():
-  with pytest.raises(ValueError, match=r"^format 'fp16': expected one of \('fp32', 'bf16', 'int8'\)$"):
+  with pytest.raises(ValueError, match=r"^format 'fp16': expected one of \('fp32', 'bf16', "
+                                       r"'int8'\)$"):
     faults.bit_width("fp16")
   with pytest.raises(ValueError, match=r"^format 'fp16': expected one of"):
     faults.encode(jnp.ones(3), "fp16")
-  with pytest.raises(ValueError, match=r"^flip_bits: dtype complex64 of 8 bytes; expected 1, 2 or 4$"):
+  with pytest.raises(ValueError, match=r"^flip_bits: dtype complex64 of 8 bytes; expected 1, 2 or "
+                                       r"4$"):
     faults.flip_bits(jnp.ones(2, jnp.complex64), jnp.uint32(1))
   assert faults.wilson(0, 0) == (0.0, 1.0)   # no trials: nothing known
 
   def never(*a):
     raise AssertionError("a trial ran")
   crit = faults.tolerance_criterion(0.0)
-  with pytest.raises(ValueError, match=r"^estimate: size=0, num_examples=4, trials=10; expected >= 1 each$"):
+  with pytest.raises(ValueError, match=r"^estimate: size=0, num_examples=4, trials=10; expected "
+                                       r">= 1 each$"):
     faults.estimate(never, {}, 0, 4, 32, faults.FaultModel(), crit, 10, jax.random.key(0))
-  with pytest.raises(ValueError, match=r"^estimate: size=2147483648 values; int32 element indices need < 2\*\*31$"):
+  with pytest.raises(ValueError, match=r"^estimate: size=2147483648 values; int32 element indices "
+                                       r"need < 2\*\*31$"):
     faults.estimate(never, {}, 2**31, 4, 32, faults.FaultModel(), crit, 10, jax.random.key(0))
-  with pytest.raises(ValueError, match=r"^exhaustive: 2147483648 faults; expected < 2\*\*31 \(use estimate\)$"):
+  with pytest.raises(ValueError, match=r"^exhaustive: 2147483648 faults; expected < 2\*\*31 \(use "
+                                       r"estimate\)$"):
     faults.exhaustive(never, {}, 2**20, 2**6, 32, crit)

@@ -253,13 +253,21 @@ def test_a_lock_file_it_cannot_read_is_not_taken_over(tmp_path, capsys):
                                      f"{socket.gethostname()} since x, a process that is gone\n")
 
 
-def _open_fds():
-  return len(os.listdir("/proc/self/fd"))
+def _open_fds(directory):
+  """Descriptors this process holds on files under `directory` (a removed file's link
+  reads "<path> (deleted)"): other threads' descriptors do not count."""
+  n = 0
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+    except OSError:   # (the listing's own descriptor, closed by now)
+      pass
+  return n
 
 
 def test_a_mount_without_locks_and_a_failed_write_are_one_line(tmp_path, monkeypatch):
   import fcntl
-  fds = _open_fds()
+  fds = _open_fds(tmp_path)
   real_flock = fcntl.flock
 
   def no_locks(fd, op):
@@ -279,7 +287,7 @@ def test_a_mount_without_locks_and_a_failed_write_are_one_line(tmp_path, monkeyp
     workdir_lib.claim(str(tmp_path))
   assert str(e.value) == (f"--workdir={tmp_path}: {tmp_path}: No space left on device; "
                           "expected a directory this run can create and write")
-  assert not workdir_lib.holds(str(tmp_path)) and _open_fds() == fds   # nothing held open
+  assert not workdir_lib.holds(str(tmp_path)) and _open_fds(tmp_path) == fds   # nothing held open
   monkeypatch.undo()
   workdir_lib.claim(str(tmp_path))   # the file it left is free
   workdir_lib.release(str(tmp_path))
@@ -288,7 +296,7 @@ def test_a_mount_without_locks_and_a_failed_write_are_one_line(tmp_path, monkeyp
 def test_a_lock_file_removed_before_its_flock_is_opened_again(tmp_path, monkeypatch):
   # its holder released it between this process's open and flock: the flock is on a file no
   # longer at the path, so the claim starts over on the new file
-  fds = _open_fds()
+  fds = _open_fds(tmp_path)
   lock = str(tmp_path / workdir_lib.LOCK_NAME)
   real_stat, calls = os.stat, []
 
@@ -302,10 +310,10 @@ def test_a_lock_file_removed_before_its_flock_is_opened_again(tmp_path, monkeypa
   workdir_lib.claim(str(tmp_path))
   try:
     assert len(calls) == 2 and _lock(tmp_path)["pid"] == os.getpid()
-    assert _open_fds() == fds + 1   # the first descriptor closed, the held one open
+    assert _open_fds(tmp_path) == fds + 1   # the first descriptor closed, the held one open
   finally:
     workdir_lib.release(str(tmp_path))
-  assert _open_fds() == fds
+  assert _open_fds(tmp_path) == fds
 
 
 def test_a_forked_child_at_exit_leaves_its_parents_lock(tmp_path, monkeypatch):

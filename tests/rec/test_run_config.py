@@ -248,8 +248,8 @@ def test_batch_sizes_the_mesh_does_not_divide_are_refused():
                     (dict(eval_batch_size=20), "--eval_batch_size=20 is not divisible by the 8 "
                                                "devices of --mesh='-1'")):
     with pytest.raises(ValueError) as e:
-      configs.build_run(configs.make_run(num_rows=50, **{**dict(batch_size=16,
-                                                                eval_batch_size=16), **over}), devices=jax.devices()[:8])
+      cfg = configs.make_run(num_rows=50, **{"batch_size": 16, "eval_batch_size": 16, **over})
+      configs.build_run(cfg, devices=jax.devices()[:8])
     assert str(e.value) == msg
 
 
