@@ -138,12 +138,15 @@ def format_a2a_report(rep: Mapping[str, Any]) -> str:
   """One line: bytes sent per step and the largest errors against their bounds."""
   b = rep["bytes"]
   s = rep["setting"]
-  grad = ("gradients sent in float32" if s["grad_bound"] is None else
-          f"gradient error <= {rep['max_grad_error_over_bound']:.3f} x its bound")
+  gworst = rep["max_grad_error_over_bound"]
+  grad = ("gradients sent in float32" if s["grad_bound"] is None or gworst is None else
+          f"gradient error <= {gworst:.3f} x its bound")
   worst = rep["max_error_over_bound"]
+  pooled = ("no pooled exchange compressed (one device, or no table exchanged)"
+            if worst is None else f"pooled error <= {worst:.3f} x its bound"
+            f"{' (exact: the exchanges fell back to float32)' if worst == 0 else ''}")
   return (f"a2a compression ({s['mode']} {s['bound']:g}, {s['bits']} bits): "
           f"{b['payload']:,} payload bytes per device per step (the step uncompressed: "
-          f"{b['float32']:,} float32 bytes of exchanges); pooled error <= {worst:.3f} x its "
-          f"bound{' (exact: the exchanges fell back to float32)' if worst == 0 else ''}, "
+          f"{b['float32']:,} float32 bytes of exchanges); {pooled}, "
           f"{grad} (step {rep['step']}, {rep['batches']} batch"
           f"{'es' if rep['batches'] != 1 else ''})")

@@ -356,3 +356,8 @@ def test_a2a_report_of_a_tiny_two_device_task():
   assert a2a_report.format_a2a_report(exact).endswith(
       "pooled error <= 0.000 x its bound (exact: the exchanges fell back to float32), "
       "gradients sent in float32 (step 0, 2 batches)")
+  # A collection built by hand whose exchange compresses no table (build_run refuses one).
+  none = dict(rep, max_error_over_bound=None, max_grad_error_over_bound=None)
+  assert a2a_report.format_a2a_report(none).endswith(
+      "no pooled exchange compressed (one device, or no table exchanged), gradients sent in "
+      "float32 (step 0, 1 batch)")
