@@ -87,7 +87,7 @@ def test_preset_fits_one_80gb_gpu_in_bf16_and_shards_over_eight():
   assert est.max_memory_bytes < total / 2           # the 40M-row tables are spread out
   # What bench_dlrm --show_plan prints.
   text = mlperf.plans((1, 8))
-  assert "26 tables on 1 devices" in text[1] and "26 tables on 8 devices" in text[8]
+  assert "26 tables on 1 device," in text[1] and "26 tables on 8 devices" in text[8]
 
 
 def test_mlperf_rows_cap_and_preset_wiring():

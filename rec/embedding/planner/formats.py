@@ -81,7 +81,7 @@ def format_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConfig
                  + (f" ({host_source})" if host_budget_bytes and host_source else "")
                  + f"; total device memory {_fmt_bytes(int(dev.memory_bytes.sum()))}, host "
                  f"memory {_fmt_bytes(int(dev.host_bytes.sum()))}")
-  lines.append(f"{len(tables)} tables on {num_devices} devices, global batch {batch_size}: "
+  lines.append(f"{len(tables)} tables on {num_devices} device{'s' if num_devices != 1 else ''}, global batch {batch_size}: "
                f"slowest device {slow} at {est.max_time_s * 1e6:.1f} us/step (estimated), "
                f"max memory {_fmt_bytes(est.max_memory_bytes)}"
                + (f", budget {_fmt_bytes(budget)} per device" if budget else "")
