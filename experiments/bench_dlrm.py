@@ -26,6 +26,8 @@ at the full reference rows for 1 and 8 devices of 80 GB (70 GiB each for the tab
 memory of the host tier, where the planner moves the tables the devices cannot hold
 (rec/embedding/host_tier.py): per table its storage, tier, device and host bytes, then the
 totals. A plan that fits neither is one `error:` line naming the table and the bytes.
+--plan_storage and --host_memory_gb go with --show_plan only (the timed step keeps every
+table on the devices); every flag combination is checked before anything is built or timed.
 
 --compare_host_prefetch=STORAGE puts every table on the host tier in STORAGE (a
 `*_cache...@host` --storage) and times the train step without and with --host_prefetch in
@@ -45,10 +47,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from core import cli
 from core import config
@@ -103,16 +106,6 @@ def run_peer(peer_python: str, batch_size: int, rows: int, steps: int, repeats: 
 def compare_host_prefetch(storage: str) -> None:
   """--compare_host_prefetch: the step without and with --host_prefetch, side by side."""
   from core import benchmark
-  from rec.embedding.storage_spec import StorageSpec
-  try:
-    spec = StorageSpec.parse(storage, "--compare_host_prefetch")
-  except ValueError as e:
-    raise errors.UserError(str(e)) from None
-  if spec.tier != "host":
-    raise errors.UserError(f"--compare_host_prefetch={storage}: not on the host tier; expected "
-                           "a *_cache...@host storage, e.g. fp32_cache:lru:0.05@host")
-  if FLAGS.peer_python:
-    raise app.UsageError("--compare_host_prefetch times ours only; drop --peer_python")
   out = rec_bench.host_prefetch_rates(FLAGS.batch_size, FLAGS.rows, FLAGS.mesh, FLAGS.sharding,
                                       storage, FLAGS.steps, FLAGS.repeats, FLAGS.rounds,
                                       FLAGS.model, FLAGS.preset)
@@ -132,30 +125,76 @@ def compare_host_prefetch(storage: str) -> None:
   results_lib.print_summary(summary)
 
 
+def _storage(flag: str):
+  """The StorageSpec of --<flag>, or one line naming it."""
+  from rec.embedding.storage_spec import StorageSpec
+  try:
+    return StorageSpec.parse(FLAGS[flag].value, f"--{flag}")
+  except ValueError as e:
+    raise errors.UserError(str(e)) from None
+
+
+def check_flags():
+  """The flags' combinations, checked before anything is built, timed or written; returns
+  --plan_storage's StorageSpec (None: the preset's)."""
+  mlperf = rec_bench.is_mlperf(FLAGS.model, FLAGS.preset)
+  what = f"--model={FLAGS.model} --preset={FLAGS.preset}"
+  if FLAGS.show_plan and not mlperf:
+    raise errors.UserError(f"--show_plan with {what}; expected --model=dcnv2 --preset=mlperf "
+                           "(the plans are of the MLPerf tables)")
+  if FLAGS.show_plan and FLAGS.compare_host_prefetch:
+    raise errors.UserError("--compare_host_prefetch with --show_plan; expected one of them "
+                           "(--show_plan prints plans and times nothing)")
+  if not FLAGS.show_plan:
+    for flag, unset in (("plan_storage", "preset"), ("host_memory_gb", None)):
+      if FLAGS[flag].value != unset:
+        raise errors.UserError(f"--{flag}={FLAGS[flag].value} without --show_plan; expected "
+                               "it only with --show_plan (the timed step keeps every table "
+                               "on the devices; --compare_host_prefetch puts them on the host)")
+  if FLAGS.rows == 0 and not mlperf:
+    raise errors.UserError(f"--rows=0 with {what}; expected an integer >= 1 (0, the "
+                           "reference's full rows, is for --model=dcnv2 --preset=mlperf)")
+  if FLAGS.compare_host_prefetch:
+    if _storage("compare_host_prefetch").tier != "host":
+      raise errors.UserError(
+          f"--compare_host_prefetch={FLAGS.compare_host_prefetch}: not on the host tier; "
+          "expected a *_cache...@host storage, e.g. fp32_cache:lru:0.05@host")
+    if FLAGS.memory_budget_gb is not None:
+      raise errors.UserError(f"--memory_budget_gb={FLAGS.memory_budget_gb:g} with "
+                             "--compare_host_prefetch; expected no budget (every table is "
+                             "on the host tier there)")
+  if FLAGS.peer_python and not FLAGS.show_plan:
+    if FLAGS.compare_host_prefetch:
+      raise errors.UserError("--peer_python with --compare_host_prefetch; expected one of "
+                             "them (--compare_host_prefetch times ours only)")
+    if (FLAGS.model, FLAGS.preset) != ("dlrm", "kaggle"):
+      raise errors.UserError(f"--peer_python with {what}; expected --model=dlrm "
+                             "--preset=kaggle (the TorchRec peer is the Criteo Kaggle DLRM)")
+    if shutil.which(FLAGS.peer_python) is None:
+      raise errors.UserError(f"--peer_python={FLAGS.peer_python!r}: no such executable; "
+                             "expected the peer environment's python "
+                             "(experiments/peers/README.md)")
+  return _storage("plan_storage") if FLAGS.plan_storage != "preset" else None
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
   from core import benchmark
 
+  storage = check_flags()
   if FLAGS.show_plan:
-    if not rec_bench.is_mlperf(FLAGS.model, FLAGS.preset):
-      raise app.UsageError("--show_plan is for --model=dcnv2 --preset=mlperf")
     from rec import mlperf
     from rec.embedding import planner
-    from rec.embedding.storage_spec import StorageSpec
     budget = MLPERF_GPU_GB if FLAGS.memory_budget_gb is None else FLAGS.memory_budget_gb
     host = MLPERF_HOST_GB if FLAGS.host_memory_gb is None else FLAGS.host_memory_gb
-    storage = None
-    if FLAGS.plan_storage != "preset":
-      try:
-        storage = StorageSpec.parse(FLAGS.plan_storage, "--plan_storage")
-      except ValueError as e:
-        raise errors.UserError(str(e)) from None
     try:
       texts = mlperf.plans(
           memory_budget_gb=budget, storage=storage, host_memory_gb=host or None,
-          budget_source="--memory_budget_gb" if FLAGS.memory_budget_gb else "an 80 GB H100",
-          host_source="--host_memory_gb" if FLAGS.host_memory_gb else "a DGX H100's 2 TB / 8")
+          budget_source=("an 80 GB H100" if FLAGS.memory_budget_gb is None
+                         else "--memory_budget_gb"),
+          host_source=("a DGX H100's 2 TB / 8" if FLAGS.host_memory_gb is None
+                       else "--host_memory_gb"))
     except planner.PlanError as e:
       raise errors.UserError(f"--show_plan: {e}") from None
     for n, text in texts.items():
@@ -163,8 +202,6 @@ def main(argv):
             f"{host:g} GiB each ==")
       print(text)
     return
-  if rec_bench.is_mlperf(FLAGS.model, FLAGS.preset) and FLAGS.peer_python:
-    raise app.UsageError("--peer_python runs the TorchRec DLRM Kaggle peer only")
   os.makedirs(FLAGS.workdir, exist_ok=True)
   if FLAGS.compare_host_prefetch:
     return compare_host_prefetch(FLAGS.compare_host_prefetch)
@@ -197,7 +234,8 @@ def main(argv):
   results = {"summary": summary, "ours_all": ours, "torchrec_all": peer, "peer": peer_info,
              "machine": benchmark.machine(), "config": {"steps": FLAGS.steps, "repeats": FLAGS.repeats,
                                                          "rounds": FLAGS.rounds, "mesh": FLAGS.mesh,
-                                                         "sharding": FLAGS.sharding}}
+                                                         "sharding": FLAGS.sharding,
+                                                         "memory_budget_gb": FLAGS.memory_budget_gb}}
   results_lib.write_results(FLAGS.workdir, results)
   try:
     from core import plot as plot_lib

@@ -10,7 +10,8 @@ naive:  autodiff through a gather of the whole table, then optax Adagrad on the 
 
 One table of R rows, dim 64, batch 4096, Zipf(1.05) ids, pooling factor P (fixed bag
 length). Times are medians over repeats of the mean step time of `--steps` (sparse) or
-`--naive_steps` steps. Prints
+`--naive_steps` steps (the naive path at R >= 1e7 runs half the --repeats, at least 2; each
+result records its repeats). Prints
 a table; writes results.json and a PNG to --workdir; the last stdout line is JSON with the
 medians per R, P and path.
 """
@@ -27,8 +28,11 @@ from rec import settings as rec_settings
 
 FLAGS = flags.FLAGS
 
-POOLING = config.setting("pooling", "list", "Pooling factors (ids per bag).")
-PATHS = config.setting("paths", "list", "Which paths to time: sparse, naive.")
+POOLING = config.setting("pooling", "list", "Pooling factors (ids per bag).",
+                         item=config.Setting("pooling", "integer", "Ids per bag.", lower=1))
+PATHS = config.setting("paths", "list", "Which paths to time: sparse, naive.",
+                       item=config.Setting("paths", "enum", "A path to time.",
+                                           choices=("sparse", "naive")))
 NAIVE_STEPS = config.setting("naive_steps", "integer", "Steps per timed repeat of the naive "
                              "path (slow at large R).", lower=1)
 
@@ -113,11 +117,13 @@ def run(rows, pooling, dim, batch, steps, naive_steps, repeats, alpha):
     for R in rows:
       steps_fns = make_steps(R, dim, batch, P, alpha)
       for path, (fn, state) in list(steps_fns.items()):
-        reps = repeats if not (path == "naive" and R >= 10**7) else max(2, repeats // 2)
+        # The naive path at 1e7 rows and more is slow: half the repeats (at least 2).
+        reps = repeats if not (path == "naive" and R >= 10**7) else min(repeats, max(2, repeats // 2))
         n = steps if path == "sparse" else naive_steps
         times, state = benchmark.time_steps(fn, state, n, reps, warmup=2)
         med = benchmark.median(times)
-        results.append({"rows": R, "pooling": P, "path": path, "median_ms": 1e3 * med,
+        results.append({"rows": R, "pooling": P, "path": path, "repeats": reps,
+                        "median_ms": 1e3 * med,
                         "all_ms": [1e3 * t for t in times]})
         print(f"  R={R:>9,} P={P} {path:>6}: {1e3 * med:9.2f} ms/step "
               f"(repeats {', '.join(f'{1e3 * t:.1f}' for t in times)})", flush=True)
@@ -134,7 +140,7 @@ def summarize(results):
   summary = {}
   for P in sorted({r["pooling"] for r in results}):
     s = {}
-    if (rows[0], P, "sparse") in by and (rows[-1], P, "sparse") in by:
+    if len(rows) > 1 and (rows[0], P, "sparse") in by and (rows[-1], P, "sparse") in by:
       s["sparse_largest_over_smallest"] = by[(rows[-1], P, "sparse")] / by[(rows[0], P, "sparse")]
     for R in rows:
       if (R, P, "sparse") in by and (R, P, "naive") in by:
@@ -143,7 +149,7 @@ def summarize(results):
   return summary
 
 
-def plot(results, path):
+def plot(results, dim, batch, path):
   from core import plot as plot_lib
   with plot_lib.figure(path, figsize=(6, 4)) as (fig, ax):
     for P in sorted({r["pooling"] for r in results}):
@@ -152,7 +158,7 @@ def plot(results, path):
         if pts:
           ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=f"{p}, pooling {P}")
     ax.set(xscale="log", yscale="log", xlabel="table rows R", ylabel="ms / train step",
-           title="embedding train step vs table size (dim 64, batch 4096)")
+           title=f"embedding train step vs table size (dim {dim}, batch {batch})")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
 
@@ -161,6 +167,14 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
   from core import benchmark
+  from core import errors
+  for name in ("rows", "pooling", "paths"):   # each value is checked while parsing
+    values = FLAGS[name].value
+    if not values:
+      raise errors.expected(f"--{name}=", "nothing to time", "at least one value")
+    if len(set(values)) != len(values):
+      raise errors.expected(f"--{name}={','.join(values)}", "a value given twice",
+                            "each value once")
   rows = [int(float(r)) for r in FLAGS.rows]
   pooling = [int(p) for p in FLAGS.pooling]
   report = Report(FLAGS.workdir)
@@ -185,7 +199,7 @@ def main(argv):
          "machine": benchmark.machine(), "results": results, "summary": summary}
   medians = {f"R{r['rows']}_P{r['pooling']}_{r['path']}": round(r["median_ms"], 3) for r in results}
   report.finish(out, {"median_ms": medians, "summary": summary},
-                plots=[(plot, (results,), "bench_embedding.png")])
+                plots=[(plot, (results, FLAGS.dim, FLAGS.batch_size), "bench_embedding.png")])
 
 
 if __name__ == "__main__":

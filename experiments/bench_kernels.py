@@ -51,6 +51,7 @@ from absl import app, flags  # noqa: E402
 
 from core import cli  # noqa: E402
 from core import config  # noqa: E402
+from core import errors  # noqa: E402
 from core import results as results_lib  # noqa: E402
 from core import settings  # noqa: E402
 from experiments.benchmarks import attention  # noqa: E402
@@ -67,15 +68,18 @@ INTERPRET_CHECK = config.setting(
     "interpret_check", "bool", "Tiny kernel-vs-reference check in Pallas interpret mode (works on "
     "CPU).")
 SEQ_LENS = config.setting(
-    "seq_lens", "list", "Sequence lengths T = S.")
+    "seq_lens", "list", "Sequence lengths T = S.",
+    item=config.Setting("seq_lens", "integer", "A sequence length.", lower=1))
 TOKENS = config.setting(
     "tokens", "integer", "batch x seq_len (batch = tokens // seq_len, at least 1).", lower=1)
 KV_HEADS = config.setting(
     "kv_heads", "integer", "Key/value heads G (0: = heads).", lower=0)
 HEAD_DIMS = config.setting(
-    "head_dims", "list", "Head dims K.")
+    "head_dims", "list", "Head dims K.",
+    item=config.Setting("head_dims", "integer", "A head dim.", lower=1))
 CAUSAL = config.setting(
-    "causal", "list", "Causal settings to run.")
+    "causal", "list", "Causal settings to run.",
+    item=config.Setting("causal", "bool", "Causal or not."))
 BLOCK_Q = config.setting(
     "block_q", "integer", "Triton kernel forward block_q.", lower=1)
 BLOCK_K = config.setting(
@@ -95,7 +99,8 @@ EB_FEATURES = config.setting(
 EB_BAG_LEN = config.setting(
     "eb_bag_len", "integer", "Ids per bag.", lower=1)
 EB_DTYPES = config.setting(
-    "eb_dtypes", "list", "Row formats.")
+    "eb_dtypes", "list", "Row formats.",
+    item=config.Setting("eb_dtypes", "enum", "A row format.", choices=embedding_bag.FORMATS))
 
 # The kernels take float16 inputs too: --dtype is the shared setting with that choice added.
 DTYPE = dataclasses.replace(settings.DTYPE, choices=(*settings.DTYPE.choices, "float16"))
@@ -181,7 +186,7 @@ def bench_embedding_bag(cfg) -> dict:
   "results": one row per (format, impl), with "error" for an implementation that failed}."""
   out = embedding_bag.bench_embedding_bag(
       num_rows=cfg.eb_rows, dim=cfg.eb_dim, batch=cfg.eb_batch, features=cfg.eb_features,
-      bag_len=cfg.eb_bag_len, dtypes=tuple(cfg.eb_dtypes), repeats=max(cfg.repeats, 5))
+      bag_len=cfg.eb_bag_len, dtypes=tuple(cfg.eb_dtypes), repeats=cfg.repeats)
   print(embedding_bag.format_table(out), flush=True)
   return out
 
@@ -208,6 +213,39 @@ FAMILIES = {
 }
 
 
+def check_flags() -> None:
+  """The lists the chosen families read, checked before anything is compiled or timed (each
+  value of --seq_lens, --head_dims, --causal and --eb_dtypes is checked while parsing)."""
+  def refuse(flag, found, want):
+    value = ",".join(str(v) for v in FLAGS[flag].value)
+    raise errors.expected(f"--{flag}={value}", found, want)
+
+  if not FLAGS.kernels:
+    refuse("kernels", "no kernel family", f"some of {sorted(FAMILIES)}")
+  unknown = [k for k in FLAGS.kernels if k not in FAMILIES]
+  if unknown:
+    refuse("kernels", f"unknown {unknown}", f"some of {sorted(FAMILIES)}")
+  if FLAGS.interpret_check:   # the checks take no sizes
+    return
+  if "flash_attention" in FLAGS.kernels:
+    for flag in ("seq_lens", "head_dims", "causal", "impls"):
+      if not FLAGS[flag].value:
+        refuse(flag, "nothing to time", "at least one value")
+    unknown = [i for i in FLAGS.impls if i not in attention.ATTENTION_IMPLS]
+    if unknown:
+      refuse("impls", f"unknown {unknown}", f"some of {list(attention.ATTENTION_IMPLS)}")
+    if "mgpu" in FLAGS.impls:
+      if not FLAGS.mgpu_configs:
+        refuse("mgpu_configs", "no config for --impls=mgpu", "at least one")
+      for c in FLAGS.mgpu_configs:
+        try:
+          attention.parse_mgpu_config(c)
+        except app.UsageError as e:
+          raise errors.UserError(str(e)) from None
+  if "embedding_bag" in FLAGS.kernels and not FLAGS.eb_dtypes:
+    refuse("eb_dtypes", "nothing to time", f"some of {list(embedding_bag.FORMATS)}")
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
@@ -215,9 +253,7 @@ def main(argv):
 
   from core import benchmark
 
-  unknown = [k for k in FLAGS.kernels if k not in FAMILIES]
-  if unknown:
-    raise app.UsageError(f"--kernels: {unknown} unknown, expected some of {sorted(FAMILIES)}")
+  check_flags()
   report = Report(FLAGS.workdir)
   report.path()
   cfg = bench_config()

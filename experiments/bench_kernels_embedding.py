@@ -36,6 +36,7 @@ from absl import flags
 
 from core import cli
 from core import config
+from core import errors
 from core import settings
 from experiments.benchmarks import embedding_bag as eb_bench
 from experiments.common.report import Report
@@ -46,7 +47,10 @@ FLAGS = flags.FLAGS
 FEATURES = config.setting("features", "integer", "Tables (features) in the flat buffer.",
                           lower=1)
 BAG_LEN = config.setting("bag_len", "integer", "Ids per bag.", lower=1)
-DTYPES = config.setting("dtypes", "list", f"Row formats, some of {eb_bench.FORMATS}.")
+DTYPES = config.setting("dtypes", "list", f"Row formats, some of {eb_bench.FORMATS}.",
+                        item=config.Setting("dtypes", "enum", "A row format.",
+                                            choices=eb_bench.FORMATS))
+IMPL_NAMES = ("pallas", "xla", "triton")   # what --impls may name here
 SWEEP = config.setting("sweep", "bool", "Also time a few Pallas launch configs per format.")
 
 
@@ -59,7 +63,7 @@ def define_flags() -> None:
       BAG_LEN, DTYPES, settings.IMPLS, rec_settings.ZIPF_ALPHA, settings.REPEATS, SWEEP,
       configs.CACHE_FRACTION, settings.WORKDIR,
       rows=1_000_000, dim=128, batch=8192, features=26, bag_len=20,
-      dtypes=list(eb_bench.FORMATS), impls=["pallas", "xla", "triton"], zipf_alpha=0.0,
+      dtypes=list(eb_bench.FORMATS), impls=list(IMPL_NAMES), zipf_alpha=0.0,
       repeats=20, sweep=False, cache_fraction=None, workdir="runs/bench_kernels_embedding")
 
 
@@ -68,6 +72,13 @@ def main(argv):
   cli.quiet_library_logs()
   from core import benchmark
   from core import results as results_lib
+  for flag, known in (("dtypes", eb_bench.FORMATS), ("impls", IMPL_NAMES)):
+    values = FLAGS[flag].value
+    unknown = [v for v in values if v not in known]
+    if not values or unknown:
+      raise errors.expected(f"--{flag}={','.join(values)}",
+                            f"unknown {unknown}" if unknown else "nothing to time",
+                            f"some of {list(known)}")
   report = Report(FLAGS.workdir)
   try:
     out = eb_bench.bench_embedding_bag(

@@ -137,6 +137,51 @@ def define_flags(flag_values=None) -> None:
                       workdir="runs/wukong_scaling", resume=False, from_results="")
 
 
+def check_flags() -> None:
+  """The lists and combinations every study reads, checked before anything trains or is
+  measured: no empty --archs / --seeds / --profile_data, each --profile_data form and
+  --models preset valid (a bad later one would otherwise fail after the first ran), and
+  --from_results and --resume only for the scaling study (the others would ignore them)."""
+  from core.errors import UserError
+  from experiments.wukong_scaling import study
+  from rec import configs, runs
+  from rec.data import sources
+  if FLAGS.from_results:
+    if FLAGS.study != "scaling" or FLAGS.resume:
+      other = f"--study={FLAGS.study}" if FLAGS.study != "scaling" else "--resume"
+      raise UserError(f"--from_results={FLAGS.from_results} with {other}; expected "
+                      "--from_results alone (it redoes the scaling study's fits without "
+                      "training)")
+    return
+  if FLAGS.resume and FLAGS.study != "scaling":
+    raise UserError(f"--resume with --study={FLAGS.study}; expected --resume only with "
+                    "--study=scaling (its finished runs are kept)")
+  lists = [("seeds", "a seed")]
+  lists += [("archs", "an architecture")] if not FLAGS.models else []
+  lists += [("profile_data", "a data form")] if FLAGS.study == "profile" else []
+  for flag, one in lists:
+    if not FLAGS[flag].value:
+      raise UserError(f"--{flag}=: nothing to run; expected at least {one}")
+  if FLAGS.study == "profile":
+    for data in FLAGS.profile_data:
+      try:
+        sources.check_form(data)
+      except ValueError as e:
+        raise UserError(str(e).replace("--data=", "--profile_data entry ", 1)) from None
+  if FLAGS.models:
+    base = configs.run_from_flags(seed=FLAGS.data_seed)
+    for entry, spec in zip(FLAGS.models, runs.parse_models(FLAGS.models)):
+      try:
+        configs.model_config(runs.for_model(base, spec), runs.CRITEO_SHAPED)
+      except ValueError as e:
+        raise UserError(f"--models entry {entry!r}: {e}") from None
+  else:
+    try:
+      study.default_specs(FLAGS.grid, FLAGS.archs, FLAGS.sizes)
+    except ValueError as e:
+      raise UserError(str(e)) from None
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
@@ -144,6 +189,7 @@ def main(argv):
   from experiments.wukong_scaling import study
   from rec import configs, runs
 
+  check_flags()
   if FLAGS.study == "fuxictr":
     return side_by_side_main()
   if FLAGS.study == "profile":

@@ -26,7 +26,6 @@ constant of the eval set, so its relative change is the logloss's.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -143,7 +142,8 @@ def per_quadrupling(results: Mapping[str, Any]) -> dict[str, Any]:
 
 def default_specs(grid: str = "cpu", archs: Sequence[str] = ("wukong", "dlrm", "dcnv2"),
                   sizes: int = 0) -> list[runs.ModelSpec]:
-  """The sizes of `archs` in GRIDS[grid]; sizes > 0 keeps that many, spread evenly."""
+  """The sizes of `archs` in GRIDS[grid]; sizes > 0 keeps that many, spread evenly (more
+  than an architecture's grid holds is an error)."""
   if grid not in GRIDS:
     raise ValueError(f"--grid={grid!r}: expected one of {sorted(GRIDS)}")
   specs = []
@@ -151,6 +151,9 @@ def default_specs(grid: str = "cpu", archs: Sequence[str] = ("wukong", "dlrm", "
     if arch not in GRIDS[grid]:
       raise ValueError(f"--archs entry {arch!r}: expected one of {sorted(GRIDS[grid])}")
     presets = GRIDS[grid][arch]
+    if sizes > len(presets):
+      raise ValueError(f"--sizes={sizes}: more than the {len(presets)} sizes of --grid={grid}'s "
+                       f"{arch}; expected at most {len(presets)} (0: all)")
     if 0 < sizes < len(presets):
       presets = tuple(presets[round(i)] for i in np.linspace(0, len(presets) - 1, sizes))
     specs += [runs.ModelSpec(arch, p) for p in presets]

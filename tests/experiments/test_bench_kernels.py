@@ -4,6 +4,7 @@ and the Mosaic GPU targets, run on CPU at toy sizes (numbers need a GPU)."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -11,6 +12,7 @@ from absl import app
 
 from experiments import bench_kernels as bk
 from experiments.benchmarks import attention
+from tests.experiments.entry import run_refused
 
 
 def _cfg(**kw):
@@ -75,3 +77,20 @@ def test_mgpu_config_flag():
     attention.parse_mgpu_config("64x128x2:both")
   with pytest.raises(app.UsageError, match="--impls"):
     attention.bench_flash_attention(_cfg(impls=["flash"]))
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--impls=flash"], "error: --impls=flash: unknown ['flash']; expected some of ['mgpu', "
+     "'triton', 'pallas', 'cudnn', 'xla']"),
+    (["--kernels="], "error: --kernels=: no kernel family; expected some of ['embedding_bag', "
+     "'flash_attention']"),
+    (["--causal=maybe"], "flag --causal=['maybe']: 'maybe': not true or false; expected true "
+     "or false"),
+])
+def test_bad_lists_refused_before_anything_runs(tmp_path, args, line):
+  """Formerly --causal=maybe ran as not causal, an unknown --impls failed only once the
+  family ran (after the families before it), and an empty list timed nothing; now one line
+  naming the flag, before the GPU check and before the workdir is written."""
+  out = run_refused("experiments.bench_kernels", args + [f"--workdir={tmp_path}"])
+  assert any(l.endswith(line) for l in out.stderr.strip().splitlines()), out.stderr[-2000:]
+  assert os.listdir(tmp_path) == []

@@ -4,9 +4,12 @@ cached formats report their hit rate (the numbers themselves need a GPU)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from experiments.benchmarks import embedding_bag as bk
+from tests.experiments.entry import run_refused
 
 
 @pytest.mark.slow   # ~1-2 min: the Pallas kernel in its interpreter, several compiles
@@ -21,3 +24,14 @@ def test_mixed_precision_formats_run():
   assert 0 < rows[("int4_cache", "xla")]["hit_rate"] <= 1
   # int4 rows are charged D / 2 + 4 bytes, cached ones 4 D: a full hit rate moves more.
   assert rows[("int4", "xla")]["bytes"] < rows[("int4_cache", "xla")]["bytes"]
+
+
+def test_unknown_impl_refused_before_measuring(tmp_path):
+  """An --impls name the benchmark does not know (formerly timed nothing for it, silently)
+  is one line naming it, before the GPU check and before the workdir is written."""
+  out = run_refused("experiments.bench_kernels_embedding",
+                    ["--impls=pallas,palas", f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: --impls=pallas,palas: unknown ['palas']; expected some of ['pallas', 'xla', "
+      "'triton']")
+  assert os.listdir(tmp_path) == []

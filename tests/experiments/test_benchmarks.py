@@ -33,6 +33,46 @@ def test_bench_dlrm_toy(tmp_path):
   assert out["ours_examples_per_sec_median"] > 0 and "torchrec_examples_per_sec_median" not in out
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--pooling=0"], "flag --pooling=['0']: 0: out of range; expected an integer >= 1"),
+    (["--paths=sparce"], "flag --paths=['sparce']: 'sparce': not a choice; expected one of "
+     "['sparse', 'naive']"),
+    (["--rows="], "error: --rows=: nothing to time; expected at least one value"),
+])
+def test_bench_embedding_refuses_bad_lists_before_timing(tmp_path, args, line):
+  """A pooling factor of 0 (formerly a traceback from inside JAX), an unknown path (formerly
+  timed nothing and wrote an empty results.json) or an empty list: one line naming the flag
+  and the value, nothing written."""
+  out = run_refused("experiments.bench_embedding", args + [f"--workdir={tmp_path}"])
+  assert any(l.endswith(line) for l in out.stderr.strip().splitlines()), out.stderr[-2000:]
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--rows=0"], "--rows=0 with --model=dlrm --preset=kaggle; expected an integer >= 1 (0, "
+     "the reference's full rows, is for --model=dcnv2 --preset=mlperf)"),
+    (["--peer_python=/absent/python"], "--peer_python='/absent/python': no such executable; "
+     "expected the peer environment's python (experiments/peers/README.md)"),
+    (["--plan_storage=fp32"], "--plan_storage=fp32 without --show_plan; expected it only with "
+     "--show_plan (the timed step keeps every table on the devices; --compare_host_prefetch "
+     "puts them on the host)"),
+    (["--model=wukong", "--peer_python=python3"], "--peer_python with --model=wukong "
+     "--preset=kaggle; expected --model=dlrm --preset=kaggle (the TorchRec peer is the Criteo "
+     "Kaggle DLRM)"),
+    (["--compare_host_prefetch=fp32_cache:lru:0.05@host", "--memory_budget_gb=2"],
+     "--memory_budget_gb=2 with --compare_host_prefetch; expected no budget (every table is on "
+     "the host tier there)"),
+])
+def test_bench_dlrm_refuses_bad_flags_before_timing(tmp_path, args, line):
+  """Formerly: --rows=0 named --num_rows, a missing --peer_python failed after our first
+  round was timed, and --plan_storage without --show_plan, the peer beside another model and
+  --memory_budget_gb with --compare_host_prefetch were accepted and ignored."""
+  out = run_refused("experiments.bench_dlrm", args + ["--batch_size=32", "--steps=1",
+                                                      f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == "error: " + line
+  assert "round 0" not in out.stdout and os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow   # the prefetch itself: tests/rec/test_host_prefetch.py
 def test_bench_dlrm_compare_host_prefetch_toy(tmp_path):
   out = _run("experiments.bench_dlrm", ["--compare_host_prefetch=fp32_cache:lru:0.05@host",

@@ -158,6 +158,24 @@ def test_group_by_column_that_does_not_exist_is_one_line(tmp_path):
   assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--epochs=0"], "error: --epochs=0: no pass over the data; expected a number > 0 (or no "
+     "--epochs: train --steps)"),
+    (["--epochs=1", "--data=sessions:dup=0.5"], "error: --epochs=1: --data=sessions:dup=0.5 is "
+     "generated without end; expected --steps, or --epochs with a --data of files"),
+    (["--steps=2", "--stop_at_step=5"], "error: --stop_at_step=5: after the run's last step "
+     "(2); expected a step <= 2"),
+])
+def test_run_length_refused_before_the_workdir_is_written(tmp_path, args, line):
+  """--epochs=0 (formerly accepted and ignored: --steps ran), --epochs on generated data
+  (formerly refused after config.py was written) and a --stop_at_step the run never reaches
+  (formerly ignored): one line, nothing written."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.train_rec", SMALL + args + [f"--workdir={tmp_path}"])
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == line
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow   # 112 steps; a real-data epoch learning: compare_rec's criteo sample test
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
                     reason="Criteo sample not found (set REC_DATA_DIR)")

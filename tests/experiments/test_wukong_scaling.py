@@ -159,6 +159,10 @@ def test_default_specs():
     scaling.default_specs("huge")
   with pytest.raises(ValueError, match="--archs entry 'dhen'"):
     scaling.default_specs("cpu", ["dhen"])
+  # More sizes than the grid holds: an error, not the whole grid silently.
+  with pytest.raises(ValueError, match=r"--sizes=5: more than the 4 sizes of --grid=cpu's "
+                     r"wukong; expected at most 4 \(0: all\)"):
+    scaling.default_specs("cpu", ["wukong"], sizes=5)
   # Every grid entry is a valid preset, and sizes grow with the index.
   for grid in scaling.GRIDS.values():
     for arch, presets in grid.items():
@@ -253,6 +257,25 @@ def test_experiment_end_to_end(tmp_path):
   assert any(l.startswith("  dlrm ") and "b=" in l for l in lines)
   assert sum(l.startswith(("dlrm:w", "wukong:l")) for l in lines) == 4
   assert (tmp_path / "wukong_scaling.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--study=profile", "--profile_data=synthetic,bogus"], "error: --profile_data entry "
+     "'bogus': expected 'synthetic'"),
+    (["--study=profile", "--models=dlrm:w16,dlrm:zz"], "error: --models entry 'dlrm:zz': "
+     "--preset='zz' for --model=dlrm: expected one of"),
+    (["--seeds="], "error: --seeds=: nothing to run; expected at least a seed"),
+    (["--study=fuxictr", "--from_results=x.json"], "error: --from_results=x.json with "
+     "--study=fuxictr; expected --from_results alone"),
+])
+def test_bad_flags_refused_before_anything_runs(tmp_path, args, line):
+  """Formerly a bad later --profile_data form or --models preset failed (naming --data or
+  --preset) after the first was profiled, --seeds= failed naming no flag, and --from_results
+  was ignored by the other studies."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.wukong_scaling", args + [f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1].startswith(line), out.stderr[-2000:]
+  assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------- side by side
