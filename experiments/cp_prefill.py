@@ -45,6 +45,7 @@ from absl import flags
 
 from core import cli
 from core import config
+from core import errors
 from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
@@ -104,7 +105,12 @@ def make_mesh_for(spec: str):
   devices = jax.devices()
   if all(n != -1 for _, n in axes):
     devices = devices[:min(len(devices), math.prod(n for _, n in axes))]
-  return mesh_lib.make_mesh(spec, devices)
+  mesh = mesh_lib.make_mesh(spec, devices)
+  if mesh.shape["cp"] < 2:   # one rank runs no ring: "CP" would be the no-CP model again
+    raise errors.expected(f"--mesh={spec}", f"a cp axis of {mesh.shape['cp']} rank on "
+                          f"{len(jax.devices())} device(s)", "cp >= 2 ranks (on CPU, set "
+                          "XLA_FLAGS=--xla_force_host_platform_device_count=N first)")
+  return mesh
 
 
 def ring_variant_in(jaxpr) -> str:

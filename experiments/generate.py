@@ -18,7 +18,7 @@ directory with one, a llama2.c tokenizer.bin, or a GGUF file's vocabulary), else
 checkpoint's own: hf:DIR's
 tokenizer.json, the vocabulary a GGUF embeds, the copy a train_lm workdir holds (or bytes).
 --prompt is text, with BOS / EOS exactly as that tokenizer adds them (--bos / --nobos
-override BOS). --chat (one user message) or --chat_file (a JSON list of {"role", "content"})
+override BOS; they go with --prompt only, --bos_id with no prompt flag only). --chat (one user message) or --chat_file (a JSON list of {"role", "content"})
 renders the checkpoint's chat template with the assistant's turn opened, as transformers'
 apply_chat_template(add_generation_prompt=True) does. Generation stops at the tokenizer's
 EOS ids (and, for chats, the template's end-of-turn token) unless --stop_ids is given.
@@ -56,14 +56,14 @@ BOS = config.setting(
     "tokenizer does: tokenizer_config.json add_bos_token, the tokenizer.json post-processor, GGUF "
     "tokenizer.ggml.add_bos_token).", none_ok=True)
 TEMPERATURE = config.setting(
-    "temperature", "float", "0 = greedy.")
+    "temperature", "float", "0 = greedy.", lower=0)
 TOP_K = config.setting(
     "top_k", "integer", "Keep the k most likely tokens (0 = all).", lower=0)
 TOP_P = config.setting(
-    "top_p", "float", "Nucleus sampling mass (1 = all).")
+    "top_p", "float", "Nucleus sampling mass, 0 < p <= 1 (1 = all).", lower=0, upper=1)
 STOP_IDS = config.setting(
     "stop_ids", "list", "Stop after any of these token ids (default: the tokenizer's EOS ids; "
-    "none without a tokenizer).", none_ok=True)
+    "none without a tokenizer; empty: none).", none_ok=True)
 
 
 def define_flags() -> None:
@@ -94,9 +94,9 @@ def _messages():
   """The chat messages of --chat / --chat_file (None for other prompts), read and checked
   before anything loads."""
   from llm import chat
-  if FLAGS.chat:
+  if FLAGS.chat is not None:
     return [{"role": "user", "content": FLAGS.chat}]
-  if not FLAGS.chat_file:
+  if FLAGS.chat_file is None:
     return None
   try:
     return chat.load_messages(FLAGS.chat_file)
@@ -126,7 +126,7 @@ def _prompt(tok, messages):
     if not prompt:
       raise errors.UserError("--prompt encodes to no tokens; give some text or --bos")
     return prompt, None, False
-  if FLAGS.prompt_ids:
+  if FLAGS.prompt_ids is not None:
     return _ids("prompt_ids"), None, False
   bos_id = FLAGS.bos_id
   if bos_id is None:
@@ -141,9 +141,23 @@ def main(argv):
   from llm.generate import generate
   # Everything the flags alone decide, then what the checkpoint's config decides, before the
   # weights load.
-  given = [n for n in ("prompt", "chat", "chat_file", "prompt_ids") if FLAGS[n].value]
+  given = [n for n in ("prompt", "chat", "chat_file", "prompt_ids")
+           if FLAGS[n].value is not None]
   if len(given) > 1:
     raise errors.UserError(f"--{' and --'.join(given)}: give one prompt")
+  for name, want in (("chat", "a user message"), ("chat_file", "a JSON file of messages"),
+                     ("prompt_ids", "comma-separated token ids")):
+    if name in given and not FLAGS[name].value:
+      raise errors.expected(f"--{name}=''", "empty", want)
+  if FLAGS.top_p == 0:
+    raise errors.expected("--top_p=0.0", "out of range", "a number > 0 and <= 1")
+  if FLAGS.bos is not None and FLAGS.prompt is None:
+    raise errors.expected(f"--{'bos' if FLAGS.bos else 'nobos'}",
+                          f"given with {'--' + given[0] if given else 'no prompt'}",
+                          "--prompt (it sets BOS of a text prompt only)")
+  if FLAGS.bos_id is not None and given:
+    raise errors.expected(f"--bos_id={FLAGS.bos_id}", f"given with --{given[0]}",
+                          "no prompt flag (it is the start token of a sequence without one)")
   stop_flag = _ids("stop_ids")
   messages = _messages()
   cfg = load_config(FLAGS.checkpoint)

@@ -73,6 +73,7 @@ from absl import flags
 
 from core import cli
 from core import config
+from core import errors
 from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
@@ -157,7 +158,7 @@ BATCH_SIZES = config.setting(
     "batch_sizes", "list", "Batch sizes to measure.")
 BENCH_PROMPTS = config.setting(
     "bench_prompts", "integer", "Held-out prompts each batch size is measured over (consecutive "
-    "batches of that size; at least the largest batch).", lower=1)
+    "batches of that size; a multiple of each batch size).", lower=1)
 TEMPERATURES = config.setting(
     "temperatures", "list", "Decoding temperatures to measure; 0: greedy (checked against plain "
     "decoding); > 0: sampling (rejection sampling; same distribution).")
@@ -207,7 +208,7 @@ def define_flags(flag_values=None) -> None:
                            message="expected a weight 0 < decay <= 1", flag_values=fv)
   flags.register_validator("tap_dropout", lambda v: 0.0 <= v < 1.0,
                            message="expected a share 0 <= p < 1", flag_values=fv)
-  flags.register_validator("trees", _valid_trees,
+  flags.register_validator("trees", lambda v: bool(v) and _valid_trees(v),
                            message="expected shapes TOP_K:DEPTH:BUDGET (e.g. 4:5:24) or "
                            "chain:DEPTH, every number >= 1", flag_values=fv)
   flags.register_validator("batch_sizes", lambda v: bool(v) and _positive_ints(v),
@@ -235,6 +236,11 @@ def check_flags(f) -> None:
   if f.bench_prompts > f.eval_sequences:
     raise ValueError(f"--bench_prompts={f.bench_prompts}: expected at most --eval_sequences="
                      f"{f.eval_sequences} (the held-out prompts)")
+  partial = [int(b) for b in f.batch_sizes if f.bench_prompts % int(b)]
+  if partial:
+    raise ValueError(f"--bench_prompts={f.bench_prompts}: not a multiple of batch size "
+                     f"{partial[0]} (--batch_sizes); expected a multiple of each (a partial "
+                     "last batch would be left out)")
   if f.decode_vocab and f.draft_vocab and f.decode_vocab > f.draft_vocab:
     raise ValueError(f"--decode_vocab={f.decode_vocab}: expected at most --draft_vocab="
                      f"{f.draft_vocab} (the vocabulary the head trained on)")
@@ -291,6 +297,9 @@ def _prompts_for_target(spec: str, vocab_size: int):
       raise ValueError(f"--target={spec}: its checkpoint names no training text; pass "
                        "--prompt_text=FILE")
   if text is None:
+    if FLAGS.bos_id >= vocab_size:
+      raise errors.expected(f"--bos_id={FLAGS.bos_id}", "outside the target's vocabulary",
+                            f"an id below {vocab_size} ({spec})")
     return [[FLAGS.bos_id]], ()
   from llm.checkpoints import find_tokenizer
   from llm.data import read_text
@@ -312,7 +321,7 @@ def main(argv):
   cli.quiet_library_logs()
   from core import benchmark as bench_lib
   from core.train import RunSettingsError
-  from llm.checkpoints import load_model
+  from llm.checkpoints import load_config, load_model
   from llm.speculative import TreeShape, cast_head, distill
 
   from experiments.spec_decode import benchmark
@@ -322,20 +331,27 @@ def main(argv):
   shapes = [TreeShape.parse(s) for s in FLAGS.trees]
   batch_sizes = [int(b) for b in FLAGS.batch_sizes]
   lm = lm_run(FLAGS)
-  cfg, target = load_model(lm.model.init, lm.model.dtype)
+  # What the target's config decides, then its prompts, before the weights load.
+  cfg = load_config(lm.model.init)
   bad = [int(x) for x in FLAGS.taps if int(x) >= cfg.n_layers]
   if bad:
     raise ValueError(f"--taps={','.join(FLAGS.taps)}: blocks {bad} are past the target's "
                      f"{cfg.n_layers} blocks (expected 0 .. {cfg.n_layers - 1})")
-  if FLAGS.decode_vocab > cfg.vocab_size:
-    raise ValueError(f"--decode_vocab={FLAGS.decode_vocab}: the target's vocabulary has "
-                     f"{cfg.vocab_size} tokens")
-  if FLAGS.decode_vocab and FLAGS.decode_vocab < max(s.top_k for s in shapes):
-    raise ValueError(f"--decode_vocab={FLAGS.decode_vocab}: expected at least the largest "
+  for name in ("decode_vocab", "draft_vocab"):
+    if FLAGS[name].value > cfg.vocab_size:
+      raise ValueError(f"--{name}={FLAGS[name].value}: the target's vocabulary has "
+                       f"{cfg.vocab_size} tokens")
+  # The tokens the draft proposes from while decoding: --decode_vocab, else --draft_vocab.
+  name = "decode_vocab" if FLAGS.decode_vocab else "draft_vocab"
+  if FLAGS[name].value and FLAGS[name].value < max(s.top_k for s in shapes):
+    raise ValueError(f"--{name}={FLAGS[name].value}: expected at least the largest "
                      f"top_k of --trees ({max(s.top_k for s in shapes)})")
   if not FLAGS.chat_prompts and FLAGS.prompt_len + FLAGS.max_new_tokens > cfg.max_seq_len:
     raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --max_new_tokens="
                      f"{FLAGS.max_new_tokens} exceeds the target's max_seq_len={cfg.max_seq_len}")
+  if lm.data.seq_len > cfg.max_seq_len:
+    raise errors.expected(f"--seq_len={lm.data.seq_len}", "longer than the target's "
+                          f"max_seq_len={cfg.max_seq_len}", f"at most {cfg.max_seq_len}")
   t = lm.train
   dcfg = distill.DistillConfig(
       num_sequences=FLAGS.num_sequences, seq_len=lm.data.seq_len,
@@ -347,9 +363,22 @@ def main(argv):
       log_every=max(1, min(100, lm.loop.steps // 10)), seed=t.seed,
       gen_batch=FLAGS.gen_batch, draft_vocab=FLAGS.draft_vocab,
       checkpoint_every=max(1, min(100, lm.loop.steps // 10)))
+  prompts, stop = _prompts_for_target(lm.model.init, cfg.vocab_size)
+  first = dcfg.num_sequences - dcfg.eval_sequences
+  longest = max(len(p) for p in prompts)
+  if longest >= dcfg.seq_len:
+    raise errors.expected(f"--seq_len={dcfg.seq_len}", f"not longer than the longest prompt "
+                          f"({longest} tokens)", "a prompt and at least one more token")
+  if FLAGS.chat_prompts:   # the benchmark's prompts: held-out requests, not --prompt_len
+    bench = [prompts[i % len(prompts)] for i in range(first, first + FLAGS.bench_prompts)]
+    if max(map(len, bench)) + FLAGS.max_new_tokens > cfg.max_seq_len:
+      raise errors.expected(f"--max_new_tokens={FLAGS.max_new_tokens}", "beyond the target's "
+                            f"max_seq_len={cfg.max_seq_len} after a held-out request of "
+                            f"{max(map(len, bench))} tokens", "at most "
+                            f"{cfg.max_seq_len - max(map(len, bench))}")
+  cfg, target = load_model(lm.model.init, lm.model.dtype)
   print(f"target {lm.model.init}: {cfg.num_params() / 1e6:.2f}M params, {cfg.n_layers} layers, "
         f"dim {cfg.dim}, vocab {cfg.vocab_size}; draft head: 1 layer", flush=True)
-  prompts, stop = _prompts_for_target(lm.model.init, cfg.vocab_size)
   print(f"distilling the draft head in {os.path.join(FLAGS.workdir, 'draft')} "
         f"({dcfg.num_sequences} target sequences of {dcfg.seq_len} tokens, "
         f"{dcfg.steps} steps)", flush=True)
@@ -360,7 +389,6 @@ def main(argv):
         settings={"target": lm.model.init, "dtype": lm.model.dtype})
   except RunSettingsError as e:
     raise RunSettingsError(with_flag_names(e, set(FLAGS))) from None
-  first = dcfg.num_sequences - dcfg.eval_sequences
   if FLAGS.decode_vocab:
     vocab = distill.draft_vocab(tokens[:first], mask[:first], FLAGS.decode_vocab,
                                 cfg.vocab_size)

@@ -29,6 +29,7 @@ from absl import flags
 
 from core import cli
 from core import config
+from core import errors
 from core import results as results_lib
 from core import settings  # noqa: F401  (the shared settings by name)
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
@@ -78,6 +79,25 @@ def accept_lengths(target, head, prompts, shape, max_new_tokens: int, *, stop_to
                         for d in range(shape.depth)]}
 
 
+def held_out_features(data_dir: str, tokens: np.ndarray, dim: int, eval_sequences: int):
+  """The target's features of the last `eval_sequences` of `tokens` from
+  <data_dir>/features.npz, or None (and a printed line saying why) where that file is absent
+  or holds other features: those of other sequences, or not all of them (a killed run leaves
+  rows of zeros, or the features captured so far under the sequences' settings)."""
+  from llm.speculative import distill
+  path = os.path.join(data_dir, "features.npz")
+  if not os.path.exists(path):
+    return None
+  with np.load(path) as f:
+    key, want = str(f["key"]), distill.features_key(tokens, dim)
+    # A run with taps keys its file `<key>:taps=[...]`; its "feats" are the same features.
+    if (key == want or key.startswith(want + ":taps=")) and int(f["done"]) == len(tokens):
+      return f["feats"][len(tokens) - eval_sequences:]
+  print(f"{path}: not the finished features of these sequences; per-step agreement skipped",
+        flush=True)
+  return None
+
+
 def define_flags() -> None:
   config.define_flags(
       None, "target", "data", "heads", "eval_sequences", "draft_vocab", "steps", "trees",
@@ -90,12 +110,19 @@ def define_flags() -> None:
 def main(argv):
   del argv
   cli.quiet_library_logs()
-  from llm.checkpoints import load_model
+  from llm.checkpoints import load_config, load_model
   from llm.speculative import distill
   from llm.speculative.tree import TreeShape
   if not FLAGS.heads:
     raise ValueError("--heads: none given; expected spec_decode draft directories, e.g. "
                      "--heads=runs/a/draft,runs/b/draft")
+  for wd in FLAGS.heads:   # every head before the first one's evaluation
+    if not os.path.isdir(os.path.join(wd, "checkpoints")):
+      raise errors.expected(f"--heads={','.join(FLAGS.heads)}", f"{wd} holds no checkpoints",
+                            "spec_decode draft directories (<workdir>/draft)")
+  if not FLAGS.trees:
+    raise errors.expected("--trees=''", "no tree shape", "shapes TOP_K:DEPTH:BUDGET or "
+                          "chain:DEPTH")
   shapes = [TreeShape.parse(t) for t in FLAGS.trees]
   path = os.path.join(FLAGS.data, "sequences.npz")
   if not os.path.exists(path):
@@ -103,20 +130,33 @@ def main(argv):
                      "draft directory")
   with np.load(path) as f:
     key = json.loads(str(f["key"]))
-    tokens, mask = f["tokens"], f["mask"]
+    tokens, mask, done = f["tokens"], f["mask"], int(f["done"])
   n, ev = len(tokens), FLAGS.eval_sequences
+  if done < n:
+    raise errors.expected(f"--data={FLAGS.data}", f"{done} of {n} sequences made in {path} "
+                          "(an interrupted run)", "a finished run's sequences")
   if ev >= n:
-    raise ValueError(f"--eval_sequences={ev}: --data holds {n} sequences")
+    raise errors.expected(f"--eval_sequences={ev}", f"--data holds {n} sequences",
+                          f"fewer than {n} (the others count the draft vocabulary)")
+  cfg = load_config(FLAGS.target)
+  if FLAGS.draft_vocab > cfg.vocab_size:
+    raise errors.expected(f"--draft_vocab={FLAGS.draft_vocab}", "more tokens than the "
+                          "target's vocabulary", f"at most {cfg.vocab_size}")
+  if FLAGS.draft_vocab and FLAGS.draft_vocab < max(s.top_k for s in shapes):
+    raise errors.expected(f"--draft_vocab={FLAGS.draft_vocab}", "fewer tokens than a tree "
+                          "drafts per node", f"at least the largest top_k of --trees "
+                          f"({max(s.top_k for s in shapes)})")
+  prompts = [key["prompts"][i % len(key["prompts"])] for i in range(n)]
+  longest = max(len(p) for p in prompts[n - ev:])
+  if longest + FLAGS.max_new_tokens > cfg.max_seq_len:
+    raise errors.expected(f"--max_new_tokens={FLAGS.max_new_tokens}", "beyond the target's "
+                          f"max_seq_len={cfg.max_seq_len} after a held-out prompt of {longest} "
+                          "tokens", f"at most {cfg.max_seq_len - longest}")
   cfg, target = load_model(FLAGS.target)
   vocab = (distill.draft_vocab(tokens[:n - ev], mask[:n - ev], FLAGS.draft_vocab,
                                cfg.vocab_size) if FLAGS.draft_vocab else None)
-  prompts = [key["prompts"][i % len(key["prompts"])] for i in range(n)]
   loss_from = np.asarray([len(p) - 1 for p in prompts], np.int32)
-  feats = None
-  feats_path = os.path.join(FLAGS.data, "features.npz")
-  if os.path.exists(feats_path):
-    with np.load(feats_path) as f:
-      feats = f[[k for k in f.files if k not in ("key", "done")][0]][n - ev:]
+  feats = held_out_features(FLAGS.data, tokens, cfg.dim, ev)
   rows = []
   for wd in FLAGS.heads:
     head = distill.load_draft(wd, cfg)

@@ -75,13 +75,17 @@ def define_flags() -> None:
 def run_settings(draft_dir: str) -> dict:
   """The settings a draft-head run saved with its latest checkpoint."""
   from core import checkpoint as ckpt_lib
+  def missing():
+    return errors.expected(f"--draft={draft_dir}", "no draft-head checkpoint",
+                           "a draft-head run's workdir (experiments.spec_decode's "
+                           "<workdir>/draft)")
+  if not os.path.isdir(os.path.join(draft_dir, "checkpoints")):
+    raise missing()   # (a Checkpointer would make the directory)
   ckpt = ckpt_lib.Checkpointer(draft_dir)
   try:
     step = ckpt.latest_step()
     if step is None:
-      raise errors.expected(f"--draft={draft_dir}", "no draft-head checkpoint",
-                            "a draft-head run's workdir (experiments.spec_decode's "
-                            "<workdir>/draft)")
+      raise missing()
     return (ckpt.restore_meta(step) or {}).get("settings", {})
   finally:
     ckpt.close()
@@ -204,8 +208,9 @@ def plot(rows, path):
 def main(argv):
   del argv
   cli.quiet_library_logs()
-  from llm.checkpoints import load_model
+  from llm.checkpoints import load_config, load_model
   from llm.serving.engine import Engine, SamplingParams, load_draft
+  from llm.speculative.tree import TreeShape
   from llm.serving.runner import EngineRunner
   clients = []
   for text in FLAGS.concurrency or []:
@@ -222,6 +227,9 @@ def main(argv):
     raise errors.expected(f"--max_slots={cfg.max_slots}", "fewer slots than clients",
                           f"at least --concurrency's largest, {max(clients)}")
   run = run_settings(FLAGS.draft)
+  if "distill.eval_sequences" not in run:
+    raise errors.expected(f"--draft={FLAGS.draft}", "no distill.eval_sequences in its "
+                          "checkpoint's settings", "a draft-head run of experiments.spec_decode")
   prompts, stop = held_out_requests(FLAGS.draft, int(run["distill.eval_sequences"]),
                                     FLAGS.prompt_len)
   n = FLAGS.num_requests or len(prompts)
@@ -233,9 +241,27 @@ def main(argv):
   if not checkpoint:
     raise errors.expected(f"--draft={FLAGS.draft}", "no target in the run's settings",
                           "--checkpoint=SPEC of the target it was distilled from")
+  # What the target's config and the run's settings decide, before the weights load.
+  trained = int(run.get("distill.draft_vocab") or 0)
+  vocab_size = load_config(checkpoint).vocab_size
+  if FLAGS.decode_vocab > (trained or vocab_size):
+    raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}", "more tokens than the "
+                          + ("head trained on" if trained else "target's vocabulary"),
+                          f"at most {trained or vocab_size} (0: the "
+                          + ("head's own)" if trained else "whole vocabulary)"))
+  top_k = TreeShape.parse(cfg.speculative_tree).top_k
+  if 0 < (FLAGS.decode_vocab or trained) < top_k:
+    raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}" if FLAGS.decode_vocab else
+                          f"--draft={FLAGS.draft}", f"a draft vocabulary of "
+                          f"{FLAGS.decode_vocab or trained} tokens", "at least the top_k of "
+                          f"--speculative_tree={cfg.speculative_tree} ({top_k})")
+  longest = max(len(p) for p in prompts) + FLAGS.max_new_tokens
+  if cfg.max_model_len is not None and cfg.max_model_len < longest:
+    raise errors.expected(f"--max_model_len={cfg.max_model_len}", f"shorter than the longest "
+                          f"request ({longest - FLAGS.max_new_tokens} prompt tokens + "
+                          f"--max_new_tokens={FLAGS.max_new_tokens})", f"at least {longest}")
   settings.use_compilation_cache(FLAGS.compilation_cache_dir)
   _, model = load_model(checkpoint, FLAGS.dtype)
-  longest = max(len(p) for p in prompts) + FLAGS.max_new_tokens
   if cfg.max_model_len is None:
     cfg = dataclasses.replace(cfg, max_model_len=-(-longest // cfg.block_size) * cfg.block_size)
   if not cfg.chunk_widths:      # the chunk widths these prompts need, as serve_bench's
@@ -272,8 +298,9 @@ def main(argv):
     print(f"{r['concurrency']:>7} {r['plain_tok_s']:>11.1f} {r['eagle_tok_s']:>11.1f} "
           f"{r['speedup']:>7.2f} {r['accept_length']:>10.2f} {r['plain_tpot_p50_ms']:>8.1f}ms "
           f"{r['eagle_tpot_p50_ms']:>8.1f}ms", flush=True)
-  print(f"replies equal to the plain engine's at {clients[0]} clients: "
-        f"{len(prompts) - len(differing)} / {len(prompts)} requests", flush=True)
+  print(f"replies equal to the plain engine's at {clients[0]} clients, in both engines at "
+        f"every client count and round: {len(prompts) - len(differing)} / {len(prompts)} "
+        "requests", flush=True)
   os.makedirs(FLAGS.workdir, exist_ok=True)
   png = plot(rows, os.path.join(FLAGS.workdir, "spec_serving.png"))
   tokens = sum(len(t) for t in reference.values())

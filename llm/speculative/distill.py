@@ -167,7 +167,7 @@ def _save_partial(path: str, key: str, done: int, **arrays) -> None:
   os.replace(path + ".tmp.npz", path)
 
 
-def _features_key(tokens: np.ndarray, dim: int) -> str:
+def features_key(tokens: np.ndarray, dim: int) -> str:
   """What `cached_features` keys a features file by: a hash of the tokens, and the width."""
   import hashlib
   return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest() + f":{dim}"
@@ -211,7 +211,7 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, sto
       if feats is None:
         return
       if done == n:
-        _save_partial(feats_path, _features_key(holder["out"][0], target.cfg.dim), n,
+        _save_partial(feats_path, features_key(holder["out"][0], target.cfg.dim), n,
                       feats=feats)
       elif time_lib.perf_counter() - last[0] > save_every_s:
         _save_partial(feats_path, fkey, done, feats=feats)
@@ -235,7 +235,7 @@ def cached_features(target: Llama, path: str, tokens: np.ndarray, batch_size: in
   saved every few chunks, so a killed run continues. With `taps`: (features, the states at
   those blocks in float16, [N, T, len(taps)*D]), kept together."""
   taps = tuple(int(i) for i in taps)
-  key = _features_key(tokens, target.cfg.dim) + (f":taps={list(taps)}" if taps else "")
+  key = features_key(tokens, target.cfg.dim) + (f":taps={list(taps)}" if taps else "")
   saved = _load_partial(path, key)
   feats, start = (None, 0) if saved is None else (saved[0]["feats"], saved[1])
   tapped = None if saved is None or not taps else saved[0]["taps"]

@@ -56,3 +56,12 @@ def test_persistent_kv_auto_on_mixed_mesh(tmp_path):
 def test_bad_lengths_fail_clearly(tmp_path):
   out = _run(["--mesh=cp:4", "--seq_len=12", f"--workdir={tmp_path}"], ok=False)
   assert "--seq_len=12: expected a positive multiple of 2 * cp = 8" in out.stderr
+
+
+def test_one_cp_rank_is_refused(tmp_path):
+  # One rank runs no ring: the "CP" run would be the no-CP model again, reported as a PASS.
+  out = _run(["--mesh=data:4,cp:1", "--seq_len=16", f"--workdir={tmp_path}"], ok=False)
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: --mesh=data:4,cp:1: a cp axis of 1 rank on 8 device(s); expected cp >= 2 ranks "
+      "(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N first)")
+  assert os.listdir(tmp_path) == []

@@ -12,6 +12,7 @@ from llm import gguf_vocab as GV
 from llm import tokenizer as T
 from llm import weights as W
 from llm.config import LlamaConfig
+from tests.experiments.entry import run_refused
 from tests.experiments.test_lm_entry import _greedy, _run, _tiny_weights
 from tests.llm.test_tokenizer import train_bpe
 from tests import forkserver
@@ -128,7 +129,6 @@ def run_cases(module: str, cases: list[list[str]]) -> list[tuple[int, str]]:
   """(exit status, stderr) of `python -m module *args` for each case, run one after another
   through core.cli.run in one process (one interpreter and jax start for all)."""
   import os
-  import subprocess
   import sys
   from tests import cpu_env
   from tests.experiments.entry import REPO
@@ -162,9 +162,23 @@ def test_generate_usage_errors_are_one_line_before_the_model_loads(tmp_path):
       "/nope/tokenizer.json: no such file; expected a Hugging Face tokenizer.json":
           [ck, "--tokenizer=/nope/tokenizer.json", "--prompt=hi"],
       "/nope.gguf: no such GGUF file": ["--checkpoint=gguf:/nope.gguf"],
+      # Empty prompt flags are refused, not read as "no prompt" (a BOS-only prompt).
+      "error: --prompt_ids='': empty; expected comma-separated token ids": [ck, "--prompt_ids="],
+      "error: --chat='': empty; expected a user message": [ck, "--chat="],
+      "error: --top_p=0.0: out of range; expected a number > 0 and <= 1": [ck, "--top_p=0"],
+      # Flags that the prompt given would ignore.
+      "error: --bos_id=5: given with --prompt_ids; expected no prompt flag":
+          [ck, "--prompt_ids=1", "--bos_id=5"],
+      "error: --bos: given with --prompt_ids; expected --prompt": [ck, "--prompt_ids=1", "--bos"],
+      "error: --nobos: given with no prompt; expected --prompt": [ck, "--nobos"],
   }
   for (want, args), (code, err) in zip(cases.items(), run_cases("experiments.generate",
                                                                  list(cases.values()))):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, err)
     assert want in lines[0], (want, lines[0])
+  # Bounds of the sampling flags, refused while the flags are parsed.
+  for args, want in (("--temperature=-1", "flag --temperature=-1: -1.0 is not a non-negative"),
+                     ("--top_p=1.5", "flag --top_p=1.5: 1.5 is not")):
+    out = run_refused("experiments.generate", [ck, args], timeout=60)
+    assert want in out.stderr, out.stderr

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 from tests import forkserver
+from tests.experiments.entry import run_refused
+from tests.real_models import smollm2_gguf_or_skip
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("LLM_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -65,6 +67,61 @@ def test_spec_decode_entry(tmp_path):
   assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
       "error: --taps=1,99: blocks [99] are past the target's "), bad.stderr[-3000:]
   assert not (tmp_path / "taps" / "draft").exists()
+
+
+# Sizes the target's config or prompts refuse, found before its weights load or the draft
+# directory is made (each used to fail after the weights loaded, --trees= after training).
+SMALL = ["--num_sequences=8", "--eval_sequences=2", "--bench_prompts=1", "--batch_sizes=1"]
+
+
+@pytest.mark.skipif(not os.path.exists(STORIES), reason=f"{STORIES} not found")
+@pytest.mark.parametrize("args, want", [
+    (["--seq_len=513"], "error: --seq_len=513: longer than the target's max_seq_len=512; "
+     "expected at most 512"),
+    (["--bos_id=512"], "error: --bos_id=512: outside the target's vocabulary; expected an id "
+     "below 512"),
+    (["--trees="], "flag --trees=[]: expected shapes TOP_K:DEPTH:BUDGET"),
+    (["--draft_vocab=513"], "error: --draft_vocab=513: the target's vocabulary has 512 tokens"),
+    (["--draft_vocab=4", "--trees=chain:2,8:2:8"],
+     "error: --draft_vocab=4: expected at least the largest top_k of --trees (8)"),
+])
+def test_spec_decode_refuses_before_the_target_loads(tmp_path, args, want):
+  out = run_refused("experiments.spec_decode", [f"--target=llama2c:{STORIES}", *SMALL, *args,
+                                                f"--workdir={tmp_path}"], timeout=60)
+  # (absl's flag-parsing error is followed by a line pointing at --helpfull)
+  assert any(want in line for line in out.stderr.strip().splitlines()[-2:]), out.stderr
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.models
+def test_spec_decode_chat_requests_fit_seq_len_and_context(tmp_path):
+  """The chat requests' lengths are checked against --seq_len (the training sequences) and,
+  held out, with --max_new_tokens against the target's context, before anything is made."""
+  target = f"--target=gguf:{smollm2_gguf_or_skip()}"
+  for args, want in ((["--seq_len=20"], "error: --seq_len=20: not longer than the longest "
+                      "prompt (46 tokens); expected a prompt and at least one more token"),
+                     (["--max_new_tokens=8190"], "error: --max_new_tokens=8190: beyond the "
+                      "target's max_seq_len=8192 after a held-out request of 40 tokens; "
+                      "expected at most 8152")):
+    out = run_refused("experiments.spec_decode", [target, "--chat_prompts", *SMALL, *args,
+                                                  f"--workdir={tmp_path}"], timeout=60)
+    assert out.stderr.strip().splitlines()[-1] == want
+    assert os.listdir(tmp_path) == []
+
+
+def test_bench_prompts_fill_every_batch():
+  """A batch size that does not divide --bench_prompts is refused: its last, partial batch
+  would be left out of the measurement (benchmark.compare drops it)."""
+  import types
+
+  from experiments.spec_decode import __main__ as spec
+  ok = dict(eval_sequences=16, num_sequences=32, prompt_len=4, seq_len=8, prompt_text=None,
+            chat_prompts=False, gen_prompt_len=8, batch_sizes=["1", "4"], bench_prompts=8,
+            gen_temperature=1.0, draft_vocab=0, decode_vocab=0)
+  spec.check_flags(types.SimpleNamespace(**ok))
+  with pytest.raises(ValueError, match=r"^--bench_prompts=8: not a multiple of batch size 3 "
+                     r"\(--batch_sizes\); expected a multiple of each"):
+    spec.check_flags(types.SimpleNamespace(**{**ok, "batch_sizes": ["1", "3"]}))
 
 
 def test_profile_round_alternates_with_plain_steps():

@@ -1,7 +1,8 @@
 """experiments.spec_decode.serving's pieces on a tiny target: a draft-head run's held-out
 requests and draft vocabulary read back from its workdir, then the plain and the speculative
 engine on the same requests closed loop (replies equal by request, accept lengths counted,
-the table's speedups the rounds' ratios, the plot written)."""
+the table's speedups the rounds' ratios, the plot written); the entry point's refusals before
+the target loads."""
 
 import dataclasses
 import json
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 
 from experiments.spec_decode import serving as study
+from llm import weights as W
 from llm.serving.config import EngineConfig
 from llm.serving.engine import Engine, SamplingParams
 from llm.serving.programs import load_draft
 from llm.speculative import distill
+from tests.experiments.entry import run_refused
 from tests.llm.speculative.conftest import CFG, V
 from tests.llm.test_model import make_model
 
@@ -110,3 +113,32 @@ def test_plain_and_speculative_engines_side_by_side(target, run, tmp_path):
     assert row["speedup"] == pytest.approx(np.median(want), rel=1e-12)
   path = study.plot(rows, str(tmp_path / "spec_serving.png"))
   assert os.path.getsize(path) > 1000
+
+
+def test_serving_refuses_before_the_target_loads(run, tmp_path):
+  """The decode vocabulary against the head's and the tree, --max_model_len against the
+  requests and --draft's checkpoints, checked from the run's settings and the target's
+  config alone (this target directory has no weights to load); a --draft without
+  checkpoints is not made one."""
+  workdir, _ = run
+  target = tmp_path / "target"
+  target.mkdir()
+  (target / "config.json").write_text(json.dumps(W.config_to_hf(CFG)))
+  base = [f"--checkpoint=hf:{target}", "--concurrency=1", "--max_new_tokens=4",
+          "--speculative_tree=2:4:5", f"--workdir={tmp_path / 'w'}"]
+  for args, want in (
+      ([f"--draft={workdir}", "--decode_vocab=6"],
+       "error: --decode_vocab=6: more tokens than the head trained on; expected at most 5 "
+       "(0: the head's own)"),
+      ([f"--draft={workdir}", "--decode_vocab=1"],
+       "error: --decode_vocab=1: a draft vocabulary of 1 tokens; expected at least the top_k "
+       "of --speculative_tree=2:4:5 (2)"),
+      ([f"--draft={workdir}", "--max_model_len=6"],
+       "error: --max_model_len=6: shorter than the longest request (3 prompt tokens + "
+       "--max_new_tokens=4); expected at least 7"),
+      ([f"--draft={tmp_path / 'none'}"], f"error: --draft={tmp_path / 'none'}: no draft-head "
+       "checkpoint; expected a draft-head run's workdir")):
+    out = run_refused("experiments.spec_decode.serving", base + args, timeout=60)
+    assert out.stderr.strip().splitlines()[-1].startswith(want), out.stderr[-2000:]
+  assert not (tmp_path / "none").exists()
+  assert not (tmp_path / "w").exists() or os.listdir(tmp_path / "w") == []
