@@ -69,6 +69,7 @@ from absl import logging
 
 from core import checkpoint as ckpt_lib
 from core import distributed
+from core import errors
 from core import workdir as workdir_lib
 from core.hooks import Hook, MetricWriter, Progress, builtin_hooks, run_hooks
 from core.update import dense_update, select_tree  # core.train's names too
@@ -627,6 +628,13 @@ class Run:
     return out
 
 
+def check_stop_at_step(stop_at_step: int | None, steps: int) -> None:
+  """--stop_at_step past a run's last step would never stop it: refused, not ignored."""
+  if stop_at_step is not None and stop_at_step > steps:
+    raise errors.expected(f"--stop_at_step={stop_at_step}", f"after the run's last step "
+                          f"({steps})", f"a step <= {steps}")
+
+
 def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
           eval_batches: Callable[[], Iterable[Any]] | None, cfg: TrainConfig,
           hooks: Sequence[Hook] = ()) -> dict[str, Any]:
@@ -650,6 +658,7 @@ def train(task: Task, train_batches: Callable[[int], Iterator[Any]],
   if not cfg.checkpoint_every_minutes >= 0:
     raise ValueError(f"--checkpoint_every_minutes={cfg.checkpoint_every_minutes}: expected "
                      ">= 0 (0: no time-based checkpoints)")
+  check_stop_at_step(cfg.stop_at_step, cfg.steps)
   if cfg.nonfinite == "skip" and (
       "skip_nonfinite" not in inspect.signature(task.train_step).parameters):
     raise ValueError(f"--nonfinite=skip: {type(task).__name__}.train_step takes no "

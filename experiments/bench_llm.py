@@ -12,8 +12,9 @@ and decode time against the memory-bandwidth floor.
 
 A ~100M-parameter config (`llama_100m`: dim 768, 12 layers, 12 heads, 4 KV heads, FFN 2048,
 vocab 32000) with random weights, fp32; or a real checkpoint (--checkpoint=llama2c: | hf: |
-gguf:), prompted with --prompt through its own tokenizer (every row the same; --prompt_len is
-then its length), whose file the peer reads itself
+gguf:), prompted with --prompt through its own tokenizer (every row the same; its length is
+the prompt length, so --prompt_len is refused; --prompt without a tokenizer too), whose file
+the peer reads itself
 (transformers' own GGUF dequantization and Q/K un-permutation; an HF directory as it is).
 Random and llama2.c weights are exported with `llm.weights.save_hf`. The peer script
 (`experiments/peers/hf_llama.py`, run in the peer environment) loads the very same tensors
@@ -50,7 +51,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 from absl import flags
 
@@ -58,7 +58,7 @@ from core import cli
 from core import config
 from core import errors
 from core import settings  # noqa: F401  (the shared settings by name)
-from experiments.benchmarks.decode import decode_bytes_per_step  # noqa: F401
+from experiments.benchmarks.decode import decode_bytes_per_step
 from experiments.benchmarks.decode import time_decode as time_ours
 from experiments.common.report import Report
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
@@ -88,6 +88,38 @@ def define_flags() -> None:
       seed=0, dtype="float32", weights="float32", copy_mb=1024)
 
 
+def check_peers() -> tuple[str, ...]:
+  """The peers to run (none without --peer_python), each known and once, --peer_python an
+  executable, llama.cpp's needs met; refused naming the flag before anything runs."""
+  import shutil
+  given = tuple(FLAGS.peers)
+  for who in given:
+    if who not in PEER_SCRIPTS:
+      raise errors.expected(f"--peers={','.join(given)}", f"{who!r} is not a peer",
+                            f"peers among {', '.join(PEER_SCRIPTS)}")
+  if len(set(given)) < len(given):
+    raise errors.expected(f"--peers={','.join(given)}", "a peer named twice", "each once")
+  if not FLAGS.peer_python:
+    if FLAGS["peers"].present:
+      raise errors.expected(f"--peers={','.join(given)}", "given without --peer_python",
+                            "--peer_python=PYTHON of the peer environment")
+    return ()
+  if not given:
+    raise errors.expected("--peers=''", "no peer, with --peer_python",
+                          f"peers among {', '.join(PEER_SCRIPTS)}")
+  if shutil.which(FLAGS.peer_python) is None:
+    raise errors.expected(f"--peer_python={FLAGS.peer_python}", "no such executable",
+                          "the Python of the peer environment")
+  if "llama_cpp" in given:
+    if not (FLAGS.checkpoint or "").startswith("gguf:"):
+      raise errors.expected("--peers=llama_cpp", f"--checkpoint={FLAGS.checkpoint}",
+                            "--checkpoint=gguf:FILE (llama.cpp runs a GGUF file)")
+    if FLAGS.batch != 1:
+      raise errors.expected("--peers=llama_cpp", f"--batch={FLAGS.batch}",
+                            "--batch=1 (llama.cpp's Python API decodes one sequence)")
+  return given
+
+
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:
   """Device memory bandwidth in bytes/s over `mib` MiB, read and write counted."""
   from core import benchmark
@@ -105,35 +137,65 @@ def main(argv):
   from llm import weights as weights_lib
   from llm.config import get_config
 
-  peers = tuple(FLAGS.peers) if FLAGS.peer_python else ()
-  for who in peers:
-    if who not in PEER_SCRIPTS:
-      raise errors.expected(f"--peers={','.join(FLAGS.peers)}", f"{who!r}",
-                            f"peers among {', '.join(PEER_SCRIPTS)}")
-  if "llama_cpp" in peers:
-    if not (FLAGS.checkpoint or "").startswith("gguf:"):
-      raise errors.expected("--peers=llama_cpp", f"--checkpoint={FLAGS.checkpoint}",
-                            "--checkpoint=gguf:FILE (llama.cpp runs a GGUF file)")
-    if FLAGS.batch != 1:
-      raise errors.expected("--peers=llama_cpp", f"--batch={FLAGS.batch}",
-                            "--batch=1 (llama.cpp's Python API decodes one sequence)")
-  report = Report(FLAGS.workdir)
-  hf_dir = report.path("hf_model")   # the workdir made
-  rng = np.random.default_rng(FLAGS.seed)
-  tok, peer_model = None, None
+  peers = check_peers()
+  if FLAGS.new_tokens < 2:
+    raise errors.expected(f"--new_tokens={FLAGS.new_tokens}", "no decode step to time",
+                          "at least 2 (the first token comes from the prefill)")
+  # The model's config and the prompts, checked before the workdir is made or weights load.
+  kind = path = tok = None
   if FLAGS.checkpoint:
     from llm import checkpoints
+    if FLAGS["preset"].present:
+      raise errors.expected(f"--preset={FLAGS.preset}", f"given with --checkpoint="
+                            f"{FLAGS.checkpoint}", "one of them (the checkpoint has its sizes)")
     kind, path = checkpoints.parse_spec(FLAGS.checkpoint)
-    cfg, weights = checkpoints.load_weights(FLAGS.checkpoint)
+    cfg = checkpoints.load_config(FLAGS.checkpoint)
     tok = checkpoints.find_tokenizer(FLAGS.checkpoint, None, cfg.vocab_size)
+    name = FLAGS.checkpoint
+    model_flag = f"--checkpoint={name}"
+  else:
+    try:
+      cfg = get_config(FLAGS.preset)
+    except ValueError as e:
+      raise errors.UserError(f"--preset={FLAGS.preset}: {e}") from None
+    name = FLAGS.preset
+    model_flag = f"--preset={name}"
+  from llm import quantized
+  quantized.check_mode(FLAGS.weights, kind)
+  rng = np.random.default_rng(FLAGS.seed)
+  if tok is not None:
+    from llm.checkpoints import text_prompt
+    if FLAGS["prompt_len"].present:
+      raise errors.expected(f"--prompt_len={FLAGS.prompt_len}", f"given with --checkpoint="
+                            f"{FLAGS.checkpoint}, whose tokenizer encodes --prompt",
+                            "--prompt (its length is the prompt length)")
+    prompt = text_prompt(tok, FLAGS.prompt)
+    if not prompt:
+      raise errors.expected(f"--prompt={FLAGS.prompt!r}", "no tokens", "some text")
+    prompts = [prompt] * FLAGS.batch
+  else:
+    if FLAGS["prompt"].present:
+      raise errors.expected("--prompt", f"given with {model_flag}, which has no tokenizer "
+                            "(random prompt ids)", "--prompt_len")
+    prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
+  prompt_len = len(prompts[0])
+  if prompt_len + FLAGS.new_tokens > cfg.max_seq_len:
+    prompt_flag = (f"--prompt ({prompt_len} tokens)" if tok is not None
+                   else f"--prompt_len={prompt_len}")
+    raise errors.expected(f"{prompt_flag} + --new_tokens={FLAGS.new_tokens}",
+                          f"{prompt_len + FLAGS.new_tokens} tokens, beyond the max_seq_len of "
+                          f"{model_flag}", f"at most {cfg.max_seq_len}")
+
+  report = Report(FLAGS.workdir)
+  hf_dir = report.path("hf_model")   # the workdir made
+  peer_model = None
+  if FLAGS.checkpoint:
+    cfg, weights = checkpoints.load_weights(FLAGS.checkpoint)
     # The peer reads the very file: transformers dequantizes a GGUF and undoes llama.cpp's
     # Q/K permutation itself; an HF directory is read as it is.
     peer_model = {"gguf": ["--gguf_file", path], "hf": ["--model_dir", path]}.get(kind)
-    name = FLAGS.checkpoint
   else:
-    cfg = get_config(FLAGS.preset)
     weights = model_lib.weights_from_model(model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
-    name = FLAGS.preset
   if peer_model is None and ("transformers" in peers or not FLAGS.checkpoint):
     weights_lib.save_hf(hf_dir, cfg, weights)
     peer_model = ["--model_dir", hf_dir]
@@ -141,23 +203,12 @@ def main(argv):
   # dtype); the peer keeps fp32.
   cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
   if FLAGS.weights != "float32":
-    from llm import quantized
-    stored = None
-    if FLAGS.checkpoint and kind == "gguf":
-      stored = checkpoints.gguf_checkpoint(path).tensors
-    else:
-      quantized.check_mode(FLAGS.weights, kind if FLAGS.checkpoint else None)
+    stored = checkpoints.gguf_checkpoint(path).tensors if kind == "gguf" else None
     weights, forms = quantized.quantize(cfg, FLAGS.weights, weights=weights, stored=stored)
     print(f"weights {FLAGS.weights}: {quantized.summarize_forms(forms)}", flush=True)
   model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(FLAGS.seed)))
   model_lib.load_weights(model, weights)
   del weights
-  if tok is not None:
-    from llm.checkpoints import text_prompt
-    prompts = [text_prompt(tok, FLAGS.prompt)] * FLAGS.batch
-  else:
-    prompts = rng.integers(0, cfg.vocab_size, (FLAGS.batch, FLAGS.prompt_len)).tolist()
-  prompt_len = len(prompts[0])
   prompts_file = os.path.join(FLAGS.workdir, "prompts.json")
   with open(prompts_file, "w") as f:
     json.dump(prompts, f)

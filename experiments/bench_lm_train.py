@@ -44,7 +44,9 @@ parameters, adapters and optimizer state, XLA's memory analysis of the compiled 
 figure's ratio to full fine-tuning; the timed repeats (--steps steps each) are interleaved
 (full, lora, qlora8, qlora4, full, ...), so a busy machine slows every variant alike.
 Writes results.json, compare.png (experiments.benchmarks.lm_train.plot_comparison) and the
-markdown table. --breakdown and --profile are single-step measurements, not run here.
+markdown table. --breakdown and --profile are single-step measurements, refused here;
+--lora_rank / --lora_alpha / --lora_targets are read by the LoRA variants only, refused
+without one.
 --init (any --compare or not) takes the model's shape from a checkpoint; without --compare
 its weights are not read (random weights time the same).
 """
@@ -61,7 +63,7 @@ from core import errors
 from core import settings  # noqa: F401  (the shared settings by name)
 from experiments.benchmarks import lm_train
 from experiments.common.report import Report
-from llm import run_config  # noqa: F401  (train_lm's LoRA and --init settings by name)
+from llm import run_config  # train_lm's LoRA and --init settings by name; check_attention
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
 FLAGS = flags.FLAGS
@@ -119,10 +121,6 @@ def model_config():
 
 def compare(cfg, dump, report: Report) -> None:
   """--compare: the fine-tuning variants side by side (table, plot, results.json)."""
-  for flag in ("breakdown", "profile"):
-    if FLAGS[flag].present and FLAGS[flag].value:
-      raise errors.expected(f"--{flag} with --compare", "a single-step measurement",
-                            f"--compare alone, or --{flag} without --compare")
   from core import benchmark
   from llm import lora as lora_lib
   lora = None
@@ -158,15 +156,59 @@ def compare(cfg, dump, report: Report) -> None:
   report.finish(res, summary, plots=[(lm_train.plot_comparison, (res,), "compare.png")])
 
 
+def check_flags() -> None:
+  """What the flags alone can refuse, each naming its flag, before a checkpoint is read or
+  anything is built: unknown names, a loss chunk that does not divide --seq_len, settings
+  of the other mode (--breakdown / --profile with --compare, LoRA settings without a LoRA
+  variant, which nothing would read)."""
+  from llm import attention
+  from llm.config import PRESETS
+  if not FLAGS.init and FLAGS.preset not in PRESETS:
+    raise errors.expected(f"--preset={FLAGS.preset}", "unknown",
+                          f"one of {', '.join(sorted(PRESETS))}")
+  attention.check_impl(FLAGS.attention_impl, "--attention_impl")
+  if FLAGS.loss_chunk > 0 and FLAGS.seq_len % FLAGS.loss_chunk:
+    raise errors.expected(f"--loss_chunk={FLAGS.loss_chunk}", f"does not divide --seq_len="
+                          f"{FLAGS.seq_len}", "a divisor of it, 0 (plain loss) or -1 (auto)")
+  if FLAGS.compare:
+    for flag in ("breakdown", "profile"):
+      if FLAGS[flag].present and FLAGS[flag].value:
+        raise errors.expected(f"--{flag} with --compare", "a single-step measurement",
+                              f"--compare alone, or --{flag} without --compare")
+  if not any(v != "full" for v in FLAGS.compare):
+    given = [f"--{n}" for n in ("lora_rank", "lora_alpha", "lora_targets") if FLAGS[n].present]
+    if given:
+      raise errors.expected(", ".join(given), "given without a LoRA variant to read "
+                            f"{'them' if len(given) > 1 else 'it'} (--compare="
+                            f"{','.join(FLAGS.compare)})", "--compare with lora, qlora8 or "
+                            "qlora4")
+  else:
+    from llm import lora as lora_lib
+    lora_lib.LoraConfig(FLAGS.lora_rank, FLAGS.lora_alpha, tuple(FLAGS.lora_targets))
+
+
+def check_attention(cfg) -> None:
+  """--attention_impl=cudnn where cuDNN cannot run it (dtype, head dim, no GPU with cuDNN),
+  refused naming the flags before anything compiles (llm.run_config.check_attention)."""
+  import types
+  f = types.SimpleNamespace(attention_impl=cfg.attention_impl, packing="none",
+                            cp_sharding="seq", context_parallel=cfg.context_parallel,
+                            dtype=cfg.dtype, preset=f"(none; --init={FLAGS.init})"
+                            if FLAGS.init else FLAGS.preset)
+  run_config.check_attention(f, cfg)
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
+  check_flags()
   report = Report(FLAGS.workdir)
   report.path()
   dump = os.path.join(FLAGS.workdir, "xla_dump") if FLAGS.xla_dump else None
   import jax
 
   cfg = model_config()
+  check_attention(cfg)
   if FLAGS.compare:
     return compare(cfg, dump, report)
   res = lm_train.run_benchmark(
@@ -204,7 +246,7 @@ def main(argv):
     print("\nbreakdown (each part jitted alone, median ms):")
     for name, ms in res["breakdown_ms"].items():
       print(f"  {name:32s}{ms:10.2f}{100 * ms / res['step_ms']:8.1f}% of the step")
-  summary = {k: res[k] for k in ("preset", "seq_len", "batch", "mesh", "attention_impl",
+  summary = {k: res[k] for k in ("preset", "init", "seq_len", "batch", "mesh", "attention_impl",
                                  "attention_resolved", "remat", "step_ms", "tokens_per_s", "model_tflops_per_s",
                                  "mfu", "peak_tflops_per_device", "device_kind")}
   report.finish(res, summary)

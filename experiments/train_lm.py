@@ -41,7 +41,10 @@ named in one printed line). Combinations the library cannot train stop before an
 built (`LMRunConfig.validate`, naming the flags): --attention_impl=cudnn with --packing
 (cuDNN takes one document per row, and no segment ids in ring attention blocks; so no
 --cp_sharding=doc|adaptive either), with --dtype=float32, or off a GPU with cuDNN; auto, xla
-and the Pallas kernels take them all.
+and the Pallas kernels take them all. A setting given that the run would not read (another
+packing's, LoRA's without --lora_rank, --eval_batches with a chat file) is refused naming it,
+and with --init every such check, the data files and the memory estimate come before the
+checkpoint's weights are read.
 """
 
 from __future__ import annotations
@@ -104,16 +107,31 @@ def check_flags(f, cfg, cp_ranks: int, device=None) -> None:
   run_config.check(f, cfg, cp_ranks, device)
 
 
-check_attention_flags = run_config.check_attention
 check_packing_flags = run_config.check_packing
 
 
-def packed_source(run: run_config.LMRunConfig, cfg, tokens, cp_ranks: int, share: dict):
-  """The --packing source over documents cut from `tokens` (llm.packing.source.from_run)."""
+def packing_cost(run: run_config.LMRunConfig, cfg):
+  """The workload model of --cost_model for a packed run: 'flops' (`cfg`'s FLOP counts) or
+  a CostModel JSON file, read here, before anything is built; an error names the flag."""
   from llm.packing import cost as cost_lib
+  text = run.data.packing.cost_model
+  if text == "flops":
+    return cost_lib.from_setting(text, cfg)
+  want = ("'flops' or a CostModel JSON file (experiments.wlb_packing --cost_model=fit "
+          "--save_cost_model=FILE writes one)")
+  if not os.path.isfile(text):
+    raise errors.expected(f"--cost_model={text}", "no such file", want)
+  try:
+    return cost_lib.CostModel.load(text)
+  except (ValueError, TypeError) as e:
+    raise errors.expected(f"--cost_model={text}", f"not a CostModel JSON ({e})", want) from None
+
+
+def packed_source(run: run_config.LMRunConfig, cfg, tokens, cp_ranks: int, share: dict, cost):
+  """The --packing source over documents cut from `tokens` (llm.packing.source.from_run),
+  `cost` its workload model (`packing_cost`)."""
   from llm.packing import source
-  return source.from_run(run, tokens, cp_ranks, n_layers=cfg.n_layers,
-                         cost=cost_lib.from_setting(run.data.packing.cost_model, cfg), **share)
+  return source.from_run(run, tokens, cp_ranks, n_layers=cfg.n_layers, cost=cost, **share)
 
 
 def packing_summary(src) -> dict:
@@ -128,16 +146,39 @@ def packing_summary(src) -> dict:
 
 
 def check_init_flags(run: run_config.LMRunConfig, flag_values) -> None:
-  """With --init the checkpoint sets the model's shape: a --preset given (flag or --config
-  file) is refused, naming both."""
+  """With --init the checkpoint sets the model's shape: a --preset given (flag, or a --config
+  file's other than the default, which every run's own config.py records) is refused, naming
+  both."""
   given = flag_values["preset"].present
   if flag_values["config"].value:
-    given = given or "preset" in config.read_file(run_config.LMRunConfig,
-                                                  flag_values["config"].value)
+    default = run_config.ModelSection().preset
+    given = given or config.read_file(run_config.LMRunConfig, flag_values["config"].value).get(
+        "preset", default) != default
   if given:
     raise errors.expected(f"--preset={run.model.preset} with --init={run.model.init}",
                           "a size for a model whose checkpoint sets it",
                           "no --preset with --init")
+
+
+def check_unused_flags(run: run_config.LMRunConfig, flag_values) -> None:
+  """A setting given on the command line that this run would not read (one of another
+  packing, LoRA without --lora_rank, --eval_batches with a chat file, whose eval is its
+  whole held-out tenth) is refused naming it and what reads it, not ignored."""
+  p, lora = run.data.packing, run.lora
+  reads = {"fixed_window": ("--packing=fixed", p.packing == "fixed"),
+           "wlb_queues": ("--packing=wlb", p.packing == "wlb"),
+           "doc_context": ("--packing=original|fixed|wlb", p.packing != "none"),
+           "cost_model": ("--packing=original|fixed|wlb", p.packing != "none"),
+           "cp_tile": ("--packing=original|fixed|wlb", p.packing != "none"),
+           "lora_alpha": ("--lora_rank >= 1", lora.lora_rank > 0),
+           "lora_targets": ("--lora_rank >= 1", lora.lora_rank > 0),
+           "eval_batches": ("--text", not run.data.data)}
+  for name, (reader, read) in reads.items():
+    if not read and flag_values[name].present:
+      value = flag_values[name].value
+      value = ",".join(value) if isinstance(value, (list, tuple)) else value
+      raise errors.expected(f"--{name}={value}", "not read by this run", f"it only with "
+                            f"{reader}, which reads it")
 
 
 def chat_sources(run: run_config.LMRunConfig, tok, share: dict):
@@ -194,40 +235,71 @@ def main(argv):
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib
+  from llm import attention
   from llm import checkpoints
   from llm import config as config_lib
   from llm import memory as lm_memory
+  from llm import quantized
   from llm import train_lib as lm_lib
   from llm import tokenizer as tok_lib
   from llm.data import TextSource
 
   run.check_data()   # before any file is read
-  pretrained = None
+  check_unused_flags(run, FLAGS)
+  if FLAGS["warmup_steps"].present and t.warmup_steps >= run.loop.steps:
+    raise errors.expected(   # llm.train_lib.schedule would cut it to steps - 1
+        f"--warmup_steps={t.warmup_steps}", f"not below --steps={run.loop.steps}",
+        f"at most {run.loop.steps - 1}, so that the learning rate reaches its peak")
+  if not m.init and m.preset not in config_lib.PRESETS:
+    raise errors.expected(f"--preset={m.preset}", "unknown",
+                          f"one of {', '.join(sorted(config_lib.PRESETS))}")
+  attention.check_impl(m.attention_impl, "--attention_impl")
+  # Everything a setting or an input can refuse is checked before the --init checkpoint's
+  # weights are read (seconds to minutes for a large one) and before the workdir is written:
+  # its config and tokenizer, the data files, the mesh, validate(), the memory estimate.
+  pcfg = None
   if m.init:
     check_init_flags(run, FLAGS)
+    quantized.check_mode(m.weights, checkpoints.parse_spec(m.init)[0])
     pcfg = checkpoints.load_config(m.init)
     if seq_len > pcfg.max_seq_len:
       raise errors.expected(f"--seq_len={seq_len}", f"longer than the context of --init="
                             f"{m.init} ({pcfg.max_seq_len} tokens)", f"at most {pcfg.max_seq_len}")
-    pretrained, init_weights, tok = checkpoints.load_pretrained(m.init, m.weights, d.tokenizer)
-    if tok is None and pretrained.vocab_size != tok_lib.ByteTokenizer.vocab_size:
+    tok = checkpoints.find_tokenizer(m.init, d.tokenizer, pcfg.vocab_size)
+    if tok is None and pcfg.vocab_size != tok_lib.ByteTokenizer.vocab_size:
       raise errors.expected(f"--init={m.init}", "no tokenizer beside it", "--tokenizer=PATH "
-                            f"with its vocabulary of {pretrained.vocab_size}")
+                            f"with its vocabulary of {pcfg.vocab_size}")
   else:
-    init_weights = None
     tok = None if d.tokenizer is None else checkpoints.load_tokenizer(d.tokenizer)
-  cfg = run.llama_config(tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size,
-                         pretrained)
+  vocab = tok_lib.ByteTokenizer.vocab_size if tok is None else tok.vocab_size
+  cfg = run.llama_config(vocab, pcfg)
   mesh = mesh_lib.make_mesh(run.parallelism.mesh, rules=mesh_lib.LLM_RULES)
   cp_ranks = 1 if m.context_parallel == "none" else dict(mesh.shape).get("cp", 1)
   run.validate(cp_ranks, llama=cfg)
   optim = run.optim_config()
   lora = run.lora_config()
+  cost = packing_cost(run, cfg) if d.packing.packing != "none" else None
   if t.memory_check:   # seconds, where compiling a run that cannot fit takes minutes
     lm_memory.check_train_run(cfg, mesh, batch_size, seq_len,
-                              mu_dtype=optim.mu_dtype, where=f"--preset={m.preset} "
-                              f"--batch_size={batch_size} --seq_len={seq_len} "
+                              mu_dtype=optim.mu_dtype, where=(
+                                  f"--init={m.init}" if m.init else f"--preset={m.preset}")
+                              + f" --batch_size={batch_size} --seq_len={seq_len} "
                               f"--mesh={run.parallelism.mesh}")
+  share = dict(zip(("shard_index", "num_shards"),
+                   mesh_lib.process_batch_share(mesh, mesh_lib.LLM_RULES, "act_batch")))
+  packed = None
+  if run.chat_file():
+    train_src, eval_src = chat_sources(run, tok, share)
+  else:
+    train_src = TextSource(d.text, seq_len, batch_size, tokenizer=tok, seed=t.seed, **share)
+    if cost is not None:
+      packed = packed_source(run, cfg, train_src.tokens, cp_ranks, share, cost)
+    eval_src = TextSource(d.text, seq_len, batch_size, tokenizer=tok,
+                          split="eval", eval_batches=d.eval_batches, **share)
+  init_weights = None
+  if m.init:
+    pretrained, init_weights, _ = checkpoints.load_pretrained(m.init, m.weights, d.tokenizer)
+    cfg = run.llama_config(vocab, pretrained)
   workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
   loop_cfg = settings.loop_config(
       run.loop, workdir=workdir, seed=t.seed,
@@ -239,17 +311,6 @@ def main(argv):
   except train_lib.RunSettingsError as e:
     sys.exit(f"train_lm: {e}")
   loop_cfg = dataclasses.replace(loop_cfg, overwrite=False)
-  share = dict(zip(("shard_index", "num_shards"),
-                   mesh_lib.process_batch_share(mesh, mesh_lib.LLM_RULES, "act_batch")))
-  packed = None
-  if run.chat_file():
-    train_src, eval_src = chat_sources(run, tok, share)
-  else:
-    train_src = TextSource(d.text, seq_len, batch_size, tokenizer=tok, seed=t.seed, **share)
-    if d.packing.packing != "none":
-      packed = packed_source(run, cfg, train_src.tokens, cp_ranks, share)
-    eval_src = TextSource(d.text, seq_len, batch_size, tokenizer=tok,
-                          split="eval", eval_batches=d.eval_batches, **share)
   try:
     task = lm_lib.LMTask(cfg, optim, mesh, packed=packed is not None or bool(run.chat_file()),
                          host_metrics=packed and packed.step_metrics,

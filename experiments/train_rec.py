@@ -189,9 +189,7 @@ def main(argv):
     sys.exit(f"train_rec: {e}")
   task, train_src, eval_src, plan, mesh = configs.build_run(cfg, data_workers=tcfg.data_workers)
   steps = configs.steps_for(tcfg.epochs, train_src) if tcfg.epochs else tcfg.loop.steps
-  if tcfg.loop.stop_at_step is not None and tcfg.loop.stop_at_step > steps:
-    raise errors.expected(f"--stop_at_step={tcfg.loop.stop_at_step}", f"after the run's last "
-                          f"step ({steps})", f"a step <= {steps}")
+  train_lib.check_stop_at_step(tcfg.loop.stop_at_step, steps)   # before config.py is written
   if jax.process_index() == 0:   # settings that build: the workdir's config.py replays them
     config.write_file(tcfg, os.path.join(workdir, CONFIG_FILE), overridden=overridden,
                       command="python -m experiments.train_rec " + shlex.join(sys.argv[1:]))

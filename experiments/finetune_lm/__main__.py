@@ -88,7 +88,8 @@ def finetune(mode: str, train_file: str, workdir: str) -> dict:
   args = [sys.executable, "-c", _CHILD, f"--init={FLAGS.init}",
           f"--data=chat:{train_file}", f"--steps={FLAGS.steps}", f"--seq_len={FLAGS.seq_len}",
           f"--batch_size={FLAGS.batch_size}", f"--learning_rate={lr}",
-          f"--warmup_steps={max(1, FLAGS.steps // 10)}", f"--eval_every={max(1, FLAGS.steps // 4)}",
+          f"--warmup_steps={min(max(1, FLAGS.steps // 10), FLAGS.steps - 1)}",
+          f"--eval_every={max(1, FLAGS.steps // 4)}",
           "--log_every=5", "--checkpoint_every_minutes=0", f"--seed={FLAGS.seed}",
           f"--workdir={workdir}", "--overwrite"]
   if mode == "lora":
@@ -110,6 +111,9 @@ def finetune(mode: str, train_file: str, workdir: str) -> dict:
         signal.signal(sig, handler)
   if proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT):
     raise SystemExit(f"finetune_lm: stopped during the {mode} run ({last.strip()})")
+  if proc.returncode == 2:   # a refusal: its one line is on stderr above
+    raise SystemExit(f"finetune_lm: the {mode} run (train_lm) refused its settings or data; "
+                     "its error is the line above")
   if proc.returncode != 0:
     raise RuntimeError(f"finetune_lm: train_lm ({mode}) failed with status {proc.returncode}")
   return {"summary": json.loads(last), "seconds": time.time() - t0}
@@ -151,23 +155,57 @@ def plot(results: dict, path: str) -> None:
                  f"{FLAGS.seq_len} tokens")
 
 
+def check_flags():
+  """What the train_lm runs and the scoring would refuse, each naming its flag, before the
+  workdir gets a file, the base model is scored (minutes) or a run starts: the methods, the
+  learning rates of the runs made, and --init's checkpoint (its config and chat template,
+  read without its weights; --seq_len within its context). Returns its tokenizer."""
+  from core import train as train_lib
+  from llm import checkpoints
+  methods = ",".join(FLAGS.methods)
+  bad = [m for m in FLAGS.methods if m not in ("full", "lora")]
+  if bad:
+    raise errors.expected(f"--methods={methods}", f"{bad[0]!r}", "full and / or lora")
+  if not FLAGS.methods:
+    raise errors.expected("--methods=", "no method", "full and / or lora")
+  twice = sorted({m for m in FLAGS.methods if FLAGS.methods.count(m) > 1})
+  if twice:
+    raise errors.expected(f"--methods={methods}", f"{twice[0]!r} twice (both runs would "
+                          "share one workdir)", "each method once")
+  if "lora" in FLAGS.methods and FLAGS.lora_rank < 1:
+    raise errors.expected(f"--lora_rank={FLAGS.lora_rank}", "no adapters for --methods=lora",
+                          "a rank >= 1")
+  if "full" in FLAGS.methods:
+    train_lib.check_learning_rate("--learning_rate", FLAGS.learning_rate)
+  if "lora" in FLAGS.methods:
+    train_lib.check_learning_rate("--lora_learning_rate", FLAGS.lora_learning_rate)
+  cfg = checkpoints.load_config(FLAGS.init)
+  if FLAGS.seq_len > cfg.max_seq_len:
+    raise errors.expected(f"--seq_len={FLAGS.seq_len}", f"longer than the context of --init="
+                          f"{FLAGS.init} ({cfg.max_seq_len} tokens)", f"at most {cfg.max_seq_len}")
+  tok = checkpoints.find_tokenizer(FLAGS.init, None, cfg.vocab_size)
+  if getattr(tok, "chat_template", None) is None:
+    raise errors.expected(f"--init={FLAGS.init}", "no chat template in its tokenizer "
+                          f"({getattr(tok, 'source', 'none found')})", "a chat model's "
+                          "checkpoint (tokenizer_config.json, chat_template.jinja or a GGUF's "
+                          "tokenizer.chat_template): the study's requests are chats")
+  return tok
+
+
 def main(argv):
   del argv
   from experiments.finetune_lm import tasks
   if FLAGS.init is None:   # required, but a --config file may give it
     raise errors.expected("--init", "not given", "the checkpoint to fine-tune, e.g. "
                           "gguf:FILE or hf:DIR (or a --config file that sets init)")
-  bad = [m for m in FLAGS.methods if m not in ("full", "lora")]
-  if bad:
-    raise errors.expected(f"--methods={','.join(FLAGS.methods)}", f"{bad[0]!r}", "full and / or lora")
-  if "lora" in FLAGS.methods and FLAGS.lora_rank < 1:
-    raise errors.expected(f"--lora_rank={FLAGS.lora_rank}", "no adapters for --methods=lora",
-                          "a rank >= 1")
+  tok = check_flags()
   report = Report(FLAGS.workdir)
   train = tasks.make_examples(FLAGS.train_examples, FLAGS.seed, "train")
   held = tasks.make_examples(FLAGS.held_out, FLAGS.seed, "held_out")
   train_file = tasks.write_chat_file(report.path("train.jsonl"), train)
   tasks.write_chat_file(report.path("held_out.jsonl"), held)
+  from llm import chat_data   # as train_lm reads it: a conversation over --seq_len is refused
+  chat_data.read_chat_file(train_file, tok, max_len=FLAGS.seq_len)   # before the base's scoring
   before, replies = exact_match(FLAGS.init, held, FLAGS.reply_tokens)
   print(f"base model: held-out exact match {before:.3f} (e.g. {replies[0]!r} for "
         f"{held[0]['answer']!r})", flush=True)

@@ -54,12 +54,14 @@ On a GPU, measure at the target shape and reuse the fit (unmeasured here):
 
 from __future__ import annotations
 
+import os
 import time
 
 from absl import flags
 
 from core import cli
 from core import config
+from core import errors
 from core import settings  # noqa: F401  (the shared settings by name)
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
 
@@ -87,7 +89,7 @@ SAVE_COST_MODEL = config.setting(
 FIT_IMPL = config.setting(
     "fit_impl", "string", "llm.attention implementation to time.")
 FIT_DTYPE = config.setting(
-    "fit_dtype", "string", "dtype of the timed calls.")
+    "fit_dtype", "enum", "dtype of the timed calls.", choices=("float32", "bfloat16", "float16"))
 FIT_REPEATS = config.setting(
     "fit_repeats", "integer", "Timed repeats per point (median).", lower=1)
 FIT_LENGTHS = config.setting(
@@ -172,8 +174,50 @@ def define_flags(flag_values=None) -> None:
     flags.register_validator(name, _ints(low), message=f"expected integers >= {low}",
                              flag_values=fv)
   flags.register_validator(
-      "outlier_fractions", lambda v: all(0 < float(x) <= 1 for x in v),
-      message="expected fractions of the context in (0, 1]", flag_values=fv)
+      "outlier_fractions", _fractions, message="expected fractions of the context in (0, 1]",
+      flag_values=fv)
+
+
+def _fractions(values) -> bool:
+  """A validator of --outlier_fractions: every item a number in (0, 1]."""
+  try:
+    return all(0 < float(x) <= 1 for x in values)
+  except ValueError:
+    return False
+
+
+def check_cost_flags(f) -> None:
+  """The cost model's settings, each error naming its flag, before the fit times anything
+  (tens of seconds) or the study runs: --target a preset, --cost_model 'flops', 'fit' or a
+  CostModel JSON; for 'fit' the attention implementation, the timed shape's heads and enough
+  distinct points for the fit's coefficients (3 for attention, 2 for the linear ops)."""
+  from llm import attention
+  from llm.config import PRESETS
+  if f.target not in PRESETS:
+    raise errors.expected(f"--target={f.target}", "not an llm.config preset",
+                          f"one of {', '.join(sorted(PRESETS))}")
+  if f.cost_model == "fit":
+    attention.check_impl(f.fit_impl, "--fit_impl")
+    if f.measure_heads % f.measure_kv_heads:
+      raise errors.expected(f"--measure_heads={f.measure_heads} --measure_kv_heads="
+                            f"{f.measure_kv_heads}", "query heads not a multiple of the KV "
+                            "heads", "--measure_heads a multiple of --measure_kv_heads")
+    for flag, need in (("fit_lengths", 3), ("fit_tokens", 2)):
+      values = getattr(f, flag)
+      distinct = len({int(x) for x in values})
+      if distinct < need:
+        raise errors.expected(f"--{flag}={','.join(values)}", f"{distinct} distinct value(s)",
+                              f"at least {need}, one per coefficient of the fit")
+  elif f.cost_model != "flops":
+    want = "'flops', 'fit' or a CostModel JSON file (written by --save_cost_model)"
+    if not os.path.isfile(f.cost_model):
+      raise errors.expected(f"--cost_model={f.cost_model}", "no such file", want)
+    from llm.packing import cost as C
+    try:
+      C.CostModel.load(f.cost_model)
+    except (ValueError, TypeError) as e:
+      raise errors.expected(f"--cost_model={f.cost_model}", f"not a CostModel JSON ({e})",
+                            want) from None
 
 
 def build_cost(f, llama, progress):
@@ -195,6 +239,20 @@ def build_config(f) -> study.StudyConfig:
   """The study's config from the flags; a value the study cannot use names its flag."""
   if f.min_len > f.context:
     raise ValueError(f"--min_len={f.min_len}: expected at most --context={f.context}")
+  for flag in ("windows", "queues"):
+    values = [int(x) for x in getattr(f, flag)]
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+      raise ValueError(f"--{flag}={','.join(getattr(f, flag))}: {twice[0]} twice (two rows of "
+                       "one name); expected each value once")
+  if f.train_steps and f.cp > 1 and f.context % (2 * f.cp):
+    raise ValueError(f"--context={f.context} with --cp={f.cp} and --train_steps="
+                     f"{f.train_steps}: the training grid's per-document CP layout cuts every "
+                     f"row into 2 x {f.cp} chunks; expected a multiple of {2 * f.cp} (or "
+                     "--train_steps=0)")
+  if f.cp > 1 and f.cp_steps > f.steps:
+    raise ValueError(f"--cp_steps={f.cp_steps}: more global batches than the stream has; "
+                     f"expected at most --steps={f.steps}")
   bad = [k for k in f.windows if f.steps % int(k)]
   if bad:
     raise ValueError(f"--steps={f.steps} is not a multiple of --windows {bad}")
@@ -204,7 +262,7 @@ def build_config(f) -> study.StudyConfig:
     raise ValueError(f"--queues={','.join(f.queues)}: {too_many[0]} queues need as many "
                      f"--outlier_fractions, got {len(fractions)}")
   thr = sorted(int(x * f.context) for x in fractions)
-  if len(set(thr)) != len(thr) or thr[0] < 1:
+  if len(set(thr)) != len(thr) or (thr and thr[0] < 1):
     raise ValueError(f"--outlier_fractions={','.join(f.outlier_fractions)}: thresholds {thr} "
                      f"tokens of --context={f.context}; expected distinct and >= 1")
   if int(f.max_len_factor * f.context) < 1:
@@ -233,6 +291,7 @@ def main(argv):
   report = Report(FLAGS.workdir, clock=time.time)
   say = lambda msg: report.log(msg, digits=1)
   cfg = build_config(FLAGS)
+  check_cost_flags(FLAGS)
   lm = lm_run(FLAGS, cfg)
   target = lm.preset_config()
   cost = build_cost(FLAGS, target, say)
@@ -248,6 +307,9 @@ def main(argv):
         f"{max(map(abs, m['linear']['rel_err'])):.1%} max")
   res = study.run_study(cfg, cost, progress=say)
   res["cost_model"] = cost.to_dict()
+  if FLAGS.train_steps and cfg.cp == 1:
+    say("training grid skipped: --cp=1 (its per-document and adaptive CP layouts need 2 or "
+        "more ranks)")
   if FLAGS.train_steps and cfg.cp > 1:
     p = lm.data.packing
     res["training"] = training.train_grid(

@@ -436,6 +436,8 @@ def test_settings_the_loop_refuses_before_touching_the_workdir(tmp_path):
        "--checkpoint_every_minutes=-1.0: expected >= 0 (0: no time-based checkpoints)"),
       (dict(checkpoint_every_minutes=float("nan")),
        "--checkpoint_every_minutes=nan: expected >= 0 (0: no time-based checkpoints)"),
+      (dict(stop_at_step=7), "--stop_at_step=7: after the run's last step (6); expected a "
+                             "step <= 6"),
       (dict(nonfinite="skip"), "--nonfinite=skip: _Counter.train_step takes no skip_nonfinite "
                                "argument; use --nonfinite=stop")]:
     with pytest.raises(ValueError) as e:

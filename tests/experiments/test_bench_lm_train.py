@@ -180,3 +180,26 @@ def test_compare_runs_as_an_entry_point(tmp_path):
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert bad.returncode == 2
   assert "error: --breakdown with --compare: a single-step measurement" in bad.stderr
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--attention_impl=cudnn"], "error: --attention_impl=cudnn: no GPU with cuDNN flash "
+                                 "attention here (backend cpu); expected --attention_impl=auto"),
+    (["--loss_chunk=7"], "error: --loss_chunk=7: does not divide --seq_len=32; expected a "
+                         "divisor of it, 0 (plain loss) or -1 (auto)"),
+    (["--lora_rank=4"], "error: --lora_rank: given without a LoRA variant to read it "
+                        "(--compare=); expected --compare with lora, qlora8 or qlora4"),
+    (["--compare=full", "--lora_targets=mlp"], "error: --lora_targets: given without a LoRA "
+                                               "variant to read it (--compare=full)"),
+    (["--preset=nope"], "error: --preset=nope: unknown; expected one of byte_small, "),
+])
+def test_bad_settings_are_refused_before_compiling(tmp_path, args, want):
+  """One line naming the flag, before a step compiles and before the workdir gets a file
+  (cuDNN off a GPU used to end in a RuntimeError traceback while compiling; LoRA settings
+  without a LoRA variant were ignored)."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.bench_lm_train", [
+      "--preset=tiny", "--seq_len=32", "--batch=2", "--steps=1", "--repeats=1", *args,
+      f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1].startswith(want), out.stderr[-3000:]
+  assert os.listdir(tmp_path / "w") == []

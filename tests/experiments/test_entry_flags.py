@@ -277,7 +277,7 @@ def test_flags_that_must_agree():
   base = dict(min_len=16, context=4096, windows=["1", "2"], steps=8, outlier_fractions=["0.25",
               "0.5"], queues=["1", "2"], max_len_factor=1.0, doc_median=128.0, doc_sigma=1.0,
               tail_prob=0.0, tail_min=1024.0, tail_alpha=1.0, micro_batches=4, cp=4,
-              cp_steps=1, tile_q=32, tile_kv=32, seed=0)
+              cp_steps=1, tile_q=32, tile_kv=32, seed=0, train_steps=0)
   cfg = wlb.build_config(_flag_values(**base))
   assert cfg.thresholds(2) == (1024, 2048) and cfg.dist.context == 4096
   for change, msg in (({"min_len": 5000}, "--min_len=5000: expected at most --context=4096"),

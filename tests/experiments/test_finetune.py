@@ -57,6 +57,10 @@ def test_full_and_lora_fine_tuning_from_a_checkpoint(tmp_path):
   assert set(tuned) == set(w)
   assert max(np.abs(tuned[n] - w[n]).max() for n in w) > 1e-4
   assert os.path.exists(wd / "tokenizer.json")
+  # its config.py replays it (the file records the preset the run did not read, the default)
+  again = json.loads(_run("experiments.train_lm", [
+      f"--config={wd / 'config.py'}", f"--workdir={tmp_path / 'again'}"])[-1])
+  assert (again["init"], again["eval_loss"]) == (full["init"], full["eval_loss"])
 
   wl, lo = _train(tmp_path, d, "lora", "--lora_rank=4", "--lora_alpha=8",
                   "--lora_targets=attention")
@@ -86,6 +90,11 @@ def test_refusals(tmp_path):
   err = _run("experiments.train_lm", [f"--init=hf:{d}", "--preset=tiny", f"--data=chat:{chat}",
                                       f"--workdir={tmp_path / 'a'}"], fails=True)
   assert "--preset=tiny with --init=hf:" in err.splitlines()[-1]
+  (tmp_path / "small.json").write_text(json.dumps({"preset": "small"}))
+  err = _run("experiments.train_lm", [f"--init=hf:{d}", f"--config={tmp_path / 'small.json'}",
+                                      f"--data=chat:{chat}", f"--workdir={tmp_path / 'a2'}"],
+             fails=True)
+  assert "--preset=small with --init=hf:" in err.splitlines()[-1]
   err = _run("experiments.train_lm", [f"--init=hf:{d}", "--seq_len=512", f"--data=chat:{chat}",
                                       f"--workdir={tmp_path / 'b'}"], fails=True)
   assert "--seq_len=512: longer than the context of --init" in err.splitlines()[-1]

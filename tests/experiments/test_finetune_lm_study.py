@@ -4,13 +4,17 @@ before and after each mode, curves, plot (the benchmark runs it on SmolLM2-135M)
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from experiments.finetune_lm import tasks
 from llm import tokenizer as T
 from llm import weights as W
 from llm.config import LlamaConfig
 from tests.experiments.test_generate_chat import TEMPLATE
-from tests.experiments.test_lm_entry import _run, _tiny_weights
+from tests.experiments.entry import run_refused
+from tests.experiments.test_lm_entry import _hf_dir, _run, _tiny_weights
 from tests.llm.test_tokenizer import train_bpe
 
 
@@ -24,7 +28,8 @@ def test_tasks_split_and_score():
   assert tasks.exact_match(f"  {e['answer']} \nmore", e) and not tasks.exact_match("x", e)
 
 
-def test_finetune_lm_study_on_a_tiny_model(tmp_path):
+def _chat_model(tmp_path):
+  """A tiny random Llama whose tokenizer has a chat template, context 512."""
   d = str(tmp_path / "hf")
   path = train_bpe(d, config={"bos_token": "<s>", "eos_token": "</s>"})
   from tokenizers import Tokenizer
@@ -36,6 +41,11 @@ def test_finetune_lm_study_on_a_tiny_model(tmp_path):
   cfg = LlamaConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                     ffn_dim=64, rope_theta=10000.0, max_seq_len=512)
   W.save_hf(d, cfg, _tiny_weights(cfg, seed=2))
+  return d
+
+
+def test_finetune_lm_study_on_a_tiny_model(tmp_path):
+  d = _chat_model(tmp_path)
   wd = tmp_path / "study"
   out = json.loads(_run("experiments.finetune_lm", [
       f"--init=hf:{d}", "--train_examples=24", "--held_out=2", "--steps=2", "--seq_len=512",
@@ -46,3 +56,40 @@ def test_finetune_lm_study_on_a_tiny_model(tmp_path):
   assert res["runs"]["lora"]["curves"]["train"] and res["runs"]["lora"]["eval_loss"] > 0
   assert (wd / "finetune.png").stat().st_size > 0
   assert sum(1 for _ in open(wd / "train.jsonl")) == 24
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--methods=full,full"], "error: --methods=full,full: 'full' twice (both runs would share "
+                              "one workdir); expected each method once"),
+    (["--methods="], "error: --methods=: no method; expected full and / or lora"),
+    (["--lora_learning_rate=0"], "error: --lora_learning_rate=0.0: expected a finite learning "
+                                 "rate > 0"),
+    (["--seq_len=128"], "error: --seq_len=128: longer than the context of --init=hf:{d} (64 "
+                        "tokens); expected at most 64"),
+    ([], "error: --init=hf:{d}: no chat template in its tokenizer ({d}/tokenizer.json); "
+         "expected a chat model's checkpoint"),
+])
+def test_refused_before_the_base_is_scored(tmp_path, args, want):
+  """One line naming the flag before the workdir gets the data files and before the base
+  model is scored (a learning rate train_lm refuses used to end the study in a traceback
+  after that; a repeated method ran twice into one workdir)."""
+  d, _, _, _ = _hf_dir(tmp_path)   # a tokenizer without a chat template, a 64-token context
+  out = run_refused("experiments.finetune_lm", [
+      f"--init=hf:{d}", "--seq_len=32", "--train_examples=8", "--held_out=1", *args,
+      f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1].startswith(want.format(d=d)), out.stderr[-3000:]
+  assert os.listdir(tmp_path / "w") == []
+
+
+def test_conversations_longer_than_seq_len_are_refused_before_the_base_is_scored(tmp_path):
+  """train_lm refuses a conversation longer than --seq_len; the study reads its train file
+  the same way before scoring the base (it used to find out in the first run)."""
+  d = _chat_model(tmp_path)
+  out = run_refused("experiments.finetune_lm", [
+      f"--init=hf:{d}", "--seq_len=16", "--train_examples=8", "--held_out=1",
+      f"--workdir={tmp_path / 'w'}"])
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: {tmp_path / 'w' / 'train.jsonl'}:1: ") and last.endswith(
+      "tokens; expected at most 16 (a row holds whole conversations: raise --seq_len or "
+      "shorten it)"), last
+  assert "base model" not in out.stdout

@@ -169,6 +169,32 @@ def test_bench_llm_runs_ours_only(tmp_path):
   assert (tmp_path / "hf_model" / "config.json").exists()
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--new_tokens=1"], "error: --new_tokens=1: no decode step to time; expected at least 2"),
+    (["--preset=nope"], "error: --preset=nope: Llama preset 'nope': expected one of"),
+    (["--prompt_len=500", "--new_tokens=13"],
+     "error: --prompt_len=500 + --new_tokens=13: 513 tokens, beyond the max_seq_len of "
+     "--preset=tiny; expected at most 512"),
+    (["--prompt=hi"], "error: --prompt: given with --preset=tiny, which has no tokenizer"),
+    (["--weights=gguf"], "error: --weights=gguf takes the blocks a GGUF file stores"),
+    (["--peers=llama_cpp"], "error: --peers=llama_cpp: given without --peer_python"),
+    (["--peer_python=/nope/python"],
+     "error: --peer_python=/nope/python: no such executable; expected the Python of the peer"),
+    (["--peer_python=" + sys.executable, "--peers=transformers,nope"],
+     "error: --peers=transformers,nope: 'nope' is not a peer; expected peers among "),
+    ([f"--checkpoint=llama2c:{STORIES}"],
+     f"error: --preset=tiny: given with --checkpoint=llama2c:{STORIES}; expected one of them"),
+])
+def test_bench_llm_refuses_before_the_workdir_is_written(tmp_path, args, want):
+  """Each bad setting ends in one line naming its flag, before a model is built, a peer
+  runs or the workdir gets a file (the default run times a 100M-parameter model)."""
+  err = _run("experiments.bench_llm", ["--preset=tiny", *args, f"--workdir={tmp_path / 'w'}"],
+             fails=True)
+  assert err.strip().splitlines()[-1].startswith(want), err[-3000:]
+  left = os.listdir(tmp_path / "w") if (tmp_path / "w").exists() else []
+  assert left == [], left
+
+
 def test_train_lm_packing_flags_name_the_flag():
   from types import SimpleNamespace
 
@@ -338,3 +364,51 @@ def test_train_lm_default_workdir_is_new_per_run(tmp_path):
   assert again.returncode == 2
   assert again.stderr.strip().splitlines()[-1] == ("error: train_lm: --resume needs --workdir, "
                                                    "the run to continue")
+
+
+# train_lm's refusals: each a line naming its flag, before the --init checkpoint's weights
+# are read and before the workdir gets a file.
+@pytest.mark.parametrize("args, want", [
+    (["--preset=nope"], "error: --preset=nope: unknown; expected one of byte_small, "),
+    (["--attention_impl=nope"], "error: --attention_impl='nope': expected one of "),
+    (["--packing=wlb", "--seq_len=32", "--cost_model=fit"],
+     "error: --cost_model=fit: no such file; expected 'flops' or a CostModel JSON file"),
+    # settings no part of the run reads: refused, not ignored
+    (["--packing=wlb", "--seq_len=32", "--fixed_window=3"],
+     "error: --fixed_window=3: not read by this run; expected it only with --packing=fixed"),
+    (["--lora_targets=mlp"], "error: --lora_targets=mlp: not read by this run; expected it "
+                             "only with --lora_rank >= 1"),
+    # the schedule would cut the warmup short, so the peak rate given is never reached
+    (["--steps=20", "--warmup_steps=20"], "error: --warmup_steps=20: not below --steps=20; "
+                                          "expected at most 19"),
+])
+def test_train_lm_names_the_flag_of_an_unknown_or_unread_setting(tmp_path, args, want):
+  from tests.experiments.entry import run_refused
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+  out = run_refused("experiments.train_lm", [f"--text={text}", *args,
+                                             f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1].startswith(want), out.stderr[-3000:]
+  assert os.listdir(tmp_path / "w") == []
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--learning_rate=0"], "error: --learning_rate=0.0: expected a finite learning rate > 0"),
+    (["--text={d}/nope.txt"], "error: {d}/nope.txt: no such file (--text)"),
+    (["--packing=wlb", "--cost_model={d}/nope.json"],
+     "error: --cost_model={d}/nope.json: no such file; expected 'flops' or a CostModel JSON"),
+])
+def test_train_lm_refuses_before_reading_the_init_weights(tmp_path, args, want):
+  """A checkpoint whose weights file is missing: the settings' and inputs' errors come
+  first (they used to come after every weight of --init was read)."""
+  from tests.experiments.entry import run_refused
+  d, _, _, _ = _hf_dir(tmp_path)
+  os.remove(os.path.join(d, "model.safetensors"))
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+  out = run_refused("experiments.train_lm", [
+      f"--init=hf:{d}", f"--text={text}", "--seq_len=32",
+      *[a.format(d=tmp_path) for a in args], f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1].startswith(want.format(d=tmp_path)), \
+      out.stderr[-3000:]
+  assert os.listdir(tmp_path / "w") == []

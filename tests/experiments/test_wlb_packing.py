@@ -233,3 +233,52 @@ def test_training_grid_equals_an_independent_count():
   cells = {(r["packing"], r["layout"]): r for r in rows}
   assert cells[("original", "document")]["imbalance_cp"] < cells[("original", "sequence")][
       "imbalance_cp"]
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--outlier_fractions=0.5,abc"], "flag --outlier_fractions=['0.5', 'abc']: expected "
+                                      "fractions of the context in (0, 1]"),
+    (["--fit_dtype=f32"], "flag --fit_dtype=f32: value should be one of "
+                          "<float32|bfloat16|float16>"),
+    (["--cost_model=fit", "--fit_impl=nope"], "error: --fit_impl='nope': expected one of "),
+    (["--cost_model=fit", "--measure_kv_heads=3"],
+     "error: --measure_heads=4 --measure_kv_heads=3: query heads not a multiple of the KV "
+     "heads; expected --measure_heads a multiple of --measure_kv_heads"),
+    (["--cost_model=fit", "--fit_tokens=256"], "error: --fit_tokens=256: 1 distinct value(s); "
+                                               "expected at least 2, one per coefficient"),
+    (["--target=llama7b"], "error: --target=llama7b: not an llm.config preset; expected one "
+                           "of byte_small, "),
+    (["--cost_model=nope.json"], "error: --cost_model=nope.json: no such file; expected "
+                                 "'flops', 'fit' or a CostModel JSON file"),
+    (["--context=1004", "--min_len=1"],
+     "error: --context=1004 with --cp=4 and --train_steps=2: the training grid's per-document "
+     "CP layout cuts every row into 2 x 4 chunks; expected a multiple of 8"),
+    (["--queues=1,1"], "error: --queues=1,1: 1 twice (two rows of one name); expected each "
+                       "value once"),
+    (["--windows=2,2"], "error: --windows=2,2: 2 twice"),
+    (["--cp_steps=9"], "error: --cp_steps=9: more global batches than the stream has; expected "
+                       "at most --steps=8"),
+])
+def test_bad_settings_are_refused_before_the_fit_and_the_study(tmp_path, args, want):
+  """One message naming the flag before the cost model is timed or the study runs (these
+  used to end in tracebacks, name no flag, fail after the study, or print two rows of one
+  name)."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.wlb_packing", [
+      "--cost_model=flops", "--context=4096", "--steps=8", "--windows=1,2", "--cp=4",
+      "--cp_steps=1", "--train_steps=2", "--doc_median=256", "--tail_min=1024", *args,
+      f"--workdir={tmp_path / 'w'}"])
+  assert want in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert not os.listdir(tmp_path / "w") if (tmp_path / "w").exists() else True
+
+
+def test_no_outlier_queues_need_no_fractions():
+  from types import SimpleNamespace
+
+  from experiments.wlb_packing.__main__ import build_config
+  f = SimpleNamespace(min_len=16, context=4096, windows=["1"], queues=[], steps=4,
+                      outlier_fractions=[], max_len_factor=1.0, train_steps=0, cp=4,
+                      doc_median=256.0, doc_sigma=1.0, tail_prob=0.0, tail_min=1024.0,
+                      tail_alpha=1.5, micro_batches=4, cp_steps=1, tile_q=32, tile_kv=32, seed=0)
+  cfg = build_config(f)   # an IndexError before
+  assert cfg.queues == () and cfg.outlier_fractions == ()
