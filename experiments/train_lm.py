@@ -281,10 +281,12 @@ def main(argv):
   cost = packing_cost(run, cfg) if d.packing.packing != "none" else None
   if t.memory_check:   # seconds, where compiling a run that cannot fit takes minutes
     lm_memory.check_train_run(cfg, mesh, batch_size, seq_len,
-                              mu_dtype=optim.mu_dtype, where=(
+                              mu_dtype=optim.mu_dtype, lora=lora, weights=m.weights, where=(
                                   f"--init={m.init}" if m.init else f"--preset={m.preset}")
                               + f" --batch_size={batch_size} --seq_len={seq_len} "
-                              f"--mesh={run.parallelism.mesh}")
+                              f"--mesh={run.parallelism.mesh}"
+                              + (f" --lora_rank={lora.rank}" if lora else "")
+                              + (f" --weights={m.weights}" if m.weights != "float32" else ""))
   share = dict(zip(("shard_index", "num_shards"),
                    mesh_lib.process_batch_share(mesh, mesh_lib.LLM_RULES, "act_batch")))
   packed = None

@@ -140,6 +140,13 @@ def init_adapters(shapes: Mapping[str, Sequence[int]], cfg: LoraConfig, key: jax
   return out
 
 
+def adapter_size(shapes: Mapping[str, Sequence[int]], cfg: LoraConfig) -> int:
+  """Elements of the adapters `init_adapters` makes for `shapes`: (in + out) x rank per
+  target projection."""
+  return sum((math.prod(shape[:_n_in(name)]) + math.prod(shape[_n_in(name):])) * cfg.rank
+             for name, shape in shapes.items() if _short(name) in cfg.targets)
+
+
 def with_adapters(model, adapters: Mapping[str, Mapping[str, jax.Array]], cfg: LoraConfig):
   """`model` (an `llm.model.Llama`, changed in place and returned) with each adapted
   projection's value a `LoraWeight` over its current value."""

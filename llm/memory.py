@@ -11,6 +11,11 @@ shardings of `LLM_RULES`, activations split over their act_* axes):
   activations  what the backward pass needs saved, a lower bound (below), in the compute dtype
   logits       one chunk of `chunked_cross_entropy`'s fp32 logits [B, C, V]
 
+With LoRA (`lora_estimate`): params are the frozen base (float: sharded as above; int8 /
+int4 weights: replicated, codes + scales) plus the float32 adapters (replicated), and the
+optimizer and gradients are the adapters' only (exact); the activations are counted as in
+full training.
+
 Activations per token per layer, with h, g, f the query heads, KV heads and MLP width a
 device holds (divided by tp where it divides them), K the head dim, D the model dim:
   no remat     4D + (2h + 2g) K + 3f: block input, both RMSNorm outputs, the residual
@@ -96,10 +101,30 @@ def activation_bytes_per_token(cfg, *, tp: int = 1, keys: int = 0) -> tuple[int,
   return saved, full
 
 
+def lora_estimate(cfg, mesh, lora, weights: str = "float32", *, mu_dtype: str = "float32",
+                  rules=mesh_lib.LLM_RULES) -> tuple[int, int, int]:
+  """(params, optimizer, gradients) bytes per device of a LoRA run (`llm.train_lib.LMTask`
+  with `lora`): the frozen base (float: sharded as in full training; `weights` int8 / int4
+  / gguf: replicated, `llm.quantized.held_bytes`) and the float32 adapters (replicated);
+  AdamW's moments and the gradients of the adapters only."""
+  from llm import lora as lora_lib
+  from llm import quantized
+  from llm.weights import param_shapes
+  if weights == "float32":
+    base = train_estimate(cfg, mesh, 1, 1, mu_dtype=mu_dtype, rules=rules).params
+  else:
+    base = quantized.held_bytes(cfg, weights)
+  adapters = lora_lib.adapter_size(param_shapes(cfg), lora)
+  return (base + 4 * adapters, adapters * (np.dtype(mu_dtype).itemsize + 4), 4 * adapters)
+
+
 def train_estimate(cfg, mesh, batch_size: int, seq_len: int, *, mu_dtype: str = "float32",
-                   rules=mesh_lib.LLM_RULES, abstract_state=None) -> TrainMemory:
+                   rules=mesh_lib.LLM_RULES, abstract_state=None, lora=None,
+                   weights: str = "float32") -> TrainMemory:
   """Bytes per device of one training step of `cfg` on `mesh` (module docstring).
-  abstract_state: `nnx.split(jax.eval_shape(Llama))[1]`, when the caller has it."""
+  abstract_state: `nnx.split(jax.eval_shape(Llama))[1]`, when the caller has it. lora: an
+  `llm.lora.LoraConfig` (its base frozen, held as `weights`): the state parts of
+  `lora_estimate`; the activations as in full training."""
   from flax import nnx
   from llm import model as model_lib
   from llm import train_lib
@@ -128,8 +153,12 @@ def train_estimate(cfg, mesh, batch_size: int, seq_len: int, *, mu_dtype: str = 
   logits = -(-batch_size // batch_ways) * chunk * _split(cfg.vocab_size, tp) * 4
   me = jax.process_index()
   local = sum(d.process_index == me for d in mesh.devices.flat)
-  return TrainMemory(params=params, optimizer=mu + nu, gradients=params, activations=acts,
-                     logits=logits, local_devices=local)
+  optimizer, gradients = mu + nu, params
+  if lora is not None:
+    params, optimizer, gradients = lora_estimate(cfg, mesh, lora, weights, mu_dtype=mu_dtype,
+                                                 rules=rules)
+  return TrainMemory(params=params, optimizer=optimizer, gradients=gradients,
+                     activations=acts, logits=logits, local_devices=local)
 
 
 def _is_var(x) -> bool:
@@ -158,9 +187,11 @@ def check_train_memory(est: TrainMemory, mem: memory_lib.DeviceMemory | None, wh
 
 
 def check_train_run(cfg, mesh, batch_size: int, seq_len: int, *, mu_dtype: str = "float32",
-                    where: str, override: str = "--nomemory_check") -> TrainMemory:
+                    where: str, override: str = "--nomemory_check", lora=None,
+                    weights: str = "float32") -> TrainMemory:
   """`train_estimate` checked against the memory of this process's first device
   (`check_train_memory`); returns the estimate."""
-  est = train_estimate(cfg, mesh, batch_size, seq_len, mu_dtype=mu_dtype)
+  est = train_estimate(cfg, mesh, batch_size, seq_len, mu_dtype=mu_dtype, lora=lora,
+                       weights=weights)
   check_train_memory(est, memory_lib.device_memory(), where, override)
   return est

@@ -168,6 +168,29 @@ def quantize(cfg: LlamaConfig, mode: str, weights: dict[str, np.ndarray] | None 
   return params, forms
 
 
+def held_bytes(cfg: LlamaConfig, mode: str, group: int = groupwise.GROUP) -> int:
+  """Bytes the parameters of `cfg` hold under `mode`, from the shapes alone (what `quantize`
+  makes, then loaded into the model: floats in cfg.param_dtype): int8 codes + float16
+  scales, int4 packed codes + float16 scales and minimums; a matrix whose input axis is not
+  a multiple of `group` stays float. For `gguf` the file's types are unknown here: the
+  smallest they map to, Q4_0's (no minimums), a lower bound."""
+  from llm.weights import param_shapes
+  from llm.weights_hf import _hf_shape
+  check_mode(mode, "gguf" if mode == "gguf" else None, flag="weights")
+  item = np.dtype(cfg.param_dtype).itemsize
+  bits = 8 if mode == "int8" else 4
+  per_group = 2 * (1 + (mode == "int4"))      # float16 scale (+ float16 minimum: Q4_1)
+  total = 0
+  for name, shape in param_shapes(cfg).items():
+    n = int(np.prod(shape))
+    rows = shape if _short(name) == "embed" else _hf_shape(cfg, name)
+    if mode == "float32" or _short(name) not in MATRICES or rows[-1] % group:
+      total += n * item
+    else:
+      total += n * bits // 8 + n // group * per_group
+  return total
+
+
 def summarize_forms(forms: dict[str, str]) -> dict[str, int]:
   """{form: tensor count}, layer indices folded (for a one-line report)."""
   out: dict[str, int] = {}

@@ -141,3 +141,66 @@ def test_check_compares_one_share_with_a_gpu():
   with pytest.raises(errors.UserError, match="H100 bytes_limit"):
     memory.check_train_memory(_est(params=2 << 30), gpu, "w")
   memory.check_train_memory(_est(params=1 << 50), None, "w")   # no pool known: no check
+
+
+def _lora_task(cfg, mesh, weights, mu_dtype="float32"):
+  """An LMTask training attention adapters of rank 4 on a frozen base: random float weights,
+  or those weights as `quantized.quantize` holds them int8 / int4."""
+  from flax import nnx
+  from llm import lora as lora_lib
+  from llm import model as model_lib
+  from llm import quantized
+  lcfg = lora_lib.LoraConfig(4, 8.0, ("attention",))
+  init = None
+  if weights != "float32":
+    w = model_lib.weights_from_model(model_lib.Llama(cfg, nnx.Rngs(0)))
+    init = quantized.quantize(cfg, weights, weights={k: np.asarray(v) for k, v in w.items()})[0]
+  task = train_lib.LMTask(cfg, train_lib.OptimConfig(mu_dtype=mu_dtype), mesh,
+                          init_weights=init, lora=lcfg)
+  return task, lcfg
+
+
+@pytest.mark.parametrize("spec,weights", [("data:1", "float32"), ("fsdp:2,tp:2", "float32"),
+                                          ("data:1", "int8"), ("data:1", "int4")])
+def test_lora_state_parts_are_the_placed_shards(spec, weights):
+  """With LoRA the state is the frozen base (float sharded, int8 / int4 replicated) and the
+  adapters, whose optimizer state and gradients are all that training adds: each part is
+  the bytes LMTask places on a device, and far below full fine-tuning's."""
+  mesh = _mesh(spec)
+  cfg = _cfg("tiny", vocab_size=512)
+  task, lcfg = _lora_task(cfg, mesh, weights, mu_dtype="bfloat16")
+  state = task.init_state(0)
+  shard = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+  est = memory.train_estimate(cfg, mesh, 8, 64, mu_dtype="bfloat16", lora=lcfg,
+                              weights=weights)
+  assert est.params == shard(state["params"]) + shard(state["lora"])
+  assert est.gradients == shard(state["lora"])
+  assert 0 <= shard(state["opt"]) - est.optimizer <= 64        # the step counts
+  full = memory.train_estimate(cfg, mesh, 8, 64, mu_dtype="bfloat16")
+  # rank-4 attention adapters: 3,584 float32 elements (replicated) against the base's
+  # 139,584 (split over the devices by fsdp x tp)
+  assert est.gradients == 4 * 3584 and est.optimizer == (2 + 4) * 3584
+  assert est.optimizer < full.optimizer and est.gradients < full.gradients
+  if weights != "float32":
+    assert est.params < full.params * (0.4 if weights == "int8" else 0.25) + 4 * shard(
+        state["lora"])
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_lora_estimate_is_a_lower_bound_within_factor_of_xla(weights):
+  """The LoRA estimate against XLA's buffers for the jitted, state-donating LoRA step (the
+  activations counted as in full training; the same factor as full training's where
+  activations dominate)."""
+  mesh = _mesh("data:1")
+  cfg = _cfg("tiny", max_seq_len=128)
+  task, lcfg = _lora_task(cfg, mesh, weights)
+  state = task.init_state(0)
+  win = np.zeros((16, 129), np.int32)
+  host = LMBatch(inputs=win[:, :-1], targets=win[:, 1:], mask=np.ones((16, 128), np.float32),
+                 positions=None, segment_ids=None)
+  m = jax.jit(task.train_step, donate_argnums=0).lower(
+      state, task.device_batch(host)).compile().memory_analysis()
+  got = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+         + m.temp_size_in_bytes)
+  est = memory.train_estimate(cfg, mesh, 16, 128, lora=lcfg, weights=weights).per_device
+  assert est <= got <= 3.0 * est, (got / est, est, got)
