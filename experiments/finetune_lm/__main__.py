@@ -28,6 +28,7 @@ from absl import flags
 from core import cli
 from core import config
 from core import errors
+from core import results as results_lib
 from experiments.common.report import Report
 
 FLAGS = flags.FLAGS
@@ -211,7 +212,8 @@ def main(argv):
         f"{held[0]['answer']!r})", flush=True)
   results = {"init": FLAGS.init, "held_out": len(held), "train_examples": len(train),
              "steps": FLAGS.steps, "seq_len": FLAGS.seq_len, "batch_size": FLAGS.batch_size,
-             "exact_match_before": before, "base_replies": replies[:5], "runs": {}}
+             "exact_match_before": before, "base_replies": replies[:5],
+             "methods": list(FLAGS.methods), "runs": {}}
   for mode in FLAGS.methods:
     wd = os.path.join(FLAGS.workdir, mode)
     run = finetune(mode, train_file, wd)
@@ -223,6 +225,8 @@ def main(argv):
         "eval_loss": run["summary"].get("eval_loss"), "curves": curves(wd),
         "learning_rate": FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate,
         "lora_rank": FLAGS.lora_rank if mode == "lora" else None}
+    # The methods done so far, kept should a later one fail (results["methods"]: all asked).
+    results_lib.write_results(report.path(), results)
   summary = {"exact_match_before": before, **{f"exact_match_{m}": r["exact_match"]
                                               for m, r in results["runs"].items()},
              "steps": FLAGS.steps, "seq_len": FLAGS.seq_len, "batch_size": FLAGS.batch_size}

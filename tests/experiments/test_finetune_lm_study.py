@@ -54,6 +54,7 @@ def test_finetune_lm_study_on_a_tiny_model(tmp_path):
   assert set(out) >= {"exact_match_before", "exact_match_lora"}
   res = json.loads((wd / "results.json").read_text())
   assert res["runs"]["lora"]["curves"]["train"] and res["runs"]["lora"]["eval_loss"] > 0
+  assert res["methods"] == ["lora"] and list(res["runs"]) == ["lora"]
   assert (wd / "finetune.png").stat().st_size > 0
   assert sum(1 for _ in open(wd / "train.jsonl")) == 24
 
