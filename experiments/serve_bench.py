@@ -47,8 +47,8 @@ thread pool from them) and are stopped (SIGTERM, then SIGKILL) when the run ends
 is interrupted; their logs are in --workdir. Every point records the load average before and
 after it. With two or more targets, results.json has each target's throughput over
 llama_cpp's at each client count (median of the rounds' ratios), and each target's speedup.
-Writes results.json and serve_bench.png to --workdir; the last stdout line is a JSON
-summary.
+Writes results.json and serve_bench.png (none when the only points are at rate inf) to
+--workdir; the last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -113,33 +113,73 @@ def define_flags() -> None:
       peer_python="", server_timeout_s=3600.0, workdir="runs/serve_bench")
 
 
-def _numbers(flag: str, kind, lower: float, allow_inf: bool = False) -> list:
+def _numbers(flag: str, kind, want: str, ok, distinct: bool = False) -> list:
+  """The values of the list flag --`flag` as `kind`, each passing `ok` (`want` says what
+  passes), each once where `distinct` (a point each)."""
+  texts = FLAGS[flag].value or []
+  where = f"--{flag}={','.join(texts)}"
   out = []
-  for text in FLAGS[flag].value or []:
+  for text in texts:
     try:
-      v = float(text) if kind is float else int(text)
+      v = kind(text)
     except ValueError:
-      raise errors.expected(f"--{flag}={','.join(FLAGS[flag].value)}",
-                            f"{text!r} is not a number", f"{kind.__name__}s") from None
-    if not (v >= lower or (allow_inf and math.isinf(v))) or (math.isnan(v)):
-      raise errors.expected(f"--{flag}", f"{text}", f"values >= {lower}")
+      kind_name = "a number" if kind is float else "an integer"
+      raise errors.expected(where, f"{text!r} is not {kind_name}", want) from None
+    if not ok(v):
+      raise errors.expected(where, f"{text!r} is out of range", want)
+    if distinct and v in out:
+      raise errors.expected(where, f"{text!r} twice", f"{want}, each once")
     out.append(v)
   return out
 
 
+def model_config(checkpoint, preset, weights):
+  """The LlamaConfig of --checkpoint (read without its weights) or --preset, with --preset
+  and --weights checked against them."""
+  from llm import quantized
+  if checkpoint:
+    from llm import checkpoints
+    if FLAGS["preset"].present:
+      raise errors.expected(f"--preset={preset}", f"given with --checkpoint={checkpoint}",
+                            "one of them (the checkpoint has its sizes)")
+    kind, _ = checkpoints.parse_spec(checkpoint)
+    quantized.check_mode(weights, kind)
+    return checkpoints.load_config(checkpoint)
+  from llm.config import get_config
+  try:
+    cfg = get_config(preset)
+  except ValueError as e:
+    raise errors.UserError(f"--preset={preset}: {e}") from None
+  quantized.check_mode(weights, None)
+  return cfg
+
+
 def load(checkpoint, preset, dtype, weights):
   """(model, vocab size, lowest plain-token id) of --checkpoint, or random weights of
-  --preset."""
+  --preset (matrices int8 / int4 with --weights, as a checkpoint's)."""
   if checkpoint:
     from llm.checkpoints import load_model
     cfg, model = load_model(checkpoint, dtype, weights)
-    # Skip the specials a GGUF / HF vocabulary puts first (SmolLM2: 17 of them).
-    return model, cfg.vocab_size, min(32, cfg.vocab_size - 1)
+    return model, cfg.vocab_size, low_token_id(cfg)
   from flax import nnx
   from llm import model as model_lib
   from llm.config import get_config
   cfg = get_config(preset).replace(dtype=dtype, param_dtype=dtype)
-  return model_lib.Llama(cfg, nnx.Rngs(0)), cfg.vocab_size, 0
+  if weights == "float32":
+    return model_lib.Llama(cfg, nnx.Rngs(0)), cfg.vocab_size, 0
+  from llm import quantized
+  flat = model_lib.weights_from_model(model_lib.Llama(get_config(preset), nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
+  params, forms = quantized.quantize(cfg, weights, weights=flat)
+  print(f"weights {weights}: {quantized.summarize_forms(forms)}", flush=True)
+  model_lib.load_weights(model, params)
+  return model, cfg.vocab_size, 0
+
+
+def low_token_id(cfg) -> int:
+  """The lowest id a checkpoint's request draws: past the specials a GGUF / HF vocabulary
+  puts first (SmolLM2: 17 of them)."""
+  return min(32, cfg.vocab_size - 1)
 
 
 def mix_chunk_widths(prompt_lens, prefill_chunk: int) -> tuple[int, ...]:
@@ -155,8 +195,13 @@ def mix_chunk_widths(prompt_lens, prefill_chunk: int) -> tuple[int, ...]:
 
 
 def peer_python(flag: str) -> str:
-  """--peer_python, or bin/python of ../peer311 or ../peer beside the checkout."""
+  """--peer_python (which must exist), or bin/python of ../peer311 or ../peer beside the
+  checkout."""
+  want = ("the Python of the peer environment with llama-cpp-python[server] "
+          "(experiments/peers/README.md)")
   if flag:
+    if not os.path.isfile(flag):
+      raise errors.expected(f"--peer_python={flag}", "no such file", want)
     return flag
   from experiments import peers
   tried = peers.environments()
@@ -164,8 +209,7 @@ def peer_python(flag: str) -> str:
     if os.path.exists(path):
       return path
   raise errors.expected("--targets=llama_cpp", f"--peer_python unset and no {' or '.join(tried)}",
-                        "the Python of the peer environment with llama-cpp-python[server] "
-                        "(experiments/peers/README.md)")
+                        want)
 
 
 def engine_flags(engine_config) -> list[str]:
@@ -185,13 +229,16 @@ def engine_flags(engine_config) -> list[str]:
 
 def plot(points, path):
   """Per target: closed-loop throughput, TTFT and TPOT against the client count (medians of
-  the rounds, each round a dot), and the same against the Poisson rate (goodput dashed)."""
-  from core.plot import pyplot
-  plt = pyplot()
-  targets = list(dict.fromkeys(p["target"] for p in points))
+  the rounds, each round a dot), and the same against the Poisson rate (goodput dashed).
+  None (no plot) when the only points are at rate inf."""
   rows = [(mode, key) for mode, key in (("closed", "concurrency"), ("poisson", "rate"))
           if any(p["mode"] == mode and not math.isinf(p[key]) for p in points
                  if key in p)]
+  if not rows:
+    return None
+  from core.plot import pyplot
+  plt = pyplot()
+  targets = list(dict.fromkeys(p["target"] for p in points))
   fig, axes = plt.subplots(len(rows), 3, figsize=(15, 3.6 * len(rows)), squeeze=False)
   for row, (mode, key) in zip(axes, rows):
     label = ("concurrent requests (closed loop)" if mode == "closed"
@@ -243,9 +290,9 @@ def _check_llama_prompts(runner, reqs, to_text, bos):
                          "was made of")
 
 
-def _start_servers(targets, engine_config, tok, bias, n_ctx, cpus, servers):
-  """{target: HTTPRunner} of the HTTP targets, their servers appended to `servers` as they
-  start (the caller stops them)."""
+def _start_servers(targets, engine_config, tok, bias, n_ctx, cpus, peer, servers):
+  """{target: HTTPRunner} of the HTTP targets (llama_cpp's server in the Python `peer`),
+  their servers appended to `servers` as they start (the caller stops them)."""
   from experiments.benchmarks import serving as bench
   os.makedirs(FLAGS.workdir, exist_ok=True)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -266,7 +313,7 @@ def _start_servers(targets, engine_config, tok, bias, n_ctx, cpus, servers):
       body = {"ignore_eos": True}
     else:
       kind, path = FLAGS.checkpoint.split(":", 1)
-      cmd = [peer_python(FLAGS.peer_python),
+      cmd = [peer,
              os.path.join(root, "experiments", "peers", "llama_cpp_server.py"),
              "--gguf_file", path, "--port", str(port), "--threads", str(FLAGS.threads),
              "--n_ctx", str(n_ctx)]
@@ -294,15 +341,28 @@ def main(argv):
   from llm.serving.cp_prefill import mesh_for
   from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
-  rates = _numbers("rates", float, 1e-9, allow_inf=True)
-  clients = [int(c) for c in _numbers("concurrency", int, 1)]
-  prompt_lens = [int(v) for v in _numbers("prompt_lens", int, 1)]
-  output_lens = [int(v) for v in _numbers("output_lens", int, 1)]
+  # Every setting is checked, the model's config and tokenizer read, before weights load.
+  rates = _numbers("rates", float, "rates > 0 (requests per second) or inf",
+                   lambda v: v > 0, distinct=True)
+  clients = _numbers("concurrency", int, "client counts >= 1", lambda v: v >= 1,
+                     distinct=True)
+  prompt_lens = _numbers("prompt_lens", int, "lengths >= 1 (tokens)", lambda v: v >= 1)
+  output_lens = _numbers("output_lens", int, "lengths >= 1 (tokens)", lambda v: v >= 1)
   targets = list(dict.fromkeys(FLAGS.targets or []))
   if not rates and not clients:
-    raise errors.UserError("--rates and --concurrency are both empty: nothing to run")
-  if not prompt_lens or not output_lens:
-    raise errors.UserError("--prompt_lens and --output_lens need at least one length each")
+    raise errors.expected("--rates= and --concurrency=", "both empty: nothing to run",
+                          "a rate or a client count")
+  for flag, lens in (("prompt_lens", prompt_lens), ("output_lens", output_lens)):
+    if not lens:
+      raise errors.expected(f"--{flag}=", "no lengths", "one or more lengths (tokens)")
+  if clients and max(clients) > FLAGS.num_requests:
+    raise errors.expected(f"--concurrency={','.join(FLAGS.concurrency)}",
+                          f"{max(clients)} clients for --num_requests={FLAGS.num_requests}",
+                          f"at most {FLAGS.num_requests} clients (each sends whole requests; "
+                          "the others would idle)")
+  if FLAGS.rounds > 1 and not clients:
+    raise errors.expected(f"--rounds={FLAGS.rounds}", "no --concurrency to repeat",
+                          "--rounds=1 (rounds repeat the client counts; each rate runs once)")
   bad = [t for t in targets if t not in TARGET_NAMES]
   if bad or not targets:
     raise errors.expected(f"--targets={','.join(FLAGS.targets or [])}",
@@ -315,43 +375,56 @@ def main(argv):
   if "llama_cpp" in targets and not FLAGS.checkpoint.startswith("gguf:"):
     raise errors.expected("--targets=llama_cpp", f"--checkpoint={FLAGS.checkpoint}",
                           "a gguf:FILE checkpoint (llama.cpp serves that file)")
+  peer = peer_python(FLAGS.peer_python) if "llama_cpp" in targets else None
   engine_config = config.from_flags(EngineConfig)
+  if bool(FLAGS.draft) != bool(engine_config.speculative_tree):
+    raise errors.UserError(f"--draft={FLAGS.draft!r} and --speculative_tree="
+                           f"{engine_config.speculative_tree!r}: give both or neither")
+  if FLAGS.decode_vocab and not FLAGS.draft:
+    raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}", "no --draft",
+                          "--decode_vocab=0 without a draft head")
   if not engine_config.chunk_widths:
     engine_config = dataclasses.replace(engine_config, chunk_widths=mix_chunk_widths(
         prompt_lens, engine_config.prefill_chunk))
-  settings.use_compilation_cache(FLAGS.compilation_cache_dir)
   cpus = sorted(os.sched_getaffinity(0))
   if http_targets and FLAGS.threads > len(cpus):
     raise errors.expected(f"--threads={FLAGS.threads}", f"{len(cpus)} CPUs available",
                           f"at most {len(cpus)}")
   cpus = cpus[:FLAGS.threads]
-  model, vocab, low_id = load(FLAGS.checkpoint, FLAGS.preset, FLAGS.dtype, FLAGS.weights)
-  if bool(FLAGS.draft) != bool(engine_config.speculative_tree):
-    raise errors.UserError(f"--draft={FLAGS.draft!r} and --speculative_tree="
-                           f"{engine_config.speculative_tree!r}: give both or neither")
-  draft, draft_vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
-  engine = Engine(model, engine_config, draft=draft, draft_vocab=draft_vocab,
-                  mesh=mesh_for(FLAGS.mesh))
+  mesh = mesh_for(FLAGS.mesh)
+  cfg = model_config(FLAGS.checkpoint, FLAGS.preset, FLAGS.weights)
+  if FLAGS.decode_vocab > cfg.vocab_size:
+    raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}",
+                          f"more tokens than the model's vocabulary of {cfg.vocab_size}",
+                          f"at most {cfg.vocab_size}")
+  # The engine's context (Engine.max_len): --max_model_len, at most the model's.
+  max_len = min(engine_config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
   longest = max(prompt_lens) + max(output_lens)
-  if longest > engine.max_len:
+  if longest > max_len:
     raise errors.UserError(f"--prompt_lens / --output_lens: the longest request has {longest} "
-                           f"tokens, beyond the engine's context of {engine.max_len} "
-                           "(--max_model_len)")
+                           f"tokens, beyond the engine's context of {max_len} "
+                           "(--max_model_len, at most the model's max_seq_len)")
   tok, pool, bias = None, None, None
   if http_targets:
     from llm.checkpoints import find_tokenizer
-    tok = find_tokenizer(FLAGS.checkpoint, None, vocab)
+    tok = find_tokenizer(FLAGS.checkpoint, None, cfg.vocab_size)
     if tok is None:
       raise errors.expected(f"--targets={','.join(targets)}",
                             f"no tokenizer with --checkpoint={FLAGS.checkpoint}",
                             "a checkpoint with its tokenizer (the servers take text)")
+    low_id = low_token_id(cfg)
     pool = bench.word_tokens(tok, low_id)
     if len(pool) < 16:
-      raise RuntimeError(f"--checkpoint={FLAGS.checkpoint}: {len(pool)} word tokens that "
-                         "encode back to themselves; expected 16 or more for text prompts")
+      raise errors.expected(f"--checkpoint={FLAGS.checkpoint}",
+                            f"{len(pool)} word tokens that encode back to themselves",
+                            "16 or more (the HTTP targets' text prompts are made of them)")
     # llama.cpp ends a reply at any end-of-generation token: the stop ids and the control
     # tokens (no text) below the first plain token are kept from winning.
     bias = sorted(set(tok.stop_ids) | {i for i in range(low_id) if tok.decode([i]) == ""})
+  settings.use_compilation_cache(FLAGS.compilation_cache_dir)
+  model, vocab, low_id = load(FLAGS.checkpoint, FLAGS.preset, FLAGS.dtype, FLAGS.weights)
+  draft, draft_vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
+  engine = Engine(model, engine_config, draft=draft, draft_vocab=draft_vocab, mesh=mesh)
   compile_s, programs = None, None
   if "engine" in targets:
     t0 = time.time()
@@ -365,7 +438,8 @@ def main(argv):
   previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   runner = None
   try:
-    started = _start_servers(targets, engine_config, tok, bias, engine.max_len, cpus, servers)
+    started = _start_servers(targets, engine_config, tok, bias, engine.max_len, cpus, peer,
+                             servers)
     runners = {t: r for t, (r, _, _) in started.items()}
     if "engine" in targets:
       runner = EngineRunner(engine, max_queue=10 ** 6).start()
@@ -377,7 +451,7 @@ def main(argv):
       runner.shutdown(drain_s=0)
     codes = {s.name: s.stop() for s in servers}
     signal.signal(signal.SIGTERM, previous)
-  summary_targets, ratios = _ratios(points, targets, clients)
+  summary_targets, ratios = _ratios(points, targets, clients, FLAGS.rounds)
   os.makedirs(FLAGS.workdir, exist_ok=True)
   png = plot(points, os.path.join(FLAGS.workdir, "serve_bench.png"))
   first = summary_targets[targets[0]]
@@ -458,9 +532,23 @@ def _engine_line(log: str) -> str | None:
     return next((line.strip() for line in f if line.startswith("engine: ")), None)
 
 
-def _ratios(points, targets, clients):
+def _ratio(a: float, b: float) -> float | None:
+  return a / b if b > 0 else None   # b: no tokens (every request failed)
+
+
+def _median(xs) -> float | None:
+  xs = [x for x in xs if x is not None]
+  return float(np.median(xs)) if xs else None
+
+
+def _fmt(x) -> str:
+  return "n/a" if x is None else f"{x:.2f}"
+
+
+def _ratios(points, targets, clients, rounds: int):
   """Each target's speedup (largest over smallest client count, median of the rounds) and
-  each target's throughput over llama_cpp's per client count (median of the rounds)."""
+  each target's throughput over llama_cpp's per client count (median of the rounds); a
+  ratio over a point without output tokens is None (n/a), left out of the median."""
   thr = {(p["target"], p["round"], p["concurrency"]): p["throughput_tok_s"]
          for p in points if p["mode"] == "closed"}
   per_target = {}
@@ -468,14 +556,14 @@ def _ratios(points, targets, clients):
     speedup, per_round = None, []
     if len(clients) >= 2:
       lo, hi = min(clients), max(clients)
-      per_round = [thr[t, r, hi] / thr[t, r, lo] for r in range(FLAGS.rounds)]
-      speedup = float(np.median(per_round))
-      print(f"{t}: throughput at {hi:g} concurrent requests: {speedup:.2f}x that at {lo:g} "
-            f"(median of {FLAGS.rounds} rounds: {', '.join(f'{x:.2f}' for x in per_round)})",
+      per_round = [_ratio(thr[t, r, hi], thr[t, r, lo]) for r in range(rounds)]
+      speedup = _median(per_round)
+      print(f"{t}: throughput at {hi:g} concurrent requests: {_fmt(speedup)}x that at {lo:g} "
+            f"(median of {rounds} rounds: {', '.join(map(_fmt, per_round))})",
             flush=True)
     per_target[t] = {"speedup": speedup, "speedup_per_round": per_round,
                      "throughput_tok_s_median": {
-                         str(c): float(np.median([thr[t, r, c] for r in range(FLAGS.rounds)]))
+                         str(c): float(np.median([thr[t, r, c] for r in range(rounds)]))
                          for c in clients}}
   ratios = {}
   if "llama_cpp" in targets:
@@ -484,10 +572,10 @@ def _ratios(points, targets, clients):
         continue
       ratios[t] = {}
       for c in clients:
-        per_round = [thr[t, r, c] / thr["llama_cpp", r, c] for r in range(FLAGS.rounds)]
-        ratios[t][str(c)] = {"median": float(np.median(per_round)), "per_round": per_round}
-        print(f"{t} / llama_cpp throughput at {c} clients: {np.median(per_round):.2f}x "
-              f"(rounds: {', '.join(f'{x:.2f}' for x in per_round)})", flush=True)
+        per_round = [_ratio(thr[t, r, c], thr["llama_cpp", r, c]) for r in range(rounds)]
+        ratios[t][str(c)] = {"median": _median(per_round), "per_round": per_round}
+        print(f"{t} / llama_cpp throughput at {c} clients: {_fmt(_median(per_round))}x "
+              f"(rounds: {', '.join(map(_fmt, per_round))})", flush=True)
   return per_target, ratios
 
 

@@ -46,12 +46,14 @@ under `<workdir>/archs/`. Prints a table, each method's search cost, and a JSON 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from absl import flags, logging
 
 from core import cli
 from core import config
+from core import errors
 from core import results as results_lib
 from core import settings
 from experiments.common.report import Report
@@ -105,22 +107,39 @@ def define_flags(flag_values=None) -> None:
       learning_rate=1e-3, embedding_learning_rate=0.1)
 
 
+def cost_weights(texts) -> list[float]:
+  """--dnas_cost_weights as numbers: one or more, each finite, >= 0 and distinct (a supernet,
+  its workdir and its row each, named by the weight)."""
+  texts = [str(t) for t in texts or ()]
+  where = f"--dnas_cost_weights={','.join(texts)}"
+  want = "one or more distinct finite numbers >= 0"
+  if not texts:
+    raise errors.expected(where, "no weights", want)
+  out = []
+  for text in texts:
+    try:
+      w = float(text)
+    except ValueError:
+      raise errors.expected(where, f"{text!r} is not a number", want) from None
+    if not (math.isfinite(w) and w >= 0):
+      raise errors.expected(where, f"{text!r} is out of range", want)
+    if f"{w:g}" in {f"{v:g}" for v in out}:
+      raise errors.expected(where, f"{text!r} twice", want)
+    out.append(w)
+  return out
+
+
 def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   from rec import configs
+  from rec.data import sources
   from experiments.rankitect import study as study_lib
   from experiments.rankitect.space import Space
 
   report = Report(FLAGS.workdir)
-  try:
-    weights = [float(w) for w in FLAGS.dnas_cost_weights]
-  except ValueError:
-    raise ValueError(f"--dnas_cost_weights={','.join(FLAGS.dnas_cost_weights)}: expected "
-                     "numbers >= 0") from None
-  if any(w < 0 for w in weights) or not weights:
-    raise ValueError(f"--dnas_cost_weights={weights}: expected one or more numbers >= 0")
+  weights = cost_weights(FLAGS.dnas_cost_weights)
   if FLAGS.embedding_dim < 1:
     raise ValueError(f"--embedding_dim={FLAGS.embedding_dim}: expected >= 1 (the space's dim)")
   settings.use_compilation_cache(FLAGS.compilation_cache_dir, min_compile_time_s=0.5)
@@ -128,6 +147,10 @@ def main(argv):
   # Settings without a flag here keep RecRunConfig's defaults; each candidate sets `model`.
   base = configs.run_from_flags(model="dlrm")
   base.validate()
+  # --data checked before the workdir's settings.json records it (later runs must match).
+  sources.check_form(base.data.data)
+  if base.data.data.split(":", 1)[0] in ("criteo", "avazu"):
+    sources.layout(base.data.data, base.data.days or None)   # its files are there
   st = study_lib.Study(FLAGS.workdir, space, base, steps=FLAGS.steps,
                        shared_program=FLAGS.shared_program, search_seed=FLAGS.search_seed)
   print(f"workdir {FLAGS.workdir} | method {FLAGS.method} | space {space.size()} architectures "

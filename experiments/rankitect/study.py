@@ -50,15 +50,29 @@ class TrialLog:
   def __init__(self, path: str):
     self.path = path
     self.rows: list[dict[str, Any]] = []
-    if os.path.exists(path):
-      with open(path) as f:
-        for i, line in enumerate(f, 1):
-          if line.strip():
-            try:
-              self.rows.append(json.loads(line))
-            except json.JSONDecodeError:   # a line cut by a kill: the run redoes it
-              if i != sum(1 for _ in open(path)):
-                raise ValueError(f"{path}:{i}: not a JSON row; expected one per line") from None
+    if not os.path.exists(path):
+      return
+    with open(path, "rb") as f:
+      data = f.read()
+    lines = data.split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    start = 0   # of line i in the file
+    for i, line in enumerate(lines):
+      if line.strip():
+        try:
+          self.rows.append(json.loads(line))
+        except ValueError:
+          if i != last:
+            raise UserError(f"{path}:{i + 1}: not a JSON row; expected one per line") from None
+          # A line cut by a kill: dropped (the run redoes it), so that the next row starts
+          # a line of its own.
+          with open(path, "r+b") as f:
+            f.truncate(start)
+          return
+      start += len(line) + 1
+    if data and not data.endswith(b"\n"):
+      with open(path, "ab") as f:
+        f.write(b"\n")
 
   def get(self, label: str) -> dict[str, Any] | None:
     return next((r for r in self.rows if r["label"] == label), None)

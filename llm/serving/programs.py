@@ -259,6 +259,9 @@ def load_draft(spec: str, target, decode_vocab: int = 0):
     return None, None
   from llm.speculative import DraftHead, cast_head
   if spec == "random":
+    if decode_vocab > target.cfg.vocab_size:
+      raise ValueError(f"decode_vocab={decode_vocab}: more ids than the target's vocabulary "
+                       f"of {target.cfg.vocab_size}; expected at most {target.cfg.vocab_size}")
     head = DraftHead(target.cfg, nnx.Rngs(0))
     vocab = np.arange(decode_vocab, dtype=np.int32) if decode_vocab else None
   else:

@@ -66,6 +66,77 @@ def test_engine_flags_for_the_server_child():
   assert "--mixed_batch=true" in got and not any(f.startswith("--num_blocks") for f in got)
 
 
+def test_ratios_over_a_point_without_tokens_are_none():
+  """A point whose every request failed (0 tokens/s) gives no ratio, not a ZeroDivisionError
+  after the whole benchmark: n/a in its round, left out of the median."""
+  from experiments import serve_bench as B
+  thr = {("engine", 0, 1): 10.0, ("engine", 0, 4): 30.0, ("engine", 1, 1): 10.0,
+         ("engine", 1, 4): 20.0, ("llama_cpp", 0, 1): 0.0, ("llama_cpp", 0, 4): 10.0,
+         ("llama_cpp", 1, 1): 5.0, ("llama_cpp", 1, 4): 0.0}
+  points = [{"target": t, "round": r, "concurrency": c, "mode": "closed",
+             "throughput_tok_s": v} for (t, r, c), v in thr.items()]
+  per_target, ratios = B._ratios(points, ["engine", "llama_cpp"], [1, 4], rounds=2)
+  assert per_target["engine"]["speedup_per_round"] == [3.0, 2.0]
+  assert per_target["engine"]["speedup"] == 2.5
+  assert per_target["llama_cpp"]["speedup_per_round"] == [None, 0.0]
+  assert per_target["llama_cpp"]["speedup"] == 0.0
+  assert ratios["engine"]["1"] == {"median": 2.0, "per_round": [None, 2.0]}
+  assert ratios["engine"]["4"] == {"median": 3.0, "per_round": [3.0, None]}
+
+
+def test_no_plot_when_every_point_is_at_rate_inf(tmp_path):
+  from experiments import serve_bench as B
+  points = [{"target": "engine", "mode": "poisson", "rate": float("inf"), "round": 0}]
+  assert B.plot(points, str(tmp_path / "p.png")) is None
+  assert not os.path.exists(tmp_path / "p.png")
+
+
+def test_preset_weights_are_quantized(capsys):
+  """--weights=int8 with --preset quantizes the random weights (it was ignored, and
+  results.json said int8)."""
+  import jax
+  from flax import nnx
+  from experiments import serve_bench as B
+  from llm import quantized
+  model, vocab, low = B.load(None, "tiny", "float32", "int8")
+  assert "weights int8: {" in capsys.readouterr().out and (vocab, low) == (256, 0)
+  leaves = jax.tree.leaves(nnx.state(model),
+                           is_leaf=lambda x: isinstance(x, quantized.QuantizedParam))
+  assert sum(isinstance(x, quantized.QuantizedParam) for x in leaves) == 16   # the matrices
+
+
+@pytest.mark.parametrize("args,where,found,want", [
+    (["--concurrency=1,1"], "--concurrency=1,1", "'1' twice", "client counts >= 1, each once"),
+    (["--concurrency=1,8", "--num_requests=4"], "--concurrency=1,8",
+     "8 clients for --num_requests=4", "at most 4 clients"),
+    (["--concurrency=", "--rates=2", "--rounds=2"], "--rounds=2", "no --concurrency to repeat",
+     "--rounds=1"),
+    (["--rates=0"], "--rates=0", "'0' is out of range", "rates > 0 (requests per second) or inf"),
+    (["--decode_vocab=8"], "--decode_vocab=8", "no --draft", "--decode_vocab=0"),
+    (["--draft=random", "--speculative_tree=2:2:3", "--decode_vocab=300"], "--decode_vocab=300",
+     "more tokens than the model's vocabulary of 256", "at most 256"),
+    (["--weights=gguf"], "--weights=gguf", "the checkpoint is random weights",
+     "--weights=int8 or int4"),
+    (["--checkpoint=gguf:/no/such.gguf", "--preset=tiny"], "--preset=tiny",
+     "given with --checkpoint=gguf:/no/such.gguf", "one of them"),
+    (["--checkpoint=gguf:/no/such.gguf", "--targets=llama_cpp", "--peer_python=/no/python"],
+     "--peer_python=/no/python", "no such file", "the Python of the peer environment"),
+], ids=["clients_twice", "clients_over_requests", "rounds_without_clients", "rate_0",
+        "decode_vocab_without_draft", "decode_vocab_over_the_vocabulary",
+        "gguf_weights_of_a_preset", "preset_and_checkpoint", "missing_peer_python"])
+def test_bad_settings_are_refused_before_the_model_loads(tmp_path, args, where, found, want):
+  """Refused with one line naming the flag, the value and what was expected, before any
+  weights load or the workdir is made (these were accepted, or failed after loading)."""
+  from tests.experiments.entry import run_refused
+  wd = tmp_path / "wd"
+  out = run_refused("experiments.serve_bench", [
+      "--num_requests=4", "--concurrency=1", "--rates=", "--prompt_lens=4", "--output_lens=2",
+      "--max_model_len=16", f"--workdir={wd}", *args])
+  line = out.stderr.strip().splitlines()[-1]
+  assert line.startswith(f"error: {where}") and found in line and want in line, line
+  assert "Traceback" not in out.stderr and os.listdir(wd) == []
+
+
 class _FakeSSE(http.server.BaseHTTPRequestHandler):
   """POST /v1/completions streaming as `model` says: ours (text per token, the last token in
   the finishing event, then usage), llama (one event per token, empty text included, then

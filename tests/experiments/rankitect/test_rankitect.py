@@ -17,7 +17,7 @@ from rec.models import searched
 from experiments.rankitect import study as study_lib
 from experiments.rankitect import supernet as supernet_lib
 from experiments.rankitect.space import Space
-from tests.experiments.entry import run_entry
+from tests.experiments.entry import run_entry, run_refused
 
 ND, NS, ROWS = 3, 4, (10,) * 4
 SPACE = Space(num_layers=2, width=4, embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,),
@@ -185,9 +185,39 @@ def test_trial_log_survives_a_cut_last_line(tmp_path):
   path.write_text(json.dumps({"label": "a", "ne": 1.0}) + "\n" + '{"label": "b", "n')
   log = study_lib.TrialLog(str(path))
   assert [r["label"] for r in log.rows] == ["a"]
+  # The cut line is dropped, so the next row is a line of its own (it used to be appended
+  # to the cut line: lost, and the log unreadable once another row followed).
+  log.add({"label": "c"})
+  assert [r["label"] for r in study_lib.TrialLog(str(path)).rows] == ["a", "c"]
+  path.write_text(json.dumps({"label": "a"}))   # whole, but cut before its newline
+  study_lib.TrialLog(str(path)).add({"label": "c"})
+  assert [r["label"] for r in study_lib.TrialLog(str(path)).rows] == ["a", "c"]
   path.write_text('{"label": "b", "n\n' + json.dumps({"label": "a"}) + "\n")
   with pytest.raises(ValueError, match=":1:"):
     study_lib.TrialLog(str(path))
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--data=criteo:{empty}"], "error: --data=criteo:{empty}: '{empty}' has neither train.txt"),
+    (["--method=dnas", "--dnas_cost_weights=0.1,nan"],
+     "error: --dnas_cost_weights=0.1,nan: 'nan' is out of range; expected one or more "
+     "distinct finite numbers >= 0"),
+    (["--method=dnas", "--dnas_cost_weights=0.1,0.10"],
+     "error: --dnas_cost_weights=0.1,0.10: '0.10' twice; expected one or more distinct "
+     "finite numbers >= 0"),
+], ids=["data_without_files", "nan_cost_weight", "cost_weight_twice"])
+def test_bad_settings_are_refused_before_the_workdir_records_them(tmp_path, args, line):
+  """Refused in one line before settings.json is written (a --data directory without its
+  files used to be recorded there, so the corrected command was refused in that workdir; a
+  NaN cost weight trained, a repeated one trained its supernet twice)."""
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  wd = tmp_path / "wd"
+  out = run_refused("experiments.rankitect", [
+      "--method=random", "--trials=1", "--nobaselines", "--steps=1", "--layers=1",
+      f"--workdir={wd}", *[a.format(empty=empty) for a in args]])
+  assert out.stderr.strip().splitlines()[-1].startswith(line.format(empty=empty))
+  assert "Traceback" not in out.stderr and os.listdir(wd) == []
 
 
 def tiny_study(workdir):

@@ -85,3 +85,19 @@ def test_speculative_request_checks():
   with pytest.raises(ValueError, match="tree shape '2:x'"):
     Engine(target, dataclasses.replace(CONFIG, speculative_tree="2:x"), draft=head)
   assert engine.shape.depth == 2 and engine.h_root.shape == (CONFIG.max_slots, TINY.dim)
+
+
+def test_load_draft_settings():
+  """--draft / --decode_vocab as the servers resolve them: a random head over the first N
+  ids, N at most the target's vocabulary; a decode vocabulary without a head refused."""
+  from llm.serving.programs import load_draft
+  target = nnx.eval_shape(lambda: make_model(TINY)[0])
+  assert load_draft("", target) == (None, None)
+  head, vocab = load_draft("random", target, 5)
+  assert list(vocab) == [0, 1, 2, 3, 4] and isinstance(head, DraftHead)
+  assert load_draft("random", target)[1] is None
+  with pytest.raises(ValueError, match=rf"^decode_vocab={TINY.vocab_size + 1}: more ids than "
+                     rf"the target's vocabulary of {TINY.vocab_size}; expected at most "):
+    load_draft("random", target, TINY.vocab_size + 1)
+  with pytest.raises(ValueError, match=r"^decode_vocab=3 without a draft head"):
+    load_draft("", target, 3)
