@@ -69,18 +69,13 @@ from core import errors
 from core import results as results_lib
 from core import settings  # the shared settings by name
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
-from llm.serving.config import DRAFT, EngineConfig
+from llm.serving.config import DRAFT, EngineConfig, chunk_widths_for
 
 FLAGS = flags.FLAGS
 
 RATES = config.setting(
     "rates", "list", "Poisson arrival rates to run, requests per second ('inf': all at "
     "once); empty: none.")
-CONCURRENCY = config.setting(
-    "concurrency", "list", "Closed-loop client counts to run (each client sends its next "
-    "request when its last one finished); empty: none.")
-NUM_REQUESTS = config.setting("num_requests", "integer", "Requests per rate or client count.",
-                              lower=1)
 PROMPT_LENS = config.setting(
     "prompt_lens", "list", "Prompt lengths in tokens; each request draws one uniformly.")
 OUTPUT_LENS = config.setting(
@@ -103,7 +98,7 @@ SERVER_TIMEOUT_S = config.setting(
 def define_flags() -> None:
   config.define_flags(EngineConfig)
   config.define_flags(
-      None, "checkpoint", "preset", "dtype", "weights", RATES, CONCURRENCY, NUM_REQUESTS,
+      None, "checkpoint", "preset", "dtype", "weights", RATES, "concurrency", "num_requests",
       PROMPT_LENS, OUTPUT_LENS, SLO_TTFT_S, SLO_TPOT_S, DRAFT, "decode_vocab", "mesh",
       "compilation_cache_dir", "seed", "rounds", "workdir", TARGETS, "threads", "peer_python",
       SERVER_TIMEOUT_S, checkpoint=None, preset="tiny", dtype="float32", weights="float32",
@@ -180,18 +175,6 @@ def low_token_id(cfg) -> int:
   """The lowest id a checkpoint's request draws: past the specials a GGUF / HF vocabulary
   puts first (SmolLM2: 17 of them)."""
   return min(32, cfg.vocab_size - 1)
-
-
-def mix_chunk_widths(prompt_lens, prefill_chunk: int) -> tuple[int, ...]:
-  """The prefill chunk widths the default buckets (powers of two from 16 up to
-  prefill_chunk) give the chunks of these prompt lengths, and prefill_chunk."""
-  buckets, w = [], min(16, prefill_chunk)
-  while w < prefill_chunk:
-    buckets.append(w)
-    w *= 2
-  buckets.append(prefill_chunk)
-  sizes = {min(prefill_chunk, p - k) for p in prompt_lens for k in range(0, p, prefill_chunk)}
-  return tuple(sorted({next(b for b in buckets if b >= n) for n in sizes} | {prefill_chunk}))
 
 
 def peer_python(flag: str) -> str:
@@ -384,7 +367,7 @@ def main(argv):
     raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}", "no --draft",
                           "--decode_vocab=0 without a draft head")
   if not engine_config.chunk_widths:
-    engine_config = dataclasses.replace(engine_config, chunk_widths=mix_chunk_widths(
+    engine_config = dataclasses.replace(engine_config, chunk_widths=chunk_widths_for(
         prompt_lens, engine_config.prefill_chunk))
   cpus = sorted(os.sched_getaffinity(0))
   if http_targets and FLAGS.threads > len(cpus):

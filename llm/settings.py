@@ -1,6 +1,7 @@
 """Settings shared by several LM entry points, each defined once (`core.config.setting`):
 sequence and prompt lengths, the text and tokenizer, the attention implementation,
-rematerialization, generation lengths, speculative decoding's draft settings. An entry
+rematerialization, generation lengths, speculative decoding's draft settings, the serving
+benchmarks' client counts and requests. An entry
 point takes them in its typed config (`SEQ_LEN.field(128)`, llm/run_config.py) or as loose
 flags (`core.config.define_flags(None, "seq_len", seq_len=512)`), with its own default.
 Settings rec entry points share too are in core/settings.py; a setting of one entry point
@@ -76,3 +77,8 @@ DECODE_VOCAB = config.setting(
     "decoding setting, not one of the trained head.", lower=0)
 TREES = config.setting("trees", "list", "Draft tree shapes TOP_K:DEPTH:BUDGET (or "
                        "chain:DEPTH).")
+CONCURRENCY = config.setting(
+    "concurrency", "list", "Closed-loop client counts to run (each client sends its next "
+    "request when its last one finished); empty: none.")
+NUM_REQUESTS = config.setting("num_requests", "integer", "Requests per rate or client count.",
+                              lower=1)

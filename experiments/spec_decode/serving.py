@@ -49,9 +49,8 @@ from core import config
 from core import errors
 from core import results as results_lib
 from core import settings  # the shared settings by name
-from experiments.serve_bench import CONCURRENCY, NUM_REQUESTS, mix_chunk_widths
 from llm import settings as lm_settings  # noqa: F401  (the LM settings by name)
-from llm.serving.config import DRAFT, EngineConfig
+from llm.serving.config import DRAFT, EngineConfig, chunk_widths_for
 
 FLAGS = flags.FLAGS
 
@@ -64,7 +63,7 @@ PAPER = {"arxiv": "2508.08192", "batch1_ms_per_token": 4.0,
 def define_flags() -> None:
   config.define_flags(EngineConfig, max_slots=16, speculative_tree="2:4:5")
   config.define_flags(
-      None, DRAFT, "decode_vocab", "checkpoint", "dtype", CONCURRENCY, NUM_REQUESTS,
+      None, DRAFT, "decode_vocab", "checkpoint", "dtype", "concurrency", "num_requests",
       "max_new_tokens", "prompt_len", "rounds", "compilation_cache_dir", "workdir", draft=None,
       decode_vocab=0, checkpoint=None, dtype="float32", concurrency=["1", "2", "4", "8", "16"],
       num_requests=None, max_new_tokens=64, prompt_len=16, rounds=1, compilation_cache_dir="",
@@ -265,7 +264,7 @@ def main(argv):
   if cfg.max_model_len is None:
     cfg = dataclasses.replace(cfg, max_model_len=-(-longest // cfg.block_size) * cfg.block_size)
   if not cfg.chunk_widths:      # the chunk widths these prompts need, as serve_bench's
-    cfg = dataclasses.replace(cfg, chunk_widths=mix_chunk_widths(
+    cfg = dataclasses.replace(cfg, chunk_widths=chunk_widths_for(
         sorted({len(p) for p in prompts}), cfg.prefill_chunk))
   draft, vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
   engines = {"plain": Engine(model, dataclasses.replace(cfg, speculative_tree="")),

@@ -6,6 +6,7 @@ from their flags (`core.config.define_flags(EngineConfig)` / `from_flags`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from core import config
 
@@ -102,3 +103,16 @@ class EngineConfig:
   batch_widths: tuple[int, ...] = ()
   table_widths: tuple[int, ...] = ()
   record_logits: bool = False
+
+
+def chunk_widths_for(prompt_lens: Sequence[int], prefill_chunk: int) -> tuple[int, ...]:
+  """The prefill chunk widths that the default ones (powers of two from 16 up to
+  prefill_chunk) give the chunks of prompts of these lengths, and prefill_chunk: an
+  EngineConfig.chunk_widths that compiles only the programs those prompts use."""
+  buckets, w = [], min(16, prefill_chunk)
+  while w < prefill_chunk:
+    buckets.append(w)
+    w *= 2
+  buckets.append(prefill_chunk)
+  sizes = {min(prefill_chunk, p - k) for p in prompt_lens for k in range(0, p, prefill_chunk)}
+  return tuple(sorted({next(b for b in buckets if b >= n) for n in sizes} | {prefill_chunk}))

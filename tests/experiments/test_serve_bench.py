@@ -49,15 +49,6 @@ def test_request_mixes_are_seeded_and_drawn_from_the_lists():
   assert min(min(p) for p, _ in a) >= 10 and max(max(p) for p, _ in a) < 100
 
 
-def test_mix_chunk_widths_are_the_buckets_its_chunks_fall_in():
-  from experiments import serve_bench as B
-  assert B.mix_chunk_widths([32, 128], 64) == (32, 64)
-  assert B.mix_chunk_widths([20], 64) == (32, 64)          # one chunk of 20 -> 32
-  assert B.mix_chunk_widths([100, 192], 64) == (64,)       # 64 + 36 -> 64; 3 x 64
-  assert B.mix_chunk_widths([200], 64) == (16, 64)
-  assert B.mix_chunk_widths([5, 20], 16) == (16,)
-
-
 def test_engine_flags_for_the_server_child():
   from experiments import serve_bench as B
   from llm.serving.config import EngineConfig

@@ -290,3 +290,12 @@ def test_the_pallas_kernel_serves_the_same_tokens(tiny, reference):
     np.testing.assert_allclose(np.stack(o.logits),
                                full_forward_logits(tiny, PROMPTS[i], reference[i]), atol=1e-5,
                                rtol=0)
+
+
+def test_chunk_widths_for_are_the_buckets_the_chunks_fall_in():
+  from llm.serving.config import chunk_widths_for
+  assert chunk_widths_for([32, 128], 64) == (32, 64)
+  assert chunk_widths_for([20], 64) == (32, 64)          # one chunk of 20 -> 32
+  assert chunk_widths_for([100, 192], 64) == (64,)       # 64 + 36 -> 64; 3 x 64
+  assert chunk_widths_for([200], 64) == (16, 64)         # 3 x 64 + 8 -> 16
+  assert chunk_widths_for([5, 20], 16) == (16,)
