@@ -319,6 +319,14 @@ class GGUFCheckpoint:
     if scaling not in (None, "none", "yarn"):
       raise ValueError(f"{path}: {arch}.rope.scaling.type={scaling!r}; supported: none, yarn "
                        "and Llama 3's rope_freqs.weight factors")
+    # llama.cpp reads an absent rope.scaling.type as "linear" and divides every RoPE angle by
+    # rope.scaling.factor (unless it is 0 or 1); only type "none" makes it ignore the factor.
+    factor = _field(r, f"{arch}.rope.scaling.factor", kind="number")
+    if scaling is None and factor not in (None, 0, 1):
+      raise errors.expected(path, f"metadata {arch}.rope.scaling.factor={factor} without "
+                            f"{arch}.rope.scaling.type, which llama.cpp runs as linear RoPE "
+                            "scaling (positions divided by the factor)", "no factor (or 1), "
+                            "rope.scaling.type 'none' or 'yarn'; linear scaling is not supported")
     dim, n_heads = need("embedding_length"), need("attention.head_count")
     kv = _field(r, f"{arch}.attention.head_count_kv", n_heads)
     if isinstance(kv, list):

@@ -338,16 +338,21 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
       sliding_window=window, window_layers=window_layers)
 
 
+# transformers' MistralConfig / Qwen2Config default when config.json has no sliding_window.
+_DEFAULT_WINDOW = 4096
+
+
 def _window_from_hf(hf: dict, model_type: str, n_layers: int, where: str
                     ) -> tuple[int | None, tuple[int, ...] | None]:
   """(sliding window, the layers it applies to: None for every layer). Mistral:
-  `sliding_window` in every layer (null or absent: none). Qwen2 as transformers 5 reads it:
+  `sliding_window` in every layer (null: none). Qwen2 as transformers 5 reads it:
   `use_sliding_window` off means none whatever `sliding_window` says; on, the layers
   `layer_types` marks "sliding_attention" (without layer_types: those from
-  `max_window_layers` on, default 28) take the window."""
+  `max_window_layers` on, default 28) take the window. An absent `sliding_window` is
+  transformers' default for both, 4096 (MistralConfig, Qwen2Config), not "none"."""
   if model_type == "llama":
     return None, None
-  w = hf.get("sliding_window")
+  w = hf.get("sliding_window", _DEFAULT_WINDOW)
   if model_type == "mistral":
     return (None if w is None else _count(w, "sliding_window", where)), None
   use = hf.get("use_sliding_window", False)
@@ -526,11 +531,14 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
   """
   cfg_path = os.path.join(d, "config.json")
   cfg = hf_config(d)
-  files = _hf_files(d)
+  # transformers' order: model.safetensors when there is one (an index beside it is not
+  # read), else the shard index, else every *.safetensors.
+  single = os.path.join(d, _SINGLE)
+  files = None if os.path.exists(single) else _hf_files(d)
   if files is not None:
     source = os.path.join(d, _INDEX)
   else:
-    paths = ([os.path.join(d, _SINGLE)] if os.path.exists(os.path.join(d, _SINGLE))
+    paths = ([single] if os.path.exists(single)
              else sorted(glob.glob(os.path.join(d, "*.safetensors"))))
     if not paths:
       raise FileNotFoundError(errno.ENOENT, f"no {_INDEX}, {_SINGLE} or *.safetensors "
@@ -552,7 +560,7 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
                           f"layers whose tensors {source} holds")
   want = _hf_names(cfg)
   # Tensors HF ignores: old checkpoints stored the RoPE inverse frequencies, and some tied
-  # checkpoints still carry a copy of the embedding as lm_head.
+  # checkpoints still carry a copy of the embedding as lm_head (checked to be one below).
   ignored = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|lm_head\.weight")
   extra = [n for n in files if n not in want and not ignored.fullmatch(n)]
   if extra:
@@ -586,7 +594,32 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
         if cast is not None and t.dtype != cast:
           t = t.astype(cast)
         weights[short] = _to_contract(cfg, short, t)
+  if cfg.tie_embeddings and "lm_head.weight" in files:
+    _check_tied_copy(files, cfg_path)
   return cfg, weights
+
+
+def _check_tied_copy(files: dict[str, str], cfg_path: str) -> None:
+  """A tied checkpoint's lm_head.weight must be a copy of the embedding: transformers 4.x
+  ties them whatever the tensor holds, transformers 5 reads a differing lm_head.weight as an
+  untied output layer (with a warning), so a different tensor has no one meaning."""
+  def stored(name):
+    with _safe_open(files[name]) as f:
+      if name not in set(f.keys()):
+        raise ValueError(f"{files[name]}: missing tensor {name!r}")
+      return f.get_tensor(name)
+
+  head, embed = stored("lm_head.weight"), stored("model.embed_tokens.weight")
+  shown = [f"{tuple(a.shape)} {a.dtype}" for a in (head, embed)]
+  if head.dtype != embed.dtype:   # the same values in two formats are still a copy
+    head, embed = head.astype(np.float32), embed.astype(np.float32)
+  if head.shape != embed.shape or not np.array_equal(head, embed):
+    raise errors.expected(files["lm_head.weight"], f"tensor 'lm_head.weight' {shown[0]} "
+                          f"differs from 'model.embed_tokens.weight' {shown[1]} while "
+                          f"{cfg_path} has tie_word_embeddings=true (transformers 4.x then uses "
+                          "the embedding, 5.x lm_head.weight)", "a copy of the embedding, or "
+                          "tie_word_embeddings=false to use it as the output layer (or the "
+                          "tensor removed to tie)")
 
 
 def save_hf(d: str, cfg: LlamaConfig, weights: Weights, dtype: str = "float32",

@@ -450,6 +450,20 @@ def test_configs_in_published_layouts():
                                         truncate=False)
 
 
+def test_an_absent_sliding_window_is_transformers_default():
+  # MistralConfig and Qwen2Config default sliding_window to 4096 when config.json has no such
+  # key (transformers 4.x and 5); null is no window.
+  no_key = {k: v for k, v in _MISTRAL7B.items() if k != "sliding_window"}
+  assert W.config_from_hf(no_key).sliding_window == 4096
+  assert W.config_from_hf({**no_key, "sliding_window": None}).sliding_window is None
+  q = {k: v for k, v in _QWEN25.items() if k != "sliding_window"}
+  on = W.config_from_hf({**q, "use_sliding_window": True})
+  assert (on.sliding_window, on.window_layers) == (4096, (21, 22, 23))
+  assert W.config_from_hf({**q, "use_sliding_window": True, "sliding_window": None}
+                          ).sliding_window is None
+  assert W.config_from_hf(q).sliding_window is None   # use_sliding_window false
+
+
 # --- one-line refusals
 
 def test_refusals_are_one_line(tmp_path):

@@ -22,7 +22,10 @@ travel as .npz / .json files in tmp_path. Checked:
   (d) transformers' Qwen2Tokenizer built from a small byte-level BPE's vocab and merges:
       our loader of the tokenizer.json it saves and our GGUF vocabulary of it
       (tokenizer.ggml.pre "qwen2") give its ids on texts with digits, contractions,
-      newlines, non-NFC and non-Latin characters.
+      newlines, non-NFC and non-Latin characters;
+  (e) where a directory leaves a choice (model.safetensors beside a shard index, no
+      sliding_window key, a tied config with a differing lm_head.weight), ours is
+      transformers' or a refusal.
 
 The peer Python: HF_PEER_PYTHON, else bin/python of the peer environment beside the checkout
 (../peer311, the other peer tests' default, or ../peer). Alone:
@@ -281,3 +284,66 @@ def test_qwen2_tokenizer_equals_transformers(work, tmp_path):
     assert gguf_tok.encode(text) == want, text
   digits = work["peer"]["qwen2_tok.ids_0"].tolist()
   assert [hf.decode([i]) for i in digits].count("9") == 3     # "1999": one token per digit
+
+
+_CHOICES = r"""
+import json, sys
+import numpy as np
+import transformers as T
+out = {}
+for name, d in json.loads(sys.argv[1]).items():
+  if name.startswith("config"):
+    c = T.AutoConfig.from_pretrained(d)
+    out[name] = {"sliding_window": c.sliding_window,
+                 "layer_types": getattr(c, "layer_types", None)}
+  else:
+    m = T.AutoModelForCausalLM.from_pretrained(d, dtype="float32")
+    out[name] = {"embed": m.model.embed_tokens.weight.detach().numpy().ravel()[:8].tolist(),
+                 "head": m.lm_head.weight.detach().numpy().ravel()[:8].tolist()}
+print(json.dumps(out))
+"""
+
+
+def test_loader_choices_are_transformers(tmp_path):
+  """Where a directory leaves transformers a choice, our loader makes the one transformers
+  makes or refuses: model.safetensors over a shard index beside it; an absent sliding_window
+  is 4096 (Mistral, and Qwen2 with use_sliding_window); a tied config's lm_head.weight that
+  differs from the embedding (transformers 5 reads it untied, 4.x ties it) is refused."""
+  from safetensors.numpy import load_file, save_file
+  cfg = get_config("tiny", vocab_size=V)
+  both = str(tmp_path / "both")
+  W.save_hf(both, cfg, family_weights(cfg, seed=1), max_shard_bytes=20000)
+  W.save_hf(str(tmp_path / "one"), cfg, single := family_weights(cfg, seed=2))
+  os.rename(str(tmp_path / "one" / "model.safetensors"), os.path.join(both, "model.safetensors"))
+  tied = str(tmp_path / "tied")
+  tied_cfg = cfg.replace(tie_embeddings=True)
+  W.save_hf(tied, tied_cfg, family_weights(tied_cfg, seed=3))
+  t = load_file(os.path.join(tied, "model.safetensors"))
+  t["lm_head.weight"] = family_weights(cfg, seed=4)["lm_head"].T.copy()
+  save_file(t, os.path.join(tied, "model.safetensors"), metadata={"format": "pt"})
+  configs = {}   # config.json files without a sliding_window key
+  for name, cfg_dict in {
+      "config_mistral": W.config_to_hf(get_config("tiny_mistral")),
+      "config_qwen2": {**W.config_to_hf(get_config("tiny_qwen2")), "use_sliding_window": True,
+                       "max_window_layers": 1}}.items():
+    os.makedirs(configs.setdefault(name, str(tmp_path / name)))
+    with open(os.path.join(configs[name], "config.json"), "w") as f:
+      json.dump({k: v for k, v in cfg_dict.items() if k not in ("sliding_window", "layer_types")},
+                f)
+  r = subprocess.run([PEER, "-c", _CHOICES, json.dumps({"both": both, "tied": tied, **configs})],
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  peer = json.loads(r.stdout.strip().splitlines()[-1])
+  _, w = W.load_hf(both)
+  np.testing.assert_array_equal(w["embed"].ravel()[:8], np.float32(peer["both"]["embed"]))
+  np.testing.assert_array_equal(single["embed"].ravel()[:8], w["embed"].ravel()[:8])
+  # transformers 5 does not tie a differing lm_head.weight: the refusal is not pedantry.
+  assert peer["tied"]["head"] != peer["tied"]["embed"]
+  with pytest.raises(ValueError, match="differs from 'model.embed_tokens.weight'"):
+    W.load_hf(tied)
+  m = W.hf_config(configs["config_mistral"])
+  assert m.sliding_window == peer["config_mistral"]["sliding_window"] == 4096
+  q = W.hf_config(configs["config_qwen2"])
+  assert q.sliding_window == peer["config_qwen2"]["sliding_window"] == 4096
+  assert [q.layer_window(i) is not None for i in range(q.n_layers)] == [
+      t == "sliding_attention" for t in peer["config_qwen2"]["layer_types"]] == [False, True]

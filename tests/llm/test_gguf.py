@@ -305,12 +305,24 @@ def test_errors_name_file_tensor_and_key(tmp_path):
      "rope_freqs.weight has 16 entries, expected head_dim / 2 = 32"),
     (None, {"rope_freqs.weight": np.ones(32, np.float64)},
      "tensor 'rope_freqs.weight' is stored as F64; supported types: F32, F16"),
+    # llama.cpp reads a factor without a type as linear scaling (its default type).
+    ({"llama.rope.scaling.factor": 4.0}, None, "metadata llama.rope.scaling.factor=4.0 without "
+     "llama.rope.scaling.type, which llama.cpp runs as linear RoPE scaling"),
 ])
 def test_config_metadata_errors_name_the_key(tmp_path, meta, extra, match):
   path = str(tmp_path / "m.gguf")
   write(path, CFG, _hf_weights(CFG), meta=meta, extra=extra)
   with pytest.raises(ValueError, match=f"^{path}: {match}"):
     G.read_gguf(path)
+
+
+def test_a_rope_factor_llama_cpp_ignores_is_ignored(tmp_path):
+  # llama.cpp: type "none" never scales, and a factor of 0 or 1 is no scaling.
+  path = str(tmp_path / "m.gguf")
+  for meta in ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0},
+               {"llama.rope.scaling.factor": 1.0}, {"llama.rope.scaling.factor": 0.0}):
+    write(path, CFG, _hf_weights(CFG), meta=meta)
+    assert G.read_gguf(path).config == CFG, meta
 
 
 def test_per_layer_metadata_and_a_flat_embedding(tmp_path):

@@ -609,6 +609,40 @@ def test_hf_errors(tmp_path):
     W.load_hf(str(tmp_path))
 
 
+def test_a_tied_checkpoints_lm_head_must_be_the_embedding(tmp_path):
+  # A copy of the embedding as lm_head.weight (as some tied checkpoints carry) loads tied; a
+  # different tensor is refused: transformers 4.x would tie it away, transformers 5.24 reads
+  # it as an untied output layer (checked: it warns "we will NOT tie them").
+  cfg = _CFG_TIED
+  d = str(tmp_path / "hf")
+  single = os.path.join(d, "model.safetensors")
+  W.save_hf(d, cfg, w := _random_weights(cfg), dtype="bfloat16")
+  _resave(single, lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].copy()})
+  cfg2, w2 = W.load_hf(d)
+  assert cfg2 == cfg and "lm_head" not in w2
+  np.testing.assert_array_equal(w2["embed"], w["embed"].astype(ml_dtypes.bfloat16))
+  other = _random_weights(cfg, seed=3)["embed"].astype(ml_dtypes.bfloat16)
+  _resave(single, lambda t: {**t, "lm_head.weight": other})
+  with pytest.raises(ValueError, match=f"^{single}: tensor 'lm_head.weight' .* differs from "
+                     "'model.embed_tokens.weight' .* tie_word_embeddings=true"):
+    W.load_hf(d)
+
+
+def test_model_safetensors_wins_over_an_index_beside_it(tmp_path):
+  # transformers' from_pretrained reads model.safetensors when a directory also holds a shard
+  # index (its resolution order; checked with transformers 5.24), so a stale index and its
+  # shards beside a newer single file must not be what loads.
+  cfg = _CFG_UNTIED
+  d = str(tmp_path / "hf")
+  W.save_hf(d, cfg, _random_weights(cfg, seed=1), max_shard_bytes=6000)
+  W.save_hf(str(tmp_path / "one"), cfg, single := _random_weights(cfg, seed=2))
+  os.rename(str(tmp_path / "one" / "model.safetensors"), os.path.join(d, "model.safetensors"))
+  assert os.path.exists(os.path.join(d, "model.safetensors.index.json"))
+  _, w = W.load_hf(d)
+  for n in single:
+    np.testing.assert_array_equal(w[n], single[n], err_msg=n)
+
+
 @pytest.mark.parametrize("shard", [None, 6000], ids=["single", "sharded"])
 def test_truncated_safetensors_names_file_and_sizes(tmp_path, shard):
   cfg = _CFG_UNTIED
