@@ -223,6 +223,14 @@ def test_bad_shards_stop_with_the_file_named(tmp_path):
   (dst / "manifest.json").write_text(json.dumps(dict(man, version=0)))
   with pytest.raises(UserError, match=r"manifest\.json: format 'criteo_bin' version 0; expected"):
     open_()
+  # a manifest cut short, or not an object: the file named, not a JSONDecodeError traceback
+  for text, found in ((json.dumps(man)[:40], "unreadable (Unterminated string"),
+                      ("[1]", "a JSON list; expected the JSON object")):
+    (dst / "manifest.json").write_text(text)
+    for read_it in (open_, lambda: sources.data_settings(f"criteo_bin:{dst}")):
+      with pytest.raises(UserError) as e:
+        read_it()
+      assert str(e.value).startswith(f"{dst}/manifest.json: {found}"), str(e.value)
 
 
 def test_bad_lines_days_and_the_data_flag(tmp_path):
@@ -452,3 +460,97 @@ def test_a_finished_vocabulary_conversion_reruns_as_is_and_a_corrupt_manifest(tm
   with pytest.raises(UserError, match=r"manifest\.json: a finished conversion of other inputs "
                      r"or settings \(another format version\); expected"):
     convert(src, dst, ids="vocab", min_count=2)
+
+
+def test_vocabulary_files_are_read_once_per_unit_and_closed(tmp_path, monkeypatch):
+  """The vocabulary's .npz files: each unit's conversion reads a feature's keys and ids once
+  (an NpzFile rereads an array from its zip at every access: per chunk, millions of keys),
+  and building the vocabulary leaves no counts file open (one per 64 MiB unit: thousands
+  of descriptors for plain Terabyte days)."""
+  import functools
+  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  monkeypatch.setattr(CONVERT, "_unit_lines",
+                      functools.partial(CONVERT._unit_lines, chunk_bytes=1500))
+  opened, most_open, reads = [], [0], collections.Counter()
+  load, getitem = np.load, np.lib.npyio.NpzFile.__getitem__
+
+  def spy_load(path, *a, **kw):
+    most_open[0] = max(most_open[0], sum(z.fid is not None for z in opened))
+    out = load(path, *a, **kw)
+    if isinstance(out, np.lib.npyio.NpzFile):
+      opened.append(out)
+    return out
+
+  def spy_getitem(self, key):
+    reads[os.path.basename(self.fid.name), key] += 1
+    return getitem(self, key)
+
+  monkeypatch.setattr(np, "load", spy_load)
+  monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", spy_getitem)
+  src = kaggle_dir(tmp_path, n_train=1200)
+  m = convert(src, tmp_path / "bin", ids="vocab", min_count=2)
+  units = criteo_bin.plan_units(criteo_bin.source_layout(str(src)), 40_000)
+  assert len([u for u in units if u.split == "train"]) >= 3   # several counts files
+  assert most_open[0] == 0
+  assert {k: n for k, n in reads.items() if k[0] == "C3.npz"} == {
+      ("C3.npz", "keys"): len(units), ("C3.npz", "ids"): len(units)}
+  assert m["splits"]["train"]["rows"] == 1200
+
+
+def test_a_source_pickles_as_its_file_names_not_its_data(tmp_path):
+  """Grain's worker processes (num_workers, --data_workers' WorkerSource) get the source
+  pickled: its shards travel as file names and are mapped again there, so a worker does not
+  receive a copy of the whole split (gigabytes for Kaggle) and reads the same batches."""
+  import pickle
+  n = 20_000
+  rng = np.random.default_rng(0)
+  arrays = (rng.random((n, 13), dtype=np.float32), rng.integers(0, ROWS, (n, 26), np.int32),
+            rng.integers(0, 2, n).astype(np.uint8))
+  criteo_bin.write_arrays(str(tmp_path), {"train": arrays, "valid": arrays}, [ROWS] * 26)
+  for split, kw in (("train", dict(shuffle=True, seed=1)), ("valid", dict(shuffle=False))):
+    src = criteo_bin.CriteoBinSource(str(tmp_path), split, 512, **kw)
+    data = pickle.dumps(src.dataset)
+    assert len(data) < 100_000 < n * (13 * 4 + 26 * 4 + 1), len(data)
+    again = pickle.loads(data)
+    for k in (0, 3, src.num_batches - 1):
+      for name in ("dense", "ids", "labels", "mask"):
+        np.testing.assert_array_equal(getattr(again[k], name), getattr(src.batch(k), name))
+
+
+_FEW_FILES = """
+import resource, sys
+import numpy as np
+from rec.data import criteo_bin
+sys.modules["rec.data.criteo_bin.format"].ROWS_PER_SHARD = 10
+d, hard = sys.argv[1], int(sys.argv[2])
+z = np.zeros(400, np.uint8)
+criteo_bin.write_arrays(d, {"train": (np.zeros((400, 13), np.float32),
+                                      np.zeros((400, 26), np.int32), z)}, [5] * 26)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+src = criteo_bin.CriteoBinSource(d, "train", 40, block_rows=10)
+print(len(src.shards), len(src.batch(3).labels), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+def test_thousands_of_mapped_shards_raise_the_open_file_limit(tmp_path):
+  """Every mapped column file holds a descriptor (Criteo Terabyte: thousands of shards, over
+  the usual soft limit of 1,024): the source raises the soft limit up to the hard one, and a
+  hard limit too low is one line saying what is needed (not a shard "unreadable or
+  truncated")."""
+  run = lambda d, hard: forkserver.run(
+      [sys.executable, "-c", _FEW_FILES, str(tmp_path / d), str(hard)], cwd=REPO,
+      env=dict(os.environ, PYTHONPATH=cpu_env.python_path(REPO)), capture_output=True,
+      text=True, timeout=120)
+  import resource
+  hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+  if hard != resource.RLIM_INFINITY and hard < 4096:
+    pytest.skip(f"hard open-file limit {hard}: too low to raise the soft one to")
+  ok = run("ok", 4096)
+  assert ok.returncode == 0, ok.stderr
+  shards, rows, soft = map(int, ok.stdout.split())
+  assert shards == 40 and rows == 40 and 3 * 40 < soft <= 4096, ok.stdout
+  low = run("low", 100)
+  assert low.returncode == 1
+  last = low.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"core.errors.UserError: {tmp_path / 'low'} split train: 120 column "
+                         "files to map, ") and "the hard limit is 100" in last, low.stderr

@@ -203,7 +203,9 @@ def _convert_unit(args) -> dict:
   rows = settings["rows_per_feature"]
   vocab = None
   if settings["ids"] == "vocab":
-    vocab = [np.load(os.path.join(vocab_dir, f"{name}.npz")) for name in criteo.SPARSE_NAMES]
+    # read once per unit: an NpzFile rereads an array from its zip at every access
+    vocab = [_npz_arrays(os.path.join(vocab_dir, f"{name}.npz"), ("keys", "ids"))
+             for name in criteo.SPARSE_NAMES]
   shards, buf, n_buf, bad, total = [], [], 0, 0, 0
 
   def flush():
@@ -232,6 +234,12 @@ def _convert_unit(args) -> dict:
        "shards": shards, "rows": total, "bad_lines": bad}
   atomic_json(_marker(dst, u), m)
   return m
+
+
+def _npz_arrays(path: str, names: Sequence[str]) -> dict[str, np.ndarray]:
+  """The arrays `names` of an .npz file, read now, with the file closed again."""
+  with np.load(path) as z:
+    return {k: z[k] for k in names}
 
 
 def _map_vocab(keys_NF: np.ndarray, vocab) -> np.ndarray:
@@ -521,10 +529,14 @@ def _build_vocab(pool, units: list[Unit], bad_lines: str, min_count: int, vocab_
   for u, n, _ in pool.imap_unordered(_count_unit, args):
     progress.add(_unit_bytes(u), n)
   rows = []
-  files = [np.load(_counts_path(vocab_dir, u) + ".npz") for u in units]
+  files = [_counts_path(vocab_dir, u) + ".npz" for u in units]
   for f, name in enumerate(criteo.SPARSE_NAMES):
-    keys = np.concatenate([z[f"k{f}"] for z in files] or [np.zeros(0, np.int32)])
-    cnts = np.concatenate([z[f"c{f}"] for z in files] or [np.zeros(0, np.int64)])
+    # one feature's counts at a time, each file closed after its read: an open NpzFile per
+    # unit would hold thousands of descriptors for plain Terabyte days (64 MiB units)
+    got = [_npz_arrays(p, (f"k{f}", f"c{f}")) for p in files]
+    keys = np.concatenate([z[f"k{f}"] for z in got] or [np.zeros(0, np.int32)])
+    cnts = np.concatenate([z[f"c{f}"] for z in got] or [np.zeros(0, np.int64)])
+    del got
     uniq, inv = np.unique(keys, return_inverse=True)
     total = np.bincount(inv, cnts, minlength=len(uniq)).astype(np.int64)
     kept = total >= min_count

@@ -94,8 +94,15 @@ def load_manifest(d: str) -> dict:
     raise UserError(f"{path}: not found; expected a directory written by `python -m "
                     "experiments.preprocess_criteo --dst=DIR` (a conversion that did not "
                     "finish writes no manifest.json; run it again to resume)")
-  with open(path) as f:
-    m = json.load(f)
+  try:
+    with open(path, "rb") as f:
+      m = json.loads(f.read())
+  except ValueError as e:   # a JSON or UTF-8 error: a manifest cut short or edited
+    raise UserError(f"{path}: unreadable ({e}); expected the JSON manifest that "
+                    "`python -m experiments.preprocess_criteo` writes last") from None
+  if not isinstance(m, dict):
+    raise UserError(f"{path}: a JSON {type(m).__name__}; expected the JSON object that "
+                    "`python -m experiments.preprocess_criteo` writes last")
   if m.get("format") != FORMAT or m.get("version") != VERSION:
     raise UserError(f"{path}: format {m.get('format')!r} version {m.get('version')!r}; "
                     f"expected {FORMAT!r} version {VERSION}: convert the data again with this "

@@ -14,6 +14,7 @@ Letters: B batch, Dn dense features (13), F sparse features (26).
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import math
 import os
@@ -25,6 +26,58 @@ from core.errors import UserError
 from rec.data import criteo, stream
 from rec.data.batch import DataSpec, SparseBatch
 from rec.data.criteo_bin.format import COLUMNS, VERSION, file_crc32, load_manifest
+
+
+def _map_columns(base: str, rows: int) -> list[np.ndarray]:
+  """The column files of shard `base` memory-mapped, each checked for `rows` rows and its
+  dtype and width."""
+  out = []
+  for col, (dtype, width) in COLUMNS.items():
+    path = f"{base}.{col}.npy"
+    shape = (rows,) if width is None else (rows, width)
+    try:
+      x = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+      if isinstance(e, OSError) and e.errno == errno.EMFILE:
+        raise   # not the file's fault; `_allow_open_files` says how many are needed
+      raise UserError(f"{path}: unreadable or truncated ({e}); expected {dtype} {shape} as "
+                      "manifest.json says") from None
+    if x.shape != shape or x.dtype != np.dtype(dtype):
+      raise UserError(f"{path}: {x.dtype} {x.shape}; expected {dtype} {shape} as "
+                      "manifest.json says (a shard from another conversion?)")
+    out.append(x.view(np.ndarray))   # slicing a plain view skips memmap's Python hooks
+  return out
+
+
+# descriptors kept free for everything else a process opens (sockets, checkpoints, logs):
+# wanted, and the least that must be left
+_SPARE_FILES, _MIN_SPARE_FILES = 1024, 64
+
+
+def _allow_open_files(n: int, what: str) -> None:
+  """Makes room for `n` more memory-mapped files: every map holds a file descriptor (3 per
+  shard, thousands for Criteo Terabyte, above the usual soft limit of 1,024). Raises the
+  soft limit up to the hard one when needed (children started later inherit it); a hard
+  limit too low for them is a UserError saying how many are needed."""
+  try:
+    import resource
+  except ImportError:   # not a Unix: no such limit to raise
+    return
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  try:
+    in_use = len(os.listdir("/proc/self/fd"))
+  except OSError:
+    in_use = 0
+  want = in_use + n + _SPARE_FILES
+  if soft == resource.RLIM_INFINITY or want <= soft:
+    return
+  need = in_use + n + _MIN_SPARE_FILES
+  if hard != resource.RLIM_INFINITY and need > hard:
+    raise UserError(f"{what}: {n:,} column files to map, each holding an open file, with "
+                    f"{in_use:,} open already; expected an open-file limit of at least {need:,} "
+                    f"(`ulimit -n {need}` before the run), the hard limit is {hard:,}")
+  resource.setrlimit(resource.RLIMIT_NOFILE,
+                     (want if hard == resource.RLIM_INFINITY else min(hard, want), hard))
 
 
 class CriteoBinSource:
@@ -76,6 +129,7 @@ class CriteoBinSource:
     self.shard_index, self.num_shards = shard_index, num_shards
     self.shuffle, self.repeat, self.seed, self.block_rows = shuffle, repeat, seed, block_rows
     listed = [(sp, s) for sp in splits for s in m["splits"][sp]["shards"]]
+    _allow_open_files(len(COLUMNS) * len(listed), f"{d} split {'+'.join(splits)}")
     self.shards = [self._open(sp, s, m["fingerprint"]) for sp, s in listed]
     if verify:
       self._verify(listed)
@@ -84,10 +138,7 @@ class CriteoBinSource:
       if self.local % block_rows:
         raise UserError(f"per-process batch {self.local} is not a multiple of block_rows="
                         f"{block_rows}")
-      self._block_shard = np.concatenate(
-          [np.full(len(s[2]) // block_rows, i, np.int32) for i, s in enumerate(self.shards)])
-      self._block_start = np.concatenate(
-          [np.arange(len(s[2]) // block_rows, dtype=np.int64) * block_rows for s in self.shards])
+      self._block_shard, self._block_start = self._blocks()
       n_blocks = len(self._block_shard)
       per_batch = batch_size // block_rows
       if n_blocks < per_batch:
@@ -131,6 +182,31 @@ class CriteoBinSource:
   def batch(self, k: int) -> SparseBatch:
     return self.dataset[k]
 
+  def __getstate__(self) -> dict:
+    # Grain's worker processes receive this source pickled (mp_prefetch, WorkerSource): the
+    # column maps travel as their file names, not as a copy of every shard's data, and the
+    # block tables are rebuilt there
+    state = self.__dict__.copy()
+    state["shards"] = [(s[0], len(s[3])) for s in self.shards]
+    state.pop("_block_shard", None)
+    state.pop("_block_start", None)
+    return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    _allow_open_files(len(COLUMNS) * len(self.shards), f"{self.dir} split {'+'.join(self.split)}")
+    self.shards = [(base, *_map_columns(base, rows)) for base, rows in self.shards]
+    if self.shuffle:
+      self._block_shard, self._block_start = self._blocks()
+
+  def _blocks(self) -> tuple[np.ndarray, np.ndarray]:
+    """(shard, first row) of every whole block of `block_rows` rows, shard by shard."""
+    R = self.block_rows
+    return (np.concatenate([np.zeros(0, np.int32)] + [np.full(len(s[3]) // R, i, np.int32)
+                                                      for i, s in enumerate(self.shards)]),
+            np.concatenate([np.zeros(0, np.int64)] + [np.arange(len(s[3]) // R, dtype=np.int64) * R
+                                                      for s in self.shards]))
+
   # --- shards ----------------------------------------------------------------------------------
 
   def _marker_of(self, split: str, s: dict) -> str:
@@ -149,20 +225,7 @@ class CriteoBinSource:
       raise UserError(f"{marker}: written by another conversion (settings "
                       f"{mk.get('fingerprint')}, version {mk.get('version')}); expected "
                       f"{fingerprint}, version {VERSION} as manifest.json says")
-    out = []
-    for col, (dtype, width) in COLUMNS.items():
-      path = f"{base}.{col}.npy"
-      shape = (s["rows"],) if width is None else (s["rows"], width)
-      try:
-        x = np.load(path, mmap_mode="r")
-      except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable or truncated ({e}); expected {dtype} {shape} as "
-                        "manifest.json says") from None
-      if x.shape != shape or x.dtype != np.dtype(dtype):
-        raise UserError(f"{path}: {x.dtype} {x.shape}; expected {dtype} {shape} as "
-                        "manifest.json says (a shard from another conversion?)")
-      out.append(x.view(np.ndarray))   # slicing a plain view skips memmap's Python hooks
-    return (base, *out)
+    return (base, *_map_columns(base, s["rows"]))
 
   def _verify(self, listed: list[tuple[str, dict]]) -> None:
     """Every column file's CRC-32 against its unit's marker (a changed id, label or dense
