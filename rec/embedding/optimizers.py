@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Callable, ClassVar, Union
 
 import jax
@@ -58,14 +59,18 @@ def dedup_gradients(idx_M: jax.Array, grads_MD: jax.Array, valid_M: jax.Array,
   an atomic scatter-add, so the order of the additions within a row, and the last bits of
   `summed`, may vary from run to run.
   """
-  if idx_M.ndim != 1 or grads_MD.ndim != 2 or grads_MD.shape[0] != idx_M.shape[0] \
-      or valid_M.shape != idx_M.shape:
-    raise ValueError(
-        f"dedup_gradients: idx {idx_M.shape}, grads {grads_MD.shape}, valid {valid_M.shape}, "
-        "expected [M], [M, D], [M]")
+  _check_ids("dedup_gradients", idx_M, grads_MD, valid_M)
   uniq_M, seg_M = dedup_ids(idx_M, valid_M, num_rows)
   summed_MD = jax.ops.segment_sum(grads_MD.astype(jnp.float32), seg_M, num_segments=idx_M.shape[0])
   return uniq_M, summed_MD, uniq_M < num_rows
+
+
+def _check_ids(where: str, idx_M, grads_MD, valid_M) -> None:
+  if idx_M.ndim != 1 or grads_MD.ndim != 2 or grads_MD.shape[0] != idx_M.shape[0] \
+      or valid_M.shape != idx_M.shape:
+    raise ValueError(
+        f"{where}: idx {idx_M.shape}, grads {grads_MD.shape}, valid {valid_M.shape}, "
+        "expected [M], [M, D], [M]")
 
 
 def dedup_ids(idx_M: jax.Array, valid_M: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
@@ -80,7 +85,7 @@ def dedup_ids(idx_M: jax.Array, valid_M: jax.Array, num_rows: int) -> tuple[jax.
   keys_M = jnp.where(ok_M, idx_M, num_rows).astype(jnp.int32)
   pos_M = jnp.arange(m, dtype=jnp.int32)
   sorted_M, perm_M = jax.lax.sort((keys_M, pos_M), num_keys=1, is_stable=False)
-  first_M = jnp.concatenate([jnp.ones((1,), bool), sorted_M[1:] != sorted_M[:-1]])
+  first_M = jnp.concatenate([jnp.ones((min(m, 1),), bool), sorted_M[1:] != sorted_M[:-1]])
   seg_sorted_M = jnp.cumsum(first_M.astype(jnp.int32)) - 1
   seg_M = jnp.zeros((m,), jnp.int32).at[perm_M].set(seg_sorted_M, unique_indices=True)
   # Padding goes to slot m, which segment_sum drops: never added (so NaN or inf in padding
@@ -117,7 +122,7 @@ class SparseOptimizer:
     """Rejects settings that can only diverge or do nothing: a learning rate that is not a
     finite number > 0 (a schedule is not checked), a negative eps, accumulator or decay."""
     lr = self.learning_rate
-    if not callable(lr) and not (isinstance(lr, (int, float)) and not isinstance(lr, bool)
+    if not callable(lr) and not (isinstance(lr, numbers.Real) and not isinstance(lr, bool)
                                  and math.isfinite(lr) and lr > 0):
       raise ValueError(f"{type(self).__name__}: learning_rate={lr!r}, expected a finite "
                        "number > 0")
@@ -165,6 +170,9 @@ class SparseOptimizer:
         raise ValueError(
             f"{type(self).__name__}.apply: opt_state[{key!r}] shape {arr.shape}, expected "
             f"leading dim {n} (the table's num_rows)")
+    _check_ids(f"{type(self).__name__}.apply", idx_M, grads_MD, valid_M)
+    if idx_M.shape[0] == 0:   # no ids: nothing is touched, counted or admitted
+      return table_state, opt_state
     if not storage.counts_accesses:
       uniq_U, grads_UD, _ = dedup_gradients(idx_M, grads_MD, valid_M, n)
       return self.apply_unique(storage, table_state, opt_state, uniq_U, grads_UD, step)

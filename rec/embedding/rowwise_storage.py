@@ -42,7 +42,8 @@ State (all plain arrays; the counters are part of the memory, `storage.state_byt
   q [R, P] uint8, scale [R], bias [R]      the quantized rows (float32 for int8, float16 N-bit)
   rows [R, D] float32                      instead of q, scale, bias for bits=32
   cache_rows [C, D] float32, cache_tags [C] int32 (the row in each slot, -1 empty)
-  counts [R] int32 (LFU: looked-up ids of each row, all rows, as FBGEMM's lfu_state)
+  counts [R] int32 (LFU: looked-up ids of each row, all rows, as FBGEMM's lfu_state;
+                   saturating at 2^31 - 1, where FBGEMM's int64 would go on)
   cache_last [C] int32 (LRU: 1 + the step of the slot's last access, 0 never)
 
 Admission and eviction (`prepare_update`, once per optimizer step, on the step's distinct
@@ -489,8 +490,9 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     st = dict(state)
     r_U, valid, hit, slot, step1 = self._lookup(st, uniq_U, step)
     if self.policy == "lfu":
-      st["counts"] = st["counts"].at[jnp.where(valid, uniq_U, self.num_rows(st))].add(
-          _access_counts(counts_U, r_U), mode="drop")
+      # uniq_U's valid ids are distinct, so a gather-add-set is the scatter-add.
+      st["counts"] = st["counts"].at[jnp.where(valid, uniq_U, self.num_rows(st))].set(
+          _add_counts(st["counts"][r_U], _access_counts(counts_U, r_U)), mode="drop")
     if self.policy == "lru":
       c = st["cache_tags"].shape[0]
       st["cache_last"] = st["cache_last"].at[jnp.where(hit, slot, c)].set(step1, mode="drop")
@@ -534,7 +536,7 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     if self.policy == "lfu":
       cand = st["counts"][r_U]
       return (jnp.where(tags >= 0, st["counts"][jnp.maximum(tags, 0)], -1),
-              cand if extra_counts_U is None else cand + extra_counts_U)
+              cand if extra_counts_U is None else _add_counts(cand, extra_counts_U))
     return (jnp.where(tags >= 0, st["cache_last"], -1),
             jnp.broadcast_to(step1, r_U.shape))
 
@@ -546,6 +548,8 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
     c = st["cache_tags"].shape[0]
     s, a = cache_geometry(r_, self.fraction, self.ways)
     u = r_U.shape[0]
+    if u == 0:   # no rows (a step without ids): no candidate
+      return st
     tags = st["cache_tags"]
 
     # Candidates sorted by (set, -score, row): a set keeps at most A of them, so its A best
@@ -629,6 +633,17 @@ of `fraction` of them; `host`: the rows in host memory (module docstring)."""
       st["cache_last"] = st["cache_last"].at[put].set(step1, mode="drop")
     return st
 
+
+
+_COUNT_MAX = np.iinfo(np.int32).max
+
+
+def _add_counts(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a + b for LFU counts (int32, >= 0), saturating at 2^31 - 1: a count that wrapped
+  would turn negative and rank the hottest row below every other, evicting it for good
+  (FBGEMM's lfu_state is int64; a hot row of a multi-hot feature passes 2^31 lookups
+  within one epoch of Criteo 1TB)."""
+  return jnp.where(a > _COUNT_MAX - b, _COUNT_MAX, a + b)
 
 
 def _access_counts(counts_U, r_U) -> jax.Array:

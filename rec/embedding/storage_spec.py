@@ -199,7 +199,8 @@ class StorageSpec:
         raise ValueError(f"StorageSpec.on_host: storage {self.kind!r} has no cached kind")
       spec = StorageSpec(kind, cache_fraction=cache_fraction)
     else:
-      spec = dataclasses.replace(self, cache_fraction=cache_fraction or self.cache_fraction)
+      spec = dataclasses.replace(self, cache_fraction=self.cache_fraction
+                                 if cache_fraction is None else cache_fraction)
     return dataclasses.replace(spec, tier="host")
 
   def __str__(self) -> str:

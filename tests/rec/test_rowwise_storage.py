@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -195,6 +194,30 @@ def test_eviction_writes_back_the_updated_row(bits):
   np.testing.assert_array_equal(table["cache_rows"][0], deq1)
   np.testing.assert_array_equal(back[2:], np.asarray(
       quant.dequantize_rowwise(quant.quantize_rowwise(x[2:], bits))))
+
+
+def test_lfu_counts_saturate_instead_of_wrapping():
+  """A hot row's LFU count near 2^31 (a multi-hot feature's hot row within one epoch of
+  Criteo 1TB) saturates at 2^31 - 1: a wrapped, negative count would evict the hottest row
+  for a cold one and never let it back. The lookahead's scores (count + the next step's
+  lookups) saturate too."""
+  big = np.iinfo(np.int32).max
+  storage = rs.CachedQuantizedStorage(bits=8, policy="lfu", fraction=0.25, ways=1)
+  x = np.random.default_rng(12).uniform(-1, 1, (8, 8)).astype(np.float32)
+  table = storage.from_float(x)
+  assert np.asarray(table["cache_tags"]).tolist() == [0, 1]      # 2 sets of 1 way
+  table["counts"] = table["counts"].at[0].set(big - 5).at[2].set(1000)
+  # Row 0 (set 0's resident) looked up 10 more times, row 2 (set 0, not cached) once.
+  out = storage.prepare_update(table, jnp.array([0, 2, 8, 8], jnp.int32),
+                               jnp.array([10, 1, 0, 0], jnp.int32), jnp.int32(0))
+  assert np.asarray(out["counts"])[[0, 2]].tolist() == [big, 1001]
+  assert np.asarray(out["cache_tags"]).tolist() == [0, 1]
+  # Prefetch: row 2 at big - 3 with 10 lookups ahead outranks row 0 at big - 5.
+  table["counts"] = table["counts"].at[2].set(big - 3)
+  out = storage.prefetch(table, jnp.array([2, 8], jnp.int32), jnp.array([10, 0], jnp.int32),
+                         jnp.int32(0))
+  assert np.asarray(out["cache_tags"]).tolist() == [2, 1]
+  np.testing.assert_array_equal(out["counts"], table["counts"])   # prefetch counts nothing
 
 
 @pytest.mark.parametrize("name", ["int4_cache:lru:1:4",

@@ -61,6 +61,9 @@ def test_parse_errors_name_where_and_value(text, msg):
 def test_constructor_validates_too():
   with pytest.raises(ValueError, match=r"StorageSpec: cache_fraction=0.0: expected a number in"):
     StorageSpec("int8_cache", cache_fraction=0.0)
+  for kind in ("int8_cache", "int8"):    # 0 is refused, not read as "keep the spec's own"
+    with pytest.raises(ValueError, match=r"StorageSpec: cache_fraction=0.0: expected a number"):
+      StorageSpec.parse(kind).on_host(0.0)
   with pytest.raises(ValueError, match=r"StorageSpec: cache_policy='lru': storage 'int8' has no"):
     StorageSpec("int8", cache_policy="lru")
   with pytest.raises(ValueError, match=r"StorageSpec: kind='int3': expected one of"):
