@@ -48,8 +48,8 @@ def sample_logits(logits, key, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array
   compiled program serves every setting). Rows with temperature 0 take the argmax. Otherwise
   the distribution is softmax(logits / temperature), restricted to the top_k tokens (0: all)
   and then to the nucleus: tokens in decreasing probability (renormalized over the top_k)
-  while the probability before each is < top_p; the most likely token is always kept, and
-  tokens tied with the last kept logit are kept too.
+  while the probability before each is < top_p (top_p = 1: all of them); the most likely
+  token is always kept, and tokens tied with the last kept logit are kept too.
   """
   logits = jnp.asarray(logits, jnp.float32)
   for name, x, ok in (("temperature", temperature, lambda x: x >= 0),
@@ -85,7 +85,11 @@ def filtered_logits(logits, temperature, top_k=0, top_p=1.0) -> jax.Array:
     in_top_k = jnp.arange(v) < jnp.where((k > 0) & (k < v), k, v)
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(in_top_k & (mass_before < p), axis=-1, keepdims=True), 1)
+    # top_p = 1 cuts nothing (transformers adds no TopPLogitsWarper then): the float32 mass
+    # before a tail token rounds to 1.0 once the head holds all but ~6e-8 of it, so `< p`
+    # alone would cut a confident row's tail whenever any row of the batch takes this branch.
+    in_nucleus = (mass_before < p) | (p >= 1.0)
+    n_keep = jnp.maximum(jnp.sum(in_top_k & in_nucleus, axis=-1, keepdims=True), 1)
     threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
     return jnp.where(scaled < threshold, -jnp.inf, scaled)
 
@@ -186,6 +190,9 @@ def check_request(cfg, prompts, max_new_tokens: int, *, temperature: float, top_
         f"makes {longest + max_new_tokens} tokens, beyond the model's max_seq_len="
         f"{cfg.max_seq_len} (positions it was trained or configured for); ask for at most "
         f"{max(cfg.max_seq_len - longest, 0)} new tokens")
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+    raise ValueError(f"{where}: top_k={top_k!r}; expected an integer (0: no top-k), not "
+                     "rounded down to one")
   if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
     raise ValueError(f"{where}: temperature={temperature}, top_k={top_k}, top_p={top_p}; "
                      "expected temperature >= 0, top_k >= 0 and 0 < top_p <= 1")

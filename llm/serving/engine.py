@@ -104,7 +104,7 @@ __all__ = ["Engine", "RequestOutput", "SamplingParams", "load_draft"]
 class SamplingParams:
   """One request's generation settings: greedy at temperature 0; stop_token_ids end the
   reply with that token (kept in its ids, not in its text), stop strings end it before the
-  string."""
+  string. A single stop string may be given as a str (as vLLM's `stop`)."""
   max_tokens: int = 16
   temperature: float = 0.0
   top_k: int = 0
@@ -113,9 +113,21 @@ class SamplingParams:
   stop: tuple[str, ...] = ()
   stop_token_ids: tuple[int, ...] = ()
 
+  def __post_init__(self):
+    # A str is one stop string, not a sequence of one-character ones (stop="\n\n" would
+    # end the reply at its first "\n"); None is none.
+    stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+    object.__setattr__(self, "stop", stop)
+
   def check(self, where: str = "SamplingParams") -> None:
+    for name in ("max_tokens", "top_k", "seed"):
+      x = getattr(self, name)
+      if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise ValueError(f"{where}: {name}={x!r}; expected an integer")
     if self.max_tokens < 1:
       raise ValueError(f"{where}: max_tokens={self.max_tokens}; expected >= 1")
+    if any(not isinstance(s, str) or not s for s in self.stop):
+      raise ValueError(f"{where}: stop={list(self.stop)!r}; expected non-empty strings")
     if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
       raise ValueError(f"{where}: temperature={self.temperature}, top_k={self.top_k}, "
                        f"top_p={self.top_p}; expected temperature >= 0, top_k >= 0 and "
@@ -607,6 +619,9 @@ class Engine:
     """Adds every prompt, steps until all finish; the final output of each, in order (with
     EngineConfig.record_logits, `logits` holds all of its tokens' logits)."""
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(params) != len(prompts):
+      raise ValueError(f"Engine.generate: {len(prompts)} prompts but {len(params)} "
+                       "SamplingParams; expected one for every prompt (or a single one)")
     ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
     final, logits = {}, {}
     while self.has_unfinished():

@@ -4,6 +4,8 @@ distributions, and a sharded run on 8 CPU devices."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from llm import generate as G
 from llm import model as M
 from llm.config import get_config
 from tests.llm.test_model import make_model
+from tests.peer_env import peer_python
 
 TINY = get_config("tiny")
 TINY_TIED = get_config("tiny_tied")
@@ -113,6 +116,17 @@ def test_generate_sampling(tiny, greedy_out):
                     max_len=MAX_LEN) == greedy_out
 
 
+def test_the_smallest_cache_that_fits(tiny, greedy_out):
+  """The last new token is never fed back: 9 + 7 - 1 = 15 slots hold the longest row (and
+  with_hidden, which feeds it, 16); one slot fewer is refused, never silently dropped."""
+  assert G.generate(tiny, PROMPTS, 7, max_len=15) == greedy_out
+  assert G.generate_with_hidden(tiny, PROMPTS, 7, max_len=16)[0] == greedy_out
+  with pytest.raises(ValueError, match="max_len=14 slots.*needs 15"):
+    G.generate(tiny, PROMPTS, 7, max_len=14)
+  with pytest.raises(ValueError, match="max_len=15 slots.*need 16"):
+    G.generate_with_hidden(tiny, PROMPTS, 7, max_len=15)
+
+
 def test_generate_errors(tiny):
   with pytest.raises(ValueError, match="pass rng"):
     G.generate(tiny, PROMPTS, 3, temperature=0.5)
@@ -124,6 +138,8 @@ def test_generate_errors(tiny):
     G.generate(tiny, [[1], []], 3)
   with pytest.raises(ValueError, match="top_p=0"):
     G.generate(tiny, PROMPTS, 3, temperature=1.0, top_p=0.0, rng=jax.random.key(0))
+  with pytest.raises(ValueError, match=r"top_k=2.5; expected an integer"):   # not 2
+    G.generate(tiny, PROMPTS, 3, temperature=1.0, top_k=2.5, rng=jax.random.key(0))
   with pytest.raises(ValueError, match=r"stop_tokens \[256, -1\] outside \[0, 256\)"):
     G.generate(tiny, PROMPTS, 3, stop_tokens=[5, 256, -1])
   assert G.generate(tiny, PROMPTS, 0) == [[], [], []]
@@ -252,6 +268,69 @@ def test_filtered_logits_unrestricted_skips_nothing():
   assert np.isfinite(out[1]).sum() == 5
   np.testing.assert_array_equal(out[1] > -np.inf, np.asarray(logits)[1] >= np.sort(
       np.asarray(logits)[1])[-5])
+
+
+
+def test_top_p_1_cuts_nothing_whatever_the_other_rows_ask():
+  """top_p = 1 keeps the whole (top-k) support, as transformers (no TopPLogitsWarper then):
+  a confident row's tail, whose float32 mass before each token rounds to 1.0, was cut when
+  another row of the batch set top-k, so a row's distribution depended on its batch."""
+  # Tail probabilities e^-17 ~ 4e-8 and less: float32 1 - p(head) is below its spacing.
+  peaked = np.array([0.0, -17.0, -17.5, -18.0, -18.5, -19.0, -19.5, -20.0], np.float32)
+  logits = jnp.asarray(np.stack([peaked, peaked, LOGITS]))
+  alone = np.asarray(G.filtered_logits(logits[:1], 1.0))
+  np.testing.assert_array_equal(alone[0], peaked)
+  mixed = np.asarray(G.filtered_logits(logits, 1.0, jnp.array([0, 6, 2]), 1.0))
+  np.testing.assert_array_equal(mixed[0], peaked)
+  # top_k = 6 with top_p = 1: the six best, none of them cut by the nucleus.
+  np.testing.assert_array_equal(mixed[1], np.where(np.arange(8) < 6, peaked, -np.inf))
+  np.testing.assert_array_equal(mixed[2], np.where(np.arange(8) < 2, LOGITS, -np.inf))
+
+
+
+# transformers' sampling warpers in the order `generate(do_sample=True)` builds them
+# (generation/utils.py: temperature unless 1, top-k unless 0, top-p unless 1), then softmax.
+_HF_WARPERS = """
+import sys, numpy as np, torch
+from transformers.generation.logits_process import (TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+d = np.load(sys.argv[1])
+out = []
+for t, k, p in d["settings"]:
+  s = torch.tensor(d["logits"])
+  if t != 1.0: s = TemperatureLogitsWarper(float(t))(None, s)
+  if k != 0: s = TopKLogitsWarper(int(k))(None, s)
+  if p < 1.0: s = TopPLogitsWarper(float(p))(None, s)
+  out.append(torch.softmax(s, -1).numpy())
+np.save(sys.argv[2], np.stack(out))
+"""
+
+
+@pytest.mark.peer
+def test_sampling_distribution_equals_transformers_warpers(tmp_path):
+  """softmax(filtered_logits) against transformers' TemperatureLogitsWarper ->
+  TopKLogitsWarper -> TopPLogitsWarper: the same support on every row (random logits
+  without ties, whose nucleus boundary transformers counts from the other end, and
+  confident rows whose tail is below float32's spacing at 1) and the same probabilities
+  to float32 softmax rounding."""
+  python = peer_python("HF_PEER_PYTHON")
+  if not os.path.exists(python):
+    pytest.skip(f"transformers peer environment absent ({python})")
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(200, 60)) * rng.uniform(0.5, 6.0, size=(200, 1))
+  logits[:20, 0] += 25.0                  # confident rows
+  logits = logits.astype(np.float32)
+  settings = np.array([(1.0, 0, 0.9), (0.7, 10, 0.8), (1.3, 5, 1.0), (1.0, 0, 0.5),
+                       (0.5, 3, 0.95), (2.0, 60, 0.3), (1.0, 80, 0.99), (1.0, 40, 1.0)])
+  np.savez(tmp_path / "in.npz", logits=logits, settings=settings)
+  subprocess.run([python, "-c", _HF_WARPERS, str(tmp_path / "in.npz"),
+                  str(tmp_path / "hf.npy")], check=True, timeout=300)
+  hf = np.load(tmp_path / "hf.npy")
+  for (t, k, p), want in zip(settings, hf):
+    got = np.asarray(jax.nn.softmax(G.filtered_logits(jnp.asarray(logits), t, int(k), p), -1))
+    np.testing.assert_array_equal(got > 0, want > 0, err_msg=f"support, {(t, k, p)}")
+    # Probabilities <= 1 from two float32 softmaxes: a few ulps of 1 apart at most.
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6, err_msg=f"{(t, k, p)}")
 
 
 # SmolLM2-135M's shapes, 4 of its 30 blocks and a 4096-token vocabulary, in bfloat16: with

@@ -161,6 +161,25 @@ def test_stop_ids_stop_strings_and_max_tokens(tiny, reference):
   assert "".join(o.text_delta for o in got) == got[-1].text   # ("length" without the stop)
 
 
+
+def test_a_stop_string_given_as_a_str_is_one_string(tiny, reference):
+  """SamplingParams(stop="ab") is the stop string "ab" (vLLM's `stop` takes a str too), not
+  the stop strings "a" and "b"; an empty stop string (which would match at once) is refused."""
+  tok = ByteTokenizer()
+  text = tok.decode(reference[0])
+  # The reply's first character, then one it never writes: as one string the stop never
+  # appears (the reply runs to max_tokens); as two characters it ended the reply at once.
+  c = next(ch for ch in text if ch != "\ufffd")
+  stop = c + "\u2603"
+  assert "\u2603" not in text
+  assert SamplingParams(stop=stop).stop == (stop,)
+  engine = Engine(tiny, CONFIG, tok)
+  out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW, stop=stop))[0]
+  assert out.finish_reason == "length" and out.text == text
+  with pytest.raises(ValueError, match=r"stop=\['x', ''\]; expected non-empty strings"):
+    engine.add_request([1], SamplingParams(stop=["x", ""]))
+
+
 def test_sampling_follows_each_requests_seed(tiny, reference):
   engine = Engine(tiny, CONFIG)
   # One-token prompts: every row is a decode row (one sampled program to compile).
@@ -191,6 +210,9 @@ def test_request_errors(tiny):
     engine.add_request([1], SamplingParams(stop=("x",)))
   with pytest.raises(ValueError, match="cannot hold one request of max_model_len=48"):
     Engine(tiny, EngineConfig(**{**CONFIG.__dict__, "num_blocks": 6}))
+  # Not rounded down: top_k=2.5 ran as 2, 0.5 as 0 (no top-k at all).
+  with pytest.raises(ValueError, match=r"top_k=0.5; expected an integer"):
+    engine.add_request([1], SamplingParams(top_k=0.5, temperature=1.0))
   with pytest.raises(ValueError, match=r"request req-\d+: max_tokens=0; expected >= 1"):
     engine.add_request([1], SamplingParams(max_tokens=0))
   with pytest.raises(ValueError, match=r"stop_token_ids \[300, -1\] outside \[0, 256\)"):
@@ -200,6 +222,10 @@ def test_request_errors(tiny):
     engine.add_request([2], SamplingParams(), request_id="a")
   assert engine.abort("a").finish_reason == "abort"
   assert engine.abort("a") is None and engine.abort("nobody") is None
+  assert not engine.has_unfinished()
+  # One SamplingParams per prompt: a shorter list dropped the prompts past it.
+  with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+    engine.generate([[1], [2]], [SamplingParams()])
   assert not engine.has_unfinished()
 
 
