@@ -6,11 +6,16 @@ A chat file is JSON Lines, one conversation per line: `{"messages": [{"role": "u
 out). `encode_conversation` renders it with the tokenizer's chat template (`llm.chat`) and
 marks the tokens to learn: each assistant message's text as the template writes it, from the
 end of the generation prompt that precedes it to the end of its turn (its end-of-turn token
-included, so the model learns to stop). The rendered text is split at those boundaries and
-each piece encoded on its own; the template writes special tokens there, so the ids equal
-those of the whole text on the templates we read (SmolLM2's, Llama 3's; `check_split` says
-when they differ). A template whose render of a conversation does not start with its render
-of the conversation's prefix (one that rewrites earlier turns) is refused naming the line.
+included, so the model learns to stop). The whole rendered text is encoded once (the ids of
+`llm.chat.encode_chat`, as transformers' apply_chat_template gives them) and a token is
+learned when its character span (the tokenizer's offsets) overlaps a reply, as transformers'
+assistant masks are found; encoding the pieces apart would differ where a boundary is not a
+special token (a SentencePiece tokenizer puts a "▁" before each piece: Llama 2's " {reply}",
+Zephyr's "<|assistant|>\n{reply}"). A tokenizer without offsets (bytes) encodes the pieces
+apart, which for bytes is the same. BOS is put in front as the tokenizer adds it, unless the
+template wrote it (Llama 3's does). A template whose render of a conversation does not start
+with its render of the conversation's prefix (one that rewrites earlier turns) is refused
+naming the line.
 
 `ChatSource` serves them like the other LM sources: the train conversations in a seeded
 order per epoch, packed by next-fit into rows of `seq_len` tokens (documents never split,
@@ -81,23 +86,37 @@ def encode_conversation(tok, messages: Sequence[dict], where: str = "conversatio
   if not any(m["role"] == "assistant" for m in messages):
     raise ValueError(f"{where}: no assistant message; expected at least one (the tokens "
                      "the model learns)")
-  ids, learn = [], []
-  if tok.add_bos and tok.bos_id is not None:
-    ids.append(tok.bos_id)
-    learn.append(False)
-  for text, is_reply in _segments(tok, messages, where):
-    piece = tok.encode(text)
-    ids += piece
-    learn += [is_reply] * len(piece)
-  return Conversation(np.asarray(ids, np.int32), np.asarray(learn, bool))
+  pieces = _segments(tok, messages, where)
+  encode = getattr(tok, "encode_with_offsets", None)
+  if encode is not None:
+    text = "".join(t for t, _ in pieces)
+    ids, offsets = encode(text)
+    # inside[c]: how many reply characters lie before character c.
+    inside = np.concatenate([[0], np.cumsum(np.concatenate(
+        [np.full(len(t), r, np.int64) for t, r in pieces]))])
+    # A token is learned when a reply character lies in its span [start, end) (an empty
+    # span: the character at start).
+    learn = [bool(inside[min(max(e, s + 1), len(text))] > inside[min(s, len(text))])
+             for s, e in offsets]
+  else:
+    ids, learn = [], []
+    for text, is_reply in pieces:
+      piece = tok.encode(text)
+      ids += piece
+      learn += [is_reply] * len(piece)
+  ids = list(ids)
+  with_bos = chat_lib.with_bos(tok, ids)
+  learn = [False] * (len(with_bos) - len(ids)) + learn
+  return Conversation(np.asarray(with_bos, np.int32), np.asarray(learn, bool))
 
 
 def check_split(tok, messages: Sequence[dict]) -> bool:
-  """Whether encoding the pieces gives the ids of the whole rendered text."""
+  """Whether the conversation's ids are `llm.chat.encode_chat`'s (with BOS as the tokenizer
+  adds it): always, for a tokenizer with offsets; for one without, whether encoding the pieces
+  apart gives the ids of the whole text."""
   conv = encode_conversation(tok, messages)
   whole = chat_lib.encode_chat(tok, messages, add_generation_prompt=False)
-  start = 1 if tok.add_bos and tok.bos_id is not None else 0
-  return conv.tokens[start:].tolist() == list(whole)
+  return conv.tokens.tolist() == chat_lib.with_bos(tok, list(whole))
 
 
 def chat_path(data: str | None) -> str | None:
@@ -120,11 +139,16 @@ def read_chat_file(path: str, tok, max_len: int | None = None) -> list[Conversat
   if not os.path.isfile(path):
     raise FileNotFoundError(errno.ENOENT, "no such chat file (--data=chat:FILE)", path)
   out = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, start=1):
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, start=1):
+      where = f"{path}:{n}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: byte {e.start} of the line (0x{raw[e.start]:02X}) is not "
+                         f"UTF-8 ({e.reason}); expected UTF-8 JSON Lines") from None
       if not line.strip():
         continue
-      where = f"{path}:{n}"
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:

@@ -8,13 +8,15 @@
              which llama.cpp skips)) and
              `llama` (SentencePiece BPE from tokens + scores, merges ranked by score, byte
              fallback, "▁" for spaces); control / unknown tokens special, user-defined ones
-             added; BOS / EOS and whether they are added as the file says (llama.cpp's
+             added (a byte-level vocabulary's decode to their text as written, as llama.cpp
+             writes them); BOS / EOS and whether they are added as the file says (llama.cpp's
              defaults when it is silent); `tokenizer.chat_template`.
   vocab_from_llama2c  a llama2.c tokenizer.bin as a `llama` vocabulary (export to GGUF).
 
 Errors name the file (`where`) and the key: an unsupported model or pre-tokenizer, a merge
-that is not 'left right', scores or token types that do not match the tokens, an id outside
-the vocabulary.
+that is not 'left right', scores or token types that do not match the tokens, a token given
+twice (llama.cpp aborts on it; an empty token is its "[EMPTY_<id>]"), an id outside the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -122,11 +124,13 @@ def _spm_tokenizer(v: GGUFVocab, where: str):
   tok = Tokenizer(models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True,
                              byte_fallback=True))
   steps = [normalizers.Replace(" ", "▁")]
+  steps_back = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
   if v.add_space_prefix is None or v.add_space_prefix:   # llama.cpp's default for llama vocabs
     steps.insert(0, normalizers.Prepend("▁"))
+    steps_back.append(decoders.Strip(" ", 1, 0))   # the prefix's space; without it (Gemma's
+    # files) a leading space is the text's own, kept as llama.cpp and transformers keep it
   tok.normalizer = normalizers.Sequence(steps)
-  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  tok.decoder = decoders.Sequence(steps_back)
   return tok
 
 
@@ -141,6 +145,13 @@ def vocab_tokenizer(v: GGUFVocab | None, where: str, vocab_size: int | None = No
   if vocab_size is not None and len(v.tokens) > vocab_size:
     raise ValueError(f"{where}: {len(v.tokens)} tokens in tokenizer.ggml.tokens, more than the "
                      f"model's vocabulary of {vocab_size}")
+  if "" in v.tokens:   # llama.cpp names an empty token "[EMPTY_<id>]"
+    v = dataclasses.replace(v, tokens=[t or f"[EMPTY_{i}]" for i, t in enumerate(v.tokens)])
+  first: dict[str, int] = {}
+  for i, t in enumerate(v.tokens):
+    if first.setdefault(t, i) != i:   # the tokenizer would lose an id (llama.cpp aborts)
+      raise ValueError(f"{where}: tokenizer.ggml.tokens {first[t]} and {i} are both {t!r}; "
+                       "expected distinct tokens")
   if v.token_types and len(v.token_types) != len(v.tokens):
     raise ValueError(f"{where}: {len(v.token_types)} token types for {len(v.tokens)} tokens")
   for name, i in (("unknown_token_id", v.unk_id), ("eot_token_id", v.eot_id)):
@@ -161,6 +172,11 @@ def vocab_tokenizer(v: GGUFVocab | None, where: str, vocab_size: int | None = No
     raise ValueError(f"{where}: the tokenizer.ggml.* vocabulary does not build a tokenizer "
                      f"({e})") from None
   types = v.token_types or [_NORMAL] * len(v.tokens)
+  raw = {}
+  if v.model == "gpt2":   # llama.cpp writes added tokens' text as it is, not byte-level
+    for i, (t, k) in enumerate(zip(v.tokens, types)):
+      if k in (_CONTROL, _UNKNOWN, _USER_DEFINED) and tok.decoder.decode([t]) != t:
+        raw[i] = (t, k != _USER_DEFINED)
   special = [AddedToken(t, special=True, normalized=False)
              for t, k in zip(v.tokens, types) if k in (_CONTROL, _UNKNOWN)]
   user = [AddedToken(t, special=False, normalized=False)
@@ -181,7 +197,7 @@ def vocab_tokenizer(v: GGUFVocab | None, where: str, vocab_size: int | None = No
   stop = tuple(dict.fromkeys(i for i in (eos, v.eot_id) if i is not None))
   return HFTokenizer.from_tokenizers(tok, where, bos_id=bos, eos_id=eos, stop_ids=stop,
                                      add_bos=add_bos, add_eos=add_eos,
-                                     chat_template=v.chat_template)
+                                     chat_template=v.chat_template, raw_tokens=raw)
 
 
 def vocab_from_llama2c(tok) -> GGUFVocab:

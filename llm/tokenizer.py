@@ -126,7 +126,8 @@ class HFTokenizer:
   `bos_token` / `eos_token` (strings) override what the files beside tokenizer.json say:
   tokenizer_config.json's bos_token / eos_token, else config.json's bos_token_id /
   eos_token_id. `stop_ids` are generation_config.json's eos_token_id (one id or a list, as
-  the Llama 3 instruct models list several), else the EOS. `add_bos` / `add_eos`: module
+  the Llama 3 instruct models list several), else the EOS and config.json's eos_token_id (all
+  of a list: transformers builds the generation config from it). `add_bos` / `add_eos`: module
   docstring. The chat template is chat_template.jinja (transformers >= 4.43 writes it; it
   wins, as in transformers), else tokenizer_config.json's `chat_template` (a string, or a list
   of named templates whose "default" is used).
@@ -141,7 +142,7 @@ class HFTokenizer:
       tok = _HFTok.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception naming no file
       raise ValueError(f"{path}: not a Hugging Face tokenizer.json: {e}") from e
-    self._tok, self.source = tok, path
+    self._tok, self.source, self._raw = tok, path, {}
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
     d = os.path.dirname(os.path.abspath(path))
     side = {name: _read_json(os.path.join(d, name)) for name in
@@ -150,11 +151,15 @@ class HFTokenizer:
     self.bos_id = self._special("bos", bos_token, side)
     self.eos_id = self._special("eos", eos_token, side)
     gen_eos = side["generation_config.json"].get("eos_token_id")
-    if gen_eos is None:
-      self.stop_ids = () if self.eos_id is None else (self.eos_id,)
-    else:
+    if gen_eos is not None:
       self.stop_ids = tuple(_token_id(i, "generation_config.json eos_token_id", d) for i in (
           gen_eos if isinstance(gen_eos, list) else [gen_eos]))
+    else:   # transformers' generation config then comes from config.json (Llama 3.1 lists 3)
+      conf_eos = side["config.json"].get("eos_token_id")
+      conf_eos = [] if conf_eos is None else conf_eos if isinstance(conf_eos, list) else [conf_eos]
+      self.stop_ids = tuple(dict.fromkeys(
+          ([] if self.eos_id is None else [self.eos_id]) +
+          [_token_id(i, "config.json eos_token_id", d) for i in conf_eos]))
     self.add_bos, self.add_eos = self._added_specials(conf)
     self.chat_template = _chat_template(d, conf)
     self.special_tokens = {}
@@ -169,11 +174,15 @@ class HFTokenizer:
   @classmethod
   def from_tokenizers(cls, tok, source: str, *, bos_id: int | None, eos_id: int | None,
                       stop_ids: tuple[int, ...], add_bos: bool, add_eos: bool,
-                      chat_template: str | None) -> HFTokenizer:
+                      chat_template: str | None,
+                      raw_tokens: dict[int, tuple[str, bool]] | None = None) -> HFTokenizer:
     """Wraps a `tokenizers.Tokenizer` built elsewhere (a GGUF's vocabulary,
-    `llm.gguf_vocab`)."""
+    `llm.gguf_vocab`). `raw_tokens`: id -> (text, special) of added tokens that decode to
+    their text as written, not through the decoder (llama.cpp's user-defined and control
+    tokens of a byte-level BPE: the ByteLevel decoder would read "é" in "<ctrlé>" as byte
+    0xE9)."""
     self = cls.__new__(cls)
-    self._tok, self.source = tok, source
+    self._tok, self.source, self._raw = tok, source, dict(raw_tokens or {})
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
     self.bos_id, self.eos_id, self.stop_ids = bos_id, eos_id, tuple(stop_ids)
     self.add_bos, self.add_eos, self.chat_template = bool(add_bos), bool(add_eos), chat_template
@@ -248,8 +257,28 @@ class HFTokenizer:
     # ("<|im_start|>") become their ids, as in transformers.
     return _with_specials(self, self._tok.encode(text, add_special_tokens=False).ids, bos, eos)
 
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """`encode(text)`'s ids and each one's (start, end) character span in `text` (the
+    tokenizers library's offsets: a byte-level token inside one character spans that
+    character, SentencePiece's added "▁" the character it precedes)."""
+    e = self._tok.encode(text, add_special_tokens=False)
+    return list(e.ids), [tuple(o) for o in e.offsets]
+
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-    return self._tok.decode(_check_ids(self, ids), skip_special_tokens=skip_special)
+    ids = _check_ids(self, ids)
+    if not self._raw or self._raw.keys().isdisjoint(ids):
+      return self._tok.decode(ids, skip_special_tokens=skip_special)
+    # The runs between raw tokens through the decoder, raw tokens as written.
+    out, run = [], []
+    for i in ids + [None]:
+      if i is not None and i not in self._raw:
+        run.append(i)
+        continue
+      out.append(self._tok.decode(run, skip_special_tokens=skip_special))
+      run = []
+      if i is not None and not (skip_special and self._raw[i][1]):
+        out.append(self._raw[i][0])
+    return "".join(out)
 
 
 def _token_id(i, key: str, d: str) -> int:

@@ -79,6 +79,16 @@ def test_a_bad_line_names_file_and_line(tmp_path, line, message):
     chat_data.read_chat_file(str(path), ChatBytes())
 
 
+def test_a_line_that_is_not_utf8_names_file_line_and_byte(tmp_path):
+  """A Latin-1 "é" on line 2 was a bare UnicodeDecodeError at a position in a read buffer."""
+  path = tmp_path / "chat.jsonl"
+  path.write_bytes(json.dumps({"messages": CONV}).encode() + b"\n" +
+                   json.dumps({"messages": CONV}).replace("2+2", "caf\u00e9").encode("latin-1"))
+  with pytest.raises(ValueError, match=r"chat\.jsonl:2: byte 46 of the line \(0xE9\) is not "
+                     r"UTF-8 \(invalid continuation byte\)"):
+    chat_data.read_chat_file(str(path), ChatBytes())
+
+
 def test_a_conversation_longer_than_a_row_is_refused(tmp_path):
   path = tmp_path / "chat.jsonl"
   path.write_text(json.dumps({"messages": CONV}) + "\n")
@@ -95,3 +105,46 @@ def test_smollm2_template_pieces_encode_as_the_whole():
   assert chat_data.check_split(tok, conv)
   replies = tok.decode(c.tokens[c.learn].tolist(), skip_special=False)
   assert replies == "4<|im_end|>\n6<|im_end|>\n"
+
+
+# A SentencePiece vocabulary (GGUF `llama`: "▁" before the text, byte fallback) with the
+# Zephyr template (TinyLlama's) and Llama 2's, which writes bos_token itself.
+ZEPHYR = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+          "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+          "{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")
+
+
+def _spm(template):
+  from llm import gguf_vocab
+  normal = ["▁", "▁4", "▁6", "4", "6", "2", "3", "+"]
+  v = gguf_vocab.GGUFVocab(
+      model="llama", tokens=["<unk>", "<s>", "</s>", *("<0x%02X>" % b for b in range(256)),
+                             *normal],
+      token_types=[2, 3, 3] + [6] * 256 + [1] * len(normal),
+      scores=[0.0] * 259 + [-float(i) for i in range(len(normal))], bos_id=1, eos_id=2,
+      unk_id=0, chat_template=template)
+  return gguf_vocab.vocab_tokenizer(v, "spm.gguf")
+
+
+@pytest.mark.parametrize("template,learned", [
+    (ZEPHYR, ["4", "</s>", "▁", "<0x0A>", "6", "</s>", "▁", "<0x0A>"]),
+    (LLAMA2, ["▁4", "▁", "</s>", "▁6", "▁", "</s>"]),
+])
+def test_sentencepiece_ids_are_the_whole_texts(template, learned):
+  """Encoding the pieces apart put a "▁" before each (Zephyr's reply "4" became "▁4", Llama
+  2's " 4" became "▁", "▁4") and a second BOS before Llama 2's {{ bos_token }}: ids the model
+  never sees when it is prompted with encode_chat's."""
+  from llm import chat
+  tok = _spm(template)
+  c = chat_data.encode_conversation(tok, CONV)
+  whole = chat.encode_chat(tok, CONV, add_generation_prompt=False)
+  assert c.tokens.tolist() == ([] if whole[0] == tok.bos_id else [tok.bos_id]) + whole
+  assert c.tokens.tolist().count(tok.bos_id) == 1 and c.tokens[0] == tok.bos_id
+  assert [tok.tokenizers.id_to_token(int(i)) for i in c.tokens[c.learn]] == learned
+  assert chat_data.check_split(tok, CONV)
+  # The prompt of the second reply is the conversation's tokens before it.
+  prompt = chat.with_bos(tok, chat.encode_chat(tok, CONV[:3]))
+  assert c.tokens[:len(prompt)].tolist() == prompt and c.learn[len(prompt)]
+  assert not c.learn[:len(prompt)][-1]

@@ -448,6 +448,58 @@ def test_gpt2_vocab_encodes_as_the_original(tmp_path, pre, pretok):
     GV.vocab_tokenizer(v, "v.gguf")
 
 
+def test_gpt2_added_tokens_decode_as_written(tmp_path):
+  """llama.cpp writes user-defined and control tokens' text as it is (convert_hf_to_gguf stores
+  them so); through the ByteLevel decoder "é" (a byte-level character) became byte 0xE9 and the
+  text "\ufffdt\ufffd". Recorded from llama-cpp-python 0.3.36 on these tokens: "un été chaud"
+  and "c<ctrlé>d" with special=True."""
+  v = _bpe_vocab(train_bpe(str(tmp_path / "t")), "gpt-2")
+  n = len(v.tokens)
+  v.tokens += ["été", "<ctrlé>", "<think>"]
+  v.token_types += [4, 3, 4]
+  tok = GV.vocab_tokenizer(v, "v.gguf")
+  ids = tok.encode("un été chaud")
+  assert n in ids and tok.decode(ids) == "un été chaud"
+  ids = tok.encode("c<ctrlé>d<think>")
+  assert ids[1] == n + 1 and ids[-1] == n + 2
+  assert tok.decode(ids) == "cd<think>"                          # control tokens skipped
+  assert tok.decode(ids, skip_special=False) == "c<ctrlé>d<think>"
+  assert tok.decode(tok.encode("é\u00e9é")) == "ééé"             # normal tokens as before
+
+
+def test_llama_vocab_without_space_prefix_keeps_leading_spaces(tmp_path):
+  """add_space_prefix=false (Gemma's files): no "▁" is put before the text, so none is taken
+  off its decoding; the decoder stripped the text's own leading space (" ab" -> "ab").
+  llama.cpp (llama-cpp-python 0.3.36, without BOS) and transformers' Gemma decoder keep it."""
+  bin_path = str(tmp_path / "tok.bin")
+  write_llama2c_tokenizer(bin_path, *_bin_pieces({" ": -1.0, "a": -2.0, "b": -3.0, " a": -4.0,
+                                                  "ab": -5.0}))
+  v = GV.vocab_from_llama2c(Llama2cTokenizer(bin_path))
+  v.add_space_prefix = False
+  tok = GV.vocab_tokenizer(v, "v.gguf")
+  for text in (" ab", "  a b", "ab", "\n a"):
+    assert tok.decode(tok.encode(text)) == text
+  assert tok.tokenizers.id_to_token(tok.encode(" ab")[0]) == "▁a"   # the text's own space
+  assert tok.tokenizers.id_to_token(tok.encode("ab")[0]) == "ab"     # and no other
+  v.add_space_prefix = True
+  assert GV.vocab_tokenizer(v, "v.gguf").decode(tok.encode(" ab")) == "ab"   # the prefix's
+
+
+def test_vocab_tokens_must_be_distinct(tmp_path):
+  """A repeated token lost its id in the tokenizer (the vocabulary one short, the id
+  decoding to nothing); llama.cpp aborts on such a file. An empty token is llama.cpp's
+  "[EMPTY_<id>]"."""
+  v = _bpe_vocab(train_bpe(str(tmp_path / "t")), "gpt-2")
+  n = len(v.tokens)
+  with pytest.raises(ValueError, match=f"v.gguf: tokenizer.ggml.tokens 1 and {n} are both "
+                     "'<s>'; expected distinct tokens"):
+    GV.vocab_tokenizer(dataclasses.replace(v, tokens=v.tokens + ["<s>"],
+                                           token_types=v.token_types + [3]), "v.gguf")
+  tok = GV.vocab_tokenizer(dataclasses.replace(v, tokens=v.tokens + ["", ""],
+                                               token_types=v.token_types + [4, 4]), "v.gguf")
+  assert tok.vocab_size == n + 2 and tok.decode([n + 1]) == f"[EMPTY_{n + 1}]"
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_llama_vocab_encodes_as_run_c(tmp_path, seed):
   """SentencePiece vocabularies: the GGUF tokenizer (tokenizers' BPE, merges by score) against

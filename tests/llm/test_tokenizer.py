@@ -262,6 +262,11 @@ def test_hf_tokenizer_round_trip_and_specials(tmp_path):
   with open(str(tmp_path / "b" / "config.json"), "w") as fh:
     json.dump({"bos_token_id": 1, "eos_token_id": 2}, fh)
   assert T.load_tokenizer(str(tmp_path / "b")).bos_id == 1
+  # Without generation_config.json, transformers stops at config.json's eos_token_id list
+  # (Llama 3.1's has three); only its first was a stop id.
+  with open(str(tmp_path / "b" / "config.json"), "w") as fh:
+    json.dump({"eos_token_id": [2, 0]}, fh)
+  assert T.load_tokenizer(str(tmp_path / "b")).stop_ids == (2, 0)
 
 
 def test_hf_tokenizer_errors(tmp_path):
