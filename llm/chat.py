@@ -142,16 +142,6 @@ def encode_chat(tok, messages: Sequence[dict], add_generation_prompt: bool = Tru
   return tok.encode(text)
 
 
-def with_bos(tok, ids: Sequence[int]) -> list[int]:
-  """`ids` (an encoded chat) with the tokenizer's BOS in front when it adds one (`add_bos`)
-  and the template has not written it already (Llama 3's and Llama 2's write `bos_token`;
-  a second BOS is a sequence the model never saw)."""
-  ids = list(ids)
-  if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
-    return [tok.bos_id] + ids
-  return ids
-
-
 def end_of_turn_id(tok) -> int | None:
   """The special token the template writes right after an assistant message, or None when
   none follows it (or the template has no assistant turn to show)."""

@@ -12,8 +12,10 @@ learned when its character span (the tokenizer's offsets) overlaps a reply, as t
 assistant masks are found; encoding the pieces apart would differ where a boundary is not a
 special token (a SentencePiece tokenizer puts a "▁" before each piece: Llama 2's " {reply}",
 Zephyr's "<|assistant|>\n{reply}"). A tokenizer without offsets (bytes) encodes the pieces
-apart, which for bytes is the same. BOS is put in front as the tokenizer adds it, unless the
-template wrote it (Llama 3's does). A template whose render of a conversation does not start
+apart, which for bytes is the same. No BOS is added beyond what the template writes (Llama
+3's and Llama 2's write it), as at inference (`encode_chat`: transformers'
+apply_chat_template and vLLM's chat prompts alike), so a fine-tuned model is trained on the
+ids it is prompted with. A template whose render of a conversation does not start
 with its render of the conversation's prefix (one that rewrites earlier turns) is refused
 naming the line.
 
@@ -104,19 +106,16 @@ def encode_conversation(tok, messages: Sequence[dict], where: str = "conversatio
       piece = tok.encode(text)
       ids += piece
       learn += [is_reply] * len(piece)
-  ids = list(ids)
-  with_bos = chat_lib.with_bos(tok, ids)
-  learn = [False] * (len(with_bos) - len(ids)) + learn
-  return Conversation(np.asarray(with_bos, np.int32), np.asarray(learn, bool))
+  return Conversation(np.asarray(ids, np.int32), np.asarray(learn, bool))
 
 
 def check_split(tok, messages: Sequence[dict]) -> bool:
-  """Whether the conversation's ids are `llm.chat.encode_chat`'s (with BOS as the tokenizer
-  adds it): always, for a tokenizer with offsets; for one without, whether encoding the pieces
-  apart gives the ids of the whole text."""
+  """Whether the conversation's ids are `llm.chat.encode_chat`'s: always, for a tokenizer
+  with offsets; for one without, whether encoding the pieces apart gives the ids of the
+  whole text."""
   conv = encode_conversation(tok, messages)
   whole = chat_lib.encode_chat(tok, messages, add_generation_prompt=False)
-  return conv.tokens.tolist() == chat_lib.with_bos(tok, list(whole))
+  return conv.tokens.tolist() == list(whole)
 
 
 def chat_path(data: str | None) -> str | None:

@@ -85,7 +85,7 @@ def greedy_replies(model, tok, conversations: Sequence[Sequence[dict]], max_new_
   from llm import chat as chat_lib
   from llm import generate as gen_lib
   stop = chat_lib.stop_ids(tok)
-  prompts = [chat_lib.with_bos(tok, chat_lib.encode_chat(tok, list(c))) for c in conversations]
+  prompts = [chat_lib.encode_chat(tok, list(c)) for c in conversations]
   width = max(len(p) for p in prompts) + max_new_tokens
   out = []
   for i in range(0, len(prompts), batch_size):

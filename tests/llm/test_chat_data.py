@@ -134,17 +134,17 @@ def _spm(template):
 ])
 def test_sentencepiece_ids_are_the_whole_texts(template, learned):
   """Encoding the pieces apart put a "▁" before each (Zephyr's reply "4" became "▁4", Llama
-  2's " 4" became "▁", "▁4") and a second BOS before Llama 2's {{ bos_token }}: ids the model
-  never sees when it is prompted with encode_chat's."""
+  2's " 4" became "▁", "▁4") and a BOS was added (a second one before Llama 2's
+  {{ bos_token }}): ids the model never sees when it is prompted with encode_chat's."""
   from llm import chat
   tok = _spm(template)
   c = chat_data.encode_conversation(tok, CONV)
   whole = chat.encode_chat(tok, CONV, add_generation_prompt=False)
-  assert c.tokens.tolist() == ([] if whole[0] == tok.bos_id else [tok.bos_id]) + whole
-  assert c.tokens.tolist().count(tok.bos_id) == 1 and c.tokens[0] == tok.bos_id
+  assert c.tokens.tolist() == whole      # BOS only where the template writes it (Llama 2)
+  assert c.tokens.tolist().count(tok.bos_id) == (template == LLAMA2)
   assert [tok.tokenizers.id_to_token(int(i)) for i in c.tokens[c.learn]] == learned
   assert chat_data.check_split(tok, CONV)
   # The prompt of the second reply is the conversation's tokens before it.
-  prompt = chat.with_bos(tok, chat.encode_chat(tok, CONV[:3]))
+  prompt = chat.encode_chat(tok, CONV[:3])
   assert c.tokens[:len(prompt)].tolist() == prompt and c.learn[len(prompt)]
   assert not c.learn[:len(prompt)][-1]
