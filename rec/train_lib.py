@@ -213,8 +213,7 @@ class RecTask:
       return jax.device_put(host, shardings)
     if not self._ids_in_range(host.ids):
       self.collection.check_ids(host.ids, host.lengths)  # names the first bad id
-    if self.collection.bag_sizes:
-      self.collection.check_lengths(host.lengths)
+    self.collection.check_lengths(host.lengths, host.ids.shape[2])   # 0 <= len <= L
     spec = self.collection.dedup
     if spec is not None and host.dedup is None:
       host = dedup_lib.dedup_batch(host, self.collection.dedup_features, spec.capacity,

@@ -272,6 +272,16 @@ class EmbeddingCollection:
     """Lays full logical tables [rows, dim] out in device buffers on the mesh, with fresh
     optimizer state (host-side copy; the inverse of `to_tables`)."""
     full = {k: np.asarray(jax.device_get(v), np.float32) for k, v in full.items()}
+    want = {t.name: (t.num_rows, t.dim) for t in self.tables}
+    bad = {k: full[k].shape if k in full else None for k in want
+           if k not in full or full[k].shape != want[k]}
+    extra = [k for k in full if k not in want]
+    if bad or extra:
+      raise ValueError(
+          "from_tables: " + "; ".join(
+              [f"table {k!r} is {'missing' if v is None else f'shaped {v}'}, expected "
+               f"[rows, dim] = {want[k]}" for k, v in bad.items()]
+              + ([f"tables {extra} are not in this collection {list(want)}"] if extra else [])))
     state = {}
     shardings = self.state_shardings()
     for name, ex in self.exchanges.items():
@@ -348,12 +358,23 @@ class EmbeddingCollection:
   # ------------------------------------------------------------------- ids
 
   def check_ids(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-    """Host-side check that every id in a bag is a row of its table (out_of_range='error')."""
-    if self.out_of_range != "error":
-      return
+    """Host-side check that every id in a bag is a row of its table (out_of_range='error');
+    under out_of_range='hash', that every id fits int32, the ids the device hashes (id mod
+    rows): a wider id (a raw 32- or 64-bit hash) would wrap into another id first."""
     ids = np.asarray(ids)
     L = ids.shape[2]
     live = np.arange(L)[None, None, :] < np.asarray(lengths)[:, :, None]
+    if self.out_of_range != "error":
+      info = np.iinfo(np.int32)
+      bad = live & ((ids < info.min) | (ids > info.max))
+      if bad.any():
+        b, f, l = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"feature {self.tables[f].name!r}: id {int(ids[b, f, l])} at example {b}, position "
+            f"{l} does not fit int32 ({int(bad.sum())} such ids in this batch); "
+            "out_of_range='hash' hashes int32 ids (id mod rows) on the device, so hash wider "
+            "ids into range in the reader")
+      return
     rows = np.asarray([t.num_rows for t in self.tables])[None, :, None]
     bad = live & ((ids < 0) | (ids >= rows))
     if bad.any():
@@ -364,10 +385,19 @@ class EmbeddingCollection:
           f"outside table {t.name!r} rows [0, {t.num_rows}) ({int(bad.sum())} such ids in "
           "this batch); hash ids into range in the reader, or use out_of_range='hash'")
 
-  def check_lengths(self, lengths: np.ndarray) -> None:
-    """Host-side check that no bag is longer than its table's `bag_sizes` entry (the ids
+  def check_lengths(self, lengths: np.ndarray, max_len: int | None = None) -> None:
+    """Host-side check that every bag length is in [0, max_len] (`max_len`: the batch's
+    id slots L; a longer bag's ids past L are not in the batch, and its mean would divide
+    by ids never summed) and no bag is longer than its table's `bag_sizes` entry (the ids
     past it would not be read)."""
     lengths = np.asarray(lengths)
+    if max_len is not None:
+      bad = (lengths < 0) | (lengths > max_len)
+      if bad.any():
+        b, f = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"feature {self.tables[f].name!r}: a bag of length "
+                         f"{int(lengths[b, f])} at example {b}, expected 0..{max_len} (the "
+                         f"batch's {max_len} id slots per bag; {int(bad.sum())} such bags)")
     for f, t in enumerate(self.tables):
       n = self.bag_sizes.get(t.name)
       if n is not None and (lengths[:, f] > n).any():

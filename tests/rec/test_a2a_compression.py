@@ -164,6 +164,22 @@ def test_sharded_exchange_within_bound(kind, mesh8):
   assert np.abs(grad["t0"] - grad0["t0"]).max() > 0
 
 
+def test_table_factor_reaches_its_table_in_an_a2a_group_not_starting_at_table_0(mesh8):
+  # t0 rw, t1..t5 tw: the a2a group's slots hold group-local features 0..4 (t1..t5). The
+  # factors are in table order, and were indexed by the group-local feature: t3's 0.05
+  # went to t4, and t3 was sent at 20x its bound. 16 bits meet the tight bound (no
+  # fallback); forward errors: one bound per bag sum (tw: one owner), at schedule factor 1.
+  plan = {t.name: TablePlacement("rw", tuple(range(8))) if i == 0 else PLANS["tw"](i)
+          for i, t in enumerate(TABLES)}
+  eb = 1e-3
+  comp = ac.A2ACompression("abs", eb, None, bits=16, table_factors={"t3": 0.05})
+  _, emb0, _, _, _ = _pool_and_grad(mesh8, plan, None, 0)
+  _, emb, _, _, _ = _pool_and_grad(mesh8, plan, comp, 0)
+  err = [np.abs(emb[:, i].astype(np.float64) - emb0[:, i]).max() for i in range(len(TABLES))]
+  assert err[3] <= 0.05 * eb, err
+  assert err[4] > 0.05 * eb, err      # t4 keeps the full bound (it did compress loosely)
+
+
 def test_sharded_equals_single_device_compressed(mesh8):
   """Table-wise: each bag sum is computed whole on its owner, so the compressed exchange on
   8 devices gives the bits of the 1-device compressed lookup."""

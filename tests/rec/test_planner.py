@@ -126,6 +126,46 @@ def test_cost_model_by_hand():
   np.testing.assert_allclose(c.comm_bytes[0], 0.0)
 
 
+def test_a_narrow_last_column_chunk_costs_its_stored_width():
+  # dim 10 in 3 chunks: 4, 4 and 2 columns, each stored 4 wide (cw.py), so every owner holds
+  # R * 4 * 4 bytes, what estimate_plan's layout says. The per-table cost used to charge the
+  # last chunk 2 columns; three such tables then "fit" 45,000 bytes per device (believed
+  # 40,000) while the collection holds 48,000 on every device.
+  ts = [TableConfig(f"t{i}", 1000, 10) for i in range(3)]
+  c = pl.placement_cost(ts[0], pl.TablePlacement(CW, (0, 1, 2)), 3, 64, None, 0)
+  np.testing.assert_array_equal(c.memory_bytes, [16000] * 3)
+  with pytest.raises(pl.PlanError, match="over by"):
+    pl.uniform_plan(ts, "cw", 3, memory_budget_bytes=45000, cw_min_width=1,
+                    optimizer_state_bytes_per_row=0)
+  plan = pl.uniform_plan(ts, "cw", 3, memory_budget_bytes=48000, cw_min_width=1,
+                         optimizer_state_bytes_per_row=0)
+  est = pl.estimate_plan(plan, ts, 3, 64, None, 0)
+  np.testing.assert_array_equal(est.per_device.memory_bytes, [48000] * 3)
+  np.testing.assert_array_equal(sum(c.memory_bytes for c in est.per_table.values()),
+                                est.per_device.memory_bytes)
+
+
+def test_the_budget_holds_the_cache_rounded_to_whole_sets():
+  # rw over 8 devices: 332 rows per device, a 5% cache of 17 rows rounded up to 2 sets of
+  # 16 ways (32 rows): the collection holds 50,112 bytes per device (estimate_plan's layout,
+  # the state's shapes), not the 43,890 of 5% of a row each. The greedy used to budget the
+  # latter and return plans over the budget.
+  t = TableConfig("t", 2656, 100, storage="int8_cache:lfu:0.05")
+  plan = pl.plan([t], 8, 50112, 256, kinds=["rw"], optimizer_state_bytes_per_row=0)
+  est = pl.estimate_plan(plan, [t], 8, 256, None, 0)
+  assert est.max_memory_bytes == 50112
+  assert int(est.per_table["t"].memory_bytes.max()) == 43890
+  with pytest.raises(pl.PlanError, match="over by"):
+    pl.plan([t], 8, 50111, 256, kinds=["rw"], optimizer_state_bytes_per_row=0)
+  # The per-row form the planner prices buffers with is the traced state's, byte for byte.
+  from rec.embedding.planner import estimate
+  from rec.embedding.storage_spec import StorageSpec
+  for spec in ("int8_cache:lfu:0.05", "int4_cache:lru:0.3:4", "fp32_cache:lfu:0.1@host"):
+    spec = StorageSpec.parse(spec)
+    for rows in (1, 17, 332, 4097):
+      assert pl.block_bytes_split(spec, rows, 8) == estimate._shape_bytes(spec, rows, 8)
+
+
 @pytest.mark.parametrize("kind,devices", [(TW, (3,)), (CW, (5, 1, 2)), (TWRW, (4, 5, 6, 7))])
 def test_all_to_all_bytes_are_conserved(kind, devices):
   # Every byte sent is received once: sum over devices of (sent + received) = 2 * moved,
@@ -384,6 +424,30 @@ def test_validate_plan_rejects_malformed_placements():
   with pytest.raises(ValueError, match="repeated device"):
     pl.TablePlacement(CW, (1, 1))
   assert pl.TablePlacement("tw", (3,)).kind is TW
+
+
+def test_packed_codes_get_column_chunks_of_whole_bytes():
+  # int4 codes pack 2 columns a byte, int2 4: a dim-10 int4 table stores whole rows, but
+  # 2 cw chunks of 5 columns cannot be stored. The planner used to price them anyway, and
+  # its uniform-plan comparison then failed in the storage (auto plan, kinds=["cw"] and
+  # uniform cw alike); now it leaves such chunk counts out and validate_plan names them.
+  tables = [TableConfig("big", 10**6, 10, pooling_factor=20, storage="int4"),
+            TableConfig("small", 100, 10, storage="int4"),
+            TableConfig("c2", 1000, 24, storage="int2")]     # 4 chunks of 6: not whole bytes
+  for kinds in (None, ["cw"]):
+    plan = pl.plan(tables, 8, 10**9, 1024, kinds=kinds)
+    pl.estimate_plan(plan, tables, 8, 1024)                # every buffer can be laid out
+    for t in tables:
+      p = plan[t.name]
+      w = -(-t.dim // len(p.devices)) if p.kind == CW else t.dim
+      assert w % pl.width_multiple(t.storage) == 0, (t.name, p)
+  assert pl.uniform_plan(tables, "cw", 8)["big"].devices == (0,)   # one chunk of 10
+  with pytest.raises(ValueError, match=r"table 'big' placed cw on \(0, 1\): rows stored 5 "
+                     r"wide in int4.*multiple of 2"):
+    pl.validate_plan({**plan, "big": pl.TablePlacement(CW, (0, 1))}, tables, 8)
+  odd = [TableConfig("odd", 100, 7, storage="int4")]         # 7 columns: no whole-byte width
+  with pytest.raises(pl.PlanError, match=r"table 'odd' \(dim 7, int4\): no placement"):
+    pl.plan(odd, 8, 10**9, 1024)
 
 
 # ----------------------------------------------------------------------------- device budget

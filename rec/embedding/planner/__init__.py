@@ -31,7 +31,7 @@ from rec.embedding.planner.types import (AUTO_KINDS, CW, DP, KIND_ORDER, RW, SPT
                                          Plan, PlanError, TablePlacement, as_kind,
                                          column_chunk_widths, default_group_size,
                                          parse_overrides, planned_tables, row_shard_sizes,
-                                         validate_overrides, validate_plan)
+                                         validate_overrides, validate_plan, width_multiple)
 
 __all__ = [
     "AUTO_KINDS", "CW", "CW_MIN_WIDTH", "CostParams", "DP", "DeviceCosts", "HostTier",
@@ -42,5 +42,5 @@ __all__ = [
     "parse_overrides", "placement_cost", "plan", "plan_summary", "planned_tables", "row_bytes",
     "row_bytes_split",
     "row_shard_sizes", "storage_bytes", "table_bytes", "tower_plan", "uniform_plan",
-    "validate_overrides", "validate_plan", "wire_bytes",
+    "validate_overrides", "validate_plan", "width_multiple", "wire_bytes",
 ]

@@ -3,7 +3,8 @@
 Cost model, per table and per training step. Symbols: N embedding devices, B global batch
 (b = B / N examples per device), P pooling factor (mean ids per bag), L id slots per bag
 the batch carries (its padded bag: `CostParams.ids_per_bag`, else ceil(P)), R rows, D dim,
-w width of a column chunk, g devices in a twrw / sptt group (T = N / g towers), r_i rows of
+w width of a column chunk as stored (ceil(D / k) for every chunk: the last, narrower one is
+padded to it), g devices in a twrw / sptt group (T = N / g towers), r_i rows of
 row shard i (shards of ceil(R / n) rows, the last shorter), m(w) storage bytes of a row of
 width w (fp32 4w, bf16 2w; int8 / int4 codes plus each row's scale and bias, so every
 column chunk has its own; a cache's share), s = m(D) / D, o(w) optimizer state bytes per
@@ -18,8 +19,8 @@ in, pooled sums out, pooled gradients back).
   dp    every device    R*(m(D) + o(D))       b*P*D            2*(N-1)*U*(a*D + ib + vb),  U = b*L
   tw    owner           R*(m(D) + o(D))       B*P*D            (N-1)*b*X(D)
         any other       0                     0                b*X(D)
-  cw    owner, chunk i  R*(m(w_i) + o(w_i))   B*P*w_i          (N-1)*b*X(w_i)
-        not owner of i  0                     0                b*X(w_i)      (summed over chunks)
+  cw    owner, chunk i  R*(m(w) + o(w))       B*P*w            (N-1)*b*X(w)
+        not owner of i  0                     0                b*X(w)        (summed over chunks)
   rw    shard i         r_i*(m(D) + o(D))     B*P*D*r_i/R      2*(N-1)*b*u_rw + 4*(N-1)/N*B*a*D
   twrw  member j        r_j*(m(D) + o(D))     B*P*D*r_j/R      (N+g-2)*b*X(D)
         non-member      0                     0                g*b*X(D)
@@ -94,7 +95,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from rec.embedding import storage_spec
+from rec.embedding import rowwise_storage, storage_spec
 from rec.embedding.config import TableConfig
 from rec.embedding.planner.types import (CW, DP, RW, SPTT, TW, TWRW, TablePlacement,
                                          column_chunk_widths, planned_tables, row_shard_sizes,
@@ -156,11 +157,28 @@ def block_bytes(spec: storage_spec.StorageSpec, rows: int, width: int) -> int:
   return sum(block_bytes_split(spec, rows, width))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def block_bytes_split(spec: storage_spec.StorageSpec, rows: int, width: int) -> tuple[int, int]:
   """`block_bytes` as (device, host) bytes: the host tier's arrays in host memory."""
   if spec.kind in STORAGE_BYTES:
     return STORAGE_BYTES[spec.kind] * rows * width, 0
+  per = _block_bytes_per(spec, width)
+  if per is None:
+    return _shape_bytes(spec, rows, width)
+  (rd, rh), (sd, sh) = per
+  slots = _cache_slots(spec, rows)
+  return rd * rows + sd * slots, rh * rows + sh * slots
+
+
+def _cache_slots(spec: storage_spec.StorageSpec, rows: int) -> int:
+  st = _storage(spec)
+  s, a = rowwise_storage.cache_geometry(rows, getattr(st, "fraction", 0.0),
+                                        getattr(st, "ways", 1))
+  return s * a
+
+
+def _shape_bytes(spec: storage_spec.StorageSpec, rows: int, width: int) -> tuple[int, int]:
+  """(device, host) bytes of the state `from_float` makes of rows x width (traced only)."""
   import jax
   import jax.numpy as jnp
   st = _storage(spec)
@@ -169,6 +187,32 @@ def block_bytes_split(spec: storage_spec.StorageSpec, rows: int, width: int) -> 
   for k, x in shapes.items():
     out[k in st.host_keys] += math.prod(x.shape) * np.dtype(x.dtype).itemsize
   return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _block_bytes_per(spec: storage_spec.StorageSpec, width: int):
+  """((device, host) bytes per row, (device, host) bytes per cache slot) of the storage's
+  state at this width, read from its shapes at two block sizes; None when they are not of
+  that form (then every size is traced). Tracing the storage for every candidate buffer
+  would make the planner's search take seconds."""
+  st = _storage(spec)
+  import jax
+  import jax.numpy as jnp
+  per = {}
+  for n in (1000, 1700):
+    shapes = jax.eval_shape(lambda n=n: st.from_float(jnp.zeros((n, width), jnp.float32), 1))
+    per[n] = {k: (x.shape, np.dtype(x.dtype).itemsize) for k, x in shapes.items()}
+  out = [[0, 0], [0, 0]]
+  for k, (shape, size) in per[1000].items():
+    shape2 = per[1700][k][0]
+    if shape[1:] != shape2[1:] or not shape:
+      return None
+    lead = [(n, _cache_slots(spec, n)) for n in (1000, 1700)]
+    kind = [j for j in (0, 1) if (shape[0], shape2[0]) == (lead[0][j], lead[1][j])]
+    if len(kind) != 1:
+      return None
+    out[kind[0]][k in st.host_keys] += math.prod(shape[1:]) * size
+  return (out[0][0], out[0][1]), (out[1][0], out[1][1])
 
 
 OptStateBytes = Callable[[int], int] | int   # bytes per row of a shard of width w, or fixed
@@ -340,7 +384,10 @@ def placement_cost(table: TableConfig, placement: TablePlacement, num_devices: i
     bwd[:] = min(B * P, R) * E(D)
     comm[:] = 2 * (N - 1) * U * (a * D + ib + cp.valid_bytes)
   elif kind in (TW, CW):
-    widths = (D,) if kind == TW else column_chunk_widths(D, len(devs))
+    # Every cw chunk is stored, gathered and sent ceil(D / k) wide, the last one too
+    # (cw.py pads it), so its device pays that width.
+    widths = (D,) if kind == TW else (_width(table, placement),) * len(
+        column_chunk_widths(D, len(devs)))
     if kind == TW and len(devs) != 1:
       raise ValueError(f"table {table.name!r}: tw placement needs 1 device, got {devs}")
     for d, w in zip(devs, widths):

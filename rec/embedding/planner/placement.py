@@ -44,13 +44,14 @@ import numpy as np
 from rec.embedding.config import ShardingKind, TableConfig
 from rec.embedding.storage_spec import StorageSpec
 from rec.embedding.planner.estimate import (EXCHANGE, CostParams, DeviceCosts, OptStateBytes,
-                                            _opt_fn, _width, estimate_plan, placement_cost,
-                                            row_bytes, table_bytes)
+                                            _opt_fn, _width, block_bytes_split, estimate_plan,
+                                            placement_cost, row_bytes, table_bytes)
 from rec.embedding.planner.formats import _fmt_bytes
 from rec.embedding.planner.types import (AUTO_KINDS, CW, DP, KIND_ORDER, RW, SPTT, TW, TWRW,
                                          Plan, PlanError, TablePlacement, _check_group_size,
                                          _check_positive, _check_tables, _valid_chunk_count,
-                                         as_kind, column_chunk_widths, validate_overrides)
+                                         as_kind, column_chunk_widths, row_shard_sizes,
+                                         validate_overrides, width_multiple)
 
 CW_MIN_WIDTH = 4     # narrowest column chunk the planner makes (16-byte fp32 rows)
 _REL_TOL = 1e-9
@@ -85,7 +86,8 @@ class _Candidate:
   mem_after: np.ndarray
   time_after: np.ndarray
   group: tuple              # the collection's buffer the table joins (exchange, storage, ...)
-  group_after: np.ndarray   # that buffer's bytes per device with the table
+  group_after: np.ndarray   # that buffer's rows per device with the table
+  group_bytes: int          # that buffer's bytes on every device (as long as its fullest)
   padded_after: int         # bytes per device of every buffer, each as long as its fullest
 
 
@@ -104,14 +106,20 @@ def _device_order(time: np.ndarray) -> list[int]:
   return sorted(range(len(time)), key=lambda d: (q[d], d))
 
 
-def _cw_counts(dim: int, num_devices: int, cw_min_width: int, search: bool) -> tuple[int, ...]:
+def _cw_counts(dim: int, num_devices: int, cw_min_width: int, search: bool,
+               multiple: int = 1) -> tuple[int, ...]:
+  """Chunk counts to try for a cw table: the most chunks of at least cw_min_width columns
+  (and, searching, the powers of two below), each stored width a multiple of `multiple`
+  (int4 / int2 codes); () when none is."""
   kmax = max(1, min(num_devices, dim // max(1, cw_min_width)))
-  while not _valid_chunk_count(dim, kmax):
+  while kmax > 1 and not _valid_chunk_count(dim, kmax, multiple):
     kmax -= 1
+  top = {kmax} if _valid_chunk_count(dim, kmax, multiple) else set()
   if not search:
-    return (kmax,)
-  ks = {k for k in (2 ** i for i in range(1, 31)) if k < kmax and _valid_chunk_count(dim, k)}
-  return tuple(sorted(ks | {kmax}))
+    return tuple(top)
+  ks = {k for k in (2 ** i for i in range(1, 31))
+        if k < kmax and _valid_chunk_count(dim, k, multiple)}
+  return tuple(sorted(ks | top))
 
 
 class _Greedy:
@@ -124,19 +132,47 @@ class _Greedy:
     self.cp, self.opt, self.cw_min_width = cost_params, opt, cw_min_width
     self.mem = np.zeros(num_devices, np.int64)
     self.time = np.zeros(num_devices)
-    self.groups: dict[tuple, np.ndarray] = {}   # buffer -> its tables' bytes per device
+    self.groups: dict[tuple, np.ndarray] = {}   # buffer -> its tables' rows per device
+    self.group_bytes: dict[tuple, int] = {}     # buffer -> its bytes on every device
+
+  def _rows(self, table: TableConfig, p: TablePlacement) -> np.ndarray:
+    """Rows the table adds to its buffer on each device (the collection's, as
+    estimate.layout counts them: rw ceil(R / N) everywhere, cw every row per chunk)."""
+    rows, R = np.zeros(self.N, np.int64), table.num_rows
+    if p.kind == DP:
+      rows[:] = R
+    elif p.kind == RW:
+      rows[:] = -(-R // self.N)
+    elif p.kind in (TWRW, SPTT):
+      rows[list(p.devices)] += row_shard_sizes(R, len(p.devices))
+    else:   # tw, cw
+      rows[list(p.devices)] += R
+    return rows
+
+  def _buffer_bytes(self, key: tuple, rows: np.ndarray) -> int:
+    """Device bytes of buffer `key` holding `rows` per device: every device's block as long
+    as the fullest, laid out by its storage (a cache rounded to whole sets), with its
+    optimizer state (estimate.layout's memory, what the collection holds)."""
+    _, spec, _, width = key
+    n = max(1, int(rows.max()))
+    dev, _ = block_bytes_split(spec, n, width)
+    return int(dev + (0 if spec.host else n * int(_opt_fn(self.opt)(width))))
 
   def _make(self, table, kind, devices) -> _Candidate:
     p = TablePlacement(kind, devices)
     c = placement_cost(table, p, self.N, self.B, self.cp, self.opt)
     key = (EXCHANGE[p.kind], table.storage, table.dim, _width(table, p))
-    after = self.groups.get(key, 0) + c.memory_bytes
-    padded = int(after.max()) + sum(int(v.max()) for k, v in self.groups.items() if k != key)
+    after = self.groups.get(key, 0) + self._rows(table, p)
+    gb = self._buffer_bytes(key, after)
+    padded = gb + sum(v for k, v in self.group_bytes.items() if k != key)
     return _Candidate(kind, devices, c, self.mem + c.memory_bytes, self.time + c.time_s, key,
-                      after, padded)
+                      after, gb, padded)
 
   def candidates(self, table: TableConfig, kind: ShardingKind, search: bool) -> list[_Candidate]:
     N = self.N
+    m = width_multiple(table.storage)
+    if kind != CW and table.dim % m:
+      return []   # packed codes need whole bytes: only cw chunks of a fitting width store it
     if kind in (DP, RW):
       return [self._make(table, kind, tuple(range(N)))]
     if kind == TW:
@@ -147,10 +183,11 @@ class _Greedy:
     out = []
     o = _opt_fn(self.opt)
     order = _device_order(self.time)
-    for k in _cw_counts(table.dim, N, self.cw_min_width, search):
+    for k in _cw_counts(table.dim, N, self.cw_min_width, search, m):
       devs: list[int] = []
-      for w in column_chunk_widths(table.dim, k):   # widest chunk to the least-loaded device
-        need = table.num_rows * (row_bytes(table, w) + int(o(w)))
+      W = -(-table.dim // k)       # every chunk's stored width (the last is padded to it)
+      for _ in column_chunk_widths(table.dim, k):   # widest chunk to the least-loaded device
+        need = table.num_rows * (row_bytes(table, W) + int(o(W)))
         free = [d for d in order if d not in devs]
         fits = [d for d in free if self.mem[d] + need <= self.budget]
         devs.append(fits[0] if fits else min(free, key=lambda d: (self.mem[d], d)))
@@ -162,6 +199,12 @@ class _Greedy:
     cands = [c for k in kinds for c in self.candidates(table, k, search)]
     if len(kinds) > 1:   # a one-chunk cw is tw; keep it only where cw is the only kind
       cands = [c for c in cands if c.kind != CW or len(c.devices) > 1]
+    if not cands:
+      m = width_multiple(table.storage)
+      raise PlanError(
+          f"table {table.name!r} (dim {table.dim}, {table.storage}): no placement of kinds "
+          f"{[as_kind(k).value for k in kinds]} stores its rows in a width that is a multiple "
+          f"of {m} (whole bytes of packed codes); pick a dim that is, or allow cw")
     fit = [c for c in cands if c.padded_after <= self.budget]
     if not fit:
       raise self._error(table, cands, why)
@@ -171,7 +214,7 @@ class _Greedy:
     best = _pick_min(best, lambda c: float(np.sum(c.time_after ** 2)))
     c = min(best, key=lambda c: (KIND_ORDER.index(c.kind), c.devices))
     self.mem, self.time = c.mem_after, c.time_after
-    self.groups[c.group] = c.group_after
+    self.groups[c.group], self.group_bytes[c.group] = c.group_after, c.group_bytes
     return TablePlacement(c.kind, c.devices)
 
   def _error(self, table, cands, why) -> PlanError:

@@ -10,10 +10,11 @@ Pure Python and numpy: it runs before any mesh exists.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 from rec.embedding.config import ShardingKind, TableConfig
-from rec.embedding.storage_spec import StorageSpec
+from rec.embedding.storage_spec import StorageSpec, make_storage
 
 DP = ShardingKind.DATA_PARALLEL
 TW = ShardingKind.TABLE_WISE
@@ -105,8 +106,22 @@ def column_chunk_widths(dim: int, num_chunks: int) -> tuple[int, ...]:
   return widths
 
 
-def _valid_chunk_count(dim: int, k: int) -> bool:
-  return 1 <= k <= dim and -(-dim // -(-dim // k)) == k
+def _valid_chunk_count(dim: int, k: int, multiple: int = 1) -> bool:
+  """k chunks of ceil(dim / k) cover dim exactly, in a stored width that is a multiple of
+  `multiple` (`width_multiple`: every chunk is stored ceil(dim / k) wide)."""
+  return 1 <= k <= dim and -(-dim // -(-dim // k)) == k and -(-dim // k) % multiple == 0
+
+
+def stored_width(table: TableConfig, placement: TablePlacement) -> int:
+  """Width of the table's stored rows under `placement`: cw chunks ceil(dim / k), else dim."""
+  return -(-table.dim // len(placement.devices)) if placement.kind == CW else table.dim
+
+
+@functools.lru_cache(maxsize=None)
+def width_multiple(spec: StorageSpec) -> int:
+  """Columns a stored row's width must be a multiple of under `spec`: int4 / int2 codes are
+  packed into whole bytes (2 / 4 columns; rowwise_storage's width check), else 1."""
+  return max(1, 8 // getattr(make_storage(spec), "bits", 32))
 
 
 def default_group_size(num_devices: int) -> int:
@@ -159,6 +174,9 @@ def validate_plan(plan: Mapping[str, TablePlacement], tables: Sequence[TableConf
       bad = "tw needs exactly 1 device"
     elif p.kind == CW and not _valid_chunk_count(t.dim, len(devs)):
       bad = f"dim {t.dim} does not split into {len(devs)} chunks of ceil({t.dim}/{len(devs)})"
+    elif stored_width(t, p) % width_multiple(p.storage or t.storage):
+      bad = (f"rows stored {stored_width(t, p)} wide in {p.storage or t.storage}, whose packed "
+             f"codes need a width that is a multiple of {width_multiple(p.storage or t.storage)}")
     elif p.kind in (TWRW, SPTT):
       g = len(devs)
       k = p.kind.value

@@ -148,7 +148,10 @@ class AllToAllExchange(base.Exchange):
 
   def bound_factors(self, factors):
     """Table-wise bound factors of the rows sent (this device's slots, [1, 1, S]) and of the
-    gradient rows coming back (the owners' slots, [N, 1, S])."""
-    fac = jnp.asarray(factors[self.g.maps["feat"]])                # [N, S]; -1 -> 1
+    gradient rows coming back (the owners' slots, [N, 1, S]); `factors` is indexed by the
+    collection's table order (a trailing 1 for empty slots), the slots by the group's."""
+    feat = self.g.maps["feat"]                                      # group-local, -1: none
+    table = np.where(feat >= 0, np.asarray(self.g.features)[np.maximum(feat, 0)], -1)
+    fac = jnp.asarray(factors[table])                               # [N, S]; -1 -> 1
     me = jax.lax.axis_index(self.dev.axes)
     return fac[me][None, None, :], fac[:, None, :]

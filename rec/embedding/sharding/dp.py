@@ -1,7 +1,9 @@
 """Data-parallel (dp): every device holds the whole table.
 
 Lookups are local, with no forward communication: each device gathers the rows of its own
-samples' ids and pools them. The update all-gathers (ids, gradients) so that every replica
+samples' ids and pools them. An id outside its table's rows (a batch that skipped
+`check_ids`) reads nothing, as under every other kind, rather than a row of the next table
+in the buffer. The update all-gathers (ids, gradients) so that every replica
 applies the same exact update to its copy.
 """
 
@@ -29,10 +31,12 @@ class DataParallelExchange(base.Exchange):
       acc += sh.row_end - sh.row_start
     g.offsets, g.rows_per_device = offs, acc
     g.maps["offset"] = np.asarray(offs, np.int32)                     # [F]
+    g.maps["end"] = np.asarray([sh.row_end for sh in g.shards], np.int32)   # [F] rows
 
   def local_ids(self, ids, lengths, maps):
     L = ids.shape[-1]
-    live = jnp.arange(L) < lengths[..., None]                  # [B_l, F, L]
+    live = ((jnp.arange(L) < lengths[..., None])               # [B_l, F, L]
+            & (ids >= 0) & (ids < maps["end"][None, :, None]))
     return jnp.where(live, ids + maps["offset"][None, :, None], 0), live
 
   def local_gather(self, storage, tbl, ids, lengths, w, maps):
