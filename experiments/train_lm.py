@@ -250,6 +250,10 @@ def main(argv):
     raise errors.expected(   # llm.train_lib.schedule would cut it to steps - 1
         f"--warmup_steps={t.warmup_steps}", f"not below --steps={run.loop.steps}",
         f"at most {run.loop.steps - 1}, so that the learning rate reaches its peak")
+  if t.warmup_steps >= run.loop.steps:   # the default, on a run shorter than it
+    print(f"--warmup_steps: the default {t.warmup_steps} is not below --steps="
+          f"{run.loop.steps}; warming up over {max(0, run.loop.steps - 1)} "
+          f"step{'' if run.loop.steps == 2 else 's'}", flush=True)
   if not m.init and m.preset not in config_lib.PRESETS:
     raise errors.expected(f"--preset={m.preset}", "unknown",
                           f"one of {', '.join(sorted(config_lib.PRESETS))}")

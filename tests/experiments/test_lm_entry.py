@@ -359,6 +359,9 @@ def test_train_lm_default_workdir_is_new_per_run(tmp_path):
   runs = os.listdir(tmp_path / "runs")
   assert len(runs) == 1 and re.fullmatch(r"train_lm_tiny_\d{8}-\d{6}", runs[0]), runs
   assert json.loads(out.stdout.splitlines()[-1])["workdir"] == os.path.join("runs", runs[0])
+  # The default warmup (30 steps) on a 2-step run is cut, and the run says so.
+  assert ("--warmup_steps: the default 30 is not below --steps=2; warming up over 1 step"
+          in out.stdout.splitlines())
   again = forkserver.run(args + ["--steps=2", "--resume"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 2
