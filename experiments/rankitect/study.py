@@ -33,6 +33,7 @@ import numpy as np
 
 from core import flops as flops_lib
 from core.errors import UserError
+from core import results as results_lib
 from core import train as train_lib
 from rec import configs, runs
 from rec import metrics as metrics_lib
@@ -302,11 +303,24 @@ def _supernet_run(study: Study, name: str, mode: str, steps: int, cost_weight: f
                                    seed=seed, cost_weight=cost_weight)
   wd = os.path.join(study.workdir, name)
   resume = os.path.isdir(os.path.join(wd, "checkpoints"))
-  t0 = time.perf_counter()
-  out = train_lib.train(task, train_src.batches, None, train_lib.TrainConfig(
-      workdir=wd, steps=steps, log_every=max(1, steps // 5), seed=seed, resume=resume,
-      checkpoint_every=max(1, steps // 4), tensorboard=False))
-  return task, out["state"], eval_src, time.perf_counter() - t0, spec
+  # The supernet's training time over every run that trained it (wall.json): a run resumed
+  # after a stop adds its part, a rerun of a finished supernet (restore only) adds none.
+  wall_path = os.path.join(wd, "wall.json")
+  prior = {"wall_s": 0.0, "step": 0}
+  if resume and os.path.exists(wall_path):
+    with open(wall_path) as f:
+      prior = json.load(f)
+  t0, out, wall = time.perf_counter(), None, prior["wall_s"]
+  try:
+    out = train_lib.train(task, train_src.batches, None, train_lib.TrainConfig(
+        workdir=wd, steps=steps, log_every=max(1, steps // 5), seed=seed, resume=resume,
+        checkpoint_every=max(1, steps // 4), tensorboard=False))
+  finally:
+    if out is None or out["step"] > prior["step"]:
+      wall += time.perf_counter() - t0
+      results_lib.write_json({"wall_s": wall, "step": prior["step"] if out is None
+                              else out["step"]}, wall_path)
+  return task, out["state"], eval_src, wall, spec
 
 
 def score_inherited(task, state, eval_src, space: Space, paths: Sequence[Sequence[int]]):

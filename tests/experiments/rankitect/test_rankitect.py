@@ -350,3 +350,21 @@ def test_a_workdir_keeps_its_space_and_budget(tmp_path):
     study_lib.Study(str(tmp_path), Space(num_layers=2, width=6, embedding_dim=8,
                                          bottom_mlp=(8,), top_mlp=(8,), names=SPACE.names),
                     base, steps=5)
+
+
+@pytest.mark.slow
+def test_supernet_time_counts_every_run_that_trained_it(tmp_path):
+  """A supernet's wall time is kept in its workdir: a rerun of a finished supernet (which
+  only restores it) reports the time that trained it, and a run that trains further adds its
+  part (cost_<method>.json used to get the restore's fraction of a second)."""
+  st = tiny_study(tmp_path)
+  run = lambda steps: study_lib._supernet_run(st, "supernet_oneshot", "path", steps, 0.0, None,
+                                              st.search_seed)[3]
+  first = run(2)
+  with open(tmp_path / "supernet_oneshot" / "wall.json") as f:
+    assert json.load(f) == {"wall_s": first, "step": 2}
+  assert run(2) == first            # finished: restored, nothing trained, nothing added
+  more = run(3)                     # one step more: its run's time added
+  assert more > first
+  with open(tmp_path / "supernet_oneshot" / "wall.json") as f:
+    assert json.load(f) == {"wall_s": more, "step": 3}
