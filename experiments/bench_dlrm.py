@@ -163,6 +163,10 @@ def check_flags():
       raise errors.UserError(f"--memory_budget_gb={FLAGS.memory_budget_gb:g} with "
                              "--compare_host_prefetch; expected no budget (every table is "
                              "on the host tier there)")
+  if FLAGS["threads"].present and not (FLAGS.peer_python and not FLAGS.show_plan):
+    raise errors.UserError(f"--threads={FLAGS.threads} without a timed peer; expected it with "
+                           "--peer_python (the TorchRec peer's CPU threads) and without "
+                           "--show_plan")
   if FLAGS.peer_python and not FLAGS.show_plan:
     if FLAGS.compare_host_prefetch:
       raise errors.UserError("--peer_python with --compare_host_prefetch; expected one of "

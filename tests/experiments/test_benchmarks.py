@@ -62,11 +62,14 @@ def test_bench_embedding_refuses_bad_lists_before_timing(tmp_path, args, line):
     (["--compare_host_prefetch=fp32_cache:lru:0.05@host", "--memory_budget_gb=2"],
      "--memory_budget_gb=2 with --compare_host_prefetch; expected no budget (every table is on "
      "the host tier there)"),
+    (["--threads=4"], "--threads=4 without a timed peer; expected it with --peer_python (the "
+     "TorchRec peer's CPU threads) and without --show_plan"),
 ])
 def test_bench_dlrm_refuses_bad_flags_before_timing(tmp_path, args, line):
   """Formerly: --rows=0 named --num_rows, a missing --peer_python failed after our first
   round was timed, and --plan_storage without --show_plan, the peer beside another model and
-  --memory_budget_gb with --compare_host_prefetch were accepted and ignored."""
+  --memory_budget_gb with --compare_host_prefetch and --threads without the peer were
+  accepted and ignored."""
   out = run_refused("experiments.bench_dlrm", args + ["--batch_size=32", "--steps=1",
                                                       f"--workdir={tmp_path}"])
   assert out.stderr.strip().splitlines()[-1] == "error: " + line
