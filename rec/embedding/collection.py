@@ -85,7 +85,7 @@ from rec.embedding import sharding
 from rec.embedding import storage as storage_lib
 from rec.embedding import storage_spec
 from rec.embedding.config import TableConfig
-from rec.embedding.planner import Plan, planned_tables
+from rec.embedding.planner import Plan, planned_tables, validate_plan
 from rec.embedding.sharding import base, compressed, recd, sptt
 
 
@@ -140,10 +140,9 @@ class EmbeddingCollection:
           f"embedding shards over {self.axes} but the batch over {batch_axes}: this "
           "collection needs both on the same mesh axes")
     self.num_devices = mesh_lib.axis_size("emb_shard", rules, mesh)
-    for n, p in self.plan.items():
-      bad = [d for d in p.devices if not 0 <= d < self.num_devices]
-      if bad or not p.devices:
-        raise ValueError(f"table {n!r}: placement devices {p.devices} outside 0..{self.num_devices - 1}")
+    # A hand-written plan is held to what the planner's plans satisfy: an rw / dp table on
+    # some devices, a twrw group not aligned to its size, ran over other devices than named.
+    validate_plan(self.plan, self.tables, self.num_devices)
     self.dedup = dedup
     self.dedup_features: tuple[int, ...] = ()
     if dedup is not None:

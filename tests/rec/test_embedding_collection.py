@@ -6,6 +6,7 @@ bags, per-id weights, sum and mean pooling.
 """
 
 import os
+import re
 import subprocess
 
 import jax
@@ -243,6 +244,15 @@ def test_bad_plans(mesh8):
   plan = {t.name: TablePlacement("tw", (9,)) for t in TABLES}
   with pytest.raises(ValueError, match="outside 0..7"):
     EmbeddingCollection(TABLES, plan, mesh8, OPTS["adagrad"])
+  # Placements the planner never makes were run over other devices than they name (rw over
+  # all 8, a twrw block in the group its first device falls in): refused as validate_plan does.
+  for kind, devs, why in [("rw", (0, 1, 2, 3), "rw needs all 8 devices"),
+                          ("twrw", (1, 2, 3, 4), "twrw needs a contiguous, aligned block"),
+                          ("tw", (0, 1), "tw needs exactly 1 device")]:
+    plan = {t.name: TablePlacement("tw", (0,)) for t in TABLES} | {
+        "t2": TablePlacement(kind, devs)}
+    with pytest.raises(ValueError, match=re.escape(f"table 't2' placed {kind} on {devs}: {why}")):
+      EmbeddingCollection(TABLES, plan, mesh8, OPTS["adagrad"])
 
 
 @pytest.mark.parametrize("num_tables", [1, 2, 3])
