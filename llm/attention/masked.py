@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from llm.attention.choose import DECODE_MAX_T
-from llm.attention.reference import attention_reference, default_positions
+from llm.attention.reference import attention_reference, check_shapes, default_positions
 
 # Implementations that take an explicit mask (through per-query segment ids).
 MASK_IMPLS = ("auto", "xla", "xla_decode")
@@ -72,11 +72,13 @@ def per_query_masked(fn, q_BTHK, k_BSGK, v_BSGK, mask_BTS, *, q_segment_ids=None
                      kv_segment_ids=None, q_positions=None, kv_positions=None, **kwargs):
   """`fn` (a registered implementation) with `mask_BTS` applied, one query at a time."""
   b, t = q_BTHK.shape[:2]
+  # The caller's own arrays are checked here: `fn` sees only the per-query ones built below,
+  # so a lone kv_segment_ids or a [B,1] q_segment_ids would otherwise be dropped or broadcast.
+  check_shapes(q_BTHK, k_BSGK, v_BSGK, q_segment_ids, kv_segment_ids, q_positions,
+               kv_positions)
   _check_mask(q_BTHK, k_BSGK, mask_BTS)
   visible_BTS = mask_BTS.astype(bool)
   if q_segment_ids is not None:
-    if kv_segment_ids is None:
-      raise ValueError("attention: give both q_segment_ids and kv_segment_ids, or neither")
     visible_BTS = visible_BTS & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
   if q_positions is None:
     q_positions = default_positions(b, t)

@@ -71,6 +71,17 @@ class CostModel:
   lin_const: float = 0.0      # e: s per micro-batch
   meta: dict = dataclasses.field(default_factory=dict, compare=False)
 
+  def __post_init__(self):
+    # A hand-edited or foreign JSON must not slip a string, NaN or negative cost into the
+    # packers' sums and argmins (where a NaN load wins every comparison silently).
+    for f in dataclasses.fields(self):
+      if f.name == "meta":
+        continue
+      v = getattr(self, f.name)
+      if (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))
+          or not np.isfinite(v) or v < 0):
+        raise ValueError(f"CostModel: {f.name}={v!r}; expected a finite number >= 0")
+
   def doc_attention(self, lengths) -> np.ndarray:
     l = np.asarray(lengths, np.float64)
     return self.attn_quad * l * l + self.attn_lin * l + self.attn_const * (l > 0)
@@ -120,7 +131,14 @@ class CostModel:
                               "CostModel.save or experiments.wlb_packing --save_cost_model)",
                               path)
     with open(path) as f:
-      return cls.from_dict(json.load(f))
+      d = json.load(f)
+    if not isinstance(d, dict):
+      raise ValueError(f"CostModel.load: {path} holds a JSON {type(d).__name__}; expected an "
+                       "object of CostModel fields")
+    try:
+      return cls.from_dict(d)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"CostModel.load: {path}: {e}") from None
 
 
 def flop_cost_model(shape: Shape) -> CostModel:

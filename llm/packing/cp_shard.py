@@ -169,6 +169,10 @@ def choose_layout(segment_ids_BT: np.ndarray, positions_BT: np.ndarray, n: int,
   whose slowest rank has the smaller estimated attention time (rows of a batch share the
   kernel call, so rank times add over rows). Returns (choice, {layout: estimate})."""
   seg, pos = np.asarray(segment_ids_BT), np.asarray(positions_BT)
+  if seg.shape[1] % (2 * n):
+    raise ValueError(f"choose_layout: rows of T={seg.shape[1]} tokens over n={n} ranks; the "
+                     f"adaptive choice weighs per-sequence sharding, which needs T a multiple "
+                     f"of 2*{n} (use the 'document' layout for this T)")
   est = {}
   for mode in ("sequence", "document"):
     total = np.zeros(n)

@@ -76,6 +76,24 @@ def test_mask_errors():
     attn_lib.attention(q, k, k, impl="xla", mask=jnp.ones((1, 3, 2), bool))
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_decode", "auto"])
+def test_per_query_path_checks_the_callers_ids_and_positions(impl):
+  """The per-query path hands its implementation ids it builds itself, so it checks the
+  caller's: a lone kv_segment_ids was dropped and a [B,1] q_segment_ids broadcast over the
+  queries (both silently), a [B,1] q_positions failed inside vmap."""
+  q = jnp.zeros((1, 3, 2, 4))
+  k = jnp.zeros((1, 8, 1, 4))
+  mask = jnp.ones((1, 3, 8), bool)
+  seg_kv = jnp.asarray(np.arange(8)[None] % 2, jnp.int32)
+  with pytest.raises(ValueError, match="give both q_segment_ids and kv_segment_ids"):
+    attn_lib.attention(q, k, k, impl=impl, mask=mask, kv_segment_ids=seg_kv)
+  with pytest.raises(ValueError, match=r"q_segment_ids shape \(1, 1\), expected \(1, 3\)"):
+    attn_lib.attention(q, k, k, impl=impl, mask=mask, q_segment_ids=jnp.ones((1, 1), jnp.int32),
+                       kv_segment_ids=seg_kv)
+  with pytest.raises(ValueError, match=r"q_positions shape \(1, 1\), expected \(1, 3\)"):
+    attn_lib.attention(q, k, k, impl=impl, mask=mask, q_positions=jnp.ones((1, 1), jnp.int32))
+
+
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 def test_long_calls_take_the_reference_with_the_mask(impl, monkeypatch):
   """More queries than a decode step (a draft head trained on its unrolled predictions):

@@ -9,6 +9,9 @@ pairs counted against the attention mask, tile classes against the Mosaic GPU ke
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 
@@ -281,6 +284,17 @@ def test_adaptive_choice_prefers_sequence_for_many_short_documents():
   assert pick(long)[0] == "document"
 
 
+def test_adaptive_layout_of_rows_not_a_multiple_of_2n_is_refused_by_name():
+  """T = 12 over 4 ranks: per-document sharding fits, per-sequence does not; "adaptive"
+  raised from inside layout.load_balance ("axis 1 has length 12"), naming neither the
+  choice nor the layout that works."""
+  b = B.to_lm_batch([np.arange(1, 6), np.arange(1, 4)], [[0, 1]], 12)
+  assert S.layout_batch(b, 4, "document")[2] == "document"
+  with pytest.raises(ValueError, match=r"choose_layout: rows of T=12 tokens over n=4 ranks.*"
+                                       r"multiple of 2\*4 \(use the 'document' layout"):
+    S.layout_batch(b, 4, "adaptive")
+
+
 # ----------------------------------------------------------------------------- cost model
 
 
@@ -298,6 +312,23 @@ def test_fit_recovers_coefficients_and_round_trips(tmp_path):
   big = m.scaled(s2.attention_width / s1.attention_width, 2.0)
   assert big.attn_quad == 2 * a and big.attn_const == c and big.lin_per_token == 2 * d
   assert m.total([10, 20]) == pytest.approx(m.attention([10, 20]) + m.linear(30))
+
+
+@pytest.mark.parametrize("field,value", [("attn_quad", float("nan")), ("lin_per_token", -1.0),
+                                         ("attn_lin", "2e-6"), ("lin_const", True)])
+def test_cost_model_json_with_a_bad_coefficient_is_refused(tmp_path, field, value):
+  """A NaN load wins no argmin comparison honestly (balanced_pack put every document in
+  bin 0 behind it), a negative one makes W negative, a string failed later in numpy: the
+  file is refused on load, naming it, the field and the value."""
+  d = C.CostModel(3e-9, 2e-6, 1e-4, 5e-5, 1e-3).to_dict()
+  d[field] = value
+  path = tmp_path / "c.json"
+  path.write_text(json.dumps(d))
+  with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: CostModel: {field}="):
+    C.CostModel.load(str(path))
+  path.write_text("[1, 2]")
+  with pytest.raises(ValueError, match="holds a JSON list; expected an object"):
+    C.CostModel.load(str(path))
 
 
 def test_fit_cost_model_recovers_known_coefficients(monkeypatch):
