@@ -135,7 +135,14 @@ def _drop_loop_closed_reports() -> None:
 class Checkpointer:
   """Saves and restores {state, meta} under `<workdir>/checkpoints/<step>`."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 3):
+  def __init__(self, workdir: str, max_to_keep: int | None = 3):
+    # orbax reads max_to_keep=0 as "keep none" and deletes every checkpoint, the one just
+    # written included; None keeps them all.
+    if max_to_keep is not None and (isinstance(max_to_keep, bool) or
+                                    not isinstance(max_to_keep, (int, np.integer)) or
+                                    max_to_keep < 1):
+      raise ValueError(f"core/checkpoint.py Checkpointer: max_to_keep={max_to_keep!r}, "
+                       "expected an int >= 1 (checkpoints kept) or None (keep all)")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self._manager = ocp.CheckpointManager(
         self.directory,
@@ -180,11 +187,18 @@ class Checkpointer:
     try:
       with open(tmp, "w") as f:
         json.dump(meta, f)
+        # On disk before the rename: else a crash soon after can leave the checkpoint's
+        # only metadata empty (the rename reaches the disk before the data on XFS, or ext4
+        # mounted noauto_da_alloc), and a resume could not read its settings.
+        f.flush()
+        os.fsync(f.fileno())
       os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
       with contextlib.suppress(OSError):
         os.remove(tmp)
-      raise write_error(self.directory, step, e) from None
+      if isinstance(e, OSError):
+        raise write_error(self.directory, step, e) from None
+      raise
 
   def restore_meta(self, step: int) -> dict[str, Any]:
     """The JSON metadata saved with checkpoint `step`; reads no array."""

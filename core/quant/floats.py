@@ -136,12 +136,16 @@ def fp8_amax(x: jax.Array, granularity: Granularity = "tensor") -> jax.Array:
   a = exact.abs_bits(jnp.asarray(x, jnp.float32))          # NaN > Inf > finite
   if granularity == "tensor":
     return exact.from_bits(jnp.max(a))
-  if granularity == "row":
-    if a.ndim == 0:
-      raise ValueError("core/quant/floats.py fp8_amax: granularity='row' needs x.ndim >= 1")
-    return exact.from_bits(jnp.max(a, axis=-1, keepdims=True))
-  raise ValueError(f"core/quant/floats.py: granularity={granularity!r}, expected 'tensor' or "
-                   "'row'")
+  _check_granularity(granularity, a.ndim, "fp8_amax")
+  return exact.from_bits(jnp.max(a, axis=-1, keepdims=True))
+
+
+def _check_granularity(granularity: str, ndim: int, where: str) -> None:
+  if granularity not in ("tensor", "row"):
+    raise ValueError(f"core/quant/floats.py {where}: granularity={granularity!r}, expected "
+                     "'tensor' or 'row'")
+  if granularity == "row" and ndim == 0:
+    raise ValueError(f"core/quant/floats.py {where}: granularity='row' needs x.ndim >= 1")
 
 
 def fp8_scales(amax: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
@@ -166,6 +170,7 @@ def quantize_fp8(x: jax.Array, fmt: str = "e4m3", granularity: Granularity = "te
   """
   f, dtype = _fp8_format(fmt)
   x = jnp.asarray(x, jnp.float32)
+  _check_granularity(granularity, x.ndim, "quantize_fp8")
   if amax is None:
     amax = fp8_amax(x, granularity)
   else:

@@ -94,7 +94,9 @@ def _check(x: np.ndarray, bits: int, group: int, where: str) -> np.ndarray:
   if x.shape[1] % group:
     _fail(where, f"{x.shape[1]} columns; expected a multiple of the group size {group}")
   if not np.all(np.isfinite(x)):
-    _fail(where, "holds NaN or Inf; expected finite weights")
+    r, c = np.argwhere(~np.isfinite(x))[0]
+    _fail(where, f"holds NaN or Inf (first {x[r, c]} at row {r}, column {c}); expected "
+          "finite weights")
   return x
 
 
@@ -149,10 +151,26 @@ def quantize_groupwise(x_NK: np.ndarray, bits: int, group: int = GROUP, *,
       s = scale.astype(np.float32)[..., None]
       codes = np.where(s > 0, np.rint((g - lo[..., None]) / s), 0)
       q = pack_int4(np.clip(codes, 0, 15).reshape(n, k), group)
-  if not (np.all(np.isfinite(scale)) and (bias is None or np.all(np.isfinite(bias)))):
-    _fail(where, f"a group's range exceeds float16 (|x| up to {np.max(np.abs(x)):.4g}); "
-          "expected weights within +-65504 * 15")
+  _check_float16(g, scale, bias, group, where)
   return GroupQuantized(q, scale.astype(np.float16), bias, bits, group)
+
+
+def _check_float16(g: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, group: int,
+                   where: str) -> None:
+  """Fails naming the first group [N, J, G] whose float16 scale or bias overflowed."""
+  bad = ~np.isfinite(scale) if bias is None else ~(np.isfinite(scale) & np.isfinite(bias))
+  if not bad.any():
+    return
+  r, j = np.argwhere(bad)[0]
+  vals, at = g[r, j], f"row {r}, columns {j * group}..{(j + 1) * group - 1}"
+  if bias is None:
+    _fail(where, f"{at}: max |x| = {np.max(np.abs(vals)):.6g}; expected at most 65504 * 127 "
+          "(the float16 scale max |x| / 127)")
+  if not np.isfinite(bias[r, j]):
+    _fail(where, f"{at}: min = {np.min(vals):.6g}; expected at least -65504 (the float16 "
+          "bias, the group's minimum)")
+  _fail(where, f"{at}: max - min = {np.max(vals) - np.float64(np.min(vals)):.6g}; expected "
+        "at most 65504 * 15 (the float16 scale (max - min) / 15)")
 
 
 def dequantize_groupwise(gq: GroupQuantized, dtype=jnp.float32) -> jax.Array:
@@ -254,6 +272,20 @@ def from_ggml_blocks(blocks: np.ndarray, qtype: str, *, where: str = "from_ggml_
   n, j = blocks.shape[0], blocks.shape[1] // size
   b = blocks.reshape(n, j, size)
   d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+  m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if qtype == "Q4_1" else d
+  # A non-finite d or m (a damaged file) would decode to NaN / Inf weights; Q4_0's bias
+  # -8 d is a float16 here, so |d| > 65504 / 8 would decode to Inf where ggml's float
+  # (q - 8) * d is finite.
+  bad = ~(np.isfinite(d) & np.isfinite(m))
+  if qtype == "Q4_0":
+    bad |= np.abs(d.astype(np.float32)) > np.float32(65504 / 8)
+  if bad.any():
+    r, jb = np.argwhere(bad)[0]
+    block = f"row {r}, block {jb} (columns {jb * GROUP}..{(jb + 1) * GROUP - 1})"
+    if qtype == "Q4_1":
+      _fail(where, f"{block}: d = {d[r, jb]}, m = {m[r, jb]}; expected finite d and m")
+    limit = " with |d| <= 8188 (the float16 bias -8 d)" if qtype == "Q4_0" else ""
+    _fail(where, f"{block}: d = {d[r, jb]}; expected a finite d{limit}")
   if qtype == "Q8_0":
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, j * GROUP)
     return GroupQuantized(q, d, None, 8, GROUP)
@@ -261,7 +293,7 @@ def from_ggml_blocks(blocks: np.ndarray, qtype: str, *, where: str = "from_ggml_
     bias = (d.astype(np.float32) * np.float32(-8)).astype(np.float16)   # exact
     qs = b[..., 2:]
   else:
-    bias = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+    bias = m
     qs = b[..., 4:]
   return GroupQuantized(np.ascontiguousarray(qs).reshape(n, j * GROUP // 2), d,
                         np.ascontiguousarray(bias), 4, GROUP)

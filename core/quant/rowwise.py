@@ -256,15 +256,17 @@ def rowwise_error_bound(qr: RowwiseQuantized, x_ND: jax.Array | None = None) -> 
   inverse scale 255 / (range + 1e-8) shrinks each code by at most 1e-8 in value.
   N-bit: the codes are taken against the fp16 bias and fp16 scale, so half a step plus
   the two float16 roundings: the top code may clip (max - bias exceeds qmax * scale by at
-  most qmax * scale * 2^-11 from the scale's rounding), and the bias' rounding (given
-  `x_ND`, |min - bias|) moves the bottom of the range, where values below the bias clip
-  to code 0.
+  most qmax times half an fp16 ulp of the scale: scale * 2^-11 for a normal scale, 2^-25
+  for a subnormal one, below 2^-14, which rows of range < qmax * 2^-14 get, e.g. DLRM's
+  +-1e-3 init rows in 8 bits), and the bias' rounding (given `x_ND`, |min - bias|) moves
+  the bottom of the range, where values below the bias clip to code 0.
   """
   scale = qr.scale.astype(jnp.float32)
   if not qr.half:
     return scale / 2 + INT8_EPS
   qmax = (1 << qr.bits) - 1
-  bound = scale / 2 + qmax * scale * 2.0 ** -11
+  half_ulp = jnp.maximum(scale * 2.0 ** -11, jnp.float32(2.0 ** -25))
+  bound = scale / 2 + qmax * half_ulp
   if x_ND is not None:
     bound = bound + jnp.abs(jnp.min(jnp.asarray(x_ND, jnp.float32), axis=1)
                             - qr.bias.astype(jnp.float32))

@@ -96,6 +96,31 @@ def test_update_meta_replaces_the_json_only(ckpt, monkeypatch, caplog):
   assert not os.path.exists(f"{path}.tmp")
 
 
+def test_update_meta_is_on_disk_before_the_rename(ckpt, monkeypatch):
+  """The new metadata is fsynced before it replaces the old (else a crash can leave the
+  checkpoint's metadata empty); metadata that is not JSON leaves no temporary file."""
+  ckpt.save(2, {"w": jnp.arange(4.0)}, {"step": 2})
+  path = f"{ckpt.directory}/2/meta/metadata"
+  events = []
+  real_fsync, real_replace = os.fsync, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    return real_fsync(fd)
+
+  def replace(src, dst):
+    events.append(("replace", str(src)))
+    return real_replace(src, dst)
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "replace", replace)
+  ckpt.update_meta(2, {"step": 2, "last_eval": {"auc": 0.5}})
+  assert events == [("fsync", os.path.realpath(f"{path}.tmp")), ("replace", f"{path}.tmp")]
+  with pytest.raises(TypeError, match="not JSON serializable"):
+    ckpt.update_meta(2, {"step": 2, "last_eval": {"auc": object()}})
+  assert not os.path.exists(f"{path}.tmp")
+  assert ckpt.restore_meta(2) == {"step": 2, "last_eval": {"auc": 0.5}}
+
+
 def test_a_part_on_the_host_that_the_checkpoint_lacks(ckpt):
   ckpt.save(1, {"params": {"w": jnp.ones((2, 3))}}, {"step": 1})
   with pytest.raises(ckpt_lib.CheckpointMismatchError) as e:
@@ -134,3 +159,21 @@ def test_noise_of_failed_writes_is_dropped_and_the_rest_reported(monkeypatch):
       record("Unclosed client session", OSError(errno.EIO, "I/O error")))
           if asyncio_log.filters[0].filter(r)]
   assert kept == [never, never, "Unclosed client session"]
+
+
+def test_keep_policy(tmp_path):
+  """max_to_keep=N keeps the newest N, None keeps all; 0 (orbax's "keep none", which deletes
+  even the checkpoint just written) and other non-counts are refused naming the value."""
+  for keep, want in ((2, [2, 3]), (None, [1, 2, 3])):
+    c = ckpt_lib.Checkpointer(str(tmp_path / str(keep)), keep)
+    for step in (1, 2, 3):
+      c.save(step, {"w": jnp.full((2,), float(step))}, {"step": step})
+    assert c.all_steps() == want and c.latest_step() == 3
+    state, meta = c.restore(3, {"w": jnp.zeros((2,))})
+    assert meta == {"step": 3} and np.asarray(state["w"]).tolist() == [3.0, 3.0]
+    c.close()
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=rf"max_to_keep={bad!r}, expected an int >= 1 .* or "
+                       r"None \(keep all\)"):
+      ckpt_lib.Checkpointer(str(tmp_path / "bad"), bad)
+  assert not (tmp_path / "bad").exists()

@@ -5,7 +5,9 @@ exact arithmetic (core/quant/exact.py) that makes every backend give the same bi
 from __future__ import annotations
 
 import fractions
+import os
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import pytest
 
 from core import quant
 from core.quant import exact
+from tests.peer_env import peer_python
 
 
 def _rows(seed=0, n=64, d=16):
@@ -209,6 +212,23 @@ def test_nbit_bias_rounding_term_is_needed():
   assert (err <= np.asarray(quant.rowwise_error_bound(qr, x)) + 1e-5).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_nbit_bound_holds_for_a_subnormal_fp16_scale(bits):
+  """Rows of range < qmax * 2^-14 get a float16 subnormal scale, whose rounding is up to
+  2^-25 absolute, far more than scale * 2^-11: range / qmax = 1.49 * 2^-24 rounds to 2^-24,
+  so the top code clips by 0.49 * qmax * 2^-24. And DLRM-init rows (+-1e-3) in 8 bits."""
+  qmax = (1 << bits) - 1
+  rng = np.random.default_rng(5)
+  x = np.stack([np.linspace(0, qmax * 1.49 * 2.0 ** -24, 16),
+                rng.uniform(-1e-3, 1e-3, 16)]).astype(np.float32)
+  qr = quant.quantize_rowwise_nbit(x, bits)
+  assert np.asarray(qr.scale[0], np.float32) == 2.0 ** -24
+  err = np.abs(np.asarray(quant.dequantize_rowwise_nbit(qr)) - x).max(axis=1)
+  # Every value is below 2^-9, so float32 rounding of the dequantized row is < 2^-33.
+  assert (err <= np.asarray(quant.rowwise_error_bound(qr, x)) + 2.0 ** -33).all(), err
+  assert err[0] > 0.4 * qmax * 2.0 ** -24                    # the clipped top code
+
+
 @pytest.mark.parametrize("bits,half,dim", [(8, False, 16), (8, True, 16), (4, True, 16),
                                            (4, True, 7), (2, True, 7)])
 def test_fused_bytes_layout(bits, half, dim):
@@ -354,3 +374,71 @@ def test_no_float_division_reaches_xla(name, platform):
   text = jax.jit(QUANTIZERS[name]).trace(x).lower(lowering_platforms=(platform,)).as_text()
   divides = re.findall(r"stablehlo\.divide[^\n]*", text)
   assert not [d for d in divides if re.search(r"tensor<[^>]*f(16|32|64)>", d)], divides
+
+
+# ------------------------------------------------------------- FBGEMM (peer environment)
+
+_FBGEMM_ROWWISE = r'''
+import sys
+import numpy as np, torch, fbgemm_gpu
+inp = dict(np.load(sys.argv[1]))
+ops, out = torch.ops.fbgemm, {}
+x = torch.from_numpy(inp["x"])
+out["q8"] = ops.FloatToFused8BitRowwiseQuantized(x).numpy()
+out["d8"] = ops.Fused8BitRowwiseQuantizedToFloat(torch.from_numpy(inp["f8"])).numpy()
+for b in (2, 4, 8):
+    out[f"q{b}h"] = ops.FloatToFusedNBitRowwiseQuantizedSBHalf(x, b).numpy()
+    out[f"d{b}h"] = ops.FusedNBitRowwiseQuantizedSBHalfToFloat(
+        torch.from_numpy(inp[f"f{b}h"]), b).numpy()
+np.savez(sys.argv[2], **out)
+'''
+
+
+@pytest.mark.peer
+def test_fused_rows_bit_exact_with_fbgemm_ops(tmp_path):
+  """FBGEMM's own CPU ops (fbgemm_gpu: FloatToFused8BitRowwiseQuantized,
+  FloatToFusedNBitRowwiseQuantizedSBHalf and their inverses), not a transcription: the fused
+  rows of float rows (wide magnitudes, constant, one huge value, ties, signed zeros, fp16
+  scales that are subnormal), and the floats of random fused rows (any scale and bias,
+  8-bit's q * scale + bias rounded once, as FBGEMM's FMA does), bit for bit. Rows with a
+  subnormal range are left out: FBGEMM keeps the subnormal, XLA:CPU reads it as 0."""
+  peer = peer_python("TORCHREC_PEER_PYTHON")
+  if not os.path.exists(peer):
+    pytest.skip(f"peer environment absent ({peer})")
+  d = 16                                   # FBGEMM's SBHalf ops need an even width
+  x = _rows(7, 96, d)
+  x[4] = 0.0
+  x[4, 3] = 1e4                            # one huge value
+  x[5] = np.where(np.arange(d) % 2, 0.0, -0.0)
+  x[6] = np.arange(d) * 0.5 + 0.25         # many exact ties
+  x[7] = np.linspace(0, 15 * 1.49 * 2.0 ** -24, d)    # fp16 subnormal scales
+  x[8] = np.linspace(-1e-3, 1e-3, d)
+  x[9] = 65000.0
+  x[9, 0] = 65519.0                        # bias at float16's largest
+  rng = np.random.default_rng(8)
+  layouts = (("8", 8, False), ("8h", 8, True), ("4h", 4, True), ("2h", 2, True))
+  fused = {}
+  for key, bits, half in layouts:
+    codes = rng.integers(0, 256, (64, quant.packed_width(d, bits))).astype(np.uint8)
+    if half:                                   # every float16 bit pattern
+      sb = rng.integers(0, 1 << 16, (64, 2)).astype(np.uint16)
+    else:
+      sb = (rng.normal(size=(64, 2)) * 10.0 ** rng.uniform(-8, 3, (64, 1))).astype(np.float32)
+    fused[f"f{key}"] = np.concatenate([codes, sb.view(np.uint8)], 1)
+  np.savez(tmp_path / "in.npz", x=x, **fused)
+  r = subprocess.run([peer, "-c", _FBGEMM_ROWWISE, str(tmp_path / "in.npz"),
+                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
+  if r.returncode and "No module named" in r.stderr:
+    pytest.skip(f"{peer} lacks fbgemm_gpu: {r.stderr.strip()[-200:]}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  fb = dict(np.load(tmp_path / "out.npz"))
+  np.testing.assert_array_equal(quant.to_fused_bytes(quant.quantize_rowwise_int8(x)), fb["q8"])
+  for bits in (8, 4, 2):
+    np.testing.assert_array_equal(quant.to_fused_bytes(quant.quantize_rowwise_nbit(x, bits)),
+                                  fb[f"q{bits}h"], err_msg=f"{bits}-bit")
+  for key, bits, half in layouts:
+    got = np.asarray(quant.dequantize_rowwise(quant.from_fused_bytes(fused[f"f{key}"], bits, d,
+                                                                      half=half)))
+    want = fb[f"d{key}"]
+    assert np.array_equal(np.isnan(got), np.isnan(want)), key
+    _same_bits(got[~np.isnan(got)], want[~np.isnan(want)])

@@ -403,3 +403,16 @@ def test_errors():
     quant.bdr_round(np.zeros(16, np.float32), "mx9", sub_block=3)
   with pytest.raises(ValueError, match="unknown format 'e6m1'"):
     F.get_format("e6m1")
+
+
+def test_fp8_granularity_is_checked_with_a_given_amax():
+  """A misspelt granularity with a given (delayed) amax is refused, not read as 'row'."""
+  x = np.ones((2, 4), np.float32)
+  for bad in ("rows", "Tensor"):
+    with pytest.raises(ValueError, match=rf"quantize_fp8: granularity='{bad}', expected "
+                       r"'tensor' or 'row'"):
+      quant.quantize_fp8(x, "e4m3", bad, amax=np.ones((2, 1), np.float32))
+  with pytest.raises(ValueError, match=r"fp8_amax: granularity='row' needs x.ndim >= 1"):
+    quant.fp8_amax(np.float32(1), "row")
+  with pytest.raises(ValueError, match=r"quantize_fp8: granularity='row' needs x.ndim >= 1"):
+    quant.quantize_fp8(np.float32(1), "e4m3", "row", amax=np.ones((1,), np.float32))

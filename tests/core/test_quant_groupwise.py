@@ -83,6 +83,34 @@ def test_bad_input_names_the_tensor():
     groupwise.quantize_groupwise(np.zeros((2, 32), np.float32), 3)
   with pytest.raises(ValueError, match=r"ggml type Q5_K"):
     groupwise.from_ggml_blocks(np.zeros((2, 176), np.uint8), "Q5_K")
+  with pytest.raises(ValueError, match=r"first inf at row 2, column 5"):
+    groupwise.quantize_groupwise(np.where(np.isnan(x), np.inf, x), 4)
+
+
+def test_float16_overflow_names_the_group_and_its_limit():
+  """Each format has its own float16 limit: int8's scale max|x| / 127, int4's bias (the
+  minimum, >= -65504) and scale (max - min) / 15; the error names the group and the one
+  exceeded (-7e4 is far inside +-65504 * 15 yet overflows int4's bias)."""
+  x = np.zeros((3, 64), np.float32)
+  x[1, 40] = -7e4
+  with pytest.raises(ValueError, match=r"wq: row 1, columns 32\.\.63: min = -70000; expected "
+                     r"at least -65504"):
+    groupwise.quantize_groupwise(x, 4, where="wq")
+  assert np.isfinite(groupwise.quantize_groupwise(x, 8).scale).all()     # int8 takes it
+  x[1, 40] = 9e5
+  x[2, 3] = -9e4
+  assert np.isfinite(groupwise.quantize_groupwise(x[:2], 4).scale).all()   # 9e5 / 15 fits
+  with pytest.raises(ValueError, match=r"row 2, columns 0\.\.31: min = -90000"):
+    groupwise.quantize_groupwise(x, 4)
+  y = np.zeros((2, 32), np.float32)
+  y[1, :2] = 1e6, -6e4
+  with pytest.raises(ValueError, match=r"row 1, columns 0\.\.31: max - min = 1\.06e\+06; "
+                     r"expected at most 65504 \* 15"):
+    groupwise.quantize_groupwise(y, 4)
+  x[0, 63] = -9e6
+  with pytest.raises(ValueError, match=r"row 0, columns 32\.\.63: max \|x\| = 9e\+06; expected "
+                     r"at most 65504 \* 127"):
+    groupwise.quantize_groupwise(x, 8)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -101,6 +129,29 @@ def test_ggml_blocks_equal_gguf_dequantize(qtype):
   np.testing.assert_array_equal(got[nonzero].view(np.int32), want[nonzero].view(np.int32))
   assert qtype == "Q4_0" or np.array_equal(got.view(np.int32), want.view(np.int32))
   np.testing.assert_array_equal(groupwise.dequantize_groupwise_reference(gq), want)
+
+
+def test_ggml_blocks_whose_scale_cannot_be_held_are_named():
+  """Q4_0's bias -8 d is a float16: a block with |d| > 8188 (weights beyond +-65504, a bf16
+  model's outlier) would decode to -Inf where ggml gives finite (q - 8) * d; a non-finite
+  d or m (a damaged file) to NaN. Each is an error naming the tensor and the block."""
+  blocks = np.zeros((2, 3 * 18), np.uint8)
+  blocks[1, 18:20] = np.array([8752], np.float16).view(np.uint8)    # block 1 of row 1
+  with pytest.raises(ValueError, match=r"wk \(Q4_0\): row 1, block 1 \(columns 32\.\.63\): "
+                     r"d = 8752\.0; expected a finite d with \|d\| <= 8188"):
+    groupwise.from_ggml_blocks(blocks, "Q4_0", where="wk (Q4_0)")
+  blocks[1, 18:20] = np.array([8188], np.float16).view(np.uint8)    # the largest that fits
+  gq = groupwise.from_ggml_blocks(blocks, "Q4_0")
+  assert np.asarray(gq.dequantize())[1, 32] == -8 * 8188.0
+  q41 = np.zeros((1, 2 * 20), np.uint8)
+  q41[0, 22:24] = np.array([np.inf], np.float16).view(np.uint8)     # block 1's m
+  with pytest.raises(ValueError, match=r"row 0, block 1 \(columns 32\.\.63\): d = 0\.0, "
+                     r"m = inf; expected finite d and m"):
+    groupwise.from_ggml_blocks(q41, "Q4_1")
+  q80 = np.zeros((1, 34), np.uint8)
+  q80[0, :2] = np.array([np.nan], np.float16).view(np.uint8)
+  with pytest.raises(ValueError, match=r"row 0, block 0 \(columns 0\.\.31\): d = nan"):
+    groupwise.from_ggml_blocks(q80, "Q8_0")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
