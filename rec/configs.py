@@ -662,7 +662,8 @@ def build_run(cfg: RecRunConfig, devices=None, sources=None, a2a_compression=Non
                  host_prefetch=e.host_prefetch)
   if data_workers:
     dd = coll.dedup and dedup_lib.DedupTransform(coll.dedup_features, coll.dedup.capacity,
-                                                 task.dedup_shards(), coll.dedup.on_overflow)
+                                                 task.dedup_shards(), coll.dedup.on_overflow,
+                                                 [t.name for t in coll.tables])
     train_src = workers_lib.WorkerSource(train_src, dd or None, data_workers)
   if e.host_prefetch:   # each batch carries the next one's ids
     train_src = lookahead_lib.LookaheadSource(train_src)

@@ -216,11 +216,17 @@ class TeacherColumnSource:
                       "(rec.distill.augment) for these students' data")
     column = np.load(path)
     need = num_batches * base.batch_size
-    if column.ndim != 1 or column.shape[0] < need or not np.isfinite(column[:need]).all():
-      raise UserError(f"{path}: teacher column of shape {column.shape} (finite: "
-                      f"{bool(np.isfinite(column).all())}); expected {need} finite logits "
+    if column.dtype.kind in "iuf":
+      # checked as the student reads it: a float64 logit past float32's range becomes inf
+      with np.errstate(over="ignore"):
+        column = column.astype(np.float32)
+    if (column.dtype != np.float32 or column.ndim != 1 or column.shape[0] < need
+        or not np.isfinite(column[:need]).all()):
+      finite = bool(np.isfinite(column).all()) if column.dtype == np.float32 else "-"
+      raise UserError(f"{path}: teacher column of shape {column.shape}, dtype {column.dtype} "
+                      f"(finite as float32: {finite}); expected {need} finite logits "
                       f"({num_batches} batches of {base.batch_size})")
-    self.base, self.path, self.column = base, path, column.astype(np.float32)
+    self.base, self.path, self.column = base, path, column
     self.spec, self.batch_size, self._num = base.spec, base.batch_size, int(num_batches)
 
   @property

@@ -37,6 +37,16 @@ def _select(mask, n: int) -> np.ndarray | None:
   return mask > 0
 
 
+def _check_finite(logits: np.ndarray, sel: np.ndarray | None, where: str) -> None:
+  """Raises for a NaN or infinite logit among the real examples (sel; None: all), naming
+  its index in the batch as given."""
+  bad = ~np.isfinite(logits) if sel is None else sel & ~np.isfinite(logits)
+  if np.any(bad):
+    i = int(np.argmax(bad))
+    raise ValueError(f"{where}: logit {logits[i].item()!r} at index {i}, expected finite logits "
+                     f"({int(bad.sum())} NaN or infinite among the real examples)")
+
+
 def _check_labels(labels: np.ndarray, where: str) -> np.ndarray:
   bad = (labels != 0) & (labels != 1)
   if np.any(bad):
@@ -146,7 +156,9 @@ class RecMetrics:
   positives). Accuracy thresholds the probability at 0.5, counting
   logit > 0 as a positive prediction. NE = logloss / H(p), p the base rate of the same
   examples; NE is nan when p is 0 or 1 (H(p) = 0). Sums are float64 so merge order
-  changes results only at the 1e-15 relative level; AUC is exact.
+  changes results only at the 1e-15 relative level; AUC is exact. A NaN or infinite logit
+  among the real examples raises a ValueError (as `device_metrics`) and leaves the
+  accumulator as it was.
   """
 
   def __init__(self):
@@ -165,6 +177,9 @@ class RecMetrics:
       raise ValueError(f"RecMetrics.update: labels shape {labels.shape} != logits shape "
                        f"{logits.shape}")
     sel = _select(mask, logits.shape[0])
+    # Checked before any sum moves: the log loss of an infinite logit is nan (inf - inf), and
+    # a batch refused halfway would leave the sums and the AUC counting different examples.
+    _check_finite(logits, sel, "RecMetrics.update")
     if sel is not None:
       logits, labels = logits[sel], labels[sel]
     is_pos = _check_labels(labels, "RecMetrics.update")
@@ -346,8 +361,12 @@ def group_metrics(logits, labels, groups, mask=None, top_k: int = TOP_SLICES
   x = np.asarray(logits, np.float64).reshape(-1)
   y = np.asarray(labels).reshape(-1)
   g = np.asarray(groups)
+  if y.shape[0] != x.shape[0] or g.ndim == 0 or g.shape[0] != x.shape[0]:
+    raise ValueError(f"group_metrics: logits {x.shape}, labels {y.shape}, groups {g.shape}; "
+                     "expected one label and one group per example")
   g = g.reshape(x.shape[0], -1) if g.ndim > 1 else g.reshape(-1)
   sel = _select(mask, x.shape[0])
+  _check_finite(x, sel, "group_metrics")   # an infinite logit's log loss is nan
   if sel is not None:
     x, y, g = x[sel], y[sel], g[sel]
   gidx, keys = group_index(g)

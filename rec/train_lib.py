@@ -217,7 +217,8 @@ class RecTask:
     spec = self.collection.dedup
     if spec is not None and host.dedup is None:
       host = dedup_lib.dedup_batch(host, self.collection.dedup_features, spec.capacity,
-                                   self.dedup_shards(), spec.on_overflow)
+                                   self.dedup_shards(), spec.on_overflow,
+                                   [t.name for t in self.collection.tables])
     return mesh_lib.shard_batch(host, self.mesh, self.rules)
 
   def dedup_shards(self) -> int:

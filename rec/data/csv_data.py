@@ -2,7 +2,9 @@
 
 Named csv_data so as not to shadow the standard library's csv module.
 Each file: a header row, then one example per line, comma-separated without quoting (a
-line must have as many fields as the header). Every file of a source must have the same
+line must have as many fields as the header; a field that starts with a double quote, as
+csv / pandas write a value holding a comma or a quote, stops the reader at its file:line
+whatever `bad_lines` says). Every file of a source must have the same
 header. Columns play one of four roles, given or inferred from the header (`CsvColumns`):
   - label: the given column, else the first named label, click, clicked or y (any case)
   - dense: the given columns, else every column named I<digits> (I1, I2, ...). Inferred by
@@ -189,6 +191,25 @@ def _floats(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
   return np.where(ok, x, 0.0), ok
 
 
+def _quoted_fields(lines: list[bytes], header: Sequence[str]) -> dict[int, str]:
+  """{line index: message} of the lines with a field that starts with a double quote (a
+  quoted CSV field, which csv / pandas unquote and which may hold commas: this reader would
+  hash the quotes, or split at the commas inside)."""
+  out = {}
+  for i, line in enumerate(lines):
+    if b'"' not in line:
+      continue
+    fields = stream.strip_newline(line).split(b",")
+    k = next((k for k, v in enumerate(fields) if v.startswith(b'"')), None)
+    if k is None:   # quotes inside a value are part of it, as csv / pandas read them
+      continue
+    name = f"field {header[k]}" if k < len(header) else f"field {k + 1}"
+    out[i] = (f"{name} = {stream.field_text(fields[k])} starts with a quote; expected plain "
+              "comma-separated values (quoted CSV fields are not supported: write the file "
+              "without quoting, or with values free of commas and quotes)")
+  return out
+
+
 def parse_lines(lines: list[bytes], columns: CsvColumns,
                 rows_per_feature: Sequence[int]) -> stream.Parsed:
   """Decodes CSV data lines (no header) into dense, ids and labels.
@@ -201,11 +222,17 @@ def parse_lines(lines: list[bytes], columns: CsvColumns,
   ok, bad_shape = stream.split_by_field_count(lines, b",", C, "comma")
   good_idx = np.flatnonzero(ok)
   n = len(good_idx)
+  buf = stream.join_lines(lines if n == len(lines) else [lines[i] for i in good_idx])
+  # A quoted field stops the reader (whatever bad_lines says): the file is written in a
+  # CSV dialect this reader does not read, so its other lines may be read wrong too.
+  quoted = {}
+  if b'"' in buf or any(b'"' in lines[i] for i, _ in bad_shape):
+    quoted = _quoted_fields(lines, columns.header)
+    bad_shape = [(i, quoted.get(i, msg)) for i, msg in bad_shape]
   if n == 0:
     return stream.Parsed(np.zeros((0, len(columns.dense)), np.float32),
                          np.zeros((0, len(columns.categorical)), np.int32),
-                         np.zeros(0, np.float32), bad_shape)
-  buf = stream.join_lines(lines if n == len(lines) else [lines[i] for i in good_idx])
+                         np.zeros(0, np.float32), bad_shape, min(quoted, default=None))
   fields = buf.replace(b"\n", b",").split(b",")[:-1]   # [N * C], row-major
   assert len(fields) == n * C, (len(fields), n)
 
@@ -237,8 +264,13 @@ def parse_lines(lines: list[bytes], columns: CsvColumns,
   role_bad = dense_bad[:, [k - 1 for k in role_k]]
   bad_fields = []
   bad_rows = np.flatnonzero(checked.any(1))
-  stop_at = None
+  if quoted:
+    bad_rows = np.union1d(bad_rows, np.flatnonzero(np.isin(good_idx, list(quoted))))
+  stop_at = min(quoted, default=None)
   for r in bad_rows:
+    if int(good_idx[r]) in quoted:
+      bad_fields.append((int(good_idx[r]), quoted[int(good_idx[r])]))
+      continue
     k = int(order[np.argmax(checked[r])])
     if role_bad[r].any():
       k = min((k2 for k2 in role_k if dense_bad[r, k2 - 1]), key=lambda k2: d_idx[k2 - 1])
@@ -252,7 +284,7 @@ def parse_lines(lines: list[bytes], columns: CsvColumns,
               "--csv_categorical (CsvSource dense= / categorical=): "
               f"{name} among the categorical columns if it holds categories, or among the "
               "dense ones to make such values bad lines (which --bad_lines=skip skips)")
-      stop_at = int(good_idx[r]) if stop_at is None else stop_at
+      stop_at = int(good_idx[r]) if stop_at is None else min(stop_at, int(good_idx[r]))
     else:
       what = f"field {name} = {value}; {_DENSE_EXPECTED}"
     bad_fields.append((int(good_idx[r]), what))

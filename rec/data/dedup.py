@@ -129,7 +129,8 @@ def _distinct(ids_BL, len_B, w_BL, num_shards):
 
 
 def dedup_batch(batch: SparseBatch, features: Sequence[int], capacity: int = 0,
-                num_shards: int = 1, on_overflow: str = "fallback") -> SparseBatch:
+                num_shards: int = 1, on_overflow: str = "fallback",
+                names: Sequence[str] | None = None) -> SparseBatch:
   """`batch` with the distinct bags of `features` (indices into F) per batch shard attached
   as `batch.dedup` (rec/data/batch.py DedupIds); its other fields are unchanged.
 
@@ -138,7 +139,8 @@ def dedup_batch(batch: SparseBatch, features: Sequence[int], capacity: int = 0,
   shard and feature, C_l; 0 takes the smallest power of two that holds the batch's (at
   most B_l), so a run compiles one step per capacity it meets. A fixed capacity that some
   shard exceeds gives back `batch` unchanged (on_overflow="fallback": the plain path) or
-  raises CapacityError naming the feature, shard, count and capacity.
+  raises CapacityError naming the feature (by its name in `names`, the F feature names,
+  when given), shard, count and capacity.
   """
   if on_overflow not in OVERFLOW:
     raise ValueError(f"dedup_batch: on_overflow={on_overflow!r}, expected one of {OVERFLOW}")
@@ -168,9 +170,11 @@ def dedup_batch(batch: SparseBatch, features: Sequence[int], capacity: int = 0,
       j = next(j for j, (*_, c) in enumerate(found) if c.max() > cap)
       s = int(np.argmax(found[j][3]))
       if on_overflow == "error":
+        f = features[j]
         raise CapacityError(
-            f"dedup: feature {features[j]} has {int(found[j][3][s])} distinct bags in batch "
-            f"shard {s} ({b} samples), over the capacity {cap}; raise the capacity "
+            f"dedup: feature {f if names is None else repr(names[f])} has "
+            f"{int(found[j][3][s])} distinct bags in batch shard {s} ({b} samples), over the "
+            f"capacity {cap}; raise the capacity "
             "(--dedup_capacity; 0: automatic) or let such batches fall back to the plain path")
       return batch
   Fd = len(features)
@@ -195,12 +199,14 @@ class DedupTransform:
   the train step's devices expect (`RecTask.dedup_shards()`)."""
 
   def __init__(self, features: Sequence[int], capacity: int = 0, num_shards: int = 1,
-               on_overflow: str = "fallback"):
+               on_overflow: str = "fallback", names: Sequence[str] | None = None):
     self.features, self.capacity = tuple(int(f) for f in features), int(capacity)
     self.num_shards, self.on_overflow = int(num_shards), on_overflow
+    self.names = None if names is None else tuple(names)
 
   def __call__(self, batch: SparseBatch) -> SparseBatch:
-    return dedup_batch(batch, self.features, self.capacity, self.num_shards, self.on_overflow)
+    return dedup_batch(batch, self.features, self.capacity, self.num_shards, self.on_overflow,
+                       self.names)
 
   def __repr__(self) -> str:
     return (f"DedupTransform(features={self.features}, capacity={self.capacity}, "

@@ -75,9 +75,12 @@ def open_binary(path: str) -> BinaryIO:
   return open(path, "rb", buffering=1 << 20)
 
 
-def gzip_error(path: str, e: BaseException) -> UserError:
-  """The one line for a .gz file whose stream cannot be read to its end."""
-  if isinstance(e, EOFError):
+def gzip_error(path: str, e: BaseException | None) -> UserError:
+  """The one line for a .gz file whose stream cannot be read to its end (e None: the file
+  is empty)."""
+  if e is None:
+    found = "an empty file (0 bytes), not a gzip stream (a download cut before its first byte)"
+  elif isinstance(e, EOFError):
     found = "the gzip stream ends before its end marker (a truncated file)"
   else:
     found = f"damaged gzip data ({e})"
@@ -95,6 +98,8 @@ class _GzipFile(gzip.GzipFile):
 
   def __init__(self, path, mode="rb"):
     st = os.stat(path)
+    if st.st_size == 0:   # Python's gzip reads it as an empty stream; `gzip -t` refuses it
+      raise gzip_error(os.fspath(path), None)
     self._key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     super().__init__(path, mode)
 

@@ -650,6 +650,24 @@ def test_truncated_gz_names_the_file(tmp_path):
   assert sources.make_sources(f"criteo:{tera}", 4)[0].num_examples == 4000
 
 
+def test_empty_gz_is_a_truncated_download(tmp_path):
+  """A 0-byte .gz (a download cut before its first byte) is no gzip stream (`gzip -t`
+  refuses it); Python's gzip would read it as an empty file, an eval split of no rows."""
+  from core import cli
+  from rec.data import textfiles
+  empty = tmp_path / "test.gz"
+  empty.write_bytes(b"")
+  for read in (lambda: textfiles.verify_gzip([str(empty)]),
+               lambda: textfiles.index_lines(str(empty)),
+               lambda: list(criteo.CriteoSource(str(empty), 4, 1000, repeat=False).batches())):
+    with pytest.raises(ValueError) as e:
+      read()
+    assert cli.is_user_error(e.value), repr(e.value)
+    assert str(e.value).startswith(f"{empty}: an empty file (0 bytes), not a gzip stream")
+  write(tmp_path, "whole.gz", [])    # an empty stream, compressed: still an empty file
+  assert textfiles.index_lines(str(tmp_path / "whole.gz")).lines == 0
+
+
 def test_num_rows_bounds_name_the_flag(tmp_path):
   from core.errors import UserError
   for name in ("train.txt", "valid.txt"):

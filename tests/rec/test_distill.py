@@ -244,6 +244,13 @@ def test_missing_teacher_column_is_named(tmp_path):
   distill.write_column(str(tmp_path / "short.npy"), np.zeros(10))
   with pytest.raises(UserError, match=r"short.npy: teacher column of shape \(10,\).*expected 16"):
     distill.TeacherColumnSource(src, str(tmp_path / "short.npy"), 1)
+  # float64 logits past float32's range: inf in the student's float32 column
+  np.save(tmp_path / "wide.npy", np.r_[np.zeros(15), 1e39])
+  with pytest.raises(UserError, match=r"wide.npy: .*float32: False\); expected 16 finite"):
+    distill.TeacherColumnSource(src, str(tmp_path / "wide.npy"), 1)
+  np.save(tmp_path / "text.npy", np.array(["1.0"] * 16))
+  with pytest.raises(UserError, match=r"text.npy: teacher column of shape \(16,\), dtype <U3"):
+    distill.TeacherColumnSource(src, str(tmp_path / "text.npy"), 1)
 
 
 def test_bad_settings_are_named():

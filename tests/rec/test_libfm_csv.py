@@ -466,6 +466,25 @@ def test_csv_bad_lines(tmp_path, bad_line, message):
   assert skip.num_examples == 3 and skip.bad_line_count == 1
 
 
+@pytest.mark.parametrize("bad_lines", ["error", "skip"])
+def test_csv_quoted_field_stops_the_reader(tmp_path, bad_lines):
+  """csv / pandas unquote '"x"' to x (and keep the comma of '"x,y"'): hashing the quotes, or
+  splitting at the comma, would read another value. A quote inside a value is part of it,
+  for them and here."""
+  good = "r,1,a,b\n"
+  for line, shown in [('r,0,"x",b\n', "'\"x\"'"), ('r,0,"x,y",b\n', "'\"x'")]:
+    path = write(tmp_path, "q.csv", ["id,click,C1,C2\n", good, good, line, good])
+    src = csv_data.CsvSource(path, 1, 50, bad_lines=bad_lines, repeat=False)
+    with pytest.raises(ValueError) as err:
+      list(src.batches())
+    assert str(err.value).startswith(
+        f"{path}:4: field C1 = {shown} starts with a quote; expected plain comma-separated "
+        "values (quoted CSV fields are not supported"), str(err.value)
+  path = write(tmp_path, "inner.csv", ["id,click,C1,C2\n", 'r,1,x"y,b\n'])
+  (b,) = list(csv_data.CsvSource(path, 1, 50, bad_lines=bad_lines, repeat=False).batches())
+  assert b.ids[0, 0, 0] == 1 + zlib.crc32(b'x"y') % 49
+
+
 def test_csv_header_checks(tmp_path):
   a = write(tmp_path, "a.csv", ["label,C1\n", "1,x\n"])
   b = write(tmp_path, "b.csv", ["label,C2\n", "1,x\n"])

@@ -203,6 +203,20 @@ def test_rec_metrics_empty_and_single_class():
   assert math.isnan(r["ne"]) and math.isnan(r["auc"]) and r["base_rate"] == 0.0
 
 
+def test_rec_metrics_refuses_non_finite_logits_and_keeps_its_state():
+  m = RecMetrics()
+  m.update([0.5, -1.0], [1, 0])
+  before = m.result()
+  # softplus(inf) - 1 * inf is nan: an infinite logit would turn the log loss and NE into nan
+  for bad in (np.inf, -np.inf, np.nan):
+    with pytest.raises(ValueError, match=f"logit {bad!r} at index 1, expected finite"):
+      m.update([0.3, bad, 0.2], [1, 1, 0])
+  assert m.result() == before            # a refused batch adds nothing (sums, counts, AUC)
+  assert m.auc.num_examples == m.num_examples == 2
+  m.update([0.3, np.inf, 0.2], [1, 1, 0], mask=[1, 0, 1])   # padding is never read
+  assert m.num_examples == 4 and math.isfinite(m.result()["logloss"])
+
+
 # --- on device
 
 def _host(logits, labels, mask):

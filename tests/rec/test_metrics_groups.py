@@ -137,6 +137,14 @@ def test_group_metrics_empty_and_errors():
     group_metrics(np.zeros(3), np.array([0, 2.0, 1]), np.arange(3))
   with pytest.raises(ValueError, match="NaN score at index 1"):
     group_aucs(np.array([0, np.nan]), np.array([0, 1]), np.array([0, 0]))
+  # an infinite logit has AUC but a nan log loss: refused, as by device_metrics
+  with pytest.raises(ValueError, match="logit inf at index 2, expected finite"):
+    group_metrics(np.array([0.1, 0.2, np.inf]), np.array([0, 1, 1]), np.arange(3))
+  got = group_metrics(np.array([0.1, 0.2, np.inf]), np.array([0, 1, 1]), np.zeros(3),
+                      np.array([1, 1, 0]))                  # ... unless it is padding
+  assert got["gauc"] == 1.0 and math.isfinite(got["ne_by_slice"][0]["logloss"])
+  with pytest.raises(ValueError, match=r"groups \(2,\); expected one label and one group"):
+    group_metrics(np.zeros(3), np.zeros(3), np.arange(2), np.ones(3))
 
 
 def test_calibration_on_host_and_device_equal_numpy():

@@ -220,6 +220,17 @@ def test_capacity_overflow_falls_back_or_errors():
                            r"over the capacity 2"):
     dedup_lib.dedup_batch(host, [0, 2], capacity=2, num_shards=8, on_overflow="error")
   assert dedup_lib.dedup_batch(host, [0, 2], capacity=3, num_shards=8).dedup.capacity == 24
+  # the task names the table, as --dedup_features does (index 2 is C3, not "C2")
+  mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
+  _, task = _tasks(mesh, ["tw"], capacity=2, on_overflow="error")
+  host = _session_batch()
+  host.ids[:4, 2, 0], host.lengths[:4, 2] = [1, 2, 3, 4], 1     # 4 distinct bags of C3 ...
+  host.ids[:, 0, 0], host.lengths[:, 0], host.weights[:, 0] = 5, 1, 1.0   # ... 1 of C1
+  for deliver in (task.device_batch, dedup_lib.DedupTransform(
+      task.collection.dedup_features, 2, 1, "error",
+      [t.name for t in task.collection.tables])):
+    with pytest.raises(dedup_lib.CapacityError, match=r"^dedup: feature 'C3' has \d+ distinct"):
+      deliver(host)
 
 
 def test_spec_and_flag_errors_name_the_setting():
