@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rec.embedding.config import TableConfig
@@ -34,21 +35,34 @@ def feature_names(names, num_sparse: int, prefix: str = "C") -> tuple[str, ...]:
 
 
 def rows_per_feature(num_rows, num_sparse: int) -> tuple[int, ...]:
-  """One row count per feature from an int (the same for all) or a sequence."""
-  if isinstance(num_rows, int):
-    return (num_rows,) * num_sparse
-  rows = tuple(int(r) for r in num_rows)
+  """One row count per feature from an int (the same for all) or a sequence of ints."""
+  def is_int(r):   # numpy integers too (counts read from arrays); no bools, and no floats,
+    return isinstance(r, (int, np.integer)) and not isinstance(r, bool)   # which int() cuts
+  if is_int(num_rows):
+    return (int(num_rows),) * num_sparse
+  try:
+    rows = tuple(num_rows)
+  except TypeError:
+    raise ValueError(f"rows_per_feature={num_rows!r}; expected one int, or one int per "
+                     f"feature (num_sparse={num_sparse})") from None
+  bad = [i for i, r in enumerate(rows) if not is_int(r)]
+  if bad:
+    raise ValueError(f"rows_per_feature[{bad[0]}]={rows[bad[0]]!r}; expected one int, or one "
+                     f"int per feature (num_sparse={num_sparse})")
   if len(rows) != num_sparse:
     raise ValueError(f"{len(rows)} row counts for num_sparse={num_sparse}, expected one each")
-  return rows
+  return tuple(int(r) for r in rows)
 
 
 def normalize_features(cfg) -> None:
   """Fills a frozen config's rows_per_feature (an int -> one per feature) and feature_names
   (None -> C1..CF), checking both against num_sparse."""
-  object.__setattr__(cfg, "rows_per_feature",
-                     rows_per_feature(cfg.rows_per_feature, cfg.num_sparse))
-  object.__setattr__(cfg, "feature_names", feature_names(cfg.feature_names, cfg.num_sparse))
+  try:
+    object.__setattr__(cfg, "rows_per_feature",
+                       rows_per_feature(cfg.rows_per_feature, cfg.num_sparse))
+    object.__setattr__(cfg, "feature_names", feature_names(cfg.feature_names, cfg.num_sparse))
+  except ValueError as e:
+    raise ValueError(f"{type(cfg).__name__}: {e}") from None
 
 
 def check_dtype(where: str, dtype: str) -> None:
@@ -74,9 +88,15 @@ def check_inputs(model: str, cfg, dense_BD, emb_BFD) -> None:
   if emb_BFD.ndim != 3 or emb_BFD.shape[1:] != (cfg.num_sparse, cfg.embedding_dim):
     raise ValueError(f"{model}: emb_BFD shape {emb_BFD.shape}, expected "
                      f"[B, {cfg.num_sparse}, {cfg.embedding_dim}]")
-  if cfg.num_dense > 0 and (dense_BD is None or dense_BD.shape[-1] != cfg.num_dense):
+  check_dense_input(model, cfg.num_dense, dense_BD, emb_BFD.shape[0])
+
+
+def check_dense_input(model: str, num_dense: int, dense_BD, batch: int) -> None:
+  """dense_BD is [batch, num_dense] when num_dense > 0: the whole shape, since a [1, Dn] or
+  [B, 1, Dn] array would broadcast against the embeddings' batch into wrong logits."""
+  if num_dense > 0 and (dense_BD is None or tuple(dense_BD.shape) != (batch, num_dense)):
     raise ValueError(f"{model}: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
-                     f"expected [B, {cfg.num_dense}]")
+                     f"expected [{batch}, {num_dense}] ([B, num_dense], B the embeddings' batch)")
 
 
 # ------------------------------------------------------------------ the shared skeleton

@@ -45,7 +45,7 @@ class DLRMConfig(common.DenseConfig):
   fp8_recipe: str = "tensor"
 
   def __post_init__(self):
-    self.check_dense("DLRMConfig", bottom="dot")
+    self.check_dense("DLRMConfig", mlps=("bottom_mlp", "top_mlp"), bottom="dot")
     if self.num_dense == 0 and self.num_sparse == 1 and not self.self_interaction:
       raise ValueError("DLRMConfig: one embedding and no dense features give no pairwise "
                        "interaction; use self_interaction=True or more features")

@@ -59,8 +59,11 @@ class DMTConfig:
       raise ValueError(f"DMTConfig: towers={self.towers} must split 0..F-1, none empty")
     if self.tower_k < 1:
       raise ValueError(f"DMTConfig: tower_k={self.tower_k}, expected >= 1")
-    object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
-    object.__setattr__(self, "top_mlp", tuple(self.top_mlp))
+    object.__setattr__(self, "bottom_mlp", tuple(int(s) for s in self.bottom_mlp))
+    object.__setattr__(self, "top_mlp", tuple(int(s) for s in self.top_mlp))
+    if any(s < 1 for s in self.bottom_mlp + self.top_mlp):
+      raise ValueError(f"DMTConfig: bottom_mlp={self.bottom_mlp}, top_mlp={self.top_mlp}; "
+                       "expected positive layer sizes")
     if self.num_dense < 1 or not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
       raise ValueError(f"DMTConfig: num_dense={self.num_dense}, bottom_mlp={self.bottom_mlp}; "
                        f"expected dense features and a bottom MLP ending at embedding_dim="

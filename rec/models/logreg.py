@@ -57,9 +57,7 @@ class LogReg(nnx.Module):
     if emb_BF1.ndim != 3 or emb_BF1.shape[1:] != (cfg.num_sparse, 1):
       raise ValueError(f"LogReg: emb_BF1 shape {emb_BF1.shape}, expected [B, {cfg.num_sparse}, 1]")
     logits_B = emb_BF1.astype(jnp.float32).sum(axis=(1, 2)) + self.bias[...]
+    common.check_dense_input("LogReg", cfg.num_dense, dense_BD, emb_BF1.shape[0])
     if cfg.num_dense > 0:
-      if dense_BD is None or dense_BD.shape[-1] != cfg.num_dense:
-        raise ValueError(f"LogReg: dense_BD shape {None if dense_BD is None else dense_BD.shape}, "
-                         f"expected [B, {cfg.num_dense}]")
       logits_B = logits_B + dense_BD.astype(jnp.float32) @ self.dense_weight[...]
     return logits_B

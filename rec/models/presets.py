@@ -139,7 +139,8 @@ def model_config(cfg: RecRunConfig, spec):
     raise ValueError(f"--model={m.model!r}: expected one of "
                      f"{sorted(MODEL_PRESETS) + ['logreg', SEARCHED + 'FILE']}")
   presets = MODEL_PRESETS[m.model]
-  make = presets.get(m.preset) or _pattern(m.model, m.preset)
+  named = presets.get(m.preset)
+  make = named or _pattern(m.model, m.preset)
   if make is None:
     extra = PATTERNS.get(m.model, [])
     raise ValueError(f"--preset={m.preset!r} for --model={m.model}: expected one of "
@@ -154,7 +155,13 @@ def model_config(cfg: RecRunConfig, spec):
     over.update(fp8_layers=m.fp8_layers, fp8_recipe=m.fp8_recipe)
   if spec.num_dense == 0:
     over["bottom_mlp"] = ()
-  mcfg = make(rows, **over)
+  try:
+    mcfg = make(rows, **over)
+  except ValueError as e:
+    if named is not None:
+      raise
+    # A size pattern's numbers are the flag's (scaled9, l0_n8, w0): say so.
+    raise ValueError(f"--preset={m.preset!r} for --model={m.model}: {e}") from None
   if m.embedding_dim < 0:
     raise ValueError(f"--embedding_dim={m.embedding_dim}: expected >= 0 (0: the preset's)")
   if m.embedding_dim and m.embedding_dim != mcfg.embedding_dim:

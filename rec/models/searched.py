@@ -559,6 +559,9 @@ def dcnv2_arch(cfg) -> dict[str, Any]:
 
 def wukong_arch(cfg) -> dict[str, Any]:
   """A WukongConfig: l layers of concat(FMB, LCB) + residual, LayerNorm; head flatten."""
+  if cfg.fm_output_relu:
+    raise ValueError("wukong_arch: fm_output_relu=True has no point in the searched space "
+                     "(its FMB ends linear, the paper's)")
   layer = {"blocks": [{"type": "fmb", "num_out": cfg.num_fm, "rank": cfg.fm_rank,
                        "sizes": list(cfg.fm_mlp)},
                       {"type": "lcb", "num_out": cfg.num_lcb}],

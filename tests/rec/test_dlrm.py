@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ from rec.layers.interaction import cat_interaction, dot_interaction
 from rec.layers.mlp import MLP
 from rec.models.dlrm import DLRM, DLRMConfig
 from rec.models.logreg import LogReg, LogRegConfig
+from tests.peer_env import peer_python
 
 
 # ---------------------------------------------------------------------------- numpy reference
@@ -221,3 +225,97 @@ def test_dot_interaction_gradient_matches_gather_autodiff(self_interaction):
   want = jax.grad(lambda d, e: jnp.sum(ref(d, e) * w), (0, 1))(d, e)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_input_must_match_the_embeddings_batch():
+  """A [1, Dn] or [B, 1, Dn] dense array is refused, not broadcast: LogReg used to return
+  B copies of one example's dense term, or [B, B] logits."""
+  lr = LogReg(LogRegConfig(num_dense=2, num_sparse=2, rows_per_feature=5), nnx.Rngs(0))
+  emb = jnp.ones((3, 2, 1))
+  assert lr(jnp.ones((3, 2)), emb).shape == (3,)
+  for bad in ((1, 2), (3, 1, 2), (2,)):
+    with pytest.raises(ValueError, match=r"LogReg: dense_BD shape .*expected \[3, 2\]"):
+      lr(jnp.ones(bad), emb)
+  model = DLRM(small_config(), nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"DLRM: dense_BD shape \(1, 5\), expected \[3, 5\]"):
+    model(jnp.ones((1, 5)), jnp.ones((3, 4, 8)))
+
+
+def test_dlrm_config_refuses_non_positive_layer_sizes():
+  """Named at the config (the field), not later by an anonymous MLP."""
+  with pytest.raises(ValueError, match=r"DLRMConfig: bottom_mlp=\(16, 8\), top_mlp=\(0, 1\); "
+                                       "expected positive layer sizes"):
+    small_config(top_mlp=(0, 1))
+  with pytest.raises(ValueError, match=r"bottom_mlp=\(-3, 8\)"):
+    small_config(bottom_mlp=(-3, 8))
+
+
+def test_row_counts_are_integers():
+  """numpy integers (counts read from arrays) are row counts; a float is refused rather
+  than cut by int() (1000.7 rows used to become 1000)."""
+  assert small_config(rows_per_feature=np.int64(9)).rows_per_feature == (9,) * 4
+  assert small_config(rows_per_feature=np.arange(5, 9)).rows_per_feature == (5, 6, 7, 8)
+  with pytest.raises(ValueError, match=r"^DLRMConfig: rows_per_feature\[2\]=1000\.7; expected "
+                                       r"one int, or one int per feature \(num_sparse=4\)$"):
+    small_config(rows_per_feature=(10, 10, 1000.7, 10))
+  with pytest.raises(ValueError, match=r"^LogRegConfig: rows_per_feature=100000\.0; expected"):
+    LogRegConfig(num_dense=1, num_sparse=2, rows_per_feature=1e5)
+  with pytest.raises(ValueError, match=r"rows_per_feature\[0\]=True"):
+    small_config(rows_per_feature=(True, 2, 3, 4))
+
+
+# TorchRec's DLRM parts: DenseArch (ReLU after every layer), InteractionArch ([dense, the
+# strict upper triangle of Z = z z^T, row by row]), OverArch (ReLU MLP, then a linear layer
+# to the logit). The reference's lower triangle holds the same pairs in another order, so
+# the first top-MLP kernel's rows are permuted into TorchRec's order.
+_TORCHREC_DLRM = r'''
+import sys
+import numpy as np, torch
+from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+z = dict(np.load(sys.argv[1]))
+T = lambda a: torch.tensor(a, dtype=torch.float64)
+bottom, top = [int(s) for s in z["bottom"]], [int(s) for s in z["top"]]
+F, D = z["emb"].shape[1:]
+n = F + 1
+tril = [(i, j) for i in range(n) for j in range(i)]
+triu = list(zip(*[t.tolist() for t in torch.triu_indices(n, n, offset=1)]))
+k0 = z["top_mlp.layers.0.kernel"]
+z["top_mlp.layers.0.kernel"] = np.concatenate([k0[:D], k0[D:][[tril.index((j, i)) for i, j in triu]]])
+dense_arch = DenseArch(z["dense"].shape[1], bottom).double()
+over = OverArch(D + len(tril), top).double()
+lin = lambda m: [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+with torch.no_grad():
+  names = ([f"bottom_mlp.layers.{i}" for i in range(len(bottom))]
+           + [f"top_mlp.layers.{i}" for i in range(len(top))])
+  for layer, name in zip(lin(dense_arch) + lin(over), names):
+    layer.weight.copy_(T(z[name + ".kernel"]).T)
+    layer.bias.copy_(T(z[name + ".bias"]))
+  x = InteractionArch(F)(dense_arch(T(z["dense"])), T(z["emb"]))
+  np.savez(sys.argv[2], logits=over(x)[:, 0].numpy())
+'''
+
+
+@pytest.mark.peer
+def test_dlrm_matches_torchrec(tmp_path):
+  """DLRM against TorchRec's DLRM dense part with the same weights (pairs reordered, above).
+  Both sides in float64 (ours: the numpy reference, checked against the model in
+  test_dlrm_forward_matches_numpy), so 1e-10 is summation order."""
+  peer = peer_python("TORCHREC_PEER_PYTHON")
+  if not os.path.exists(peer):
+    pytest.skip(f"peer environment absent ({peer})")
+  cfg = small_config()
+  model = DLRM(cfg, nnx.Rngs(3))
+  rng = np.random.default_rng(4)
+  dense = rng.normal(size=(6, cfg.num_dense))
+  emb = rng.normal(size=(6, cfg.num_sparse, cfg.embedding_dim))
+  weights = {".".join(map(str, k)): np.asarray(v[...], np.float64)
+             for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  np.savez(tmp_path / "in.npz", dense=dense, emb=emb, bottom=cfg.bottom_mlp, top=cfg.top_mlp,
+           **weights)
+  r = subprocess.run([peer, "-c", _TORCHREC_DLRM, str(tmp_path / "in.npz"),
+                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
+  if r.returncode and "No module named" in r.stderr:
+    pytest.skip(f"{peer} lacks torchrec: {r.stderr.strip()[-200:]}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  want = np.load(tmp_path / "out.npz")["logits"]
+  np.testing.assert_allclose(np_dlrm(model, dense, emb), want, rtol=1e-10, atol=1e-10)

@@ -175,6 +175,17 @@ def test_model_tower_transform_equals_tower_outputs():
                              rtol=1e-6, atol=1e-6)
 
 
+def test_config_refuses_non_positive_layer_sizes():
+  """Named at the config (the field), not later by an anonymous MLP."""
+  with pytest.raises(ValueError, match=r"DMTConfig: bottom_mlp=\(0, 4\), top_mlp=\(8, 1\); "
+                                       "expected positive layer sizes"):
+    DMTConfig(num_dense=3, embedding_dim=D, towers=((0,), (1,)), bottom_mlp=(0, D),
+              top_mlp=(8, 1), rows_per_feature=ROWS[:2])
+  with pytest.raises(ValueError, match=r"top_mlp=\(-2, 1\)"):
+    DMTConfig(num_dense=3, embedding_dim=D, towers=((0,), (1,)), bottom_mlp=(8, D),
+              top_mlp=(-2, 1), rows_per_feature=ROWS[:2])
+
+
 def test_partition_balances_and_groups():
   # Two blocks of mutually similar features; equal costs.
   sim = np.full((6, 6), 0.1)

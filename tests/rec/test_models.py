@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -24,6 +25,7 @@ from rec.models.dlrm import DLRMConfig
 from rec.models.wukong import SCALING_LADDER, Wukong, WukongConfig
 from tests import cpu_env
 from tests import forkserver
+from tests.peer_env import peer_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -172,6 +174,64 @@ def test_wukong_forward_matches_numpy(layers, n_fm, n_lcb):
   _check_forward(model, np_wukong)
 
 
+# TorchRec's DLRM_DCN parts (the MLPerf DLRM-DCNv2 model): DenseArch (ReLU after every
+# layer), InteractionDCNArch over LowRankCrossNet (x0 = [dense, embeddings]), OverArch (ReLU
+# MLP, then a linear layer to the logit); kernels [in, out] here, torch's weights [out, in].
+_TORCHREC_DCN = r'''
+import sys
+import numpy as np, torch
+from torchrec.models.dlrm import DenseArch, InteractionDCNArch, OverArch
+from torchrec.modules.crossnet import LowRankCrossNet
+z = dict(np.load(sys.argv[1]))
+T = lambda k: torch.tensor(z[k], dtype=torch.float64)
+bottom, deep, layers, rank = (list(z[k]) for k in ("bottom", "deep", "layers", "rank"))
+F, D = z["emb"].shape[1:]
+dense_arch = DenseArch(z["dense"].shape[1], [int(s) for s in bottom]).double()
+cross = LowRankCrossNet((F + 1) * D, int(layers[0]), int(rank[0])).double()
+over = OverArch((F + 1) * D, [int(s) for s in deep] + [1]).double()
+lin = lambda m: [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+with torch.no_grad():
+  names = ([f"bottom_mlp.layers.{i}" for i in range(len(bottom))]
+           + [f"deep_mlp.layers.{i}" for i in range(len(deep))] + ["top_mlp.layers.0"])
+  for layer, name in zip(lin(dense_arch) + lin(over), names):
+    layer.weight.copy_(T(name + ".kernel").T)
+    layer.bias.copy_(T(name + ".bias"))
+  for l in range(int(layers[0])):
+    cross.V_kernels[l].copy_(T(f"cross.layers.{l}.down").T)
+    cross.W_kernels[l].copy_(T(f"cross.layers.{l}.up").T)
+    cross.bias[l].copy_(T(f"cross.layers.{l}.bias"))
+  x = InteractionDCNArch(F, cross)(dense_arch(T("dense")), T("emb"))
+  np.savez(sys.argv[2], logits=over(x)[:, 0].numpy())
+'''
+
+
+@pytest.mark.peer
+def test_dcnv2_matches_torchrec_dlrm_dcn(tmp_path):
+  """Our stacked low-rank DCN-v2 with the bottom MLP ending at D is TorchRec's DLRM_DCN:
+  the same weights give the same logits. Both sides in float64 (the peer in torch, ours in
+  the numpy reference np_dcnv2, checked against the model above), so 1e-10 is summation order."""
+  peer = peer_python("TORCHREC_PEER_PYTHON")
+  if not os.path.exists(peer):
+    pytest.skip(f"peer environment absent ({peer})")
+  cfg = DCNv2Config(**SMALL, bottom_mlp=(6, 4), num_cross_layers=2, cross_rank=3,
+                    deep_mlp=(7, 5), top_mlp=(1,))
+  model = _build(DCNv2, cfg)   # random non-zero biases, so a missed bias copy shows
+  dense, emb = _inputs(cfg)
+  weights = {".".join(map(str, k)): np.asarray(v[...], np.float64)
+             for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  np.savez(tmp_path / "in.npz", dense=dense.astype(np.float64), emb=emb.astype(np.float64),
+           bottom=cfg.bottom_mlp, deep=cfg.deep_mlp, layers=[2], rank=[3], **weights)
+  r = subprocess.run([peer, "-c", _TORCHREC_DCN, str(tmp_path / "in.npz"),
+                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
+  if r.returncode and "No module named" in r.stderr:
+    pytest.skip(f"{peer} lacks torchrec: {r.stderr.strip()[-200:]}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  want = np.load(tmp_path / "out.npz")["logits"]
+  np.testing.assert_allclose(np_dcnv2(model, dense.astype(np.float64), emb.astype(np.float64)),
+                             want, rtol=1e-10, atol=1e-10)
+  _check_forward(model, lambda m, d, e: want)
+
+
 SPEC = DataSpec(num_dense=13, sparse_features=tuple(f"C{i}" for i in range(1, 27)),
                 rows_per_feature=(50,) * 26)
 
@@ -261,6 +321,17 @@ def test_model_presets_wiring():
     configs.model_config(configs.make_run(model="wukong", preset="terabyte"), SPEC)
   with pytest.raises(ValueError, match=r"--model='xdeepfm'"):
     configs.model_config(configs.make_run(model="xdeepfm"), SPEC)
+
+
+@pytest.mark.parametrize("model,preset,msg", [
+    ("wukong", "scaled9", r"WukongConfig\.scaled: size_index=9, expected 0\.\.7"),
+    ("wukong", "l0_n8", r"WukongConfig: num_layers=0"),
+    ("dlrm", "w0", r"DLRMConfig: bottom_mlp=\(0, 16\), top_mlp=\(0, 0, 1\); expected positive"),
+    ("dcnv2", "x0_r0_w8", r"DCNv2Config: num_cross_layers=0")])
+def test_size_pattern_errors_name_the_flag(model, preset, msg):
+  """A size pattern's numbers come from --preset: its errors say so."""
+  with pytest.raises(ValueError, match=rf"^--preset='{preset}' for --model={model}: {msg}"):
+    configs.model_config(configs.make_run(model=model, preset=preset), SPEC)
 
 
 # ---------------------------------------------------------------------------- data parallel

@@ -299,6 +299,9 @@ def test_hand_designed_configs_outside_the_space_are_refused():
   with pytest.raises(ValueError, match=r"^dcnv2_arch: structure='parallel'; the searched space "
                      r"has the stacked DCN-v2 only$"):
     searched.dcnv2_arch(types.SimpleNamespace(structure="parallel"))
+  # Dropping the FMB's output ReLU would give a different model under the same weights.
+  with pytest.raises(ValueError, match=r"^wukong_arch: fm_output_relu=True has no point"):
+    searched.wukong_arch(types.SimpleNamespace(fm_output_relu=True))
   with pytest.raises(ValueError, match=r"^dhen_arch: ensemble='max'; expected one of "
                      r"\('concat', 'sum'\)$"):
     searched.dhen_arch(types.SimpleNamespace(ensemble="max", layers=()))
