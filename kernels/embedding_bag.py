@@ -63,7 +63,7 @@ Backward: d out / d row is each id's coefficient times its bag's gradient; the k
 `embedding_bag_id_grads` writes those per-id rows `[M * L, D]`, the form the sparse
 optimizers' dedup consumes (`rec.embedding.optimizers.dedup_gradients`). `embedding_bag`
 itself is differentiable (custom_vjp) in float rows (a dense scatter-add of the per-id
-rows, for use outside the collection), in split int8 scale / bias, and in `coef` (packed
+rows, for use outside the collection), in int8 and N-bit scale / bias, and in `coef` (packed
 rows are integer words: differentiable in `coef` only).
 
 GPU layout: grid (bag blocks, column blocks); a program holds a [BM, BD] float32
@@ -188,10 +188,20 @@ def _split_table(table: Table):
                        f"[R, {packed_words_per_row(table.dim)}] (use pack_int8)")
     return "packed8", table.words, None, None, table.dim
   if isinstance(table, quant.RowwiseQuantized):
+    # SBHalf (float16 scale and bias): N-bit codes packed low bits first; otherwise FBGEMM's
+    # 8-bit SBFloat, one code per column (int4 / int2 codes come only with float16 scales).
+    if not table.half and table.bits != 8:
+      raise ValueError(f"kernels/embedding_bag.py: int{table.bits} codes with "
+                       f"{table.scale.dtype} scale and bias, expected float16 (FBGEMM SBHalf; "
+                       "core.quant.quantize_rowwise_nbit) or 8 bits")
+    width = quant.packed_width(table.dim, table.bits) if table.half else table.dim
+    num_rows = table.q.shape[0] if table.q.ndim == 2 else -1
+    if (table.q.ndim != 2 or table.q.shape[1] != width
+        or table.scale.shape != (num_rows,) or table.bias.shape != (num_rows,)):
+      raise ValueError(f"kernels/embedding_bag.py: int{table.bits} codes {table.q.shape}, scale "
+                       f"{table.scale.shape}, bias {table.bias.shape} for dim {table.dim}, "
+                       f"expected [R, {width}], [R] and [R]")
     if table.half:   # N-bit SBHalf: float16 scale and bias, converted in the kernel
-      if table.q.shape[1] != quant.packed_width(table.dim, table.bits):
-        raise ValueError(f"kernels/embedding_bag.py: int{table.bits} codes {table.q.shape} for "
-                         f"dim {table.dim}, expected [R, {quant.packed_width(table.dim, table.bits)}]")
       return "nbit", table.q, table.scale, table.bias, table.dim
     return ("split8", table.q, table.scale.astype(jnp.float32), table.bias.astype(jnp.float32),
             table.dim)
@@ -413,8 +423,8 @@ def _pool_call(rows, scale, bias, cache_rows, slots_ML, ids_ML, coef_ML, offsets
                cfg: _Config):
   num_rows = rows.shape[0]
   num_bags, bag_len = ids_ML.shape
-  if num_bags == 0:
-    return jnp.zeros((0, cfg.dim), jnp.float32)
+  if num_bags == 0 or bag_len == 0:      # no position: every bag is empty, sums are 0
+    return jnp.zeros((num_bags, cfg.dim), jnp.float32)
   bm, bw, unroll = _blocks(num_bags, bag_len, rows.dtype.itemsize, cfg)
   if cfg.layout == "packed8":
     pieces, starts = (rows,), (0, num_rows)     # 4-byte words: never in the 32-bit hole
@@ -532,12 +542,15 @@ def _bag_bwd(num_feat, cfg, res, g_MD):
   if cfg.layout == "float":
     d_rows = jnp.zeros((num_rows, dim), jnp.float32).at[drop].add(id_grads, mode="drop")
     d_rows = d_rows.astype(rows.dtype)
-  elif cfg.layout == "split8":  # d/dscale_r = sum over ids of r of <q_r, id grad>; d/dbias_r = sum of id grad
-    q_seen = rows[safe].astype(jnp.float32)
+  elif cfg.layout in ("split8", "nbit"):
+    # d/dscale_r = sum over ids of r of <q_r, id grad>; d/dbias_r = sum of id grad (in
+    # float32, rounded once to the scale's dtype: float16 for N-bit, as autodiff does).
+    q_seen = (rows[safe] if cfg.layout == "split8"
+              else quant.unpack_nbit(rows[safe], cfg.bits, dim)).astype(jnp.float32)
     d_scale = jnp.zeros((num_rows,), jnp.float32).at[drop].add(
-        jnp.sum(q_seen * id_grads, axis=-1), mode="drop")
+        jnp.sum(q_seen * id_grads, axis=-1), mode="drop").astype(scale.dtype)
     d_bias = jnp.zeros((num_rows,), jnp.float32).at[drop].add(
-        jnp.sum(id_grads, axis=-1), mode="drop")
+        jnp.sum(id_grads, axis=-1), mode="drop").astype(bias.dtype)
   return d_rows, d_scale, d_bias, d_cache, None, None, d_coef.astype(coef_ML.dtype), None
 
 
@@ -567,7 +580,7 @@ def embedding_bag(table: Table, ids: jax.Array, coef: jax.Array, *,
   block_bags / block_dim: bags and columns of one program (powers of two; None: chosen
   from D); unroll: positions whose row gathers a program issues together (None: enough
   for ~16 KB of rows in flight).
-  Differentiable in the float rows, split int8 scale and bias, the cache rows and coef.
+  Differentiable in the float rows, RowwiseQuantized scale and bias, the cache rows and coef.
   """
   layout, rows, scale, bias, dim = _split_table(table)
   ids = jnp.asarray(ids)
@@ -578,9 +591,11 @@ def embedding_bag(table: Table, ids: jax.Array, coef: jax.Array, *,
   num_feat = ids.shape[-2] if offsets is not None else 1
   cfg = _Config(layout, dim, block_bags, block_dim, unroll, num_warps, num_stages,
                 _resolve_interpret(interpret), table.bits if layout == "nbit" else 8, cached)
-  slots = None if not cached else jnp.asarray(cache_slots, jnp.int32).reshape(-1, bag_len)
-  out = _bag(rows, scale, bias, cache_rows, slots, ids.reshape(-1, bag_len).astype(jnp.int32),
-             coef.reshape(-1, bag_len).astype(jnp.float32),
+  num_bags = math.prod(lead)      # (not reshape(-1, L): L may be 0, every bag empty)
+  slots = None if not cached else jnp.asarray(cache_slots, jnp.int32).reshape(num_bags, bag_len)
+  out = _bag(rows, scale, bias, cache_rows, slots,
+             ids.reshape(num_bags, bag_len).astype(jnp.int32),
+             coef.reshape(num_bags, bag_len).astype(jnp.float32),
              None if offsets is None else jnp.asarray(offsets, jnp.int32), num_feat, cfg)
   return out.reshape(*lead, dim)
 
@@ -620,7 +635,8 @@ def embedding_bag_id_grads(coef: jax.Array, grad: jax.Array, *, block_bags: int 
   bag_len, dim = coef.shape[-1], grad.shape[-1]
   cfg = _Config("float", dim, block_bags, block_dim, None, num_warps, num_stages,
                 _resolve_interpret(interpret))
-  return _id_grads_call(coef.reshape(-1, bag_len), grad.reshape(-1, dim), cfg)
+  num_bags = math.prod(coef.shape[:-1])
+  return _id_grads_call(coef.reshape(num_bags, bag_len), grad.reshape(num_bags, dim), cfg)
 
 
 # ---------------------------------------------------------------------------- references
@@ -654,7 +670,7 @@ def embedding_bag_reference(table: Table, ids: jax.Array, coef: jax.Array, *,
   if cache_rows is not None:
     slot = jnp.asarray(cache_slots).reshape(-1)
     rows = jnp.where((slot >= 0)[:, None], cache_rows[jnp.maximum(slot, 0)], rows)
-  rows = rows.reshape(*ids.shape, -1)
+  rows = rows.reshape(*ids.shape, rows.shape[-1])
   return jnp.einsum("...l,...ld->...d", jnp.where(ok, coef, 0.0).astype(jnp.float32), rows,
                     precision=lax.Precision.HIGHEST)
 

@@ -176,8 +176,10 @@ def paged_attention(q_BTHK, k_pages, v_pages, tables_BM, lengths_B, q_positions_
   # Query rows (t, r) of kv head g: [B, G, T*R, K]; padded rows see nothing (limit -1).
   q_BGRK = q_BTHK.reshape(b, t, g, r, kd).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, kd)
   q_BGRK = pad_axis(pad_axis(q_BGRK, 3, k_pad), 2, rows_pad)
-  limit_BT = jnp.minimum(q_positions_BT.astype(jnp.int32),
-                         lengths_B.astype(jnp.int32)[:, None] - 1)
+  # The last slot each query sees; never past the table's M * P slots, which is all the
+  # reference reads (a length beyond them would walk the kernel off the end of the table).
+  limit_BT = jnp.minimum(jnp.minimum(q_positions_BT.astype(jnp.int32),
+                                     lengths_B.astype(jnp.int32)[:, None] - 1), m * p - 1)
   limit_BR = pad_axis(jnp.repeat(jnp.maximum(limit_BT, -1), r, axis=1), 1, rows_pad)
   limit_BR = jnp.where(jnp.arange(rows_pad)[None, :] < rows, limit_BR, -1)
   kp = pad_axis(k_pages, 3, k_pad)

@@ -195,7 +195,7 @@ def unpack_nbit(packed_NP: jax.Array, bits: int, dim: int) -> jax.Array:
   per = 8 // bits
   shifts = jnp.arange(per, dtype=jnp.uint8) * bits
   codes = (packed_NP[:, :, None] >> shifts) & jnp.uint8((1 << bits) - 1)
-  return codes.reshape(packed_NP.shape[0], -1)[:, :dim]
+  return codes.reshape(packed_NP.shape[0], packed_NP.shape[1] * per)[:, :dim]   # N may be 0
 
 
 @functools.partial(jax.jit, static_argnames="dim")

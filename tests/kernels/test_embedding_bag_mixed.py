@@ -10,6 +10,8 @@ lookup_impl="pallas" must give the XLA path's numbers on a cached int4 table.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ import pytest
 from core import quant
 from kernels import embedding_bag as eb
 from tests.kernels.test_embedding_bag import _lower_for_gpu
+from tests.peer_env import peer_python
 
 # (rows per table, dim, batch, bag length, launch config)
 CASES = {
@@ -117,6 +120,49 @@ class MixedCases:
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+  @pytest.mark.parametrize("bits", [4, 2])
+  def test_gradients_in_nbit_scale_and_bias(self, bits):
+    """The float16 scale and bias of N-bit rows get autodiff's gradients of the reference
+    (they were silently zero): sum over a row's positions of <codes, id grad> and of the
+    id grad, in float32, rounded once to float16. Tolerance: that rounding (2^-11 relative)
+    on top of float32 sums added in another order."""
+    table, flat, _, _, coef, _ = _case("multihot", bits, False)
+    g = np.random.default_rng(4).normal(size=coef.shape[:-1] + (12,)).astype(np.float32)
+
+    def loss(fn):
+      return lambda s, b: jnp.sum(fn(dataclasses.replace(table, scale=s, bias=b), flat, coef) * g)
+
+    kernel = jax.grad(loss(lambda *a: eb.embedding_bag(*a, interpret=self.interpret)),
+                      (0, 1))(table.scale, table.bias)
+    want = jax.grad(loss(eb.embedding_bag_reference), (0, 1))(table.scale, table.bias)
+    for a, b in zip(kernel, want):
+      assert a.dtype == b.dtype == jnp.float16
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      assert np.abs(b).max() > 1.0
+      np.testing.assert_allclose(a, b, rtol=2.0 ** -10, atol=2.0 ** -10 * np.abs(b).max())
+
+  def test_bags_of_length_zero(self):
+    """ids [..., 0] (every bag empty: a batch whose longest bag is empty) pool to zeros, for
+    the kernel and the reference, with gradients of the right shapes (this crashed in a
+    reshape, and the kernel traced a load of an empty id tile)."""
+    table, _, _, _, _, kw = _case("multihot", 4, True)
+    ids = np.zeros((6, 3, 0), np.int32)
+    coef = np.zeros((6, 3, 0), np.float32)
+    slots = np.zeros((6, 3, 0), np.int32)
+    kw = dict(cache_rows=kw["cache_rows"], cache_slots=slots)
+    got = eb.embedding_bag(table, ids, coef, interpret=self.interpret, **kw)
+    np.testing.assert_array_equal(got, np.zeros((6, 3, 12), np.float32))
+    np.testing.assert_array_equal(eb.embedding_bag_reference(table, ids, coef, **kw), got)
+    d_coef, d_scale = jax.grad(
+        lambda c, s: jnp.sum(eb.embedding_bag(dataclasses.replace(table, scale=s), ids, c,
+                                              interpret=self.interpret, **kw)),
+        (0, 1))(coef, table.scale)
+    assert d_coef.shape == (6, 3, 0) and not np.asarray(d_scale).any()
+    np.testing.assert_array_equal(
+        eb.embedding_bag_id_grads(coef, np.ones((6, 3, 12)), interpret=self.interpret),
+        np.zeros((0, 12)))
+
+
 class TestMixedInterpret(MixedCases):
   interpret = True
 
@@ -146,6 +192,18 @@ def test_errors():
     eb.embedding_bag(packed, flat, coef, interpret=True, **kw)
   with pytest.raises(ValueError, match=r"expected \[R, 6\]"):
     eb.embedding_bag(dataclasses.replace(table, q=table.q[:, :5]), flat, coef, interpret=True)
+  # Layouts the kernel would read wrong without a word: int4 codes with float32 scales
+  # (read as one code per column), int8 codes narrower than D, a scale per row missing.
+  wide = dataclasses.replace(table, scale=table.scale.astype(jnp.float32),
+                             bias=table.bias.astype(jnp.float32))
+  with pytest.raises(ValueError, match="int4 codes with float32 scale and bias, expected float16"):
+    eb.embedding_bag(wide, flat, coef, interpret=True)
+  int8 = quant.quantize_rowwise_int8(np.ones((70, 12), np.float32))
+  with pytest.raises(ValueError, match=r"int8 codes \(70, 8\).*expected \[R, 12\], \[R\] and \[R\]"):
+    eb.embedding_bag(dataclasses.replace(int8, q=int8.q[:, :8]), flat, coef, interpret=True)
+  with pytest.raises(ValueError, match=r"scale \(69,\).*expected \[R, 6\], \[R\] and \[R\]"):
+    eb.embedding_bag(dataclasses.replace(table, scale=table.scale[:-1]), flat, coef,
+                     interpret=True)
 
 
 @pytest.mark.parametrize("bits", [4, "8f"])
@@ -219,3 +277,74 @@ def test_collection_pallas_equals_xla_on_cached_int4():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   for n in tables_x:
     np.testing.assert_allclose(tables_p[n], tables_x[n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+# ------------------------------------------------------------- FBGEMM (peer environment)
+
+_FBGEMM_TBE = r'''
+import sys
+import numpy as np, torch, fbgemm_gpu
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+    IntNBitTableBatchedEmbeddingBagsCodegen)
+inp = dict(np.load(sys.argv[1]))
+kind = {8: SparseType.INT8, 4: SparseType.INT4, 2: SparseType.INT2}
+specs = [(f"t{i}", inp[f"q{i}"].shape[0], int(inp[f"dim{i}"]), kind[int(b)],
+          EmbeddingLocation.HOST) for i, b in enumerate(inp["bits"])]
+tbe = IntNBitTableBatchedEmbeddingBagsCodegen(specs, output_dtype=SparseType.FP32, device="cpu")
+tbe.fill_random_weights()
+for i, (codes, sb, _) in enumerate(tbe.split_embedding_weights_with_scale_bias(1)):
+    codes.copy_(torch.from_numpy(inp[f"q{i}"]))
+    sb.copy_(torch.from_numpy(np.stack([inp[f"s{i}"], inp[f"b{i}"]], 1).view(np.uint8)))
+out = tbe(torch.from_numpy(inp["indices"]), torch.from_numpy(inp["offsets"]),
+          torch.from_numpy(inp["weights"]))
+np.save(sys.argv[2], out.numpy())
+'''
+
+
+@pytest.mark.peer
+def test_pooled_nbit_bags_equal_fbgemm_tbe(tmp_path):
+  """FBGEMM's own CPU inference TBE (IntNBitTableBatchedEmbeddingBagsCodegen, SUM pooling,
+  per-sample weights) on the same SBHalf rows: int8 / int4 / int2 tables of widths 6, 12, 8
+  (not all multiples of 8 codes), bags of lengths 0, 1, 2 and full, the last row looked up.
+  Both dequantize q * scale + bias in float32 and add up to 4 terms: a few float32 ulps of
+  the largest term apart."""
+  peer = peer_python("TORCHREC_PEER_PYTHON")
+  if not os.path.exists(peer):
+    pytest.skip(f"peer environment absent ({peer})")
+  rng = np.random.default_rng(0)
+  b, L = 5, 4
+  lengths = np.array([0, L, 1, 2, L])
+  live = np.arange(L) < lengths[:, None]
+  tables, inp, indices, weights = [], {}, [], []
+  for i, (bits, rows, dim) in enumerate([(8, 17, 6), (4, 11, 12), (2, 9, 8)]):
+    t = quant.quantize_rowwise_nbit(rng.normal(size=(rows, dim)).astype(np.float32), bits)
+    ids = rng.integers(0, rows, (b, L)).astype(np.int32)
+    ids[1] = rows - 1
+    w = rng.uniform(-1, 1, (b, L)).astype(np.float32)
+    tables.append((t, ids, np.where(live, w, 0.0).astype(np.float32)))
+    inp.update({f"q{i}": np.asarray(t.q), f"s{i}": np.asarray(t.scale),
+                f"b{i}": np.asarray(t.bias), f"dim{i}": np.array(dim)})
+    indices.append(ids[live])
+    weights.append(w[live])
+  inp["bits"] = np.array([8, 4, 2])
+  inp["indices"] = np.concatenate(indices).astype(np.int32)
+  inp["weights"] = np.concatenate(weights).astype(np.float32)
+  inp["offsets"] = np.concatenate([[0], np.cumsum(np.tile(lengths, 3))]).astype(np.int32)
+  np.savez(tmp_path / "in.npz", **inp)
+  r = subprocess.run([peer, "-c", _FBGEMM_TBE, str(tmp_path / "in.npz"),
+                      str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=600)
+  if r.returncode and "No module named" in r.stderr:
+    pytest.skip(f"{peer} lacks fbgemm_gpu: {r.stderr.strip()[-200:]}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  fb = np.load(tmp_path / "out.npy")
+  col = 0
+  for t, ids, coef in tables:
+    want = fb[:, col:col + t.dim]
+    col += t.dim
+    got = eb.embedding_bag(t, ids, coef, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2.0 ** -23 * np.abs(want).max(),
+                               err_msg=f"int{t.bits}")
+    assert not np.asarray(got[0]).any()              # the empty bag
+  assert col == fb.shape[1]

@@ -96,6 +96,22 @@ class _PagedAttentionCases:
     assert rel_err(lse[:-1], lse_ref[:-1]) < TOL[dtype]
 
 
+  def test_lengths_past_the_table_read_only_its_slots(self):
+    """A length beyond the table's M * P slots (and queries past it) sees the M * P slots, as
+    the reference does; the kernel walked past the table's last page into whatever follows
+    it (row 0's table, here, in interpret mode). fp32: TOL as in test_matches_reference."""
+    case = (2, 2, 4, 2, 16, 9, 16, 2, F32)
+    q, kp, vp, tables, _, _ = _inputs(case, seed=2)
+    lengths = jnp.asarray([40, 33], jnp.int32)              # M * P = 32
+    q_pos = jnp.asarray([[38, 39], [20, 45]], jnp.int32)
+    out, lse = paged_attention(q, kp, vp, tables, lengths, q_pos, interpret=self.interpret)
+    out_ref, lse_ref = paged_attention_reference(q, kp, vp, tables, lengths, q_pos)
+    assert rel_err(out, out_ref) < TOL[F32] and rel_err(lse, lse_ref) < TOL[F32]
+    full = jnp.full((2,), 32, jnp.int32)                    # the same keys as a full table
+    out_full, _ = paged_attention_reference(q, kp, vp, tables, full, q_pos)
+    assert rel_err(out_ref, out_full) == 0
+
+
 class TestPagedAttentionInterpret(_PagedAttentionCases):
   """Pallas interpreter on CPU."""
   interpret = True
