@@ -105,6 +105,7 @@ class CPPrefill:
     self.mesh, self.n, self.variant = mesh, mesh.shape[CP_AXIS], variant
     self.widths = cp_widths(minimum, max_len, self.n)
     self.max_pages, self.with_logits = max_pages, with_logits
+    self.vocab_size = cfg.vocab_size      # top_k past it: every token (engine._run's clip)
     self.calls = 0
 
   def _launch(self, cache: PagedCache, tokens, blocks, sampling, sample: bool, t: int = 0):
@@ -129,7 +130,8 @@ class CPPrefill:
     and samples the next token (the request's token `counter`) with SamplingParams
     `params`. Returns (cache, device token [1], device logits [1, V] or None)."""
     sampling = (np.asarray([params.temperature], np.float32),
-                np.asarray([params.top_k], np.int32), np.asarray([params.top_p], np.float32),
+                np.asarray([min(params.top_k, self.vocab_size)], np.int32),
+                np.asarray([params.top_p], np.float32),
                 np.asarray([params.seed % 2 ** 32], np.uint32),
                 np.asarray([counter], np.int32))
     self.calls += 1

@@ -118,6 +118,9 @@ class SamplingParams:
     # end the reply at its first "\n"); None is none.
     stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
     object.__setattr__(self, "stop", stop)
+    ids = self.stop_token_ids
+    object.__setattr__(self, "stop_token_ids", (ids,) if isinstance(ids, (int, np.integer))
+                       else tuple(ids or ()))
 
   def check(self, where: str = "SamplingParams") -> None:
     for name in ("max_tokens", "top_k", "seed"):
@@ -126,6 +129,11 @@ class SamplingParams:
         raise ValueError(f"{where}: {name}={x!r}; expected an integer")
     if self.max_tokens < 1:
       raise ValueError(f"{where}: max_tokens={self.max_tokens}; expected >= 1")
+    # A stop id given as text ("2") never equals a sampled token: it would never stop.
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer))
+           for t in self.stop_token_ids):
+      raise ValueError(f"{where}: stop_token_ids={list(self.stop_token_ids)!r}; expected "
+                       "integer token ids")
     if any(not isinstance(s, str) or not s for s in self.stop):
       raise ValueError(f"{where}: stop={list(self.stop)!r}; expected non-empty strings")
     if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
@@ -449,6 +457,11 @@ class Engine:
 
   # --- the step
 
+  def _feed(self, req: _Request, n_tokens: int) -> int:
+    """Tokens req feeds in a group of n_tokens per row: at most prefill_chunk, what
+    `_schedule` grew its pages for (a chunk width may exceed prefill_chunk)."""
+    return min(req.remaining, n_tokens, self.config.prefill_chunk)
+
   def _width(self, rows: Sequence[_Request], n_tokens: int) -> int:
     need = max(blocks_for(min(r.num_computed + n_tokens, self.max_len), self.config.block_size)
                for r in rows)
@@ -476,12 +489,14 @@ class Engine:
       for i, r in enumerate(rows):
         if r is None:
           continue
-        n = min(r.remaining, n_tokens)
+        n = self._feed(r, n_tokens)
         tokens[i, :n] = r.tokens[r.num_computed:r.num_computed + n]
         start[i], n_valid[i] = r.num_computed, n
         tables[i, :len(r.blocks)] = r.blocks
         p = r.params
-        temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        # top_k >= the vocabulary keeps every token (as 0 does): clipped so that any integer
+        # fits the int32 row (10**10 overflowed inside the step, failing every request).
+        temp[i], top_k[i], top_p[i] = p.temperature, min(p.top_k, self.cfg.vocab_size), p.top_p
         seed[i], counter[i] = p.seed % 2 ** 32, len(r.output)
         fed.append((at + i, r, n))
       arrays.append((tokens, start, n_valid, tables))
@@ -497,7 +512,7 @@ class Engine:
       for i, r in enumerate(rows):
         if r is not None:
           slot[i] = r.slot
-          end = r.num_computed + min(r.remaining, n_tokens)
+          end = r.num_computed + self._feed(r, n_tokens)
           if end < len(r.tokens):
             nxt[i] = r.tokens[end]
       draft = (self.dgraph, self.dstate, self.dcache, self.h_root, slot, nxt)

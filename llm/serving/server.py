@@ -99,8 +99,12 @@ class ChatRequest(_Sampling):
 
 
 def _unsupported(req: _Sampling) -> None:
+  # A completion's logprobs is a count: 0 asks for the sampled tokens' logprobs (OpenAI:
+  # "up to logprobs+1 elements"); a chat's is a bool.
+  logprobs = (req.logprobs is not None if isinstance(req, CompletionRequest)
+              else req.logprobs not in (None, False))
   checks = [("n", req.n != 1, "n > 1 (one choice per prompt)"),
-            ("logprobs", req.logprobs not in (None, False, 0), "logprobs"),
+            ("logprobs", logprobs, "logprobs"),
             ("presence_penalty", req.presence_penalty != 0, "presence_penalty"),
             ("frequency_penalty", req.frequency_penalty != 0, "frequency_penalty"),
             ("logit_bias", bool(req.logit_bias), "logit_bias")]

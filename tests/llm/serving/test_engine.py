@@ -193,6 +193,9 @@ def test_sampling_follows_each_requests_seed(tiny, reference):
   other = engine.generate([[5]], SamplingParams(max_tokens=NEW, temperature=1.5,
                                                 seed=8))[0].token_ids
   assert other != alone
+  # top_k past the vocabulary keeps every token, as 0 does (10**10 once overflowed the
+  # step's int32 row inside step(): under the runner, every request failed with it).
+  assert engine.generate([[5]], dataclasses.replace(hot, top_k=10 ** 10))[0].token_ids == alone
 
 
 def test_request_errors(tiny):
@@ -217,6 +220,11 @@ def test_request_errors(tiny):
     engine.add_request([1], SamplingParams(max_tokens=0))
   with pytest.raises(ValueError, match=r"stop_token_ids \[300, -1\] outside \[0, 256\)"):
     engine.add_request([1], SamplingParams(stop_token_ids=(3, 300, -1)))
+  # A stop id as text passed the range check (int("7")) and never matched a token.
+  with pytest.raises(ValueError, match=r"stop_token_ids=\[3, '7'\]; expected integer token ids"):
+    engine.add_request([1], SamplingParams(stop_token_ids=(3, "7")))
+  assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)
+  assert SamplingParams(stop_token_ids=[7, 8]).stop_token_ids == (7, 8)
   engine.add_request([1], SamplingParams(), request_id="a")
   with pytest.raises(ValueError, match="request id 'a' is already in use"):
     engine.add_request([2], SamplingParams(), request_id="a")
@@ -284,6 +292,16 @@ def test_a_decode_row_short_of_a_page_preempts_itself_when_it_is_the_latest(tiny
   assert engine.preemptions == 1
   assert [list(o.token_ids[:NEW]) for o in out] == [reference[1], reference[2]]
   assert [len(o.token_ids) for o in out] == [11, 11] and engine.pool.num_used == 0
+
+
+def test_a_chunk_width_past_prefill_chunk_feeds_prefill_chunk_tokens(tiny, reference):
+  # chunk_widths may go past prefill_chunk (the largest only has to hold it); a chunk ran
+  # min(remaining, width) = 24 tokens on pages grown for 16, its last 8 keys written to the
+  # padding page (and lost), so the 37-token prompt's reply was another model's.
+  engine = Engine(tiny, dataclasses.replace(CONFIG, chunk_widths=(24,), record_logits=False))
+  out = engine.generate([PROMPTS[2], PROMPTS[0]], SamplingParams(max_tokens=NEW))
+  assert [list(o.token_ids) for o in out] == [reference[2], reference[0]]
+  assert engine.pool.num_used == 0
 
 
 def test_abort_frees_the_request(tiny):

@@ -96,6 +96,10 @@ def test_http_errors_in_openai_form(tiny):
   assert e["param"] == "prompt" and "Field required" in e["message"]
   e = error(client.post("/v1/completions", json={**ok, "n": 2}), 400)
   assert e["param"] == "n" and e["code"] == "unsupported_parameter"
+  # A completion's logprobs=0 asks for the sampled tokens' logprobs (OpenAI: "up to
+  # logprobs+1 elements"); it was taken for "none" and answered with logprobs null.
+  e = error(client.post("/v1/completions", json={**ok, "logprobs": 0}), 400)
+  assert e["param"] == "logprobs" and e["code"] == "unsupported_parameter"
   e = error(client.post("/v1/completions", json={**ok, "temperature": -1}), 400)
   assert e["param"] == "temperature" and e["message"] == "temperature=-1.0; expected >= 0"
   e = error(client.post("/v1/completions", json={**ok, "top_p": 2}), 400)
