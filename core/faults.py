@@ -19,7 +19,8 @@ by the flipped bits only.
 
 `estimate` takes the model as `faulty(data, elem, mask, example) -> output` for one trial (the
 caller decides how a corrupted value reaches the output: a copy of a small weight with one
-element changed, or only the rows an input reads for a big embedding table) and runs the
+element changed, or only the rows an input reads for a big embedding table; an output of
+several values changed when the criterion says so of any of them) and runs the
 trials vmapped and jitted in chunks; each chunk's reference outputs come from the same
 compiled function on the same elements and examples in the same lanes with mask 0 (xor 0
 changes no bit), so a value the output does not depend on has PVF exactly 0 even under
@@ -258,7 +259,10 @@ def _trials(faulty: Callable[..., Any], criterion: Callable[[jax.Array, jax.Arra
 
   @jax.jit
   def judge(ref_out, out):
+    # One verdict per trial: a trial whose output holds several values (a probability per
+    # task, a logit row per position) changed when any of them did.
     ch = criterion(ref_out, out)
+    ch = jnp.any(ch.reshape(ch.shape[0], -1), axis=1)
     bad = jax.tree.map(lambda o: ~jnp.all(jnp.isfinite(o).reshape(o.shape[0], -1), axis=1), out)
     return ch, bad
 

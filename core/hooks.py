@@ -79,7 +79,10 @@ class MetricWriter:
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step)
+      # TensorBoard hides the earlier events of steps >= purge_step: those after the
+      # checkpoint, as above (the checkpoint's own step is not written again).
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=(
+          None if resume_step is None else resume_step + 1))
 
   def write(self, step: int, split: str, scalars: dict[str, Any]) -> None:
     """One record: numbers as floats (JSONL and TensorBoard); a dict or list value (a

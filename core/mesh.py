@@ -211,15 +211,20 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Rules, batch_axis: str = "batch")
   make_array_from_process_local_data.
   """
   n = axis_size(batch_axis, rules, mesh)
+  # A process passes its share, 1/count of the global batch, to n / count of the devices.
+  count = process_batch_share(mesh, rules, batch_axis)[1] if jax.process_count() > 1 else 1
+  local = n // count
 
   def put(x):
     if x is None:
       return None
     x = np.asarray(x)
-    if x.shape[0] % n:
+    if x.shape[0] % local:
+      share = "" if count == 1 else f" (this process's share, 1/{count} of the global batch)"
       raise ValueError(
-          f"batch dimension {x.shape[0]} is not divisible by the {n} devices of logical "
-          f"axis {batch_axis!r} ({mesh_axes(batch_axis, rules, mesh)})")
+          f"batch dimension {x.shape[0]}{share} is not divisible by the {local} devices of "
+          f"logical axis {batch_axis!r} ({mesh_axes(batch_axis, rules, mesh)})"
+          + ("" if count == 1 else f" that this process feeds ({n} in all)"))
     spec = logical_to_spec((batch_axis,) + (None,) * (x.ndim - 1), rules, mesh)
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
 

@@ -88,7 +88,8 @@ def device_events(events: list[dict]) -> tuple[str, list[dict]]:
 def summarize(out_dir: str, steps: int = 1, top: int = 12) -> dict[str, Any]:
   """{lines, span_ms, busy_ms, busy_fraction, kernels, kernels_per_step, top} of the
   newest trace under `out_dir`; `top` lists the names that took the most time (count,
-  total ms, share of busy time), `steps` the region's step count (for per-step figures)."""
+  total ms, share of the events' summed time: events of several lines overlap, so busy time
+  can be less), `steps` the region's step count (for per-step figures)."""
   with gzip.open(_trace_file(out_dir), "rt") as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data

@@ -7,7 +7,10 @@ step the hooks due then (`core.hooks`): eval every N steps, metrics to JSONL and
 TensorBoard, a progress line with rate and ETA, orbax checkpoints every N steps and at the
 end, the finiteness checks, the multi-process watchdog. `resume` continues the same run
 exactly: the state, its RNG and optimizer state come from the checkpoint, and batch k of
-the resumed run is batch k of the uninterrupted one.
+the resumed run is batch k of the uninterrupted one; the checkpoint's metadata also carries
+the metrics of the steps after the last log line and the count of skipped steps in a row,
+and a periodic evaluation that a stop (or an error) cut short runs first, so metrics.jsonl
+reads as the uninterrupted run's.
 
 Adding a hook (a custom evaluation, a probe, a writer) is one argument to `train`:
 
@@ -444,7 +447,14 @@ class Run:
     self.last_eval: dict[str, float] = dict(self.meta.get("last_eval", {}))
     self.eval_step = self.meta.get("eval_step")   # the step last_eval was measured at
     self.skipped = int(self.meta.get("skipped_steps", 0))
-    self.saved_step, self.saved_at = None, _clock()   # the last checkpoint written, and when
+    self.skip_run = int(self.meta.get("skipped_in_a_row", 0))
+    # Metrics of the steps after the last log line: the next line averages them as the
+    # uninterrupted run's does.
+    self.fetched = [(int(s), dict(v)) for s, v in self.meta.get("unlogged", [])]
+    # The last checkpoint written (the one resumed from is on disk already), and when.
+    self.saved_step = self.start if latest is not None else None
+    self.saved_at = _clock()
+    self.saved_here = False   # whether this process wrote a checkpoint in this run
 
   def clock(self) -> float:
     return _clock()
@@ -526,7 +536,24 @@ class Run:
     return {**(extra() if extra is not None else {}),
             "step": step, "steps": self.cfg.steps, "last_eval": self.last_eval,
             "eval_step": self.eval_step, "skipped_steps": self.skipped,
+            "skipped_in_a_row": self.skip_run, "unlogged": self.fetched,
             "settings": self.settings, "changeable": _changeable(self.cfg)}
+
+  def eval_missed(self) -> bool:
+    """Whether the resumed step is a periodic evaluation's whose evaluation did not
+    complete (a stop or a failure during it): the uninterrupted run evaluated there."""
+    cfg = self.cfg
+    return (self.eval_batches is not None and cfg.eval_every > 0 and "eval_step" in self.meta
+            and 0 < self.start < cfg.steps and self.start % cfg.eval_every == 0
+            and self.meta["eval_step"] != self.start)
+
+  def record_eval(self, step: int) -> None:
+    """Puts the evaluation just run at `step` into that checkpoint's metadata. A checkpoint
+    this run did not write keeps its own metadata but for the evaluation: the task's part
+    describes the arrays as written (e.g. an embedding layout the run resharded from)."""
+    meta = (self.meta_of(step) if self.saved_here else
+            {**self.meta, "last_eval": self.last_eval, "eval_step": self.eval_step})
+    self.ckpt.update_meta(step, meta)
 
   def save(self) -> None:
     """Checks the pending steps and the state, then checkpoints the current step."""
@@ -538,7 +565,7 @@ class Run:
           step, f"the state after step {step} holds non-finite values (first: {bad_leaf}) "
           "although the losses and gradient norms checked so far were finite"))
     self.ckpt.save(step, self.state, self.meta_of(step))
-    self.saved_step, self.saved_at = step, _clock()
+    self.saved_step, self.saved_at, self.saved_here = step, _clock(), True
 
   def evaluate(self) -> None:
     """Evaluates the current state, writes and prints the result. A stop request during it
@@ -593,10 +620,10 @@ class Run:
       if step >= cfg.steps:
         self.evaluate()
         if self.save_error is None and self.eval_batches is not None:
-          self.ckpt.update_meta(step, self.meta_of(step))
+          self.record_eval(step)
     elif finished_unevaluated:   # its final evaluation was interrupted: run it now
       self.evaluate()
-      self.ckpt.update_meta(step, self.meta_of(step))
+      self.record_eval(step)
     else:
       print(f"nothing to do: the run is at step {step} of {cfg.steps}", flush=True)
 
@@ -688,6 +715,11 @@ def _train(task: Task, train_batches: Callable[[int], Iterator[Any]],
     run.t_last = time.perf_counter()
     run.watchdog = distributed.Watchdog(distributed.hang_timeout_s() if cfg.hang_timeout_s
                                         is None else cfg.hang_timeout_s)
+    if run.eval_missed():   # resumed at an evaluation that a stop or an error cut short
+      run.pause()
+      run.evaluate()
+      run.record_eval(run.start)
+      run.resume_clock()
     while run.step < run.end:
       run.host, dev = next(batches)
       run.state, run.metrics = step_fn(run.state, dev)

@@ -112,6 +112,42 @@ def test_estimate_unused_values_pvf_zero_and_used_values_counted():
   assert res["changed"] == 100 and res["ci_low"] > 0.96
 
 
+def test_a_trial_with_several_outputs_is_one_verdict():
+  # Each trial outputs three values, [w0 * x, w1 * x, sum(w) * x]: a fault in w0 changes
+  # two of them, so a count per output value would exceed the trials (PVF > 1).
+  w = jnp.asarray([1.0, -2.0], jnp.float32)
+  xs = jnp.asarray([1.0, 0.0], jnp.float32)     # example 1 reads nothing: no change
+
+  def faulty(d, elem, mask, x):
+    v = faults.flip_element(d["w"], elem, mask)
+    return jnp.stack([v[0], v[1], jnp.sum(v)]) * d["x"][x]
+  data = {"w": w, "x": xs}
+  res = faults.exhaustive(faulty, data, 2, 2, 32, faults.tolerance_criterion(0.0), chunk=40)
+  # numpy replay: a trial changed when any of its three outputs differs
+  want = np.zeros((2, 32, 2), bool)
+  w0 = np.asarray(w)
+  with np.errstate(invalid="ignore", over="ignore"):
+    for e in range(2):
+      for b in range(32):
+        v = w0.copy()
+        v.view(np.uint32)[e] ^= np.uint32(1 << b)
+        for x in range(2):
+          ref = np.asarray([w0[0], w0[1], w0[0] + w0[1]]) * xs[x]
+          out = np.asarray([v[0], v[1], v[0] + v[1]]) * xs[x]
+          want[e, b, x] = not np.all(np.abs(out - ref) <= 0)
+  np.testing.assert_array_equal(res["changed_VBX"], want)
+  # every flip changes example 0; example 1 (x = 0) only through inf * 0 = NaN: exponent
+  # bit 30 of 1.0 or of -2.0 (0xC0000000 -> 0x80000000 = -0.0: no), so one fault
+  assert want[:, :, 1].sum() == 1 and res["changed"] == 64 + 1 <= res["trials"] == 128
+  est = faults.estimate(faulty, data, 2, 2, 32, faults.FaultModel("single"),
+                        faults.tolerance_criterion(0.0), 200, jax.random.key(0), chunk=64,
+                        record=True)
+  rec = est["records"]
+  bit = np.log2(rec["mask"]).astype(int)
+  np.testing.assert_array_equal(rec["changed"], want[rec["elem"], bit, rec["example"]])
+  assert est["changed"] == int(rec["changed"].sum()) <= est["trials"] == 200
+
+
 # ------------------------------------------------------------------ exact enumeration
 
 def _read_own_value(fmt):

@@ -148,3 +148,38 @@ def test_metric_writer_keeps_breakdowns_in_jsonl_and_numbers_in_tensorboard(tmp_
   assert rec["ne_by_slice"][0] == slices[0] and rec["step"] == 4
   assert _tb_scalars(tmp_path / "tb") == {"eval/auc": [0.75], "eval/calibration": [1.25],
                                           "eval/gauc": [0.5]}
+
+
+def test_a_resumed_writer_hides_in_tensorboard_what_metrics_jsonl_drops(tmp_path):
+  # Resumed from checkpoint 10: the records up to step 10 stay (metrics.jsonl keeps them,
+  # the resumed run does not write them again), those after it go. TensorBoard hides the
+  # loaded events whose step is >= the step of a later SessionLog START (tensorboardX's
+  # `purge_step`), which this test replays over the event files in TensorBoard's order.
+  import glob
+  import json
+  import os
+  import struct
+  from tensorboardX.proto import event_pb2
+  w = hooks_lib.MetricWriter(str(tmp_path), None)
+  for step in (5, 10, 15):
+    w.write(step, "train", {"loss": float(step)})
+  w.close()
+  for i, path in enumerate(glob.glob(f"{tmp_path}/tb/events.out.tfevents.*")):
+    # the first run's file sorts first (the same second would give both runs one name)
+    os.rename(path, f"{tmp_path}/tb/events.out.tfevents.0000000000.first{i}")
+  w = hooks_lib.MetricWriter(str(tmp_path), 10)
+  w.write(15, "train", {"loss": 150.0})
+  w.close()
+  shown: list[tuple[int, float]] = []
+  for path in sorted(glob.glob(f"{tmp_path}/tb/events.out.tfevents.*")):
+    data, i = open(path, "rb").read(), 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 12 + n + 4
+      if ev.HasField("session_log") and ev.session_log.status == ev.session_log.START:
+        shown = [(s, v) for s, v in shown if s < ev.step]
+      shown += [(ev.step, v.simple_value) for v in ev.summary.value]
+  with open(tmp_path / "metrics.jsonl") as f:
+    kept = [(r["step"], r["loss"]) for r in map(json.loads, f)]
+  assert shown == kept == [(5, 5.0), (10, 10.0), (15, 150.0)]

@@ -1,5 +1,7 @@
 """core.mesh: the --mesh flag, logical-axis rules, batch placement."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -51,6 +53,60 @@ def test_shard_batch_splits_leading_dim():
   np.testing.assert_array_equal(np.asarray(y), x)
   with pytest.raises(ValueError, match="not divisible by the 8 devices"):
     mesh_lib.shard_batch({"x": x[:12]}, m, mesh_lib.REC_RULES)
+
+
+# One process of a 2 x 2-device job: feeds its half of a global batch of B rows.
+_SHARE = """
+import sys
+import jax
+import numpy as np
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), initialization_timeout=60)
+from jax.experimental import multihost_utils
+from core import mesh as mesh_lib
+m = mesh_lib.make_mesh("-1", rules=mesh_lib.REC_RULES)
+index, count = mesh_lib.process_batch_share(m, mesh_lib.REC_RULES)
+for b in (4, 6):
+  x = np.arange(b * 3).reshape(b, 3)
+  try:
+    y = mesh_lib.shard_batch({"x": np.split(x, count)[index]}, m, mesh_lib.REC_RULES)["x"]
+    print(b, y.shape, np.array_equal(multihost_utils.process_allgather(y, tiled=True), x))
+  except ValueError as e:
+    print(b, e)
+jax.distributed.shutdown()
+"""
+
+
+def test_shard_batch_takes_a_process_s_share_of_the_batch(tmp_path):
+  # A global batch of one row per device (4 on 2 x 2) is this process's 2 rows for its 2
+  # devices, not a batch of 2 for all 4 of them.
+  import socket
+  import subprocess
+  import sys
+  from tests import cpu_env
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+  env = cpu_env.cpu_env(2, PYTHONPATH=cpu_env.python_path(repo))
+  env.pop("JAX_COORDINATOR_ADDRESS", None)
+  procs = [subprocess.Popen([sys.executable, "-c", _SHARE, address, str(i)], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for out in outs:
+    lines = [l for l in out.splitlines() if l[:2] in ("4 ", "6 ")]
+    assert lines == [
+        "4 (4, 3) True",
+        "6 batch dimension 3 (this process's share, 1/2 of the global batch) is not divisible "
+        "by the 2 devices of logical axis 'batch' (('data',)) that this process feeds (4 in "
+        "all)"], out
 
 
 def test_unknown_axis_is_an_error_naming_the_known_axes():

@@ -4,6 +4,7 @@ settings checked on resume, optimizer settings validated, non-finite steps stopp
 import dataclasses
 import errno
 import functools
+import itertools
 import json
 import os
 import re
@@ -582,3 +583,103 @@ def test_a_failed_run_closes_its_batch_source(tmp_path, prefetch):
   assert len(closed) == 1 and closed[0] >= 3   # batches 0..3 taken, maybe more prefetched
   # the prefetch thread (named after its target, `work`) has ended
   assert not [t.name for t in threading.enumerate() if t.name.endswith("(work)")]
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f]
+
+
+def _eval_batches():
+  for _ in range(3):
+    yield {"x": np.ones(2, np.float32), "aux": np.float32(0.0)}
+
+
+def test_a_resume_runs_the_evaluation_a_stop_cut_short(tmp_path):
+  # A stop during the periodic evaluation at step 2 keeps checkpoint 2 without it: the
+  # resumed run evaluates at step 2 first, as the uninterrupted run did, and records it.
+  straight = train_lib.train(_Counter(), _counter_batches(), _eval_batches,
+                             _loop(tmp_path / "a", eval_every=2, log_every=1))
+  with pytest.raises(train_lib.Interrupted):
+    train_lib.train(_Counter(), _counter_batches(), _eval_with_sigterm(),
+                    _loop(tmp_path / "b", eval_every=2, log_every=1))
+  resumed = train_lib.train(_Counter(), _counter_batches(), _eval_batches,
+                            _loop(tmp_path / "b", eval_every=2, log_every=1, resume=True))
+  assert _records(tmp_path / "b") == _records(tmp_path / "a")
+  assert [r["step"] for r in _records(tmp_path / "a") if r["split"] == "eval"] == [2, 4, 6]
+  assert resumed["eval"] == straight["eval"]
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "b"))
+  assert ckpt.restore_meta(2)["eval_step"] == 2   # a second resume from 2 does not redo it
+  ckpt.close()
+
+
+class _Skipping(_Counter):
+  """_Counter whose step skips a batch with an inf `aux` (loss NaN, `skipped` 1)."""
+
+  def train_step(self, state, batch, skip_nonfinite=False):
+    new, m = super().train_step(state, batch)
+    ok = jnp.isfinite(batch["aux"])
+    return ({"w": jnp.where(ok, new["w"], state["w"]), "aux": state["aux"]},
+            {"loss": jnp.where(ok, m["loss"], jnp.nan), "grad_norm": m["grad_norm"],
+             "skipped": (~ok).astype(jnp.float32)})
+
+
+def _stopping_batches(bad, stop_before=None):
+  """_counter_batches(bad) that sends SIGTERM before yielding batch `stop_before` (with
+  prefetch 0: while the loop waits for that batch, so the run stops at its step)."""
+  def batches(start):
+    for k in itertools.count(start):
+      if k == stop_before:
+        signal.raise_signal(signal.SIGTERM)
+      yield {"x": np.full(2, k, np.float32), "aux": np.float32(np.inf if k in bad else 0.0)}
+  return batches
+
+
+@pytest.mark.parametrize("bad,limit", [({3}, 10), ({2, 3, 4}, 3)])
+def test_a_stop_between_log_steps_resumes_the_same_records(tmp_path, bad, limit):
+  # Stopped at step 4 or 5 (log_every=3): the steps after the last log line, a skipped one
+  # among them, are averaged into the next line and counted as the uninterrupted run does;
+  # skips in a row continue across the stop ({2, 3, 4}: steps 3..5 end both runs).
+  kw = dict(steps=9, log_every=3, prefetch=0, nonfinite="skip", max_skipped_in_a_row=limit)
+  stop_before = max(bad) + 1 if limit == 10 else 3
+
+  def run(workdir, batches, **more):
+    try:
+      return train_lib.train(_Skipping(), batches, None, _loop(workdir, **kw, **more))
+    except train_lib.NonFiniteError as e:
+      return str(e).split(". No checkpoint")[0]
+  straight = run(tmp_path / "a", _stopping_batches(bad))
+  with pytest.raises(train_lib.Interrupted) as e:
+    run(tmp_path / "b", _stopping_batches(bad, stop_before))
+  assert e.value.step == stop_before + 1
+  resumed = run(tmp_path / "b", _stopping_batches(bad), resume=True)
+  assert _records(tmp_path / "b") == _records(tmp_path / "a")
+  if limit == 3:
+    assert straight == resumed == ("training stopped: steps 3 to 5 were all skipped for a "
+                                   "non-finite loss or gradient norm (3 in a row, "
+                                   "max_skipped_in_a_row=3)")
+  else:
+    assert straight["skipped_steps"] == resumed["skipped_steps"] == 1
+    np.testing.assert_array_equal(resumed["state"]["w"], straight["state"]["w"])
+    assert [r["skipped"] for r in _records(tmp_path / "a")] == [0.0, 1.0, 0.0]
+
+
+def test_an_evaluation_after_a_resume_keeps_the_checkpoint_s_own_metadata(tmp_path):
+  # A finished run whose final evaluation was cut short, resumed by a task that would write
+  # its checkpoints in another layout (a resharded embedding): the evaluation goes into
+  # checkpoint 6's metadata, whose layout still describes its arrays.
+  class Laid(_Counter):
+    def __init__(self, layout):
+      self.layout = layout
+
+    def checkpoint_meta(self):
+      return {"layout": self.layout}
+  with pytest.raises(train_lib.Interrupted):
+    train_lib.train(Laid("a"), _counter_batches(), _eval_with_sigterm(), _loop(tmp_path))
+  out = train_lib.train(Laid("b"), _counter_batches(), _eval_batches,
+                        _loop(tmp_path, resume=True))
+  assert out["eval"] == {"sum": 3 * 30.0}   # w = [15, 15] . [1, 1] over three batches
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+  meta = ckpt.restore_meta(6)
+  ckpt.close()
+  assert meta["layout"] == "a" and meta["eval_step"] == 6 and meta["last_eval"] == out["eval"]
