@@ -29,6 +29,11 @@ from llm.data import LMBatch
 def text_batches(tokens: Sequence[int], seq_len: int, batch_size: int,
                  max_windows: int | None = None) -> Iterator[LMBatch]:
   """Batches of windows of `tokens` (module docstring); `max_windows`: the first ones only."""
+  for name, v, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
+                       ("max_windows", 1 if max_windows is None else max_windows, 1)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+      raise ValueError(f"text_batches: {name}={v!r}; expected an integer >= {low}"
+                       + (" or None" if name == "max_windows" else ""))
   tokens = np.asarray(tokens, np.int32)
   if tokens.size < 2:
     raise ValueError(f"{tokens.size} token(s); expected at least 2 to predict one")
@@ -56,25 +61,30 @@ def chat_batches(convs, seq_len: int, batch_size: int) -> Iterator[LMBatch]:
 
 
 @nnx.jit
-def _loss_sums(model, inputs, targets, mask, positions):
-  logits, _ = model(inputs, positions_BT=positions)
+def _loss_sums(model, inputs, targets, mask, positions, segment_ids):
+  # The segment ids keep a row's padding (positions from 0 again after a conversation: the
+  # causal mask compares positions) out of its tokens' attention.
+  logits, _ = model(inputs, positions_BT=positions, segment_ids_BT=segment_ids)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
   return jnp.sum(ce * mask), jnp.sum(mask)
 
 
 def mean_loss(model, batches: Iterable[LMBatch]) -> dict[str, float]:
   """{"loss", "perplexity", "bits_per_token", "num_tokens"} of `model` over `batches`
-  (rows are single sequences: positions from 0, no segment ids)."""
+  (rows are single sequences: positions from 0, segment id 1 (0: padding) or none)."""
   total, count = 0.0, 0.0
   for b in batches:
+    seg = None if b.segment_ids is None else jnp.asarray(b.segment_ids)
     s, n = _loss_sums(model, jnp.asarray(b.inputs), jnp.asarray(b.targets),
-                      jnp.asarray(b.mask), jnp.asarray(b.positions))
+                      jnp.asarray(b.mask), jnp.asarray(b.positions), seg)
     total += float(jax.device_get(s))
     count += float(jax.device_get(n))
   if count == 0:
     raise ValueError("mean_loss: no targets to score")
   loss = total / count
-  return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+  # exp overflows float64 past a loss of ~709.8 nats: the perplexity is then inf, not e^700
+  perplexity = math.exp(loss) if loss < math.log(np.finfo(np.float64).max) else math.inf
+  return {"loss": loss, "perplexity": perplexity,
           "bits_per_token": loss / math.log(2.0), "num_tokens": int(count)}
 
 

@@ -553,6 +553,7 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
   gguf = _gguf()
   from llm.config import family
   from llm.weights import _from_contract, _hf_names, check_weights, half_to_interleaved
+  from llm.weights_layout import cast_for_export
   if qtype not in EXPORT_TYPES:
     raise ValueError(f"save_gguf: qtype={qtype!r}, expected one of {EXPORT_TYPES}")
   check_weights(cfg, weights, f"save_gguf({path})")
@@ -601,14 +602,17 @@ def save_gguf(path: str, cfg: LlamaConfig, weights: dict[str, np.ndarray], qtype
     if a.ndim == 1 or qtype == "F32":
       w.add_tensor(to_gguf[contract], a.astype(np.float32))
     elif qtype == "F16" or a.shape[-1] % 32:
-      w.add_tensor(to_gguf[contract], a.astype(np.float16))
+      w.add_tensor(to_gguf[contract], cast_for_export(to_gguf[contract], a, np.float16,
+                                                      f"save_gguf({path})"))
     else:
       q = gguf.quants.quantize(a, T.Q8_0)
       w.add_tensor(to_gguf[contract], q, raw_shape=q.shape, raw_dtype=T.Q8_0)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  try:   # the file opens with the header; a failed write (a full disk) still closes it
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+  finally:
+    w.close()
   return path
 
 

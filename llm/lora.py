@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core import errors
+
 # Targets: the projections of a block, and groups of them.
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GROUPS = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down"),
@@ -120,9 +122,12 @@ class LoraWeight:
     """scale * (x A) B for x [..., *in] -> [..., *out], in `dtype`."""
     n_in = self.a.ndim - 1
     lead = x.shape[:x.ndim - n_in]
-    xa = x.reshape(*lead, -1).astype(dtype) @ self.a.reshape(-1, self.a.shape[-1]).astype(dtype)
+    # The scale goes into A in float32 before the cast: a bfloat16 scale (16 / 12 ->
+    # 1.3359) would scale every update by the same wrong factor, unlike the merged weights.
+    a = self.a.reshape(-1, self.a.shape[-1]).astype(jnp.float32) * self.scale
+    xa = x.reshape(*lead, -1).astype(dtype) @ a.astype(dtype)
     y = xa @ self.b.reshape(self.b.shape[0], -1).astype(dtype)
-    return (y * jnp.asarray(self.scale, dtype)).reshape(*lead, *self.b.shape[1:])
+    return y.reshape(*lead, *self.b.shape[1:])
 
 
 def init_adapters(shapes: Mapping[str, Sequence[int]], cfg: LoraConfig, key: jax.Array,
@@ -169,6 +174,10 @@ def merge(weights: Mapping[str, Any], adapters: Mapping[str, Mapping[str, Any]],
   """Float32 contract weights with each adapter's scale * A B added (a quantized base is
   dequantized first): a plain checkpoint of the fine-tuned model."""
   from llm.quantized import QuantizedParam
+  unknown = sorted(set(adapters) - set(weights))
+  if unknown:
+    raise ValueError(f"merge: adapters {unknown[:4]} ({len(unknown)}) are not among the "
+                     f"weights ({len(weights)} parameters); expected adapters of its projections")
   out = {}
   for name, w in weights.items():
     if isinstance(w, QuantizedParam):
@@ -207,23 +216,85 @@ def save_peft(directory: str, adapters: Mapping[str, Mapping[str, Any]], cfg: Lo
   return directory
 
 
+# PEFT LoraConfig settings that change which weights an adapter touches or how much (other
+# than r, lora_alpha and target_modules): refused when set, never ignored.
+_PEFT_UNSUPPORTED = ("rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
+                     "modules_to_save", "exclude_modules", "layer_replication",
+                     "trainable_token_indices", "target_parameters", "alora_invocation_tokens",
+                     "use_rslora", "use_dora", "lora_bias", "use_qalora", "arrow_config")
+
+
+def _peft_targets(conf: dict, n_layers: int, where: str) -> tuple[str, ...]:
+  """The projections a PEFT config's target_modules adapts, matched as peft matches them: a
+  list entry names a module or a dotted suffix of its name, a string is a regular expression
+  the whole module name must match ("all-linear": every projection); the projections it
+  adapts must be the same in every layer."""
+  import re
+  spec = conf.get("target_modules")
+  names = {t: _HF_MODULES[t][0] for t in PROJECTIONS}
+
+  def hit(key: str) -> bool:
+    if isinstance(spec, str):
+      return spec == "all-linear" or re.fullmatch(spec, key) is not None
+    return any(key == m or key.endswith("." + m) for m in spec)
+
+  if not (isinstance(spec, str) or (isinstance(spec, list)
+                                    and all(isinstance(m, str) for m in spec))):
+    raise errors.expected(where, f"target_modules={spec!r}", "a list of module names or a "
+                          "regular expression (peft's LoraConfig.target_modules)")
+  if isinstance(spec, str):
+    try:
+      re.compile(spec)
+    except re.error as e:
+      raise errors.expected(where, f"target_modules={spec!r} ({e})", "a list of module names "
+                            "or a valid regular expression") from None
+  targets = []
+  for t, module in names.items():
+    layers = [i for i in range(n_layers) if hit(f"model.layers.{i}.{module}")]
+    if layers and len(layers) < n_layers:
+      raise errors.expected(where, f"target_modules={spec!r} adapts {module} in layers "
+                            f"{layers} of {n_layers}", "the same projections in every layer")
+    if layers:
+      targets.append(t)
+  if not targets:
+    raise errors.expected(where, f"target_modules={spec!r}", "at least one of the Llama "
+                          f"projections {sorted(m.split('.')[1] for m in names.values())}")
+  return tuple(targets)
+
+
 def load_peft(directory: str, shapes: Mapping[str, Sequence[int]]
               ) -> tuple[dict[str, dict[str, np.ndarray]], LoraConfig]:
   """(adapters, LoraConfig) of a PEFT LoRA directory written by `save_peft` (or by peft for
-  a Llama model), checked against the contract `shapes`; errors name the file and tensor."""
+  a Llama model), checked against the contract `shapes`: a setting that changes the
+  arithmetic and is not read here (rsLoRA, DoRA, per-module ranks or alphas, some layers
+  only, biases, modules saved whole) and a tensor that no target projection reads are errors
+  naming the file and the key or tensor, never ignored."""
   from safetensors.numpy import load_file
   conf_path = os.path.join(directory, "adapter_config.json")
   with open(conf_path) as f:
     conf = json.load(f)
-  if conf.get("peft_type") != "LORA" or conf.get("use_rslora") or conf.get("use_dora"):
-    raise ValueError(f"{conf_path}: peft_type={conf.get('peft_type')!r}; expected a plain "
-                     "LORA adapter (no rsLoRA / DoRA)")
-  modules = set(conf.get("target_modules") or ())
-  targets = tuple(t for t in PROJECTIONS if _HF_MODULES[t][0].split(".")[1] in modules)
-  cfg = LoraConfig(int(conf["r"]), float(conf["lora_alpha"]), targets)
+  if not isinstance(conf, dict) or conf.get("peft_type") != "LORA":
+    found = conf.get("peft_type") if isinstance(conf, dict) else conf
+    raise errors.expected(conf_path, f"peft_type={found!r}", "a LORA adapter")
+  for key in _PEFT_UNSUPPORTED:
+    if conf.get(key) not in (None, False, {}, [], ""):
+      raise errors.expected(conf_path, f"{key}={conf[key]!r}", "it unset: a plain LoRA "
+                            "adapter (scale lora_alpha / r on every target projection of every "
+                            "layer, no other weights)")
+  if conf.get("bias", "none") != "none":
+    raise errors.expected(conf_path, f"bias={conf['bias']!r}", "'none' (the base model's "
+                          "biases as they are)")
+  rank, alpha = conf.get("r"), conf.get("lora_alpha")
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    raise errors.expected(conf_path, f"r={rank!r}", "an integer >= 1")
+  if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+      or not (math.isfinite(alpha) and alpha > 0)):
+    raise errors.expected(conf_path, f"lora_alpha={alpha!r}", "a number > 0")
+  n_layers = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
+  cfg = LoraConfig(rank, float(alpha), _peft_targets(conf, n_layers, conf_path))
   path = os.path.join(directory, "adapter_model.safetensors")
   tensors = load_file(path)
-  adapters = {}
+  adapters, used = {}, set()
   for name, shape in shapes.items():
     if _short(name) not in cfg.targets:
       continue
@@ -239,4 +310,10 @@ def load_peft(directory: str, shapes: Mapping[str, Sequence[int]]
       raise ValueError(f"{path}: {ka} {a.shape} / {kb} {b.shape}; expected {want_a} / {want_b}")
     adapters[name] = {"a": a.T.reshape(*shape[:n_in], cfg.rank).astype(np.float32),
                       "b": b.T.reshape(cfg.rank, *shape[n_in:]).astype(np.float32)}
+    used.update((ka, kb))
+  unread = sorted(set(tensors) - used)
+  if unread:
+    raise errors.expected(path, f"tensor {unread[0]!r} ({len(unread)} not read), which no "
+                          f"target projection of {conf_path} reads", "only the lora_A / lora_B "
+                          "weights of the target projections")
   return adapters, cfg

@@ -26,8 +26,8 @@ import numpy as np
 
 from core import errors
 from llm.config import LlamaConfig, RopeScaling, YarnScaling, family
-from llm.weights_layout import (DTYPES, Weights, check_finite, check_weights, in_out, out_in,
-                                param_shapes)
+from llm.weights_layout import (DTYPES, Weights, cast_for_export, check_finite, check_weights,
+                                in_out, out_in, param_shapes)
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -636,12 +636,16 @@ def save_hf(d: str, cfg: LlamaConfig, weights: Weights, dtype: str = "float32",
   if dtype not in DTYPES:
     raise ValueError(f"save_hf: dtype={dtype!r}, expected one of {sorted(DTYPES)}")
   check_weights(cfg, weights, f"save_hf({d})")
+  names = _hf_names(cfg)
+  if dtype == "float16":   # a value float16 cannot hold is refused before anything is written
+    for hf, c in names.items():
+      cast_for_export(hf, _from_contract(c, np.asarray(weights[c])), DTYPES[dtype],
+                      f"save_hf({d})")
   os.makedirs(d, exist_ok=True)
   for name in os.listdir(d):
     if name in (_INDEX, _SINGLE) or _SHARD_RE.fullmatch(name):
       os.remove(os.path.join(d, name))
   cast = DTYPES[dtype]
-  names = _hf_names(cfg)
   nbytes = {hf: int(np.prod(np.shape(weights[c]))) * cast.itemsize for hf, c in names.items()}
   # Plan the shards from sizes alone, then convert one shard at a time: peak extra memory is
   # one shard, not the model.
@@ -655,8 +659,9 @@ def save_hf(d: str, cfg: LlamaConfig, weights: Weights, dtype: str = "float32",
     size += nbytes[n]
 
   def tensors(shard):
-    return {n: np.ascontiguousarray(_from_contract(names[n], np.asarray(weights[names[n]]))
-                                    .astype(cast)) for n in shard}
+    return {n: np.ascontiguousarray(cast_for_export(
+        n, _from_contract(names[n], np.asarray(weights[names[n]])), cast, f"save_hf({d})"))
+        for n in shard}
 
   meta = {"format": "pt"}   # transformers refuses safetensors files without it
   if len(shards) == 1:

@@ -8,7 +8,8 @@
 
 `param_shapes` / `check_weights` state and check it; `in_out` / `out_in` convert torch-style
 [out, in] matrices; `interleaved_to_half` / `half_to_interleaved` permute q and k rows
-between Meta's RoPE pairs and the model's half-split ones; `check_finite` finds a NaN or Inf.
+between Meta's RoPE pairs and the model's half-split ones; `check_finite` finds a NaN or Inf;
+`cast_for_export` casts for a file, refusing a value the narrower type cannot hold.
 
 Letters: V vocab, D model dim, H query heads, G key/value heads, K head dim, F FFN hidden.
 """
@@ -97,6 +98,22 @@ def out_in(w: np.ndarray) -> np.ndarray:
   """Contract [in, ...] -> [out, in] with the trailing axes flattened into `out`."""
   w = np.asarray(w)
   return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+
+
+def cast_for_export(name: str, a: np.ndarray, dtype, where: str) -> np.ndarray:
+  """`a` as `dtype`; a finite value that becomes an Inf there (beyond float16's 65504) is a
+  ValueError naming `where`, tensor `name` and its largest magnitude, never written."""
+  a = np.asarray(a)
+  with np.errstate(over="ignore"):   # found below, named in the error
+    out = a.astype(dtype)
+  if (out.dtype.kind == "f" or out.dtype == DTYPES["bfloat16"]) and np.isinf(out).any():
+    lost = np.isinf(out) & np.isfinite(a)
+    if lost.any():
+      raise ValueError(f"{where}: tensor {name!r} {tuple(a.shape)} holds values up to "
+                       f"{float(np.abs(a[np.isfinite(a)]).max()):.6g} in magnitude, which "
+                       f"{np.dtype(dtype).name} cannot hold ({int(lost.sum())} would become "
+                       "Inf); expected a wider type (float32 / bfloat16, GGUF F32 or Q8_0)")
+  return out
 
 
 def check_finite(name: str, a: np.ndarray, where: str) -> None:

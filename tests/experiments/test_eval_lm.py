@@ -88,3 +88,58 @@ def test_eval_lm_text_loss_equals_a_direct_computation(tmp_path):
                                      f"--workdir={tmp_path / 'e'}"], fails=True)
   assert (f"--seq_len=97: longer than the model's context ({cfg.max_seq_len}); expected at "
           f"most {cfg.max_seq_len}") in err.splitlines()[-1]
+
+
+def test_chat_loss_equals_each_conversation_alone(tmp_path):
+  """llm.evaluate on chat rows (one conversation per row, padded; the last batch short)
+  equals each conversation run alone, on its learned targets only. The padding's positions
+  start from 0 again, so without the segment ids the causal mask (by position) lets every
+  token see the padding after it."""
+  from llm import chat_data
+  from llm import checkpoints
+  d, _, cfg, _ = _chat_dir(tmp_path)
+  rng = np.random.default_rng(0)
+  convs = []
+  for n in (30, 64, 17, 41, 52):
+    learn = np.zeros(n, bool)
+    learn[n // 2:] = True
+    convs.append(chat_data.Conversation(
+        rng.integers(0, cfg.vocab_size, n).astype(np.int32), learn))
+  _, model = checkpoints.load_model(f"hf:{d}")
+  out = evaluate.mean_loss(model, evaluate.chat_batches(convs, 64, 2))
+  # the reference: each conversation on its own row at positions 0..63, its padding after
+  # it at later positions, which a causal mask keeps out
+  import jax
+  rows = np.zeros((len(convs), 64), np.int32)
+  for r, c in enumerate(convs):
+    rows[r, :len(c)] = c.tokens
+  with jax.default_matmul_precision("float32"):
+    logits = np.asarray(model(rows)[0], np.float64)
+  total, count = 0.0, 0
+  for r, c in enumerate(convs):
+    logp = logits[r, :len(c) - 1] - logits[r, :len(c) - 1].max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    picked = logp[np.arange(len(c) - 1), c.tokens[1:]]
+    total -= picked[c.learn[1:]].sum()
+    count += int(c.learn[1:].sum())
+  assert out["num_tokens"] == count
+  # float32 logits summed in float32 per batch: ~1e-6 relative
+  np.testing.assert_allclose(out["loss"], total / count, rtol=1e-5)
+
+
+def test_text_window_settings_are_checked():
+  # max_windows=-1 used to drop the last window silently (a Python slice [:-1])
+  for args, match in (((16, 2, -1), r"max_windows=-1; expected an integer >= 1 or None"),
+                      ((16, 2, 0), r"max_windows=0; expected"),
+                      ((0, 2, None), r"seq_len=0; expected an integer >= 1"),
+                      ((16, 0, None), r"batch_size=0; expected an integer >= 1")):
+    with pytest.raises(ValueError, match=match):
+      next(evaluate.text_batches(np.arange(40), *args))
+
+
+def test_perplexity_beyond_float64_is_inf_not_a_clipped_number(monkeypatch):
+  batch = next(evaluate.text_batches(np.arange(10), 4, 1))
+  for loss, want in ((800.0, float("inf")), (700.0, np.exp(700.0)), (2.0, np.exp(2.0))):
+    monkeypatch.setattr(evaluate, "_loss_sums", lambda *a, loss=loss: (4 * loss, 4.0))
+    out = evaluate.mean_loss(None, [batch])
+    assert out["loss"] == loss and out["perplexity"] == want, (loss, out)

@@ -347,3 +347,36 @@ def test_loader_choices_are_transformers(tmp_path):
   assert q.sliding_window == peer["config_qwen2"]["sliding_window"] == 4096
   assert [q.layer_window(i) is not None for i in range(q.n_layers)] == [
       t == "sliding_attention" for t in peer["config_qwen2"]["layer_types"]] == [False, True]
+
+
+_TOKENS = """
+import json, sys, transformers
+d, texts = sys.argv[1], json.loads(sys.argv[2])
+tok = transformers.AutoTokenizer.from_pretrained(d)
+gen = transformers.GenerationConfig.from_pretrained(d)
+print(json.dumps({"ids": [tok(t)["input_ids"] for t in texts], "eos": gen.eos_token_id}))
+"""
+
+
+def test_export_entry_point_tokens_and_stop_ids_in_transformers(tmp_path):
+  """A tokenizer that adds a BOS by add_bos_token (no post-processor: as a GGUF or llama2.c
+  vocabulary is exported) and stops at two ids: transformers' tokenizer on the export gives
+  our ids, BOS included, and its generation config our stop ids."""
+  src = str(tmp_path / "src")
+  train_bpe(src, vocab_size=300, config={"bos_token": "<s>", "eos_token": "</s>",
+                                         "add_bos_token": True})
+  with open(os.path.join(src, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": [2, 0]}, f)
+  cfg = get_config("tiny_tied", vocab_size=V)
+  W.save_hf(src, cfg, family_weights(cfg, seed=3))
+  tok = C.find_tokenizer(f"hf:{src}", None, V)
+  assert tok.add_bos and tok.stop_ids == (2, 0)
+  out = str(tmp_path / "exported")
+  run_entry("experiments.export", [f"--checkpoint=hf:{src}", "--to=hf", f"--out={out}"])
+  texts = SENTENCES[:3] + [" leading space", "wörds 🦙"]
+  r = subprocess.run([PEER, "-c", _TOKENS, out, json.dumps(texts)], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  peer = json.loads(r.stdout.strip().splitlines()[-1])
+  assert peer["ids"] == [tok.encode(t, bos=True) for t in texts]
+  assert peer["eos"] == [2, 0]

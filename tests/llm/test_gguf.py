@@ -562,6 +562,21 @@ def test_save_gguf_refuses(tmp_path):
     G.save_gguf(str(tmp_path / "x.gguf"), CFG, {"embed": np.zeros((96, 256))})
 
 
+def test_save_gguf_f16_refuses_values_float16_cannot_hold(tmp_path):
+  """F16 (export's default) turns 70000 (> 65504) into an Inf: refused naming the tensor;
+  Q8_0 (scale amax / 127 in float16) and F32 hold it."""
+  w = {n: np.full(s, 0.5, np.float32) for n, s in W.param_shapes(CFG).items()}
+  w["layers.0.w_down"][3, 5] = 7e4
+  path = str(tmp_path / "x.gguf")
+  with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_down\.weight' \(256, 256\) holds "
+                     r"values up to 70000 in magnitude, which float16 cannot hold"):
+    G.save_gguf(path, CFG, w, qtype="F16")
+  assert not os.path.exists(path)
+  G.save_gguf(path, CFG, w, qtype="Q8_0")
+  np.testing.assert_allclose(G.read_gguf(path).weights()["layers.0.w_down"][3, 5], 7e4,
+                             rtol=2 ** -11)   # the Q8_0 scale's float16 rounding
+
+
 def test_save_gguf_head_dim_padding_and_chat_template(tmp_path):
   """A head dim other than dim / heads is written as key / value length; a vocabulary shorter
   than the embedding is padded with unused [PAD<id>] tokens (llama.cpp needs one token per
@@ -605,3 +620,23 @@ def test_hf_tokenizer_dir_still_loads(tmp_path):
   path = train_bpe(str(tmp_path / "a"), config={"bos_token": "<s>", "eos_token": "</s>"})
   tok = load_tokenizer(path)
   assert not tok.add_bos and tok.chat_template is None
+
+
+def test_save_gguf_closes_the_file_when_a_write_fails(tmp_path, monkeypatch):
+  import gguf
+  opened = []
+  real_open = gguf.GGUFWriter.open_output_file
+
+  def record(self, *a, **k):
+    real_open(self, *a, **k)
+    opened.extend(self.fout)
+
+  def fail(self, *a, **k):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(gguf.GGUFWriter, "open_output_file", record)
+  monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail)
+  w = {n: np.zeros(s, np.float32) for n, s in W.param_shapes(CFG).items()}
+  with pytest.raises(OSError, match="No space left"):
+    G.save_gguf(str(tmp_path / "x.gguf"), CFG, w, qtype="F32")
+  assert opened and all(f.closed for f in opened)

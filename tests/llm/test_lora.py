@@ -130,3 +130,89 @@ def test_peft_directory_round_trip(tmp_path):
   save_file(t, str(tmp_path / "adapter_model.safetensors"))
   with pytest.raises(ValueError, match=r"no base_model\.model\.model\.layers\.1\.mlp\.up_proj\.lora_B"):
     lora.load_peft(str(tmp_path), param_shapes(CFG))
+
+
+def _rewrite(tmp_path, **changes):
+  import json
+  path = tmp_path / "adapter_config.json"
+  conf = {**json.loads(path.read_text()), **changes}
+  path.write_text(json.dumps(conf))
+
+
+def test_peft_target_modules_as_peft_matches_them(tmp_path):
+  cfg = lora.LoraConfig(4, 8.0, ("wq", "wo", "w_up"))
+  ad = _adapters(cfg)
+  lora.save_peft(str(tmp_path), ad, cfg)
+  # a dotted suffix, or a regular expression the whole module name matches (peft's rules)
+  for modules in (["self_attn.q_proj", "o_proj", "mlp.up_proj"],
+                  r"model\.layers\.\d+\.(self_attn\.(q|o)_proj|mlp\.up_proj)"):
+    _rewrite(tmp_path, target_modules=modules)
+    back, cfg2 = lora.load_peft(str(tmp_path), param_shapes(CFG))
+    assert cfg2 == cfg and set(back) == set(ad), modules
+  # a string is not split into characters: it adapts what it matches, here nothing
+  _rewrite(tmp_path, target_modules="q_proj")
+  with pytest.raises(ValueError, match=r"adapter_config\.json: target_modules='q_proj'; "
+                                       r"expected at least one of the Llama projections"):
+    lora.load_peft(str(tmp_path), param_shapes(CFG))
+  _rewrite(tmp_path, target_modules=r"model\.layers\.1\.self_attn\.q_proj")
+  with pytest.raises(ValueError, match=r"adapts self_attn\.q_proj in layers \[1\] of 2; "
+                                       r"expected the same projections in every layer"):
+    lora.load_peft(str(tmp_path), param_shapes(CFG))
+  full = lora.LoraConfig(2, 4.0, "all")
+  lora.save_peft(str(tmp_path / "all"), _adapters(full), full)
+  _rewrite(tmp_path / "all", target_modules="all-linear")
+  assert lora.load_peft(str(tmp_path / "all"), param_shapes(CFG))[1] == full
+
+
+@pytest.mark.parametrize("key,value", [
+    ("alpha_pattern", {"q_proj": 64}), ("rank_pattern", {"o_proj": 2}),
+    ("layers_to_transform", [0]), ("modules_to_save", ["lm_head"]), ("use_rslora", True),
+    ("use_dora", True), ("bias", "all"), ("lora_alpha", 0), ("r", 4.5)])
+def test_peft_settings_not_read_are_refused_naming_them(tmp_path, key, value):
+  cfg = lora.LoraConfig(4, 8.0, ("wq", "w_up"))
+  lora.save_peft(str(tmp_path), _adapters(cfg), cfg)
+  _rewrite(tmp_path, **{key: value})
+  with pytest.raises(ValueError, match=rf"adapter_config\.json: {key}="):
+    lora.load_peft(str(tmp_path), param_shapes(CFG))
+
+
+def test_peft_tensors_no_target_reads_are_refused(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  cfg = lora.LoraConfig(4, 8.0, ("wq", "w_up"))
+  lora.save_peft(str(tmp_path), _adapters(cfg), cfg)
+  # peft adapts lm_head too when target_modules names it: that update must not be dropped
+  _rewrite(tmp_path, target_modules=["q_proj", "up_proj", "lm_head"])
+  path = str(tmp_path / "adapter_model.safetensors")
+  t = load_file(path)
+  t["base_model.model.lm_head.lora_A.weight"] = np.ones((4, 64), np.float32)
+  t["base_model.model.lm_head.lora_B.weight"] = np.ones((256, 4), np.float32)
+  save_file(t, path)
+  with pytest.raises(ValueError, match=r"adapter_model\.safetensors: tensor 'base_model\."
+                                       r"model\.lm_head\.lora_A\.weight' \(2 not read\)"):
+    lora.load_peft(str(tmp_path), param_shapes(CFG))
+
+
+def test_merge_refuses_adapters_of_other_parameters():
+  cfg = lora.LoraConfig(2, 4.0, "wq")
+  one_layer = param_shapes(get_config("tiny", n_layers=1))
+  w = {n: np.zeros(s, np.float32) for n, s in one_layer.items()}
+  with pytest.raises(ValueError, match=r"merge: adapters \['layers\.1\.wq'\] \(1\) are not "
+                                       r"among the weights"):
+    lora.merge(w, _adapters(cfg), cfg)
+
+
+@pytest.mark.parametrize("alpha,rank", [(16.0, 12), (0.8, 8)])
+def test_bfloat16_low_rank_product_keeps_the_exact_scale(alpha, rank):
+  """In bfloat16 the update is alpha / r times x A B as the merged weights have it: a scale
+  rounded to bfloat16 (16 / 12 -> 1.3359, 0.1 -> 0.10010) would bias every update by the
+  same factor (0.19%, 0.10%). Each bfloat16 rounding is off by up to 2^-9 relative with
+  either sign, so the least-squares factor over 16384 outputs is within ~1e-4 of 1."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((64, 256)).astype(np.float32)
+  a = (rng.standard_normal((256, rank)) / 16).astype(np.float32)
+  b = rng.standard_normal((rank, 256)).astype(np.float32)
+  cfg = lora.LoraConfig(rank, alpha, "wq")
+  w = lora.LoraWeight(None, jnp.asarray(a), jnp.asarray(b), cfg.scale)
+  y = np.asarray(w.low_rank(jnp.asarray(x, jnp.bfloat16), jnp.bfloat16), np.float64)
+  ref = cfg.scale * (x.astype(np.float64) @ a @ b)
+  assert abs((y * ref).sum() / (ref * ref).sum() - 1) < 5e-4

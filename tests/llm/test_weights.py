@@ -684,6 +684,22 @@ def test_non_finite_hf_weights_name_file_and_tensor(tmp_path, dtype):
       W.load_hf(d)
 
 
+def test_float16_export_refuses_values_it_cannot_hold(tmp_path):
+  """70000 is beyond float16's largest finite value (65504): an Inf written silently would
+  make every logit NaN; it is refused before any file is written. 65504 itself is kept."""
+  w = _random_weights(_CFG_UNTIED)
+  w["layers.1.w_up"][5, 3] = 65504.0
+  W.save_hf(str(tmp_path / "ok"), _CFG_UNTIED, w, dtype="float16")
+  w["layers.1.w_up"][5, 3] = -7e4
+  d = str(tmp_path / "hf")
+  with pytest.raises(ValueError, match=rf"save_hf\({d}\): tensor 'model.layers.1.mlp.up_proj."
+                     r"weight' \(40, 32\) holds values up to 70000 in magnitude, which float16 "
+                     r"cannot hold \(1 would become Inf\)"):
+    W.save_hf(d, _CFG_UNTIED, w, dtype="float16")
+  assert not os.path.exists(d)
+  W.save_hf(str(tmp_path / "bf16"), _CFG_UNTIED, w, dtype="bfloat16")   # bfloat16 holds it
+
+
 def test_non_finite_llama2c_weights_name_file_and_tensor(tmp_path):
   raw = _random_raw(np.random.default_rng(6), _HDR_UNTIED)
   raw["wk"][1, 7, 2] = np.nan
