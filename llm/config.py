@@ -195,14 +195,29 @@ class LlamaConfig:
     out = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.n_layers * per_layer + d + out
 
-  def flops_per_token(self, seq_len: int, training: bool = True) -> float:
-    """Model FLOPs per token (6N + attention for training; 2N + attention for inference).
+  def flops_per_token(self, seq_len: int, training: bool = True, causal: bool = True) -> float:
+    """Model FLOPs per token (6N + attention for training; 2N + attention for inference),
+    N the parameters without the input embedding (the output projection counted).
 
-    Attention counts causal QK^T and PV (half of the full square), as in the Llama 3 and
-    PaLM MFU definitions; embedding lookups are not counted.
+    Attention (QK^T and PV, 4 K FLOPs per query head and key, 3x for training): `causal`
+    counts the causal half of the square, seq_len / 2 keys per token, 6 L H K seq_len in
+    training (the work a causal kernel does); causal=False the whole square, 12 L H K
+    seq_len, PaLM's MFU definition (arXiv 2204.02311, appendix B: 6N + 12 L H Q T), so an MFU
+    from the default is lower than one by PaLM's count. A causal layer with a sliding window
+    W < seq_len counts the keys its window leaves: min(t + 1, W) for token t, less the
+    diagonal's half as above. Embedding lookups are not counted.
     """
     n = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
-    attn = 2 * 2 * self.n_layers * self.n_heads * self.head_dim * seq_len / 2
+    keys = 0.0                      # keys per token, summed over the layers
+    for layer in range(self.n_layers):
+      w = self.layer_window(layer)
+      if not causal:
+        keys += seq_len
+      elif w is None or w >= seq_len:
+        keys += seq_len / 2
+      else:                         # sum_t min(t + 1, w) / seq_len - 1/2
+        keys += (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len - 0.5
+    attn = 2 * 2 * self.n_heads * self.head_dim * keys
     mult = 3 if training else 1
     return mult * (2 * n + attn)
 

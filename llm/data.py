@@ -68,10 +68,10 @@ class TextSource:
       unit, self.vocab_size = "tokens", tokenizer.vocab_size
     cut = int(len(data) * (1.0 - eval_fraction))
     self.tokens = data[:cut] if split == "train" else data[cut:]
-    if len(self.tokens) < seq_len + 2:
+    if len(self.tokens) < seq_len + 1:
       raise ValueError(
-          f"{path}: the {split} part has {len(self.tokens)} {unit}, fewer than seq_len + 2 = "
-          f"{seq_len + 2}; use a longer file or a shorter --seq_len")
+          f"{path}: the {split} part has {len(self.tokens)} {unit}, fewer than seq_len + 1 = "
+          f"{seq_len + 1} (one window); use a longer file or a shorter --seq_len")
     if num_shards < 1 or not 0 <= shard_index < num_shards or batch_size % num_shards:
       raise ValueError(f"TextSource: shard {shard_index} of {num_shards} with batch_size="
                        f"{batch_size}: expected 0 <= shard < num_shards dividing the batch")
@@ -91,7 +91,9 @@ class TextSource:
     """Train batch number k: uniform random windows drawn from (seed, k) (this shard's
     rows of it)."""
     rng = np.random.default_rng([self.seed, k])
-    starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+    # Windows of seq_len + 1 tokens start at 0 .. len - seq_len - 1, the last one ending on
+    # the last token (integers' high is exclusive).
+    starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
     idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
     return self._share(_batch_from_windows(self.tokens[idx]))
 
@@ -105,19 +107,19 @@ class TextSource:
       yield from self._eval_batches()
 
   def _eval_batches(self) -> Iterator[LMBatch]:
-    """Contiguous windows covering the held-out bytes; the last batch is padded and masked."""
-    t1 = self.seq_len + 1
-    n_win = (len(self.tokens) - 1) // self.seq_len
-    windows = [self.tokens[i * self.seq_len:i * self.seq_len + t1] for i in range(n_win)
-               if i * self.seq_len + t1 <= len(self.tokens)]
+    """Contiguous windows covering the held-out tokens: every token after the first is a
+    target exactly once (up to `eval_batches` batches). The last window may be short and
+    the last batch may have empty rows: both are padded with zeros and masked."""
+    t1, n = self.seq_len + 1, len(self.tokens)
+    windows = [self.tokens[s:s + t1] for s in range(0, n - 1, self.seq_len)]
     if self.eval_batches is not None:
       windows = windows[:self.eval_batches * self.batch_size]
     for i in range(0, len(windows), self.batch_size):
-      chunk = windows[i:i + self.batch_size]
-      real = len(chunk)
-      win = np.stack(chunk + [np.zeros(t1, self.tokens.dtype)] * (self.batch_size - real))
+      win = np.zeros((self.batch_size, t1), self.tokens.dtype)
       mask = np.zeros((self.batch_size, self.seq_len), np.float32)
-      mask[:real] = 1.0
+      for r, w in enumerate(windows[i:i + self.batch_size]):
+        win[r, :len(w)] = w
+        mask[r, :len(w) - 1] = 1.0
       yield self._share(_batch_from_windows(win, mask))
 
 

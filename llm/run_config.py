@@ -30,7 +30,8 @@ from llm import settings as lm_settings
 CONTEXT_PARALLEL = config.setting(
     "context_parallel", "enum", "Ring attention over the mesh's cp axis "
     "(LlamaConfig.context_parallel).", choices=("none", "pass_kv", "pass_q", "auto"))
-WEIGHT_DECAY = config.setting("weight_decay", "float", "AdamW weight decay (matrices only).")
+WEIGHT_DECAY = config.setting("weight_decay", "float", "AdamW weight decay (matrices only).",
+                              lower=0)
 MEMORY_CHECK = config.setting(
     "memory_check", "bool", "Refuse a run whose parameters, optimizer state, gradients and "
     "activations (llm.memory's lower-bound estimate) exceed the device's memory (GPU: "

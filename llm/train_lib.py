@@ -78,20 +78,51 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
       decay_steps=max(cfg.total_steps, warmup + 1), end_value=cfg.peak_lr * cfg.final_lr_fraction)
 
 
+# Biases (Qwen2's q / k / v; held [H,K] / [G,K], so not caught by the 1-D rule).
+NO_DECAY = ("bq", "bk", "bv")
+
+
+def decay_mask(params):
+  """True where AdamW decays: matrices, not the norms' 1-D scales nor the biases (`NO_DECAY`
+  by name: they are 2-D), as is usual for Llama-style training."""
+  def decays(path, p):
+    last = path[-1] if path else None
+    name = getattr(last, "key", getattr(last, "name", None))
+    return p.ndim > 1 and name not in NO_DECAY
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  # No weight decay on norms (1-D scales), as is usual for Llama-style training.
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.clip_norm),
       optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                   mask=decay_mask, mu_dtype=jnp.dtype(cfg.mu_dtype)))
 
 
+def applied_lr(cfg: OptimConfig, opt_state) -> jax.Array:
+  """The learning rate the next update of `opt_state` applies: the schedule at the
+  optimizer's own count, which a skipped step (`skip_nonfinite`) does not advance while the
+  task's step does."""
+  counts = [v for path, v in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+            if getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"]
+  if len(counts) != 1:
+    raise ValueError(f"applied_lr: {len(counts)} schedule counts in the optimizer state, "
+                     "expected 1 (make_optimizer's AdamW)")
+  return make_schedule(cfg)(counts[0])
+
+
 def next_token_loss(logits_BTV, targets_BT, mask_BT):
-  """Mean cross-entropy over real targets (fp32), and the number of real targets."""
+  """Mean cross-entropy over real targets (fp32), and the number of real targets. A masked
+  target adds nothing whatever its id (an out-of-range one, e.g. -100, gives a NaN
+  cross-entropy, which `ce * mask` would keep)."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
   n = jnp.sum(mask_BT)
-  return jnp.sum(ce * mask_BT) / jnp.maximum(n, 1.0), n
+  return jnp.sum(_masked(ce, mask_BT)) / jnp.maximum(n, 1.0), n
+
+
+def _masked(x, mask):
+  """x * mask, with 0 where mask is 0 even where x is NaN."""
+  return jnp.where(mask != 0, x * mask, 0.0)
 
 
 # Auto chunk size: the largest C dividing T whose fp32 logits [B,C,V] fit in this many bytes.
@@ -129,7 +160,7 @@ def _chunk_logits(h_BCD, w, vocab_major):
 def _chunk_loss(logits_BCV, t_BC, m_BC):
   lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
   tgt_BC = jnp.take_along_axis(logits_BCV, t_BC[..., None], axis=-1)[..., 0]
-  return jnp.sum((lse_BC - tgt_BC) * m_BC), lse_BC
+  return jnp.sum(_masked(lse_BC - tgt_BC, m_BC)), lse_BC
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -331,7 +362,7 @@ class LMTask:
       loss, grads = jax.value_and_grad(adapter_loss)(state["lora"])
       dense = update_lib.dense_update(self.tx, state["lora"], state["opt"], grads, loss,
                                       skip_nonfinite=skip_nonfinite)
-      metrics = {**dense.metrics, "lr": make_schedule(self.optim)(state["step"])}
+      metrics = {**dense.metrics, "lr": applied_lr(self.optim, state["opt"])}
       return {"step": state["step"] + 1, "params": state["params"], "lora": dense.params,
               "opt": dense.opt}, metrics
 
@@ -342,7 +373,7 @@ class LMTask:
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     dense = update_lib.dense_update(self.tx, state["params"], state["opt"], grads, loss,
                                     skip_nonfinite=skip_nonfinite)
-    metrics = {**dense.metrics, "lr": make_schedule(self.optim)(state["step"])}
+    metrics = {**dense.metrics, "lr": applied_lr(self.optim, state["opt"])}
     return {"step": state["step"] + 1, "params": dense.params, "opt": dense.opt}, metrics
 
   def eval_step(self, state, batch: LMBatch):

@@ -75,6 +75,8 @@ def test_a_flag_wins_over_the_file_and_is_noted(tmp_path):
      r"^\S*bad\.py: seq_len='64': a str; expected an integer >= 1$"),
     ("def get_config():\n  return {'remat': 'dotz'}\n",
      r"^\S*bad\.py: remat='dotz': not a choice; expected one of"),
+    ("def get_config():\n  return {'weight_decay': -0.1}\n",
+     r"^\S*bad\.py: weight_decay=-0\.1: out of range; expected a number >= 0$"),
 ])
 def test_an_unknown_or_mistyped_field_is_one_line(tmp_path, text, message):
   (tmp_path / "bad.py").write_text(text)

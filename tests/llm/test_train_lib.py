@@ -1,5 +1,7 @@
 """LM training through the shared loop: loss, schedule, sharded == single device, exact resume."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +49,91 @@ def test_byte_source_is_deterministic_and_eval_covers_tail(text_file):
   np.testing.assert_array_equal(a.inputs, b.inputs)
   np.testing.assert_array_equal(a.inputs[:, 1:], a.targets[:, :-1])
   ev = list(ByteTextSource(text_file, 32, 4, split="eval").batches())
-  total = sum(int(x.mask.sum()) for x in ev)
-  n_eval = len(np.fromfile(text_file, np.uint8)) - int(len(np.fromfile(text_file, np.uint8)) * 0.95)
-  assert total == ((n_eval - 1) // 32) * 32
+  data = np.fromfile(text_file, np.uint8)
+  held = data[int(len(data) * 0.95):]
+  assert (len(held) - 1) % 32, "the test needs a short last window"
+  # Every held-out byte after the first is a target exactly once, in order (the short last
+  # window included: it was dropped before).
+  targets = np.concatenate([x.targets[x.mask > 0] for x in ev])
+  np.testing.assert_array_equal(targets, held[1:])
+  for x in ev:
+    real = x.mask > 0
+    np.testing.assert_array_equal(x.inputs[:, 1:][real[:, 1:]], x.targets[:, :-1][real[:, 1:]])
   with pytest.raises(ValueError, match="fewer than seq_len"):
     ByteTextSource(text_file, 100_000, 4)
+
+
+def test_train_windows_reach_the_last_token(tmp_path):
+  """A train window of seq_len + 1 tokens may end on the last one: with seq_len + 1 tokens
+  there is one window (refused before), with seq_len + 2 two, each drawn."""
+  path = tmp_path / "t.bin"
+  path.write_bytes(bytes(range(100)))
+  cut = int(100 * 0.95)                       # 95 train bytes
+  src = ByteTextSource(str(path), cut - 1, 4)
+  b = src.batch(0)
+  np.testing.assert_array_equal(b.targets, np.tile(np.arange(1, cut), (4, 1)))
+  src = ByteTextSource(str(path), cut - 2, 64)
+  assert set(src.batch(0).targets[:, -1].tolist()) == {cut - 2, cut - 1}
+
+
+def test_weight_decay_skips_norms_and_biases():
+  """AdamW decays the matrices only: not the norms' scales, nor Qwen2's q / k / v biases
+  (held [H,K] / [G,K], 2-D like a matrix)."""
+  from flax import nnx
+  from llm import model as model_lib
+  cfg = get_config("tiny_qwen2")
+  params = nnx.to_pure_dict(nnx.state(model_lib.Llama(cfg, nnx.Rngs(0))))
+  params = jax.tree.map(jnp.ones_like, params)
+  optim = train_lib.OptimConfig(peak_lr=0.1, warmup_steps=0, weight_decay=0.5)
+  tx = train_lib.make_optimizer(optim)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  attn = updates["layers"][0]["attn"]
+  # Zero gradients: Adam's step is 0, so the update is -lr * wd * p on decayed weights.
+  np.testing.assert_allclose(np.asarray(attn["wq"]), -0.05, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(updates["embed"]), -0.05, rtol=1e-6)
+  for name in ("bq", "bk", "bv"):
+    np.testing.assert_array_equal(np.asarray(attn[name]), 0.0, err_msg=name)
+  np.testing.assert_array_equal(np.asarray(updates["final_norm"]["scale"]), 0.0)
+
+
+def test_masked_targets_add_nothing_whatever_their_id():
+  """A masked target outside the vocabulary (HF's -100, or V) leaves the loss and its
+  gradient those of the real targets: it was NaN (NaN cross-entropy times mask 0)."""
+  rng = np.random.default_rng(0)
+  h = jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((8, 11)), jnp.float32)
+  mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 1]], jnp.float32)
+  good = jnp.asarray([[1, 2, 3, 0], [4, 5, 0, 6]], jnp.int32)
+  bad = jnp.asarray([[1, 2, 3, -100], [4, 5, 11, 6]], jnp.int32)
+  plain = lambda h, t: train_lib.next_token_loss(jnp.einsum("btd,dv->btv", h, w), t, mask)[0]
+  chunked = lambda h, t: train_lib.chunked_cross_entropy(h, w, t, mask, False, 2)
+  for fn in (plain, chunked):
+    assert float(fn(h, bad)) == float(fn(h, good))
+    np.testing.assert_array_equal(np.asarray(jax.grad(fn)(h, bad)),
+                                  np.asarray(jax.grad(fn)(h, good)))
+
+
+def test_logged_lr_is_the_applied_one_after_a_skipped_step(text_file):
+  """A step skipped for a non-finite loss advances the task's step but not AdamW's
+  schedule; the logged lr is the one the next update applies (the schedule at the
+  optimizer's count), not the schedule at the task's step."""
+  cfg = get_config("tiny")
+  optim = train_lib.OptimConfig(peak_lr=1.0, warmup_steps=4, total_steps=8)
+  task = train_lib.LMTask(cfg, optim, mesh_lib.make_mesh("data:1", devices=jax.devices()[:1]))
+  src = ByteTextSource(text_file, 16, 2)
+  state = task.init_state(0)
+  nan = jax.tree.map(lambda x: x, state)
+  nan["params"]["final_norm"]["scale"] = jnp.full_like(
+      state["params"]["final_norm"]["scale"], np.nan)
+  step = jax.jit(functools.partial(task.train_step, skip_nonfinite=True))
+  skipped, m = step(nan, task.device_batch(src.batch(0)))
+  assert float(m["skipped"]) == 1.0 and int(skipped["step"]) == 1
+  skipped["params"]["final_norm"]["scale"] = state["params"]["final_norm"]["scale"]
+  _, m = step(skipped, task.device_batch(src.batch(1)))
+  assert float(m["skipped"]) == 0.0
+  # AdamW's count is still 0: this update applied the schedule's step-0 lr.
+  assert float(m["lr"]) == float(train_lib.make_schedule(optim)(0)) == 0.0
 
 
 def _run_steps(task, src, n, start_state=None, start=0):
