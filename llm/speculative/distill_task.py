@@ -48,7 +48,7 @@ from llm.model import Llama
 from llm.speculative.decode import vocab_head
 from llm.speculative.distill_data import SeqBatch, split_target_features
 from llm.speculative.draft import DraftHead
-from llm.train_lib import OptimConfig, make_optimizer, make_schedule
+from llm.train_lib import OptimConfig, applied_lr, make_optimizer
 
 
 def smooth_l1(x, y):
@@ -294,7 +294,7 @@ class DistillTask:
     dense = update_lib.dense_update(self.tx, state["params"], state["opt"], grads, loss,
                                     skip_nonfinite=skip_nonfinite)
     metrics = {**dense.metrics, "reg": sums["reg"] / n, "cls": sums["cls"] / n,
-               "top1": sums["top1"] / n, "lr": make_schedule(self.optim)(state["step"])}
+               "top1": sums["top1"] / n, "lr": applied_lr(self.optim, state["opt"])}
     return {"step": state["step"] + 1, "params": dense.params, "opt": dense.opt}, metrics
 
   def eval_step(self, state, batch):

@@ -293,3 +293,25 @@ def test_taps_features_loss_training_and_loading(target, sequences, tmp_path):
   loaded = distill.load_draft(workdir, CFG)
   assert loaded.taps == (0, 1)
   np.testing.assert_array_equal(loaded.fc[...], trained.fc[...])
+
+
+def test_logged_lr_is_the_applied_one_after_a_skipped_step(target, sequences):
+  """A step skipped for a non-finite loss advances the task's step, not AdamW's schedule:
+  the logged lr is the one the next update applies (as LMTask's)."""
+  from core import mesh as mesh_lib
+  from llm.train_lib import OptimConfig, make_schedule
+  optim = OptimConfig(peak_lr=1.0, warmup_steps=4, total_steps=8)
+  task = distill.DistillTask(target, optim, mesh_lib.make_mesh("data:1",
+                                                               devices=jax.devices()[:1]))
+  batch = task.device_batch(distill.SequenceSource(sequences[0][:16], sequences[1][:16],
+                                                   16).batch(0))
+  state = task.init_state(0)
+  nan = jax.tree.map(lambda x: x, state)
+  nan["params"] = jax.tree.map(lambda x: jnp.full_like(x, np.nan), state["params"])
+  step = jax.jit(lambda s, b: task.train_step(s, b, skip_nonfinite=True))
+  skipped, m = step(nan, batch)
+  assert float(m["skipped"]) == 1.0 and int(skipped["step"]) == 1
+  skipped["params"] = state["params"]
+  _, m = step(skipped, batch)
+  assert float(m["skipped"]) == 0.0
+  assert float(m["lr"]) == float(make_schedule(optim)(0)) == 0.0   # AdamW's count is 0
