@@ -215,8 +215,12 @@ def _matmul_rows(x_MK, gq: GroupQuantized, dtype, preferred_element_type):
   b = gq.q.reshape(n, j, g // 2)
   x = x.reshape(-1, j, 2, g // 2)
   half = lambda a: a.reshape(a.shape[0], k // 2)    # one contracting dim: a plain GEMM
-  return (jnp.einsum("mk,nk->mn", half(x[:, :, 0]), half(deq(b & 0x0F)), **kw)
-          + jnp.einsum("mk,nk->mn", half(x[:, :, 1]), half(deq(b >> 4)), **kw))
+  # The two halves' products meet in float32 and the sum is rounded once to the result's
+  # type (in a 16-bit result each half would be rounded first: up to a unit apart).
+  out = jnp.result_type(preferred_element_type or dtype)
+  wide = dict(preferred_element_type=jnp.promote_types(out, jnp.float32))
+  return (jnp.einsum("mk,nk->mn", half(x[:, :, 0]), half(deq(b & 0x0F)), **wide)
+          + jnp.einsum("mk,nk->mn", half(x[:, :, 1]), half(deq(b >> 4)), **wide)).astype(out)
 
 
 def groupwise_matmul(x_MK: jax.Array, gq: GroupQuantized, dtype=jnp.float32,
@@ -224,7 +228,8 @@ def groupwise_matmul(x_MK: jax.Array, gq: GroupQuantized, dtype=jnp.float32,
   """x [M, K] @ dequantize(gq).T -> [M, N] inside a jitted computation: the rows are
   dequantized CHUNK_ELEMENTS at a time (lax.map over row chunks) and contracted in their
   [N, K] layout, so only the codes are read from memory. Equals the float product of the
-  dequantized rows up to float32 summation order."""
+  dequantized rows (in `dtype`) up to float32 summation order, rounded once to the result's
+  type (int4's two nibble halves are summed in float32 first)."""
   n, k = gq.shape
   rows = _chunk_rows(n, k)
   if rows == n:
