@@ -57,7 +57,7 @@ from rec.embedding.storage_spec import StorageSpec
 from rec.layers import fp8 as fp8_lib
 from rec.train_lib import RecTask, make_dense_optimizer
 
-DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw")
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "adamw", "torch_adagrad")
 SHARDINGS = ("auto", "dp", "tw", "rw", "cw", "twrw")
 # Settings that only decide where the state lies (devices, mesh, the embedding plan): a
 # checkpoint written under others is resharded on restore (RecTask.restore_checkpoint), so
@@ -99,8 +99,11 @@ GROUP_BY = config.setting(
     "(experiments.predict: the run's own).")
 EVAL_BATCH_SIZE = config.setting("eval_batch_size", "integer", "Global eval batch size.",
                                  lower=1)
-DENSE_OPTIMIZER = config.setting("dense_optimizer", "enum", "Optax optimizer of the dense "
-                                 "part.", choices=DENSE_OPTIMIZERS)
+DENSE_OPTIMIZER = config.setting(
+    "dense_optimizer", "enum", "Optimizer of the dense part: optax's sgd, adagrad (accumulator "
+    "from 0.1, eps 1e-7 inside the root), adam, adamw; or torch_adagrad, torch.optim.Adagrad's "
+    "update (accumulator from 0, g / (sqrt(A) + 1e-8)), the MLPerf DLRM-DCNv2 reference's.",
+    choices=DENSE_OPTIMIZERS)
 SPARSE_OPTIMIZER = config.setting("sparse_optimizer", "enum", "Sparse embedding optimizer.",
                                   choices=tuple(opt_lib.OPTIMIZER_NAMES))
 EMBEDDING_LEARNING_RATE = config.setting("embedding_learning_rate", "float",
@@ -685,12 +688,15 @@ def checkpoint_settings(cfg: RecRunConfig, mesh, spec=None,
 
 
 def steps_for(epochs: float, train_src) -> int:
-  """Steps of `epochs` passes over the train source; with several processes, over the
-  smallest process share (every process must run the same number of steps)."""
+  """Steps of `epochs` passes over the train source (rounded down, at least 1); with several
+  processes, over the smallest process share (every process must run the same number of
+  steps). A product within float rounding of a whole number counts as it (--epochs=0.58 of
+  100 batches: 58 steps, where the float product 57.99999999999999 would round down to 57)."""
   if train_src.num_batches is None:
     raise ValueError("--epochs needs a finite data set; synthetic data is infinite: use --steps")
   nb = train_src.num_batches
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     nb = int(np.min(multihost_utils.process_allgather(np.int64(nb))))
-  return max(1, math.floor(epochs * nb))
+  x = float(epochs) * nb
+  return max(1, math.floor(x + 1e-9 * max(1.0, x)))

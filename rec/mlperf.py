@@ -2,12 +2,16 @@
 
 The model is `rec.models.dcnv2.DCNv2Config.mlperf` (`--model=dcnv2 --preset=mlperf`; its
 docstring lists the reference's sizes). Here: the run settings of the MLCommons reference
-(`run_config`: Adagrad at lr 0.005 for the dense part, row-wise Adagrad at the same rate
-for the tables), a synthetic source with its 26 table sizes (optionally capped) and bag
-sizes (`build_run`, the steps of `rec.configs.build_run` with that source), and the
-planner's plans at full size (`plans`; with `host_memory_gb`, tables the device cannot hold
-go to the host tier, rec/embedding/host_tier.py). `experiments.bench_dlrm --model=dcnv2
---preset=mlperf` times it.
+(`run_config`: a constant lr 0.005 (no warmup or decay), the dense part by
+torch.optim.Adagrad's update with its accumulator from 0 and eps 1e-8
+(`--dense_optimizer=torch_adagrad`, not optax's adagrad), the tables by row-wise Adagrad at
+the same rate: the reference's tables use FBGEMM's element-wise EXACT_ADAGRAD, whose state
+of 128 floats per row would not fit one 80 GB GPU; row-wise keeps one per row), a synthetic
+source with its 26 table sizes (optionally capped) and bag sizes (`build_run`, the steps of
+`rec.configs.build_run` with that source), and the planner's plans at full size (`plans`;
+with `host_memory_gb`, tables the device cannot hold go to the host tier,
+rec/embedding/host_tier.py). `experiments.bench_dlrm --model=dcnv2 --preset=mlperf` times
+it.
 """
 
 from __future__ import annotations
@@ -20,10 +24,8 @@ from rec import configs
 from rec.data import synthetic
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
-from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.storage_spec import StorageSpec
 from rec.models import dcnv2
-from rec.train_lib import RecTask, make_dense_optimizer
 
 LEARNING_RATE = 0.005   # the MLCommons reference's Adagrad learning rate (dense and sparse)
 GLOBAL_BATCH = 65536    # its global batch (8 GPUs x 8192)
@@ -31,11 +33,11 @@ GLOBAL_BATCH = 65536    # its global batch (8 GPUs x 8192)
 
 def run_config(batch_size: int, mesh: str = "-1", sharding: str = "auto",
                memory_budget_gb: float | None = None, **overrides) -> configs.RecRunConfig:
-  """RecRunConfig of the MLPerf DCNv2 (reference learning rate, row-wise Adagrad tables);
-  the planner's budget `memory_budget_gb` GiB per device, by default the device's memory
-  (`rec.configs.plan_budget`)."""
+  """RecRunConfig of the MLPerf DCNv2 (the reference's learning rate and dense Adagrad,
+  row-wise Adagrad tables); the planner's budget `memory_budget_gb` GiB per device, by
+  default the device's memory (`rec.configs.plan_budget`)."""
   kw = dict(model="dcnv2", preset="mlperf", data="synthetic:multi_hot=mlperf", mesh=mesh,
-            batch_size=batch_size, eval_batch_size=batch_size, dense_optimizer="adagrad",
+            batch_size=batch_size, eval_batch_size=batch_size, dense_optimizer="torch_adagrad",
             learning_rate=LEARNING_RATE, sparse_optimizer="rowwise_adagrad",
             embedding_learning_rate=LEARNING_RATE, sharding=sharding,
             memory_budget_gb=memory_budget_gb)
@@ -43,23 +45,22 @@ def run_config(batch_size: int, mesh: str = "-1", sharding: str = "auto",
 
 
 def build_run(cfg: configs.RecRunConfig, max_rows: int | None = None, devices=None):
-  """(task, train source, plan): the MLPerf tables (`dcnv2.mlperf_rows(max_rows)`) fed by
-  synthetic Zipf ids in bags of the reference's sizes (MLPERF_MULTI_HOT)."""
+  """(task, train source, plan): `rec.configs.build_run` of `cfg` on the MLPerf tables
+  (`dcnv2.mlperf_rows(max_rows)`) fed by synthetic Zipf ids in bags of the reference's sizes
+  (MLPERF_MULTI_HOT), this process's share of each global batch; every other setting of
+  `cfg` (storage, host tier and prefetch, FP8 recipe, a2a, RecD, ...) applies as in
+  train_rec."""
   mesh = mesh_lib.make_mesh(cfg.mesh, devices, rules=mesh_lib.REC_RULES)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
   if cfg.train.batch_size % n:
     raise ValueError(f"--batch_size={cfg.train.batch_size} is not divisible by the {n} "
                      f"devices of --mesh={cfg.mesh!r}")
+  shard, shards = mesh_lib.process_batch_share(mesh, mesh_lib.REC_RULES)
   src = synthetic.SyntheticCriteo(cfg.train.batch_size, dcnv2.mlperf_rows(max_rows),
-                                  seed=cfg.seed, multi_hot=synthetic.MLPERF_MULTI_HOT)
-  model_fn, tables, init_scale = configs.build_model_fn(cfg, src.spec)
-  sparse_opt = opt_lib.get_sparse_optimizer(cfg.train.sparse_optimizer,
-                                           cfg.train.embedding_learning_rate)
-  plan = configs.make_plan(cfg, tables, n, sparse_opt)
-  coll = EmbeddingCollection(tables, plan, mesh, sparse_opt, init_scale=init_scale)
-  dense_tx = make_dense_optimizer(cfg.train.dense_optimizer, cfg.train.learning_rate)
-  task = RecTask(model_fn, coll, dense_tx, mesh)
-  return task, src, plan
+                                  seed=cfg.seed, multi_hot=synthetic.MLPERF_MULTI_HOT,
+                                  shard_index=shard, num_shards=shards)
+  task, train_src, _, plan, _ = configs.build_run(cfg, devices, sources=(src, src))
+  return task, train_src, plan
 
 
 def full_size_plan(num_devices: int, memory_budget_gb: float = 70.0,

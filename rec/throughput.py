@@ -9,6 +9,7 @@ is `experiments/bench_pipeline.py`.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -82,22 +83,34 @@ def measure(task, src: BatchSource, *, steps: int = 50, repeats: int = 3,
   return out
 
 
+GENERATED = "generated.json"   # synthetic_bin_dir's settings of the rows it wrote there
+
+
 def synthetic_bin_dir(d: str, rows: int, rows_per_feature: int, seed: int = 0) -> str:
   """A converted Criteo directory (`rec.data.criteo_bin` layout) of `rows` random rows
-  (Zipf-like ids, 25% positives) at `d`, written once and reused."""
-  from rec.data import criteo, criteo_bin
-  if os.path.isfile(os.path.join(d, "manifest.json")):
-    try:
-      m = criteo_bin.load_manifest(d)
-    except ValueError:   # written by another format version: write it again
-      m = None
-    if m and m["splits"]["train"]["rows"] == rows and m["rows_per_feature"][0] == rows_per_feature:
+  (ids of a bounded Zipf law of exponent 1.2 over each table's rows, hot rows scattered:
+  `synthetic.zipf_ids`; 25% positives) at `d`, written once and reused while its settings
+  (`GENERATED`: rows, rows per feature, seed, id law) are these."""
+  from rec.data import criteo, criteo_bin, synthetic
+  want = {"rows": int(rows), "rows_per_feature": int(rows_per_feature), "seed": int(seed),
+          "ids": "synthetic.zipf_ids alpha 1.2"}
+  try:
+    with open(os.path.join(d, GENERATED)) as f:
+      have = json.load(f)
+    if have == want:
+      criteo_bin.load_manifest(d)
       return d
+  except (OSError, ValueError):   # absent, or written by another format version: write it
+    pass
+  if os.path.exists(os.path.join(d, GENERATED)):   # stale until the new rows are written
+    os.remove(os.path.join(d, GENERATED))
   rng = np.random.default_rng(seed)
   dense = np.log1p(rng.exponential(3.0, (rows, criteo.NUM_DENSE))).astype(np.float32)
-  ids = np.minimum(rng.zipf(1.2, (rows, criteo.NUM_SPARSE)), rows_per_feature - 1).astype(np.int32)
+  ids = synthetic.zipf_ids(rng, rows_per_feature, (rows, criteo.NUM_SPARSE), 1.2)
   labels = (rng.random(rows) < 0.25).astype(np.uint8)
   criteo_bin.write_arrays(d, {"train": (dense, ids, labels),
                               "test": (dense[:8192], ids[:8192], labels[:8192])},
                           [rows_per_feature] * criteo.NUM_SPARSE)
+  with open(os.path.join(d, GENERATED), "w") as f:
+    json.dump(want, f)
   return d

@@ -89,9 +89,33 @@ class RecEvaluator:
     return out
 
 
+def torch_adagrad(learning_rate, eps: float = 1e-8,
+                  initial_accumulator_value: float = 0.0) -> optax.GradientTransformation:
+  """torch.optim.Adagrad's update, the dense optimizer of the MLPerf DLRM-DCNv2 reference
+  (its dlrm_main.py: lr_decay 0, weight_decay 0, initial_accumulator_value 0, eps 1e-8):
+
+      A <- A + g^2;   w <- w - lr * g / (sqrt(A) + eps)
+
+  optax.adagrad starts A at 0.1 and puts eps inside the root (g * rsqrt(A + eps)): its
+  early steps are far smaller wherever the gradients are much smaller than sqrt(0.1)."""
+  def init(params):
+    return optax.ScaleByRssState(
+        sum_of_squares=optax.tree.full_like(params, initial_accumulator_value))
+
+  def update(updates, state, params=None):
+    del params
+    acc = jax.tree.map(lambda g, a: a + g * g, updates, state.sum_of_squares)
+    updates = jax.tree.map(lambda g, a: g / (jnp.sqrt(a) + eps), updates, acc)
+    return updates, optax.ScaleByRssState(sum_of_squares=acc)
+
+  return optax.chain(optax.GradientTransformation(init, update),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
 def make_dense_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
   makers: dict[str, Callable[..., optax.GradientTransformation]] = {
-      "sgd": optax.sgd, "adagrad": optax.adagrad, "adam": optax.adam, "adamw": optax.adamw}
+      "sgd": optax.sgd, "adagrad": optax.adagrad, "adam": optax.adam, "adamw": optax.adamw,
+      "torch_adagrad": torch_adagrad}
   if name not in makers:
     raise ValueError(f"dense optimizer {name!r}: expected one of {sorted(makers)}")
   if not callable(learning_rate):

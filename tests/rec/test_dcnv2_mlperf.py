@@ -1,23 +1,31 @@
 """The MLPerf Training DLRM-DCNv2 preset: shapes and parameter counts against the MLCommons
 reference, the memory it needs (one 80 GB GPU in bf16, not in fp32), its --preset wiring,
-and train steps on 8 simulated devices equal to 1 device at reduced rows."""
+the reference's dense Adagrad (and, peer-marked, against torch.optim.Adagrad), the run
+settings reaching the task, and train steps on 8 simulated devices equal to 1 device at
+reduced rows."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from core import flops as flops_lib
-from rec import configs, mlperf
+from rec import configs, mlperf, train_lib
 from rec.data import synthetic
 from rec.data.batch import DataSpec
+from rec.data.lookahead import LookaheadSource
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.models import dcnv2
 from rec.models.dcnv2 import DCNv2, DCNv2Config
+from tests.peer_env import peer_python
 
 # From the MLCommons reference (training/recommendation_v2/torchrec_dlrm/README.MD, the
 # run on the materialized multi-hot data set): --num_embeddings_per_feature,
@@ -109,6 +117,110 @@ def test_mlperf_rows_cap_and_preset_wiring():
     DCNv2Config.criteo(10, pooling_factors=(1, 2, 3))
 
 
+def test_build_run_applies_every_run_setting():
+  """mlperf.build_run is configs.build_run on the MLPerf tables: a storage, the host tier's
+  prefetch and the delayed FP8 recipe given to run_config reach the task (they were
+  dropped: the tables kept the preset's storage, the task prefetched nothing and the amax
+  histories were left to the dense optimizer)."""
+  cfg = mlperf.run_config(8, "data:1", memory_budget_gb=1.0, storage="fp32_cache:lru:0.5@host",
+                          host_prefetch=True, fp8_layers="top_mlp.0", fp8_recipe="delayed")
+  task, src, plan = mlperf.build_run(cfg, 64, jax.devices()[:1])
+  assert task.host_prefetch and isinstance(src, LookaheadSource)
+  assert {str(t.storage) for t in task.collection.tables} == {"fp32_cache:lru:0.5@host"}
+  ref_task, _, _, ref_plan, _ = configs.build_run(cfg, jax.devices()[:1], sources=(src.src,) * 2)
+  assert plan == ref_plan
+  assert task.dense_tx.update.__qualname__ == ref_task.dense_tx.update.__qualname__ == (
+      "with_fp8_history.<locals>.update")
+
+
+def _grads(steps=4):
+  """A small dense tree's gradients over `steps` steps: entries from 1e-4 to 1 (far below
+  sqrt(0.1), where optax's accumulator start would shrink the step), and a zero."""
+  rng = np.random.default_rng(3)
+  out = []
+  for _ in range(steps):
+    g = {"w": (rng.standard_normal((3, 4)) * 10.0 ** rng.integers(-4, 1, (3, 4))),
+         "b": rng.standard_normal(4) * 1e-3}
+    g["w"][0, 0] = 0.0
+    out.append(jax.tree.map(lambda x: x.astype(np.float32), g))
+  return out
+
+
+def test_mlperf_dense_optimizer_is_torch_adagrad():
+  """The reference's dense optimizer is torch.optim.Adagrad(lr 0.005, initial_accumulator_value
+  0, eps 1e-8): A += g^2, w -= lr * g / (sqrt(A) + eps). run_config chooses it, and its
+  update is that formula (in float64 here); optax's adagrad (A from 0.1, eps inside the
+  root), which the run had, takes far smaller first steps on small gradients."""
+  cfg = mlperf.run_config(8, "data:1")
+  assert (cfg.train.dense_optimizer, cfg.train.learning_rate) == ("torch_adagrad", 0.005)
+  assert (cfg.train.sparse_optimizer, cfg.train.embedding_learning_rate) == (
+      "rowwise_adagrad", 0.005)
+  lr, eps = mlperf.LEARNING_RATE, 1e-8
+  params = {"w": np.ones((3, 4), np.float32), "b": np.zeros(4, np.float32)}
+  tx = train_lib.make_dense_optimizer(cfg.train.dense_optimizer, lr)
+  p, state = params, tx.init(params)
+  want = jax.tree.map(lambda x: x.astype(np.float64), params)
+  acc = jax.tree.map(np.zeros_like, want)
+  for g in _grads():
+    updates, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, updates)
+    acc = jax.tree.map(lambda a, x: a + np.float64(x) ** 2, acc, g)
+    want = jax.tree.map(lambda w, x, a: w - lr * x / (np.sqrt(a) + eps), want, g, acc)
+    # float32 arithmetic of one step: a few ulps of |w| <= 1 and of the step (<= lr)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-7), p, want)
+  # The first step moves each weight by lr * g / (|g| + eps): lr wherever g != 0. optax's
+  # adagrad moves it by lr * g / sqrt(0.1 + g^2 + 1e-7): under lr / 100 where |g| < 3e-3.
+  g = np.array([[0, 1e-4, -3e-4, 1e-3], [-2e-3, 0.05, -0.3, 1.0], [2.0, -1e-4, 0, 5e-4]],
+               np.float32)
+  step = {name: np.abs(np.asarray(optax.apply_updates(params, t.update(
+      {"w": g, "b": 0 * params["b"]}, t.init(params), params)[0])["w"]) - 1.0)
+          for name, t in (("torch", tx), ("optax", optax.adagrad(lr)))}
+  small = (g != 0) & (np.abs(g) < 3e-3)
+  np.testing.assert_allclose(step["torch"][g != 0], lr, rtol=1e-3)   # eps / |g| <= 1e-4
+  assert step["torch"][g == 0].max() == 0 and step["optax"][small].max() < lr / 100
+
+
+_TORCH_ADAGRAD = r'''
+import sys
+import numpy as np, torch
+inp = dict(np.load(sys.argv[1]))
+ps = [torch.nn.Parameter(torch.from_numpy(inp["w"]).clone()),
+      torch.nn.Parameter(torch.from_numpy(inp["b"]).clone())]
+# the MLPerf DLRM-DCNv2 reference's dense optimizer (dlrm_main.py, --adagrad)
+opt = torch.optim.Adagrad(ps, lr=float(inp["lr"]), lr_decay=0, weight_decay=0,
+                          initial_accumulator_value=0, eps=1e-8)
+for t in range(int(inp["steps"])):
+    ps[0].grad, ps[1].grad = torch.from_numpy(inp[f"gw{t}"]), torch.from_numpy(inp[f"gb{t}"])
+    opt.step()
+np.savez(sys.argv[2], w=ps[0].detach().numpy(), b=ps[1].detach().numpy())
+'''
+
+
+@pytest.mark.peer
+def test_torch_adagrad_matches_torch_optim_adagrad(tmp_path):
+  """`--dense_optimizer=torch_adagrad` against torch.optim.Adagrad itself, as the MLPerf
+  reference constructs it, over 4 steps."""
+  peer = peer_python("TORCHREC_PEER_PYTHON")
+  if not os.path.exists(peer):
+    pytest.skip(f"peer environment absent ({peer})")
+  grads, lr = _grads(), mlperf.LEARNING_RATE
+  params = {"w": np.ones((3, 4), np.float32), "b": np.zeros(4, np.float32)}
+  np.savez(tmp_path / "in.npz", lr=lr, steps=len(grads), **params,
+           **{f"g{k}{t}": g[k] for t, g in enumerate(grads) for k in g})
+  r = subprocess.run([peer, "-c", _TORCH_ADAGRAD, str(tmp_path / "in.npz"),
+                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  torch_p = dict(np.load(tmp_path / "out.npz"))
+  tx = train_lib.torch_adagrad(lr)
+  p, state = params, tx.init(params)
+  for g in grads:
+    updates, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, updates)
+  # both in float32, in their own order: a few ulps of |w| <= 1 per step
+  for k in p:
+    np.testing.assert_allclose(np.asarray(p[k]), torch_p[k], rtol=0, atol=1e-6, err_msg=k)
+
+
 def _train(task, src, state, steps):
   step = jax.jit(task.train_step)
   losses = []
@@ -122,10 +234,14 @@ def _train(task, src, state, steps):
 def test_train_steps_eight_devices_equal_one():
   """The full MLPerf dense model at reduced rows (tables capped at 64 rows, the reference's
   bag sizes): 3 train steps on 8 devices with the planner's auto plan equal 1 device, in
-  the loss, the dense parameters and every table."""
+  the loss, the dense parameters and every table. The dense part steps with optax's
+  adagrad: the reference's torch_adagrad moves a weight by lr * g / (|g| + 1e-8), so on a
+  gradient of float32 noise (|g| ~ 1e-8) the two sums' rounding differences become steps
+  of a sizeable part of lr, which says nothing about the sharding."""
   runs = {}
   for mesh, devices in (("data:1", jax.devices()[:1]), ("data:8", None)):
-    runs[mesh] = mlperf.build_run(mlperf.run_config(32, mesh, memory_budget_gb=1.0), 64, devices)
+    cfg = mlperf.run_config(32, mesh, memory_budget_gb=1.0, dense_optimizer="adagrad")
+    runs[mesh] = mlperf.build_run(cfg, 64, devices)
   (task1, src1, _), (task8, src8, plan8) = runs["data:1"], runs["data:8"]
   assert len({p.kind for p in plan8.values()}) >= 2          # a real mix of shardings
   init1 = task1.init_state(0)

@@ -260,3 +260,10 @@ def test_epochs_need_a_finite_data_set():
     configs.steps_for(1.0, src)
   assert configs.steps_for(2.5, types.SimpleNamespace(num_batches=3)) == 7
   assert configs.steps_for(0.01, types.SimpleNamespace(num_batches=3)) == 1
+  # whole numbers within float rounding: 0.58 * 100 is 57.99999999999999 in floats
+  hundred = types.SimpleNamespace(num_batches=100)
+  assert [configs.steps_for(e, hundred) for e in (0.29, 0.57, 0.58, 1.13, 2.01)] == [
+      29, 57, 58, 113, 201]
+  assert [configs.steps_for(e, types.SimpleNamespace(num_batches=3)) for e in (1 / 3, 2 / 3)] == [
+      1, 2]
+  assert configs.steps_for(0.999, types.SimpleNamespace(num_batches=1000)) == 999
