@@ -312,7 +312,9 @@ class RecTask:
 
   def train_step(self, state, batch: SparseBatch, skip_nonfinite: bool = False):
     """One step; metrics `loss` and `grad_norm` (the global norm of the dense gradients and
-    the embedding bag-sum gradients). skip_nonfinite: when either is NaN or inf the step
+    the gradients of the devices' partial bag sums: a row-sharded bag (rw, twrw) has one
+    partial per row shard, each with the bag's gradient, so the figure depends on the plan;
+    compare it between runs of one plan). skip_nonfinite: when either is NaN or inf the step
     changes nothing but the step count (dense state kept by a select; every id of the batch
     marked invalid, so the sparse update touches no row) and reports `skipped` 1
     (`core.update.dense_update`). `host_prefetch`: after the update, the rows of the next
