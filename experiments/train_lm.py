@@ -333,7 +333,8 @@ def main(argv):
     if tok is not None and getattr(tok, "source", "bytes") != "bytes":
       copy_tokenizer(tok, workdir)
     if lora is not None:
-      lm_lib.save_lora_run(workdir, checkpoints.absolute_spec(m.init), m.weights, lora)
+      lm_lib.save_lora_run(workdir, checkpoints.absolute_spec(m.init), m.weights, lora,
+                           base=init_weights)
   unit = "byte" if tok is None else "token"
   print(f"workdir {workdir} | mesh {dict(mesh.shape)} | Llama {m.init or m.preset}: "
         f"{cfg.num_params() / 1e6:.2f}M params, "

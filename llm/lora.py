@@ -71,6 +71,22 @@ class LoraConfig:
             "base_model_name_or_path": None}
 
 
+def base_fingerprint(weights: Mapping[str, Any], samples: int = 4096) -> str:
+  """A fingerprint of a base model's weights (contract names to arrays, int8 / int4 ones
+  included): every array's name, shape and dtype and an even stride of up to `samples` of
+  its values, hashed. A LoRA run records it, so that merging its adapters later onto a base
+  whose file has changed since is refused rather than silently giving another model."""
+  import hashlib
+  h = hashlib.sha256()
+  for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(weights)[0],
+                           key=lambda kv: jax.tree_util.keystr(kv[0])):
+    a = np.asarray(leaf)
+    flat = a.reshape(-1)
+    h.update(f"{jax.tree_util.keystr(path)}|{a.shape}|{a.dtype}|".encode())
+    h.update(np.ascontiguousarray(flat[::max(1, flat.size // samples)]).tobytes())
+  return h.hexdigest()[:16]
+
+
 def expand_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
   """Projection names from names and groups ("attention", "mlp", "all"), in model order;
   an unknown one is an error naming --lora_targets."""
@@ -200,7 +216,8 @@ def _peft_key(name: str, which: str) -> str:
 def save_peft(directory: str, adapters: Mapping[str, Mapping[str, Any]], cfg: LoraConfig,
               base: str | None = None) -> str:
   """Writes the adapters as a PEFT LoRA directory (lora_A [r, in], lora_B [out, r] per HF
-  module, float32); `base`: the base model's path recorded in adapter_config.json."""
+  module, float32); `base`: the base model's checkpoint spec, recorded in adapter_config.json
+  (an hf: spec as its directory, the form peft loads)."""
   from safetensors.numpy import save_file
   os.makedirs(directory, exist_ok=True)
   tensors = {}
@@ -210,6 +227,10 @@ def save_peft(directory: str, adapters: Mapping[str, Mapping[str, Any]], cfg: Lo
     tensors[_peft_key(name, "A")] = np.ascontiguousarray(a.reshape(-1, a.shape[-1]).T)
     tensors[_peft_key(name, "B")] = np.ascontiguousarray(b.reshape(b.shape[0], -1).T)
   save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+  # peft's AutoPeftModel reads this as a transformers path: an hf: spec's directory; the
+  # other kinds (gguf:, llama2c:, workdir:) have none and stay as the spec.
+  if base is not None and base.startswith("hf:"):
+    base = base[len("hf:"):]
   conf = {**cfg.peft_config(), "base_model_name_or_path": base}
   with open(os.path.join(directory, "adapter_config.json"), "w") as f:
     json.dump(conf, f, indent=2)

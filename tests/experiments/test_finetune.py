@@ -81,6 +81,16 @@ def test_full_and_lora_fine_tuning_from_a_checkpoint(tmp_path):
       f"--checkpoint=workdir:{wl}", f"--data=chat:{_chat_file(tmp_path)}", "--seq_len=64",
       f"--workdir={tmp_path / 'ev'}"])[-1])
   assert np.isfinite(out["loss"]) and out["num_tokens"] > 0
+  # peft reads the base as a transformers directory; a base changed since the run (one weight
+  # here) is refused by name instead of taking the adapters onto other weights.
+  with open(wl / "adapter" / "adapter_config.json") as f:
+    assert json.load(f)["base_model_name_or_path"] == os.path.abspath(d)
+  changed = dict(w, **{"layers.0.wq": w["layers.0.wq"] * 1.01})
+  from llm import weights as W
+  W.save_hf(d, cfg, changed)
+  with pytest.raises(ValueError, match=r"lora\.json: the base hf:.* holds other weights than "
+                     r"the adapters were trained on \(fingerprint [0-9a-f]{16}, recorded "):
+    checkpoints.load_model(f"workdir:{wl}")
 
 
 def test_refusals(tmp_path):
