@@ -42,6 +42,16 @@ class RopeScaling:
   high_freq_factor: float = 4.0
   original_max_position: int = 8192
 
+  def __post_init__(self):
+    # The smooth band divides by high - low; a factor <= 0 gives infinite wavelengths.
+    if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor
+            and self.original_max_position >= 1):
+      raise errors.expected("RopeScaling", f"factor={self.factor}, low_freq_factor="
+                            f"{self.low_freq_factor}, high_freq_factor={self.high_freq_factor}, "
+                            f"original_max_position={self.original_max_position}",
+                            "factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                            "original_max_position >= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class YarnScaling:

@@ -202,15 +202,16 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, RopeScaling | YarnScalin
   num = lambda key: _number(rope[key], f"{source}.{key}", where)  # noqa: E731
   if kind == "yarn":
     return float(theta), _yarn_from_hf(hf, rope, source, where)
-  scaling = RopeScaling(factor=num("factor"), low_freq_factor=num("low_freq_factor"),
-                        high_freq_factor=num("high_freq_factor"),
-                        original_max_position=_count(rope["original_max_position_embeddings"],
-                                                     f"{source}.original_max_position_embeddings",
-                                                     where))
-  if not (scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
-          and scaling.original_max_position > 0):
+  values = dict(factor=num("factor"), low_freq_factor=num("low_freq_factor"),
+                high_freq_factor=num("high_freq_factor"),
+                original_max_position=_count(rope["original_max_position_embeddings"],
+                                             f"{source}.original_max_position_embeddings",
+                                             where))
+  try:   # RopeScaling checks its values: named here by the file's keys
+    scaling = RopeScaling(**values)
+  except errors.UserError:
     raise ValueError(f"{where}: {source}={rope}; expected factor > 0, 0 < low_freq_factor < "
-                     "high_freq_factor and original_max_position_embeddings > 0")
+                     "high_freq_factor and original_max_position_embeddings > 0") from None
   return float(theta), scaling
 
 

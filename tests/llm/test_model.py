@@ -164,6 +164,17 @@ def test_sum_last_is_a_sum_in_one_order_for_any_row_count(n):
     np.testing.assert_array_equal(np.asarray(fn(x.reshape(24, n))), full.reshape(24, -1))
 
 
+@pytest.mark.parametrize("kw", [dict(factor=0.0), dict(low_freq_factor=4.0),
+                                dict(low_freq_factor=0.0), dict(original_max_position=0)])
+def test_rope_scaling_refuses_what_gives_no_frequencies(kw):
+  """A factor <= 0 (infinite wavelengths), equal band factors (the smooth band divides by
+  their difference) or no original length: refused where the config is built (a hand-edited
+  model_config.json used to give NaN frequencies)."""
+  with pytest.raises(ValueError, match="RopeScaling: .*; expected factor > 0, 0 < "
+                     "low_freq_factor < high_freq_factor and original_max_position >= 1"):
+    RopeScaling(**kw)
+
+
 def test_rope_is_a_rotation_of_half_split_pairs():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 8)), jnp.float32)
   inv = M.rope_frequencies(8, 10000.0, None)
