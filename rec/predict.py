@@ -155,6 +155,8 @@ def load_run(workdir: str, data: str | None = None, split: str = "test", *,
   elif mesh_size(cfg.mesh) != n:   # trained on another device count: all of these
     over["mesh"] = "-1"
   b = batch_size or cfg.train.eval_batch_size
+  if not batch_size:   # the run's, on another device count: up to a multiple of these
+    b = -(-b // n) * n
   over.update(batch_size=b, eval_batch_size=b, host_prefetch=False)   # no train steps here
   if group_by:
     over["group_by"] = group_by
