@@ -121,6 +121,14 @@ def _settings() -> list[int]:
     raise errors.expected(f"--block_sizes={','.join(FLAGS.block_sizes)}",
                           "not block sizes of the row",
                           f"integers dividing {qsnr.ROW} (powers of two up to {qsnr.ROW})")
+  # A BDR block holds whole pairs (one micro-exponent each); the sweep would leave out a
+  # BDR format's row at any other size.
+  bdr = [f for f in FLAGS.sweep_formats if f in mx.BDR_FORMATS]
+  odd = [b for b in blocks if b % mx.BDR_SUB_BLOCK]
+  if bdr and odd:
+    raise errors.expected(f"--block_sizes={','.join(FLAGS.block_sizes)}",
+                          f"{odd} not whole pairs of the BDR formats {bdr} of --sweep_formats",
+                          f"multiples of {mx.BDR_SUB_BLOCK} (or no BDR format in the sweep)")
   return blocks
 
 

@@ -78,6 +78,12 @@ def main(argv):
   if flagged.embedding.a2a.a2a_mode == "none":
     raise ValueError("--a2a_mode=none: this study compares a compressed exchange with the "
                      "float32 one; expected --a2a_mode=abs|rel")
+  if flagged.embedding.a2a.a2a_grad_error_bound is None:
+    # Unset, the gradients go in float32: payload_sizes measures the forward rows only, and
+    # "hlo x", "eff x" and the H100 model would price the whole exchange at their ratio.
+    raise ValueError("--a2a_grad_error_bound unset (the gradients' exchange in float32): this "
+                     "study's ratios and H100 model count both directions compressed; expected "
+                     "a bound > 0 for the gradients too")
   fixed = flagged.a2a_spec()
   variants = {"fixed": fixed, "adaptive": "adaptive"}
   log = report.log

@@ -113,6 +113,10 @@ def main(argv):
   if bad or not FLAGS.teacher_sizes:
     raise UserError(f"--teacher_sizes={','.join(FLAGS.teacher_sizes)}: unknown {bad}; "
                     f"expected some of {sorted(study.TEACHERS)}")
+  twice = sorted({s for s in FLAGS.teacher_sizes if FLAGS.teacher_sizes.count(s) > 1})
+  if twice:   # a size given twice counts twice in the teacher check and the means over sizes
+    raise UserError(f"--teacher_sizes={','.join(FLAGS.teacher_sizes)}: {twice} given more than "
+                    "once; expected distinct sizes")
   if FLAGS.main_teacher not in FLAGS.teacher_sizes:
     raise UserError(f"--main_teacher={FLAGS.main_teacher}: not in --teacher_sizes="
                     f"{','.join(FLAGS.teacher_sizes)}; expected one of them")

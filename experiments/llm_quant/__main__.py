@@ -95,12 +95,7 @@ def main(argv):
         f"{results['load_average']['before'][0]:.2f} / {results['load_average']['after'][0]:.2f}")
   report = Report(FLAGS.workdir)
   report.plot(study.plot, results, name="llm_quant.png")
-  summary = {m: {"perplexity": round(r["perplexity"], 4),
-                 "decode_tokens_per_s": round(r["decode_tokens_per_s"], 1),
-                 "decode_speedup_vs_float32": round(r.get("decode_speedup_vs_float32", 1.0), 3),
-                 "param_mb": round(r["param_bytes"] / 1e6, 2)}
-             for m, r in results["variants"].items()}
-  report.finish(results, {"checkpoint": FLAGS.checkpoint, **summary})
+  report.finish(results, study.summary(results))
 
 
 if __name__ == "__main__":

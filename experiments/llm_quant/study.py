@@ -170,15 +170,29 @@ def run(checkpoint: str, modes, text: str, text_source: str, *, window: int, pro
 
 
 def table(results: dict) -> str:
-  """Human table of the variants."""
+  """Human table of the variants ("-" against float32 where float32 was not measured)."""
   lines = [f"{'weights':9s}{'perplexity':>12s}{'MB held':>10s}{'decode tok/s':>14s}"
            f"{'vs fp32':>9s}{'same ids':>10s}  forms"]
   for mode, r in results["variants"].items():
+    x = r.get("decode_speedup_vs_float32")
     lines.append(f"{mode:9s}{r['perplexity']:12.4f}{r['param_bytes'] / 1e6:10.1f}"
-                 f"{r['decode_tokens_per_s']:14.1f}{r.get('decode_speedup_vs_float32', 1):8.2f}x"
+                 f"{r['decode_tokens_per_s']:14.1f}{'-' if x is None else f'{x:.2f}x':>9}"
                  f"{r.get('greedy_ids_equal_float32', '-'):>10}  "
                  + ", ".join(f"{k}: {v}" for k, v in r["forms"].items()))
   return "\n".join(lines)
+
+
+def summary(results: dict) -> dict[str, Any]:
+  """The last stdout line's numbers per variant; the speedup against float32 is None when
+  --modes left float32 out (nothing was measured to compare with)."""
+  out = {"checkpoint": results["checkpoint"]}
+  for m, r in results["variants"].items():
+    x = r.get("decode_speedup_vs_float32")
+    out[m] = {"perplexity": round(r["perplexity"], 4),
+              "decode_tokens_per_s": round(r["decode_tokens_per_s"], 1),
+              "decode_speedup_vs_float32": None if x is None else round(x, 3),
+              "param_mb": round(r["param_bytes"] / 1e6, 2)}
+  return out
 
 
 def plot(results: dict, path: str) -> None:

@@ -28,7 +28,7 @@ Measured 2026-11-24 on the 2-core CPU (shared, load ~13; jax 0.11.2), DLRM kaggl
 dim 16, 26 tables of 100,000 hashed rows, row-wise Adagrad 0.05 (tables in BENCHMARKS.md):
   python -m experiments.mp_embedding --seeds=0,1 --steps=300 \
       --workdir=runs/mp_embedding_synthetic                                 # 22.8 min
-    format               AUC     dAUC     logloss  dlogloss  table MB  vs fp32  hit rate
+    format               AUC     dAUC     logloss  dlogloss table MiB  vs fp32  hit rate
     fp32                 0.7485           0.4873             158.69    1.00x
     int8_cache:lfu:0.05  0.7483  -0.0002  0.4869   -0.0005    77.86    2.04x    79.5%
     int8_cache:lru:0.05  0.7482  -0.0003  0.4873   -0.0001    68.44    2.32x    73.1%
@@ -100,7 +100,7 @@ def main(argv):
     cells = {r["dim"]: r for r in by_dim if r["format"] == spec}
     dim_lines.append(f"{spec:24} " + " ".join(
         f"{cells[d]['bytes_per_row']:7.1f}B {cells[d]['reduction']:4.2f}x" for d in dims))
-  print("\n" + table + "\n\ntable memory by component (MB)\n" + memory
+  print("\n" + table + "\n\ntable memory by component (MiB)\n" + memory
         + "\n\nbytes per row and reduction vs fp32 rows, one table of 100,000 rows\n"
         + "\n".join(dim_lines), flush=True)
   results.update(table=table.splitlines(), memory_table=memory.splitlines(),

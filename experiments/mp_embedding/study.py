@@ -23,7 +23,6 @@ Letters: R rows, D embedding dim.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -168,6 +167,14 @@ def compare_formats(base: configs.RecRunConfig, formats: Sequence[StorageSpec],
   AUC and log loss changes are taken against, seed by seed."""
   if not formats:
     raise ValueError("compare_formats: no formats")
+  # A repeated seed is the same run again: it would pass for an independent one in the
+  # mean +- std over seeds (and share its run directory); a repeated format likewise.
+  for flag, items in (("--seeds", [int(s) for s in seeds]),
+                      ("--formats", [str(f) for f in formats])):
+    twice = sorted({x for x in items if items.count(x) > 1}, key=str)
+    if twice:
+      raise ValueError(f"{flag}={','.join(map(str, items))}: {twice} given more than once; "
+                       "expected distinct entries")
   for spec in formats:   # bad settings fail before anything trains
     with_storage(base, spec).validate()
   t0 = time.perf_counter()
@@ -186,10 +193,11 @@ def compare_formats(base: configs.RecRunConfig, formats: Sequence[StorageSpec],
 
 
 def format_table(results: Mapping[str, Any]) -> str:
-  """One line per format: quality against the reference, memory, cache hit rate."""
+  """One line per format: quality against the reference, memory (MiB, 2^20 bytes), cache
+  hit rate."""
   ref = results["rows"][0]["format"]
   lines = [f"{'format':24} {'AUC':>7} {'dAUC':>16} {'logloss':>8} {'dlogloss':>16} "
-           f"{'table MB':>9} {'x ' + ref:>10} {'hit rate':>8}"]
+           f"{'table MiB':>9} {'x ' + ref:>10} {'hit rate':>8}"]
   for r in results["rows"]:
     pm = lambda k: (f"{r[k + '_delta_mean']:+.4f}" + (f" ± {r[k + '_delta_std']:.4f}"
                                                        if len(r["runs"]) > 1 else ""))
@@ -202,7 +210,7 @@ def format_table(results: Mapping[str, Any]) -> str:
 
 
 def format_memory(results: Mapping[str, Any]) -> str:
-  """Bytes by component of each format's tables (MB)."""
+  """Bytes by component of each format's tables (MiB, 2^20 bytes)."""
   lines = [f"{'format':24} " + " ".join(f"{c:>13}" for c in storage_lib.COMPONENTS)
            + f" {'total':>9} {'optimizer':>9}"]
   for r in results["rows"]:

@@ -10,10 +10,11 @@ consecutive samples of a session, S one of --session_lens) and --num_item one-id
 features per sample; duplication rate of the user features = 1 - 1/S (up to chance
 repeats). Per session length, a DLRM (dim --dim, tables table-wise) times the forward
 lookup (gather + pool [+ expand]) and a full train step, plain and dedup side by side
-(medians of --repeats x --steps) through one RecTask whose embedding collection
-deduplicates the user features (rec/data/dedup.py, the collection's `dedup` option); the
-host-side dedup time (numpy, `RecTask.device_batch`, in the input pipeline as in RecD) is
-reported apart. Prints the table, writes results.json and recd.png; last line JSON.
+(medians of --repeats repeats of --steps calls, the two paths timed in turns) through one
+RecTask whose embedding collection deduplicates the user features (rec/data/dedup.py, the
+collection's `dedup` option); the host-side dedup time (numpy, `RecTask.device_batch`, in
+the input pipeline as in RecD) is reported apart. Prints the table, writes results.json and
+recd.png; last line JSON.
 
 Measured (`nice -n 19 python -m experiments.recd`, 2-core CPU shared (load 2.4-3.9), jax
 0.11.2, 2 min 12 s; the full table and a second run in BENCHMARKS.md "RecD"): speedup plain /

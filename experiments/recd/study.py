@@ -37,10 +37,11 @@ def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
                      seed: int = 0, log=print) -> list[dict[str, Any]]:
   """Per session length: duplication rate of the user features, host dedup time, and the
   median seconds of the forward lookup and of a train step, plain vs dedup (side by side
-  in one process; DLRM dense part, every table table-wise, one RecTask whose collection
-  deduplicates the user features: the plain path is the same task fed batches without
-  distinct bags). Batch 0 of SessionSource(session_len=S) per length; item features read
-  bags of 1 id (the source's `bag_sizes`) on both paths."""
+  in one process, their timed repeats taking turns: `side_by_side`; DLRM dense part, every
+  table table-wise, one RecTask whose collection deduplicates the user features: the plain
+  path is the same task fed batches without distinct bags). Batch 0 of
+  SessionSource(session_len=S) per length; item features read bags of 1 id (the source's
+  `bag_sizes`) on both paths."""
   mesh = mesh_lib.make_mesh(mesh_spec)
   n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
   F = num_user + num_item
@@ -74,14 +75,17 @@ def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
     row = {"session_len": S, "capacity_per_shard": capacity,
            "dup_rate_user": dedup_lib.duplication_rate(host, range(num_user)),
            "dup_rate_all": dedup_lib.duplication_rate(host), "dedup_host_s": t_dedup}
-    for name, batch in (("plain", plain), ("dedup", dd)):
-      # Lookups do not chain: each call is waited for (the same overhead on both paths).
-      t_look, _ = benchmark.time_steps(
-          lambda s, b=batch: jax.block_until_ready(look(state["emb"], b)), None, steps, repeats)
-      t_step, state = benchmark.time_steps(lambda s, b=batch: step(s, b)[0], state, steps,
-                                           repeats)
-      row[f"{name}_lookup_s"] = benchmark.median(t_look)
-      row[f"{name}_step_s"] = benchmark.median(t_step)
+    paths = {"plain": plain, "dedup": dd}
+    # Lookups do not chain: each call is waited for (the same overhead on both paths).
+    t_look, _ = side_by_side(
+        {name: lambda s, b=batch: jax.block_until_ready(look(state["emb"], b))
+         for name, batch in paths.items()}, None, steps, repeats)
+    t_step, state = side_by_side(
+        {name: lambda s, b=batch: step(s, b)[0] for name, batch in paths.items()}, state,
+        steps, repeats)
+    for name in paths:
+      row[f"{name}_lookup_s"] = benchmark.median(t_look[name])
+      row[f"{name}_step_s"] = benchmark.median(t_step[name])
     row["lookup_speedup"] = row["plain_lookup_s"] / row["dedup_lookup_s"]
     row["step_speedup"] = row["plain_step_s"] / row["dedup_step_s"]
     row["plain_step_ex_s"] = batch_size / row["plain_step_s"]
@@ -89,6 +93,23 @@ def throughput_study(session_lens, batch_size: int = 2048, num_user: int = 8,
     log(format_rows([row], header=not rows))
     rows.append(row)
   return rows
+
+
+def side_by_side(fns: dict[str, Any], state: Any, steps: int, repeats: int
+                 ) -> tuple[dict[str, list[float]], Any]:
+  """({name: seconds per step of each repeat}, state) of `steps` calls of `state = fn(state)`
+  for every fn, after one untimed call of each (the compiles), the fns taking turns repeat
+  by repeat: a change in the machine's load during the measurement reaches every path
+  alike, so the medians' ratio compares the paths, not two stretches of time."""
+  for fn in fns.values():
+    state = fn(state)
+  jax.block_until_ready(state)
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t, state = benchmark.time_steps(fn, state, steps, 1, warmup=0)
+      times[name] += t
+  return times, state
 
 
 def format_rows(rows, header: bool = True) -> str:

@@ -219,9 +219,11 @@ def format_sweep(rows: list[dict], link_name: str) -> str:
            "placement+network x, best single change x, best plan"]
   for r in rows:
     pn = r["placement_network_speedup"]
+    single = ("none" if r["single_speedup"] is None   # no single change is feasible
+              else f"{r['single_group']}:{r['single_speedup']:.3f}")
     lines.append(f"  {r['outer_gbps']:10g} {r['baseline_step_s']:8.3f} {r['best_step_s']:8.3f} "
                  f"{r['best_speedup']:6.3f} {pn if pn is None else round(pn, 3)!s:>6s} "
-                 f"{r['single_group']}:{r['single_speedup']:.3f}  {r['best_plan']}")
+                 f"{single}  {r['best_plan']}")
   return "\n".join(lines)
 
 

@@ -73,6 +73,37 @@ def test_memory_by_dim():
   assert rows[("int4_cache:lru:0.01", 16)]["bytes_per_row"] == pytest.approx(8 + 4 + 0.01 * 72)
 
 
+
+def test_tables_print_memory_in_the_unit_they_name():
+  """26 fp32 tables of 100,000 rows at D = 16 hold 166,400,000 bytes: the docstring's 158.69,
+  which is MiB (2^20 bytes); the headers say so (158.69 MB would be 1e6-byte units)."""
+  from rec.embedding import storage as storage_lib
+  fp32 = 26 * 100_000 * 16 * 4
+  comp = dict.fromkeys(storage_lib.COMPONENTS, 0) | {"values": fp32}
+  row = {"format": "fp32", "runs": [{}], "auc_mean": 0.7, "logloss_mean": 0.5,
+         "auc_delta_mean": 0.0, "logloss_delta_mean": 0.0, "cache_hit_rate_mean": None,
+         "memory_vs_reference": 1.0,
+         "memory": {"components": comp, "table_bytes": fp32, "optimizer_bytes": 0}}
+  for text in (mp_embedding.format_table({"rows": [row]}),
+               mp_embedding.format_memory({"rows": [row]})):
+    head, line = text.splitlines()
+    assert " 158.69 " in line
+    assert "MB" not in head
+  assert "table MiB" in mp_embedding.format_table({"rows": [row]}).splitlines()[0]
+
+
+def test_a_seed_or_format_given_twice_is_refused_before_training(tmp_path):
+  """--seeds=0,0 would train seed 0 twice and report a std over two identical runs as if
+  over two seeds (0 here, whatever the seed-to-seed spread is)."""
+  base = configs.make_run(preset="small", num_rows=300, batch_size=64)
+  fmt = mp_embedding.parse_formats(["fp32", "int8"])
+  with pytest.raises(ValueError, match=r"^--seeds=0,1,0: \[0\] given more than once"):
+    mp_embedding.compare_formats(base, fmt, seeds=[0, 1, 0], steps=1, workdir=str(tmp_path))
+  with pytest.raises(ValueError, match=r"^--formats=fp32,int8,int8: \['int8'\] given more"):
+    mp_embedding.compare_formats(base, fmt + fmt[1:], seeds=[0], steps=1,
+                                 workdir=str(tmp_path))
+  assert not os.listdir(tmp_path)
+
 def test_entry_point_toy(tmp_path):
   stdout, out = _run("experiments.mp_embedding", [
       "--preset=small", "--num_rows=300", "--steps=3", "--batch_size=64",

@@ -28,6 +28,9 @@ def test_runs_end_to_end(tmp_path):
     ("--sweep_formats=mxfp4,bf16", "--sweep_formats=mxfp4,bf16: unknown ['bf16']"),
     ("--block_sizes=16,3x", "--block_sizes=16,3x: not block sizes"),
     ("--block_sizes=16,48", "--block_sizes=16,48: not block sizes"),
+    # mx9 / mx6 / mx4 share a micro-exponent per pair: block 1 used to drop their rows.
+    ("--block_sizes=1,16", "--block_sizes=1,16: [1] not whole pairs of the BDR formats "
+                           "['mx9', 'mx6', 'mx4']"),
 ])
 def test_refuses_bad_settings_before_sampling(tmp_path, flag, error):
   """A typo in a format or block size is one line naming the flag, before any QSNR is

@@ -142,3 +142,18 @@ def test_entry_point_refuses_bad_counts_before_work(tmp_path, flag, error):
   out = run_refused("experiments.dmt", [flag, f"--workdir={tmp_path}"])
   assert error in out.stderr
   assert "H100 step model" not in out.stdout and "flat DLRM" not in out.stdout
+
+
+def test_table_prints_bytes_in_the_unit_it_names():
+  """The study's volumes are bytes / 2^20 (the docstring's 123.5 MiB flat at B = 65,536):
+  the header names MiB, not MB (1e6 bytes, 4.9% fewer per unit)."""
+  v = study.comm_volume(65536, 26, 16, 2, 2)
+  row = {"model": "DMT T=2 (random)", "auc": 0.7, "logloss": 0.5,
+         "global_bytes": v["sptt"]["global_total"], "global_reduction": v["global_reduction"],
+         "intra_group_bytes": v["sptt"]["intra_group_embeddings"]}
+  head, line = study.format_table([row]).splitlines()
+  assert "MiB" in head and " MB" not in head
+  # The in-group column is the reduce-scatter of pooled partial sums only (not the bags).
+  assert "intra pooled MiB" in head
+  assert f"{v['sptt']['global_total'] / 2**20:.1f}" == "43.5" and " 43.5 " in line
+  assert f"{v['sptt']['intra_group_embeddings'] / 2**20:.1f}" in line

@@ -98,3 +98,14 @@ def test_tiny_run_end_to_end(tmp_path):
     study.train_student(0, "aux_head", [study.to_batches(rows[0], 64)[:2]] * 4, spec, 1,
         {(0, p): str(tmp_path / "teacher_S" / "das" / f"s0_p{p}.npy") for p in range(4)},
         0.05, 0, str(tmp_path / "x"))
+
+
+def test_entry_point_refuses_a_teacher_size_given_twice(tmp_path):
+  """--teacher_sizes=S,S,L used to train S twice and count its teacher check twice: the
+  summary's teacher margin for --main_teacher=S came out doubled. Refused before any work."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.exfm", ["--data=synthetic", "--teacher_sizes=S,S,L",
+                                         "--main_teacher=S", f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: --teacher_sizes=S,S,L: ['S'] given more than once; expected distinct sizes")
+  assert "teacher S" not in out.stdout

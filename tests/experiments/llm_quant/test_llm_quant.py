@@ -68,6 +68,24 @@ def test_study_on_stories260k():
   assert "int4" in table and "perplexity" in table
 
 
+
+def test_no_speedup_is_reported_without_a_float32_run():
+  """--modes=int8,int4 measures no float32 decode: the table prints "-" and the summary
+  None against float32 (not 1.00x, which reads as measured parity)."""
+  row = lambda tps, x=None: {"perplexity": 25.0, "param_bytes": 1e6, "decode_tokens_per_s": tps,
+                             "forms": {}, **({} if x is None else
+                                             {"decode_speedup_vs_float32": x})}
+  res = {"checkpoint": "llama2c:x.bin", "variants": {"int8": row(9.0), "int4": row(7.0)}}
+  for line in study.table(res).splitlines()[1:]:
+    assert line.split()[4] == "-" and "x" not in line.split()[4]
+  s = study.summary(res)
+  assert s["int8"]["decode_speedup_vs_float32"] is None
+  assert s["int4"]["decode_speedup_vs_float32"] is None
+  # With float32 measured, the ratio is what run() stored.
+  res["variants"] = {"float32": row(8.0, 1.0), "int4": row(6.0, 0.75)}
+  assert study.summary(res)["int4"]["decode_speedup_vs_float32"] == 0.75
+  assert study.table(res).splitlines()[2].split()[4] == "0.75x"
+
 def test_gguf_mode_needs_a_gguf_checkpoint():
   with pytest.raises(ValueError, match=r"--modes=gguf .* the checkpoint is llama2c"):
     study.load_variants(_stories(), ["float32", "gguf"])

@@ -269,3 +269,16 @@ def test_entry_point_bad_file_is_one_error_line(tmp_path):
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 2
   assert "error: broken.json: levels[1].link: missing" in (out.stdout + out.stderr)
+
+
+def test_sweep_table_prints_a_bandwidth_with_no_feasible_single_change():
+  """sweep_outer_link stores None where no single change of the baseline fits (as
+  format_table does for best_single_change); the sweep's table says so instead of failing
+  on the None after the whole sweep has run."""
+  row = {"outer_gbps": 800.0, "baseline_step_s": 7.8, "best_step_s": 6.0, "best_speedup": 1.3,
+         "best_plan": "tp8 pp16", "single_group": None, "single_speedup": None,
+         "placement_network_speedup": None}
+  lines = study.format_sweep([row, {**row, "single_group": "v", "single_speedup": 1.15}],
+                             "region").splitlines()
+  assert lines[1].split()[5:7] == ["none", "tp8"]
+  assert lines[2].split()[5] == "v:1.150"
