@@ -61,16 +61,19 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
 
 
 # Dense (no sparsity) tensor-core peak FLOP/s by device kind, per compute dtype; float32 is
-# the TF32 rate XLA uses for fp32 matmuls on these GPUs. Matched by substring, first wins.
+# the TF32 rate XLA uses for fp32 matmuls on these GPUs. Matched by substring, first wins, so
+# a name that holds another ("H200 NVL" / "H200", "L40" / "L4") comes before it.
 PEAK_FLOPS = (
     ("H100 PCIe", {"bfloat16": 756e12, "float32": 378e12}),
     ("H100 NVL", {"bfloat16": 835e12, "float32": 418e12}),
     ("H100", {"bfloat16": 989e12, "float32": 494e12}),       # SXM
-    ("H200", {"bfloat16": 989e12, "float32": 494e12}),
+    ("H200 NVL", {"bfloat16": 835e12, "float32": 418e12}),   # the PCIe card, H100 NVL's rates
     ("GH200", {"bfloat16": 989e12, "float32": 494e12}),
+    ("H200", {"bfloat16": 989e12, "float32": 494e12}),       # SXM
     ("B200", {"bfloat16": 2250e12, "float32": 1100e12}),
     ("A100", {"bfloat16": 312e12, "float32": 156e12}),
     ("L40S", {"bfloat16": 362e12, "float32": 183e12}),
+    ("L40", {"bfloat16": 181e12, "float32": 90.5e12}),
     ("L4", {"bfloat16": 121e12, "float32": 60e12}),
 )
 

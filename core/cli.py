@@ -7,7 +7,8 @@ unknown flag there. Every `python -m experiments.<name>` calls `run`: the same h
 0, and `-h` means `--help`.
 
 Errors: a data or settings error (`core.errors.UserError`, a ValueError raised by the
-project's own code, a missing or unreadable file, or `sys.exit("message")`) ends the run
+project's own code, a missing or unreadable file, `sys.exit("message")`, or a flag that is
+unknown or whose value its flag refuses while parsing) ends the run
 with the one line `error: <message>` as the last line on stderr and exit status 2; the
 traceback (Grain's and JAX's frames included) only with `--verbose_errors`. Anything else
 is a bug and keeps its traceback. In a multi-process run the failing process tells the
@@ -88,8 +89,17 @@ def asks_for_help(args: Sequence[str]) -> bool:
 
 
 def _parse(argv: list[str]) -> list[str]:
+  """The flags parsed (absl's FLAGS(argv)); a flag that is unknown or has a bad value is a
+  settings error like any other: one `error: ...` line and status 2 (absl's own parser
+  prints two lines, `FATAL Flags parsing error: ...` and a pointer to the help, and exits 1,
+  as a bug would)."""
   try:
-    return app.parse_flags_with_usage(argv)
+    return FLAGS(argv)
+  except flags.Error as e:
+    message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    print(f"error: {message} (--helpshort or --helpfull list the flags)", file=sys.stderr,
+          flush=True)
+    sys.exit(USER_ERROR_STATUS)
   except SystemExit as e:
     if e.code == 1 and asks_for_help(argv[1:]):
       raise SystemExit(0) from None

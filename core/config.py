@@ -163,6 +163,8 @@ class Setting:
       if self.none_ok:
         return None
       raise bad("unset")
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+      value = value.item()   # a numpy scalar (a sweep's np.int64 seed) as the Python value
     if self.parse is not None:
       if isinstance(value, str):
         try:
@@ -501,13 +503,18 @@ def read_file(cls: type | None, path: str,
   else:
     try:
       module = runpy.run_path(path)
+      if not callable(module.get("get_config")):
+        raise errors.expected(path, "no get_config()", "a function get_config() returning the "
+                              "config or a dict of settings")
+      got = module["get_config"]()
     except SyntaxError as e:
       raise errors.expected(f"{path}:{e.lineno}:{e.offset}", f"{e.msg}",
                             "a Python file defining get_config()") from None
-    if not callable(module.get("get_config")):
-      raise errors.expected(path, "no get_config()", "a function get_config() returning the "
-                            "config or a dict of settings")
-    got = module["get_config"]()
+    except errors.UserError:
+      raise
+    except Exception as e:   # the file's own code failed (a name undefined, a bad import)
+      raise errors.expected(_line_in(path, e), f"{type(e).__name__}: {e}",
+                            "a Python file whose get_config() runs") from e
   if dataclasses.is_dataclass(got) and not isinstance(got, type):
     if cls is None or type(got) is not cls:
       want = ("a dict of settings" if cls is None else
@@ -527,6 +534,16 @@ def read_file(cls: type | None, path: str,
     else:
       raise _unknown(cls, name, {**table, **dict.fromkeys(extra)}, path)
   return out
+
+
+def _line_in(path: str, e: BaseException) -> str:
+  """`path:line` of the innermost frame of `e` that runs in the file `path` (else `path`)."""
+  where, tb = path, e.__traceback__
+  while tb is not None:
+    if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+      where = f"{path}:{tb.tb_lineno}"
+    tb = tb.tb_next
+  return where
 
 
 def _declared(fv) -> dict[str, Any]:
@@ -579,7 +596,7 @@ def write_file(config: Any, path: str, *, command: str = "",
   lines += [f"Replay: the same entry point with --config={path} (flags given win).", '"""',
             "", "", "def get_config():", "  return {"]
   for name in table:
-    text = pprint.pformat(_plain(table[name].setting, values[name]), width=80)
+    text = _source(_plain(table[name].setting, values[name]))
     note = ""
     if overridden and name in overridden:
       was, now = overridden[name]
@@ -591,6 +608,16 @@ def write_file(config: Any, path: str, *, command: str = "",
     f.write("\n".join(lines))
   os.replace(tmp, path)
   return path
+
+
+def _source(value: Any) -> str:
+  """Python source of a config file's value; a float that is not finite as float('inf')
+  (its repr, `inf`, would be an undefined name in the file)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return f"float('{value}')"
+  if isinstance(value, list) and any(isinstance(v, float) for v in value):
+    return "[" + ", ".join(_source(v) for v in value) + "]"
+  return pprint.pformat(value, width=80)
 
 
 def _plain(s: Setting, value: Any) -> Any:

@@ -16,7 +16,8 @@ import numpy as np
 
 
 def _with_zero_column(x):
-  return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+  # (zeros of shape [B, 1], also when x has no column: an empty selection's gradient)
+  return jnp.concatenate([x, jnp.zeros((x.shape[0], 1), x.dtype)], axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

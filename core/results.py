@@ -1,6 +1,7 @@
 """An experiment's results: results.json written atomically (temp file + rename), numpy
-scalars as numbers, anything else JSON cannot hold as its str(), once per job (process 0);
-the one-line JSON summary printed last (`finish` does both)."""
+and jax scalars as numbers, their arrays as nested lists, anything else JSON cannot hold as
+its str(), once per job (process 0); the one-line JSON summary printed last (`finish` does
+both)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 
 def _plain(o: Any) -> Any:
+  if hasattr(o, "tolist") and hasattr(o, "shape"):   # numpy / jax arrays and scalars
+    return o.tolist()    # every value (an array's str() elides the middle of a large one)
   return o.item() if hasattr(o, "item") else str(o)
 
 
@@ -21,9 +24,13 @@ def write_json(obj: Any, path: str) -> str:
     return path
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=_plain)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      json.dump(obj, f, indent=2, default=_plain)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):   # a value json could not write: no half file left behind
+      os.remove(tmp)
   return path
 
 
@@ -33,8 +40,9 @@ def write_results(workdir: str, obj: Any) -> str:
 
 
 def print_summary(summary: Any) -> None:
-  """Prints `summary` as one JSON line (numpy scalars as numbers, anything else JSON cannot
-  hold as its str()): an experiment's last stdout line, which scripts and CI read."""
+  """Prints `summary` as one JSON line (numpy scalars as numbers, arrays as lists, anything
+  else JSON cannot hold as its str()): an experiment's last stdout line, which scripts and
+  CI read."""
   print(json.dumps(summary, default=_plain), flush=True)
 
 

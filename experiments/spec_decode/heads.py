@@ -79,22 +79,24 @@ def accept_lengths(target, head, prompts, shape, max_new_tokens: int, *, stop_to
                         for d in range(shape.depth)]}
 
 
-def held_out_features(data_dir: str, tokens: np.ndarray, dim: int, eval_sequences: int):
+def held_out_features(data_dir: str, tokens: np.ndarray, dim: int, eval_sequences: int,
+                      target: str = ""):
   """The target's features of the last `eval_sequences` of `tokens` from
   <data_dir>/features.npz, or None (and a printed line saying why) where that file is absent
-  or holds other features: those of other sequences, or not all of them (a killed run leaves
-  rows of zeros, or the features captured so far under the sequences' settings)."""
+  or holds other features: those of other sequences or of another target (`target`: its
+  `distill.target_fingerprint`), or not all of them (a killed run leaves rows of zeros, or
+  the features captured so far under the sequences' settings)."""
   from llm.speculative import distill
   path = os.path.join(data_dir, "features.npz")
   if not os.path.exists(path):
     return None
   with np.load(path) as f:
-    key, want = str(f["key"]), distill.features_key(tokens, dim)
+    key, want = str(f["key"]), distill.features_key(tokens, dim, target)
     # A run with taps keys its file `<key>:taps=[...]`; its "feats" are the same features.
     if (key == want or key.startswith(want + ":taps=")) and int(f["done"]) == len(tokens):
       return f["feats"][len(tokens) - eval_sequences:]
-  print(f"{path}: not the finished features of these sequences; per-step agreement skipped",
-        flush=True)
+  print(f"{path}: not the finished features of these sequences by this target; per-step "
+        "agreement skipped", flush=True)
   return None
 
 
@@ -156,7 +158,7 @@ def main(argv):
   vocab = (distill.draft_vocab(tokens[:n - ev], mask[:n - ev], FLAGS.draft_vocab,
                                cfg.vocab_size) if FLAGS.draft_vocab else None)
   loss_from = np.asarray([len(p) - 1 for p in prompts], np.int32)
-  feats = held_out_features(FLAGS.data, tokens, cfg.dim, ev)
+  feats = held_out_features(FLAGS.data, tokens, cfg.dim, ev, distill.target_fingerprint(target))
   rows = []
   for wd in FLAGS.heads:
     head = distill.load_draft(wd, cfg)

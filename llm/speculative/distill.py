@@ -167,17 +167,38 @@ def _save_partial(path: str, key: str, done: int, **arrays) -> None:
   os.replace(path + ".tmp.npz", path)
 
 
-def features_key(tokens: np.ndarray, dim: int) -> str:
-  """What `cached_features` keys a features file by: a hash of the tokens, and the width."""
+def target_fingerprint(target: Llama, samples: int = 64) -> str:
+  """A hash of what the target computes: its config (sizes, dtypes) and, per weight, its
+  path, shape, dtype and `samples` values at evenly spaced positions (read from the device,
+  not the whole array). The workdir's sequences and features are keyed by it, so a run
+  pointed at another checkpoint of the same shape (a fine-tuned one, another dtype) makes
+  its own instead of reusing the first target's."""
   import hashlib
-  return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest() + f":{dim}"
+  h = hashlib.sha256(repr(target.cfg).encode())
+  leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(target)))
+  for path, x in leaves:
+    x = jnp.asarray(x)
+    h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype};".encode())
+    if x.size:
+      idx = np.unique(np.linspace(0, x.size - 1, min(x.size, samples)).astype(np.int64))
+      h.update(np.asarray(x.reshape(-1)[idx]).tobytes())
+  return h.hexdigest()[:32]
+
+
+def features_key(tokens: np.ndarray, dim: int, target: str = "") -> str:
+  """What `cached_features` keys a features file by: a hash of the tokens and their shape,
+  the width, and the target's fingerprint (`target_fingerprint`)."""
+  import hashlib
+  tokens = np.ascontiguousarray(tokens, np.int32)
+  return (hashlib.sha256(tokens.tobytes()).hexdigest() + f":{list(tokens.shape)}:{dim}"
+          + (f":target={target}" if target else ""))
 
 
 def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, stop_tokens=(),
                      feats_path: str | None = None, save_every_s: float = 120.0):
-  """`generate_sequences` for dcfg, kept in `path` (.npz) with the settings that made it
-  (regenerated when they differ); saved after every chunk, so a killed run continues from
-  the last one.
+  """`generate_sequences` for dcfg, kept in `path` (.npz) with the settings and the target
+  (`target_fingerprint`) that made it (regenerated when they differ); saved after every
+  chunk, so a killed run continues from the last one.
 
   feats_path: the target's features are captured while generating (`feats_out`) and kept
   there: every `save_every_s` seconds under the sequences' settings (a killed run continues
@@ -186,11 +207,12 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, sto
   capture leave their features to `cached_features`."""
   import json
   import time as time_lib
+  fingerprint = target_fingerprint(target)
   key = json.dumps({"num": dcfg.num_sequences, "len": dcfg.seq_len, "seed": dcfg.seed,
                     "temperature": dcfg.gen_temperature, "prompts": [list(map(int, p))
                                                                       for p in prompts],
                     "stop": [int(t) for t in stop_tokens], "batch": dcfg.gen_batch,
-                    "vocab": target.cfg.vocab_size}, sort_keys=True)
+                    "vocab": target.cfg.vocab_size, "target": fingerprint}, sort_keys=True)
   saved = _load_partial(path, key)
   out, start = (None, 0) if saved is None else ((saved[0]["tokens"], saved[0]["mask"]),
                                                 saved[1])
@@ -211,8 +233,8 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, sto
       if feats is None:
         return
       if done == n:
-        _save_partial(feats_path, features_key(holder["out"][0], target.cfg.dim), n,
-                      feats=feats)
+        _save_partial(feats_path, features_key(holder["out"][0], target.cfg.dim, fingerprint),
+                      n, feats=feats)
       elif time_lib.perf_counter() - last[0] > save_every_s:
         _save_partial(feats_path, fkey, done, feats=feats)
         last[0] = time_lib.perf_counter()
@@ -231,11 +253,13 @@ def cached_sequences(target: Llama, path: str, prompts, dcfg: DistillConfig, sto
 
 def cached_features(target: Llama, path: str, tokens: np.ndarray, batch_size: int = 8,
                     taps: tuple[int, ...] = ()):
-  """`target_features` of `tokens`, kept in `path` (.npz) keyed by a hash of the tokens;
+  """`target_features` of `tokens`, kept in `path` (.npz) keyed by a hash of the tokens and
+  the target's fingerprint;
   saved every few chunks, so a killed run continues. With `taps`: (features, the states at
   those blocks in float16, [N, T, len(taps)*D]), kept together."""
   taps = tuple(int(i) for i in taps)
-  key = features_key(tokens, target.cfg.dim) + (f":taps={list(taps)}" if taps else "")
+  key = (features_key(tokens, target.cfg.dim, target_fingerprint(target))
+         + (f":taps={list(taps)}" if taps else ""))
   saved = _load_partial(path, key)
   feats, start = (None, 0) if saved is None else (saved[0]["feats"], saved[1])
   tapped = None if saved is None or not taps else saved[0]["taps"]

@@ -71,6 +71,19 @@ def test_user_errors_end_in_one_line_with_status_2(capsys):
   _in_process(data_error, "--noverbose_errors", capsys=capsys)
 
 
+
+def test_a_bad_flag_is_a_settings_error(capsys):
+  """An unknown flag or a value its flag refuses ends as every settings error does: one
+  `error: ...` line and status 2, main never run (absl's parser: two FATAL lines, status 1)."""
+  ran = []
+  code, out, err = _in_process(ran.append, "--no_such_flag=1", capsys=capsys)
+  assert code == 2 and out == "" and not ran
+  assert err.startswith("error: Unknown command line flag 'no_such_flag'")
+  assert len(err.splitlines()) == 1 and "--helpshort" in err
+  code, _, err = _in_process(ran.append, "--verbose_errors=maybe", capsys=capsys)
+  assert code == 2 and not ran and len(err.splitlines()) == 1
+  assert err.startswith("error: flag --verbose_errors=maybe: ")
+
 def test_a_stop_on_request_and_a_failed_checkpoint_write_end_in_one_line(capsys):
   from core import checkpoint as ckpt_lib
   from core import train as train_lib

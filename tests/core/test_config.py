@@ -130,6 +130,17 @@ def test_a_written_config_replays_and_a_flag_wins(tmp_path):
   assert config.from_flags(Run2, _parsed(f"--config={tmp_path / 'd.py'}")).dtype == "bfloat16"
 
 
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  learning_rate: float = settings.LEARNING_RATE.field(0.1)   # unbounded: inf is a value
+
+
+@pytest.mark.parametrize("rate", [float("inf"), float("-inf"), 1e-300, 0.1])
+def test_a_written_config_replays_floats_python_cannot_spell(tmp_path, rate):
+  """`inf` written as is would be an undefined name when the file is replayed."""
+  path = config.write_file(config.build(Rates, learning_rate=rate), str(tmp_path / "c.py"))
+  assert config.read_file(Rates, path) == {"learning_rate": rate}
+
 @pytest.mark.parametrize("text,message", [
     ("def get_config(:\n", r"bad\.py:1:\d+: .*; expected a Python file defining get_config\(\)"),
     ("x = 1\n", r"bad\.py: no get_config\(\); expected a function get_config\(\)"),
@@ -139,6 +150,11 @@ def test_a_written_config_replays_and_a_flag_wins(tmp_path):
      r"bad\.py: steps='abc': a str; expected an integer >= 1"),
     ("def get_config():\n  return {'resume': True}\n", r"bad\.py: resume: not a setting of Run2"),
     ("def get_config():\n  return [1]\n", r"bad\.py: a list; expected a dict of settings"),
+    # the file's own code failing is a line naming it too, not a traceback
+    ("def get_config():\n  return {'dtype': bfloat16}\n",
+     r"bad\.py:2: NameError: name 'bfloat16' is not defined; expected a Python file whose "
+     r"get_config\(\) runs"),
+    ("import no_such_module_here\n", r"bad\.py:1: ModuleNotFoundError: "),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, text, message):
   (tmp_path / "bad.py").write_text(text)
@@ -280,6 +296,20 @@ def test_values_of_each_kind_are_converted():
   with pytest.raises(errors.UserError) as e:
     several.check("true,yes", "--test_config_switch")
   assert str(e.value) == "--test_config_switch='yes': not true or false; expected true or false"
+
+
+def test_numpy_scalars_are_their_python_values():
+  """A sweep's np.int64 seed or np.bool_ switch is the number / bool it holds (it was
+  refused as 'an int64; expected an integer'), and still checked as one."""
+  import numpy as np
+  run = config.build(Kinds, steps=np.int64(4), test_config_switch=np.bool_(True),
+                     test_config_rate=np.float32(0.5), test_config_names=[np.str_("a")])
+  assert run == Kinds(True, ("a",), 0.5, 4, "float32")
+  assert type(run.steps) is int and type(run.test_config_switch) is bool
+  assert type(run.test_config_rate) is float
+  with pytest.raises(errors.UserError) as e:
+    config.build(Kinds, steps=np.int32(0))
+  assert str(e.value) == "--steps=0: out of range; expected an integer >= 1"
 
 
 def test_config_files_that_are_not_there_or_return_a_config(tmp_path):

@@ -4,6 +4,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from core import plot as plot_lib
 from core import results as results_lib
@@ -27,3 +28,25 @@ def test_pyplot_draws_on_agg():
   import matplotlib
   plt = plot_lib.pyplot()
   assert matplotlib.get_backend().lower() == "agg" and plt.__name__ == "matplotlib.pyplot"
+
+
+def test_arrays_are_written_whole_and_a_failed_write_leaves_no_file(tmp_path, capsys):
+  """A numpy / jax array of more than one value is a nested list (`.item()` raised on it,
+  and str() would elide the middle of a large one); a value json cannot write leaves neither
+  results.json nor its temporary file."""
+  import jax.numpy as jnp
+  big = np.arange(2000, dtype=np.float32).reshape(2, 1000)
+  out = {"rows": np.arange(3), "per_step": jnp.asarray([0.5, 0.25]), "big": big}
+  path = results_lib.write_results(str(tmp_path), out)
+  with open(path) as f:
+    got = json.load(f)
+  assert got["rows"] == [0, 1, 2] and got["per_step"] == [0.5, 0.25]
+  assert got["big"] == big.tolist()
+  results_lib.print_summary({"rows": np.arange(2)})
+  assert json.loads(capsys.readouterr().out) == {"rows": [0, 1]}
+  loop = []
+  loop.append(loop)
+  with pytest.raises(ValueError, match="Circular reference"):
+    results_lib.write_results(str(tmp_path / "w"), {"loop": loop})
+  assert not (tmp_path / "w" / "results.json").exists()
+  assert not (tmp_path / "w" / "results.json.tmp").exists()

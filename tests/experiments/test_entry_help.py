@@ -42,7 +42,7 @@ def test_short_h_and_errors_keep_their_status():
   assert h.returncode == 0 and "--workdir" in h.stdout
   bad = forkserver.run([sys.executable, "-m", "experiments.cp_model", "--no_such_flag"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
-  assert bad.returncode == 1 and "no_such_flag" in bad.stderr
+  assert bad.returncode == 2 and "no_such_flag" in bad.stderr   # a settings error
 
 
 def test_asks_for_help():

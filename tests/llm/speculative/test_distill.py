@@ -112,6 +112,30 @@ def test_cached_sequences_and_features_resume(target, tmp_path):
   np.testing.assert_allclose(feats, want, rtol=1e-5, atol=1e-5)
 
 
+
+def test_cached_data_is_the_targets_own(target, tmp_path):
+  """A workdir's sequences and features are keyed by the target that made them: another
+  checkpoint of the same config (other weights; a fine-tune, --overwrite in the same
+  workdir) makes its own instead of training on the first target's."""
+  from tests.llm.test_model import make_model
+  other = make_model(CFG, seed=1)[0]
+  assert distill.target_fingerprint(other) != distill.target_fingerprint(target)
+  assert distill.target_fingerprint(target) == distill.target_fingerprint(target)
+  prompts = [[1, 2], [3]]
+  dcfg = distill.DistillConfig(num_sequences=4, eval_sequences=1, seq_len=8, gen_batch=4)
+  path = str(tmp_path / "seq.npz")
+  mine = distill.cached_sequences(target, path, prompts, dcfg)
+  theirs = distill.cached_sequences(other, path, prompts, dcfg)
+  fresh = distill.cached_sequences(other, str(tmp_path / "fresh.npz"), prompts, dcfg)
+  np.testing.assert_array_equal(theirs[0], fresh[0])
+  assert not np.array_equal(theirs[0], mine[0])
+  fp = str(tmp_path / "f.npz")
+  distill.cached_features(target, fp, mine[0])
+  got = distill.cached_features(other, fp, mine[0])
+  want = np.asarray(other.hidden(other.embed_tokens(jnp.asarray(mine[0])))[0])
+  # the same forward pass in float32 at a different batching: rounding only
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
 def test_unrolled_steps_match_decoding(target, sequences):
   """`unrolled_predictions` against the head run as in decoding: step 1 is the causal head
   (the plain loss's predictions); step s at pair p equals committing pairs <= p-s+1 into the

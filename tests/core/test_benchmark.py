@@ -1,0 +1,29 @@
+"""core.benchmark: dense peak FLOP/s by device kind (NVIDIA's datasheets, sparsity halved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core import benchmark
+
+
+@pytest.mark.parametrize("kind,dtype,want", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),      # SXM: 989.4 TFLOP/s dense
+    ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+    ("NVIDIA H200", "bfloat16", 989e12),
+    ("NVIDIA GH200 480GB", "float32", 494e12),
+    # names holding a shorter name are matched before it
+    ("NVIDIA H200 NVL", "bfloat16", 835e12),            # 1671 with sparsity
+    ("NVIDIA L40", "bfloat16", 181e12),                 # not an L4's 121
+    ("NVIDIA L40S", "bfloat16", 362e12),
+    ("NVIDIA L4", "float32", 60e12),
+    ("cpu", "bfloat16", None),
+])
+def test_peak_flops_by_device_kind(kind, dtype, want):
+  assert benchmark.peak_flops(kind, dtype) == want
+
+
+def test_no_table_name_is_shadowed_by_an_earlier_one():
+  names = [name for name, _ in benchmark.PEAK_FLOPS]
+  for i, name in enumerate(names):
+    assert not any(earlier.lower() in name.lower() for earlier in names[:i]), name
