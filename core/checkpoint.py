@@ -257,6 +257,26 @@ class Checkpointer:
     self._manager.close()
 
 
+def tree_fingerprint(tree: Any, salt: str = "", samples: int = 1024) -> str:
+  """A hash of a tree of arrays (numpy or jax, on any device): every leaf's path, shape and
+  dtype and `samples` of its values at evenly spaced positions (gathered where the array
+  lies, not read whole), with `salt` (e.g. the model's config). What a file derived from a
+  model (a LoRA run's base, a draft head's cached features) records of it, so that a model
+  changed since is found instead of silently mixed with the old one's products."""
+  import hashlib
+  h = hashlib.sha256(salt.encode())
+  leaves = sorted(jax.tree_util.tree_flatten_with_path(tree)[0],
+                  key=lambda kv: jax.tree_util.keystr(kv[0]))
+  for path, x in leaves:
+    x = x if hasattr(x, "reshape") else np.asarray(x)   # a Python number
+    shape, size = tuple(np.shape(x)), int(np.prod(np.shape(x)))
+    h.update(f"{jax.tree_util.keystr(path)}:{shape}:{np.dtype(x.dtype)};".encode())
+    if size:
+      idx = np.unique(np.linspace(0, size - 1, min(size, samples)).astype(np.int64))
+      h.update(np.asarray(x.reshape(-1)[idx]).tobytes())
+  return h.hexdigest()[:32]
+
+
 def _leaf_specs(tree: Any) -> dict[str, str]:
   """{'emb/group/table/rows': 'float32[64000]', ...} for arrays or orbax ArrayMetadata."""
   out = {}

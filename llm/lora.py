@@ -71,22 +71,6 @@ class LoraConfig:
             "base_model_name_or_path": None}
 
 
-def base_fingerprint(weights: Mapping[str, Any], samples: int = 4096) -> str:
-  """A fingerprint of a base model's weights (contract names to arrays, int8 / int4 ones
-  included): every array's name, shape and dtype and an even stride of up to `samples` of
-  its values, hashed. A LoRA run records it, so that merging its adapters later onto a base
-  whose file has changed since is refused rather than silently giving another model."""
-  import hashlib
-  h = hashlib.sha256()
-  for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(weights)[0],
-                           key=lambda kv: jax.tree_util.keystr(kv[0])):
-    a = np.asarray(leaf)
-    flat = a.reshape(-1)
-    h.update(f"{jax.tree_util.keystr(path)}|{a.shape}|{a.dtype}|".encode())
-    h.update(np.ascontiguousarray(flat[::max(1, flat.size // samples)]).tobytes())
-  return h.hexdigest()[:16]
-
-
 def expand_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
   """Projection names from names and groups ("attention", "mlp", "all"), in model order;
   an unknown one is an error naming --lora_targets."""

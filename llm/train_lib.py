@@ -429,15 +429,16 @@ def load_workdir(workdir: str, step: int | None = None):
 
 def save_lora_run(workdir: str, init: str, weights: str, lora, base=None) -> str:
   """Writes the LoRA run's base checkpoint, its storage and the adapters' settings, and
-  with `base` (the base's contract weights as trained on) their `lora.base_fingerprint`."""
+  with `base` (the base's contract weights as trained on) their fingerprint
+  (`core.checkpoint.tree_fingerprint`)."""
   import json
   import os
-  from llm import lora as lora_lib
+  from core.checkpoint import tree_fingerprint
   path = os.path.join(workdir, LORA_FILE)
   meta = {"init": init, "weights": weights, "rank": lora.rank, "alpha": lora.alpha,
           "targets": list(lora.targets)}
   if base is not None:
-    meta["base_fingerprint"] = lora_lib.base_fingerprint(base)
+    meta["base_fingerprint"] = tree_fingerprint(base)
   with open(path, "w") as f:
     json.dump(meta, f, indent=2)
   return path
@@ -463,13 +464,12 @@ def load_workdir_params(workdir: str, cfg: LlamaConfig, step: int | None = None)
       meta = json.load(f)
     lora = lora_lib.LoraConfig(meta["rank"], meta["alpha"], tuple(meta["targets"]))
     _, base, _ = checkpoints.load_pretrained(meta["init"], meta["weights"])
-    want = meta.get("base_fingerprint")   # absent: a run recorded without it
-    if want is not None and lora_lib.base_fingerprint(base) != want:
+    want, have = meta.get("base_fingerprint"), None   # absent: a run recorded without it
+    if want is not None and (have := ckpt_lib.tree_fingerprint(base)) != want:
       raise ValueError(
           f"{lora_path}: the base {meta['init']} ({meta['weights']}) holds other weights than "
-          f"the adapters were trained on (fingerprint {lora_lib.base_fingerprint(base)}, "
-          f"recorded {want}); expected the base as it was, or merge the adapters "
-          "(experiments.export) while it is")
+          f"the adapters were trained on (fingerprint {have}, recorded {want}); expected the "
+          "base as it was, or merge the adapters (experiments.export) while it is")
     task = LMTask(cfg, OptimConfig(), mesh, init_weights=base, lora=lora)
   else:
     task = LMTask(cfg, OptimConfig(), mesh)

@@ -167,22 +167,13 @@ def _save_partial(path: str, key: str, done: int, **arrays) -> None:
   os.replace(path + ".tmp.npz", path)
 
 
-def target_fingerprint(target: Llama, samples: int = 64) -> str:
-  """A hash of what the target computes: its config (sizes, dtypes) and, per weight, its
-  path, shape, dtype and `samples` values at evenly spaced positions (read from the device,
-  not the whole array). The workdir's sequences and features are keyed by it, so a run
-  pointed at another checkpoint of the same shape (a fine-tuned one, another dtype) makes
-  its own instead of reusing the first target's."""
-  import hashlib
-  h = hashlib.sha256(repr(target.cfg).encode())
-  leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(target)))
-  for path, x in leaves:
-    x = jnp.asarray(x)
-    h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype};".encode())
-    if x.size:
-      idx = np.unique(np.linspace(0, x.size - 1, min(x.size, samples)).astype(np.int64))
-      h.update(np.asarray(x.reshape(-1)[idx]).tobytes())
-  return h.hexdigest()[:32]
+def target_fingerprint(target: Llama) -> str:
+  """`core.checkpoint.tree_fingerprint` of the target's weights, salted with its config
+  (sizes, dtypes). The workdir's sequences and features are keyed by it, so a run pointed at
+  another checkpoint of the same shape (a fine-tuned one, another dtype) makes its own
+  instead of reusing the first target's."""
+  from core.checkpoint import tree_fingerprint
+  return tree_fingerprint(nnx.to_pure_dict(nnx.state(target)), salt=repr(target.cfg))
 
 
 def features_key(tokens: np.ndarray, dim: int, target: str = "") -> str:

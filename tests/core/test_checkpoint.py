@@ -177,3 +177,19 @@ def test_keep_policy(tmp_path):
                        r"None \(keep all\)"):
       ckpt_lib.Checkpointer(str(tmp_path / "bad"), bad)
   assert not (tmp_path / "bad").exists()
+
+
+def test_tree_fingerprint():
+  """Equal for the same arrays (numpy or jax, any leaf order), different for a changed
+  value, shape, dtype, name or salt."""
+  import jax.numpy as jnp
+  from core.checkpoint import tree_fingerprint
+  rng = np.random.default_rng(0)
+  w = {"a": rng.standard_normal((64, 32)).astype(np.float32), "b": np.arange(5, dtype=np.int8)}
+  f = tree_fingerprint(w)
+  assert len(f) == 32 and f == tree_fingerprint({"b": jnp.asarray(w["b"]),
+                                                 "a": jnp.asarray(w["a"])})
+  changed = dict(w, a=w["a"] * np.float32(1.01))
+  others = [changed, dict(w, a=w["a"].reshape(32, 64)), dict(w, b=w["b"].astype(np.int16)),
+            {"c": w["a"], "b": w["b"]}]
+  assert len({f, *(tree_fingerprint(o) for o in others), tree_fingerprint(w, salt="x")}) == 6

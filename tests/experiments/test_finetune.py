@@ -89,7 +89,7 @@ def test_full_and_lora_fine_tuning_from_a_checkpoint(tmp_path):
   from llm import weights as W
   W.save_hf(d, cfg, changed)
   with pytest.raises(ValueError, match=r"lora\.json: the base hf:.* holds other weights than "
-                     r"the adapters were trained on \(fingerprint [0-9a-f]{16}, recorded "):
+                     r"the adapters were trained on \(fingerprint [0-9a-f]{32}, recorded "):
     checkpoints.load_model(f"workdir:{wl}")
 
 
