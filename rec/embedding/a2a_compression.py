@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Mapping, Sequence
 
 import jax
@@ -384,19 +385,53 @@ def entropy_bytes(payload_RP: np.ndarray, level: int = 3) -> int:
           len(c.compress(np.ascontiguousarray(p[:, HEADER_BYTES:]).tobytes())))
 
 
+# The named scope of the collectives that carry pooled partials and their gradients
+# (`sharding.base.Send` and `sharding.compressed.CompressedSend` run them under it).
+EXCHANGE_SCOPE = "emb_exchange"
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_LIST_GROUP = re.compile(r"replica_groups=\{\{([^}]*)\}")
+_IOTA_GROUP = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+
+
+def _group_size(line: str) -> int:
+  """Devices in each replica group of a collective's HLO line."""
+  m = _MESH_GROUP.search(line)
+  if m:
+    sizes = {a.strip().strip("'"): int(n) for a, n in
+             (kv.split("=") for kv in m.group(1).split(",") if kv.strip())}
+    return math.prod(sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+  m = _LIST_GROUP.search(line)
+  if m:
+    return len([d for d in m.group(1).split(",") if d.strip()])
+  m = _IOTA_GROUP.search(line)
+  if m:
+    return int(m.group(1).split(",")[-1])
+  raise ValueError(f"exchange_bytes: no replica groups read in the HLO line {line.strip()!r}; "
+                   "expected mesh[...] {axes}, {{...}} or [G,N]<=[...] groups")
+
+
 def exchange_bytes(hlo_text: str) -> dict[str, int]:
-  """Per-device bytes of a compiled program's exchanges, split by what they carry:
-  "payload" (uint8 all-to-all / all-gather results: the compressed form) and "float32"
-  (float32 all-to-alls, reduce-scatters and all-gathers: uncompressed exchanges and, inside
-  a compressed exchange's conditional, its fallback branch)."""
+  """Per-device bytes of a compiled program's embedding exchanges (the pooled partials and
+  their gradients: the collectives under EXCHANGE_SCOPE; the ids, per-id weights and dp
+  gradients the step also gathers are not counted), split by what they carry: "payload"
+  (uint8 all-to-all / all-gather results: the compressed form) and "float32" (float32
+  all-to-alls, reduce-scatters and all-gathers: uncompressed exchanges and, inside a
+  compressed exchange's conditional, its fallback branch). A reduce-scatter counts its
+  operand (each device's contribution to every shard: group size x its result), what its
+  compressed form, an all-to-all of those contributions, sends as payload."""
   out = {"payload": 0, "float32": 0}
-  for kind, result, _ in hlo.collectives(hlo_text):
+  for kind, result, line in hlo.collectives(hlo_text):
     if kind not in ("all-to-all", "all-gather", "reduce-scatter"):
       continue
+    name = _OP_NAME.search(line)
+    if name is None or EXCHANGE_SCOPE not in name.group(1).split("/"):
+      continue
+    n = hlo.shape_bytes(result) * (_group_size(line) if kind == "reduce-scatter" else 1)
     if result.lstrip("(").startswith("u8["):
-      out["payload"] += hlo.shape_bytes(result)
+      out["payload"] += n
     elif result.lstrip("(").startswith("f32["):
-      out["float32"] += hlo.shape_bytes(result)
+      out["float32"] += n
   return out
 
 
@@ -411,7 +446,7 @@ def table_factors_from_sensitivity(sensitivity: Mapping[str, float], lo: float =
   return {t: float(min(hi, max(lo, g / v))) for t, v in vals.items()}
 
 
-__all__ = ["A2ACompression", "BITS", "HEADER_BYTES", "MODES", "Schedule", "all_to_all",
+__all__ = ["A2ACompression", "BITS", "EXCHANGE_SCOPE", "HEADER_BYTES", "MODES", "Schedule", "all_to_all",
            "decode", "encode", "entropy_bytes", "exchange_bytes", "parse_schedule",
            "parse_table_factors", "payload_bytes", "reduce_scatter", "rel_codes_needed",
            "row_bound", "table_factors_from_sensitivity"]

@@ -23,8 +23,22 @@ from rec.embedding.config import ShardingKind
 def step_exchange_bytes(task, state: dict[str, Any], batch) -> dict[str, int]:
   """Per-device bytes the embedding exchanges of one train step (forward and backward) move,
   read off the step's HLO (`a2a_compression.exchange_bytes`: the uint8 payload and the float32
-  collectives)."""
-  return ac.exchange_bytes(jax.jit(task.train_step).lower(state, batch).as_text(dialect="hlo"))
+  collectives of the pooled partials, told from the step's other collectives by their named
+  scope, which the HLO carries only with its debug info)."""
+  return ac.exchange_bytes(jax.jit(task.train_step).lower(state, batch).as_text(
+      dialect="hlo", debug_info=True))
+
+
+def _row_range(x):
+  """max - min of each row (last axis) of x, [..., 1]."""
+  return jnp.max(x, axis=-1, keepdims=True) - jnp.min(x, axis=-1, keepdims=True)
+
+
+def _per_span(err, span):
+  """err / span elementwise: 0 where both are 0, inf where only the span is (a row of one
+  value has a rel bound of 0: it must arrive exact)."""
+  return jnp.where(span > 0, err / jnp.where(span > 0, span, 1.0),
+                   jnp.where(err > 0, jnp.inf, 0.0))
 
 
 def _float32_task(task):
@@ -42,17 +56,22 @@ def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict
   batches: the first one's shape is the step whose bytes are counted):
 
   bytes: per device and train step, forward and backward, from the HLO of the train step
-    (`a2a_compression.exchange_bytes`): `payload`, the uint8 codes sent; `float32`, the
-    float32 exchanges of the same step with compression off (the step lowered again);
-    `float32_in_compressed`, the compressed step's float32 collectives (the fallback
-    branches, taken only when some row cannot meet its bound, and exchanges not compressed).
+    (`a2a_compression.exchange_bytes`: the pooled partials' exchanges and their gradients,
+    not the ids, per-id weights or dp gradients): `payload`, the uint8 codes sent; `float32`,
+    the same exchanges in float32 with compression off (the step lowered again);
+    `float32_in_compressed`, the compressed step's float32 exchanges (the fallback
+    branches, taken only when some row cannot meet its bound).
   tables: per table, the largest |pooled embedding compressed - float32| over the batches
     (same state, same lookups), the bound of one sent value (bound x table factor x the
     schedule's factor at the state's step) and the partials summed into one pooled value
     (rw / twrw row shards; each adds at most one bound); 0 partials: not compressed.
+    error_over_bound: abs, the largest error over partials x bound; rel (the bound a
+    fraction of each sent row's value range), the largest of each value's error over bound
+    x the summed ranges of the rows sent for it.
   groups: per embedding group, the largest |bag-sum gradient compressed - float32| for one
     cotangent (the loss's gradient w.r.t. the float32 pooled embeddings) and its bound
-    (None: gradients in float32).
+    (None: gradients in float32); under rel, error_over_bound takes each gradient row's
+    error over its bound x the row's value range.
   """
   coll = task.collection
   comp = coll.a2a_compression
@@ -84,17 +103,31 @@ def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict
 
     ct = jax.grad(loss)(emb_f)
     g_f, g_c = vjp_f(ct)[0], vjp_c(ct)[0]
-    return (jnp.max(jnp.abs(emb_c - emb_f), axis=(0, 2)), jnp.max(jnp.abs(emb_f)),
-            {n: jnp.max(jnp.abs(g_c[n] - g_f[n])) for n in g_f})
+    emb_err = jnp.abs(emb_c - emb_f)
+    # rel: a row's bound is eb times the value range of the row sent, so each error is
+    # measured in units of the ranges of the rows summed into it: forward, the partial rows
+    # (their ranges pooled through the float32 exchange: placed, or summed over row
+    # shards); backward, the gradient rows, which arrive as they were sent.
+    spans = {n: jnp.broadcast_to(_row_range(p), p.shape) for n, p in lookup.partial.items()}
+    span = plain.collection.pool(lookup, spans, step=step)
+    return (jnp.max(emb_err, axis=(0, 2)), jnp.max(_per_span(emb_err, span), axis=(0, 2)),
+            jnp.max(jnp.abs(emb_f)), {n: jnp.max(jnp.abs(g_c[n] - g_f[n])) for n in g_f},
+            {n: jnp.max(_per_span(jnp.max(jnp.abs(g_c[n] - g_f[n]), axis=-1, keepdims=True),
+                                  _row_range(g_f[n]))) for n in g_f})
 
   emb_err = np.zeros(len(coll.tables))
+  emb_rel = np.zeros(len(coll.tables))
   emb_max = 0.0
   grad_err = {n: 0.0 for n in coll.groups}
+  grad_rel = {n: 0.0 for n in coll.groups}
   for batch in batches:
-    e, m, g = jax.device_get(errors(state, batch))
+    e, er, m, g, gr = jax.device_get(errors(state, batch))
     emb_err = np.maximum(emb_err, np.asarray(e, np.float64))
+    emb_rel = np.maximum(emb_rel, np.asarray(er, np.float64))
     emb_max = max(emb_max, float(m))
     grad_err = {n: max(grad_err[n], float(g[n])) for n in grad_err}
+    grad_rel = {n: max(grad_rel[n], float(gr[n])) for n in grad_rel}
+  rel = comp.mode == "rel"
   step = int(jax.device_get(state["step"]))
   scale = float(comp.schedule.factor(step))
   names = [t.name for t in coll.tables]
@@ -109,8 +142,9 @@ def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict
         len(p.devices) if kind in ("rw", "twrw") else 1)
     bound = comp.bound * factors[name] * scale
     err = float(emb_err[i])
+    over = (float(emb_rel[i]) / bound if rel else err / (partials * bound)) if partials else None
     tables[name] = {"kind": kind, "max_abs_error": err, "bound": bound, "partials": partials,
-                    "error_over_bound": err / (partials * bound) if partials else None}
+                    "error_over_bound": over}
   groups = {}
   for n, g in coll.groups.items():
     compressed = g.comm in ("a2a", "rw") and coll.num_devices > 1
@@ -118,7 +152,7 @@ def a2a_report(task, state: dict[str, Any], host_batches: Sequence[Any]) -> dict
           comp.grad_bound * scale * max(factors[coll.tables[f].name] for f in g.features))
     groups[n] = {"pattern": g.comm, "tables": [coll.tables[f].name for f in g.features],
                  "max_abs_grad_error": grad_err[n], "grad_bound": gb,
-                 "error_over_bound": grad_err[n] / gb if gb else None}
+                 "error_over_bound": (grad_rel[n] if rel else grad_err[n]) / gb if gb else None}
   ratios = [t["error_over_bound"] for t in tables.values() if t["error_over_bound"] is not None]
   gratios = [g["error_over_bound"] for g in groups.values() if g["error_over_bound"] is not None]
   return {

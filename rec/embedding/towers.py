@@ -31,8 +31,9 @@ def feature_similarity(emb_XFD: np.ndarray) -> np.ndarray:
 def partition(sim: np.ndarray, costs: Sequence[float], num_towers: int,
               slack: float = 0.1) -> list[list[int]]:
   """Features -> towers: cost per tower at most (1 + slack) x the mean (or the one feature
-  that alone exceeds it), at most ceil(F / T) features each, grouped by similarity.
-  Deterministic."""
+  that alone exceeds it), at most ceil(F / T) features each, grouped by similarity. When no
+  tower has room for a feature under both caps, the least loaded tower takes it (cost wins:
+  costs [10, 1, 1, 1, 1, 1] in 2 towers give [0] and five features). Deterministic."""
   F = len(costs)
   if not 1 <= num_towers <= F:
     raise ValueError(f"partition: num_towers={num_towers} for {F} features; expected 1..{F}")

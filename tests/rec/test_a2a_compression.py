@@ -213,3 +213,39 @@ def test_fallback_is_bit_identical_and_payload_bytes(mesh8):
   S = max(sum(1 for i in range(len(TABLES)) if (3 * i) % 8 == d) for d in range(8))
   rows = N * B_l * S                                 # rows one device sends per exchange
   assert b["payload"] == 2 * rows * ac.payload_bytes(W, 16)   # forward + gradient
+
+
+def test_exchange_bytes_count_the_pooled_exchange_only(mesh8):
+  """`exchange_bytes` counts the pooled partials' exchanges and their gradients, whatever
+  else the train step gathers (ids, per-id weights of multi-id bags, a dp table's
+  gradients): float32 is the same rows as the payload at W * 4 bytes a row, so their ratio
+  is the compression's. A reduce-scatter counts its operand (every device's contribution),
+  which its compressed form, an all-to-all of those contributions, sends as payload."""
+  kinds = [TablePlacement("tw", (0,)), TablePlacement("rw", tuple(range(8))),
+           TablePlacement("dp", tuple(range(8)))]
+  plan = {t.name: kinds[i % 3] if i % 3 else TablePlacement("tw", (i,))
+          for i, t in enumerate(TABLES)}
+  ids, lengths, weights, target = _batch()
+  N, B_l = 8, B // 8
+  a2a_rows = N * B_l * 1            # tw tables on devices 0 and 3: one slot each
+  rw_rows = N * B_l * 2             # every sample's two rw tables, as contributions
+  got = {}
+  for comp in (None, ac.A2ACompression("abs", 1e-3, 1e-3, bits=8)):
+    coll = EmbeddingCollection(TABLES, plan, mesh8, opt_lib.get_sparse_optimizer("sgd", 0.1),
+                               a2a_compression=comp)
+    state = coll.init(jax.random.key(0))
+
+    @jax.jit
+    def step(state, ids, lengths, weights, target):
+      lk = coll.gather(state, ids, lengths, weights)
+      emb, vjp = jax.vjp(lambda p: coll.pool(lk, p), lk.partial)
+      return emb, coll.apply_gradients(state, lk, vjp(target)[0], jnp.int32(0))
+
+    batch = mesh_lib.shard_batch((ids, lengths, weights, target), mesh8, mesh_lib.REC_RULES)
+    lowered = step.lower(state, *batch)
+    got[comp is None] = ac.exchange_bytes(lowered.compile().as_text())
+    # the lowered program's HLO with its debug info (a2a_report's) counts the same
+    assert ac.exchange_bytes(lowered.as_text(dialect="hlo", debug_info=True)) == got[comp is None]
+  rows = 2 * (a2a_rows + rw_rows)  # forward + gradient
+  assert got[True] == {"payload": 0, "float32": rows * W * 4}
+  assert got[False] == {"payload": rows * ac.payload_bytes(W, 8), "float32": rows * W * 4}

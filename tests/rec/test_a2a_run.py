@@ -257,7 +257,7 @@ def test_compressed_training_against_float32(tmp_path):
   S = max(sum(1 for p in plan.values() if p.devices == (d,)) for d in range(N))
   rows = N * B_l * S
   assert rep["bytes"]["payload"] == 2 * rows * ac.payload_bytes(16, 8)
-  assert rep["bytes"]["float32"] >= 2 * rows * 16 * 4
+  assert rep["bytes"]["float32"] == 2 * rows * 16 * 4
   assert 0.5 < rep["max_error_over_bound"] <= 1.0 + 1e-6
   assert 0.5 < rep["max_grad_error_over_bound"] <= 1.0 + 1e-6
   assert all(t["partials"] == 1 and t["bound"] == eb for t in rep["tables"].values())
@@ -334,7 +334,7 @@ def test_a2a_report_of_a_tiny_two_device_task():
   S = max(sum(1 for p in plan.values() if p.devices == (d,)) for d in range(2))
   rows = 2 * (16 // 2) * S                       # N devices x local batch x tables per device
   assert rep["bytes"]["payload"] == 2 * rows * ac.payload_bytes(D, 8)
-  assert rep["bytes"]["float32"] >= 2 * rows * D * 4
+  assert rep["bytes"]["float32"] == 2 * rows * D * 4   # the same rows (not the ids' weights)
   assert (rep["step"], rep["batches"]) == (0, 1)
   factor = lambda name: 4.0 if name == "C1" else 1.0
   for name, t in rep["tables"].items():
@@ -361,3 +361,30 @@ def test_a2a_report_of_a_tiny_two_device_task():
   assert a2a_report.format_a2a_report(none).endswith(
       "no pooled exchange compressed (one device, or no table exchanged), gradients sent in "
       "float32 (step 0, 1 batch)")
+
+
+@pytest.mark.devices(2)
+def test_a2a_report_measures_a_rel_bound_against_each_rows_range():
+  """--a2a_mode=rel bounds each sent row's error by eb x the row's value range (max - min),
+  so the report measures each error in those units: under tw the row sent is the pooled
+  row (forward) and its gradient row (backward). At 8 bits and eb 0.05 rows use a few of
+  their codes, so the largest error sits near the bound, not at |error| / eb."""
+  eb = 0.05
+  cfg = configs.make_run(preset="small", num_rows=100, batch_size=16, eval_batch_size=16,
+                         eval_batches=1, sharding="tw", mesh="data:2", a2a_mode="rel",
+                         a2a_error_bound=eb, a2a_grad_error_bound=eb)
+  task, src, _, _, _ = configs.build_run(cfg, devices=jax.devices()[:2])
+  state = task.init_state(0)
+  batch = next(iter(src.batches(0)))
+  rep = a2a_report.a2a_report(task, state, [batch])
+  lookup = task.gather(state["emb"], task.device_batch(batch))
+  ef = np.asarray(a2a_report._float32_task(task).collection.pool(lookup), np.float64)
+  ec = np.asarray(task.collection.pool(lookup), np.float64)
+  ratio = (np.abs(ec - ef).max(-1) / (eb * (ef.max(-1) - ef.min(-1)))).max(0)    # [F]
+  for f, (name, t) in enumerate(rep["tables"].items()):
+    assert t["bound"] == eb and t["max_abs_error"] == pytest.approx(np.abs(ec - ef)[:, f].max())
+    # float32 rounding of the ratio's terms only
+    assert t["error_over_bound"] == pytest.approx(ratio[f], rel=1e-5), name
+    assert 0.5 < t["error_over_bound"] <= 1 + 1e-6, (name, t)
+  for g in rep["groups"].values():
+    assert 0.5 < g["error_over_bound"] <= 1 + 1e-6, g

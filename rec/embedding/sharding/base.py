@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from rec.embedding import a2a_compression as a2a_lib
 from rec.embedding import storage_spec
 from rec.embedding.config import ShardingKind, TableConfig
 
@@ -131,13 +132,17 @@ class Devices:
 
 class Send:
   """The collectives that carry pooled partials (and, transposed, their gradients) in
-  float32. `compressed.CompressedSend` sends the same ones as error-bounded payloads."""
+  float32. `compressed.CompressedSend` sends the same ones as error-bounded payloads. Both
+  run under the named scope `a2a_lib.EXCHANGE_SCOPE`, by which `a2a_lib.exchange_bytes`
+  tells them from the step's other collectives (ids, per-id weights, dp gradients)."""
 
   def all_to_all(self, x, axes):
-    return all_to_all0(x, axes)
+    with jax.named_scope(a2a_lib.EXCHANGE_SCOPE):
+      return all_to_all0(x, axes)
 
   def reduce_scatter(self, x, axes):
-    return jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+    with jax.named_scope(a2a_lib.EXCHANGE_SCOPE):
+      return jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
 
 
 PLAIN = Send()

@@ -44,12 +44,14 @@ class CompressedSend(base.Send):
 
   def all_to_all(self, x, axes):                    # [N, B_l, S, W]
     eb_f, eb_b = self._bounds(x.shape[:-1], x.shape[:-1])
-    return a2a_lib.all_to_all(x, eb_f, eb_b, self.comp, axes)
+    with jax.named_scope(a2a_lib.EXCHANGE_SCOPE):
+      return a2a_lib.all_to_all(x, eb_f, eb_b, self.comp, axes)
 
   def reduce_scatter(self, x, axes):                # [B_g, F, W]
     rows = x.shape[:-1]
     eb_f, eb_b = self._bounds(rows, (rows[0] // self.num_devices,) + rows[1:])
-    return a2a_lib.reduce_scatter(x, eb_f, eb_b, self.comp, axes)
+    with jax.named_scope(a2a_lib.EXCHANGE_SCOPE):
+      return a2a_lib.reduce_scatter(x, eb_f, eb_b, self.comp, axes)
 
 
 class Compressed:
