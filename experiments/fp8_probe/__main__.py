@@ -148,13 +148,15 @@ def main(argv):
                           "fp8_layer_names": list(trained.model_cfg.fp8_layer_names),
                           "probes": probes, "variants": rows, "step_times": timing,
                           "safe_layers": safe})
-  out["plot"] = report.plot(fp8_probe.plot, out, name="fp8_probe.png")
+  # Drawn after results.json is written: a plot that fails cannot lose the trained rows.
+  out["plot"] = report.path("fp8_probe.png")
   report.finish(out, {"data": FLAGS.data, "platform": out["platform"], "models": {
       m["label"]: {"safe_layers": m["safe_layers"],
                    **{f"{v}_auc": round(r["auc_mean"], 5) for v, r in m["variants"].items()},
                    **{f"{v}_logloss": round(r["logloss_mean"], 5)
                       for v, r in m["variants"].items()}}
-      for m in out["models"]}}, wall="wall_seconds")
+      for m in out["models"]}}, wall="wall_seconds",
+      plots=[(fp8_probe.plot, (out,), "fp8_probe.png")])
 
 
 if __name__ == "__main__":

@@ -105,14 +105,22 @@ def train_reference(cfg: configs.RecRunConfig, workdir: str, steps: int | None =
 
 def eval_inputs(trained: Trained, max_batches: int | None = None) -> list[tuple]:
   """[(dense_BD, emb_BFD, labels_B, mask_B)] on device: the eval batches with their pooled
-  embeddings looked up once from the trained tables."""
+  embeddings looked up once from the trained tables, the padding rows (mask 0: a last
+  partial batch) dropped, so that the SQNRs (which no mask weighs) and FP8's per-tensor
+  scales see only real examples."""
   task = trained.task
   lookup = jax.jit(task.collection.lookup)
   out = []
   for host in trained.eval_src.batches(0):
+    keep = np.flatnonzero(np.asarray(host.mask) > 0)
+    if keep.size == 0:
+      continue
     b = task.device_batch(host)
-    out.append((b.dense, lookup(trained.state["emb"], b.ids, b.lengths, b.weights),
-                b.labels, b.mask))
+    row = (b.dense, lookup(trained.state["emb"], b.ids, b.lengths, b.weights), b.labels,
+           b.mask)
+    if keep.size < len(host.mask):
+      row = tuple(None if x is None else x[keep] for x in row)
+    out.append(row)
     if max_batches is not None and len(out) >= max_batches:
       break
   if not out:
@@ -317,7 +325,8 @@ def step_times(cfg: configs.RecRunConfig, variants: dict[str, dict[str, str]], s
 
 def plot(results: dict[str, Any], path: str) -> str:
   """Per model: the probe's per-layer output and gradient SQNR (first recipe), and each
-  training variant's log loss change against fp32."""
+  training variant's log loss change against fp32 (its log loss where no fp32 variant
+  trained)."""
   from core import plot as plot_lib
   models = results["models"]
   with plot_lib.figure(path, len(models), 2, figsize=(12, 3.6 * len(models)),
@@ -335,11 +344,14 @@ def plot(results: dict[str, Any], path: str) -> str:
         a.legend(fontsize=8)
       rows = m["variants"]
       names = list(rows)
-      base = rows["fp32"]["logloss_mean"]
+      # Without an fp32 variant (--variants) there is nothing to subtract: the log loss
+      # itself, labelled so.
+      base = rows["fp32"]["logloss_mean"] if "fp32" in rows else 0.0
       b.bar(names, [rows[n]["logloss_mean"] - base for n in names],
             yerr=[rows[n]["logloss_std"] for n in names], capsize=3)
       b.axhline(0, color="k", lw=0.8)
-      b.set(ylabel="test log loss - fp32's", title=f"{m['label']}: trained from scratch")
+      b.set(ylabel="test log loss - fp32's" if "fp32" in rows else "test log loss",
+            title=f"{m['label']}: trained from scratch")
       b.tick_params(axis="x", rotation=30, labelsize=8)
       for ax in (a, b):
         ax.grid(alpha=0.3, axis="y")

@@ -53,12 +53,13 @@ top1 0.217 (draft argmax == target argmax), reg 0.799, cls 4.881. 128 greedy tok
       8  4:5:24        1.87      1.92         1.757        9.195     0.19
       8  8:6:48        2.05      2.11         0.603       16.037     0.04
 
-(ms/tok: wall time of the whole call / 128.) Speculative decoding is slower on CPU here: a
-plain step of the 0.26M-parameter target takes ~0.13 ms, so the draft calls and the tree
-bookkeeping (top-k, re-ranking, acceptance loops, per-query masked attention) cost more
-than the target calls they save. GPU speedups (batch 1 and 8) are unmeasured: the same
-command runs unchanged on one (attention_impl "auto" takes "xla_decode" for the masked
-tree calls there too).
+(ms/tok: wall time of the whole call / 128; tok/call here is the mean of per-prompt ratios,
+now pooled over the prompts, benchmark.round_counts.) Speculative decoding is slower on
+CPU here: a plain step of the 0.26M-parameter target takes ~0.13 ms, so the draft calls
+and the tree bookkeeping (top-k, re-ranking, acceptance loops, per-query masked
+attention) cost more than the target calls they save. GPU speedups (batch 1 and 8) are
+unmeasured: the same command runs unchanged on one (attention_impl "auto" takes
+"xla_decode" for the masked tree calls there too).
 """
 
 from __future__ import annotations

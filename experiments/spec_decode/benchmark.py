@@ -32,6 +32,21 @@ def _seconds(fn: Callable[[], object]) -> float:
   return time.perf_counter() - t
 
 
+def round_counts(results) -> dict[str, float]:
+  """{accept_length, tokens_per_call} of speculative results (SpecResult per batch), both
+  pooled over every prompt: accepted drafts + the bonus per draft-verify round (EAGLE's
+  tau), and new tokens per target call (the prefill and each round). Pooled, as the
+  speedup's times and tokens are (tokens per call then never exceeds tau once a round
+  ran); a mean of per-prompt ratios would weigh a prompt of a few rounds (a short reply)
+  like a long one."""
+  rounds = sum(int(r.rounds.sum()) for r in results)
+  accepted = sum(int(r.accepted.sum()) for r in results)
+  tokens = sum(len(t) for r in results for t in r.tokens)
+  calls = sum(len(r.tokens) + int(r.rounds.sum()) for r in results)
+  return {"accept_length": (accepted + rounds) / max(rounds, 1),
+          "tokens_per_call": tokens / max(calls, 1)}
+
+
 def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_tokens: int,
             shapes: Sequence[TreeShape], *, batch: int | None = None, repeats: int = 3,
             temperature: float = 0.0, seed: int = 0, stop_tokens=(),
@@ -41,7 +56,8 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
   speculative decoding `repeats` times, alternated; a row sums the batches' median times
   and their new tokens: ms per token = summed seconds / summed new tokens (each decoder its
   own tokens: equal for greedy, its own samples at temperature > 0), speedup = plain ms per
-  token / speculative ms per token. Decoding ends at max_new_tokens or a stop token (a chat
+  token / speculative ms per token; accepted length and tokens per target call pooled over
+  the prompts (`round_counts`). Decoding ends at max_new_tokens or a stop token (a chat
   reply's end of turn). Row keys: tree, batch, prompts, accept_length, tokens_per_call,
   plain_ms_per_token, spec_ms_per_token, speedup, greedy_match, and per prompt new_tokens
   and accepted_per_round."""
@@ -74,15 +90,10 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
     s = sum(statistics.median(t) for t in t_spec)
     n_plain = sum(len(t) for w in wants for t in w)
     n_spec = sum(len(t) for r in results for t in r.tokens)
-    rounds = sum(int(r.rounds.sum()) for r in results)
-    accepted = sum(int(r.accepted.sum()) for r in results)
     per_prompt = [t for r in results for t in r.tokens]
-    calls = [len(t) / (1 + n) for r in results for t, n in zip(r.tokens, r.rounds)]
     row = {"tree": str(shape), "top_k": shape.top_k, "depth": shape.depth,
            "budget": shape.budget, "batch": batch, "prompts": len(per_prompt),
-           "temperature": temperature,
-           "accept_length": (accepted + rounds) / max(rounds, 1),
-           "tokens_per_call": sum(calls) / len(calls),
+           "temperature": temperature, **round_counts(results),
            "plain_ms_per_token": 1e3 * p / n_plain, "spec_ms_per_token": 1e3 * s / n_spec,
            "speedup": (p / n_plain) / (s / n_spec),
            "greedy_match": (all(r.tokens == w for r, w in zip(results, wants))

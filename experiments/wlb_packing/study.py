@@ -168,7 +168,7 @@ def run_study(cfg: StudyConfig, cost: CostModel,
   rows = [_row_stats(r, lengths, arrival, cost, PAPER_TABLE2.get(r.name)) for r in runs]
   used = lengths[arrival >= 0]
   res: dict[str, Any] = {
-      "config": dataclasses.asdict(cfg), "rows": rows,
+      "config": dataclasses.asdict(cfg), "rows": rows, "paper_wlb_pack_ms": PAPER_WLB_PACK_MS,
       "documents": {"count": int(used.size), "mean": float(used.mean()),
                     "median": float(np.median(used)), "p99": float(np.percentile(used, 99)),
                     "max": int(used.max()),
@@ -201,8 +201,10 @@ def format_table(res) -> str:
                  f"{r['imbalance_attention']:>7.2f}{r['imbalance_tokens']:>8.2f}"
                  f"{r['pack_ms_mean']:>9.2f}{r['mean_delay_steps']:>7.2f}"
                  f"{100 * r['delayed_token_fraction']:>8.1f}%")
+  lo, hi = res.get("paper_wlb_pack_ms", PAPER_WLB_PACK_MS)
   lines.append("imbalance: max/mean of W = Wa + Wl over a step's micro-batches (mean over "
-               "steps); attn: of Wa alone; delay: token-weighted global batches")
+               "steps); attn: of Wa alone; delay: token-weighted global batches; paper's "
+               f"WLB-LLM packing time: {lo:g}-{hi:g} ms per global batch")
   for name, c in res["cp"].items():
     lines.append(
         f"CP{res['config']['cp']} on {name} ({c['micro_batches']} micro-batches): rank "

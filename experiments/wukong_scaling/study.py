@@ -239,7 +239,7 @@ def findings(results: Mapping[str, Any], fit: Mapping[str, Any]) -> list[str]:
     f = fit["fits"][arch]["ne"]
     s = (f"{arch}: NE {lo['ne_mean']:.4f} -> {hi['ne_mean']:.4f} from "
          f"{lo['gflops_per_example']:.2g} to {hi['gflops_per_example']:.2g} GFLOPs/example "
-         f"({hi['gflops_per_example'] / lo['gflops_per_example']:.0f}x)")
+         f"({hi['gflops_per_example'] / lo['gflops_per_example']:.3g}x)")
     if f is not None:
       slopes[arch] = f["b"]
       s += (f"; NE - floor = {f['a']:.4g} * GFLOPs^{f['b']:+.4f} (R^2 {f['r2']:.2f}, "

@@ -40,7 +40,7 @@ def test_spec_decode_entry(tmp_path):
     assert all(1 + sum(a + 1 for a in log) >= 12 > 1 + sum(a + 1 for a in log[:-1])
                for log in logs)
     assert r["tokens_per_call"] == pytest.approx(
-        sum(n / (1 + len(log)) for n, log in zip(new, logs)) / len(new), rel=1e-12)
+        sum(new) / sum(1 + len(log) for log in logs), rel=1e-12)
     assert r["accept_length"] == pytest.approx(
         sum(a + 1 for log in logs for a in log) / sum(len(log) for log in logs), rel=1e-12)
   assert (tmp_path / "spec_decode.png").exists()
@@ -122,6 +122,29 @@ def test_bench_prompts_fill_every_batch():
   with pytest.raises(ValueError, match=r"^--bench_prompts=8: not a multiple of batch size 3 "
                      r"\(--batch_sizes\); expected a multiple of each"):
     spec.check_flags(types.SimpleNamespace(**{**ok, "batch_sizes": ["1", "3"]}))
+
+
+def test_round_counts_pool_over_prompts():
+  """Accept length and tokens per target call pooled over the prompts (the run recorded
+  above: 8 prompts of 12 tokens at batch 1, one of them done in 4 rounds): 96 tokens over
+  8 prefills + 76 rounds = 1.143 per call, below tau = 88 / 76. The former mean of
+  per-prompt ratios gave 1.236, above tau (that one prompt's 2.4 counted as much as any)."""
+  import types
+
+  import numpy as np
+
+  from experiments.spec_decode import benchmark
+  logs = [[0] * 11, [0, 0, 0, 0, 2, 0, 0, 0, 0], [0] * 11, [0] * 11, [0] * 11, [2, 2, 2, 1],
+          [0, 0, 0, 0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]]
+  # Batch 2: four results of two rows each.
+  results = [types.SimpleNamespace(tokens=[[7] * 12, [7] * 12],
+                                   rounds=np.array([len(a), len(b)]),
+                                   accepted=np.array([sum(a), sum(b)]))
+             for a, b in zip(logs[::2], logs[1::2])]
+  got = benchmark.round_counts(results)
+  assert got["tokens_per_call"] == pytest.approx(96 / 84, rel=1e-12)
+  assert got["accept_length"] == pytest.approx(88 / 76, rel=1e-12)
+  assert got["tokens_per_call"] < got["accept_length"]
 
 
 def test_profile_round_alternates_with_plain_steps():

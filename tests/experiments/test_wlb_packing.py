@@ -84,6 +84,9 @@ def test_study_runs_every_row(small):
   assert names == ["original", "fixed_greedy_1", "fixed_greedy_2", "wlb_1q", "wlb_2q"]
   assert all(r["imbalance"] >= 1 for r in res["rows"])
   assert {r["name"]: r["paper"] for r in res["rows"]} == {n: TABLE2[n] for n in names}
+  # The paper's packing time beside ours (the "pack ms" column), in the table and results.
+  assert res["paper_wlb_pack_ms"] == (8.0, 23.0)
+  assert "paper's WLB-LLM packing time: 8-23 ms per global batch" in study.format_table(res)
   # Every row's numbers, recomputed by hand from the micro-batches the packers produced.
   lengths, orig = study.stream(SMALL)
   arrivals = [[i for mb in s for i in mb] for s in orig]

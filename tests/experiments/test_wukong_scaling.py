@@ -63,6 +63,15 @@ def _row(model, preset, gflops, ne, auc):
           "auc_std": 0.0, "examples": 1024}
 
 
+def test_findings_state_a_narrow_compute_range_as_it_is():
+  """Sizes 1.32x apart in compute: the findings say 1.32x (formerly rounded to "1x")."""
+  rows = [_row("wukong", "a", 1e-4, 0.70, 0.80), _row("wukong", "b", 1.32e-4, 0.69, 0.81)]
+  res = {"rows": rows, "seeds": [0], "reference": {"ne": 0.5, "auc": 0.9},
+         "config": {"data": "synthetic_deep", "batch_size": 64, "embedding_dim": 16}}
+  notes = scaling.findings(res, scaling.scaling_fits(res))
+  assert "from 0.0001 to 0.00013 GFLOPs/example (1.32x)" in notes[0]
+
+
 def test_scaling_fits_recover_planted_exponents_and_findings():
   floor_ne, ceil_auc = 0.5, 0.9
   xs = [1e-4, 4e-4, 1.6e-3, 6.4e-3]
