@@ -281,8 +281,11 @@ class SpecResult:
 
   @property
   def tokens_per_call(self) -> float:
-    """Mean over rows of new tokens / target forward calls (the prefill and each round)."""
-    return float(np.mean([len(t) / (1 + r) for t, r in zip(self.tokens, self.rounds)]))
+    """New tokens per target forward call (the prefill and each round), pooled over the rows
+    as `accept_length` is (a mean of per-row ratios weighed a row of a few rounds like a
+    long one, and could exceed tau)."""
+    calls = len(self.tokens) + int(self.rounds.sum())
+    return float(sum(len(t) for t in self.tokens) / max(calls, 1))
 
 
 def speculative_generate(target: Llama, draft: DraftHead, prompts: list[list[int]],
