@@ -303,6 +303,11 @@ def _supernet_run(study: Study, name: str, mode: str, steps: int, cost_weight: f
                                    seed=seed, cost_weight=cost_weight)
   wd = os.path.join(study.workdir, name)
   resume = os.path.isdir(os.path.join(wd, "checkpoints"))
+  done = max((int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()),
+             default=0) if resume else 0
+  if done > steps:   # its weights (and the cost reported) would be another budget's
+    raise UserError(f"{wd}: a supernet trained for {done} steps; expected at most "
+                    f"--supernet_steps={steps} (the same budget, or another --workdir)")
   # The supernet's training time over every run that trained it (wall.json): a run resumed
   # after a stop adds its part, a rerun of a finished supernet (restore only) adds none.
   wall_path = os.path.join(wd, "wall.json")

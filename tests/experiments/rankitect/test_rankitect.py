@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from core import flops as flops_lib
+from core.errors import UserError
 from rec import configs
 from rec.models import searched
 from experiments.rankitect import study as study_lib
@@ -368,3 +369,7 @@ def test_supernet_time_counts_every_run_that_trained_it(tmp_path):
   assert more > first
   with open(tmp_path / "supernet_oneshot" / "wall.json") as f:
     assert json.load(f) == {"wall_s": more, "step": 3}
+  # A smaller budget in the same workdir would reuse the 3-step supernet under its name.
+  with pytest.raises(UserError, match=r"supernet_oneshot: a supernet trained for 3 steps; "
+                     r"expected at most --supernet_steps=2 "):
+    run(2)
