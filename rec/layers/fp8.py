@@ -326,6 +326,21 @@ def record_error(module: nnx.Module, y8: jax.Array, reference: Callable[[], jax.
 
 
 
+_plain = [0]
+
+
+@contextlib.contextmanager
+def as_plain_matmuls():
+  """While tracing inside this context, FP8 layers run their float matmul (what
+  `rec.models.presets.model_stats` counts: the model's FLOPs, not the emulated
+  quantization's element-wise work, which doubled a small model's count)."""
+  _plain[0] += 1
+  try:
+    yield
+  finally:
+    _plain[0] -= 1
+
+
 class Fp8Linear(nnx.Linear):
   """nnx.Linear whose matmul is `fp8_matmul` (same kernel / bias parameters, so an FP8
   model loads an fp32 model's state; delayed scaling adds `fp8_history`)."""
@@ -341,9 +356,12 @@ class Fp8Linear(nnx.Linear):
     del out_sharding
     dtype = self.dtype or inputs.dtype
     kernel = self.kernel[...].astype(dtype)
-    hist = self.fp8_history[...] if self.recipe.delayed else None
-    y = fp8_matmul(inputs.astype(dtype), kernel, self.recipe, hist)
-    record_error(self, y, lambda: reference_matmul(inputs, kernel))
+    if _plain[0]:
+      y = inputs.astype(dtype) @ kernel
+    else:
+      hist = self.fp8_history[...] if self.recipe.delayed else None
+      y = fp8_matmul(inputs.astype(dtype), kernel, self.recipe, hist)
+      record_error(self, y, lambda: reference_matmul(inputs, kernel))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     return y

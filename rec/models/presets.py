@@ -206,10 +206,13 @@ def build_model_fn(cfg: RecRunConfig, spec) -> tuple[Any, list[TableConfig], str
 
 def model_stats(task: RecTask, spec, batch: int = 64) -> dict[str, float]:
   """Dense and embedding parameter counts and forward GFLOPs/example of the dense model
-  (XLA's count; the embedding lookup is memory traffic and not counted)."""
+  (XLA's count, FP8 layers counted as the matmuls they are: `fp8.as_plain_matmuls`; the
+  embedding lookup is memory traffic and not counted)."""
+  from rec.layers import fp8 as fp8_lib
   tables = task.collection.tables
   dense = flops_lib.count_params(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(0))))
   shapes = (spec.num_dense, len(tables), tables[0].dim)
-  gflops = flops_lib.model_flops_per_example(task.model_fn, shapes, batch=batch) / 1e9
+  with fp8_lib.as_plain_matmuls():
+    gflops = flops_lib.model_flops_per_example(task.model_fn, shapes, batch=batch) / 1e9
   return {"dense_params": dense, "embedding_params": sum(t.num_rows * t.dim for t in tables),
           "gflops_per_example": gflops}

@@ -213,6 +213,18 @@ def test_run_config_passes_dtype_and_fp8():
     dataclasses.replace(base, model=dataclasses.replace(base.model, fp8_recipe="x")).validate()
 
 
+@pytest.mark.parametrize("recipe", ["tensor", "delayed"])
+def test_model_flops_count_fp8_layers_as_their_matmuls(recipe):
+  """model_stats counts an FP8 model's FLOPs as the float model's (the emulated
+  quantization's element-wise work doubled a small model's count)."""
+  spec = runs.CRITEO_SHAPED
+  base = configs.make_run(model="dlrm", preset="small", num_rows=100, mesh="data:1")
+  stats = lambda cfg: configs.model_stats(configs.build_run(cfg, jax.devices()[:1])[0], spec)
+  plain = stats(base)
+  fp8_run = stats(configs.replace_run(base, fp8_layers="all", fp8_recipe=recipe))
+  assert fp8_run == plain
+
+
 def test_lowers_for_cuda_to_float8_dots():
   """The train step's matmuls reach XLA as float8 x float8 -> float32 dot_generals (E4M3
   forward, E5M2 x E4M3 backward): what Hopper runs as FP8 GEMMs. Lowered ahead of time
