@@ -25,10 +25,10 @@ The paper's table-wise sensitivity measure, schedule and compressor are not repr
 from its text (only its abstract was available): they are this study's choices.
 
 Measured (defaults, 8 simulated devices: XLA_FLAGS="--xla_force_host_platform_device_count=8",
-2-core CPU shared, jax 0.11.2, 6.9 min; BENCHMARKS.md "Lossy compressed embedding
-all-to-all"): payload 45,056 vs float32 135,168 bytes per device per step (3.0x), 2.91x over
-the rows, zstd 13-22x; AUC change +0.0026 to +0.0053 (single seed); H100 model 1.28x at a 40%
-exchange share, the paper's 1.38x at a 50% share.
+2-core CPU, jax 0.11.2, 58 s; BENCHMARKS.md "Lossy compressed embedding all-to-all"):
+payload 45,056 vs float32 131,072 bytes per device per step (2.91x, as over the rows), zstd
+13-22x; AUC change +0.0026 to +0.0040 (single seed); H100 model 1.26x at a 40% exchange
+share, the paper's 1.38x at a 53% share.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ Command: XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m
   experiments.a2a_compression --config=experiments/a2a_compression/configs/paper.py
 Same as: XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m
   experiments.a2a_compression
-Hardware: the 2-core CPU of BENCHMARKS.md, 8 simulated devices, shared (load average 12-16)
-Time: 6.9 min (jax 0.11.2)
-Prints: synthetic AUC baseline 0.7124, fixed 0.7177 (+0.0053), adaptive 0.7169; Criteo
-  sample 0.7227 / 0.7264 (+0.0037) / 0.7253; payload 45,056 of 135,168 float32 bytes per
-  device per step (fixed-rate 2.91x, zstd 19.1x / 22.2x); modelled H100 speedup 1.28x when
-  the exchange is 40% of the step (paper 1.38x) (BENCHMARKS.md "Lossy compressed embedding
-  all-to-all")
+Hardware: the 2-core CPU of BENCHMARKS.md, 8 simulated devices
+Time: 58 s (jax 0.11.2, 2026-12-03)
+Prints: synthetic AUC baseline 0.7121, fixed 0.7157 (+0.0036), adaptive 0.7161; Criteo
+  sample 0.7227 / 0.7264 (+0.0037) / 0.7253; payload 45,056 of 131,072 float32 bytes per
+  device per step (2.91x; fixed-rate 2.91x, zstd 19.2x / 22.2x); modelled H100 speedup
+  1.26x when the exchange is 40% of the step (paper 1.38x) (BENCHMARKS.md "Lossy compressed
+  embedding all-to-all")
 """
 
 
