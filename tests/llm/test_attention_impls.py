@@ -7,6 +7,7 @@ from flax import nnx
 
 from llm import model as model_lib
 from llm.config import get_config
+from tests.kernels.attention_cases import rel_err
 
 
 def test_llama_pallas_attention_equals_xla():
@@ -17,4 +18,8 @@ def test_llama_pallas_attention_equals_xla():
   seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 14], 2, 0))
   want, _ = nnx.jit(lambda m, t: m(t, segment_ids_BT=seg))(ref, tokens)
   got, _ = nnx.jit(lambda m, t: m(t, segment_ids_BT=seg))(ker, tokens)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+  # The fp32 kernel's output is within the normalized error 2e-5 of the reference
+  # (OUT_TOL[F32], tests/kernels/test_flash_attention_triton.py: summation order only); one
+  # block's residual add, norms and projections carry that relative size to the logits. A
+  # segment id or position lost on the way to the kernel moves them by O(1).
+  assert rel_err(got, want) < 2e-5, rel_err(got, want)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
+import sys
 
 import numpy as np
 import pytest
@@ -213,14 +213,44 @@ def test_gguf_counts_past_the_file_are_refused_at_once(tmp_path):
            # A tensor offset that wraps around 2**64 to the file's first bytes.
            (tensor.offset + sum(int(p.nbytes) for p in tensor.parts[:5]),
             (2**64 - int(r.data_offset)).to_bytes(8, "little"), "but the file has")]
+  # "At once", measured in Python lines run rather than seconds (deterministic on any machine
+  # and load): a corrupt file may run no more than twice the lines reading the intact file
+  # did (its error's own lines and another gguf version's reader fit in that), while a loop
+  # over a 2**31 block count or a 2**40-element array would run billions.
+  budget = 2 * _lines_run(lambda: G.read_gguf(path))
   for at, b, match in cases:
     out = bytearray(src)
     out[at:at + len(b)] = b
     bad = str(tmp_path / "bad.gguf")
     open(bad, "wb").write(bytes(out))
-    t0 = time.time()
-    line = _line(lambda: G.read_gguf(bad))
-    assert match in line and time.time() - t0 < 10, line
+    line = _line(lambda: _lines_run(lambda: G.read_gguf(bad), budget))
+    assert match in line, line
+
+
+class _TooManyLines(BaseException):
+  """Not an Exception: no `except Exception` of the code under test can swallow it."""
+
+
+def _lines_run(fn, budget=None) -> int:
+  """The Python lines `fn()` runs (every frame, library code included); raises
+  _TooManyLines once past `budget`."""
+  n = 0
+
+  def trace(frame, event, arg):
+    nonlocal n
+    if event == "line":
+      n += 1
+      if budget is not None and n > budget:
+        raise _TooManyLines(f"more than {budget} Python lines run")
+    return trace
+
+  old = sys.gettrace()
+  sys.settrace(trace)
+  try:
+    fn()
+  finally:
+    sys.settrace(old)
+  return n
 
 
 def test_bad_safetensors_files_and_index_are_one_line(tmp_path):

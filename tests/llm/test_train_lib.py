@@ -263,8 +263,9 @@ def test_packed_false_refuses_packed_rows(text_file):
   batch.segment_ids[1, 8:] = 2
   with pytest.raises(ValueError, match="batch row 1 holds several segment ids"):
     task.device_batch(batch)
-  assert train_lib.LMTask(cfg, train_lib.OptimConfig(), task.mesh,
-                          packed=True).device_batch(batch).segment_ids is not None
+  packed = train_lib.LMTask(cfg, train_lib.OptimConfig(), task.mesh, packed=True)
+  np.testing.assert_array_equal(np.asarray(packed.device_batch(batch).segment_ids),
+                                batch.segment_ids)
   with pytest.raises(ValueError, match="mu_dtype='float16'"):
     train_lib.OptimConfig(mu_dtype="float16")
 

@@ -54,9 +54,15 @@ def test_shutdown_past_its_drain_time_aborts_and_cancel_frees(tiny):
   next(iter(a))
   a.cancel()
   assert a.result().finish_reason == "abort"
+  # The shutdown comes from inside b's first step (no race with the engine thread: b
+  # cannot run its 40 tokens first), with no time to drain: b is aborted after that step.
+  _failing(engine, after=10 ** 9, hook=lambda: runner.shutdown(drain_s=0, wait=False))
+  steps = engine.steps
   b = runner.submit([1, 2, 3], SamplingParams(max_tokens=40))
-  runner.shutdown(drain_s=0)
-  assert b.result().finish_reason in ("abort", "length")
+  runner._thread.join()
+  out = b.result()
+  assert out.finish_reason == "abort" and len(out.token_ids) == 1
+  assert engine.steps == steps + 1
   assert engine.pool.num_used == 0 and not engine.has_unfinished()
 
 
