@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -303,14 +305,37 @@ def test_watchdog_ends_a_loop_that_stops(monkeypatch):
   dog = distributed.Watchdog(0.4, exit_fn=exits.append)
   assert not dog._on                                 # one process: nothing runs
   monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  # The watchdog reads a fake clock, and each phase waits until its thread has read the
+  # clock's new time twice (one whole check): on a loaded machine a real 0.2 s sleep could
+  # outlast the 0.4 s timeout and end the loop between two beats.
+  now, reads, main = [0.0], [0], threading.get_ident()
+
+  def monotonic():
+    if threading.get_ident() != main:
+      reads[0] += 1
+    return now[0]
+  monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=monotonic,
+                                                                  sleep=time.sleep))
+
+  def wait_for(done, what):
+    deadline = time.monotonic() + 60
+    while not done() and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert done(), what
+
+  def checked_at(t):
+    now[0] = t
+    start = reads[0]
+    wait_for(lambda: reads[0] >= start + 2 or exits, f"the watchdog never checked at {t}")
+
   dog = distributed.Watchdog(0.4, exit_fn=exits.append)
-  dog.beat(1)
-  time.sleep(0.2)
-  dog.beat(2)
+  dog.beat(1)                  # at 0
+  checked_at(0.3)
+  dog.beat(2)                  # at 0.3
+  checked_at(0.6)              # 0.6 s since it started, 0.3 s since the last beat
   assert not exits
-  deadline = time.monotonic() + 10
-  while not exits and time.monotonic() < deadline:
-    time.sleep(0.05)
+  now[0] = 0.75                # 0.45 s without a beat
+  wait_for(lambda: exits, "the watchdog did not end the loop")
   dog.close()
   assert exits == [3]
 

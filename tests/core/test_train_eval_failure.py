@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import numpy as np
 import pytest
 
 from core import checkpoint as ckpt_lib
@@ -31,7 +32,13 @@ def test_a_failing_eval_saves_the_training_first(tmp_path, capsys):
   ckpt = ckpt_lib.Checkpointer(str(tmp_path))
   assert ckpt.all_steps() == [4]
   ckpt.close()
-  # the saved state continues with a good eval set
+  # the saved state continues with a good eval set, as a run whose eval never failed
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
                         train_lib.TrainConfig(**loop, resume=True))
-  assert out["step"] == 6 and out["finished"] and 0 <= out["eval"]["auc"] <= 1
+  assert out["step"] == 6 and out["finished"]
+  straight = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
+                             train_lib.TrainConfig(**dict(loop, workdir=str(tmp_path / "s"))))
+  assert out["eval"] == straight["eval"] and 0 < out["eval"]["auc"] < 1
+  for a, b in zip(jax.tree.leaves(jax.device_get(out["state"])),
+                  jax.tree.leaves(jax.device_get(straight["state"]))):
+    np.testing.assert_array_equal(a, b)

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -19,11 +18,13 @@ from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Claims the workdir argv[1] (once the file argv[3] exists, if given), prints "held" (or the
-# error), holds it for argv[2] seconds.
+# Claims the workdir argv[1] (once the file argv[3] exists, if given: it prints "waiting"
+# first), prints "held" (or the error), holds it for argv[2] seconds.
 _HOLDER = r"""
 import os, sys, time
 from core import workdir
+if len(sys.argv) > 3:
+  print("waiting", flush=True)
 while len(sys.argv) > 3 and not os.path.exists(sys.argv[3]):
   time.sleep(0.005)
 try:
@@ -82,9 +83,10 @@ def test_a_live_holder_is_named_and_refused(tmp_path, capsys):
 def test_racing_processes_never_both_win(tmp_path):
   work, gate = tmp_path / "work", tmp_path / "go"
   procs = [_holder(work, 60, gate) for _ in range(4)]
-  time.sleep(3)   # started and waiting at the gate
-  gate.write_text("")
   try:
+    # every process started and waiting at the gate, however loaded the machine: they race
+    assert [p.stdout.readline().strip() for p in procs] == ["waiting"] * 4
+    gate.write_text("")
     outs = [p.stdout.readline().strip() for p in procs]
   finally:
     for p in procs:

@@ -77,7 +77,6 @@ def test_conversion_equals_the_text_reader_and_shuffles_blocks(tmp_path):
   first = list(itertools.islice(tr.batches(), 2 * n))
   text = all_rows(list(criteo.CriteoSource(str(src / "train.txt"), 3000, ROWS,
                                             repeat=False).batches()))
-  order = np.rint(np.expm1(text[0][:, 0])).astype(int)   # I1 = line number
   for epoch in (first[:n], first[n:]):
     lines = np.rint(np.expm1(all_rows(epoch)[0][:, 0])).astype(int)
     assert len(set(lines)) == len(lines) == n * 128
@@ -85,10 +84,11 @@ def test_conversion_equals_the_text_reader_and_shuffles_blocks(tmp_path):
   e0 = np.rint(np.expm1(all_rows(first[:n])[0][:, 0])).astype(int)
   e1 = np.rint(np.expm1(all_rows(first[n:])[0][:, 0])).astype(int)
   assert not np.array_equal(e0, e1) and not np.array_equal(e0, np.sort(e0))
-  # each row decodes as the text reader decoded that line
+  # each row decodes as the text reader decoded that line (line e0[k] is row e0[k] of text)
   d, ids, y = all_rows(first[:n])
-  np.testing.assert_array_equal(ids, text[1][e0]) and np.testing.assert_array_equal(y, text[2][e0])
-  del order
+  np.testing.assert_array_equal(d, text[0][e0])
+  np.testing.assert_array_equal(ids, text[1][e0])
+  np.testing.assert_array_equal(y, text[2][e0])
   # exact resume, and Grain's own iterator state
   np.testing.assert_array_equal(next(tr.batches(7)).ids, first[7].ids)
   it = tr.iterator()

@@ -87,7 +87,8 @@ def test_preset_fits_one_80gb_gpu_in_bf16_and_shards_over_eight():
   assert planner_lib.estimate_plan(one, tables, 1, 65536, None,
                                    opt.state_bytes_per_row).max_memory_bytes <= budget
   fp32 = [t.__class__(**{**t.__dict__, "storage": "fp32"}) for t in tables]
-  with pytest.raises(planner_lib.PlanError):
+  with pytest.raises(planner_lib.PlanError,
+                     match=r"budget 75.16 GB \(75,161,927,680 bytes\): over by"):
     planner_lib.plan(fp32, 1, budget, 65536, optimizer_state_bytes_per_row=4)
   eight = planner_lib.plan(tables, 8, budget, 65536,
                            optimizer_state_bytes_per_row=opt.state_bytes_per_row)

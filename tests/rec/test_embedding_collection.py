@@ -89,6 +89,7 @@ OPTS = {"adagrad": opt_lib.get_sparse_optimizer("adagrad", 0.1),
         "rowwise_adagrad": opt_lib.get_sparse_optimizer("rowwise_adagrad", 0.1)}
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("opt_name", ["adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("kind", list(PLANS))
 def test_sharded_equals_single_device(kind, opt_name, mesh8, mesh1):
@@ -115,6 +116,7 @@ def test_sharded_equals_single_device(kind, opt_name, mesh8, mesh1):
   assert any(not np.allclose(tables[n], np.asarray(init[n])) for n in tables)
 
 
+@pytest.mark.devices(8)
 def test_pooling_matches_numpy(mesh8):
   """Forward against an explicit numpy embedding bag (weights, sum / mean, padding)."""
   coll = EmbeddingCollection(TABLES, {t.name: PLANS["mixed"](i) for i, t in enumerate(TABLES)},
@@ -134,6 +136,7 @@ def test_pooling_matches_numpy(mesh8):
       np.testing.assert_allclose(emb[b, f], acc, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_round_trip_layout(mesh8):
   coll = EmbeddingCollection(TABLES, {t.name: PLANS["mixed"](i) for i, t in enumerate(TABLES)},
                              mesh8, OPTS["adagrad"])
@@ -172,6 +175,7 @@ def test_out_of_range_ids(mesh1):
   np.testing.assert_allclose(emb[2, 4], full[2], rtol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_unchecked_out_of_range_ids_read_and_update_no_row_under_any_kind(mesh8, mesh1):
   # A batch that skips check_ids (drawn on device) with ids past its table's rows, or
   # negative: every kind reads nothing for them (coefficient 0) and updates no row. dp used
@@ -238,6 +242,7 @@ def test_hash_refuses_ids_wider_than_int32(mesh1):
   hashed.check_ids(ids, lengths)
 
 
+@pytest.mark.devices(8)
 def test_bad_plans(mesh8):
   with pytest.raises(ValueError, match="no placement for tables"):
     EmbeddingCollection(TABLES, {}, mesh8, OPTS["adagrad"])
@@ -255,6 +260,7 @@ def test_bad_plans(mesh8):
       EmbeddingCollection(TABLES, plan, mesh8, OPTS["adagrad"])
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("num_tables", [1, 2, 3])
 def test_fewer_tables_than_devices_one_hot(num_tables, mesh8, mesh1):
   """Table-wise with one one-hot table per device: unit dims in the all-to-all buffers."""
@@ -294,6 +300,7 @@ np.savez(sys.argv[2], **out)
 
 
 @pytest.mark.peer
+@pytest.mark.devices(8)
 def test_pooling_and_gradients_match_torch_embedding_bag(mesh8, tmp_path):
   """The mixed plan on 8 devices against torch's embedding_bag per table (peer environment):
   sum with per-sample weights, mean (torch takes no weights with it: ours are ones there),

@@ -178,7 +178,7 @@ def test_planner_moves_the_biggest_coldest_tables_to_host():
   less looked-up one goes to the host tier (its rows and state in host memory, a 5% cache
   on the device); the estimate splits the bytes; without the tier the plan fails."""
   tables, budget = _tables(), 40_000_000
-  with pytest.raises(planner.PlanError):
+  with pytest.raises(planner.PlanError, match=r"table 'big'.*over by"):
     planner.plan(tables, 1, budget, 1024)
   plan = planner.plan(tables, 1, budget, 1024, host_tier=planner.HostTier(10**9))
   assert str(plan["big"].storage) == "fp32_cache:lfu:0.05@host"

@@ -123,7 +123,7 @@ def test_fm_block_matches_numpy(output_relu):
   assert got.shape == (3, 3, 4)
   if output_relu:
     assert (want == 0).any() and (want > 0).any()   # the ReLU cuts some outputs, not all
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)   # float32 as every layer here
 
 
 # ---------------------------------------------------------------------------- attention

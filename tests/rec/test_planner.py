@@ -302,7 +302,7 @@ def test_plan_memory_fallback_packs_what_time_first_cannot():
   budget = int(rw_need * 1.02)
   p = pl.plan(tables, N, budget, B)
   assert pl.estimate_plan(p, tables, N, B).max_memory_bytes <= budget
-  with pytest.raises(pl.PlanError):
+  with pytest.raises(pl.PlanError, match=r"under rw on 8 devices.*over by"):
     pl.plan(tables, N, int(rw_need * 0.9), B)
 
 
