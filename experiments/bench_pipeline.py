@@ -11,8 +11,8 @@ For each --data (measured by `experiments.benchmarks.rec.pipeline_rates`): examp
 the source alone (`batches()`, host or device), of the jitted train step alone over batches
 already on the devices (as experiments.bench_dlrm times it), and of `core.train.train` end
 to end (prefetch, placement, metrics; no eval; --steps steps, which the step timing splits
-into its repeats), and the ratio end to end / step, which the target asks to be at least
-0.8 at batch 16384 on a GPU.
+into --repeats repeats), and the ratio end to end / step, which the target asks to be at
+least 0.8 at batch 16384 on a GPU.
 `criteo_bin:gen` writes --gen_rows random rows in the `rec.data.criteo_bin` layout under
 --workdir once (`rec.throughput.synthetic_bin_dir`) and reads them back through Grain.
 The model is DLRM's Criteo Kaggle architecture with --num_rows rows per table.
@@ -23,7 +23,9 @@ instead, per mean session length x, `--data=sessions:dup=1-1/x` (rec.data.sessio
 the user features deduplicated (--dedup_features, a fixed capacity 6 sigma above the
 expected distinct bags), the train batches drawn and deduplicated in --data_workers Grain
 worker processes: examples/s of the step alone and end to end (medians of --repeats runs,
-plain and dedup alternating), and their ratio beside the paper's up to 2.48x. Measured
+plain and dedup alternating), and their ratio beside the paper's up to 2.48x. --data,
+--source_batches and --gen_rows belong to the first mode, --data_workers, --num_user and
+--user_bag to this one: given to the other, they are refused. Measured
 (2026-11-27, 2-core CPU shared at load 25-43, batch 2048; BENCHMARKS.md "RecD end to end"):
 end to end dedup / plain 0.80 / 1.13 / 1.59 / 1.72x at mean sessions of 1 / 2 / 4 / 8.
 
@@ -51,7 +53,7 @@ GEN_ROWS = config.setting("gen_rows", "integer", "Rows of the generated criteo_b
                           lower=1)
 RECD_REPEATS = config.setting(
     "recd_repeats", "list", "RecD: mean session lengths of session data to measure plain vs "
-    "dedup end to end, e.g. 1,2,4,8 (replaces --data); empty: off.")
+    "dedup end to end, e.g. 1,2,4,8 (instead of --data); empty: off.")
 
 
 def define_flags() -> None:
@@ -69,14 +71,65 @@ def define_flags() -> None:
       recd_repeats=[], data_workers=2, repeats=3, num_user=8, user_bag=32)
 
 
+def check_run_flags() -> None:
+  """--model, --preset, --mesh and --batch_size against the devices, before anything is
+  generated or measured (criteo_bin:gen writes --gen_rows rows first)."""
+  from core import errors
+  from core import mesh as mesh_lib
+  from rec import configs, runs
+  cfg = configs.make_run(model=FLAGS.model, preset=FLAGS.preset, mesh=FLAGS.mesh,
+                         num_rows=FLAGS.num_rows, batch_size=FLAGS.batch_size,
+                         eval_batch_size=FLAGS.batch_size)
+  configs.model_config(cfg, runs.CRITEO_SHAPED)
+  mesh = mesh_lib.make_mesh(cfg.mesh, rules=mesh_lib.REC_RULES)
+  n = mesh_lib.axis_size("batch", mesh_lib.REC_RULES, mesh)
+  if FLAGS.batch_size % n:
+    raise errors.expected(f"--batch_size={FLAGS.batch_size}",
+                          f"not divisible by the {n} devices of --mesh={FLAGS.mesh}",
+                          f"a multiple of {n}")
+
+
+def check_distinct(flag: str, values) -> None:
+  """A list flag that names nothing, or one value twice (one row and summary key each)."""
+  from core import errors
+  text = ",".join(str(v) for v in FLAGS[flag].value or [])
+  if not values:
+    raise errors.expected(f"--{flag}={text}", "empty", "at least one value")
+  twice = [f"{v:g}" if isinstance(v, float) else v
+           for v in sorted({v for v in values if list(values).count(v) > 1})]
+  if twice:
+    raise errors.expected(f"--{flag}={text}", f"{', '.join(twice)} twice", "each value once")
+
+
+# Flags one mode reads and the other does not: given to the other, refused (not ignored).
+PIPELINE_FLAGS = ("data", "source_batches", "gen_rows")
+RECD_FLAGS = ("data_workers", "num_user", "user_bag")
+
+
+def check_mode_flags(recd: bool) -> None:
+  from core import errors
+  given = [n for n in (PIPELINE_FLAGS if recd else RECD_FLAGS) if FLAGS[n].present]
+  if given:
+    names = ", ".join(f"--{n}" for n in given)
+    raise errors.expected(names, f"given {'with' if recd else 'without'} --recd_repeats",
+                          f"{', '.join(f'--{n}' for n in RECD_FLAGS)} only with "
+                          f"--recd_repeats, {', '.join(f'--{n}' for n in PIPELINE_FLAGS)} "
+                          "only without it")
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
   from core import benchmark
+  repeats = parse_recd_repeats() if FLAGS.recd_repeats else None
+  check_mode_flags(recd=repeats is not None)
+  if repeats is None:
+    check_distinct("data", FLAGS.data)
+  check_run_flags()
   report = Report(FLAGS.workdir)
   report.path()
-  if FLAGS.recd_repeats:
-    return recd_main(report)
+  if repeats is not None:
+    return recd_main(report, repeats)
   rows = []
   from rec.data import sources
   for data in FLAGS.data:   # every form checked before the first is measured
@@ -86,7 +139,8 @@ def main(argv):
     print(f"measuring {data} ...", flush=True)
     r = rec_bench.pipeline_rates(data, FLAGS.batch_size, FLAGS.num_rows, FLAGS.model,
                                  FLAGS.preset, FLAGS.mesh, FLAGS.steps, FLAGS.source_batches,
-                                 os.path.join(FLAGS.workdir, "criteo_bin_gen"), FLAGS.gen_rows)
+                                 os.path.join(FLAGS.workdir, "criteo_bin_gen"), FLAGS.gen_rows,
+                                 repeats=FLAGS.repeats)
     rows.append({"data": data, **r})
   print(f"\n{'data':24}{'source ex/s':>14}{'step ex/s':>14}{'end-to-end':>14}{'e2e/step':>10}")
   for r in rows:
@@ -96,7 +150,8 @@ def main(argv):
   results = {
       "rows": rows, "machine": machine,
       "config": {k: FLAGS[k].value for k in ("batch_size", "num_rows", "model", "preset", "mesh",
-                                             "steps", "source_batches", "gen_rows")}}
+                                             "steps", "source_batches", "gen_rows",
+                                             "repeats")}}
   title = f"{FLAGS.model} {FLAGS.preset}, batch {FLAGS.batch_size}, {machine['device']}"
   report.finish(results, {"device": machine["device"], "batch_size": FLAGS.batch_size,
                           **{r["data"]: {k: _rounded(k, v) for k, v in r.items() if k != "data"}
@@ -137,8 +192,8 @@ def _rounded(key, value):
 PAPER_TRAIN_SPEEDUP = 2.48
 
 
-def recd_main(report: Report):
-  from core import benchmark
+def parse_recd_repeats() -> list[float]:
+  """--recd_repeats as mean session lengths, each >= 1 and given once."""
   from core import errors
   try:
     repeats = [float(x) for x in FLAGS.recd_repeats]
@@ -148,6 +203,12 @@ def recd_main(report: Report):
   if any(not x >= 1 for x in repeats):
     raise errors.UserError(f"--recd_repeats={','.join(FLAGS.recd_repeats)}: expected mean "
                            "session lengths >= 1 (1: no repeats)")
+  check_distinct("recd_repeats", repeats)
+  return repeats
+
+
+def recd_main(report: Report, repeats: list[float]):
+  from core import benchmark
   rows = rec_bench.recd_rates(repeats, FLAGS.batch_size, FLAGS.num_rows, FLAGS.model,
                               FLAGS.preset, FLAGS.mesh, FLAGS.steps, FLAGS.repeats,
                               FLAGS.data_workers, FLAGS.num_user, FLAGS.user_bag,

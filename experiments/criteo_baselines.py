@@ -44,8 +44,23 @@ def main(argv):
   from core import errors
   from core import train as train_lib
   from rec import configs, runs
+  from rec.data import sources
 
-  # Every model checked now, not after the models before it have trained.
+  if sources.synthetic_options(FLAGS.data) is not None:   # --epochs needs an end
+    raise errors.expected(f"--data={FLAGS.data}", "generated data, which has no epochs",
+                          "files to train on for --epochs, e.g. criteo:DIR")
+  # Every list and model checked now, not after the models before it have trained.
+  for flag in ("models", "epochs"):
+    values = [float(v) for v in FLAGS[flag].value] if flag == "epochs" else FLAGS[flag].value
+    text = ",".join(FLAGS[flag].value)
+    if not values:
+      raise errors.expected(f"--{flag}={text}", "empty", "at least one value")
+    if len(set(values)) != len(values):
+      raise errors.expected(f"--{flag}={text}", "a value twice", "each value once")
+  zero = [e for e in FLAGS.epochs if float(e) <= 0]
+  if zero:   # steps_for's floor of one step would be reported as 0 epochs
+    raise errors.expected(f"--epochs={','.join(FLAGS.epochs)}", f"{zero[0]} epochs",
+                          "epoch counts > 0")
   for model in FLAGS.models:
     try:
       configs.model_config(configs.make_run(model=model, num_rows=FLAGS.num_rows),

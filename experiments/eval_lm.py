@@ -54,6 +54,10 @@ def main(argv):
   if (FLAGS.text is None) == (chat is None):
     raise errors.expected("--text / --data", "both given" if chat else "neither given",
                           "one of --text=FILE or --data=chat:FILE")
+  if chat and FLAGS.max_windows is not None:
+    raise errors.expected(f"--max_windows={FLAGS.max_windows}",
+                          f"given with --data={FLAGS.data}", "--max_windows only with --text "
+                          "(chat rows are whole conversations)")
   from llm import checkpoints
   from llm import evaluate
   from llm.data import read_text
@@ -71,6 +75,9 @@ def main(argv):
     what = f"{len(convs)} conversations of {chat}"
   else:
     tokens = tok.encode(read_text(FLAGS.text))
+    if len(tokens) < 2:   # text_batches is lazy: it would say so after the weights load
+      raise errors.expected(f"--text={FLAGS.text}", f"{len(tokens)} token(s)",
+                            "at least 2 (one to predict from the one before it)")
     batches = evaluate.text_batches(tokens, FLAGS.seq_len, FLAGS.batch_size, FLAGS.max_windows)
     what = f"{len(tokens):,} tokens of {FLAGS.text}"
   cfg, model = checkpoints.load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
@@ -79,7 +86,8 @@ def main(argv):
   t0 = time.time()
   ev = evaluate.mean_loss(model, batches)
   summary = {"checkpoint": FLAGS.checkpoint, "text": FLAGS.text, "data": FLAGS.data,
-             "seq_len": FLAGS.seq_len, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
+             "tokenizer": FLAGS.tokenizer, "seq_len": FLAGS.seq_len,
+             "max_windows": FLAGS.max_windows, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
              **ev, "seconds": time.time() - t0}
   print(f"loss {ev['loss']:.5f} | perplexity {ev['perplexity']:.4f} | "
         f"{ev['bits_per_token']:.4f} bits/token over {ev['num_tokens']:,} tokens", flush=True)

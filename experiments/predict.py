@@ -54,13 +54,21 @@ def main(argv):
   from core.errors import UserError
   from core import results as results_lib
   from rec import predict as predict_lib
-  if FLAGS.batch_size < 0:
-    raise UserError(f"--batch_size={FLAGS.batch_size}; expected >= 1 (0: the run's)")
   if jax.process_count() > 1:
     raise UserError(f"{jax.process_count()} processes; expected one: predictions are written "
                     "in file order by one process")
   from core import workdir as workdir_lib
   output = FLAGS.output or os.path.join(FLAGS.checkpoint, f"predictions_{FLAGS.split}.csv")
+  summary_path = os.path.splitext(output)[0] + ".json"
+  if os.path.isdir(output):
+    raise UserError(f"--output={output}: a directory; expected the path of the CSV to write, "
+                    "such as predictions.csv")
+  if os.path.abspath(summary_path) == os.path.abspath(output):
+    raise UserError(f"--output={output}: a .json path, where the summary <output>.json would "
+                    "overwrite the CSV; expected a CSV path such as predictions.csv")
+  # The checkpoint before the CSV's directory: the default CSV lies in it, so a wrong
+  # --checkpoint is named as that, not as an unwritable --output.
+  predict_lib.saved_settings(FLAGS.checkpoint)
   # A read-only or missing place for the CSV is named now, not after the predictions.
   workdir_lib.check_writable(os.path.dirname(os.path.abspath(output)), "--output", output)
   t0 = time.time()
@@ -75,15 +83,20 @@ def main(argv):
   evaluator = run.task.new_evaluator() if split.labeled else None
   rows = 0
   tmp = output + ".tmp"
-  with open(tmp, "w") as f:
-    header = [split.id_column, split.prob_column] + (["label"] if split.labeled else [])
-    f.write(",".join(header) + "\n")
-    for ids, probs, labels in predict_lib.predictions(run, evaluator):
-      if split.labeled:
-        f.writelines(f"{i},{p:.6g},{int(y)}\n" for i, p, y in zip(ids, probs, labels))
-      else:
-        f.writelines(f"{i},{p:.6g}\n" for i, p in zip(ids, probs))
-      rows += len(probs)
+  try:
+    with open(tmp, "w") as f:
+      header = [split.id_column, split.prob_column] + (["label"] if split.labeled else [])
+      f.write(",".join(header) + "\n")
+      for ids, probs, labels in predict_lib.predictions(run, evaluator):
+        if split.labeled:
+          f.writelines(f"{i},{p:.6g},{int(y)}\n" for i, p, y in zip(ids, probs, labels))
+        else:
+          f.writelines(f"{i},{p:.6g}\n" for i, p in zip(ids, probs))
+        rows += len(probs)
+  except BaseException:   # a bad data line, a full disk, Ctrl-C: no partial CSV left beside
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
   os.replace(tmp, output)
   metrics = evaluator.result() if evaluator is not None else {}
   summary = {"checkpoint": FLAGS.checkpoint, "step": run.step, "data": run.cfg.data.data,
@@ -91,8 +104,7 @@ def main(argv):
              "wall_seconds": time.time() - t0,
              **{k: metrics.get(k) for k in ("auc", "logloss", "ne", "accuracy", "calibration",
                                             "gauc") if k in metrics}}
-  results_lib.write_json({"summary": summary, "metrics": metrics},
-                         os.path.splitext(output)[0] + ".json")
+  results_lib.write_json({"summary": summary, "metrics": metrics}, summary_path)
   if metrics:
     print(f"{FLAGS.split}: AUC {metrics['auc']:.4f} | log loss {metrics['logloss']:.4f} | "
           f"NE {metrics['ne']:.4f} | calibration {metrics['calibration']:.4f} | {rows:,} rows",

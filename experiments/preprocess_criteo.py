@@ -58,17 +58,22 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
+  from core import workdir as workdir_lib
   from core.errors import UserError
   from rec.data import criteo_bin, stream
-  if FLAGS.ids == "hash" and not 2 <= FLAGS.num_rows <= stream.MAX_ROWS:
-    raise UserError(f"--num_rows={FLAGS.num_rows:,}; expected 2 <= rows <= 2^31 = "
-                    f"{stream.MAX_ROWS:,} (row 0 is the missing value, ids are int32)")
-  if FLAGS.min_count < 1:
-    raise UserError(f"--min_count={FLAGS.min_count}; expected >= 1")
-  if FLAGS.unit_mb < 1:
-    raise UserError(f"--unit_mb={FLAGS.unit_mb}; expected >= 1")
-  if FLAGS.workers < 0:
-    raise UserError(f"--workers={FLAGS.workers}; expected >= 0 (0: one per CPU core)")
+  if FLAGS.ids == "hash" and not 2 <= FLAGS.num_rows <= stream.MAX_TABLE_ROWS:
+    raise UserError(f"--num_rows={FLAGS.num_rows:,}; expected 2 <= rows <= 2^31 - 2 = "
+                    f"{stream.MAX_TABLE_ROWS:,} (row 0 is the missing value; a table's ids "
+                    "and its padding id, num_rows, are int32)")
+  # Each id scheme ignores the other's setting: given, it is refused, not dropped.
+  other = {"hash": "min_count", "vocab": "num_rows"}[FLAGS.ids]
+  if FLAGS[other].present:
+    raise UserError(f"--{other}={FLAGS[other].value} with --ids={FLAGS.ids}; expected "
+                    + ("--min_count only with --ids=vocab (hashed ids have --num_rows rows)"
+                       if other == "min_count" else "--num_rows only with --ids=hash (the "
+                       "vocabulary's rows are counted: --min_count sets them)"))
+  # Before --src is read (a Terabyte day's gzip check alone takes minutes).
+  workdir_lib.check_writable(FLAGS.dst, "--dst")
   t0 = time.perf_counter()
   m = criteo_bin.convert(FLAGS.src, FLAGS.dst, ids=FLAGS.ids, num_rows=FLAGS.num_rows,
                          min_count=FLAGS.min_count, bad_lines=FLAGS.bad_lines,

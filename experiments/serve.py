@@ -82,25 +82,118 @@ def model_name(spec: str) -> str:
   return name
 
 
+def check_flags(engine_config: EngineConfig) -> None:
+  """The flag combinations the engine refuses, each named as its flags before the
+  checkpoint is read (the engine would say so after the weights load)."""
+  from core import errors
+  from llm.speculative.tree import TreeShape
+  tree = engine_config.speculative_tree
+  if bool(FLAGS.draft) != bool(tree):
+    raise errors.expected(f"--draft={FLAGS.draft!r} and --speculative_tree={tree!r}",
+                          "one without the other", "both (a speculative engine) or neither")
+  if FLAGS.decode_vocab and not FLAGS.draft:
+    raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}", "no --draft",
+                          "--decode_vocab=0 without a draft head")
+  if tree:
+    try:
+      TreeShape.parse(tree)
+    except ValueError as e:   # "tree shape '2:4': expected ..." or "TreeShape: top_k=0, ..."
+      found = str(e).removeprefix("TreeShape: ").split("expected")[0].rstrip(" ,:;")
+      raise errors.expected(f"--speculative_tree={tree}", found, "TOP_K:DEPTH:BUDGET of "
+                            "integers >= 1 (e.g. 2:4:5) or chain:DEPTH") from None
+  if (FLAGS.draft and FLAGS.draft != "random"
+      and not os.path.isdir(os.path.join(FLAGS.draft, "checkpoints"))):
+    raise errors.expected(f"--draft={FLAGS.draft}", "no checkpoints/ directory in it",
+                          "a draft-head run's workdir (experiments.spec_decode's "
+                          "<workdir>/draft) or 'random'")
+  m = engine_config.cp_prefill_min
+  if m and tree:
+    raise errors.expected(f"--cp_prefill_min={m}", f"given with --speculative_tree={tree}",
+                          "one of them (the context-parallel prefill does not feed the draft "
+                          "head)")
+  if bool(m) != bool(FLAGS.mesh):
+    raise errors.expected(f"--cp_prefill_min={m} and --mesh={FLAGS.mesh!r}",
+                          "one without the other", "both (--mesh with a cp axis of 2 or more "
+                          "devices, e.g. --mesh=cp:2) or neither")
+  if FLAGS.mesh:
+    from core import mesh as mesh_lib
+    from llm.model import CP_AXIS
+    if dict(mesh_lib.parse_mesh(FLAGS.mesh)).get(CP_AXIS, 0) in (0, 1):
+      raise errors.expected(f"--mesh={FLAGS.mesh}", f"no {CP_AXIS} axis of 2 or more devices",
+                            f"a mesh such as {CP_AXIS}:2 (the context-parallel prefill's)")
+  widths = engine_config.chunk_widths
+  if widths and max(widths) < engine_config.prefill_chunk:
+    raise errors.expected(f"--chunk_widths={','.join(map(str, widths))}",
+                          f"none >= --prefill_chunk={engine_config.prefill_chunk}",
+                          "the largest width at least --prefill_chunk")
+
+
+def check_engine(engine_config: EngineConfig, cfg) -> None:
+  """The engine's shapes against the model's config (read without its weights)."""
+  from core import errors
+  from llm.serving.paged import blocks_for, choose_paged_impl
+  if (engine_config.max_model_len or 0) > cfg.max_seq_len:
+    raise errors.expected(f"--max_model_len={engine_config.max_model_len}",
+                          f"beyond the model's context ({cfg.max_seq_len})",
+                          f"at most {cfg.max_seq_len}")
+  bs = engine_config.block_size
+  if choose_paged_impl(engine_config.paged_attention) == "pallas" and (bs < 16 or bs & (bs - 1)):
+    raise errors.expected(f"--block_size={bs}", "not a power of two >= 16",
+                          "a power of two >= 16 with the Pallas kernel "
+                          f"(--paged_attention={engine_config.paged_attention})")
+  max_len = min(engine_config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+  pages = blocks_for(max_len, bs)
+  n = engine_config.num_blocks
+  if n is not None and n - 1 < pages:
+    raise errors.expected(f"--num_blocks={n}", f"{n - 1} pages of {bs} slots besides the "
+                          f"padding page, fewer than one request of {max_len} tokens "
+                          "(--max_model_len) takes", f"at least {pages + 1}")
+
+
+def check_address(host: str, port: int | None) -> None:
+  """--host / --port bound once and released: an address in use or a host that does not
+  resolve is one line before the model loads and compiles, not a traceback after it."""
+  import socket
+
+  from core import errors
+  try:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      sock.bind((host, port or 0))
+  except OSError as e:
+    raise errors.expected(f"--host={host} --port={port if port else '(any free)'}",
+                          e.strerror or str(e), "an address this machine can listen on "
+                          "(a free --port, a local --host)") from None
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
+  from core import errors
   from llm.checkpoints import find_tokenizer, load_config, load_model
   from llm.serving.cp_prefill import mesh_for
   from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
   from llm.serving import server as server_lib
   engine_config = config.from_flags(EngineConfig)
+  check_flags(engine_config)
+  check_address(FLAGS.host, FLAGS.port)
+  mesh = mesh_for(FLAGS.mesh)
   settings.use_compilation_cache(FLAGS.compilation_cache_dir)
   cfg = load_config(FLAGS.checkpoint)
+  check_engine(engine_config, cfg)
+  if FLAGS.decode_vocab > cfg.vocab_size:
+    raise errors.expected(f"--decode_vocab={FLAGS.decode_vocab}",
+                          f"more tokens than the model's vocabulary of {cfg.vocab_size}",
+                          f"at most {cfg.vocab_size}")
   tok = find_tokenizer(FLAGS.checkpoint, FLAGS.tokenizer, cfg.vocab_size)
   if tok is None:
-    raise ValueError(f"--checkpoint={FLAGS.checkpoint}: no tokenizer beside it; the server "
-                     "takes and returns text: pass --tokenizer=PATH")
+    raise errors.expected(f"--checkpoint={FLAGS.checkpoint}", "no tokenizer beside it",
+                          "--tokenizer=PATH (the server takes and returns text)")
   cfg, model = load_model(FLAGS.checkpoint, FLAGS.dtype, FLAGS.weights)
   draft, vocab = load_draft(FLAGS.draft, model, FLAGS.decode_vocab)
-  engine = Engine(model, engine_config, tok, draft=draft, draft_vocab=vocab,
-                  mesh=mesh_for(FLAGS.mesh))
+  engine = Engine(model, engine_config, tok, draft=draft, draft_vocab=vocab, mesh=mesh)
   name = FLAGS.served_model_name or model_name(FLAGS.checkpoint)
   t0 = time.time()
   programs = engine.warmup(widths=None if FLAGS.warmup_tables == "all" else engine.widths[:1])

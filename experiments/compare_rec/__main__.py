@@ -77,14 +77,35 @@ def main(argv):
   del argv
   cli.quiet_library_logs()
 
+  from core import errors
   from experiments.compare_rec import study
   from rec import configs, runs
+  from rec.data import sources
 
   base = configs.run_from_flags(seed=FLAGS.data_seed)
+  # The lists and the budget named as flags before anything trains (rec.runs would name
+  # its own arguments, or train a seed given twice twice, as two runs of one mean).
+  for flag in ("models", "seeds"):
+    if not FLAGS[flag].value:
+      raise errors.expected(f"--{flag}=", "empty", "at least one value")
+  seeds = [int(s) for s in FLAGS.seeds]
+  if len(set(seeds)) != len(seeds):
+    raise errors.expected(f"--seeds={','.join(FLAGS.seeds)}", "a seed twice", "each seed once")
+  if FLAGS.epochs is not None:
+    if FLAGS["steps"].present and FLAGS["epochs"].present:
+      raise errors.expected(f"--steps={FLAGS.steps} --epochs={FLAGS.epochs:g}", "both given",
+                            "one budget: --steps, or --epochs over file data")
+    if FLAGS.epochs <= 0:
+      raise errors.expected(f"--epochs={FLAGS.epochs:g}", "no training",
+                            "a number of passes > 0 (or --steps)")
+    if sources.synthetic_options(base.data.data) is not None:
+      raise errors.expected(f"--epochs={FLAGS.epochs:g}", f"given with --data="
+                            f"{base.data.data}, which is endless", "--steps on generated data")
   specs = runs.parse_models(FLAGS.models, FLAGS.presets)
   results = runs.train_models(
-      base, specs, seeds=[int(s) for s in FLAGS.seeds],
-      steps=None if FLAGS.epochs else FLAGS.steps, epochs=FLAGS.epochs, workdir=FLAGS.workdir,
+      base, specs, seeds=seeds,
+      steps=None if FLAGS.epochs is not None else FLAGS.steps, epochs=FLAGS.epochs,
+      workdir=FLAGS.workdir,
       log_every=FLAGS.log_every, keep_checkpoints=FLAGS.keep_checkpoints,
       reuse_finished=FLAGS.resume)
   report = Report(FLAGS.workdir)

@@ -73,23 +73,34 @@ def main(argv):
     raise errors.expected(f"--sharding_kinds={','.join(FLAGS.sharding_kinds)}",
                           f"unknown kinds {bad}" if bad else "empty",
                           f"some of {','.join(study.KINDS)}")
+  if len(set(kinds)) != len(kinds):
+    raise errors.expected(f"--sharding_kinds={','.join(FLAGS.sharding_kinds)}", "a kind twice",
+                          "each kind once")
   devices = jax.devices()
   if len(devices) < 2 or len(devices) % 2:
     raise errors.expected(f"{len(devices)} {jax.default_backend()} device(s)", "too few to shard "
                           "over", "an even count >= 2 (on the CPU: XLA_FLAGS="
                           "--xla_force_host_platform_device_count=8)")
-  report = Report(FLAGS.workdir)
   points = study.GRIDS[FLAGS.planner_grid]
+  # Every grid point's batch is cut over the devices: checked now, not at the first point
+  # that does not divide after the ones before it have compiled.
+  batches = sorted({p.batch for p in points if p.batch % len(devices)})
+  if batches:
+    raise errors.expected(f"{len(devices)} {jax.default_backend()} devices",
+                          f"--planner_grid={FLAGS.planner_grid} has batches {batches} that they "
+                          "do not divide", "a device count dividing every batch of the grid")
+  report = Report(FLAGS.workdir)
   report.log(f"{len(points)} grid points x {len(kinds)} kinds on {len(devices)} "
              f"{jax.default_backend()} devices")
   rows = study.run(points, kinds, devices, FLAGS.planner_step, log=report.log)
   out = {"machine": benchmark.machine(), "grid": FLAGS.planner_grid, "kinds": kinds,
          "step": FLAGS.planner_step, "devices": len(devices), "rows": rows,
          "table": report.table(study.format_table(rows), lead="\n")}
-  out["plot"] = report.plot(study.plot, rows, name="planner_check.png")
+  out["plot"] = report.path("planner_check.png")   # drawn after results.json is written
   summary = study.summary(rows)
   out["summary"] = summary
-  report.finish(out, summary, wall="wall_seconds")
+  report.finish(out, summary, wall="wall_seconds",
+                plots=[(study.plot, (rows,), "planner_check.png")])
 
 
 if __name__ == "__main__":

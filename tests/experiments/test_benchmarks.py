@@ -104,6 +104,25 @@ def test_criteo_baselines_refuses_unknown_model_before_training(tmp_path):
   assert "epoch(s)" not in out.stdout
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--epochs=0.5,0"], "--epochs=0.5,0: 0 epochs; expected epoch counts > 0"),
+    (["--epochs="], "--epochs=: empty; expected at least one value"),
+    (["--models="], "--models=: empty; expected at least one value"),
+    (["--epochs=1,1.0"], "--epochs=1,1.0: a value twice; expected each value once"),
+    (["--data=synthetic"], "--data=synthetic: generated data, which has no epochs; expected "
+     "files to train on for --epochs, e.g. criteo:DIR"),
+])
+def test_criteo_baselines_refuses_bad_lists_before_training(tmp_path, args, line):
+  """Formerly: --epochs=0 trained one step and reported it as 0 epochs; an empty --models
+  or --epochs trained nothing and wrote an empty table, results.json and plot; a value given
+  twice trained into the workdir of the first, refused only once that one had trained;
+  generated data was refused asking for --steps, which this entry point does not have."""
+  out = run_refused("experiments.criteo_baselines", [f"--data=criteo:{tmp_path}", *args,
+                                                     f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1] == "error: " + line
+  assert "epoch(s)" not in out.stdout and not (tmp_path / "w" / "results.json").exists()
+
+
 @pytest.mark.slow   # an entry point end to end; CI's default suite keeps to its time
 def test_bench_kernels_interpret_check(tmp_path):
   out = _run("experiments.bench_kernels", ["--interpret_check", f"--workdir={tmp_path}"])
@@ -118,6 +137,31 @@ def test_bench_kernels_refuses_without_gpu(tmp_path):
                         f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True)
   assert out.returncode == 2 and "need a GPU" in out.stderr
   assert "refused" in json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--data="], "--data=: empty; expected at least one value"),
+    (["--data=synthetic:gen=host,synthetic:gen=host"], "--data=synthetic:gen=host,"
+     "synthetic:gen=host: synthetic:gen=host twice; expected each value once"),
+    (["--recd_repeats=2,2.0"], "--recd_repeats=2,2.0: 2 twice; expected each value once"),
+    (["--data=criteo_bin:gen", "--gen_rows=1000", "--preset=bogus"], "--preset='bogus' for "
+     "--model=dlrm: expected one of ['kaggle', 'small', 'terabyte', 'w<W>[_d<depth>]']"),
+    (["--recd_repeats=2", "--data=synthetic"], "--data: given with --recd_repeats; expected "
+     "--data_workers, --num_user, --user_bag only with --recd_repeats, --data, "
+     "--source_batches, --gen_rows only without it"),
+    (["--data_workers=0"], "--data_workers: given without --recd_repeats; expected "
+     "--data_workers, --num_user, --user_bag only with --recd_repeats, --data, "
+     "--source_batches, --gen_rows only without it"),
+])
+def test_bench_pipeline_refuses_bad_flags_before_measuring(tmp_path, args, line):
+  """Formerly: an empty --data measured nothing and wrote an empty results.json; a value
+  given twice was measured twice under one summary key; a bad --preset (or --model, --mesh)
+  failed after criteo_bin:gen had written its --gen_rows rows; --data with --recd_repeats
+  and --data_workers without it were accepted and ignored."""
+  out = run_refused("experiments.bench_pipeline", args + [
+      "--batch_size=64", "--steps=2", f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == "error: " + line
+  assert "measuring" not in out.stdout and os.listdir(tmp_path) == []
 
 
 def test_bench_pipeline_checks_every_form_before_measuring(tmp_path):

@@ -102,3 +102,22 @@ def test_table_and_summary_from_hand_made_rows():
   s = study.summary(res)
   assert s["best_by_ne"] == "wukong:kaggle" and s["bayes_ne"] == 0.75
   assert s["models"]["dlrm:kaggle"]["ne"] == pytest.approx(0.88)
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--seeds="], "--seeds=: empty; expected at least one value"),
+    (["--models="], "--models=: empty; expected at least one value"),
+    (["--seeds=0,0"], "--seeds=0,0: a seed twice; expected each seed once"),
+    (["--epochs=0"], "--epochs=0: no training; expected a number of passes > 0 (or --steps)"),
+    (["--steps=10", "--epochs=1"], "--steps=10 --epochs=1: both given; expected one budget: "
+     "--steps, or --epochs over file data"),
+])
+def test_bad_lists_and_budget_refused_before_training(tmp_path, args, line):
+  """Formerly: an empty list was refused as rec.runs' argument (`train_models: no seeds`);
+  --epochs=0 counted as no --epochs beside --steps and was refused as `train_models:
+  steps=500, epochs=0.0`; a seed given twice trained twice into one run directory and
+  reported the mean ± std of the two (std 0); --steps beside --epochs was ignored."""
+  from tests.experiments.entry import run_refused
+  out = run_refused("experiments.compare_rec", args + [f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == "error: " + line
+  assert "==" not in out.stdout and os.listdir(tmp_path) == []

@@ -90,6 +90,28 @@ def test_eval_lm_text_loss_equals_a_direct_computation(tmp_path):
           f"most {cfg.max_seq_len}") in err.splitlines()[-1]
 
 
+def test_inputs_refused_before_the_weights_load(tmp_path):
+  """--max_windows with --data=chat:FILE was accepted and ignored; a --text of fewer than
+  two tokens failed after the weights loaded, naming neither the flag nor the file."""
+  from tests.experiments.entry import run_refused
+  d, _, _, _ = _chat_dir(tmp_path)
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  chat = tmp_path / "c.jsonl"
+  chat.write_text(json.dumps({"messages": [{"role": "user", "content": "the park"},
+                                           {"role": "assistant", "content": "a dog"}]}) + "\n")
+  for args, line in (
+      ([f"--data=chat:{chat}", "--max_windows=2"], f"--max_windows=2: given with "
+       f"--data=chat:{chat}; expected --max_windows only with --text (chat rows are whole "
+       "conversations)"),
+      ([f"--text={empty}"], f"--text={empty}: 0 token(s); expected at least 2 (one to predict "
+       "from the one before it)")):
+    out = run_refused("experiments.eval_lm", [f"--checkpoint=hf:{d}", *args, "--seq_len=16",
+                                              f"--workdir={tmp_path / 'ev'}"])
+    assert out.stderr.strip().splitlines()[-1] == "error: " + line
+    assert "eval_lm:" not in out.stdout and not (tmp_path / "ev" / "results.json").exists()
+
+
 def test_chat_loss_equals_each_conversation_alone(tmp_path):
   """llm.evaluate on chat rows (one conversation per row, padded; the last batch short)
   equals each conversation run alone, on its learned targets only. The padding's positions

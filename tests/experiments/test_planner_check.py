@@ -63,3 +63,21 @@ def test_every_kind_is_within_ten_percent_of_the_compiled_train_step(tmp_path):
   summary, results = _run(tmp_path)
   rows = _check(summary, results, "train")
   assert all(r["dense_all_reduce"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("devices,args,line", [
+    (6, [], "6 cpu devices: --planner_grid=tiny has batches [32] that they do not divide; "
+     "expected a device count dividing every batch of the grid"),
+    (8, ["--sharding_kinds=tw,rw,tw"], "--sharding_kinds=tw,rw,tw: a kind twice; expected "
+     "each kind once"),
+])
+def test_flags_refused_before_the_first_compile(tmp_path, devices, args, line):
+  """Formerly: a device count that does not divide a grid point's batch stopped the run at
+  that point (after every point before it compiled), as a study ValueError naming neither
+  the devices nor the grid; a kind given twice was measured twice."""
+  out = forkserver.run(
+      [sys.executable, "-m", "experiments.planner_check", "--planner_grid=tiny",
+       f"--workdir={tmp_path}", *args],
+      cwd=REPO, env=cpu_env.cpu_env(devices), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == "error: " + line
+  assert "grid points" not in out.stdout and not (tmp_path / "results.json").exists()

@@ -135,3 +135,54 @@ def test_synthetic_run_names_what_to_give(monkeypatch, tmp_path):
                             "naming files to predict on (criteo:DIR, avazu:DIR or "
                             "criteo_bin:DIR) with the features the model was built for")
     assert "expected 'synthetic'" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["checkpoint_file", "json_output", "directory_output"])
+def test_bad_checkpoint_or_output_refused_before_loading(tmp_path, case):
+  """A --checkpoint that is a file is named as that (formerly as an unwritable --output, the
+  default CSV lying in it); an --output ending in .json (formerly the CSV, then overwritten
+  by the summary <output>.json: every prediction lost) or naming a directory (formerly a
+  traceback after the predictions) is refused before the checkpoint is read."""
+  from tests.experiments.entry import run_refused
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  out_dir = tmp_path / "out"
+  out_dir.mkdir()
+  args, line = {
+      "checkpoint_file": ([f"--checkpoint={afile}"],
+                          f"--checkpoint={afile}: no checkpoints/ directory; expected the "
+                          "--workdir of a train_rec run"),
+      "json_output": ([f"--checkpoint={tmp_path / 'absent'}", f"--output={out_dir}/p.json"],
+                      f"--output={out_dir}/p.json: a .json path, where the summary "
+                      "<output>.json would overwrite the CSV; expected a CSV path such as "
+                      "predictions.csv"),
+      "directory_output": ([f"--checkpoint={tmp_path / 'absent'}", f"--output={out_dir}"],
+                           f"--output={out_dir}: a directory; expected the path of the CSV "
+                           "to write, such as predictions.csv"),
+  }[case]
+  out = run_refused("experiments.predict", args)
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == "error: " + line
+  assert os.listdir(out_dir) == []
+
+
+def test_bad_line_leaves_no_partial_csv(tmp_path):
+  """A malformed line in the split stops the predictions with its file and line; the CSV's
+  temporary file is removed (formerly <output>.tmp was left with the rows before it)."""
+  run = tmp_path / "run"
+  out = _entry("experiments.train_rec", [
+      "--model=logreg", f"--data=criteo:{RAW}", "--num_rows=1000", "--batch_size=128",
+      "--eval_batch_size=128", "--steps=2", "--log_every=1", f"--workdir={run}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  for name in ("train.txt", "test.txt"):
+    lines = open(os.path.join(RAW, name)).read().splitlines(True)
+    if name == "test.txt":
+      lines[300] = "garbage line\n"
+    (bad / name).write_text("".join(lines))
+  out_dir = tmp_path / "out"
+  out = _entry("experiments.predict", [f"--checkpoint={run}", f"--data=criteo:{bad}",
+                                       f"--output={out_dir}/p.csv"])
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+      f"error: {bad}/test.txt:301: 1 tab-separated fields; expected 39")
+  assert not out_dir.exists() or os.listdir(out_dir) == []

@@ -61,8 +61,9 @@ def test_kill_resume_and_flag_errors(tmp_path):
       s["crc32"] for s in m[1]["splits"]["train"]["shards"]]
   # flags: one line naming the flag, status 2
   for bad, want in ((["--ids=hash", "--num_rows=3000000000"],
-                     "error: --num_rows=3,000,000,000; expected 2 <= rows <= 2^31 = "
-                     "2,147,483,648 (row 0 is the missing value, ids are int32)"),
+                     "error: --num_rows=3,000,000,000; expected 2 <= rows <= 2^31 - 2 = "
+                     "2,147,483,646 (row 0 is the missing value; a table's ids and its "
+                     "padding id, num_rows, are int32)"),
                     (["--min_count=3"],
                      f"error: {dst}/manifest.json: a finished conversion of other inputs or "
                      "settings (min_count: 2 -> 3); expected the same --src and settings to "
@@ -73,6 +74,36 @@ def test_kill_resume_and_flag_errors(tmp_path):
   out = forkserver.run(_cmd(f"--src={tmp_path / 'none'}", f"--dst={dst}"), cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and out.stderr.startswith(f"error: --src={tmp_path / 'none'}: ")
+
+
+def test_flags_refused_before_the_source_is_read(tmp_path):
+  """Formerly: --dst naming a file failed after --src was read and gzip-checked, as
+  `<dst>/train: Not a directory` without the flag; --num_rows = 2^31 converted ids no run
+  can train on (a table's padding id is num_rows, an int32); and --min_count with hashed
+  ids or --num_rows with a vocabulary were accepted and ignored. Each is one line naming
+  the flag and the value, and nothing is written."""
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "train.txt").write_text("".join(line(i) for i in range(100)))
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  dst = tmp_path / "bin"
+  for args, want in (
+      ([f"--dst={afile}"], f"error: --dst={afile}: {afile}: Not a directory; expected a "
+       "directory this run can write"),
+      ([f"--dst={dst}", "--num_rows=2147483647"], "error: --num_rows=2,147,483,647; expected "
+       "2 <= rows <= 2^31 - 2 = 2,147,483,646 (row 0 is the missing value; a table's ids and "
+       "its padding id, num_rows, are int32)"),
+      ([f"--dst={dst}", "--min_count=3"], "error: --min_count=3 with --ids=hash; expected "
+       "--min_count only with --ids=vocab (hashed ids have --num_rows rows)"),
+      ([f"--dst={dst}", "--ids=vocab", "--num_rows=1000"], "error: --num_rows=1000 with "
+       "--ids=vocab; expected --num_rows only with --ids=hash (the vocabulary's rows are "
+       "counted: --min_count sets them)")):
+    out = forkserver.run(_cmd(f"--src={src}", *args), cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == want, out.stderr
+    assert "Criteo Kaggle" not in out.stdout and not dst.exists()
+  assert afile.read_text() == ""
 
 
 def test_truncated_gz_is_one_line_and_leaves_no_directories(tmp_path):

@@ -177,6 +177,45 @@ def test_errors_in_openai_form(served):
     client.chat.completions.create(model="tiny", messages=[{"role": "user"}])
 
 
+def test_bad_flags_refused_before_the_model_loads(served, tmp_path):
+  """Each formerly failed after the weights loaded (an address in use or a host that does
+  not resolve: a traceback after every program compiled), as the engine's argument names
+  (draft=, speculative_tree=, mesh=, num_blocks=) rather than the flags. One line naming
+  the flags and what was expected, before the engine line."""
+  from tests.experiments.entry import run_refused
+  _, client, _, d = served
+  port = client.base_url.port   # the served fixture's, in use
+  nodraft = tmp_path / "nodraft"
+  nodraft.mkdir()
+  for args, line in (
+      (["--decode_vocab=5"], "--decode_vocab=5: no --draft; expected --decode_vocab=0 without a "
+       "draft head"),
+      (["--speculative_tree=2:4:5"], "--draft='' and --speculative_tree='2:4:5': one without "
+       "the other; expected both (a speculative engine) or neither"),
+      (["--speculative_tree=2:4", "--draft=random"], "--speculative_tree=2:4: tree shape "
+       "'2:4'; expected TOP_K:DEPTH:BUDGET of integers >= 1 (e.g. 2:4:5) or chain:DEPTH"),
+      (["--speculative_tree=0:4:5", "--draft=random"], "--speculative_tree=0:4:5: top_k=0; "
+       "expected TOP_K:DEPTH:BUDGET of integers >= 1 (e.g. 2:4:5) or chain:DEPTH"),
+      ([f"--draft={nodraft}", "--speculative_tree=2:4:5"], f"--draft={nodraft}: no "
+       "checkpoints/ directory in it; expected a draft-head run's workdir "
+       "(experiments.spec_decode's <workdir>/draft) or 'random'"),
+      (["--cp_prefill_min=32"], "--cp_prefill_min=32 and --mesh='': one without the other; "
+       "expected both (--mesh with a cp axis of 2 or more devices, e.g. --mesh=cp:2) or "
+       "neither"),
+      (["--max_model_len=97"], "--max_model_len=97: beyond the model's context (96); expected "
+       "at most 96"),
+      (["--num_blocks=4"], "--num_blocks=4: 3 pages of 16 slots besides the padding page, "
+       "fewer than one request of 96 tokens (--max_model_len) takes; expected at least 7"),
+      (["--paged_attention=pallas", "--block_size=8"], "--block_size=8: not a power of two "
+       ">= 16; expected a power of two >= 16 with the Pallas kernel (--paged_attention=pallas)"),
+      ([f"--port={port}"], f"--host=127.0.0.1 --port={port}: Address already in use; expected "
+       "an address this machine can listen on (a free --port, a local --host)")):
+    out = run_refused("experiments.serve", [f"--checkpoint=hf:{d}", *args])
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == "error: " + line
+    assert "engine:" not in out.stdout
+  assert os.listdir(nodraft) == []
+
+
 def test_sigterm_lets_the_stream_finish_and_exits_0(served):
   server, client, tok, _ = served
   stream = client.completions.create(model="tiny", prompt="the park", max_tokens=40,
