@@ -97,8 +97,7 @@ def _parse(argv: list[str]) -> list[str]:
     return FLAGS(argv)
   except flags.Error as e:
     message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    print(f"error: {message} (--helpshort or --helpfull list the flags)", file=sys.stderr,
-          flush=True)
+    print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(USER_ERROR_STATUS)
   except SystemExit as e:
     if e.code == 1 and asks_for_help(argv[1:]):

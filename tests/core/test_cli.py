@@ -79,10 +79,11 @@ def test_a_bad_flag_is_a_settings_error(capsys):
   code, out, err = _in_process(ran.append, "--no_such_flag=1", capsys=capsys)
   assert code == 2 and out == "" and not ran
   assert err.startswith("error: Unknown command line flag 'no_such_flag'")
-  assert len(err.splitlines()) == 1 and "--helpshort" in err
+  assert len(err.splitlines()) == 1
   code, _, err = _in_process(ran.append, "--verbose_errors=maybe", capsys=capsys)
   assert code == 2 and not ran and len(err.splitlines()) == 1
   assert err.startswith("error: flag --verbose_errors=maybe: ")
+
 
 def test_a_stop_on_request_and_a_failed_checkpoint_write_end_in_one_line(capsys):
   from core import checkpoint as ckpt_lib
