@@ -66,11 +66,16 @@ def main(argv):
   if os.path.abspath(summary_path) == os.path.abspath(output):
     raise UserError(f"--output={output}: a .json path, where the summary <output>.json would "
                     "overwrite the CSV; expected a CSV path such as predictions.csv")
-  # The checkpoint before the CSV's directory: the default CSV lies in it, so a wrong
-  # --checkpoint is named as that, not as an unwritable --output.
+  # A read-only or missing place for the CSV is named now, not after the predictions: a
+  # given --output before the checkpoint is read; the default CSV lies in the checkpoint,
+  # so there a wrong --checkpoint is named as that, not as an unwritable --output.
+  check_output = lambda: workdir_lib.check_writable(  # noqa: E731
+      os.path.dirname(os.path.abspath(output)), "--output", output)
+  if FLAGS.output:
+    check_output()
   predict_lib.saved_settings(FLAGS.checkpoint)
-  # A read-only or missing place for the CSV is named now, not after the predictions.
-  workdir_lib.check_writable(os.path.dirname(os.path.abspath(output)), "--output", output)
+  if not FLAGS.output:
+    check_output()
   t0 = time.time()
   run = predict_lib.load_run(FLAGS.checkpoint, FLAGS.data or None, FLAGS.split,
                              days=FLAGS.days, batch_size=FLAGS.batch_size or None,

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from core import mesh as mesh_lib
 
 
+@pytest.mark.devices(8)
 def test_parse_and_build():
   assert mesh_lib.parse_mesh("data:2,model:4") == [("data", 2), ("model", 4)]
   assert mesh_lib.parse_mesh("-1") == [("data", -1)]
@@ -28,11 +29,13 @@ def test_parse_and_build():
     ("data:2,data:4", "appears twice"),
     ("data:-1,model:-1", "at most one axis"),
 ])
+@pytest.mark.devices(8)
 def test_bad_mesh_names_counts(spec, msg):
   with pytest.raises(ValueError, match=msg):
     mesh_lib.make_mesh(spec)
 
 
+@pytest.mark.devices(8)
 def test_logical_rules_drop_missing_axes():
   m2 = mesh_lib.make_mesh("data:2,model:4")
   m1 = mesh_lib.make_mesh("data:8")
@@ -44,6 +47,7 @@ def test_logical_rules_drop_missing_axes():
     mesh_lib.logical_to_spec(("nope",), rules, m1)
 
 
+@pytest.mark.devices(8)
 def test_shard_batch_splits_leading_dim():
   m = mesh_lib.make_mesh("data:2,model:4")
   x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
@@ -109,6 +113,7 @@ def test_shard_batch_takes_a_process_s_share_of_the_batch(tmp_path):
         "all)"], out
 
 
+@pytest.mark.devices(8)
 def test_unknown_axis_is_an_error_naming_the_known_axes():
   # A typo used to build a mesh on which no logical name lands: every device did all the work.
   with pytest.raises(ValueError, match=r"--mesh='dta:8': unknown axis 'dta'; REC_RULES knows "
@@ -124,6 +129,7 @@ def test_unknown_axis_is_an_error_naming_the_known_axes():
       "fsdp": 2, "tp": 4}
 
 
+@pytest.mark.devices(8)
 def test_rules_may_declare_extra_axes():
   rules = tuple(mesh_lib.REC_RULES) + ((mesh_lib.EXTRA_AXES, ("stage",)),)
   with pytest.raises(ValueError, match="unknown axis 'stage'"):

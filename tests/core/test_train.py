@@ -52,6 +52,7 @@ def _losses(workdir):
     return [(r["step"], r["loss"]) for r in map(json.loads, f) if r["split"] == "train"]
 
 
+@pytest.mark.devices(8)
 def test_resume_is_bit_exact(tmp_path):
   cfg = _cfg(mesh="data:2,model:4", sharding="tw")
   task, straight = _train(cfg, tmp_path / "a", eval_every=10)
@@ -86,6 +87,7 @@ def test_resume_is_bit_exact(tmp_path):
 @pytest.mark.parametrize("sharding,sparse_optimizer", [
     pytest.param("dp", "rowwise_adagrad", marks=pytest.mark.slow),
     pytest.param("tw", "rowwise_adagrad", marks=pytest.mark.slow), ("auto", "adagrad")])
+@pytest.mark.devices(8)
 def test_eight_devices_equal_one(tmp_path, sharding, sparse_optimizer):
   one = jax.devices()[:1]
   kw = dict(sharding=sharding, sparse_optimizer=sparse_optimizer)
@@ -119,6 +121,7 @@ def _settings(cfg):
   return cfg.flat_settings()
 
 
+@pytest.mark.devices(8)
 def test_resume_with_other_settings_is_one_error(tmp_path):
   cfg = _cfg(mesh="data:8")
   _train(cfg, tmp_path, steps=6, settings=_settings(cfg))
@@ -144,6 +147,7 @@ def test_resume_with_other_settings_is_one_error(tmp_path):
     train_lib.train(_NotBuilt(), None, None, dataclasses.replace(loop, resume=False))
 
 
+@pytest.mark.devices(8)
 def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capfd):
   cfg = _cfg(mesh="data:8")
   _train(cfg, tmp_path, steps=4, settings=_settings(cfg))
@@ -166,6 +170,7 @@ def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capf
            resume_allow=("model",))
 
 
+@pytest.mark.devices(8)
 def test_overwrite_starts_afresh(tmp_path):
   cfg = _cfg(mesh="data:8")
   _, first = _train(cfg, tmp_path, steps=4, settings=_settings(cfg))
@@ -287,6 +292,7 @@ def test_nonfinite_skip_leaves_the_state_and_counts(tmp_path):
                     dataclasses.replace(loop, workdir=str(tmp_path / "all"), max_skipped_in_a_row=3))
 
 
+@pytest.mark.devices(8)
 def test_skip_step_touches_no_row_on_eight_devices():
   cfg = _cfg(mesh="data:2,model:4", sharding="tw")
   task, train_src, _, _, _ = configs.build_run(cfg)

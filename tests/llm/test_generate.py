@@ -176,6 +176,7 @@ def test_generate_stays_within_max_seq_len(tiny, greedy_out):
     G.generate(tiny, [[1] * 500], 13)
 
 
+@pytest.mark.devices(8)
 def test_sharded_generate_equals_single_device():
   model, _ = make_model(TINY_TIED)
   prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [100], [7, 7, 7, 7]]

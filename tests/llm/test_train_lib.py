@@ -146,6 +146,7 @@ def _run_steps(task, src, n, start_state=None, start=0):
   return state, losses
 
 
+@pytest.mark.devices(8)
 def test_sharded_training_equals_single_device(text_file):
   cfg = get_config("tiny")
   optim = train_lib.OptimConfig(peak_lr=1e-2, warmup_steps=2, total_steps=6)
@@ -162,6 +163,7 @@ def test_sharded_training_equals_single_device(text_file):
   assert tuple(wq.sharding.spec) in (("fsdp", "tp"), ("fsdp", "tp", None))
 
 
+@pytest.mark.devices(8)
 def test_loop_resume_is_exact(text_file, tmp_path):
   cfg = get_config("tiny")
   optim = train_lib.OptimConfig(peak_lr=1e-2, warmup_steps=2, total_steps=8)
@@ -236,6 +238,7 @@ def test_chunked_loss_never_builds_full_logits():
   assert not any(len(s) == 3 and s[-1] == v and s[1] > t // chunks for s in shapes)
 
 
+@pytest.mark.devices(8)
 def test_task_chunked_loss_and_bf16_moments_train_like_plain(text_file):
   """LMTask with the chunked loss takes the same steps as with the plain loss; AdamW's first
   moment in bf16 stays close and still lowers the loss."""

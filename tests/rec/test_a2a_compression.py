@@ -145,6 +145,7 @@ def mesh8():
   return mesh_lib.make_mesh("data:2,model:4")
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("kind", ["mixed"])    # tw, rw, twrw and cw groups in one collection
 def test_sharded_exchange_within_bound(kind, mesh8):
   plan = {t.name: PLANS[kind](i) for i, t in enumerate(TABLES)}
@@ -164,6 +165,7 @@ def test_sharded_exchange_within_bound(kind, mesh8):
   assert np.abs(grad["t0"] - grad0["t0"]).max() > 0
 
 
+@pytest.mark.devices(8)
 def test_table_factor_reaches_its_table_in_an_a2a_group_not_starting_at_table_0(mesh8):
   # t0 rw, t1..t5 tw: the a2a group's slots hold group-local features 0..4 (t1..t5). The
   # factors are in table order, and were indexed by the group-local feature: t3's 0.05
@@ -180,6 +182,7 @@ def test_table_factor_reaches_its_table_in_an_a2a_group_not_starting_at_table_0(
   assert err[4] > 0.05 * eb, err      # t4 keeps the full bound (it did compress loosely)
 
 
+@pytest.mark.devices(8)
 def test_sharded_equals_single_device_compressed(mesh8):
   """Table-wise: each bag sum is computed whole on its owner, so the compressed exchange on
   8 devices gives the bits of the 1-device compressed lookup."""
@@ -196,6 +199,7 @@ def test_sharded_equals_single_device_compressed(mesh8):
     np.testing.assert_allclose(g8[t.name], g1[t.name], rtol=0, atol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_fallback_is_bit_identical_and_payload_bytes(mesh8):
   """A bound below float32's resolution for these values makes every exchange fall back:
   the result is the uncompressed one bit for bit. The compiled exchange sends the
@@ -215,6 +219,7 @@ def test_fallback_is_bit_identical_and_payload_bytes(mesh8):
   assert b["payload"] == 2 * rows * ac.payload_bytes(W, 16)   # forward + gradient
 
 
+@pytest.mark.devices(8)
 def test_exchange_bytes_count_the_pooled_exchange_only(mesh8):
   """`exchange_bytes` counts the pooled partials' exchanges and their gradients, whatever
   else the train step gathers (ids, per-id weights of multi-id bags, a dp table's

@@ -204,6 +204,7 @@ def test_linear_compression_matches_numpy():
 
 # ---------------------------------------------------------------------------- placement
 
+@pytest.mark.devices(8)
 def test_every_kernel_carries_rule_names():
   """Each layer's weights carry names the REC rules table knows (else placement fails)."""
   makers = [lambda r: CrossLayer(4, r), lambda r: CrossLayer(4, r, rank=2),

@@ -356,6 +356,7 @@ def _train(task, train_src, state, steps=2):
   return state, losses
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("model_name", ["dcnv2", "dhen", "wukong"])
 def test_train_steps_eight_devices_equal_one(model_name):
   """Train steps through configs.build_run / RecTask (as train_rec runs them): 8-way data

@@ -241,6 +241,7 @@ def test_device_batches_are_draws_of_the_reference_model(teacher, multi_hot):
   assert abs(y.mean() - np.concatenate([b.labels for b in r]).mean()) < 0.02
 
 
+@pytest.mark.devices(8)
 def test_device_batches_do_not_depend_on_the_mesh_and_resume():
   import jax
   from core import mesh as mesh_lib
@@ -261,6 +262,7 @@ def test_device_batches_do_not_depend_on_the_mesh_and_resume():
   assert not np.array_equal(np.asarray(a[0].ids), np.asarray(a[1].ids))
 
 
+@pytest.mark.devices(8)
 def test_device_synthetic_trains_and_resumes_exactly(tmp_path):
   import json
   import os

@@ -130,6 +130,7 @@ PAIRS = [
 ]
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("opt", ["rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("src,dst", PAIRS, ids=lambda p: f"{p[0]}@{p[1]}")
 def test_round_trip_is_bitwise(src, dst, opt, meshes):
@@ -151,6 +152,7 @@ def test_round_trip_is_bitwise(src, dst, opt, meshes):
   assert _same(jax.device_get(a.from_layout(b.layout(), jax.device_get(sb), step=3)), sa)
 
 
+@pytest.mark.devices(8)
 def test_one_hot_and_multi_hot_lookups_after_resharding(meshes):
   """Pooled embeddings of the resharded state: bit for bit where a bag's rows are summed on
   one device in both layouts; where row shards' partial sums regroup (rw, twrw -> one
@@ -181,6 +183,7 @@ def test_one_hot_and_multi_hot_lookups_after_resharding(meshes):
   np.testing.assert_array_equal(np.asarray(jax.jit(b.lookup)(sb, ids, one, w)), ea1)
 
 
+@pytest.mark.devices(8)
 def test_cw_into_another_chunk_count(meshes):
   """cw over 4 chunks -> one chunk (and back to 2): float rows and Adam state exact, int8
   rows requantized to nearest, row-wise Adagrad's accumulators the
@@ -219,6 +222,7 @@ def test_cw_into_another_chunk_count(meshes):
         np.testing.assert_array_equal(lc[t.name][(0, 4)].opt["m"], lb[t.name][(0, 8)].opt["m"][:, :4])
 
 
+@pytest.mark.devices(8)
 def test_partial_cache_keeps_what_fits_and_writes_back_the_rest(meshes):
   """A cache of a quarter of each block's rows, rw over 8 -> tw on one device (one block,
   other sets): resident rows that fit keep their fp32 values; the others get the codes an
@@ -255,6 +259,7 @@ def test_partial_cache_keeps_what_fits_and_writes_back_the_rest(meshes):
     assert evicted > 0     # the test saw an overflow
 
 
+@pytest.mark.devices(8)
 def test_sptt_towers_into_plain_kinds_and_back(meshes):
   tables = [dataclasses.replace(t, storage=StorageSpec("fp32")) for t in TABLES[:6]]
   plan = planner_lib.tower_plan(tables, [[0, 3, 5], [1, 2, 4]], 8)
@@ -266,6 +271,7 @@ def test_sptt_towers_into_plain_kinds_and_back(meshes):
   assert a.layout().describe() == "8 devices (data:2,model:4) sptt"
 
 
+@pytest.mark.devices(8)
 def test_host_templates_are_a_fresh_state(meshes):
   """The padding template made on the host from one row equals the collection's fresh
   buffers (`_empty_group`), every storage kind; its tree gives the state's shardings."""
@@ -278,6 +284,7 @@ def test_host_templates_are_a_fresh_state(meshes):
   assert jax.tree.structure(coll.state_shardings()) == jax.tree.structure(want)
 
 
+@pytest.mark.devices(8)
 def test_layout_json_describe_and_other_tables(meshes):
   a = EmbeddingCollection(TABLES, _plan("mixed", 8), meshes["8"], OPTS["adam"])
   lay = a.layout()

@@ -114,6 +114,7 @@ def test_train_rec_writes_config_py_that_replays_the_run(tmp_path):
       os.path.join(second, train_rec.CONFIG_FILE)).read()
 
 
+@pytest.mark.devices(8)
 def test_auto_plan_prices_the_datas_padded_bags(monkeypatch):
   """build_run hands the planner the train source's padded bag (`DataSpec.max_ids_per_bag`):
   the per-step bytes of the plan grow with the bag length."""
