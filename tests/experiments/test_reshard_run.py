@@ -145,8 +145,10 @@ def test_predict_on_one_device(rw8):
   src = rw8[0]
   np.testing.assert_array_equal(predictions(src, 1), predictions(src, 8))
   # 3 devices do not divide the run's eval batch of 128: the batch is 129 (once refused,
-  # naming a --batch_size / --mesh predict was never given).
-  np.testing.assert_array_equal(predictions(src, 3), predictions(src, 8))
+  # naming a --batch_size / --mesh predict was never given). Batches of 43 rows per device
+  # may group the logit's float32 sum of 26 terms otherwise (jax 0.12's XLA:CPU does): a
+  # few float32 ulps.
+  np.testing.assert_allclose(predictions(src, 3), predictions(src, 8), rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow   # the default suite: test_predict_on_one_device (load_run, in-process)
