@@ -15,3 +15,19 @@ def peer_python(variable: str) -> str:
     return os.environ[variable]
   tried = peers.environments()
   return next((path for path in tried if os.path.exists(path)), tried[0])
+
+
+def run_script(peer: str, script: str, tmp_path, lacks: str, out: str = "out.npz") -> str:
+  """Runs `script` in the peer interpreter with argv [tmp_path/in.npz, tmp_path/out] (the
+  test writes the first, the script the second); a missing module there skips the test
+  naming `lacks`, any other failure fails it with the script's stderr. Returns out's path."""
+  import subprocess
+
+  import pytest
+  dst = os.path.join(str(tmp_path), out)
+  r = subprocess.run([peer, "-c", script, os.path.join(str(tmp_path), "in.npz"), dst],
+                     capture_output=True, text=True, timeout=600)
+  if r.returncode and "No module named" in r.stderr:
+    pytest.skip(f"{peer} lacks {lacks}: {r.stderr.strip()[-200:]}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  return dst

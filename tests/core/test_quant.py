@@ -7,7 +7,6 @@ from __future__ import annotations
 import fractions
 import os
 import re
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ import pytest
 
 from core import quant
 from core.quant import exact
+from tests import peer_env
 from tests.peer_env import peer_python
 
 
@@ -426,11 +426,7 @@ def test_fused_rows_bit_exact_with_fbgemm_ops(tmp_path):
       sb = (rng.normal(size=(64, 2)) * 10.0 ** rng.uniform(-8, 3, (64, 1))).astype(np.float32)
     fused[f"f{key}"] = np.concatenate([codes, sb.view(np.uint8)], 1)
   np.savez(tmp_path / "in.npz", x=x, **fused)
-  r = subprocess.run([peer, "-c", _FBGEMM_ROWWISE, str(tmp_path / "in.npz"),
-                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
-  if r.returncode and "No module named" in r.stderr:
-    pytest.skip(f"{peer} lacks fbgemm_gpu: {r.stderr.strip()[-200:]}")
-  assert r.returncode == 0, r.stderr[-3000:]
+  peer_env.run_script(peer, _FBGEMM_ROWWISE, tmp_path, "fbgemm_gpu")
   fb = dict(np.load(tmp_path / "out.npz"))
   np.testing.assert_array_equal(quant.to_fused_bytes(quant.quantize_rowwise_int8(x)), fb["q8"])
   for bits in (8, 4, 2):

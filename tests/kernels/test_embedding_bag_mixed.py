@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ import pytest
 from core import quant
 from kernels import embedding_bag as eb
 from tests.kernels.test_embedding_bag import _lower_for_gpu
+from tests import peer_env
 from tests.peer_env import peer_python
 
 # (rows per table, dim, batch, bag length, launch config)
@@ -333,11 +333,7 @@ def test_pooled_nbit_bags_equal_fbgemm_tbe(tmp_path):
   inp["weights"] = np.concatenate(weights).astype(np.float32)
   inp["offsets"] = np.concatenate([[0], np.cumsum(np.tile(lengths, 3))]).astype(np.int32)
   np.savez(tmp_path / "in.npz", **inp)
-  r = subprocess.run([peer, "-c", _FBGEMM_TBE, str(tmp_path / "in.npz"),
-                      str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=600)
-  if r.returncode and "No module named" in r.stderr:
-    pytest.skip(f"{peer} lacks fbgemm_gpu: {r.stderr.strip()[-200:]}")
-  assert r.returncode == 0, r.stderr[-3000:]
+  peer_env.run_script(peer, _FBGEMM_TBE, tmp_path, "fbgemm_gpu", out="out.npy")
   fb = np.load(tmp_path / "out.npy")
   col = 0
   for t, ids, coef in tables:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from rec.layers.interaction import cat_interaction, dot_interaction
 from rec.layers.mlp import MLP
 from rec.models.dlrm import DLRM, DLRMConfig
 from rec.models.logreg import LogReg, LogRegConfig
+from tests import peer_env
 from tests.peer_env import peer_python
 
 
@@ -312,10 +312,6 @@ def test_dlrm_matches_torchrec(tmp_path):
              for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   np.savez(tmp_path / "in.npz", dense=dense, emb=emb, bottom=cfg.bottom_mlp, top=cfg.top_mlp,
            **weights)
-  r = subprocess.run([peer, "-c", _TORCHREC_DLRM, str(tmp_path / "in.npz"),
-                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
-  if r.returncode and "No module named" in r.stderr:
-    pytest.skip(f"{peer} lacks torchrec: {r.stderr.strip()[-200:]}")
-  assert r.returncode == 0, r.stderr[-3000:]
+  peer_env.run_script(peer, _TORCHREC_DLRM, tmp_path, "torchrec")
   want = np.load(tmp_path / "out.npz")["logits"]
   np.testing.assert_allclose(np_dlrm(model, dense, emb), want, rtol=1e-10, atol=1e-10)

@@ -7,7 +7,6 @@ bags, per-id weights, sum and mean pooling.
 
 import os
 import re
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from rec.embedding import optimizers as opt_lib
 from rec.embedding.collection import EmbeddingCollection
 from rec.embedding.config import TableConfig
 from rec.embedding.planner import TablePlacement
+from tests import peer_env
 from tests.peer_env import peer_python
 
 # Row counts chosen so that no table splits evenly over 8 devices or a 4-device group.
@@ -318,11 +318,7 @@ def test_pooling_and_gradients_match_torch_embedding_bag(mesh8, tmp_path):
   np.savez(tmp_path / "in.npz", ids=ids, lengths=lengths, weights=weights, target=target,
            modes=np.asarray([t.pooling for t in TABLES]),
            **{f"w{f}": full[t.name] for f, t in enumerate(TABLES)})
-  r = subprocess.run([peer, "-c", _TORCH_BAGS, str(tmp_path / "in.npz"),
-                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
-  if r.returncode and "No module named" in r.stderr:
-    pytest.skip(f"{peer} lacks torch: {r.stderr.strip()[-200:]}")
-  assert r.returncode == 0, r.stderr[-3000:]
+  peer_env.run_script(peer, _TORCH_BAGS, tmp_path, "torch")
   ref = dict(np.load(tmp_path / "out.npz"))
   bi, bl, bw, bt = mesh_lib.shard_batch((ids, lengths, weights, target), mesh8,
                                         mesh_lib.REC_RULES)

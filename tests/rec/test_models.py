@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -25,6 +24,7 @@ from rec.models.dlrm import DLRMConfig
 from rec.models.wukong import SCALING_LADDER, Wukong, WukongConfig
 from tests import cpu_env
 from tests import forkserver
+from tests import peer_env
 from tests.peer_env import peer_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -225,11 +225,7 @@ def test_dcnv2_matches_torchrec_dlrm_dcn(tmp_path):
              for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   np.savez(tmp_path / "in.npz", dense=dense.astype(np.float64), emb=emb.astype(np.float64),
            bottom=cfg.bottom_mlp, deep=cfg.deep_mlp, layers=[2], rank=[3], **weights)
-  r = subprocess.run([peer, "-c", _TORCHREC_DCN, str(tmp_path / "in.npz"),
-                      str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
-  if r.returncode and "No module named" in r.stderr:
-    pytest.skip(f"{peer} lacks torchrec: {r.stderr.strip()[-200:]}")
-  assert r.returncode == 0, r.stderr[-3000:]
+  peer_env.run_script(peer, _TORCHREC_DCN, tmp_path, "torchrec")
   want = np.load(tmp_path / "out.npz")["logits"]
   np.testing.assert_allclose(np_dcnv2(model, dense.astype(np.float64), emb.astype(np.float64)),
                              want, rtol=1e-10, atol=1e-10)
