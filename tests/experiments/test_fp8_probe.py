@@ -43,17 +43,23 @@ def test_runs_end_to_end(tmp_path):
   assert "out SQNR" in stdout and "FP8 emulated" in stdout
 
 
-def test_probe_on_a_small_model():
-  """The probe's rows: one per layer plus all, errors in the range FP8 gives; an untrained
-  model keeps every layer's log loss within a percent; safe = under the threshold."""
+def _small_dlrm():
+  """(cfg, model config, task, untrained state, eval source) of a small DLRM on one device."""
   cfg = configs.make_run(model="dlrm", preset="small", data="synthetic", num_rows=200,
-                             batch_size=64, eval_batch_size=256, eval_batches=1, mesh="data:1")
+                         batch_size=64, eval_batch_size=256, eval_batches=1, mesh="data:1")
   task, train_src, eval_src, _, _ = configs.build_run(cfg, devices=jax.devices()[:1])
   mcfg = dataclasses.replace(configs.model_config(cfg, train_src.spec), top_mlp=(1,),
                              bottom_mlp=(16,), embedding_dim=16)
   task.model_fn = lambda rngs: dlrm.DLRM(mcfg, rngs)
   state = {"params": nnx.to_pure_dict(nnx.state(dlrm.DLRM(mcfg, nnx.Rngs(0)))),
            "emb": task.collection.init(jax.random.key(1))}
+  return cfg, mcfg, task, state, eval_src
+
+
+def test_probe_on_a_small_model():
+  """The probe's rows: one per layer plus all, errors in the range FP8 gives; an untrained
+  model keeps every layer's log loss within a percent; safe = under the threshold."""
+  cfg, mcfg, task, state, eval_src = _small_dlrm()
   trained = fp8_probe.Trained(cfg, mcfg, task, state, eval_src, {})
   inputs = fp8_probe.eval_inputs(trained, 1)
   rep = fp8_probe.probe(trained, "row", inputs=inputs, progress=lambda s: None)
@@ -113,14 +119,7 @@ def test_probe_leaves_out_padding_rows():
   per-tensor scale is taken over the whole tensor, so padding rows once entered all three
   (the Criteo sample's 800 eval rows in one batch of 2048 were 61% padding). An all-padding
   batch is skipped."""
-  cfg = configs.make_run(model="dlrm", preset="small", data="synthetic", num_rows=200,
-                         batch_size=64, eval_batch_size=256, eval_batches=1, mesh="data:1")
-  task, train_src, eval_src, _, _ = configs.build_run(cfg, devices=jax.devices()[:1])
-  mcfg = dataclasses.replace(configs.model_config(cfg, train_src.spec), top_mlp=(1,),
-                             bottom_mlp=(16,), embedding_dim=16)
-  task.model_fn = lambda rngs: dlrm.DLRM(mcfg, rngs)
-  state = {"params": nnx.to_pure_dict(nnx.state(dlrm.DLRM(mcfg, nnx.Rngs(0)))),
-           "emb": task.collection.init(jax.random.key(1))}
+  cfg, mcfg, task, state, eval_src = _small_dlrm()
   full = next(iter(eval_src.batches(0)))
   n = 200
   real = dataclasses.replace(full, **{k: np.asarray(getattr(full, k))[:n] for k in
