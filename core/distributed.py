@@ -110,6 +110,17 @@ def _launcher() -> str | None:
   return None
 
 
+def _check_address(address: str, source: str) -> None:
+  """HOST:PORT (an IPv6 host in brackets) with a port in [1, 65535]: jax takes the port after
+  the last ':' for process 0's service, and without one (an IndexError) or with one that is
+  not a number or is 0 (an abort in its C++ service) ends the process naming neither."""
+  host, sep, port = address.rpartition(":")
+  if not (sep and host and host != "[]" and port.isascii() and port.isdigit()
+          and 1 <= int(port) <= 65535) or (":" in host and not host.startswith("[")):
+    raise UserError(f"{source}={address!r}: expected HOST:PORT with a port in [1, 65535] "
+                    "(an IPv6 host in brackets: [::1]:1234), process 0's address")
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, mode: str = "auto",
                heartbeat_timeout_s: int = 60, initialization_timeout_s: int = 300) -> bool:
@@ -118,10 +129,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   global _initialized
   if _initialized or mode == "off":
     return _initialized
+  address_from = "--coordinator_address" if coordinator_address else "$JAX_COORDINATOR_ADDRESS"
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if coordinator_address:
+    _check_address(coordinator_address, address_from)
+  # Where each value came from, for the messages (the flags have bounds, the environment not).
+  n_from = "--num_processes" if num_processes is not None else "$JAX_NUM_PROCESSES"
+  id_from = "--process_id" if process_id is not None else next(
+      (f"${n}" for n in ("JAX_PROCESS_ID", "JOB_COMPLETION_INDEX")
+       if os.environ.get(n) not in (None, "")), "--process_id")
   num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
   process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID",
                                                                   "JOB_COMPLETION_INDEX")
+  if num_processes is not None and num_processes < 1:
+    raise UserError(f"{n_from}={num_processes}: expected an integer >= 1")
   launcher = _launcher()
   if mode == "auto" and not coordinator_address and launcher is None:
     if num_processes not in (None, 1) or process_id not in (None, 0):
@@ -134,7 +155,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     f"--process_id (got {num_processes}, {process_id}); their $JAX_NUM_PROCESSES / "
                     "$JAX_PROCESS_ID / $JOB_COMPLETION_INDEX forms work too")
   if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
-    raise UserError(f"--process_id={process_id}: expected in [0, --num_processes={num_processes})")
+    raise UserError(f"{id_from}={process_id}: expected in [0, {n_from}={num_processes})")
   # Cross-process collectives of the CPU backend need a transport (GPUs use NCCL); and its
   # thread pool must outnumber the devices that can block in one (with the default of one
   # thread per core, steps queued by async dispatch deadlock on a 2-core machine).
@@ -241,8 +262,12 @@ def _quiet_stdout() -> None:
       os.dup2(devnull, 1)
       os.close(devnull)
     elif not os.isatty(1):
-      proc = subprocess.Popen([sys.executable, "-c", _STDOUT_FILTER], stdin=subprocess.PIPE,
-                              stdout=os.dup(1), close_fds=True)
+      real = os.dup(1)
+      try:
+        proc = subprocess.Popen([sys.executable, "-c", _STDOUT_FILTER],
+                                stdin=subprocess.PIPE, stdout=real, close_fds=True)
+      finally:
+        os.close(real)   # the filter holds it now; a copy kept here would never be closed
       os.dup2(proc.stdin.fileno(), 1)
       proc.stdin.close()
   except OSError as e:   # the output is only noisier

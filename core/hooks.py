@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import jax
 import numpy as np
 
-from core import distributed
+from core import distributed, errors
 
 if TYPE_CHECKING:
   from core.train import Run
@@ -68,8 +68,7 @@ class MetricWriter:
       return
     if resume_step is not None and os.path.exists(self.path):
       # Drop records past the checkpoint: the resumed run writes them again.
-      with open(self.path) as f:
-        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= resume_step]
+      keep = [l for _, l, rec in _records(self.path) if rec["step"] <= resume_step]
       with open(self.path + ".tmp", "w") as f:
         f.writelines(keep)
       os.replace(self.path + ".tmp", self.path)
@@ -102,6 +101,33 @@ class MetricWriter:
       self._f.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def _records(path: str) -> list[tuple[int, str, dict]]:
+  """(line number, line, record) of each record of a metrics.jsonl. A last line that is not
+  a whole record (a write cut short by a crash: part of a line, or the zero bytes a file
+  system leaves after a power loss) is dropped with one printed line; a bad line before
+  others is a UserError naming the file and line."""
+  with open(path, "rb") as f:
+    lines = [(i, l.decode("utf-8", "replace")) for i, l in enumerate(f, 1)
+             if l.strip(b" \t\r\n\x00")]
+  out = []
+  for j, (i, line) in enumerate(lines):
+    try:
+      rec = json.loads(line)
+      ok = isinstance(rec, dict) and isinstance(rec.get("step"), int)
+    except ValueError:
+      ok = False
+    if ok:
+      out.append((i, line if line.endswith("\n") else line + "\n", rec))
+    elif j == len(lines) - 1:
+      print(f"{path}:{i}: dropped a last line that is not a whole record (a write cut short): "
+            f"{line[:80]!r}", flush=True)
+    else:
+      raise errors.expected(f"{path}:{i}", f"{line[:80]!r} is not a metrics record",
+                            "one JSON object with an integer 'step' per line (remove the "
+                            "line, or resume elsewhere)")
+  return out
 
 
 def _fmt_time(s: float) -> str:

@@ -83,7 +83,7 @@ def per_device_budget(mem: DeviceMemory, headroom: float = GPU_HEADROOM) -> int:
 def format_bytes(n: float) -> str:
   """n bytes in the largest binary unit that keeps the number at or above 1."""
   for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024:
+    if abs(round(n, 0 if unit == "B" else 1)) < 1024:   # as printed: never "1024.0 KiB"
       return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
     n /= 1024
   return f"{n:,.1f} TiB"

@@ -16,6 +16,31 @@ def _plain(o: Any) -> Any:
   return o.item() if hasattr(o, "item") else str(o)
 
 
+def _json_key(k: Any) -> Any:
+  """A dict key JSON can hold: numpy / jax scalars as their number, other non-JSON keys (a
+  tuple, a path) as their str(); json.dump refuses them whole, losing the file."""
+  if k is None or isinstance(k, (str, int, float, bool)):
+    return k
+  if hasattr(k, "item") and getattr(k, "shape", None) == ():
+    return _json_key(k.item())
+  return str(k)
+
+
+def _with_json_keys(o: Any, seen: frozenset = frozenset()) -> Any:
+  """`o` with every dict's keys made `_json_key`s (json.dump refuses the others whole); a
+  container met again inside itself is left as it is, for json's circular-reference error."""
+  if not isinstance(o, (dict, list, tuple)) or id(o) in seen:
+    return o
+  seen = seen | {id(o)}
+  if isinstance(o, dict):
+    out = {_json_key(k): _with_json_keys(v, seen) for k, v in o.items()}
+    if len(out) != len(o):
+      clash = sorted(map(repr, o))[:6]
+      raise ValueError(f"dict keys {clash} give the same JSON key; expected distinct keys")
+    return out
+  return [_with_json_keys(v, seen) for v in o]
+
+
 def write_json(obj: Any, path: str) -> str:
   """Writes `obj` as indented JSON to `path` through a temporary file; returns the path.
   In a multi-process run only process 0 writes."""
@@ -26,7 +51,9 @@ def write_json(obj: Any, path: str) -> str:
   tmp = path + ".tmp"
   try:
     with open(tmp, "w") as f:
-      json.dump(obj, f, indent=2, default=_plain)
+      json.dump(_with_json_keys(obj), f, indent=2, default=_plain)
+      f.flush()
+      os.fsync(f.fileno())   # the rename must not outlive the bytes after a crash
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):   # a value json could not write: no half file left behind
@@ -43,7 +70,7 @@ def print_summary(summary: Any) -> None:
   """Prints `summary` as one JSON line (numpy scalars as numbers, arrays as lists, anything
   else JSON cannot hold as its str()): an experiment's last stdout line, which scripts and
   CI read."""
-  print(json.dumps(summary, default=_plain), flush=True)
+  print(json.dumps(_with_json_keys(summary), default=_plain), flush=True)
 
 
 def finish(workdir: str, results: Any, summary: Any) -> str:

@@ -240,10 +240,28 @@ def _release_all() -> None:
 
 def dated(prefix: str, root: str = "runs") -> str:
   """A new `<root>/<prefix>_<YYYYmmdd-HHMMSS>` (suffixed -2, -3, ... if taken): a run's
-  default workdir, new for every run."""
+  default workdir, new for every run. A one-process run creates the directory here (an empty
+  one), so runs started in the same second (a sweep's launches) each get their own, not one
+  another's; the processes of a multi-process run only name it (they share one)."""
   base = os.path.join(root, f"{prefix}_{time.strftime('%Y%m%d-%H%M%S')}")
   path, i = base, 1
-  while os.path.exists(path):
-    i += 1
-    path = f"{base}-{i}"
-  return path
+  if "jax" in sys.modules:
+    from core import distributed
+    if distributed.multi_process():
+      while os.path.exists(path):
+        i += 1
+        path = f"{base}-{i}"
+      return path
+  while True:
+    try:
+      os.makedirs(path)   # the leaf must be new: the reservation is atomic
+      return path
+    except FileExistsError:
+      i += 1
+      path = f"{base}-{i}"
+    except OSError as e:
+      what = e.strerror or type(e).__name__
+      raise errors.expected(f"--workdir (not given; its default {path})",
+                            f"{e.filename or path}: {what}",
+                            "a directory this run can create and write, or a --workdir"
+                            ) from None

@@ -229,7 +229,6 @@ def main(argv):
   m, d, t = run.model, run.data, run.train
   seq_len, batch_size = d.seq_len, t.batch_size
   from core import workdir as workdir_lib
-  workdir = FLAGS.workdir or workdir_lib.dated(f"train_lm_{m.preset}")
   from core import checkpoint as ckpt_lib
   import jax
   from core import mesh as mesh_lib
@@ -306,6 +305,8 @@ def main(argv):
   if m.init:
     pretrained, init_weights, _ = checkpoints.load_pretrained(m.init, m.weights, d.tokenizer)
     cfg = run.llama_config(vocab, pretrained)
+  # the default workdir is made only now, so a refused run leaves no empty one behind
+  workdir = FLAGS.workdir or workdir_lib.dated(f"train_lm_{m.preset}")
   workdir_lib.claim(workdir)   # for the run's life (cli.run holds a --workdir given already)
   loop_cfg = settings.loop_config(
       run.loop, workdir=workdir, seed=t.seed,

@@ -593,7 +593,9 @@ def load_hf(d: str, dtype: str | None = "float32") -> tuple[LlamaConfig, Weights
                            f"{_hf_shape(cfg, short)} from {cfg_path}")
         check_finite(n, t, path)
         if cast is not None and t.dtype != cast:
-          t = t.astype(cast)
+          # only float16 can overflow (beyond 65504): refused naming the tensor, not Inf
+          t = (cast_for_export(n, t, cast, path, wider="load_hf dtype float32 or bfloat16")
+               if dtype == "float16" else t.astype(cast))
         weights[short] = _to_contract(cfg, short, t)
   if cfg.tie_embeddings and "lm_head.weight" in files:
     _check_tied_copy(files, cfg_path)

@@ -100,9 +100,14 @@ def out_in(w: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
 
 
-def cast_for_export(name: str, a: np.ndarray, dtype, where: str) -> np.ndarray:
+_WIDER = "a wider type (float32 / bfloat16, GGUF F32 or Q8_0)"
+
+
+def cast_for_export(name: str, a: np.ndarray, dtype, where: str,
+                    wider: str = _WIDER) -> np.ndarray:
   """`a` as `dtype`; a finite value that becomes an Inf there (beyond float16's 65504) is a
-  ValueError naming `where`, tensor `name` and its largest magnitude, never written."""
+  ValueError naming `where`, tensor `name` and its largest magnitude (`wider`: what to use
+  instead), never written or loaded."""
   a = np.asarray(a)
   with np.errstate(over="ignore"):   # found below, named in the error
     out = a.astype(dtype)
@@ -112,7 +117,7 @@ def cast_for_export(name: str, a: np.ndarray, dtype, where: str) -> np.ndarray:
       raise ValueError(f"{where}: tensor {name!r} {tuple(a.shape)} holds values up to "
                        f"{float(np.abs(a[np.isfinite(a)]).max()):.6g} in magnitude, which "
                        f"{np.dtype(dtype).name} cannot hold ({int(lost.sum())} would become "
-                       "Inf); expected a wider type (float32 / bfloat16, GGUF F32 or Q8_0)")
+                       f"Inf); expected {wider}")
   return out
 
 

@@ -75,7 +75,9 @@ def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
   cfg, layout, n_floats = _llama2c_layout(path)
   n_layers, n_heads, n_kv_heads, k, dim = (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                                            cfg.head_dim, cfg.dim)
-  flat = np.fromfile(path, dtype="<f4", offset=28, count=n_floats)
+  # Mapped, not read: the arrays below are copies, so the peak is about the result's size
+  # (reading the file first doubled it: 56 GB for a 7B model's 28 GB).
+  flat = np.memmap(path, dtype="<f4", mode="r", offset=28, shape=(n_floats,))
   raw, pos = {}, 0
   for name, shape in layout:
     size = int(np.prod(shape))
@@ -83,21 +85,25 @@ def load_llama2c(path: str) -> tuple[LlamaConfig, Weights]:
     pos += size
     if not name.startswith("freq_cis"):   # unused legacy RoPE tables
       check_finite(name, raw[name], f"{path} (llama2.c; per-layer arrays are [layer, ...])")
-  weights = {"embed": raw["embed"].copy()}
+  weights = {"embed": np.array(raw["embed"])}   # np.array: a plain ndarray copy
   for i in range(n_layers):
     p = f"layers.{i}."
-    weights[p + "attn_norm"] = raw["rms_att"][i].copy()
+    weights[p + "attn_norm"] = np.array(raw["rms_att"][i])
     weights[p + "wq"] = in_out(interleaved_to_half(raw["wq"][i], n_heads), n_heads, k)
     weights[p + "wk"] = in_out(interleaved_to_half(raw["wk"][i], n_kv_heads), n_kv_heads, k)
     weights[p + "wv"] = in_out(raw["wv"][i], n_kv_heads, k)
     weights[p + "wo"] = np.ascontiguousarray(raw["wo"][i].T).reshape(n_heads, k, dim)
-    weights[p + "mlp_norm"] = raw["rms_ffn"][i].copy()
+    weights[p + "mlp_norm"] = np.array(raw["rms_ffn"][i])
     weights[p + "w_gate"] = in_out(raw["w1"][i])   # llama2.c: silu(w1 x) * (w3 x), then w2
     weights[p + "w_up"] = in_out(raw["w3"][i])
     weights[p + "w_down"] = in_out(raw["w2"][i])
-  weights["final_norm"] = raw["rms_final"].copy()
+  weights["final_norm"] = np.array(raw["rms_final"])
   if not cfg.tie_embeddings:
     weights["lm_head"] = in_out(raw["classifier"])
+  # No weight may view the mapping (a size-1 axis can make a transpose a view): the file
+  # may be rewritten under it (save_llama2c to the same path), which would crash a reader.
+  weights = {n: np.array(a) if np.may_share_memory(a, flat) else a for n, a in weights.items()}
+  del raw, flat   # the file's mapping ends here
   return cfg, weights
 
 

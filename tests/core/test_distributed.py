@@ -300,6 +300,26 @@ def test_stdout_filter_drops_gloo_lines_only():
     assert out == want
 
 
+_FDS_AFTER_FILTER = r"""
+import os
+from core import distributed
+distributed.jax.process_index = lambda: 0
+os.isatty = lambda fd: False
+before = set(os.listdir("/proc/self/fd"))
+distributed._quiet_stdout()
+print(sorted(set(os.listdir("/proc/self/fd")) - before), flush=True)
+"""
+
+
+def test_the_stdout_filter_leaves_no_descriptor_open():
+  # Process 0's stdout goes through the filter process; the copy of the real stdout handed
+  # to it was also kept open here.
+  out = forkserver.run([sys.executable, "-c", _FDS_AFTER_FILTER], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_watchdog_ends_a_loop_that_stops(monkeypatch):
   exits = []
   dog = distributed.Watchdog(0.4, exit_fn=exits.append)
@@ -354,3 +374,50 @@ def test_initialize_settings_are_checked(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "x")
   with pytest.raises(ValueError, match=r"\$JAX_NUM_PROCESSES='x': expected an integer"):
     distributed.initialize()
+
+
+@pytest.mark.parametrize("address,source", [
+    ("localhost", "--coordinator_address"),        # jax: IndexError, naming nothing
+    ("localhost:abc", "--coordinator_address"),    # jax: an abort in its C++ service
+    ("localhost:0", "--coordinator_address"),
+    ("10.0.0.1:70000", "--coordinator_address"),
+    (":1234", "--coordinator_address"),
+    ("::1:1234", "--coordinator_address"),         # IPv6 without brackets: which is the port?
+    ("node7", "$JAX_COORDINATOR_ADDRESS")])
+def test_a_bad_coordinator_address_is_named_before_jax_sees_it(monkeypatch, address, source):
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(k, raising=False)
+  def reached(*a, **k):
+    raise AssertionError("jax.distributed.initialize reached")
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", reached)
+  arg = None
+  if source.startswith("$"):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", address)
+  else:
+    arg = address
+  with pytest.raises(ValueError, match=re.escape(f"{source}={address!r}: expected HOST:PORT")):
+    distributed.initialize(arg, num_processes=2, process_id=0)
+
+
+def test_good_coordinator_addresses_pass_the_check():
+  for address in ("127.0.0.1:1234", "node-7.cluster:65535", "[::1]:8476"):
+    distributed._check_address(address, "--coordinator_address")   # no error
+
+
+def test_settings_from_the_environment_are_named_as_such(monkeypatch):
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(k, raising=False)
+  def reached(*a, **k):
+    raise AssertionError("jax.distributed.initialize reached")
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", reached)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")     # an Indexed Job with more pods
+  with pytest.raises(ValueError, match=re.escape(
+      "$JOB_COMPLETION_INDEX=3: expected in [0, $JAX_NUM_PROCESSES=2)")):
+    distributed.initialize()
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "0")
+  with pytest.raises(ValueError, match=re.escape("$JAX_NUM_PROCESSES=0: expected an integer >= 1")):
+    distributed.initialize(process_id=0)

@@ -183,3 +183,34 @@ def test_a_resumed_writer_hides_in_tensorboard_what_metrics_jsonl_drops(tmp_path
   with open(tmp_path / "metrics.jsonl") as f:
     kept = [(r["step"], r["loss"]) for r in map(json.loads, f)]
   assert shown == kept == [(5, 5.0), (10, 10.0), (15, 150.0)]
+
+
+def test_a_resumed_writer_drops_a_torn_last_line_and_names_a_bad_one(tmp_path, capsys):
+  # A crash can cut the last write short (part of a line; after a power loss, zero bytes):
+  # the resume keeps the whole records up to its checkpoint and says what it dropped. A bad
+  # line with records after it is no torn write: refused naming the file and line.
+  import json
+
+  import pytest
+  path = tmp_path / "metrics.jsonl"
+  recs = [json.dumps({"step": s, "split": "train", "loss": float(s)}) for s in (5, 10, 15)]
+  for tail in (b'{"step": 20, "split": "tr', b"\0" * 64, recs[2][:-3].encode()):
+    path.write_bytes("\n".join(recs).encode() + b"\n" + tail)
+    w = hooks_lib.MetricWriter(str(tmp_path), 10, tensorboard=False)
+    w.write(15, "train", {"loss": 150.0})
+    w.close()
+    with open(path) as f:
+      assert [(r["step"], r["loss"]) for r in map(json.loads, f)] == [
+          (5, 5.0), (10, 10.0), (15, 150.0)]
+    out = capsys.readouterr().out
+    assert (f"{path}:4: dropped a last line that is not a whole record" in out) == (
+        tail != b"\0" * 64)
+  path.write_text(recs[0] + "\n" + recs[1])   # the last record whole, its newline not written
+  w = hooks_lib.MetricWriter(str(tmp_path), 10, tensorboard=False)
+  w.write(15, "train", {"loss": 150.0})
+  w.close()
+  assert [json.loads(l)["step"] for l in open(path)] == [5, 10, 15]
+  path.write_text(recs[0] + "\n" + recs[1][:-3] + "\n" + recs[2] + "\n")
+  with pytest.raises(ValueError, match=f"^{path}:2: .* is not a metrics record; expected one "
+                     "JSON object with an integer 'step' per line"):
+    hooks_lib.MetricWriter(str(tmp_path), 10, tensorboard=False)

@@ -76,3 +76,7 @@ def test_format_bytes():
   assert memory.format_bytes(1536) == "1.5 KiB"
   assert memory.format_bytes(3 << 30) == "3.0 GiB"
   assert memory.format_bytes(6 << 40) == "6.0 TiB"
+  # Just under a unit prints as the next one, not as "1024.0" of this one.
+  assert memory.format_bytes((1 << 20) - 1) == "1.0 MiB"
+  assert memory.format_bytes((1 << 40) - 1) == "1.0 TiB"
+  assert memory.format_bytes(1023) == "1023 B"

@@ -50,3 +50,19 @@ def test_arrays_are_written_whole_and_a_failed_write_leaves_no_file(tmp_path, ca
     results_lib.write_results(str(tmp_path / "w"), {"loop": loop})
   assert not (tmp_path / "w" / "results.json").exists()
   assert not (tmp_path / "w" / "results.json.tmp").exists()
+
+
+def test_numpy_and_other_keys_do_not_lose_the_file(tmp_path, capsys):
+  # A table keyed by numpy ints (np.unique's values, a sweep's sizes) or tuples made
+  # json.dump raise at the end of an experiment, losing all its results.
+  out = {"by_size": {np.int64(64): 0.5, np.float32(0.5): 1}, "by_pair": {(1, "a"): [1]},
+         "rows": [{np.int32(3): "x"}], "plain": {"a": 1}}
+  path = results_lib.write_results(str(tmp_path), out)
+  with open(path) as f:
+    assert json.load(f) == {"by_size": {"64": 0.5, "0.5": 1}, "by_pair": {"(1, 'a')": [1]},
+                            "rows": [{"3": "x"}], "plain": {"a": 1}}
+  results_lib.print_summary({np.int64(2): 1})
+  assert json.loads(capsys.readouterr().out) == {"2": 1}
+  with pytest.raises(ValueError, match=r"give the same JSON key"):
+    results_lib.write_results(str(tmp_path / "w"), {(1, 2): 1, "(1, 2)": 2})
+  assert not (tmp_path / "w" / "results.json").exists()

@@ -6,6 +6,7 @@ written is one UserError naming the path and the OS error."""
 import errno
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -160,10 +161,24 @@ def test_a_file_or_a_read_only_workdir_is_one_line(tmp_path, monkeypatch):
 
 def test_dated_names_are_new(tmp_path):
   a = workdir_lib.dated("train_lm_tiny", root=str(tmp_path))
-  os.makedirs(a)
   b = workdir_lib.dated("train_lm_tiny", root=str(tmp_path))
   assert b != a and os.path.basename(a).startswith("train_lm_tiny_")
-  assert b in (a + "-2", workdir_lib.dated("train_lm_tiny", root=str(tmp_path)))
+  assert os.path.isdir(a) and os.path.isdir(b) and not os.listdir(a)
+
+
+def test_runs_started_in_the_same_second_get_their_own_dated_workdir(tmp_path, monkeypatch):
+  # A sweep launching runs at once: each reserves its directory when it names it, so the
+  # second is not refused by (or, once the first ended, handed) the first's workdir.
+  monkeypatch.setattr(workdir_lib.time, "strftime", lambda fmt: "20261203-115130")
+  names = [workdir_lib.dated("train_lm_tiny", root=str(tmp_path)) for _ in range(3)]
+  base = os.path.join(str(tmp_path), "train_lm_tiny_20261203-115130")
+  assert names == [base, base + "-2", base + "-3"] and all(map(os.path.isdir, names))
+  f = tmp_path / "a_file"      # a --workdir root it cannot create in: one line naming it
+  f.write_text("")
+  with pytest.raises(UserError, match=re.escape(
+      f"--workdir (not given; its default {f}/x_20261203-115130): {f}/x_20261203-115130: "
+      "Not a directory; expected a directory this run can create and write, or a --workdir")):
+    workdir_lib.dated("x", root=str(f))
 
 
 # Runs an entry point (argv[2:]) with every write under argv[1] failing as on a read-only mount.

@@ -244,6 +244,29 @@ def test_save_llama2c_round_trip(tmp_path, hdr):
     W.save_llama2c(dst, cfg.replace(rope_theta=5e5), w)
 
 
+def test_load_llama2c_peak_memory_is_the_result_and_owns_its_arrays(tmp_path):
+  """The file was read whole and then copied apart: twice the model in memory (56 GB for a
+  7B export). Mapped instead, numpy's traced peak is the result's bytes (+2% slack for
+  small temporaries: a head's rows, the dict). No weight views the mapping, so the same
+  path can be rewritten (save_llama2c) under the loaded weights, even with hidden 1, whose
+  [1, dim] -> [dim, 1] transpose is a view."""
+  import tracemalloc
+  for hdr in ([64, 96, 2, 4, 2, -300, 16], [32, 1, 1, 4, 2, 40, 8]):
+    path = str(tmp_path / "m.bin")
+    _write_raw(path, hdr, raw := _random_raw(np.random.default_rng(4), hdr))
+    tracemalloc.start()
+    try:
+      cfg, w = W.load_llama2c(path)
+      peak = tracemalloc.get_traced_memory()[1]
+    finally:
+      tracemalloc.stop()
+    assert peak <= 1.02 * sum(a.nbytes for a in w.values()) + 65536, peak
+    assert all(type(a) is np.ndarray for a in w.values())
+    W.save_llama2c(path, cfg, {n: a * 2 for n, a in w.items()})  # rewrites the loaded file
+    np.testing.assert_array_equal(w["layers.0.w_up"], raw["w3"][0].T)
+    np.testing.assert_array_equal(W.load_llama2c(path)[1]["embed"], 2 * raw["embed"])
+
+
 def test_llama2c_errors(tmp_path):
   raw = _random_raw(np.random.default_rng(3), _HDR_UNTIED)
   path = str(tmp_path / "m.bin")
@@ -698,6 +721,23 @@ def test_float16_export_refuses_values_it_cannot_hold(tmp_path):
     W.save_hf(d, _CFG_UNTIED, w, dtype="float16")
   assert not os.path.exists(d)
   W.save_hf(str(tmp_path / "bf16"), _CFG_UNTIED, w, dtype="bfloat16")   # bfloat16 holds it
+
+
+def test_loading_as_float16_refuses_values_it_cannot_hold(tmp_path):
+  """load_hf(dtype="float16") of a bfloat16 file holding 70000 (beyond float16's 65504) made
+  an Inf silently; refused naming the file and tensor. 59904 (in both types) loads exactly."""
+  w = _random_weights(_CFG_UNTIED)
+  w["layers.1.w_up"][5, 3] = 59904.0
+  d = W.save_hf(str(tmp_path / "hf"), _CFG_UNTIED, w, dtype="bfloat16")
+  assert W.load_hf(d, dtype="float16")[1]["layers.1.w_up"][5, 3] == 59904.0
+  w["layers.1.w_up"][5, 3] = -7e4
+  W.save_hf(d, _CFG_UNTIED, w, dtype="bfloat16")
+  single = os.path.join(d, "model.safetensors")
+  with pytest.raises(ValueError, match=rf"^{single}: tensor 'model.layers.1.mlp.up_proj.weight' "
+                     r"\(40, 32\) holds values up to 70144 in magnitude, which float16 cannot "
+                     r"hold \(1 would become Inf\); expected load_hf dtype float32 or bfloat16"):
+    W.load_hf(d, dtype="float16")
+  assert W.load_hf(d)[1]["layers.1.w_up"][5, 3] == -70144.0   # bfloat16's nearest to 7e4
 
 
 def test_non_finite_llama2c_weights_name_file_and_tensor(tmp_path):
