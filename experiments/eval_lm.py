@@ -61,6 +61,9 @@ def main(argv):
   from llm import checkpoints
   from llm import evaluate
   from llm.data import read_text
+  from llm import tokenizer as tok_lib
+  if FLAGS.tokenizer:
+    tok_lib.check_path(FLAGS.tokenizer)
   cfg = checkpoints.load_config(FLAGS.checkpoint)
   if FLAGS.seq_len > cfg.max_seq_len:
     raise errors.expected(f"--seq_len={FLAGS.seq_len}", f"longer than the model's context "

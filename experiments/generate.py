@@ -105,6 +105,9 @@ def _messages():
                           "a UTF-8 JSON list of {\"role\", \"content\"} messages") from None
   except ValueError as e:
     raise errors.UserError(f"--chat_file: {e}") from None
+  except OSError as e:   # a missing file, a directory
+    raise errors.expected(f"--chat_file={FLAGS.chat_file}", e.strerror or str(e),
+                          "a UTF-8 JSON list of {\"role\", \"content\"} messages") from None
 
 
 def _prompt(tok, messages):
@@ -139,6 +142,7 @@ def main(argv):
   import jax
   from llm.checkpoints import find_tokenizer, load_config, load_model
   from llm.generate import generate
+  from llm import tokenizer as tok_lib
   # Everything the flags alone decide, then what the checkpoint's config decides, before the
   # weights load.
   given = [n for n in ("prompt", "chat", "chat_file", "prompt_ids")
@@ -160,6 +164,8 @@ def main(argv):
                           "no prompt flag (it is the start token of a sequence without one)")
   stop_flag = _ids("stop_ids")
   messages = _messages()
+  if FLAGS.tokenizer:
+    tok_lib.check_path(FLAGS.tokenizer)
   cfg = load_config(FLAGS.checkpoint)
   tok = find_tokenizer(FLAGS.checkpoint, FLAGS.tokenizer, cfg.vocab_size)
   prompt, chat_stop, is_chat = _prompt(tok, messages)

@@ -176,8 +176,11 @@ def main(argv):
   from llm.serving.engine import Engine, load_draft
   from llm.serving.runner import EngineRunner
   from llm.serving import server as server_lib
+  from llm import tokenizer as tok_lib
   engine_config = config.from_flags(EngineConfig)
   check_flags(engine_config)
+  if FLAGS.tokenizer:
+    tok_lib.check_path(FLAGS.tokenizer)
   check_address(FLAGS.host, FLAGS.port)
   mesh = mesh_for(FLAGS.mesh)
   settings.use_compilation_cache(FLAGS.compilation_cache_dir)

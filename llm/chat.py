@@ -5,9 +5,10 @@ trim_blocks and lstrip_blocks, the loop-controls extension, a `tojson` filter th
 non-ASCII text, the globals `raise_exception(message)`, `strftime_now(format)` and a
 `namespace` that refuses underscore-prefixed attributes, and renders
 it with `messages`, `add_generation_prompt`, `tools` / `documents` (None here) and the
-tokenizer's special-token strings (`bos_token`, `eos_token`, ...). The rendered text already
-holds every special token the template wants, so it is encoded with no BOS / EOS added
-(transformers encodes it with add_special_tokens=False). `{% generation %}` blocks (assistant
+tokenizer's special-token strings (`bos_token`, `eos_token`, ...), message keys whose value
+is None dropped first (`_normalize_chat_messages` in transformers 5.24). The rendered text
+already holds every special token the template wants, so it is encoded with no BOS / EOS
+added (transformers encodes it with add_special_tokens=False). `{% generation %}` blocks (assistant
 masks in transformers) render their body.
 
     messages = chat.check_messages(json.load(open("messages.json")), "messages.json")
@@ -115,10 +116,14 @@ def _template(source: str):
 
 def render(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = True,
            special_tokens: dict[str, str] | None = None, where: str = "chat template") -> str:
-  """The template's text for `messages` (transformers' apply_chat_template(tokenize=False))."""
+  """The template's text for `messages` (transformers' apply_chat_template(tokenize=False)).
+  Keys whose value is None are dropped first, as transformers does: an OpenAI-style
+  `"tool_calls": null` would otherwise read as present (Llama 3.1's `'tool_calls' in
+  message`) or be written out (`message | tojson`)."""
   import jinja2
+  messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
   try:
-    return _template(template).render(messages=list(messages), tools=None, documents=None,
+    return _template(template).render(messages=messages, tools=None, documents=None,
                                       add_generation_prompt=add_generation_prompt,
                                       **(special_tokens or {}))
   except jinja2.exceptions.TemplateError as e:

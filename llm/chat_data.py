@@ -218,7 +218,8 @@ class ChatSource:
       raise ValueError(f"ChatSource: split={split!r}; expected 'train' or 'eval'")
     convs = list(conversations) if conversations is not None else read_chat_file(
         path, tok, max_len=seq_len)
-    held = max(1, int(round(len(convs) * eval_fraction))) if len(convs) > 1 else 0
+    # One held out at least: with none, evaluation would report a loss of 0 over no tokens.
+    held = max(1, int(round(len(convs) * eval_fraction)))
     self.train = convs[:len(convs) - held]
     self.eval = convs[len(convs) - held:]
     if not self.train:

@@ -186,6 +186,7 @@ def find_tokenizer(spec: str, flag: str | None, vocab_size: int):
   file's vocabulary) wins."""
   from llm import tokenizer as tok_lib
   if flag:
+    tok_lib.check_path(flag)
     return load_tokenizer(flag, vocab_size)
   kind, path = parse_spec(spec)
   if kind == "hf" and os.path.exists(os.path.join(path, "tokenizer.json")):

@@ -25,6 +25,7 @@ from core import config
 from core import errors
 from core import settings
 from llm import settings as lm_settings
+from llm import tokenizer as tok_lib
 
 # train_lm's own settings (every other LM setting is in llm/settings.py or core/settings.py).
 CONTEXT_PARALLEL = config.setting(
@@ -215,7 +216,7 @@ class LMRunConfig:
 
   def check_data(self) -> None:
     """What to train on: --text or --data=chat:FILE (one), and what goes with each; LoRA's
-    and --weights' settings."""
+    and --weights' settings; that --tokenizer names a tokenizer."""
     if not self.data.text and not self.data.data:
       raise errors.expected("--text", "not given", "the text file to train on (--text=FILE, "
                             "--data=chat:FILE, or a --config file that sets one)")
@@ -223,6 +224,8 @@ class LMRunConfig:
       raise errors.expected(f"--text={self.data.text} --data={self.data.data}", "both given",
                             "one: plain text (--text) or a chat file (--data=chat:FILE)")
     self.chat_file()
+    if self.data.tokenizer:
+      tok_lib.check_path(self.data.tokenizer)
     if self.data.data and self.data.packing.packing != "none":
       raise errors.expected(f"--packing={self.data.packing.packing} with --data",
                             "packing of --text's documents", "--packing=none (a chat file's "

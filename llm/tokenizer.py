@@ -505,6 +505,21 @@ def is_gguf(path: str) -> bool:
     return fh.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
+TOKENIZER_FILES = ("a tokenizer.json, a directory holding one, a llama2.c tokenizer.bin or a "
+                   "GGUF file")
+
+
+def check_path(path: str, flag: str = "--tokenizer") -> None:
+  """Refuses a tokenizer path (the value of `flag`) that names nothing a loader could read:
+  an entry point calls it before any checkpoint is opened."""
+  if os.path.isdir(path):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+      raise errors.expected(f"{flag}={path}", "a directory without tokenizer.json",
+                            TOKENIZER_FILES)
+  elif not os.path.isfile(path):
+    raise errors.expected(f"{flag}={path}", "no such file or directory", TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
   """A directory holding tokenizer.json (a HF model directory), a `*.json` file (HF), or
   any other file (llama2.c tokenizer.bin, checked against `vocab_size` when given). A GGUF

@@ -69,6 +69,7 @@ def main(argv):
   cli.quiet_library_logs()
   from experiments.llm_quant import study
   from llm import checkpoints
+  from llm import tokenizer as tok_lib
   if FLAGS.checkpoint is None:   # required, but a --config file may give it
     raise errors.expected("--checkpoint", "not given", "llama2c:PATH, hf:DIR or gguf:FILE "
                           "(or a --config file that sets checkpoint)")
@@ -79,6 +80,8 @@ def main(argv):
                           "formats of a checkpoint file; experiments.generate "
                           "--checkpoint=workdir:DIR --weights=int8 or int4 runs a workdir's "
                           "model quantized)")
+  if FLAGS.tokenizer:
+    tok_lib.check_path(FLAGS.tokenizer)
   modes = FLAGS.modes or [m for m in MODES if m != "gguf" or kind == "gguf"]
   text_file = FLAGS.text or study.HELDOUT
   with open(text_file, encoding="utf-8") as f:

@@ -161,7 +161,7 @@ def main(argv):
   feats = held_out_features(FLAGS.data, tokens, cfg.dim, ev, distill.target_fingerprint(target))
   rows = []
   for wd in FLAGS.heads:
-    head = distill.load_draft(wd, cfg)
+    head = distill.load_draft(wd, cfg, where="--heads")
     row = {"head": wd}
     if feats is not None and not head.taps:
       row.update(per_step_top1(target, head, tokens[n - ev:], mask[n - ev:], feats,

@@ -266,6 +266,6 @@ def load_draft(spec: str, target, decode_vocab: int = 0):
     vocab = np.arange(decode_vocab, dtype=np.int32) if decode_vocab else None
   else:
     from llm.speculative.distill import load_draft as load, load_draft_vocab
-    head = load(spec, target.cfg)
-    vocab = load_draft_vocab(spec, target.cfg.vocab_size, decode_vocab)
+    head = load(spec, target.cfg, where="--draft")
+    vocab = load_draft_vocab(spec, target.cfg.vocab_size, decode_vocab, where="--draft")
   return cast_head(head, target.cfg.dtype), vocab

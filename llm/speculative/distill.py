@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import os
 import time
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from core import errors
 from core import mesh as mesh_lib
 from llm.model import Llama
 from llm.speculative.distill_data import (SeqBatch, SequenceSource, draft_vocab,
@@ -42,16 +44,33 @@ __all__ = ["DistillConfig", "DistillEvaluator", "DistillTask", "SeqBatch", "Sequ
            "unrolled_predictions"]
 
 
-def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
-  """The DraftHead of a DistillTask run's checkpoint at `step` (default: the latest), with
-  the taps its run's settings name."""
+def _open_run(workdir: str, where: str | None, want: str):
+  """The Checkpointer of the draft-head run in `workdir` and its latest step, refused (naming
+  `where`, the setting that gave the path, and the path) when it holds no checkpoint: a load
+  creates nothing (a Checkpointer on a missing `<workdir>/checkpoints` would make it)."""
   from core import checkpoint as ckpt_lib
+  name = f"{where}={workdir}" if where else workdir
+  expect = "the workdir of a draft-head training run (experiments.spec_decode's <workdir>/draft)"
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    found = ("no such directory" if not os.path.exists(workdir) else
+             f"no checkpoints/ directory in it, so {want}")
+    raise errors.expected(name, found, expect)
   ckpt = ckpt_lib.Checkpointer(workdir)
+  step = ckpt.latest_step()
+  if step is None:
+    ckpt.close()
+    raise errors.expected(name, f"no checkpoint in {ckpt.directory}, so {want}", expect)
+  return ckpt, step
+
+
+def load_draft(workdir: str, target_cfg, step: int | None = None,
+               where: str | None = None) -> DraftHead:
+  """The DraftHead of a DistillTask run's checkpoint at `step` (default: the latest), with
+  the taps its run's settings name. `where` names the setting that gave `workdir` in errors
+  ("--draft")."""
+  ckpt, latest = _open_run(workdir, where, "no draft head to load")
   try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(errno.ENOENT, "no draft-head checkpoint to load",
-                              f"{workdir}/checkpoints")
+    step = latest if step is None else step
     mesh = mesh_lib.make_mesh("data:1", devices=jax.devices()[:1])
     rep = NamedSharding(mesh, P())
     meta = ckpt.restore_meta(step) or {}
@@ -70,21 +89,16 @@ def load_draft(workdir: str, target_cfg, step: int | None = None) -> DraftHead:
   return nnx.merge(graphdef, state["params"])
 
 
-def load_draft_vocab(workdir: str, vocab_size: int, size: int = 0) -> np.ndarray | None:
+def load_draft_vocab(workdir: str, vocab_size: int, size: int = 0,
+                     where: str | None = None) -> np.ndarray | None:
   """The draft vocabulary of a DistillTask run in `workdir`: the `size` most frequent tokens
   of its training sequences (`<workdir>/sequences.npz`, the held-out ones left out, as
   `train_draft` counts them), `size` 0 meaning the run's own `draft_vocab`. A head's output
   rows are the target's, so decoding may keep fewer than it trained on (FR-Spec, arXiv
   2502.14856). None for a run without one and size 0 (the whole vocabulary)."""
   import json
-  import os
-  from core import checkpoint as ckpt_lib
-  ckpt = ckpt_lib.Checkpointer(workdir)
+  ckpt, step = _open_run(workdir, where, "no run settings to read")
   try:
-    step = ckpt.latest_step()
-    if step is None:
-      raise FileNotFoundError(errno.ENOENT, "no draft-head checkpoint to read the run's "
-                              "settings from", f"{workdir}/checkpoints")
     settings = (ckpt.restore_meta(step) or {}).get("settings", {})
   finally:
     ckpt.close()

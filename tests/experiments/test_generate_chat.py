@@ -159,8 +159,11 @@ def test_generate_usage_errors_are_one_line_before_the_model_loads(tmp_path):
       "--prompt_ids=1,x: 'x' is not an integer": [ck, "--prompt_ids=1,x"],
       f"--chat_file: {bad_chat}:1: not JSON": [ck, f"--chat_file={bad_chat}"],
       "--chat needs a tokenizer": [ck, "--chat=hi"],
-      "/nope/tokenizer.json: no such file; expected a Hugging Face tokenizer.json":
+      "error: --tokenizer=/nope/tokenizer.json: no such file or directory; expected a "
+      "tokenizer.json, a directory holding one, a llama2.c tokenizer.bin or a GGUF file":
           [ck, "--tokenizer=/nope/tokenizer.json", "--prompt=hi"],
+      f"error: --chat_file={tmp_path}/nope.json: No such file or directory; expected a UTF-8 "
+      "JSON list": [ck, f"--chat_file={tmp_path}/nope.json"],
       "/nope.gguf: no such GGUF file": ["--checkpoint=gguf:/nope.gguf"],
       # Empty prompt flags are refused, not read as "no prompt" (a BOS-only prompt).
       "error: --prompt_ids='': empty; expected comma-separated token ids": [ck, "--prompt_ids="],

@@ -415,3 +415,31 @@ def test_train_lm_refuses_before_reading_the_init_weights(tmp_path, args, want):
   assert out.stderr.strip().splitlines()[-1].startswith(want.format(d=tmp_path)), \
       out.stderr[-3000:]
   assert os.listdir(tmp_path / "w") == []
+
+
+@pytest.mark.parametrize("module, args", [
+    ("experiments.generate", ["--prompt=hi"]),
+    ("experiments.eval_lm", ["--text={d}/text.txt", "--workdir={d}/w"]),
+    ("experiments.serve", []),
+    ("experiments.llm_quant", ["--workdir={d}/w"]),
+    ("experiments.train_lm", ["--init=hf:{d}/no_model", "--text={d}/text.txt", "--workdir={d}/w"]),
+    ("experiments.train_lm", ["--text={d}/text.txt", "--workdir={d}/w"]),
+])
+@pytest.mark.parametrize("bad, found", [
+    ("nope.json", "no such file or directory"),
+    ("", "a directory without tokenizer.json"),
+])
+def test_missing_tokenizer_named_by_its_flag_before_the_checkpoint(tmp_path, module, args, bad,
+                                                                   found):
+  """--tokenizer naming nothing a loader reads: the flag, the value and what it takes, before
+  the checkpoint is opened (here it does not exist either; it used to be read first, and a
+  missing file was named alone as 'expected a llama2.c tokenizer.bin')."""
+  from tests.experiments.entry import run_refused
+  (tmp_path / "text.txt").write_text("the quick brown fox. " * 20)
+  path = str(tmp_path / bad) if bad else str(tmp_path)
+  ckpt = [] if module == "experiments.train_lm" else [f"--checkpoint=hf:{tmp_path}/no_model"]
+  out = run_refused(module, [*ckpt, *[a.format(d=tmp_path) for a in args],
+                             f"--tokenizer={path}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: --tokenizer={path}: {found}; expected a tokenizer.json, a directory holding "
+      "one, a llama2.c tokenizer.bin or a GGUF file"), out.stderr[-3000:]

@@ -49,6 +49,22 @@ def test_render_can_fail():
     chat.render(zephyr, msgs, special_tokens={})
 
 
+def test_keys_set_to_none_are_dropped_as_transformers_does():
+  """An OpenAI-style message with `"tool_calls": null` renders as without the key (transformers
+  5.24's apply_chat_template drops None-valued keys): the text below is its rendering of this
+  chat with the recorded "features" template (tojson of the message); Llama 3.1's test
+  `'tool_calls' in message` then `message.tool_calls | length` used to fail on the None."""
+  msgs = [{"role": "user", "content": "hi", "name": None},
+          {"role": "assistant", "content": "yo", "tool_calls": None}]
+  assert chat.render(REC["templates"]["features"], msgs,
+                     special_tokens=REC["specials"]["features"]) == (
+      '<user {"role": "user", "content": "hi"}>\n<A2>yo</A><A3>')
+  llama31_like = ("{% for m in messages %}{% if 'tool_calls' in m %}[{{ m.tool_calls | length }}"
+                  " calls]{% else %}{{ m.content }}{% endif %}{% endfor %}")
+  assert chat.render(llama31_like, msgs, add_generation_prompt=False) == "hiyo"
+  assert msgs[1]["tool_calls"] is None and "name" in msgs[0]   # the caller's messages kept
+
+
 def test_sandbox():
   with pytest.raises(ValueError, match="SecurityError"):
     chat.render("{{ messages.__class__.__mro__ }}", [{"role": "user", "content": "x"}])

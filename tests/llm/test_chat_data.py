@@ -66,6 +66,17 @@ def test_packed_rows_mask_targets_to_the_replies(tmp_path):
   assert len(ev) == 1 and ev[0].mask.sum() > 0
 
 
+def test_a_single_conversation_is_refused_not_evaluated_on_nothing(tmp_path):
+  """One conversation leaves none to hold out: refused (it used to train on it and evaluate
+  on no batches, which LMEvaluator reports as loss 0.0, perplexity 1.0)."""
+  path = tmp_path / "chat.jsonl"
+  path.write_text(json.dumps({"messages": CONV}) + "\n")
+  for split in ("train", "eval"):
+    with pytest.raises(ValueError, match=r"chat\.jsonl: 1 conversation\(s\); expected at least "
+                       r"2 \(one held out for evaluation\)"):
+      chat_data.ChatSource(str(path), ChatBytes(), 96, 2, split=split)
+
+
 @pytest.mark.parametrize("line,message", [
     ('{"messages": [}', r"chat\.jsonl:2:15: not JSON"),
     ('[1, 2]', r"chat\.jsonl:2: \[1, 2\]; expected an object with \"messages\""),

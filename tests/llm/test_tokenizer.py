@@ -285,6 +285,24 @@ def test_hf_tokenizer_errors(tmp_path):
     T.load_tokenizer(str(tmp_path))
 
 
+def test_a_tokenizer_flag_naming_nothing_is_refused_naming_the_flag(tmp_path):
+  """--tokenizer's path (find_tokenizer's `flag`): the flag, the value, what it takes; a
+  missing file used to be named alone as 'expected a llama2.c tokenizer.bin'."""
+  from core import errors
+  from llm import checkpoints as C
+  want = ("; expected a tokenizer.json, a directory holding one, a llama2.c tokenizer.bin or "
+          "a GGUF file")
+  nope = str(tmp_path / "nope.bin")
+  with pytest.raises(errors.UserError) as e:
+    C.find_tokenizer("llama2c:/unused.bin", nope, 512)
+  assert str(e.value) == f"--tokenizer={nope}: no such file or directory{want}"
+  with pytest.raises(errors.UserError) as e:
+    T.check_path(str(tmp_path))
+  assert str(e.value) == f"--tokenizer={tmp_path}: a directory without tokenizer.json{want}"
+  T.check_path(train_bpe(str(tmp_path / "a")))   # a file, and a directory holding one
+  T.check_path(str(tmp_path / "a"))
+
+
 def test_byte_tokenizer():
   tok = T.ByteTokenizer()
   assert tok.encode("hé") == [104, 195, 169] and tok.decode([104, 195, 169]) == "hé"

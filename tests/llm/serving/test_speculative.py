@@ -101,3 +101,15 @@ def test_load_draft_settings():
     load_draft("random", target, TINY.vocab_size + 1)
   with pytest.raises(ValueError, match=r"^decode_vocab=3 without a draft head"):
     load_draft("", target, 3)
+
+
+def test_load_draft_of_a_missing_workdir_names_the_flag(tmp_path):
+  """--draft naming no directory: refused naming the flag and the path, nothing created."""
+  from core import errors
+  from llm.serving.programs import load_draft
+  target = nnx.eval_shape(lambda: make_model(TINY)[0])
+  path = tmp_path / "typo"
+  with pytest.raises(errors.UserError, match=rf"^--draft={path}: no such directory; expected "
+                     r"the workdir of a draft-head training run"):
+    load_draft(str(path), target)
+  assert not path.exists()

@@ -3,6 +3,8 @@ improves the draft's agreement with the target, checkpoints load back, sources r
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -339,3 +341,22 @@ def test_logged_lr_is_the_applied_one_after_a_skipped_step(target, sequences):
   _, m = step(skipped, batch)
   assert float(m["skipped"]) == 0.0
   assert float(m["lr"]) == float(make_schedule(optim)(0)) == 0.0   # AdamW's count is 0
+
+
+def test_load_draft_refuses_a_path_without_a_run_and_creates_nothing(tmp_path):
+  """A typo'd draft path, or a directory without checkpoints/: load_draft and load_draft_vocab
+  refuse naming the setting and the path, and leave the file system as it was (a Checkpointer
+  used to create <path>/checkpoints, then fail naming that)."""
+  from core import errors
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for path, found in ((tmp_path / "typo", "no such directory"),
+                      (empty, "no checkpoints/ directory in it")):
+    for load in (lambda: distill.load_draft(str(path), CFG, where="--draft"),
+                 lambda: distill.load_draft_vocab(str(path), V, where="--draft")):
+      with pytest.raises(errors.UserError, match=rf"^--draft={path}: {found}"):
+        load()
+  assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(empty) == []
+  (empty / "checkpoints").mkdir()   # a run killed before its first checkpoint
+  with pytest.raises(errors.UserError, match=rf"^{empty}: no checkpoint in {empty}/checkpoints"):
+    distill.load_draft(str(empty), CFG)
