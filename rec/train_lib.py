@@ -33,7 +33,7 @@ groups (`rec.metrics.group_metrics`). Training never reads it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,24 @@ def make_dense_optimizer(name: str, learning_rate: float) -> optax.GradientTrans
   if not callable(learning_rate):
     train_loop.check_learning_rate(f"dense optimizer {name}: learning_rate", learning_rate)
   return makers[name](learning_rate)
+
+
+def masked_bce(logits, batch: SparseBatch) -> jax.Array:
+  """Mean sigmoid BCE of logits [B] over the batch's real examples (mask 1)."""
+  per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
+  return jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+
+class Grads(NamedTuple):
+  """What RecTask.loss_and_grads hands the train step."""
+
+  loss: jax.Array
+  logits: jax.Array
+  lookup: Any                   # the collection's Lookup
+  g_params: Any                 # w.r.t. the dense parameters
+  g_partial: dict[str, jax.Array]   # w.r.t. the devices' bag sums (apply_gradients)
+  terms: dict[str, jax.Array]   # extra loss terms by name ({} without `distill`)
+  emb_norm: jax.Array           # norm of the pooled embeddings' gradient, each bag once
 
 
 class RecTask:
@@ -289,41 +307,68 @@ class RecTask:
       return model.head(dense, towers)
     return self.logits(params, dense, self.collection.pool(lookup, partial, step=step))
 
-  def loss_and_grads(self, state, batch: SparseBatch):
-    """Mean BCE over real examples (plus the distillation terms under `distill`): (loss,
-    logits, lookup, grads w.r.t. dense params, grads w.r.t. the embedding bag sums, the
-    extra loss terms by name, {} without `distill`; train_step reports them as metrics)."""
+  def model_loss(self, params, emb_BFD, state, batch: SparseBatch):
+    """(loss, (logits, extra loss terms by name)) of the dense model on the pooled
+    embeddings: mean BCE over real examples (plus the distillation terms under `distill`).
+    A task with another loss (experiments/rankitect) overrides this one method."""
+    del state   # the step, for a task whose loss draws per step
+    if self.distill is not None:   # ExFM: serving, auxiliary and adapter terms
+      loss, logits, terms = distill_lib.loss_terms(
+          nnx.merge(self.graphdef, params), self.distill, batch.dense, emb_BFD, batch)
+      return loss, (logits, terms)
+    logits = self.logits(params, batch.dense, emb_BFD)
+    return masked_bce(logits, batch), (logits, {})
+
+  def loss_and_grads(self, state, batch: SparseBatch) -> Grads:
+    """The loss, its gradients w.r.t. the dense params and the embedding bag sums, and the
+    norm of the pooled embeddings' gradient (`Grads`). The pool runs outside the
+    differentiated loss (jax.vjp), so the gradient w.r.t. its output emb_BFD, each
+    (example, feature) once as on one device, is at hand; the bag sums' gradients are its
+    transpose through the pool's collectives (several copies of a bag's gradient where the
+    bag is row-sharded)."""
     lookup = self.gather(state["emb"], batch)
+    step = state["step"]
+    if self.collection.towers:   # SPTT: the tower modules run inside the pool
+      def tower_loss(params, partial):
+        logits = self.forward(params, batch.dense, lookup, partial, step)
+        return masked_bce(logits, batch), (logits, {})
 
-    def loss_fn(params, partial):
-      if self.distill is not None:   # ExFM: serving, auxiliary and adapter terms
-        loss, logits, terms = distill_lib.loss_terms(
-            nnx.merge(self.graphdef, params), self.distill, batch.dense,
-            self.collection.pool(lookup, partial, step=state["step"]), batch)
-        return loss, (logits, terms)
-      logits = self.forward(params, batch.dense, lookup, partial, state["step"])
-      per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
-      loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
-      return loss, (logits, {})
-
-    (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
-    return loss, logits, lookup, g_params, g_partial, terms
+      (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
+          tower_loss, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
+      # sptt pools by a reduce-scatter inside each tower group (sharding/sptt.py), whose
+      # transpose all-gathers: each of the group's `tower_size` devices holds the same
+      # gradient of its samples' pooled embeddings (padding slots 0), so the bag sums'
+      # squares count every (example, feature) tower_size times.
+      emb_norm = optax.tree.norm(g_partial) / np.sqrt(np.float32(self.collection.tower_size))
+    else:
+      emb_BFD, pool_vjp = jax.vjp(lambda p: self.collection.pool(lookup, p, step=step),
+                                  lookup.partial)
+      (loss, (logits, terms)), (g_params, g_emb) = jax.value_and_grad(
+          self.model_loss, argnums=(0, 1), has_aux=True)(state["params"], emb_BFD, state,
+                                                          batch)
+      g_partial, = pool_vjp(g_emb)
+      emb_norm = optax.tree.norm(g_emb)
+    return Grads(loss, logits, lookup, g_params, g_partial, terms, emb_norm)
 
   def train_step(self, state, batch: SparseBatch, skip_nonfinite: bool = False):
-    """One step; metrics `loss` and `grad_norm` (the global norm of the dense gradients and
-    the gradients of the devices' partial bag sums: a row-sharded bag (rw, twrw) has one
-    partial per row shard, each with the bag's gradient, so the figure depends on the plan;
-    compare it between runs of one plan). skip_nonfinite: when either is NaN or inf the step
-    changes nothing but the step count (dense state kept by a select; every id of the batch
-    marked invalid, so the sparse update touches no row) and reports `skipped` 1
-    (`core.update.dense_update`). `host_prefetch`: after the update, the rows of the next
-    batch (`batch.lookahead`) are admitted to the host tier's device caches
-    (`EmbeddingCollection.prefetch`), so the next step's lookups find them there."""
-    loss, _, lookup, g_params, g_partial, terms = self.loss_and_grads(state, batch)
+    """One step; metrics `loss` and `grad_norm`: the global norm of the dense gradients and
+    of the pooled embeddings' gradient (emb_BFD: each example's bag of each feature once),
+    the same figure under every sharding plan, with RecD or without, and on one device.
+    skip_nonfinite: when the loss or grad_norm is NaN or inf the step changes nothing but
+    the step count (dense state kept by a select; every id of the batch marked invalid, so
+    the sparse update touches no row) and reports `skipped` 1 (`core.update.dense_update`).
+    `host_prefetch`: after the update, the rows of the next batch (`batch.lookahead`) are
+    admitted to the host tier's device caches (`EmbeddingCollection.prefetch`), so the next
+    step's lookups find them there."""
+    loss, _, lookup, g_params, g_partial, terms, emb_norm = self.loss_and_grads(state, batch)
+    # The guard reads this norm in place of the bag sums' gradients, which the sparse update
+    # applies: those are copies of g_emb's values (within the bound of a compressed
+    # exchange) or sums of at most B of them (RecD), so one of them is NaN or inf only where
+    # g_emb holds a NaN, an inf or a value past 1e33, whose square overflows: the norm is
+    # not finite then either.
     dense = update_lib.dense_update(
         self.dense_tx, state["params"], state["opt"], g_params, loss,
-        grad_norm=optax.tree.norm((g_params, g_partial)), skip_nonfinite=skip_nonfinite)
+        grad_norm=optax.tree.norm((g_params, emb_norm)), skip_nonfinite=skip_nonfinite)
     metrics = {**dense.metrics, **terms}
     if self.collection.dedup is not None:   # 1: a capacity overflow ran this batch plain
       metrics["dedup_fallback"] = jnp.float32(batch.dedup is None)

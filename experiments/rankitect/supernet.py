@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from rec.models import searched
-from rec.train_lib import RecTask
+from rec.train_lib import RecTask, masked_bce
 
 from experiments.rankitect.space import Space
 
@@ -135,20 +134,12 @@ class SupernetTask(RecTask):
     super().__init__(*args, **kwargs)
     self.seed, self.cost_weight = int(seed), float(cost_weight)
 
-  def loss_and_grads(self, state, batch):
-    lookup = self.gather(state["emb"], batch)
+  def model_loss(self, params, emb_BFD, state, batch):
     key = jax.random.fold_in(jax.random.key(self.seed), state["step"])
-
-    def loss_fn(params, partial):
-      model = nnx.merge(self.graphdef, params)
-      logits, cost = model.sample(batch.dense, self.collection.pool(lookup, partial), key)
-      per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
-      loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
-      return loss + self.cost_weight * cost, (logits, {"flop_cost": cost})
-
-    (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
-    return loss, logits, lookup, g_params, g_partial, terms
+    model = nnx.merge(self.graphdef, params)
+    logits, cost = model.sample(batch.dense, emb_BFD, key)
+    loss = masked_bce(logits, batch)
+    return loss + self.cost_weight * cost, (logits, {"flop_cost": cost})
 
   def weighted_eval_step(self, state, batch, weights_LK):
     """{logits, labels, mask} with fixed mixing weights (one-hot: a candidate)."""
@@ -240,19 +231,9 @@ class CandidateTask(RecTask):
   def _logits(self, params, path_L, dense, emb_BFD):
     return nnx.merge(self.graphdef, params)(dense, emb_BFD, path_L=path_L)
 
-  def loss_and_grads(self, state, batch):
-    lookup = self.gather(state["emb"], batch)
-
-    def loss_fn(params, partial):
-      logits = self._logits(params, state["path"], batch.dense,
-                            self.collection.pool(lookup, partial))
-      per_ex = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
-      loss = jnp.sum(per_ex * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
-      return loss, (logits, {})
-
-    (loss, (logits, terms)), (g_params, g_partial) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(state["params"], lookup.partial)
-    return loss, logits, lookup, g_params, g_partial, terms
+  def model_loss(self, params, emb_BFD, state, batch):
+    logits = self._logits(params, state["path"], batch.dense, emb_BFD)
+    return masked_bce(logits, batch), (logits, {})
 
   def _train_step(self, state, batch):
     new, metrics = RecTask.train_step(self, state, batch)
