@@ -252,8 +252,7 @@ def main(argv):
 
   o = rates(ours)
   bandwidth = copy_bandwidth(FLAGS.copy_mb)
-  kv_tokens = prompt_len + (FLAGS.new_tokens - 1) / 2       # filled, mean over steps
-  w_bytes, kv_bytes = decode_bytes_per_step(model, FLAGS.batch, kv_tokens)
+  w_bytes, kv_bytes = decode_bytes_per_step(model, FLAGS.batch, prompt_len, FLAGS.new_tokens)
   floor_ms = (w_bytes + kv_bytes) / bandwidth * 1e3
   o["decode_floor_ms"] = floor_ms
   o["decode_over_floor"] = o["decode_ms_per_step"] / floor_ms

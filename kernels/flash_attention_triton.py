@@ -55,6 +55,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from kernels.flash_attention_reference import (check_shapes, default_positions, pad_axis,
@@ -366,6 +367,9 @@ def _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 
 def _flash_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   out, lse2 = _forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+  # Names for remat policies (llm/remat.py): saving them keeps a rematerialized backward
+  # from running the forward kernel again.
+  out, lse2 = checkpoint_name(out, "attention_out"), checkpoint_name(lse2, "attention_stats")
   return (out, lse2 * LN2), (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse2)
 
 

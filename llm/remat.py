@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import jax
 
-# Residuals the attention kernels name (llm/attention/cudnn.py): saving them keeps a
-# rematerialized block from running the attention forward again in its backward pass.
+# Residuals the attention kernels name (llm/attention/cudnn.py, and the Pallas kernels'
+# custom_vjp forward rules): saving them keeps a rematerialized block from running the
+# attention forward again in its backward pass.
 ATTENTION_RESIDUALS = ("attention_out", "attention_stats")
 
 

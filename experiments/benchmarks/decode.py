@@ -2,9 +2,10 @@
 
 A decode step must read every weight once (the embedding table in full only as the tied
 output projection, else only its B rows) and the KV cache of every layer up to the filled
-length; that many bytes over the device's copy bandwidth is the floor no implementation
-beats by much. `time_decode` times greedy prefill and decode with the KV cache
-(`llm.generate`); `measure_decode` puts the two side by side for one batch size.
+length (at most the window in a sliding-window layer); that many bytes over the device's
+copy bandwidth is the floor no implementation beats by much. `time_decode` times greedy
+prefill and decode with the KV cache (`llm.generate`); `measure_decode` puts the two side
+by side for one batch size.
 
 Letters: B batch, T prompt length, D model dim.
 """
@@ -18,10 +19,28 @@ from typing import Any
 from core import profiling
 
 
-def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, float]:
-  """(weight bytes, KV-cache bytes) one decode step must read: every parameter once (the
-  embedding table in full only as the tied output projection, else its `batch` rows), and
-  k, v of every layer for `kv_tokens` tokens of each row, in the cache dtype."""
+def decode_kv_tokens(cfg, prompt_len: int, new_tokens: int) -> float:
+  """Cached tokens one row's decode step reads, summed over the layers and averaged over the
+  new_tokens - 1 decode steps (the prefill samples the first new token): step j = 1 ..
+  new_tokens - 1 feeds the token at position prompt_len + j - 1, whose query sees
+  prompt_len + j keys, at most W in a layer with a sliding window W (`layer_window`)."""
+  if new_tokens < 2:
+    raise ValueError(f"decode_kv_tokens: new_tokens={new_tokens}, expected >= 2 (one decode "
+                     "step after the prefill's token)")
+  total = 0.0
+  for layer in range(cfg.n_layers):
+    w = cfg.layer_window(layer)
+    total += sum(prompt_len + j if w is None else min(prompt_len + j, w)
+                 for j in range(1, new_tokens)) / (new_tokens - 1)
+  return total
+
+
+def decode_bytes_per_step(model, batch: int, prompt_len: int,
+                          new_tokens: int) -> tuple[float, float]:
+  """(weight bytes, KV-cache bytes) one decode step must read, averaged over the steps of
+  generating `new_tokens` after prompts of `prompt_len`: every parameter once (the embedding
+  table in full only as the tied output projection, else its `batch` rows), and k, v of
+  `decode_kv_tokens` cached tokens per row, in the cache dtype."""
   import jax
   import numpy as np
   from flax import nnx
@@ -31,7 +50,8 @@ def decode_bytes_per_step(model, batch: int, kv_tokens: float) -> tuple[float, f
     emb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.embed.get_value()))
     weights -= emb * (cfg.vocab_size - batch) / cfg.vocab_size
   item = np.dtype(cfg.cache_dtype or cfg.dtype).itemsize
-  kv = 2 * cfg.n_layers * batch * kv_tokens * cfg.n_kv_heads * cfg.head_dim * item
+  kv = (2 * batch * decode_kv_tokens(cfg, prompt_len, new_tokens) * cfg.n_kv_heads
+        * cfg.head_dim * item)
   return float(weights), float(kv)
 
 
@@ -77,9 +97,10 @@ def time_decode(model, prompts, new_tokens: int, repeats: int, profile_dir: str 
 def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                    copy_bytes_per_s: float, seed: int = 0,
                    profile_dir: str | None = None) -> dict[str, Any]:
-  """Prefill ms, decode ms per step and its ratio to the floor (weights + the mean filled
-  KV cache over `copy_bytes_per_s`) for random prompts [batch, prompt_len]; with
-  `profile_dir`, "profile": the traced decode's summary (core.profiling.summarize)."""
+  """Prefill ms, decode ms per step and its ratio to the floor (weights + the KV cache the
+  mean step reads, `decode_bytes_per_step`, over `copy_bytes_per_s`) for random prompts
+  [batch, prompt_len]; with `profile_dir`, "profile": the traced decode's summary
+  (core.profiling.summarize)."""
   import numpy as np
 
   from core import benchmark
@@ -90,8 +111,7 @@ def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats:
   prompts = rng.integers(0, model.cfg.vocab_size, (batch, prompt_len)).tolist()
   pre, dec, _ = time_decode(model, prompts, new_tokens, repeats, profile_dir)
   step_ms = benchmark.median(dec) * 1e3 / (new_tokens - 1)
-  kv_tokens = prompt_len + (new_tokens - 1) / 2       # filled, mean over steps
-  w_bytes, kv_bytes = decode_bytes_per_step(model, batch, kv_tokens)
+  w_bytes, kv_bytes = decode_bytes_per_step(model, batch, prompt_len, new_tokens)
   floor_ms = (w_bytes + kv_bytes) / copy_bytes_per_s * 1e3
   out = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
          "prefill_ms": benchmark.median(pre) * 1e3, "decode_ms_per_step": step_ms,
@@ -102,4 +122,4 @@ def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats:
   return out
 
 
-__all__ = ["decode_bytes_per_step", "measure_decode", "time_decode"]
+__all__ = ["decode_bytes_per_step", "decode_kv_tokens", "measure_decode", "time_decode"]

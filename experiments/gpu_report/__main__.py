@@ -154,7 +154,7 @@ def parse_budgets(items: list[str], known) -> dict[str, float]:
       seconds = float(value) if sep else None
     except ValueError:
       seconds = None
-    if name not in known or seconds is None or seconds <= 0:
+    if name not in known or seconds is None or not seconds > 0:   # nan too
       raise errors.expected("--part_budgets", repr(item), f"PART:SECONDS with PART one of "
                             f"{', '.join(known)} and SECONDS > 0")
     out[name] = seconds
@@ -191,7 +191,7 @@ def main(argv):
     raise errors.expected("--pipeline_data", f"{','.join(bad_data) or 'nothing'!r}",
                           "synthetic forms (synthetic, synthetic_deep, with options such as "
                           "gen=device), criteo_bin:gen or criteo_bin:DIR")
-  if FLAGS.budget_s <= 0:
+  if not FLAGS.budget_s > 0:      # nan too: it would turn every budget check off
     raise errors.expected("--budget_s", str(FLAGS.budget_s), "> 0")
   if FLAGS.mlperf_rows is not None and FLAGS.mlperf_rows < 0:
     raise errors.expected("--mlperf_rows", str(FLAGS.mlperf_rows), ">= 0")

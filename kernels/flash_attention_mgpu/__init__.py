@@ -43,6 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -64,6 +65,9 @@ def _flash(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
 def _flash_fwd(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
   sched, _, _ = schedules(cfg, q_seg, kv_seg, q_pos, kv_pos)
   out, lse2 = forward(cfg, q, k, v, q_seg, kv_seg, q_pos, kv_pos, sched)
+  # Names for remat policies (llm/remat.py): saving them keeps a rematerialized backward
+  # from running the forward kernel again.
+  out, lse2 = checkpoint_name(out, "attention_out"), checkpoint_name(lse2, "attention_stats")
   return (out, lse2 * LN2), (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse2)
 
 

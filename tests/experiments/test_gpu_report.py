@@ -198,6 +198,34 @@ def test_lm_train_order_reuse_and_fastest_remat(tmp_path, monkeypatch):
   assert calls == [] and {t.status for t in out["targets"]} == {"skipped"}
 
 
+def test_decode_floor_counts_the_keys_each_step_reads(monkeypatch):
+  """The decode part's floor by hand: after a prompt of P tokens, decode step j (1 .. n - 1
+  of n new tokens; the prefill samples the first) reads P + j cached tokens in each layer,
+  at most W in a sliding-window layer; every weight once, of an untied embedding table only
+  the B rows looked up."""
+  from flax import nnx
+
+  from experiments.benchmarks import decode
+  from llm import model as model_lib
+  from llm.config import get_config
+  cfg = get_config("tiny_mistral", window_layers=(1,))   # layer 0 full, layer 1 window 8
+  model = model_lib.Llama(cfg, nnx.Rngs(0))
+  monkeypatch.setattr(decode, "time_decode", lambda *a: ([0.002], [0.004], None))
+  r = decode.measure_decode(model, 2, prompt_len=10, new_tokens=6, repeats=1,
+                            copy_bytes_per_s=1e9)
+  # Steps 1..5 see 11..15 keys: layer 0 reads their mean, 13; layer 1 its window, 8.
+  g, k, d, v = cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.vocab_size
+  kv = 2 * 2 * (13 + 8) * g * k * 4                       # k and v, batch 2, fp32 cache
+  layer = 2 * d * cfg.n_heads * k + 2 * d * g * k + 3 * d * cfg.ffn_dim + 2 * d
+  weights = 4 * (cfg.n_layers * layer + d + v * d + 2 * d)   # + output, + 2 embedding rows
+  # Byte counts are integers well inside float64's exact range: equal, not close.
+  assert (r["weight_bytes_per_step"], r["kv_bytes_per_step"]) == (weights, kv)
+  assert r["decode_ms_per_step"] == pytest.approx(4.0 / 5, rel=1e-12)   # 4 ms over 5 steps
+  assert r["decode_floor_ms"] == pytest.approx((weights + kv) / 1e9 * 1e3, rel=1e-12)
+  with pytest.raises(ValueError, match="new_tokens=1"):
+    decode.decode_kv_tokens(cfg, 10, 1)
+
+
 def test_refuses_without_gpu(tmp_path):
   out = forkserver.run([sys.executable, "-m", "experiments.gpu_report", f"--out={tmp_path}",
                         "--parts=decode"], cwd=REPO, capture_output=True, text=True,
@@ -273,6 +301,22 @@ def test_a_bad_case_flag_ends_in_one_line(tmp_path):
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
       "error: --pipeline_data: 'synthetic:gen=gpu'; expected synthetic forms (synthetic, "
       "synthetic_deep, with options such as gen=device), criteo_bin:gen or criteo_bin:DIR")
+  assert not (tmp_path / "report.md").exists()
+
+
+def test_a_nan_budget_is_refused(tmp_path):
+  """A budget of nan (every comparison with it false) would turn the budget checks off: the
+  report's and a part's are refused like 0, naming the flag."""
+  import experiments.gpu_report.__main__ as entry
+  from core import errors
+  with pytest.raises(errors.UserError, match="--part_budgets: 'decode:nan'; expected"):
+    entry.parse_budgets(["decode:nan"], parts.PARTS)
+  out = forkserver.run([sys.executable, "-m", "experiments.gpu_report", "--dry_run",
+                        f"--out={tmp_path}", "--parts=decode", "--budget_s=nan"],
+                       cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == "error: --budget_s: nan; expected > 0"
   assert not (tmp_path / "report.md").exists()
 
 

@@ -351,6 +351,24 @@ class TestMgpuLowering:
     # forward + (dq and dk/dv, or the fused backward)
     assert hlo.count("stablehlo.custom_call @mosaic_gpu") == (3 if bwd == "split" else 2)
 
+  def test_remat_attention_policy_keeps_the_forward(self):
+    """llm.remat's "attention" policy saves only what the attention kernels name (out,
+    lse): the rematerialized backward reuses the forward kernel's outputs, as many kernel
+    calls as without remat (formerly nothing was named: the forward ran again, as under
+    full remat)."""
+    from llm.remat import remat_policy
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)
+    k = jax.ShapeDtypeStruct((1, 256, 1, 64), BF16)
+    loss = lambda q, k, v: jnp.sum(
+        fam.flash_attention_mgpu(q, k, v, interpret=False)[0].astype(jnp.float32))
+    calls = lambda f: _lower_for_h100(jax.value_and_grad(f, argnums=(0, 1, 2)), q, k, k).count(
+        "stablehlo.custom_call @mosaic_gpu")
+    # value_and_grad: the loss is used, so the primal forward stays (with grad alone, full
+    # remat's primal pass would be dead code and its forward the only one).
+    plain = calls(loss)                      # forward, dq, dk / dv (the split backward)
+    assert calls(jax.checkpoint(loss, policy=remat_policy("attention"))) == plain == 3
+    assert calls(jax.checkpoint(loss)) == plain + 1
+
   def test_smem_budget_is_checked(self):
     """Three forward stages of 128 x 128 tiles exceed 227 KiB: the lowering says so."""
     q = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)

@@ -134,6 +134,29 @@ class TestFlashAttentionInterpret(_FlashAttentionCases):
       hlo = run.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 3      # forward, dk/dv, dq
 
+  def test_remat_attention_policy_keeps_the_forward(self):
+    """llm.remat's "attention" policy saves only what the attention kernels name (out,
+    lse): the rematerialized backward reuses the forward kernel's outputs, as many kernel
+    calls as without remat (formerly the forward ran again, as under full remat)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    from llm.remat import remat_policy
+    q, k, v, _ = cases.inputs((1, 128, 128, 2, 1, 64, True, BF16, ""))
+    loss = lambda q, k, v: jnp.sum(
+        flash_attention(q, k, v, interpret=False)[0].astype(jnp.float32))
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+
+    def calls(f):
+      with use_abstract_mesh(mesh), pytest.warns(DeprecationWarning, match="Triton backend"):
+        hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("cuda",)).as_text()
+      return hlo.count("__gpu$xla.gpu.triton")
+
+    # value_and_grad: the loss is used, so the primal forward stays.
+    plain = calls(loss)                      # forward, dk / dv, dq
+    assert calls(jax.checkpoint(loss, policy=remat_policy("attention"))) == plain == 3
+    assert calls(jax.checkpoint(loss)) == plain + 1
+
   def test_rejects_bad_block(self):
     q, k, v, _ = cases.inputs((1, 16, 16, 2, 1, 16, True, F32, ""))
     with pytest.raises(ValueError, match="block_q=24"):
