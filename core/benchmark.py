@@ -32,6 +32,27 @@ def time_steps(step: Callable[[Any], Any], state: Any, steps: int, repeats: int,
   return per_step, state
 
 
+def time_interleaved(runs: dict[str, tuple[Callable[[Any], Any], Any]], steps: int,
+                     repeats: int, warmup: int = 1
+                     ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+  """`time_steps` of several (step, state) pairs by name, their timed repeats taking turns
+  (A B C A B C ...) after `warmup` untimed calls of each: a change in the machine's speed
+  during the measurement reaches every step alike, so the ratio of two medians compares
+  the steps, not two stretches of time. Returns ({name: seconds per step of each repeat},
+  {name: its final state})."""
+  states = {}
+  for name, (step, state) in runs.items():
+    for _ in range(warmup):
+      state = step(state)
+    states[name] = jax.block_until_ready(state)
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, (step, _) in runs.items():
+      t, states[name] = time_steps(step, states[name], steps, 1, warmup=0)
+      times[name] += t
+  return times, states
+
+
 def median(xs):
   return statistics.median(xs)
 

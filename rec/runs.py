@@ -11,7 +11,10 @@ and notebooks share (experiments.compare_rec, wukong_scaling, mp_embedding, fp8_
 A long study resumes: every finished run leaves `<its workdir>/run.json` (its settings and
 metrics), and `train_models(..., reuse_finished=True)` takes a run from there instead of
 training it again when the settings, steps and seed are the ones recorded; a recorded run
-with other settings is an error naming them (`finished_run`).
+with other settings is an error naming them (`finished_run`). A run never replaces another:
+a workdir holding an earlier run (its record, metrics or checkpoints) is refused before
+anything trains (`check_fresh`: a study's --resume reuses it, or a fresh --workdir), except
+where the caller says that run is unfinished and to be trained again (`overwrite=True`).
 
 Everything trains through `configs.build_run` and `core.train.train`; nothing here is a
 second loop. A seed sets the parameter initialization (dense and embedding) only: the data
@@ -83,23 +86,58 @@ def _check_budget(where: str, steps, epochs) -> None:
     raise ValueError(f"{where}: steps={steps}, epochs={epochs}; give exactly one")
 
 
+RUN_RECORD = "run.json"
+# What a run leaves in its workdir: its record (train_seeds), core.train's metrics,
+# checkpoints and TensorBoard events.
+RUN_OUTPUTS = (RUN_RECORD, "metrics.jsonl", "checkpoints", "tb")
+
+
+def earlier_run(workdir: str) -> list[str]:
+  """What an earlier run left in `workdir` (RUN_OUTPUTS present), [] for none."""
+  return [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
+
+
+def check_fresh(workdirs: Iterable[str], resume_flag: bool = True) -> None:
+  """Raises one UserError naming the run directories of `workdirs` that hold an earlier
+  run (`earlier_run`), before anything trains: one run per workdir, and a run never
+  replaces another's results. `resume_flag`: the study has --resume (reuse_finished) to
+  take finished runs from there."""
+  held = [(d, found) for d in workdirs if (found := earlier_run(d))]
+  if not held:
+    return
+  (first, found), more = held[0], len(held) - 1
+  where = f"{first}" + (f" (and {more} more run director{'ies' if more > 1 else 'y'})"
+                        if more else "")
+  how = ("reuse its finished runs with --resume (where the study has it; "
+         "reuse_finished=True), or choose a fresh --workdir" if resume_flag
+         else "choose a fresh --workdir")
+  raise UserError(f"{where}: holds an earlier run ({', '.join(found)}); expected a fresh "
+                  f"run directory (one run per workdir, never replaced): {how}, or delete "
+                  "it to train again")
+
+
 def train_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int | None = None,
               epochs: float | None = None, seed: int = 0, log_every: int = 100,
-              keep_checkpoints: bool = False, built: tuple | None = None) -> TrainedRun:
+              keep_checkpoints: bool = False, built: tuple | None = None,
+              overwrite: bool = False) -> TrainedRun:
   """Builds `cfg` (or takes `built`, a `configs.build_run(cfg)` result, to train the same
   build again) and trains it for `steps` or `epochs` from initialization seed `seed` in
-  `workdir` (replaced if present). Its checkpoints are deleted unless keep_checkpoints;
-  the final state comes back in memory either way."""
+  `workdir`. A workdir holding an earlier run is refused before anything is built
+  (`check_fresh`) unless `overwrite`: the caller knows that run to be unfinished, and its
+  outputs are deleted (core.train's --overwrite, and its run record). Its checkpoints are
+  deleted unless keep_checkpoints; the final state comes back in memory either way."""
   _check_budget("train_run", steps, epochs)
+  if not overwrite:
+    check_fresh([workdir], resume_flag=False)
   task, train_src, eval_src = (built or configs.build_run(cfg))[:3]
   n_steps = configs.steps_for(epochs, train_src) if epochs is not None else int(steps)
-  if os.path.isdir(workdir):   # a previous run of this experiment: start it afresh
-    shutil.rmtree(workdir)
+  if overwrite and os.path.exists(os.path.join(workdir, RUN_RECORD)):
+    os.remove(os.path.join(workdir, RUN_RECORD))
   t0 = time.perf_counter()
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
                         train_lib.TrainConfig(workdir=workdir, steps=n_steps,
                                               log_every=max(1, log_every), seed=int(seed),
-                                              tensorboard=False))
+                                              tensorboard=False, overwrite=overwrite))
   wall = time.perf_counter() - t0
   if not keep_checkpoints:
     shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
@@ -111,8 +149,6 @@ def train_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int | None = No
 
 
 # --------------------------------------------------------------------------- seeds
-
-RUN_RECORD = "run.json"
 
 
 def _settings(cfg: configs.RecRunConfig, steps: int, seed: int) -> dict[str, Any]:
@@ -152,6 +188,11 @@ def finished_run(cfg: configs.RecRunConfig, workdir: str, *, steps: int,
   return result
 
 
+def seed_dirs(run_prefix: str, seeds: Iterable[int]) -> list[str]:
+  """The run directories of `train_seeds`: `<run_prefix>_s<seed>`."""
+  return [f"{run_prefix}_s{seed}" for seed in seeds]
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
   """Mean and sample standard deviation (0 for one value)."""
   v = np.asarray(values, np.float64)
@@ -169,7 +210,9 @@ def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str
   is called with each finished `TrainedRun` (its state is dropped afterwards otherwise).
   Each finished run is recorded in its workdir (`RUN_RECORD`); reuse_finished: a seed whose
   record holds these settings (`finished_run`) is taken from it, not trained again (the
-  state is not recorded, so not with `keep`).
+  state is not recorded, so not with `keep`), and one without a record (unfinished) is
+  trained again; without it a seed directory holding an earlier run is refused before
+  anything trains (`check_fresh`).
 
   Returns {steps, examples, num_seeds, runs: [{seed, METRICS..., eval_examples,
   wall_seconds, train_seconds, examples_per_sec, workdir}], <metric>_mean / _std for
@@ -180,13 +223,17 @@ def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str
     raise ValueError("train_seeds: no seeds")
   if reuse_finished and keep is not None:
     raise ValueError("train_seeds: reuse_finished=True with keep: a reused run has no state")
+  if not reuse_finished:
+    check_fresh(seed_dirs(run_prefix, seeds))
   built = built or configs.build_run(cfg)
   n_steps = configs.steps_for(epochs, built[1]) if epochs is not None else int(steps)
   runs = []
   name = label or cfg.model.model + ":" + cfg.model.preset
-  for seed in seeds:
-    workdir = f"{run_prefix}_s{seed}"
-    done = finished_run(cfg, workdir, steps=n_steps, seed=seed) if reuse_finished else None
+  if reuse_finished:   # a record of other settings is refused before any seed trains
+    done_by_seed = {seed: finished_run(cfg, d, steps=n_steps, seed=seed)
+                    for seed, d in zip(seeds, seed_dirs(run_prefix, seeds))}
+  for seed, workdir in zip(seeds, seed_dirs(run_prefix, seeds)):
+    done = done_by_seed[seed] if reuse_finished else None
     if done is not None:
       print(f"== {name} seed {seed}: finished earlier ({os.path.join(workdir, RUN_RECORD)}), "
             f"NE {done['ne']:.4f}", flush=True)
@@ -194,8 +241,10 @@ def train_seeds(cfg: configs.RecRunConfig, seeds: Sequence[int], run_prefix: str
       continue
     print(f"== {name} seed {seed}: {n_steps} steps of "
           f"{cfg.train.batch_size}" + (f" | {note}" if note else ""), flush=True)
-    run = train_run(cfg, workdir, steps=n_steps, seed=seed,
-                    log_every=log_every, keep_checkpoints=keep_checkpoints, built=built)
+    # Without a record the run did not finish (checked above when not reusing): trained
+    # again from the start.
+    run = train_run(cfg, workdir, steps=n_steps, seed=seed, log_every=log_every,
+                    keep_checkpoints=keep_checkpoints, built=built, overwrite=True)
     if keep is not None:
       keep(run)
     result = {"seed": int(seed), **{k: run.eval[k] for k in METRICS},
@@ -282,6 +331,15 @@ def reference_metrics(eval_src) -> dict[str, float] | None:
   return m.result()
 
 
+def _model_prefix(workdir: str, spec: ModelSpec) -> str:
+  return os.path.join(workdir, "runs", f"{spec.model}_{spec.preset}")
+
+
+def model_run_dirs(workdir: str, spec: ModelSpec, seeds: Iterable[int]) -> list[str]:
+  """The run directories `train_model` trains `spec` in, one per seed."""
+  return seed_dirs(_model_prefix(workdir, spec), seeds)
+
+
 def train_model(base: configs.RecRunConfig, spec: ModelSpec, seeds: Sequence[int],
                 workdir: str, steps: int | None = None, epochs: float | None = None,
                 log_every: int = 100, keep_checkpoints: bool = False,
@@ -297,7 +355,7 @@ def train_model(base: configs.RecRunConfig, spec: ModelSpec, seeds: Sequence[int
   stats = configs.model_stats(built[0], built[1].spec)
   note = (f"dense params {stats['dense_params']:,} | {stats['gflops_per_example']:.6f} "
           "GFLOPs/example")
-  row = train_seeds(cfg, seeds, os.path.join(workdir, "runs", f"{spec.model}_{spec.preset}"),
+  row = train_seeds(cfg, seeds, _model_prefix(workdir, spec),
                     steps=steps, epochs=epochs, log_every=log_every,
                     keep_checkpoints=keep_checkpoints, built=built, label=spec.label,
                     note=note, keep=keep, reuse_finished=reuse_finished)
@@ -320,6 +378,8 @@ def train_models(base: configs.RecRunConfig, specs: Sequence[ModelSpec],
   _check_budget("train_models", steps, epochs)
   for spec in specs:  # unknown presets fail now, not after the first models have trained
     configs.model_config(for_model(base, spec), CRITEO_SHAPED)
+  if not reuse_finished:   # and so do earlier runs in the workdir
+    check_fresh([d for spec in specs for d in model_run_dirs(workdir, spec, seeds)])
   t0 = time.perf_counter()
   reference = None
   if sources_lib.synthetic_options(base.data.data) is not None:

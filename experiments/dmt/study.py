@@ -32,6 +32,7 @@ from flax import nnx
 
 from core import mesh as mesh_lib
 from core import train as train_loop
+from rec import runs
 from rec.data.synthetic import SyntheticCriteo
 from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
@@ -75,7 +76,7 @@ def train_eval(model_fn: Callable[[nnx.Rngs], nnx.Module], tables, source, eval_
   coll = EmbeddingCollection(tables, planner_lib.uniform_plan(tables, "tw", n), mesh, sparse)
   task = SameStartTask(model_fn, coll, optax.adagrad(lr), mesh)
   cfg = train_loop.TrainConfig(workdir=workdir, steps=steps, log_every=max(1, steps // 4),
-                               seed=seed, tensorboard=False, overwrite=True)
+                               seed=seed, tensorboard=False)
   evals = lambda: itertools.islice(eval_source.batches(0), eval_batches)
   out = train_loop.train(task, source.batches, evals, cfg)
   last = task.device_batch(list(evals())[-1])
@@ -84,32 +85,49 @@ def train_eval(model_fn: Callable[[nnx.Rngs], nnx.Module], tables, source, eval_
           "train_seconds": out["train_seconds"], "eval_emb": np.asarray(emb)}
 
 
-def comm_volume(batch: int, num_features: int, dim: int, towers: int, tower_k: int,
-                bag: int = 1, group_size: int = 8, bytes_per_value: int = 4,
+def comm_volume(batch: int, num_features: int, dim: int, towers: int | Sequence[Sequence[int]],
+                tower_k: int, bag: int = 1, group_size: int = 8, bytes_per_value: int = 4,
                 id_bytes: int = 4) -> dict[str, Any]:
   """Bytes per step (forward; the backward moves the pooled gradients the same way back)
   that the collection's collectives deliver, summed over devices, each device's own share
-  included (rec/embedding/collection.py). A bag travels as its `bag` ids, `bag` float32
-  weights and its length; pooled values as float32.
+  included (rec/embedding/collection.py): the bytes of the compiled program's collectives.
+  A bag travels as its `bag` ids, `bag` float32 weights and its length; pooled values as
+  float32. `towers`: the partition (tower t's features), or a count T (features dealt
+  evenly); T towers of `group_size` devices, N = T * group_size devices in all, and the
+  flat model table-wise over the same N.
 
-  flat (table-wise, global): all-to-all of the bags [B, F] and of the pooled [B, F, D] back.
-  SPTT, towers of F / T features on groups of `group_size` devices: global (over the
-  towers): the bags [B, F] and the compressed [B, T (K + 1), D] outputs; inside each group:
-  the bags all-gathered (each of its devices receives the group's) and the partial sums
-  reduce-scattered ([B, F, D] delivered), over the fast links of one host.
-  The payload: the collection's static all-to-all pads every device (flat) or tower (SPTT)
-  to the largest one's table count, which sends more where tables do not divide evenly.
+  flat (table-wise, global): all-to-all of the bags and of the pooled vectors back.
+  SPTT: global (over the towers): the bags and the compressed [B, T (K + 1), D] outputs;
+  inside each group: the bags all-gathered (each of its devices receives the group's) and
+  the partial sums reduce-scattered, over the fast links of one host.
+  Padding, as the program sends it: the batch in N blocks of ceil(B / N) rows (a global
+  batch is a multiple of N); the static all-to-alls send every device (flat) S = ceil(F /
+  N) table slots (the table-wise plan deals tables of equal size round-robin: the study's),
+  and every tower (SPTT) Fm slots, its largest tower's feature count, live or not.
   """
+  parts = (None if isinstance(towers, (int, np.integer)) else
+           [tuple(int(f) for f in t) for t in towers])
+  T = int(towers) if parts is None else len(parts)
+  F = int(num_features)
+  if T < 1 or T > F:
+    raise ValueError(f"comm_volume: towers={towers!r}; expected 1 to {F} towers")
+  if parts is not None and sorted(f for t in parts for f in t) != list(range(F)):
+    raise ValueError(f"comm_volume: towers={towers!r}; expected a partition of the "
+                     f"{F} features")
+  fm = -(-F // T) if parts is None else max(len(t) for t in parts)
+  N = T * group_size
+  b = N * -(-batch // N)                       # the batch padded to N equal blocks
+  S = -(-F // N)                               # flat: table slots per device
   bag_bytes = bag * id_bytes + bag * 4 + 4
-  ids = batch * num_features * bag_bytes
-  flat = {"global_ids": ids, "global_embeddings": batch * num_features * dim * bytes_per_value}
-  sptt = {"global_ids": ids,
-          "global_embeddings": batch * towers * (tower_k + 1) * dim * bytes_per_value,
-          "intra_group_ids": group_size * ids,
-          "intra_group_embeddings": batch * num_features * dim * bytes_per_value}
+  value_bytes = dim * bytes_per_value
+  flat = {"global_ids": b * N * S * bag_bytes, "global_embeddings": b * N * S * value_bytes}
+  sptt = {"global_ids": b * T * fm * bag_bytes,
+          "global_embeddings": b * T * (tower_k + 1) * value_bytes,
+          "intra_group_ids": group_size * b * T * fm * bag_bytes,
+          "intra_group_embeddings": b * T * fm * value_bytes}
   flat["global_total"] = flat["global_ids"] + flat["global_embeddings"]
   sptt["global_total"] = sptt["global_ids"] + sptt["global_embeddings"]
-  return {"flat": flat, "sptt": sptt,
+  return {"flat": flat, "sptt": sptt, "devices": N,
           "global_reduction": flat["global_total"] / sptt["global_total"]}
 
 
@@ -176,7 +194,11 @@ def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batc
   across, nvlink_link inside).
 
   Bytes per GPU and step (b = local_batch, F features, D dim, u = bag_bytes, e =
-  value_bytes, N = hosts * G GPUs, H = hosts):
+  value_bytes, N = hosts * G GPUs, H = hosts). F counts table slots as the collection's
+  static all-to-alls send them (`comm_volume`): N ceil(F / N) flat (every GPU sends every
+  GPU the busiest GPU's table count: 32 for 26 tables on 8 or 16 GPUs, 128 on 128), H Fm
+  for SPTT (Fm = ceil(F / H), the largest of the equal-count towers) and H G ceil(Fm / G)
+  with the towers' tables table-wise inside the host (as flat on one host).
     flat   all-to-alls over all N GPUs (the collection's three: forward bags b F u and
            pooled b F D e, backward the pooled gradients b F D e); the share (N - G) / N of
            each leaves the host, the share (G - 1) / N crosses NVLink, at the same time (the
@@ -213,20 +235,24 @@ def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batc
     t_nvl = nvl.time(per_gpu * on_host) if on_host > 0 else 0.0
     return max(t_net, t_nvl)
 
-  bags, pooled = b * F * bag_bytes, b * F * D * value_bytes
-  flat = {"global_s": (a2a(bags, N, (N - G) / N, (G - 1) / N)
-                       + 2 * a2a(pooled, N, (N - G) / N, (G - 1) / N)),
+  fm = -(-F // H)
+  slots = {"flat": N * -(-F // N), "sptt": H * fm, "sptt_tw": H * G * -(-fm // G)}
+  bags = {k: b * n * bag_bytes for k, n in slots.items()}
+  pooled = {k: b * n * D * value_bytes for k, n in slots.items()}
+  flat = {"global_s": (a2a(bags["flat"], N, (N - G) / N, (G - 1) / N)
+                       + 2 * a2a(pooled["flat"], N, (N - G) / N, (G - 1) / N)),
           "intra_s": 0.0}
   compressed = b * H * (tower_k + 1) * D * value_bytes
-  sptt = {"global_s": (a2a(bags, H, (H - 1) / H, 0.0)
+  sptt = {"global_s": (a2a(bags["sptt"], H, (H - 1) / H, 0.0)
                        + 2 * a2a(compressed, H, (H - 1) / H, 0.0)),
-          "intra_s": (hardware.ring_collective_s("all_gather", G * bags, G, nvl)
-                      + hardware.ring_collective_s("reduce_scatter", G * pooled, G, nvl)
-                      + hardware.ring_collective_s("all_gather", G * pooled, G, nvl))}
+          "intra_s": (hardware.ring_collective_s("all_gather", G * bags["sptt"], G, nvl)
+                      + hardware.ring_collective_s("reduce_scatter", G * pooled["sptt"], G, nvl)
+                      + hardware.ring_collective_s("all_gather", G * pooled["sptt"], G, nvl))}
   # The same towers with the host's tables placed table-wise (modelled, not built here):
   # all-to-alls over NVLink of the bags and of the pooled values and their gradients.
   sptt_tw = {"global_s": sptt["global_s"],
-             "intra_s": (a2a(bags, G, 0.0, (G - 1) / G) + 2 * a2a(pooled, G, 0.0, (G - 1) / G))}
+             "intra_s": (a2a(bags["sptt_tw"], G, 0.0, (G - 1) / G)
+                         + 2 * a2a(pooled["sptt_tw"], G, 0.0, (G - 1) / G))}
   rate = hw.bf16_flops * eff.gemm
   flat["compute_s"] = 3 * flops_flat * b / rate
   sptt["compute_s"] = sptt_tw["compute_s"] = 3 * flops_dmt * b / rate
@@ -234,7 +260,7 @@ def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batc
     m["comm_s"] = m["global_s"] + m["intra_s"]
     m["step_serial_s"] = m["compute_s"] + m["comm_s"]
     m["step_overlap_s"] = max(m["compute_s"], m["comm_s"])
-  out = {"hosts": H, "gpus": N, "local_batch": b, "flat": flat, "sptt": sptt,
+  out = {"hosts": H, "gpus": N, "local_batch": b, "slots": slots, "flat": flat, "sptt": sptt,
          "sptt_tw": sptt_tw}
   for name, m in (("", sptt), ("_tw", sptt_tw)):
     out[f"speedup_serial{name}"] = flat["step_serial_s"] / m["step_serial_s"]
@@ -290,13 +316,15 @@ def h100_table(units: dict[str, Any], host_counts: Sequence[int], local_batch: i
 
 def format_h100(rows) -> str:
   """Milliseconds per step of one GPU and the speedups flat / SPTT (rw in the group, as
-  built) and flat / SPTT with table-wise hosts (tw, modelled)."""
-  lines = [f"{'hosts':>5}{'GPUs':>5}{'compute':>9}{'flat comm':>10}{'SPTT global':>12}"
-           f"{'rw intra':>9}{'tw intra':>9}{'x rw':>7}{'x rw ovl':>9}{'x tw':>7}"
-           f"{'x tw ovl':>9}   paper"]
+  built) and flat / SPTT with table-wise hosts (tw, modelled); slots: the table slots the
+  flat all-to-alls send (padding included, `h100_step_model`)."""
+  lines = [f"{'hosts':>5}{'GPUs':>5}{'slots':>6}{'compute':>9}{'flat comm':>10}"
+           f"{'SPTT global':>12}{'rw intra':>9}{'tw intra':>9}{'x rw':>7}{'x rw ovl':>9}"
+           f"{'x tw':>7}{'x tw ovl':>9}   paper"]
   for r in rows:
     f, s, t = r["flat"], r["sptt"], r["sptt_tw"]
-    lines.append(f"{r['hosts']:>5}{r['gpus']:>5}{1e3 * s['compute_s']:>9.3f}"
+    lines.append(f"{r['hosts']:>5}{r['gpus']:>5}{r['slots']['flat']:>6}"
+                 f"{1e3 * s['compute_s']:>9.3f}"
                  f"{1e3 * f['comm_s']:>10.3f}{1e3 * s['global_s']:>12.3f}"
                  f"{1e3 * s['intra_s']:>9.3f}{1e3 * t['intra_s']:>9.3f}"
                  f"{r['speedup_serial']:>7.2f}{r['speedup_overlap']:>9.2f}"
@@ -329,6 +357,11 @@ def run(towers: Sequence[int], tower_k: int, steps: int, batch_size: int, eval_b
   then per tower count T the similarity partition (of the flat model's learned pooled
   embeddings) and a random one. Returns {"rows", "similarity"}."""
   F, D, R = 26, dim, num_rows
+  # An earlier run's models in `workdir` are refused before the first trains (they were
+  # once deleted: core.train's overwrite).
+  runs.check_fresh([os.path.join(workdir, "flat")] + [
+      os.path.join(workdir, f"dmt_t{T}_{kind}") for T in towers
+      for kind in ("similarity", "random")], resume_flag=False)
   src = lambda split: SyntheticCriteo(batch_size, R, seed=seed, split=split, teacher=teacher)
   train, test = src("train"), src("test")
   common = dict(steps=steps, eval_batches=eval_batches, seed=seed)
@@ -353,7 +386,7 @@ def run(towers: Sequence[int], tower_k: int, steps: int, batch_size: int, eval_b
                       bottom_mlp=bottom, top_mlp=top, rows_per_feature=R)
       res = train_eval(lambda r, cfg=cfg: DMTModel(cfg, r), cfg.tables(), train, test,
                        workdir=os.path.join(workdir, f"dmt_t{T}_{kind}"), **common)
-      vol = comm_volume(comm_batch, F, D, T, tower_k)
+      vol = comm_volume(comm_batch, F, D, parts, tower_k)
       within = sum(sim[a, b] for t in parts for a in t for b in t if a != b) / max(
           1, sum(len(t) * (len(t) - 1) for t in parts))
       rows.append({"model": f"DMT T={T} ({kind})", "towers": parts, "auc": res["auc"],

@@ -15,7 +15,8 @@ Per model of --models (DLRM, DCN-v2: the models with FP8 layers, rec/layers/fp8.
   2. train fp32, bf16 (dense activations and matmuls), FP8 per-tensor, FP8 row-wise,
      FP8 delayed per-tensor on every layer, and FP8 (per-tensor) on the probe's safe
      layers when that is not all of them, from scratch with the same data, seeds and budget;
-  3. time one train step per variant (median of --timing_repeats x --timing_steps).
+  3. time one train step per variant (median of --timing_repeats x --timing_steps; the
+     variants' repeats taking turns).
 Prints the tables, writes results.json and fp8_probe.png; the last stdout line is JSON.
 
 Off a GPU, FP8 is emulated (integer bit arithmetic for the quantizers, float8 dots upcast
@@ -108,6 +109,12 @@ def main(argv):
                            runs.CRITEO_SHAPED)
     except ValueError as e:
       raise errors.UserError(f"--models={','.join(FLAGS.models)}: {spec.label}: {e}") from None
+  # And an earlier study's runs in --workdir (never replaced), before a first model trains.
+  runs.check_fresh([d for spec in specs for v in dict.fromkeys(["fp32", *FLAGS.variants,
+                                                                "fp8_safe"])
+                    for d in runs.model_run_dirs(
+                        os.path.join(FLAGS.workdir, f"{spec.model}_{spec.preset}", v), spec,
+                        seeds)], resume_flag=False)
   out = {"data": FLAGS.data, "seeds": seeds, **budget, "batch_size": FLAGS.batch_size,
          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
          "models": []}

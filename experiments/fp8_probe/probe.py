@@ -310,16 +310,22 @@ def format_variants(rows: dict[str, dict[str, Any]], ref: str = "fp32") -> str:
 def step_times(cfg: configs.RecRunConfig, variants: dict[str, dict[str, str]], steps: int = 10,
                repeats: int = 3) -> dict[str, Any]:
   """Median seconds per train step of each variant on one fixed batch (compile excluded),
-  with the device they ran on."""
+  with the device they ran on. Every variant is built and compiled first; then the timed
+  repeats take turns (`benchmark.time_interleaved`), so a change in the machine's load
+  falls on every variant alike and their ratios hold."""
   out: dict[str, Any] = {"device": jax.devices()[0].device_kind,
                          "platform": jax.default_backend(), "variants": {}}
+  runs_by_name = {}
   for name, over in variants.items():
     task, train_src, _, _, _ = configs.build_run(configs.replace_run(cfg, **over))
     batch = task.device_batch(next(iter(train_src.batches(0))))
     step = jax.jit(task.train_step, donate_argnums=0)
-    per_step, _ = benchmark.time_steps(lambda s: step(s, batch)[0], task.init_state(0), steps,
-                                       repeats)
-    out["variants"][name] = {"median_s": benchmark.median(per_step), "per_repeat_s": per_step}
+    runs_by_name[name] = ((lambda s, step=step, batch=batch: step(s, batch)[0]),
+                          task.init_state(0))
+  per_step, _ = benchmark.time_interleaved(runs_by_name, steps, repeats)
+  for name in variants:
+    out["variants"][name] = {"median_s": benchmark.median(per_step[name]),
+                             "per_repeat_s": per_step[name]}
   return out
 
 

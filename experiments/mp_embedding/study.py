@@ -142,9 +142,8 @@ def train_format(base: configs.RecRunConfig, spec: StorageSpec, seeds: Sequence[
   for seed in seeds:
     print(f"== {spec} seed {seed}: {n_steps} steps of {cfg.train.batch_size} "
           f"(tables: {cfg.embedding.storage})", flush=True)
-    run_dir = os.path.join(workdir, "runs", f"{str(spec).replace(':', '_')}_s{seed}")
-    run = runs.train_run(cfg, run_dir, steps=n_steps, seed=seed, log_every=log_every,
-                         built=built)
+    run = runs.train_run(cfg, run_dir(workdir, spec, seed), steps=n_steps, seed=seed,
+                         log_every=log_every, built=built)
     emb = run.state["emb"]
     rows.append({"seed": int(seed), **{k: run.eval[k] for k in METRICS},
                  "cache_hit_rate": cache_hit_rate(task.collection, emb, eval_src.batches(0)),
@@ -157,6 +156,11 @@ def train_format(base: configs.RecRunConfig, spec: StorageSpec, seeds: Sequence[
   hits = [r["cache_hit_rate"] for r in rows if r["cache_hit_rate"] is not None]
   row["cache_hit_rate_mean"] = float(np.mean(hits)) if hits else None
   return row
+
+
+def run_dir(workdir: str, spec: StorageSpec, seed: int) -> str:
+  """The run directory of `spec` and `seed` under the study's workdir."""
+  return os.path.join(workdir, "runs", f"{str(spec).replace(':', '_')}_s{seed}")
 
 
 def compare_formats(base: configs.RecRunConfig, formats: Sequence[StorageSpec],
@@ -177,6 +181,8 @@ def compare_formats(base: configs.RecRunConfig, formats: Sequence[StorageSpec],
                        "expected distinct entries")
   for spec in formats:   # bad settings fail before anything trains
     with_storage(base, spec).validate()
+  runs.check_fresh([run_dir(workdir, f, s) for f in formats for s in seeds],   # and earlier runs
+                   resume_flag=False)
   t0 = time.perf_counter()
   rows = [train_format(base, f, seeds, workdir, steps=steps, epochs=epochs, log_every=log_every)
           for f in formats]

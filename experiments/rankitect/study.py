@@ -179,7 +179,8 @@ class Study:
     if not self.shared_program:
       cfg = configs.replace_run(self.base, model=searched_model(path), preset="kaggle",
                                 embedding_dim=0)
-      run = runs.train_run(cfg, wd, steps=self.steps, log_every=self.steps)
+      run = runs.train_run(cfg, wd, steps=self.steps, log_every=self.steps,
+                           overwrite=True)   # not in the log: unfinished
       return self.log.add(self._row(run, label, method, {**extra, "program": "standalone"}))
     cfg, (task0, train_src, eval_src, _, _) = self.space_run()
     spec = train_src.spec
@@ -192,7 +193,7 @@ class Study:
         program=self._program)
     self._program = self._program or task
     run = runs.train_run(cfg, wd, steps=self.steps, log_every=self.steps,
-                         built=(task, train_src, eval_src))
+                         built=(task, train_src, eval_src), overwrite=True)
     return self.log.add(self._row(run, label, method, {**extra, "program": "shared"},
                                   model_fn=standalone_fn))
 
@@ -204,7 +205,7 @@ class Study:
     cfg = configs.replace_run(self.base, model=model, preset=preset,
                               embedding_dim=self.space.embedding_dim)
     run = runs.train_run(cfg, os.path.join(self.workdir, "runs", label.replace(":", "_")),
-                         steps=self.steps, log_every=self.steps)
+                         steps=self.steps, log_every=self.steps, overwrite=True)
     return self.log.add(self._row(run, label, "hand-designed", {"model": model, "preset": preset}))
 
   def begin(self, method: str) -> None:

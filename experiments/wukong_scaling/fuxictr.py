@@ -144,6 +144,8 @@ def side_by_side(cfg: configs.RecRunConfig, seeds: Sequence[int], workdir: str, 
                       "(experiments/peers/README.md)")
   if cfg.model.model != "wukong":
     raise UserError(f"--models / --model={cfg.model.model!r} with --study=fuxictr; expected wukong")
+  runs.check_fresh([os.path.join(workdir, f"ours_s{seed}") for seed in seeds],
+                   resume_flag=False)   # before the data is written
   t0 = time.perf_counter()
   built = configs.build_run(cfg)
   task, train_src, eval_src = built[:3]

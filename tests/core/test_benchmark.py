@@ -27,3 +27,23 @@ def test_no_table_name_is_shadowed_by_an_earlier_one():
   names = [name for name, _ in benchmark.PEAK_FLOPS]
   for i, name in enumerate(names):
     assert not any(earlier.lower() in name.lower() for earlier in names[:i]), name
+
+
+def test_time_interleaved_takes_turns_and_threads_each_state(monkeypatch):
+  """On a fake clock that each call advances by its step's cost: after one warmup call each,
+  the repeats alternate A B A B ..., each of `steps` calls of its own state."""
+  clock, order = [0.0], []
+  monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
+
+  def step(name, cost):
+    def fn(state):
+      order.append(name)
+      clock[0] += cost
+      return state + 1
+    return fn
+
+  times, states = benchmark.time_interleaved({"a": (step("a", 1.0), 0),
+                                              "b": (step("b", 3.0), 100)}, steps=2, repeats=3)
+  assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
+  assert times == {"a": [1.0] * 3, "b": [3.0] * 3}     # seconds per step of each repeat
+  assert states == {"a": 7, "b": 107}

@@ -59,10 +59,31 @@ def test_synthetic_two_models_two_seeds(tmp_path):
   assert f"{res['rows'][1]['dense_params']:,}" in table[1]
   assert res["table"][0].split()[:4] == ["model", "AUC", "logloss", "NE"]
   assert (tmp_path / "compare_rec.png").stat().st_size > 10_000
-  # A second run into the same workdir replaces the runs (no resume error).
-  _run(TINY + ["--models=dlrm:small", "--seeds=0", "--steps=2", "--eval_batches=1",
-               f"--workdir={tmp_path}"])
-  assert json.load(open(tmp_path / "results.json"))["rows"][0]["steps"] == 2
+  # A second run into the same workdir takes the finished runs with --resume (none trains).
+  again = _run(TINY + ["--models=dlrm:small", "--seeds=0,1", "--steps=6", "--eval_batches=2",
+                       f"--workdir={tmp_path}", "--resume"])
+  assert sum("finished earlier" in l for l in again) == 2
+  assert json.load(open(tmp_path / "results.json"))["rows"][0]["runs"] == res["rows"][0]["runs"]
+
+
+def test_a_rerun_without_resume_is_refused_before_training(tmp_path):
+  """Rerunning the study in the same --workdir without --resume once deleted its finished
+  runs (rec.runs.train_run replaced each run directory) and trained them again: now one
+  line names the run directory and the flags, and nothing is trained or deleted."""
+  from tests.experiments.entry import run_refused
+  run_dir = tmp_path / "runs" / "dlrm_small_s0"
+  run_dir.mkdir(parents=True)
+  (run_dir / runs.RUN_RECORD).write_text("{}")
+  out = run_refused("experiments.compare_rec", TINY + [
+      "--models=dlrm:small", "--seeds=0", "--steps=2", "--eval_batches=1",
+      f"--workdir={tmp_path}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {run_dir}: holds an earlier run (run.json); expected a fresh run directory "
+      "(one run per workdir, never replaced): reuse its finished runs with --resume (where "
+      "the study has it; reuse_finished=True), or choose a fresh --workdir, or delete it to "
+      "train again")
+  assert "==" not in out.stdout and (run_dir / runs.RUN_RECORD).read_text() == "{}"
+  assert sorted(os.listdir(run_dir)) == [runs.RUN_RECORD]
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),

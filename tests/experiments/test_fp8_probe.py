@@ -89,6 +89,22 @@ def test_entry_point_refuses_bad_settings_before_training(tmp_path, flag, error)
   assert "reference run" not in out.stdout
 
 
+def test_entry_point_refuses_an_earlier_studys_runs_before_training(tmp_path):
+  """A rerun into the same --workdir once deleted the earlier study's runs (rec.runs
+  replaced each run directory): one line names a run directory that holds one, before the
+  first reference model trains."""
+  old = tmp_path / "dlrm_small" / "bf16" / "runs" / "dlrm_small_s0"
+  old.mkdir(parents=True)
+  (old / "metrics.jsonl").write_text("{}\n")
+  out = run_refused("experiments.fp8_probe", [f"--workdir={tmp_path}", "--steps=2",
+                                              "--models=dlrm:small", "--variants=fp32,bf16"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {old}: holds an earlier run (metrics.jsonl); expected a fresh run directory "
+      "(one run per workdir, never replaced): choose a fresh --workdir, or delete it to "
+      "train again")
+  assert "reference run" not in out.stdout and (old / "metrics.jsonl").read_text() == "{}\n"
+
+
 def test_plot_without_an_fp32_variant(tmp_path):
   """--variants without fp32 (e.g. bf16,fp8_tensor): the plot draws each variant's log loss
   itself, where it once raised KeyError 'fp32' after every variant had trained (and before
@@ -144,3 +160,25 @@ def test_probe_leaves_out_padding_rows():
     for k in ("logit_sqnr_db", "out_sqnr_db", "grad_sqnr_db", "d_logloss"):
       if k in ra:
         assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-9), (ra["layer"], k)
+
+
+def test_step_times_interleave_the_variants_repeats(monkeypatch):
+  """The variants' timed repeats take turns (fp32 bf16 fp32 bf16 ...), one repeat of
+  `steps` calls at a time: timed back to back, a drift in the machine's speed between the
+  first variant's repeats and the next's went into their ratio."""
+  calls = []
+  real = fp8_probe.benchmark.time_steps
+
+  def spy(step, state, steps, repeats, warmup=1):
+    calls.append((step, steps, repeats, warmup))
+    return real(step, state, steps, repeats, warmup)
+
+  monkeypatch.setattr(fp8_probe.benchmark, "time_steps", spy)
+  cfg = configs.make_run(model="dlrm", preset="small", data="synthetic", num_rows=200,
+                         batch_size=64)
+  out = fp8_probe.step_times(cfg, {"fp32": {}, "bf16": {"dtype": "bfloat16"}}, steps=2,
+                             repeats=3)
+  assert [(s, r, w) for _, s, r, w in calls] == [(2, 1, 0)] * 6
+  fns = [c[0] for c in calls]
+  assert fns[0] is not fns[1] and fns == fns[:2] * 3
+  assert all(len(v["per_repeat_s"]) == 3 for v in out["variants"].values())

@@ -385,6 +385,32 @@ def test_bad_settings_are_refused_before_anything_is_read(tmp_path):
   assert not (tmp_path / "bin").exists()
 
 
+def test_hashed_rows_a_run_cannot_train_are_refused_before_converting(tmp_path):
+  """2^31 - 1 and 2^31 rows fit the int32 ids of the shards, but not a table a run trains
+  (its padding id num_rows is int32 too: stream.MAX_TABLE_ROWS = 2^31 - 2), so the
+  conversion, hours on Terabyte, would be written and never trained on."""
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "train.txt").write_text("".join(line(i) for i in range(40)))
+  for rows in (2**31 - 1, 2**31):
+    with pytest.raises(UserError) as e:
+      convert(src, tmp_path / "bin", num_rows=rows)
+    assert str(e.value).startswith(f"--num_rows: rows_per_feature for C1 = {rows:,}, expected "
+                                   "at most 2^31 - 2 = 2,147,483,646")
+  assert not (tmp_path / "bin").exists()
+  # A vocabulary's rows are counted, not set: --num_rows is not its setting.
+  assert convert(src, tmp_path / "vocab", ids="vocab", num_rows=2**31)["rows_per_feature"]
+  # A directory written with such rows (before this check) is refused when opened.
+  n = 8
+  criteo_bin.write_arrays(str(tmp_path / "old"), {"train": (
+      np.zeros((n, 13), np.float32), np.ones((n, 26), np.int32), np.zeros(n, np.uint8))},
+      [2**31] * 26)
+  with pytest.raises(UserError) as e:
+    criteo_bin.CriteoBinSource(str(tmp_path / "old"), "train", 8)
+  assert str(e.value).startswith(f"{tmp_path / 'old'}/manifest.json: rows per feature C1 = "
+                                 "2,147,483,648; expected at most 2^31 - 2")
+
+
 def test_gz_line_ranges_read_in_many_chunks_and_units_of_many_shards(tmp_path, monkeypatch):
   """Day 23's test half starts mid-stream: its .gz unit skips whole chunks of lines before
   it; a unit with more rows than a shard holds is written as several shards. Both equal the

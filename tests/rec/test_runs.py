@@ -50,14 +50,20 @@ def test_bad_preset_fails_before_any_training(tmp_path):
 
 def test_train_run_hands_back_the_checkpointed_state(tmp_path):
   """The state in memory is the run's last checkpoint, bit for bit; a workdir left by an
-  earlier run (a checkpoint that would otherwise be resumed) is replaced."""
+  earlier run (a checkpoint that would otherwise be resumed) is refused, and replaced only
+  with overwrite=True (the caller's word that it is unfinished)."""
   cfg = configs.make_run(model="dlrm", preset="small", num_rows=50, batch_size=16,
                              eval_batch_size=16, eval_batches=1, mesh="data:1")
   built = configs.build_run(cfg, devices=jax.devices()[:1])
   stale = tmp_path / "a" / "checkpoints" / "7"
   stale.mkdir(parents=True)
+  with pytest.raises(UserError) as e:
+    runs.train_run(cfg, str(tmp_path / "a"), steps=3, built=built)
+  assert str(e.value).startswith(f"{tmp_path / 'a'}: holds an earlier run (checkpoints); "
+                                 "expected a fresh run directory")
+  assert "choose a fresh --workdir" in str(e.value) and stale.exists()
   run = runs.train_run(cfg, str(tmp_path / "a"), steps=3, seed=2, keep_checkpoints=True,
-                       built=built)
+                       built=built, overwrite=True)
   assert int(run.state["step"]) == 3 and run.steps == 3 and run.seed == 2
   assert set(run.eval) >= set(runs.METRICS) and run.eval["num_examples"] == 16
   assert run.model_config == configs.model_config(cfg, built[1].spec)
@@ -87,12 +93,12 @@ def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_pat
   assert "seed 0: finished earlier" in out and "seed 1: 2 steps of 16" in out
   assert again["runs"][0] == first["runs"][0]
   assert again["runs"][1]["seed"] == 1 and again["num_seeds"] == 2
-  # Without reuse_finished the run trains again (and replaces its record); `keep` sees it.
+  # `keep` sees each run it trains.
   kept = []
-  assert "seed 0: 2 steps" in (runs.train_seeds(cfg, [0], prefix, steps=2, built=built,
+  assert "seed 0: 2 steps" in (runs.train_seeds(cfg, [0], prefix + "k", steps=2, built=built,
                                                 keep=kept.append),
                                capsys.readouterr().out)[1]
-  assert [(r.seed, int(r.state["step"]), r.workdir) for r in kept] == [(0, 2, prefix + "_s0")]
+  assert [(r.seed, int(r.state["step"]), r.workdir) for r in kept] == [(0, 2, prefix + "k_s0")]
   other = configs.replace_run(cfg, learning_rate=cfg.train.learning_rate * 2)
   with pytest.raises(UserError, match=r"r_s0/run.json: this run finished with other settings "
                      r"\(config.learning_rate: .* -> .*\)"):
@@ -100,6 +106,43 @@ def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_pat
   with pytest.raises(UserError, match=r"steps: 2 -> 3"):
     runs.finished_run(cfg, prefix + "_s0", steps=3, seed=0)
   assert runs.finished_run(cfg, prefix + "_s9", steps=2, seed=9) is None
+
+
+def test_finished_runs_are_never_replaced_without_resume(tmp_path, capsys):
+  """A study rerun into the same workdir without --resume once deleted every finished run
+  (train_run replaced its workdir) and trained them again: now it is refused before
+  anything trains, naming the run directory, --resume and --workdir, and the runs stay. A
+  seed directory without a record (a run killed before it finished) is trained again under
+  --resume."""
+  cfg = configs.make_run(model="logreg", preset="kaggle", num_rows=50, batch_size=16,
+                         eval_batch_size=16, eval_batches=1)
+  specs = [runs.ModelSpec("logreg", "kaggle")]
+  wd = str(tmp_path / "study")
+  first = runs.train_models(cfg, specs, seeds=[0, 1], steps=1, workdir=wd)
+  rec = os.path.join(wd, "runs", "logreg_kaggle_s0", runs.RUN_RECORD)
+  before = open(rec).read()
+  capsys.readouterr()
+  with pytest.raises(UserError) as e:
+    runs.train_models(cfg, specs, seeds=[0, 1], steps=2, workdir=wd)
+  assert str(e.value) == (
+      f"{wd}/runs/logreg_kaggle_s0 (and 1 more run directory): holds an earlier run "
+      "(run.json, metrics.jsonl); expected a fresh run directory (one run per workdir, never "
+      "replaced): reuse its finished runs with --resume (where the study has it; "
+      "reuse_finished=True), or choose a fresh --workdir, or delete it to train again")
+  assert "==" not in capsys.readouterr().out and open(rec).read() == before
+  # A later model's runs are found before the first model trains.
+  two = [runs.ModelSpec("dlrm", "small")] + specs
+  with pytest.raises(UserError, match="logreg_kaggle_s0"):
+    runs.train_models(cfg, two, seeds=[0], steps=1, workdir=wd)
+  assert not os.path.exists(os.path.join(wd, "runs", "dlrm_small_s0"))
+  # --resume: seed 0 reused, seed 1 (its record gone: unfinished) trained again.
+  os.remove(os.path.join(wd, "runs", "logreg_kaggle_s1", runs.RUN_RECORD))
+  again = runs.train_models(cfg, specs, seeds=[0, 1], steps=1, workdir=wd,
+                            reuse_finished=True)
+  out = capsys.readouterr().out
+  assert "seed 0: finished earlier" in out and "seed 1: 1 steps of 16" in out
+  assert again["rows"][0]["runs"] == first["rows"][0]["runs"][:1] + again["rows"][0]["runs"][1:]
+  assert os.path.exists(os.path.join(wd, "runs", "logreg_kaggle_s1", runs.RUN_RECORD))
 
 
 def test_a_run_record_that_does_not_read_is_one_line(tmp_path):

@@ -333,6 +333,16 @@ def convert(src: str, dst: str, *, ids: str = "hash", num_rows: int | Sequence[i
     raise UserError(f"--min_count={min_count}; expected >= 1")
   layout = source_layout(src, days, flag)
   rows = list(stream.check_rows_per_feature(num_rows, criteo.SPARSE_NAMES, "--num_rows"))
+  if ids == "hash":
+    # A table a run trains holds at most MAX_TABLE_ROWS rows (its ids and its padding id,
+    # num_rows, are int32: rec.embedding.storage.check_size); a conversion beyond that
+    # could be written but never trained on.
+    big = [(n, r) for n, r in zip(criteo.SPARSE_NAMES, rows) if r > stream.MAX_TABLE_ROWS]
+    if big:
+      name, r = big[0]
+      raise UserError(f"--num_rows: rows_per_feature for {name} = {r:,}, expected at most "
+                      f"2^31 - 2 = {stream.MAX_TABLE_ROWS:,} (a run's ids and a table's "
+                      "padding id, num_rows, are int32)")
   paths = dict.fromkeys(os.path.abspath(p.path) for parts in layout.splits.values() for p in parts)
   sources_info = [{"path": p, "bytes": os.stat(p).st_size, "mtime_ns": os.stat(p).st_mtime_ns}
                   for p in paths]

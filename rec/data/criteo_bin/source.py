@@ -110,6 +110,12 @@ class CriteoBinSource:
         raise UserError(f"{d}/manifest.json: no split {sp!r}; expected one of "
                         f"{sorted(m['splits'])}")
     rows = tuple(m["rows_per_feature"])
+    big = [(n, r) for n, r in zip(criteo.SPARSE_NAMES, rows) if r > stream.MAX_TABLE_ROWS]
+    if big:   # written before convert refused them: no run can train such a table
+      raise UserError(f"{d}/manifest.json: rows per feature {big[0][0]} = {big[0][1]:,}; "
+                      f"expected at most 2^31 - 2 = {stream.MAX_TABLE_ROWS:,} (a run's ids "
+                      "and a table's padding id are int32): convert again with a smaller "
+                      "--num_rows")
     if num_rows is not None and tuple(stream.check_rows_per_feature(
         num_rows, criteo.SPARSE_NAMES, "criteo_bin")) != rows:
       raise UserError(f"--num_rows={num_rows}: {d} was converted with rows per feature "

@@ -2,6 +2,8 @@
 SPTT and flat lookups move (read from their HLO on 8 devices); the comparison runs end to
 end at a toy size."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -56,6 +58,49 @@ def test_comm_volume_matches_the_compiled_collectives():
   assert want["sptt"]["global_total"] == 16 * 8 * 20 + 16 * 2 * 3 * 16
 
 
+@pytest.mark.devices(8)
+def test_comm_volume_counts_the_padded_slots_the_program_sends():
+  """7 features: towers of 3 and 4 features send 4 slots each (8 in all), and the flat
+  table-wise plan over 8 devices one slot per device (8 in all, one empty): the bytes of the
+  compiled collectives, not those of 7 features."""
+  towers = ((0, 2, 5), (1, 3, 4, 6))
+  F = 7
+  cfg = DMTConfig(num_dense=3, embedding_dim=D, towers=towers, tower_k=K, bottom_mlp=(8, D),
+                  top_mlp=(8, 1), rows_per_feature=(16,) * F)
+  tables = cfg.tables()
+  mesh = mesh_lib.make_mesh("data:2,model:4")
+  sgd = opt_lib.get_sparse_optimizer("sgd", 0.1)
+  sptt = EmbeddingCollection(tables, planner_lib.tower_plan(tables, towers, N), mesh, sgd)
+  flat = EmbeddingCollection(tables, planner_lib.uniform_plan(tables, "tw", N), mesh, sgd)
+  model = DMTModel(cfg, nnx.Rngs(0))
+  ids = np.zeros((B, F, L), np.int32)
+  lengths = np.ones((B, F), np.int32)
+  weights = np.ones((B, F, L), np.float32)
+
+  def moved(coll, **kw):
+    fn = jax.jit(lambda s, i, l, w: coll.lookup(s, i, l, w, **kw))
+    text = fn.lower(coll.init(jax.random.key(0)), ids, lengths, weights).compile().as_text()
+    return {k: N * v for k, v in hlo.collective_bytes(text).items()}
+
+  want = study.comm_volume(B, F, D, towers, K, bag=L, group_size=G)
+  assert want["devices"] == N
+  got = moved(sptt, towers=model.tower_transform())
+  assert got == {("all-to-all", ("data",)): want["sptt"]["global_total"],
+                 ("all-gather", ("model",)): want["sptt"]["intra_group_ids"],
+                 ("reduce-scatter", ("model",)): want["sptt"]["intra_group_embeddings"]}, got
+  assert moved(flat) == {("all-to-all", ("data", "model")): want["flat"]["global_total"]}
+  # 16 bags x 8 slots of 20 bytes, and 16 x 8 pooled (flat) or 16 x 2 x 3 compressed
+  # vectors of 4 floats (SPTT).
+  assert want["flat"]["global_total"] == 16 * 8 * 20 + 16 * 8 * 16
+  assert want["sptt"]["global_total"] == 16 * 8 * 20 + 16 * 2 * 3 * 16
+  # A tower count deals the features evenly: 7 over 2 towers is 4 slots a tower too.
+  assert study.comm_volume(B, F, D, 2, K, bag=L, group_size=G) == want
+  # A batch that N does not divide is padded to N equal blocks.
+  assert study.comm_volume(B - 3, F, D, towers, K, bag=L, group_size=G) == want
+  with pytest.raises(ValueError, match="a partition of the 7 features"):
+    study.comm_volume(B, F, D, ((0, 1), (2, 3)), K)
+
+
 def test_collective_bytes_reads_mesh_axes_and_tuples():
   text = """
   %a = (f32[1,18]{1,0}, s32[1,18]{1,0}) all-to-all(%x, %y), channel_id=1, replica_groups=mesh['data'=2,'model'=4] {'data'}, metadata={}
@@ -71,23 +116,27 @@ def test_collective_bytes_reads_mesh_axes_and_tuples():
 def test_h100_step_model_matches_a_hand_computation():
   """2 hosts of 8 GPUs, b = 1000, F = 8, D = 10, K = 1, 12 bytes per bag, 4 per value, on
   round link numbers: NIC 1 GB/s + 10 us per all-to-all, NVLink 10 GB/s + 1 us per message,
-  0.5 TFLOP/s achieved."""
+  0.5 TFLOP/s achieved. Table slots as the static all-to-alls send them: flat 16 (8 tables
+  over 16 GPUs, one slot each), SPTT 2 towers x 4, table-wise in the host 2 x 8 x 1 (the
+  model once counted 8 everywhere, half of what the flat program sends)."""
   from core import hardware
   hw = hardware.Hardware(bf16_flops=1e12, net_bytes_per_s=1e9, nvlink_bytes_per_s=1e10)
   eff = hardware.Efficiency(gemm=0.5, nvlink=1.0, nvlink_latency_s=1e-6, all2all=1.0,
                             all2all_latency_s=1e-5)
   r = study.h100_step_model(12, 4, hosts=2, local_batch=1000, num_features=8, dim=10,
                             tower_k=1, flops_flat=1e4, flops_dmt=5e3, hw=hw, eff=eff)
-  bags, pooled = 1000 * 8 * 12, 1000 * 8 * 10 * 4          # 96 KB, 320 KB per GPU
+  bags, pooled = 1000 * 8 * 12, 1000 * 8 * 10 * 4          # 96 KB, 320 KB per GPU (8 slots)
   compressed = 1000 * 2 * 2 * 10 * 4                       # 2 towers x (K + 1) vectors
-  # Flat over 16 GPUs: half of each all-to-all leaves the host (the NIC is the slower path).
-  flat_comm = (1e-5 + bags / 2 / 1e9) + 2 * (1e-5 + pooled / 2 / 1e9)
+  # Flat over 16 GPUs (16 slots): half of each all-to-all leaves the host (the NIC is the
+  # slower path).
+  flat_comm = (1e-5 + 2 * bags / 2 / 1e9) + 2 * (1e-5 + 2 * pooled / 2 / 1e9)
   # SPTT: half of the global exchange leaves the host; inside it, rings of 8 over NVLink
   # (7 steps of an eighth of the gathered buffer each).
   sptt_global = (1e-5 + bags / 2 / 1e9) + 2 * (1e-5 + compressed / 2 / 1e9)
   rw_intra = 7 * (1e-6 + bags / 1e10) + 2 * 7 * (1e-6 + pooled / 1e10)
-  tw_intra = (1e-6 + bags * 7 / 8 / 1e10) + 2 * (1e-6 + pooled * 7 / 8 / 1e10)
+  tw_intra = (1e-6 + 2 * bags * 7 / 8 / 1e10) + 2 * (1e-6 + 2 * pooled * 7 / 8 / 1e10)
   flat_compute, dmt_compute = 3 * 1e4 * 1000 / 5e11, 3 * 5e3 * 1000 / 5e11
+  assert r["slots"] == {"flat": 16, "sptt": 8, "sptt_tw": 16}
   assert r["flat"]["comm_s"] == pytest.approx(flat_comm, rel=1e-12)
   assert r["sptt"]["global_s"] == pytest.approx(sptt_global, rel=1e-12)
   assert r["sptt"]["intra_s"] == pytest.approx(rw_intra, rel=1e-12)
@@ -112,6 +161,22 @@ def test_hlo_unit_bytes_are_the_collections_message_sizes():
   assert (u["bag_bytes"], u["value_bytes"]) == (12, 4)
   u = study.hlo_unit_bytes(bag=2)
   assert (u["bag_bytes"], u["value_bytes"]) == (2 * 4 + 2 * 4 + 4, 4)
+
+
+def test_an_earlier_runs_models_are_refused_before_training(tmp_path):
+  """A rerun into the same --workdir once deleted the earlier run's models (core.train's
+  overwrite in train_eval) and trained them again: now one error names a model directory
+  that holds one, before the flat model trains."""
+  from core.errors import UserError
+  old = tmp_path / "dmt_t2_random"
+  old.mkdir()
+  (old / "metrics.jsonl").write_text("{}\n")
+  with pytest.raises(UserError) as e:
+    study.run([2], 2, steps=1, batch_size=64, eval_batches=1, num_rows=50, dim=4,
+              teacher="linear", comm_batch=64, seed=0, workdir=str(tmp_path), log=print)
+  assert str(e.value).startswith(f"{old}: holds an earlier run (metrics.jsonl); expected a "
+                                 "fresh run directory")
+  assert sorted(os.listdir(tmp_path)) == ["dmt_t2_random"]
 
 
 @pytest.mark.slow   # five short trainings in a fresh process
