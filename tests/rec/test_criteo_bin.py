@@ -523,6 +523,23 @@ def test_vocabulary_files_are_read_once_per_unit_and_closed(tmp_path, monkeypatc
   assert m["splits"]["train"]["rows"] == 1200
 
 
+def test_the_block_order_is_a_permutation_every_epoch():
+  """EpochShuffle orders blocks as Grain's shuffle().repeat() does (reseeded per epoch),
+  and stays a permutation at the lengths where Grain's index_shuffle repeats an index
+  (max_index 2^16: 65,537 blocks read one block twice per epoch and another never)."""
+  import grain
+  from rec.data.criteo_bin.source import EpochShuffle
+  n = 1000
+  want = grain.MapDataset.range(n).shuffle(seed=7).repeat()
+  got = EpochShuffle(n, 7)
+  assert [got(i) for i in range(3 * n)] == [want[i] for i in range(3 * n)]
+  n = (1 << 16) + 1
+  order = EpochShuffle(n, 0)
+  for epoch in range(2):
+    idx = np.fromiter((order(epoch * n + i) for i in range(n)), np.int64, n)
+    assert np.array_equal(np.sort(idx), np.arange(n)), epoch
+
+
 def test_a_source_pickles_as_its_file_names_not_its_data(tmp_path):
   """Grain's worker processes (num_workers, --data_workers' WorkerSource) get the source
   pickled: its shards travel as file names and are mapped again there, so a worker does not

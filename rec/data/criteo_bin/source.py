@@ -28,6 +28,30 @@ from rec.data.batch import DataSpec, SparseBatch
 from rec.data.criteo_bin.format import COLUMNS, VERSION, file_crc32, load_manifest
 
 
+class EpochShuffle:
+  """Element i of a repeated range(n) -> block index: epoch i // n's permutation of
+  range(n) at i % n, reseeded every epoch. Grain's `index_shuffle` with the epoch's seed
+  (seed + epoch, as `MapDataset.shuffle` draws it, so orders match `shuffle().repeat()`),
+  except where its max_index is a power of two from 2^16 on: there it is not a permutation
+  (grain 0.2.18: 2^16 + 1, 2^18 + 1, 2^20 + 1 and 2^22 + 1 elements each see one index twice
+  and miss one), so those lengths shuffle over n + 1 and walk past the index n (cycle
+  walking: a permutation of range(n + 1) restricted to range(n) stays one)."""
+
+  def __init__(self, n: int, seed: int):
+    self.n, self.seed = int(n), int(seed)
+    m1 = self.n - 1
+    self.max_index = m1 + 1 if m1 >= 1 << 16 and m1 & (m1 - 1) == 0 else m1
+
+  def __call__(self, i: int, element=None) -> int:
+    from grain.experimental import index_shuffle
+    epoch, j = divmod(int(i), self.n)
+    seed = (self.seed + epoch) % 2**32
+    while True:
+      j = index_shuffle(j, max_index=self.max_index, seed=seed, rounds=4)
+      if j < self.n:
+        return j
+
+
 def _map_columns(base: str, rows: int) -> list[np.ndarray]:
   """The column files of shard `base` memory-mapped, each checked for `rows` rows and its
   dtype and width."""
@@ -84,8 +108,8 @@ class CriteoBinSource:
   """Batches of one split of a converted directory, read through a Grain MapDataset.
 
   Train (`shuffle=True, repeat=True`): blocks of `block_rows` consecutive rows (within a
-  shard; a shard's last partial block is left out) in a global order that Grain reshuffles
-  every epoch; global batch k is blocks [k*n, (k+1)*n) of that order, n = batch_size /
+  shard; a shard's last partial block is left out) in a global order reshuffled every epoch
+  (`EpochShuffle`); global batch k is blocks [k*n, (k+1)*n) of that order, n = batch_size /
   block_rows, and this process reads its share (num_shards equal slices of those blocks).
   `block_rows=None` takes the largest power of two up to 256 that leaves at least 8 blocks
   in each process's share of a batch: the rows of a batch come from that many random places
@@ -150,9 +174,9 @@ class CriteoBinSource:
       if n_blocks < per_batch:
         raise UserError(f"{d} split {'+'.join(splits)}: {n_blocks} blocks of {block_rows} rows; "
                         f"expected at least one batch of {batch_size}")
-      order = grain.MapDataset.range(n_blocks).shuffle(seed=seed)
-      if repeat:
-        order = order.repeat()
+      order = grain.MapDataset.range(n_blocks)
+      order = (order.repeat() if repeat else order).map_with_index(
+          EpochShuffle(n_blocks, seed))
       self._num_batches = n_blocks // per_batch
       ds = order.batch(per_batch, drop_remainder=True).map(self._read_blocks)
     else:
