@@ -32,20 +32,8 @@ the flat DLRM, and the all-to-all volume of SPTT against the flat model, side by
    overlap, beside the paper's up to 1.9x.
 Prints the tables, writes results.json, dmt.png and dmt_h100.png; last line JSON.
 
-Measured (`python -m experiments.dmt`, 2-core CPU shared (load ~10), jax 0.11.2, 5.5 min;
-the table in BENCHMARKS.md "DMT"): test AUC flat 0.6796; DMT T=2 0.6792 (similarity) /
-0.6784 (random); T=4 0.6801 / 0.6812. Global all-to-all per step (B = 65,536) as the
-compiled program sends it, padded slots included (comm_volume; the run's bytes predate the
-padding and read 123.5 / 43.5 / 67.5 MiB): 152.0 MiB flat (26 tables in 32 slots) vs 43.5
-(T=2, 3.49x less) and 69.0 MiB (T=4, towers of 7 / 7 / 6 / 6 features in 28 slots, 2.20x
-less).
-`--h100_only` (2026-12-03, 12 s): modelled step speedup flat / SPTT at 1 / 2 / 4 / 8 / 16
-hosts 0.16 / 0.62 / 0.68 / 1.02 / 1.48x as built (row-wise inside the host), 1.00 / 1.56 /
-1.50 / 1.72 / 1.86x with table-wise hosts; the paper: up to 1.9x. The gain past 4 hosts is
-mostly the flat all-to-all's padding: the collection sends every GPU the busiest GPU's
-table count, 32 slots for 26 tables on up to 32 GPUs, 64 on 64, 128 on 128 (the model
-counted 26 before, and read 0.13 / 0.54 / 0.61 / 0.54 / 0.40x and 1.00 / 1.44 / 1.33 / 0.95
-/ 0.57x; BENCHMARKS.md "DMT" has those).
+Measured: BENCHMARKS.md "DMT" (the quality and byte table, and the H100 step model with and
+without the all-to-alls' padding).
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def hlo_unit_bytes(dims: Sequence[int] = (4, 8), batch: int = 16, bag: int = 1,
 def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batch: int,
                     num_features: int, dim: int, tower_k: int, flops_flat: float,
                     flops_dmt: float, gpus_per_host: int = GPUS_PER_HOST, hw=None,
-                    eff=None) -> dict[str, Any]:
+                    eff=None, padded: bool = True) -> dict[str, Any]:
   """Step time of one GPU, flat table-wise DLRM vs DMT through SPTT with one tower per host,
   on `hosts` hosts of `gpus_per_host` H100 (core.hardware: NVLink inside a host, the RDMA
   NIC of each GPU across hosts, with the CP model's fitted lines: Efficiency.all2all_link
@@ -198,7 +198,8 @@ def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batc
   static all-to-alls send them (`comm_volume`): N ceil(F / N) flat (every GPU sends every
   GPU the busiest GPU's table count: 32 for 26 tables on 8 or 16 GPUs, 128 on 128), H Fm
   for SPTT (Fm = ceil(F / H), the largest of the equal-count towers) and H G ceil(Fm / G)
-  with the towers' tables table-wise inside the host (as flat on one host).
+  with the towers' tables table-wise inside the host (as flat on one host). padded=False:
+  F slots everywhere, as all-to-alls with per-peer split sizes (TorchRec's) send them.
     flat   all-to-alls over all N GPUs (the collection's three: forward bags b F u and
            pooled b F D e, backward the pooled gradients b F D e); the share (N - G) / N of
            each leaves the host, the share (G - 1) / N crosses NVLink, at the same time (the
@@ -236,7 +237,8 @@ def h100_step_model(bag_bytes: float, value_bytes: float, hosts: int, local_batc
     return max(t_net, t_nvl)
 
   fm = -(-F // H)
-  slots = {"flat": N * -(-F // N), "sptt": H * fm, "sptt_tw": H * G * -(-fm // G)}
+  slots = ({"flat": N * -(-F // N), "sptt": H * fm, "sptt_tw": H * G * -(-fm // G)}
+           if padded else {"flat": F, "sptt": F, "sptt_tw": F})
   bags = {k: b * n * bag_bytes for k, n in slots.items()}
   pooled = {k: b * n * D * value_bytes for k, n in slots.items()}
   flat = {"global_s": (a2a(bags["flat"], N, (N - G) / N, (G - 1) / N)
@@ -293,7 +295,8 @@ def h100_table(units: dict[str, Any], host_counts: Sequence[int], local_batch: i
                seed: int = 0) -> list[dict[str, Any]]:
   """`h100_step_model` per host count, one tower per host (a random equal-count partition
   of the features; FLOPs do not depend on which features), forward FLOPs per example of the
-  study's flat DLRM and DMT models from XLA's cost analysis (core.flops)."""
+  study's flat DLRM and DMT models from XLA's cost analysis (core.flops); each row's
+  "unpadded" holds the same model with padded=False."""
   from core import flops as flops_lib
   bottom, top = (64, dim), (64, 1)
   flat_cfg = DLRMConfig(num_dense=num_dense, num_sparse=num_features, embedding_dim=dim,
@@ -307,9 +310,11 @@ def h100_table(units: dict[str, Any], host_counts: Sequence[int], local_batch: i
     cfg = DMTConfig(num_dense=num_dense, embedding_dim=dim, towers=parts, tower_k=tower_k,
                     bottom_mlp=bottom, top_mlp=top, rows_per_feature=8)
     flops_dmt = flops_lib.model_flops_per_example(lambda r, cfg=cfg: DMTModel(cfg, r), shapes)
-    row = h100_step_model(units["bag_bytes"], units["value_bytes"], h, local_batch,
-                          num_features, dim, tower_k, flops_flat, flops_dmt)
-    row.update(flops_flat=flops_flat, flops_dmt=flops_dmt)
+    args = (units["bag_bytes"], units["value_bytes"], h, local_batch, num_features, dim,
+            tower_k, flops_flat, flops_dmt)
+    row = h100_step_model(*args)
+    row.update(flops_flat=flops_flat, flops_dmt=flops_dmt,
+               unpadded=h100_step_model(*args, padded=False))
     rows.append(row)
   return rows
 
@@ -317,18 +322,20 @@ def h100_table(units: dict[str, Any], host_counts: Sequence[int], local_batch: i
 def format_h100(rows) -> str:
   """Milliseconds per step of one GPU and the speedups flat / SPTT (rw in the group, as
   built) and flat / SPTT with table-wise hosts (tw, modelled); slots: the table slots the
-  flat all-to-alls send (padding included, `h100_step_model`)."""
+  flat all-to-alls send (padding included, `h100_step_model`); "unpad": the serial
+  speedups with no padding on either side (all-to-alls of per-peer sizes)."""
   lines = [f"{'hosts':>5}{'GPUs':>5}{'slots':>6}{'compute':>9}{'flat comm':>10}"
            f"{'SPTT global':>12}{'rw intra':>9}{'tw intra':>9}{'x rw':>7}{'x rw ovl':>9}"
-           f"{'x tw':>7}{'x tw ovl':>9}   paper"]
+           f"{'x tw':>7}{'x tw ovl':>9}{'x rw unpad':>11}{'x tw unpad':>11}   paper"]
   for r in rows:
-    f, s, t = r["flat"], r["sptt"], r["sptt_tw"]
+    f, s, t, u = r["flat"], r["sptt"], r["sptt_tw"], r["unpadded"]
     lines.append(f"{r['hosts']:>5}{r['gpus']:>5}{r['slots']['flat']:>6}"
                  f"{1e3 * s['compute_s']:>9.3f}"
                  f"{1e3 * f['comm_s']:>10.3f}{1e3 * s['global_s']:>12.3f}"
                  f"{1e3 * s['intra_s']:>9.3f}{1e3 * t['intra_s']:>9.3f}"
                  f"{r['speedup_serial']:>7.2f}{r['speedup_overlap']:>9.2f}"
                  f"{r['speedup_serial_tw']:>7.2f}{r['speedup_overlap_tw']:>9.2f}"
+                 f"{u['speedup_serial']:>11.2f}{u['speedup_serial_tw']:>11.2f}"
                  f"   up to {PAPER_SPEEDUP}x")
   return "\n".join(lines)
 
@@ -340,6 +347,8 @@ def plot_h100(rows, path: str) -> str:
     x = [r["hosts"] for r in rows]
     ax.plot(x, [r["speedup_serial"] for r in rows], "o-", label="SPTT as built (rw in host)")
     ax.plot(x, [r["speedup_serial_tw"] for r in rows], "s-", label="SPTT, tw in host (modelled)")
+    ax.plot(x, [r["unpadded"]["speedup_serial_tw"] for r in rows], "s--",
+            label="SPTT, tw in host, no padding (modelled)")
     ax.axhline(PAPER_SPEEDUP, color="r", ls="--", lw=1, label=f"paper: up to {PAPER_SPEEDUP}x")
     ax.axhline(1, color="k", lw=0.8)
     ax.set(xscale="log", xlabel="hosts of 8 H100 (one tower per host)",

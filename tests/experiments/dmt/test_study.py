@@ -145,6 +145,17 @@ def test_h100_step_model_matches_a_hand_computation():
       (flat_compute + flat_comm) / (dmt_compute + sptt_global + rw_intra), rel=1e-12)
   assert r["speedup_overlap_tw"] == pytest.approx(
       max(flat_compute, flat_comm) / max(dmt_compute, sptt_global + tw_intra), rel=1e-12)
+  # Without padding (per-peer split sizes) every exchange carries the 8 tables: the flat
+  # all-to-alls half of the above, SPTT's table-wise hosts half, its rw rings as they were.
+  u = study.h100_step_model(12, 4, hosts=2, local_batch=1000, num_features=8, dim=10,
+                            tower_k=1, flops_flat=1e4, flops_dmt=5e3, hw=hw, eff=eff,
+                            padded=False)
+  assert u["slots"] == {"flat": 8, "sptt": 8, "sptt_tw": 8}
+  assert u["flat"]["comm_s"] == pytest.approx(
+      (1e-5 + bags / 2 / 1e9) + 2 * (1e-5 + pooled / 2 / 1e9), rel=1e-12)
+  assert u["sptt"]["intra_s"] == pytest.approx(rw_intra, rel=1e-12)
+  assert u["sptt_tw"]["intra_s"] == pytest.approx(
+      (1e-6 + bags * 7 / 8 / 1e10) + 2 * (1e-6 + pooled * 7 / 8 / 1e10), rel=1e-12)
   # One host: no inter-host traffic; SPTT with table-wise tables is the flat layout.
   one = study.h100_step_model(12, 4, 1, 1000, 8, 10, 1, 1e4, 1e4, hw=hw, eff=eff)
   assert one["sptt"]["global_s"] == 0 and one["speedup_serial_tw"] == pytest.approx(1.0)
