@@ -8,7 +8,8 @@ evaluates on valid.txt + test.txt, and prints a table of AUC, log loss and NE fo
 (model, epochs) pair (--epochs: the epoch counts, each trained). Same hashing, batches,
 optimizers and learning rates for both (--learning_rate: the dense and the embedding one,
 Adagrad).
-Writes results.json and a PNG to --workdir; the last stdout line is JSON.
+Writes results.json and a PNG to --workdir; the last stdout line is JSON. A --workdir
+holding an earlier run of a (model, epochs) pair is refused before anything trains.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def main(argv):
                            runs.CRITEO_SHAPED)
     except ValueError as e:
       raise errors.UserError(f"--models={','.join(FLAGS.models)}: {model}: {e}") from None
+  run_dir = lambda model, ep: os.path.join(FLAGS.workdir, f"{model}_e{ep}")
+  # An earlier run in --workdir is refused before the first model trains (core.train would
+  # refuse its checkpoints only when that model's turn came, naming flags this entry point
+  # does not have).
+  runs.check_fresh([run_dir(m, ep) for m in FLAGS.models for ep in FLAGS.epochs],
+                   resume_flag=False)
   rows = []
   for model in FLAGS.models:
     for ep in FLAGS.epochs:
@@ -76,7 +83,7 @@ def main(argv):
                              embedding_learning_rate=FLAGS.learning_rate, seed=FLAGS.seed)
       task, train_src, eval_src, _, _ = configs.build_run(cfg)
       steps = configs.steps_for(float(ep), train_src)
-      workdir = os.path.join(FLAGS.workdir, f"{model}_e{ep}")
+      workdir = run_dir(model, ep)
       print(f"== {model}, {ep} epoch(s): {steps} steps of {cfg.train.batch_size}", flush=True)
       out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
                             train_lib.TrainConfig(workdir=workdir, steps=steps, log_every=max(1, steps // 4),

@@ -99,6 +99,10 @@ def main(argv):
     except ValueError as e:
       raise ValueError(str(e).replace("--data=", "--datasets entry ", 1)) from None
     datasets.append(data)
+  # And earlier runs in --workdir, never replaced, before the first dataset trains.
+  from rec import runs
+  runs.check_fresh([d for data in datasets for d in study.run_dirs(
+      os.path.join(FLAGS.workdir, data.split(":")[0]), variants)], resume_flag=False)
   for data in datasets:
     cfg = configs.replace_run(flagged.without_a2a(), data=data,
                               eval_batch_size=flagged.train.batch_size)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any
 
 import jax
@@ -149,10 +148,17 @@ def h100_speedup(ratio: float, codec_in_copies: float, fractions=(0.2, 0.4, 0.6,
   return out
 
 
+def run_dirs(workdir: str, variants) -> list[str]:
+  """The run directories of `run_dataset` in `workdir`: the baseline's and each variant's."""
+  return [f"{workdir}/{name}" for name in ("baseline", *variants)]
+
+
 def run_dataset(cfg: configs.RecRunConfig, steps: int, eval_batches: int, variants: dict,
                 workdir: str, log, epochs: float | None = None) -> dict[str, Any]:
   """Baseline + every variant on one dataset: metrics, bytes, sizes. `epochs`: train that
-  many passes over the train files instead of `steps` (small real samples)."""
+  many passes over the train files instead of `steps` (small real samples). An earlier
+  run in any of `run_dirs` is refused before the baseline trains (rec.runs.check_fresh)."""
+  runs.check_fresh(run_dirs(workdir, variants), resume_flag=False)
   if epochs is not None:
     steps = configs.steps_for(epochs, configs.build_run(cfg)[1])
   out = {"runs": {}, "steps": steps}

@@ -366,8 +366,8 @@ def run(towers: Sequence[int], tower_k: int, steps: int, batch_size: int, eval_b
   then per tower count T the similarity partition (of the flat model's learned pooled
   embeddings) and a random one. Returns {"rows", "similarity"}."""
   F, D, R = 26, dim, num_rows
-  # An earlier run's models in `workdir` are refused before the first trains (they were
-  # once deleted: core.train's overwrite).
+  # An earlier run's models in `workdir` are refused before the first trains (one run per
+  # workdir; the study does not resume).
   runs.check_fresh([os.path.join(workdir, "flat")] + [
       os.path.join(workdir, f"dmt_t{T}_{kind}") for T in towers
       for kind in ("similarity", "random")], resume_flag=False)

@@ -31,7 +31,9 @@ vertical students by external distillation, on streaming data.
 --data: synthetic and/or criteo:DIR (a criteo:DIR that is absent is skipped when it is the
 default); --learning_rate: Adagrad's, of the dense part and the rows.
 Prints the tables per data set, writes results.json, exfm_gains.png, exfm_scaling.png; the
-last line is JSON. The paper's own NE gains are "n/a": the public text searched (its
+last line is JSON. One run per --workdir: a workdir holding an earlier run's teachers or
+students is refused before anything trains (the study does not resume; choose a fresh
+--workdir, or delete them). The paper's own NE gains are "n/a": the public text searched (its
 abstract and summaries) states "significant performance gain" without per-variant numbers.
 
 Measured (BENCHMARKS.md "ExFM"; the defaults, 2026-11-27, 2-core CPU at load 24-41: 33.8
@@ -132,6 +134,12 @@ def main(argv):
       datasets.append((d, path, FLAGS.criteo_batch_size))
     else:
       raise UserError(f"--data={d}: expected synthetic or criteo:DIR")
+  # An earlier run's teachers or students of any data set are refused before the first
+  # trains (one run per workdir; the study does not resume).
+  from rec import runs
+  runs.check_fresh([d for name, _, _ in datasets for d in study.run_dirs(
+      os.path.join(FLAGS.workdir, name.split(":")[0]), FLAGS.students, FLAGS.teacher_sizes,
+      FLAGS.main_teacher)], resume_flag=False)
   report = Report(FLAGS.workdir)
   results = []
   for name, data, batch in datasets:

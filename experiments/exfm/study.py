@@ -28,7 +28,7 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -41,6 +41,7 @@ from core import plot as plot_lib
 from core import train as train_loop
 from core.errors import UserError
 from rec import distill
+from rec import runs
 from rec.data.batch import DataSpec, SparseBatch
 from rec.data.criteo import CriteoSource
 from rec.data.synthetic import LOGIT_SCALE, SyntheticCriteo
@@ -237,9 +238,10 @@ def ne_of(logits: np.ndarray, batches: Sequence[SparseBatch]) -> float:
 
 def _train_to(task, stream: Stream, step: int, workdir: str, first: bool, seed: int,
               eval_batches=None) -> dict[str, Any]:
+  # The first segment starts a fresh run (`run` refused an earlier one in `workdir`), the
+  # later ones resume it.
   cfg = train_loop.TrainConfig(workdir=workdir, steps=step, log_every=max(1, step),
-                               resume=not first, overwrite=first, seed=seed, tensorboard=False,
-                               max_to_keep=1)
+                               resume=not first, seed=seed, tensorboard=False, max_to_keep=1)
   return train_loop.train(task, stream.batches, eval_batches, cfg)
 
 
@@ -308,8 +310,7 @@ def train_student(k: int, variant: str, periods: list[list[SparseBatch]], spec: 
   stream = Stream(own[:-1], spec, raw[0][0].batch_size)
   next_period = itertools.count(1)
   cfg = train_loop.TrainConfig(workdir=workdir, steps=stream.num_batches, eval_every=n,
-                               log_every=n, overwrite=True, seed=seed, tensorboard=False,
-                               max_to_keep=1)
+                               log_every=n, seed=seed, tensorboard=False, max_to_keep=1)
   train_loop.train(task, stream.batches, lambda: raw[next(next_period)], cfg)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
@@ -319,6 +320,27 @@ def train_student(k: int, variant: str, periods: list[list[SparseBatch]], spec: 
 
 
 # --------------------------------------------------------------------------- the study
+
+
+def student_jobs(num_students: int, teacher_sizes: Sequence[str],
+                 main_teacher: str) -> list[tuple[int, str, str]]:
+  """(student, variant, teacher size) of every student run, in training order: each
+  student alone, then every distilled variant with the main teacher, then the scaling
+  variants with the other teachers."""
+  jobs = [(k, "alone", main_teacher) for k in range(num_students)]
+  jobs += [(k, v, main_teacher) for k in range(num_students) for v in VARIANTS if v != "alone"]
+  jobs += [(k, v, s) for k in range(num_students) for s in teacher_sizes if s != main_teacher
+           for v in SCALING_VARIANTS]
+  return jobs
+
+
+def run_dirs(workdir: str, num_students: int, teacher_sizes: Sequence[str],
+             main_teacher: str) -> list[str]:
+  """The training runs' directories of one data set's `run` in `workdir`: each teacher's
+  (its DAS files beside it) and each student job's."""
+  return ([os.path.join(workdir, f"teacher_{s}", "train") for s in teacher_sizes]
+          + [os.path.join(workdir, "students", f"s{k}_{v}_{s}")
+             for k, v, s in student_jobs(num_students, teacher_sizes, main_teacher)])
 
 
 def run(data: str, num_students: int, periods: int, history: int, teacher_every: int,
@@ -335,7 +357,11 @@ def run(data: str, num_students: int, periods: int, history: int, teacher_every:
 
   Order: the teachers and the students alone first, then the check that the teacher is
   the better model on the students' evaluated periods (logged, and in `teacher_check`),
-  then the distilled students."""
+  then the distilled students. An earlier run's teachers or students in `workdir` are
+  refused before anything trains (`rec.runs.check_fresh`): the study does not resume
+  (another `workdir`, or delete them)."""
+  runs.check_fresh(run_dirs(workdir, num_students, teacher_sizes, main_teacher),
+                   resume_flag=False)
   t_start = time.perf_counter()
   total = history + periods
   if data == "synthetic":
@@ -380,12 +406,10 @@ def run(data: str, num_students: int, periods: int, history: int, teacher_every:
         f"teacher {size}: NE {' '.join(f'{x:.4f}' for x in nes)} | {done:.0f} s, ETA "
         f"{done / done_jobs[0] * (num_jobs - done_jobs[0]):.0f} s")
 
-  jobs = [(k, v, main_teacher) for k in range(num_students) for v in VARIANTS if v != "alone"]
-  jobs += [(k, v, s) for k in range(num_students) for s in teacher_sizes if s != main_teacher
-           for v in SCALING_VARIANTS]
-  num_jobs = num_students + len(jobs)
-  for k in range(num_students):
-    student(k, "alone", main_teacher, num_jobs)
+  jobs = student_jobs(num_students, teacher_sizes, main_teacher)
+  num_jobs = len(jobs)
+  for job in jobs[:num_students]:   # each student alone
+    student(*job, num_jobs)
 
   # The check before distilling: the teacher's column against each student alone, on the
   # periods the students are evaluated on (the teacher's snapshot then current: stale by
@@ -406,7 +430,7 @@ def run(data: str, num_students: int, periods: int, history: int, teacher_every:
              f"NOT better in every period (mean {margin.mean():+.2f} %)"))
   log(f"   the teacher trained on {teachers[main_teacher]['train_examples']:,} examples by its "
       f"last update, each student on {student_examples:,}")
-  for job in jobs:
+  for job in jobs[num_students:]:
     student(*job, num_jobs)
 
   rows_out = []

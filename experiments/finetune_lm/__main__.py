@@ -12,6 +12,15 @@ lora: rank --lora_rank adapters on every projection, the base frozen) for --step
 scores the tuned model the same way. results.json holds exact match before and after per
 mode, the train and eval loss curves (from each run's metrics.jsonl), wall time and the
 settings (steps, sequence length, batch); finetune.png plots the loss curves and exact match.
+
+A rerun in the same --workdir resumes with --resume: without it, a method whose run
+directory (<workdir>/full, <workdir>/lora) holds an earlier run is refused before anything
+is written or scored (rec.runs.check_fresh); with it
+each run continues from its last checkpoint (`train_lm --resume`: a run a stop cut short trains
+on, a finished one only reports its results; its saved settings must match), its
+train_seconds counting this invocation only (`resumed_from_step` says where it began), and
+every model is scored again. train.jsonl must then hold the examples the runs trained on
+(the same --train_examples and --seed): another one is refused naming it.
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ REPLY_TOKENS = config.setting("reply_tokens", "integer", "Greedy tokens generate
 
 def define_flags(flag_values=None) -> None:
   """The entry point's flags (`flag_values`: where, default absl's FLAGS); every setting but
-  --workdir may come from a --config file (configs/ beside this file), --init too."""
+  --workdir / --resume may come from a --config file (configs/ beside this file), --init
+  too."""
   from core import settings  # noqa: F401  (the settings named below)
   from llm import run_config  # noqa: F401
   from llm import settings as lm_settings  # noqa: F401
@@ -56,7 +66,8 @@ def define_flags(flag_values=None) -> None:
       flag_values=flag_values, init=None, train_examples=2000, held_out=100,
       methods=("full", "lora"), steps=40, seq_len=128, batch_size=8, learning_rate=1e-4,
       lora_learning_rate=2e-3, lora_rank=16, reply_tokens=32, seed=0)
-  config.define_flags(None, "workdir", flag_values=flag_values, workdir="runs/finetune_lm")
+  config.define_flags(None, "workdir", "resume", flag_values=flag_values,
+                      workdir="runs/finetune_lm", resume=False)
 
 
 def exact_match(spec: str, examples, reply_tokens: int) -> tuple[float, list[str]]:
@@ -84,7 +95,8 @@ def curves(workdir: str) -> dict[str, list]:
 
 
 def finetune(mode: str, train_file: str, workdir: str) -> dict:
-  """Runs train_lm for one mode; returns its summary line and wall time."""
+  """Runs train_lm for one mode (with --resume: continuing the run in `workdir`); returns
+  its summary line, wall time and the step it resumed from (None: from the start)."""
   lr = FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate
   args = [sys.executable, "-c", _CHILD, f"--init={FLAGS.init}",
           f"--data=chat:{train_file}", f"--steps={FLAGS.steps}", f"--seq_len={FLAGS.seq_len}",
@@ -92,32 +104,35 @@ def finetune(mode: str, train_file: str, workdir: str) -> dict:
           f"--warmup_steps={min(max(1, FLAGS.steps // 10), FLAGS.steps - 1)}",
           f"--eval_every={max(1, FLAGS.steps // 4)}",
           "--log_every=5", "--checkpoint_every_minutes=0", f"--seed={FLAGS.seed}",
-          f"--workdir={workdir}", "--overwrite"]
+          f"--workdir={workdir}"] + (["--resume"] if FLAGS.resume else [])
   if mode == "lora":
     args += [f"--lora_rank={FLAGS.lora_rank}", f"--lora_alpha={2 * FLAGS.lora_rank}",
              "--lora_targets=all"]
   t0 = time.time()
-  last = ""
+  last, resumed = "", None
   with subprocess.Popen(args, text=True, stdout=subprocess.PIPE) as proc:
     # SIGTERM / SIGINT reach the run, which keeps a checkpoint and stops; the study ends
-    # with it (a rerun starts each run afresh: --overwrite).
+    # with it (a rerun with --resume continues it).
     forward = lambda signum, frame: proc.send_signal(signum)
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
       for line in proc.stdout:   # the run's progress lines, shown as they come
         print(f"  [{mode}] {line.rstrip()}", flush=True)
         last = line if line.strip() else last
+        if line.startswith("resumed from ") and " at step " in line:   # core.train's line
+          resumed = int(line.rsplit(" at step ", 1)[1])
     finally:
       for sig, handler in old.items():
         signal.signal(sig, handler)
   if proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT):
-    raise SystemExit(f"finetune_lm: stopped during the {mode} run ({last.strip()})")
+    raise SystemExit(f"finetune_lm: stopped during the {mode} run ({last.strip()}); continue "
+                     "with --resume")
   if proc.returncode == 2:   # a refusal: its one line is on stderr above
     raise SystemExit(f"finetune_lm: the {mode} run (train_lm) refused its settings or data; "
                      "its error is the line above")
   if proc.returncode != 0:
     raise RuntimeError(f"finetune_lm: train_lm ({mode}) failed with status {proc.returncode}")
-  return {"summary": json.loads(last), "seconds": time.time() - t0}
+  return {"summary": json.loads(last), "seconds": time.time() - t0, "resumed_from": resumed}
 
 
 # The train_lm child: on Linux it asks for SIGTERM when this study's process dies
@@ -193,6 +208,29 @@ def check_flags():
   return tok
 
 
+def check_earlier_runs(train) -> None:
+  """One run per workdir, never replaced: without --resume, a method's run directory that
+  holds an earlier run is refused (rec.runs.check_fresh); with --resume, a train.jsonl
+  there must hold `train`, the examples the runs were trained on (their saved settings
+  name the file, not its contents). Before the workdir gets a file or the base is scored."""
+  from experiments.finetune_lm import tasks
+  from rec import runs
+  dirs = [os.path.join(FLAGS.workdir, m) for m in FLAGS.methods]
+  if not FLAGS.resume:
+    runs.check_fresh(dirs)
+    return
+  path = os.path.join(FLAGS.workdir, "train.jsonl")
+  if os.path.exists(path) and any(runs.earlier_run(d) for d in dirs):
+    with open(path, encoding="utf-8") as f:
+      held = f.read()
+    if held != tasks.chat_text(train):
+      raise errors.expected(
+          path, f"other training examples ({held.count(chr(10))} lines) than --train_examples="
+          f"{FLAGS.train_examples} --seed={FLAGS.seed} make, the ones the runs --resume would "
+          "continue trained on", "the --train_examples and --seed of those runs, or a fresh "
+          "--workdir")
+
+
 def main(argv):
   del argv
   from experiments.finetune_lm import tasks
@@ -200,8 +238,9 @@ def main(argv):
     raise errors.expected("--init", "not given", "the checkpoint to fine-tune, e.g. "
                           "gguf:FILE or hf:DIR (or a --config file that sets init)")
   tok = check_flags()
-  report = Report(FLAGS.workdir)
   train = tasks.make_examples(FLAGS.train_examples, FLAGS.seed, "train")
+  check_earlier_runs(train)
+  report = Report(FLAGS.workdir)
   held = tasks.make_examples(FLAGS.held_out, FLAGS.seed, "held_out")
   train_file = tasks.write_chat_file(report.path("train.jsonl"), train)
   tasks.write_chat_file(report.path("held_out.jsonl"), held)
@@ -223,6 +262,7 @@ def main(argv):
     results["runs"][mode] = {
         "exact_match": after, "replies": replies[:5], "train_seconds": run["seconds"],
         "eval_loss": run["summary"].get("eval_loss"), "curves": curves(wd),
+        "resumed_from_step": run["resumed_from"],
         "learning_rate": FLAGS.learning_rate if mode == "full" else FLAGS.lora_learning_rate,
         "lora_rank": FLAGS.lora_rank if mode == "lora" else None}
     # The methods done so far, kept should a later one fail (results["methods"]: all asked).

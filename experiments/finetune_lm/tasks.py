@@ -80,11 +80,16 @@ def messages(example: dict[str, str], with_answer: bool = True) -> list[dict[str
   return msgs
 
 
+def chat_text(examples: Iterable[dict[str, str]]) -> str:
+  """The examples as a chat file's text (`--data=chat:FILE`: one {"messages": [...]} per
+  line)."""
+  return "".join(json.dumps({"messages": messages(ex)}) + "\n" for ex in examples)
+
+
 def write_chat_file(path: str, examples: Iterable[dict[str, str]]) -> str:
-  """The examples as a chat file (`--data=chat:FILE`: one {"messages": [...]} per line)."""
+  """The examples as a chat file (`chat_text`) at `path`."""
   with open(path, "w", encoding="utf-8") as f:
-    for ex in examples:
-      f.write(json.dumps({"messages": messages(ex)}) + "\n")
+    f.write(chat_text(examples))
   return path
 
 

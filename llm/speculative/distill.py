@@ -325,7 +325,8 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
   draft vocabulary (`draft_vocab` of the training sequences, when dcfg.draft_vocab) and the
   target's features (`cached_features`, when dcfg.cache_features and training remains),
   trains a DraftHead in `workdir` through core.train (`loop_config`: an existing run with
-  the same settings is resumed, a finished one just loaded; settings named in
+  the same settings is resumed, a finished one just loaded; one of other settings is
+  refused before the sequences and features are touched; settings named in
   `resume_allow`, e.g. "distill.learning_rate", may differ from the run's) and returns
   (draft, train summary, (tokens, mask), draft vocabulary ids or None)."""
   import os
@@ -337,6 +338,10 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
                        f"prompts for num_sequences={dcfg.num_sequences}: greedy sequences "
                        "from the same prompt are the same sequence; give one prompt per "
                        "sequence or sample (gen_temperature > 0)")
+  loop = loop_config(workdir, dcfg, overwrite=overwrite, settings=settings,
+                     resume_allow=resume_allow)
+  if not overwrite:   # a run of other settings is refused before its sequences are made anew
+    train_lib.check_resume(loop)
   train_more = overwrite or _latest_step(workdir) < dcfg.steps
   feats_path = os.path.join(workdir, "features_taps.npz" if dcfg.taps else "features.npz")
   # Generation captures the final features only: with taps they come from a forward pass.
@@ -375,7 +380,5 @@ def train_draft(target: Llama, workdir: str, dcfg: DistillConfig, *, prompts=((1
                             feats=split(feats, n_train, None),
                             loss_from=split(loss_from, n_train, None),
                             taps=split(taps, n_train, None))
-  loop = loop_config(workdir, dcfg, overwrite=overwrite, settings=settings,
-                     resume_allow=resume_allow)
   out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0), loop)
   return task.draft(out["state"]["params"]), out, (tokens, mask), vocab

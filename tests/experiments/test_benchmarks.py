@@ -104,6 +104,20 @@ def test_criteo_baselines_refuses_unknown_model_before_training(tmp_path):
   assert "epoch(s)" not in out.stdout
 
 
+def test_criteo_baselines_refuses_an_earlier_run_before_training(tmp_path):
+  """A rerun into the same --workdir trained the models before the first one an earlier
+  run had left, then stopped there with core.train's error naming --resume / --overwrite,
+  flags this entry point does not have: now one line names the run directory first."""
+  old = tmp_path / "w" / "dlrm_e3"
+  (old / "checkpoints" / "40").mkdir(parents=True)
+  out = run_refused("experiments.criteo_baselines", [
+      f"--data=criteo:{tmp_path}", "--epochs=1,3", f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {old}: holds an earlier run (checkpoints); expected a fresh run directory (one "
+      "run per workdir, never replaced): choose a fresh --workdir, or delete it to train again")
+  assert "epoch(s)" not in out.stdout and sorted(os.listdir(tmp_path / "w")) == ["dlrm_e3"]
+
+
 @pytest.mark.parametrize("args,line", [
     (["--epochs=0.5,0"], "--epochs=0.5,0: 0 epochs; expected epoch counts > 0"),
     (["--epochs="], "--epochs=: empty; expected at least one value"),

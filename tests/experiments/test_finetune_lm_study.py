@@ -57,6 +57,49 @@ def test_finetune_lm_study_on_a_tiny_model(tmp_path):
   assert res["methods"] == ["lora"] and list(res["runs"]) == ["lora"]
   assert (wd / "finetune.png").stat().st_size > 0
   assert sum(1 for _ in open(wd / "train.jsonl")) == 24
+  # A rerun with --resume takes the finished run as it is (train_lm --resume: nothing to
+  # train) and scores it again: the same greedy replies.
+  lines = _run("experiments.finetune_lm", [
+      f"--init=hf:{d}", "--train_examples=24", "--held_out=2", "--steps=2", "--seq_len=512",
+      "--batch_size=8", "--reply_tokens=4", "--methods=lora", "--lora_rank=2",
+      f"--workdir={wd}", "--resume"])
+  assert any("nothing to do: the run is at step 2 of 2" in l for l in lines), lines[-20:]
+  again = json.loads((wd / "results.json").read_text())["runs"]["lora"]
+  assert again["resumed_from_step"] == 2 and res["runs"]["lora"]["resumed_from_step"] is None
+  assert again["replies"] == res["runs"]["lora"]["replies"]
+  assert again["exact_match"] == res["runs"]["lora"]["exact_match"]
+  assert again["eval_loss"] == res["runs"]["lora"]["eval_loss"]
+
+
+def test_a_rerun_without_resume_or_with_other_examples_is_refused(tmp_path):
+  """A rerun into the same --workdir never replaces a run (a SIGTERM'd one keeps its
+  checkpoint): before anything is written or the base scored, without --resume one line
+  names the run directory and the choices; with --resume, a train.jsonl of other examples
+  than the flags make (the children's settings name the file, not its contents) is
+  refused."""
+  d = _chat_model(tmp_path)
+  wd = tmp_path / "w"
+  run_dir = wd / "lora"
+  (run_dir / "checkpoints" / "1").mkdir(parents=True)
+  (run_dir / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 2.0}\n')
+  args = [f"--init=hf:{d}", "--train_examples=8", "--held_out=1", "--seq_len=512",
+          "--methods=full,lora", f"--workdir={wd}"]
+  out = run_refused("experiments.finetune_lm", args)
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {run_dir}: holds an earlier run (metrics.jsonl, checkpoints); expected a fresh "
+      "run directory (one run per workdir, never replaced): reuse its finished runs with "
+      "--resume (where the study has it; reuse_finished=True), or choose a fresh --workdir, "
+      "or delete it to train again"), out.stderr[-3000:]
+  assert sorted(os.listdir(wd)) == ["lora"] and "base model" not in out.stdout
+  assert sorted(os.listdir(run_dir)) == ["checkpoints", "metrics.jsonl"]
+  tasks.write_chat_file(str(wd / "train.jsonl"), tasks.make_examples(8, 1, "train"))
+  before = (wd / "train.jsonl").read_text()
+  out = run_refused("experiments.finetune_lm", args + ["--resume"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {wd / 'train.jsonl'}: other training examples (8 lines) than "
+      "--train_examples=8 --seed=0 make, the ones the runs --resume would continue trained "
+      "on; expected the --train_examples and --seed of those runs, or a fresh --workdir")
+  assert (wd / "train.jsonl").read_text() == before and "base model" not in out.stdout
 
 
 @pytest.mark.parametrize("args, want", [

@@ -103,3 +103,22 @@ def test_entry_point_checks_every_dataset_before_training(tmp_path, datasets, er
                                                     f"--workdir={tmp_path}"])
   assert out.stderr.strip().splitlines()[-1].startswith(error)
   assert "synthetic" not in os.listdir(tmp_path)   # no run of the first dataset
+
+
+def test_an_earlier_run_is_refused_before_the_first_dataset_trains(tmp_path):
+  """A rerun into the same --workdir trained the first dataset's baseline and variants,
+  then stopped at the later dataset's run left by the earlier study (rec.runs.train_run
+  refuses it), the first dataset's work lost with no results.json: now one line names the
+  run directory before anything trains."""
+  from tests.experiments.entry import run_refused
+  (tmp_path / "sample").mkdir()
+  old = tmp_path / "w" / "criteo" / "adaptive"
+  old.mkdir(parents=True)
+  (old / "metrics.jsonl").write_text("{}\n")
+  out = run_refused("experiments.a2a_compression", [
+      f"--datasets=synthetic,criteo:{tmp_path / 'sample'}", f"--workdir={tmp_path / 'w'}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {old}: holds an earlier run (metrics.jsonl); expected a fresh run directory "
+      "(one run per workdir, never replaced): choose a fresh --workdir, or delete it to train "
+      "again"), out.stderr[-2000:]
+  assert sorted(os.listdir(tmp_path / "w")) == ["criteo"] and "baseline" not in out.stdout

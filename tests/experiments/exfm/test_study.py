@@ -100,6 +100,41 @@ def test_tiny_run_end_to_end(tmp_path):
         0.05, 0, str(tmp_path / "x"))
 
 
+def test_an_earlier_runs_teachers_and_students_are_refused_before_training(tmp_path):
+  """A rerun into the same --workdir keeps the earlier run's teachers and students: one
+  error names a run directory that holds one, before any data is made or anything trains;
+  through the entry point, a later data set's runs are found before the first data set
+  trains."""
+  from core.errors import UserError
+  from tests.experiments.entry import run_refused
+  teacher = tmp_path / "teacher_M" / "train"
+  (teacher / "checkpoints" / "4").mkdir(parents=True)
+  with pytest.raises(UserError) as e:
+    study.run("synthetic", 2, periods=3, history=1, teacher_every=2, batch_size=64,
+              batches_per_period=2, num_rows=200, drift_features=4, teacher_sizes=["S", "M"],
+              main_teacher="S", vertical_feature=0, lr=0.05, seed=0, workdir=str(tmp_path),
+              log=lambda s: None)
+  assert str(e.value).startswith(f"{teacher}: holds an earlier run (checkpoints); expected a "
+                                 "fresh run directory")
+  assert "choose a fresh --workdir" in str(e.value) and "--resume" not in str(e.value)
+  assert sorted(os.listdir(tmp_path)) == ["teacher_M"]
+  # The scaling runs are directories of the run too: student 1's kd with teacher M.
+  assert str(tmp_path / "students" / "s1_kd_M") in study.run_dirs(str(tmp_path), 2, ["S", "M"],
+                                                                  "S")
+  wd = tmp_path / "w"
+  student = wd / "criteo" / "students" / "s1_aux_head+adapter_L"
+  student.mkdir(parents=True)
+  (student / "metrics.jsonl").write_text('{"step": 2, "split": "eval", "ne": 0.9}\n')
+  out = run_refused("experiments.exfm", ["--data=synthetic,criteo:" + str(tmp_path / "none"),
+                                         f"--workdir={wd}"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {student}: holds an earlier run (metrics.jsonl); expected a fresh run "
+      "directory (one run per workdir, never replaced): choose a fresh --workdir, or delete "
+      "it to train again")
+  assert "== synthetic" not in out.stdout and sorted(os.listdir(wd)) == ["criteo"]
+  assert (student / "metrics.jsonl").read_text().startswith('{"step": 2')
+
+
 def test_entry_point_refuses_a_teacher_size_given_twice(tmp_path):
   """--teacher_sizes=S,S,L used to train S twice and count its teacher check twice: the
   summary's teacher margin for --main_teacher=S came out doubled. Refused before any work."""

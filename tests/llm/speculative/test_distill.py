@@ -3,6 +3,7 @@ improves the draft's agreement with the target, checkpoints load back, sources r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -210,6 +211,30 @@ def test_greedy_sequences_need_distinct_prompts(target, tmp_path):
   ids = jnp.asarray(tokens)
   logits = target(ids)[0]
   np.testing.assert_array_equal(np.asarray(jnp.argmax(logits[:, :-1], -1)), tokens[:, 1:])
+
+
+def test_a_run_of_other_settings_is_refused_before_its_sequences_are_remade(
+    target, tmp_path, monkeypatch):
+  """train_draft into the workdir of a run with other settings (experiments.spec_decode
+  rerun with another --num_sequences) is refused before any sequence is generated: the
+  run's sequences.npz stays the one the trained head was made from."""
+  from core import train as train_lib
+  prompts = [[1], [2], [3], [4], [5], [6]]
+  dcfg = distill.DistillConfig(num_sequences=4, eval_sequences=2, seq_len=8, gen_batch=4,
+                               batch_size=2, steps=1)
+  workdir = str(tmp_path / "run")
+  distill.train_draft(target, workdir, dcfg, prompts=prompts)
+  path = os.path.join(workdir, "sequences.npz")
+  before = open(path, "rb").read()
+  calls = []
+  real = distill.generate_sequences
+  monkeypatch.setattr(distill, "generate_sequences",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  with pytest.raises(train_lib.RunSettingsError, match=r"distill.num_sequences: 4 "
+                     r"\(checkpoint\) -> 6 \(now\)"):
+    distill.train_draft(target, workdir, dataclasses.replace(dcfg, num_sequences=6),
+                        prompts=prompts)
+  assert not calls and open(path, "rb").read() == before
 
 
 def test_loss_covers_the_replies(target, sequences, tmp_path):
