@@ -73,6 +73,9 @@ def put(a: jax.Array, idx_U: jax.Array, v: jax.Array) -> jax.Array:
   """`a` with rows `idx_U` set to `v` (ids outside [0, rows) dropped); a host array is
   written on the host, with only `idx_U` and `v` copied there."""
   v = v.astype(a.dtype)
+  # `.at[]` wraps negative ids numpy-style (-1 would write the last row); send them past
+  # the end so that they are dropped like any other out-of-range id.
+  idx_U = jnp.where(idx_U < 0, a.shape[0], idx_U)
   if not is_host(a):
     return a.at[idx_U].set(v, mode="drop")
   return _host_put(a, jax.device_put(idx_U, _HOST), jax.device_put(v, _HOST))

@@ -33,7 +33,9 @@ def partition(sim: np.ndarray, costs: Sequence[float], num_towers: int,
   """Features -> towers: cost per tower at most (1 + slack) x the mean (or the one feature
   that alone exceeds it), at most ceil(F / T) features each, grouped by similarity. When no
   tower has room for a feature under both caps, the least loaded tower takes it (cost wins:
-  costs [10, 1, 1, 1, 1, 1] in 2 towers give [0] and five features). Deterministic."""
+  costs [10, 1, 1, 1, 1, 1] in 2 towers give [0] and five features). No tower is left
+  empty (`tower_plan` and `DMTConfig` need every tower): once the features left are as
+  many as the empty towers, each goes to an empty one. Deterministic."""
   F = len(costs)
   if not 1 <= num_towers <= F:
     raise ValueError(f"partition: num_towers={num_towers} for {F} features; expected 1..{F}")
@@ -50,13 +52,18 @@ def partition(sim: np.ndarray, costs: Sequence[float], num_towers: int,
   # more similar to it than to features on average.
   off = ~np.eye(F, dtype=bool)
   empty = float(sim[off].mean()) if F > 1 else 0.0
-  for f in sorted(range(F), key=lambda f: (-costs[f], f)):
+  for placed, f in enumerate(sorted(range(F), key=lambda f: (-costs[f], f))):
     def score(t):
       return sim[f, towers[t]].mean() if towers[t] else empty
     room = [t for t in range(num_towers)
             if len(towers[t]) < max_feats and (load[t] + costs[f] <= cap or not towers[t])]
     if not room:
       room = [int(np.argmin(load))]
+    # Grouping similar features must not leave a tower without any: the rest fill the
+    # empty ones (they are the cheapest, so the balance gains too).
+    empty_towers = [t for t in range(num_towers) if not towers[t]]
+    if len(empty_towers) >= F - placed:
+      room = empty_towers
     t = max(room, key=lambda t: (score(t), -load[t], -t))
     towers[t].append(f)
     load[t] += costs[f]

@@ -25,12 +25,19 @@ from rec.layers.params import KERNEL, param
 
 
 def fm_interaction(emb_BFD):
-  """Second-order FM term per example: sum over pairs f < g of <v_f, v_g>, shape [B]."""
+  """Second-order FM term per example: sum over pairs f < g of <v_f, v_g>, shape [B], in
+  the input's dtype.
+
+  Computed in float32 (at least) whatever the input dtype: the O(F D) form subtracts two
+  sums of squares, each about F times the result's size for uncorrelated embeddings, so in
+  bfloat16 their rounding errors (up to 2^-8 of each) would swamp a small result.
+  """
   if emb_BFD.ndim != 3:
     raise ValueError(f"fm_interaction: input {emb_BFD.shape}, expected [B, F, D]")
-  sum_BD = emb_BFD.sum(axis=1)
-  sum_sq_BD = (emb_BFD * emb_BFD).sum(axis=1)
-  return 0.5 * (sum_BD * sum_BD - sum_sq_BD).sum(axis=-1)
+  e = emb_BFD.astype(jnp.promote_types(emb_BFD.dtype, jnp.float32))
+  sum_BD = e.sum(axis=1)
+  sum_sq_BD = (e * e).sum(axis=1)
+  return (0.5 * (sum_BD * sum_BD - sum_sq_BD).sum(axis=-1)).astype(emb_BFD.dtype)
 
 
 def optimized_fm(x_BND, y_NK):

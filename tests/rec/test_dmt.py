@@ -203,3 +203,17 @@ def test_partition_balances_and_groups():
   assert s[0, 1] == pytest.approx(1.0) and s[0, 2] < 0.9
   r = towers_lib.random_partition(7, 3, seed=1)
   assert sorted(f for t in r for f in t) == list(range(7)) and sorted(map(len, r)) == [2, 2, 3]
+
+
+def test_partition_leaves_no_tower_empty():
+  # Two similar pairs that fit a tower's cost cap (1.1 * 8 / 4 = 2.2) together: grouping
+  # them filled three towers and left the fourth empty, which tower_plan and DMTConfig
+  # reject. The last features go to the empty towers instead.
+  sim = np.full((5, 5), 0.1)
+  sim[1, 2] = sim[2, 1] = sim[3, 4] = sim[4, 3] = 0.9
+  towers = towers_lib.partition(sim, [4, 1, 1, 1, 1], 4)
+  assert towers == [[0], [1, 2], [3], [4]]
+  planner_lib.tower_plan(DMTConfig(num_dense=3, embedding_dim=D, towers=towers,
+                                   bottom_mlp=(8, D), top_mlp=(8, 1),
+                                   rows_per_feature=ROWS[:5]).tables(),
+                         towers, 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,6 +53,20 @@ def _same_state(a, b):
   """Every array of two collections' states equal, group by group (names differ by @host)."""
   for (_, x), (_, y) in zip(sorted(a.items()), sorted(b.items())):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(x), jax.device_get(y))
+
+
+def test_put_drops_negative_ids_on_host_and_device():
+  """`put` drops ids outside [0, rows), negative ones too: `.at[]` alone wraps -1 to the
+  last row (a -1 "empty" tag would overwrite it)."""
+  a = jnp.arange(8.0).reshape(4, 2)
+  on_host = jax.device_put(a, jax.sharding.SingleDeviceSharding(
+      jax.devices()[0], memory_kind=host_tier.HOST_MEMORY))
+  want = np.asarray(a).copy()
+  want[1] = -1.0
+  for x in (a, on_host):
+    out = jax.jit(host_tier.put)(x, jnp.array([-1, 1, 4, -5], jnp.int32), -jnp.ones((4, 2)))
+    assert out.sharding.memory_kind == x.sharding.memory_kind
+    np.testing.assert_array_equal(jax.device_get(out), want)
 
 
 @pytest.mark.slow   # ~15 s: two trainings of int8 rows with stochastic rounding

@@ -97,6 +97,22 @@ def test_fm_interaction_is_the_sum_over_pairs():
   np.testing.assert_allclose(fm_interaction(jnp.asarray(v)), want, rtol=RTOL, atol=ATOL)
 
 
+def test_fm_interaction_of_bf16_rounds_once():
+  """bf16 embeddings: the result is the exact sum over pairs rounded once to bf16. In bf16
+  the two sums of squares (about F times a result's size here) lost small results whole."""
+  rng = np.random.default_rng(0)
+  emb = jnp.asarray(rng.standard_normal((64, 26, 16)), jnp.bfloat16)
+  e = np.asarray(emb.astype(jnp.float32), np.float64)
+  s, q = e.sum(1), (e * e).sum((1, 2))
+  want = 0.5 * ((s * s).sum(-1) - q)
+  got = fm_interaction(emb)
+  assert got.dtype == jnp.bfloat16
+  # One bf16 rounding: 2^-8 relative; float32 sums of terms up to (s * s).sum + q: 2^-18
+  # of that covers their 2^-24 per operation over 26 + 16 terms.
+  tol = 2.0 ** -8 * np.abs(want) + 2.0 ** -18 * ((s * s).sum(-1) + q)
+  assert np.all(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want) <= tol)
+
+
 def test_optimized_fm_matches_numpy_and_full_fm_at_identity():
   rng = np.random.default_rng(3)
   x, y = _rand(rng, 2, 6, 4), _rand(rng, 6, 3)
