@@ -27,9 +27,10 @@ def take_columns(x_BN: jax.Array, idx: tuple[int, ...]) -> jax.Array:
   sel = np.asarray(idx, np.int64)
   if sel.size and (sel.max() >= n or sel.min() < -1):
     raise ValueError(f"take_columns: indices must lie in [-1, {n}), got [{sel.min()}, {sel.max()}]")
-  taken = sel[sel >= 0]
-  if len(np.unique(taken)) != len(taken):
-    raise ValueError("take_columns: non-negative indices must be distinct")
+  taken, counts = np.unique(sel[sel >= 0], return_counts=True)
+  if (counts > 1).any():
+    raise ValueError(f"take_columns: indices {taken[counts > 1].tolist()} appear more than "
+                     "once; expected distinct non-negative indices (-1 may repeat)")
   if (sel >= 0).all():
     return x_BN[:, sel]
   return _with_zero_column(x_BN)[:, np.where(sel < 0, n, sel)]

@@ -8,8 +8,9 @@ inputs and of weights). A matmul of m x k by k x n is 2 m k n FLOPs; causal atte
 tokens after P cached ones computes T P + T (T + 1) / 2 (query, key) pairs, each 4 K FLOPs per
 query head (QK^T and PV). Under tensor parallelism over `tp` GPUs every GPU holds H / tp query
 heads and max(G / tp, 1) KV heads (past G GPUs the KV heads are replicated, arXiv 2411.01783
-§4.2.2); under context parallelism over N ranks each holds T / N new tokens and (T + P) / N
-KV entries (load-balanced sharding, padding ignored).
+§4.2.2; `tp_heads` where neither of G and tp divides the other); under context parallelism
+over N ranks each holds T / N new tokens and (T + P) / N KV entries (load-balanced sharding,
+padding ignored).
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ class Numerics:
 
 
 def tp_heads(cfg, tp: int) -> tuple[float, float]:
-  """(query heads, KV heads) on each GPU of a `tp`-way tensor-parallel group."""
+  """(query heads, KV heads) on each GPU of a `tp`-way tensor-parallel group: H / tp query
+  heads, and the KV heads they read (G / tp when tp divides G, 1 when G divides tp; when
+  neither divides the other a GPU's query heads straddle groups, and the busiest GPU's
+  count is taken: H = 24, G = 8, tp = 6 reads 2 KV heads per GPU, not 8 / 6)."""
   if tp < 1 or cfg.n_heads % tp:
     raise ValueError(f"llm.cost: tp={tp}; expected a divisor of n_heads={cfg.n_heads}")
-  return cfg.n_heads / tp, max(cfg.n_kv_heads / tp, 1.0)
+  h, group = cfg.n_heads // tp, cfg.n_heads // cfg.n_kv_heads
+  g = max((r * h + h - 1) // group - r * h // group + 1 for r in range(tp))
+  return cfg.n_heads / tp, float(g)
 
 
 def layer_linear_params(cfg) -> dict[str, int]:

@@ -21,7 +21,9 @@ device holds (divided by tp where it divides them), K the head dim, D the model 
   no remat     4D + (2h + 2g) K + 3f: block input, both RMSNorm outputs, the residual
                after attention, q / k / v after RoPE, the attention output, SwiGLU's gate,
                up and their product (the inputs of every matmul's weight gradient), plus
-               with --attention_impl=xla the fp32 softmax probabilities, h * S (S keys)
+               with --attention_impl=xla (and "auto" where it runs xla: off a GPU) the fp32
+               softmax probabilities, h * S (S = T keys; under ring attention too, which
+               keeps each ring step's block of them)
   remat full   D saved per layer (the block input), plus one layer's no-remat set while
                its backward recomputes it
   remat dots   D + (h + 2g) K + h K + 2D + 2f saved per layer (matmul outputs and the
@@ -146,7 +148,9 @@ def train_estimate(cfg, mesh, batch_size: int, seq_len: int, *, mu_dtype: str = 
   cp = sizes.get("cp", 1) if cfg.context_parallel != "none" else 1
   tp = mesh_lib.axis_size("act_heads", rules, mesh)
   tokens = -(-batch_size // batch_ways) * -(-seq_len // cp)
-  keys = seq_len // cp if cfg.attention_impl == "xla" else 0
+  # Ring attention (cp > 1) runs one block per ring step and keeps every step's
+  # probabilities for the backward: a query's over all seq_len keys, as without the ring.
+  keys = seq_len if _attention_impl(cfg, seq_len // cp) == "xla" else 0
   saved, full = activation_bytes_per_token(cfg, tp=tp, keys=keys)
   acts = tokens * (cfg.n_layers * saved + (full if cfg.remat else 0))
   chunk = train_lib.loss_chunk_tokens(batch_size, seq_len, cfg.vocab_size)
@@ -159,6 +163,18 @@ def train_estimate(cfg, mesh, batch_size: int, seq_len: int, *, mu_dtype: str = 
                                                  rules=rules)
   return TrainMemory(params=params, optimizer=optimizer, gradients=gradients,
                      activations=acts, logits=logits, local_devices=local)
+
+
+def _attention_impl(cfg, tokens: int) -> str:
+  """The implementation training's attention calls run: "auto" resolved as `llm.attention`
+  resolves it for a [B, T, H, K] call without a cache (on a CPU "xla", which keeps its
+  fp32 probabilities like an explicit --attention_impl=xla)."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  from llm.attention.choose import choose_impl
+  q = jax.ShapeDtypeStruct((1, tokens, cfg.n_heads, cfg.head_dim), cfg.dtype)
+  k = jax.ShapeDtypeStruct((1, tokens, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)
+  return choose_impl(q, k)
 
 
 def _is_var(x) -> bool:

@@ -30,3 +30,12 @@ def test_take_columns_values_and_gradient(n, idx):
   want = jax.grad(lambda x: jnp.sum(_reference(x, idx) * w))(x)
   # each gradient entry is one w value or 0, moved, not summed: exact
   np.testing.assert_array_equal(got, want)
+
+
+def test_take_columns_names_bad_indices():
+  x = jnp.zeros((2, 5), jnp.float32)
+  with pytest.raises(ValueError, match=r"indices \[1, 3\] appear more than once"):
+    take_columns(x, (3, 1, -1, 1, 3, -1, 0))
+  with pytest.raises(ValueError, match=r"must lie in \[-1, 5\), got \[0, 5\]"):
+    take_columns(x, (0, 5))
+  np.testing.assert_array_equal(take_columns(x + 1, (-1, 2, -1)), [[0, 1, 0]] * 2)

@@ -55,3 +55,18 @@ def test_flops_per_token_counts_the_keys_a_sliding_window_leaves():
   assert get_config("tiny_mistral", sliding_window=seq).flops_per_token(seq) == \
       full.flops_per_token(seq)
   assert windowed.flops_per_token(seq, causal=False) == full.flops_per_token(seq, causal=False)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(24, 8), (32, 8), (128, 8), (12, 4)])
+def test_tp_heads_are_the_kv_heads_a_gpus_query_heads_read(n_heads, n_kv_heads):
+  """Query head q reads KV head q // (H / G); a GPU of a tp group holds H / tp consecutive
+  query heads and every KV head they read (counted here head by head), the busiest GPU's
+  count: G / tp when tp divides G, 1 past G GPUs, and whole heads when neither divides the
+  other (llama32_3b's H = 24, G = 8 on tp = 6: 2 KV heads, not 8 / 6)."""
+  cfg = get_config("tiny").replace(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=8)
+  for tp in [t for t in range(1, n_heads + 1) if n_heads % t == 0]:
+    h = n_heads // tp
+    read = max(len({q // (n_heads // n_kv_heads) for q in range(r * h, (r + 1) * h)})
+               for r in range(tp))
+    assert cost.tp_heads(cfg, tp) == (h, read), tp
+  assert cost.tp_heads(get_config("llama32_3b"), 6) == (4, 2)
