@@ -52,8 +52,15 @@ KV_TYPES = {"f32": 0, "f16": 1}   # ggml_type: GGML_TYPE_F32, GGML_TYPE_F16
 
 def model_params_without_extra_bufts() -> None:
   """Makes every llama_cpp.Llama load its weights without extra buffer types (the Llama class
-  takes no argument for `llama_model_params.use_extra_bufts`)."""
+  takes no argument for `llama_model_params.use_extra_bufts`). Refuses a llama-cpp-python
+  whose `llama_model_params` has no such field: a ctypes structure takes any attribute
+  silently, so the setting would be lost and the extra buffers kept."""
   low = llama_cpp.llama_cpp
+  fields = [name for name, *_ in low.llama_model_params._fields_]
+  if "use_extra_bufts" not in fields:
+    sys.exit(f"llama-cpp-python {llama_cpp.__version__}: llama_model_params has no "
+             f"use_extra_bufts field (fields: {', '.join(fields)}); expected the one of 0.3.36 "
+             "(experiments/peers/README.md), or pass --extra_bufts to keep the extra buffers")
   default = low.llama_model_default_params
 
   def params():

@@ -329,9 +329,11 @@ def main(argv: list[str] | None = None) -> dict:
   keys = [f"f{t}" for t in range(args.num_tables)]
   pool = [to_torch_batch(b, keys) for b in pool_np]
   heldout = to_torch_batch(heldout_np, keys)
-  # Loss of a constant predictor at the pool's label rate: the bar to get under.
+  # Loss of a constant predictor at the pool's label rate: the bar to get under (0 where a
+  # small pool's labels are all alike).
   rate = float(np.mean([b["labels_B"].mean() for b in pool_np]))
-  base_loss = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+  base_loss = (-(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)) if 0 < rate < 1
+               else 0.0)
 
   model, opt, info = build(args)
   model.train()

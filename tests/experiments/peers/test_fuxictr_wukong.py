@@ -112,3 +112,8 @@ def test_side_by_side_training_learns(tmp_path):
     assert len(loss) == 3 and np.all(np.isfinite(loss)), row
     assert loss[-1] < loss[0] - 0.02, (row["side"], loss)
     assert row["auc"] > 0.65 and np.isfinite(row["ne"]), row
+  # FuxiCTR's examples/s is over the steps after the first, as ours (whose first compiles).
+  out = np.load(tmp_path / "fuxictr_s0.npz")
+  assert int(out["timed_steps"]) == 29
+  np.testing.assert_allclose(float(out["examples_per_sec"]),
+                             29 * 256 / float(out["train_seconds"]), rtol=1e-12)

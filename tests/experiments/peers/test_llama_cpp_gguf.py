@@ -455,3 +455,35 @@ def test_vocabulary_shorter_than_the_model_runs_in_llama_cpp(peer, tmp_path, bpe
   compare("qwen2, vocabulary padded", got, logits, greedy, tol=TOL_F32)
   check_tokens("qwen2, vocabulary padded", got,
                C.find_tokenizer(f"gguf:{path}", None, cfg.vocab_size), BPE_TEXTS)
+
+
+# The extra-buffer switch on the real llama_model_params, then on one without the field (an
+# API other than 0.3.36's), where a ctypes structure would take the attribute silently.
+EXTRA_BUFTS = r"""
+import ctypes, json, sys
+sys.path.insert(0, sys.argv[1])
+import llama_cpp, llama_cpp_gguf
+low = llama_cpp.llama_cpp
+llama_cpp_gguf.model_params_without_extra_bufts()
+real = bool(low.llama_model_default_params().use_extra_bufts)
+class Params(ctypes.Structure):
+  _fields_ = [("n_gpu_layers", ctypes.c_int32), ("vocab_only", ctypes.c_bool)]
+low.llama_model_params = Params
+low.llama_model_default_params = Params
+try:
+  llama_cpp_gguf.model_params_without_extra_bufts()
+  refused = None
+except SystemExit as e:
+  refused = str(e)
+print(json.dumps({"real": real, "refused": refused}))
+"""
+
+
+def test_extra_buffers_off_or_refused(peer):
+  r = subprocess.run([PEER, "-c", EXTRA_BUFTS, os.path.dirname(SCRIPT)], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["real"] is False
+  assert out["refused"] and "no use_extra_bufts field" in out["refused"]
+  assert "n_gpu_layers, vocab_only" in out["refused"] and "--extra_bufts" in out["refused"]

@@ -1,9 +1,10 @@
 """experiments.serve_bench against llama.cpp's server (llama-cpp-python[server], marker
-`peer`) on SmolLM2-135M-Instruct's GGUF: with the driver's request fields (greedy,
-repeat_penalty 1, the stop and control tokens biased away) a streamed reply is one SSE event
-per token, as many as max_tokens, and its text is the non-streamed reply's; llama.cpp's
-/extras/tokenize gives the word-token prompts' ids back; a short serve_bench run has no
-failed request and leaves no server behind.
+`peer`) on SmolLM2-135M-Instruct's GGUF: the server script's settings (logits of the last
+position only, as our engine computes them; no interrupts, no pings, no extra buffers); with
+the driver's request fields (greedy, repeat_penalty 1, the stop and control tokens biased
+away) a streamed reply is one SSE event per token, as many as max_tokens, and its text is the
+non-streamed reply's; llama.cpp's /extras/tokenize gives the word-token prompts' ids back;
+a short serve_bench run has no failed request and leaves no server behind.
 
 The peer Python: LLAMA_CPP_PEER_PYTHON, else the peer environment beside the checkout
 (tests/peer_env.py); skipped where it is absent or cannot import llama_cpp.server, or where
@@ -57,6 +58,25 @@ def _sse(url, body):
       if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
         events.append(json.loads(line[5:]))
   return events
+
+
+def test_server_settings(gguf):
+  # logits_all off: llama-cpp-python's server default (on) computes and copies the logits of
+  # every prompt position, work our engine's prefill does not do; the rest as the docstring.
+  code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import llama_cpp_server as s; "
+          "import llama_cpp.llama_cpp as low; "
+          "server, model = s.settings(['--gguf_file', sys.argv[2], '--threads', '3']); "
+          "print(json.dumps({**{k: getattr(model, k) for k in ('logits_all', 'n_threads', "
+          "'n_threads_batch', 'n_ctx', 'model_alias', 'flash_attn', 'type_k')}, "
+          "**{k: getattr(server, k) for k in ('interrupt_requests', 'disable_ping_events')}, "
+          "'extra_bufts': bool(low.llama_model_default_params().use_extra_bufts)}))")
+  r = subprocess.run([PEER, "-c", code, os.path.dirname(SCRIPT), gguf], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+      "logits_all": False, "n_threads": 3, "n_threads_batch": 3, "n_ctx": 2048,
+      "model_alias": os.path.basename(gguf), "flash_attn": False, "type_k": None,
+      "interrupt_requests": False, "disable_ping_events": True, "extra_bufts": False}
 
 
 def test_one_event_per_token_and_the_prompts_ids(gguf, tmp_path):
