@@ -5,6 +5,7 @@ the compiler too)."""
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -51,6 +52,23 @@ def time_interleaved(runs: dict[str, tuple[Callable[[Any], Any], Any]], steps: i
       t, states[name] = time_steps(step, states[name], steps, 1, warmup=0)
       times[name] += t
   return times, states
+
+
+def pin_cpus(n: int, flag: str = "--threads") -> list[int] | None:
+  """Pins this process, and the processes it starts later, to the first `n` of the CPUs it
+  may run on, so that ours and a peer given `n` threads compete for the same cores (XLA
+  sizes its CPU thread pool from the affinity when its backend starts: call this before the
+  first jax computation). Returns those CPUs (None where the OS has no affinity call); `n`
+  beyond them is refused naming `flag`."""
+  if not hasattr(os, "sched_setaffinity"):
+    return None
+  cpus = sorted(os.sched_getaffinity(0))
+  if not 1 <= n <= len(cpus):
+    from core import errors
+    raise errors.expected(f"{flag}={n}", f"{len(cpus)} CPUs available to this process",
+                          f"1 to {len(cpus)}")
+  os.sched_setaffinity(0, cpus[:n])
+  return cpus[:n]
 
 
 def median(xs):

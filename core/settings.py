@@ -47,7 +47,8 @@ REPEATS = config.setting("repeats", "integer", "Timed repeats (the median is rep
 ROUNDS = config.setting(
     "rounds", "integer", "Rounds of a side-by-side comparison; each runs every variant in "
     "turn.", lower=1)
-THREADS = config.setting("threads", "integer", "CPU threads of a peer (torch, llama.cpp).",
+THREADS = config.setting("threads", "integer", "CPU threads of a peer (torch, llama.cpp); "
+                         "where a peer is timed, ours runs on the same first N CPUs.",
                          lower=1)
 PEER_PYTHON = config.setting(
     "peer_python", "string", "Python of the peer environment (TorchRec, transformers, "

@@ -187,6 +187,8 @@ def main(argv):
   from core import benchmark
 
   storage = check_flags()
+  if FLAGS.peer_python and not FLAGS.show_plan:   # both sides on the same --threads cores
+    benchmark.pin_cpus(FLAGS.threads)
   if FLAGS.show_plan:
     from rec import mlperf
     from rec.embedding import planner

@@ -138,6 +138,8 @@ def main(argv):
   from llm.config import get_config
 
   peers = check_peers()
+  if peers:   # both sides on the same --threads cores, before jax's backend starts
+    benchmark.pin_cpus(FLAGS.threads)
   if FLAGS.new_tokens < 2:
     raise errors.expected(f"--new_tokens={FLAGS.new_tokens}", "no decode step to time",
                           "at least 2 (the first token comes from the prefill)")

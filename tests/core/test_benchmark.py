@@ -47,3 +47,33 @@ def test_time_interleaved_takes_turns_and_threads_each_state(monkeypatch):
   assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
   assert times == {"a": [1.0] * 3, "b": [3.0] * 3}     # seconds per step of each repeat
   assert states == {"a": 7, "b": 107}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"),
+                    reason="no CPU affinity call on this OS")
+def test_pin_cpus_pins_this_process_and_its_children_and_refuses_too_many():
+  # In a child process: pinning this one would narrow the rest of the test session.
+  import os
+  import subprocess
+  import sys
+  from tests.experiments.entry import REPO
+  code = ("import os, subprocess, sys\n"
+          "from core import benchmark, errors\n"
+          "n = len(os.sched_getaffinity(0))\n"
+          "try:\n"
+          "  benchmark.pin_cpus(n + 1)\n"
+          "except errors.UserError as e:\n"
+          "  print(e)\n"
+          "got = benchmark.pin_cpus(1)\n"
+          "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted("
+          "os.sched_getaffinity(0)))'], capture_output=True, text=True).stdout.strip()\n"
+          "print(n, got, sorted(os.sched_getaffinity(0)), child)\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr
+  refusal, last = out.stdout.strip().splitlines()
+  n = len(os.sched_getaffinity(0))
+  first = sorted(os.sched_getaffinity(0))[0]
+  assert refusal == (f"--threads={n + 1}: {n} CPUs available to this process; expected 1 "
+                     f"to {n}")
+  assert last == f"{n} [{first}] [{first}] [{first}]"
