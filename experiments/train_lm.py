@@ -231,6 +231,9 @@ def main(argv):
   from core import workdir as workdir_lib
   from core import checkpoint as ckpt_lib
   import jax
+  if jax.process_count() > 1 and not FLAGS.workdir:   # each process would name its own
+    raise errors.expected("--workdir", f"not given, in a run of {jax.process_count()} "
+                          "processes", "the same directory on shared storage for every process")
   from core import mesh as mesh_lib
   from core import plot as plot_lib
   from core import train as train_lib

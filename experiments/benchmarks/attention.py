@@ -35,13 +35,15 @@ def error_text(e: BaseException) -> str:
 def parse_mgpu_config(text: str) -> dict:
   """"64x128x2" -> {"block_q": 64, "block_kv": 128, "stages": 2}; "64x128x2:split" also
   sets the backward ("split" or "fused"; default: fused at head dim 128, else split)."""
-  tiles, _, bwd = text.lower().partition(":")
+  tiles, sep, bwd = text.lower().partition(":")
   try:
     bq, bk, st = (int(x) for x in tiles.split("x"))
+    if min(bq, bk, st) < 1:
+      raise ValueError
   except ValueError:
     raise app.UsageError(f"--mgpu_configs: {text!r}, expected BLOCK_QxBLOCK_KVxSTAGES[:BWD] "
-                         "such as 64x128x2 or 64x128x2:split") from None
-  if bwd not in ("", "split", "fused"):
+                         "of positive integers, such as 64x128x2 or 64x128x2:split") from None
+  if bwd not in ("split", "fused") and (sep or bwd):
     raise app.UsageError(f"--mgpu_configs: {text!r}, the backward after ':' must be split "
                          "or fused")
   return {"block_q": bq, "block_kv": bk, "stages": st, **({"bwd": bwd} if bwd else {})}

@@ -294,9 +294,13 @@ class Server:
     self.runner = HTTPRunner(self.url, timeout_s=10)
     pin = f"os.sched_setaffinity(0, {sorted(set(cpus))})\n" if cpus else ""
     self._log = open(log, "w")
-    self.proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(parent=os.getpid(),
-                                                                      pin=pin), *self.cmd],
-                                 stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    try:
+      self.proc = subprocess.Popen(
+          [sys.executable, "-c", _CHILD.format(parent=os.getpid(), pin=pin), *self.cmd],
+          stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    except BaseException:   # no child to stop: the log is closed here
+      self._log.close()
+      raise
 
   def wait_ready(self, timeout_s: float) -> dict:
     """GET /v1/models once it answers; raises if the child exits or `timeout_s` passes."""

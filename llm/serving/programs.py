@@ -267,5 +267,6 @@ def load_draft(spec: str, target, decode_vocab: int = 0):
   else:
     from llm.speculative.distill import load_draft as load, load_draft_vocab
     head = load(spec, target.cfg, where="--draft")
-    vocab = load_draft_vocab(spec, target.cfg.vocab_size, decode_vocab, where="--draft")
+    vocab = load_draft_vocab(spec, target.cfg.vocab_size, decode_vocab, where="--draft",
+                             size_flag="--decode_vocab")
   return cast_head(head, target.cfg.dtype), vocab

@@ -90,12 +90,14 @@ def load_draft(workdir: str, target_cfg, step: int | None = None,
 
 
 def load_draft_vocab(workdir: str, vocab_size: int, size: int = 0,
-                     where: str | None = None) -> np.ndarray | None:
+                     where: str | None = None, size_flag: str | None = None
+                     ) -> np.ndarray | None:
   """The draft vocabulary of a DistillTask run in `workdir`: the `size` most frequent tokens
   of its training sequences (`<workdir>/sequences.npz`, the held-out ones left out, as
   `train_draft` counts them), `size` 0 meaning the run's own `draft_vocab`. A head's output
   rows are the target's, so decoding may keep fewer than it trained on (FR-Spec, arXiv
-  2502.14856). None for a run without one and size 0 (the whole vocabulary)."""
+  2502.14856). None for a run without one and size 0 (the whole vocabulary). `where` /
+  `size_flag`: the flags that gave `workdir` / `size`, named in a refusal (a UserError)."""
   import json
   ckpt, step = _open_run(workdir, where, "no run settings to read")
   try:
@@ -104,9 +106,11 @@ def load_draft_vocab(workdir: str, vocab_size: int, size: int = 0,
     ckpt.close()
   trained = int(settings.get("distill.draft_vocab") or 0)
   if size < 0 or (trained and size > trained) or size > vocab_size:
-    raise ValueError(f"load_draft_vocab({workdir!r}): size={size}; expected 0 (the run's own: "
-                     f"{trained or 'the whole vocabulary'}) up to "
-                     f"{trained or vocab_size} tokens")
+    from core.errors import UserError
+    run = f"{where}={workdir}" if where else repr(workdir)
+    raise UserError(f"{size_flag or 'load_draft_vocab: size'}={size} for the draft head of "
+                    f"{run}; expected 0 (the run's own: {trained or 'the whole vocabulary'})"
+                    f" up to {trained or vocab_size} tokens")
   if not (size or trained):
     return None
   path = os.path.join(workdir, "sequences.npz")

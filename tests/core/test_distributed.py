@@ -176,6 +176,23 @@ def test_llama_cp_prefill_and_fsdp_tp_cp_training_across_processes(tmp_path):
   _same_state(tmp_path / "lm2", tmp_path / "lm1", ATOL)
 
 
+def test_train_lm_of_several_processes_needs_a_workdir(tmp_path):
+  """Each process would date its own default workdir: refused before any is made."""
+  before = set(os.listdir(os.path.join(REPO, "runs"))) if os.path.isdir(
+      os.path.join(REPO, "runs")) else set()
+  procs = _start("experiments.train_lm", ["--text=README.md", "--steps=1", "--seq_len=32",
+                                          "--batch_size=4"], 2, 4, tmp_path)
+  logs = _wait(procs, timeout=180)
+  want = ("error: --workdir: not given, in a run of 2 processes; expected the same directory "
+          "on shared storage for every process")
+  assert all(p.returncode != 0 for p, _ in procs), logs
+  # a process refuses (another may be ended first by its monitor, naming the refusal)
+  assert any(want in log.splitlines() for log in logs), [l[-1500:] for l in logs]
+  after = set(os.listdir(os.path.join(REPO, "runs"))) if os.path.isdir(
+      os.path.join(REPO, "runs")) else set()
+  assert not {n for n in after - before if n.startswith("train_lm_")}
+
+
 def test_a_killed_process_ends_the_job(tmp_path):
   procs = _start("experiments.train_rec",
                  REC + ["--steps=100000", "--log_every=5", "--heartbeat_timeout_s=16",

@@ -75,6 +75,11 @@ def test_mgpu_config_flag():
     attention.parse_mgpu_config("64x128")
   with pytest.raises(app.UsageError, match="split or fused"):
     attention.parse_mgpu_config("64x128x2:both")
+  with pytest.raises(app.UsageError, match="split or fused"):   # a ':' with nothing after
+    attention.parse_mgpu_config("64x128x2:")
+  for zero in ("0x128x2", "64x0x2", "64x128x0"):
+    with pytest.raises(app.UsageError, match="of positive integers"):
+      attention.parse_mgpu_config(zero)
   with pytest.raises(app.UsageError, match="--impls"):
     attention.bench_flash_attention(_cfg(impls=["flash"]))
 

@@ -205,7 +205,7 @@ def test_http_runner_counts_the_tokens_of_both_streaming_styles(fake_server):
   assert S.summary(recs, 1.0, 1.0)["failed"] == 2
 
 
-def test_server_child_answers_on_its_cpus_and_is_stopped(tmp_path):
+def test_server_child_answers_on_its_cpus_and_is_stopped(tmp_path, monkeypatch):
   port = S.free_port()
   code = ("import http.server, json, signal, sys\n"
           "signal.signal(signal.SIGTERM, signal.SIG_IGN) if sys.argv[2] == 'stubborn' else 0\n"
@@ -231,6 +231,20 @@ def test_server_child_answers_on_its_cpus_and_is_stopped(tmp_path):
   with pytest.raises(RuntimeError, match="exited with 3 before answering.*no model"):
     server.wait_ready(30)
   server.stop()
+  # A child that cannot start (no such working directory) leaves no log file open.
+  opened = []
+  real_open = open
+
+  def spy(*args, **kwargs):
+    f = real_open(*args, **kwargs)
+    opened.append(f)
+    return f
+
+  monkeypatch.setattr("builtins.open", spy)
+  with pytest.raises(FileNotFoundError):
+    S.Server([sys.executable, "-c", "pass"], S.free_port(), "fake", str(tmp_path / "d.log"),
+             cwd=str(tmp_path / "missing"))
+  assert [f.name for f in opened] == [str(tmp_path / "d.log")] and opened[0].closed
 
 
 def test_a_killed_benchmark_takes_its_server_child_along(tmp_path):

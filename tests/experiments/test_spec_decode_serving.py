@@ -7,10 +7,12 @@ the target loads."""
 import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 
+from core.errors import UserError
 from experiments.spec_decode import serving as study
 from llm import weights as W
 from llm.serving.config import EngineConfig
@@ -47,8 +49,13 @@ def test_held_out_requests_and_vocab_read_back(target, run, tmp_path):
   # Fewer than it trained on: the most frequent of the same counts (FR-Spec).
   fewer = distill.load_draft_vocab(workdir, V, 2)
   assert len(fewer) == 2 and set(fewer) <= set(vocab)
-  with pytest.raises(ValueError, match=r"size=6; expected 0 \(the run's own: 5\) up to 5"):
+  with pytest.raises(ValueError, match=r"size=6 for the draft head of '.*'; expected 0 "
+                     r"\(the run's own: 5\) up to 5"):
     distill.load_draft_vocab(workdir, V, 6)
+  # Through the serving path the refusal names the flags.
+  with pytest.raises(UserError, match=rf"^--decode_vocab=6 for the draft head of "
+                     rf"--draft={re.escape(workdir)}; expected 0 \(the run's own: 5\)"):
+    load_draft(workdir, target, 6)
   head, got = load_draft(workdir, target, 2)
   np.testing.assert_array_equal(got, fewer)
   assert head.cfg.dim == CFG.dim
