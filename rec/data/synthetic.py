@@ -201,6 +201,10 @@ class SyntheticCriteo:
                          rows_per_feature=rows, max_ids_per_bag=L)
     self._bag_F = np.array(self.multi_hot, np.int64)
     self._live_FL = np.arange(L)[None, :] < self._bag_F[:, None]
+    # The live (feature, slot) pairs of a padded [B, F, L] bag array: multi-hot bags of
+    # unequal sizes (MLPerf's: 1 to 100 ids) leave most of it padding, which draws and
+    # hashes skip (None: every slot live, the arrays are used whole).
+    self._live = None if self._live_FL.all() else np.nonzero(self._live_FL)
     self.alpha = float(zipf_alpha)
     self.seed = int(seed)
     self.split = split
@@ -267,6 +271,20 @@ class SyntheticCriteo:
     sparse, dense = self._raw_scores(ids_BFL, np.asarray(batch.dense))
     return self._logit(sparse, dense)
 
+  def _hash_live(self, salt_F: np.ndarray, ids_BFL: np.ndarray) -> np.ndarray:
+    """`_hash_uniform` of each id with its feature's salt (salt_F [F] or [F, K]: -> [B, F, L]
+    or [B, F, L, K]), computed in the live slots only (0 in the padding, which `_bag_mean`
+    leaves out)."""
+    extra = salt_F.shape[1:]
+    salt = salt_F.reshape(salt_F.shape[:1] + (1,) + extra)
+    ids = ids_BFL.reshape(ids_BFL.shape + (1,) * len(extra))
+    if self._live is None:
+      return _hash_uniform(salt, ids)
+    f, l = self._live
+    out = np.zeros(ids_BFL.shape + extra)
+    out[:, f, l] = _hash_uniform(salt_F[f], ids[:, f, l])
+    return out
+
   def _bag_mean(self, v_BFL: np.ndarray) -> np.ndarray:
     """Mean over each bag's live slots: [B, F, L, ...] -> [B, F, ...] (exact for one-hot)."""
     live = self._live_FL.reshape(self._live_FL.shape + (1,) * (v_BFL.ndim - 3))
@@ -279,12 +297,12 @@ class SyntheticCriteo:
     dense = dense_BD.astype(np.float64) @ self._w_dense
     if self.teacher == "deep":
       return self._deep_score(ids_BFL), dense
-    w_BF = self._bag_mean(_hash_uniform(self._salt_F[:, None], ids_BFL))
+    w_BF = self._bag_mean(self._hash_live(self._salt_F, ids_BFL))
     return w_BF.sum(1) * math.sqrt(3.0), dense  # unit-variance weights
 
   def _deep_score(self, ids_BFL: np.ndarray) -> np.ndarray:
     """The deep teacher's sparse score: tanh network of latents + planted triple products."""
-    u_BFLK = _hash_uniform(self._lat_salt_FK[None, :, None], ids_BFL[..., None]) * math.sqrt(3.0)
+    u_BFLK = self._hash_live(self._lat_salt_FK, ids_BFL) * math.sqrt(3.0)
     u_BFK = self._bag_mean(u_BFLK)
     b = u_BFK.shape[0]
     h = np.tanh(u_BFK.reshape(b, -1) @ self._t_w1)
@@ -337,9 +355,14 @@ class SyntheticCriteo:
     for r, n in sorted(set(zip(self._rows_F.tolist(), self.multi_hot))):
       cols = np.flatnonzero((self._rows_F == r) & (self._bag_F == n))
       ranks_BFL[:, cols, :n] = zipf_ranks(rng, int(r), (B, len(cols), n), self.alpha)
-    ids_BFL = ((ranks_BFL * self._perm_a_F[:, None] + self._perm_b_F[:, None])
-               % self._rows_F[:, None]).astype(np.int32)
-    ids_BFL = np.where(self._live_FL, ids_BFL, 0)
+    if self._live is None:
+      ids_BFL = ((ranks_BFL * self._perm_a_F[:, None] + self._perm_b_F[:, None])
+                 % self._rows_F[:, None]).astype(np.int32)
+    else:   # the same ids in the live slots, 0 in the padding
+      f, l = self._live
+      ids_BFL = np.zeros(ranks_BFL.shape, np.int32)
+      ids_BFL[:, f, l] = ((ranks_BFL[:, f, l] * self._perm_a_F[f] + self._perm_b_F[f])
+                          % self._rows_F[f]).astype(np.int32)
     counts = np.floor(np.exp(self._dense_mu + self._dense_sigma * rng.standard_normal((B, Dn))))
     dense_BD = np.log1p(counts).astype(np.float32)
     scores = self._raw_scores(ids_BFL, dense_BD)

@@ -85,6 +85,20 @@ def test_multi_hot_planted_logit_is_the_mean_of_bag_weights():
     src.true_logits(synthetic.SyntheticCriteo(16, 300, seed=5).batch(0))
 
 
+def test_deep_teacher_hashes_the_live_slots_as_the_whole_array():
+  """Draws and hashes skip the padding of unequal bags: the deep teacher's latents and the
+  ids equal the whole padded array's formula (hash every slot, mask the padding)."""
+  src = synthetic.SyntheticCriteo(16, 300, seed=4, multi_hot=SIZES, teacher="deep")
+  b = src.batch(2)
+  live = src._live_FL
+  assert (b.ids[:, ~live] == 0).all() and not live.all()
+  whole = synthetic._hash_uniform(src._lat_salt_FK[None, :, None], b.ids[..., None])
+  want = np.where(live[None, :, :, None], whole, 0.0)
+  assert np.array_equal(src._hash_live(src._lat_salt_FK, b.ids), want)
+  whole = synthetic._hash_uniform(src._salt_F[:, None], b.ids)
+  assert np.array_equal(src._hash_live(src._salt_F, b.ids), np.where(live, whole, 0.0))
+
+
 def test_multi_hot_ids_follow_zipf_in_every_slot():
   num_rows, alpha = 2000, 1.05
   src = synthetic.SyntheticCriteo(4096, num_rows, seed=0, multi_hot=SIZES)
