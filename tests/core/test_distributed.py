@@ -393,6 +393,18 @@ def test_initialize_settings_are_checked(monkeypatch):
     distributed.initialize()
 
 
+def _no_launcher_and_no_jax_initialize(monkeypatch):
+  """No multi-process setting in the environment, and jax.distributed.initialize fails the
+  test if reached (the checks under test come before it)."""
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(k, raising=False)
+
+  def reached(*a, **k):
+    raise AssertionError("jax.distributed.initialize reached")
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", reached)
+
+
 @pytest.mark.parametrize("address,source", [
     ("localhost", "--coordinator_address"),        # jax: IndexError, naming nothing
     ("localhost:abc", "--coordinator_address"),    # jax: an abort in its C++ service
@@ -402,12 +414,7 @@ def test_initialize_settings_are_checked(monkeypatch):
     ("::1:1234", "--coordinator_address"),         # IPv6 without brackets: which is the port?
     ("node7", "$JAX_COORDINATOR_ADDRESS")])
 def test_a_bad_coordinator_address_is_named_before_jax_sees_it(monkeypatch, address, source):
-  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-            "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-    monkeypatch.delenv(k, raising=False)
-  def reached(*a, **k):
-    raise AssertionError("jax.distributed.initialize reached")
-  monkeypatch.setattr(distributed.jax.distributed, "initialize", reached)
+  _no_launcher_and_no_jax_initialize(monkeypatch)
   arg = None
   if source.startswith("$"):
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", address)
@@ -423,12 +430,7 @@ def test_good_coordinator_addresses_pass_the_check():
 
 
 def test_settings_from_the_environment_are_named_as_such(monkeypatch):
-  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-            "JOB_COMPLETION_INDEX", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-    monkeypatch.delenv(k, raising=False)
-  def reached(*a, **k):
-    raise AssertionError("jax.distributed.initialize reached")
-  monkeypatch.setattr(distributed.jax.distributed, "initialize", reached)
+  _no_launcher_and_no_jax_initialize(monkeypatch)
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")     # an Indexed Job with more pods
