@@ -1,19 +1,25 @@
 """An experiment's results: results.json written atomically (temp file + rename), numpy
 and jax scalars as numbers, their arrays as nested lists, anything else JSON cannot hold as
 its str(), once per job (process 0); the one-line JSON summary printed last (`finish` does
-both)."""
+both). Both are strict JSON: a non-finite float (a diverged loss, an AUC without positives)
+is the string "NaN", "Infinity" or "-Infinity", which every JSON reader takes (the bare
+tokens Python writes are refused by jq, JavaScript and most other parsers)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 def _plain(o: Any) -> Any:
   if hasattr(o, "tolist") and hasattr(o, "shape"):   # numpy / jax arrays and scalars
-    return o.tolist()    # every value (an array's str() elides the middle of a large one)
-  return o.item() if hasattr(o, "item") else str(o)
+    # every value (an array's str() elides the middle of a large one)
+    return _with_json_keys(o.tolist())
+  return _with_json_keys(o.item()) if hasattr(o, "item") else str(o)
 
 
 def _json_key(k: Any) -> Any:
@@ -28,7 +34,10 @@ def _json_key(k: Any) -> Any:
 
 def _with_json_keys(o: Any, seen: frozenset = frozenset()) -> Any:
   """`o` with every dict's keys made `_json_key`s (json.dump refuses the others whole); a
-  container met again inside itself is left as it is, for json's circular-reference error."""
+  container met again inside itself is left as it is, for json's circular-reference error;
+  a non-finite float is its string ("NaN", "Infinity", "-Infinity")."""
+  if isinstance(o, float) and not math.isfinite(o):
+    return _NON_FINITE[repr(float(o))]
   if not isinstance(o, (dict, list, tuple)) or id(o) in seen:
     return o
   seen = seen | {id(o)}
@@ -51,7 +60,7 @@ def write_json(obj: Any, path: str) -> str:
   tmp = path + ".tmp"
   try:
     with open(tmp, "w") as f:
-      json.dump(_with_json_keys(obj), f, indent=2, default=_plain)
+      json.dump(_with_json_keys(obj), f, indent=2, default=_plain, allow_nan=False)
       f.flush()
       os.fsync(f.fileno())   # the rename must not outlive the bytes after a crash
     os.replace(tmp, path)
@@ -70,7 +79,7 @@ def print_summary(summary: Any) -> None:
   """Prints `summary` as one JSON line (numpy scalars as numbers, arrays as lists, anything
   else JSON cannot hold as its str()): an experiment's last stdout line, which scripts and
   CI read."""
-  print(json.dumps(_with_json_keys(summary), default=_plain), flush=True)
+  print(json.dumps(_with_json_keys(summary), default=_plain, allow_nan=False), flush=True)
 
 
 def finish(workdir: str, results: Any, summary: Any) -> str:

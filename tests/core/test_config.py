@@ -299,8 +299,8 @@ def test_values_of_each_kind_are_converted():
 
 
 def test_numpy_scalars_are_their_python_values():
-  """A sweep's np.int64 seed or np.bool_ switch is the number / bool it holds (it was
-  refused as 'an int64; expected an integer'), and still checked as one."""
+  """A sweep's np.int64 seed or np.bool_ switch is the number / bool it holds (not refused
+  as 'an int64; expected an integer'), and still checked as one."""
   import numpy as np
   run = config.build(Kinds, steps=np.int64(4), test_config_switch=np.bool_(True),
                      test_config_rate=np.float32(0.5), test_config_names=[np.str_("a")])

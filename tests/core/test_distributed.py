@@ -330,7 +330,7 @@ print(sorted(set(os.listdir("/proc/self/fd")) - before), flush=True)
 
 def test_the_stdout_filter_leaves_no_descriptor_open():
   # Process 0's stdout goes through the filter process; the copy of the real stdout handed
-  # to it was also kept open here.
+  # to it must not also stay open here.
   out = forkserver.run([sys.executable, "-c", _FDS_AFTER_FILTER], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]

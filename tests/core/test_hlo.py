@@ -29,7 +29,7 @@ def test_unknown_or_dynamic_shapes_are_refused():
 
 def test_collectives_keyed_by_mesh_axes_or_group_text():
   """GSPMD prints its own collectives' groups in XLA's iota form: two different groupings
-  stay two keys (they were both keyed '' and summed)."""
+  stay two keys (not both keyed '' and summed)."""
   text = "\n".join([
       "%a = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%r",
       "%b = f32[8]{0} all-reduce(%p), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), "

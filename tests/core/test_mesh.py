@@ -115,7 +115,8 @@ def test_shard_batch_takes_a_process_s_share_of_the_batch(tmp_path):
 
 @pytest.mark.devices(8)
 def test_unknown_axis_is_an_error_naming_the_known_axes():
-  # A typo used to build a mesh on which no logical name lands: every device did all the work.
+  # Unrefused, a typo builds a mesh on which no logical name lands: every device does all
+  # the work.
   with pytest.raises(ValueError, match=r"--mesh='dta:8': unknown axis 'dta'; REC_RULES knows "
                                        r"data, model"):
     mesh_lib.make_mesh("dta:8", rules=mesh_lib.REC_RULES)

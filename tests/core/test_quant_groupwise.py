@@ -175,7 +175,7 @@ def test_matmul_equals_the_dequantized_product(bits, monkeypatch):
 def test_int4_matmul_in_bfloat16_rounds_once():
   """In a bfloat16 product the int4 halves (low and high nibbles) meet in float32 and the sum
   is rounded once: within half a bfloat16 unit of the exact product of the bfloat16 inputs
-  (plus float32 summation order), where rounding each half first was up to 1.5 units off."""
+  (plus float32 summation order), where rounding each half first is up to 1.5 units off."""
   import jax
   import jax.numpy as jnp
   gq = jax.tree.map(jnp.asarray, groupwise.quantize_groupwise(_weights(64, 256, 7), 4))

@@ -66,3 +66,19 @@ def test_numpy_and_other_keys_do_not_lose_the_file(tmp_path, capsys):
   with pytest.raises(ValueError, match=r"give the same JSON key"):
     results_lib.write_results(str(tmp_path / "w"), {(1, 2): 1, "(1, 2)": 2})
   assert not (tmp_path / "w" / "results.json").exists()
+
+
+def test_non_finite_floats_are_strict_json_strings(tmp_path, capsys):
+  """NaN and infinities (python, numpy scalars, inside arrays) are written as the strings
+  "NaN", "Infinity", "-Infinity": a strict reader takes the file, and the value stays
+  visible rather than null."""
+  out = {"loss": float("nan"), "auc": np.float32("nan"), "best": np.float64("-inf"),
+         "per_step": np.asarray([1.0, np.inf]), "rows": [(float("inf"), 2)]}
+  path = results_lib.write_results(str(tmp_path), out)
+  strict = lambda t: json.loads(t, parse_constant=lambda c: pytest.fail(f"bare {c}"))
+  with open(path) as f:
+    got = strict(f.read())
+  assert got == {"loss": "NaN", "auc": "NaN", "best": "-Infinity",
+                 "per_step": [1.0, "Infinity"], "rows": [["Infinity", 2]]}
+  results_lib.print_summary({"loss": np.float32("nan"), "ok": 0.5})
+  assert strict(capsys.readouterr().out) == {"loss": "NaN", "ok": 0.5}

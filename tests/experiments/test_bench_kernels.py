@@ -93,9 +93,9 @@ def test_mgpu_config_flag():
      "or false"),
 ])
 def test_bad_lists_refused_before_anything_runs(tmp_path, args, line):
-  """Formerly --causal=maybe ran as not causal, an unknown --impls failed only once the
-  family ran (after the families before it), and an empty list timed nothing; now one line
-  naming the flag, before the GPU check and before the workdir is written."""
+  """One line naming the flag, before the GPU check and before the workdir is written: not
+  --causal=maybe run as not causal, an unknown --impls failing only when its family runs
+  (after the families before it), or an empty list timing nothing."""
   out = run_refused("experiments.bench_kernels", args + [f"--workdir={tmp_path}"])
   assert any(l.endswith(line) for l in out.stderr.strip().splitlines()), out.stderr[-2000:]
   assert os.listdir(tmp_path) == []

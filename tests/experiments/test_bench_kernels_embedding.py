@@ -27,7 +27,7 @@ def test_mixed_precision_formats_run():
 
 
 def test_unknown_impl_refused_before_measuring(tmp_path):
-  """An --impls name the benchmark does not know (formerly timed nothing for it, silently)
+  """An --impls name the benchmark does not know (else nothing is timed for it, silently)
   is one line naming it, before the GPU check and before the workdir is written."""
   out = run_refused("experiments.bench_kernels_embedding",
                     ["--impls=pallas,palas", f"--workdir={tmp_path}"])

@@ -195,8 +195,8 @@ def test_compare_runs_as_an_entry_point(tmp_path):
 ])
 def test_bad_settings_are_refused_before_compiling(tmp_path, args, want):
   """One line naming the flag, before a step compiles and before the workdir gets a file
-  (cuDNN off a GPU used to end in a RuntimeError traceback while compiling; LoRA settings
-  without a LoRA variant were ignored)."""
+  (else cuDNN off a GPU ends in a RuntimeError traceback while compiling, and LoRA settings
+  without a LoRA variant are silently ignored)."""
   from tests.experiments.entry import run_refused
   out = run_refused("experiments.bench_lm_train", [
       "--preset=tiny", "--seq_len=32", "--batch=2", "--steps=1", "--repeats=1", *args,

@@ -40,9 +40,9 @@ def test_bench_dlrm_toy(tmp_path):
     (["--rows="], "error: --rows=: nothing to time; expected at least one value"),
 ])
 def test_bench_embedding_refuses_bad_lists_before_timing(tmp_path, args, line):
-  """A pooling factor of 0 (formerly a traceback from inside JAX), an unknown path (formerly
-  timed nothing and wrote an empty results.json) or an empty list: one line naming the flag
-  and the value, nothing written."""
+  """A pooling factor of 0 (else a traceback from inside JAX), an unknown path (else nothing
+  timed and an empty results.json written) or an empty list: one line naming the flag and
+  the value, nothing written."""
   out = run_refused("experiments.bench_embedding", args + [f"--workdir={tmp_path}"])
   assert any(l.endswith(line) for l in out.stderr.strip().splitlines()), out.stderr[-2000:]
   assert os.listdir(tmp_path) == []
@@ -66,10 +66,10 @@ def test_bench_embedding_refuses_bad_lists_before_timing(tmp_path, args, line):
      "TorchRec peer's CPU threads) and without --show_plan"),
 ])
 def test_bench_dlrm_refuses_bad_flags_before_timing(tmp_path, args, line):
-  """Formerly: --rows=0 named --num_rows, a missing --peer_python failed after our first
-  round was timed, and --plan_storage without --show_plan, the peer beside another model and
-  --memory_budget_gb with --compare_host_prefetch and --threads without the peer were
-  accepted and ignored."""
+  """One line naming the flag, before timing: not --rows=0 named as --num_rows, not a
+  missing --peer_python failing after our first round is timed, and not --plan_storage
+  without --show_plan, the peer beside another model, --memory_budget_gb with
+  --compare_host_prefetch or --threads without the peer accepted and ignored."""
   out = run_refused("experiments.bench_dlrm", args + ["--batch_size=32", "--steps=1",
                                                       f"--workdir={tmp_path}"])
   assert out.stderr.strip().splitlines()[-1] == "error: " + line
@@ -96,8 +96,8 @@ def test_criteo_baselines_toy(tmp_path):
 
 
 def test_criteo_baselines_refuses_unknown_model_before_training(tmp_path):
-  """A typo in --models is one line naming the flag before any model trains (formerly
-  after the models before it, as --model)."""
+  """A typo in --models is one line naming the flag before any model trains (not after the
+  models before it, as --model)."""
   out = run_refused("experiments.criteo_baselines", [
       f"--data=criteo:{tmp_path}", "--models=logreg,dlrn", f"--workdir={tmp_path / 'w'}"])
   assert out.stderr.strip().splitlines()[-1].startswith("error: --models=logreg,dlrn: dlrn: ")
@@ -105,9 +105,9 @@ def test_criteo_baselines_refuses_unknown_model_before_training(tmp_path):
 
 
 def test_criteo_baselines_refuses_an_earlier_run_before_training(tmp_path):
-  """A rerun into the same --workdir trained the models before the first one an earlier
-  run had left, then stopped there with core.train's error naming --resume / --overwrite,
-  flags this entry point does not have: now one line names the run directory first."""
+  """A rerun into the same --workdir: one line names the run directory first (else the
+  models before the first one an earlier run left train, then the run stops there with
+  core.train's error naming --resume / --overwrite, flags this entry point does not have)."""
   old = tmp_path / "w" / "dlrm_e3"
   (old / "checkpoints" / "40").mkdir(parents=True)
   out = run_refused("experiments.criteo_baselines", [
@@ -127,10 +127,11 @@ def test_criteo_baselines_refuses_an_earlier_run_before_training(tmp_path):
      "files to train on for --epochs, e.g. criteo:DIR"),
 ])
 def test_criteo_baselines_refuses_bad_lists_before_training(tmp_path, args, line):
-  """Formerly: --epochs=0 trained one step and reported it as 0 epochs; an empty --models
-  or --epochs trained nothing and wrote an empty table, results.json and plot; a value given
-  twice trained into the workdir of the first, refused only once that one had trained;
-  generated data was refused asking for --steps, which this entry point does not have."""
+  """One line naming the flag, before training. Unchecked, --epochs=0 trains one step and
+  reports it as 0 epochs; an empty --models or --epochs trains nothing and writes an empty
+  table, results.json and plot; a value given twice trains into the workdir of the first,
+  refused only after that one has trained; generated data is refused asking for --steps,
+  which this entry point does not have."""
   out = run_refused("experiments.criteo_baselines", [f"--data=criteo:{tmp_path}", *args,
                                                      f"--workdir={tmp_path / 'w'}"])
   assert out.stderr.strip().splitlines()[-1] == "error: " + line
@@ -168,10 +169,11 @@ def test_bench_kernels_refuses_without_gpu(tmp_path):
      "--source_batches, --gen_rows only without it"),
 ])
 def test_bench_pipeline_refuses_bad_flags_before_measuring(tmp_path, args, line):
-  """Formerly: an empty --data measured nothing and wrote an empty results.json; a value
-  given twice was measured twice under one summary key; a bad --preset (or --model, --mesh)
-  failed after criteo_bin:gen had written its --gen_rows rows; --data with --recd_repeats
-  and --data_workers without it were accepted and ignored."""
+  """One line naming the flag, before measuring. Unchecked, an empty --data measures
+  nothing and writes an empty results.json; a value given twice is measured twice under one
+  summary key; a bad --preset (or --model, --mesh) fails after criteo_bin:gen has written
+  its --gen_rows rows; --data with --recd_repeats and --data_workers without it are
+  accepted and ignored."""
   out = run_refused("experiments.bench_pipeline", args + [
       "--batch_size=64", "--steps=2", f"--workdir={tmp_path}"])
   assert out.stderr.strip().splitlines()[-1] == "error: " + line

@@ -67,9 +67,9 @@ def test_synthetic_two_models_two_seeds(tmp_path):
 
 
 def test_a_rerun_without_resume_is_refused_before_training(tmp_path):
-  """Rerunning the study in the same --workdir without --resume once deleted its finished
-  runs (rec.runs.train_run replaced each run directory) and trained them again: now one
-  line names the run directory and the flags, and nothing is trained or deleted."""
+  """Rerunning the study in the same --workdir without --resume is one line naming the run
+  directory and the flags, and nothing is trained or deleted (else rec.runs.train_run
+  replaces each run directory: the finished runs are deleted and trained again)."""
   from tests.experiments.entry import run_refused
   run_dir = tmp_path / "runs" / "dlrm_small_s0"
   run_dir.mkdir(parents=True)
@@ -134,10 +134,11 @@ def test_table_and_summary_from_hand_made_rows():
      "--steps, or --epochs over file data"),
 ])
 def test_bad_lists_and_budget_refused_before_training(tmp_path, args, line):
-  """Formerly: an empty list was refused as rec.runs' argument (`train_models: no seeds`);
-  --epochs=0 counted as no --epochs beside --steps and was refused as `train_models:
-  steps=500, epochs=0.0`; a seed given twice trained twice into one run directory and
-  reported the mean ± std of the two (std 0); --steps beside --epochs was ignored."""
+  """Refused before training, naming the flag. Unchecked, an empty list is refused as
+  rec.runs' argument (`train_models: no seeds`); --epochs=0 counts as no --epochs beside
+  --steps and is refused as `train_models: steps=500, epochs=0.0`; a seed given twice trains
+  twice into one run directory and reports the mean ± std of the two (std 0); --steps
+  beside --epochs is ignored."""
   from tests.experiments.entry import run_refused
   out = run_refused("experiments.compare_rec", args + [f"--workdir={tmp_path}"])
   assert out.stderr.strip().splitlines()[-1] == "error: " + line

@@ -4,7 +4,7 @@ them, so a new one is covered) has a lower bound, >= 1 for counts (steps, batch 
 repeats, lengths, layers, workers ...) and below 1 only where ALLOW_ZERO says what 0 (or -1)
 means, and the value below the bound is refused; the other bad values of BAD too. Flags
 that must agree with each other are refused before any work; `wlb_packing --steps=0`
-(which used to loop forever) exits at once."""
+exits at once rather than looping forever."""
 
 import json
 import os
@@ -240,7 +240,7 @@ def test_hang_timeout_read_from_its_flag():
 
 
 def test_wlb_packing_steps_0_exits_at_once(tmp_path):
-  """The command of issue 31 item 1; it used to run until killed, memory growing."""
+  """The command of issue 31 item 1 ends at once, not running until killed, memory growing."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = forkserver.run([sys.executable, "-m", "experiments.wlb_packing", "--cost_model=flops",
                         "--steps=0", f"--workdir={tmp_path}"], cwd=REPO, env=env,

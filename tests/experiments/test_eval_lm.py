@@ -91,8 +91,9 @@ def test_eval_lm_text_loss_equals_a_direct_computation(tmp_path):
 
 
 def test_inputs_refused_before_the_weights_load(tmp_path):
-  """--max_windows with --data=chat:FILE was accepted and ignored; a --text of fewer than
-  two tokens failed after the weights loaded, naming neither the flag nor the file."""
+  """Refused before the weights load: --max_windows with --data=chat:FILE (else accepted
+  and ignored), and a --text of fewer than two tokens (else a failure after the weights
+  load, naming neither the flag nor the file)."""
   from tests.experiments.entry import run_refused
   d, _, _, _ = _chat_dir(tmp_path)
   empty = tmp_path / "empty.txt"
@@ -150,7 +151,7 @@ def test_chat_loss_equals_each_conversation_alone(tmp_path):
 
 
 def test_text_window_settings_are_checked():
-  # max_windows=-1 used to drop the last window silently (a Python slice [:-1])
+  # max_windows=-1 is refused: as a Python slice [:-1] it would drop the last window silently
   for args, match in (((16, 2, -1), r"max_windows=-1; expected an integer >= 1 or None"),
                       ((16, 2, 0), r"max_windows=0; expected"),
                       ((0, 2, None), r"seq_len=0; expected an integer >= 1"),

@@ -115,8 +115,8 @@ def test_a_rerun_without_resume_or_with_other_examples_is_refused(tmp_path):
 ])
 def test_refused_before_the_base_is_scored(tmp_path, args, want):
   """One line naming the flag before the workdir gets the data files and before the base
-  model is scored (a learning rate train_lm refuses used to end the study in a traceback
-  after that; a repeated method ran twice into one workdir)."""
+  model is scored (else a learning rate train_lm refuses ends the study in a traceback
+  after that, and a repeated method runs twice into one workdir)."""
   d, _, _, _ = _hf_dir(tmp_path)   # a tokenizer without a chat template, a 64-token context
   out = run_refused("experiments.finetune_lm", [
       f"--init=hf:{d}", "--seq_len=32", "--train_examples=8", "--held_out=1", *args,
@@ -127,7 +127,7 @@ def test_refused_before_the_base_is_scored(tmp_path, args, want):
 
 def test_conversations_longer_than_seq_len_are_refused_before_the_base_is_scored(tmp_path):
   """train_lm refuses a conversation longer than --seq_len; the study reads its train file
-  the same way before scoring the base (it used to find out in the first run)."""
+  the same way before scoring the base (rather than finding out in the first run)."""
   d = _chat_model(tmp_path)
   out = run_refused("experiments.finetune_lm", [
       f"--init=hf:{d}", "--seq_len=16", "--train_examples=8", "--held_out=1",

@@ -83,15 +83,15 @@ def test_probe_on_a_small_model():
 ])
 def test_entry_point_refuses_bad_settings_before_training(tmp_path, flag, error):
   """A bad probe scaling or model preset is one line naming the flag before the first
-  reference model trains (formerly after it, naming no flag or --preset)."""
+  reference model trains (not after it, naming no flag or --preset)."""
   out = run_refused("experiments.fp8_probe", [f"--workdir={tmp_path}", "--steps=2", flag])
   assert out.stderr.strip().splitlines()[-1].startswith("error: " + error)
   assert "reference run" not in out.stdout
 
 
 def test_entry_point_refuses_an_earlier_studys_runs_before_training(tmp_path):
-  """A rerun into the same --workdir once deleted the earlier study's runs (rec.runs
-  replaced each run directory): one line names a run directory that holds one, before the
+  """A rerun into the same --workdir would delete the earlier study's runs (rec.runs
+  replaces each run directory): one line names a run directory that holds one, before the
   first reference model trains."""
   old = tmp_path / "dlrm_small" / "bf16" / "runs" / "dlrm_small_s0"
   old.mkdir(parents=True)
@@ -107,8 +107,8 @@ def test_entry_point_refuses_an_earlier_studys_runs_before_training(tmp_path):
 
 def test_plot_without_an_fp32_variant(tmp_path):
   """--variants without fp32 (e.g. bf16,fp8_tensor): the plot draws each variant's log loss
-  itself, where it once raised KeyError 'fp32' after every variant had trained (and before
-  results.json was written)."""
+  itself, rather than raising KeyError 'fp32' after every variant has trained (and before
+  results.json is written)."""
   row = {"logloss_mean": 0.62, "logloss_std": 0.01, "auc_mean": 0.6, "auc_std": 0.01,
          "wall_seconds_mean": 1.0}
   for variants in ({"bf16": row, "fp8_tensor": row}, {"fp32": row, "fp8_row": row}):
@@ -132,8 +132,8 @@ class _Source:
 def test_probe_leaves_out_padding_rows():
   """A last eval batch padded with mask-0 rows (as file data's is: dense 0, id 0) gives the
   probe of its real rows alone: the logit and layer-output SQNRs weigh no mask, and FP8's
-  per-tensor scale is taken over the whole tensor, so padding rows once entered all three
-  (the Criteo sample's 800 eval rows in one batch of 2048 were 61% padding). An all-padding
+  per-tensor scale is taken over the whole tensor, so padding rows would enter all three
+  (the Criteo sample's 800 eval rows in one batch of 2048 are 61% padding). An all-padding
   batch is skipped."""
   cfg, mcfg, task, state, eval_src = _small_dlrm()
   full = next(iter(eval_src.batches(0)))
@@ -165,7 +165,7 @@ def test_probe_leaves_out_padding_rows():
 def test_step_times_interleave_the_variants_repeats(monkeypatch):
   """The variants' timed repeats take turns (fp32 bf16 fp32 bf16 ...), one repeat of
   `steps` calls at a time: timed back to back, a drift in the machine's speed between the
-  first variant's repeats and the next's went into their ratio."""
+  first variant's repeats and the next's would go into their ratio."""
   calls = []
   real = fp8_probe.benchmark.time_steps
 

@@ -323,7 +323,7 @@ def test_train_lm_packing_logs_the_measured_work(tmp_path):
 def test_train_lm_refuses_405b_in_seconds_naming_estimate_and_memory(tmp_path):
   """Llama 3.1 405B's training state alone (16 bytes per parameter, 5.9 TiB) is over any
   host's RAM: refused by llm.memory's estimate before the model is built or compiled
-  (compiling it first took minutes and ended in RESOURCE_EXHAUSTED)."""
+  (compiling it first takes minutes and ends in RESOURCE_EXHAUSTED)."""
   import time
   text = tmp_path / "text.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 50)
@@ -403,7 +403,7 @@ def test_train_lm_names_the_flag_of_an_unknown_or_unread_setting(tmp_path, args,
 ])
 def test_train_lm_refuses_before_reading_the_init_weights(tmp_path, args, want):
   """A checkpoint whose weights file is missing: the settings' and inputs' errors come
-  first (they used to come after every weight of --init was read)."""
+  first, not after every weight of --init is read."""
   from tests.experiments.entry import run_refused
   d, _, _, _ = _hf_dir(tmp_path)
   os.remove(os.path.join(d, "model.safetensors"))
@@ -432,8 +432,8 @@ def test_train_lm_refuses_before_reading_the_init_weights(tmp_path, args, want):
 def test_missing_tokenizer_named_by_its_flag_before_the_checkpoint(tmp_path, module, args, bad,
                                                                    found):
   """--tokenizer naming nothing a loader reads: the flag, the value and what it takes, before
-  the checkpoint is opened (here it does not exist either; it used to be read first, and a
-  missing file was named alone as 'expected a llama2.c tokenizer.bin')."""
+  the checkpoint is opened (here it does not exist either; read first, it would fail first,
+  and a missing file named alone as 'expected a llama2.c tokenizer.bin' names no flag)."""
   from tests.experiments.entry import run_refused
   (tmp_path / "text.txt").write_text("the quick brown fox. " * 20)
   path = str(tmp_path / bad) if bad else str(tmp_path)

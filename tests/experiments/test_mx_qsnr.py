@@ -28,13 +28,13 @@ def test_runs_end_to_end(tmp_path):
     ("--sweep_formats=mxfp4,bf16", "--sweep_formats=mxfp4,bf16: unknown ['bf16']"),
     ("--block_sizes=16,3x", "--block_sizes=16,3x: not block sizes"),
     ("--block_sizes=16,48", "--block_sizes=16,48: not block sizes"),
-    # mx9 / mx6 / mx4 share a micro-exponent per pair: block 1 used to drop their rows.
+    # mx9 / mx6 / mx4 share a micro-exponent per pair: block 1 would drop their rows.
     ("--block_sizes=1,16", "--block_sizes=1,16: [1] not whole pairs of the BDR formats "
                            "['mx9', 'mx6', 'mx4']"),
 ])
 def test_refuses_bad_settings_before_sampling(tmp_path, flag, error):
   """A typo in a format or block size is one line naming the flag, before any QSNR is
-  measured (formerly the block sizes and sweep formats failed after the whole table)."""
+  measured (the block sizes and sweep formats too, not after the whole table)."""
   out = run_refused("experiments.mx_qsnr", [f"--workdir={tmp_path}", flag])
   assert out.stderr.strip().splitlines()[-1].startswith("error: " + error)
   assert "QSNR on" not in out.stdout

@@ -72,9 +72,10 @@ def test_every_kind_is_within_ten_percent_of_the_compiled_train_step(tmp_path):
      "each kind once"),
 ])
 def test_flags_refused_before_the_first_compile(tmp_path, devices, args, line):
-  """Formerly: a device count that does not divide a grid point's batch stopped the run at
-  that point (after every point before it compiled), as a study ValueError naming neither
-  the devices nor the grid; a kind given twice was measured twice."""
+  """Refused before the first compile. Unchecked, a device count that does not divide a
+  grid point's batch stops the run at that point (after every point before it compiled),
+  as a study ValueError naming neither the devices nor the grid; a kind given twice is
+  measured twice."""
   out = forkserver.run(
       [sys.executable, "-m", "experiments.planner_check", "--planner_grid=tiny",
        f"--workdir={tmp_path}", *args],

@@ -139,10 +139,10 @@ def test_synthetic_run_names_what_to_give(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("case", ["checkpoint_file", "json_output", "directory_output"])
 def test_bad_checkpoint_or_output_refused_before_loading(tmp_path, case):
-  """A --checkpoint that is a file is named as that (formerly as an unwritable --output, the
-  default CSV lying in it); an --output ending in .json (formerly the CSV, then overwritten
-  by the summary <output>.json: every prediction lost) or naming a directory (formerly a
-  traceback after the predictions) is refused before the checkpoint is read."""
+  """A --checkpoint that is a file is named as that (not as an unwritable --output, the
+  default CSV lying in it); an --output ending in .json (else written as the CSV, then
+  overwritten by the summary <output>.json: every prediction lost) or naming a directory
+  (else a traceback after the predictions) is refused before the checkpoint is read."""
   from tests.experiments.entry import run_refused
   afile = tmp_path / "afile"
   afile.write_text("")
@@ -167,7 +167,7 @@ def test_bad_checkpoint_or_output_refused_before_loading(tmp_path, case):
 
 def test_bad_line_leaves_no_partial_csv(tmp_path):
   """A malformed line in the split stops the predictions with its file and line; the CSV's
-  temporary file is removed (formerly <output>.tmp was left with the rows before it)."""
+  temporary file is removed (no <output>.tmp is left with the rows before it)."""
   run = tmp_path / "run"
   out = _entry("experiments.train_rec", [
       "--model=logreg", f"--data=criteo:{RAW}", "--num_rows=1000", "--batch_size=128",

@@ -77,10 +77,10 @@ def test_kill_resume_and_flag_errors(tmp_path):
 
 
 def test_flags_refused_before_the_source_is_read(tmp_path):
-  """Formerly: --dst naming a file failed after --src was read and gzip-checked, as
-  `<dst>/train: Not a directory` without the flag; --num_rows = 2^31 converted ids no run
+  """Unchecked, --dst naming a file fails after --src is read and gzip-checked, as
+  `<dst>/train: Not a directory` without the flag; --num_rows = 2^31 converts ids no run
   can train on (a table's padding id is num_rows, an int32); and --min_count with hashed
-  ids or --num_rows with a vocabulary were accepted and ignored. Each is one line naming
+  ids or --num_rows with a vocabulary are accepted and ignored. Each is one line naming
   the flag and the value, and nothing is written."""
   src = tmp_path / "src"
   src.mkdir()

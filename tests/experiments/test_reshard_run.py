@@ -140,12 +140,12 @@ def test_resume_on_4_devices_with_another_sharding(data, rw8, tmp_path, capsys):
 
 def test_predict_on_one_device(rw8):
   """predict (rec.predict.load_run, the library of experiments.predict) on 1 device of the
-  8-device checkpoint (once refused: "needs 8 devices, but 1 are available"): the
+  8-device checkpoint (not refused as "needs 8 devices, but 1 are available"): the
   probabilities equal the 8-device ones bit for bit."""
   src = rw8[0]
   np.testing.assert_array_equal(predictions(src, 1), predictions(src, 8))
-  # 3 devices do not divide the run's eval batch of 128: the batch is 129 (once refused,
-  # naming a --batch_size / --mesh predict was never given). Batches of 43 rows per device
+  # 3 devices do not divide the run's eval batch of 128: the batch is 129 (not refused,
+  # naming a --batch_size / --mesh predict is never given). Batches of 43 rows per device
   # may group the logit's float32 sum of 26 terms otherwise (jax 0.12's XLA:CPU does): a
   # few float32 ulps.
   np.testing.assert_allclose(predictions(src, 3), predictions(src, 8), rtol=1e-6, atol=0)

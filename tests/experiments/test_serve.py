@@ -178,10 +178,10 @@ def test_errors_in_openai_form(served):
 
 
 def test_bad_flags_refused_before_the_model_loads(served, tmp_path):
-  """Each formerly failed after the weights loaded (an address in use or a host that does
-  not resolve: a traceback after every program compiled), as the engine's argument names
-  (draft=, speculative_tree=, mesh=, num_blocks=) rather than the flags. One line naming
-  the flags and what was expected, before the engine line."""
+  """One line naming the flags and what was expected, before the engine line: checked only
+  after the weights load, each would fail late (an address in use or a host that does not
+  resolve: a traceback after every program compiled), or name the engine's arguments
+  (draft=, speculative_tree=, mesh=, num_blocks=) rather than the flags."""
   from tests.experiments.entry import run_refused
   _, client, _, d = served
   port = client.base_url.port   # the served fixture's, in use

@@ -83,8 +83,8 @@ def test_no_plot_when_every_point_is_at_rate_inf(tmp_path):
 
 
 def test_preset_weights_are_quantized(capsys):
-  """--weights=int8 with --preset quantizes the random weights (it was ignored, and
-  results.json said int8)."""
+  """--weights=int8 with --preset quantizes the random weights (not ignored while
+  results.json says int8)."""
   import jax
   from flax import nnx
   from experiments import serve_bench as B
@@ -117,7 +117,7 @@ def test_preset_weights_are_quantized(capsys):
         "gguf_weights_of_a_preset", "preset_and_checkpoint", "missing_peer_python"])
 def test_bad_settings_are_refused_before_the_model_loads(tmp_path, args, where, found, want):
   """Refused with one line naming the flag, the value and what was expected, before any
-  weights load or the workdir is made (these were accepted, or failed after loading)."""
+  weights load or the workdir is made (not accepted, nor failing after loading)."""
   from tests.experiments.entry import run_refused
   wd = tmp_path / "wd"
   out = run_refused("experiments.serve_bench", [

@@ -70,7 +70,7 @@ def test_spec_decode_entry(tmp_path):
 
 
 # Sizes the target's config or prompts refuse, found before its weights load or the draft
-# directory is made (each used to fail after the weights loaded, --trees= after training).
+# directory is made (not after the weights load, nor --trees= after training).
 SMALL = ["--num_sequences=8", "--eval_sequences=2", "--bench_prompts=1", "--batch_sizes=1"]
 
 

@@ -52,7 +52,7 @@ def test_per_step_top1_and_accept_lengths():
 def test_held_out_features_only_when_finished_for_these_sequences(tmp_path, capsys):
   """features.npz is used only when it holds the features of these very sequences, all of
   them: a killed run's file (rows of zeros after `done`, or the capture saved under the
-  sequences' settings) used to be read as features, zeros and all."""
+  sequences' settings) is not read as features, zeros and all."""
   tokens = np.arange(24, dtype=np.int32).reshape(4, 6)
   feats = np.random.default_rng(0).standard_normal((4, 6, 3)).astype(np.float32)
   path = str(tmp_path / "features.npz")

@@ -167,9 +167,9 @@ def test_group_by_column_that_does_not_exist_is_one_line(tmp_path):
      "(2); expected a step <= 2"),
 ])
 def test_run_length_refused_before_the_workdir_is_written(tmp_path, args, line):
-  """--epochs=0 (formerly accepted and ignored: --steps ran), --epochs on generated data
-  (formerly refused after config.py was written) and a --stop_at_step the run never reaches
-  (formerly ignored): one line, nothing written."""
+  """--epochs=0 (not accepted and ignored, --steps running), --epochs on generated data (not
+  refused after config.py is written) and a --stop_at_step the run never reaches (not
+  ignored): one line, nothing written."""
   from tests.experiments.entry import run_refused
   out = run_refused("experiments.train_rec", SMALL + args + [f"--workdir={tmp_path}"])
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == line

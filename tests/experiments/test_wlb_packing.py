@@ -263,8 +263,8 @@ def test_training_grid_equals_an_independent_count():
                        "at most --steps=8"),
 ])
 def test_bad_settings_are_refused_before_the_fit_and_the_study(tmp_path, args, want):
-  """One message naming the flag before the cost model is timed or the study runs (these
-  used to end in tracebacks, name no flag, fail after the study, or print two rows of one
+  """One message naming the flag before the cost model is timed or the study runs (else
+  these end in tracebacks, name no flag, fail after the study, or print two rows of one
   name)."""
   from tests.experiments.entry import run_refused
   out = run_refused("experiments.wlb_packing", [

@@ -64,7 +64,7 @@ def _row(model, preset, gflops, ne, auc):
 
 
 def test_findings_state_a_narrow_compute_range_as_it_is():
-  """Sizes 1.32x apart in compute: the findings say 1.32x (formerly rounded to "1x")."""
+  """Sizes 1.32x apart in compute: the findings say 1.32x, not a range rounded to "1x"."""
   rows = [_row("wukong", "a", 1e-4, 0.70, 0.80), _row("wukong", "b", 1.32e-4, 0.69, 0.81)]
   res = {"rows": rows, "seeds": [0], "reference": {"ne": 0.5, "auc": 0.9},
          "config": {"data": "synthetic_deep", "batch_size": 64, "embedding_dim": 16}}
@@ -278,9 +278,9 @@ def test_experiment_end_to_end(tmp_path):
      "--study=fuxictr; expected --from_results alone"),
 ])
 def test_bad_flags_refused_before_anything_runs(tmp_path, args, line):
-  """Formerly a bad later --profile_data form or --models preset failed (naming --data or
-  --preset) after the first was profiled, --seeds= failed naming no flag, and --from_results
-  was ignored by the other studies."""
+  """Refused before anything runs: not a bad later --profile_data form or --models preset
+  failing (naming --data or --preset) after the first is profiled, --seeds= failing naming
+  no flag, or --from_results ignored by the other studies."""
   from tests.experiments.entry import run_refused
   out = run_refused("experiments.wukong_scaling", args + [f"--workdir={tmp_path}"])
   assert out.stderr.strip().splitlines()[-1].startswith(line), out.stderr[-2000:]

@@ -123,7 +123,7 @@ class MixedCases:
   @pytest.mark.parametrize("bits", [4, 2])
   def test_gradients_in_nbit_scale_and_bias(self, bits):
     """The float16 scale and bias of N-bit rows get autodiff's gradients of the reference
-    (they were silently zero): sum over a row's positions of <codes, id grad> and of the
+    (not silently zero): sum over a row's positions of <codes, id grad> and of the
     id grad, in float32, rounded once to float16. Tolerance: that rounding (2^-11 relative)
     on top of float32 sums added in another order."""
     table, flat, _, _, coef, _ = _case("multihot", bits, False)
@@ -143,8 +143,8 @@ class MixedCases:
 
   def test_bags_of_length_zero(self):
     """ids [..., 0] (every bag empty: a batch whose longest bag is empty) pool to zeros, for
-    the kernel and the reference, with gradients of the right shapes (this crashed in a
-    reshape, and the kernel traced a load of an empty id tile)."""
+    the kernel and the reference, with gradients of the right shapes (not a crash in a
+    reshape, nor a kernel that traces a load of an empty id tile)."""
     table, _, _, _, _, kw = _case("multihot", 4, True)
     ids = np.zeros((6, 3, 0), np.int32)
     coef = np.zeros((6, 3, 0), np.float32)

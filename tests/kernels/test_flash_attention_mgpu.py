@@ -354,8 +354,8 @@ class TestMgpuLowering:
   def test_remat_attention_policy_keeps_the_forward(self):
     """llm.remat's "attention" policy saves only what the attention kernels name (out,
     lse): the rematerialized backward reuses the forward kernel's outputs, as many kernel
-    calls as without remat (formerly nothing was named: the forward ran again, as under
-    full remat)."""
+    calls as without remat (with nothing named, the forward runs again, as under full
+    remat)."""
     from llm.remat import remat_policy
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)
     k = jax.ShapeDtypeStruct((1, 256, 1, 64), BF16)

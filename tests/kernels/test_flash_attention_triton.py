@@ -137,7 +137,7 @@ class TestFlashAttentionInterpret(_FlashAttentionCases):
   def test_remat_attention_policy_keeps_the_forward(self):
     """llm.remat's "attention" policy saves only what the attention kernels name (out,
     lse): the rematerialized backward reuses the forward kernel's outputs, as many kernel
-    calls as without remat (formerly the forward ran again, as under full remat)."""
+    calls as without remat (else the forward runs again, as under full remat)."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
     from llm.remat import remat_policy
     q, k, v, _ = cases.inputs((1, 128, 128, 2, 1, 64, True, BF16, ""))

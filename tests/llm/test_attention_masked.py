@@ -79,8 +79,8 @@ def test_mask_errors():
 @pytest.mark.parametrize("impl", ["xla", "xla_decode", "auto"])
 def test_per_query_path_checks_the_callers_ids_and_positions(impl):
   """The per-query path hands its implementation ids it builds itself, so it checks the
-  caller's: a lone kv_segment_ids was dropped and a [B,1] q_segment_ids broadcast over the
-  queries (both silently), a [B,1] q_positions failed inside vmap."""
+  caller's: unchecked, a lone kv_segment_ids is dropped and a [B,1] q_segment_ids broadcast
+  over the queries (both silently), and a [B,1] q_positions fails inside vmap."""
   q = jnp.zeros((1, 3, 2, 4))
   k = jnp.zeros((1, 8, 1, 4))
   mask = jnp.ones((1, 3, 8), bool)

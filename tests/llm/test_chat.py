@@ -53,7 +53,7 @@ def test_keys_set_to_none_are_dropped_as_transformers_does():
   """An OpenAI-style message with `"tool_calls": null` renders as without the key (transformers
   5.24's apply_chat_template drops None-valued keys): the text below is its rendering of this
   chat with the recorded "features" template (tojson of the message); Llama 3.1's test
-  `'tool_calls' in message` then `message.tool_calls | length` used to fail on the None."""
+  `'tool_calls' in message` then `message.tool_calls | length` fails on a None left in."""
   msgs = [{"role": "user", "content": "hi", "name": None},
           {"role": "assistant", "content": "yo", "tool_calls": None}]
   assert chat.render(REC["templates"]["features"], msgs,

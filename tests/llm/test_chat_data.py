@@ -67,8 +67,8 @@ def test_packed_rows_mask_targets_to_the_replies(tmp_path):
 
 
 def test_a_single_conversation_is_refused_not_evaluated_on_nothing(tmp_path):
-  """One conversation leaves none to hold out: refused (it used to train on it and evaluate
-  on no batches, which LMEvaluator reports as loss 0.0, perplexity 1.0)."""
+  """One conversation leaves none to hold out: refused (else the run trains on it and
+  evaluates on no batches, which LMEvaluator reports as loss 0.0, perplexity 1.0)."""
   path = tmp_path / "chat.jsonl"
   path.write_text(json.dumps({"messages": CONV}) + "\n")
   for split in ("train", "eval"):
@@ -91,7 +91,7 @@ def test_a_bad_line_names_file_and_line(tmp_path, line, message):
 
 
 def test_a_line_that_is_not_utf8_names_file_line_and_byte(tmp_path):
-  """A Latin-1 "é" on line 2 was a bare UnicodeDecodeError at a position in a read buffer."""
+  """A Latin-1 "é" on line 2: not a bare UnicodeDecodeError at a position in a read buffer."""
   path = tmp_path / "chat.jsonl"
   path.write_bytes(json.dumps({"messages": CONV}).encode() + b"\n" +
                    json.dumps({"messages": CONV}).replace("2+2", "caf\u00e9").encode("latin-1"))
@@ -144,9 +144,10 @@ def _spm(template):
     (LLAMA2, ["▁4", "▁", "</s>", "▁6", "▁", "</s>"]),
 ])
 def test_sentencepiece_ids_are_the_whole_texts(template, learned):
-  """Encoding the pieces apart put a "▁" before each (Zephyr's reply "4" became "▁4", Llama
-  2's " 4" became "▁", "▁4") and a BOS was added (a second one before Llama 2's
-  {{ bos_token }}): ids the model never sees when it is prompted with encode_chat's."""
+  """The whole rendered text is encoded: encoding the pieces apart puts a "▁" before each
+  (Zephyr's reply "4" becomes "▁4", Llama 2's " 4" becomes "▁", "▁4") and adds a BOS (a
+  second one before Llama 2's {{ bos_token }}): ids the model never sees when it is prompted
+  with encode_chat's."""
   from llm import chat
   tok = _spm(template)
   c = chat_data.encode_conversation(tok, CONV)

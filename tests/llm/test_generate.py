@@ -274,8 +274,9 @@ def test_filtered_logits_unrestricted_skips_nothing():
 
 def test_top_p_1_cuts_nothing_whatever_the_other_rows_ask():
   """top_p = 1 keeps the whole (top-k) support, as transformers (no TopPLogitsWarper then):
-  a confident row's tail, whose float32 mass before each token rounds to 1.0, was cut when
-  another row of the batch set top-k, so a row's distribution depended on its batch."""
+  a confident row's tail, whose float32 mass before each token rounds to 1.0, is not cut
+  when another row of the batch sets top-k, or a row's distribution would depend on its
+  batch."""
   # Tail probabilities e^-17 ~ 4e-8 and less: float32 1 - p(head) is below its spacing.
   peaked = np.array([0.0, -17.0, -17.5, -18.0, -18.5, -19.0, -19.5, -20.0], np.float32)
   logits = jnp.asarray(np.stack([peaked, peaked, LOGITS]))

@@ -450,9 +450,9 @@ def test_gpt2_vocab_encodes_as_the_original(tmp_path, pre, pretok):
 
 def test_gpt2_added_tokens_decode_as_written(tmp_path):
   """llama.cpp writes user-defined and control tokens' text as it is (convert_hf_to_gguf stores
-  them so); through the ByteLevel decoder "é" (a byte-level character) became byte 0xE9 and the
-  text "\ufffdt\ufffd". Recorded from llama-cpp-python 0.3.36 on these tokens: "un été chaud"
-  and "c<ctrlé>d" with special=True."""
+  them so); through the ByteLevel decoder "é" (a byte-level character) would become byte 0xE9
+  and the text "\ufffdt\ufffd". Recorded from llama-cpp-python 0.3.36 on these tokens:
+  "un été chaud" and "c<ctrlé>d" with special=True."""
   v = _bpe_vocab(train_bpe(str(tmp_path / "t")), "gpt-2")
   n = len(v.tokens)
   v.tokens += ["été", "<ctrlé>", "<think>"]
@@ -486,8 +486,8 @@ def test_llama_vocab_without_space_prefix_keeps_leading_spaces(tmp_path):
 
 
 def test_vocab_tokens_must_be_distinct(tmp_path):
-  """A repeated token lost its id in the tokenizer (the vocabulary one short, the id
-  decoding to nothing); llama.cpp aborts on such a file. An empty token is llama.cpp's
+  """A repeated token is refused: it would lose its id in the tokenizer (the vocabulary one
+  short, the id decoding to nothing); llama.cpp aborts on such a file. An empty token is llama.cpp's
   "[EMPTY_<id>]"."""
   v = _bpe_vocab(train_bpe(str(tmp_path / "t")), "gpt-2")
   n = len(v.tokens)

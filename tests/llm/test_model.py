@@ -168,8 +168,8 @@ def test_sum_last_is_a_sum_in_one_order_for_any_row_count(n):
                                 dict(low_freq_factor=0.0), dict(original_max_position=0)])
 def test_rope_scaling_refuses_what_gives_no_frequencies(kw):
   """A factor <= 0 (infinite wavelengths), equal band factors (the smooth band divides by
-  their difference) or no original length: refused where the config is built (a hand-edited
-  model_config.json used to give NaN frequencies)."""
+  their difference) or no original length: refused where the config is built (else a
+  hand-edited model_config.json gives NaN frequencies)."""
   with pytest.raises(ValueError, match="RopeScaling: .*; expected factor > 0, 0 < "
                      "low_freq_factor < high_freq_factor and original_max_position >= 1"):
     RopeScaling(**kw)

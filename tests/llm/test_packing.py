@@ -317,8 +317,8 @@ def test_fit_recovers_coefficients_and_round_trips(tmp_path):
 @pytest.mark.parametrize("field,value", [("attn_quad", float("nan")), ("lin_per_token", -1.0),
                                          ("attn_lin", "2e-6"), ("lin_const", True)])
 def test_cost_model_json_with_a_bad_coefficient_is_refused(tmp_path, field, value):
-  """A NaN load wins no argmin comparison honestly (balanced_pack put every document in
-  bin 0 behind it), a negative one makes W negative, a string failed later in numpy: the
+  """A NaN load wins no argmin comparison honestly (balanced_pack would put every document
+  in bin 0 behind it), a negative one makes W negative, a string fails later in numpy: the
   file is refused on load, naming it, the field and the value."""
   d = C.CostModel(3e-9, 2e-6, 1e-4, 5e-5, 1e-3).to_dict()
   d[field] = value

@@ -173,11 +173,11 @@ def test_generate_chat_cli(tmp_path):
 
 def test_bf16_speculative_greedy_ids_equal_plain_decoding():
   """bfloat16 SmolLM2, batch 1: speculative decoding with an untrained head (2:4:4 tree,
-  4096-token draft vocabulary) gives plain decoding's ids on this prompt (5 of 8 random
-  12-token prompts did before; llm/attention/decode.py says why; not every prompt:
-  BENCHMARKS.md). That the ids and logits do not change with the cache's size (they did for
-  2 to 6 of 8 prompts with 7 or 40 more slots) is checked bit for bit on a bfloat16
-  SmolLM2-shaped model: tests/llm/test_generate.py
+  4096-token draft vocabulary) gives plain decoding's ids on this prompt (without the slot
+  layout and fixed-order norms, only 5 of 8 random 12-token prompts do; llm/attention/decode.py
+  says why; not every prompt: BENCHMARKS.md). That the ids and logits do not change with the
+  cache's size (logits that depend on it change 2 to 6 of 8 prompts with 7 or 40 more slots)
+  is checked bit for bit on a bfloat16 SmolLM2-shaped model: tests/llm/test_generate.py
   test_bf16_logits_do_not_depend_on_the_cache_size."""
   from flax import nnx
 

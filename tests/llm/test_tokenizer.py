@@ -263,7 +263,7 @@ def test_hf_tokenizer_round_trip_and_specials(tmp_path):
     json.dump({"bos_token_id": 1, "eos_token_id": 2}, fh)
   assert T.load_tokenizer(str(tmp_path / "b")).bos_id == 1
   # Without generation_config.json, transformers stops at config.json's eos_token_id list
-  # (Llama 3.1's has three); only its first was a stop id.
+  # (Llama 3.1's has three); every one is a stop id, not only its first.
   with open(str(tmp_path / "b" / "config.json"), "w") as fh:
     json.dump({"eos_token_id": [2, 0]}, fh)
   assert T.load_tokenizer(str(tmp_path / "b")).stop_ids == (2, 0)
@@ -287,7 +287,8 @@ def test_hf_tokenizer_errors(tmp_path):
 
 def test_a_tokenizer_flag_naming_nothing_is_refused_naming_the_flag(tmp_path):
   """--tokenizer's path (find_tokenizer's `flag`): the flag, the value, what it takes; a
-  missing file used to be named alone as 'expected a llama2.c tokenizer.bin'."""
+  missing file named alone as 'expected a llama2.c tokenizer.bin' leaves the user to guess
+  which setting gave the path."""
   from core import errors
   from llm import checkpoints as C
   want = ("; expected a tokenizer.json, a directory holding one, a llama2.c tokenizer.bin or "

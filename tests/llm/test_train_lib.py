@@ -53,7 +53,7 @@ def test_byte_source_is_deterministic_and_eval_covers_tail(text_file):
   held = data[int(len(data) * 0.95):]
   assert (len(held) - 1) % 32, "the test needs a short last window"
   # Every held-out byte after the first is a target exactly once, in order (the short last
-  # window included: it was dropped before).
+  # window included, not dropped).
   targets = np.concatenate([x.targets[x.mask > 0] for x in ev])
   np.testing.assert_array_equal(targets, held[1:])
   for x in ev:
@@ -99,7 +99,7 @@ def test_weight_decay_skips_norms_and_biases():
 
 def test_masked_targets_add_nothing_whatever_their_id():
   """A masked target outside the vocabulary (HF's -100, or V) leaves the loss and its
-  gradient those of the real targets: it was NaN (NaN cross-entropy times mask 0)."""
+  gradient those of the real targets, not NaN (NaN cross-entropy times mask 0)."""
   rng = np.random.default_rng(0)
   h = jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((8, 11)), jnp.float32)

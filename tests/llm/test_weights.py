@@ -245,8 +245,8 @@ def test_save_llama2c_round_trip(tmp_path, hdr):
 
 
 def test_load_llama2c_peak_memory_is_the_result_and_owns_its_arrays(tmp_path):
-  """The file was read whole and then copied apart: twice the model in memory (56 GB for a
-  7B export). Mapped instead, numpy's traced peak is the result's bytes (+2% slack for
+  """The file is mapped, not read whole and then copied apart (twice the model in memory:
+  56 GB for a 7B export): numpy's traced peak is the result's bytes (+2% slack for
   small temporaries: a head's rows, the dict). No weight views the mapping, so the same
   path can be rewritten (save_llama2c) under the loaded weights, even with hidden 1, whose
   [1, dim] -> [dim, 1] transpose is a view."""

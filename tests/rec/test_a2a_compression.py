@@ -168,8 +168,8 @@ def test_sharded_exchange_within_bound(kind, mesh8):
 @pytest.mark.devices(8)
 def test_table_factor_reaches_its_table_in_an_a2a_group_not_starting_at_table_0(mesh8):
   # t0 rw, t1..t5 tw: the a2a group's slots hold group-local features 0..4 (t1..t5). The
-  # factors are in table order, and were indexed by the group-local feature: t3's 0.05
-  # went to t4, and t3 was sent at 20x its bound. 16 bits meet the tight bound (no
+  # factors are in table order; indexed by the group-local feature, t3's 0.05 would go to
+  # t4, and t3 would be sent at 20x its bound. 16 bits meet the tight bound (no
   # fallback); forward errors: one bound per bag sum (tw: one owner), at schedule factor 1.
   plan = {t.name: TablePlacement("rw", tuple(range(8))) if i == 0 else PLANS["tw"](i)
           for i, t in enumerate(TABLES)}

@@ -171,7 +171,7 @@ def test_resume_with_other_a2a_settings_names_them(tmp_path):
     _resume(str(tmp_path / "a"), plain.run_settings(), comp)
   assert "a2a_mode: 'none' (checkpoint) -> 'abs' (now)" in str(e.value)
   assert "a2a_bits: 8 (checkpoint) -> 4 (now)" in str(e.value)
-  # Settings saved before the a2a fields existed ran in float32: compression is refused...
+  # Settings saved without the a2a fields are a float32 run: compression is refused...
   old = {k: v for k, v in plain.run_settings().items() if not k.startswith("a2a_")}
   with pytest.raises(train_lib.RunSettingsError, match="a2a_mode: 'none' .checkpoint. -> "
                      "'abs' .now."):
@@ -181,9 +181,9 @@ def test_resume_with_other_a2a_settings_names_them(tmp_path):
 
 
 def test_resume_without_the_adaptive_fields_reads_them_as_constant(tmp_path):
-  """Settings saved with a2a_mode but without a2a_table_factors / a2a_schedule ran with one
-  bound for every table and step: they resume as that, and a schedule or factors now is
-  refused naming them."""
+  """Settings saved with a2a_mode but without a2a_table_factors / a2a_schedule mean one
+  bound for every table and step: they resume as that, and a schedule or factors given at
+  resume is refused naming them."""
   comp = configs.make_run(a2a_mode="abs", a2a_error_bound=0.01)
   saved = {k: v for k, v in comp.run_settings().items()
            if k not in ("a2a_table_factors", "a2a_schedule")}

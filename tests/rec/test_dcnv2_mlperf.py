@@ -120,9 +120,9 @@ def test_mlperf_rows_cap_and_preset_wiring():
 
 def test_build_run_applies_every_run_setting():
   """mlperf.build_run is configs.build_run on the MLPerf tables: a storage, the host tier's
-  prefetch and the delayed FP8 recipe given to run_config reach the task (they were
-  dropped: the tables kept the preset's storage, the task prefetched nothing and the amax
-  histories were left to the dense optimizer)."""
+  prefetch and the delayed FP8 recipe given to run_config reach the task (dropped, the
+  tables would keep the preset's storage, the task prefetch nothing and the amax histories
+  be left to the dense optimizer)."""
   cfg = mlperf.run_config(8, "data:1", memory_budget_gb=1.0, storage="fp32_cache:lru:0.5@host",
                           host_prefetch=True, fp8_layers="top_mlp.0", fp8_recipe="delayed")
   task, src, plan = mlperf.build_run(cfg, 64, jax.devices()[:1])
@@ -151,7 +151,7 @@ def test_mlperf_dense_optimizer_is_torch_adagrad():
   """The reference's dense optimizer is torch.optim.Adagrad(lr 0.005, initial_accumulator_value
   0, eps 1e-8): A += g^2, w -= lr * g / (sqrt(A) + eps). run_config chooses it, and its
   update is that formula (in float64 here); optax's adagrad (A from 0.1, eps inside the
-  root), which the run had, takes far smaller first steps on small gradients."""
+  root) takes far smaller first steps on small gradients."""
   cfg = mlperf.run_config(8, "data:1")
   assert (cfg.train.dense_optimizer, cfg.train.learning_rate) == ("torch_adagrad", 0.005)
   assert (cfg.train.sparse_optimizer, cfg.train.embedding_learning_rate) == (

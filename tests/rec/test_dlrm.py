@@ -228,8 +228,8 @@ def test_dot_interaction_gradient_matches_gather_autodiff(self_interaction):
 
 
 def test_dense_input_must_match_the_embeddings_batch():
-  """A [1, Dn] or [B, 1, Dn] dense array is refused, not broadcast: LogReg used to return
-  B copies of one example's dense term, or [B, B] logits."""
+  """A [1, Dn] or [B, 1, Dn] dense array is refused, not broadcast: broadcast, LogReg would
+  return B copies of one example's dense term, or [B, B] logits."""
   lr = LogReg(LogRegConfig(num_dense=2, num_sparse=2, rows_per_feature=5), nnx.Rngs(0))
   emb = jnp.ones((3, 2, 1))
   assert lr(jnp.ones((3, 2)), emb).shape == (3,)
@@ -252,7 +252,7 @@ def test_dlrm_config_refuses_non_positive_layer_sizes():
 
 def test_row_counts_are_integers():
   """numpy integers (counts read from arrays) are row counts; a float is refused rather
-  than cut by int() (1000.7 rows used to become 1000)."""
+  than cut by int() (1000.7 rows would become 1000)."""
   assert small_config(rows_per_feature=np.int64(9)).rows_per_feature == (9,) * 4
   assert small_config(rows_per_feature=np.arange(5, 9)).rows_per_feature == (5, 6, 7, 8)
   with pytest.raises(ValueError, match=r"^DLRMConfig: rows_per_feature\[2\]=1000\.7; expected "

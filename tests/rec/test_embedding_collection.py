@@ -144,8 +144,8 @@ def test_round_trip_layout(mesh8):
   back = coll.to_tables(coll.from_tables(full))
   for n in full:
     np.testing.assert_array_equal(back[n], np.asarray(full[n]))
-  # Tables of another shape (another checkpoint's rows or dim) used to be sliced into the
-  # shards silently: rows cut off or left zero, columns dropped. Now refused, by name.
+  # Tables of another shape (another checkpoint's rows or dim) are refused, by name: sliced
+  # into the shards silently, rows would be cut off or left zero, columns dropped.
   with pytest.raises(ValueError, match=r"table 't1' is shaped \(49, 8\), expected \[rows, "
                      r"dim\] = \(50, 8\)"):
     coll.from_tables({**full, "t1": full["t1"][:49]})
@@ -249,8 +249,8 @@ def test_bad_plans(mesh8):
   plan = {t.name: TablePlacement("tw", (9,)) for t in TABLES}
   with pytest.raises(ValueError, match="outside 0..7"):
     EmbeddingCollection(TABLES, plan, mesh8, OPTS["adagrad"])
-  # Placements the planner never makes were run over other devices than they name (rw over
-  # all 8, a twrw block in the group its first device falls in): refused as validate_plan does.
+  # Placements the planner never makes are refused as validate_plan does, not run over other
+  # devices than they name (rw over all 8, a twrw block in the group its first device falls in).
   for kind, devs, why in [("rw", (0, 1, 2, 3), "rw needs all 8 devices"),
                           ("twrw", (1, 2, 3, 4), "twrw needs a contiguous, aligned block"),
                           ("tw", (0, 1), "tw needs exactly 1 device")]:

@@ -99,7 +99,8 @@ def test_fm_interaction_is_the_sum_over_pairs():
 
 def test_fm_interaction_of_bf16_rounds_once():
   """bf16 embeddings: the result is the exact sum over pairs rounded once to bf16. In bf16
-  the two sums of squares (about F times a result's size here) lost small results whole."""
+  the two sums of squares (about F times a result's size here) would lose small results
+  whole."""
   rng = np.random.default_rng(0)
   emb = jnp.asarray(rng.standard_normal((64, 26, 16)), jnp.bfloat16)
   e = np.asarray(emb.astype(jnp.float32), np.float64)

@@ -128,8 +128,8 @@ def test_cost_model_by_hand():
 
 def test_a_narrow_last_column_chunk_costs_its_stored_width():
   # dim 10 in 3 chunks: 4, 4 and 2 columns, each stored 4 wide (cw.py), so every owner holds
-  # R * 4 * 4 bytes, what estimate_plan's layout says. The per-table cost used to charge the
-  # last chunk 2 columns; three such tables then "fit" 45,000 bytes per device (believed
+  # R * 4 * 4 bytes, what estimate_plan's layout says. A per-table cost charging the last
+  # chunk 2 columns would let three such tables "fit" 45,000 bytes per device (believed
   # 40,000) while the collection holds 48,000 on every device.
   ts = [TableConfig(f"t{i}", 1000, 10) for i in range(3)]
   c = pl.placement_cost(ts[0], pl.TablePlacement(CW, (0, 1, 2)), 3, 64, None, 0)
@@ -148,8 +148,8 @@ def test_a_narrow_last_column_chunk_costs_its_stored_width():
 def test_the_budget_holds_the_cache_rounded_to_whole_sets():
   # rw over 8 devices: 332 rows per device, a 5% cache of 17 rows rounded up to 2 sets of
   # 16 ways (32 rows): the collection holds 50,112 bytes per device (estimate_plan's layout,
-  # the state's shapes), not the 43,890 of 5% of a row each. The greedy used to budget the
-  # latter and return plans over the budget.
+  # the state's shapes), not the 43,890 of 5% of a row each. A greedy budgeting the latter
+  # would return plans over the budget.
   t = TableConfig("t", 2656, 100, storage="int8_cache:lfu:0.05")
   plan = pl.plan([t], 8, 50112, 256, kinds=["rw"], optimizer_state_bytes_per_row=0)
   est = pl.estimate_plan(plan, [t], 8, 256, None, 0)
@@ -428,9 +428,9 @@ def test_validate_plan_rejects_malformed_placements():
 
 def test_packed_codes_get_column_chunks_of_whole_bytes():
   # int4 codes pack 2 columns a byte, int2 4: a dim-10 int4 table stores whole rows, but
-  # 2 cw chunks of 5 columns cannot be stored. The planner used to price them anyway, and
-  # its uniform-plan comparison then failed in the storage (auto plan, kinds=["cw"] and
-  # uniform cw alike); now it leaves such chunk counts out and validate_plan names them.
+  # 2 cw chunks of 5 columns cannot be stored. The planner leaves such chunk counts out and
+  # validate_plan names them (priced anyway, its uniform-plan comparison would fail in the
+  # storage: auto plan, kinds=["cw"] and uniform cw alike).
   tables = [TableConfig("big", 10**6, 10, pooling_factor=20, storage="int4"),
             TableConfig("small", 100, 10, storage="int4"),
             TableConfig("c2", 1000, 24, storage="int2")]     # 4 chunks of 6: not whole bytes

@@ -71,8 +71,8 @@ def _resume(workdir, saved: dict, now: configs.RecRunConfig, normalize=True):
 
 def test_resume_with_the_preset_dim_given(tmp_path):
   """`--resume --embedding_dim=16` on a run started without it (the default 0, the DLRM
-  preset's 16): the same setting, whether the checkpoint stored 16 or, written before the
-  effective dim was stored, 0. Another dim is still refused, naming it."""
+  preset's 16): the same setting, whether the checkpoint stores 16 or 0 (settings holding
+  the flag's value rather than the effective dim). Another dim is still refused, naming it."""
   default = configs.make_run()
   explicit = configs.make_run(embedding_dim=16)
   assert _resume(str(tmp_path / "a"), default.run_settings(), explicit) == 1

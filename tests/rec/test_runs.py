@@ -109,9 +109,9 @@ def test_a_resumed_study_reuses_finished_runs_and_names_changed_settings(tmp_pat
 
 
 def test_finished_runs_are_never_replaced_without_resume(tmp_path, capsys):
-  """A study rerun into the same workdir without --resume once deleted every finished run
-  (train_run replaced its workdir) and trained them again: now it is refused before
-  anything trains, naming the run directory, --resume and --workdir, and the runs stay. A
+  """A study rerun into the same workdir without --resume is refused before anything
+  trains, naming the run directory, --resume and --workdir, and the runs stay (else
+  train_run replaces its workdir: every finished run deleted and trained again). A
   seed directory without a record (a run killed before it finished) is trained again under
   --resume."""
   cfg = configs.make_run(model="logreg", preset="kaggle", num_rows=50, batch_size=16,

@@ -30,7 +30,7 @@ def test_generated_bin_dir_is_reused_and_measured(tmp_path):
 def test_generated_ids_follow_the_bounded_zipf_law(tmp_path):
   """Every row of a table drawn with its bounded Zipf share (exponent 1.2 over 50 rows, the
   shares sorted since the hot ranks are scattered): no row holds the law's tail (clipping
-  numpy's unbounded zipf at the last row gave that row 41% of the ids and row 0 none); a
+  numpy's unbounded zipf at the last row gives that row 41% of the ids and row 0 none); a
   directory of another seed is written again, not reused."""
   d = throughput.synthetic_bin_dir(str(tmp_path / "gen"), 4096, 50)
   src = criteo_bin.CriteoBinSource(d, "train", 4096, shuffle=False, repeat=False)

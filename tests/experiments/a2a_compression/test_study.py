@@ -79,9 +79,10 @@ def test_bad_flags_name_them(tmp_path, args, msg):
 
 def test_gradients_in_float32_are_refused_before_training(tmp_path):
   """--a2a_grad_error_bound unset (a --config file's None) sends the backward exchange in
-  float32; the study's ratios counted the forward payload only (8 devices, batch 64: "hlo
-  x" 5.82 = 32768 / 5632 float32 / payload bytes, though the step also sent 16384 float32
-  bytes of gradients, 1.49x in all) and the H100 model took 2.91x for the whole exchange."""
+  float32, which the study's ratios would leave out: they count the forward payload only
+  (8 devices, batch 64: "hlo x" 5.82 = 32768 / 5632 float32 / payload bytes, though the step
+  also sends 16384 float32 bytes of gradients, 1.49x in all), and the H100 model would take
+  2.91x for the whole exchange. Refused before training."""
   from tests.experiments.entry import run_refused
   cfg = tmp_path / "nograd.py"
   cfg.write_text("def get_config():\n  return {'a2a_grad_error_bound': None}\n")
@@ -106,10 +107,10 @@ def test_entry_point_checks_every_dataset_before_training(tmp_path, datasets, er
 
 
 def test_an_earlier_run_is_refused_before_the_first_dataset_trains(tmp_path):
-  """A rerun into the same --workdir trained the first dataset's baseline and variants,
-  then stopped at the later dataset's run left by the earlier study (rec.runs.train_run
-  refuses it), the first dataset's work lost with no results.json: now one line names the
-  run directory before anything trains."""
+  """A rerun into the same --workdir: one line names the run directory before anything
+  trains (else the first dataset's baseline and variants train, then the run stops at the
+  later dataset's run left by the earlier study, which rec.runs.train_run refuses, the
+  first dataset's work lost with no results.json)."""
   from tests.experiments.entry import run_refused
   (tmp_path / "sample").mkdir()
   old = tmp_path / "w" / "criteo" / "adaptive"

@@ -22,15 +22,16 @@ N, T, G = 8, 2, 4
 B, L, D, K = 16, 2, 4, 2
 
 
-@pytest.mark.devices(8)
-def test_comm_volume_matches_the_compiled_collectives():
-  cfg = DMTConfig(num_dense=3, embedding_dim=D, towers=((0, 2, 5, 7), (1, 3, 4, 6)),
-                  tower_k=K, bottom_mlp=(8, D), top_mlp=(8, 1),
-                  rows_per_feature=(20, 9, 33, 12, 8, 40, 16, 24))
+def _compiled_bytes(towers, rows_per_feature):
+  """{"sptt": ..., "flat": ...}: {(kind, axes): bytes over all devices} of the compiled
+  forward lookups of a DMT model's tower plan and of the flat table-wise plan, on a
+  data:2,model:4 mesh."""
+  cfg = DMTConfig(num_dense=3, embedding_dim=D, towers=towers, tower_k=K, bottom_mlp=(8, D),
+                  top_mlp=(8, 1), rows_per_feature=rows_per_feature)
   tables, F = cfg.tables(), cfg.num_sparse
   mesh = mesh_lib.make_mesh("data:2,model:4")
   sgd = opt_lib.get_sparse_optimizer("sgd", 0.1)
-  sptt = EmbeddingCollection(tables, planner_lib.tower_plan(tables, cfg.towers, N), mesh, sgd)
+  sptt = EmbeddingCollection(tables, planner_lib.tower_plan(tables, towers, N), mesh, sgd)
   flat = EmbeddingCollection(tables, planner_lib.uniform_plan(tables, "tw", N), mesh, sgd)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: DMTModel(cfg, nnx.Rngs(0))))
   params = jax.jit(lambda: nnx.state(DMTModel(cfg, nnx.Rngs(0))))()
@@ -40,18 +41,28 @@ def test_comm_volume_matches_the_compiled_collectives():
   weights = np.ones((B, F, L), np.float32)
 
   def moved(coll, **kw):
-    """{(kind, axes): bytes over all devices} of the compiled forward lookup."""
     fn = jax.jit(lambda s, i, l, w: coll.lookup(s, i, l, w, **kw))
     text = fn.lower(coll.init(jax.random.key(0)), ids, lengths, weights).compile().as_text()
     return {k: N * v for k, v in hlo.collective_bytes(text).items()}
 
+  return {"sptt": moved(sptt, towers=model.tower_transform()), "flat": moved(flat)}
+
+
+def _assert_matches(got, want):
+  assert got["sptt"] == {("all-to-all", ("data",)): want["sptt"]["global_total"],
+                         ("all-gather", ("model",)): want["sptt"]["intra_group_ids"],
+                         ("reduce-scatter", ("model",)): want["sptt"]["intra_group_embeddings"]
+                         }, got["sptt"]
+  assert got["flat"] == {("all-to-all", ("data", "model")): want["flat"]["global_total"]
+                         }, got["flat"]
+
+
+@pytest.mark.devices(8)
+def test_comm_volume_matches_the_compiled_collectives():
+  F = 8
+  got = _compiled_bytes(((0, 2, 5, 7), (1, 3, 4, 6)), (20, 9, 33, 12, 8, 40, 16, 24))
   want = study.comm_volume(B, F, D, T, K, bag=L, group_size=G)
-  got = moved(sptt, towers=model.tower_transform())
-  assert got == {("all-to-all", ("data",)): want["sptt"]["global_total"],
-                 ("all-gather", ("model",)): want["sptt"]["intra_group_ids"],
-                 ("reduce-scatter", ("model",)): want["sptt"]["intra_group_embeddings"]}, got
-  got = moved(flat)
-  assert got == {("all-to-all", ("data", "model")): want["flat"]["global_total"]}, got
+  _assert_matches(got, want)
   # Here: 16 bags x 8 features of 2 ids, 2 weights and a length (20 bytes) each, and
   # 16 x 8 pooled or 16 x 2 x 3 compressed vectors of 4 floats.
   assert want["flat"]["global_total"] == 16 * 8 * 20 + 16 * 8 * 16
@@ -65,30 +76,9 @@ def test_comm_volume_counts_the_padded_slots_the_program_sends():
   compiled collectives, not those of 7 features."""
   towers = ((0, 2, 5), (1, 3, 4, 6))
   F = 7
-  cfg = DMTConfig(num_dense=3, embedding_dim=D, towers=towers, tower_k=K, bottom_mlp=(8, D),
-                  top_mlp=(8, 1), rows_per_feature=(16,) * F)
-  tables = cfg.tables()
-  mesh = mesh_lib.make_mesh("data:2,model:4")
-  sgd = opt_lib.get_sparse_optimizer("sgd", 0.1)
-  sptt = EmbeddingCollection(tables, planner_lib.tower_plan(tables, towers, N), mesh, sgd)
-  flat = EmbeddingCollection(tables, planner_lib.uniform_plan(tables, "tw", N), mesh, sgd)
-  model = DMTModel(cfg, nnx.Rngs(0))
-  ids = np.zeros((B, F, L), np.int32)
-  lengths = np.ones((B, F), np.int32)
-  weights = np.ones((B, F, L), np.float32)
-
-  def moved(coll, **kw):
-    fn = jax.jit(lambda s, i, l, w: coll.lookup(s, i, l, w, **kw))
-    text = fn.lower(coll.init(jax.random.key(0)), ids, lengths, weights).compile().as_text()
-    return {k: N * v for k, v in hlo.collective_bytes(text).items()}
-
   want = study.comm_volume(B, F, D, towers, K, bag=L, group_size=G)
   assert want["devices"] == N
-  got = moved(sptt, towers=model.tower_transform())
-  assert got == {("all-to-all", ("data",)): want["sptt"]["global_total"],
-                 ("all-gather", ("model",)): want["sptt"]["intra_group_ids"],
-                 ("reduce-scatter", ("model",)): want["sptt"]["intra_group_embeddings"]}, got
-  assert moved(flat) == {("all-to-all", ("data", "model")): want["flat"]["global_total"]}
+  _assert_matches(_compiled_bytes(towers, (16,) * F), want)
   # 16 bags x 8 slots of 20 bytes, and 16 x 8 pooled (flat) or 16 x 2 x 3 compressed
   # vectors of 4 floats (SPTT).
   assert want["flat"]["global_total"] == 16 * 8 * 20 + 16 * 8 * 16
@@ -117,8 +107,8 @@ def test_h100_step_model_matches_a_hand_computation():
   """2 hosts of 8 GPUs, b = 1000, F = 8, D = 10, K = 1, 12 bytes per bag, 4 per value, on
   round link numbers: NIC 1 GB/s + 10 us per all-to-all, NVLink 10 GB/s + 1 us per message,
   0.5 TFLOP/s achieved. Table slots as the static all-to-alls send them: flat 16 (8 tables
-  over 16 GPUs, one slot each), SPTT 2 towers x 4, table-wise in the host 2 x 8 x 1 (the
-  model once counted 8 everywhere, half of what the flat program sends)."""
+  over 16 GPUs, one slot each), SPTT 2 towers x 4, table-wise in the host 2 x 8 x 1: the
+  padded slots the programs send, not the 8 tables."""
   from core import hardware
   hw = hardware.Hardware(bf16_flops=1e12, net_bytes_per_s=1e9, nvlink_bytes_per_s=1e10)
   eff = hardware.Efficiency(gemm=0.5, nvlink=1.0, nvlink_latency_s=1e-6, all2all=1.0,
@@ -175,9 +165,9 @@ def test_hlo_unit_bytes_are_the_collections_message_sizes():
 
 
 def test_an_earlier_runs_models_are_refused_before_training(tmp_path):
-  """A rerun into the same --workdir once deleted the earlier run's models (core.train's
-  overwrite in train_eval) and trained them again: now one error names a model directory
-  that holds one, before the flat model trains."""
+  """A rerun into a --workdir that holds an earlier run's models is refused before the flat
+  model trains, by one error that names the model directory holding one (training again
+  would overwrite it)."""
   from core.errors import UserError
   old = tmp_path / "dmt_t2_random"
   old.mkdir()
@@ -214,7 +204,7 @@ def test_study_runs_end_to_end(tmp_path):
     ("--towers=", "error: --towers=: no counts; expected at least one")])
 def test_entry_point_refuses_bad_counts_before_work(tmp_path, flag, error):
   """A bad tower or host count names its flag before the H100 model's compiles and any
-  training (a count of 40 used to fail in partition() after the flat DLRM trained)."""
+  training, not in partition() after the flat DLRM trained."""
   out = run_refused("experiments.dmt", [flag, f"--workdir={tmp_path}"])
   assert error in out.stderr
   assert "H100 step model" not in out.stdout and "flat DLRM" not in out.stdout

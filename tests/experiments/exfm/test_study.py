@@ -136,8 +136,8 @@ def test_an_earlier_runs_teachers_and_students_are_refused_before_training(tmp_p
 
 
 def test_entry_point_refuses_a_teacher_size_given_twice(tmp_path):
-  """--teacher_sizes=S,S,L used to train S twice and count its teacher check twice: the
-  summary's teacher margin for --main_teacher=S came out doubled. Refused before any work."""
+  """--teacher_sizes=S,S,L is refused before any work: it would train S twice and count its
+  teacher check twice, doubling the summary's teacher margin for --main_teacher=S."""
   from tests.experiments.entry import run_refused
   out = run_refused("experiments.exfm", ["--data=synthetic", "--teacher_sizes=S,S,L",
                                          "--main_teacher=S", f"--workdir={tmp_path}"])

@@ -186,8 +186,8 @@ def test_trial_log_survives_a_cut_last_line(tmp_path):
   path.write_text(json.dumps({"label": "a", "ne": 1.0}) + "\n" + '{"label": "b", "n')
   log = study_lib.TrialLog(str(path))
   assert [r["label"] for r in log.rows] == ["a"]
-  # The cut line is dropped, so the next row is a line of its own (it used to be appended
-  # to the cut line: lost, and the log unreadable once another row followed).
+  # The cut line is dropped, so the next row is a line of its own (appended to the cut
+  # line, it would be lost, and the log unreadable once another row followed).
   log.add({"label": "c"})
   assert [r["label"] for r in study_lib.TrialLog(str(path)).rows] == ["a", "c"]
   path.write_text(json.dumps({"label": "a"}))   # whole, but cut before its newline
@@ -208,9 +208,9 @@ def test_trial_log_survives_a_cut_last_line(tmp_path):
      "finite numbers >= 0"),
 ], ids=["data_without_files", "nan_cost_weight", "cost_weight_twice"])
 def test_bad_settings_are_refused_before_the_workdir_records_them(tmp_path, args, line):
-  """Refused in one line before settings.json is written (a --data directory without its
-  files used to be recorded there, so the corrected command was refused in that workdir; a
-  NaN cost weight trained, a repeated one trained its supernet twice)."""
+  """Refused in one line before settings.json is written (else a --data directory without
+  its files is recorded there, so the corrected command is refused in that workdir; a NaN
+  cost weight trains, a repeated one trains its supernet twice)."""
   empty = tmp_path / "empty"
   empty.mkdir()
   wd = tmp_path / "wd"
@@ -357,7 +357,7 @@ def test_a_workdir_keeps_its_space_and_budget(tmp_path):
 def test_supernet_time_counts_every_run_that_trained_it(tmp_path):
   """A supernet's wall time is kept in its workdir: a rerun of a finished supernet (which
   only restores it) reports the time that trained it, and a run that trains further adds its
-  part (cost_<method>.json used to get the restore's fraction of a second)."""
+  part (cost_<method>.json gets that time, not the restore's fraction of a second)."""
   st = tiny_study(tmp_path)
   run = lambda steps: study_lib._supernet_run(st, "supernet_oneshot", "path", steps, 0.0, None,
                                               st.search_seed)[3]

@@ -126,7 +126,7 @@ def test_sampled_requests_and_preemption_through_cp_prefill(tiny):
   from the first token on); a pool too small for all four replies preempts requests, which
   recompute prompt and reply through the CP path (their known tokens >= MIN)."""
   prompts = [CP_PROMPTS[6], PROMPTS[4], PROMPTS[0], list(range(60, 80))]
-  # (top_k past the vocabulary: every token, as 0; it once overflowed the int32 row.)
+  # (top_k past the vocabulary: every token, as 0; 10**10 must not overflow the int32 row.)
   params = [SamplingParams(max_tokens=24, top_k=10 ** 10), SamplingParams(max_tokens=24),
             SamplingParams(max_tokens=24, temperature=1.0, top_k=10 ** 10, seed=3),
             SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=5)]

@@ -168,7 +168,7 @@ def test_a_stop_string_given_as_a_str_is_one_string(tiny, reference):
   tok = ByteTokenizer()
   text = tok.decode(reference[0])
   # The reply's first character, then one it never writes: as one string the stop never
-  # appears (the reply runs to max_tokens); as two characters it ended the reply at once.
+  # appears (the reply runs to max_tokens); as two characters it would end the reply at once.
   c = next(ch for ch in text if ch != "\ufffd")
   stop = c + "\u2603"
   assert "\u2603" not in text
@@ -193,8 +193,8 @@ def test_sampling_follows_each_requests_seed(tiny, reference):
   other = engine.generate([[5]], SamplingParams(max_tokens=NEW, temperature=1.5,
                                                 seed=8))[0].token_ids
   assert other != alone
-  # top_k past the vocabulary keeps every token, as 0 does (10**10 once overflowed the
-  # step's int32 row inside step(): under the runner, every request failed with it).
+  # top_k past the vocabulary keeps every token, as 0 does (10**10 must not overflow the
+  # step's int32 row inside step(): under the runner, every request would fail with it).
   assert engine.generate([[5]], dataclasses.replace(hot, top_k=10 ** 10))[0].token_ids == alone
 
 
@@ -213,7 +213,7 @@ def test_request_errors(tiny):
     engine.add_request([1], SamplingParams(stop=("x",)))
   with pytest.raises(ValueError, match="cannot hold one request of max_model_len=48"):
     Engine(tiny, EngineConfig(**{**CONFIG.__dict__, "num_blocks": 6}))
-  # Not rounded down: top_k=2.5 ran as 2, 0.5 as 0 (no top-k at all).
+  # Not rounded down: top_k=2.5 would run as 2, 0.5 as 0 (no top-k at all).
   with pytest.raises(ValueError, match=r"top_k=0.5; expected an integer"):
     engine.add_request([1], SamplingParams(top_k=0.5, temperature=1.0))
   with pytest.raises(ValueError, match=r"request req-\d+: max_tokens=0; expected >= 1"):
@@ -231,7 +231,7 @@ def test_request_errors(tiny):
   assert engine.abort("a").finish_reason == "abort"
   assert engine.abort("a") is None and engine.abort("nobody") is None
   assert not engine.has_unfinished()
-  # One SamplingParams per prompt: a shorter list dropped the prompts past it.
+  # One SamplingParams per prompt: a shorter list is refused, not the prompts past it dropped.
   with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
     engine.generate([[1], [2]], [SamplingParams()])
   assert not engine.has_unfinished()
@@ -268,8 +268,8 @@ def test_config_errors_name_the_setting(tiny):
 
 def test_a_request_preempted_for_a_prompt_chunk_is_not_prefilled_while_waiting(tiny, reference):
   # Two prompt rows, 6 pages: the first long prompt's last chunk preempts the latest admitted
-  # requests; the loop over the step's prefill rows must not then prefill one of them (once it
-  # did: the 5-token prompt was prefilled while waiting, finished, and ran again to 2 tokens).
+  # requests; the loop over the step's prefill rows must not then prefill one of them (else
+  # the 5-token prompt is prefilled while waiting, finishes, and runs again to 2 tokens).
   config = dataclasses.replace(CONFIG, max_slots=3, batch_widths=(3,), num_blocks=7,
                                prefill_rows=2, record_logits=False)
   engine = Engine(tiny, config)
@@ -295,9 +295,10 @@ def test_a_decode_row_short_of_a_page_preempts_itself_when_it_is_the_latest(tiny
 
 
 def test_a_chunk_width_past_prefill_chunk_feeds_prefill_chunk_tokens(tiny, reference):
-  # chunk_widths may go past prefill_chunk (the largest only has to hold it); a chunk ran
-  # min(remaining, width) = 24 tokens on pages grown for 16, its last 8 keys written to the
-  # padding page (and lost), so the 37-token prompt's reply was another model's.
+  # chunk_widths may go past prefill_chunk (the largest only has to hold it); a chunk that
+  # ran min(remaining, width) = 24 tokens on pages grown for 16 would write its last 8 keys
+  # to the padding page (and lose them), so the 37-token prompt's reply would be another
+  # model's.
   engine = Engine(tiny, dataclasses.replace(CONFIG, chunk_widths=(24,), record_logits=False))
   out = engine.generate([PROMPTS[2], PROMPTS[0]], SamplingParams(max_tokens=NEW))
   assert [list(o.token_ids) for o in out] == [reference[2], reference[0]]

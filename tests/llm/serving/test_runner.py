@@ -103,7 +103,8 @@ def test_http_errors_in_openai_form(tiny):
   e = error(client.post("/v1/completions", json={**ok, "n": 2}), 400)
   assert e["param"] == "n" and e["code"] == "unsupported_parameter"
   # A completion's logprobs=0 asks for the sampled tokens' logprobs (OpenAI: "up to
-  # logprobs+1 elements"); it was taken for "none" and answered with logprobs null.
+  # logprobs+1 elements"): refused as unsupported, not taken for "none" and answered with
+  # logprobs null.
   e = error(client.post("/v1/completions", json={**ok, "logprobs": 0}), 400)
   assert e["param"] == "logprobs" and e["code"] == "unsupported_parameter"
   e = error(client.post("/v1/completions", json={**ok, "temperature": -1}), 400)
@@ -123,12 +124,12 @@ def test_http_errors_in_openai_form(tiny):
       "stop=5: expected a string or a list of strings")
   e = error(client.post("/v1/completions", json={**ok, "prompt": ""}), 400)
   assert e["param"] == "prompt" and "the prompt is empty" in e["message"]
-  e = error(client.post("/v1/completions", json={**ok, "prompt": []}), 400)   # (once: 200)
+  e = error(client.post("/v1/completions", json={**ok, "prompt": []}), 400)   # (not 200)
   assert e["param"] == "prompt" and "prompt=[]: no prompt" in e["message"]
   e = error(client.post("/v1/completions", json={**ok, "prompt": [3, 256, -1]}), 400)
   assert e["param"] == "prompt" and "prompt token ids [256, -1] outside [0, 256)" in (
       e["message"])
-  # A union field: one message for the field, not one per member type (once: "prompt.str").
+  # A union field: one message for the field, not one per member type (as "prompt.str").
   for bad in (5, [True, 2], ["a", [1]]):
     e = error(client.post("/v1/completions", json={**ok, "prompt": bad}), 400)
     assert e["param"] == "prompt" and e["message"].startswith(f"prompt={bad!r}: expected a "
@@ -171,7 +172,7 @@ def test_a_refusal_inside_the_engine_reaches_its_caller(tiny):
 
 def test_a_request_accepted_as_shutdown_begins_is_served(tiny):
   """A request accepted after the thread found its inbox empty, just before shutdown: the
-  thread serves it (once: it saw no unfinished request, stopped, and the caller waited
+  thread serves it (else it sees no unfinished request, stops, and the caller waits
   forever)."""
   runner = EngineRunner(Engine(tiny, CONFIG))
   drain, handles = runner._drain_inbox, []

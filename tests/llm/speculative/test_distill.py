@@ -370,8 +370,8 @@ def test_logged_lr_is_the_applied_one_after_a_skipped_step(target, sequences):
 
 def test_load_draft_refuses_a_path_without_a_run_and_creates_nothing(tmp_path):
   """A typo'd draft path, or a directory without checkpoints/: load_draft and load_draft_vocab
-  refuse naming the setting and the path, and leave the file system as it was (a Checkpointer
-  used to create <path>/checkpoints, then fail naming that)."""
+  refuse naming the setting and the path, and leave the file system as it was (not a
+  Checkpointer creating <path>/checkpoints, then failing naming that)."""
   from core import errors
   empty = tmp_path / "empty"
   empty.mkdir()
