@@ -20,7 +20,10 @@ each run continues from its last checkpoint (`train_lm --resume`: a run a stop c
 on, a finished one only reports its results; its saved settings must match), its
 train_seconds counting this invocation only (`resumed_from_step` says where it began), and
 every model is scored again. train.jsonl must then hold the examples the runs trained on
-(the same --train_examples and --seed): another one is refused naming it.
+(the same --train_examples and --seed): another one is refused naming it; and the flags an
+earlier run was made of (--init, --steps, --seq_len, --batch_size, --seed and the method's
+learning rate / --lora_rank, kept in <workdir>/run_flags.json) must be the same: a changed
+one is named in one line before the base model is scored.
 """
 
 from __future__ import annotations
@@ -208,19 +211,38 @@ def check_flags():
   return tok
 
 
+# The flags a method's train_lm run is made of (the others only score or choose methods):
+# those of every run, then those of one method's.
+RUN_FLAGS = ("init", "steps", "seq_len", "batch_size", "seed", "train_examples")
+METHOD_FLAGS = {"full": ("learning_rate",), "lora": ("lora_learning_rate", "lora_rank")}
+SETTINGS_FILE = "run_flags.json"
+
+
+def run_flags(mode: str) -> dict:
+  """{flag: value} of the flags method `mode`'s run is made of (--init as an absolute
+  spec, so a relative path and its absolute form are one checkpoint)."""
+  from llm import checkpoints
+  out = {n: FLAGS[n].value for n in RUN_FLAGS + METHOD_FLAGS[mode]}
+  out["init"] = checkpoints.absolute_spec(out["init"])
+  return out
+
+
 def check_earlier_runs(train) -> None:
   """One run per workdir, never replaced: without --resume, a method's run directory that
   holds an earlier run is refused (rec.runs.check_fresh); with --resume, a train.jsonl
   there must hold `train`, the examples the runs were trained on (their saved settings
-  name the file, not its contents). Before the workdir gets a file or the base is scored."""
+  name the file, not its contents), and each earlier run's flags (run_flags.json beside
+  them) must be this invocation's: one line naming each changed flag. Before the workdir
+  gets a file or the base is scored (minutes on a real model)."""
   from experiments.finetune_lm import tasks
   from rec import runs
   dirs = [os.path.join(FLAGS.workdir, m) for m in FLAGS.methods]
   if not FLAGS.resume:
     runs.check_fresh(dirs)
     return
+  earlier = [m for m, d in zip(FLAGS.methods, dirs) if runs.earlier_run(d)]
   path = os.path.join(FLAGS.workdir, "train.jsonl")
-  if os.path.exists(path) and any(runs.earlier_run(d) for d in dirs):
+  if os.path.exists(path) and earlier:
     with open(path, encoding="utf-8") as f:
       held = f.read()
     if held != tasks.chat_text(train):
@@ -229,6 +251,33 @@ def check_earlier_runs(train) -> None:
           f"{FLAGS.train_examples} --seed={FLAGS.seed} make, the ones the runs --resume would "
           "continue trained on", "the --train_examples and --seed of those runs, or a fresh "
           "--workdir")
+  path = os.path.join(FLAGS.workdir, SETTINGS_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  changed = [f"--{n}={now!r} (the run: {was[n]!r})" for m in earlier
+             if isinstance(was := saved.get(m), dict)
+             for n, now in run_flags(m).items() if n in was and was[n] != now]
+  if changed:
+    runs_made = ", ".join(m for m in earlier if m in saved)
+    raise errors.expected(
+        f"--resume in {FLAGS.workdir}", "other flags than the earlier runs "
+        f"({runs_made}) were made with: " + ", ".join(dict.fromkeys(changed)),
+        "those runs' flags, or a fresh --workdir")
+
+
+def save_run_flags() -> None:
+  """`<workdir>/run_flags.json`: each method's run flags (`run_flags`), for a later
+  --resume to compare (`check_earlier_runs`); a method this invocation does not run keeps
+  the entry of its earlier run."""
+  path = os.path.join(FLAGS.workdir, SETTINGS_FILE)
+  saved = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  saved.update({m: run_flags(m) for m in FLAGS.methods})
+  results_lib.write_json(saved, path)
 
 
 def main(argv):
@@ -241,6 +290,7 @@ def main(argv):
   train = tasks.make_examples(FLAGS.train_examples, FLAGS.seed, "train")
   check_earlier_runs(train)
   report = Report(FLAGS.workdir)
+  save_run_flags()
   held = tasks.make_examples(FLAGS.held_out, FLAGS.seed, "held_out")
   train_file = tasks.write_chat_file(report.path("train.jsonl"), train)
   tasks.write_chat_file(report.path("held_out.jsonl"), held)
