@@ -25,8 +25,11 @@ from tests import cpu_env
 from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REC = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
-       "--eval_batches=2", "--log_every=2", "--heartbeat_timeout_s=60"]
+# Logistic regression: the smallest model train_rec has that still trains dense weights and
+# table-wise sharded embeddings (their exchange crosses processes), so each process compiles
+# a small program.
+REC = ["--model=logreg", "--preset=small", "--num_rows=1000", "--batch_size=64",
+       "--eval_batch_size=64", "--eval_batches=2", "--log_every=2", "--heartbeat_timeout_s=60"]
 # A loaded 2-core machine can starve a process's heartbeat thread for seconds; tests that
 # check how a dead process is detected pass their own shorter --heartbeat_timeout_s.
 
@@ -88,13 +91,14 @@ def _run(module, args, processes, devices, tmp) -> dict:
   return json.loads([l for l in logs[0].splitlines() if l.startswith("{")][-1])
 
 
-def _state(workdir) -> dict[str, np.ndarray]:
-  """The latest checkpoint's arrays, read on one device (any topology)."""
+def _state(workdir, step=None) -> dict[str, np.ndarray]:
+  """The arrays of checkpoint `step` (default the latest), read on one device (any
+  topology)."""
   import jax
   import orbax.checkpoint as ocp
   mgr = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
                               item_handlers={"state": ocp.StandardCheckpointHandler()})
-  step = mgr.latest_step()
+  step = mgr.latest_step() if step is None else step
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
                         mgr.item_metadata(step)["state"])
@@ -104,8 +108,8 @@ def _state(workdir) -> dict[str, np.ndarray]:
           for p, x in jax.tree_util.tree_leaves_with_path(state["state"])}
 
 
-def _same_state(a, b, atol):
-  sa, sb = _state(a), _state(b)
+def _same_state(a, b, atol, step_b=None):
+  sa, sb = _state(a), _state(b, step_b)
   assert sa.keys() == sb.keys()
   for k in sa:
     if sa[k].dtype.kind == "f":
@@ -121,19 +125,23 @@ ATOL = 1e-6
 
 
 def _two_and_straight(tmp_path) -> dict:
-  """A 4-step run on 2 processes (4 devices each) checked against 1 process with the 8
-  devices; returns the uninterrupted 1-process run of 6 steps that resumes are held to."""
+  """A 4-step run on 2 processes (4 devices each) checked against step 4 of an uninterrupted
+  6-step run on 1 process with the 8 devices (checkpointed and evaluated at step 4 too);
+  returns that 1-process run's summary, which resumes are held to."""
   two = _run("experiments.train_rec", REC + ["--steps=4", f"--workdir={tmp_path / 'two'}"],
              2, 4, tmp_path)
-  one = _run("experiments.train_rec", REC + ["--steps=4", f"--workdir={tmp_path / 'one'}"],
+  one = _run("experiments.train_rec", REC + ["--steps=6", "--checkpoint_every=4",
+                                             "--eval_every=4", f"--workdir={tmp_path / 'one'}"],
              1, 8, tmp_path)
-  assert two["mesh"] == one["mesh"] == {"data": 8}
-  assert two["test_auc"] == one["test_auc"] and two["test_examples"] == one["test_examples"]
-  np.testing.assert_allclose(two["test_logloss"], one["test_logloss"], rtol=1e-6)
-  _same_state(tmp_path / "two", tmp_path / "one", ATOL)
+  assert two["mesh"] == one["mesh"] == {"data": 8} and one["steps"] == 6
+  with open(tmp_path / "one" / "metrics.jsonl") as f:
+    at4 = [r for r in map(json.loads, f) if r["split"] == "eval" and r["step"] == 4]
+  assert len(at4) == 1
+  assert two["test_auc"] == at4[0]["auc"] and two["test_examples"] == at4[0]["num_examples"]
+  np.testing.assert_allclose(two["test_logloss"], at4[0]["logloss"], rtol=1e-6)
+  _same_state(tmp_path / "two", tmp_path / "one", ATOL, step_b=4)
   assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
-  return _run("experiments.train_rec", REC + ["--steps=6", f"--workdir={tmp_path / 's6'}"],
-              1, 8, tmp_path)
+  return one
 
 
 def _resume_two_on(tmp_path, straight, name, procs, devs):
@@ -144,7 +152,7 @@ def _resume_two_on(tmp_path, straight, name, procs, devs):
              REC + ["--steps=6", "--resume", f"--workdir={tmp_path / name}"], procs, devs,
              tmp_path)
   assert out["steps"] == 6 and out["test_auc"] == straight["test_auc"], name
-  _same_state(tmp_path / name, tmp_path / "s6", ATOL)
+  _same_state(tmp_path / name, tmp_path / "one", ATOL)
 
 
 def test_train_rec_two_processes_equal_one_and_resume_on_one(tmp_path):
@@ -203,6 +211,9 @@ def test_a_killed_process_ends_the_job(tmp_path):
     while "step 10/" not in open(log0.name).read():
       assert time.monotonic() < deadline and procs[0][0].poll() is None, open(log0.name).read()
       time.sleep(1)
+    # Each process publishes its step every second (core.distributed._Monitor): after 5 more
+    # seconds of training process 0 has read a step of process 1's, which the last line names.
+    time.sleep(5)
     procs[1][0].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     procs[0][0].wait(timeout=60)                   # ends on its own, within a minute

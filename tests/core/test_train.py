@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 
@@ -55,15 +56,17 @@ def _losses(workdir):
 @pytest.mark.devices(8)
 def test_resume_is_bit_exact(tmp_path):
   cfg = _cfg(mesh="data:2,model:4", sharding="tw")
-  task, straight = _train(cfg, tmp_path / "a", eval_every=10)
-  _, first = _train(cfg, tmp_path / "b", eval_every=10, stop_at_step=10)
-  assert first["step"] == 10 and not first["finished"]
-  with pytest.raises(ValueError, match="already holds a checkpoint at step 10"):
-    _train(cfg, tmp_path / "b", eval_every=10)
-  task_b, resumed = _train(cfg, tmp_path / "b", eval_every=10, resume=True)
-  assert resumed["step"] == 20 and resumed["finished"]
+  # 10 steps logged every 5, stopped after step 5: two loss records per run, one each side
+  # of the stop.
+  task, straight = _train(cfg, tmp_path / "a", steps=10, eval_every=5)
+  _, first = _train(cfg, tmp_path / "b", steps=10, eval_every=5, stop_at_step=5)
+  assert first["step"] == 5 and not first["finished"]
+  with pytest.raises(ValueError, match="already holds a checkpoint at step 5"):
+    _train(cfg, tmp_path / "b", steps=10, eval_every=5)
+  task_b, resumed = _train(cfg, tmp_path / "b", steps=10, eval_every=5, resume=True)
+  assert resumed["step"] == 10 and resumed["finished"]
   a, b = _leaves(task, straight["state"]), _leaves(task_b, resumed["state"])
-  assert a["step"] == b["step"] == 20
+  assert a["step"] == b["step"] == 10
   for key in ("params", "opt", "emb_opt"):
     for x, y in zip(a[key], b[key]):
       np.testing.assert_array_equal(x, y)
@@ -72,8 +75,8 @@ def test_resume_is_bit_exact(tmp_path):
   assert straight["eval"] == resumed["eval"]
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")   # same batches, same losses
   # Resuming a finished run changes nothing and records nothing new.
-  _, again = _train(cfg, tmp_path / "b", eval_every=10, resume=True)
-  assert again["step"] == 20 and again["eval"] == resumed["eval"]
+  _, again = _train(cfg, tmp_path / "b", steps=10, eval_every=5, resume=True)
+  assert again["step"] == 10 and again["eval"] == resumed["eval"]
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
   # It trained: the loss moved and the tables changed.
   losses = [l for _, l in _losses(tmp_path / "a")]
@@ -91,8 +94,8 @@ def test_resume_is_bit_exact(tmp_path):
 def test_eight_devices_equal_one(tmp_path, sharding, sparse_optimizer):
   one = jax.devices()[:1]
   kw = dict(sharding=sharding, sparse_optimizer=sparse_optimizer)
-  task1, out1 = _train(_cfg(mesh="data:1", **kw), tmp_path / "one", steps=8, devices=one)
-  task8, out8 = _train(_cfg(mesh="data:8", **kw), tmp_path / "eight", steps=8)
+  task1, out1 = _train(_cfg(mesh="data:1", **kw), tmp_path / "one", steps=4, devices=one)
+  task8, out8 = _train(_cfg(mesh="data:8", **kw), tmp_path / "eight", steps=4)
   assert task8.collection.num_devices == 8
   a, b = _leaves(task1, out1["state"]), _leaves(task8, out8["state"])
   # Embedding optimizer state is stored in the device layout, comparable only under dp.
@@ -121,10 +124,27 @@ def _settings(cfg):
   return cfg.flat_settings()
 
 
-@pytest.mark.devices(8)
-def test_resume_with_other_settings_is_one_error(tmp_path):
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A finished 4-step run on data:8 with its settings recorded, trained once for the tests
+  below: (its workdir, to copy; its summary)."""
+  if jax.device_count() < 8:
+    pytest.skip(f"needs 8 devices, found {jax.device_count()}")
+  workdir = tmp_path_factory.mktemp("finished_run") / "run"
   cfg = _cfg(mesh="data:8")
-  _train(cfg, tmp_path, steps=6, settings=_settings(cfg))
+  _, out = _train(cfg, workdir, steps=4, settings=_settings(cfg))
+  return workdir, out
+
+
+def _copy_of(finished_run, tmp_path):
+  """A copy of the finished run's workdir, for a test to resume or overwrite."""
+  shutil.copytree(finished_run[0], tmp_path, dirs_exist_ok=True)
+
+
+@pytest.mark.devices(8)
+def test_resume_with_other_settings_is_one_error(tmp_path, finished_run):
+  cfg = _cfg(mesh="data:8")
+  _copy_of(finished_run, tmp_path)
   other = configs.replace_run(cfg, num_rows=2000, data="synthetic_deep", learning_rate=0.01)
   loop = train_lib.TrainConfig(workdir=str(tmp_path), steps=12, eval_every=3, log_every=2,
                                resume=True, settings=_settings(other), changeable=("eval_batch_size",),
@@ -142,15 +162,16 @@ def test_resume_with_other_settings_is_one_error(tmp_path):
             "eval_batch_size"):
     assert k in allowed
   # Without --resume: how to resume or overwrite.
-  with pytest.raises(train_lib.RunSettingsError, match=r"a finished run of 6 steps\); pass "
+  with pytest.raises(train_lib.RunSettingsError, match=r"a finished run of 4 steps\); pass "
                      r"--resume .* --overwrite"):
     train_lib.train(_NotBuilt(), None, None, dataclasses.replace(loop, resume=False))
 
 
 @pytest.mark.devices(8)
-def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capfd):
+def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capfd,
+                                                                  finished_run):
   cfg = _cfg(mesh="data:8")
-  _train(cfg, tmp_path, steps=4, settings=_settings(cfg))
+  _copy_of(finished_run, tmp_path)
   capfd.readouterr()
   bigger = configs.replace_run(cfg, num_rows=2000)
   with pytest.raises(ckpt_lib.CheckpointMismatchError) as e:
@@ -171,9 +192,10 @@ def test_allowed_change_that_breaks_the_arrays_is_one_clear_error(tmp_path, capf
 
 
 @pytest.mark.devices(8)
-def test_overwrite_starts_afresh(tmp_path):
+def test_overwrite_starts_afresh(tmp_path, finished_run):
   cfg = _cfg(mesh="data:8")
-  _, first = _train(cfg, tmp_path, steps=4, settings=_settings(cfg))
+  _copy_of(finished_run, tmp_path)
+  first = finished_run[1]
   (tmp_path / "notes.txt").write_text("kept")
   _, again = _train(cfg, tmp_path, steps=4, settings=_settings(cfg), overwrite=True)
   assert again["step"] == 4 and again["eval"] == first["eval"]
@@ -243,7 +265,7 @@ def _numbered(src, skip=()):
 def test_nonfinite_loss_stops_at_its_step(tmp_path):
   devices = jax.devices()[:1]
   task, train_src, eval_src, _, _ = configs.build_run(_one_device(), devices)
-  loop = train_lib.TrainConfig(workdir=str(tmp_path), steps=20, log_every=100, check_every=3,
+  loop = train_lib.TrainConfig(workdir=str(tmp_path), steps=10, log_every=100, check_every=3,
                                checkpoint_every=5, tensorboard=False)
   with pytest.raises(train_lib.NonFiniteError) as e:
     train_lib.train(_Poisoned(task, {7}), _numbered(train_src), lambda: eval_src.batches(0), loop)
@@ -255,9 +277,9 @@ def test_nonfinite_loss_stops_at_its_step(tmp_path):
   assert ckpt.all_steps() == [5]   # found at the step-9 check, before any later checkpoint
   ckpt.close()
   # The last good checkpoint continues on clean data exactly as a clean run would.
-  _, resumed = _train(_one_device(), tmp_path, steps=20, devices=devices, resume=True,
+  _, resumed = _train(_one_device(), tmp_path, steps=10, devices=devices, resume=True,
                       checkpoint_every=5)
-  _, straight = _train(_one_device(), tmp_path / "straight", steps=20, devices=devices)
+  _, straight = _train(_one_device(), tmp_path / "straight", steps=10, devices=devices)
   assert resumed["eval"] == straight["eval"]
 
 
@@ -332,7 +354,8 @@ def test_lm_skip_step_keeps_params():
   from llm import config as llm_config
   from llm.data import LMBatch
   mesh = mesh_lib.make_mesh("data:1", jax.devices()[:1], rules=mesh_lib.LLM_RULES)
-  task = lm_train_lib.LMTask(llm_config.get_config("tiny", vocab_size=64, max_seq_len=16),
+  task = lm_train_lib.LMTask(llm_config.get_config("tiny", vocab_size=64, max_seq_len=16,
+                                                                n_layers=1),
                              lm_train_lib.OptimConfig(warmup_steps=0, total_steps=10), mesh)
   state = task.init_state(0)
   x = np.arange(32, dtype=np.int32).reshape(2, 16) % 64

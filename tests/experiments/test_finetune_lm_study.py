@@ -48,7 +48,7 @@ def test_finetune_lm_study_on_a_tiny_model(tmp_path):
   d = _chat_model(tmp_path)
   wd = tmp_path / "study"
   out = json.loads(_run("experiments.finetune_lm", [
-      f"--init=hf:{d}", "--train_examples=24", "--held_out=2", "--steps=2", "--seq_len=512",
+      f"--init=hf:{d}", "--train_examples=24", "--held_out=2", "--steps=2", "--seq_len=256",
       "--batch_size=8", "--reply_tokens=4", "--methods=lora", "--lora_rank=2",
       f"--workdir={wd}"])[-1])   # full fine-tuning through train_lm: tests/experiments/test_finetune.py
   assert set(out) >= {"exact_match_before", "exact_match_lora"}
@@ -57,10 +57,13 @@ def test_finetune_lm_study_on_a_tiny_model(tmp_path):
   assert res["methods"] == ["lora"] and list(res["runs"]) == ["lora"]
   assert (wd / "finetune.png").stat().st_size > 0
   assert sum(1 for _ in open(wd / "train.jsonl")) == 24
+  assert json.loads((wd / "run_flags.json").read_text()) == {"lora": {
+      "init": f"hf:{d}", "steps": 2, "seq_len": 256, "batch_size": 8, "seed": 0,
+      "train_examples": 24, "lora_learning_rate": 2e-3, "lora_rank": 2}}
   # A rerun with --resume takes the finished run as it is (train_lm --resume: nothing to
   # train) and scores it again: the same greedy replies.
   lines = _run("experiments.finetune_lm", [
-      f"--init=hf:{d}", "--train_examples=24", "--held_out=2", "--steps=2", "--seq_len=512",
+      f"--init=hf:{d}", "--train_examples=24", "--held_out=2", "--steps=2", "--seq_len=256",
       "--batch_size=8", "--reply_tokens=4", "--methods=lora", "--lora_rank=2",
       f"--workdir={wd}", "--resume"])
   assert any("nothing to do: the run is at step 2 of 2" in l for l in lines), lines[-20:]
@@ -76,7 +79,7 @@ def test_a_rerun_without_resume_or_with_other_examples_is_refused(tmp_path):
   checkpoint): before anything is written or the base scored, without --resume one line
   names the run directory and the choices; with --resume, a train.jsonl of other examples
   than the flags make (the children's settings name the file, not its contents) is
-  refused."""
+  refused, and so is a flag an earlier run was made of with another value."""
   d = _chat_model(tmp_path)
   wd = tmp_path / "w"
   run_dir = wd / "lora"
@@ -100,6 +103,18 @@ def test_a_rerun_without_resume_or_with_other_examples_is_refused(tmp_path):
       "--train_examples=8 --seed=0 make, the ones the runs --resume would continue trained "
       "on; expected the --train_examples and --seed of those runs, or a fresh --workdir")
   assert (wd / "train.jsonl").read_text() == before and "base model" not in out.stdout
+  # The examples right, the flags of the earlier lora run (run_flags.json) not: each changed
+  # flag of that run named (--steps, --lora_rank; --seed is the same; full has no earlier
+  # run, so its --learning_rate is not compared).
+  tasks.write_chat_file(str(wd / "train.jsonl"), tasks.make_examples(8, 0, "train"))
+  (wd / "run_flags.json").write_text(json.dumps(
+      {"lora": {"steps": 3, "seed": 0, "lora_rank": 2}, "full": {"learning_rate": 1.0}}))
+  out = run_refused("experiments.finetune_lm", args + ["--resume"])
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: --resume in {wd}: other flags than the earlier runs (lora) were made with: "
+      "--steps=40 (the run: 3), --lora_rank=16 (the run: 2); expected those runs' flags, or "
+      "a fresh --workdir"), out.stderr[-3000:]
+  assert "base model" not in out.stdout
 
 
 @pytest.mark.parametrize("args, want", [

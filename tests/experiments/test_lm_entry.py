@@ -46,7 +46,7 @@ def _greedy(cfg, weights, prompt, n, stop=()):
 
   from llm import generate as G
   from llm import model as M
-  model = M.Llama(cfg, nnx.Rngs(0))
+  model = nnx.eval_shape(lambda: M.Llama(cfg, nnx.Rngs(0)))   # no random init: loaded next
   M.load_weights(model, weights)
   return G.generate(model, [prompt], n, stop_tokens=stop)[0]
 

@@ -250,14 +250,15 @@ def test_server_child_answers_on_its_cpus_and_is_stopped(tmp_path, monkeypatch):
 def test_a_killed_benchmark_takes_its_server_child_along(tmp_path):
   """kill -9 of the process that started a Server: the child gets SIGTERM (parent-death
   signal) and is gone within 10 s."""
-  parent = subprocess.Popen([sys.executable, "-c", (
+  # forked from the fork server that the refused runs above use (its imports done)
+  parent = forkserver.popen([sys.executable, "-c", (
       "import sys, time\n"
       "from experiments.benchmarks import serving as S\n"
       "s = S.Server([sys.executable, '-c', 'import time; time.sleep(600)'], S.free_port(), "
       f"'sleeper', {str(tmp_path / 'child.log')!r})\n"
       "print(s.proc.pid, flush=True)\n"
-      "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, cwd=REPO,
-      env=dict(os.environ, PYTHONPATH=REPO))
+      "time.sleep(600)\n")], fork=True, stdout=subprocess.PIPE, text=True, cwd=REPO,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1)))
   child = int(parent.stdout.readline())
   time.sleep(0.5)   # the child has set its parent-death signal and exec'd
   parent.kill()
@@ -279,14 +280,15 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("draft", [[], ["--draft=random", "--speculative_tree=2:2:3",
                                          "--decode_vocab=64"]], ids=["plain", "eagle"])
 def test_a_whole_run_on_a_tiny_model(tmp_path, draft):
-  """The entry point end to end (6-15 s each): closed-loop and Poisson points, results.json,
-  plot; plain, and with an untrained draft head over a decode vocabulary. The statistics
+  """The entry point end to end: closed-loop and Poisson points, results.json, plot; plain,
+  and with an untrained draft head over a decode vocabulary. Two slots (batch widths 1 and
+  2, two clients at most) keep the programs the engine compiles to a few. The statistics
   are tested above, the engine in tests/llm/serving."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_env.xla_flags(1))
   out = forkserver.run(
       [sys.executable, "-m", "experiments.serve_bench", "--preset=tiny", "--num_requests=4",
-       "--concurrency=1,4", "--rates=50", "--prompt_lens=5,20", "--output_lens=3,9",
-       "--max_slots=4", "--max_model_len=32", "--block_size=8", "--prefill_chunk=16", *draft,
+       "--concurrency=1,2", "--rates=50", "--prompt_lens=5,20", "--output_lens=3,9",
+       "--max_slots=2", "--max_model_len=32", "--block_size=8", "--prefill_chunk=16", *draft,
        f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
       timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

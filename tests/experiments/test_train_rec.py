@@ -14,8 +14,12 @@ from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
-SMALL = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
-         "--log_every=5"]
+BASE = ["--preset=small", "--num_rows=1000", "--batch_size=64", "--eval_batch_size=64",
+        "--log_every=5"]   # the default mesh: every device on the data axis
+# One mesh and sharding for every run of 8 devices, so the runs after the first reuse its
+# compiled programs from the persistent compilation cache (a test may pass its own --mesh:
+# the last value of a flag counts).
+SMALL = BASE + ["--mesh=data:2,model:4", "--sharding=rw"]
 
 
 def _run(args, cwd=REPO):
@@ -26,8 +30,7 @@ def _run(args, cwd=REPO):
 
 
 def test_synthetic_run_writes_results(tmp_path):
-  lines = _run(SMALL + ["--steps=10", "--eval_batches=2", "--mesh=data:2,model:4",
-                        "--sharding=rw", f"--workdir={tmp_path}"])
+  lines = _run(SMALL + ["--steps=10", "--eval_batches=2", f"--workdir={tmp_path}"])
   summary = json.loads(lines[-1])
   for key in ("model", "steps", "test_auc", "test_logloss", "test_ne", "examples_per_sec"):
     assert key in summary
@@ -63,6 +66,7 @@ def test_bad_mesh_fails_clearly(tmp_path, mesh, msg):
 
 def test_help_lists_every_data_form():
   out = forkserver.run([sys.executable, "-m", "experiments.train_rec", "--help"], cwd=REPO,
+                       env=_env(),   # the fork server of the other runs here
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0
   text = " ".join(out.stdout.split())
@@ -171,7 +175,7 @@ def test_run_length_refused_before_the_workdir_is_written(tmp_path, args, line):
   refused after config.py is written) and a --stop_at_step the run never reaches (not
   ignored): one line, nothing written."""
   from tests.experiments.entry import run_refused
-  out = run_refused("experiments.train_rec", SMALL + args + [f"--workdir={tmp_path}"])
+  out = run_refused("experiments.train_rec", BASE + args + [f"--workdir={tmp_path}"])
   assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == line
   assert os.listdir(tmp_path) == []
 
@@ -180,7 +184,7 @@ def test_run_length_refused_before_the_workdir_is_written(tmp_path, args, line):
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_sample")),
                     reason="Criteo sample not found (set REC_DATA_DIR)")
 def test_criteo_sample_epoch(tmp_path):
-  lines = _run(SMALL + [f"--data=criteo:{os.path.join(DATA, 'criteo_kaggle_sample')}",
+  lines = _run(BASE + [f"--data=criteo:{os.path.join(DATA, 'criteo_kaggle_sample')}",
                         "--epochs=1", f"--workdir={tmp_path}"])
   summary = json.loads(lines[-1])
   assert summary["steps"] == 7200 // 64
@@ -254,15 +258,27 @@ def _site_gauc(probs, labels, sites) -> tuple[float, int, int]:
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "criteo_kaggle_raw")),
                     reason="Criteo Kaggle raw sample not found (set REC_DATA_DIR)")
-def test_converted_data_is_checked_before_training_and_on_resume(tmp_path):
+def test_converted_data_is_checked_before_training_and_on_resume(tmp_path, monkeypatch):
   """A run records its conversion's fingerprint: a resume on a reconverted directory is
-  refused; a changed byte in a validation shard stops the next run before its first step."""
+  refused; a changed byte in a validation shard stops the next run before its first step.
+  The conversions run their units in this process (the spawned worker pool:
+  tests/rec/test_criteo_bin.py)."""
   from rec.data import criteo_bin
+
+  class InProcessPool:
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+    imap_unordered = staticmethod(map)
+  monkeypatch.setattr(sys.modules["rec.data.criteo_bin.convert"], "_pool",
+                      lambda workers: InProcessPool())
   raw = os.path.join(DATA, "criteo_kaggle_raw")
   d = tmp_path / "bin"
   criteo_bin.convert(raw, str(d), num_rows=1000, workers=2)
-  env = dict(_env())
-  env.pop("XLA_FLAGS")
+  env = dict(_env(), XLA_FLAGS=cpu_env.xla_flags(1))   # one device
   args = ["--model=logreg", f"--data=criteo_bin:{d}", "--batch_size=256",
           "--eval_batch_size=256", "--log_every=2"]
   run = lambda *a: forkserver.run([sys.executable, "-m", "experiments.train_rec", *args, *a],

@@ -218,15 +218,15 @@ class EmbeddingBagCases:
   @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
   def test_pieces(self, dtype, monkeypatch):
     """A buffer past the 32-bit offset limit is read as pieces that are each under it:
-    with the limit lowered to 40 elements the 70-row buffer becomes 24 pieces of 3 rows
-    (dim 12), and every bag, offsets and gradients included, is unchanged."""
+    with the limit lowered to 240 elements the 70-row buffer (dim 12) becomes pieces of
+    20, 20, 20 and 10 rows, and every bag, offsets and gradients included, is unchanged."""
     table, flat, local, offsets, coef, _, grad = _case("multihot", dtype, seed=5)
     rows = table.q if dtype == "int8" else table
     want = eb.embedding_bag(table, flat, coef, interpret=self.interpret)
-    monkeypatch.setattr(eb, "_I32_MAX_ELEMENTS", 40)
+    monkeypatch.setattr(eb, "_I32_MAX_ELEMENTS", 240)
     pieces, starts = eb._pieces(rows)
-    assert len(pieces) == 24 and starts[:3] == (0, 3, 6) and starts[-1] == rows.shape[0]
-    assert all(p.size <= 40 for p in pieces)
+    assert starts == (0, 20, 40, 60, 70) and starts[-1] == rows.shape[0]
+    assert len(pieces) == 4 and all(p.size <= 240 for p in pieces)
     got = eb.embedding_bag(table, flat, coef, interpret=self.interpret)
     # Bit for bit in interpret mode. On a GPU the backward's scatter-add of repeated ids
     # lands in any order (atomics), and the pieces compile to another kernel: equal there up

@@ -66,8 +66,10 @@ def _check(fn, ref, q, k, v, seed=0, lse_only=False, tol=TOL, grads=True):
 # ----------------------------------------------------------------------------- self-attention
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)])
+# Causal and full masks are distinct branches; the head grouping (GQA 4/2, MHA 4/4, MQA 4/1)
+# is one reshape for any ratio, so each grouping runs under one of the masks at least.
+@pytest.mark.parametrize("causal,heads", [(True, (4, 2)), (False, (4, 2)), (True, (4, 4)),
+                                          (False, (4, 1))])
 def test_self_attention_no_masks(causal, heads):
   q, k, v = _qkv(0, 2, 16, 16, *heads)
   kw = dict(causal=causal)
@@ -253,23 +255,22 @@ def test_remat_policy_saves_the_kernel_outputs():
 
 def test_llama_with_cudnn_emulated_attention_matches_xla():
   """The model's three call shapes: training forward (no segment ids / positions), prefill
-  into a cache and decode steps."""
+  into a cache and decode steps (one layer: every layer makes the same attention calls; all
+  calls of a model in one jit)."""
   from flax import nnx
   from llm import model as model_lib
   from llm.config import get_config
-  cfg = get_config("tiny", n_layers=2, attention_impl="xla")
+  cfg = get_config("tiny", n_layers=1, attention_impl="xla")
   ref = model_lib.Llama(cfg, nnx.Rngs(0))
   emu = model_lib.Llama(cfg.replace(attention_impl="cudnn_emulated"), nnx.Rngs(0))
-  tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, cfg.vocab_size)
-  want, _ = nnx.jit(lambda m, t: m(t))(ref, tokens)
-  got, _ = nnx.jit(lambda m, t: m(t))(emu, tokens)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
 
   def run(m):
+    train, _ = m(tokens)
     cache = m.init_cache(2, 16)
     lg, cache = m(tokens[:, :10], cache=cache, lengths_B=jnp.asarray([10, 6]))
-    outs = [lg]
-    for i in range(3):
+    outs = [train, lg]
+    for i in range(2):
       lg, cache = m(tokens[:, 10 + i:11 + i], cache=cache)
       outs.append(lg)
     return outs
@@ -396,7 +397,7 @@ def test_train_step_lowers_for_cuda_with_one_kernel_pair_per_layer(fake_cudnn):
   from llm import train_lib
   from llm.config import get_config
   from llm.data import LMBatch
-  cfg = get_config("tiny", dtype="bfloat16", attention_impl="cudnn", n_layers=3)
+  cfg = get_config("tiny", dtype="bfloat16", attention_impl="cudnn", n_layers=2)
   task = train_lib.LMTask(cfg, train_lib.OptimConfig(),
                           mesh_lib.make_mesh("data:1", devices=jax.devices()[:1]))
   state = jax.eval_shape(lambda: task.init_state(0))

@@ -94,10 +94,15 @@ def test_generate_with_hidden(tiny, greedy_out):
     rows, hidden = G.generate_with_hidden(tiny, PROMPTS, 7, stop_tokens=stops,
                                           max_len=MAX_LEN + 1)
     assert rows == want
-    for p, r, h in zip(PROMPTS, rows, hidden):
-      full = np.asarray(hidden_of(state, jnp.asarray([p + r])))[0]
+    # Every whole sequence right-padded into one batch of MAX_LEN (the padding after a
+    # row's tokens is never seen by them): one forward pass, one compiled program.
+    seqs = np.zeros((len(PROMPTS), MAX_LEN), np.int32)
+    for b, (p, r) in enumerate(zip(PROMPTS, rows)):
+      seqs[b, :len(p) + len(r)] = p + r
+    full_all = np.asarray(hidden_of(state, jnp.asarray(seqs)))
+    for p, r, h, full in zip(PROMPTS, rows, hidden, full_all):
       assert h.shape == (len(p) + len(r), TINY.dim) and h.dtype == np.float32
-      np.testing.assert_allclose(h, full, rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(h, full[:len(p) + len(r)], rtol=2e-4, atol=2e-5)
   with pytest.raises(ValueError, match="max_len=16 slots.*need 17"):
     G.generate_with_hidden(tiny, [[1] * 10], 7, max_len=16)
 
@@ -335,10 +340,11 @@ def test_sampling_distribution_equals_transformers_warpers(tmp_path):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6, err_msg=f"{(t, k, p)}")
 
 
-# SmolLM2-135M's shapes, 4 of its 30 blocks and a 4096-token vocabulary, in bfloat16: with
-# the prompt attending through the whole cache (fresh_cache=False) its logits changed with
-# the cache size (76 slots against 83 or 116).
-SMOL_BF16 = M.LlamaConfig(vocab_size=4096, dim=576, n_layers=4, n_heads=9, n_kv_heads=3,
+# SmolLM2-135M's shapes, 2 of its 30 blocks (the second reads the first's attention
+# output) and a 4096-token vocabulary, in bfloat16: with the prompt attending through the
+# whole cache (fresh_cache=False) its logits changed with the cache size (76 slots against
+# 83 or 116).
+SMOL_BF16 = M.LlamaConfig(vocab_size=4096, dim=576, n_layers=2, n_heads=9, n_kv_heads=3,
                           ffn_dim=1536, rope_theta=1e5, max_seq_len=512, tie_embeddings=True,
                           dtype="bfloat16", param_dtype="bfloat16")
 

@@ -139,7 +139,10 @@ def test_rope_scaling_frequencies_match_meta_formula():
                              meta_rope_freqs(128, 500000.0, RopeScaling()), rtol=1e-6)
 
 
-@pytest.mark.parametrize("n", [1, 7, 16, 17, 64, 100, 576, 1000, 4096])
+# One case per path of sum_last: a single term (no adds), <= 16 terms added in a row (16),
+# padded then halved once (17) or three times (100), halved without padding (64), SmolLM2's
+# width (576: halved 6 times to 9 terms) and Llama 3 8B's (4096: halved 8 times to 16).
+@pytest.mark.parametrize("n", [1, 16, 17, 64, 100, 576, 4096])
 def test_sum_last_is_a_sum_in_one_order_for_any_row_count(n):
   """`sum_last` against a float64 sum (float32 error bound of n additions), its shape, its
   gradient (ones), and each row's bits the same whether 1, 5 or 24 rows are summed in one
@@ -151,7 +154,8 @@ def test_sum_last_is_a_sum_in_one_order_for_any_row_count(n):
   want = x.astype(np.float64).sum(-1, keepdims=True)
   bound = n * np.finfo(np.float32).eps * np.abs(x).astype(np.float64).sum(-1, keepdims=True)
   assert np.all(np.abs(got - want) <= bound)
-  np.testing.assert_array_equal(jax.grad(lambda a: M.sum_last(a).sum())(x), np.ones_like(x))
+  np.testing.assert_array_equal(jax.jit(jax.grad(lambda a: M.sum_last(a).sum()))(x),
+                                np.ones_like(x))
   fns = [jax.jit(M.sum_last)]
   if n % 2 == 0:
     norm = M.RMSNorm(M.LlamaConfig(vocab_size=8, dim=n, n_layers=1, n_heads=1, n_kv_heads=1,
@@ -252,13 +256,19 @@ def test_hidden_taps_are_the_residual_stream_after_those_blocks():
   tokens = jnp.asarray(tokens_for(TINY, 2, 6))
   x = model.embed_tokens(tokens)
   pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-  h, _ = model.hidden(x)
-  h2, cache, taps = model.hidden(x, taps=(0, 1))
+
+  @jax.jit     # one compile for the four calls (eager, each op would compile on its own)
+  def calls(x):
+    h, _ = model.hidden(x)
+    h2, cache, taps = model.hidden(x, taps=(0, 1))
+    block0, _ = model.layers[0](x, pos, None, None, None, None, None)
+    return h, h2, cache, taps, block0, model.final_norm(taps[..., TINY.dim:])
+
+  h, h2, cache, taps, block0, normed = calls(x)
   assert cache is None and taps.shape == (2, 6, 2 * TINY.dim)
   np.testing.assert_array_equal(h2, h)
-  block0, _ = model.layers[0](x, pos, None, None, None, None, None)
   np.testing.assert_allclose(taps[..., :TINY.dim], block0, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(model.final_norm(taps[..., TINY.dim:]), h, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(normed, h, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match=r"taps=\(2,\); expected block indices in \[0, 2\)"):
     model.hidden(x, taps=(2,))
 
@@ -474,11 +484,13 @@ def test_attention_told_default_positions(monkeypatch):
   attn_lib.register("spy", spy)
   model, _ = make_model(TINY.replace(attention_impl="spy", n_layers=1))
   ref, _ = make_model(TINY.replace(attention_impl="xla", n_layers=1))
-  tokens = tokens_for(TINY, 2, 6)
-  np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))[0]),
-                             np.asarray(ref(jnp.asarray(tokens))[0]), rtol=1e-6, atol=1e-6)
-  model(jnp.asarray(tokens), positions_BT=jnp.broadcast_to(jnp.arange(6), (2, 6)))
-  model(jnp.asarray(tokens), cache=model.init_cache(2, 8))
+  tokens = jnp.asarray(tokens_for(TINY, 2, 6))
+  # Each call jitted (one compile each; the spy sees the trace, once per call).
+  np.testing.assert_allclose(np.asarray(jax.jit(lambda t: model(t)[0])(tokens)),
+                             np.asarray(jax.jit(lambda t: ref(t)[0])(tokens)), rtol=1e-6,
+                             atol=1e-6)
+  jax.jit(lambda t: model(t, positions_BT=jnp.broadcast_to(jnp.arange(6), (2, 6)))[0])(tokens)
+  jax.jit(lambda t, c: model(t, cache=c)[0])(tokens, model.init_cache(2, 8))
   assert seen == [(True, True), (False, False), (False, False)]
 
 

@@ -81,6 +81,12 @@ def ckpt():
 
 
 @pytest.fixture(scope="module")
+def weights(ckpt):
+  """The flat float32 contract, dequantized once for the tests that read it."""
+  return ckpt.weights()
+
+
+@pytest.fixture(scope="module")
 def tok(ckpt):
   return ckpt.tokenizer()
 
@@ -94,7 +100,7 @@ def test_config(ckpt):
   assert {t.qtype for t in ckpt.tensors.values()} == {"Q4_1", "Q8_0", "F32"}
 
 
-def test_tensors_against_gguf_dequantize(ckpt):
+def test_tensors_against_gguf_dequantize(ckpt, weights):
   """Every weight of the contract, mapped back to its GGUF tensor (q / k rows permuted with
   llama.cpp's converter rule), equals the gguf package's dequantization of the stored bytes."""
   import gguf
@@ -102,7 +108,6 @@ def test_tensors_against_gguf_dequantize(ckpt):
   from llm import weights as W
   from tests.llm.test_gguf import converter_permute
   cfg = ckpt.config
-  weights = ckpt.weights()
   stored = {t.name: t for t in gguf.GGUFReader(ckpt.path).tensors}
   names = W._hf_names(cfg)
   for t in ckpt.tensors.values():
@@ -127,7 +132,7 @@ def test_tokenizer_and_chat_as_transformers(tok):
   assert chat.end_of_turn_id(tok) == 2 and chat.stop_ids(tok) == (2,)   # <|im_end|>
 
 
-def test_greedy_ids_and_logits_as_transformers(ckpt):
+def test_greedy_ids_and_logits_as_transformers(ckpt, weights):
   import jax
   from flax import nnx
 
@@ -135,7 +140,7 @@ def test_greedy_ids_and_logits_as_transformers(ckpt):
   from llm import model as model_lib
   cfg = ckpt.config
   model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
-  model_lib.load_weights(model, ckpt.weights())
+  model_lib.load_weights(model, weights)
   prompts = [g["prompt_ids"] for g in GREEDY]
   # The prompts right-padded into one forward: causal attention keeps each row's last real
   # position independent of the padding after it.
@@ -171,20 +176,24 @@ def test_generate_chat_cli(tmp_path):
   assert res["reply"] == "The capital of France is Paris."
 
 
-def test_bf16_speculative_greedy_ids_equal_plain_decoding():
+def test_bf16_speculative_greedy_ids_equal_plain_decoding(ckpt, weights):
   """bfloat16 SmolLM2, batch 1: speculative decoding with an untrained head (2:4:4 tree,
   4096-token draft vocabulary) gives plain decoding's ids on this prompt (without the slot
   layout and fixed-order norms, only 5 of 8 random 12-token prompts do; llm/attention/decode.py
   says why; not every prompt: BENCHMARKS.md). That the ids and logits do not change with the
   cache's size (logits that depend on it change 2 to 6 of 8 prompts with 7 or 40 more slots)
   is checked bit for bit on a bfloat16 SmolLM2-shaped model: tests/llm/test_generate.py
-  test_bf16_logits_do_not_depend_on_the_cache_size."""
+  test_bf16_logits_do_not_depend_on_the_cache_size.
+  The model is built as llm.checkpoints.load_model(spec, "bfloat16") builds it, from the
+  module's dequantized weights (read once for the file)."""
   from flax import nnx
 
   from llm import generate as gen_lib
-  from llm.checkpoints import load_model
+  from llm import model as model_lib
   from llm.speculative import DraftHead, TreeShape, speculative_generate
-  _, model = load_model("gguf:" + smollm2_gguf_or_skip(), "bfloat16")
+  cfg = ckpt.config.replace(dtype="bfloat16", param_dtype="bfloat16")
+  model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))   # as load_model does
+  model_lib.load_weights(model, weights)
   head = DraftHead(model.cfg, nnx.Rngs(0))
   rng = np.random.default_rng(1)
   prompt = rng.integers(100, 40000, 12).tolist()

@@ -48,6 +48,31 @@ def convert(src, dst, **kw):
   return criteo_bin.convert(str(src), str(dst), **kw)
 
 
+CONVERT = sys.modules["rec.data.criteo_bin.convert"]
+
+
+class _InProcessPool:
+  """`convert`'s worker pool run in this process (monkeypatched module settings reach it)."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+  imap_unordered = staticmethod(map)
+
+
+@pytest.fixture
+def in_process_pool(monkeypatch):
+  """`convert`'s units converted in this process instead of spawned worker processes (each
+  spawn imports the project anew): for tests of what a conversion writes, resumes and
+  refuses. The spawned pool itself converts in the two tests that take no such fixture
+  (test_conversion_equals_the_text_reader_and_shuffles_blocks: hashed ids;
+  test_vocabulary_with_frequency_threshold: the vocabulary's counting pass too)."""
+  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+
+
 def all_rows(batches):
   keep = np.concatenate([b.mask for b in batches]) == 1
   return (np.concatenate([b.dense for b in batches])[keep],
@@ -136,7 +161,7 @@ def test_vocabulary_with_frequency_threshold(tmp_path):
   assert (ids == 1).any() and (ids > 1).any()
 
 
-def test_resume_after_a_kill_redoes_only_unfinished_units(tmp_path):
+def test_resume_after_a_kill_redoes_only_unfinished_units(tmp_path, in_process_pool):
   src = kaggle_dir(tmp_path)
   dst = tmp_path / "bin"
   m = convert(src, dst)
@@ -157,7 +182,7 @@ def test_resume_after_a_kill_redoes_only_unfinished_units(tmp_path):
   criteo_bin.CriteoBinSource(str(dst), "train", 64)  # opens cleanly again
 
 
-def test_bad_shards_stop_with_the_file_named(tmp_path):
+def test_bad_shards_stop_with_the_file_named(tmp_path, in_process_pool):
   src = kaggle_dir(tmp_path, n_train=500)
   dst = tmp_path / "bin"
   convert(src, dst, unit_bytes=1 << 20)
@@ -233,7 +258,7 @@ def test_bad_shards_stop_with_the_file_named(tmp_path):
       assert str(e.value).startswith(f"{dst}/manifest.json: {found}"), str(e.value)
 
 
-def test_bad_lines_days_and_the_data_flag(tmp_path):
+def test_bad_lines_days_and_the_data_flag(tmp_path, in_process_pool):
   src = kaggle_dir(tmp_path, n_train=400)
   lines = (src / "train.txt").read_text().splitlines(keepends=True)
   lines[300] = lines[300].replace("\t", "\tx", 1)    # I1 becomes "x300"
@@ -264,7 +289,7 @@ def test_bad_lines_days_and_the_data_flag(tmp_path):
     sources.make_sources(f"criteo_bin:{tmp_path}", 64)
 
 
-def test_terabyte_days_gz_halves_equal_the_text_reader(tmp_path):
+def test_terabyte_days_gz_halves_equal_the_text_reader(tmp_path, in_process_pool):
   tera = tmp_path / "tera"
   tera.mkdir()
   import gzip
@@ -288,7 +313,8 @@ def test_terabyte_days_gz_halves_equal_the_text_reader(tmp_path):
   assert m["settings"]["days"] == [0, 1, 23] and m["layout"] == "terabyte"
 
 
-def test_kaggle_download_conversion_and_its_unlabeled_test_file(tmp_path, capfd):
+def test_kaggle_download_conversion_and_its_unlabeled_test_file(tmp_path, capfd,
+                                                                in_process_pool):
   d = tmp_path / "kaggle"
   d.mkdir()
   (d / "train.txt").write_text("".join(line(i) for i in range(703)))
@@ -325,7 +351,7 @@ def test_kaggle_download_conversion_and_its_unlabeled_test_file(tmp_path, capfd)
   assert criteo_bin.data_fingerprint(m2) != criteo_bin.data_fingerprint(m)
 
 
-def test_the_vocabulary_count_resumes_after_a_kill(tmp_path, capfd):
+def test_the_vocabulary_count_resumes_after_a_kill(tmp_path, capfd, in_process_pool):
   src = kaggle_dir(tmp_path, n_train=1200)
   ref = convert(src, tmp_path / "ref", ids="vocab", min_count=3)
   # as a kill during the counting pass leaves it: the counts of two finished units on disk,
@@ -352,27 +378,12 @@ def test_a_pool_worker_that_starts_after_its_parent_died_ends():
       [sys.executable, "-c", "import os, sys; from rec.data import criteo_bin; "
        f"criteo_bin._die_with_parent({parent}); print('alive')"],
       cwd=REPO, env=dict(os.environ, PYTHONPATH=cpu_env.python_path(REPO)),
-      capture_output=True, text=True,
-      timeout=120)
+      capture_output=True, text=True, timeout=120,
+      fork=True)   # a child of the fork server: its parent's pid as a pool worker's is
   gone = run("os.getppid() + 1")                     # not its parent: that one is gone
   assert gone.returncode == 1 and gone.stdout == "", gone
   alive = run("os.getppid()")
   assert alive.returncode == 0 and alive.stdout == "alive\n", alive
-
-
-CONVERT = sys.modules["rec.data.criteo_bin.convert"]
-
-
-class _InProcessPool:
-  """`convert`'s worker pool run in this process (monkeypatched module settings reach it)."""
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-  imap_unordered = staticmethod(map)
 
 
 def test_bad_settings_are_refused_before_anything_is_read(tmp_path):
@@ -385,7 +396,8 @@ def test_bad_settings_are_refused_before_anything_is_read(tmp_path):
   assert not (tmp_path / "bin").exists()
 
 
-def test_hashed_rows_a_run_cannot_train_are_refused_before_converting(tmp_path):
+def test_hashed_rows_a_run_cannot_train_are_refused_before_converting(tmp_path,
+                                                                       in_process_pool):
   """2^31 - 1 and 2^31 rows fit the int32 ids of the shards, but not a table a run trains
   (its padding id num_rows is int32 too: stream.MAX_TABLE_ROWS = 2^31 - 2), so the
   conversion, hours on Terabyte, would be written and never trained on."""
@@ -583,7 +595,7 @@ def test_thousands_of_mapped_shards_raise_the_open_file_limit(tmp_path):
   run = lambda d, hard: forkserver.run(
       [sys.executable, "-c", _FEW_FILES, str(tmp_path / d), str(hard)], cwd=REPO,
       env=dict(os.environ, PYTHONPATH=cpu_env.python_path(REPO)), capture_output=True,
-      text=True, timeout=120)
+      text=True, timeout=120, fork=True)   # the limits set in the child stay there
   import resource
   hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
   if hard != resource.RLIM_INFINITY and hard < 4096:

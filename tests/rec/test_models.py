@@ -338,7 +338,7 @@ def test_size_pattern_errors_name_the_flag(model, preset, msg):
 
 def _task(model_name, mesh, devices=None):
   cfg = configs.make_run(model=model_name, preset="small", num_rows=100, mesh=mesh,
-                             batch_size=32, eval_batch_size=32, eval_batches=1, sharding="dp")
+                             batch_size=16, eval_batch_size=16, eval_batches=1, sharding="dp")
   task, train_src, _, _, _ = configs.build_run(cfg, devices)
   return task, train_src
 
@@ -360,10 +360,25 @@ def test_train_steps_eight_devices_equal_one(model_name):
   dense parameter (each one moved)."""
   task1, src1 = _task(model_name, "data:1", jax.devices()[:1])
   task8, src8 = _task(model_name, "data:8")
-  init1 = task1.init_state(0)
-  # The same initial state on the 8-device mesh (init_state's own placement: dense state
-  # replicated under REC_RULES), without compiling the init program a second time.
-  host = jax.device_get({k: init1[k] for k in ("step", "params", "opt")})
+  # Dense parameters drawn on the host (no init program is compiled: that compile costs
+  # seconds per model on CPU): kernels random, biases 0 and other vectors (norm scales) 1
+  # as flax initializes them; the dense optimizer's own initial state and the tables of
+  # collection.init; the same state placed on both meshes (init_state's placement: dense
+  # state replicated under REC_RULES).
+  abstract = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(task1.model_fn(nnx.Rngs(0)))))
+  rng = np.random.default_rng(0)
+
+  def draw(path, p):
+    if len(p.shape) >= 2:
+      return (rng.normal(size=p.shape) / np.sqrt(np.prod(p.shape[:-1]))).astype(p.dtype)
+    bias = jax.tree_util.keystr(path).endswith("['bias']")
+    return np.full(p.shape, 0.0 if bias else 1.0, p.dtype)
+
+  params = jax.tree_util.tree_map_with_path(draw, abstract)
+  host = jax.device_get({"step": np.zeros((), np.int32), "params": params,
+                         "opt": task1.dense_tx.init(params)})
+  init1 = jax.device_put(host, NamedSharding(task1.mesh, jax.P()))
+  init1["emb"] = task1.collection.init(jax.random.key(1))
   init8 = jax.device_put(host, NamedSharding(task8.mesh, jax.P()))
   init8["emb"] = task8.collection.from_tables(task1.collection.to_tables(init1["emb"]))
   state1, loss1 = _train(task1, src1, init1)

@@ -290,13 +290,13 @@ def test_device_synthetic_trains_and_resumes_exactly(tmp_path):
     task, train_src, eval_src, _, _ = configs.build_run(cfg)
     assert train_src.batch(0).ids.sharding.spec[0] == ("data", "model")
     out = train_lib.train(task, train_src.batches, lambda: eval_src.batches(0),
-                          train_lib.TrainConfig(workdir=str(workdir), steps=8, log_every=2,
+                          train_lib.TrainConfig(workdir=str(workdir), steps=4, log_every=1,
                                                 tensorboard=False, **loop))
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       return out, [r["loss"] for r in map(json.loads, f) if r["split"] == "train"]
 
   straight, a = run(tmp_path / "a")
-  run(tmp_path / "b", stop_at_step=4)
+  run(tmp_path / "b", stop_at_step=2)
   resumed, b = run(tmp_path / "b", resume=True)
   assert a == b and straight["eval"] == resumed["eval"]
   assert straight["eval"]["num_examples"] == 128 and a[0] != a[-1]

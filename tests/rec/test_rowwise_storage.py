@@ -176,7 +176,8 @@ def test_eviction_writes_back_the_updated_row(bits):
   table = storage.from_float(x)
   assert np.asarray(table["cache_tags"]).tolist() == [0]
   new_row = (x[0] + 0.5).astype(np.float32)
-  table = storage.scatter(table, jnp.array([0]), jnp.asarray(new_row[None]), step=jnp.int32(0))
+  table = jax.jit(storage.scatter)(table, jnp.array([0]), jnp.asarray(new_row[None]),
+                                   step=jnp.int32(0))
   np.testing.assert_array_equal(table["cache_rows"][0], new_row)
   before_q = jax.tree.map(np.asarray, {k: table[k] for k in ("q", "scale", "bias")})
   np.testing.assert_allclose(  # the codes of row 0 still hold its initial value
@@ -186,7 +187,7 @@ def test_eviction_writes_back_the_updated_row(bits):
   table = jax.jit(storage.prepare_update)(table, jnp.array([1, 4, 4], jnp.int32), None,
                                           jnp.int32(1))
   assert np.asarray(table["cache_tags"]).tolist() == [1]
-  back = np.asarray(storage.to_float(table))
+  back = np.asarray(jax.jit(storage.to_float)(table))
   step_0 = float(np.asarray(table["scale"][0], np.float32))
   assert np.abs(back[0] - new_row).max() <= step_0 * (1 + 1e-5) + 1e-6
   assert np.abs(back[0] - x[0]).max() > 0.4
@@ -208,14 +209,14 @@ def test_lfu_counts_saturate_instead_of_wrapping():
   assert np.asarray(table["cache_tags"]).tolist() == [0, 1]      # 2 sets of 1 way
   table["counts"] = table["counts"].at[0].set(big - 5).at[2].set(1000)
   # Row 0 (set 0's resident) looked up 10 more times, row 2 (set 0, not cached) once.
-  out = storage.prepare_update(table, jnp.array([0, 2, 8, 8], jnp.int32),
-                               jnp.array([10, 1, 0, 0], jnp.int32), jnp.int32(0))
+  out = jax.jit(storage.prepare_update)(table, jnp.array([0, 2, 8, 8], jnp.int32),
+                                        jnp.array([10, 1, 0, 0], jnp.int32), jnp.int32(0))
   assert np.asarray(out["counts"])[[0, 2]].tolist() == [big, 1001]
   assert np.asarray(out["cache_tags"]).tolist() == [0, 1]
   # Prefetch: row 2 at big - 3 with 10 lookups ahead outranks row 0 at big - 5.
   table["counts"] = table["counts"].at[2].set(big - 3)
-  out = storage.prefetch(table, jnp.array([2, 8], jnp.int32), jnp.array([10, 0], jnp.int32),
-                         jnp.int32(0))
+  out = jax.jit(storage.prefetch)(table, jnp.array([2, 8], jnp.int32),
+                                  jnp.array([10, 0], jnp.int32), jnp.int32(0))
   assert np.asarray(out["cache_tags"]).tolist() == [2, 1]
   np.testing.assert_array_equal(out["counts"], table["counts"])   # prefetch counts nothing
 
@@ -259,7 +260,7 @@ def test_stochastic_quantization_unbiased(bits):
   n = 4096
   rows = np.repeat(x, n, axis=0)
   u24 = jax.random.bits(jax.random.key(5), rows.shape, jnp.uint32) >> 8
-  qr = rs.quantize_rowwise_stochastic(rows, bits, u24)
+  qr = jax.jit(rs.quantize_rowwise_stochastic, static_argnums=1)(rows, bits, u24)
   deq = np.asarray(quant.dequantize_rowwise(qr), np.float64)
   step = float(np.asarray(qr.scale, np.float32)[0])
   # min and max come back up to the format's own error (int4: its fp16 scale).

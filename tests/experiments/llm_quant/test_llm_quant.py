@@ -111,7 +111,7 @@ def test_smollm2_gguf_blocks_score_as_their_dequantization():
   float32 weights exactly, so perplexity agrees to float32 rounding; our int8 is close."""
   from tests.real_models import smollm2_gguf_or_skip
   with open(study.HELDOUT, encoding="utf-8") as f:
-    text = f.read()[:1200]
+    text = f.read()[:500]   # 114 tokens, one window: int8 is off by ~0.1%, gguf by ~1e-6
   # The study's perplexity path (study.run adds decode timings, which nothing here checks).
   spec = f"gguf:{smollm2_gguf_or_skip()}"
   cfg, variants = study.load_variants(spec, ["float32", "int8", "gguf"])

@@ -140,6 +140,8 @@ def test_node_slots_keep_lanes_and_order_within_the_span(lanes):
   and `slot_mask` puts each node's ancestors at exactly those slots."""
   rng = np.random.default_rng(lanes)
   node_slots = jax.jit(T.node_slots, static_argnums=1)
+  ancestors = jax.jit(T.ancestors, static_argnums=1)
+  slot_mask = jax.jit(T.slot_mask, static_argnums=2)
   for n, depth in ((2, 1), (5, 2), (7, 3), (9, 5), (25, 5)):
     shape = T.TreeShape(top_k=n, depth=depth, budget=n - 1)
     span, reached = T.slot_span(shape, lanes), 0
@@ -166,9 +168,10 @@ def test_node_slots_keep_lanes_and_order_within_the_span(lanes):
           j = parents[j]
       reached = max(reached, int(off.max()) + 1)
       assert reached <= span, (n, depth, off, span)
-      anc = T.ancestors(jnp.asarray([parents]), depth)
-      mask = np.asarray(T.slot_mask(anc, jnp.asarray([3]), 3 + span + 2,
-                                    jnp.asarray(off)[None]))[0]
+      anc = ancestors(jnp.asarray([parents]), depth)
+      mask = np.asarray(slot_mask(anc, jnp.asarray([3]), 3 + span + 2,
+                                  jnp.asarray(off)[None]))[0]
+      anc = np.asarray(anc)
       for i in range(n):
         for s in range(3 + span + 2):
           at = [j for j in range(n) if 3 + off[j] == s]
