@@ -13,9 +13,17 @@ compiled again and again under new Python closures, and the cache hands XLA's ex
 by the program's fingerprint instead. Executables are the same bytes either way, so no
 result changes; the directory is a temporary one removed when the run ends. A run that sets
 JAX_COMPILATION_CACHE_DIR itself keeps its setting (empty: no cache).
+
+Python's cyclic garbage collector walks every tracked object on each full collection, and a
+pytest process holds the imported test modules and jax's caches of every program traced so
+far: late in the suite one full collection took seconds (`core.cli` collects once before an
+error's last line). What survives the collection and each test file is frozen (`gc.freeze`),
+so later collections walk only the objects made since; a file's own garbage is collected
+before the freeze, so nothing of it is kept.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -54,6 +62,19 @@ def required_devices(item) -> int:
           f"got args={mark.args!r} kwargs={mark.kwargs!r}")
     need = max(need, mark.args[0])
   return need
+
+
+def pytest_collection_finish(session):
+  gc.collect()
+  gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+  yield   # the file's module-scoped fixtures are torn down when the next test is elsewhere
+  if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_runtest_setup(item):
