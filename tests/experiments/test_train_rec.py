@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tests import cpu_env
 from tests import forkserver
+from tests.rec import in_process_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.environ.get("REC_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
@@ -265,16 +266,7 @@ def test_converted_data_is_checked_before_training_and_on_resume(tmp_path, monke
   tests/rec/test_criteo_bin.py)."""
   from rec.data import criteo_bin
 
-  class InProcessPool:
-    def __enter__(self):
-      return self
-
-    def __exit__(self, *exc):
-      return False
-
-    imap_unordered = staticmethod(map)
-  monkeypatch.setattr(sys.modules["rec.data.criteo_bin.convert"], "_pool",
-                      lambda workers: InProcessPool())
+  in_process_pool.use(monkeypatch)
   raw = os.path.join(DATA, "criteo_kaggle_raw")
   d = tmp_path / "bin"
   criteo_bin.convert(raw, str(d), num_rows=1000, workers=2)

@@ -20,6 +20,7 @@ from rec.data import criteo, criteo_bin, sources
 from tests import cpu_env
 from tests.experiments.entry import REPO
 from tests import forkserver
+from tests.rec import in_process_pool as in_process_pool_lib
 
 ROWS = 97
 
@@ -51,18 +52,6 @@ def convert(src, dst, **kw):
 CONVERT = sys.modules["rec.data.criteo_bin.convert"]
 
 
-class _InProcessPool:
-  """`convert`'s worker pool run in this process (monkeypatched module settings reach it)."""
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-  imap_unordered = staticmethod(map)
-
-
 @pytest.fixture
 def in_process_pool(monkeypatch):
   """`convert`'s units converted in this process instead of spawned worker processes (each
@@ -70,7 +59,7 @@ def in_process_pool(monkeypatch):
   refuses. The spawned pool itself converts in the two tests that take no such fixture
   (test_conversion_equals_the_text_reader_and_shuffles_blocks: hashed ids;
   test_vocabulary_with_frequency_threshold: the vocabulary's counting pass too)."""
-  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  in_process_pool_lib.use(monkeypatch)
 
 
 def all_rows(batches):
@@ -435,7 +424,7 @@ def test_gz_line_ranges_read_in_many_chunks_and_units_of_many_shards(tmp_path, m
   lines23 = [line(5000 + i) for i in range(301)]
   with gzip.open(tera / "day_23.gz", "wt") as f:
     f.write("".join(lines23))
-  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  in_process_pool_lib.use(monkeypatch)
   monkeypatch.setattr(CONVERT, "ROWS_PER_SHARD", 40)
   monkeypatch.setattr(CONVERT, "_unit_lines",
                       functools.partial(CONVERT._unit_lines, chunk_bytes=1500))
@@ -481,7 +470,7 @@ def test_units_cover_the_file_and_start_at_lines(tmp_path):
 
 def test_a_finished_vocabulary_conversion_reruns_as_is_and_a_corrupt_manifest(tmp_path, capfd,
                                                                               monkeypatch):
-  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  in_process_pool_lib.use(monkeypatch)
   src = kaggle_dir(tmp_path, n_train=400)
   dst = tmp_path / "bin"
   m = convert(src, dst, ids="vocab", min_count=2)
@@ -506,7 +495,7 @@ def test_vocabulary_files_are_read_once_per_unit_and_closed(tmp_path, monkeypatc
   and building the vocabulary leaves no counts file open (one per 64 MiB unit: thousands
   of descriptors for plain Terabyte days)."""
   import functools
-  monkeypatch.setattr(CONVERT, "_pool", lambda workers: _InProcessPool())
+  in_process_pool_lib.use(monkeypatch)
   monkeypatch.setattr(CONVERT, "_unit_lines",
                       functools.partial(CONVERT._unit_lines, chunk_bytes=1500))
   opened, most_open, reads = [], [0], collections.Counter()
