@@ -27,8 +27,12 @@ as (`llm.attention.decode`), add the term of slot s into partial sum s mod 4 and
 partial sums at the end, so a node then sees its prefix and ancestors in the partial sums,
 and in the order, in which the plain decoding step at its position sees the same keys:
 verification gives that step's bits (with `llm.model.sum_last`'s norms, whatever the batch).
-A routine that groups terms otherwise (jax 0.12's for one query row) can still part them in
-the last bit.
+A routine that groups terms otherwise can still part them in the last bit: jax 0.12's XLA:CPU
+runs these float32 products as YNNPACK fusions whose partial sums for a row change with the
+number of rows beside it (and its exp's bits with the array's shape), so there a node's
+logits differ from the plain step's in last bits, and a bfloat16 model's greedy choices part
+at near ties (SmolLM2-135M, 2:4:4 tree, random 12-token prompts, 48 tokens: 1 of 8 rows
+equal plain decoding under jax 0.12.0.1, 8 of 8 under 0.11.2; float32 4 of 4 under 0.12.0.1).
 
 A chain (plain speculative decoding with one candidate per step) is TreeShape(1, d, d).
 
