@@ -30,9 +30,8 @@ verification gives that step's bits (with `llm.model.sum_last`'s norms, whatever
 A routine that groups terms otherwise can still part them in the last bit: jax 0.12's XLA:CPU
 runs these float32 products as YNNPACK fusions whose partial sums for a row change with the
 number of rows beside it (and its exp's bits with the array's shape), so there a node's
-logits differ from the plain step's in last bits, and a bfloat16 model's greedy choices part
-at near ties (SmolLM2-135M, 2:4:4 tree, random 12-token prompts, 48 tokens: 1 of 8 rows
-equal plain decoding under jax 0.12.0.1, 8 of 8 under 0.11.2; float32 4 of 4 under 0.12.0.1).
+logits differ from the plain step's in last bits, and a bfloat16 model's greedy choices can
+part at near ties (tests/llm/speculative/test_tree.py `require_lanes` probes the routine).
 
 A chain (plain speculative decoding with one candidate per step) is TreeShape(1, d, d).
 
