@@ -134,7 +134,8 @@ def is_out_of_memory(error: BaseException | str) -> bool:
 
 
 def machine() -> dict[str, Any]:
-  """What the numbers were measured on."""
+  """What the numbers were measured on (XLA_FLAGS too: they change XLA's code, e.g. which
+  routines XLA:CPU's products run through)."""
   import os
   cpu = platform.processor() or platform.machine()
   try:
@@ -148,7 +149,8 @@ def machine() -> dict[str, Any]:
   dev = jax.devices()[0]
   return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
           "backend": dev.platform, "device": getattr(dev, "device_kind", str(dev)),
-          "num_devices": jax.device_count(), "python": platform.python_version()}
+          "num_devices": jax.device_count(), "python": platform.python_version(),
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 # jax.monitoring events whose durations count as compile time: tracing, lowering to MLIR,

@@ -33,7 +33,8 @@ the chat's end of turn), in batches of that size, and plain `llm.generate.genera
 summed over the batches). Reported per (tree, batch): mean accepted length
 (tokens per draft-verify round, EAGLE's tau), tokens per target call, ms per token and the
 wall-clock speedup (benchmark.py beside this file); greedy output is checked token for token
-against plain decoding.
+against plain decoding, per prompt ("greedy ==": the rows equal out of the prompts;
+greedy_rows_equal / greedy_rows in the summary line).
 Writes <workdir>/results.json and <workdir>/spec_decode.png; the last stdout line is JSON.
 
 Measured (2-core CPU shared with other jobs, load average ~14, jax 0.11.2, 2026-11-24):
@@ -317,6 +318,12 @@ def _prompts_for_target(spec: str, vocab_size: int):
   return [ids[s:s + n].tolist() for s in rng.integers(0, len(ids) - n, 256)], ()
 
 
+def equal_rows(row: dict) -> str:
+  """'k/n' prompts whose greedy tokens equal plain decoding's; '-' when sampling."""
+  eq = row["greedy_rows_equal"]
+  return "-" if eq is None else f"{eq}/{row['prompts']}"
+
+
 def main(argv):
   del argv
   cli.quiet_library_logs()
@@ -413,7 +420,7 @@ def main(argv):
   for r in rows:
     print(f"{r['temperature']:>4g} {r['batch']:>5} {r['tree']:>9} {r['accept_length']:>10.2f} "
           f"{r['tokens_per_call']:>8.2f} {r['plain_ms_per_token']:>12.3f} "
-          f"{r['spec_ms_per_token']:>11.3f} {r['speedup']:>7.2f} {str(r['greedy_match']):>9}")
+          f"{r['spec_ms_per_token']:>11.3f} {r['speedup']:>7.2f} {equal_rows(r):>9}")
   profile = []
   if FLAGS.profile:
     for shape in shapes:
@@ -431,12 +438,14 @@ def main(argv):
   best = {f"{t:g}": {str(b): max((r for r in rows if r["batch"] == b and r["temperature"] == t),
                                   key=lambda r: r["speedup"]) for b in batch_sizes}
           for t in temperatures}
-  greedy = [r["greedy_match"] for r in rows if r["temperature"] == 0]
+  greedy = [r for r in rows if r["temperature"] == 0]
   summary = {"target": lm.model.init, "temperatures": temperatures,
              "max_new_tokens": FLAGS.max_new_tokens, "draft_eval": train_out["eval"],
              "draft_vocab": 0 if vocab is None else len(vocab),
              "draft_dtype": draft.cfg.dtype,
-             "greedy_match": all(greedy) if greedy else None,
+             "greedy_match": all(r["greedy_match"] for r in greedy) if greedy else None,
+             "greedy_rows_equal": sum(r["greedy_rows_equal"] for r in greedy),
+             "greedy_rows": sum(r["prompts"] for r in greedy),
              "best": {t: {b: {"tree": r["tree"], "speedup": round(r["speedup"], 3),
                               "accept_length": round(r["accept_length"], 3)}
                           for b, r in by_b.items()} for t, by_b in best.items()},

@@ -5,7 +5,8 @@ over several batches of prompts.
 Both run their whole `generate` call (prefill, the jitted decode loop, the host-side result)
 after one warm-up call per batch that compiles them; repeats alternate plain and speculative runs so
 that drift on a shared machine hits both, and medians are taken. With temperature 0 the
-speculative tokens are checked against the plain ones (`greedy_match`). Each row also keeps
+speculative tokens are checked against the plain ones, per prompt (`greedy_rows_equal`, and
+`greedy_match` when every prompt's are). Each row also keeps
 what the counts come from: per prompt, the new tokens and the drafted tokens accepted in
 each round.
 """
@@ -59,8 +60,9 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
   token / speculative ms per token; accepted length and tokens per target call pooled over
   the prompts (`round_counts`). Decoding ends at max_new_tokens or a stop token (a chat
   reply's end of turn). Row keys: tree, batch, prompts, accept_length, tokens_per_call,
-  plain_ms_per_token, spec_ms_per_token, speedup, greedy_match, and per prompt new_tokens
-  and accepted_per_round."""
+  plain_ms_per_token, spec_ms_per_token, speedup, greedy_rows_equal (how many prompts'
+  greedy tokens equal plain decoding's; None at temperature > 0), greedy_match (all of
+  them), and per prompt new_tokens and accepted_per_round."""
   batch = len(prompts) if batch is None else int(batch)
   groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
   if not groups:
@@ -91,13 +93,15 @@ def compare(target: Llama, draft: DraftHead, prompts: list[list[int]], max_new_t
     n_plain = sum(len(t) for w in wants for t in w)
     n_spec = sum(len(t) for r in results for t in r.tokens)
     per_prompt = [t for r in results for t in r.tokens]
+    equal = (sum(s_t == p_t for r, w in zip(results, wants) for s_t, p_t in zip(r.tokens, w))
+             if temperature == 0 else None)
     row = {"tree": str(shape), "top_k": shape.top_k, "depth": shape.depth,
            "budget": shape.budget, "batch": batch, "prompts": len(per_prompt),
            "temperature": temperature, **round_counts(results),
            "plain_ms_per_token": 1e3 * p / n_plain, "spec_ms_per_token": 1e3 * s / n_spec,
            "speedup": (p / n_plain) / (s / n_spec),
-           "greedy_match": (all(r.tokens == w for r, w in zip(results, wants))
-                            if temperature == 0 else None),
+           "greedy_rows_equal": equal, "greedy_match": (None if equal is None
+                                                         else equal == len(per_prompt)),
            "plain_seconds": t_plain, "spec_seconds": t_spec,
            "plain_new_tokens": [len(t) for w in wants for t in w],
            "new_tokens": [len(t) for t in per_prompt],

@@ -29,6 +29,9 @@ def test_spec_decode_entry(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   summary = json.loads(out.stdout.strip().splitlines()[-1])
   assert summary["greedy_match"] is True and set(summary["best"]["0"]) == {"1", "2"}
+  # Counted per prompt: 4 greedy rows (2 trees x 2 batch sizes) of 8 prompts.
+  assert summary["greedy_rows_equal"] == summary["greedy_rows"] == 32
+  assert " 8/8\n" in out.stdout
   res = json.load(open(tmp_path / "results.json"))
   assert len(res["rows"]) == 4 and all(r["tokens_per_call"] >= 1.0 for r in res["rows"])
   for r in res["rows"]:
@@ -145,6 +148,35 @@ def test_round_counts_pool_over_prompts():
   assert got["tokens_per_call"] == pytest.approx(96 / 84, rel=1e-12)
   assert got["accept_length"] == pytest.approx(88 / 76, rel=1e-12)
   assert got["tokens_per_call"] < got["accept_length"]
+
+
+def test_compare_counts_the_greedy_rows_equal_to_plain(monkeypatch):
+  """benchmark.compare checks greedy tokens per prompt: one prompt of four whose speculative
+  tokens differ from plain decoding's gives 3 equal rows (greedy_match false); sampling
+  rows carry no count."""
+  import types
+
+  import numpy as np
+
+  from experiments.spec_decode import benchmark
+  from llm.speculative import TreeShape
+  prompts = [[1, 2], [3, 4], [5, 6], [7, 8]]
+  plain = lambda target, g, n, **kw: [p + [9] * n for p in g]
+
+  def spec(target, draft, g, n, **kw):
+    toks = [p + [9] * n for p in g]
+    if g[0] == [5, 6]:
+      toks[0] = toks[0][:-1] + [0]     # the third prompt's last token differs
+    return types.SimpleNamespace(tokens=toks, rounds=np.ones(len(g), int),
+                                 accepted=np.full(len(g), n - 2), accepted_per_round=[[n - 2]])
+  monkeypatch.setattr(benchmark, "generate", plain)
+  monkeypatch.setattr(benchmark, "speculative_generate", spec)
+  run = lambda **kw: benchmark.compare(None, None, prompts, 4, [TreeShape(2, 2, 3)], batch=2,
+                                       repeats=1, progress=None, **kw)
+  [row] = run()
+  assert (row["greedy_rows_equal"], row["prompts"], row["greedy_match"]) == (3, 4, False)
+  [row] = run(temperature=1.0)
+  assert row["greedy_rows_equal"] is None and row["greedy_match"] is None
 
 
 def test_profile_round_alternates_with_plain_steps():
