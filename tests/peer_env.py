@@ -7,6 +7,12 @@ import os
 
 from experiments import peers
 
+# Arguments that run code given as a string in the peer interpreter: `-P` keeps the working
+# directory (the checkout, where the tests run) off sys.path, where its top-level packages
+# would shadow the peer's own of the same name (transformers imports Hugging Face's
+# `kernels` when it finds one, and found this project's).
+RUN_CODE = ("-P", "-c")
+
 
 def peer_python(variable: str) -> str:
   """$`variable` when set, else bin/python of ../peer311 or ../peer beside the checkout (the
@@ -25,7 +31,7 @@ def run_script(peer: str, script: str, tmp_path, lacks: str, out: str = "out.npz
 
   import pytest
   dst = os.path.join(str(tmp_path), out)
-  r = subprocess.run([peer, "-c", script, os.path.join(str(tmp_path), "in.npz"), dst],
+  r = subprocess.run([peer, *RUN_CODE, script, os.path.join(str(tmp_path), "in.npz"), dst],
                      capture_output=True, text=True, timeout=600)
   if r.returncode and "No module named" in r.stderr:
     pytest.skip(f"{peer} lacks {lacks}: {r.stderr.strip()[-200:]}")

@@ -53,7 +53,7 @@ from llm import tokenizer as T
 from llm import weights as W
 from llm.config import YarnScaling, get_config
 from tests.experiments.entry import run_entry
-from tests.peer_env import peer_python
+from tests.peer_env import RUN_CODE, peer_python
 from tests.llm.test_families import family_weights
 from tests.llm.test_tokenizer import SENTENCES, train_bpe
 
@@ -235,7 +235,7 @@ def test_our_gguf_export_loads_in_transformers(tmp_path):
   transformers' own GGUF loader: the logits and greedy ids of our model. (transformers'
   GGUF loader ignores rope_freqs.weight, so the Llama here has no RoPE scaling; it ignores
   attention.sliding_window too, as llama.cpp does for these architectures.)"""
-  r = subprocess.run([PEER, "-c", "import gguf, accelerate"], capture_output=True, text=True)
+  r = subprocess.run([PEER, *RUN_CODE, "import gguf, accelerate"], capture_output=True, text=True)
   if r.returncode:
     pytest.skip(f"{PEER} lacks gguf / accelerate (transformers' GGUF loader needs both)")
   from llm import gguf as GG
@@ -330,7 +330,8 @@ def test_loader_choices_are_transformers(tmp_path):
     with open(os.path.join(configs[name], "config.json"), "w") as f:
       json.dump({k: v for k, v in cfg_dict.items() if k not in ("sliding_window", "layer_types")},
                 f)
-  r = subprocess.run([PEER, "-c", _CHOICES, json.dumps({"both": both, "tied": tied, **configs})],
+  r = subprocess.run([PEER, *RUN_CODE, _CHOICES,
+                      json.dumps({"both": both, "tied": tied, **configs})],
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   peer = json.loads(r.stdout.strip().splitlines()[-1])
@@ -374,7 +375,7 @@ def test_export_entry_point_tokens_and_stop_ids_in_transformers(tmp_path):
   out = str(tmp_path / "exported")
   run_entry("experiments.export", [f"--checkpoint=hf:{src}", "--to=hf", f"--out={out}"])
   texts = SENTENCES[:3] + [" leading space", "wörds 🦙"]
-  r = subprocess.run([PEER, "-c", _TOKENS, out, json.dumps(texts)], capture_output=True,
+  r = subprocess.run([PEER, *RUN_CODE, _TOKENS, out, json.dumps(texts)], capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   peer = json.loads(r.stdout.strip().splitlines()[-1])

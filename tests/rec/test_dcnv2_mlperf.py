@@ -25,7 +25,7 @@ from rec.embedding import optimizers as opt_lib
 from rec.embedding import planner as planner_lib
 from rec.models import dcnv2
 from rec.models.dcnv2 import DCNv2, DCNv2Config
-from tests.peer_env import peer_python
+from tests.peer_env import RUN_CODE, peer_python
 
 # From the MLCommons reference (training/recommendation_v2/torchrec_dlrm/README.MD, the
 # run on the materialized multi-hot data set): --num_embeddings_per_feature,
@@ -208,7 +208,7 @@ def test_torch_adagrad_matches_torch_optim_adagrad(tmp_path):
   params = {"w": np.ones((3, 4), np.float32), "b": np.zeros(4, np.float32)}
   np.savez(tmp_path / "in.npz", lr=lr, steps=len(grads), **params,
            **{f"g{k}{t}": g[k] for t, g in enumerate(grads) for k in g})
-  r = subprocess.run([peer, "-c", _TORCH_ADAGRAD, str(tmp_path / "in.npz"),
+  r = subprocess.run([peer, *RUN_CODE, _TORCH_ADAGRAD, str(tmp_path / "in.npz"),
                       str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   torch_p = dict(np.load(tmp_path / "out.npz"))

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from rec.models.wukong import Wukong, WukongConfig
-from tests.peer_env import peer_python
+from tests.peer_env import RUN_CODE, peer_python
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 PEER = peer_python("FUXICTR_PEER_PYTHON")   # the Python 3.11 peer environment's interpreter
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.peer,
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-  r = subprocess.run([PEER, "-c", "import torch, fuxictr.pytorch.layers"], capture_output=True,
+  r = subprocess.run([PEER, *RUN_CODE, "import torch, fuxictr.pytorch.layers"], capture_output=True,
                      text=True, timeout=300)
   if r.returncode != 0:
     pytest.skip(f"{PEER} cannot import torch and fuxictr: {r.stderr.strip()[-300:]}")
@@ -96,7 +96,7 @@ def test_side_by_side_training_learns(tmp_path):
   # fall, and eval AUC well above chance on the same eval examples.
   from experiments.wukong_scaling import fuxictr
   from rec import configs
-  r = subprocess.run([PEER, "-c", "import torch, fuxictr.pytorch.layers"], capture_output=True,
+  r = subprocess.run([PEER, *RUN_CODE, "import torch, fuxictr.pytorch.layers"], capture_output=True,
                      text=True, timeout=300)
   if r.returncode != 0:
     pytest.skip(f"{PEER} cannot import torch and fuxictr: {r.stderr.strip()[-300:]}")

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from tests.peer_env import peer_python
+from tests.peer_env import RUN_CODE, peer_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -58,7 +58,7 @@ def test_prefill_last_logits_and_greedy_ids(tmp_path):
   prompts = [[5, 17, 33, 2, 80, 41, 9], [60, 61, 3, 3, 95, 0, 12]]
   (tmp_path / "prompts.json").write_text(json.dumps(prompts))
   new = 6
-  r = subprocess.run([PEER, "-c", WRITE_AND_REFERENCE, PEERS, str(tmp_path / "model"),
+  r = subprocess.run([PEER, *RUN_CODE, WRITE_AND_REFERENCE, PEERS, str(tmp_path / "model"),
                       str(tmp_path / "prompts.json"), str(new)],
                      capture_output=True, text=True, timeout=600)
   if r.returncode and "No module named" in r.stderr:

@@ -78,7 +78,7 @@ from llm import model as M
 from llm.config import RopeScaling, get_config
 from llm.tokenizer import Llama2cTokenizer, write_llama2c_tokenizer
 from tests.experiments.entry import run_entry
-from tests.peer_env import peer_python
+from tests.peer_env import RUN_CODE, peer_python
 from tests.llm.test_families import family_weights
 from tests.llm.test_gguf import _bpe_vocab
 from tests.llm.test_tokenizer import _bin_pieces, _random_vocab, train_bpe
@@ -107,7 +107,7 @@ PROMPTS = [[5, 77, 123, 9, 250], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41]]
 
 @pytest.fixture(scope="module")
 def peer():
-  r = subprocess.run([PEER, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+  r = subprocess.run([PEER, *RUN_CODE, "import llama_cpp; print(llama_cpp.__version__)"],
                      capture_output=True, text=True, timeout=300)
   if r.returncode:
     pytest.skip(f"{PEER} cannot import llama_cpp (pip install llama-cpp-python; "
@@ -346,7 +346,7 @@ def test_smollm2_export_runs_in_llama_cpp(peer, smollm2, gguf_type, kv_type):
       assert worst <= 2 * worst_rounded, (worst, worst_rounded)
     if gguf_type == "Q8_0" and "F32" in smollm2:   # llama.cpp's quantizer on our F32 export
       theirs = str(d / "smollm2.llama_cpp_quantized.Q8_0.gguf")
-      r = subprocess.run([PEER, "-c", QUANTIZE, smollm2["F32"], theirs], capture_output=True,
+      r = subprocess.run([PEER, *RUN_CODE, QUANTIZE, smollm2["F32"], theirs], capture_output=True,
                          text=True, timeout=600)
       assert r.returncode == 0, r.stderr[-2000:]
       assert _tensor_bytes(theirs) == _tensor_bytes(out)
@@ -480,7 +480,7 @@ print(json.dumps({"real": real, "refused": refused}))
 
 
 def test_extra_buffers_off_or_refused(peer):
-  r = subprocess.run([PEER, "-c", EXTRA_BUFTS, os.path.dirname(SCRIPT)], capture_output=True,
+  r = subprocess.run([PEER, *RUN_CODE, EXTRA_BUFTS, os.path.dirname(SCRIPT)], capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from experiments.benchmarks import serving as S
-from tests.peer_env import peer_python
+from tests.peer_env import RUN_CODE, peer_python
 from tests.real_models import smollm2_gguf_or_skip
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.peer,
 @pytest.fixture(scope="module")
 def gguf():
   path = smollm2_gguf_or_skip()
-  r = subprocess.run([PEER, "-c", "import llama_cpp.server.app"], capture_output=True,
+  r = subprocess.run([PEER, *RUN_CODE, "import llama_cpp.server.app"], capture_output=True,
                      text=True, timeout=300)
   if r.returncode:
     pytest.skip(f"{PEER} cannot import llama_cpp.server (pip install "
@@ -70,7 +70,7 @@ def test_server_settings(gguf):
           "'n_threads_batch', 'n_ctx', 'model_alias', 'flash_attn', 'type_k')}, "
           "**{k: getattr(server, k) for k in ('interrupt_requests', 'disable_ping_events')}, "
           "'extra_bufts': bool(low.llama_model_default_params().use_extra_bufts)}))")
-  r = subprocess.run([PEER, "-c", code, os.path.dirname(SCRIPT), gguf], capture_output=True,
+  r = subprocess.run([PEER, *RUN_CODE, code, os.path.dirname(SCRIPT), gguf], capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert json.loads(r.stdout.strip().splitlines()[-1]) == {
