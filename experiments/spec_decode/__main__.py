@@ -439,13 +439,13 @@ def main(argv):
                                   key=lambda r: r["speedup"]) for b in batch_sizes}
           for t in temperatures}
   greedy = [r for r in rows if r["temperature"] == 0]
+  equal, compared = (sum(r[k] for r in greedy) for k in ("greedy_rows_equal", "prompts"))
   summary = {"target": lm.model.init, "temperatures": temperatures,
              "max_new_tokens": FLAGS.max_new_tokens, "draft_eval": train_out["eval"],
              "draft_vocab": 0 if vocab is None else len(vocab),
              "draft_dtype": draft.cfg.dtype,
-             "greedy_match": all(r["greedy_match"] for r in greedy) if greedy else None,
-             "greedy_rows_equal": sum(r["greedy_rows_equal"] for r in greedy),
-             "greedy_rows": sum(r["prompts"] for r in greedy),
+             "greedy_match": equal == compared if greedy else None,
+             "greedy_rows_equal": equal, "greedy_rows": compared,
              "best": {t: {b: {"tree": r["tree"], "speedup": round(r["speedup"], 3),
                               "accept_length": round(r["accept_length"], 3)}
                           for b, r in by_b.items()} for t, by_b in best.items()},
