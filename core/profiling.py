@@ -22,7 +22,7 @@ import glob
 import gzip
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 # Markers of XLA:CPU's thread pools and the executor spans that enclose the ops, not ops.
 _CPU_NOISE = ("ThreadpoolListener::", "SlinkyThreadPool::", "ThunkExecutor::", "end: ")
@@ -114,8 +114,35 @@ def summarize(out_dir: str, steps: int = 1, top: int = 12) -> dict[str, Any]:
                   for n, (c, d) in ranked]}
 
 
+def profiled(out_dir: str, fn: Callable[[], Any], steps: int = 1) -> tuple[Any, dict[str, Any]]:
+  """(fn's result, the summary of its trace): runs `fn` under `trace(out_dir)`. The
+  profile is a by-product of a measurement taken before it, so a profiler that cannot
+  trace or a trace that cannot be read is no failure of the measurement: the summary is
+  then {"error": what went wrong} (fn's own errors still raise). fn's result is None when
+  the trace did not start and fn did not run."""
+  try:
+    tracer = trace(out_dir)
+    tracer.__enter__()
+  except Exception as e:  # noqa: BLE001 - no profiler here; the measurement stands
+    return None, {"error": f"the trace did not start: {type(e).__name__}: {e}"}
+  try:
+    result = fn()
+  except BaseException:
+    with contextlib.suppress(Exception):
+      tracer.__exit__(None, None, None)
+    raise
+  try:
+    tracer.__exit__(None, None, None)
+    return result, summarize(out_dir, steps=steps)
+  except Exception as e:  # noqa: BLE001
+    return result, {"error": f"the trace could not be read: {type(e).__name__}: {e}"}
+
+
 def format_summary(s: dict[str, Any]) -> str:
-  """A few lines for a log: busy / span, kernel count, the top names."""
+  """A few lines for a log: busy / span, kernel count, the top names (or the error of a
+  profile that could not be taken)."""
+  if "error" in s:
+    return f"no profile: {s['error']}"
   frac = "-" if s["busy_fraction"] is None else f"{s['busy_fraction']:.0%}"
   out = [f"{s['lines']}: busy {s['busy_ms']:.2f} of {s['span_ms']:.2f} ms ({frac}), "
          f"{s['kernels']} events ({s['kernels_per_step']:.0f} per step)"]
@@ -124,4 +151,4 @@ def format_summary(s: dict[str, Any]) -> str:
   return "\n".join(out)
 
 
-__all__ = ["device_events", "format_summary", "summarize", "trace"]
+__all__ = ["device_events", "format_summary", "profiled", "summarize", "trace"]

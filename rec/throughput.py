@@ -77,9 +77,8 @@ def measure(task, src: BatchSource, *, steps: int = 50, repeats: int = 3,
   out["end_to_end_over_step"] = out["end_to_end_examples_per_sec"] / out["step_examples_per_sec"]
   if profile_dir:
     from core import profiling
-    with profiling.trace(profile_dir):
-      loop_rate(task, src, steps)
-    out["profile"] = profiling.summarize(profile_dir, steps=steps)
+    _, out["profile"] = profiling.profiled(profile_dir, lambda: loop_rate(task, src, steps),
+                                           steps=steps)
   return out
 
 

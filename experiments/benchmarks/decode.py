@@ -12,7 +12,6 @@ Letters: B batch, T prompt length, D model dim.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -55,16 +54,18 @@ def decode_bytes_per_step(model, batch: int, prompt_len: int,
   return float(weights), float(kv)
 
 
-def time_decode(model, prompts, new_tokens: int, repeats: int, profile_dir: str | None = None):
+def time_decode(model, prompts, new_tokens: int, repeats: int, profile_dir: str | None = None,
+                profile: dict | None = None):
   """(prefill seconds per repeat, decode seconds per repeat, generated ids) for greedy
   generation of `new_tokens` tokens after `prompts` [B, T] (no stop token); the first run
   compiles and is not timed. `profile_dir`: one more run's decode (not its prefill) is
-  traced there (core.profiling)."""
+  traced there and its summary (core.profiling.profiled) goes into `profile`."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
   from llm import generate as gen
+  profile = {} if profile is None else profile
   graphdef, state = nnx.split(model)
   tokens = jnp.asarray(prompts, jnp.int32)
   lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
@@ -77,9 +78,15 @@ def time_decode(model, prompts, new_tokens: int, repeats: int, profile_dir: str 
     tok, cache, key = gen.prefill(graphdef, state, tokens, lengths, key, None, max_len=max_len)
     jax.block_until_ready((tok, cache))
     t1 = time.perf_counter()
-    with profiling.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+    def decode():
       out, _ = gen.decode(graphdef, state, cache, tok, key, None, stop, n_new=new_tokens)
-      out = np.asarray(out)
+      return np.asarray(out)
+
+    if trace_dir:   # a profile is a by-product: one that cannot be taken says why
+      out, summary = profiling.profiled(trace_dir, decode, steps=new_tokens - 1)
+      profile.update(summary)
+    else:
+      out = decode()
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, out.tolist()
 
@@ -109,7 +116,8 @@ def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats:
                      "step after the prefill's token)")
   rng = np.random.default_rng(seed)
   prompts = rng.integers(0, model.cfg.vocab_size, (batch, prompt_len)).tolist()
-  pre, dec, _ = time_decode(model, prompts, new_tokens, repeats, profile_dir)
+  summary: dict = {}
+  pre, dec, _ = time_decode(model, prompts, new_tokens, repeats, profile_dir, summary)
   step_ms = benchmark.median(dec) * 1e3 / (new_tokens - 1)
   w_bytes, kv_bytes = decode_bytes_per_step(model, batch, prompt_len, new_tokens)
   floor_ms = (w_bytes + kv_bytes) / copy_bytes_per_s * 1e3
@@ -118,7 +126,7 @@ def measure_decode(model, batch: int, prompt_len: int, new_tokens: int, repeats:
          "decode_floor_ms": floor_ms, "decode_over_floor": step_ms / floor_ms,
          "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv_bytes}
   if profile_dir:
-    out["profile"] = profiling.summarize(profile_dir, steps=new_tokens - 1)
+    out["profile"] = summary
   return out
 
 

@@ -103,11 +103,14 @@ def run_benchmark(cfg, *, seq_len, batch, mesh_spec, mu_dtype="float32", loss_ch
   profile = None
   if profile_dir:
     from core import profiling
-    with profiling.trace(profile_dir):
+
+    def three_steps(state=state):
       for _ in range(3):
         state = step_fn(state)
-      jax.block_until_ready(state)
-    profile = profiling.summarize(profile_dir, steps=3)
+      return jax.block_until_ready(state)
+
+    traced, profile = profiling.profiled(profile_dir, three_steps, steps=3)
+    state = state if traced is None else traced
 
   n_dev = mesh.devices.size
   # What "auto" runs for the model's attention calls (no cache, default positions).

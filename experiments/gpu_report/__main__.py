@@ -20,6 +20,8 @@ Parts (--parts, in this order by default; parts.py says what each measures):
                  pallas_mgpu, the fastest remat policy of --lm_remats; target MFU >= 50%
   decode         bf16 decode ms per step, batch 1 and 8, prompt 1K, against the bandwidth
                  floor (weights + KV cache over the copy bandwidth); target <= 1.3x at batch 1
+                 with attention auto (the split-key kernel, kernels/decode_attention.py),
+                 beside the same weights with xla_decode (the jnp sums)
   embedding_bag  the Pallas embedding bag per row format (fp32, bf16, int8, int4, int8 with
                  an fp32 cache) at buffers over 4 GiB, against the copy bandwidth and XLA's
                  gather; targets fp32 / bf16 >= 70%, int8 >= 60% and faster than XLA

@@ -101,6 +101,7 @@ class Sizes:
   dec_preset: str
   dec_overrides: tuple[tuple[str, Any], ...]
   dec_batches: tuple[int, ...]
+  dec_attention: tuple[str, ...]     # attention_impl per case; the first is judged
   dec_prompt: int
   dec_new_tokens: int
   dec_repeats: int
@@ -148,7 +149,8 @@ class Sizes:
         lm_preset="llama32_1b", lm_overrides=(), lm_seq=8192, lm_batch=1,
         lm_impls=("auto", "cudnn", "pallas_mgpu"), lm_remats=("none", "attention"),
         lm_steps=5, lm_repeats=2, lm_warmup=1, lm_min_case_s=30.0,
-        dec_preset="llama32_1b", dec_overrides=(), dec_batches=(1, 8), dec_prompt=1024,
+        dec_preset="llama32_1b", dec_overrides=(), dec_batches=(1, 8),
+        dec_attention=("auto", "xla_decode"), dec_prompt=1024,
         dec_new_tokens=33, dec_repeats=3,
         eb_rows=1_000_000, eb_dim=128, eb_batch=8192, eb_features=26, eb_bag_len=20,
         eb_formats=("float32", "bfloat16", "int8", "int4", "int8_cache"),
@@ -190,7 +192,8 @@ class Sizes:
                                         ("head_dim", 64)),
         lm_seq=32, lm_batch=1, lm_impls=("auto", "xla", "cudnn", "pallas_mgpu"),
         lm_remats=("none",), lm_steps=1, lm_repeats=1, lm_warmup=0, lm_min_case_s=0.0,
-        dec_preset="tiny", dec_overrides=(("n_layers", 1),), dec_batches=(1,), dec_prompt=8,
+        dec_preset="tiny", dec_overrides=(("n_layers", 1),), dec_batches=(1,),
+        dec_attention=("auto", "pallas_decode"), dec_prompt=8,
         dec_new_tokens=3, dec_repeats=1,
         eb_rows=64, eb_dim=16, eb_batch=4, eb_features=2, eb_bag_len=3,
         eb_formats=("float32", "bfloat16", "int8", "int4", "int8_cache"),
@@ -212,6 +215,10 @@ def _profile_tables(profiles: dict[str, Any]) -> dict[str, list[dict]]:
   out = {}
   for label, s in profiles.items():
     if not s:
+      continue
+    if "error" in s:
+      out[f"profile {label}"] = [{"kernel": "(no profile)", "count": "-", "ms": "-",
+                                  "share": s["error"]}]
       continue
     frac = "-" if s["busy_fraction"] is None else f"{s['busy_fraction']:.0%}"
     head = {"kernel": f"(all: {s['lines']})", "count": s["kernels"],
@@ -382,7 +389,9 @@ def _lm_attention(impl: str, dry_run: bool) -> str:
 
 def part_decode(ctx: Context) -> dict:
   """bf16 decode ms per step against the floor (weights + KV cache over the copy
-  bandwidth), per batch size; the target is at batch 1."""
+  bandwidth), per attention_impl and batch size; the target is the first impl (auto: on a
+  GPU the split-key kernel, kernels/decode_attention.py) at batch 1, the others are the
+  same weights with another decode attention, side by side."""
   from flax import nnx
 
   from llm import model as model_lib
@@ -392,36 +401,43 @@ def part_decode(ctx: Context) -> dict:
   cfg = base.replace(dtype="bfloat16", param_dtype="bfloat16",
                      max_seq_len=max(base.max_seq_len, s.dec_prompt + s.dec_new_tokens))
   copy_bw = ctx.copy_bandwidth()
-  model = model_lib.Llama(cfg, nnx.Rngs(0))
-  ctx.log(f"  Llama {s.dec_preset}: {cfg.num_params() / 1e9:.2f}B params in bf16")
   targets, rows, profiles = [], [], {}
-  for b in s.dec_batches:
-    name = (f"decode ms/step over the bandwidth floor, {s.dec_preset} bf16, batch {b}, "
-            f"prompt {s.dec_prompt}")
-    limit = DECODE_TARGET if b == 1 else None
-    skip = _skipped_reason(ctx)
-    if skip:
-      targets.append(judged("decode", name, None, at_most=limit, skipped=skip))
-      continue
-    try:
-      r = decode_bench.measure_decode(model, b, s.dec_prompt, s.dec_new_tokens, s.dec_repeats,
-                                      copy_bw, profile_dir=ctx.profile_dir(f"decode_b{b}"))
-    except Exception as e:  # noqa: BLE001 - report and go on (OOM at batch 8, ...)
-      targets.append(judged("decode", name, None, at_most=limit, error=fa_bench.error_text(e)))
-      ctx.log(f"  batch {b}: FAILED {targets[-1].detail}")
-      continue
-    if "profile" in r:
-      profiles[f"batch {b}"] = r.pop("profile")
-    rows.append(r)
-    ctx.log(f"  batch {b}: prefill {r['prefill_ms']:.1f} ms, decode {r['decode_ms_per_step']:.3f}"
-            f" ms/step, floor {r['decode_floor_ms']:.3f} ms ({r['decode_over_floor']:.2f}x)")
-    ctx.log_profile(f"decode batch {b}", profiles.get(f"batch {b}"))
-    targets.append(judged(
-        "decode", name, r["decode_over_floor"], at_most=limit,
-        detail=f"{r['decode_ms_per_step']:.3f} ms vs floor {r['decode_floor_ms']:.3f} ms "
-               f"({(r['weight_bytes_per_step'] + r['kv_bytes_per_step']) / 1e9:.2f} GB at "
-               f"{copy_bw / 1e12:.2f} TB/s)"))
-  del model
+  for n, impl in enumerate(s.dec_attention):
+    model = model_lib.Llama(cfg.replace(attention_impl=impl), nnx.Rngs(0))
+    if n == 0:
+      ctx.log(f"  Llama {s.dec_preset}: {cfg.num_params() / 1e9:.2f}B params in bf16")
+    for b in s.dec_batches:
+      name = (f"decode ms/step over the bandwidth floor, {s.dec_preset} bf16, batch {b}, "
+              f"prompt {s.dec_prompt}, attention {impl}")
+      limit = DECODE_TARGET if b == 1 and n == 0 else None
+      skip = _skipped_reason(ctx)
+      if skip:
+        targets.append(judged("decode", name, None, at_most=limit, skipped=skip))
+        continue
+      label = f"batch {b}" + ("" if n == 0 else f", {impl}")
+      try:
+        r = decode_bench.measure_decode(
+            model, b, s.dec_prompt, s.dec_new_tokens, s.dec_repeats, copy_bw,
+            profile_dir=ctx.profile_dir(f"decode_b{b}") if n == 0 else None)
+      except Exception as e:  # noqa: BLE001 - report and go on (OOM at batch 8, ...)
+        targets.append(judged("decode", name, None, at_most=limit,
+                              error=fa_bench.error_text(e)))
+        ctx.log(f"  {label}: FAILED {targets[-1].detail}")
+        continue
+      if "profile" in r:
+        profiles[label] = r.pop("profile")
+      r["attention_impl"] = impl
+      rows.append(r)
+      ctx.log(f"  {label}: prefill {r['prefill_ms']:.1f} ms, decode "
+              f"{r['decode_ms_per_step']:.3f} ms/step, floor {r['decode_floor_ms']:.3f} ms "
+              f"({r['decode_over_floor']:.2f}x)")
+      ctx.log_profile(f"decode {label}", profiles.get(label))
+      targets.append(judged(
+          "decode", name, r["decode_over_floor"], at_most=limit,
+          detail=f"{r['decode_ms_per_step']:.3f} ms vs floor {r['decode_floor_ms']:.3f} ms "
+                 f"({(r['weight_bytes_per_step'] + r['kv_bytes_per_step']) / 1e9:.2f} GB at "
+                 f"{copy_bw / 1e12:.2f} TB/s)"))
+    del model
   return {"targets": targets, "details": {"copy_bytes_per_s": copy_bw, "profiles": profiles,
                                           "tables": {"decode": rows,
                                                      **_profile_tables(profiles)}}}
@@ -544,9 +560,8 @@ def _time_rec_step(ctx: Context, batch, rows, steps, repeats, warmup,
     summary = None
     trace_dir = ctx.profile_dir(profile_label) if profile_label else None
     if trace_dir:
-      with profiling.trace(trace_dir):
-        _, state = rec_bench.time_step(step, state, pool, steps, 1, 0)
-      summary = profiling.summarize(trace_dir, steps=steps)
+      _, summary = profiling.profiled(
+          trace_dir, lambda: rec_bench.time_step(step, state, pool, steps, 1, 0), steps=steps)
       ctx.log_profile(f"{profile_label} ({steps} steps)", summary)
     del state, pool
     ctx.shared[key] = (benchmark.median(per_step), ndev, summary)

@@ -7,7 +7,8 @@
 `impl` names: "xla" (the jnp reference, `reference.attention_reference`), "xla_decode" (the
 same rule reading a KV cache in place, `decode.py`), "cudnn" (cuDNN flash attention,
 `cudnn.py`), "pallas" (the Pallas kernel `choose.choose_kernel` picks, `pallas.py`),
-"pallas_mgpu" / "pallas_triton" (one kernel), and "auto": per call, the fastest
+"pallas_mgpu" / "pallas_triton" (one kernel), "pallas_decode" (the split-key decode kernel,
+`kernels/decode_attention.py`), and "auto": per call, the fastest
 implementation that is exact for it (`choose.choose_impl`; one device probe for both
 choices). `register` adds more. Models call `attention(..., impl=cfg.attention_impl)` and
 never branch on the name; context parallelism is not an implementation but a setting of the
@@ -37,7 +38,8 @@ _LAZY = {"xla_decode": ("llm.attention.decode", "decode_attention"),
          "cudnn": ("llm.attention.cudnn", "cudnn_attention"),
          "pallas": ("llm.attention.pallas", "pallas_attention"),
          "pallas_mgpu": ("kernels.flash_attention_mgpu", "flash_attention_mgpu"),
-         "pallas_triton": ("kernels.flash_attention_triton", "flash_attention_triton")}
+         "pallas_triton": ("kernels.flash_attention_triton", "flash_attention_triton"),
+         "pallas_decode": ("kernels.decode_attention", "decode_attention")}
 # Ring attention is context parallelism, a model setting of its own.
 CONTEXT_PARALLEL = ("pass_kv", "pass_q", "auto")
 

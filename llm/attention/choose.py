@@ -9,7 +9,12 @@ from values, and from `DeviceInfo`: the backend, the GPU's compute capability, t
 runtime and whether cuDNN flash attention is usable, probed once per process
 (`device_info()`); tests and ahead-of-time lowering pass a DeviceInfo instead.
 
-    decode (T <= DECODE_MAX_T, T < S)       "xla_decode" (one read of the cache in place; on
+    decode (T <= DECODE_MAX_T, T < S):
+      a GPU, bf16 / fp16, head dim a power   "pallas_decode" (kernels/decode_attention.py:
+        of two in [16, 256], no segment ids    one kernel reads the cache in place, split
+        (an explicit mask comes as segment     over the keys)
+        ids: llm/attention/masked.py)
+      otherwise                              "xla_decode" (one read of the cache in place; on
                                               CPU its sums as matrix products: decode.py)
     not a GPU                               "xla"
     no segment ids, no positions,           "cudnn" (cuDNN's causal / no mask is then exactly
@@ -109,6 +114,10 @@ def choose_impl(q_BTHK, k_BSGK, *, causal: bool = True, q_segment_ids=None,
   device = device_info() if device is None else device
   t, s = q_BTHK.shape[1], k_BSGK.shape[1]
   if t <= DECODE_MAX_T and t < s:
+    if device.backend == "gpu" and q_segment_ids is None and k_BSGK.dtype == q_BTHK.dtype:
+      from kernels.decode_attention import supports as decode_kernel_supports
+      if decode_kernel_supports(q_BTHK.dtype, q_BTHK.shape[-1]) is None:
+        return "pallas_decode"
     return "xla_decode"
   if device.backend != "gpu":
     return "xla"

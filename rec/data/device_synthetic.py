@@ -158,6 +158,7 @@ class DeviceSynthetic:
     self.batch_size, self.spec = ref.batch_size, ref.spec
     self.seed, self.split, self.alpha = ref.seed, ref.split, ref.alpha
     self.teacher, self.logit_scale, self.multi_hot = ref.teacher, ref.logit_scale, ref.multi_hot
+    self.bag_sizes = ref.bag_sizes
     self._num_batches = ref.num_batches
     if mesh is not None:
       axes = tuple(batch_axes) if batch_axes is not None else tuple(mesh.axis_names)

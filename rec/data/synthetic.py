@@ -205,6 +205,11 @@ class SyntheticCriteo:
     # unequal sizes (MLPerf's: 1 to 100 ids) leave most of it padding, which draws and
     # hashes skip (None: every slot live, the arrays are used whole).
     self._live = None if self._live_FL.all() else np.nonzero(self._live_FL)
+    # Per table, the ids its bags hold, where sizes differ: the embedding collection then
+    # reads L_f slots of table f, not the padded L (`EmbeddingCollection(bag_sizes=...)`;
+    # MLPerf's sizes sum to 214 ids per example, padded to 26 x 100).
+    self.bag_sizes = ({} if self._live is None else
+                      dict(zip(self.spec.sparse_features, map(int, self.multi_hot))))
     self.alpha = float(zipf_alpha)
     self.seed = int(seed)
     self.split = split

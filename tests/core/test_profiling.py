@@ -80,3 +80,40 @@ def test_a_real_cpu_trace(tmp_path):
 def test_no_trace_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz"):
     profiling.summarize(str(tmp_path))
+
+
+def test_profiled_returns_the_result_and_the_summary(tmp_path):
+  f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+  x = jnp.ones((128, 128))
+  f(x).block_until_ready()
+  out, s = profiling.profiled(str(tmp_path / "t"), lambda: f(x).block_until_ready(), steps=1)
+  assert float(out) == float(f(x)) and s["kernels"] >= 1 and "error" not in s
+
+
+def test_profiled_keeps_the_measurement_when_no_trace_starts(tmp_path, monkeypatch):
+  def broken(out_dir):
+    raise RuntimeError("profiler already running")
+  monkeypatch.setattr(profiling, "trace", broken)
+  called = []
+  out, s = profiling.profiled(str(tmp_path), lambda: called.append(1), steps=1)
+  assert out is None and not called
+  assert s == {"error": "the trace did not start: RuntimeError: profiler already running"}
+  assert profiling.format_summary(s).startswith("no profile: the trace did not start")
+
+
+def test_profiled_says_why_a_trace_cannot_be_read(tmp_path, monkeypatch):
+  def unreadable(out_dir, steps=1, top=12):
+    raise ValueError("no device lines")
+  monkeypatch.setattr(profiling, "summarize", unreadable)
+  out, s = profiling.profiled(str(tmp_path / "t"), lambda: 7, steps=1)
+  assert out == 7 and s == {"error": "the trace could not be read: ValueError: no device lines"}
+
+
+def test_profiled_raises_the_functions_own_error(tmp_path):
+  def fails():
+    raise ZeroDivisionError("in the step")
+  with pytest.raises(ZeroDivisionError, match="in the step"):
+    profiling.profiled(str(tmp_path / "t"), fails)
+  # the profiler was stopped: a second trace starts
+  out, s = profiling.profiled(str(tmp_path / "u"), lambda: 3)
+  assert out == 3 and "error" not in s

@@ -266,7 +266,10 @@ def test_dry_run_takes_the_gpu_code_paths(tmp_path):
   assert bags == {(f, i) for f in ("float32", "int4") for i in ("pallas", "xla")}
   [loop] = details["rec_pipeline"]["tables"]["examples/s"]
   assert loop["data"] == "synthetic:gen=device" and loop["source"] == "DeviceSynthetic"
-  assert [t["part"] for t in rep["targets"]].count("decode") == 1
+  # decode: auto (xla_decode on CPU) and the split-key kernel (interpreted), side by side
+  assert [t["part"] for t in rep["targets"]].count("decode") == 2
+  assert [r["attention_impl"] for r in details["decode"]["tables"]["decode"]] == [
+      "auto", "pallas_decode"]
   assert "== attention" in stdout
 
 
@@ -344,7 +347,7 @@ def test_dry_run_runs_every_part(tmp_path):
   assert len(by_part["attention"]) == 2 and len(by_part["lm_train"]) == 4
   assert "the program of auto" in rep["parts"]["lm_train"]["details"]["results"]["xla/none"][
       "note"]
-  assert len(by_part["decode"]) == 1 and len(by_part["embedding_bag"]) == 10
+  assert len(by_part["decode"]) == 2 and len(by_part["embedding_bag"]) == 10
   loops = rep["parts"]["rec_pipeline"]["details"]["tables"]["examples/s"]
   assert [r["source"] for r in loops][0] == "DeviceSynthetic" and len(loops) == 2
   # The fp8 part's bf16 step is the mlperf part's step (same batch, tables, dtype).

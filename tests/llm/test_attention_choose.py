@@ -81,8 +81,17 @@ def test_choose_impl():
                      device=H100) == "pallas_triton"
   assert choose_impl(f(1, 4096, 32, 96), f(1, 4096, 8, 96), q_positions=pos,
                      kv_positions=pos, device=H100) == "pallas_triton"
-  assert choose_impl(f(8, 1, 32, 64), f(8, 8192, 8, 64), device=H100) == "xla_decode"
+  # Decode steps: the split-key kernel on a GPU for bf16 / fp16 at a power-of-two head dim
+  # without segment ids (an explicit mask arrives as segment ids), else the jnp sums.
+  assert choose_impl(f(8, 1, 32, 64), f(8, 8192, 8, 64), device=H100) == "pallas_decode"
+  assert choose_impl(f(8, 1, 32, 64), f(8, 8192, 8, 64), device=a100) == "pallas_decode"
   assert choose_impl(f(8, 1, 32, 64), f(8, 8192, 8, 64), device=CPU) == "xla_decode"
+  seg1, seg_s = jnp.ones((8, 1), jnp.int32), jnp.ones((8, 8192), jnp.int32)
+  assert choose_impl(f(8, 1, 32, 64), f(8, 8192, 8, 64), q_segment_ids=seg1,
+                     kv_segment_ids=seg_s, device=H100) == "xla_decode"
+  assert choose_impl(f(8, 1, 32, 64, dt=jnp.float32), f(8, 8192, 8, 64, dt=jnp.float32),
+                     device=H100) == "xla_decode"
+  assert choose_impl(f(8, 1, 32, 96), f(8, 8192, 8, 96), device=H100) == "xla_decode"
 
 
 def test_device_probe():
@@ -102,7 +111,7 @@ def test_registry_names():
   assert get_attention("pallas") is pallas.pallas_attention
   assert get_attention("xla") is reference.attention_reference is flash_attention_reference
   assert {"auto", "xla", "xla_decode", "cudnn", "pallas", "pallas_mgpu",
-          "pallas_triton"} <= set(attn_lib.names())
+          "pallas_triton", "pallas_decode"} <= set(attn_lib.names())
 
 
 def test_unknown_and_ring_names_are_refused():

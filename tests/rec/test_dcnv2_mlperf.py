@@ -261,3 +261,44 @@ def test_train_steps_eight_devices_equal_one():
   for name in t1:
     np.testing.assert_allclose(t8[name], t1[name], rtol=2e-5, atol=2e-6, err_msg=name)
   assert all(np.any(t1[name] != t0[name]) for name in t1)     # every table trained
+
+
+def _bag_size_runs():
+  cfg = mlperf.run_config(16, "data:1", memory_budget_gb=1.0, dense_optimizer="adagrad")
+  task, src, _ = mlperf.build_run(cfg, 64, jax.devices()[:1])
+  return cfg, task, src
+
+
+def test_bags_read_their_own_sizes():
+  """The MLPerf source's bags hold 1 to 100 ids, padded to 100: the collection reads each
+  table's own size (groups by bag size: 214 id slots per example instead of 26 x 100)."""
+  _, task, src = _bag_size_runs()
+  assert src.bag_sizes == dict(zip(src.spec.sparse_features, synthetic.MLPERF_MULTI_HOT))
+  groups = task.collection.groups
+  assert sum(g.bag * len(g.features) for g in groups.values()) == sum(REF_MULTI_HOT) == 214
+  assert {g.bag for g in groups.values()} == set(REF_MULTI_HOT)
+  # one-hot data keeps one group (no bag sizes: nothing is padded)
+  assert synthetic.SyntheticCriteo(8, 100).bag_sizes == {}
+
+
+@pytest.mark.slow
+def test_bags_of_their_own_sizes_train_as_padded():
+  """Reading each table's own bag size trains exactly as the padded layout, in the loss and
+  every table (3 steps)."""
+  cfg, task, src = _bag_size_runs()
+  padded_src = synthetic.SyntheticCriteo(16, dcnv2.mlperf_rows(64),
+                                         multi_hot=synthetic.MLPERF_MULTI_HOT)
+  padded_src.bag_sizes = {}
+  ref, _, _, _, _ = configs.build_run(cfg, jax.devices()[:1], sources=(padded_src,) * 2)
+  assert [g.bag for g in ref.collection.groups.values()] == [None]
+  init = task.init_state(0)
+  init_ref = dict(init, emb=ref.collection.from_tables(task.collection.to_tables(init["emb"])))
+  state, losses = _train(task, src, init, 3)
+  state_ref, losses_ref = _train(ref, padded_src, init_ref, 3)
+  assert losses[-1] != losses[0]
+  np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
+  tables, tables_ref = (task.collection.to_tables(state["emb"]),
+                        ref.collection.to_tables(state_ref["emb"]))
+  for name in tables_ref:
+    np.testing.assert_allclose(tables[name], tables_ref[name], rtol=1e-5, atol=1e-7,
+                               err_msg=name)
