@@ -168,6 +168,43 @@ def quantize(cfg: LlamaConfig, mode: str, weights: dict[str, np.ndarray] | None 
   return params, forms
 
 
+def random_params(cfg: LlamaConfig, mode: str, seed: int = 0, group: int = groupwise.GROUP):
+  """The flat contract of `cfg` held as `quantize(cfg, mode)` would hold it, with random
+  codes, float16 scales (and int4's minimums) drawn on the default device: no float weights
+  are drawn or quantized, so a model of a billion parameters is ready in a second. For
+  timing quantized inference only: the dequantized weights are noise of about the scale of
+  a trained model's (|w| < 0.03), and the outputs mean nothing. The norms are ones; a matrix
+  whose input axis is not a multiple of `group` is float noise in cfg.param_dtype, as
+  `quantize` keeps it float."""
+  from llm.weights import param_shapes
+  from llm.weights_hf import _hf_shape
+  if mode not in _BITS:
+    raise ValueError(f"random_params: mode={mode!r}, expected one of {tuple(_BITS)}")
+  bits, key = _BITS[mode], jax.random.key(seed)
+  f16 = jnp.float16
+  params = {}
+  for i, (name, shape) in enumerate(param_shapes(cfg).items()):
+    k_codes, k_scale, k_float = jax.random.split(jax.random.fold_in(key, i), 3)
+    if _short(name) not in MATRICES:
+      params[name] = np.ones(shape, np.float32)
+      continue
+    n, k = tuple(shape) if _short(name) == "embed" else _hf_shape(cfg, name)
+    if k % group:
+      params[name] = np.asarray(0.02 * jax.random.normal(k_float, shape, jnp.float32))
+      continue
+    scale = jax.random.uniform(k_scale, (n, k // group), jnp.float32, 1e-4, 2e-4)
+    if bits == 8:
+      codes = jax.random.randint(k_codes, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+      rows = groupwise.GroupQuantized(codes, scale.astype(f16), None, 8, group)
+    else:      # two codes in [0, 15] per byte; w = scale * code + bias, bias = -7.5 scale
+      codes = jax.random.randint(k_codes, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+      scale = scale * 16
+      rows = groupwise.GroupQuantized(codes, scale.astype(f16), (-7.5 * scale).astype(f16),
+                                      4, group)
+    params[name] = _param(name, shape, rows)
+  return params
+
+
 def held_bytes(cfg: LlamaConfig, mode: str, group: int = groupwise.GROUP) -> int:
   """Bytes the parameters of `cfg` hold under `mode`, from the shapes alone (what `quantize`
   makes, then loaded into the model: floats in cfg.param_dtype): int8 codes + float16

@@ -225,13 +225,16 @@ def _matmul_rows(x_MK, gq: GroupQuantized, dtype, preferred_element_type):
 
 def groupwise_matmul(x_MK: jax.Array, gq: GroupQuantized, dtype=jnp.float32,
                      preferred_element_type=None) -> jax.Array:
-  """x [M, K] @ dequantize(gq).T -> [M, N] inside a jitted computation: the rows are
-  dequantized CHUNK_ELEMENTS at a time (lax.map over row chunks) and contracted in their
-  [N, K] layout, so only the codes are read from memory. Equals the float product of the
+  """x [M, K] @ dequantize(gq).T -> [M, N] inside a jitted computation: on CPU the rows are
+  dequantized CHUNK_ELEMENTS at a time (lax.map over row chunks; elsewhere in one product)
+  and contracted in their [N, K] layout, so only the codes are read from memory. Equals the float product of the
   dequantized rows (in `dtype`) up to float32 summation order, rounded once to the result's
   type (int4's two nibble halves are summed in float32 first)."""
   n, k = gq.shape
-  rows = _chunk_rows(n, k)
+  # The chunks are for a CPU's cache; a GPU's compiler fuses the dequantization into the
+  # product's operand load (XLA's gemm fusions), and a loop of small products there would
+  # be launch-bound.
+  rows = _chunk_rows(n, k) if jax.default_backend() == "cpu" else n
   if rows == n:
     return _matmul_rows(x_MK, gq, dtype, preferred_element_type)
   c = n // rows

@@ -35,6 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FA_TARGETS = fa_bench.MGPU_TARGETS                   # Mosaic GPU / cuDNN: fwd, bwd
 MFU_TARGET = 0.5                                     # Llama 3.2 1B train step, seq 8192
 DECODE_TARGET = 1.3                                  # batch-1 decode / bandwidth floor
+QUANT_TARGETS = {"int8": 0.6, "int4": 0.4}           # weight-only decode ms / bf16 ms
+QUANT_TARGETS_MODES = tuple(QUANT_TARGETS)
 EB_TARGETS = {"float32": 0.7, "bfloat16": 0.7, "int8": 0.6}   # of copy bandwidth (Pallas)
 PIPELINE_TARGET = 0.8                                # end to end / jitted step
 MLPERF_REFERENCE = 1.7e6    # NVIDIA, MLPerf Training v4.0 DLRM-DCNv2: 13.8M ex/s on 8 H100
@@ -443,6 +445,66 @@ def part_decode(ctx: Context) -> dict:
                                                      **_profile_tables(profiles)}}}
 
 
+# ------------------------------------------------------------------------ weight-only decode
+
+
+def part_quant_decode(ctx: Context) -> dict:
+  """Weight-only int8 / int4 decode ms per step at batch 1 against the same model in bf16
+  (random weights; the quantized models hold random codes and scales,
+  `llm.quantized.random_params`), each measured in this part, one after another."""
+  import jax
+  from flax import nnx
+
+  from llm import model as model_lib
+  from llm import quantized
+  from llm.config import get_config
+  s = ctx.sizes
+  base = get_config(s.dec_preset, **dict(s.dec_overrides))
+  cfg = base.replace(dtype="bfloat16", param_dtype="bfloat16",
+                     max_seq_len=max(base.max_seq_len, s.dec_prompt + s.dec_new_tokens))
+  copy_bw = ctx.copy_bandwidth()
+  rows, times, targets = [], {}, []
+  for mode in ("bfloat16",) + QUANT_TARGETS_MODES:
+    skip = _skipped_reason(ctx)
+    if skip:
+      ctx.log(f"  {mode}: skipped ({skip})")
+      continue
+    try:
+      if mode == "bfloat16":
+        model = model_lib.Llama(cfg, nnx.Rngs(0))
+      else:
+        model = nnx.eval_shape(lambda: model_lib.Llama(cfg, nnx.Rngs(0)))
+        model_lib.load_weights(model, quantized.random_params(cfg, mode))
+      held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+      r = decode_bench.measure_decode(model, 1, s.dec_prompt, s.dec_new_tokens,
+                                      s.dec_repeats, copy_bw)
+    except Exception as e:  # noqa: BLE001 - report and go on
+      times[mode] = fa_bench.error_text(e)
+      ctx.log(f"  {mode}: FAILED {times[mode]}")
+      continue
+    finally:
+      model = None              # noqa: F841 - frees this mode's weights before the next
+    r.update(weights=mode, param_bytes=int(held))
+    rows.append(r)
+    times[mode] = r["decode_ms_per_step"]
+    ctx.log(f"  {mode}: decode {r['decode_ms_per_step']:.3f} ms/step ({held / 1e9:.2f} GB of "
+            f"parameters), prefill {r['prefill_ms']:.1f} ms")
+  for mode, limit in QUANT_TARGETS.items():
+    name = (f"weight-only {mode} decode ms/step / bf16, {s.dec_preset}, batch 1, prompt "
+            f"{s.dec_prompt}")
+    bf16, q = times.get("bfloat16"), times.get(mode)
+    if isinstance(q, str) or isinstance(bf16, str):
+      targets.append(judged("quant_decode", name, None, at_most=limit,
+                            error=q if isinstance(q, str) else f"bf16: {bf16}"))
+    elif q is None or bf16 is None:
+      targets.append(judged("quant_decode", name, None, at_most=limit,
+                            skipped="the part's time budget ran out"))
+    else:
+      targets.append(judged("quant_decode", name, q / bf16, at_most=limit,
+                            detail=f"{q:.3f} ms vs bf16 {bf16:.3f} ms"))
+  return {"targets": targets, "details": {"tables": {"quant_decode": rows}}}
+
+
 # ------------------------------------------------------------------------ embedding bag
 
 
@@ -694,6 +756,8 @@ PARTS = {p.name: p for p in (
     report_lib.Part("lm_train", part_lm_train,
                     "Llama 3.2 1B train-step MFU at seq 8192 per attention_impl"),
     report_lib.Part("decode", part_decode, "bf16 decode ms/step vs the bandwidth floor"),
+    report_lib.Part("quant_decode", part_quant_decode,
+                    "weight-only int8 / int4 decode ms/step vs bf16"),
     report_lib.Part("embedding_bag", part_embedding_bag,
                     "embedding bag by row format vs copy bandwidth and XLA's gather"),
     report_lib.Part("rec_pipeline", part_rec_pipeline,
@@ -705,7 +769,8 @@ PARTS = {p.name: p for p in (
 )}
 # Seconds per part on a fresh H100 (compilation included), as the first run there took
 # (BENCHMARKS.md "GPU report"); they sum to the default --budget_s (about 10 minutes).
-DEFAULT_BUDGETS = {"attention": 110, "lm_train": 130, "decode": 35, "embedding_bag": 30,
+DEFAULT_BUDGETS = {"attention": 110, "lm_train": 130, "decode": 50, "quant_decode": 50,
+                   "embedding_bag": 30,
                    "rec_pipeline": 100, "mlperf": 70, "fp8": 80, "pytest_gpu": 60,
                    "pytest_suite": 30}
 

@@ -348,6 +348,8 @@ def test_dry_run_runs_every_part(tmp_path):
   assert "the program of auto" in rep["parts"]["lm_train"]["details"]["results"]["xla/none"][
       "note"]
   assert len(by_part["decode"]) == 2 and len(by_part["embedding_bag"]) == 10
+  assert len(by_part["quant_decode"]) == 2 and all(        # int8 and int4, each a ratio
+      t["status"] in ("met", "missed") for t in by_part["quant_decode"])
   loops = rep["parts"]["rec_pipeline"]["details"]["tables"]["examples/s"]
   assert [r["source"] for r in loops][0] == "DeviceSynthetic" and len(loops) == 2
   # The fp8 part's bf16 step is the mlperf part's step (same batch, tables, dtype).

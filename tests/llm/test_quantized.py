@@ -203,3 +203,26 @@ def test_output_rows_and_weight_equal_the_dequantized_model(config, mode):
   qw, q_major = qm.output_weight()
   assert q_major == vocab_major
   np.testing.assert_allclose(np.asarray(qw), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_random_params_hold_what_quantize_holds(mode):
+  """random_params (for timing at sizes too large to quantize on the host): the forms and
+  bytes `quantize` gives the same config, dequantized weights of a trained model's scale,
+  and a model that decodes finite logits."""
+  cfg = _CONFIGS["untied"]
+  rand = quantized.random_params(cfg, mode, seed=1)
+  ref, _ = quantized.quantize(cfg, mode, weights=_weights(cfg))
+  assert set(rand) == set(ref)
+  for name, v in ref.items():
+    r = rand[name]
+    assert type(r) is type(v) or not isinstance(v, quantized.QuantizedParam), name
+    if isinstance(v, quantized.QuantizedParam):
+      assert (r.shape, r.transposed, r.rows.bits, r.nbytes) == (
+          v.shape, v.transposed, v.rows.bits, v.nbytes), name
+      assert float(jnp.max(jnp.abs(r.value()))) < 0.03, name
+  m = _model(cfg, rand)
+  logits, _ = m(jnp.asarray([[1, 2, 3]], jnp.int32))
+  assert np.all(np.isfinite(np.asarray(logits)))
+  with pytest.raises(ValueError, match="mode='float32', expected one of"):
+    quantized.random_params(cfg, "float32")
