@@ -103,7 +103,7 @@ class Sizes:
   dec_preset: str
   dec_overrides: tuple[tuple[str, Any], ...]
   dec_batches: tuple[int, ...]
-  dec_attention: tuple[str, ...]     # attention_impl per case; the first is judged
+  dec_attention: tuple[str, ...]     # decode steps' attention per case; the first is judged
   dec_prompt: int
   dec_new_tokens: int
   dec_repeats: int
@@ -389,6 +389,26 @@ def _lm_attention(impl: str, dry_run: bool) -> str:
 # ------------------------------------------------------------------------ decode
 
 
+def _decode_attention(impl: str) -> str:
+  """The attention_impl of a decode case: "auto" as it is; another name runs only the
+  decode steps' calls (auto's own pick for the prefill), registered as "auto+<impl>", so
+  the cases differ in the decode attention alone (the jnp sums over a 1K-token prefill
+  compiled for minutes on an H200)."""
+  if impl == "auto":
+    return impl
+  from llm import attention as attn_lib
+  decode_fn = attn_lib.get_attention(impl)
+
+  def decode_only(q_BTHK, k_BSGK, v_BSGK, **kw):
+    t, s = q_BTHK.shape[1], k_BSGK.shape[1]
+    fn = (decode_fn if t <= attn_lib.DECODE_MAX_T and t < s
+          else attn_lib.get_attention("auto"))
+    return fn(q_BTHK, k_BSGK, v_BSGK, **kw)
+
+  attn_lib.register(f"auto+{impl}", decode_only)
+  return f"auto+{impl}"
+
+
 def part_decode(ctx: Context) -> dict:
   """bf16 decode ms per step against the floor (weights + KV cache over the copy
   bandwidth), per attention_impl and batch size; the target is the first impl (auto: on a
@@ -405,7 +425,8 @@ def part_decode(ctx: Context) -> dict:
   copy_bw = ctx.copy_bandwidth()
   targets, rows, profiles = [], [], {}
   for n, impl in enumerate(s.dec_attention):
-    model = model_lib.Llama(cfg.replace(attention_impl=impl), nnx.Rngs(0))
+    model = model_lib.Llama(cfg.replace(attention_impl=_decode_attention(impl)),
+                            nnx.Rngs(0))
     if n == 0:
       ctx.log(f"  Llama {s.dec_preset}: {cfg.num_params() / 1e9:.2f}B params in bf16")
     for b in s.dec_batches:
