@@ -22,6 +22,8 @@ Parts (--parts, in this order by default; parts.py says what each measures):
                  floor (weights + KV cache over the copy bandwidth); target <= 1.3x at batch 1
                  with attention auto (the split-key kernel, kernels/decode_attention.py),
                  beside the same weights with xla_decode (the jnp sums)
+  quant_decode   weight-only int8 / int4 decode ms per step at batch 1 against bf16 (random
+                 codes drawn on the device); targets int8 <= 0.6x, int4 <= 0.4x
   embedding_bag  the Pallas embedding bag per row format (fp32, bf16, int8, int4, int8 with
                  an fp32 cache) at buffers over 4 GiB, against the copy bandwidth and XLA's
                  gather; targets fp32 / bf16 >= 70%, int8 >= 60% and faster than XLA
