@@ -50,6 +50,9 @@ class QuantizedParam:
   rows: groupwise.GroupQuantized
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))   # contract shape
   transposed: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  # "auto": `matmul` runs the Pallas kernel (kernels/weight_only_matmul.py) on a GPU where
+  # it takes the call, else XLA's `groupwise_matmul`; "xla": always the latter.
+  matmul_impl: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
   @property
   def nbytes(self) -> int:
@@ -73,12 +76,19 @@ class QuantizedParam:
 
   def matmul(self, x, dtype=jnp.float32, preferred_element_type=None) -> jax.Array:
     """x [..., *in] times the parameter -> [..., *out] (as `jnp.einsum` of x with `value()`),
-    the rows dequantized chunk by chunk inside the computation and contracted in their own
-    [out, in] layout (`groupwise.groupwise_matmul`)."""
+    the rows dequantized inside the computation and contracted in their own [out, in]
+    layout: on a GPU, bf16 / fp16 x of a few rows, in registers by the Pallas kernel
+    (`matmul_impl` "auto"); else by `groupwise.groupwise_matmul`."""
     in_dims, out_dims = self._dims()
     lead = x.shape[:x.ndim - len(in_dims)]
-    y = groupwise.groupwise_matmul(x.reshape(-1, self.rows.shape[1]), self.rows, dtype,
-                                   preferred_element_type)
+    x_MK = x.reshape(-1, self.rows.shape[1])
+    if self.matmul_impl == "auto" and _kernel_backend():
+      from kernels import weight_only_matmul as wom
+      x_MK = x_MK.astype(dtype)
+      if wom.supports(x_MK.dtype, x_MK.shape[0], self.rows) is None:
+        y = wom.weight_only_matmul(x_MK, self.rows, out_dtype=preferred_element_type or dtype)
+        return y.reshape(*lead, *out_dims)
+    y = groupwise.groupwise_matmul(x_MK, self.rows, dtype, preferred_element_type)
     return y.reshape(*lead, *out_dims)
 
   def take(self, ids, dtype=jnp.float32) -> jax.Array:
@@ -87,6 +97,11 @@ class QuantizedParam:
       raise ValueError(f"QuantizedParam.take: a transposed parameter of shape {self.shape} "
                        "has no rows to take")
     return self.rows.take_rows(ids, dtype)
+
+
+def _kernel_backend() -> bool:
+  """Whether "auto" takes the Pallas kernel: on a GPU (tests run it interpreted on CPU)."""
+  return jax.default_backend() == "gpu"
 
 
 def _short(name: str) -> str:
@@ -99,8 +114,9 @@ def _rows_of(name: str, w: np.ndarray) -> np.ndarray:
   return np.asarray(w) if _short(name) == "embed" else _from_contract(name, w)
 
 
-def _param(name: str, shape, rows: groupwise.GroupQuantized) -> QuantizedParam:
-  return QuantizedParam(rows, tuple(shape), _short(name) != "embed")
+def _param(name: str, shape, rows: groupwise.GroupQuantized,
+           matmul_impl: str = "auto") -> QuantizedParam:
+  return QuantizedParam(rows, tuple(shape), _short(name) != "embed", matmul_impl)
 
 
 def check_mode(mode: str, checkpoint_kind: str | None, flag: str = "--weights") -> None:
@@ -168,14 +184,15 @@ def quantize(cfg: LlamaConfig, mode: str, weights: dict[str, np.ndarray] | None 
   return params, forms
 
 
-def random_params(cfg: LlamaConfig, mode: str, seed: int = 0, group: int = groupwise.GROUP):
+def random_params(cfg: LlamaConfig, mode: str, seed: int = 0, group: int = groupwise.GROUP,
+                  matmul_impl: str = "auto"):
   """The flat contract of `cfg` held as `quantize(cfg, mode)` would hold it, with random
   codes, float16 scales (and int4's minimums) drawn on the default device: no float weights
   are drawn or quantized, so a model of a billion parameters is ready in a second. For
   timing quantized inference only: the dequantized weights are noise of about the scale of
   a trained model's (|w| < 0.03), and the outputs mean nothing. The norms are ones; a matrix
   whose input axis is not a multiple of `group` is float noise in cfg.param_dtype, as
-  `quantize` keeps it float."""
+  `quantize` keeps it float. matmul_impl: the matrices' `QuantizedParam.matmul_impl`."""
   from llm.weights import param_shapes
   from llm.weights_hf import _hf_shape
   if mode not in _BITS:
@@ -201,7 +218,7 @@ def random_params(cfg: LlamaConfig, mode: str, seed: int = 0, group: int = group
       scale = scale * 16
       rows = groupwise.GroupQuantized(codes, scale.astype(f16), (-7.5 * scale).astype(f16),
                                       4, group)
-    params[name] = _param(name, shape, rows)
+    params[name] = _param(name, shape, rows, matmul_impl)
   return params
 
 

@@ -226,3 +226,24 @@ def test_random_params_hold_what_quantize_holds(mode):
   assert np.all(np.isfinite(np.asarray(logits)))
   with pytest.raises(ValueError, match="mode='float32', expected one of"):
     quantized.random_params(cfg, "float32")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_kernel_matmul_follows_xla(mode, monkeypatch):
+  """A bf16 model's weight-only products through the Pallas kernel (interpreted here; on a
+  GPU "auto" takes it) give XLA's groupwise_matmul's logits within bf16 rounding."""
+  from kernels import weight_only_matmul as wom
+  from tests.kernels.attention_cases import rel_err
+  cfg = _CONFIGS["untied"].replace(dtype="bfloat16", param_dtype="bfloat16")
+  tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+  calls = []
+  kernel = wom.weight_only_matmul
+  monkeypatch.setattr(wom, "weight_only_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  monkeypatch.setattr(quantized, "_kernel_backend", lambda: True)
+  logits = {}
+  for impl in ("xla", "auto"):
+    logits[impl], _ = _model(cfg, quantized.random_params(cfg, mode, seed=2,
+                                                            matmul_impl=impl))(tokens)
+    # every matrix of the 2 layers and the output projection, only under "auto"
+    assert len(calls) == (0 if impl == "xla" else 2 * 7 + 1)
+  assert rel_err(logits["auto"], logits["xla"]) < 2e-2
