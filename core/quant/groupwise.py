@@ -227,9 +227,10 @@ def groupwise_matmul(x_MK: jax.Array, gq: GroupQuantized, dtype=jnp.float32,
                      preferred_element_type=None) -> jax.Array:
   """x [M, K] @ dequantize(gq).T -> [M, N] inside a jitted computation: on CPU the rows are
   dequantized CHUNK_ELEMENTS at a time (lax.map over row chunks; elsewhere in one product)
-  and contracted in their [N, K] layout, so only the codes are read from memory. Equals the float product of the
-  dequantized rows (in `dtype`) up to float32 summation order, rounded once to the result's
-  type (int4's two nibble halves are summed in float32 first)."""
+  and contracted in their [N, K] layout, so only the codes are read from memory. Equals
+  the float product of the dequantized rows (in `dtype`) up to float32 summation order,
+  rounded once to the result's type (int4's two nibble halves are summed in float32
+  first)."""
   n, k = gq.shape
   # The chunks are for a CPU's cache; a GPU's compiler fuses the dequantization into the
   # product's operand load (XLA's gemm fusions), and a loop of small products there would

@@ -88,7 +88,7 @@ def time_decode(model, prompts, new_tokens: int, repeats: int, profile_dir: str 
     else:
       out = decode()
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, out.tolist()
+    return t1 - t0, t2 - t1, None if out is None else out.tolist()   # None: no trace started
 
   run()  # compile
   pre, dec = [], []
