@@ -138,6 +138,55 @@ def profiled(out_dir: str, fn: Callable[[], Any], steps: int = 1) -> tuple[Any, 
     return result, {"error": f"the trace could not be read: {type(e).__name__}: {e}"}
 
 
+class StepWindow:
+  """A train-loop hook (`core.hooks.Hook(window, every=1)`) that traces the steps after
+  `first` up to `last` of a run: the loop as it runs steadily, without the state's
+  initialization, the first step's compilation or the final checkpoint (a trace of the
+  whole run shows mostly those). The steps before the window and those in it are waited
+  for at its two ends (`Run.pause`). After the run: `close()`, then `summary()`, the
+  `summarize` of the window, or {"error": ...} when it could not be taken (no profiler, a
+  run that ended before `last`)."""
+
+  def __init__(self, out_dir: str, first: int, last: int):
+    if not 0 < first < last:
+      raise ValueError(f"StepWindow: steps ({first}, {last}]; expected 0 < first < last")
+    self.out_dir, self.first, self.last = out_dir, int(first), int(last)
+    self._tracing = self._done = False
+    self._error: str | None = None
+
+  def __call__(self, run) -> None:
+    import jax
+    if run.step == self.first and not (self._tracing or self._done or self._error):
+      run.pause()
+      try:
+        os.makedirs(self.out_dir, exist_ok=True)
+        jax.profiler.start_trace(self.out_dir, create_perfetto_trace=True)
+        self._tracing = True
+      except Exception as e:  # noqa: BLE001 - no profiler here; the run goes on
+        self._error = f"the trace did not start: {type(e).__name__}: {e}"
+    elif run.step == self.last and self._tracing:
+      run.pause()
+      self.close()
+      self._done = True
+
+  def close(self) -> None:
+    """Stops a trace still running (a run that ended inside the window)."""
+    if self._tracing:
+      import jax
+      self._tracing = False
+      jax.profiler.stop_trace()
+
+  def summary(self) -> dict[str, Any]:
+    if self._error:
+      return {"error": self._error}
+    if not self._done:
+      return {"error": f"the run ended before step {self.last}, the window's end"}
+    try:
+      return summarize(self.out_dir, steps=self.last - self.first)
+    except Exception as e:  # noqa: BLE001
+      return {"error": f"the trace could not be read: {type(e).__name__}: {e}"}
+
+
 def format_summary(s: dict[str, Any]) -> str:
   """A few lines for a log: busy / span, kernel count, the top names (or the error of a
   profile that could not be taken)."""
@@ -151,4 +200,4 @@ def format_summary(s: dict[str, Any]) -> str:
   return "\n".join(out)
 
 
-__all__ = ["device_events", "format_summary", "profiled", "summarize", "trace"]
+__all__ = ["StepWindow", "device_events", "format_summary", "profiled", "summarize", "trace"]

@@ -54,31 +54,40 @@ def step_rate(task, src: BatchSource, steps: int, repeats: int) -> float:
   return pool[0].batch_size / benchmark.median(per_step)
 
 
-def loop_rate(task, src: BatchSource, steps: int, workdir: str | None = None) -> float:
+def loop_rate(task, src: BatchSource, steps: int, workdir: str | None = None,
+              hooks=()) -> float:
   """Examples/s of `core.train.train` (no eval, one final checkpoint) over `steps` steps,
-  first step (compilation) excluded, as the loop reports it."""
+  first step (compilation) excluded, as the loop reports it; `hooks`: the loop's extra
+  hooks (`core.hooks.Hook`)."""
   with tempfile.TemporaryDirectory() as tmp:
     cfg = train_loop.TrainConfig(workdir=workdir or os.path.join(tmp, "run"), steps=steps,
                                  eval_every=0, checkpoint_every=0, log_every=max(steps // 4, 1),
                                  tensorboard=False)
-    out = train_loop.train(task, src.batches, None, cfg)
+    out = train_loop.train(task, src.batches, None, cfg, hooks=hooks)
   return float(out["examples_per_sec"])
 
 
 def measure(task, src: BatchSource, *, steps: int = 50, repeats: int = 3,
             source_batches: int = 50, profile_dir: str | None = None) -> dict[str, Any]:
   """{source, step, end_to_end} examples/s and end_to_end / step; with `profile_dir`, one
-  more loop run of `steps` steps is traced there and "profile" holds its summary
-  (core.profiling: how busy the device was while the loop fed it; the traced run includes
-  the loop's state init and final checkpoint, so its busy fraction is a lower bound)."""
+  more loop run of `steps` steps traces its steady middle there (steps after steps // 3 up
+  to steps - steps // 6: no state init, first-step compile or final checkpoint;
+  `core.profiling.StepWindow`) and "profile" holds its summary: how busy the device was
+  while the loop fed it, and which kernels ran."""
   out = {"source_examples_per_sec": source_rate(src, source_batches),
          "step_examples_per_sec": step_rate(task, src, max(steps // repeats, 1), repeats),
          "end_to_end_examples_per_sec": loop_rate(task, src, steps)}
   out["end_to_end_over_step"] = out["end_to_end_examples_per_sec"] / out["step_examples_per_sec"]
   if profile_dir:
     from core import profiling
-    _, out["profile"] = profiling.profiled(profile_dir, lambda: loop_rate(task, src, steps),
-                                           steps=steps)
+    from core.hooks import Hook
+    first = max(1, steps // 3)
+    window = profiling.StepWindow(profile_dir, first, max(first + 1, steps - steps // 6))
+    try:
+      loop_rate(task, src, steps, hooks=[Hook(window, every=1)])
+    finally:
+      window.close()
+    out["profile"] = window.summary()
   return out
 
 

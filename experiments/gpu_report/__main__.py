@@ -45,7 +45,7 @@ skips compiles); the pytest parts run in subprocesses with XLA_PYTHON_CLIENT_PRE
 off, in the GPU memory this process leaves.
 
 --profile also traces one timed case of decode (per batch size), lm_train (per case),
-rec_pipeline (the loop, per source), mlperf and fp8 (core.profiling): how busy the device
+rec_pipeline (the loop's middle steps, per source), mlperf and fp8 (core.profiling): how busy the device
 was over the traced steps, kernels per step, and the kernels that took the time, in each
 part's log and report.md tables; the traces stay under DIR/logs/profile_* (in logs.tgz).
 

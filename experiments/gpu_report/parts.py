@@ -623,7 +623,8 @@ def part_rec_pipeline(ctx: Context) -> dict:
               f"{r['end_to_end_examples_per_sec']:,.0f} ex/s")
       if "profile" in r:
         profiles[label] = r.pop("profile")
-        ctx.log_profile(f"the loop on {label} ({s.rp_steps} steps)", profiles[label])
+        ctx.log_profile(f"the loop on {label} (steps {s.rp_steps} with a traced window)",
+                        profiles[label])
       table.append({"data": label, **r})
       targets.append(judged(
           "rec_pipeline", name, r["end_to_end_over_step"], at_least=PIPELINE_TARGET,

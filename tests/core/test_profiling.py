@@ -117,3 +117,42 @@ def test_profiled_raises_the_functions_own_error(tmp_path):
   # the profiler was stopped: a second trace starts
   out, s = profiling.profiled(str(tmp_path / "u"), lambda: 3)
   assert out == 3 and "error" not in s
+
+
+class _Run:
+  """What StepWindow reads of core.train.Run: the step, the state, pause()."""
+
+  def __init__(self):
+    self.step, self.state, self.pauses = 0, None, 0
+
+  def pause(self):
+    self.pauses += 1
+    jax.block_until_ready(self.state)
+
+
+def test_step_window_traces_only_its_steps(tmp_path):
+  f = jax.jit(lambda x: jnp.tanh(x @ x))
+  g = jax.jit(lambda x: jnp.sin(x) * 2.0)       # only before the window
+  run, window = _Run(), profiling.StepWindow(str(tmp_path / "w"), 2, 5)
+  x = jnp.ones((64, 64))
+  f(x).block_until_ready()
+  g(x).block_until_ready()
+  for step in range(1, 7):
+    run.step = step
+    run.state = (f if 2 < step <= 5 else g)(x)
+    window(run)
+  window.close()
+  s = window.summary()
+  assert run.pauses == 2 and s["kernels"] >= 3 and s["kernels_per_step"] == s["kernels"] / 3
+  assert not any("sin" in t["name"] for t in s["top"])
+
+
+def test_step_window_says_why_there_is_no_profile(tmp_path):
+  run, window = _Run(), profiling.StepWindow(str(tmp_path / "w"), 1, 9)
+  for step in (1, 2):                            # the run ends inside the window
+    run.step = step
+    window(run)
+  window.close()
+  assert window.summary() == {"error": "the run ended before step 9, the window's end"}
+  with pytest.raises(ValueError, match=r"steps \(3, 3\]; expected 0 < first < last"):
+    profiling.StepWindow(str(tmp_path), 3, 3)
