@@ -9,7 +9,7 @@ target: figure, target, met or not) and DIR/report.json after every part.
 
 On the lent GPU machine (its $OUT returns at most 8 files, so logs travel as one archive):
   PYTHONUNBUFFERED=1 python -m experiments.gpu_report --out=/tmp/r; cp /tmp/r/report.* $OUT;
-  tar -C /tmp/r -czf $OUT/logs.tgz logs
+  tar -C /tmp/r --exclude='profile_*' -czf $OUT/logs.tgz logs   # traces: 70 MB, over the limit
 
 Parts (--parts, in this order by default; parts.py says what each measures):
   attention      flash attention forward / backward TFLOP/s, bf16, head dims 128 and 64,
@@ -45,9 +45,10 @@ skips compiles); the pytest parts run in subprocesses with XLA_PYTHON_CLIENT_PRE
 off, in the GPU memory this process leaves.
 
 --profile also traces one timed case of decode (per batch size), lm_train (per case),
-rec_pipeline (the loop's middle steps, per source), mlperf and fp8 (core.profiling): how busy the device
-was over the traced steps, kernels per step, and the kernels that took the time, in each
-part's log and report.md tables; the traces stay under DIR/logs/profile_* (in logs.tgz).
+rec_pipeline (the loop's middle steps, per source), mlperf and fp8 (core.profiling): how
+busy the device was over the traced steps, kernels per step, and the kernels that took the
+time, in each part's log and report.md tables; the traces stay under DIR/logs/profile_*
+(too large to travel back from the lent machine: the line above leaves them out).
 
 --dry_run runs the parts on CPU at toy sizes (`parts.Sizes.dry_run`), each code path of
 the GPU run once: Pallas kernels interpreted (the Mosaic GPU kernels in Pallas's GPU
