@@ -20,9 +20,10 @@ layout, and a small jnp merge combines the splits.
 Grid (B, G, splits): program (b, g, j) takes the R = H / G query heads of kv head g for all T
 queries as the rows of one tile (padded to 16, what Triton's dot takes) and walks slots
 [j * chunk, (j + 1) * chunk) in blocks of `block` with an online softmax in fp32 (base-2
-exponentials, a finite mask value, as in `paged_attention.py`), writing its normalized partial
-output and lse. Splitting the key axis gives the GPU B * G * splits programs instead of B * G
-(8 at batch 1 for Llama 3.2 1B; an H200 has 132 multiprocessors); `merge` then combines the
+exponentials, a finite mask value: `kernels/online_softmax.py`, as the paged kernel), writing
+its normalized partial output and lse. Splitting the key axis gives the GPU B * G * splits
+programs instead of B * G (8 at batch 1 for Llama 3.2 1B; an H200 has 132 multiprocessors);
+`merge` then combines the
 partials exactly by their lse (`llm.attention.merge_partials`' rule). Slots past S are masked
 loads; the head dim must be a power of two >= 16 (the cache is not padded: that would copy it).
 
@@ -41,13 +42,13 @@ R), K head dim, J splits of the key axis, Rp padded query rows (T * R).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels import online_softmax as osm
 from kernels.flash_attention_reference import check_shapes, default_positions, pad_axis
 
 try:  # The Triton backend is deprecated (JAX 0.11.0); keep importing this module without it.
@@ -55,8 +56,6 @@ try:  # The Triton backend is deprecated (JAX 0.11.0); keep importing this modul
 except ImportError:  # pragma: no cover
   pl_triton = None
 
-LOG2E = math.log2(math.e)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Programs to aim for when choosing the split count: about two per multiprocessor of an
 # H100 / H200 (132), so that every one has a program in flight while others load.
 TARGET_PROGRAMS = 264
@@ -77,11 +76,6 @@ def num_splits(b: int, g: int, s: int, block: int, target: int = TARGET_PROGRAMS
   return max(1, min(blocks, -(-target // (b * g))))
 
 
-def _dot(a, b, trans_b: bool = False):
-  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
 def _load(ref, idx, ok, cols=None):
   from jax.experimental.pallas import triton as plgpu
   if cols is None:
@@ -98,7 +92,7 @@ def _kernel(q_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, k_ref, v_ref, o_ref, 
   kd = q.shape[-1]
   cols = jnp.arange(kd)
   start = pl.program_id(2) * chunk
-  qk_scale = scale * LOG2E
+  qk_scale = scale * osm.LOG2E
 
   def body(i, carry):
     o, m, l = carry
@@ -107,7 +101,7 @@ def _kernel(q_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, k_ref, v_ref, o_ref, 
     idx = jnp.where(ok, slots, 0)
     k = _load(k_ref, idx, ok, cols)                          # [block, K]
     v = _load(v_ref, idx, ok, cols)
-    s = _dot(q, k, trans_b=True) * qk_scale                  # [Rp, block] fp32
+    s = osm.dot(q, k, trans_b=True) * qk_scale               # [Rp, block] fp32
     allowed = jnp.broadcast_to(ok[None, :], s.shape)
     if causal:
       kpos = _load(kpos_ref, idx, ok)
@@ -115,23 +109,10 @@ def _kernel(q_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, k_ref, v_ref, o_ref, 
     if segments:
       kseg = _load(kseg_ref, idx, ok)
       allowed = allowed & (kseg[None, :] == qseg[:, None])
-    s = jnp.where(allowed, s, MASK_VALUE)
-    m_next = jnp.maximum(m, jnp.max(s, axis=-1))
-    corr = jnp.exp2(m - m_next)
-    p = jnp.exp2(s - m_next[:, None])
-    l = corr * l + jnp.sum(p, axis=-1)
-    o = corr[:, None] * o + _dot(p.astype(v.dtype), v)
-    return o, m_next, l
+    return osm.step(o, m, l, jnp.where(allowed, s, osm.MASK_VALUE), v)
 
-  rows = q.shape[0]
-  o = jnp.zeros((rows, kd), jnp.float32)
-  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
-  l = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, chunk // block, body, (o, m, l))
-  valid = m > 0.5 * MASK_VALUE                              # saw at least one key
-  l = jnp.where(valid, l, 1.0)
-  o_ref[...] = jnp.where(valid[:, None], o / l[:, None], 0.0)
-  lse_ref[...] = jnp.where(valid, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
+  carry = lax.fori_loop(0, chunk // block, body, osm.init(q.shape[0], kd))
+  o_ref[...], lse_ref[...] = osm.finish(*carry)
 
 
 def merge(o_BGJRK, lse_BGJR):

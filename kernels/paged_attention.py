@@ -20,7 +20,7 @@ dtype before p @ v, as the flash attention reference). It is also what a CPU ser
 heads of all T queries as rows of one tile and walks the row's pages up to the last slot any
 of them sees (`lax.fori_loop` with a traced bound: pages past it are never read), with an
 online softmax in fp32 (base-2 exponentials, a finite mask value as in
-`flash_attention_triton.py`). Pages are read through the block table inside the kernel, so
+`flash_attention_triton.py`; `kernels/online_softmax.py`). Pages are read through the block table inside the kernel, so
 no gathered copy is made. It is written in plain `pallas_call` form (the Triton lowering on a
 GPU, Pallas's interpreter elsewhere; `interpret=None` picks by backend). Tiles are padded to
 what Triton's dot takes (rows and head dim powers of two >= 16); a page is one key tile, so
@@ -33,13 +33,13 @@ dim, N pages in the pool, P slots per page, M pages per row (table width), S = M
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels import online_softmax as osm
 from kernels.flash_attention_reference import NEG_INF, pad_axis
 
 try:  # The Triton backend is deprecated (JAX 0.11.0); keep importing this module without it.
@@ -47,8 +47,6 @@ try:  # The Triton backend is deprecated (JAX 0.11.0); keep importing this modul
 except ImportError:  # pragma: no cover
   pl_triton = None
 
-LOG2E = math.log2(math.e)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def check_paged_shapes(q_BTHK, k_pages, v_pages, tables_BM, lengths_B, q_positions_BT):
@@ -114,18 +112,13 @@ def paged_attention_reference(q_BTHK, k_pages, v_pages, tables_BM, lengths_B, q_
                              scale=scale)
 
 
-def _dot(a, b, trans_b: bool = False):
-  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
 def _kernel(q_ref, limit_ref, table_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
             page: int):
   """One (row, kv head): q rows [Rp, Kp] (queries x heads of the group), limit [Rp] (the
   last slot each row sees, -1: none), the row's table [M], the kv head's pages [N, P, Kp]."""
   q = q_ref[...]
   limit = limit_ref[...]
-  qk_scale = scale * LOG2E
+  qk_scale = scale * osm.LOG2E
   n_pages = lax.div(jnp.max(limit) + page, page)      # pages up to the last slot seen
 
   def body(i, carry):
@@ -133,25 +126,13 @@ def _kernel(q_ref, limit_ref, table_ref, k_ref, v_ref, o_ref, lse_ref, *, scale:
     blk = table_ref[i]
     k = k_ref[blk]                                     # [P, Kp]
     v = v_ref[blk]
-    s = _dot(q, k, trans_b=True) * qk_scale            # [Rp, P] fp32
+    s = osm.dot(q, k, trans_b=True) * qk_scale         # [Rp, P] fp32
     slot = i * page + jnp.arange(page)
-    s = jnp.where(slot[None, :] <= limit[:, None], s, MASK_VALUE)
-    m_next = jnp.maximum(m, jnp.max(s, axis=-1))
-    corr = jnp.exp2(m - m_next)
-    p = jnp.exp2(s - m_next[:, None])
-    l = corr * l + jnp.sum(p, axis=-1)
-    o = corr[:, None] * o + _dot(p.astype(v.dtype), v)
-    return o, m_next, l
+    return osm.step(o, m, l, jnp.where(slot[None, :] <= limit[:, None], s, osm.MASK_VALUE), v)
 
-  rows = q.shape[0]
-  o = jnp.zeros(q.shape, jnp.float32)
-  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
-  l = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, n_pages, body, (o, m, l))
-  valid = m > 0.5 * MASK_VALUE                         # saw at least one key
-  l = jnp.where(valid, l, 1.0)
-  o_ref[...] = jnp.where(valid[:, None], o / l[:, None], 0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(valid, (m + jnp.log2(l)) / LOG2E, -jnp.inf)
+  carry = lax.fori_loop(0, n_pages, body, osm.init(*q.shape))
+  out, lse_ref[...] = osm.finish(*carry)
+  o_ref[...] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_warps", "num_stages"))
