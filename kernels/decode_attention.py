@@ -155,7 +155,8 @@ def decode_attention(q_BTHK, k_BSGK, v_BSGK, *, causal: bool = True, q_segment_i
   n_split = num_splits(b, g, s, block) if splits is None else int(splits)
   if n_split < 1:
     raise ValueError(f"decode_attention: splits={splits}; expected >= 1")
-  chunk = -(-(-(-s // block)) // n_split) * block           # whole blocks per split
+  blocks = -(-s // block)
+  chunk = -(-blocks // n_split) * block                     # whole blocks per split
   n_split = -(-s // chunk)
   segments = q_segment_ids is not None
   # Query rows (t, r) of kv head g: [B, G, T*R, K]; padded rows see nothing (position -1
